@@ -1,0 +1,70 @@
+#include "kernels/attention_params.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace attention {
+
+size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+void AttentionParams::SetContiguousStrides(Layout layout) {
+  const int64_t d = head_dim;
+  if (is_varlen()) {
+    // Packed [total, H, D]: rows advance by H*D; batch items are found through cu_seqlens.
+    q_batch_stride = k_batch_stride = v_batch_stride = o_batch_stride = 0;
+    q_row_stride = o_row_stride = heads_q * d;
+    k_row_stride = v_row_stride = heads_kv * d;
+    q_head_stride = k_head_stride = v_head_stride = o_head_stride = d;
+    lse_batch_stride = 0;
+    lse_head_stride = total_q;  // lse: [Hq, total_q]
+    return;
+  }
+  if (layout == Layout::kBHSD) {  // [B, H, N, D]
+    q_row_stride = o_row_stride = k_row_stride = v_row_stride = d;
+    q_head_stride = o_head_stride = seqlen_q * d;
+    k_head_stride = v_head_stride = seqlen_k * d;
+  } else {  // [B, N, H, D]
+    q_row_stride = o_row_stride = heads_q * d;
+    k_row_stride = v_row_stride = heads_kv * d;
+    q_head_stride = o_head_stride = k_head_stride = v_head_stride = d;
+  }
+  q_batch_stride = o_batch_stride = heads_q * seqlen_q * d;
+  k_batch_stride = v_batch_stride = heads_kv * seqlen_k * d;
+  lse_head_stride = seqlen_q;  // lse: [B, Hq, Nq]
+  lse_batch_stride = heads_q * seqlen_q;
+}
+
+absl::Status CheckParams(const AttentionParams& p) {
+  if (!p.q || !p.k || !p.v || !p.o) {
+    return absl::InvalidArgumentError("q, k, v and o must all be set");
+  }
+  if (p.batch <= 0 || p.heads_q <= 0 || p.heads_kv <= 0 || p.seqlen_q <= 0 || p.seqlen_k <= 0 ||
+      p.head_dim <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shapes must be positive: batch=", p.batch, " heads_q=", p.heads_q, " heads_kv=",
+        p.heads_kv, " seqlen_q=", p.seqlen_q, " seqlen_k=", p.seqlen_k, " head_dim=", p.head_dim));
+  }
+  if (p.heads_q % p.heads_kv != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("heads_q (", p.heads_q,
+                                                   ") must be a multiple of heads_kv (",
+                                                   p.heads_kv, ")"));
+  }
+  if ((p.cu_seqlens_q == nullptr) != (p.cu_seqlens_k == nullptr)) {
+    return absl::InvalidArgumentError("cu_seqlens_q and cu_seqlens_k must be set together");
+  }
+  if (p.window_left < kUnboundedWindow || p.window_right < kUnboundedWindow) {
+    return absl::InvalidArgumentError(absl::StrCat("window bounds must be >= 0 or unbounded, got ",
+                                                   p.window_left, ", ", p.window_right));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attention

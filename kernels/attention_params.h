@@ -1,0 +1,82 @@
+// The plain C++ interface every attention backend implements: one forward pass described by
+// pointers, shapes and strides. No gRPC, no protobuf: the server fills this from a request.
+//
+// Indexing (element strides, not bytes), for batch item b, head h, row i, feature d:
+//   q[b * q_batch_stride + (q_row_offset(b) + i) * q_row_stride + h * q_head_stride + d]
+// and likewise for k, v (kv head h / (heads_q / heads_kv)) and o. Contiguous BHSD and BSHD are two
+// choices of strides (SetContiguousStrides); varlen packs [total, H, D] and uses cu_seqlens_*.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace attention {
+
+enum class DType { kFloat32, kFloat16, kBFloat16 };
+enum class Layout { kBHSD, kBSHD };
+
+// Bytes per element of `dtype`.
+size_t DTypeSize(DType dtype);
+const char* DTypeName(DType dtype);
+
+// A window bound that is absent: the row sees every key on that side.
+inline constexpr int64_t kUnboundedWindow = -1;
+
+struct AttentionParams {
+  DType dtype = DType::kFloat32;
+
+  // q: [.., Hq, Nq, D], k and v: [.., Hkv, Nk, D], o like q; all of `dtype`.
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  // Optional, float32, natural log: [B, Hq, Nq] (varlen: [Hq, total_q]). nullptr: not computed.
+  float* lse = nullptr;
+
+  int64_t batch = 0;
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;
+  // Per-item lengths; with varlen, the largest item's lengths (used to size GPU grids).
+  int64_t seqlen_q = 0;
+  int64_t seqlen_k = 0;
+  int64_t head_dim = 0;
+
+  // Element strides. With varlen the batch strides are 0 and rows start at cu_seqlens[b].
+  int64_t q_batch_stride = 0, q_head_stride = 0, q_row_stride = 0;
+  int64_t k_batch_stride = 0, k_head_stride = 0, k_row_stride = 0;
+  int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;
+  int64_t o_batch_stride = 0, o_head_stride = 0, o_row_stride = 0;
+  // lse[b * lse_batch_stride + h * lse_head_stride + q_row_offset(b) + i]
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
+
+  float softmax_scale = 1.0f;
+
+  // Bottom-right aligned mask (FlashAttention's convention): query i sees key j iff
+  //   i + Nk - Nq - window_left <= j <= i + Nk - Nq + window_right,
+  // with an unbounded side skipped. Causal is window_right = 0.
+  int64_t window_left = kUnboundedWindow;
+  int64_t window_right = kUnboundedWindow;
+
+  // Varlen: batch + 1 monotonic offsets into packed rows; nullptr when not varlen. Host memory for
+  // the CPU backend, device memory for the CUDA backend.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  // Varlen: rows in the packed tensors (cu_seqlens_*[batch]).
+  int64_t total_q = 0;
+  int64_t total_k = 0;
+
+  bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  bool is_causal() const { return window_right == 0; }
+
+  // Fills every stride (q, k, v, o and lse) for contiguous tensors in `layout` (or packed varlen
+  // [total, H, D] when cu_seqlens are set, whatever `layout` says).
+  void SetContiguousStrides(Layout layout);
+};
+
+// Checks the fields a backend relies on (non-null pointers, positive shapes, Hq % Hkv == 0).
+// Requests are validated with clearer messages in the server; this guards direct callers.
+absl::Status CheckParams(const AttentionParams& p);
+
+}  // namespace attention

@@ -1,0 +1,17 @@
+// The float64 oracle: plain loops over the definition, obviously right, slow. Tests only.
+#pragma once
+
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/attention_params.h"
+
+namespace attention::reference {
+
+// Computes attention of p (host pointers; p.o and p.lse are ignored) in float64.
+// o gets the output in the same element positions p.o would use (sized to hold them);
+// lse, when not null, gets [B, Hq, Nq] (varlen: [Hq, total_q]) in the positions p.lse would use.
+// Rows that see no key get o = 0 and lse = -inf.
+absl::Status Forward(const AttentionParams& p, std::vector<double>* o, std::vector<double>* lse);
+
+}  // namespace attention::reference

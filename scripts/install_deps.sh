@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs the build and test dependencies from Debian 12 packages. Idempotent: packages already
+# present are skipped, so the README's commands and .ci/run can both call it every time.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config
+  libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
+  python3 python3-numpy
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install_deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+echo "install_deps: installing ${missing[*]}"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"

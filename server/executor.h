@@ -1,0 +1,50 @@
+// An executor runs decoded requests on one device. The scheduler hands it work; it owns whatever
+// the device needs (threads for the CPU; streams and buffers for a GPU).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/attention_params.h"
+
+namespace attention::server {
+
+// Microseconds spent in each stage of one run (h2d and d2h stay 0 on the CPU).
+struct StageTimes {
+  double h2d_us = 0;
+  double compute_us = 0;
+  double d2h_us = 0;
+};
+
+// What a device is, for GetServerInfo and metrics labels.
+struct DeviceDescription {
+  std::string name;                // "cpu", "cuda:0"
+  std::string description;         // CPU model or GPU name
+  int64_t memory_bytes = 0;
+  int multiprocessors = 0;         // SMs, or CPU cores
+  std::string compute_capability;  // "9.0"; empty for the CPU
+};
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+
+  virtual const DeviceDescription& device() const = 0;
+
+  // Runs one forward pass whose pointers (q, k, v, o, lse, cu_seqlens) are all host memory, and
+  // returns when o (and lse) hold the result. Thread-safe: the server's workers call it at once.
+  virtual absl::StatusOr<StageTimes> Run(const AttentionParams& host_params) = 0;
+};
+
+// The CPU backend's executor, `threads` compute threads (0 = all cores).
+std::unique_ptr<Executor> MakeCpuExecutor(int threads);
+
+// The CUDA executor for device `ordinal`; an error when the device cannot be used. Defined only
+// in builds with CUDA (ATTENTION_HAVE_CUDA).
+absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal);
+// Number of visible CUDA devices; 0 in builds without CUDA or on machines without a GPU.
+int CudaDeviceCount();
+
+}  // namespace attention::server
