@@ -10,7 +10,7 @@
 namespace attention::cpu {
 
 struct CpuBackendOptions {
-  int threads = 0;  // worker threads; 0 = std::thread::hardware_concurrency()
+  int threads = 0;  // compute threads (the caller plus a pool); 0 = the CPUs this process may use
 };
 
 // Owns a thread pool; Forward may be called from several threads at once.

@@ -1,4 +1,5 @@
-// The CUDA backend's forward pass (see flash_forward.cu for the kernel and its speed).
+// The CUDA backend's forward pass (see flash_forward_kernel.cuh for the kernel and
+// flash_forward_launch.cuh for its tiles and measured speed).
 #pragma once
 
 #include <cuda_runtime_api.h>

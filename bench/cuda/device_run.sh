@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One full pass on a GPU host, from a bundle made by ../shared/device/bundle.sh .device
+# (cuda_kernel_tests, cuda_attention_bench, and optionally attention_server + attn_client):
+# tests, compute-sanitizer memcheck and racecheck on a small filter, the server checked with the
+# client, then the benchmark beside torch (table last). Logs and plots go to $OUT.
+#   bench/cuda/device_run.sh [tests|bench|all]
+set -uo pipefail
+what=${1:-all}
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+bin=$PWD/.device/bin
+summary=()
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+
+if [[ $what == tests || $what == all ]]; then
+  "$bin/cuda_kernel_tests" --gtest_brief=1 >"$out/tests.log" 2>&1
+  summary+=("cuda_kernel_tests: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/tests.log" | tr '\n' ' ')")
+  grep -E "^\[  FAILED|Failure|rel|seed" "$out/tests.log" | head -40
+  filter='*n65_d256_causal*:*varlen_causal*:*gqa8_causal_bshd*:*window_both*:*n129_causal*:*prime17_d7*'
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 "$bin/cuda_kernel_tests" \
+      --gtest_brief=1 --gtest_filter="$filter" >"$out/sanitizer_$tool.log" 2>&1
+    summary+=("compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | tail -1)")
+  done
+  if [[ -x $bin/attention_server && -x $bin/attn_client ]]; then
+    rm -f /tmp/ports
+    "$bin/attention_server" --backend=cuda --port=0 --metrics_port=0 --port_file=/tmp/ports \
+      >"$out/server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 100); do [[ -s /tmp/ports ]] && break; sleep 0.1; done
+    port=$(cut -d' ' -f1 /tmp/ports)
+    for args in "--dtype=float32 --shape=2,4,300,64" "--dtype=float16 --shape=2,8,1000,128 --causal --lse" \
+                "--dtype=bfloat16 --shape=1,8,777,256 --kv_heads=2 --layout=bshd" \
+                "--dtype=float16 --shape=1,4,129,40 --nk=300 --window_left=20 --window_right=0 --lse"; do
+      if "$bin/attn_client" --target=localhost:$port --check $args >>"$out/client.log" 2>&1; then r=pass; else r=FAIL; fi
+      summary+=("attn_client --check $args: $r")
+    done
+    "$bin/attn_client" --target=localhost:$port --info >>"$out/client.log" 2>&1
+    kill "$server"; wait "$server"
+  fi
+fi
+
+if [[ $what == bench || $what == all ]]; then
+  PYTHONUNBUFFERED=1 python3 bench/cuda/run_bench.py "$bin/cuda_attention_bench" --out "$out" \
+    >"$out/bench.log" 2>&1
+  summary+=("bench: rc=$?")
+fi
+
+printf '%s\n' "${summary[@]}"
+[[ -f $out/bench.log ]] && grep -E "^\||^GPU|#" "$out/bench.log"
+exit 0

@@ -1,0 +1,105 @@
+// attention::cuda::Forward: checks what the kernels rely on (head dim, 16-byte alignment, sizes
+// that fit the grid), converts AttentionParams into KernelParams and launches the tensor-core
+// kernel for the dtype.
+#include "kernels/cuda/cuda_attention.h"
+
+#include <cstdint>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/kernel_params.h"
+#include "kernels/cuda/launchers.h"
+
+namespace attention::cuda {
+namespace {
+
+constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on gridDim.y and gridDim.z
+
+bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// A bound that excludes no key of any row becomes unbounded (-1), so it fits in int32.
+int ClampWindow(int64_t bound, int64_t covering) {
+  return bound < 0 || bound >= covering ? -1 : static_cast<int>(bound);
+}
+
+}  // namespace
+
+absl::Status Forward(const AttentionParams& p, cudaStream_t stream) {
+  if (absl::Status s = CheckParams(p); !s.ok()) return s;
+  if (p.head_dim % 8 != 0 || p.head_dim > kMaxHeadDim) {
+    return absl::UnimplementedError(
+        absl::StrCat("head_dim ", p.head_dim, " is not implemented by the cuda backend (it takes "
+                     "multiples of 8 up to ", kMaxHeadDim, ")"));
+  }
+  constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+  if (p.seqlen_q > kMaxInt || p.seqlen_k > kMaxInt || p.total_q > kMaxInt ||
+      p.total_k > kMaxInt || p.heads_q > kMaxGridYZ || p.batch > kMaxGridYZ) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the cuda backend takes at most ", kMaxGridYZ, " heads and batch items and 2^31-1 rows; "
+        "got batch=", p.batch, " heads_q=", p.heads_q, " seqlen_q=", p.seqlen_q,
+        " seqlen_k=", p.seqlen_k));
+  }
+  // 16-byte cp.async and vector stores: every row, head and batch start must be 16-byte aligned
+  // (true for contiguous tensors with head_dim % 8 == 0 from cudaMalloc).
+  const int64_t elems16 = 16 / static_cast<int64_t>(DTypeSize(p.dtype));
+  const int64_t strides[] = {p.q_batch_stride, p.q_head_stride, p.q_row_stride,
+                             p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                             p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                             p.o_batch_stride, p.o_head_stride, p.o_row_stride};
+  bool aligned = Aligned16(p.q) && Aligned16(p.k) && Aligned16(p.v) && Aligned16(p.o);
+  for (int64_t s : strides) aligned = aligned && s % elems16 == 0;
+  if (!aligned) {
+    return absl::UnimplementedError(
+        "tensors whose base pointers or strides are not 16-byte aligned are not implemented by "
+        "the cuda backend");
+  }
+
+  KernelParams k{};
+  k.q = p.q;
+  k.k = p.k;
+  k.v = p.v;
+  k.o = p.o;
+  k.lse = p.lse;
+  k.q_batch_stride = p.q_batch_stride;
+  k.q_head_stride = p.q_head_stride;
+  k.q_row_stride = p.q_row_stride;
+  k.k_batch_stride = p.k_batch_stride;
+  k.k_head_stride = p.k_head_stride;
+  k.k_row_stride = p.k_row_stride;
+  k.v_batch_stride = p.v_batch_stride;
+  k.v_head_stride = p.v_head_stride;
+  k.v_row_stride = p.v_row_stride;
+  k.o_batch_stride = p.o_batch_stride;
+  k.o_head_stride = p.o_head_stride;
+  k.o_row_stride = p.o_row_stride;
+  k.lse_batch_stride = p.lse_batch_stride;
+  k.lse_head_stride = p.lse_head_stride;
+  k.batch = static_cast<int>(p.batch);
+  k.heads_q = static_cast<int>(p.heads_q);
+  k.seqlen_q = static_cast<int>(p.seqlen_q);
+  k.seqlen_k = static_cast<int>(p.seqlen_k);
+  k.kv_group = static_cast<int>(p.heads_q / p.heads_kv);
+  k.head_dim = static_cast<int>(p.head_dim);
+  k.scale = p.softmax_scale;
+  k.scale_log2 = p.softmax_scale * kLog2e;
+  // Row i sees keys from i + diag - window_left; window_left >= seqlen_k reaches below key 0 for
+  // every row. Likewise window_right >= seqlen_q reaches past the last key.
+  k.window_left = ClampWindow(p.window_left, p.seqlen_k);
+  k.window_right = ClampWindow(p.window_right, p.seqlen_q);
+  k.cu_seqlens_q = p.cu_seqlens_q;
+  k.cu_seqlens_k = p.cu_seqlens_k;
+
+  cudaError_t err = cudaSuccess;
+  switch (p.dtype) {
+    case DType::kFloat16: err = LaunchFlashForwardF16(k, stream); break;
+    case DType::kBFloat16: err = LaunchFlashForwardBF16(k, stream); break;
+    case DType::kFloat32: err = LaunchForwardF32(k, stream); break;
+  }
+  if (err != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("cuda backend: ", cudaGetErrorName(err), ": ",
+                                            cudaGetErrorString(err)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attention::cuda

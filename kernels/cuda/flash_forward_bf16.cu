@@ -1,0 +1,11 @@
+// bfloat16 instantiations of the tensor-core kernel (flash_forward_kernel.cuh has the design notes).
+#include "kernels/cuda/flash_forward_launch.cuh"
+#include "kernels/cuda/launchers.h"
+
+namespace attention::cuda {
+
+cudaError_t LaunchFlashForwardBF16(const KernelParams& p, cudaStream_t stream) {
+  return LaunchFlashForward<__nv_bfloat16>(p, stream);
+}
+
+}  // namespace attention::cuda

@@ -1,0 +1,12 @@
+// float32 (3xTF32) instantiations of the tensor-core kernel (design notes in
+// flash_forward_kernel.cuh).
+#include "kernels/cuda/flash_forward_launch.cuh"
+#include "kernels/cuda/launchers.h"
+
+namespace attention::cuda {
+
+cudaError_t LaunchForwardF32(const KernelParams& p, cudaStream_t stream) {
+  return LaunchFlashForward<float>(p, stream);
+}
+
+}  // namespace attention::cuda

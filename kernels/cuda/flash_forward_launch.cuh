@@ -1,0 +1,49 @@
+// The launch side of the tensor-core kernel: tile shapes per dtype and head dim, and the launch.
+// Included by flash_forward_{f16,bf16,f32}.cu (one dtype each, so they compile in parallel).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/flash_forward_kernel.cuh"
+#include "kernels/cuda/kernel_params.h"
+
+namespace attention::cuda {
+
+// Tiles per specialised head dim: (D, Br, Bc, warps). Each warp owns Br / (16 warps) blocks of
+// 16 rows; two 16-row blocks per warp let each K/V fragment read from shared memory feed two
+// mma's. All fit two CTAs per SM (shared memory 48/96/96 KiB for 16-bit types; 80/96/128 for
+// float32, whose 3xTF32 fragments need the registers of a second row block).
+template <typename T, int kD>
+struct FlashTileFor;
+template <typename T>
+struct FlashTileFor<T, 64> { using Tile = FlashTile<T, 64, 128, 64, 4>; };
+template <typename T>
+struct FlashTileFor<T, 128> { using Tile = FlashTile<T, 128, 128, 64, 4>; };
+template <typename T>
+struct FlashTileFor<T, 256> { using Tile = FlashTile<T, 256, 64, 32, 4>; };
+template <>
+struct FlashTileFor<float, 64> { using Tile = FlashTile<float, 64, 64, 64, 4>; };
+template <>
+struct FlashTileFor<float, 128> { using Tile = FlashTile<float, 128, 64, 32, 4>; };
+template <>
+struct FlashTileFor<float, 256> { using Tile = FlashTile<float, 256, 64, 16, 4>; };
+
+template <typename Tile>
+cudaError_t LaunchFlashTile(const KernelParams& p, cudaStream_t stream) {
+  auto* kernel = FlashForwardKernel<Tile>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         Tile::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((p.seqlen_q + Tile::kBr - 1) / Tile::kBr, p.heads_q, p.batch);
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchFlashForward(const KernelParams& p, cudaStream_t stream) {
+  if (p.head_dim <= 64) return LaunchFlashTile<typename FlashTileFor<T, 64>::Tile>(p, stream);
+  if (p.head_dim <= 128) return LaunchFlashTile<typename FlashTileFor<T, 128>::Tile>(p, stream);
+  return LaunchFlashTile<typename FlashTileFor<T, 256>::Tile>(p, stream);
+}
+
+}  // namespace attention::cuda

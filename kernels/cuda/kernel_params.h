@@ -1,0 +1,37 @@
+// The plain-old-data view of AttentionParams that the CUDA kernels take by value. Lengths fit
+// int32 (the launcher checks); offsets are int64 so that tensors past 2^31 elements index
+// correctly.
+#pragma once
+
+#include <cstdint>
+
+namespace attention::cuda {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+struct KernelParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;  // nullptr: not computed
+  // Element strides (see AttentionParams).
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+  int64_t lse_batch_stride, lse_head_stride;
+  int batch, heads_q;      // the grid's y and z extents
+  int seqlen_q, seqlen_k;  // varlen: the largest item's
+  int kv_group;            // heads_q / heads_kv
+  int head_dim;            // the real D; kernels specialised for a larger D zero-fill the rest
+  float scale;             // softmax scale
+  float scale_log2;        // scale * log2(e): logits go straight into exp2
+  // Window bounds, -1 = unbounded; the launcher turns bounds that exclude nothing into -1.
+  int window_left, window_right;
+  const int32_t* cu_seqlens_q;  // device, batch + 1 entries; nullptr when not varlen
+  const int32_t* cu_seqlens_k;
+};
+
+}  // namespace attention::cuda

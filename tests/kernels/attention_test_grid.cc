@@ -1,0 +1,369 @@
+#include "tests/kernels/attention_test_grid.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/dtype_convert.h"
+#include "kernels/reference/reference_attention.h"
+
+namespace attention::kernel_test {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+AttentionCase Square(std::string name, int64_t n, int64_t d) {
+  AttentionCase c;
+  c.name = std::move(name);
+  c.heads_q = c.heads_kv = 2;
+  c.seqlen_q = c.seqlen_k = n;
+  c.head_dim = d;
+  return c;
+}
+
+uint64_t NextSeed() {
+  if (const char* env = std::getenv("ATTENTION_TEST_SEED"); env != nullptr && *env != '\0') {
+    return std::strtoull(env, nullptr, 10);
+  }
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) ^ device();
+}
+
+// A dtype array with its first element one element past an aligned address, so a backend that
+// assumes more than element alignment (as protobuf strings give) fails here.
+class HostArray {
+ public:
+  HostArray(DType dtype, int64_t elements)
+      : dtype_(dtype), bytes_((elements + 1) * DTypeSize(dtype)) {}
+  void* data() { return bytes_.data() + DTypeSize(dtype_); }
+  float Get(int64_t i) const { return LoadAsFloat(bytes_.data() + DTypeSize(dtype_), i, dtype_); }
+  void Set(int64_t i, float x) { StoreFromFloat(data(), i, dtype_, x); }
+
+ private:
+  DType dtype_;
+  std::vector<unsigned char> bytes_;
+};
+
+std::string Describe(const AttentionCase& c, DType dtype, uint64_t seed) {
+  std::string s =
+      absl::StrCat(c.name, " dtype=", DTypeName(dtype), " B=", c.batch, " Hq=", c.heads_q,
+                   " Hkv=", c.heads_kv, " Nq=", c.seqlen_q, " Nk=", c.seqlen_k, " D=", c.head_dim,
+                   c.layout == Layout::kBHSD ? " BHSD" : " BSHD", " window=(", c.window_left, ",",
+                   c.window_right, ")");
+  if (c.is_varlen()) absl::StrAppend(&s, " varlen");
+  if (c.softmax_scale) absl::StrAppend(&s, " scale=", *c.softmax_scale);
+  if (c.input_scale != 1.0f) absl::StrAppend(&s, " input_scale=", c.input_scale);
+  absl::StrAppend(&s, " seed=", seed, " (rerun with ATTENTION_TEST_SEED=", seed, ")");
+  return s;
+}
+
+}  // namespace
+
+std::vector<AttentionCase> StandardGrid() {
+  std::vector<AttentionCase> grid;
+  auto add = [&grid](AttentionCase c) { grid.push_back(std::move(c)); };
+
+  // Around every tile size a backend may use (32, 64, 128), with and without the causal mask.
+  for (int64_t n : {1, 31, 32, 33, 63, 64, 65, 127, 128, 129}) {
+    add(Square(absl::StrCat("n", n), n, 64));
+    AttentionCase causal = Square(absl::StrCat("n", n, "_causal"), n, 64);
+    causal.window_right = 0;
+    causal.return_lse = true;
+    add(causal);
+  }
+  // Primes, across head dims.
+  {
+    AttentionCase c = Square("prime17_d7", 17, 7);
+    add(c);
+    c = Square("prime61_d16_causal_b3", 61, 16);
+    c.batch = 3;
+    c.window_right = 0;
+    add(c);
+    c = Square("prime127_d80_lse", 127, 80);
+    c.return_lse = true;
+    add(c);
+    c = Square("prime257_d96_causal", 257, 96);
+    c.window_right = 0;
+    add(c);
+    c = Square("prime257_d128_bshd", 257, 128);
+    c.layout = Layout::kBSHD;
+    c.return_lse = true;
+    add(c);
+    c = Square("n65_d256_causal", 65, 256);
+    c.window_right = 0;
+    c.return_lse = true;
+    add(c);
+    c = Square("n130_d1", 130, 1);
+    c.return_lse = true;
+    add(c);
+  }
+  // Nq != Nk both ways; causal with Nq > Nk leaves the first Nq - Nk rows without a key.
+  for (bool causal : {false, true}) {
+    const char* suffix = causal ? "_causal" : "";
+    AttentionCase c = Square(absl::StrCat("nq17_nk257", suffix), 0, 64);
+    c.seqlen_q = 17;
+    c.seqlen_k = 257;
+    c.window_right = causal ? 0 : kUnboundedWindow;
+    c.return_lse = true;
+    add(c);
+    c.name = absl::StrCat("nq257_nk17", suffix);
+    c.seqlen_q = 257;
+    c.seqlen_k = 17;
+    c.layout = Layout::kBSHD;
+    add(c);
+  }
+  // GQA ratios 2 and 8, MQA.
+  {
+    AttentionCase c = Square("gqa2", 100, 64);
+    c.heads_q = 8;
+    c.heads_kv = 4;
+    add(c);
+    c = Square("gqa8_causal_bshd", 129, 64);
+    c.heads_q = 16;
+    c.heads_kv = 2;
+    c.window_right = 0;
+    c.layout = Layout::kBSHD;
+    c.return_lse = true;
+    add(c);
+    c = Square("mqa_b2", 70, 32);
+    c.batch = 2;
+    c.heads_q = 8;
+    c.heads_kv = 1;
+    c.return_lse = true;
+    add(c);
+  }
+  // Sliding windows: left only, right only, both, with Nq != Nk, and windows that leave rows
+  // without any key.
+  {
+    AttentionCase c = Square("window_left16", 150, 64);
+    c.window_left = 16;
+    add(c);
+    c = Square("window_right5", 150, 64);
+    c.window_right = 5;
+    c.return_lse = true;
+    add(c);
+    c = Square("window_both_8_3_bshd", 200, 64);
+    c.window_left = 8;
+    c.window_right = 3;
+    c.layout = Layout::kBSHD;
+    add(c);
+    c = Square("window_causal20_nq100_nk300", 0, 64);
+    c.seqlen_q = 100;
+    c.seqlen_k = 300;
+    c.window_left = 20;
+    c.window_right = 0;
+    c.return_lse = true;
+    add(c);
+    c = Square("window_10_10_nq300_nk100", 0, 64);
+    c.seqlen_q = 300;
+    c.seqlen_k = 100;
+    c.window_left = 10;
+    c.window_right = 10;
+    c.return_lse = true;
+    add(c);
+    c = Square("window_0_0_nq150_nk40_empty_rows", 0, 32);
+    c.seqlen_q = 150;
+    c.seqlen_k = 40;
+    c.window_left = 0;
+    c.window_right = 0;
+    c.return_lse = true;
+    add(c);
+  }
+  // Custom softmax scales.
+  {
+    AttentionCase c = Square("scale0p3", 90, 64);
+    c.softmax_scale = 0.3f;
+    add(c);
+    c = Square("scale2_causal_lse", 90, 48);
+    c.softmax_scale = 2.0f;
+    c.window_right = 0;
+    c.return_lse = true;
+    add(c);
+  }
+  // Varlen with ragged lengths, including length-1 items.
+  {
+    AttentionCase c;
+    c.name = "varlen";
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.head_dim = 64;
+    c.varlen_q = {1, 37, 130, 64, 5};
+    c.varlen_k = {1, 200, 130, 9, 1};
+    c.return_lse = true;
+    add(c);
+    c.name = "varlen_causal";
+    c.window_right = 0;
+    add(c);
+    c.name = "varlen_window_mqa_d80";
+    c.heads_q = 3;
+    c.heads_kv = 1;
+    c.head_dim = 80;
+    c.window_left = 7;
+    c.window_right = 2;
+    add(c);
+  }
+  // Large-magnitude inputs: logits near 1e3 must not overflow. The float32 error bound grows with
+  // the logits (see float32_tolerance_factor).
+  {
+    AttentionCase c = Square("large_x30_causal", 129, 64);
+    c.input_scale = 30.0f;
+    c.window_right = 0;
+    c.return_lse = true;
+    c.float32_tolerance_factor = 30.0;
+    add(c);
+    c = Square("large_x30_bshd_gqa", 77, 16);
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.layout = Layout::kBSHD;
+    c.input_scale = 30.0f;
+    c.float32_tolerance_factor = 30.0;
+    add(c);
+  }
+  return grid;
+}
+
+double DefaultTolerance(DType dtype) { return dtype == DType::kFloat32 ? 1e-5 : 1e-2; }
+
+HostBufferBytes BufferBytes(const AttentionParams& p) {
+  const size_t elem = DTypeSize(p.dtype);
+  const int64_t rows_q = p.is_varlen() ? p.total_q : p.batch * p.seqlen_q;
+  const int64_t rows_k = p.is_varlen() ? p.total_k : p.batch * p.seqlen_k;
+  HostBufferBytes bytes;
+  bytes.q = bytes.o = rows_q * p.heads_q * p.head_dim * elem;
+  bytes.k = bytes.v = rows_k * p.heads_kv * p.head_dim * elem;
+  bytes.lse = p.lse == nullptr ? 0 : rows_q * p.heads_q * sizeof(float);
+  return bytes;
+}
+
+std::string CaseName(const AttentionCase& c, DType dtype) {
+  return absl::StrCat(c.name, "_", DTypeName(dtype));
+}
+
+void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, double tolerance) {
+  const uint64_t seed = NextSeed();
+  SCOPED_TRACE(Describe(c, dtype, seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, c.input_scale);
+
+  AttentionParams p;
+  p.dtype = dtype;
+  p.heads_q = c.heads_q;
+  p.heads_kv = c.heads_kv;
+  p.head_dim = c.head_dim;
+  p.window_left = c.window_left;
+  p.window_right = c.window_right;
+  p.softmax_scale = c.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
+  std::vector<int32_t> cu_q, cu_k;
+  if (c.is_varlen()) {
+    ASSERT_EQ(c.varlen_q.size(), c.varlen_k.size());
+    cu_q.push_back(0);
+    cu_k.push_back(0);
+    for (size_t b = 0; b < c.varlen_q.size(); ++b) {
+      cu_q.push_back(cu_q.back() + c.varlen_q[b]);
+      cu_k.push_back(cu_k.back() + c.varlen_k[b]);
+    }
+    p.batch = static_cast<int64_t>(c.varlen_q.size());
+    p.seqlen_q = *std::max_element(c.varlen_q.begin(), c.varlen_q.end());
+    p.seqlen_k = *std::max_element(c.varlen_k.begin(), c.varlen_k.end());
+    p.cu_seqlens_q = cu_q.data();
+    p.cu_seqlens_k = cu_k.data();
+    p.total_q = cu_q.back();
+    p.total_k = cu_k.back();
+  } else {
+    p.batch = c.batch;
+    p.seqlen_q = c.seqlen_q;
+    p.seqlen_k = c.seqlen_k;
+  }
+  p.SetContiguousStrides(c.layout);
+
+  const int64_t rows_q = c.is_varlen() ? p.total_q : p.batch * p.seqlen_q;
+  const int64_t rows_k = c.is_varlen() ? p.total_k : p.batch * p.seqlen_k;
+  const int64_t q_elements = rows_q * p.heads_q * p.head_dim;
+  const int64_t kv_elements = rows_k * p.heads_kv * p.head_dim;
+  const int64_t lse_elements = rows_q * p.heads_q;
+  HostArray q(dtype, q_elements), k(dtype, kv_elements), v(dtype, kv_elements),
+      o(dtype, q_elements);
+  for (int64_t i = 0; i < q_elements; ++i) q.Set(i, normal(rng));
+  for (int64_t i = 0; i < kv_elements; ++i) k.Set(i, normal(rng));
+  for (int64_t i = 0; i < kv_elements; ++i) v.Set(i, normal(rng));
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t i = 0; i < q_elements; ++i) o.Set(i, nan);
+  std::vector<float> lse(c.return_lse ? lse_elements : 0, nan);
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.o = o.data();
+  p.lse = c.return_lse ? lse.data() : nullptr;
+
+  std::vector<double> ref_o, ref_lse;
+  ASSERT_TRUE(reference::Forward(p, &ref_o, &ref_lse).ok());
+  ASSERT_EQ(static_cast<int64_t>(ref_o.size()), q_elements);
+  ASSERT_EQ(static_cast<int64_t>(ref_lse.size()), lse_elements);
+
+  const absl::Status status = forward(p);
+  ASSERT_TRUE(status.ok()) << status;
+
+  const double bound =
+      dtype == DType::kFloat32 ? tolerance * c.float32_tolerance_factor : tolerance;
+  int64_t nan_count = 0;
+  double err2 = 0, ref2 = 0;
+  for (int64_t i = 0; i < q_elements; ++i) {
+    const double x = o.Get(i);
+    if (std::isnan(x)) {
+      ++nan_count;
+      continue;
+    }
+    err2 += (x - ref_o[i]) * (x - ref_o[i]);
+    ref2 += ref_o[i] * ref_o[i];
+  }
+  EXPECT_EQ(nan_count, 0) << "o elements left NaN (unwritten or computed NaN) of " << q_elements;
+  EXPECT_LE(std::sqrt(err2), bound * std::sqrt(ref2))
+      << "o relative error " << std::sqrt(err2 / ref2);
+
+  // Rows that see no key (reference lse = -inf): o exactly 0, lse = -inf. Positions follow the
+  // lse layout [B, Hq, Nq] (varlen [Hq, total_q]); o rows are found through the o strides.
+  int64_t bad_empty_rows = 0, empty_rows = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t row0 = c.is_varlen() ? cu_q[b] : 0;
+    const int64_t nq = c.is_varlen() ? cu_q[b + 1] - cu_q[b] : p.seqlen_q;
+    for (int64_t h = 0; h < p.heads_q; ++h) {
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t l = b * p.lse_batch_stride + h * p.lse_head_stride + row0 + i;
+        if (ref_lse[l] != -kInf) continue;
+        ++empty_rows;
+        const int64_t base =
+            b * p.o_batch_stride + h * p.o_head_stride + (row0 + i) * p.o_row_stride;
+        bool bad = c.return_lse && lse[l] != -std::numeric_limits<float>::infinity();
+        for (int64_t x = 0; x < p.head_dim; ++x) bad = bad || o.Get(base + x) != 0.0f;
+        bad_empty_rows += bad;
+      }
+    }
+  }
+  EXPECT_EQ(bad_empty_rows, 0) << "of " << empty_rows
+                               << " rows that see no key, these lack o = 0 / lse = -inf";
+
+  if (c.return_lse) {
+    int64_t lse_nan = 0, lse_bad_inf = 0;
+    double lse_err2 = 0, lse_ref2 = 0;
+    for (int64_t i = 0; i < lse_elements; ++i) {
+      if (std::isnan(lse[i])) {
+        ++lse_nan;
+      } else if (ref_lse[i] == -kInf || std::isinf(lse[i])) {
+        lse_bad_inf += ref_lse[i] != lse[i];
+      } else {
+        lse_err2 += (lse[i] - ref_lse[i]) * (lse[i] - ref_lse[i]);
+        lse_ref2 += ref_lse[i] * ref_lse[i];
+      }
+    }
+    EXPECT_EQ(lse_nan, 0) << "lse elements left NaN of " << lse_elements;
+    EXPECT_EQ(lse_bad_inf, 0) << "lse elements infinite where the reference is finite or back";
+    EXPECT_LE(std::sqrt(lse_err2), bound * std::sqrt(lse_ref2))
+        << "lse relative error " << std::sqrt(lse_err2 / lse_ref2);
+  }
+}
+
+}  // namespace attention::kernel_test

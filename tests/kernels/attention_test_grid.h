@@ -1,0 +1,84 @@
+// A backend-agnostic test grid for attention kernels: the cases every backend must get right
+// (ragged lengths, Nq != Nk, GQA/MQA, windows, varlen, layouts, head dims, dtypes, huge inputs,
+// rows that see no key), random inputs, NaN poisoning of the outputs, and the comparison with the
+// float64 reference (kernels/reference).
+//
+// A backend test supplies a HostForward taking host pointers; a device backend wraps it with
+// copies (HostBufferBytes gives the sizes):
+//   TEST_P(MyTest, MatchesReference) {
+//     CheckCase(c, dtype, [&](const AttentionParams& p) { return backend.Forward(p); },
+//               DefaultTolerance(dtype));
+//   }
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/attention_params.h"
+
+namespace attention::kernel_test {
+
+// One attention problem. Inputs are standard normal times `input_scale`, rounded to the dtype
+// under test before either the backend or the reference sees them.
+struct AttentionCase {
+  std::string name;  // unique within a grid, [A-Za-z0-9_]: usable as a gtest parameter name
+  int64_t batch = 1;
+  int64_t heads_q = 1;
+  int64_t heads_kv = 1;
+  int64_t seqlen_q = 1;
+  int64_t seqlen_k = 1;
+  int64_t head_dim = 64;
+  Layout layout = Layout::kBHSD;
+  int64_t window_left = kUnboundedWindow;
+  int64_t window_right = kUnboundedWindow;  // 0 = causal
+  std::optional<float> softmax_scale;       // absent: 1 / sqrt(head_dim)
+  bool return_lse = false;
+  // Varlen when non-empty: per-item lengths (same count for q and k); batch and seqlen_q/k are
+  // then derived from them (count and largest length), and layout is ignored (packed [total, H,
+  // D]).
+  std::vector<int32_t> varlen_q;
+  std::vector<int32_t> varlen_k;
+  float input_scale = 1.0f;
+  // Multiplies the float32 tolerance for cases whose conditioning, not the kernel, limits
+  // accuracy: with logits around 1e3 a float32 q.k carries ~1e-4 absolute error, which exp() turns
+  // into relative error in o (measured up to 8e-6 on the CPU backend). 16-bit outputs are limited
+  // by their own rounding instead, so their tolerance is left as is.
+  double float32_tolerance_factor = 1.0;
+
+  bool is_varlen() const { return !varlen_q.empty(); }
+};
+
+// The standard grid (a few dozen cases; the float64 reference of all of them, in all three
+// dtypes, runs in seconds).
+std::vector<AttentionCase> StandardGrid();
+
+// Relative error bound for outputs of `dtype`: 1e-5 for float32, 1e-2 for float16 and bfloat16.
+double DefaultTolerance(DType dtype);
+
+// Runs one forward pass; every pointer in host_params (q, k, v, o, lse, cu_seqlens) is host memory
+// and the strides are contiguous (SetContiguousStrides).
+using HostForward = std::function<absl::Status(const AttentionParams& host_params)>;
+
+// Builds random inputs of `dtype` for `c` (fresh seed each call, or ATTENTION_TEST_SEED when set;
+// the seed is printed on failure), poisons o and lse with NaN, calls `forward` and expects (gtest
+// EXPECT_*) that it returns OK, that o and lse hold no NaN, that ||o - ref|| / ||ref|| and the same
+// for lse are within `tolerance` (times c.float32_tolerance_factor for float32), and that rows
+// which see no key get o = 0 and lse = -inf.
+void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, double tolerance);
+
+// Byte sizes of the buffers behind contiguous (or packed varlen) params, for device copies.
+// cu_seqlens_q and cu_seqlens_k hold batch + 1 int32 each when set.
+struct HostBufferBytes {
+  size_t q = 0, k = 0, v = 0, o = 0, lse = 0;  // lse = 0 when p.lse is null
+};
+HostBufferBytes BufferBytes(const AttentionParams& p);
+
+// A gtest parameter name for (case, dtype), e.g. "gqa8_causal_float16".
+std::string CaseName(const AttentionCase& c, DType dtype);
+
+}  // namespace attention::kernel_test

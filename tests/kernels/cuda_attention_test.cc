@@ -1,0 +1,144 @@
+// The CUDA backend against the float64 reference: the standard grid in every dtype, larger
+// multi-tile cases, and the errors it returns. Tests that need a GPU skip, with a message, on
+// machines without one; the error checks run everywhere.
+#include "kernels/cuda/cuda_attention.h"
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cuda/host_runner.h"
+#include "tests/kernels/attention_test_grid.h"
+
+namespace attention::kernel_test {
+namespace {
+
+bool HaveGpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+// Copies host inputs to device 0, poisons o and lse there with NaN, runs, copies back.
+cuda::HostRunner& Runner() {
+  static cuda::HostRunner* runner = [] {
+    auto r = cuda::HostRunner::Create({.device = 0, .poison_outputs = true});
+    return r.ok() ? r->release() : nullptr;
+  }();
+  return *runner;
+}
+
+absl::Status DeviceForward(const AttentionParams& host) { return Runner().Run(host).status(); }
+
+#define SKIP_WITHOUT_GPU() \
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"
+
+using Param = std::tuple<AttentionCase, DType>;
+
+std::string ParamName(const testing::TestParamInfo<Param>& info) {
+  return CaseName(std::get<0>(info.param), std::get<1>(info.param));
+}
+
+class CudaAttentionTest : public testing::TestWithParam<Param> {};
+
+TEST_P(CudaAttentionTest, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const auto& [c, dtype] = GetParam();
+  CheckCase(c, dtype, DeviceForward, DefaultTolerance(dtype));
+}
+
+INSTANTIATE_TEST_SUITE_P(StandardGrid, CudaAttentionTest,
+                         testing::Combine(testing::ValuesIn(StandardGrid()),
+                                          testing::Values(DType::kFloat32, DType::kFloat16,
+                                                          DType::kBFloat16)),
+                         ParamName);
+
+// Many key tiles per CTA (the cp.async pipeline, causal tile skipping, ragged last tiles) in each
+// specialised head dim, and head dims served by the next specialisation up.
+std::vector<AttentionCase> LargeCases() {
+  std::vector<AttentionCase> cases;
+  auto square = [](const char* name, int64_t n, int64_t d, bool causal) {
+    AttentionCase c;
+    c.name = name;
+    c.heads_q = c.heads_kv = 1;
+    c.seqlen_q = c.seqlen_k = n;
+    c.head_dim = d;
+    c.window_right = causal ? 0 : kUnboundedWindow;
+    c.return_lse = true;
+    return c;
+  };
+  cases.push_back(square("n1000_d64_causal", 1000, 64, true));
+  cases.push_back(square("n4097_d64_causal", 4097, 64, true));
+  cases.push_back(square("n1000_d128", 1000, 128, false));
+  cases.push_back(square("n1000_d256_causal", 1000, 256, true));
+  cases.push_back(square("n777_d200_causal", 777, 200, true));
+  AttentionCase c = square("nq1000_nk4097_d128_causal_bshd_gqa", 0, 128, true);
+  c.seqlen_q = 1000;
+  c.seqlen_k = 4097;
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.layout = Layout::kBSHD;
+  cases.push_back(c);
+  c = square("n2000_d128_window_300_40", 2000, 128, false);
+  c.window_left = 300;
+  c.window_right = 40;
+  cases.push_back(c);
+  c = AttentionCase();
+  c.name = "varlen_long_d64_causal";
+  c.heads_q = 2;
+  c.heads_kv = 1;
+  c.varlen_q = {1500, 3, 700};
+  c.varlen_k = {1500, 900, 2100};
+  c.window_right = 0;
+  c.return_lse = true;
+  cases.push_back(c);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Large, CudaAttentionTest,
+                         testing::Combine(testing::ValuesIn(LargeCases()),
+                                          testing::Values(DType::kFloat32, DType::kFloat16,
+                                                          DType::kBFloat16)),
+                         ParamName);
+
+// Forward's own checks, before any device work (so they run without a GPU): fake device pointers.
+AttentionParams FakeParams(DType dtype, int64_t head_dim) {
+  AttentionParams p;
+  p.dtype = dtype;
+  alignas(16) static char buffer[64];
+  p.q = p.k = p.v = p.o = buffer;
+  p.batch = p.heads_q = p.heads_kv = 1;
+  p.seqlen_q = p.seqlen_k = 8;
+  p.head_dim = head_dim;
+  p.SetContiguousStrides(Layout::kBHSD);
+  return p;
+}
+
+TEST(CudaAttentionErrorsTest, HeadDimNotMultipleOf8IsUnimplemented) {
+  const absl::Status s = cuda::Forward(FakeParams(DType::kFloat16, 12), nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_NE(s.message().find("cuda backend"), std::string::npos) << s;
+}
+
+TEST(CudaAttentionErrorsTest, HeadDimAbove256IsUnimplemented) {
+  EXPECT_EQ(cuda::Forward(FakeParams(DType::kBFloat16, 264), nullptr).code(),
+            absl::StatusCode::kUnimplemented);
+}
+
+TEST(CudaAttentionErrorsTest, MisalignedPointerIsUnimplemented) {
+  AttentionParams p = FakeParams(DType::kFloat32, 64);
+  p.k = static_cast<const char*>(p.k) + 4;
+  const absl::Status s = cuda::Forward(p, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_NE(s.message().find("aligned"), std::string::npos) << s;
+}
+
+TEST(CudaAttentionErrorsTest, BadParamsAreInvalidArgument) {
+  AttentionParams p;  // null pointers, zero shapes
+  EXPECT_EQ(cuda::Forward(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace attention::kernel_test

@@ -1,0 +1,122 @@
+// The float64 reference on inputs whose answer is known in closed form: with q = 0 every visible
+// key gets the same weight, so o is the mean of the visible v rows and lse = log(count). That
+// checks masks (bottom-right windows, Nq != Nk), GQA head mapping, strides and varlen offsets.
+#include "kernels/reference/reference_attention.h"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace attention {
+namespace {
+
+struct Expected {
+  int64_t lo, hi;  // visible keys, clamped; empty when lo > hi
+};
+
+// Visible keys of row i under FlashAttention's bottom-right convention, computed directly.
+Expected Visible(int64_t i, int64_t nq, int64_t nk, int64_t left, int64_t right) {
+  Expected e{0, nk - 1};
+  const int64_t diag = i + nk - nq;
+  if (left != kUnboundedWindow) e.lo = std::max<int64_t>(0, diag - left);
+  if (right != kUnboundedWindow) e.hi = std::min<int64_t>(nk - 1, diag + right);
+  return e;
+}
+
+void CheckUniform(Layout layout, int64_t nq, int64_t nk, int64_t left, int64_t right) {
+  SCOPED_TRACE(testing::Message() << "layout " << static_cast<int>(layout) << " nq " << nq << " nk "
+                                  << nk << " window " << left << "," << right);
+  AttentionParams p;
+  p.batch = 2;
+  p.heads_q = 4;
+  p.heads_kv = 2;
+  p.seqlen_q = nq;
+  p.seqlen_k = nk;
+  p.head_dim = 3;
+  p.window_left = left;
+  p.window_right = right;
+  p.softmax_scale = 0.7f;
+  p.SetContiguousStrides(layout);
+  std::vector<float> q(p.batch * p.heads_q * nq * p.head_dim, 0.0f);
+  std::vector<float> k(p.batch * p.heads_kv * nk * p.head_dim, 1.0f);
+  std::vector<float> v(k.size());
+  // v[b, hk, j, x] = 1000 b + 100 hk + j + x / 8 (exact in float): heads and keys distinguishable.
+  auto v_value = [](int64_t b, int64_t hk, int64_t j, int64_t x) {
+    return 1000.0 * b + 100.0 * hk + j + x / 8.0;
+  };
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t hk = 0; hk < p.heads_kv; ++hk)
+      for (int64_t j = 0; j < nk; ++j)
+        for (int64_t x = 0; x < p.head_dim; ++x)
+          v[b * p.v_batch_stride + hk * p.v_head_stride + j * p.v_row_stride + x] =
+              static_cast<float>(v_value(b, hk, j, x));
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.o = q.data();  // ignored by the reference
+  std::vector<double> o, lse;
+  ASSERT_TRUE(reference::Forward(p, &o, &lse).ok());
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t h = 0; h < p.heads_q; ++h) {
+      const int64_t hk = h / 2;
+      for (int64_t i = 0; i < nq; ++i) {
+        const Expected e = Visible(i, nq, nk, left, right);
+        const double lse_got = lse[b * p.lse_batch_stride + h * p.lse_head_stride + i];
+        for (int64_t x = 0; x < p.head_dim; ++x) {
+          const double got = o[b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride + x];
+          // Mean of j over [lo, hi] is (lo + hi) / 2.
+          const double want = e.lo > e.hi ? 0.0 : v_value(b, hk, 0, x) + (e.lo + e.hi) / 2.0;
+          ASSERT_NEAR(got, want, 1e-9) << "b " << b << " h " << h << " i " << i << " x " << x;
+        }
+        if (e.lo > e.hi) {
+          ASSERT_EQ(lse_got, -std::numeric_limits<double>::infinity());
+        } else {
+          // All logits equal 0 (q = 0): lse = log(count).
+          ASSERT_NEAR(lse_got, std::log(static_cast<double>(e.hi - e.lo + 1)), 1e-12);
+        }
+      }
+    }
+  }
+}
+
+TEST(ReferenceAttentionTest, UniformWeightsGiveMeanOfVisibleValues) {
+  for (Layout layout : {Layout::kBHSD, Layout::kBSHD}) {
+    CheckUniform(layout, 9, 9, kUnboundedWindow, kUnboundedWindow);
+    CheckUniform(layout, 9, 9, kUnboundedWindow, 0);
+    CheckUniform(layout, 5, 12, 2, 0);
+    CheckUniform(layout, 12, 5, kUnboundedWindow, 0);  // first 7 rows see nothing
+    CheckUniform(layout, 12, 5, 1, 1);
+    CheckUniform(layout, 7, 7, 0, kUnboundedWindow);
+  }
+}
+
+TEST(ReferenceAttentionTest, OneKeyGivesItsValueAndLogit) {
+  // Varlen: two items of (nq, nk) = (2, 1) and (1, 1); each row sees one key, so o = v and
+  // lse = scale * q.k.
+  const int32_t cu_q[] = {0, 2, 3}, cu_k[] = {0, 1, 2};
+  AttentionParams p;
+  p.batch = 2;
+  p.heads_q = p.heads_kv = 1;
+  p.seqlen_q = 2;
+  p.seqlen_k = 1;
+  p.head_dim = 2;
+  p.cu_seqlens_q = cu_q;
+  p.cu_seqlens_k = cu_k;
+  p.total_q = 3;
+  p.total_k = 2;
+  p.softmax_scale = 0.5f;
+  p.SetContiguousStrides(Layout::kBHSD);
+  const float q[] = {1, 2, 3, 4, 5, 6}, k[] = {1, 1, -1, 2}, v[] = {7, 8, 9, 10};
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  std::vector<double> o, lse;
+  ASSERT_TRUE(reference::Forward(p, &o, &lse).ok());
+  EXPECT_EQ(o, (std::vector<double>{7, 8, 7, 8, 9, 10}));
+  EXPECT_EQ(lse, (std::vector<double>{0.5 * 3, 0.5 * 7, 0.5 * 7}));
+}
+
+}  // namespace
+}  // namespace attention
