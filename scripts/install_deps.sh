@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Installs the build and test dependencies from Debian 12 packages. Idempotent: packages already
-# present are skipped, so the README's commands and .ci/run can both call it every time.
+# Installs the build and test dependencies from Debian 12 packages (the same names exist on
+# Ubuntu 24.04, which the Dockerfile's build stage uses). Idempotent: packages already present are
+# skipped, so the README's commands, .ci/run and the Dockerfile can all call it every time.
 set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
-  python3 python3-numpy
+  python3 python3-numpy python3-yaml
+  openssl clang-14 libclang-rt-14-dev
+  prometheus
 )
 
 missing=()

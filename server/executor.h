@@ -27,11 +27,23 @@ struct DeviceDescription {
   std::string compute_capability;  // "9.0"; empty for the CPU
 };
 
+// A device's memory at one moment, for metrics.
+struct MemoryUsage {
+  int64_t used_bytes = 0;
+  int64_t total_bytes = 0;
+};
+
 class Executor {
  public:
   virtual ~Executor() = default;
 
   virtual const DeviceDescription& device() const = 0;
+
+  // The device's memory now; called on every metrics scrape, so it must be cheap and
+  // thread-safe. Executors that cannot tell answer UNIMPLEMENTED (the metric is then absent).
+  virtual absl::StatusOr<MemoryUsage> Memory() const {
+    return absl::UnimplementedError("this executor does not report its memory");
+  }
 
   // Runs one forward pass whose pointers (q, k, v, o, lse, cu_seqlens) are all host memory, and
   // returns when o (and lse) hold the result. Thread-safe: the server's workers call it at once.

@@ -5,6 +5,11 @@
 // Each shape: random normal inputs (BHSD), 3 warm-up runs, then the median of 30 runs each timed
 // with CUDA events. One input set is 3 x 200 MB for the grid (4x the 50 MB L2), so repeated runs
 // do not run from the cache. run_bench.py times torch's SDPA on the same shapes beside it.
+//
+// Built as cuda_tile_sweep (ATTENTION_TILE_SWEEP; not part of the default build) the same program
+// times candidate tile shapes of the bfloat16 kernel instead, one JSON line per (shape, tile):
+//   cuda_tile_sweep [D N causal]...   default: D in {64, 128} x N in {1024, 2048, 4096, 16384},
+//                                     causal and not
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
@@ -14,10 +19,16 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "kernels/attention_params.h"
 #include "kernels/cuda/cuda_attention.h"
+#ifdef ATTENTION_TILE_SWEEP
+#include "kernels/cuda/flash_forward_launch.cuh"
+#endif
 
 namespace {
 
@@ -64,7 +75,12 @@ struct Shape {
   bool causal;
 };
 
-bool TimeShape(const Shape& s) {
+using Runner = std::function<absl::Status(const AttentionParams&)>;
+
+absl::Status RunForward(const AttentionParams& p) { return attention::cuda::Forward(p, nullptr); }
+
+// Times `run` on shape s; `label` (if any) is added to the JSON line as "tile".
+bool TimeShape(const Shape& s, const Runner& run = RunForward, const std::string& label = "") {
   AttentionParams p;
   p.dtype = s.dtype;
   p.batch = s.b;
@@ -95,7 +111,7 @@ bool TimeShape(const Shape& s) {
   bool ok = true;
   for (int rep = 0; rep < 33 && ok; ++rep) {
     cudaEventRecord(start);
-    absl::Status st = attention::cuda::Forward(p, nullptr);
+    absl::Status st = run(p);
     cudaEventRecord(stop);
     if (!st.ok()) {
       std::fprintf(stderr, "Forward: %s\n", std::string(st.message()).c_str());
@@ -114,9 +130,11 @@ bool TimeShape(const Shape& s) {
     if (s.causal) flops /= 2;
     std::printf(
         "{\"dtype\": \"%s\", \"d\": %lld, \"N\": %lld, \"B\": %lld, \"H\": %lld, \"causal\": %s, "
-        "\"ms\": %.4f, \"TFLOPs\": %.1f}\n",
+        "%s\"ms\": %.4f, \"TFLOPs\": %.1f}\n",
         attention::DTypeName(s.dtype), (long long)s.d, (long long)s.n, (long long)s.b,
-        (long long)s.h, s.causal ? "true" : "false", median, flops / median / 1e9);
+        (long long)s.h, s.causal ? "true" : "false",
+        label.empty() ? "" : ("\"tile\": \"" + label + "\", ").c_str(), median,
+        flops / median / 1e9);
     std::fflush(stdout);
   }
   cudaEventDestroy(start);
@@ -125,9 +143,61 @@ bool TimeShape(const Shape& s) {
   return ok;
 }
 
+#ifdef ATTENTION_TILE_SWEEP
+template <typename Tile>
+Runner TileRunner() {
+  return [](const AttentionParams& p) -> absl::Status {
+    absl::StatusOr<attention::cuda::KernelParams> kp = attention::cuda::ToKernelParams(p);
+    if (!kp.ok()) return kp.status();
+    const cudaError_t err = attention::cuda::LaunchFlashTile<Tile>(*kp, nullptr);
+    return err == cudaSuccess ? absl::OkStatus() : absl::InternalError(cudaGetErrorString(err));
+  };
+}
+
+// Candidate tiles (D, Br, Bc, warps[, mask variants]) per head dim, the production ones first
+// (D=64: unmasked, masked).
+template <int kD, int kBr, int kBc, int kWarps, bool kMaskVariants = false>
+std::pair<std::string, Runner> Candidate() {
+  using Tile = attention::cuda::FlashTile<__nv_bfloat16, kD, kBr, kBc, kWarps, kMaskVariants>;
+  return {std::to_string(kBr) + "x" + std::to_string(kBc) + "_w" + std::to_string(kWarps) +
+              (kMaskVariants ? "_maskvariants" : ""),
+          TileRunner<Tile>()};
+}
+
+int Sweep(int argc, char** argv) {
+  std::vector<Shape> shapes;
+  for (int i = 1; i + 2 < argc; i += 3) {
+    const int64_t d = std::atoll(argv[i]), n = std::atoll(argv[i + 1]);
+    shapes.push_back({DType::kBFloat16, 16384 / n, 2048 / d, n, d, std::atoi(argv[i + 2]) != 0});
+  }
+  if (shapes.empty()) {
+    for (int64_t d : {64, 128})
+      for (int64_t n : {1024, 2048, 4096, 16384})
+        for (bool causal : {false, true})
+          shapes.push_back({DType::kBFloat16, 16384 / n, 2048 / d, n, d, causal});
+  }
+  const std::vector<std::pair<std::string, Runner>> d64 = {
+      Candidate<64, 128, 64, 4>(),       Candidate<64, 64, 64, 4>(),
+      Candidate<64, 128, 64, 4, true>(), Candidate<64, 64, 64, 4, true>(),
+      Candidate<64, 64, 128, 4>(),       Candidate<64, 64, 128, 4, true>()};
+  const std::vector<std::pair<std::string, Runner>> d128 = {
+      Candidate<128, 128, 64, 4>(), Candidate<128, 128, 64, 4, true>(),
+      Candidate<128, 128, 32, 4>()};
+  for (const Shape& s : shapes) {
+    for (const auto& [label, run] : s.d == 64 ? d64 : d128) {
+      if (!TimeShape(s, run, label)) return 1;
+    }
+  }
+  return 0;
+}
+#endif  // ATTENTION_TILE_SWEEP
+
 }  // namespace
 
 int main(int argc, char** argv) {
+#ifdef ATTENTION_TILE_SWEEP
+  return Sweep(argc, argv);
+#endif
   const char* which = argc > 1 ? argv[1] : "grid";
   std::vector<Shape> shapes;
   if (std::strcmp(which, "fp32") == 0) {

@@ -21,7 +21,7 @@ if [[ $what == tests || $what == all ]]; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 "$bin/cuda_kernel_tests" \
       --gtest_brief=1 --gtest_filter="$filter" >"$out/sanitizer_$tool.log" 2>&1
-    summary+=("compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | tail -1)")
+    summary+=("compute-sanitizer $tool: rc=$? $(grep -E '(ERROR|RACECHECK) SUMMARY' "$out/sanitizer_$tool.log" | tr '\n' ' ' )")
   done
   if [[ -x $bin/attention_server && -x $bin/attn_client ]]; then
     rm -f /tmp/ports

@@ -1,13 +1,14 @@
 // attention::cuda::Forward: checks what the kernels rely on (head dim, 16-byte alignment, sizes
-// that fit the grid), converts AttentionParams into KernelParams and launches the tensor-core
-// kernel for the dtype.
+// that fit the grid), converts AttentionParams into KernelParams (ToKernelParams) and launches the
+// tensor-core kernel for the dtype.
 #include "kernels/cuda/cuda_attention.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/kernel_params.h"
 #include "kernels/cuda/launchers.h"
 
 namespace attention::cuda {
@@ -24,7 +25,7 @@ int ClampWindow(int64_t bound, int64_t covering) {
 
 }  // namespace
 
-absl::Status Forward(const AttentionParams& p, cudaStream_t stream) {
+absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   if (absl::Status s = CheckParams(p); !s.ok()) return s;
   if (p.head_dim % 8 != 0 || p.head_dim > kMaxHeadDim) {
     return absl::UnimplementedError(
@@ -80,15 +81,21 @@ absl::Status Forward(const AttentionParams& p, cudaStream_t stream) {
   k.seqlen_k = static_cast<int>(p.seqlen_k);
   k.kv_group = static_cast<int>(p.heads_q / p.heads_kv);
   k.head_dim = static_cast<int>(p.head_dim);
-  k.scale = p.softmax_scale;
-  k.scale_log2 = p.softmax_scale * kLog2e;
+  k.scale_log2 = std::max(std::fabs(p.softmax_scale) * kLog2e, std::numeric_limits<float>::min());
+  k.negate_q = p.softmax_scale < 0;
   // Row i sees keys from i + diag - window_left; window_left >= seqlen_k reaches below key 0 for
   // every row. Likewise window_right >= seqlen_q reaches past the last key.
   k.window_left = ClampWindow(p.window_left, p.seqlen_k);
   k.window_right = ClampWindow(p.window_right, p.seqlen_q);
   k.cu_seqlens_q = p.cu_seqlens_q;
   k.cu_seqlens_k = p.cu_seqlens_k;
+  return k;
+}
 
+absl::Status Forward(const AttentionParams& p, cudaStream_t stream) {
+  absl::StatusOr<KernelParams> kp = ToKernelParams(p);
+  if (!kp.ok()) return kp.status();
+  const KernelParams& k = *kp;
   cudaError_t err = cudaSuccess;
   switch (p.dtype) {
     case DType::kFloat16: err = LaunchFlashForwardF16(k, stream); break;

@@ -9,13 +9,15 @@
 //   while tile j's S = Q K^T, softmax and O += P V run, V tile j+1 while P V_j and the next S run.
 //   Each of the kWarps warps owns kMSteps blocks of 16 query rows, so softmax statistics stay in
 //   the warp (a row's 64..128 logits live in the 4 lanes of a quad). S comes out of the mma in
-//   float32, is scaled by scale*log2(e) and put through exp2 (online softmax: running max m and
-//   sum l per row, O rescaled when m grows), then rounded to T and fed straight back as the A
-//   operand of P V (the accumulator layout of m16n8k16 is the A layout of the next mma), never
-//   through shared memory. V's B fragments come from ldmatrix.trans of row-major V. For float32
-//   the A layout of m16n8k8 wants keys (t, t+4) where the accumulator holds (2t, 2t+1), so the
-//   8 keys of a k-step are taken in that permuted order on both sides: V's B fragment is read
-//   as keys (2t, 2t+1) with two 4-byte shared loads (ldmatrix cannot transpose 32-bit data).
+//   float32; online softmax keeps the running max m of the raw logits and the sum l per row
+//   (O rescaled by the change of m), p = exp2(s * scale*log2(e) - m * scale*log2(e)) is one FFMA
+//   and one ex2 (KernelParams: the scale is made positive), then p is rounded to T and fed
+//   straight back as the A operand of P V (the accumulator layout of m16n8k16 is the A layout of
+//   the next mma), never through shared memory. V's B fragments come from ldmatrix.trans of
+//   row-major V. For float32 the A layout of m16n8k8 wants keys (t, t+4) where the accumulator
+//   holds (2t, 2t+1), so the 8 keys of a k-step are taken in that permuted order on both sides:
+//   V's B fragment is read as keys (2t, 2t+1) with two 4-byte shared loads (ldmatrix cannot
+//   transpose 32-bit data).
 //   Key tiles are visited last to first, so the tiles that need element masks (the causal
 //   diagonal, window edges, the ragged last tile) come first; tiles entirely outside the mask
 //   are never loaded, and fully visible tiles skip the mask arithmetic.
@@ -25,10 +27,23 @@
 // Head dims below kD are served by the same kernel: columns >= head_dim are zero-filled on load
 // (adding nothing to Q K^T) and not stored.
 //
-// Measured (H200, 2026-11-30, bench/README.md, tiles as in flash_forward_launch.cuh): bf16/fp16
-// 160-185 TFLOP/s at D=64 (0.55-0.62x torch's FlashAttention-2), 213-247 at D=128 (0.68-0.73x),
-// 201-235 at D=256 (0.71-0.82x), all N in 512..16384; float32 (3xTF32) 35-37 TFLOP/s at D=64
-// (1.03-1.05x torch's float32 memory-efficient kernel) with relative error < 1e-5.
+// Versions (H200, bfloat16/float16 TFLOP/s on the FlashAttention grid of bench/README.md, torch
+// SDPA's FlashAttention-2 measured beside it):
+//   v1 2026-11-30  first tensor-core version: D=64 160-185 (0.55-0.62x FA2), D=128 213-247
+//                  (0.68-0.73x), D=256 201-235 (0.71-0.82x). SASS: ~16 instructions per mma at
+//                  D=64, the mask test compiled into every logit (branches even on unmasked tiles).
+//   v2 2026-11-30  mask applied in a separate pass only on tiles that need it; softmax max on raw
+//                  logits and exp2 as one FFMA + ex2 (negative scales negate Q once); ldmatrix
+//                  addresses as one XOR with a constant per k-step (PairOffset); Q fragments loaded
+//                  before the key loop. bfloat16 N=4096 (tile sweep): D=64 181 -> 304, D=128
+//                  243 -> 336.
+//   v3 2026-11-30  max and sum as trees (shorter dependency chains); D=64 with a mask on 64-row
+//                  tiles. D=64 causal N=1024: 224 -> 231 (sweep).
+//   v4 2026-11-30  next tile's cp.async issued without a branch (zero-fill after the last tile),
+//                  so no branch separates the softmax from P V. Full grid: D=64 266-331 unmasked
+//                  (1.02-1.09x FA2), 177-270 causal (0.90-1.20x: below FA2 from N=2048 on), D=128
+//                  290-368 (0.99-1.09x), D=256 177-288 (0.83-0.99x); float32 (3xTF32) 35-37 at D=64
+//                  (1.02-1.05x torch's float32 memory-efficient kernel), relative error < 1e-5.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -44,7 +59,7 @@
 
 namespace attention::cuda {
 
-template <typename T, int kD_, int kBr_, int kBc_, int kWarps_>
+template <typename T, int kD_, int kBr_, int kBc_, int kWarps_, bool kMaskVariants_ = false>
 struct FlashTile {
   using Element = T;
   static constexpr bool kF32 = std::is_same_v<T, float>;
@@ -57,6 +72,10 @@ struct FlashTile {
   static constexpr int kChunkElems = 16 / sizeof(T);
   static constexpr int kChunks = kD / kChunkElems;     // 16-byte chunks per row
   static constexpr int kRowBytes = kD * sizeof(T);
+  // true: the key-tile step compiled twice, with and without the element mask, each one straight
+  // block (more code, more registers live at once: D=128 spills); false: one copy that branches
+  // to the mask. Only the tile sweep (bench/cuda) instantiates true.
+  static constexpr bool kMaskVariants = kMaskVariants_;
   // Q fragments stay in registers when they are few (D = 64); otherwise they are re-read from
   // shared memory per k-step, which keeps registers for the O accumulator.
   static constexpr bool kQInRegisters = kMSteps * kD <= 128;
@@ -72,6 +91,15 @@ struct FlashTile {
 template <int kRowBytes>
 __device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
   return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+// ldmatrix.x4 over two adjacent chunks (2j, 2j + 1) of 16 rows: each lane gives one row address.
+// With lane_off = SwizzledOffset(row, sel) for the lane's row and chunk sel in {0, 1}, the
+// address of pair j is lane_off ^ ((j % 4) << 5) + (j / 4) * 128: chunk 2j + sel is swizzled
+// into bits 4-6 of the offset only, and row * kRowBytes is a multiple of 128. For compile-time j
+// that is one of four loop-invariant registers plus an immediate, with no per-access index math.
+__device__ __forceinline__ uint32_t PairOffset(uint32_t lane_off, int j) {
+  return (lane_off ^ static_cast<uint32_t>((j & 3) << 5)) + static_cast<uint32_t>((j >> 2) << 7);
 }
 
 // Issues cp.async for a tile of kRows rows starting at global row `row0` of `src` (rows >= n_rows
@@ -96,6 +124,38 @@ __device__ __forceinline__ void LoadTile(uint32_t smem, const T* src, int64_t ro
   }
 }
 
+// Combines x[0..kN) with op as a balanced tree (kN a power of two); x is clobbered.
+template <int kN, typename Op>
+__device__ __forceinline__ float TreeReduce(float (&x)[kN], Op op) {
+  static_assert((kN & (kN - 1)) == 0, "power of two");
+#pragma unroll
+  for (int stride = 1; stride < kN; stride *= 2)
+#pragma unroll
+    for (int i = 0; i + stride < kN; i += 2 * stride) x[i] = op(x[i], x[i + stride]);
+  return x[0];
+}
+
+// Flips the sign of every element of a tile of kRows rows (each thread the chunks LoadTile gave
+// it): Q is negated for a negative softmax scale, so that the kernel always scales by |scale| and
+// the row max of the raw logits is the row max of the scaled ones.
+template <typename Tile, int kRows>
+__device__ __forceinline__ void NegateTile(uint32_t smem) {
+  constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
+  constexpr uint32_t kSigns = Tile::kF32 ? 0x80000000u : 0x80008000u;
+  const int c = threadIdx.x % Tile::kChunks;
+#pragma unroll
+  for (int j = 0; j < kRows / kRowStep; ++j) {
+    const uint32_t addr =
+        smem + SwizzledOffset<Tile::kRowBytes>(threadIdx.x / Tile::kChunks + j * kRowStep, c);
+    uint4 x;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "r"(addr));
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x.x ^ kSigns),
+                 "r"(x.y ^ kSigns), "r"(x.z ^ kSigns), "r"(x.w ^ kSigns));
+  }
+}
+
 template <typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads)
     FlashForwardKernel(const KernelParams p) {
@@ -107,6 +167,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
   constexpr int kDTiles = kD / 8;   // 8-wide column tiles of O
   constexpr int kKSteps = Tile::kChunks / 2;  // k-steps of Q K^T (two chunks each)
   constexpr int kTileBytes = kBc * kRowBytes;
+  constexpr int kBlockBytes = 16 * kRowBytes;  // one 16-row block of a tile
 
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t s_q = SmemAddress(smem);
@@ -141,7 +202,9 @@ __global__ void __launch_bounds__(Tile::kThreads)
   const int g = lane / 4, t = lane % 4;
 
   float acc_o[kMSteps][kDTiles][4];
-  float row_max[kMSteps][2], row_sum[kMSteps][2];  // rows g and g + 8 of each block
+  // Per row (g and g + 8 of each block): the running max of the raw logits q.k and this lane's
+  // share of the running sum of exp2(scale_log2 * (q.k - max)).
+  float row_max[kMSteps][2], row_sum[kMSteps][2];
 #pragma unroll
   for (int ms = 0; ms < kMSteps; ++ms) {
 #pragma unroll
@@ -163,38 +226,50 @@ __global__ void __launch_bounds__(Tile::kThreads)
     LoadTile<Tile, kBc>(s_v, v, p.v_row_stride, (n_block_max - 1) * kBc, e.nk, d_chunks);
     CpAsyncCommit();
 
+    // Lane row offsets of the ldmatrix.x4 patterns (see PairOffset). A pattern (Q, and V
+    // transposed): lanes 0-15 give rows 0-15 of the pair's first chunk, lanes 16-31 of its second.
+    // B pattern (K): matrices (rows 0-7, chunk 0), (rows 0-7, chunk 1), (rows 8-15, chunk 0),
+    // (rows 8-15, chunk 1), i.e. the B fragments of two 8-key column tiles.
+    const uint32_t off_a = SwizzledOffset<kRowBytes>(lane & 15, lane >> 4);
+    const uint32_t off_b =
+        SwizzledOffset<kRowBytes>((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const uint32_t s_qw = s_q + warp * kMSteps * kBlockBytes;  // this warp's rows of Q
+
+    // Q (and K of the first tile) have landed.
+    CpAsyncWait<1>();
+    __syncthreads();
+    if (p.negate_q) {
+      NegateTile<Tile, kBr>(s_q);
+      __syncthreads();
+    }
     uint32_t q_frag[Tile::kQInRegisters ? kMSteps : 1][Tile::kQInRegisters ? kKSteps : 1][4];
-    // ldmatrix.x4 of a 16-row A block of two chunks: lanes 0-15 give rows 0-15 of chunk 0,
-    // lanes 16-31 chunk 1 (for float32 these are the four 8x4 blocks a0..a3 of m16n8k8).
-    auto load_q = [&](uint32_t(&r)[4], int ms, int kk) {
-      const int row = block_row(ms) + (lane & 15);
-      LdMatrixX4(r, s_q + SwizzledOffset<kRowBytes>(row, kk * 2 + (lane >> 4)));
-    };
+    if constexpr (Tile::kQInRegisters) {
+#pragma unroll
+      for (int ms = 0; ms < kMSteps; ++ms)
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk)
+          LdMatrixX4(q_frag[ms][kk], s_qw + ms * kBlockBytes + PairOffset(off_a, kk));
+    }
 
     const float scale_log2 = p.scale_log2;
-    for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
+    // One key tile; with_mask is a bool, or a std::bool_constant for Tile::kMaskVariants.
+    auto tile_step = [&](const int n_block, const int it, auto with_mask) {
       const int buf = it & 1;
       const uint32_t s_kb = s_k + buf * kTileBytes, s_vb = s_v + buf * kTileBytes;
       const int n0 = n_block * kBc;
+      // The next tile's loads are issued unconditionally: after the last tile they zero-fill the
+      // free buffers (n_rows 0) instead of branching.
+      const int next0 = max(n0 - kBc, 0), next_rows = n_block > n_block_min ? e.nk : 0;
 
-      // K_j (and Q) have landed; everyone is past tile j-1, so the other buffers are free.
+      // K_j has landed; everyone is past tile j-1, so the other K buffer is free.
       CpAsyncWait<1>();
       __syncthreads();
-      if (n_block > n_block_min) {
-        LoadTile<Tile, kBc>(s_k + (buf ^ 1) * kTileBytes, k, p.k_row_stride, n0 - kBc, e.nk,
-                            d_chunks);
-      }
-      CpAsyncCommit();  // possibly empty: keeps the group count uniform
-      if constexpr (Tile::kQInRegisters) {
-        if (it == 0) {
-#pragma unroll
-          for (int ms = 0; ms < kMSteps; ++ms)
-#pragma unroll
-            for (int kk = 0; kk < kKSteps; ++kk) load_q(q_frag[ms][kk], ms, kk);
-        }
-      }
+      LoadTile<Tile, kBc>(s_k + (buf ^ 1) * kTileBytes, k, p.k_row_stride, next0, next_rows,
+                          d_chunks);
+      CpAsyncCommit();
 
-      // S = Q K_j^T: acc_s[ms][nt] is the 16x8 block of rows block_row(ms), keys n0 + 8 nt.
+      // S = Q K_j^T (raw logits): acc_s[ms][nt] is the 16x8 block of rows block_row(ms), keys
+      // n0 + 8 nt.
       float acc_s[kMSteps][kNTiles][4];
 #pragma unroll
       for (int ms = 0; ms < kMSteps; ++ms)
@@ -226,16 +301,14 @@ __global__ void __launch_bounds__(Tile::kThreads)
 #pragma unroll
             for (int i = 0; i < 4; ++i) a[ms][i] = q_frag[ms][kk][i];
           } else {
-            load_q(a[ms], ms, kk);
+            LdMatrixX4(a[ms], s_qw + ms * kBlockBytes + PairOffset(off_a, kk));
           }
         }
 #pragma unroll
         for (int np = 0; np < kNTiles / 2; ++np) {
-          // Keys np*16 + 0..15 as two B fragments: matrices (keys 0-7, chunk 0), (keys 0-7,
-          // chunk 1), (keys 8-15, chunk 0), (keys 8-15, chunk 1).
+          // Keys np*16 + 0..15 as the B fragments of column tiles 2 np and 2 np + 1.
           uint32_t kb[4];
-          const int key = np * 16 + (lane & 7) + ((lane >> 4) << 3);
-          LdMatrixX4(kb, s_kb + SwizzledOffset<kRowBytes>(key, kk * 2 + ((lane >> 3) & 1)));
+          LdMatrixX4(kb, s_kb + np * kBlockBytes + PairOffset(off_b, kk));
           if constexpr (kF32) {
             const SplitFrag<4> kbs = Split(kb);
 #pragma unroll
@@ -264,41 +337,60 @@ __global__ void __launch_bounds__(Tile::kThreads)
         }
       }
 
-      // Online softmax in the log2 domain; masked logits become -inf.
-      const bool masked = TileNeedsMask(p, e, m0, row_last, n0, kBc);
+      // Masked logits become -inf. Only tiles on a mask edge or past the last key take this
+      // variant; the rest run the softmax below with no per-element mask work.
+      if (with_mask) {
+#pragma unroll
+        for (int ms = 0; ms < kMSteps; ++ms) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const KeyRange vis = VisibleKeys(p, e, m0 + block_row(ms) + g + half * 8,
+                                             m0 + block_row(ms) + g + half * 8);
+            const int lo = vis.lo - n0 - 2 * t, hi = vis.hi - n0 - 2 * t;
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                const int col = nt * 8 + i;  // key n0 + col + 2t
+                if (col < lo || col >= hi) acc_s[ms][nt][half * 2 + i] = -INFINITY;
+              }
+          }
+        }
+      }
+
+      // Online softmax in the log2 domain: p = exp2(scale_log2 * s - scale_log2 * max), one FFMA
+      // and one ex2 per logit (scale_log2 > 0, see KernelParams).
 #pragma unroll
       for (int ms = 0; ms < kMSteps; ++ms) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int row = m0 + block_row(ms) + g + half * 8;
-          float mx = row_max[ms][half];
+          // Max and sum as trees over the column tiles: log2(kNTiles) dependent steps, not kBc/4.
+          float part[kNTiles];
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              float s = acc_s[ms][nt][half * 2 + i] * scale_log2;
-              if (masked && !KeyVisible(p, e, row, n0 + nt * 8 + 2 * t + i)) s = -INFINITY;
-              acc_s[ms][nt][half * 2 + i] = s;
-              mx = fmaxf(mx, s);
-            }
+            part[nt] = fmaxf(acc_s[ms][nt][half * 2], acc_s[ms][nt][half * 2 + 1]);
           }
+          float mx = fmaxf(row_max[ms][half],
+                           TreeReduce(part, [](float a, float b) { return fmaxf(a, b); }));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // A row that has seen no key yet keeps max -inf; subtract 0 then so exp2 gives 0, not NaN.
-          const float m_use = mx == -INFINITY ? 0.f : mx;
-          const float rescale = FastExp2(row_max[ms][half] - m_use);
+          // A row that has seen no key yet keeps max -inf; subtract 0 then so exp2 gives 0, not
+          // NaN.
+          const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+          const float rescale = FastExp2(row_max[ms][half] * scale_log2 - m_scaled);
           row_max[ms][half] = mx;
-          float sum = 0.f;
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-              const float pv = FastExp2(acc_s[ms][nt][half * 2 + i] - m_use);
-              acc_s[ms][nt][half * 2 + i] = pv;
-              sum += pv;
+              acc_s[ms][nt][half * 2 + i] =
+                  FastExp2(fmaf(acc_s[ms][nt][half * 2 + i], scale_log2, -m_scaled));
             }
+            part[nt] = acc_s[ms][nt][half * 2] + acc_s[ms][nt][half * 2 + 1];
           }
-          row_sum[ms][half] = row_sum[ms][half] * rescale + sum;  // this lane's share
+          // This lane's share of the row sum.
+          row_sum[ms][half] = fmaf(row_sum[ms][half], rescale,
+                                   TreeReduce(part, [](float a, float b) { return a + b; }));
 #pragma unroll
           for (int dt = 0; dt < kDTiles; ++dt) {
             acc_o[ms][dt][half * 2] *= rescale;
@@ -325,10 +417,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
       // V_j has landed; everyone is past P V_{j-1}, so the other V buffer is free.
       CpAsyncWait<1>();
       __syncthreads();
-      if (n_block > n_block_min) {
-        LoadTile<Tile, kBc>(s_v + (buf ^ 1) * kTileBytes, v, p.v_row_stride, n0 - kBc, e.nk,
-                            d_chunks);
-      }
+      LoadTile<Tile, kBc>(s_v + (buf ^ 1) * kTileBytes, v, p.v_row_stride, next0, next_rows,
+                          d_chunks);
       CpAsyncCommit();
 
       if constexpr (kF32) {
@@ -372,15 +462,14 @@ __global__ void __launch_bounds__(Tile::kThreads)
             for (int i = 0; i < 4; ++i) acc_o[ms][dt][i] += pv_chain[ms][i];
         }
       } else {
-        // O += P V_j. ldmatrix.trans of (keys 0-7 | 8-15) x (chunk c | c+1) gives the B
-        // fragments of two 8-wide column tiles of O.
+        // O += P V_j. ldmatrix.trans of (keys 0-7 | 8-15) x (chunk 2 dp | 2 dp + 1) gives the B
+        // fragments of O's column tiles 2 dp and 2 dp + 1.
 #pragma unroll
         for (int kk = 0; kk < kBc / 16; ++kk) {
 #pragma unroll
           for (int dp = 0; dp < kDTiles / 2; ++dp) {
             uint32_t vb[4];
-            const int key = kk * 16 + (lane & 15);
-            LdMatrixX4Trans(vb, s_vb + SwizzledOffset<kRowBytes>(key, dp * 2 + (lane >> 4)));
+            LdMatrixX4Trans(vb, s_vb + kk * kBlockBytes + PairOffset(off_a, dp));
 #pragma unroll
             for (int ms = 0; ms < kMSteps; ++ms) {
               Mma16816<T>(acc_o[ms][2 * dp], p_frag[ms][kk], vb[0], vb[1]);
@@ -388,6 +477,18 @@ __global__ void __launch_bounds__(Tile::kThreads)
             }
           }
         }
+      }
+    };
+    for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
+      const bool with_mask = TileNeedsMask(p, e, m0, row_last, n_block * kBc, kBc);
+      if constexpr (Tile::kMaskVariants) {
+        if (with_mask) {
+          tile_step(n_block, it, std::true_type());
+        } else {
+          tile_step(n_block, it, std::false_type());
+        }
+      } else {
+        tile_step(n_block, it, with_mask);
       }
     }
     CpAsyncWait<0>();
@@ -417,8 +518,9 @@ __global__ void __launch_bounds__(Tile::kThreads)
         }
       }
       if (p.lse != nullptr && t == 0 && m0 + r < e.nq) {
-        // Natural-log LSE: row_max is max(scale * s) * log2(e).
-        const float lse = l > 0.f ? (row_max[ms][half] + log2f(l)) * kLn2 : -INFINITY;
+        // Natural-log LSE: scale_log2 * row_max is max(scale * s) * log2(e).
+        const float lse =
+            l > 0.f ? (row_max[ms][half] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
         p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + e.q_start + m0 + r] = lse;
       }
     }

@@ -26,8 +26,12 @@ struct KernelParams {
   int seqlen_q, seqlen_k;  // varlen: the largest item's
   int kv_group;            // heads_q / heads_kv
   int head_dim;            // the real D; kernels specialised for a larger D zero-fill the rest
-  float scale;             // softmax scale
-  float scale_log2;        // scale * log2(e): logits go straight into exp2
+  // The kernel computes exp2(scale_log2 * (q.k - rowmax(q.k))) with scale_log2 > 0, so that the
+  // max of the raw logits is the max of the scaled ones: scale_log2 = |scale| * log2(e), raised
+  // to FLT_MIN for a zero scale (every exp2 is then 1, as with scale 0, and -inf stays -inf
+  // instead of becoming NaN); negate_q flips Q's sign for a negative scale.
+  float scale_log2;
+  bool negate_q;
   // Window bounds, -1 = unbounded; the launcher turns bounds that exclude nothing into -1.
   int window_left, window_right;
   const int32_t* cu_seqlens_q;  // device, batch + 1 entries; nullptr when not varlen

@@ -42,13 +42,6 @@ __device__ __forceinline__ bool TileNeedsMask(const KernelParams& p, const ItemE
          (p.window_left >= 0 && n0 < row_last + diag - p.window_left);
 }
 
-__device__ __forceinline__ bool KeyVisible(const KernelParams& p, const ItemExtent& e, int row,
-                                           int key) {
-  const int diag = e.nk - e.nq;
-  return key < e.nk && (p.window_right < 0 || key <= row + diag + p.window_right) &&
-         (p.window_left < 0 || key >= row + diag - p.window_left);
-}
-
 // 2^x on the special-function unit; 2^-inf = +0, which masked logits rely on.
 __device__ __forceinline__ float FastExp2(float x) {
   float y;

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,9 @@ struct AttentionCase {
 
   bool is_varlen() const { return !varlen_q.empty(); }
 };
+
+// gtest prints a parameter with this (its name) instead of its raw bytes.
+inline void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
 
 // The standard grid (a few dozen cases; the float64 reference of all of them, in all three
 // dtypes, runs in seconds).

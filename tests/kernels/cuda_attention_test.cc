@@ -85,6 +85,13 @@ std::vector<AttentionCase> LargeCases() {
   c.window_left = 300;
   c.window_right = 40;
   cases.push_back(c);
+  // The kernel runs a negative scale as |scale| on -Q, and a zero scale as the smallest normal.
+  c = square("n300_d64_causal_negative_scale", 300, 64, true);
+  c.softmax_scale = -0.2f;
+  cases.push_back(c);
+  c = square("n200_d128_zero_scale", 200, 128, false);
+  c.softmax_scale = 0.0f;
+  cases.push_back(c);
   c = AttentionCase();
   c.name = "varlen_long_d64_causal";
   c.heads_q = 2;

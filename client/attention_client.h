@@ -1,0 +1,100 @@
+// A C++ client for the attention.v1 service: unary Attend (blocking or asynchronous), a stream of
+// many requests over one AttendStream call, GetServerInfo and the standard health check.
+//
+//   attention::client::Client client({.target = "localhost:50051"});
+//   absl::StatusOr<attention::v1::AttendResponse> r = client.Attend(request);
+//
+// Every call carries a deadline (ClientOptions::deadline unless CallOptions overrides it) and
+// returns the server's gRPC status as an absl::Status with the same code and message.
+#pragma once
+
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "attention/v1/attention.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace attention::client {
+
+struct ClientOptions {
+  std::string target = "localhost:50051";
+  // Per-call deadline, from the moment the call starts.
+  absl::Duration deadline = absl::Seconds(60);
+  // Largest message sent or received; attention payloads are large (bf16 B=4, H=16, N=4096,
+  // D=128 is 64 MiB per tensor).
+  int max_message_bytes = 1 << 30;
+  // HTTP/2 keepalive pings while calls are open, so a dead server or a dropped connection is
+  // noticed during a long call; zero turns them off. gRPC servers by default answer pings more
+  // frequent than every 5 minutes (when no data flows) with GOAWAY, so go lower only against a
+  // server configured to permit it.
+  absl::Duration keepalive_time = absl::Minutes(5);
+  absl::Duration keepalive_timeout = absl::Seconds(20);
+};
+
+// Per-call settings that override ClientOptions.
+struct CallOptions {
+  // Zero: ClientOptions::deadline.
+  absl::Duration deadline = absl::ZeroDuration();
+};
+
+// grpc.health.v1 serving status of a service ("" is the server as a whole).
+using HealthStatus = grpc::health::v1::HealthCheckResponse::ServingStatus;
+
+class Client {
+ public:
+  explicit Client(const ClientOptions& options);
+  // Uses an existing channel (tests, custom credentials); options.target is ignored.
+  Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+
+  // One forward pass; blocks until the response or an error arrives.
+  absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request,
+                                            const CallOptions& call = {});
+
+  // Starts Attend without blocking; `done` runs once, on a gRPC thread, with the result. The
+  // request is copied, so the caller may drop it at once.
+  using AttendCallback = std::function<void(absl::StatusOr<v1::AttendResponse>)>;
+  void AttendAsync(const v1::AttendRequest& request, AttendCallback done,
+                   const CallOptions& call = {});
+  // The same, with the result delivered through a future.
+  std::future<absl::StatusOr<v1::AttendResponse>> AttendAsync(const v1::AttendRequest& request,
+                                                              const CallOptions& call = {});
+
+  // Sends every request over one AttendStream call (a writer thread, so sending never waits on
+  // reading) and returns every response in the order it arrived; match them by request_id. An
+  // error when the stream ends with a non-OK status or when responses are missing.
+  absl::StatusOr<std::vector<v1::AttendResponse>> AttendStream(
+      absl::Span<const v1::AttendRequest> requests, const CallOptions& call = {});
+
+  absl::StatusOr<v1::ServerInfo> GetServerInfo(const CallOptions& call = {});
+
+  // grpc.health.v1.Health/Check for `service` ("" = the whole server).
+  absl::StatusOr<HealthStatus> CheckHealth(const std::string& service = "",
+                                           const CallOptions& call = {});
+
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  // A context whose deadline is `call`'s, or the client's default.
+  std::unique_ptr<grpc::ClientContext> NewContext(const CallOptions& call) const;
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Attention::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+};
+
+// Channel arguments for `options` (message limits, keepalive).
+grpc::ChannelArguments MakeChannelArguments(const ClientOptions& options);
+
+// A grpc::Status as an absl::Status: same code, same message.
+absl::Status ToAbslStatus(const grpc::Status& status);
+
+}  // namespace attention::client

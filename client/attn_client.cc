@@ -1,0 +1,272 @@
+// attn_client: sends one attention request (or --repeat of them) to an attention server and
+// prints what came back; with --check, compares it with the float64 reference computed here.
+//
+//   attn_client --target=localhost:50051 --shape=2,16,1024,128 --kv_heads=4 --dtype=bfloat16
+//       --causal --check
+//   attn_client --health          # exit 0 when the server reports SERVING (container probes)
+//   attn_client --info            # the server's devices, dtypes and limits
+//
+// Exit status: 0 success; 1 the check failed, the server is not SERVING, or a call failed;
+// 2 bad flags or inputs.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/attention_client.h"
+#include "client/npy.h"
+#include "client/reference_check.h"
+#include "client/request_builder.h"
+#include "client/tensors.h"
+
+ABSL_FLAG(std::string, target, "localhost:50051", "server address, host:port");
+ABSL_FLAG(int64_t, deadline_ms, 60000, "deadline per call, milliseconds");
+ABSL_FLAG(bool, health, false,
+          "health-check mode: call grpc.health.v1 Check and exit 0 when SERVING, else 1");
+ABSL_FLAG(std::string, health_service, "",
+          "service to health-check; empty for the server as a whole");
+ABSL_FLAG(bool, info, false, "print GetServerInfo and exit");
+
+ABSL_FLAG(std::string, shape, "1,8,512,64", "B,H,N,D: batch, query heads, query length, head dim");
+ABSL_FLAG(std::optional<int64_t>, kv_heads, std::nullopt, "key/value heads (default: H)");
+ABSL_FLAG(std::optional<int64_t>, nk, std::nullopt, "key length (default: N)");
+ABSL_FLAG(std::string, dtype, "float32", "float32 | float16 | bfloat16");
+ABSL_FLAG(std::string, layout, "bhsd", "bhsd ([B, H, N, D]) | bshd ([B, N, H, D])");
+ABSL_FLAG(bool, causal, false, "causal mask (bottom-right aligned)");
+ABSL_FLAG(std::optional<float>, scale, std::nullopt, "softmax scale (default: 1/sqrt(D))");
+ABSL_FLAG(std::optional<int32_t>, window_left, std::nullopt, "sliding window, keys to the left");
+ABSL_FLAG(std::optional<int32_t>, window_right, std::nullopt, "sliding window, keys to the right");
+ABSL_FLAG(bool, lse, false, "ask for the log-sum-exp too");
+ABSL_FLAG(std::vector<std::string>, varlen, {},
+          "varlen: per-item query lengths, e.g. 100,37,512 (packs q/k/v [total, H, D]; "
+          "--shape's B and N are then ignored)");
+ABSL_FLAG(std::vector<std::string>, varlen_k, {},
+          "varlen: per-item key lengths (default: --varlen)");
+ABSL_FLAG(std::string, q, "", ".npy file for q ('<f4' or '<f2', the request's q shape)");
+ABSL_FLAG(std::string, k, "", ".npy file for k");
+ABSL_FLAG(std::string, v, "", ".npy file for v");
+ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt, "seed for random inputs (default: random)");
+ABSL_FLAG(std::string, out, "",
+          "write o to this .npy ('<f2' for float16, else '<f4'; bfloat16 is exact in float32)");
+ABSL_FLAG(int, repeat, 1, "send the request this many times (latency statistics)");
+ABSL_FLAG(bool, check, false,
+          "compare with the float64 reference; exit 1 when ||o-ref||/||ref|| exceeds the API "
+          "bound (float32 1e-5, float16/bfloat16 1e-2)");
+
+namespace attention::client {
+namespace {
+
+constexpr int kExitFailed = 1;
+constexpr int kExitUsage = 2;
+
+absl::StatusOr<std::vector<int64_t>> ParseInts(absl::Span<const std::string> parts,
+                                               const char* flag) {
+  std::vector<int64_t> values;
+  for (const std::string& part : parts) {
+    int64_t value;
+    if (!absl::SimpleAtoi(part, &value)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": '", part, "' is not a number"));
+    }
+    values.push_back(value);
+  }
+  return values;
+}
+
+absl::StatusOr<ProblemSpec> SpecFromFlags() {
+  ProblemSpec spec;
+  const std::vector<std::string> shape_parts = absl::StrSplit(absl::GetFlag(FLAGS_shape), ',');
+  absl::StatusOr<std::vector<int64_t>> shape = ParseInts(shape_parts, "shape");
+  if (!shape.ok()) return shape.status();
+  if (shape->size() != 4) return absl::InvalidArgumentError("--shape needs B,H,N,D");
+  spec.batch = (*shape)[0];
+  spec.heads_q = (*shape)[1];
+  spec.seqlen_q = (*shape)[2];
+  spec.head_dim = (*shape)[3];
+  spec.heads_kv = absl::GetFlag(FLAGS_kv_heads).value_or(spec.heads_q);
+  spec.seqlen_k = absl::GetFlag(FLAGS_nk).value_or(spec.seqlen_q);
+  absl::StatusOr<v1::DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return dtype.status();
+  spec.dtype = *dtype;
+  const std::string layout = absl::GetFlag(FLAGS_layout);
+  if (layout != "bhsd" && layout != "bshd") {
+    return absl::InvalidArgumentError(absl::StrCat("--layout must be bhsd or bshd, got ", layout));
+  }
+  spec.layout = layout == "bshd" ? v1::LAYOUT_BSHD : v1::LAYOUT_BHSD;
+  spec.causal = absl::GetFlag(FLAGS_causal);
+  spec.softmax_scale = absl::GetFlag(FLAGS_scale);
+  spec.window_left = absl::GetFlag(FLAGS_window_left);
+  spec.window_right = absl::GetFlag(FLAGS_window_right);
+  spec.return_lse = absl::GetFlag(FLAGS_lse);
+  for (auto [flag, name, lengths] : {std::tuple{&FLAGS_varlen, "varlen", &spec.varlen_q},
+                                     std::tuple{&FLAGS_varlen_k, "varlen_k", &spec.varlen_k}}) {
+    absl::StatusOr<std::vector<int64_t>> values = ParseInts(absl::GetFlag(*flag), name);
+    if (!values.ok()) return values.status();
+    lengths->assign(values->begin(), values->end());
+  }
+  if (spec.is_varlen()) spec.batch = static_cast<int64_t>(spec.varlen_q.size());
+  return spec;
+}
+
+// q, k, v from the --q/--k/--v files, or random normal from the seed.
+absl::StatusOr<v1::AttendRequest> BuildRequest(const ProblemSpec& spec) {
+  uint64_t seed = absl::GetFlag(FLAGS_seed).value_or(std::random_device()());
+  std::printf("problem: %s (seed %llu)\n", DescribeProblem(spec).c_str(),
+              static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<int64_t> shapes[] = {QueryShape(spec), KeyValueShape(spec),
+                                         KeyValueShape(spec)};
+  const std::string files[] = {absl::GetFlag(FLAGS_q), absl::GetFlag(FLAGS_k),
+                               absl::GetFlag(FLAGS_v)};
+  std::vector<float> data[3];
+  for (int i = 0; i < 3; ++i) {
+    if (files[i].empty()) {
+      data[i] = RandomNormal(NumElements(shapes[i]), rng);
+      continue;
+    }
+    absl::StatusOr<NpyArray> array = ReadNpy(files[i]);
+    if (!array.ok()) return array.status();
+    if (array->shape != shapes[i]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(files[i], " has shape [", absl::StrJoin(array->shape, ", "),
+                       "], the request needs [", absl::StrJoin(shapes[i], ", "), "]"));
+    }
+    data[i] = std::move(array->values);
+  }
+  return MakeRequest(spec, data[0], data[1], data[2]);
+}
+
+int RunHealth(Client& client) {
+  const std::string service = absl::GetFlag(FLAGS_health_service);
+  absl::StatusOr<HealthStatus> status = client.CheckHealth(service);
+  if (!status.ok()) {
+    std::fprintf(stderr, "health check failed: %s\n", status.status().ToString().c_str());
+    return kExitFailed;
+  }
+  std::printf("%s: %s\n", service.empty() ? "(server)" : service.c_str(),
+              grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*status).c_str());
+  return *status == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : kExitFailed;
+}
+
+int RunInfo(Client& client) {
+  absl::StatusOr<v1::ServerInfo> info = client.GetServerInfo();
+  if (!info.ok()) {
+    std::fprintf(stderr, "GetServerInfo failed: %s\n", info.status().ToString().c_str());
+    return kExitFailed;
+  }
+  std::printf("%s", info->DebugString().c_str());
+  return 0;
+}
+
+void PrintLatencies(std::vector<double> ms) {
+  std::sort(ms.begin(), ms.end());
+  double sum = 0;
+  for (double x : ms) sum += x;
+  std::printf("round trip: %.3f ms", ms[ms.size() / 2]);
+  if (ms.size() > 1) {
+    std::printf(" median, %.3f min, %.3f mean, %.3f max over %zu calls", ms.front(),
+                sum / ms.size(), ms.back(), ms.size());
+  }
+  std::printf("\n");
+}
+
+int RunAttend(Client& client) {
+  absl::StatusOr<ProblemSpec> spec = SpecFromFlags();
+  if (!spec.ok()) {
+    std::fprintf(stderr, "%s\n", spec.status().ToString().c_str());
+    return kExitUsage;
+  }
+  absl::StatusOr<v1::AttendRequest> request = BuildRequest(*spec);
+  if (!request.ok()) {
+    std::fprintf(stderr, "%s\n", request.status().ToString().c_str());
+    return kExitUsage;
+  }
+  std::printf("request: %.3f MiB\n", request->ByteSizeLong() / (1024.0 * 1024.0));
+
+  const int repeat = std::max(1, absl::GetFlag(FLAGS_repeat));
+  std::vector<double> latencies_ms;
+  v1::AttendResponse response;
+  for (int i = 0; i < repeat; ++i) {
+    request->set_request_id(absl::StrCat("attn_client-", i));
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<v1::AttendResponse> result = client.Attend(*request);
+    const auto end = std::chrono::steady_clock::now();
+    if (!result.ok()) {
+      std::fprintf(stderr, "Attend failed: %s\n", result.status().ToString().c_str());
+      return kExitFailed;
+    }
+    latencies_ms.push_back(std::chrono::duration<double, std::milli>(end - start).count());
+    response = *std::move(result);
+  }
+
+  absl::StatusOr<std::vector<float>> o = TensorToFloat(response.o());
+  if (!o.ok()) {
+    std::fprintf(stderr, "bad response: %s\n", o.status().ToString().c_str());
+    return kExitFailed;
+  }
+  double sum = 0, sum_abs = 0;
+  for (float x : *o) {
+    sum += x;
+    sum_abs += std::abs(x);
+  }
+  const v1::ServerTiming& t = response.timing();
+  std::printf("device: %s\n", response.device().c_str());
+  std::printf("o: %s [%s], sum %.6g, sum|.| %.6g\n", DTypeName(response.o().dtype()),
+              absl::StrJoin(response.o().shape(), ", ").c_str(), sum, sum_abs);
+  std::printf("server: queue %.1f us, h2d %.1f us, compute %.1f us, d2h %.1f us, total %.1f us\n",
+              t.queue_us(), t.h2d_us(), t.compute_us(), t.d2h_us(), t.total_us());
+  PrintLatencies(latencies_ms);
+
+  if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
+    const std::vector<int64_t> shape(response.o().shape().begin(), response.o().shape().end());
+    const NpyType type =
+        response.o().dtype() == v1::DTYPE_FLOAT16 ? NpyType::kFloat16 : NpyType::kFloat32;
+    if (absl::Status s = WriteNpy(out, shape, *o, type); !s.ok()) {
+      std::fprintf(stderr, "%s\n", s.ToString().c_str());
+      return kExitFailed;
+    }
+    std::printf("wrote %s\n", out.c_str());
+  }
+
+  if (!absl::GetFlag(FLAGS_check)) return 0;
+  absl::StatusOr<CheckResult> check = CheckResponse(*request, response);
+  if (!check.ok()) {
+    std::fprintf(stderr, "check failed: %s\n", check.status().ToString().c_str());
+    return kExitFailed;
+  }
+  const double bound = ErrorBound(spec->dtype);
+  std::printf("check: ||o-ref||/||ref|| = %.3g, max|o-ref|/max|ref| = %.3g", check->relative_error,
+              check->max_relative_error);
+  if (check->lse_checked) std::printf(", lse ||.||-relative = %.3g", check->lse_relative_error);
+  const bool pass = WithinBound(*check, spec->dtype);
+  std::printf(" (bound %.0e): %s\n", bound, pass ? "PASS" : "FAIL");
+  return pass ? 0 : kExitFailed;
+}
+
+}  // namespace
+}  // namespace attention::client
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "attn_client --target=HOST:PORT [--shape=B,H,N,D ...] [--check] | --health | --info");
+  absl::ParseCommandLine(argc, argv);
+  attention::client::ClientOptions options;
+  options.target = absl::GetFlag(FLAGS_target);
+  options.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
+  attention::client::Client client(options);
+  if (absl::GetFlag(FLAGS_health)) return attention::client::RunHealth(client);
+  if (absl::GetFlag(FLAGS_info)) return attention::client::RunInfo(client);
+  return attention::client::RunAttend(client);
+}

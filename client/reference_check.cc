@@ -1,0 +1,176 @@
+#include "client/reference_check.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/tensors.h"
+#include "kernels/attention_params.h"
+#include "kernels/reference/reference_attention.h"
+
+namespace attention::client {
+namespace {
+
+absl::StatusOr<DType> KernelDType(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+      return DType::kFloat32;
+    case v1::DTYPE_FLOAT16:
+      return DType::kFloat16;
+    case v1::DTYPE_BFLOAT16:
+      return DType::kBFloat16;
+    default:
+      return absl::InvalidArgumentError("request dtype is unspecified");
+  }
+}
+
+absl::Status ExpectShape(const char* name, const v1::Tensor& tensor, v1::DType dtype,
+                         absl::Span<const int64_t> shape) {
+  if (tensor.dtype() != dtype ||
+      !std::equal(shape.begin(), shape.end(), tensor.shape().begin(), tensor.shape().end())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("response ", name, " is ", DTypeName(tensor.dtype()), " [",
+                     absl::StrJoin(tensor.shape(), ", "), "], expected ", DTypeName(dtype), " [",
+                     absl::StrJoin(shape, ", "), "]"));
+  }
+  return absl::OkStatus();
+}
+
+// ||a - b|| / ||b||, with 0 / 0 = 0.
+double RelativeError(absl::Span<const float> a, absl::Span<const double> b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff += (a[i] - b[i]) * (a[i] - b[i]);
+    norm += b[i] * b[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+}  // namespace
+
+double ErrorBound(v1::DType dtype) { return dtype == v1::DTYPE_FLOAT32 ? 1e-5 : 1e-2; }
+
+bool WithinBound(const CheckResult& result, v1::DType dtype) {
+  const double bound = ErrorBound(dtype);
+  return result.relative_error <= bound &&
+         (!result.lse_checked || result.lse_relative_error <= bound);
+}
+
+absl::StatusOr<CheckResult> CheckResponse(const v1::AttendRequest& request,
+                                          const v1::AttendResponse& response) {
+  const v1::Tensor& q = request.q();
+  const v1::Tensor& k = request.k();
+  absl::StatusOr<DType> dtype = KernelDType(q.dtype());
+  if (!dtype.ok()) return dtype.status();
+  const bool varlen = request.cu_seqlens_q_size() > 0;
+  if (q.shape_size() != (varlen ? 3 : 4) || k.shape_size() != q.shape_size()) {
+    return absl::InvalidArgumentError("request q/k ranks do not fit its layout");
+  }
+
+  // q: [B, Hq, Nq, D] (BHSD), [B, Nq, Hq, D] (BSHD) or [total_q, Hq, D] (varlen); k, v alike.
+  AttentionParams p;
+  p.dtype = *dtype;
+  p.q = q.data().data();
+  p.k = k.data().data();
+  p.v = request.v().data().data();
+  const bool bshd = request.layout() == v1::LAYOUT_BSHD;
+  std::vector<int32_t> cu_q(request.cu_seqlens_q().begin(), request.cu_seqlens_q().end());
+  std::vector<int32_t> cu_k(request.cu_seqlens_k().begin(), request.cu_seqlens_k().end());
+  if (varlen) {
+    if (cu_q.size() != cu_k.size() || cu_q.size() < 2) {
+      return absl::InvalidArgumentError("request cu_seqlens do not fit together");
+    }
+    p.batch = static_cast<int64_t>(cu_q.size()) - 1;
+    p.heads_q = q.shape(1);
+    p.heads_kv = k.shape(1);
+    p.head_dim = q.shape(2);
+    p.total_q = q.shape(0);
+    p.total_k = k.shape(0);
+    for (int64_t b = 0; b < p.batch; ++b) {
+      p.seqlen_q = std::max<int64_t>(p.seqlen_q, cu_q[b + 1] - cu_q[b]);
+      p.seqlen_k = std::max<int64_t>(p.seqlen_k, cu_k[b + 1] - cu_k[b]);
+    }
+    p.cu_seqlens_q = cu_q.data();
+    p.cu_seqlens_k = cu_k.data();
+  } else {
+    p.batch = q.shape(0);
+    p.heads_q = q.shape(bshd ? 2 : 1);
+    p.seqlen_q = q.shape(bshd ? 1 : 2);
+    p.heads_kv = k.shape(bshd ? 2 : 1);
+    p.seqlen_k = k.shape(bshd ? 1 : 2);
+    p.head_dim = q.shape(3);
+  }
+  p.SetContiguousStrides(bshd ? Layout::kBSHD : Layout::kBHSD);
+  p.softmax_scale = request.has_softmax_scale()
+                        ? request.softmax_scale()
+                        : static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.head_dim)));
+  if (request.has_window_left()) p.window_left = request.window_left();
+  if (request.has_window_right()) p.window_right = request.window_right();
+  if (request.causal()) p.window_right = 0;
+
+  std::vector<double> ref_o, ref_lse;
+  const int64_t lse_size = varlen ? p.heads_q * p.total_q : p.batch * p.heads_q * p.seqlen_q;
+  if (absl::Status s = reference::Forward(p, &ref_o, request.return_lse() ? &ref_lse : nullptr);
+      !s.ok()) {
+    return s;
+  }
+
+  const std::vector<int64_t> q_shape(q.shape().begin(), q.shape().end());
+  if (absl::Status s = ExpectShape("o", response.o(), q.dtype(), q_shape); !s.ok()) return s;
+  absl::StatusOr<std::vector<float>> o = TensorToFloat(response.o());
+  if (!o.ok()) return o.status();
+  ref_o.resize(o->size());
+
+  CheckResult result;
+  result.relative_error = RelativeError(*o, ref_o);
+  double max_diff = 0, max_ref = 0;
+  for (size_t i = 0; i < o->size(); ++i) {
+    // A NaN anywhere must fail: std::max would drop it, so test it explicitly.
+    const double diff = std::abs((*o)[i] - ref_o[i]);
+    max_diff = std::isnan(diff) ? diff : std::max(max_diff, diff);
+    if (std::isnan(max_diff)) break;
+    max_ref = std::max(max_ref, std::abs(ref_o[i]));
+  }
+  result.max_relative_error = max_ref > 0 ? max_diff / max_ref : max_diff;
+  if (std::isnan(result.relative_error)) {
+    result.relative_error = std::numeric_limits<double>::infinity();
+  }
+
+  if (request.return_lse()) {
+    const std::vector<int64_t> lse_shape =
+        varlen ? std::vector<int64_t>{p.heads_q, p.total_q}
+               : std::vector<int64_t>{p.batch, p.heads_q, p.seqlen_q};
+    if (absl::Status s = ExpectShape("lse", response.lse(), v1::DTYPE_FLOAT32, lse_shape);
+        !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<std::vector<float>> lse = TensorToFloat(response.lse());
+    if (!lse.ok()) return lse.status();
+    ref_lse.resize(lse_size);
+    // Rows that see no key are -inf in the reference; they must be -inf here too and are left
+    // out of the norm.
+    std::vector<float> got;
+    std::vector<double> want;
+    bool rows_match = true;
+    for (int64_t i = 0; i < lse_size; ++i) {
+      if (std::isinf(ref_lse[i])) {
+        rows_match &= std::isinf((*lse)[i]) && (*lse)[i] < 0;
+      } else {
+        got.push_back((*lse)[i]);
+        want.push_back(ref_lse[i]);
+      }
+    }
+    result.lse_checked = true;
+    result.lse_relative_error =
+        rows_match ? RelativeError(got, want) : std::numeric_limits<double>::infinity();
+    if (std::isnan(result.lse_relative_error)) {
+      result.lse_relative_error = std::numeric_limits<double>::infinity();
+    }
+  }
+  return result;
+}
+
+}  // namespace attention::client

@@ -1,0 +1,254 @@
+#include "server/attention_service.h"
+
+#include <deque>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "server/security.h"
+
+namespace attention::server {
+
+using v1::AttendRequest;
+using v1::AttendResponse;
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  // absl's canonical codes share gRPC's numbering.
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+AttentionService::AttentionService(const ServiceOptions& options, Scheduler* scheduler,
+                                   Metrics* metrics)
+    : options_(options),
+      decode_options_{.max_message_bytes = options.max_message_bytes,
+                      .max_head_dim = options.max_head_dim},
+      scheduler_(scheduler),
+      metrics_(metrics) {}
+
+void AttentionService::StartDraining() { draining_.store(true); }
+
+void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContext* context,
+                               const AttendRequest& request, AttendResponse* response,
+                               absl::AnyInvocable<void(absl::Status) &&> done) {
+  const absl::Time arrival = absl::Now();
+  const int64_t request_bytes = static_cast<int64_t>(request.ByteSizeLong());
+  metrics_->RequestStarted();
+  auto finish = [this, rpc, arrival, request_bytes, response,
+                 done = std::move(done)](absl::Status status) mutable {
+    const absl::Duration elapsed = absl::Now() - arrival;
+    int64_t response_bytes = 0;
+    if (status.ok()) {
+      response->mutable_timing()->set_total_us(absl::ToDoubleMicroseconds(elapsed));
+      response_bytes = static_cast<int64_t>(response->ByteSizeLong());
+    }
+    metrics_->RequestFinished(rpc, status.code(), elapsed, request_bytes, response_bytes);
+    std::move(done)(std::move(status));
+  };
+
+  if (absl::Status auth = CheckBearerToken(context->client_metadata(), options_.auth_token);
+      !auth.ok()) {
+    return finish(std::move(auth));
+  }
+  if (draining_.load()) return finish(absl::UnavailableError("server is shutting down"));
+  absl::StatusOr<DecodedRequest> decoded = DecodeRequest(request, decode_options_, response);
+  if (!decoded.ok()) return finish(decoded.status());
+  response->set_request_id(request.request_id());
+
+  Job job;
+  job.params = decoded->params;
+  job.deadline = absl::FromChrono(context->deadline());
+  job.cancelled = [context] { return context->IsCancelled(); };
+  job.done = [this, response, flops = decoded->flops, tokens = decoded->query_tokens,
+              finish = std::move(finish)](JobResult result) mutable {
+    if (result.status.ok()) {
+      v1::ServerTiming* timing = response->mutable_timing();
+      timing->set_queue_us(absl::ToDoubleMicroseconds(result.queued));
+      timing->set_h2d_us(result.stages.h2d_us);
+      timing->set_compute_us(result.stages.compute_us);
+      timing->set_d2h_us(result.stages.d2h_us);
+      response->set_device(result.device->name);
+      metrics_->StagesObserved(result.queued, result.stages);
+      metrics_->Computed(result.device->name, flops, tokens);
+    }
+    std::move(finish)(std::move(result.status));
+  };
+  scheduler_->Submit(std::move(job));
+}
+
+grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* context,
+                                                   const AttendRequest* request,
+                                                   AttendResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  Process("Attend", context, *request, response,
+          [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
+  return reactor;
+}
+
+// One AttendStream call. Every gRPC operation (StartRead, StartWrite, Finish) is started with mu_
+// held, so the state below and the operations in flight always agree; gRPC runs the reactions
+// (OnReadDone, ...) on its own threads, never inside those calls. The reactor owns itself through
+// self_ until OnDone, and each request in flight holds a reference too, so a worker finishing the
+// last request can never touch a deleted reactor.
+class AttentionService::StreamReactor final
+    : public grpc::ServerBidiReactor<AttendRequest, AttendResponse> {
+ public:
+  StreamReactor(AttentionService* service, grpc::CallbackServerContext* context)
+      : service_(service), context_(context) {}
+
+  // Takes ownership of itself and starts the first read.
+  void Start(std::shared_ptr<StreamReactor> self) {
+    absl::MutexLock lock(&mu_);
+    self_ = std::move(self);
+    Advance();
+  }
+
+  void OnReadDone(bool ok) override {
+    std::unique_ptr<Exchange> exchange;
+    std::shared_ptr<StreamReactor> self;
+    {
+      absl::MutexLock lock(&mu_);
+      exchange = std::move(reading_);
+      if (!ok) reads_done_ = true;
+      if (!ok || Ending()) {  // a request read while the stream ends is dropped unanswered
+        Advance();
+        return;
+      }
+      ++in_flight_;
+      self = self_;
+    }
+    Exchange* e = exchange.get();
+    service_->Process(
+        "AttendStream", context_, e->request, &e->response,
+        [self = std::move(self), exchange = std::move(exchange)](absl::Status status) mutable {
+          self->Processed(std::move(exchange), std::move(status));
+        });
+    absl::MutexLock lock(&mu_);
+    Advance();  // the next read, if the window has room
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_.reset();
+    if (!ok) cancelled_ = true;  // the stream broke: nothing more can be written
+    Advance();
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    Advance();
+  }
+
+  void OnDone() override {
+    std::shared_ptr<StreamReactor> self;
+    absl::MutexLock lock(&mu_);
+    self = std::move(self_);  // released after the lock: the last reference deletes this
+  }
+
+ private:
+  struct Exchange {
+    AttendRequest request;
+    AttendResponse response;
+  };
+
+  void Processed(std::unique_ptr<Exchange> exchange, absl::Status status) {
+    absl::MutexLock lock(&mu_);
+    --in_flight_;
+    if (status.ok()) {
+      ready_.push_back(std::move(exchange));
+    } else if (status_.ok()) {
+      status_ = absl::Status(
+          status.code(),
+          absl::StrCat("request '", exchange->request.request_id(), "': ", status.message()));
+    }
+    Advance();
+  }
+
+  bool Ending() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return finished_ || reads_done_ || cancelled_ || !status_.ok();
+  }
+
+  // Starts whatever the state allows: the next write, the next read, or Finish.
+  void Advance() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    if (cancelled_) ready_.clear();  // nobody is listening
+    if (writing_ == nullptr && !ready_.empty()) {
+      writing_ = std::move(ready_.front());
+      ready_.pop_front();
+      StartWrite(&writing_->response);
+    }
+    const int held = in_flight_ + static_cast<int>(ready_.size()) + (writing_ != nullptr);
+    if (!Ending() && reading_ == nullptr && held < service_->options_.stream_window) {
+      reading_ = std::make_unique<Exchange>();
+      StartRead(&reading_->request);
+    }
+    if (Ending() && in_flight_ == 0 && writing_ == nullptr && ready_.empty()) {
+      finished_ = true;
+      // A read may still be outstanding; it completes (not ok) before OnDone.
+      Finish(cancelled_ ? grpc::Status::CANCELLED : ToGrpcStatus(status_));
+    }
+  }
+
+  AttentionService* const service_;
+  grpc::CallbackServerContext* const context_;
+  absl::Mutex mu_;
+  std::shared_ptr<StreamReactor> self_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Exchange> reading_ ABSL_GUARDED_BY(mu_);  // the read outstanding, if any
+  std::unique_ptr<Exchange> writing_ ABSL_GUARDED_BY(mu_);  // the write outstanding, if any
+  std::deque<std::unique_ptr<Exchange>> ready_ ABSL_GUARDED_BY(mu_);  // answered, to be written
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // in Process, not yet answered
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);  // the first failure; ends the stream
+};
+
+grpc::ServerBidiReactor<AttendRequest, AttendResponse>* AttentionService::AttendStream(
+    grpc::CallbackServerContext* context) {
+  auto reactor = std::make_shared<StreamReactor>(this, context);
+  reactor->Start(reactor);
+  return reactor.get();
+}
+
+grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
+                                                          const v1::GetServerInfoRequest* request,
+                                                          v1::ServerInfo* response) {
+  const absl::Time arrival = absl::Now();
+  metrics_->RequestStarted();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status auth = CheckBearerToken(context->client_metadata(), options_.auth_token);
+      !auth.ok()) {
+    metrics_->RequestFinished("GetServerInfo", auth.code(), absl::Now() - arrival,
+                              static_cast<int64_t>(request->ByteSizeLong()), 0);
+    reactor->Finish(ToGrpcStatus(auth));
+    return reactor;
+  }
+  response->set_version(options_.version);
+  response->set_backend(options_.backend);
+  for (const DeviceDescription* device : scheduler_->devices()) {
+    v1::DeviceInfo* info = response->add_devices();
+    info->set_name(device->name);
+    info->set_description(device->description);
+    info->set_memory_bytes(device->memory_bytes);
+    info->set_multiprocessors(device->multiprocessors);
+    info->set_compute_capability(device->compute_capability);
+  }
+  for (v1::DType dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
+    response->add_dtypes(dtype);
+  }
+  for (int d : options_.fast_head_dims) response->add_head_dims(d);
+  v1::ServerLimits* limits = response->mutable_limits();
+  limits->set_max_message_bytes(options_.max_message_bytes);
+  limits->set_max_queue(options_.max_queue);
+  limits->set_max_batch(options_.max_batch);
+  limits->set_max_head_dim(options_.max_head_dim);
+  metrics_->RequestFinished("GetServerInfo", absl::StatusCode::kOk, absl::Now() - arrival,
+                            static_cast<int64_t>(request->ByteSizeLong()),
+                            static_cast<int64_t>(response->ByteSizeLong()));
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace attention::server

@@ -1,0 +1,78 @@
+// The attention.v1.Attention gRPC service, on gRPC's callback API: no thread is held per call.
+// Each request is decoded into its own response (request_decoder), queued on the scheduler, and
+// answered from the worker that ran it. absl::Status becomes grpc::Status only here.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "attention/v1/attention.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "server/metrics.h"
+#include "server/request_decoder.h"
+#include "server/scheduler.h"
+
+namespace attention::server {
+
+struct ServiceOptions {
+  std::string version;
+  std::string backend = "cpu";  // "cpu" or "cuda"
+  int64_t max_message_bytes = int64_t{1024} << 20;
+  int max_queue = 256;
+  int max_batch = 1;
+  int max_head_dim = 256;
+  // Head dims ServerInfo lists as fast (the kernels' specialisations); all of 1..max_head_dim work.
+  std::vector<int> fast_head_dims = {64, 128};
+  // Requests one AttendStream may have queued, running or waiting to be written; further reads
+  // wait, so a fast sender is slowed by gRPC flow control instead of filling the queue.
+  int stream_window = 16;
+  // When set, every call must carry `authorization: Bearer <auth_token>` (see security.h).
+  std::string auth_token;
+};
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+class AttentionService final : public v1::Attention::CallbackService {
+ public:
+  // `scheduler` and `metrics` must outlive the service.
+  AttentionService(const ServiceOptions& options, Scheduler* scheduler, Metrics* metrics);
+
+  // From now on every new request, and every new message on an open stream, is answered
+  // UNAVAILABLE; requests already accepted run to the end.
+  void StartDraining();
+
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
+                                   const v1::AttendRequest* request,
+                                   v1::AttendResponse* response) override;
+  // Reads requests continuously and writes each response when its request finishes, possibly out
+  // of order. A request that fails ends the stream with its status (the message names its
+  // request_id) once the responses already computed are written.
+  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::ServerInfo* response) override;
+
+ private:
+  class StreamReactor;
+
+  // Runs one request: refuse while draining, decode into `response`, queue, execute, fill the
+  // timing and device, record metrics. Calls `done` exactly once, inline on early errors or from
+  // a worker; `request` and `response` must stay valid until then.
+  void Process(absl::string_view rpc, grpc::CallbackServerContext* context,
+               const v1::AttendRequest& request, v1::AttendResponse* response,
+               absl::AnyInvocable<void(absl::Status) &&> done);
+
+  const ServiceOptions options_;
+  const DecodeOptions decode_options_;
+  Scheduler* const scheduler_;
+  Metrics* const metrics_;
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace attention::server

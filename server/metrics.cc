@@ -1,0 +1,221 @@
+#include "server/metrics.h"
+
+#include <algorithm>
+#include <exception>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/text_serializer.h"
+
+namespace attention::server {
+namespace {
+
+// Geometric buckets numerator * factor^k / divisor up to the first bound >= last; integer
+// numerators keep each bound the double nearest its decimal value (no accumulated rounding).
+prometheus::Histogram::BucketBoundaries Geometric(int64_t numerator, int64_t factor, double divisor,
+                                                  double last) {
+  prometheus::Histogram::BucketBoundaries bounds;
+  for (int64_t n = numerator;; n *= factor) {
+    bounds.push_back(static_cast<double>(n) / divisor);
+    if (bounds.back() >= last) return bounds;
+  }
+}
+
+// Seconds: 20 us .. ~84 s, doubling (23 buckets): a loopback echo to a long prefill.
+const prometheus::Histogram::BucketBoundaries& SecondsBuckets() {
+  static const auto* const bounds = new auto(Geometric(20, 2, 1e6, 60));
+  return *bounds;
+}
+// Bytes: 256 B .. 4 GiB, x4 (13 buckets).
+const prometheus::Histogram::BucketBoundaries& BytesBuckets() {
+  static const auto* const bounds = new auto(Geometric(256, 4, 1, 4.0 * (1 << 30)));
+  return *bounds;
+}
+
+}  // namespace
+
+Metrics::Metrics(const BuildInfo& build)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      requests_(prometheus::BuildCounter()
+                    .Name("attention_requests_total")
+                    .Help("Requests finished, by rpc and gRPC status code name.")
+                    .Register(*registry_)),
+      request_duration_(prometheus::BuildHistogram()
+                            .Name("attention_request_duration_seconds")
+                            .Help("Server time from a request's arrival to its reply.")
+                            .Register(*registry_)),
+      stage_duration_(prometheus::BuildHistogram()
+                          .Name("attention_stage_duration_seconds")
+                          .Help("Time per stage of executed requests (queue, h2d, compute, d2h).")
+                          .Register(*registry_)),
+      request_bytes_(prometheus::BuildHistogram()
+                         .Name("attention_request_bytes")
+                         .Help("Request payload sizes.")
+                         .Register(*registry_)),
+      response_bytes_(prometheus::BuildHistogram()
+                          .Name("attention_response_bytes")
+                          .Help("Response payload sizes.")
+                          .Register(*registry_)),
+      batch_size_(prometheus::BuildHistogram()
+                      .Name("attention_batch_size")
+                      .Help("Requests per kernel launch.")
+                      .Register(*registry_)),
+      inflight_(prometheus::BuildGauge()
+                    .Name("attention_inflight_requests")
+                    .Help("Requests accepted and not yet answered.")
+                    .Register(*registry_)
+                    .Add({})),
+      queue_depth_(prometheus::BuildGauge()
+                       .Name("attention_queue_depth")
+                       .Help("Requests waiting for a device.")
+                       .Register(*registry_)
+                       .Add({})),
+      flops_(prometheus::BuildCounter()
+                 .Name("attention_flops_total")
+                 .Help("Attention FLOPs computed (4 * Hq * D per visible query-key pair).")
+                 .Register(*registry_)),
+      tokens_(prometheus::BuildCounter()
+                  .Name("attention_tokens_total")
+                  .Help("Query tokens computed.")
+                  .Register(*registry_)),
+      device_memory_total_(prometheus::BuildGauge()
+                               .Name("attention_device_memory_total_bytes")
+                               .Help("Device memory (host RAM for the CPU).")
+                               .Register(*registry_)),
+      device_memory_used_(prometheus::BuildGauge()
+                              .Name("attention_device_memory_used_bytes")
+                              .Help("Device memory in use (the server's resident set for the CPU).")
+                              .Register(*registry_)),
+      device_busy_ratio_(prometheus::BuildGauge()
+                             .Name("attention_device_busy_ratio")
+                             .Help("Fraction of recent wall time (10 s or more) during which the "
+                                   "device ran at least one request.")
+                             .Register(*registry_)),
+      queue_capacity_(prometheus::BuildGauge()
+                          .Name("attention_queue_capacity")
+                          .Help("Requests that may wait for a device; more are refused.")
+                          .Register(*registry_)
+                          .Add({})),
+      queue_stage_(stage_duration_.Add({{"stage", "queue"}}, SecondsBuckets())),
+      h2d_stage_(stage_duration_.Add({{"stage", "h2d"}}, SecondsBuckets())),
+      compute_stage_(stage_duration_.Add({{"stage", "compute"}}, SecondsBuckets())),
+      d2h_stage_(stage_duration_.Add({{"stage", "d2h"}}, SecondsBuckets())),
+      sampled_(std::make_shared<Sampled>(this)) {
+  prometheus::BuildGauge()
+      .Name("attention_build_info")
+      .Help("What is running: version, backend and CUDA toolkit; always 1.")
+      .Register(*registry_)
+      .Add({{"version", build.version}, {"backend", build.backend}, {"cuda", build.cuda}})
+      .Set(1);
+}
+
+absl::StatusOr<int> Metrics::Serve(const std::string& address) {
+  // civetweb reports a failed bind by throwing; it stays inside this call.
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(address);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics: cannot listen on ", address, ": ", e.what()));
+  }
+  exposer_->RegisterCollectable(sampled_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  if (ports.empty()) {
+    return absl::UnavailableError(absl::StrCat("metrics: no port bound for ", address));
+  }
+  return ports.front();
+}
+
+std::string Metrics::Scrape() const {
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, sampled_->Collect());
+  return out.str();
+}
+
+void Metrics::RequestStarted() { inflight_.Increment(); }
+
+void Metrics::RequestFinished(absl::string_view rpc, absl::StatusCode code, absl::Duration elapsed,
+                              int64_t request_bytes, int64_t response_bytes) {
+  inflight_.Decrement();
+  const std::string rpc_label(rpc);
+  // absl's code names are gRPC's canonical names ("OK", "INVALID_ARGUMENT", ...).
+  requests_.Add({{"rpc", rpc_label}, {"code", absl::StatusCodeToString(code)}}).Increment();
+  request_duration_.Add({{"rpc", rpc_label}}, SecondsBuckets())
+      .Observe(absl::ToDoubleSeconds(elapsed));
+  request_bytes_.Add({{"rpc", rpc_label}}, BytesBuckets())
+      .Observe(static_cast<double>(request_bytes));
+  response_bytes_.Add({{"rpc", rpc_label}}, BytesBuckets())
+      .Observe(static_cast<double>(response_bytes));
+}
+
+void Metrics::StagesObserved(absl::Duration queued, const StageTimes& stages) {
+  queue_stage_.Observe(absl::ToDoubleSeconds(queued));
+  h2d_stage_.Observe(stages.h2d_us * 1e-6);
+  compute_stage_.Observe(stages.compute_us * 1e-6);
+  d2h_stage_.Observe(stages.d2h_us * 1e-6);
+}
+
+void Metrics::Computed(const std::string& device, double flops, int64_t query_tokens) {
+  // One request per launch until the scheduler batches.
+  batch_size_
+      .Add({{"device", device}}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64})
+      .Observe(1);
+  flops_.Add({{"device", device}}).Increment(flops);
+  tokens_.Add({{"device", device}}).Increment(static_cast<double>(query_tokens));
+}
+
+void Metrics::SetQueueDepth(int depth) { queue_depth_.Set(depth); }
+
+void Metrics::SetDeviceMemoryTotal(const std::string& device, int64_t bytes) {
+  device_memory_total_.Add({{"device", device}}).Set(static_cast<double>(bytes));
+}
+
+std::unique_ptr<Metrics::SchedulerWatch> Metrics::Watch(const Scheduler& scheduler,
+                                                        absl::Duration busy_window) {
+  queue_capacity_.Set(scheduler.max_queue());
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&watch_mu_);
+  scheduler_ = &scheduler;
+  busy_window_ = busy_window;
+  busy_history_.clear();
+  for (const DeviceLoad& load : scheduler.device_loads()) {
+    busy_history_[load.device->name].emplace_back(now, load.busy);
+  }
+  return std::make_unique<SchedulerWatch>(this);
+}
+
+Metrics::SchedulerWatch::~SchedulerWatch() { metrics_->Unwatch(); }
+
+void Metrics::Unwatch() {
+  // Waits for a sample in progress: the scheduler may go once this returns.
+  absl::MutexLock lock(&watch_mu_);
+  scheduler_ = nullptr;
+}
+
+void Metrics::SampleScheduler() {
+  absl::MutexLock lock(&watch_mu_);
+  if (scheduler_ == nullptr) return;
+  const absl::Time now = absl::Now();
+  for (const DeviceLoad& load : scheduler_->device_loads()) {
+    const prometheus::Labels labels = {{"device", load.device->name}};
+    if (load.memory.ok()) {
+      device_memory_used_.Add(labels).Set(static_cast<double>(load.memory->used_bytes));
+      device_memory_total_.Add(labels).Set(static_cast<double>(load.memory->total_bytes));
+    }
+    // Busy ratio since the last point at or before busy_window_ ago: drop the points before it.
+    std::deque<BusyPoint>& history = busy_history_[load.device->name];
+    history.emplace_back(now, load.busy);
+    while (history.size() > 2 && history[1].first <= now - busy_window_) history.pop_front();
+    const auto [since, busy_then] = history.front();
+    if (now > since) {
+      const double ratio = absl::FDivDuration(load.busy - busy_then, now - since);
+      device_busy_ratio_.Add(labels).Set(std::clamp(ratio, 0.0, 1.0));
+    }
+  }
+}
+
+std::vector<prometheus::MetricFamily> Metrics::Sampled::Collect() const {
+  metrics_->SampleScheduler();
+  return metrics_->registry_->Collect();
+}
+
+}  // namespace attention::server

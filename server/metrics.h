@@ -1,0 +1,133 @@
+// Prometheus metrics for the server (names, types and labels per API.md; dashboards depend on
+// them). Label values are bounded sets (rpc names, status codes, devices, stages): never a
+// request id. Latencies and sizes are histograms, so they can be aggregated across replicas.
+// Request metrics are updated on the request path; device memory and busy ratio are sampled from
+// the scheduler when /metrics is scraped (Watch).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
+#include "server/executor.h"
+#include "server/scheduler.h"
+
+namespace attention::server {
+
+// What is running, exported as attention_build_info{version, backend, cuda} = 1.
+struct BuildInfo {
+  std::string version;
+  std::string backend;  // "cpu" or "cuda"
+  std::string cuda;     // the CUDA toolkit version built with, or "none"
+};
+
+class Metrics {
+ public:
+  // attention_device_busy_ratio covers at least this much recent wall time by default (more
+  // when scrapes come further apart: then it covers the time since the previous scrape).
+  static constexpr absl::Duration kBusyWindow = absl::Seconds(10);
+
+  // Ends a Watch when destroyed.
+  class SchedulerWatch {
+   public:
+    explicit SchedulerWatch(Metrics* metrics) : metrics_(metrics) {}
+    ~SchedulerWatch();
+    SchedulerWatch(const SchedulerWatch&) = delete;
+    SchedulerWatch& operator=(const SchedulerWatch&) = delete;
+
+   private:
+    Metrics* const metrics_;
+  };
+
+  explicit Metrics(const BuildInfo& build);
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // Serves /metrics over HTTP on `address` ("host:port"; port 0 picks a free one) and returns
+  // the port bound.
+  absl::StatusOr<int> Serve(const std::string& address);
+  // The text exposition /metrics would answer now.
+  std::string Scrape() const;
+
+  // Per request: Started when it arrives, Finished once when it is answered.
+  void RequestStarted();
+  void RequestFinished(absl::string_view rpc, absl::StatusCode code, absl::Duration elapsed,
+                       int64_t request_bytes, int64_t response_bytes);
+  // Per executed request.
+  void StagesObserved(absl::Duration queued, const StageTimes& stages);
+  void Computed(const std::string& device, double flops, int64_t query_tokens);
+  void SetQueueDepth(int depth);
+  void SetDeviceMemoryTotal(const std::string& device, int64_t bytes);
+
+  // Until the returned handle is destroyed (before `scheduler` is), every scrape first samples
+  // the scheduler: each device's memory (used and total) and busy ratio. Also exports the queue's
+  // capacity, so alerts can compare the depth with it. The busy ratio covers `busy_window`.
+  [[nodiscard]] std::unique_ptr<SchedulerWatch> Watch(const Scheduler& scheduler,
+                                                      absl::Duration busy_window = kBusyWindow);
+
+ private:
+  // What the exposer collects: the registry, after sampling the watched scheduler.
+  class Sampled final : public prometheus::Collectable {
+   public:
+    explicit Sampled(Metrics* metrics) : metrics_(metrics) {}
+    std::vector<prometheus::MetricFamily> Collect() const override;
+
+   private:
+    Metrics* const metrics_;
+  };
+  // One point of a device's busy-time history: when, and its busy time then.
+  using BusyPoint = std::pair<absl::Time, absl::Duration>;
+
+  void SampleScheduler();
+  void Unwatch();
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& request_duration_;
+  prometheus::Family<prometheus::Histogram>& stage_duration_;
+  prometheus::Family<prometheus::Histogram>& request_bytes_;
+  prometheus::Family<prometheus::Histogram>& response_bytes_;
+  prometheus::Family<prometheus::Histogram>& batch_size_;
+  prometheus::Gauge& inflight_;
+  prometheus::Gauge& queue_depth_;
+  prometheus::Family<prometheus::Counter>& flops_;
+  prometheus::Family<prometheus::Counter>& tokens_;
+  prometheus::Family<prometheus::Gauge>& device_memory_total_;
+  prometheus::Family<prometheus::Gauge>& device_memory_used_;
+  prometheus::Family<prometheus::Gauge>& device_busy_ratio_;
+  prometheus::Gauge& queue_capacity_;
+  // The stage histograms, looked up once.
+  prometheus::Histogram& queue_stage_;
+  prometheus::Histogram& h2d_stage_;
+  prometheus::Histogram& compute_stage_;
+  prometheus::Histogram& d2h_stage_;
+
+  absl::Mutex watch_mu_;
+  const Scheduler* scheduler_ ABSL_GUARDED_BY(watch_mu_) = nullptr;
+  absl::Duration busy_window_ ABSL_GUARDED_BY(watch_mu_);
+  // Per device, oldest first; the first point is the last one at or before busy_window_ ago.
+  std::map<std::string, std::deque<BusyPoint>> busy_history_ ABSL_GUARDED_BY(watch_mu_);
+
+  const std::shared_ptr<Sampled> sampled_;
+  // Last, so it is destroyed first: its threads may be collecting until then.
+  std::unique_ptr<prometheus::Exposer> exposer_;
+};
+
+}  // namespace attention::server

@@ -1,0 +1,13 @@
+// CUDA entry points for builds without the CUDA toolkit: no devices, and a clear error when one is
+// asked for anyway.
+#include "server/executor.h"
+
+namespace attention::server {
+
+absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int /*ordinal*/) {
+  return absl::UnimplementedError("the cuda backend is not available: built without CUDA");
+}
+
+int CudaDeviceCount() { return 0; }
+
+}  // namespace attention::server

@@ -1,0 +1,307 @@
+#include "server/request_decoder.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+
+namespace attention::server {
+namespace {
+
+using v1::AttendRequest;
+using v1::Tensor;
+
+// Bytes a response carries besides its tensor data and request_id: tags, shapes, timing, device.
+constexpr int64_t kResponseOverhead = 1024;
+
+std::string ShapeString(const Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
+
+std::string DTypeString(int dtype) {
+  const std::string& name = v1::DType_Name(static_cast<v1::DType>(dtype));
+  return name.empty() ? absl::StrCat("unknown dtype ", dtype) : name;
+}
+
+absl::StatusOr<DType> ToDType(int dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+      return DType::kFloat32;
+    case v1::DTYPE_FLOAT16:
+      return DType::kFloat16;
+    case v1::DTYPE_BFLOAT16:
+      return DType::kBFloat16;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("q.dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16, got ",
+                       DTypeString(dtype)));
+  }
+}
+
+// Checks rank, dims and byte size of one tensor; returns its byte size.
+absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const Tensor& t, int rank,
+                                    absl::string_view rank_meaning, size_t element_bytes) {
+  if (t.shape_size() != rank) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ".shape: expected rank ", rank, " (",
+                                                   rank_meaning, "), got rank ", t.shape_size(),
+                                                   " ", ShapeString(t)));
+  }
+  int64_t bytes = static_cast<int64_t>(element_bytes);
+  for (int i = 0; i < rank; ++i) {
+    if (t.shape(i) <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".shape[", i, "]: expected > 0, got ", t.shape(i)));
+    }
+    if (__builtin_mul_overflow(bytes, t.shape(i), &bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ".shape: expected a size that fits int64, got ", ShapeString(t), " (overflows)"));
+    }
+  }
+  if (static_cast<int64_t>(t.data().size()) != bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ".data: expected ", bytes, " bytes (shape ", ShapeString(t), " x ",
+                     element_bytes, " bytes), got ", t.data().size()));
+  }
+  return bytes;
+}
+
+// Validates cu_seqlens_* against the packed rows of its tensor: B+1 offsets, starting at 0,
+// strictly increasing (every item has at least one row), ending at `total_rows`.
+absl::Status CheckCuSeqlens(absl::string_view name,
+                            const google::protobuf::RepeatedField<int32_t>& cu, int expected_size,
+                            absl::string_view size_source, int64_t total_rows,
+                            absl::string_view rows_source) {
+  if (cu.size() != expected_size) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": expected ", expected_size, " offsets (",
+                                                   size_source, "), got ", cu.size()));
+  }
+  if (cu[0] != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, "[0]: expected 0, got ", cu[0]));
+  }
+  for (int b = 1; b < cu.size(); ++b) {
+    if (cu[b] <= cu[b - 1]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, "[", b, "]: expected > ", name, "[", b - 1, "] = ", cu[b - 1],
+                       " (offsets increase; every item needs at least one row), got ", cu[b]));
+    }
+  }
+  if (cu[cu.size() - 1] != total_rows) {
+    return absl::InvalidArgumentError(absl::StrCat(name, "[", cu.size() - 1, "]: expected ",
+                                                   total_rows, " (", rows_source,
+                                                   ", the packed rows), got ", cu[cu.size() - 1]));
+  }
+  return absl::OkStatus();
+}
+
+// (query row, key) pairs an item with nq queries and nk keys computes under the bottom-right
+// aligned window: row i sees keys max(0, i+nk-nq-left) .. min(nk-1, i+nk-nq+right).
+int64_t VisiblePairs(int64_t nq, int64_t nk, int64_t window_left, int64_t window_right) {
+  int64_t pairs = 0;
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t diagonal = i + nk - nq;
+    const int64_t lo =
+        window_left == kUnboundedWindow ? 0 : std::max<int64_t>(0, diagonal - window_left);
+    const int64_t hi =
+        window_right == kUnboundedWindow ? nk - 1 : std::min(nk - 1, diagonal + window_right);
+    pairs += std::max<int64_t>(0, hi - lo + 1);
+  }
+  return pairs;
+}
+
+}  // namespace
+
+absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
+                                             const DecodeOptions& options,
+                                             v1::AttendResponse* response) {
+  // Presence and dtypes first: every later message depends on them.
+  for (const auto& [name, present] :
+       {std::pair{"q", request.has_q()}, {"k", request.has_k()}, {"v", request.has_v()}}) {
+    if (!present) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": expected a tensor, got none"));
+    }
+  }
+  absl::StatusOr<DType> dtype = ToDType(request.q().dtype());
+  if (!dtype.ok()) return dtype.status();
+  for (const auto& [name, t] :
+       {std::pair<const char*, const Tensor*>{"k", &request.k()}, {"v", &request.v()}}) {
+    if (t->dtype() != request.q().dtype()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ".dtype: expected ",
+                                                     DTypeString(request.q().dtype()),
+                                                     " (as q), got ", DTypeString(t->dtype())));
+    }
+  }
+  if (!v1::Layout_IsValid(request.layout())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layout: expected LAYOUT_BHSD or LAYOUT_BSHD, got ", static_cast<int>(request.layout())));
+  }
+  const bool varlen = request.cu_seqlens_q_size() > 0 || request.cu_seqlens_k_size() > 0;
+  if (varlen && (request.cu_seqlens_q_size() == 0 || request.cu_seqlens_k_size() == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        request.cu_seqlens_q_size() == 0 ? "cu_seqlens_q" : "cu_seqlens_k",
+        ": expected B+1 offsets (cu_seqlens_q and cu_seqlens_k come together), got none"));
+  }
+
+  // Ranks, dims and byte sizes.
+  const bool bshd = request.layout() == v1::LAYOUT_BSHD;
+  const int rank = varlen ? 3 : 4;
+  const absl::string_view rank_meaning =
+      varlen ? "[total, H, D] with cu_seqlens"
+             : (bshd ? "[B, N, H, D] for LAYOUT_BSHD" : "[B, H, N, D] for LAYOUT_BHSD");
+  const size_t element_bytes = DTypeSize(*dtype);
+  int64_t request_bytes = 0;
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q", &request.q()},
+                                {"k", &request.k()},
+                                {"v", &request.v()}}) {
+    absl::StatusOr<int64_t> bytes = CheckTensor(name, *t, rank, rank_meaning, element_bytes);
+    if (!bytes.ok()) return bytes.status();
+    request_bytes += *bytes;  // each fits in memory, so the sum cannot overflow
+  }
+  if (request_bytes > options.max_message_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("request tensors are ", request_bytes,
+                                                     " bytes, over the message limit of ",
+                                                     options.max_message_bytes, " bytes"));
+  }
+
+  // Dims by layout. Dense q: [B, Hq, Nq, D] (BHSD) or [B, Nq, Hq, D] (BSHD); varlen [total, H, D].
+  const Tensor& q = request.q();
+  const Tensor& k = request.k();
+  const Tensor& v = request.v();
+  const int head_axis = varlen ? 1 : (bshd ? 2 : 1);
+  const int row_axis = varlen ? 0 : (bshd ? 1 : 2);
+  const int dim_axis = rank - 1;
+  if (!varlen && k.shape(0) != q.shape(0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("k.shape[0] (batch): expected ", q.shape(0), " (as q), got ", k.shape(0)));
+  }
+  if (k.shape(dim_axis) != q.shape(dim_axis)) {
+    return absl::InvalidArgumentError(absl::StrCat("k.shape[", dim_axis, "] (head dim): expected ",
+                                                   q.shape(dim_axis), " (as q), got ",
+                                                   k.shape(dim_axis)));
+  }
+  if (!std::equal(k.shape().begin(), k.shape().end(), v.shape().begin())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("v.shape: expected ", ShapeString(k), " (as k), got ", ShapeString(v)));
+  }
+  const int64_t heads_q = q.shape(head_axis);
+  const int64_t heads_kv = k.shape(head_axis);
+  if (heads_q % heads_kv != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("k.shape[", head_axis,
+                                                   "] (heads): expected a divisor of q's ", heads_q,
+                                                   " heads, got ", heads_kv));
+  }
+  const int64_t head_dim = q.shape(dim_axis);
+  if (head_dim > options.max_head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("q.shape[", dim_axis,
+                                                   "] (head dim): expected 1..",
+                                                   options.max_head_dim, ", got ", head_dim));
+  }
+
+  // Scalars.
+  if (request.has_softmax_scale() &&
+      !(std::isfinite(request.softmax_scale()) && request.softmax_scale() > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("softmax_scale: expected a finite value > 0, got ", request.softmax_scale()));
+  }
+  for (const auto& [name, present, value] :
+       {std::tuple{"window_left", request.has_window_left(), request.window_left()},
+        {"window_right", request.has_window_right(), request.window_right()}}) {
+    if (present && value < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected >= 0 (absent = unbounded), got ", value));
+    }
+  }
+
+  AttentionParams p;
+  p.dtype = *dtype;
+  p.heads_q = heads_q;
+  p.heads_kv = heads_kv;
+  p.head_dim = head_dim;
+  p.softmax_scale = request.has_softmax_scale()
+                        ? request.softmax_scale()
+                        : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  p.window_left = request.has_window_left() ? request.window_left() : kUnboundedWindow;
+  p.window_right = request.has_window_right() ? request.window_right() : kUnboundedWindow;
+  if (request.causal()) p.window_right = 0;  // any given right bound is >= 0, so causal wins
+
+  DecodedRequest decoded;
+  int64_t visible_pairs = 0;
+  if (varlen) {
+    const int batch = request.cu_seqlens_q_size() - 1;
+    if (batch < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cu_seqlens_q: expected at least 2 offsets (B+1), got ", request.cu_seqlens_q_size()));
+    }
+    absl::Status status = CheckCuSeqlens("cu_seqlens_q", request.cu_seqlens_q(), batch + 1, "B+1",
+                                         q.shape(0), "q.shape[0]");
+    if (status.ok()) {
+      status = CheckCuSeqlens("cu_seqlens_k", request.cu_seqlens_k(), batch + 1,
+                              "B+1, as cu_seqlens_q", k.shape(0), "k.shape[0]");
+    }
+    if (!status.ok()) return status;
+    p.batch = batch;
+    p.total_q = q.shape(0);
+    p.total_k = k.shape(0);
+    p.cu_seqlens_q = request.cu_seqlens_q().data();
+    p.cu_seqlens_k = request.cu_seqlens_k().data();
+    for (int b = 0; b < batch; ++b) {
+      const int64_t nq = request.cu_seqlens_q(b + 1) - request.cu_seqlens_q(b);
+      const int64_t nk = request.cu_seqlens_k(b + 1) - request.cu_seqlens_k(b);
+      p.seqlen_q = std::max(p.seqlen_q, nq);
+      p.seqlen_k = std::max(p.seqlen_k, nk);
+      visible_pairs += VisiblePairs(nq, nk, p.window_left, p.window_right);
+    }
+    decoded.query_tokens = p.total_q;
+  } else {
+    p.batch = q.shape(0);
+    p.seqlen_q = q.shape(row_axis);
+    p.seqlen_k = k.shape(row_axis);
+    visible_pairs = p.batch * VisiblePairs(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+    decoded.query_tokens = p.batch * p.seqlen_q;
+  }
+  decoded.flops = 4.0 * static_cast<double>(heads_q) * static_cast<double>(head_dim) *
+                  static_cast<double>(visible_pairs);
+
+  // The response: o like q, lse float32 [B, Hq, Nq] (varlen [Hq, total_q]).
+  const int64_t o_bytes = static_cast<int64_t>(q.data().size());
+  const int64_t lse_rows = varlen ? p.total_q : p.batch * p.seqlen_q;
+  const int64_t lse_bytes = request.return_lse() ? heads_q * lse_rows * int64_t{sizeof(float)} : 0;
+  const int64_t response_bytes =
+      o_bytes + lse_bytes + static_cast<int64_t>(request.request_id().size()) + kResponseOverhead;
+  if (response_bytes > options.max_message_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("response would be ", response_bytes,
+                                                     " bytes, over the message limit of ",
+                                                     options.max_message_bytes, " bytes"));
+  }
+  Tensor* o = response->mutable_o();
+  o->set_dtype(q.dtype());
+  o->mutable_shape()->CopyFrom(q.shape());
+  o->mutable_data()->resize(o_bytes);
+  p.o = o->mutable_data()->data();
+  if (request.return_lse()) {
+    Tensor* lse = response->mutable_lse();
+    lse->set_dtype(v1::DTYPE_FLOAT32);
+    if (varlen) {
+      lse->add_shape(heads_q);
+      lse->add_shape(p.total_q);
+    } else {
+      lse->add_shape(p.batch);
+      lse->add_shape(heads_q);
+      lse->add_shape(p.seqlen_q);
+    }
+    lse->mutable_data()->resize(lse_bytes);
+    // std::string storage comes from operator new (or the inline buffer), aligned for float.
+    p.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+  }
+  p.q = q.data().data();
+  p.k = k.data().data();
+  p.v = v.data().data();
+  p.SetContiguousStrides(bshd ? Layout::kBSHD : Layout::kBHSD);
+  decoded.params = p;
+  return decoded;
+}
+
+}  // namespace attention::server

@@ -1,0 +1,147 @@
+#include "tests/e2e/e2e_test_util.h"
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "client/reference_check.h"
+#include "client/tensors.h"
+#include "gtest/gtest.h"
+
+namespace attention::e2e {
+
+using client::ProblemSpec;
+
+uint64_t FreshSeed() {
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) | device();
+}
+
+absl::StatusOr<RunningServer> StartServer(const std::vector<std::string>& flags,
+                                          client::ClientOptions options) {
+  absl::StatusOr<std::unique_ptr<ServerProcess>> process = ServerProcess::Start({.flags = flags});
+  if (!process.ok()) return process.status();
+  RunningServer server;
+  server.process = *std::move(process);
+  options.target = server.process->target();
+  server.client = std::make_unique<client::Client>(options);
+  return server;
+}
+
+absl::Status RunningServer::Stop() {
+  client.reset();
+  return process->Stop();
+}
+
+std::vector<ProblemSpec> CorrectnessGrid() {
+  std::vector<ProblemSpec> base;
+  // Single element: the smallest problem there is.
+  base.push_back(
+      {.batch = 1, .heads_q = 1, .heads_kv = 1, .seqlen_q = 1, .seqlen_k = 1, .head_dim = 64});
+  // Ragged equal lengths, batch > 1.
+  base.push_back(
+      {.batch = 2, .heads_q = 4, .heads_kv = 4, .seqlen_q = 77, .seqlen_k = 77, .head_dim = 64});
+  // GQA, Nq < Nk, head dim 128, BSHD.
+  base.push_back({.batch = 1,
+                  .heads_q = 8,
+                  .heads_kv = 2,
+                  .seqlen_q = 130,
+                  .seqlen_k = 257,
+                  .head_dim = 128,
+                  .layout = v1::LAYOUT_BSHD});
+  // MQA, causal with Nq > Nk: bottom-right alignment leaves the first 32 rows without keys.
+  base.push_back({.batch = 2,
+                  .heads_q = 4,
+                  .heads_kv = 1,
+                  .seqlen_q = 65,
+                  .seqlen_k = 33,
+                  .head_dim = 32,
+                  .causal = true,
+                  .return_lse = true});
+  // Decode: one query row against a long key sequence, with LSE.
+  base.push_back({.batch = 3,
+                  .heads_q = 8,
+                  .heads_kv = 2,
+                  .seqlen_q = 1,
+                  .seqlen_k = 300,
+                  .head_dim = 128,
+                  .return_lse = true});
+  // Causal square, BSHD, LSE.
+  base.push_back({.batch = 1,
+                  .heads_q = 2,
+                  .heads_kv = 2,
+                  .seqlen_q = 200,
+                  .seqlen_k = 200,
+                  .head_dim = 64,
+                  .layout = v1::LAYOUT_BSHD,
+                  .causal = true,
+                  .return_lse = true});
+  // Sliding window on both sides, Nq < Nk, odd head dim.
+  base.push_back({.batch = 1,
+                  .heads_q = 3,
+                  .heads_kv = 3,
+                  .seqlen_q = 100,
+                  .seqlen_k = 150,
+                  .head_dim = 24,
+                  .window_left = 16,
+                  .window_right = 8,
+                  .return_lse = true});
+  // Causal with a left window (local attention), explicit scale.
+  base.push_back({.batch = 1,
+                  .heads_q = 4,
+                  .heads_kv = 2,
+                  .seqlen_q = 96,
+                  .seqlen_k = 96,
+                  .head_dim = 80,
+                  .causal = true,
+                  .softmax_scale = 0.3f,
+                  .window_left = 20});
+  // Diagonal only (window 0, 0) and a tiny head dim.
+  base.push_back({.batch = 1,
+                  .heads_q = 2,
+                  .heads_kv = 1,
+                  .seqlen_q = 50,
+                  .seqlen_k = 50,
+                  .head_dim = 8,
+                  .window_left = 0,
+                  .window_right = 0});
+  // The largest head dim.
+  base.push_back(
+      {.batch = 1, .heads_q = 2, .heads_kv = 2, .seqlen_q = 40, .seqlen_k = 70, .head_dim = 256});
+  // Varlen, causal, LSE, GQA: items with Nq < Nk, a one-row item, and a longer one.
+  base.push_back({.heads_q = 4,
+                  .heads_kv = 2,
+                  .head_dim = 64,
+                  .causal = true,
+                  .return_lse = true,
+                  .varlen_q = {37, 1, 128},
+                  .varlen_k = {50, 20, 128}});
+  // Varlen with equal lengths and no mask.
+  base.push_back({.heads_q = 2, .heads_kv = 2, .head_dim = 96, .varlen_q = {100, 3, 60}});
+
+  std::vector<ProblemSpec> grid;
+  for (v1::DType dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
+    for (ProblemSpec spec : base) {
+      spec.dtype = dtype;
+      grid.push_back(spec);
+    }
+  }
+  return grid;
+}
+
+void ExpectCorrect(const v1::AttendRequest& request,
+                   const absl::StatusOr<v1::AttendResponse>& response) {
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->request_id(), request.request_id());
+  EXPECT_FALSE(response->device().empty());
+  absl::StatusOr<client::CheckResult> check = client::CheckResponse(request, *response);
+  ASSERT_TRUE(check.ok()) << check.status();
+  const double bound = client::ErrorBound(request.q().dtype());
+  EXPECT_LE(check->relative_error, bound)
+      << "||o-ref||/||ref||; max|o-ref|/max|ref| = " << check->max_relative_error;
+  if (request.return_lse()) {
+    EXPECT_TRUE(check->lse_checked);
+    EXPECT_LE(check->lse_relative_error, bound) << "lse ||lse-ref||/||ref||";
+  }
+}
+
+}  // namespace attention::e2e

@@ -1,0 +1,46 @@
+// Shared pieces of the end-to-end tests: starting a server with a client attached, fresh seeds,
+// the correctness grid every backend must pass, and the check of one response.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attention/v1/attention.pb.h"
+#include "client/attention_client.h"
+#include "client/request_builder.h"
+#include "tests/e2e/server_process.h"
+
+namespace attention::e2e {
+
+// A fresh seed per call (random_device); tests show it with SCOPED_TRACE so a failure can be
+// replayed.
+uint64_t FreshSeed();
+
+struct RunningServer {
+  std::unique_ptr<ServerProcess> process;
+  std::unique_ptr<client::Client> client;
+
+  // Closes the client's connection, then stops the server expecting exit code 0. (A connection
+  // left open makes the server's drain wait for the client to go away.)
+  absl::Status Stop();
+};
+
+// Starts attention_server with `flags` and connects a client to it.
+absl::StatusOr<RunningServer> StartServer(const std::vector<std::string>& flags,
+                                          client::ClientOptions options = {});
+
+// Problems every backend must answer within the API's bound: lengths that are not tile
+// multiples, Nq != Nk (both ways, so some rows see no key), decode (Nq = 1), GQA and MQA, causal,
+// sliding windows, an explicit scale, LSE, varlen, both layouts, head dims from 8 to 256, and
+// every dtype.
+std::vector<client::ProblemSpec> CorrectnessGrid();
+
+// Expects `response` to be OK, to echo the request_id, to name a device, and to match the
+// float64 reference of `request` within the API's bound for its dtype.
+void ExpectCorrect(const v1::AttendRequest& request,
+                   const absl::StatusOr<v1::AttendResponse>& response);
+
+}  // namespace attention::e2e

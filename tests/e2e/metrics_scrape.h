@@ -1,0 +1,33 @@
+// Reading the server's Prometheus endpoint in tests: a minimal HTTP/1.0 GET over a socket and a
+// parser for the text exposition format.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace attention::e2e {
+
+// The body of GET `path` from 127.0.0.1:`port`; an error unless the status is 200.
+absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+
+struct MetricSample {
+  std::string name;  // e.g. "attention_request_duration_seconds_bucket"
+  std::map<std::string, std::string> labels;
+  double value = 0;
+};
+
+// Every sample line of a text exposition (comments and blank lines skipped).
+std::vector<MetricSample> ParseMetrics(const std::string& text);
+
+// Sum of the samples named `name` whose labels include all of `labels`; 0 when there are none.
+double SumSamples(const std::vector<MetricSample>& samples, const std::string& name,
+                  const std::map<std::string, std::string>& labels = {});
+
+// Whether any sample is named `name` and has all of `labels`.
+bool HasSample(const std::vector<MetricSample>& samples, const std::string& name,
+               const std::map<std::string, std::string>& labels = {});
+
+}  // namespace attention::e2e
