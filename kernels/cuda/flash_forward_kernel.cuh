@@ -44,6 +44,10 @@
 //                  (1.02-1.09x FA2), 177-270 causal (0.90-1.20x: below FA2 from N=2048 on), D=128
 //                  290-368 (0.99-1.09x), D=256 177-288 (0.83-0.99x); float32 (3xTF32) 35-37 at D=64
 //                  (1.02-1.05x torch's float32 memory-efficient kernel), relative error < 1e-5.
+//   v5 2026-11-30  D=64 with a mask back on the 128x64 tile (v4 lifted it past 64x64). Full grid
+//                  (bench/README.md): D=64 causal 174-321 (1.01-1.17x FA2), unmasked 266-336
+//                  (1.03-1.09x); D=128 195-371 (0.99-1.11x); D=256 176-290 (0.85-1.01x); float32
+//                  35.0-37.0 (1.02-1.04x).
 #pragma once
 
 #include <cuda_bf16.h>

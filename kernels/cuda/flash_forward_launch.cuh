@@ -4,8 +4,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <type_traits>
-
 #include "kernels/cuda/flash_forward_kernel.cuh"
 #include "kernels/cuda/kernel_params.h"
 
@@ -14,7 +12,9 @@ namespace attention::cuda {
 // Tiles per specialised head dim: (D, Br, Bc, warps). Each warp owns Br / (16 warps) blocks of
 // 16 rows; two 16-row blocks per warp let each K/V fragment read from shared memory feed two
 // mma's. All fit two CTAs per SM (shared memory 48/96/96 KiB for 16-bit types; 80/96/128 for
-// float32, whose 3xTF32 fragments need the registers of a second row block).
+// float32, whose 3xTF32 fragments need the registers of a second row block). Masked (causal,
+// windowed) calls use the same tiles: a 64x64 tile for D=64 with a mask lost to 128x64 on v5
+// (bfloat16 causal N=4096: 262 against 300 TFLOP/s, bench/README.md).
 template <typename T, int kD>
 struct FlashTileFor;
 template <typename T>
@@ -41,21 +41,8 @@ cudaError_t LaunchFlashTile(const KernelParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// 16-bit D=64 with a mask (causal or windowed): 64-row tiles halve the work spent in tiles on the
-// mask's edge and give twice the CTAs to spread the triangle over the SMs. Chosen on v3 of the
-// kernel (tile sweep, bfloat16 causal: 231 vs 224 TFLOP/s at N=1024, 275 vs 266 at N=4096). v4's
-// branch-free loads lifted 128x64 by ~8% but not this tile (223 and 262 in the final grid), so
-// 128x64 may now be ahead here too: not yet measured.
-template <typename T>
-struct MaskedTileD64 { using Tile = FlashTile<T, 64, 64, 64, 4>; };
-
 template <typename T>
 cudaError_t LaunchFlashForward(const KernelParams& p, cudaStream_t stream) {
-  if constexpr (!std::is_same_v<T, float>) {
-    if (p.head_dim <= 64 && (p.window_left >= 0 || p.window_right >= 0)) {
-      return LaunchFlashTile<typename MaskedTileD64<T>::Tile>(p, stream);
-    }
-  }
   if (p.head_dim <= 64) return LaunchFlashTile<typename FlashTileFor<T, 64>::Tile>(p, stream);
   if (p.head_dim <= 128) return LaunchFlashTile<typename FlashTileFor<T, 128>::Tile>(p, stream);
   return LaunchFlashTile<typename FlashTileFor<T, 256>::Tile>(p, stream);
