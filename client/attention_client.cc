@@ -1,9 +1,15 @@
 #include "client/attention_client.h"
 
+#include <algorithm>
 #include <thread>
 #include <utility>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 
 namespace attention::client {
 
@@ -17,7 +23,54 @@ grpc::ChannelArguments MakeChannelArguments(const ClientOptions& options) {
     args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
                 static_cast<int>(absl::ToInt64Milliseconds(options.keepalive_timeout)));
   }
+  const std::string service_config = ServiceConfigJson(options);
+  if (!service_config.empty()) args.SetServiceConfigJSON(service_config);
+  if (options.max_attempts > 1) {
+    // gRPC keeps a call's sent messages for a retry only up to this size (256 KiB by default,
+    // smaller than most attention requests); the request is kept alive by the call anyway.
+    args.SetInt(GRPC_ARG_PER_RPC_RETRY_BUFFER_SIZE, options.max_message_bytes);
+  }
   return args;
+}
+
+std::string ChannelTarget(const std::string& target) {
+  if (target.find(',') == std::string::npos || target.find(':') == std::string::npos) return target;
+  // A target that already names its resolver is gRPC's to parse.
+  for (absl::string_view scheme : {"ipv4:", "ipv6:", "dns:", "unix:"}) {
+    if (absl::StartsWith(target, scheme)) return target;
+  }
+  std::vector<std::string> addresses = absl::StrSplit(target, ',', absl::SkipWhitespace());
+  bool ipv6 = false;
+  for (std::string& address : addresses) {
+    address.erase(std::remove(address.begin(), address.end(), ' '), address.end());
+    if (absl::StartsWith(address, "localhost:")) {
+      address = absl::StrCat("127.0.0.1", address.substr(9));
+    }
+    ipv6 = ipv6 || absl::StartsWith(address, "[");
+  }
+  return absl::StrCat(ipv6 ? "ipv6:" : "ipv4:", absl::StrJoin(addresses, ","));
+}
+
+std::string ServiceConfigJson(const ClientOptions& options) {
+  std::string policy = options.load_balancing;
+  if (policy.empty() && ChannelTarget(options.target).find(',') != std::string::npos) {
+    policy = "round_robin";
+  }
+  std::vector<std::string> parts;
+  if (!policy.empty()) {
+    parts.push_back(absl::StrCat(R"("loadBalancingConfig":[{")", policy, R"(":{}}])"));
+  }
+  if (options.max_attempts > 1) {
+    parts.push_back(absl::StrCat(
+        R"("methodConfig":[{"name":[{"service":"attention.v1.Attention"},)",
+        R"({"service":"grpc.health.v1.Health"}],"retryPolicy":{"maxAttempts":)",
+        options.max_attempts, R"(,"initialBackoff":")",
+        absl::ToDoubleSeconds(options.initial_backoff), R"(s","maxBackoff":")",
+        absl::ToDoubleSeconds(options.max_backoff),
+        R"(s","backoffMultiplier":2,"retryableStatusCodes":["UNAVAILABLE"]}}])"));
+  }
+  if (parts.empty()) return "";
+  return absl::StrCat("{", absl::StrJoin(parts, ","), "}");
 }
 
 absl::Status ToAbslStatus(const grpc::Status& status) {
@@ -26,7 +79,8 @@ absl::Status ToAbslStatus(const grpc::Status& status) {
 }
 
 Client::Client(const ClientOptions& options)
-    : Client(grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(),
+    : Client(grpc::CreateCustomChannel(ChannelTarget(options.target),
+                                       grpc::InsecureChannelCredentials(),
                                        MakeChannelArguments(options)),
              options) {}
 

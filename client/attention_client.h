@@ -37,6 +37,15 @@ struct ClientOptions {
   // server configured to permit it.
   absl::Duration keepalive_time = absl::Minutes(5);
   absl::Duration keepalive_timeout = absl::Seconds(20);
+  // gRPC load-balancing policy ("round_robin", "pick_first"); empty: round_robin when `target`
+  // names several addresses (see ChannelTarget), else gRPC's default (pick_first).
+  std::string load_balancing;
+  // Attempts per call when the server answers UNAVAILABLE (draining, or a connection lost before
+  // the call reached it), through gRPC's retry service config; 1 turns retries off. gRPC retries
+  // only calls whose request fits its retry buffer (see MakeChannelArguments).
+  int max_attempts = 1;
+  absl::Duration initial_backoff = absl::Milliseconds(100);
+  absl::Duration max_backoff = absl::Seconds(2);
 };
 
 // Per-call settings that override ClientOptions.
@@ -91,8 +100,20 @@ class Client {
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
 };
 
-// Channel arguments for `options` (message limits, keepalive).
+// Channel arguments for `options` (message limits, keepalive, and the service config holding the
+// load-balancing policy and the retry policy).
 grpc::ChannelArguments MakeChannelArguments(const ClientOptions& options);
+
+// gRPC's target for `target`: a comma-separated list of host:port ("10.0.0.1:50051,10.0.0.2:50051")
+// becomes "ipv4:..." (or "ipv6:..." for bracketed hosts; "localhost" is 127.0.0.1), so one channel
+// spreads calls over all of them; anything else (one address, "dns:///...", "ipv4:a,b") is
+// returned unchanged.
+std::string ChannelTarget(const std::string& target);
+
+// The service config JSON for `options`: loadBalancingConfig and, when max_attempts > 1, a
+// retryPolicy for UNAVAILABLE on every method of attention.v1.Attention and grpc.health.v1.Health.
+// Empty when neither applies.
+std::string ServiceConfigJson(const ClientOptions& options);
 
 // A grpc::Status as an absl::Status: same code, same message.
 absl::Status ToAbslStatus(const grpc::Status& status);

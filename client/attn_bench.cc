@@ -1,0 +1,633 @@
+// attn_bench: a load generator for the attention service, in the manner of perf_analyzer and ghz.
+// It keeps --concurrency requests in flight (closed loop) or issues --rate requests per second
+// (open loop, at most --concurrency in flight; latency counts from the scheduled send time, so a
+// server that falls behind is charged for the wait), over unary calls or AttendStream, and reports
+// requests/s, payload GB/s, attention TFLOP/s, latency percentiles and errors by code.
+//
+//   attn_bench --target=localhost:50051 --shape=1,8,128,64 --dtype=float16 --concurrency=32
+//       --duration_s=10 [--rate=500] [--rpc=stream] [--json]
+//   attn_bench --target=10.0.0.1:50051,10.0.0.2:50051 ...     # round-robin over both
+//
+// The echo anchor: attn_echo_server (bench/echo) receives the same q, k, v bytes and returns q's.
+// --echo drives it instead of the attention service; --echo_target=ADDR runs the attention
+// phase and then the same load against the echo server, and reports both side by side (payload
+// GB/s ratio, p50 difference), so the service's overhead is set against the transport's limit.
+//
+// Exit status: 0 done (even with failed calls: they are counted by code); 2 bad flags.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "bench/echo/echo.grpc.pb.h"
+#include "client/attention_client.h"
+#include "client/request_builder.h"
+#include "client/tensors.h"
+
+ABSL_FLAG(std::string, target, "localhost:50051",
+          "server address host:port, or several comma-separated (balanced round-robin)");
+ABSL_FLAG(bool, echo, false, "--target is an attn_echo_server: measure the transport alone");
+ABSL_FLAG(std::string, echo_target, "",
+          "also run the same load against this attn_echo_server after the attention phase");
+ABSL_FLAG(int, concurrency, 1, "requests in flight at most (closed loop: always)");
+ABSL_FLAG(std::optional<double>, rate, std::nullopt,
+          "requests per second, evenly spaced (open loop); absent: closed loop");
+ABSL_FLAG(double, duration_s, 10, "measured seconds (after the warmup); ignored with --requests");
+ABSL_FLAG(int64_t, requests, 0, "measured requests; 0: run for --duration_s");
+ABSL_FLAG(double, warmup_s, 1, "seconds of load before measuring starts");
+ABSL_FLAG(std::string, shape, "1,8,128,64", "B,H,N,D: batch, query heads, query length, head dim");
+ABSL_FLAG(std::optional<int64_t>, kv_heads, std::nullopt, "key/value heads (default: H)");
+ABSL_FLAG(std::optional<int64_t>, nk, std::nullopt, "key length (default: N)");
+ABSL_FLAG(std::string, dtype, "float16", "float32 | float16 | bfloat16");
+ABSL_FLAG(std::string, layout, "bhsd", "bhsd | bshd");
+ABSL_FLAG(bool, causal, false, "causal mask (bottom-right aligned)");
+ABSL_FLAG(bool, lse, false, "ask for the log-sum-exp too");
+ABSL_FLAG(std::string, rpc, "unary", "unary (one call per request) | stream (AttendStream)");
+ABSL_FLAG(double, deadline_s, 60, "deadline per unary call, seconds");
+ABSL_FLAG(int, max_attempts, 1, "attempts per call on UNAVAILABLE (gRPC retry policy)");
+ABSL_FLAG(bool, json, false, "print one JSON object with the results as the last line");
+ABSL_FLAG(bool, progress, true, "print a progress line on stderr every second");
+
+namespace attention::client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+struct LoadSettings {
+  int concurrency = 1;
+  std::optional<double> rate;
+  double duration_s = 10;
+  int64_t requests = 0;
+  double warmup_s = 1;
+  bool stream = false;
+  absl::Duration deadline = absl::Seconds(60);
+  bool progress = true;
+};
+
+// What one finished request tells the recorder.
+struct Completion {
+  Clock::time_point start;  // sent (closed loop) or scheduled (open loop)
+  grpc::Status status;
+  int64_t response_bytes = 0;
+  double compute_us = 0;  // the server's ServerTiming.compute_us; 0 for the echo server
+};
+
+// Latencies, bytes and error codes of the measured requests, plus a per-second window for the
+// progress line. Shared by gRPC's callback threads.
+class Recorder {
+ public:
+  Recorder(Clock::time_point measure_from, int64_t request_bytes)
+      : measure_from_(measure_from), request_bytes_(request_bytes) {}
+
+  void Add(const Completion& c) {
+    const Clock::time_point now = Clock::now();
+    const double latency = Seconds(now - c.start);
+    std::lock_guard<std::mutex> lock(mu_);
+    window_.push_back(latency);
+    if (!c.status.ok()) ++window_errors_;
+    if (c.start < measure_from_) return;
+    last_completion_ = std::max(last_completion_, now);
+    if (!c.status.ok()) {
+      ++errors_[c.status.error_code()];
+      return;
+    }
+    latencies_.push_back(latency);
+    compute_us_.push_back(c.compute_us);
+    payload_bytes_ += request_bytes_ + c.response_bytes;
+  }
+
+  // Latencies and error count since the last call.
+  std::pair<std::vector<double>, int64_t> TakeWindow() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::pair<std::vector<double>, int64_t> out{std::move(window_), window_errors_};
+    window_.clear();
+    window_errors_ = 0;
+    return out;
+  }
+
+  Clock::time_point measure_from() const { return measure_from_; }
+  // Only after the run (no callbacks left).
+  std::vector<double>& latencies() { return latencies_; }
+  std::vector<double>& compute_us() { return compute_us_; }
+  const std::map<grpc::StatusCode, int64_t>& errors() const { return errors_; }
+  int64_t payload_bytes() const { return payload_bytes_; }
+  Clock::time_point last_completion() const { return last_completion_; }
+
+ private:
+  const Clock::time_point measure_from_;
+  const int64_t request_bytes_;
+  std::mutex mu_;
+  std::vector<double> window_;
+  int64_t window_errors_ = 0;
+  std::vector<double> latencies_;
+  std::vector<double> compute_us_;
+  std::map<grpc::StatusCode, int64_t> errors_;
+  int64_t payload_bytes_ = 0;
+  Clock::time_point last_completion_ = measure_from_;
+};
+
+// One request in flight at a time. `done` runs on a gRPC thread; `retire` says the slot cannot
+// carry more requests (its stream ended).
+class Slot {
+ public:
+  using DoneFn = std::function<void(Slot*, const Completion&, bool retire)>;
+  virtual ~Slot() = default;
+  virtual void Send(Clock::time_point start) = 0;
+  // Ends the slot's stream, if it has one, and waits for it; no request may be in flight.
+  virtual void Close() {}
+};
+
+// How to call one service: the attention service and the echo service differ only here.
+template <class Req, class Resp>
+struct Rpcs {
+  std::function<void(grpc::ClientContext*, const Req*, Resp*, std::function<void(grpc::Status)>)>
+      unary;
+  std::function<void(grpc::ClientContext*, grpc::ClientBidiReactor<Req, Resp>*)> stream;
+  std::function<int64_t(const Resp&)> response_bytes;
+  std::function<double(const Resp&)> compute_us;
+};
+
+template <class Req, class Resp>
+class UnarySlot final : public Slot {
+ public:
+  UnarySlot(const Req& request, const Rpcs<Req, Resp>& rpcs, absl::Duration deadline, DoneFn done)
+      : request_(request), rpcs_(rpcs), deadline_(deadline), done_(std::move(done)) {}
+
+  void Send(Clock::time_point start) override {
+    struct Call {
+      grpc::ClientContext context;
+      Resp response;
+    };
+    auto* call = new Call;
+    call->context.set_deadline(absl::ToChronoTime(absl::Now() + deadline_));
+    rpcs_.unary(&call->context, &request_, &call->response, [this, call, start](grpc::Status s) {
+      std::unique_ptr<Call> owned(call);
+      Completion c{start, s};
+      if (s.ok()) {
+        c.response_bytes = rpcs_.response_bytes(owned->response);
+        c.compute_us = rpcs_.compute_us(owned->response);
+      }
+      // The context holds a channel reference: it must go before `done_` lets the run end and
+      // the channel's owner release it, or the channel would be destroyed on this gRPC thread.
+      owned.reset();
+      done_(this, c, /*retire=*/false);
+    });
+  }
+
+ private:
+  const Req& request_;
+  const Rpcs<Req, Resp>& rpcs_;
+  const absl::Duration deadline_;
+  DoneFn done_;
+};
+
+// A stream carrying one request at a time: write, read its response, repeat. The response can
+// arrive before the write's completion; a request is done when both have come, since the next
+// write may start only after the last one completed.
+template <class Req, class Resp>
+class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> {
+ public:
+  StreamSlot(const Req& request, const Rpcs<Req, Resp>& rpcs, DoneFn done)
+      : request_(request), rpcs_(rpcs), done_(std::move(done)) {
+    rpcs_.stream(&context_, this);
+    this->StartCall();
+  }
+
+  void Send(Clock::time_point start) override {
+    start_ = start;
+    in_flight_ = true;
+    pending_ = 2;
+    this->StartRead(&response_);
+    this->StartWrite(&request_);
+  }
+
+  void Close() override {
+    if (!finished_.load()) this->StartWritesDone();
+    ended_.get_future().wait();
+  }
+
+ private:
+  // A failed write shows as a failed read.
+  void OnWriteDone(bool /*ok*/) override {
+    if (--pending_ == 0) Complete();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // the stream is over; OnDone brings its status
+    if (--pending_ == 0) Complete();
+  }
+
+  void Complete() {
+    in_flight_ = false;
+    done_(this, Completion{start_, grpc::Status::OK, rpcs_.response_bytes(response_),
+                           rpcs_.compute_us(response_)},
+          /*retire=*/false);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    finished_ = true;
+    if (in_flight_) {
+      in_flight_ = false;
+      done_(this,
+            Completion{start_, status.ok() ? grpc::Status(grpc::StatusCode::DATA_LOSS,
+                                                          "stream ended without a response")
+                                           : status},
+            /*retire=*/true);
+    }
+    ended_.set_value();
+  }
+
+  const Req& request_;
+  const Rpcs<Req, Resp>& rpcs_;
+  DoneFn done_;
+  grpc::ClientContext context_;
+  Resp response_;
+  Clock::time_point start_;
+  std::atomic<bool> in_flight_{false};  // set by Send, cleared by the callbacks
+  std::atomic<int> pending_{0};          // of the write and the read of the request in flight
+  std::atomic<bool> finished_{false};
+  std::promise<void> ended_;
+};
+
+struct PhaseResult {
+  std::string name;
+  int64_t ok = 0;
+  double elapsed_s = 0;
+  double requests_per_s = 0;
+  double payload_gb_per_s = 0;
+  double tflop_per_s = 0;
+  double p50 = 0, p90 = 0, p99 = 0, p999 = 0, max = 0;  // seconds
+  double compute_us_p50 = 0;
+  std::map<grpc::StatusCode, int64_t> errors;
+};
+
+double Percentile(const std::vector<double>& sorted, double p) {
+  if (sorted.empty()) return 0;
+  const size_t i = static_cast<size_t>(p * static_cast<double>(sorted.size() - 1) + 0.5);
+  return sorted[std::min(i, sorted.size() - 1)];
+}
+
+const char* CodeName(grpc::StatusCode code) {
+  static const char* const kNames[] = {
+      "OK",          "CANCELLED",          "UNKNOWN",        "INVALID_ARGUMENT",
+      "DEADLINE_EXCEEDED", "NOT_FOUND",    "ALREADY_EXISTS", "PERMISSION_DENIED",
+      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL",         "UNAVAILABLE",    "DATA_LOSS",
+      "UNAUTHENTICATED"};
+  const int i = static_cast<int>(code);
+  return i >= 0 && i < 17 ? kNames[i] : "?";
+}
+
+std::string ErrorsText(const std::map<grpc::StatusCode, int64_t>& errors) {
+  if (errors.empty()) return "none";
+  std::vector<std::string> parts;
+  for (const auto& [code, n] : errors) parts.push_back(absl::StrCat(CodeName(code), "=", n));
+  return absl::StrJoin(parts, " ");
+}
+
+// Drives `settings`' load through slots made by `make_slot` and measures it.
+PhaseResult RunPhase(const std::string& name, const LoadSettings& settings,
+                     int64_t request_bytes, double flops_per_request,
+                     const std::function<std::unique_ptr<Slot>(Slot::DoneFn)>& make_slot) {
+  const Clock::time_point t0 = Clock::now();
+  const Clock::time_point measure_from =
+      t0 + std::chrono::duration_cast<Clock::duration>(
+               std::chrono::duration<double>(settings.warmup_s));
+  const Clock::time_point end =
+      measure_from + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(settings.duration_s));
+  Recorder recorder(measure_from, request_bytes);
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Slot*> free_slots;
+  int in_flight = 0;
+  int live_slots = settings.concurrency;
+  Slot::DoneFn done = [&](Slot* slot, const Completion& c, bool retire) {
+    recorder.Add(c);
+    std::lock_guard<std::mutex> lock(mu);
+    --in_flight;
+    if (retire) {
+      --live_slots;
+    } else {
+      free_slots.push_back(slot);
+    }
+    cv.notify_all();
+  };
+  std::vector<std::unique_ptr<Slot>> slots;
+  for (int i = 0; i < settings.concurrency; ++i) {
+    slots.push_back(make_slot(done));
+    free_slots.push_back(slots.back().get());
+  }
+
+  std::atomic<bool> running{true};
+  std::thread progress([&] {
+    if (!settings.progress) return;
+    Clock::time_point next = t0;
+    while (running.load()) {
+      next += std::chrono::seconds(1);
+      std::this_thread::sleep_until(next);
+      auto [window, errors] = recorder.TakeWindow();
+      std::sort(window.begin(), window.end());
+      std::fprintf(stderr, "[%s %5.1fs%s] %6zu done/s  p50 %8.3f ms  p99 %8.3f ms  errors %lld\n",
+                   name.c_str(), Seconds(Clock::now() - t0),
+                   Clock::now() < measure_from ? " warmup" : "", window.size(),
+                   Percentile(window, 0.5) * 1e3, Percentile(window, 0.99) * 1e3,
+                   static_cast<long long>(errors));
+    }
+  });
+
+  int64_t issued_measured = 0;
+  for (int64_t i = 0;; ++i) {
+    Slot* slot;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return !free_slots.empty() || live_slots == 0; });
+      if (live_slots == 0) break;
+      slot = free_slots.front();
+      free_slots.pop_front();
+    }
+    Clock::time_point start = Clock::now();
+    if (settings.rate) {
+      const Clock::time_point scheduled =
+          t0 + std::chrono::duration_cast<Clock::duration>(
+                   std::chrono::duration<double>(static_cast<double>(i) / *settings.rate));
+      std::this_thread::sleep_until(scheduled);
+      start = scheduled;
+    }
+    const bool stop = settings.requests > 0 ? issued_measured >= settings.requests : start >= end;
+    if (stop) {
+      std::lock_guard<std::mutex> lock(mu);
+      free_slots.push_back(slot);
+      break;
+    }
+    if (start >= measure_from) ++issued_measured;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++in_flight;
+    }
+    slot->Send(start);
+  }
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return in_flight == 0; });
+  }
+  running = false;
+  progress.join();
+  for (std::unique_ptr<Slot>& slot : slots) slot->Close();
+
+  PhaseResult r;
+  r.name = name;
+  std::vector<double>& latencies = recorder.latencies();
+  std::sort(latencies.begin(), latencies.end());
+  std::vector<double>& compute = recorder.compute_us();
+  std::sort(compute.begin(), compute.end());
+  r.ok = static_cast<int64_t>(latencies.size());
+  r.elapsed_s = Seconds(recorder.last_completion() - measure_from);
+  if (r.elapsed_s > 0) {
+    r.requests_per_s = static_cast<double>(r.ok) / r.elapsed_s;
+    r.payload_gb_per_s = static_cast<double>(recorder.payload_bytes()) / r.elapsed_s / 1e9;
+    r.tflop_per_s = flops_per_request * r.requests_per_s / 1e12;
+  }
+  r.p50 = Percentile(latencies, 0.5);
+  r.p90 = Percentile(latencies, 0.9);
+  r.p99 = Percentile(latencies, 0.99);
+  r.p999 = Percentile(latencies, 0.999);
+  r.max = latencies.empty() ? 0 : latencies.back();
+  r.compute_us_p50 = Percentile(compute, 0.5);
+  r.errors = recorder.errors();
+  return r;
+}
+
+void PrintResult(const PhaseResult& r) {
+  std::printf("%s: %lld requests in %.2f s: %.1f requests/s, %.3f GB/s payload, %.4f TFLOP/s\n",
+              r.name.c_str(), static_cast<long long>(r.ok), r.elapsed_s, r.requests_per_s,
+              r.payload_gb_per_s, r.tflop_per_s);
+  std::printf("%s: latency ms p50 %.3f  p90 %.3f  p99 %.3f  p99.9 %.3f  max %.3f\n",
+              r.name.c_str(), r.p50 * 1e3, r.p90 * 1e3, r.p99 * 1e3, r.p999 * 1e3, r.max * 1e3);
+  if (r.compute_us_p50 > 0) {
+    std::printf("%s: server compute p50 %.1f us\n", r.name.c_str(), r.compute_us_p50);
+  }
+  std::printf("%s: errors %s\n", r.name.c_str(), ErrorsText(r.errors).c_str());
+}
+
+std::string ResultJson(const PhaseResult& r) {
+  std::vector<std::string> errors;
+  for (const auto& [code, n] : r.errors) errors.push_back(absl::StrCat("\"", CodeName(code), "\":", n));
+  return absl::StrFormat(
+      "\"requests\":%d,\"elapsed_s\":%.6g,\"requests_per_s\":%.6g,\"payload_gb_per_s\":%.6g,"
+      "\"tflop_per_s\":%.6g,\"p50\":%.6g,\"p90\":%.6g,\"p99\":%.6g,\"p999\":%.6g,\"max\":%.6g,"
+      "\"compute_us_p50\":%.6g,\"errors\":{%s}",
+      r.ok, r.elapsed_s, r.requests_per_s, r.payload_gb_per_s, r.tflop_per_s, r.p50, r.p90, r.p99,
+      r.p999, r.max, r.compute_us_p50, absl::StrJoin(errors, ","));
+}
+
+// Attention FLOPs of one request: 4 * D per (query, visible key) pair (QKᵀ and PV), per head.
+double AttentionFlops(const ProblemSpec& spec) {
+  double pairs = 0;
+  for (int64_t i = 0; i < spec.seqlen_q; ++i) {
+    const int64_t visible =
+        spec.causal ? std::clamp<int64_t>(i + spec.seqlen_k - spec.seqlen_q + 1, 0, spec.seqlen_k)
+                    : spec.seqlen_k;
+    pairs += static_cast<double>(visible);
+  }
+  return 4.0 * static_cast<double>(spec.head_dim * spec.batch * spec.heads_q) * pairs;
+}
+
+absl::StatusOr<ProblemSpec> SpecFromFlags() {
+  ProblemSpec spec;
+  std::vector<int64_t> shape;
+  for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_shape), ',')) {
+    int64_t value;
+    if (!absl::SimpleAtoi(part, &value) || value <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--shape: bad number '", part, "'"));
+    }
+    shape.push_back(value);
+  }
+  if (shape.size() != 4) return absl::InvalidArgumentError("--shape needs B,H,N,D");
+  spec.batch = shape[0];
+  spec.heads_q = shape[1];
+  spec.seqlen_q = shape[2];
+  spec.head_dim = shape[3];
+  spec.heads_kv = absl::GetFlag(FLAGS_kv_heads).value_or(spec.heads_q);
+  spec.seqlen_k = absl::GetFlag(FLAGS_nk).value_or(spec.seqlen_q);
+  absl::StatusOr<v1::DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return dtype.status();
+  spec.dtype = *dtype;
+  const std::string layout = absl::GetFlag(FLAGS_layout);
+  if (layout != "bhsd" && layout != "bshd") {
+    return absl::InvalidArgumentError("--layout must be bhsd or bshd");
+  }
+  spec.layout = layout == "bshd" ? v1::LAYOUT_BSHD : v1::LAYOUT_BHSD;
+  spec.causal = absl::GetFlag(FLAGS_causal);
+  spec.return_lse = absl::GetFlag(FLAGS_lse);
+  return spec;
+}
+
+int Main() {
+  absl::StatusOr<ProblemSpec> spec = SpecFromFlags();
+  const std::string rpc = absl::GetFlag(FLAGS_rpc);
+  LoadSettings load;
+  load.concurrency = absl::GetFlag(FLAGS_concurrency);
+  load.rate = absl::GetFlag(FLAGS_rate);
+  load.duration_s = absl::GetFlag(FLAGS_duration_s);
+  load.requests = absl::GetFlag(FLAGS_requests);
+  load.warmup_s = absl::GetFlag(FLAGS_warmup_s);
+  load.stream = rpc == "stream";
+  load.deadline = absl::Seconds(absl::GetFlag(FLAGS_deadline_s));
+  load.progress = absl::GetFlag(FLAGS_progress);
+  if (!spec.ok() || (rpc != "unary" && rpc != "stream") || load.concurrency < 1 ||
+      (load.rate && *load.rate <= 0)) {
+    std::fprintf(stderr, "attn_bench: %s\n",
+                 !spec.ok() ? std::string(spec.status().message()).c_str()
+                            : "--rpc must be unary or stream, --concurrency >= 1, --rate > 0");
+    return 2;
+  }
+  std::mt19937_64 rng(std::random_device{}());
+  absl::StatusOr<v1::AttendRequest> request = MakeRandomRequest(*spec, rng);
+  if (!request.ok()) {
+    std::fprintf(stderr, "attn_bench: %s\n", std::string(request.status().message()).c_str());
+    return 2;
+  }
+  const int64_t request_bytes = static_cast<int64_t>(
+      request->q().data().size() + request->k().data().size() + request->v().data().size());
+  const double flops = AttentionFlops(*spec);
+  std::printf("attn_bench: %s, %s, concurrency %d, %s, request payload %.2f MiB\n",
+              DescribeProblem(*spec).c_str(), rpc.c_str(), load.concurrency,
+              load.rate ? absl::StrCat("rate ", *load.rate, "/s").c_str() : "closed loop",
+              static_cast<double>(request_bytes) / (1 << 20));
+
+  ClientOptions options;
+  options.deadline = load.deadline;
+  options.max_attempts = absl::GetFlag(FLAGS_max_attempts);
+
+  // The attention service.
+  Rpcs<v1::AttendRequest, v1::AttendResponse> attention_rpcs;
+  std::unique_ptr<v1::Attention::Stub> attention_stub;
+  // The echo service, fed the same bytes.
+  bench::EchoRequest echo_request;
+  echo_request.set_q(request->q().data());
+  echo_request.set_k(request->k().data());
+  echo_request.set_v(request->v().data());
+  Rpcs<bench::EchoRequest, bench::EchoReply> echo_rpcs;
+  std::unique_ptr<bench::Echo::Stub> echo_stub;
+
+  auto channel_for = [&](const std::string& target) {
+    options.target = target;
+    return grpc::CreateCustomChannel(ChannelTarget(target), grpc::InsecureChannelCredentials(),
+                                     MakeChannelArguments(options));
+  };
+  auto attention_slot = [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
+    if (load.stream) {
+      return std::make_unique<StreamSlot<v1::AttendRequest, v1::AttendResponse>>(
+          *request, attention_rpcs, std::move(done));
+    }
+    return std::make_unique<UnarySlot<v1::AttendRequest, v1::AttendResponse>>(
+        *request, attention_rpcs, load.deadline, std::move(done));
+  };
+  auto echo_slot = [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
+    if (load.stream) {
+      return std::make_unique<StreamSlot<bench::EchoRequest, bench::EchoReply>>(
+          echo_request, echo_rpcs, std::move(done));
+    }
+    return std::make_unique<UnarySlot<bench::EchoRequest, bench::EchoReply>>(
+        echo_request, echo_rpcs, load.deadline, std::move(done));
+  };
+
+  const bool echo_only = absl::GetFlag(FLAGS_echo);
+  const std::string echo_target =
+      echo_only ? absl::GetFlag(FLAGS_target) : absl::GetFlag(FLAGS_echo_target);
+  if (!echo_target.empty()) {
+    echo_stub = bench::Echo::NewStub(channel_for(echo_target));
+    echo_rpcs.unary = [&](grpc::ClientContext* c, const bench::EchoRequest* q,
+                          bench::EchoReply* r, std::function<void(grpc::Status)> f) {
+      echo_stub->async()->Echo(c, q, r, std::move(f));
+    };
+    echo_rpcs.stream = [&](grpc::ClientContext* c,
+                           grpc::ClientBidiReactor<bench::EchoRequest, bench::EchoReply>* r) {
+      echo_stub->async()->EchoStream(c, r);
+    };
+    echo_rpcs.response_bytes = [](const bench::EchoReply& r) {
+      return static_cast<int64_t>(r.o().size());
+    };
+    echo_rpcs.compute_us = [](const bench::EchoReply&) { return 0.0; };
+  }
+
+  std::vector<PhaseResult> results;
+  if (!echo_only) {
+    attention_stub = v1::Attention::NewStub(channel_for(absl::GetFlag(FLAGS_target)));
+    attention_rpcs.unary = [&](grpc::ClientContext* c, const v1::AttendRequest* q,
+                               v1::AttendResponse* r, std::function<void(grpc::Status)> f) {
+      attention_stub->async()->Attend(c, q, r, std::move(f));
+    };
+    attention_rpcs.stream =
+        [&](grpc::ClientContext* c,
+            grpc::ClientBidiReactor<v1::AttendRequest, v1::AttendResponse>* r) {
+          attention_stub->async()->AttendStream(c, r);
+        };
+    attention_rpcs.response_bytes = [](const v1::AttendResponse& r) {
+      return static_cast<int64_t>(r.o().data().size() + r.lse().data().size());
+    };
+    attention_rpcs.compute_us = [](const v1::AttendResponse& r) { return r.timing().compute_us(); };
+    results.push_back(RunPhase("attention", load, request_bytes, flops, attention_slot));
+    PrintResult(results.back());
+  }
+  if (!echo_target.empty()) {
+    results.push_back(RunPhase("echo", load, request_bytes, flops, echo_slot));
+    PrintResult(results.back());
+  }
+
+  std::string json;
+  if (results.size() == 2) {
+    const PhaseResult& a = results[0];
+    const PhaseResult& e = results[1];
+    const double ratio = e.payload_gb_per_s > 0 ? a.payload_gb_per_s / e.payload_gb_per_s : 0;
+    std::printf("attention/echo: payload GB/s ratio %.3f, p50 - echo p50 = %.1f us "
+                "(server compute p50 %.1f us)\n",
+                ratio, (a.p50 - e.p50) * 1e6, a.compute_us_p50);
+    json = absl::StrCat("{", ResultJson(a), ",\"echo\":{", ResultJson(e),
+                        absl::StrFormat("},\"payload_ratio_vs_echo\":%.6g,\"p50_minus_echo_s\":%.6g}",
+                                        ratio, a.p50 - e.p50));
+  } else {
+    json = absl::StrCat("{", ResultJson(results[0]), "}");
+  }
+  if (absl::GetFlag(FLAGS_json)) std::printf("%s\n", json.c_str());
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+}  // namespace attention::client
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "attn_bench --target=HOST:PORT[,HOST:PORT...] [--concurrency=N] [--rate=R] "
+      "[--duration_s=S | --requests=N] [--shape=B,H,N,D] [--rpc=unary|stream] "
+      "[--echo | --echo_target=HOST:PORT] [--json]");
+  absl::ParseCommandLine(argc, argv);
+  return attention::client::Main();
+}

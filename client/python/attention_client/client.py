@@ -1,0 +1,192 @@
+"""Client and attend(): numpy arrays or torch tensors in, the same kind out."""
+import grpc
+import numpy as np
+
+from attention_client._stubs import attention_pb2 as pb
+from attention_client._stubs import attention_pb2_grpc as pb_grpc
+
+try:  # optional: numpy's bfloat16
+    import ml_dtypes
+    _ML_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:
+    _ML_BFLOAT16 = None
+
+try:  # optional: torch tensors in and out
+    import torch
+except ImportError:
+    torch = None
+
+_NUMPY_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.float16): pb.DTYPE_FLOAT16}
+_LAYOUTS = {"bhsd": pb.LAYOUT_BHSD, "bshd": pb.LAYOUT_BSHD}
+
+
+class AttentionError(Exception):
+    """A failed call: code is the grpc.StatusCode, details the server's message."""
+
+    def __init__(self, code, details):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+def float32_to_bfloat16_bits(x):
+    """float32 values -> uint16 bfloat16 bits, rounded to nearest even (as the server rounds)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    return np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
+
+
+def bfloat16_bits_to_float32(bits):
+    """uint16 bfloat16 bits -> float32 values (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _to_tensor(x, name, bfloat16_bits):
+    """One input as (pb.Tensor, kind) where kind says how to return the output."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        t = x.detach().contiguous().cpu()
+        if t.dtype == torch.bfloat16:
+            return _tensor(pb.DTYPE_BFLOAT16, t.shape, t.view(torch.int16).numpy()), ("torch", x)
+        if t.dtype not in (torch.float32, torch.float16):
+            raise TypeError(f"{name}: torch dtype {t.dtype} is not float32, float16 or bfloat16")
+        return _tensor(_NUMPY_DTYPES[np.dtype(t.numpy().dtype)], t.shape, t.numpy()), ("torch", x)
+    a = np.asarray(x)
+    if _ML_BFLOAT16 is not None and a.dtype == _ML_BFLOAT16:
+        return _tensor(pb.DTYPE_BFLOAT16, a.shape, a.view(np.uint16)), ("ml_bfloat16", None)
+    if a.dtype == np.uint16 and bfloat16_bits:
+        return _tensor(pb.DTYPE_BFLOAT16, a.shape, a), ("bits", None)
+    if a.dtype not in _NUMPY_DTYPES:
+        raise TypeError(f"{name}: dtype {a.dtype} is not float32, float16 or bfloat16 (ml_dtypes, "
+                        "torch, or uint16 bits with bfloat16_bits=True)")
+    return _tensor(_NUMPY_DTYPES[a.dtype], a.shape, a), ("numpy", None)
+
+
+def _tensor(dtype, shape, array):
+    # The wire format is little-endian, row-major.
+    a = np.ascontiguousarray(array)
+    a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    return pb.Tensor(dtype=dtype, shape=list(shape), data=a.tobytes())
+
+
+def _from_tensor(t, kind):
+    shape = tuple(t.shape)
+    if t.dtype == pb.DTYPE_FLOAT32:
+        a = np.frombuffer(t.data, dtype="<f4").reshape(shape)
+    elif t.dtype == pb.DTYPE_FLOAT16:
+        a = np.frombuffer(t.data, dtype="<f2").reshape(shape)
+    elif t.dtype == pb.DTYPE_BFLOAT16:
+        a = np.frombuffer(t.data, dtype="<u2").reshape(shape)
+        if kind[0] == "ml_bfloat16":
+            a = a.view(_ML_BFLOAT16)
+    else:
+        raise AttentionError(grpc.StatusCode.INTERNAL, f"response tensor has dtype {t.dtype}")
+    a = a.copy()  # frombuffer views are read-only
+    if kind[0] == "torch":
+        if t.dtype == pb.DTYPE_BFLOAT16:  # torch has no uint16: reinterpret through int16
+            out = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        else:
+            out = torch.from_numpy(a.astype(a.dtype.newbyteorder("=")))
+        return out.to(kind[1].device)
+    return a
+
+
+class Client:
+    """One channel to a server; thread-safe, reuse it for many calls.
+
+    target: "host:port", or several "h1:p1,h2:p2" (calls spread round-robin over them).
+    timeout: default deadline per call, seconds. max_attempts > 1 retries UNAVAILABLE calls.
+    """
+
+    def __init__(self, target="localhost:50051", *, timeout=60.0, max_message_bytes=1 << 30,
+                 max_attempts=1, credentials=None, options=()):
+        self.timeout = timeout
+        config = {}
+        if "," in target and "://" not in target and not target.startswith(("ipv4:", "ipv6:")):
+            hosts = [h.strip().replace("localhost:", "127.0.0.1:") for h in target.split(",")]
+            target = ("ipv6:" if any(h.startswith("[") for h in hosts) else "ipv4:") + ",".join(hosts)
+            config["loadBalancingConfig"] = [{"round_robin": {}}]
+        if max_attempts > 1:
+            config["methodConfig"] = [{
+                "name": [{"service": "attention.v1.Attention"}],
+                "retryPolicy": {"maxAttempts": max_attempts, "initialBackoff": "0.1s",
+                                "maxBackoff": "2s", "backoffMultiplier": 2,
+                                "retryableStatusCodes": ["UNAVAILABLE"]}}]
+        opts = [("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes)]
+        if config:
+            import json
+            opts.append(("grpc.service_config", json.dumps(config)))
+            opts.append(("grpc.per_rpc_retry_buffer_size", max_message_bytes))
+        opts.extend(options)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=opts)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=opts)
+        self._stub = pb_grpc.AttentionStub(self._channel)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def attend(self, q, k, v, *, causal=False, softmax_scale=None, window_left=None,
+               window_right=None, layout="bhsd", return_lse=False, cu_seqlens_q=None,
+               cu_seqlens_k=None, bfloat16_bits=False, timeout=None, request_id="",
+               metadata=None):
+        """O = softmax(scale * Q Kᵀ + mask) V on the server.
+
+        q: [B, Hq, Nq, D] (layout "bhsd") or [B, Nq, Hq, D] ("bshd"); k, v: [B, Hkv, Nk, D]
+        likewise. Varlen: q [total_q, Hq, D], k and v [total_k, Hkv, D] with cu_seqlens_q and
+        cu_seqlens_k (B+1 offsets each; cu_seqlens_k defaults to cu_seqlens_q).
+        Returns o (same kind, dtype and shape as q), or (o, lse) with return_lse: lse float32
+        [B, Hq, Nq] (varlen [Hq, total_q]). Raises AttentionError with the gRPC status code.
+        """
+        tq, kind = _to_tensor(q, "q", bfloat16_bits)
+        tk, _ = _to_tensor(k, "k", bfloat16_bits)
+        tv, _ = _to_tensor(v, "v", bfloat16_bits)
+        if layout not in _LAYOUTS:
+            raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
+        request = pb.AttendRequest(request_id=request_id, q=tq, k=tk, v=tv,
+                                   layout=_LAYOUTS[layout], causal=causal, return_lse=return_lse)
+        if softmax_scale is not None:
+            request.softmax_scale = softmax_scale
+        if window_left is not None:
+            request.window_left = window_left
+        if window_right is not None:
+            request.window_right = window_right
+        if cu_seqlens_q is not None:
+            request.cu_seqlens_q.extend(int(x) for x in cu_seqlens_q)
+            request.cu_seqlens_k.extend(
+                int(x) for x in (cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k))
+        try:
+            response = self._stub.Attend(request, timeout=self.timeout if timeout is None else timeout,
+                                         metadata=metadata)
+        except grpc.RpcError as e:
+            raise AttentionError(e.code(), e.details()) from None
+        o = _from_tensor(response.o, kind)
+        if not return_lse:
+            return o
+        lse = np.frombuffer(response.lse.data, dtype="<f4").reshape(tuple(response.lse.shape)).copy()
+        if kind[0] == "torch":
+            lse = torch.from_numpy(lse.astype(np.float32)).to(kind[1].device)
+        return o, lse
+
+    def server_info(self, timeout=None):
+        """The server's attention.v1.ServerInfo message."""
+        try:
+            return self._stub.GetServerInfo(pb.GetServerInfoRequest(),
+                                            timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as e:
+            raise AttentionError(e.code(), e.details()) from None
+
+
+def attend(q, k, v, *, target="localhost:50051", **kwargs):
+    """One call on a fresh channel; for many calls, keep a Client."""
+    timeout = kwargs.pop("timeout", 60.0)
+    with Client(target, timeout=timeout) as client:
+        return client.attend(q, k, v, **kwargs)

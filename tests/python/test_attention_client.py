@@ -1,0 +1,256 @@
+"""The Python client (client/python) against the real attention_server (CPU backend).
+
+Each result is compared with a numpy float64 reference of the API's semantics (bottom-right
+aligned masks, GQA, LSE, varlen) by relative error ||o - ref|| / ||ref||, within the API's
+bounds: 1e-5 for float32, 1e-2 for float16 and bfloat16. Inputs are fresh random each run; the
+seed is printed, and a failure message repeats it.
+
+Run by ctest (label "python"), which sets PYTHONPATH (the package and its generated stubs) and
+ATTENTION_SERVER_BINARY. Exits 77 (skipped) when grpcio or numpy is missing.
+"""
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+try:
+    import numpy as np
+    import attention_client
+    from attention_client import AttentionError, Client
+    import grpc
+except ImportError as e:  # the Debian packages of scripts/install_deps.sh are missing
+    print(f"python_client: skipped: {e}")
+    sys.exit(77)
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+try:
+    import torch
+except ImportError:
+    torch = None
+
+SEED = random.SystemRandom().randrange(1 << 32)
+print(f"python_client: seed {SEED}", flush=True)
+
+F32_BOUND = 1e-5
+F16_BOUND = 1e-2
+
+
+def reference(q, k, v, causal=False, scale=None, window_left=None, window_right=None):
+    """float64 attention for BHSD q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D].
+
+    Returns o [B, Hq, Nq, D] and lse [B, Hq, Nq]; a row that sees no key has o = 0, lse = -inf.
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    group = hq // hkv
+    k = np.repeat(k, group, axis=1)  # query head h reads kv head h // group
+    v = np.repeat(v, group, axis=1)
+    s = scale * np.einsum("bhid,bhjd->bhij", q, k)
+    i = np.arange(nq)[:, None]
+    j = np.arange(nk)[None, :]
+    right = 0 if causal else window_right
+    visible = np.ones((nq, nk), dtype=bool)
+    if window_left is not None:
+        visible &= j >= i + nk - nq - window_left
+    if right is not None:
+        visible &= j <= i + nk - nq + right
+    s = np.where(visible, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m_safe)
+    l = p.sum(axis=-1, keepdims=True)
+    o = np.einsum("bhij,bhjd->bhid", p, v) / np.where(l > 0, l, 1.0)
+    with np.errstate(divide="ignore"):
+        lse = (np.log(l) + m_safe)[..., 0]
+    lse = np.where(l[..., 0] > 0, lse, -np.inf)
+    return o, lse
+
+
+def rel_error(out, ref):
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300)
+
+
+def lse_error(out, ref):
+    """Relative error over the finite entries; -inf must match exactly."""
+    out = np.asarray(out, dtype=np.float64)
+    finite = np.isfinite(ref)
+    if not np.array_equal(np.isneginf(out), np.isneginf(ref)):
+        return np.inf
+    return rel_error(out[finite], ref[finite])
+
+
+class ServerTest(unittest.TestCase):
+    """One CPU server for the whole class, on free ports learnt from its port file."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.rng = np.random.default_rng(SEED)
+        cls.dir = tempfile.mkdtemp(prefix="python_client_")
+        port_file = os.path.join(cls.dir, "port")
+        cls.log = open(os.path.join(cls.dir, "server.log"), "w+")
+        cls.server = subprocess.Popen(
+            [os.environ["ATTENTION_SERVER_BINARY"], "--backend=cpu", "--host=127.0.0.1",
+             "--port=0", "--metrics_port=0", "--threads=2", f"--port_file={port_file}"],
+            stdout=cls.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(port_file) or not open(port_file).read().strip():
+            if cls.server.poll() is not None or time.monotonic() > deadline:
+                cls.server.kill()
+                cls.log.seek(0)
+                raise RuntimeError("attention_server did not start:\n" + cls.log.read())
+            time.sleep(0.05)
+        cls.port = int(open(port_file).read().split()[0])
+        cls.client = Client(f"127.0.0.1:{cls.port}", timeout=60)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.send_signal(signal.SIGTERM)
+        code = cls.server.wait(timeout=60)
+        cls.log.close()
+        shutil.rmtree(cls.dir, ignore_errors=True)
+        assert code == 0, f"attention_server exited with {code}"
+
+    def normal(self, *shape):
+        return self.rng.standard_normal(shape).astype(np.float32)
+
+    def qkv(self, b=2, hq=4, hkv=2, nq=37, nk=53, d=64):
+        return self.normal(b, hq, nq, d), self.normal(b, hkv, nk, d), self.normal(b, hkv, nk, d)
+
+    def assertWithin(self, err, bound, what):
+        self.assertLessEqual(err, bound, f"{what}: relative error {err:.3g} > {bound} (seed {SEED})")
+
+
+class Float32Test(ServerTest):
+    def test_dense_gqa_with_lse(self):
+        q, k, v = self.qkv()
+        o, lse = self.client.attend(q, k, v, return_lse=True)
+        self.assertEqual(o.dtype, np.float32)
+        self.assertEqual(o.shape, q.shape)
+        self.assertEqual(lse.shape, q.shape[:3])
+        ref_o, ref_lse = reference(q, k, v)
+        self.assertWithin(rel_error(o, ref_o), F32_BOUND, "o")
+        self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, "lse")
+
+    def test_causal_nq_greater_than_nk_has_empty_rows(self):
+        # Bottom-right alignment: with Nq > Nk the first Nq - Nk rows see no key.
+        q, k, v = self.qkv(b=1, hq=2, hkv=2, nq=40, nk=24, d=32)
+        o, lse = self.client.attend(q, k, v, causal=True, return_lse=True)
+        ref_o, ref_lse = reference(q, k, v, causal=True)
+        self.assertWithin(rel_error(o, ref_o), F32_BOUND, "o")
+        self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, "lse")
+        self.assertTrue(np.all(o[:, :, :16] == 0) and np.all(np.isneginf(lse[:, :, :16])))
+
+    def test_window_and_scale(self):
+        q, k, v = self.qkv(nq=64, nk=64)
+        o = self.client.attend(q, k, v, window_left=7, window_right=3, softmax_scale=0.3)
+        ref_o, _ = reference(q, k, v, window_left=7, window_right=3, scale=0.3)
+        self.assertWithin(rel_error(o, ref_o), F32_BOUND, "o")
+
+    def test_bshd_layout(self):
+        q, k, v = self.qkv()
+        o = self.client.attend(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), layout="bshd")
+        ref_o, _ = reference(q, k, v)
+        self.assertWithin(rel_error(o.transpose(0, 2, 1, 3), ref_o), F32_BOUND, "o")
+
+    def test_varlen_with_lse(self):
+        lens_q, lens_k = [5, 33, 1], [17, 8, 40]
+        hq, hkv, d = 4, 1, 64
+        cu_q, cu_k = np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
+        q = self.normal(cu_q[-1], hq, d)
+        k = self.normal(cu_k[-1], hkv, d)
+        v = self.normal(cu_k[-1], hkv, d)
+        o, lse = self.client.attend(q, k, v, causal=True, return_lse=True, cu_seqlens_q=cu_q,
+                                    cu_seqlens_k=cu_k)
+        self.assertEqual(o.shape, q.shape)
+        self.assertEqual(lse.shape, (hq, cu_q[-1]))
+        ref_o = np.zeros(q.shape)
+        ref_lse = np.zeros((hq, cu_q[-1]))
+        for b in range(len(lens_q)):
+            sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            # packed [n, H, D] -> [1, H, n, D]
+            item = [x[s].transpose(1, 0, 2)[None] for x, s in ((q, sq), (k, sk), (v, sk))]
+            ob, lb = reference(*item, causal=True)
+            ref_o[sq] = ob[0].transpose(1, 0, 2)
+            ref_lse[:, sq] = lb[0]
+        self.assertWithin(rel_error(o, ref_o), F32_BOUND, "o")
+        self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, "lse")
+
+    def test_errors_carry_the_status_code(self):
+        q, k, v = self.qkv()
+        with self.assertRaises(AttentionError) as caught:
+            self.client.attend(q, k[:, :, :, :32], v)
+        self.assertEqual(caught.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+
+    def test_several_addresses_round_robin(self):
+        q, k, v = self.qkv(b=1, nq=16, nk=16)
+        with Client(f"127.0.0.1:{self.port},localhost:{self.port}") as client:
+            for _ in range(3):
+                o = client.attend(q, k, v)
+                self.assertWithin(rel_error(o, reference(q, k, v)[0]), F32_BOUND, "o")
+
+    def test_module_level_attend(self):
+        q, k, v = self.qkv(b=1, nq=16, nk=16)
+        o = attention_client.attend(q, k, v, target=f"127.0.0.1:{self.port}")
+        self.assertWithin(rel_error(o, reference(q, k, v)[0]), F32_BOUND, "o")
+
+
+class HalfPrecisionTest(ServerTest):
+    def test_float16(self):
+        q, k, v = (x.astype(np.float16) for x in self.qkv())
+        o, lse = self.client.attend(q, k, v, causal=True, return_lse=True)
+        self.assertEqual(o.dtype, np.float16)
+        ref_o, ref_lse = reference(q, k, v, causal=True)
+        self.assertWithin(rel_error(o, ref_o), F16_BOUND, "o")
+        self.assertWithin(lse_error(lse, ref_lse), F16_BOUND, "lse")
+
+    def test_bfloat16_bits(self):
+        # Without ml_dtypes or torch: uint16 bfloat16 bits in and out.
+        q, k, v = (attention_client.float32_to_bfloat16_bits(x) for x in self.qkv())
+        o = self.client.attend(q, k, v, bfloat16_bits=True)
+        self.assertEqual(o.dtype, np.uint16)
+        ref_o, _ = reference(*(attention_client.bfloat16_bits_to_float32(x) for x in (q, k, v)))
+        self.assertWithin(rel_error(attention_client.bfloat16_bits_to_float32(o), ref_o),
+                          F16_BOUND, "o")
+
+    @unittest.skipIf(ml_dtypes is None, "ml_dtypes is not installed")
+    def test_bfloat16_ml_dtypes(self):
+        q, k, v = (x.astype(ml_dtypes.bfloat16) for x in self.qkv())
+        o = self.client.attend(q, k, v)
+        self.assertEqual(o.dtype, np.dtype(ml_dtypes.bfloat16))
+        ref_o, _ = reference(*(x.astype(np.float32) for x in (q, k, v)))
+        self.assertWithin(rel_error(o.astype(np.float32), ref_o), F16_BOUND, "o")
+
+    @unittest.skipIf(torch is None, "torch is not installed")
+    def test_torch_bfloat16_and_float16(self):
+        for dtype in (torch.bfloat16, torch.float16):
+            q, k, v = (torch.from_numpy(x).to(dtype) for x in self.qkv())
+            o, lse = self.client.attend(q, k, v, causal=True, return_lse=True)
+            self.assertIsInstance(o, torch.Tensor)
+            self.assertEqual(o.dtype, dtype)
+            ref_o, ref_lse = reference(*(x.float().numpy() for x in (q, k, v)), causal=True)
+            self.assertWithin(rel_error(o.float().numpy(), ref_o), F16_BOUND, f"o {dtype}")
+            self.assertWithin(lse_error(lse.numpy(), ref_lse), F16_BOUND, f"lse {dtype}")
+
+    def test_bfloat16_rounding_matches_nearest_even(self):
+        x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38], dtype=np.float32)
+        bits = attention_client.float32_to_bfloat16_bits(x)
+        # 1 + 2^-8 is a tie and rounds to even (1.0); 1 + 3 * 2^-8 rounds up to 1 + 2^-6.
+        np.testing.assert_array_equal(attention_client.bfloat16_bits_to_float32(bits)[:4],
+                                      np.array([1.0, 1.0, 1.015625, -2.5], dtype=np.float32))
+
+
+if __name__ == "__main__":
+    unittest.main()

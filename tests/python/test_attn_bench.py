@@ -1,0 +1,87 @@
+"""attn_bench against the real attention_server and attn_echo_server: a short run in each RPC
+mode must finish without errors and print, as its last line, one JSON object with the keys
+dashboards read (p50, p99 in seconds, requests_per_s), for both phases. Also a target listing two
+addresses (round-robin) and the open-loop --rate mode.
+
+Run by ctest (label "python"), which sets ATTENTION_SERVER_BINARY, ATTN_BENCH_BINARY and
+ATTN_ECHO_SERVER_BINARY. Needs only the standard library.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+
+
+def start(args, port_file):
+    """Starts a server writing its port to port_file; returns (process, port)."""
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not (os.path.exists(port_file) and open(port_file).read().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{args[0]} did not start")
+        time.sleep(0.05)
+    return proc, int(open(port_file).read().split()[0])
+
+
+class AttnBenchTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="attn_bench_test_")
+        cls.server, cls.port = start(
+            [os.environ["ATTENTION_SERVER_BINARY"], "--backend=cpu", "--host=127.0.0.1",
+             "--port=0", "--metrics_port=0", f"--port_file={cls.dir}/server"], f"{cls.dir}/server")
+        cls.echo, cls.echo_port = start(
+            [os.environ["ATTN_ECHO_SERVER_BINARY"], "--port=0", f"--port_file={cls.dir}/echo"],
+            f"{cls.dir}/echo")
+
+    @classmethod
+    def tearDownClass(cls):
+        for proc in (cls.server, cls.echo):
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def bench(self, *flags):
+        out = subprocess.run(
+            [os.environ["ATTN_BENCH_BINARY"], "--progress=false", "--json", "--warmup_s=0.2",
+             "--shape=1,4,64,64", *flags],
+            capture_output=True, text=True, timeout=120, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    def check_phase(self, result, requests):
+        self.assertEqual(result["errors"], {})
+        self.assertEqual(result["requests"], requests)
+        for key in ("requests_per_s", "payload_gb_per_s", "tflop_per_s", "p50", "p99", "max"):
+            self.assertGreater(result[key], 0, key)
+        self.assertLessEqual(result["p50"], result["p99"])
+        self.assertLessEqual(result["p99"], result["max"])
+
+    def test_unary_and_stream_with_echo(self):
+        for rpc in ("unary", "stream"):
+            r = self.bench(f"--target=127.0.0.1:{self.port}",
+                           f"--echo_target=127.0.0.1:{self.echo_port}", f"--rpc={rpc}",
+                           "--concurrency=4", "--requests=40")
+            self.check_phase(r, 40)
+            self.check_phase(r["echo"], 40)
+            self.assertGreater(r["payload_ratio_vs_echo"], 0)
+            self.assertGreater(r["compute_us_p50"], 0)
+
+    def test_round_robin_targets_and_rate(self):
+        r = self.bench(f"--target=127.0.0.1:{self.port},localhost:{self.port}", "--rate=100",
+                       "--concurrency=4", "--duration_s=0.5")
+        self.assertEqual(r["errors"], {})
+        self.assertGreater(r["requests"], 20)
+
+    def test_errors_are_counted_by_code(self):
+        # Hq % Hkv != 0: every call fails with INVALID_ARGUMENT.
+        r = self.bench(f"--target=127.0.0.1:{self.port}", "--kv_heads=3", "--requests=5")
+        self.assertEqual(r["errors"], {"INVALID_ARGUMENT": 5})
+
+
+if __name__ == "__main__":
+    unittest.main()
