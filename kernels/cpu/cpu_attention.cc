@@ -240,8 +240,18 @@ struct Scratch {
   }
 };
 
+// The hot function in three builds, picked at load time by an ifunc resolver. ThreadSanitizer
+// builds use the baseline one alone: GCC instruments the resolver, which runs during relocation,
+// before the TSan runtime is up.
+#if defined(__SANITIZE_THREAD__)
+#define ATTENTION_MULTIVERSIONED
+#else
+#define ATTENTION_MULTIVERSIONED \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+
 // Computes one work item: rows [row0, row0 + kBlockM) of (batch, head).
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void ComputeBlock(
+ATTENTION_MULTIVERSIONED void ComputeBlock(
     const AttentionParams& p, const WorkItem& item, Scratch& scratch) {
   const int64_t d = p.head_dim;
   const int64_t d_pad = RoundUp(d, kNr);
