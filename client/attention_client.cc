@@ -78,9 +78,17 @@ absl::Status ToAbslStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
+std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const ClientOptions& options) {
+  if (!options.tls) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = options.tls->root_certs_pem;
+  ssl.pem_cert_chain = options.tls->client_cert_pem;
+  ssl.pem_private_key = options.tls->client_key_pem;
+  return grpc::SslCredentials(ssl);
+}
+
 Client::Client(const ClientOptions& options)
-    : Client(grpc::CreateCustomChannel(ChannelTarget(options.target),
-                                       grpc::InsecureChannelCredentials(),
+    : Client(grpc::CreateCustomChannel(ChannelTarget(options.target), ChannelCredentials(options),
                                        MakeChannelArguments(options)),
              options) {}
 
@@ -95,6 +103,11 @@ std::unique_ptr<grpc::ClientContext> Client::NewContext(const CallOptions& call)
   const absl::Duration deadline =
       call.deadline > absl::ZeroDuration() ? call.deadline : options_.deadline;
   context->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  // Metadata rather than call credentials, which gRPC sends only over TLS: a plaintext channel on
+  // loopback or inside a mesh may carry the token too.
+  if (!options_.bearer_token.empty()) {
+    context->AddMetadata("authorization", absl::StrCat("Bearer ", options_.bearer_token));
+  }
   return context;
 }
 

@@ -11,6 +11,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,17 @@ struct ClientOptions {
   int max_attempts = 1;
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(2);
+  // Transport security. Absent: plaintext. With it, TLS verified against `root_certs_pem` (empty:
+  // the system's roots), presenting `client_cert_pem`/`client_key_pem` when set (mutual TLS).
+  struct Tls {
+    std::string root_certs_pem;
+    std::string client_cert_pem;
+    std::string client_key_pem;
+  };
+  std::optional<Tls> tls;
+  // Sent as `authorization: Bearer <token>` on every call when not empty (servers started with
+  // --auth_token_file require it). Use it with TLS: over plaintext it travels in the clear.
+  std::string bearer_token;
 };
 
 // Per-call settings that override ClientOptions.
@@ -99,6 +111,9 @@ class Client {
   std::unique_ptr<v1::Attention::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
 };
+
+// Channel credentials for `options`: TLS (or mutual TLS) when options.tls is set, else plaintext.
+std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const ClientOptions& options);
 
 // Channel arguments for `options` (message limits, keepalive, and the service config holding the
 // load-balancing policy and the retry policy).

@@ -13,15 +13,20 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <iterator>
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -62,6 +67,12 @@ ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt, "seed for random inputs (
 ABSL_FLAG(std::string, out, "",
           "write o to this .npy ('<f2' for float16, else '<f4'; bfloat16 is exact in float32)");
 ABSL_FLAG(int, repeat, 1, "send the request this many times (latency statistics)");
+ABSL_FLAG(bool, tls, false, "connect over TLS (implied by --tls_ca, --tls_cert)");
+ABSL_FLAG(std::string, tls_ca, "", "PEM roots to verify the server with (default: the system's)");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate, for mutual TLS (needs --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file holding a bearer token, sent as 'authorization: Bearer <token>'");
 ABSL_FLAG(bool, check, false,
           "compare with the float64 reference; exit 1 when ||o-ref||/||ref|| exceeds the API "
           "bound (float32 1e-5, float16/bfloat16 1e-2)");
@@ -255,6 +266,40 @@ int RunAttend(Client& client) {
   return pass ? 0 : kExitFailed;
 }
 
+// The whole of a small file (certificates, keys, tokens).
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// ClientOptions::tls and ::bearer_token from the security flags.
+absl::Status ApplySecurityFlags(ClientOptions& options) {
+  const std::string ca = absl::GetFlag(FLAGS_tls_ca), cert = absl::GetFlag(FLAGS_tls_cert),
+                    key = absl::GetFlag(FLAGS_tls_key);
+  if (cert.empty() != key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
+  }
+  if (absl::GetFlag(FLAGS_tls) || !ca.empty() || !cert.empty()) {
+    ClientOptions::Tls tls;
+    for (auto [path, pem] : {std::pair{&ca, &tls.root_certs_pem},
+                             std::pair{&cert, &tls.client_cert_pem},
+                             std::pair{&key, &tls.client_key_pem}}) {
+      if (path->empty()) continue;
+      absl::StatusOr<std::string> text = ReadSmallFile(*path);
+      if (!text.ok()) return text.status();
+      *pem = *std::move(text);
+    }
+    options.tls = std::move(tls);
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token = ReadSmallFile(path);
+    if (!token.ok()) return token.status();
+    options.bearer_token = std::string(absl::StripAsciiWhitespace(*token));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 }  // namespace attention::client
 
@@ -265,6 +310,10 @@ int main(int argc, char** argv) {
   attention::client::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
+  if (absl::Status status = attention::client::ApplySecurityFlags(options); !status.ok()) {
+    std::cerr << "attn_client: " << status << "\n";
+    return attention::client::kExitUsage;
+  }
   attention::client::Client client(options);
   if (absl::GetFlag(FLAGS_health)) return attention::client::RunHealth(client);
   if (absl::GetFlag(FLAGS_info)) return attention::client::RunInfo(client);

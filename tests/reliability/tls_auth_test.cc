@@ -222,6 +222,32 @@ TEST_F(SecurityTest, MutualTlsWithTokenThroughStandardCallCredentials) {
   EXPECT_TRUE((*server)->Stop().ok());
 }
 
+TEST_F(SecurityTest, ClientOptionsCarryMutualTlsAndToken) {
+  const std::string token_file = dir_.Write("token", kToken);
+  auto server = Start({"--tls_cert=" + certs_.server_cert, "--tls_key=" + certs_.server_key,
+                       "--tls_client_ca=" + certs_.ca_cert, "--auth_token_file=" + token_file});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const v1::AttendRequest request = SmallRequest();
+  client::ClientOptions options{.target = (*server)->target()};
+  options.tls = client::ClientOptions::Tls{.root_certs_pem = ca_pem_,
+                                           .client_cert_pem = ReadFile(certs_.client_cert),
+                                           .client_key_pem = ReadFile(certs_.client_key)};
+  options.bearer_token = kToken;
+  client::Client authorized(options);
+  e2e::ExpectCorrect(request, authorized.Attend(request));
+  EXPECT_TRUE(authorized.GetServerInfo().ok());
+
+  options.bearer_token = "not-the-token";
+  EXPECT_EQ(client::Client(options).Attend(request).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  options.bearer_token = kToken;
+  options.tls->client_cert_pem = ReadFile(certs_.rogue_client_cert);
+  options.tls->client_key_pem = ReadFile(certs_.rogue_client_key);
+  EXPECT_EQ(client::Client(options).Attend(request).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_TRUE((*server)->Stop().ok());
+}
+
 TEST_F(SecurityTest, BadSecurityFlagsStopTheServerBeforeItListens) {
   const std::string empty = dir_.Write("empty", "  \n");
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
