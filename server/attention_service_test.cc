@@ -17,11 +17,12 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/reference/reference_attention.h"
+#include "server/run_gate_for_tests.h"
 
 namespace attention::server {
 namespace {
@@ -35,41 +36,25 @@ using v1::AttendResponse;
 class CopyExecutor final : public Executor {
  public:
   explicit CopyExecutor(absl::Duration delay_per_row, bool gated = false)
-      : delay_per_row_(delay_per_row), released_(!gated) {
+      : delay_per_row_(delay_per_row), gate_(/*open=*/!gated) {
     device_.name = "copy";
   }
   const DeviceDescription& device() const override { return device_; }
   absl::StatusOr<StageTimes> Run(const AttentionParams& p) override {
-    {
-      absl::MutexLock lock(&mu_);
-      ++started_;
-      mu_.Await(absl::Condition(&released_));
-    }
+    gate_.Pass();
     absl::SleepFor(delay_per_row_ * p.seqlen_q);
     const int64_t rows = p.is_varlen() ? p.total_q : p.batch * p.seqlen_q;
     std::memcpy(p.o, p.q, rows * p.heads_q * p.head_dim * DTypeSize(p.dtype));
     return StageTimes{.compute_us = 1};
   }
-  void Release() {
-    absl::MutexLock lock(&mu_);
-    released_ = true;
-  }
-  void AwaitStarted(int n) {
-    absl::MutexLock lock(&mu_);
-    auto reached = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return started_ >= n; };
-    mu_.Await(absl::Condition(&reached));
-  }
-  int started() {
-    absl::MutexLock lock(&mu_);
-    return started_;
-  }
+  void Release() { gate_.Open(); }
+  void AwaitStarted(int n) { gate_.AwaitStarted(n); }
+  int started() { return gate_.started(); }
 
  private:
   DeviceDescription device_;
   const absl::Duration delay_per_row_;
-  absl::Mutex mu_;
-  bool released_ ABSL_GUARDED_BY(mu_);
-  int started_ ABSL_GUARDED_BY(mu_) = 0;
+  RunGate gate_;
 };
 
 // A server on a free loopback port with the given executor, and a stub to it.

@@ -9,6 +9,7 @@
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/run_gate_for_tests.h"
 
 namespace attention::server {
 namespace {
@@ -21,36 +22,24 @@ class GatedExecutor final : public Executor {
   explicit GatedExecutor(std::string name) { device_.name = std::move(name); }
   const DeviceDescription& device() const override { return device_; }
   absl::StatusOr<StageTimes> Run(const AttentionParams&) override {
+    gate_.Pass();
     absl::MutexLock lock(&mu_);
-    ++started_;
-    mu_.Await(absl::Condition(&released_));
     if (!fail_with_.ok()) return fail_with_;
     return StageTimes{.compute_us = 1};
   }
-  void Release() {
-    absl::MutexLock lock(&mu_);
-    released_ = true;
-  }
+  void Release() { gate_.Open(); }
   void FailWith(absl::Status status) {
     absl::MutexLock lock(&mu_);
     fail_with_ = std::move(status);
   }
   // Blocks until `n` runs have started.
-  void AwaitStarted(int n) {
-    absl::MutexLock lock(&mu_);
-    auto reached = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return started_ >= n; };
-    mu_.Await(absl::Condition(&reached));
-  }
-  int started() {
-    absl::MutexLock lock(&mu_);
-    return started_;
-  }
+  void AwaitStarted(int n) { gate_.AwaitStarted(n); }
+  int started() { return gate_.started(); }
 
  private:
   DeviceDescription device_;
+  RunGate gate_;
   absl::Mutex mu_;
-  bool released_ ABSL_GUARDED_BY(mu_) = false;
-  int started_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status fail_with_ ABSL_GUARDED_BY(mu_);
 };
 
