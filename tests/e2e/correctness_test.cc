@@ -19,25 +19,10 @@ namespace {
 using client::ProblemSpec;
 
 // One CPU server for the suite (tests in one process share it).
-class CpuServerTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    server_ = new absl::StatusOr<RunningServer>(StartServer({"--backend=cpu"}));
-  }
-  static void TearDownTestSuite() {
-    if (server_->ok()) {
-      EXPECT_EQ((*server_)->Stop(), absl::OkStatus());
-    }
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override { ASSERT_TRUE(server_->ok()) << server_->status(); }
-
-  client::Client& client() { return *(*server_)->client; }
-
-  static absl::StatusOr<RunningServer>* server_;
+class CpuServerTest : public SharedServerTest<CpuServerTest> {
+ public:
+  static std::vector<std::string> ServerFlags() { return {"--backend=cpu"}; }
 };
-absl::StatusOr<RunningServer>* CpuServerTest::server_ = nullptr;
 
 class GridTest : public CpuServerTest, public ::testing::WithParamInterface<ProblemSpec> {};
 

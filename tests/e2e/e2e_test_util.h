@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "gtest/gtest.h"
 #include "attention/v1/attention.pb.h"
 #include "client/attention_client.h"
 #include "client/request_builder.h"
@@ -31,6 +32,29 @@ struct RunningServer {
 // Starts attention_server with `flags` and connects a client to it.
 absl::StatusOr<RunningServer> StartServer(const std::vector<std::string>& flags,
                                           client::ClientOptions options = {});
+
+// A test suite whose tests share one server (a server per test would multiply start and drain
+// time). `Suite` names its flags: `static std::vector<std::string> ServerFlags();`.
+template <typename Suite>
+class SharedServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = new absl::StatusOr<RunningServer>(StartServer(Suite::ServerFlags()));
+  }
+  static void TearDownTestSuite() {
+    if (server_->ok()) {
+      EXPECT_EQ((*server_)->Stop(), absl::OkStatus());
+    }
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override { ASSERT_TRUE(server_->ok()) << server_->status(); }
+
+  client::Client& client() { return *(*server_)->client; }
+  ServerProcess& process() { return *(*server_)->process; }
+
+  static inline absl::StatusOr<RunningServer>* server_ = nullptr;
+};
 
 // Problems every backend must answer within the API's bound: lengths that are not tile
 // multiples, Nq != Nk (both ways, so some rows see no key), decode (Nq = 1), GQA and MQA, causal,

@@ -178,22 +178,11 @@ std::vector<MalformedCase> MalformedCases() {
   };
 }
 
-class ErrorsTest : public ::testing::Test {
+class ErrorsTest : public SharedServerTest<ErrorsTest> {
+ public:
+  static std::vector<std::string> ServerFlags() { return {"--backend=cpu"}; }
+
  protected:
-  static void SetUpTestSuite() {
-    server_ = new absl::StatusOr<RunningServer>(StartServer({"--backend=cpu"}));
-  }
-  static void TearDownTestSuite() {
-    if (server_->ok()) {
-      EXPECT_EQ((*server_)->Stop(), absl::OkStatus());
-    }
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override { ASSERT_TRUE(server_->ok()) << server_->status(); }
-
-  client::Client& client() { return *(*server_)->client; }
-
   // A correct answer to a fresh request: the server is still serving.
   void ExpectStillServes() {
     const uint64_t seed = FreshSeed();
@@ -202,10 +191,7 @@ class ErrorsTest : public ::testing::Test {
     ASSERT_TRUE(request.ok()) << request.status();
     ExpectCorrect(*request, client().Attend(*request));
   }
-
-  static absl::StatusOr<RunningServer>* server_;
 };
-absl::StatusOr<RunningServer>* ErrorsTest::server_ = nullptr;
 
 class MalformedTest : public ErrorsTest, public ::testing::WithParamInterface<MalformedCase> {};
 

@@ -32,28 +32,12 @@ using client::ProblemSpec;
 using grpc::health::v1::HealthCheckResponse;
 namespace reflection = grpc::reflection::v1alpha;
 
-class ServiceTest : public ::testing::Test {
- protected:
-  // Limits set to recognisable values so ServerInfo can be checked against them.
-  static void SetUpTestSuite() {
-    server_ = new absl::StatusOr<RunningServer>(
-        StartServer({"--backend=cpu", "--max_message_mb=64", "--max_queue=77", "--max_batch=5"}));
+class ServiceTest : public SharedServerTest<ServiceTest> {
+ public:
+  static std::vector<std::string> ServerFlags() {
+    return {"--backend=cpu", "--max_message_mb=64", "--max_queue=77", "--max_batch=5"};
   }
-  static void TearDownTestSuite() {
-    if (server_->ok()) {
-      EXPECT_EQ((*server_)->Stop(), absl::OkStatus());
-    }
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override { ASSERT_TRUE(server_->ok()) << server_->status(); }
-
-  client::Client& client() { return *(*server_)->client; }
-  ServerProcess& process() { return *(*server_)->process; }
-
-  static absl::StatusOr<RunningServer>* server_;
 };
-absl::StatusOr<RunningServer>* ServiceTest::server_ = nullptr;
 
 TEST_F(ServiceTest, ServerInfoDescribesTheCpuServer) {
   absl::StatusOr<v1::ServerInfo> info = client().GetServerInfo();
