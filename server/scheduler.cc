@@ -1,5 +1,6 @@
 #include "server/scheduler.h"
 
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,7 +19,7 @@ Scheduler::~Scheduler() { Shutdown(); }
 void Scheduler::Submit(Job job) {
   absl::Status refusal;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) {
       refusal = absl::UnavailableError("server is shutting down");
     } else if (static_cast<int>(queue_.size()) >= options_.max_queue) {
@@ -27,6 +28,7 @@ void Scheduler::Submit(Job job) {
     } else {
       queue_.emplace_back(std::move(job), absl::Now());
       if (on_queue_depth_) on_queue_depth_(static_cast<int>(queue_.size()));
+      work_or_stopping_.notify_one();
       return;
     }
   }
@@ -35,9 +37,10 @@ void Scheduler::Submit(Job job) {
 
 void Scheduler::Shutdown() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
+  work_or_stopping_.notify_all();
   for (std::thread& worker : workers_) {
     if (worker.joinable()) worker.join();
   }
@@ -50,7 +53,7 @@ std::vector<const DeviceDescription*> Scheduler::devices() const {
 }
 
 int Scheduler::queue_depth() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return static_cast<int>(queue_.size());
 }
 
@@ -70,7 +73,7 @@ void Scheduler::Release(Slot* slot) {
 std::vector<DeviceLoad> Scheduler::device_loads() const {
   std::vector<absl::Duration> busy;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     const absl::Time now = absl::Now();
     for (const Slot& slot : slots_) {
       busy.push_back(slot.busy + (slot.in_flight > 0 ? now - slot.busy_since : absl::Duration()));
@@ -87,15 +90,13 @@ std::vector<DeviceLoad> Scheduler::device_loads() const {
 }
 
 void Scheduler::WorkerLoop() {
-  auto has_work_or_stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !queue_.empty() || stopping_;
-  };
   while (true) {
     Job job;
     absl::Time enqueued;
     Slot* slot = nullptr;
     {
-      absl::MutexLock lock(&mu_, absl::Condition(&has_work_or_stopping));
+      std::unique_lock<std::mutex> lock(mu_);
+      work_or_stopping_.wait(lock, [this] { return !queue_.empty() || stopping_; });
       // Queued work is finished even when stopping: callers are still waiting for it.
       if (queue_.empty()) return;
       std::tie(job, enqueued) = std::move(queue_.front());
@@ -113,12 +114,12 @@ void Scheduler::WorkerLoop() {
       result.status = absl::CancelledError("cancelled by the client while queued");
     } else {
       {
-        absl::MutexLock lock(&mu_);
+        std::lock_guard<std::mutex> lock(mu_);
         slot = AcquireLeastLoaded();
       }
       absl::StatusOr<StageTimes> stages = slot->executor->Run(job.params);
       {
-        absl::MutexLock lock(&mu_);
+        std::lock_guard<std::mutex> lock(mu_);
         Release(slot);
       }
       result.device = &slot->executor->device();

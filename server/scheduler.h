@@ -6,14 +6,15 @@
 
 #include <cstdint>
 #include <deque>
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/attention_params.h"
 #include "server/executor.h"
@@ -96,10 +97,13 @@ class Scheduler {
 
   const SchedulerOptions options_;
   const std::function<void(int)> on_queue_depth_;
-  mutable absl::Mutex mu_;
+  // std::mutex rather than absl::Mutex: ThreadSanitizer sees pthread locks, while the system's
+  // abseil is built without its annotations.
+  mutable std::mutex mu_;
+  std::condition_variable work_or_stopping_;
   std::vector<Slot> slots_;
-  std::deque<std::pair<Job, absl::Time>> queue_ ABSL_GUARDED_BY(mu_);  // job, enqueue time
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<std::pair<Job, absl::Time>> queue_;  // guarded by mu_: job, enqueue time
+  bool stopping_ = false;  // guarded by mu_
   std::vector<std::thread> workers_;
 };
 
