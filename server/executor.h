@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/attention_params.h"
+#include "kernels/paged_kv.h"
 
 namespace attention::server {
 
@@ -48,6 +49,13 @@ class Executor {
   // Runs one forward pass whose pointers (q, k, v, o, lse, cu_seqlens) are all host memory, and
   // returns when o (and lse) hold the result. Thread-safe: the server's workers call it at once.
   virtual absl::StatusOr<StageTimes> Run(const AttentionParams& host_params) = 0;
+
+  // A pool of `num_pages` KV pages of `page_bytes` on this device, for KV-resident sessions.
+  // Called once at startup; RESOURCE_EXHAUSTED when the device cannot hold it.
+  virtual absl::StatusOr<std::unique_ptr<KvPagePool>> CreateKvPagePool(int64_t num_pages,
+                                                                       int64_t page_bytes) {
+    return absl::UnimplementedError("this executor keeps no KV pages");
+  }
 };
 
 // The CPU backend's executor, `threads` compute threads (0 = all cores).

@@ -1,0 +1,94 @@
+// The paged KV cache's kernel interface: K/V rows of many sequences kept in fixed-size pages of
+// one pool on a device, and a decode/extend step that attends new queries to them. The server's
+// sessions own the page tables; a backend owns the pool's memory and the kernels.
+//
+// A page holds `page_rows` rows of one sequence, K then V:
+//   page p starts at pool + p * page_bytes;
+//   K: [Hkv, page_rows, D] of `dtype`, then V: [Hkv, page_rows, D] right after it.
+// page_rows = page_bytes / (2 * Hkv * D * DTypeSize(dtype)), rounded down to a multiple of 16, so
+// one pool serves sequences of any shape (a shape whose page_rows would be 0 cannot use the pool).
+// Row r of a sequence is row r % page_rows of page page_table[r / page_rows].
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/attention_params.h"
+
+namespace attention {
+
+// Rows per page for sequences of this shape in pages of `page_bytes`; 0 when a page is too small.
+int64_t PageRows(int64_t page_bytes, DType dtype, int64_t heads_kv, int64_t head_dim);
+
+// The shape every sequence of one step shares.
+struct KvShape {
+  DType dtype = DType::kFloat16;
+  int64_t heads_kv = 0;
+  int64_t head_dim = 0;
+};
+
+// Writes rows [first_row, first_row + rows) of one sequence into its pages (all host pointers
+// except the pool's). k and v are [Hkv, rows, D] (BHSD) or [rows, Hkv, D] (BSHD) of shape.dtype;
+// the strides say which (elements).
+struct KvWrite {
+  KvShape shape;
+  const int32_t* page_table = nullptr;  // the sequence's pages, covering first_row + rows
+  int64_t first_row = 0;
+  int64_t rows = 0;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t head_stride = 0;  // between heads of k and v
+  int64_t row_stride = 0;   // between rows of k and v
+};
+
+// One decode/extend step over `num_seqs` sequences (one kernel launch where the backend can).
+// Sequence s has seqlens_k[s] keys (already written, including this step's new rows) and
+// Nq_s = cu_seqlens_q[s + 1] - cu_seqlens_q[s] queries, which are its last Nq_s positions: the
+// mask is AttentionParams's bottom-right aligned window (causal = window_right 0).
+//
+// q of sequence s: [Hq, Nq_s, D] contiguous, starting at element Hq * cu_seqlens_q[s] * D; o the
+// same; lse (optional, float32, natural log): [Hq, Nq_s] starting at Hq * cu_seqlens_q[s].
+// Query head h reads kv head h / (Hq / Hkv).
+struct PagedDecodeParams {
+  KvShape shape;
+  int64_t heads_q = 0;
+  int64_t num_seqs = 0;
+
+  const void* q = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;  // nullptr: not computed
+  const int32_t* cu_seqlens_q = nullptr;  // [num_seqs + 1]
+  int64_t total_q = 0;                    // cu_seqlens_q[num_seqs]
+  int64_t max_seqlen_q = 0;
+
+  const int32_t* seqlens_k = nullptr;  // [num_seqs]
+  int64_t max_seqlen_k = 0;
+  // page_table[s * page_table_stride + i] is sequence s's i-th page.
+  const int32_t* page_table = nullptr;
+  int64_t page_table_stride = 0;
+
+  float softmax_scale = 1.0f;
+  int64_t window_left = kUnboundedWindow;
+  int64_t window_right = kUnboundedWindow;
+};
+
+// Step times, microseconds (copies are 0 on the CPU).
+struct KvStepTimes {
+  double h2d_us = 0;
+  double compute_us = 0;
+  double d2h_us = 0;
+};
+
+// A pool of `num_pages` pages of `page_bytes` on one device. Write and Decode take host pointers
+// (q, o, lse, page tables, lengths) and return when done. Thread-safe.
+class KvPagePool {
+ public:
+  virtual ~KvPagePool() = default;
+  virtual int64_t page_bytes() const = 0;
+  virtual int64_t num_pages() const = 0;
+  virtual absl::Status Write(const KvWrite& write) = 0;
+  virtual absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host_params) = 0;
+};
+
+}  // namespace attention
