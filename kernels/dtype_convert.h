@@ -6,6 +6,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/attention_params.h"
 
@@ -85,6 +86,56 @@ inline void StoreFromFloat(void* base, int64_t i, DType dtype, float x) {
     case DType::kBFloat16:
       static_cast<uint16_t*>(base)[i] = FloatToBFloat16(x);
       return;
+  }
+}
+
+// dst[0, n) = float(src[0, n)) * scale. The dtype switch sits outside the loop.
+inline void ConvertRow(DType dtype, const void* src, int64_t n, float scale, float* dst) {
+  switch (dtype) {
+    case DType::kFloat32: {
+      const auto* s = static_cast<const unsigned char*>(src);
+      for (int64_t x = 0; x < n; ++x) {
+        float f;
+        std::memcpy(&f, s + x * sizeof(float), sizeof(float));
+        dst[x] = f * scale;
+      }
+      return;
+    }
+    case DType::kFloat16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (int64_t x = 0; x < n; ++x) dst[x] = HalfToFloat(s[x]) * scale;
+      return;
+    }
+    case DType::kBFloat16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (int64_t x = 0; x < n; ++x) dst[x] = BFloat16ToFloat(s[x]) * scale;
+      return;
+    }
+  }
+}
+
+// dst[0, n) = src[0, n) * scale in `dtype` (rounding to nearest even). The switch sits outside
+// the loop.
+inline void StoreRow(const float* src, int64_t n, float scale, DType dtype, void* dst) {
+  switch (dtype) {
+    case DType::kFloat32: {
+      auto* d = static_cast<unsigned char*>(dst);
+      for (int64_t x = 0; x < n; ++x) {
+        const float f = src[x] * scale;
+        std::memcpy(d + x * sizeof(float), &f, sizeof(float));
+      }
+      return;
+    }
+    case DType::kFloat16: {
+      auto* d = static_cast<uint16_t*>(dst);
+      for (int64_t x = 0; x < n; ++x) d[x] = FloatToHalf(src[x] * scale);
+      return;
+    }
+    case DType::kBFloat16: {
+      auto* d = static_cast<uint16_t*>(dst);
+      for (int64_t x = 0; x < n; ++x) d[x] = FloatToBFloat16(src[x] * scale);
+      return;
+    }
   }
 }
 

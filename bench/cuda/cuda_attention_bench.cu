@@ -2,6 +2,7 @@
 //   cuda_attention_bench grid   the FlashAttention grid: float16 and bfloat16, D in {64,128,256},
 //                               N in {512..16384}, B = 16384/N, H = 2048/D, causal and not
 //   cuda_attention_bench fp32   float32, B=16, H=12, D=64, N in {1024, 4096}
+//   cuda_attention_bench one DTYPE D N CAUSAL   one shape of the grid
 // Each shape: random normal inputs (BHSD), 3 warm-up runs, then the median of 30 runs each timed
 // with CUDA events. One input set is 3 x 200 MB for the grid (4x the 50 MB L2), so repeated runs
 // do not run from the cache. run_bench.py times torch's SDPA on the same shapes beside it.
@@ -208,8 +209,14 @@ int main(int argc, char** argv) {
         for (int64_t n : {512, 1024, 2048, 4096, 8192, 16384})
           for (bool causal : {false, true})
             shapes.push_back({dt, 16384 / n, 2048 / d, n, d, causal});
+  } else if (std::strcmp(which, "one") == 0 && argc == 6) {
+    // one DTYPE D N CAUSAL: a single shape of the grid (B = 16384/N, H = 2048/D), for re-runs.
+    const DType dt = std::strcmp(argv[2], "float16") == 0 ? DType::kFloat16 : DType::kBFloat16;
+    const int64_t d = std::atoll(argv[3]), n = std::atoll(argv[4]);
+    shapes.push_back({dt, 16384 / n, 2048 / d, n, d, std::strcmp(argv[5], "true") == 0});
   } else {
-    std::fprintf(stderr, "usage: %s grid|fp32\n", argv[0]);
+    std::fprintf(stderr, "usage: %s grid|fp32|one {float16|bfloat16} D N {true|false}\n",
+                 argv[0]);
     return 2;
   }
   for (const Shape& s : shapes) {

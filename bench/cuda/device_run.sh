@@ -42,7 +42,7 @@ if [[ $what == tests || $what == all ]]; then
 fi
 
 if [[ $what == bench || $what == all ]]; then
-  PYTHONUNBUFFERED=1 python3 bench/cuda/run_bench.py "$bin/cuda_attention_bench" --out "$out" \
+  PYTHONUNBUFFERED=1 python3 bench/cuda/run_bench.py "$bin/cuda_attention_bench" --out "$out" --confirm 5 \
     >"$out/bench.log" 2>&1
   summary+=("bench: rc=$?")
 fi

@@ -144,31 +144,6 @@ inline void MicroKernelRows(int64_t rows, int64_t depth, const float* a, int64_t
   }
 }
 
-// dst[0, n) = float(src[0, n)) * scale. The dtype switch sits outside the loop.
-inline void ConvertRow(DType dtype, const void* src, int64_t n, float scale, float* dst) {
-  switch (dtype) {
-    case DType::kFloat32: {
-      const auto* s = static_cast<const unsigned char*>(src);
-      for (int64_t x = 0; x < n; ++x) {
-        float f;
-        std::memcpy(&f, s + x * sizeof(float), sizeof(float));
-        dst[x] = f * scale;
-      }
-      return;
-    }
-    case DType::kFloat16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (int64_t x = 0; x < n; ++x) dst[x] = HalfToFloat(s[x]) * scale;
-      return;
-    }
-    case DType::kBFloat16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (int64_t x = 0; x < n; ++x) dst[x] = BFloat16ToFloat(s[x]) * scale;
-      return;
-    }
-  }
-}
-
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Where one batch item's rows live and how many there are.
@@ -271,7 +246,11 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(
 
   // qt: [d, kBlockM] <- q block [rows, d], scaled into the exp2 domain.
   const auto* q_base = static_cast<const unsigned char*>(p.q);
-  std::fill(qt, qt + d * kBlockM, 0.0f);
+  // Only the padding columns [rows, cols) are read besides the rows written below: zeroing the
+  // whole [d, kBlockM] block would dominate short blocks (decode steps, N = 8 items).
+  for (int64_t x = 0; x < d; ++x) {
+    std::fill(qt + x * kBlockM + rows, qt + x * kBlockM + cols, 0.0f);
+  }
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t at = item.batch * p.q_batch_stride +
                        (e.q_offset + item.row0 + i) * p.q_row_stride + h * p.q_head_stride;
@@ -387,8 +366,7 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(
     void* const dst =
         o_base +
         (item.batch * p.o_batch_stride + row * p.o_row_stride + h * p.o_head_stride) * elem;
-    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-    for (int64_t x = 0; x < d; ++x) StoreFromFloat(dst, x, p.dtype, o[i * d_pad + x] * inv);
+    StoreRow(o + i * d_pad, d, l[i] > 0.0f ? 1.0f / l[i] : 0.0f, p.dtype, dst);
     if (p.lse != nullptr) {
       p.lse[item.batch * p.lse_batch_stride + h * p.lse_head_stride + row] =
           l[i] > 0.0f ? (m[i] + std::log2(l[i])) * kLn2 : kNegInf;
