@@ -1,0 +1,407 @@
+// The CPU backend's paged KV pool: pages in one anonymous mapping (committed by the OS page by
+// page as rows are written), and decode steps as split-KV work items on a small thread pool.
+//
+// A decode work item is (sequence, kv head, key split). It converts the queries of every query
+// head of its kv head ([Hq/Hkv x Nq_s, D], scaled by softmax_scale * log2(e) so the softmax runs
+// on exp2) to float32 once, then walks its keys in tiles of up to kTileKeys rows that stay within
+// one page: each tile's K and V rows are converted to float32 once and serve all of those query
+// rows (the point of grouping: one read of K/V per kv head), logits are masked per row
+// (bottom-right aligned window), and the online softmax keeps a running max m and sum l per row.
+// With one split the item writes o and lse itself; with several, each writes a normalised float32
+// partial and its log2-sum-exp, and the partials are merged by LSE afterwards (o = sum_s w_s o_s /
+// sum_s w_s with w_s = 2^(lse_s - max lse)).
+#include "kernels/cpu/paged_kv_pool.h"
+
+#include <sched.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/dtype_convert.h"
+#include "kernels/paged_kv_host.h"
+
+namespace attention::cpu {
+namespace {
+
+constexpr int64_t kTileKeys = 64;       // keys per K/V tile
+constexpr int64_t kMinSplitKeys = 512;  // fewer keys per split cost more in merging than they gain
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+using Vec8 = float __attribute__((vector_size(32)));
+
+inline Vec8 Load(const float* p) {
+  Vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void Store(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// dst[0, n) = float(src[0, n)) * scale, dst[n, n_pad) = 0. One loop per dtype (the dtype switch
+// outside it), so the bfloat16 and float32 loops vectorise.
+void ConvertRow(DType dtype, const void* src, int64_t n, int64_t n_pad, float scale, float* dst) {
+  switch (dtype) {
+    case DType::kFloat32: {
+      const auto* s = static_cast<const unsigned char*>(src);
+      for (int64_t x = 0; x < n; ++x) {
+        float f;
+        std::memcpy(&f, s + x * sizeof(float), sizeof(float));
+        dst[x] = f * scale;
+      }
+      break;
+    }
+    case DType::kFloat16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (int64_t x = 0; x < n; ++x) dst[x] = HalfToFloat(s[x]) * scale;
+      break;
+    }
+    case DType::kBFloat16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (int64_t x = 0; x < n; ++x) dst[x] = BFloat16ToFloat(s[x]) * scale;
+      break;
+    }
+  }
+  std::fill(dst + n, dst + n_pad, 0.0f);
+}
+
+// Runs fn(i) for i in [0, n) on `threads` threads (the caller and threads - 1 workers). One
+// ParallelFor at a time (the pool's Decode holds its mutex around it).
+class WorkerPool {
+ public:
+  explicit WorkerPool(int threads) {
+    for (int t = 1; t < threads; ++t) workers_.emplace_back([this] { WorkerLoop(); });
+  }
+  ~WorkerPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& w : workers_) w.join();
+  }
+
+  void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = &fn;
+      n_ = n;
+      next_ = 0;
+      busy_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    wake_.notify_all();
+    Drain();
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [this] { return busy_ == 0; });
+  }
+
+ private:
+  void Drain() {
+    for (int64_t i; (i = next_.fetch_add(1)) < n_;) (*fn_)(i);
+  }
+  void WorkerLoop() {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      lock.unlock();
+      Drain();
+      lock.lock();
+      if (--busy_ == 0) done_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t n_ = 0;
+  std::atomic<int64_t> next_{0};
+  int busy_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+// One decode step as seen by its work items.
+struct DecodeJob {
+  const PagedDecodeParams* p;
+  const unsigned char* pool;
+  int64_t page_bytes, page_rows;
+  int64_t splits, split_keys;
+  // splits > 1: [splits, Hq * total_q, d] normalised partial o and [splits, Hq * total_q]
+  // log2-sum-exp.
+  float* part_o;
+  float* part_lse;
+};
+
+// Per-thread buffers (d_pad = head_dim rounded up to 8).
+struct Scratch {
+  std::vector<float> q, o, m, l, k, v, s;
+  void Prepare(int64_t rows, int64_t d_pad) {
+    q.resize(rows * d_pad);
+    o.assign(rows * d_pad, 0.0f);
+    m.assign(rows, kNegInf);
+    l.assign(rows, 0.0f);
+    k.resize(kTileKeys * d_pad);
+    v.resize(kTileKeys * d_pad);
+    s.resize(kTileKeys);
+  }
+};
+
+// Compiled for x86-64-v3 (AVX2 + FMA) and baseline x86-64, picked at load time, as the CPU
+// backend's hot function (cpu_attention.cc; ThreadSanitizer builds take the baseline alone).
+#if defined(__SANITIZE_THREAD__)
+#define ATTENTION_PAGED_MULTIVERSIONED
+#else
+#define ATTENTION_PAGED_MULTIVERSIONED __attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t item, Scratch& sc) {
+  const PagedDecodeParams& p = *job.p;
+  const KvShape& shape = p.shape;
+  const int64_t hkv = shape.heads_kv, d = shape.head_dim, d_pad = RoundUp(d, 8);
+  const int64_t seq = item / (hkv * job.splits);
+  const int64_t hk = item / job.splits % hkv;
+  const int64_t split = item % job.splits;
+  const int64_t group = p.heads_q / hkv;
+  const int64_t q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
+  const int64_t nk = p.seqlens_k[seq];
+  const int64_t rows = group * nq;  // row r: query head hk * group + r % group, query r / group
+  if (rows == 0) return;
+  const size_t elem = DTypeSize(shape.dtype);
+  // Element offset of row r in q, o (times d) and lse.
+  auto row_index = [&](int64_t r) {
+    return p.heads_q * q0 + (hk * group + r % group) * nq + r / group;
+  };
+  sc.Prepare(rows, d_pad);
+  for (int64_t r = 0; r < rows; ++r) {
+    ConvertRow(shape.dtype, static_cast<const unsigned char*>(p.q) + row_index(r) * d * elem, d,
+               d_pad, p.softmax_scale * kLog2e, sc.q.data() + r * d_pad);
+  }
+
+  // Query i sees keys [i + diag - window_left, i + diag + window_right]; the item's keys are the
+  // union over its queries, cut to its split.
+  const int64_t diag = nk - nq;
+  const int64_t wl = p.window_left, wr = p.window_right;
+  int64_t lo = split * job.split_keys, hi = std::min(nk, lo + job.split_keys);
+  if (wl != kUnboundedWindow) lo = std::max(lo, diag - wl);
+  if (wr != kUnboundedWindow) hi = std::min(hi, nq - 1 + diag + wr + 1);
+  const int64_t v_offset = VOffset(shape, job.page_rows);
+  for (int64_t key0 = lo; key0 < hi;) {
+    const int64_t page_row = key0 % job.page_rows;
+    const int64_t kn = std::min({kTileKeys, hi - key0, job.page_rows - page_row});
+    const unsigned char* page =
+        job.pool + p.page_table[seq * p.page_table_stride + key0 / job.page_rows] * job.page_bytes;
+    const unsigned char* k_rows = page + KvRowOffset(shape, job.page_rows, hk, page_row);
+    for (int64_t j = 0; j < kn; ++j) {
+      ConvertRow(shape.dtype, k_rows + j * d * elem, d, d_pad, 1.0f, sc.k.data() + j * d_pad);
+      ConvertRow(shape.dtype, k_rows + v_offset + j * d * elem, d, d_pad, 1.0f,
+                 sc.v.data() + j * d_pad);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r / group;
+      int64_t jlo = 0, jhi = kn;
+      if (wl != kUnboundedWindow) jlo = std::clamp<int64_t>(i + diag - wl - key0, 0, kn);
+      if (wr != kUnboundedWindow) jhi = std::clamp<int64_t>(i + diag + wr + 1 - key0, jlo, kn);
+      if (jlo >= jhi) continue;
+      const float* q = sc.q.data() + r * d_pad;
+      float mx = sc.m[r];
+      for (int64_t j = jlo; j < jhi; ++j) {
+        const float* k = sc.k.data() + j * d_pad;
+        Vec8 acc{};
+        for (int64_t x = 0; x < d_pad; x += 8) acc += Load(q + x) * Load(k + x);
+        sc.s[j] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        mx = std::max(mx, sc.s[j]);
+      }
+      const float alpha = std::exp2(sc.m[r] - mx);  // 0 while the row has seen no key (m = -inf)
+      float sum = 0.0f;
+      for (int64_t j = jlo; j < jhi; ++j) {
+        sc.s[j] = std::exp2(sc.s[j] - mx);
+        sum += sc.s[j];
+      }
+      // o = o * alpha + P V, 8 columns at a time over the tile's keys (o stays in a register).
+      float* o = sc.o.data() + r * d_pad;
+      for (int64_t x = 0; x < d_pad; x += 8) {
+        Vec8 acc = Load(o + x) * alpha;
+        for (int64_t j = jlo; j < jhi; ++j) acc += sc.s[j] * Load(sc.v.data() + j * d_pad + x);
+        Store(o + x, acc);
+      }
+      sc.l[r] = sc.l[r] * alpha + sum;
+      sc.m[r] = mx;
+    }
+    key0 += kn;
+  }
+
+  // Rows that saw no key: o = 0, lse = -inf.
+  for (int64_t r = 0; r < rows; ++r) {
+    const float l = sc.l[r];
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float lse2 = l > 0.0f ? sc.m[r] + std::log2(l) : kNegInf;
+    const float* o = sc.o.data() + r * d_pad;
+    const int64_t at = row_index(r);
+    if (job.splits == 1) {
+      for (int64_t x = 0; x < d; ++x) StoreFromFloat(p.o, at * d + x, shape.dtype, o[x] * inv);
+      if (p.lse != nullptr) p.lse[at] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
+    } else {
+      const int64_t part = split * p.heads_q * p.total_q + at;
+      for (int64_t x = 0; x < d; ++x) job.part_o[part * d + x] = o[x] * inv;
+      job.part_lse[part] = lse2;
+    }
+  }
+}
+
+// Merges the splits of rows [first, last) of o and lse by their log2-sum-exp.
+void MergeSplits(const DecodeJob& job, int64_t first, int64_t last) {
+  const PagedDecodeParams& p = *job.p;
+  const int64_t d = p.shape.head_dim, stride = p.heads_q * p.total_q;
+  std::vector<float> acc(d);
+  for (int64_t r = first; r < last; ++r) {
+    float mx = kNegInf;
+    for (int64_t s = 0; s < job.splits; ++s) mx = std::max(mx, job.part_lse[s * stride + r]);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    float sum = 0.0f;
+    if (mx != kNegInf) {
+      for (int64_t s = 0; s < job.splits; ++s) {
+        const float w = std::exp2(job.part_lse[s * stride + r] - mx);
+        if (w == 0.0f) continue;
+        sum += w;
+        const float* o = job.part_o + (s * stride + r) * d;
+        for (int64_t x = 0; x < d; ++x) acc[x] += w * o[x];
+      }
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t x = 0; x < d; ++x) StoreFromFloat(p.o, r * d + x, p.shape.dtype, acc[x] * inv);
+    if (p.lse != nullptr) p.lse[r] = sum > 0.0f ? (mx + std::log2(sum)) * kLn2 : kNegInf;
+  }
+}
+
+int UsableCpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+class CpuKvPagePool : public KvPagePool {
+ public:
+  CpuKvPagePool(unsigned char* memory, int64_t num_pages, int64_t page_bytes, int threads)
+      : memory_(memory),
+        num_pages_(num_pages),
+        page_bytes_(page_bytes),
+        threads_(threads),
+        workers_(threads) {}
+  ~CpuKvPagePool() override { munmap(memory_, num_pages_ * page_bytes_); }
+
+  int64_t page_bytes() const override { return page_bytes_; }
+  int64_t num_pages() const override { return num_pages_; }
+
+  // Rows land in distinct pages per sequence, so concurrent writes of different sequences need no
+  // lock; the caller orders a sequence's writes before the decode steps that read them.
+  absl::Status Write(const KvWrite& w) override {
+    absl::StatusOr<int64_t> page_rows = CheckKvWrite(w, page_bytes_, num_pages_);
+    if (!page_rows.ok()) return page_rows.status();
+    const KvShape& shape = w.shape;
+    const int64_t elem = static_cast<int64_t>(DTypeSize(shape.dtype));
+    const int64_t row_bytes = shape.head_dim * elem;
+    const int64_t v_offset = VOffset(shape, *page_rows);
+    return ForEachPageRun(w, *page_rows, [&](const PageRun& run) {
+      unsigned char* page = memory_ + run.page * page_bytes_;
+      for (int64_t h = 0; h < shape.heads_kv; ++h) {
+        unsigned char* dst = page + KvRowOffset(shape, *page_rows, h, run.page_row);
+        for (int64_t j = 0; j < run.count; ++j) {
+          const int64_t src = (h * w.head_stride + (run.src_row + j) * w.row_stride) * elem;
+          std::memcpy(dst + j * row_bytes, static_cast<const unsigned char*>(w.k) + src, row_bytes);
+          std::memcpy(dst + v_offset + j * row_bytes, static_cast<const unsigned char*>(w.v) + src,
+                      row_bytes);
+        }
+      }
+      return absl::OkStatus();
+    });
+  }
+
+  absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& p) override {
+    absl::StatusOr<DecodeExtent> extent = CheckPagedDecode(p, page_bytes_, num_pages_);
+    if (!extent.ok()) return extent.status();
+    if (p.num_seqs == 0 || p.total_q == 0) return KvStepTimes{};
+    const auto start = std::chrono::steady_clock::now();
+    std::lock_guard<std::mutex> lock(mu_);
+    // Enough items for every thread a few times over, but no split shorter than kMinSplitKeys.
+    const int64_t base = p.num_seqs * p.shape.heads_kv;
+    const int64_t max_splits = std::max<int64_t>(1, extent->max_seqlen_k / kMinSplitKeys);
+    const int64_t splits = std::clamp<int64_t>((4 * threads_ + base - 1) / base, 1, max_splits);
+    DecodeJob job{.p = &p,
+                  .pool = memory_,
+                  .page_bytes = page_bytes_,
+                  .page_rows = extent->page_rows,
+                  .splits = splits,
+                  .split_keys = (extent->max_seqlen_k + splits - 1) / splits,
+                  .part_o = nullptr,
+                  .part_lse = nullptr};
+    const int64_t rows = p.heads_q * p.total_q;
+    if (splits > 1) {
+      part_o_.resize(splits * rows * p.shape.head_dim);
+      part_lse_.resize(splits * rows);
+      job.part_o = part_o_.data();
+      job.part_lse = part_lse_.data();
+    }
+    workers_.ParallelFor(base * splits, [&job](int64_t item) {
+      thread_local Scratch scratch;
+      DecodeItem(job, item, scratch);
+    });
+    if (splits > 1) {
+      const int64_t first = p.heads_q * p.cu_seqlens_q[0];
+      const int64_t chunk = 64;
+      workers_.ParallelFor((rows - first + chunk - 1) / chunk, [&](int64_t c) {
+        MergeSplits(job, first + c * chunk, std::min(rows, first + (c + 1) * chunk));
+      });
+    }
+    KvStepTimes times;
+    times.compute_us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+    return times;
+  }
+
+ private:
+  unsigned char* const memory_;
+  const int64_t num_pages_, page_bytes_;
+  const int threads_;
+  std::mutex mu_;  // one decode step at a time: the workers and the partial buffers are shared
+  WorkerPool workers_;
+  std::vector<float> part_o_, part_lse_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int64_t num_pages, int64_t page_bytes,
+                                                           int threads) {
+  if (num_pages <= 0 || page_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_pages and page_bytes must be positive, got ", num_pages, " and ", page_bytes));
+  }
+  const int64_t bytes = num_pages * page_bytes;
+  void* memory = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (memory == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cpu backend: cannot map ", bytes, " bytes for the KV pool"));
+  }
+  return std::unique_ptr<KvPagePool>(new CpuKvPagePool(static_cast<unsigned char*>(memory),
+                                                       num_pages, page_bytes,
+                                                       threads > 0 ? threads : UsableCpus()));
+}
+
+}  // namespace attention::cpu

@@ -1,0 +1,503 @@
+// Split-KV decode ("flash-decoding") over the paged KV cache (kernels/paged_kv.h).
+//
+// Grid (split, kv head x 16-row block, sequence). A CTA owns one kv head of one sequence, a slice
+// of split_keys keys of it, and 16 "rows": the query heads of the kv head's group times the step's
+// queries, packed as row r = query (r / group) of query head (hk * group + r % group). With GQA,
+// one read of a K/V tile thus serves every query head of the group (decode is bound by reading
+// K/V, not by the mma's, which run 16 rows even when fewer are real).
+//
+// Tensor-core path (float16, bfloat16; PagedTile): K/V tiles of kBc rows stream through kStages
+// shared-memory stages with cp.async (16 bytes, zero-filled past the last key), kStages - 1 tiles
+// in flight while one is consumed. A tile inside one page (pages of a multiple of kBc rows, as the
+// server's are) costs one page-table read; others (smaller pages, the last tile) look up each row.
+// The kWarps warps split each tile's keys (kBc / kWarps each) and keep their own online softmax
+// (exp2, raw-logit max as in flash_forward_kernel.cuh) over the same 16 rows; Q's fragments stay in
+// registers. S = Q K^T and O += P V are mma.sync m16n8k16 with float32 accumulation, P fed back
+// from the accumulators as the A operand. At the end the warps' (max, sum, O) are merged through
+// shared memory and the CTA writes either the result (one split) or a normalised float32 partial
+// and its log2-sum-exp (PagedCombineKernel merges the splits by LSE).
+//
+// SIMT path (float32, and head dims the tensor path lacks; PagedSimtKernel): a warp per row, keys
+// one at a time (lanes split D, a shuffle reduction per key). Correct, not fast.
+//
+// Measured (bench/README.md, H200, bfloat16 B=8 Hq=32 Hkv=8 D=128, one query, 256 KiB pages, 4
+// splits): 52.5 us at Nk=4096 (2.56 TB/s of K/V), 261.6 us at 32k (4.10), 976.6 us at 128k (4.40);
+// 0.95x / 0.98x / 0.98x of torch SDPA's cuDNN backend, 1.00x / 1.00x / 1.07x of its FlashAttention
+// backend. v1 (per-row page-table reads, two waves of splits, a combine loading one split at a
+// time) ran 0.66-0.69x of cuDNN.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/flash_forward_kernel.cuh"
+#include "kernels/cuda/masks.cuh"
+#include "kernels/cuda/mma_ops.cuh"
+#include "kernels/cuda/paged_decode_params.h"
+
+namespace attention::cuda {
+
+inline constexpr int kPagedRows = 16;  // rows (query heads x queries) per CTA
+inline constexpr int kPagedThreads = 128;
+
+template <typename T, int kD_, int kBc_, int kStages_, int kWarps_ = 4>
+struct PagedTile {
+  using Element = T;
+  static constexpr int kD = kD_;
+  static constexpr int kBc = kBc_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kWarpKeys = kBc / kWarps;  // keys of a tile per warp
+  static constexpr int kChunkElems = 8;
+  static constexpr int kChunks = kD / kChunkElems;
+  static constexpr int kRowBytes = kD * 2;
+  static constexpr int kTileBytes = kBc * kRowBytes;
+  static constexpr int kStageBytes = 2 * kTileBytes;  // K then V
+  static constexpr int kQBytes = kPagedRows * kRowBytes;
+  // Warps' partial O (float) and (max, sum) per row, merged at the end in the stage buffers.
+  static constexpr int kMergeBytes = kWarps * kPagedRows * (kD + 2) * 4;
+  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
+  static_assert(kMergeBytes <= kStages * kStageBytes, "the merge reuses the stage buffers");
+  static_assert(kWarpKeys % 16 == 0, "P V consumes keys 16 at a time");
+  static_assert(kBc % (kThreads / kChunks) == 0, "whole rows per load pass");
+  static_assert(kD % 64 == 0, "the swizzle needs rows of >= 8 chunks");
+};
+
+// Row r of a CTA's 16 rows: its element offset in q and o (times head_dim) and in lse.
+struct PagedRow {
+  int64_t index;  // heads_q * q0 + head * nq + query
+  int query;
+};
+__device__ __forceinline__ PagedRow GetPagedRow(const PagedKernelParams& p, int q0, int nq, int hk,
+                                                int m) {
+  const int query = m / p.group, head = hk * p.group + m % p.group;
+  return {static_cast<int64_t>(p.heads_q) * q0 + static_cast<int64_t>(head) * nq + query, query};
+}
+
+// Keys [lo, hi) of one sequence that queries [first, last] may see (bottom-right aligned).
+__device__ __forceinline__ KeyRange PagedVisibleKeys(const PagedKernelParams& p, int nq, int nk,
+                                                     int first, int last) {
+  const int diag = nk - nq;
+  int lo = 0, hi = nk;
+  if (p.window_left >= 0) lo = max(lo, first + diag - p.window_left);
+  if (p.window_right >= 0) hi = min(hi, last + diag + p.window_right + 1);
+  return {lo, hi};
+}
+
+// Writes element `col` of a finished row: o (one split) or the split's float32 partial.
+template <typename T>
+__device__ __forceinline__ void StoreOut(const PagedKernelParams& p, int64_t index, int col,
+                                         float x) {
+  if (p.splits == 1) {
+    if constexpr (std::is_same_v<T, float>) {
+      static_cast<float*>(p.o)[index * p.head_dim + col] = x;
+    } else if constexpr (std::is_same_v<T, __half>) {
+      static_cast<__half*>(p.o)[index * p.head_dim + col] = __float2half_rn(x);
+    } else {
+      static_cast<__nv_bfloat16*>(p.o)[index * p.head_dim + col] = __float2bfloat16_rn(x);
+    }
+  } else {
+    p.part_o[(blockIdx.x * p.total_rows + index) * p.head_dim + col] = x;
+  }
+}
+// Writes a finished row's log2-sum-exp (-inf: saw no key): natural-log lse, or the partial's.
+__device__ __forceinline__ void StoreLse(const PagedKernelParams& p, int64_t index, float lse2) {
+  if (p.splits == 1) {
+    if (p.lse != nullptr) p.lse[index] = lse2 == -INFINITY ? -INFINITY : lse2 * kLn2;
+  } else {
+    p.part_lse[blockIdx.x * p.total_rows + index] = lse2;
+  }
+}
+
+template <typename Tile>
+__global__ void __launch_bounds__(Tile::kThreads) PagedDecodeKernel(const PagedKernelParams p) {
+  using T = typename Tile::Element;
+  constexpr int kD = Tile::kD, kBc = Tile::kBc, kStages = Tile::kStages;
+  constexpr int kRowBytes = Tile::kRowBytes, kWarpKeys = Tile::kWarpKeys;
+  constexpr int kNTiles = kWarpKeys / 8;      // 8-key column tiles of this warp's S
+  constexpr int kDTiles = kD / 8;             // 8-wide column tiles of O
+  constexpr int kKSteps = Tile::kChunks / 2;  // k-steps of Q K^T
+  constexpr int kThreads = Tile::kThreads;
+  constexpr int kRowStep = kThreads / Tile::kChunks;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t s_q = SmemAddress(smem);
+  const uint32_t s_kv = s_q + Tile::kQBytes;  // [kStages][K tile, V tile]
+
+  const int seq = blockIdx.z;
+  const int hk = blockIdx.y / p.m_blocks, m0 = blockIdx.y % p.m_blocks * kPagedRows;
+  const int q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
+  const int nk = p.seqlens_k[seq];
+  const int rows = p.group * nq;
+  if (m0 >= rows) return;  // this sequence has fewer rows than the grid
+  const int row_last = min(m0 + kPagedRows, rows) - 1;
+  const int first_query = m0 / p.group, last_query = row_last / p.group;
+
+  // This CTA's keys: its split, cut to what its queries may see; whole kBc tiles from tile_begin.
+  const KeyRange vis = PagedVisibleKeys(p, nq, nk, first_query, last_query);
+  const int split_lo = blockIdx.x * p.split_keys;
+  const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
+  const int tile_begin = k_lo / kBc;
+  const int n_tiles = k_hi > k_lo ? (k_hi + kBc - 1) / kBc - tile_begin : 0;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int d_chunks = p.head_dim / Tile::kChunkElems;
+
+  // Loads: thread i copies chunk i % kChunks of tile rows i / kChunks + j * kRowStep, K and V.
+  const int ld_chunk = threadIdx.x % Tile::kChunks, ld_row = threadIdx.x / Tile::kChunks;
+  const bool ld_chunk_valid = ld_chunk < d_chunks;
+  const int32_t* page_table = p.page_table + seq * p.page_table_stride;
+  const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * 2;
+  const int64_t head_offset = static_cast<int64_t>(hk) * p.page_rows * row_bytes + ld_chunk * 16;
+  const int64_t v_offset = static_cast<int64_t>(p.heads_kv) * p.page_rows * row_bytes;
+  const int64_t thread_offset = head_offset + ld_row * row_bytes;
+  auto load_tile = [&](int stage, int tile) {
+    const uint32_t s_k = s_kv + stage * Tile::kStageBytes, s_v = s_k + Tile::kTileBytes;
+    const int n0 = (tile_begin + tile) * kBc;
+    const int page_row0 = n0 % p.page_rows;
+    if (page_row0 + kBc <= p.page_rows && n0 + kBc <= nk) {
+      // The whole tile lies in one page, below the last key (pages of a multiple of kBc rows):
+      // one page-table read, then rows at a fixed stride.
+      const unsigned char* src = p.pool + page_table[n0 / p.page_rows] * p.page_bytes +
+                                 page_row0 * row_bytes + thread_offset;
+      if (!ld_chunk_valid) src = p.pool;
+#pragma unroll
+      for (int j = 0; j < kBc / kRowStep; ++j) {
+        const uint32_t off = SwizzledOffset<kRowBytes>(ld_row + j * kRowStep, ld_chunk);
+        const unsigned char* row = ld_chunk_valid ? src + j * kRowStep * row_bytes : src;
+        CpAsync16(s_k + off, row, ld_chunk_valid);
+        CpAsync16(s_v + off, ld_chunk_valid ? row + v_offset : row, ld_chunk_valid);
+      }
+      return;
+    }
+    // Otherwise each row through the page table; rows past the last key are zero-filled.
+#pragma unroll
+    for (int j = 0; j < kBc / kRowStep; ++j) {
+      const int r = ld_row + j * kRowStep, key = n0 + r;
+      const bool valid = ld_chunk_valid && key < nk;
+      const unsigned char* src = p.pool;
+      if (valid) {
+        const int page = page_table[key / p.page_rows];
+        src += page * p.page_bytes + head_offset + (key % p.page_rows) * row_bytes;
+      }
+      const uint32_t off = SwizzledOffset<kRowBytes>(r, ld_chunk);
+      CpAsync16(s_k + off, src, valid);
+      CpAsync16(s_v + off, valid ? src + v_offset : src, valid);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_tiles) load_tile(s, s);
+    CpAsyncCommit();
+  }
+
+  // Q rows -> shared memory (zeros for missing rows and columns), negated for a negative scale.
+  {
+    const uint32_t sign = p.negate_q ? 0x80008000u : 0u;
+    for (int i = threadIdx.x; i < kPagedRows * Tile::kChunks; i += kThreads) {
+      const int r = i / Tile::kChunks, c = i % Tile::kChunks;
+      uint4 x = make_uint4(0, 0, 0, 0);
+      if (m0 + r < rows && c < d_chunks) {
+        const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
+        x = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + row.index * p.head_dim +
+                                            c * Tile::kChunkElems);
+        x.x ^= sign, x.y ^= sign, x.z ^= sign, x.w ^= sign;
+      }
+      asm volatile(
+          "st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(s_q + SwizzledOffset<kRowBytes>(r, c)),
+          "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
+    }
+  }
+  __syncthreads();
+  const uint32_t off_a = SwizzledOffset<kRowBytes>(lane & 15, lane >> 4);
+  const uint32_t off_b =
+      SwizzledOffset<kRowBytes>((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  uint32_t q_frag[kKSteps][4];
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) LdMatrixX4(q_frag[kk], s_q + PairOffset(off_a, kk));
+
+  // The mask of rows g and g + 8 of the 16: their queries' visible keys.
+  KeyRange row_keys[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int query = (m0 + g + half * 8) / p.group;
+    row_keys[half] = PagedVisibleKeys(p, nq, nk, query, query);
+  }
+  // Tiles needing no element mask: inside every row's window and below nk.
+  const KeyRange all_rows = PagedVisibleKeys(p, nq, nk, last_query, first_query);
+
+  float acc_o[kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_o[dt][i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  const float scale_log2 = p.scale_log2;
+
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    // Tile `tile` has landed; every warp is past tile - 1, whose stage the next load reuses.
+    CpAsyncWait<kStages - 2>();
+    __syncthreads();
+    if (tile + kStages - 1 < n_tiles) load_tile((tile + kStages - 1) % kStages, tile + kStages - 1);
+    CpAsyncCommit();
+
+    const uint32_t s_k = s_kv + (tile % kStages) * Tile::kStageBytes + warp * kWarpKeys * kRowBytes;
+    const uint32_t s_v = s_k + Tile::kTileBytes;
+    const int n0 = (tile_begin + tile) * kBc + warp * kWarpKeys;  // this warp's first key
+
+    float acc_s[kNTiles][4];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_s[nt][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        uint32_t kb[4];
+        LdMatrixX4(kb, s_k + np * 16 * kRowBytes + PairOffset(off_b, kk));
+        Mma16816<T>(acc_s[2 * np], q_frag[kk], kb[0], kb[1]);
+        Mma16816<T>(acc_s[2 * np + 1], q_frag[kk], kb[2], kb[3]);
+      }
+    }
+
+    if (n0 < all_rows.lo || n0 + kWarpKeys > all_rows.hi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int lo = row_keys[half].lo - n0 - 2 * t, hi = row_keys[half].hi - n0 - 2 * t;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int col = nt * 8 + i;  // key n0 + col + 2t
+            if (col < lo || col >= hi) acc_s[nt][half * 2 + i] = -INFINITY;
+          }
+      }
+    }
+
+    // Online softmax in the log2 domain (as flash_forward_kernel.cuh). O is rescaled only when
+    // some row of the warp got a new max (after the first tiles, most tiles leave every max as
+    // it was: the rescale is then exactly 1).
+    float rescale[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float part[kNTiles];
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+        part[nt] = fmaxf(acc_s[nt][half * 2], acc_s[nt][half * 2 + 1]);
+      float mx =
+          fmaxf(row_max[half], TreeReduce(part, [](float a, float b) { return fmaxf(a, b); }));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+      rescale[half] = FastExp2(row_max[half] * scale_log2 - m_scaled);
+      row_max[half] = mx;
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          acc_s[nt][half * 2 + i] = FastExp2(fmaf(acc_s[nt][half * 2 + i], scale_log2, -m_scaled));
+        part[nt] = acc_s[nt][half * 2] + acc_s[nt][half * 2 + 1];
+      }
+      row_sum[half] = fmaf(row_sum[half], rescale[half],
+                           TreeReduce(part, [](float a, float b) { return a + b; }));
+    }
+    if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_o[dt][i] *= rescale[i / 2];
+    }
+
+    // O += P V over this warp's keys, 16 at a time.
+#pragma unroll
+    for (int kk = 0; kk < kWarpKeys / 16; ++kk) {
+      uint32_t pa[4];
+      pa[0] = PackPair<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+      pa[1] = PackPair<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+      pa[2] = PackPair<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+      pa[3] = PackPair<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t vb[4];
+        LdMatrixX4Trans(vb, s_v + kk * 16 * kRowBytes + PairOffset(off_a, dp));
+        Mma16816<T>(acc_o[2 * dp], pa, vb[0], vb[1]);
+        Mma16816<T>(acc_o[2 * dp + 1], pa, vb[2], vb[3]);
+      }
+    }
+  }
+  CpAsyncWait<0>();
+  __syncthreads();
+
+  // Merge the warps: each stores (max, sum, O) of its rows; then every thread finishes columns.
+  float* merge = reinterpret_cast<float*>(smem + Tile::kQBytes);
+  float* m_max = merge + Tile::kWarps * kPagedRows * kD;  // [kWarps][16]
+  float* m_sum = m_max + Tile::kWarps * kPagedRows;       // [kWarps][16]
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + half * 8;
+    float l = row_sum[half];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t == 0) {
+      m_max[warp * kPagedRows + r] = row_max[half];
+      m_sum[warp * kPagedRows + r] = l;
+    }
+    float* o_row = merge + (warp * kPagedRows + r) * kD;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+      *reinterpret_cast<float2*>(o_row + dt * 8 + 2 * t) =
+          make_float2(acc_o[dt][half * 2], acc_o[dt][half * 2 + 1]);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kPagedRows * kD; i += kThreads) {
+    const int r = i / kD, col = i % kD;
+    if (m0 + r > row_last || col >= p.head_dim) continue;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Tile::kWarps; ++w) mx = fmaxf(mx, m_max[w * kPagedRows + r]);
+    float sum = 0.f, o = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < Tile::kWarps; ++w) {
+        const float scale = FastExp2((m_max[w * kPagedRows + r] - mx) * scale_log2);
+        sum += scale * m_sum[w * kPagedRows + r];
+        o += scale * merge[(w * kPagedRows + r) * kD + col];
+      }
+    }
+    const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
+    StoreOut<T>(p, row.index, col, sum > 0.f ? o / sum : 0.f);
+    if (col == 0) StoreLse(p, row.index, sum > 0.f ? mx * scale_log2 + log2f(sum) : -INFINITY);
+  }
+}
+
+// The SIMT path: warp w computes rows w, w + 4, ... of the CTA's 16, lane l owning columns
+// l + 32 c. Any head dim up to 32 * kMaxCols.
+template <typename T>
+__global__ void __launch_bounds__(kPagedThreads) PagedSimtKernel(const PagedKernelParams p) {
+  constexpr int kMaxCols = 8;
+  const int seq = blockIdx.z;
+  const int hk = blockIdx.y / p.m_blocks, m0 = blockIdx.y % p.m_blocks * kPagedRows;
+  const int q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
+  const int nk = p.seqlens_k[seq];
+  const int rows = p.group * nq;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int32_t* page_table = p.page_table + seq * p.page_table_stride;
+  const int64_t head_offset = static_cast<int64_t>(hk) * p.page_rows * p.head_dim;
+  const int64_t v_offset = static_cast<int64_t>(p.heads_kv) * p.page_rows * p.head_dim;
+  const float sign = p.negate_q ? -1.f : 1.f;
+  for (int m = m0 + warp; m < min(m0 + kPagedRows, rows); m += kPagedThreads / 32) {
+    const PagedRow row = GetPagedRow(p, q0, nq, hk, m);
+    const KeyRange vis = PagedVisibleKeys(p, nq, nk, row.query, row.query);
+    const int split_lo = blockIdx.x * p.split_keys;
+    const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
+    float q[kMaxCols], acc[kMaxCols];
+#pragma unroll
+    for (int c = 0; c < kMaxCols; ++c) {
+      const int col = lane + 32 * c;
+      q[c] =
+          col < p.head_dim
+              ? sign * static_cast<float>(static_cast<const T*>(p.q)[row.index * p.head_dim + col])
+              : 0.f;
+      acc[c] = 0.f;
+    }
+    float mx = -INFINITY, sum = 0.f;
+    for (int key = k_lo; key < k_hi; ++key) {
+      const T* k =
+          reinterpret_cast<const T*>(p.pool + page_table[key / p.page_rows] * p.page_bytes) +
+          head_offset + static_cast<int64_t>(key % p.page_rows) * p.head_dim;
+      float s = 0.f;
+#pragma unroll
+      for (int c = 0; c < kMaxCols; ++c) {
+        const int col = lane + 32 * c;
+        if (col < p.head_dim) s += q[c] * static_cast<float>(k[col]);
+      }
+#pragma unroll
+      for (int x = 16; x >= 1; x /= 2) s += __shfl_xor_sync(0xffffffffu, s, x);
+      const float new_max = fmaxf(mx, s);
+      const float rescale = FastExp2((mx - new_max) * p.scale_log2);
+      const float pk = FastExp2((s - new_max) * p.scale_log2);
+      sum = sum * rescale + pk;
+      mx = new_max;
+#pragma unroll
+      for (int c = 0; c < kMaxCols; ++c) {
+        const int col = lane + 32 * c;
+        acc[c] = acc[c] * rescale +
+                 (col < p.head_dim ? pk * static_cast<float>(k[v_offset + col]) : 0.f);
+      }
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+    for (int c = 0; c < kMaxCols; ++c) {
+      const int col = lane + 32 * c;
+      if (col < p.head_dim) StoreOut<T>(p, row.index, col, acc[c] * inv);
+    }
+    if (lane == 0) StoreLse(p, row.index, sum > 0.f ? mx * p.scale_log2 + log2f(sum) : -INFINITY);
+  }
+}
+
+// Merges the splits by LSE: a warp per row of o. The lanes first turn the splits' log2-sum-exps
+// into weights 2^(lse_s - max) (kept in shared memory), then lane l sums columns 4l..4l+3 (+128 c)
+// over the splits, the loads of several splits in flight at once.
+template <typename T>
+__global__ void __launch_bounds__(kPagedThreads)
+    PagedCombineKernel(const PagedKernelParams p, int64_t first_row) {
+  __shared__ float weights[kPagedThreads / 32][kPagedMaxSplits];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t r = first_row + blockIdx.x * int64_t(kPagedThreads / 32) + warp;
+  if (r >= p.total_rows) return;
+  float mx = -INFINITY;
+  for (int s = lane; s < p.splits; s += 32) mx = fmaxf(mx, p.part_lse[s * p.total_rows + r]);
+#pragma unroll
+  for (int x = 16; x >= 1; x /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+  float sum = 0.f;
+  for (int s = lane; s < p.splits; s += 32) {
+    const float w = mx == -INFINITY ? 0.f : exp2f(p.part_lse[s * p.total_rows + r] - mx);
+    weights[warp][s] = w;
+    sum += w;
+  }
+#pragma unroll
+  for (int x = 16; x >= 1; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+  __syncwarp();
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const float* part = p.part_o + r * p.head_dim;
+  const int64_t split_stride = p.total_rows * p.head_dim;
+  auto store = [&](int col, float x) {
+    if constexpr (std::is_same_v<T, float>) {
+      static_cast<float*>(p.o)[r * p.head_dim + col] = x;
+    } else if constexpr (std::is_same_v<T, __half>) {
+      static_cast<__half*>(p.o)[r * p.head_dim + col] = __float2half_rn(x);
+    } else {
+      static_cast<__nv_bfloat16*>(p.o)[r * p.head_dim + col] = __float2bfloat16_rn(x);
+    }
+  };
+  if (p.head_dim % 4 == 0) {
+    for (int col = 4 * lane; col < p.head_dim; col += 128) {
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+      for (int s = 0; s < p.splits; ++s) {
+        const float4 x = *reinterpret_cast<const float4*>(part + s * split_stride + col);
+        const float w = weights[warp][s];
+        o.x += w * x.x, o.y += w * x.y, o.z += w * x.z, o.w += w * x.w;
+      }
+      store(col, o.x * inv), store(col + 1, o.y * inv), store(col + 2, o.z * inv),
+          store(col + 3, o.w * inv);
+    }
+  } else {
+    for (int col = lane; col < p.head_dim; col += 32) {
+      float o = 0.f;
+#pragma unroll 8
+      for (int s = 0; s < p.splits; ++s) o += weights[warp][s] * part[s * split_stride + col];
+      store(col, o * inv);
+    }
+  }
+  if (lane == 0 && p.lse != nullptr) p.lse[r] = sum > 0.f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
+}
+
+}  // namespace attention::cuda

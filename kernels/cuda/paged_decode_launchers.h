@@ -1,0 +1,33 @@
+// Paged decode launchers, one per dtype, callable from plain C++ (paged_decode.cc plans the step
+// and turns their cudaError_t into a Status).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/paged_decode_params.h"
+
+namespace attention::cuda {
+
+// Head dims with a tensor-core tile (float16 and bfloat16); any multiple of 8 below one of them
+// runs in it (columns past head_dim zero-filled).
+inline constexpr int kPagedTensorHeadDims[] = {64, 128};
+// Largest head dim of the SIMT path (every dtype, any head dim up to this).
+inline constexpr int kPagedMaxHeadDim = 256;
+
+// What the grid needs beyond the kernel params.
+struct PagedLaunch {
+  int num_seqs = 0;
+  int kernel_head_dim = 0;  // 64 or 128: the tensor-core tile of that D; 0: the SIMT kernel
+  int64_t first_row = 0;    // heads_q * cu_seqlens_q[0]: the combine kernel's first row
+};
+
+cudaError_t LaunchPagedDecodeF16(const PagedKernelParams& p, const PagedLaunch& launch,
+                                 cudaStream_t stream);
+cudaError_t LaunchPagedDecodeBF16(const PagedKernelParams& p, const PagedLaunch& launch,
+                                  cudaStream_t stream);
+cudaError_t LaunchPagedDecodeF32(const PagedKernelParams& p, const PagedLaunch& launch,
+                                 cudaStream_t stream);
+
+}  // namespace attention::cuda

@@ -1,0 +1,40 @@
+// The plain-old-data view of one paged decode step (kernels/paged_kv.h) that the split-KV kernels
+// take by value (paged_decode_kernel.cuh). Device pointers; lengths fit int32 (the planner checks).
+#pragma once
+
+#include <cstdint>
+
+namespace attention::cuda {
+
+// The most splits of one step (the combine kernel keeps a weight per split in shared memory).
+inline constexpr int kPagedMaxSplits = 256;
+
+struct PagedKernelParams {
+  const unsigned char* pool;
+  int64_t page_bytes;
+  int page_rows;
+  const void* q;  // [Hq, Nq_s, D] per sequence, packed (kernels/paged_kv.h)
+  void* o;
+  float* lse;  // nullptr: not computed
+  const int32_t* cu_seqlens_q;
+  const int32_t* seqlens_k;
+  const int32_t* page_table;
+  int64_t page_table_stride;
+  int heads_q, heads_kv, group, head_dim;
+  // As KernelParams: exp2(scale_log2 * (q.k - max)) with scale_log2 > 0, Q negated for a negative
+  // scale; window bounds -1 = unbounded.
+  float scale_log2;
+  bool negate_q;
+  int window_left, window_right;
+  // Grid: x = splits, y = heads_kv * m_blocks (16-row blocks of group * Nq), z = sequences.
+  int m_blocks;
+  int splits;
+  int split_keys;  // keys per split, a multiple of the kernel's key tile
+  // splits > 1: per split, a normalised float32 o [total_rows, D] and its log2-sum-exp
+  // [total_rows] (-inf where the split saw no key), merged by PagedCombineKernel.
+  float* part_o;
+  float* part_lse;
+  int64_t total_rows;  // heads_q * total_q
+};
+
+}  // namespace attention::cuda

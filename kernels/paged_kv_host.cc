@@ -1,0 +1,117 @@
+#include "kernels/paged_kv_host.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace attention {
+namespace {
+
+absl::StatusOr<int64_t> CheckShape(const KvShape& shape, int64_t page_bytes) {
+  if (shape.heads_kv <= 0 || shape.head_dim <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv shape must be positive: heads_kv=", shape.heads_kv, " head_dim=", shape.head_dim));
+  }
+  const int64_t page_rows = PageRows(page_bytes, shape.dtype, shape.heads_kv, shape.head_dim);
+  if (page_rows == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pages of ", page_bytes, " bytes hold fewer than 16 rows of ", DTypeName(shape.dtype),
+        " heads_kv=", shape.heads_kv, " head_dim=", shape.head_dim));
+  }
+  return page_rows;
+}
+
+absl::Status CheckPage(int64_t page, int64_t num_pages, int64_t seq, int64_t index) {
+  if (page < 0 || page >= num_pages) {
+    return absl::InvalidArgumentError(absl::StrCat("page ", page, " (entry ", index,
+                                                   " of sequence ", seq, ") is outside the pool's ",
+                                                   num_pages, " pages"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<DecodeExtent> CheckPagedDecode(const PagedDecodeParams& p, int64_t page_bytes,
+                                              int64_t num_pages) {
+  absl::StatusOr<int64_t> page_rows = CheckShape(p.shape, page_bytes);
+  if (!page_rows.ok()) return page_rows.status();
+  if (p.heads_q <= 0 || p.heads_q % p.shape.heads_kv != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("heads_q (", p.heads_q,
+                                                   ") must be a positive multiple of heads_kv (",
+                                                   p.shape.heads_kv, ")"));
+  }
+  if (p.num_seqs < 0) return absl::InvalidArgumentError("num_seqs must be >= 0");
+  if (p.window_left < kUnboundedWindow || p.window_right < kUnboundedWindow) {
+    return absl::InvalidArgumentError(absl::StrCat("window bounds must be >= 0 or unbounded, got ",
+                                                   p.window_left, ", ", p.window_right));
+  }
+  DecodeExtent extent{.page_rows = *page_rows};
+  if (p.num_seqs == 0) return extent;
+  if (!p.q || !p.o || !p.cu_seqlens_q || !p.seqlens_k || !p.page_table) {
+    return absl::InvalidArgumentError(
+        "q, o, cu_seqlens_q, seqlens_k and page_table must all be set");
+  }
+  if (p.cu_seqlens_q[0] < 0 || p.cu_seqlens_q[p.num_seqs] != p.total_q) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cu_seqlens_q must start at >= 0 and end at total_q (", p.total_q, "), got ",
+                     p.cu_seqlens_q[0], " .. ", p.cu_seqlens_q[p.num_seqs]));
+  }
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t nq = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
+    const int64_t nk = p.seqlens_k[s];
+    if (nq < 0 || nk < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", s, " has ", nq, " queries and ", nk, " keys"));
+    }
+    const int64_t pages = (nk + *page_rows - 1) / *page_rows;
+    if (pages > p.page_table_stride) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", s, " has ", nk, " keys: ", pages, " pages of ", *page_rows,
+                       " rows, more than page_table_stride (", p.page_table_stride, ")"));
+    }
+    for (int64_t i = 0; i < pages; ++i) {
+      if (absl::Status st = CheckPage(p.page_table[s * p.page_table_stride + i], num_pages, s, i);
+          !st.ok()) {
+        return st;
+      }
+    }
+    extent.max_seqlen_q = std::max(extent.max_seqlen_q, nq);
+    extent.max_seqlen_k = std::max(extent.max_seqlen_k, nk);
+  }
+  return extent;
+}
+
+absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64_t num_pages) {
+  absl::StatusOr<int64_t> page_rows = CheckShape(w.shape, page_bytes);
+  if (!page_rows.ok()) return page_rows.status();
+  if (w.first_row < 0 || w.rows < 0 || w.head_stride < 0 || w.row_stride < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "first_row, rows and strides must be >= 0: first_row=", w.first_row, " rows=", w.rows,
+        " head_stride=", w.head_stride, " row_stride=", w.row_stride));
+  }
+  if (w.rows == 0) return *page_rows;
+  if (!w.page_table || !w.k || !w.v) {
+    return absl::InvalidArgumentError("page_table, k and v must all be set");
+  }
+  for (int64_t i = w.first_row / *page_rows; i <= (w.first_row + w.rows - 1) / *page_rows; ++i) {
+    if (absl::Status st = CheckPage(w.page_table[i], num_pages, 0, i); !st.ok()) return st;
+  }
+  return *page_rows;
+}
+
+absl::Status ForEachPageRun(const KvWrite& w, int64_t page_rows,
+                            const std::function<absl::Status(const PageRun&)>& fn) {
+  for (int64_t done = 0; done < w.rows;) {
+    const int64_t row = w.first_row + done;
+    const int64_t page_row = row % page_rows;
+    const int64_t count = std::min(w.rows - done, page_rows - page_row);
+    if (absl::Status st = fn({w.page_table[row / page_rows], page_row, done, count}); !st.ok()) {
+      return st;
+    }
+    done += count;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attention

@@ -1,0 +1,49 @@
+// Host-side helpers every KvPagePool shares (kernels/paged_kv.h): the checks of a Write or a
+// Decode step against the pool (so that no kernel reads or writes outside it), and the page runs a
+// Write copies.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/paged_kv.h"
+
+namespace attention {
+
+// What a checked decode step looks like (lengths recomputed from the host arrays, so the kernels'
+// grids never trust the caller's max_seqlen_*).
+struct DecodeExtent {
+  int64_t page_rows = 0;
+  int64_t max_seqlen_q = 0;
+  int64_t max_seqlen_k = 0;
+};
+
+// Checks shape, pointers, cu_seqlens_q (monotonic, ending at total_q), seqlens_k (>= 0) and that
+// every page a sequence's keys need is in [0, num_pages) and within page_table_stride.
+absl::StatusOr<DecodeExtent> CheckPagedDecode(const PagedDecodeParams& p, int64_t page_bytes,
+                                              int64_t num_pages);
+
+// Checks shape, pointers, strides and the pages rows [first_row, first_row + rows) land in.
+absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64_t num_pages);
+
+// One run of a Write: `count` rows starting at source row `src_row` (0-based within the write)
+// that land in page `page` from row `page_row` on.
+struct PageRun {
+  int64_t page, page_row, src_row, count;
+};
+// Calls fn for each run of w's rows within one page, in row order; stops at the first error.
+absl::Status ForEachPageRun(const KvWrite& w, int64_t page_rows,
+                            const std::function<absl::Status(const PageRun&)>& fn);
+
+// Byte offsets inside a page of sequences of `shape` with `page_rows` rows: K of (head, row) and
+// where V starts.
+inline int64_t KvRowOffset(const KvShape& shape, int64_t page_rows, int64_t head, int64_t row) {
+  return (head * page_rows + row) * shape.head_dim * static_cast<int64_t>(DTypeSize(shape.dtype));
+}
+inline int64_t VOffset(const KvShape& shape, int64_t page_rows) {
+  return KvRowOffset(shape, page_rows, shape.heads_kv, 0);
+}
+
+}  // namespace attention

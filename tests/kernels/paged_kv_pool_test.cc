@@ -1,0 +1,558 @@
+// A KvPagePool (kernels/paged_kv.h) against the float64 reference (kernels/reference): sequences
+// of ragged lengths written into shuffled pages (in chunks, from BHSD or BSHD rows), then one
+// decode step over all of them, compared per sequence with attention over its contiguous K/V.
+// Outputs are poisoned with NaN first; page-table entries past a sequence's pages hold -1, so a
+// kernel that reads past its keys reads outside the pool. Fresh random inputs each run (seed
+// printed on failure; ATTENTION_TEST_SEED reruns one).
+#include "tests/kernels/paged_kv_pool_test.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/dtype_convert.h"
+#include "kernels/reference/reference_attention.h"
+
+namespace attention::kernel_test {
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+uint64_t NextSeed() {
+  if (const char* env = std::getenv("ATTENTION_TEST_SEED"); env != nullptr && *env != '\0') {
+    return std::strtoull(env, nullptr, 10);
+  }
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) ^ device();
+}
+
+struct DecodeCase {
+  std::string name;
+  int64_t heads_q = 4;
+  int64_t heads_kv = 1;
+  int64_t head_dim = 64;
+  std::vector<int32_t> nq;  // per sequence: queries of this step
+  std::vector<int32_t> nk;  // per sequence: keys (including this step's)
+  int64_t window_left = kUnboundedWindow;
+  int64_t window_right = kUnboundedWindow;
+  std::optional<float> softmax_scale;  // absent: 1 / sqrt(head_dim)
+  bool return_lse = true;
+  int64_t page_rows = 32;  // the pool's pages hold this many rows of the case's shape
+  Layout write_layout = Layout::kBHSD;
+  int64_t write_chunk = 0;  // rows per Write; 0: chunks of random sizes
+};
+
+void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
+
+std::vector<DecodeCase> Cases() {
+  std::vector<DecodeCase> cases;
+  DecodeCase c;
+  // Lengths around tiles and pages (page_rows 32: 31, 33; 64 = key tile), primes.
+  c.name = "ragged_lengths_gqa4";
+  c.nq = std::vector<int32_t>(12, 1);
+  c.nk = {1, 15, 16, 17, 31, 32, 33, 63, 65, 97, 129, 257};
+  cases.push_back(c);
+
+  c = {};
+  c.name = "gqa1_d128_bshd";
+  c.heads_q = c.heads_kv = 4;
+  c.head_dim = 128;
+  c.nq = {1, 1};
+  c.nk = {100, 1000};
+  c.write_layout = Layout::kBSHD;
+  c.page_rows = 64;
+  cases.push_back(c);
+
+  c = {};
+  c.name = "gqa8_d128";
+  c.heads_q = 16;
+  c.heads_kv = 2;
+  c.head_dim = 128;
+  c.nq = {1, 1, 1};
+  c.nk = {129, 700, 64};
+  cases.push_back(c);
+
+  c = {};
+  c.name = "mqa_d64_nolse";
+  c.heads_q = 8;
+  c.heads_kv = 1;
+  c.nq = {1, 1};
+  c.nk = {333, 47};
+  c.return_lse = false;
+  c.page_rows = 16;
+  cases.push_back(c);
+
+  // Several queries per sequence (extend steps): 16-row blocks of group x Nq rows, causal.
+  c = {};
+  c.name = "nq_causal_gqa4";
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.nq = {4, 7, 1, 16};
+  c.nk = {50, 300, 64, 16};
+  c.window_right = 0;
+  c.write_layout = Layout::kBSHD;
+  cases.push_back(c);
+
+  // Fewer keys than queries: the first queries see no key (o = 0, lse = -inf).
+  c = {};
+  c.name = "nq_gt_nk_causal";
+  c.heads_q = 2;
+  c.heads_kv = 1;
+  c.nq = {5, 3};
+  c.nk = {3, 40};
+  c.window_right = 0;
+  cases.push_back(c);
+
+  c = {};
+  c.name = "window_left_causal";
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.nq = {3, 1, 2};
+  c.nk = {500, 90, 37};
+  c.window_left = 37;
+  c.window_right = 0;
+  cases.push_back(c);
+
+  c = {};
+  c.name = "window_both_neg_scale";
+  c.heads_q = 4;
+  c.heads_kv = 1;
+  c.nq = {5, 9};
+  c.nk = {200, 61};
+  c.window_left = 5;
+  c.window_right = 3;
+  c.softmax_scale = -0.11f;
+  cases.push_back(c);
+
+  // Head dims without their own tile (zero-filled columns, or the generic path).
+  c = {};
+  c.name = "d96_d40";
+  c.heads_q = 2;
+  c.heads_kv = 2;
+  c.head_dim = 96;
+  c.nq = {1, 2};
+  c.nk = {77, 150};
+  cases.push_back(c);
+  c.name = "d40";
+  c.head_dim = 40;
+  cases.push_back(c);
+  c.name = "d256_d20";
+  c.head_dim = 256;
+  c.page_rows = 16;
+  cases.push_back(c);
+  c.name = "d20";
+  c.head_dim = 20;
+  cases.push_back(c);
+
+  // Long enough for many splits and key tiles per split.
+  c = {};
+  c.name = "long_5000_gqa4_d128";
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.head_dim = 128;
+  c.nq = {1, 1};
+  c.nk = {5000, 1234};
+  c.page_rows = 64;
+  cases.push_back(c);
+
+  // Pages of a multiple of the key tile (whole tiles from one page table read) at D = 64.
+  c = {};
+  c.name = "d64_pages128";
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.nq = {1, 2, 1};
+  c.nk = {1000, 129, 256};
+  c.page_rows = 128;
+  cases.push_back(c);
+
+  c = {};
+  c.name = "single_row_writes_100";
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.nq = {1};
+  c.nk = {100};
+  c.write_chunk = 1;
+  c.write_layout = Layout::kBSHD;
+  cases.push_back(c);
+  return cases;
+}
+
+double Tolerance(DType dtype) { return dtype == DType::kFloat32 ? 1e-5 : 1e-2; }
+
+std::vector<unsigned char> Encode(const std::vector<float>& x, DType dtype) {
+  std::vector<unsigned char> out(x.size() * DTypeSize(dtype));
+  for (size_t i = 0; i < x.size(); ++i) StoreFromFloat(out.data(), i, dtype, x[i]);
+  return out;
+}
+
+// Random standard normal values already rounded to `dtype`, so the reference sees what the pool
+// sees.
+std::vector<float> RandomRounded(size_t n, DType dtype, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal;
+  std::vector<float> x(n);
+  for (float& v : x) v = normal(rng);
+  std::vector<unsigned char> bytes = Encode(x, dtype);
+  for (size_t i = 0; i < n; ++i) x[i] = LoadAsFloat(bytes.data(), i, dtype);
+  return x;
+}
+
+// One sequence: its rows and pages.
+struct Sequence {
+  std::vector<float> q;        // [Hq, nq, D]
+  std::vector<float> k, v;     // [Hkv, nk, D]
+  std::vector<int32_t> pages;  // page_table_stride entries, -1 past its pages
+};
+
+// Writes a sequence's K/V into the pool: in chunks of `chunk` rows (0: random sizes), from
+// BHSD [Hkv, nk, D] or BSHD [nk, Hkv, D] host rows.
+void WriteSequence(KvPagePool& pool, const KvShape& shape, const Sequence& s, int64_t nk,
+                   Layout layout, int64_t chunk, std::mt19937_64& rng) {
+  const int64_t hkv = shape.heads_kv, d = shape.head_dim;
+  std::vector<float> k(s.k.size()), v(s.v.size());
+  for (int64_t h = 0; h < hkv; ++h)
+    for (int64_t r = 0; r < nk; ++r)
+      for (int64_t x = 0; x < d; ++x) {
+        const int64_t from = (h * nk + r) * d + x;
+        const int64_t to = layout == Layout::kBHSD ? from : (r * hkv + h) * d + x;
+        k[to] = s.k[from];
+        v[to] = s.v[from];
+      }
+  const std::vector<unsigned char> kb = Encode(k, shape.dtype), vb = Encode(v, shape.dtype);
+  const int64_t head_stride = layout == Layout::kBHSD ? nk * d : d;
+  const int64_t row_stride = layout == Layout::kBHSD ? d : hkv * d;
+  std::uniform_int_distribution<int64_t> random_chunk(1, 40);
+  for (int64_t r0 = 0; r0 < nk;) {
+    const int64_t rows = std::min(nk - r0, chunk > 0 ? chunk : random_chunk(rng));
+    KvWrite w;
+    w.shape = shape;
+    w.page_table = s.pages.data();
+    w.first_row = r0;
+    w.rows = rows;
+    const size_t at = r0 * row_stride * DTypeSize(shape.dtype);
+    w.k = kb.data() + at;
+    w.v = vb.data() + at;
+    w.head_stride = head_stride;
+    w.row_stride = row_stride;
+    const absl::Status status = pool.Write(w);
+    ASSERT_TRUE(status.ok()) << status;
+    r0 += rows;
+  }
+}
+
+// The reference of one sequence: o [Hq, nq, D] and lse [Hq, nq] in float64.
+void Reference(const DecodeCase& c, float scale, const Sequence& s, int64_t nq, int64_t nk,
+               std::vector<double>* o, std::vector<double>* lse) {
+  AttentionParams p;
+  p.dtype = DType::kFloat32;  // the values are already rounded to the case's dtype
+  p.q = s.q.data();
+  p.k = s.k.data();
+  p.v = s.v.data();
+  p.o = o;  // not written by the reference; must be non-null for CheckParams
+  p.batch = 1;
+  p.heads_q = c.heads_q;
+  p.heads_kv = c.heads_kv;
+  p.seqlen_q = nq;
+  p.seqlen_k = nk;
+  p.head_dim = c.head_dim;
+  p.softmax_scale = scale;
+  p.window_left = c.window_left;
+  p.window_right = c.window_right;
+  p.SetContiguousStrides(Layout::kBHSD);
+  const absl::Status status = reference::Forward(p, o, lse);
+  ASSERT_TRUE(status.ok()) << status;
+}
+
+// Accumulates ||x - ref||^2 and ||ref||^2 over finite reference values; counts NaN outputs and
+// rows that see no key (ref lse -inf) whose output is not exactly 0 / -inf.
+struct ErrorSums {
+  double err2 = 0, ref2 = 0;
+  int64_t nan = 0, bad_empty = 0;
+  void Add(double x, double ref) {
+    if (std::isnan(x)) {
+      ++nan;
+      return;
+    }
+    err2 += (x - ref) * (x - ref);
+    ref2 += ref * ref;
+  }
+  void Expect(const char* what, double tolerance) const {
+    EXPECT_EQ(nan, 0) << what << ": elements left NaN";
+    EXPECT_EQ(bad_empty, 0) << what << ": rows that see no key must give o = 0, lse = -inf";
+    EXPECT_LE(std::sqrt(err2), tolerance * std::sqrt(ref2))
+        << what << " relative error " << std::sqrt(err2 / std::max(ref2, 1e-300));
+  }
+};
+
+struct StepResult {
+  std::vector<unsigned char> o;
+  std::vector<float> lse;
+};
+
+// Runs one decode step of all sequences (queries from s.q) and returns o and lse as written.
+StepResult Decode(KvPagePool& pool, const DecodeCase& c, DType dtype, float scale,
+                  const std::vector<Sequence>& seqs, int64_t stride) {
+  const int64_t n = static_cast<int64_t>(seqs.size());
+  std::vector<int32_t> cu_q{0}, seqlens_k, table;
+  std::vector<float> q;
+  for (int64_t i = 0; i < n; ++i) {
+    cu_q.push_back(cu_q.back() + c.nq[i]);
+    seqlens_k.push_back(c.nk[i]);
+    q.insert(q.end(), seqs[i].q.begin(), seqs[i].q.end());
+    table.insert(table.end(), seqs[i].pages.begin(), seqs[i].pages.end());
+  }
+  const std::vector<unsigned char> qb = Encode(q, dtype);
+  StepResult r;
+  r.o = Encode(std::vector<float>(q.size(), kNaN), dtype);
+  r.lse.assign(c.return_lse ? c.heads_q * cu_q.back() : 0, kNaN);
+  PagedDecodeParams p;
+  p.shape = {dtype, c.heads_kv, c.head_dim};
+  p.heads_q = c.heads_q;
+  p.num_seqs = n;
+  p.q = qb.data();
+  p.o = r.o.data();
+  p.lse = c.return_lse ? r.lse.data() : nullptr;
+  p.cu_seqlens_q = cu_q.data();
+  p.total_q = cu_q.back();
+  p.max_seqlen_q = *std::max_element(c.nq.begin(), c.nq.end());
+  p.seqlens_k = seqlens_k.data();
+  p.max_seqlen_k = *std::max_element(c.nk.begin(), c.nk.end());
+  p.page_table = table.data();
+  p.page_table_stride = stride;
+  p.softmax_scale = scale;
+  p.window_left = c.window_left;
+  p.window_right = c.window_right;
+  const absl::StatusOr<KvStepTimes> times = pool.Decode(p);
+  EXPECT_TRUE(times.ok()) << times.status();
+  return r;
+}
+
+// Builds a pool and the sequences of `c` (pages shuffled over the pool), writes their K/V.
+struct PoolSetup {
+  std::unique_ptr<KvPagePool> pool;
+  std::vector<Sequence> seqs;
+  int64_t stride = 0;
+};
+void MakeSetup(const DecodeCase& c, DType dtype, std::mt19937_64& rng, PoolSetup* setup) {
+  const KvShape shape{dtype, c.heads_kv, c.head_dim};
+  const int64_t page_bytes = c.page_rows * 2 * c.heads_kv * c.head_dim * DTypeSize(dtype);
+  ASSERT_EQ(PageRows(page_bytes, dtype, c.heads_kv, c.head_dim), c.page_rows);
+  int64_t needed = 0;
+  for (int32_t nk : c.nk) {
+    const int64_t pages = (nk + c.page_rows - 1) / c.page_rows;
+    needed += pages;
+    setup->stride = std::max(setup->stride, pages + 1);
+  }
+  const int64_t num_pages = needed + 3;
+  absl::StatusOr<std::unique_ptr<KvPagePool>> pool = MakeTestPool(num_pages, page_bytes);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  setup->pool = std::move(*pool);
+  EXPECT_EQ(setup->pool->num_pages(), num_pages);
+  EXPECT_EQ(setup->pool->page_bytes(), page_bytes);
+  std::vector<int32_t> order(num_pages);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  auto next_page = order.begin();
+  for (size_t i = 0; i < c.nk.size(); ++i) {
+    Sequence s;
+    s.q = RandomRounded(c.heads_q * c.nq[i] * c.head_dim, dtype, rng);
+    s.k = RandomRounded(c.heads_kv * c.nk[i] * c.head_dim, dtype, rng);
+    s.v = RandomRounded(c.heads_kv * c.nk[i] * c.head_dim, dtype, rng);
+    s.pages.assign(setup->stride, -1);
+    for (int64_t j = 0; j < (c.nk[i] + c.page_rows - 1) / c.page_rows; ++j)
+      s.pages[j] = *next_page++;
+    WriteSequence(*setup->pool, shape, s, c.nk[i], c.write_layout, c.write_chunk, rng);
+    setup->seqs.push_back(std::move(s));
+  }
+}
+
+using Param = std::tuple<DecodeCase, DType>;
+
+class PagedKvPoolTest : public testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    if (std::string reason = PoolUnavailableReason(); !reason.empty()) GTEST_SKIP() << reason;
+  }
+};
+
+TEST_P(PagedKvPoolTest, DecodeMatchesReference) {
+  const auto& [c, dtype] = GetParam();
+  const uint64_t seed = NextSeed();
+  SCOPED_TRACE(absl::StrCat(c.name, " ", DTypeName(dtype), " seed=", seed,
+                            " (rerun with ATTENTION_TEST_SEED=", seed, ")"));
+  std::mt19937_64 rng(seed);
+  const float scale = c.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
+  PoolSetup setup;
+  MakeSetup(c, dtype, rng, &setup);
+  if (HasFatalFailure()) return;
+  const StepResult r = Decode(*setup.pool, c, dtype, scale, setup.seqs, setup.stride);
+
+  ErrorSums o_err, lse_err;
+  int64_t q_row0 = 0;  // first row (of Hq * total_q) of the sequence
+  for (size_t i = 0; i < setup.seqs.size(); ++i) {
+    std::vector<double> ref_o, ref_lse;
+    Reference(c, scale, setup.seqs[i], c.nq[i], c.nk[i], &ref_o, &ref_lse);
+    for (int64_t row = 0; row < c.heads_q * c.nq[i]; ++row) {
+      const bool empty = std::isinf(ref_lse[row]);
+      for (int64_t x = 0; x < c.head_dim; ++x) {
+        const double got = LoadAsFloat(r.o.data(), (q_row0 + row) * c.head_dim + x, dtype);
+        o_err.Add(got, ref_o[row * c.head_dim + x]);
+        if (empty && got != 0.0) ++o_err.bad_empty;
+      }
+      if (c.return_lse) {
+        const double got = r.lse[q_row0 + row];
+        if (empty) {
+          if (!(std::isinf(got) && got < 0)) ++lse_err.bad_empty;
+        } else {
+          lse_err.Add(got, ref_lse[row]);
+        }
+      }
+    }
+    q_row0 += c.heads_q * c.nq[i];
+  }
+  o_err.Expect("o", Tolerance(dtype));
+  if (c.return_lse) lse_err.Expect("lse", Tolerance(dtype));
+}
+
+std::vector<Param> Params() {
+  std::vector<Param> params;
+  for (const DecodeCase& c : Cases()) {
+    for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+      params.emplace_back(c, dtype);
+    }
+  }
+  return params;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, PagedKvPoolTest, testing::ValuesIn(Params()),
+                         [](const testing::TestParamInfo<Param>& info) {
+                           return absl::StrCat(std::get<0>(info.param).name, "_",
+                                               DTypeName(std::get<1>(info.param)));
+                         });
+
+class PagedKvPoolMergeTest : public testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    if (std::string reason = PoolUnavailableReason(); !reason.empty()) GTEST_SKIP() << reason;
+  }
+};
+
+// Attention over keys [0, n) equals the LSE-weighted merge of attention over [0, n/2) and
+// [n/2, n): two sequences of one step, each holding half of the keys, the same queries.
+TEST_P(PagedKvPoolMergeTest, HalvesMergedByLseEqualWhole) {
+  const DType dtype = GetParam();
+  const uint64_t seed = NextSeed();
+  SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " seed=", seed,
+                            " (rerun with ATTENTION_TEST_SEED=", seed, ")"));
+  std::mt19937_64 rng(seed);
+  DecodeCase c;
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.head_dim = 128;
+  c.nq = {1, 1};
+  c.nk = {301, 300};
+  const float scale = 1.0f / std::sqrt(128.0f);
+  PoolSetup setup;
+  MakeSetup(c, dtype, rng, &setup);
+  if (HasFatalFailure()) return;
+  setup.seqs[1].q = setup.seqs[0].q;
+  const StepResult r = Decode(*setup.pool, c, dtype, scale, setup.seqs, setup.stride);
+
+  // The whole sequence: its K/V are the two halves' concatenated per head.
+  Sequence whole;
+  whole.q = setup.seqs[0].q;
+  for (int64_t h = 0; h < c.heads_kv; ++h) {
+    for (int half = 0; half < 2; ++half) {
+      const Sequence& s = setup.seqs[half];
+      const int64_t n = c.nk[half] * c.head_dim;
+      whole.k.insert(whole.k.end(), s.k.begin() + h * n, s.k.begin() + (h + 1) * n);
+      whole.v.insert(whole.v.end(), s.v.begin() + h * n, s.v.begin() + (h + 1) * n);
+    }
+  }
+  std::vector<double> ref_o, ref_lse;
+  Reference(c, scale, whole, 1, c.nk[0] + c.nk[1], &ref_o, &ref_lse);
+  ErrorSums o_err, lse_err;
+  for (int64_t h = 0; h < c.heads_q; ++h) {
+    const double l0 = r.lse[h], l1 = r.lse[c.heads_q + h];
+    const double m = std::max(l0, l1);
+    const double w0 = std::exp(l0 - m), w1 = std::exp(l1 - m);
+    lse_err.Add(m + std::log(w0 + w1), ref_lse[h]);
+    for (int64_t x = 0; x < c.head_dim; ++x) {
+      const double o0 = LoadAsFloat(r.o.data(), h * c.head_dim + x, dtype);
+      const double o1 = LoadAsFloat(r.o.data(), (c.heads_q + h) * c.head_dim + x, dtype);
+      o_err.Add((w0 * o0 + w1 * o1) / (w0 + w1), ref_o[h * c.head_dim + x]);
+    }
+  }
+  o_err.Expect("merged o", Tolerance(dtype));
+  lse_err.Expect("merged lse", Tolerance(dtype));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolMergeTest,
+                         testing::Values(DType::kFloat16, DType::kBFloat16, DType::kFloat32),
+                         [](const testing::TestParamInfo<DType>& info) {
+                           return std::string(DTypeName(info.param));
+                         });
+
+class PagedKvPoolErrorsTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::string reason = PoolUnavailableReason(); !reason.empty()) GTEST_SKIP() << reason;
+  }
+};
+
+TEST_F(PagedKvPoolErrorsTest, RejectsPagesOutsideThePoolAndTooSmallPages) {
+  const KvShape shape{DType::kFloat16, 2, 64};
+  const int64_t page_bytes = 16 * 2 * 2 * 64 * 2;  // 16 rows of the shape
+  absl::StatusOr<std::unique_ptr<KvPagePool>> pool = MakeTestPool(4, page_bytes);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  std::vector<uint16_t> rows(2 * 64, 0);
+  const int32_t bad_table[] = {4};
+  KvWrite w;
+  w.shape = shape;
+  w.page_table = bad_table;
+  w.rows = 1;
+  w.k = w.v = rows.data();
+  w.head_stride = 64;
+  w.row_stride = 128;
+  EXPECT_EQ((*pool)->Write(w).code(), absl::StatusCode::kInvalidArgument);
+
+  std::vector<uint16_t> q(2 * 64), o(2 * 64);
+  const int32_t cu_q[] = {0, 1}, seqlens_k[] = {17};
+  const int32_t table[] = {0, 7};  // the second page is outside the pool
+  PagedDecodeParams p;
+  p.shape = shape;
+  p.heads_q = 2;
+  p.num_seqs = 1;
+  p.q = q.data();
+  p.o = o.data();
+  p.cu_seqlens_q = cu_q;
+  p.total_q = 1;
+  p.max_seqlen_q = 1;
+  p.seqlens_k = seqlens_k;
+  p.max_seqlen_k = 17;
+  p.page_table = table;
+  p.page_table_stride = 2;
+  EXPECT_EQ((*pool)->Decode(p).status().code(), absl::StatusCode::kInvalidArgument);
+
+  p.shape.head_dim = 128;  // 8 rows per page: too small for any sequence of this shape
+  EXPECT_EQ((*pool)->Decode(p).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(PageRowsTest, RoundsDownToSixteenRows) {
+  EXPECT_EQ(PageRows(256 << 10, DType::kBFloat16, 8, 128), 64);
+  EXPECT_EQ(PageRows(1 << 20, DType::kBFloat16, 8, 128), 256);
+  EXPECT_EQ(PageRows(256 << 10, DType::kFloat32, 8, 128), 32);
+  EXPECT_EQ(PageRows(256 << 10, DType::kFloat16, 3, 100), 208);  // 218.45 rows
+  EXPECT_EQ(PageRows(4096, DType::kFloat16, 8, 128), 0);
+  EXPECT_EQ(PageRows(0, DType::kFloat16, 8, 128), 0);
+}
+
+}  // namespace
+}  // namespace attention::kernel_test
