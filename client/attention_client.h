@@ -101,11 +101,13 @@ class Client {
                                            const CallOptions& call = {});
 
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+  const ClientOptions& options() const { return options_; }
 
- private:
-  // A context whose deadline is `call`'s, or the client's default.
+  // A context whose deadline is `call`'s, or the client's default, carrying the bearer token;
+  // for calls on other services over this client's channel (client/session.h).
   std::unique_ptr<grpc::ClientContext> NewContext(const CallOptions& call) const;
 
+ private:
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;

@@ -13,7 +13,18 @@
 // phase and then the same load against the echo server, and reports both side by side (payload
 // GB/s ratio, p50 difference), so the service's overhead is set against the transport's limit.
 //
-// Exit status: 0 done (even with failed calls: they are counted by code); 2 bad flags.
+// --mode=decode drives KV-resident sessions (attention.v1.Sessions) instead: it creates --sessions
+// sessions of --nk rows each (their K/V uploaded once, before and outside the measurement), then
+// sends Step calls, each for B of them (--shape=B,H,N,D: B sessions per Step, H query heads, N
+// new tokens per session per step), appending each step's N tokens' K/V (--append_kv), and
+// reports session-steps/s and tokens/s beside the request figures. Sessions are dropped at the
+// end. Each in-flight Step has sessions of its own: --sessions >= B * --concurrency.
+//
+//   attn_bench --mode=decode --sessions=64 --nk=4096 --shape=8,32,1,128 --kv_heads=8
+//       --dtype=bfloat16 --causal --concurrency=8 --duration_s=10 --json
+//
+// Exit status: 0 done (even with failed calls: they are counted by code); 1 sessions could not be
+// created; 2 bad flags.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -26,6 +37,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <string>
@@ -44,8 +56,15 @@
 #include "bench/echo/echo.grpc.pb.h"
 #include "client/attention_client.h"
 #include "client/request_builder.h"
+#include "client/session.h"
 #include "client/tensors.h"
 
+ABSL_FLAG(std::string, mode, "attend",
+          "attend (Attend calls) | decode (Step calls on KV-resident sessions)");
+ABSL_FLAG(int64_t, sessions, 0,
+          "decode: sessions to create; 0: B * --concurrency (each Step in flight has its own)");
+ABSL_FLAG(bool, append_kv, true,
+          "decode: each step appends its new tokens' K/V (sessions grow); false: queries only");
 ABSL_FLAG(std::string, target, "localhost:50051",
           "server address host:port, or several comma-separated (balanced round-robin)");
 ABSL_FLAG(bool, echo, false, "--target is an attn_echo_server: measure the transport alone");
@@ -57,9 +76,12 @@ ABSL_FLAG(std::optional<double>, rate, std::nullopt,
 ABSL_FLAG(double, duration_s, 10, "measured seconds (after the warmup); ignored with --requests");
 ABSL_FLAG(int64_t, requests, 0, "measured requests; 0: run for --duration_s");
 ABSL_FLAG(double, warmup_s, 1, "seconds of load before measuring starts");
-ABSL_FLAG(std::string, shape, "1,8,128,64", "B,H,N,D: batch, query heads, query length, head dim");
+ABSL_FLAG(std::string, shape, "1,8,128,64",
+          "B,H,N,D: batch, query heads, query length, head dim (decode: sessions per Step, "
+          "query heads, new tokens per session per step, head dim)");
 ABSL_FLAG(std::optional<int64_t>, kv_heads, std::nullopt, "key/value heads (default: H)");
-ABSL_FLAG(std::optional<int64_t>, nk, std::nullopt, "key length (default: N)");
+ABSL_FLAG(std::optional<int64_t>, nk, std::nullopt,
+          "key length (default: N); decode: each session's initial length");
 ABSL_FLAG(std::string, dtype, "float16", "float32 | float16 | bfloat16");
 ABSL_FLAG(std::string, layout, "bhsd", "bhsd | bshd");
 ABSL_FLAG(bool, causal, false, "causal mask (bottom-right aligned)");
@@ -94,6 +116,7 @@ struct Completion {
   grpc::Status status;
   int64_t response_bytes = 0;
   double compute_us = 0;  // the server's ServerTiming.compute_us; 0 for the echo server
+  double flops = 0;       // attention FLOPs the request asked for
 };
 
 // Latencies, bytes and error codes of the measured requests, plus a per-second window for the
@@ -118,6 +141,7 @@ class Recorder {
     latencies_.push_back(latency);
     compute_us_.push_back(c.compute_us);
     payload_bytes_ += request_bytes_ + c.response_bytes;
+    flops_ += c.flops;
   }
 
   // Latencies and error count since the last call.
@@ -135,6 +159,7 @@ class Recorder {
   std::vector<double>& compute_us() { return compute_us_; }
   const std::map<grpc::StatusCode, int64_t>& errors() const { return errors_; }
   int64_t payload_bytes() const { return payload_bytes_; }
+  double flops() const { return flops_; }
   Clock::time_point last_completion() const { return last_completion_; }
 
  private:
@@ -147,6 +172,7 @@ class Recorder {
   std::vector<double> compute_us_;
   std::map<grpc::StatusCode, int64_t> errors_;
   int64_t payload_bytes_ = 0;
+  double flops_ = 0;
   Clock::time_point last_completion_ = measure_from_;
 };
 
@@ -169,13 +195,16 @@ struct Rpcs {
   std::function<void(grpc::ClientContext*, grpc::ClientBidiReactor<Req, Resp>*)> stream;
   std::function<int64_t(const Resp&)> response_bytes;
   std::function<double(const Resp&)> compute_us;
+  std::function<double(const Resp&)> flops;
 };
 
+// Sends `requests` in turn, one at a time (decode mode: each names its own sessions).
 template <class Req, class Resp>
 class UnarySlot final : public Slot {
  public:
-  UnarySlot(const Req& request, const Rpcs<Req, Resp>& rpcs, absl::Duration deadline, DoneFn done)
-      : request_(request), rpcs_(rpcs), deadline_(deadline), done_(std::move(done)) {}
+  UnarySlot(absl::Span<const Req> requests, const Rpcs<Req, Resp>& rpcs, absl::Duration deadline,
+            DoneFn done)
+      : requests_(requests), rpcs_(rpcs), deadline_(deadline), done_(std::move(done)) {}
 
   void Send(Clock::time_point start) override {
     struct Call {
@@ -184,12 +213,15 @@ class UnarySlot final : public Slot {
     };
     auto* call = new Call;
     call->context.set_deadline(absl::ToChronoTime(absl::Now() + deadline_));
-    rpcs_.unary(&call->context, &request_, &call->response, [this, call, start](grpc::Status s) {
+    const Req* request = &requests_[next_];
+    next_ = (next_ + 1) % requests_.size();
+    rpcs_.unary(&call->context, request, &call->response, [this, call, start](grpc::Status s) {
       std::unique_ptr<Call> owned(call);
       Completion c{start, s};
       if (s.ok()) {
         c.response_bytes = rpcs_.response_bytes(owned->response);
         c.compute_us = rpcs_.compute_us(owned->response);
+        c.flops = rpcs_.flops(owned->response);
       }
       // The context holds a channel reference: it must go before `done_` lets the run end and
       // the channel's owner release it, or the channel would be destroyed on this gRPC thread.
@@ -199,7 +231,8 @@ class UnarySlot final : public Slot {
   }
 
  private:
-  const Req& request_;
+  const absl::Span<const Req> requests_;
+  size_t next_ = 0;  // Send runs only while no request of this slot is in flight
   const Rpcs<Req, Resp>& rpcs_;
   const absl::Duration deadline_;
   DoneFn done_;
@@ -244,7 +277,7 @@ class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> 
   void Complete() {
     in_flight_ = false;
     done_(this, Completion{start_, grpc::Status::OK, rpcs_.response_bytes(response_),
-                           rpcs_.compute_us(response_)},
+                           rpcs_.compute_us(response_), rpcs_.flops(response_)},
           /*retire=*/false);
   }
 
@@ -283,6 +316,11 @@ struct PhaseResult {
   double p50 = 0, p90 = 0, p99 = 0, p999 = 0, max = 0;  // seconds
   double compute_us_p50 = 0;
   std::map<grpc::StatusCode, int64_t> errors;
+  // Decode mode: session-steps and new tokens per second (Step requests carry several sessions,
+  // each several tokens).
+  bool decode = false;
+  double steps_per_s = 0;
+  double tokens_per_s = 0;
 };
 
 double Percentile(const std::vector<double>& sorted, double p) {
@@ -311,7 +349,7 @@ std::string ErrorsText(const std::map<grpc::StatusCode, int64_t>& errors) {
 
 // Drives `settings`' load through slots made by `make_slot` and measures it.
 PhaseResult RunPhase(const std::string& name, const LoadSettings& settings,
-                     int64_t request_bytes, double flops_per_request,
+                     int64_t request_bytes,
                      const std::function<std::unique_ptr<Slot>(Slot::DoneFn)>& make_slot) {
   const Clock::time_point t0 = Clock::now();
   const Clock::time_point measure_from =
@@ -411,7 +449,7 @@ PhaseResult RunPhase(const std::string& name, const LoadSettings& settings,
   if (r.elapsed_s > 0) {
     r.requests_per_s = static_cast<double>(r.ok) / r.elapsed_s;
     r.payload_gb_per_s = static_cast<double>(recorder.payload_bytes()) / r.elapsed_s / 1e9;
-    r.tflop_per_s = flops_per_request * r.requests_per_s / 1e12;
+    r.tflop_per_s = recorder.flops() / r.elapsed_s / 1e12;
   }
   r.p50 = Percentile(latencies, 0.5);
   r.p90 = Percentile(latencies, 0.9);
@@ -429,6 +467,10 @@ void PrintResult(const PhaseResult& r) {
               r.payload_gb_per_s, r.tflop_per_s);
   std::printf("%s: latency ms p50 %.3f  p90 %.3f  p99 %.3f  p99.9 %.3f  max %.3f\n",
               r.name.c_str(), r.p50 * 1e3, r.p90 * 1e3, r.p99 * 1e3, r.p999 * 1e3, r.max * 1e3);
+  if (r.decode) {
+    std::printf("%s: %.1f session-steps/s, %.1f tokens/s\n", r.name.c_str(), r.steps_per_s,
+                r.tokens_per_s);
+  }
   if (r.compute_us_p50 > 0) {
     std::printf("%s: server compute p50 %.1f us\n", r.name.c_str(), r.compute_us_p50);
   }
@@ -438,12 +480,16 @@ void PrintResult(const PhaseResult& r) {
 std::string ResultJson(const PhaseResult& r) {
   std::vector<std::string> errors;
   for (const auto& [code, n] : r.errors) errors.push_back(absl::StrCat("\"", CodeName(code), "\":", n));
+  const std::string decode =
+      r.decode ? absl::StrFormat(",\"steps_per_s\":%.6g,\"tokens_per_s\":%.6g", r.steps_per_s,
+                                 r.tokens_per_s)
+               : "";
   return absl::StrFormat(
       "\"requests\":%d,\"elapsed_s\":%.6g,\"requests_per_s\":%.6g,\"payload_gb_per_s\":%.6g,"
       "\"tflop_per_s\":%.6g,\"p50\":%.6g,\"p90\":%.6g,\"p99\":%.6g,\"p999\":%.6g,\"max\":%.6g,"
-      "\"compute_us_p50\":%.6g,\"errors\":{%s}",
+      "\"compute_us_p50\":%.6g,\"errors\":{%s}%s",
       r.ok, r.elapsed_s, r.requests_per_s, r.payload_gb_per_s, r.tflop_per_s, r.p50, r.p90, r.p99,
-      r.p999, r.max, r.compute_us_p50, absl::StrJoin(errors, ","));
+      r.p999, r.max, r.compute_us_p50, absl::StrJoin(errors, ","), decode);
 }
 
 // Attention FLOPs of one request: 4 * D per (query, visible key) pair (QKᵀ and PV), per head.
@@ -488,8 +534,137 @@ absl::StatusOr<ProblemSpec> SpecFromFlags() {
   return spec;
 }
 
+// Decode mode (see the file comment): `spec` gives the sessions' shape (Hkv, D, dtype, layout of
+// their first rows), their first length (seqlen_k), the sessions per Step (batch), the query
+// heads and the new tokens per session per step (seqlen_q).
+int RunDecode(const ProblemSpec& spec, const LoadSettings& load, const ClientOptions& options) {
+  const int64_t per_step = spec.batch;
+  const int64_t session_count = absl::GetFlag(FLAGS_sessions) > 0
+                                    ? absl::GetFlag(FLAGS_sessions)
+                                    : per_step * load.concurrency;
+  if (load.stream || session_count < per_step * load.concurrency) {
+    std::fprintf(stderr, "attn_bench: decode needs --rpc=unary and --sessions >= B * "
+                         "--concurrency (each Step in flight has sessions of its own)\n");
+    return 2;
+  }
+  const bool append = absl::GetFlag(FLAGS_append_kv);
+  std::mt19937_64 rng(std::random_device{}());
+  auto random_tensor = [&](const std::vector<int64_t>& shape) {
+    return MakeTensor(spec.dtype, shape, RandomNormal(NumElements(shape), rng));
+  };
+
+  // Every session starts from the same random rows: k, v [Hkv, Nk, D] (or [Nk, Hkv, D]).
+  const SessionSpec session_spec{spec.dtype, spec.heads_kv, spec.head_dim, spec.layout};
+  const std::vector<int64_t> context_shape =
+      spec.layout == v1::LAYOUT_BSHD
+          ? std::vector<int64_t>{spec.seqlen_k, spec.heads_kv, spec.head_dim}
+          : std::vector<int64_t>{spec.heads_kv, spec.seqlen_k, spec.head_dim};
+  const v1::Tensor context_k = random_tensor(context_shape);
+  const v1::Tensor context_v = random_tensor(context_shape);
+  Client client(options);
+  SessionClient session_client(client);
+  std::vector<Session> sessions;
+  sessions.reserve(session_count);
+  const Clock::time_point create_start = Clock::now();
+  for (int64_t i = 0; i < session_count; ++i) {
+    absl::StatusOr<Session> session = session_client.Create(session_spec, &context_k, &context_v);
+    if (!session.ok()) {
+      std::fprintf(stderr, "attn_bench: creating session %lld: %s\n", static_cast<long long>(i),
+                   session.status().ToString().c_str());
+      return 1;  // the sessions made so far are dropped by their destructors
+    }
+    sessions.push_back(*std::move(session));
+  }
+  std::printf("attn_bench: created %lld sessions of %lld rows (%.2f MiB of K/V each) in %.2f s\n",
+              static_cast<long long>(session_count), static_cast<long long>(spec.seqlen_k),
+              static_cast<double>(2 * context_k.data().size()) / (1 << 20),
+              Seconds(Clock::now() - create_start));
+
+  // Each entry's q [Hq, N, D] and, with --append_kv, new rows k, v [Hkv, N, D].
+  const v1::Tensor q = random_tensor({spec.heads_q, spec.seqlen_q, spec.head_dim});
+  const v1::Tensor new_k = random_tensor({spec.heads_kv, spec.seqlen_q, spec.head_dim});
+  const v1::Tensor new_v = random_tensor({spec.heads_kv, spec.seqlen_q, spec.head_dim});
+  // Slot i steps its own sessions (those j with j % concurrency == i), B at a time, in turn.
+  std::vector<std::vector<v1::StepRequest>> slot_requests(load.concurrency);
+  for (int i = 0; i < load.concurrency; ++i) {
+    std::vector<const Session*> own;
+    for (int64_t j = i; j < session_count; j += load.concurrency) own.push_back(&sessions[j]);
+    const int64_t owned = static_cast<int64_t>(own.size());
+    for (int64_t r = 0; r < owned / std::gcd(owned, per_step); ++r) {
+      v1::StepRequest& request = slot_requests[i].emplace_back();
+      for (int64_t t = 0; t < per_step; ++t) {
+        v1::StepEntry* entry = request.add_entries();
+        entry->set_session_id(own[(r * per_step + t) % owned]->id());
+        *entry->mutable_q() = q;
+        if (append) {
+          *entry->mutable_k() = new_k;
+          *entry->mutable_v() = new_v;
+        }
+      }
+      request.set_causal(spec.causal);
+      request.set_return_lse(spec.return_lse);
+    }
+  }
+  const int64_t request_bytes =
+      per_step * static_cast<int64_t>(q.data().size() +
+                                      (append ? new_k.data().size() + new_v.data().size() : 0));
+  std::printf("attn_bench: decode, %lld sessions, %lld per Step, Hq=%lld Hkv=%lld D=%lld %s, "
+              "%lld new tokens per session-step%s%s, concurrency %d, %s, request payload %.2f "
+              "KiB\n",
+              static_cast<long long>(session_count), static_cast<long long>(per_step),
+              static_cast<long long>(spec.heads_q), static_cast<long long>(spec.heads_kv),
+              static_cast<long long>(spec.head_dim), DTypeName(spec.dtype),
+              static_cast<long long>(spec.seqlen_q), append ? " (K/V appended)" : "",
+              spec.causal ? ", causal" : "", load.concurrency,
+              load.rate ? absl::StrCat("rate ", *load.rate, "/s").c_str() : "closed loop",
+              static_cast<double>(request_bytes) / 1024);
+
+  Rpcs<v1::StepRequest, v1::StepResponse> rpcs;
+  rpcs.unary = [&](grpc::ClientContext* c, const v1::StepRequest* request,
+                   v1::StepResponse* response, std::function<void(grpc::Status)> f) {
+    session_client.stub().async()->Step(c, request, response, std::move(f));
+  };
+  rpcs.response_bytes = [](const v1::StepResponse& r) {
+    int64_t bytes = 0;
+    for (const v1::StepResult& result : r.results()) {
+      bytes += static_cast<int64_t>(result.o().data().size() + result.lse().data().size());
+    }
+    return bytes;
+  };
+  rpcs.compute_us = [](const v1::StepResponse& r) { return r.timing().compute_us(); };
+  // Each session's N queries over its length after the step.
+  rpcs.flops = [&spec](const v1::StepResponse& r) {
+    double flops = 0;
+    for (const v1::StepResult& result : r.results()) {
+      ProblemSpec one = spec;
+      one.batch = 1;
+      one.seqlen_k = result.length();
+      flops += AttentionFlops(one);
+    }
+    return flops;
+  };
+  int next_slot = 0;
+  PhaseResult result = RunPhase("decode", load, request_bytes, [&](Slot::DoneFn done) {
+    return std::make_unique<UnarySlot<v1::StepRequest, v1::StepResponse>>(
+        slot_requests[next_slot++], rpcs, load.deadline, std::move(done));
+  });
+  result.decode = true;
+  result.steps_per_s = result.requests_per_s * static_cast<double>(per_step);
+  result.tokens_per_s = result.steps_per_s * static_cast<double>(spec.seqlen_q);
+  PrintResult(result);
+
+  int64_t drop_errors = 0;
+  for (Session& session : sessions) drop_errors += session.Drop().ok() ? 0 : 1;
+  std::printf("attn_bench: dropped %lld sessions, %lld failed\n",
+              static_cast<long long>(session_count), static_cast<long long>(drop_errors));
+  if (absl::GetFlag(FLAGS_json)) std::printf("{%s}\n", ResultJson(result).c_str());
+  std::fflush(stdout);
+  return 0;
+}
+
 int Main() {
   absl::StatusOr<ProblemSpec> spec = SpecFromFlags();
+  const std::string mode = absl::GetFlag(FLAGS_mode);
   const std::string rpc = absl::GetFlag(FLAGS_rpc);
   LoadSettings load;
   load.concurrency = absl::GetFlag(FLAGS_concurrency);
@@ -500,13 +675,20 @@ int Main() {
   load.stream = rpc == "stream";
   load.deadline = absl::Seconds(absl::GetFlag(FLAGS_deadline_s));
   load.progress = absl::GetFlag(FLAGS_progress);
-  if (!spec.ok() || (rpc != "unary" && rpc != "stream") || load.concurrency < 1 ||
-      (load.rate && *load.rate <= 0)) {
+  if (!spec.ok() || (rpc != "unary" && rpc != "stream") || (mode != "attend" && mode != "decode") ||
+      load.concurrency < 1 || (load.rate && *load.rate <= 0)) {
     std::fprintf(stderr, "attn_bench: %s\n",
                  !spec.ok() ? std::string(spec.status().message()).c_str()
-                            : "--rpc must be unary or stream, --concurrency >= 1, --rate > 0");
+                            : "--rpc must be unary or stream, --mode attend or decode, "
+                              "--concurrency >= 1, --rate > 0");
     return 2;
   }
+  ClientOptions options;
+  options.target = absl::GetFlag(FLAGS_target);
+  options.deadline = load.deadline;
+  options.max_attempts = absl::GetFlag(FLAGS_max_attempts);
+  if (mode == "decode") return RunDecode(*spec, load, options);
+
   std::mt19937_64 rng(std::random_device{}());
   absl::StatusOr<v1::AttendRequest> request = MakeRandomRequest(*spec, rng);
   if (!request.ok()) {
@@ -520,10 +702,6 @@ int Main() {
               DescribeProblem(*spec).c_str(), rpc.c_str(), load.concurrency,
               load.rate ? absl::StrCat("rate ", *load.rate, "/s").c_str() : "closed loop",
               static_cast<double>(request_bytes) / (1 << 20));
-
-  ClientOptions options;
-  options.deadline = load.deadline;
-  options.max_attempts = absl::GetFlag(FLAGS_max_attempts);
 
   // The attention service.
   Rpcs<v1::AttendRequest, v1::AttendResponse> attention_rpcs;
@@ -547,7 +725,7 @@ int Main() {
           *request, attention_rpcs, std::move(done));
     }
     return std::make_unique<UnarySlot<v1::AttendRequest, v1::AttendResponse>>(
-        *request, attention_rpcs, load.deadline, std::move(done));
+        absl::MakeConstSpan(&*request, 1), attention_rpcs, load.deadline, std::move(done));
   };
   auto echo_slot = [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
     if (load.stream) {
@@ -555,7 +733,7 @@ int Main() {
           echo_request, echo_rpcs, std::move(done));
     }
     return std::make_unique<UnarySlot<bench::EchoRequest, bench::EchoReply>>(
-        echo_request, echo_rpcs, load.deadline, std::move(done));
+        absl::MakeConstSpan(&echo_request, 1), echo_rpcs, load.deadline, std::move(done));
   };
 
   const bool echo_only = absl::GetFlag(FLAGS_echo);
@@ -575,6 +753,8 @@ int Main() {
       return static_cast<int64_t>(r.o().size());
     };
     echo_rpcs.compute_us = [](const bench::EchoReply&) { return 0.0; };
+    // The attention the same bytes would ask for, so both phases report comparable TFLOP/s.
+    echo_rpcs.flops = [flops](const bench::EchoReply&) { return flops; };
   }
 
   std::vector<PhaseResult> results;
@@ -593,11 +773,12 @@ int Main() {
       return static_cast<int64_t>(r.o().data().size() + r.lse().data().size());
     };
     attention_rpcs.compute_us = [](const v1::AttendResponse& r) { return r.timing().compute_us(); };
-    results.push_back(RunPhase("attention", load, request_bytes, flops, attention_slot));
+    attention_rpcs.flops = [flops](const v1::AttendResponse&) { return flops; };
+    results.push_back(RunPhase("attention", load, request_bytes, attention_slot));
     PrintResult(results.back());
   }
   if (!echo_target.empty()) {
-    results.push_back(RunPhase("echo", load, request_bytes, flops, echo_slot));
+    results.push_back(RunPhase("echo", load, request_bytes, echo_slot));
     PrintResult(results.back());
   }
 
@@ -627,7 +808,9 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attn_bench --target=HOST:PORT[,HOST:PORT...] [--concurrency=N] [--rate=R] "
       "[--duration_s=S | --requests=N] [--shape=B,H,N,D] [--rpc=unary|stream] "
-      "[--echo | --echo_target=HOST:PORT] [--json]");
+      "[--echo | --echo_target=HOST:PORT] [--json]\n"
+      "attn_bench --mode=decode --sessions=S --nk=CONTEXT --shape=SESSIONS_PER_STEP,H,NEW_TOKENS,D "
+      "[--kv_heads=HKV] [--causal] ...");
   absl::ParseCommandLine(argc, argv);
   return attention::client::Main();
 }

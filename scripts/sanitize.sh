@@ -3,12 +3,15 @@
 #   scripts/sanitize.sh asan   # AddressSanitizer + UndefinedBehaviorSanitizer (and LeakSanitizer)
 #   scripts/sanitize.sh tsan   # ThreadSanitizer
 # into build-asan/ or build-tsan/. Any report fails the run. The end-to-end tests start the
-# sanitized attention_server binary, so the server is checked under real gRPC traffic too.
+# sanitized attention_server binary, so the server is checked under real gRPC traffic too (asan;
+# tsan skips the tests that pass data through gRPC, see below).
 # Extra arguments go to ctest, e.g. -L reliability or -E soak.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind="${1:-asan}"
 shift || true
+skip_labels="gpu"
+skip_tests=""
 case "$kind" in
   asan)
     sanitize="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
@@ -17,11 +20,22 @@ case "$kind" in
     export LSAN_OPTIONS="suppressions=$PWD/scripts/lsan.supp"
     ;;
   tsan)
-    # Runs, but does not pass yet: Debian's abseil is not built with TSan, so the locking inside
-    # absl::Mutex is invisible to it and data guarded by one (the scheduler's queue, the stream
-    # reactor's state) is reported as racing.
+    # Debian's abseil and gRPC are not built with TSan, so locking inside them (absl::Mutex,
+    # atomics) is invisible to it. Our code therefore guards its data with std::mutex, and
+    # scripts/tsan.supp mutes the libc calls those libraries make on their own data. What stays
+    # out of reach: every object gRPC hands between its threads (calls, messages, reactors) is
+    # touched by gRPC's inline templates compiled into our binaries, so each hand-off reads as a
+    # race (thousands per run, in grpcpp/ and protobuf code, not ours). The tests that serve or
+    # call gRPC (the in-process AttentionServiceTest and the e2e, reliability, deploy,
+    # observability and python labels) are therefore skipped here; ASan+UBSan runs them. TSan
+    # runs the kernels, the scheduler, metrics, sessions, decoding and security tests.
+    # Time, measured on 2 shared cores: its ~240 tests take about 3.5 min (ctest -j2); the build
+    # adds minutes more (11 min in all after a partial rebuild). With a build from clean that is
+    # well over 10 min, so CI (.ci/run) does not run it; run it by hand after concurrency changes.
     sanitize="-fsanitize=thread"
-    export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1"
+    export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/scripts/tsan.supp"
+    skip_labels="gpu|e2e|reliability|deploy|observability|python"
+    skip_tests="^AttentionServiceTest[.]"
     ;;
   *)
     echo "usage: $0 asan|tsan [ctest arguments]" >&2
@@ -35,5 +49,6 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DATTENTION_WITH_CUDA=O
   -DCMAKE_EXE_LINKER_FLAGS="$sanitize" >/dev/null
 cmake --build "$build" -j"$(nproc)"
 built=$(date +%s)
-ctest --test-dir "$build" --output-on-failure -j"$(nproc)" --timeout 900 -LE gpu "$@"
+ctest --test-dir "$build" --output-on-failure -j"$(nproc)" --timeout 900 -LE "$skip_labels" \
+  ${skip_tests:+-E "$skip_tests"} "$@"
 echo "sanitize $kind: build $((built - start)) s, tests $(($(date +%s) - built)) s"

@@ -2,10 +2,10 @@
 
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "server/security.h"
 
@@ -27,7 +27,15 @@ AttentionService::AttentionService(const ServiceOptions& options, Scheduler* sch
       scheduler_(scheduler),
       metrics_(metrics) {}
 
-void AttentionService::StartDraining() { draining_.store(true); }
+void AttentionService::StartDraining() {
+  std::lock_guard<std::mutex> lock(drain_mu_);
+  draining_ = true;
+}
+
+bool AttentionService::AwaitDrained(absl::Time deadline) {
+  std::unique_lock<std::mutex> lock(drain_mu_);
+  return drained_.wait_until(lock, absl::ToChronoTime(deadline), [this] { return accepted_ == 0; });
+}
 
 void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContext* context,
                                const AttendRequest& request, AttendResponse* response,
@@ -51,9 +59,23 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
       !auth.ok()) {
     return finish(std::move(auth));
   }
-  if (draining_.load()) return finish(absl::UnavailableError("server is shutting down"));
+  bool refused = false;
+  {
+    // Checked and counted under one lock, so AwaitDrained never misses a request accepted just
+    // before StartDraining.
+    std::lock_guard<std::mutex> lock(drain_mu_);
+    refused = draining_;
+    if (!refused) ++accepted_;
+  }
+  if (refused) return finish(absl::UnavailableError("server is shutting down"));
+  // From here on the answer also ends the acceptance that AwaitDrained waits for.
+  auto answer = [this, finish = std::move(finish)](absl::Status status) mutable {
+    std::move(finish)(std::move(status));
+    std::lock_guard<std::mutex> lock(drain_mu_);
+    if (--accepted_ == 0) drained_.notify_all();
+  };
   absl::StatusOr<DecodedRequest> decoded = DecodeRequest(request, decode_options_, response);
-  if (!decoded.ok()) return finish(decoded.status());
+  if (!decoded.ok()) return answer(decoded.status());
   response->set_request_id(request.request_id());
 
   Job job;
@@ -61,7 +83,7 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
   job.deadline = absl::FromChrono(context->deadline());
   job.cancelled = [context] { return context->IsCancelled(); };
   job.done = [this, response, flops = decoded->flops, tokens = decoded->query_tokens,
-              finish = std::move(finish)](JobResult result) mutable {
+              answer = std::move(answer)](JobResult result) mutable {
     if (result.status.ok()) {
       v1::ServerTiming* timing = response->mutable_timing();
       timing->set_queue_us(absl::ToDoubleMicroseconds(result.queued));
@@ -70,9 +92,10 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
       timing->set_d2h_us(result.stages.d2h_us);
       response->set_device(result.device->name);
       metrics_->StagesObserved(result.queued, result.stages);
-      metrics_->Computed(result.device->name, flops, tokens);
+      metrics_->Computed(result.device->name, flops, tokens,
+                         result.leads_batch ? result.batch_size : 0);
     }
-    std::move(finish)(std::move(result.status));
+    std::move(answer)(std::move(result.status));
   };
   scheduler_->Submit(std::move(job));
 }
@@ -99,7 +122,7 @@ class AttentionService::StreamReactor final
 
   // Takes ownership of itself and starts the first read.
   void Start(std::shared_ptr<StreamReactor> self) {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     self_ = std::move(self);
     Advance();
   }
@@ -108,7 +131,7 @@ class AttentionService::StreamReactor final
     std::unique_ptr<Exchange> exchange;
     std::shared_ptr<StreamReactor> self;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       exchange = std::move(reading_);
       if (!ok) reads_done_ = true;
       if (!ok || Ending()) {  // a request read while the stream ends is dropped unanswered
@@ -124,26 +147,26 @@ class AttentionService::StreamReactor final
         [self = std::move(self), exchange = std::move(exchange)](absl::Status status) mutable {
           self->Processed(std::move(exchange), std::move(status));
         });
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     Advance();  // the next read, if the window has room
   }
 
   void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     writing_.reset();
     if (!ok) cancelled_ = true;  // the stream broke: nothing more can be written
     Advance();
   }
 
   void OnCancel() override {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     cancelled_ = true;
     Advance();
   }
 
   void OnDone() override {
     std::shared_ptr<StreamReactor> self;
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     self = std::move(self_);  // released after the lock: the last reference deletes this
   }
 
@@ -154,7 +177,7 @@ class AttentionService::StreamReactor final
   };
 
   void Processed(std::unique_ptr<Exchange> exchange, absl::Status status) {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     --in_flight_;
     if (status.ok()) {
       ready_.push_back(std::move(exchange));
@@ -166,12 +189,13 @@ class AttentionService::StreamReactor final
     Advance();
   }
 
-  bool Ending() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Needs mu_.
+  bool Ending() const {
     return finished_ || reads_done_ || cancelled_ || !status_.ok();
   }
 
-  // Starts whatever the state allows: the next write, the next read, or Finish.
-  void Advance() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Starts whatever the state allows: the next write, the next read, or Finish. Needs mu_.
+  void Advance() {
     if (finished_) return;
     if (cancelled_) ready_.clear();  // nobody is listening
     if (writing_ == nullptr && !ready_.empty()) {
@@ -193,16 +217,16 @@ class AttentionService::StreamReactor final
 
   AttentionService* const service_;
   grpc::CallbackServerContext* const context_;
-  absl::Mutex mu_;
-  std::shared_ptr<StreamReactor> self_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<Exchange> reading_ ABSL_GUARDED_BY(mu_);  // the read outstanding, if any
-  std::unique_ptr<Exchange> writing_ ABSL_GUARDED_BY(mu_);  // the write outstanding, if any
-  std::deque<std::unique_ptr<Exchange>> ready_ ABSL_GUARDED_BY(mu_);  // answered, to be written
-  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // in Process, not yet answered
-  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status status_ ABSL_GUARDED_BY(mu_);  // the first failure; ends the stream
+  std::mutex mu_;  // guards all below; a pthread lock, which ThreadSanitizer sees
+  std::shared_ptr<StreamReactor> self_;
+  std::unique_ptr<Exchange> reading_;  // the read outstanding, if any
+  std::unique_ptr<Exchange> writing_;  // the write outstanding, if any
+  std::deque<std::unique_ptr<Exchange>> ready_;  // answered, to be written
+  int in_flight_ = 0;  // in Process, not yet answered
+  bool reads_done_ = false;
+  bool cancelled_ = false;
+  bool finished_ = false;
+  absl::Status status_;  // the first failure; ends the stream
 };
 
 grpc::ServerBidiReactor<AttendRequest, AttendResponse>* AttentionService::AttendStream(

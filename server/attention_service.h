@@ -3,14 +3,16 @@
 // answered from the worker that ran it. absl::Status becomes grpc::Status only here.
 #pragma once
 
-#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "server/metrics.h"
@@ -45,6 +47,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   // From now on every new request, and every new message on an open stream, is answered
   // UNAVAILABLE; requests already accepted run to the end.
   void StartDraining();
+  // After StartDraining: blocks until every accepted request has been answered (its response
+  // handed to gRPC) or `deadline` passes. True when drained.
+  bool AwaitDrained(absl::Time deadline);
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const v1::AttendRequest* request,
@@ -72,7 +77,10 @@ class AttentionService final : public v1::Attention::CallbackService {
   const DecodeOptions decode_options_;
   Scheduler* const scheduler_;
   Metrics* const metrics_;
-  std::atomic<bool> draining_{false};
+  std::mutex drain_mu_;  // guards the three below; a pthread lock, which ThreadSanitizer sees
+  std::condition_variable drained_;  // accepted_ fell to 0
+  bool draining_ = false;
+  int accepted_ = 0;  // requests past the draining check, not yet answered
 };
 
 }  // namespace attention::server

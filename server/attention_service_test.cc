@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <set>
@@ -113,7 +114,12 @@ void SetRandomTensor(v1::Tensor* t, std::vector<int64_t> shape) {
   }
   std::vector<float> values(n);
   std::normal_distribution<float> normal;
-  for (float& x : values) x = normal(Generator());
+  {
+    // One generator for every test thread (the concurrent-stream tests draw from several).
+    static std::mutex mu;
+    std::lock_guard<std::mutex> lock(mu);
+    for (float& x : values) x = normal(Generator());
+  }
   t->set_data(values.data(), values.size() * sizeof(float));
 }
 

@@ -12,6 +12,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "kernels/cpu/cpu_attention.h"
+#include "kernels/cpu/paged_kv_pool.h"
 #include "server/executor.h"
 
 namespace attention::server {
@@ -49,7 +50,9 @@ DeviceDescription DescribeHost() {
 class CpuExecutor final : public Executor {
  public:
   explicit CpuExecutor(int threads)
-      : device_(DescribeHost()), backend_(cpu::CpuBackendOptions{.threads = threads}) {}
+      : device_(DescribeHost()),
+        threads_(threads),
+        backend_(cpu::CpuBackendOptions{.threads = threads}) {}
 
   const DeviceDescription& device() const override { return device_; }
 
@@ -71,8 +74,15 @@ class CpuExecutor final : public Executor {
     return StageTimes{.compute_us = absl::ToDoubleMicroseconds(absl::Now() - start)};
   }
 
+  // Host memory, reserved but committed only as pages are written.
+  absl::StatusOr<std::unique_ptr<KvPagePool>> CreateKvPagePool(int64_t num_pages,
+                                                               int64_t page_bytes) override {
+    return cpu::MakeKvPagePool(num_pages, page_bytes, threads_);
+  }
+
  private:
   const DeviceDescription device_;
+  const int threads_;
   cpu::CpuBackend backend_;
 };
 

@@ -1,13 +1,21 @@
-// The CUDA executor: one per GPU. Run copies a request's host tensors to the device, runs the
-// CUDA backend and copies o (and lse) back on the device's stream, timing each stage with CUDA
-// events (kernels/cuda/host_runner.h). Calls are serialised per device; the pipelined executor
-// (pinned buffers, several streams) is later work.
+// The CUDA executor: one per GPU, over a cuda::HostRunner (kernels/cuda/host_runner.h) with
+// `streams` CUDA streams, each with its pinned staging and device buffers, reused across
+// requests: the scheduler's workers call Run or RunBatch at once and their copies and kernels
+// overlap on different streams. A request's H2D, kernel and D2H go on one stream and are timed
+// with CUDA events. Batches (RunBatch) run as one launch; a batch too large for the device memory
+// budget runs item by item, and an item too large on its own is refused (RESOURCE_EXHAUSTED).
+//
+// Host copies of tensor data per request through gRPC: 4. wire -> request bytes (protobuf parse),
+// request bytes -> pinned staging (memcpy), pinned staging -> response bytes (memcpy), response
+// bytes -> wire (serialisation). The DMAs read and write pinned memory only.
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/host_runner.h"
+#include "kernels/cuda/paged_kv_pool.h"
 #include "server/executor.h"
 
 namespace attention::server {
@@ -35,13 +43,35 @@ class CudaExecutor final : public Executor {
   }
 
   absl::StatusOr<StageTimes> Run(const AttentionParams& host_params) override {
-    absl::StatusOr<cuda::HostRunTimes> times = runner_->Run(host_params);
+    return ToStageTimes(runner_->Run(host_params));
+  }
+
+  // The KV pages of sessions: one device allocation, decode steps by the split-KV kernels.
+  absl::StatusOr<std::unique_ptr<KvPagePool>> CreateKvPagePool(int64_t num_pages,
+                                                               int64_t page_bytes) override {
+    return cuda::MakeKvPagePool(ordinal_, num_pages, page_bytes);
+  }
+
+  bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) const override {
+    return cuda::CanShareLaunch(a, b);
+  }
+
+  std::vector<absl::StatusOr<StageTimes>> RunBatch(
+      absl::Span<const AttentionParams> items) override {
+    if (items.size() > 1 && cuda::HostRunner::DeviceBytes(items) > runner_->memory_budget_bytes()) {
+      return Executor::RunBatch(items);  // one at a time: each fits or is refused on its own
+    }
+    absl::StatusOr<StageTimes> times = ToStageTimes(runner_->RunBatch(items));
+    return std::vector<absl::StatusOr<StageTimes>>(items.size(), times);
+  }
+
+ private:
+  static absl::StatusOr<StageTimes> ToStageTimes(absl::StatusOr<cuda::HostRunTimes> times) {
     if (!times.ok()) return times.status();
     return StageTimes{
         .h2d_us = times->h2d_us, .compute_us = times->compute_us, .d2h_us = times->d2h_us};
   }
 
- private:
   const int ordinal_;
   const DeviceDescription device_;
   std::unique_ptr<cuda::HostRunner> runner_;
@@ -50,6 +80,15 @@ class CudaExecutor final : public Executor {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal) {
+  return MakeCudaExecutor(ordinal, CudaExecutorOptions{});
+}
+
+absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal,
+                                                           const CudaExecutorOptions& options) {
+  if (!(options.memory_fraction > 0 && options.memory_fraction <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device memory fraction: expected a value in (0, 1], got ", options.memory_fraction));
+  }
   cudaDeviceProp prop;
   if (cudaError_t err = cudaGetDeviceProperties(&prop, ordinal); err != cudaSuccess) {
     return cuda::CudaError(err, absl::StrCat("cudaGetDeviceProperties(", ordinal, ")").c_str());
@@ -60,8 +99,14 @@ absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal) {
   device.memory_bytes = static_cast<int64_t>(prop.totalGlobalMem);
   device.multiprocessors = prop.multiProcessorCount;
   device.compute_capability = absl::StrCat(prop.major, ".", prop.minor);
-  absl::StatusOr<std::unique_ptr<cuda::HostRunner>> runner =
-      cuda::HostRunner::Create({.device = ordinal});
+  absl::StatusOr<std::unique_ptr<cuda::HostRunner>> runner = cuda::HostRunner::Create(
+      {.device = ordinal,
+       .streams = options.streams,
+       .memory_budget_bytes =
+           options.memory_budget_bytes > 0
+               ? options.memory_budget_bytes
+               : static_cast<int64_t>(options.memory_fraction *
+                                      static_cast<double>(prop.totalGlobalMem))});
   if (!runner.ok()) return runner.status();
   return std::make_unique<CudaExecutor>(ordinal, std::move(device), *std::move(runner));
 }

@@ -4,9 +4,11 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/attention_params.h"
 #include "kernels/paged_kv.h"
 
@@ -50,6 +52,20 @@ class Executor {
   // returns when o (and lse) hold the result. Thread-safe: the server's workers call it at once.
   virtual absl::StatusOr<StageTimes> Run(const AttentionParams& host_params) = 0;
 
+  // Dynamic batching. Whether requests `a` and `b` may run in one RunBatch call (one launch).
+  // The default, never, keeps every batch at one request.
+  virtual bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) const {
+    return false;
+  }
+  // Runs `items`, each CanShareLaunch with items[0], and returns one result per item, in order.
+  // Items that share a launch share its stage times. The default runs them one by one.
+  virtual std::vector<absl::StatusOr<StageTimes>> RunBatch(
+      absl::Span<const AttentionParams> items) {
+    std::vector<absl::StatusOr<StageTimes>> results;
+    for (const AttentionParams& item : items) results.push_back(Run(item));
+    return results;
+  }
+
   // A pool of `num_pages` KV pages of `page_bytes` on this device, for KV-resident sessions.
   // Called once at startup; RESOURCE_EXHAUSTED when the device cannot hold it.
   virtual absl::StatusOr<std::unique_ptr<KvPagePool>> CreateKvPagePool(int64_t num_pages,
@@ -64,6 +80,19 @@ std::unique_ptr<Executor> MakeCpuExecutor(int threads);
 // The CUDA executor for device `ordinal`; an error when the device cannot be used. Defined only
 // in builds with CUDA (ATTENTION_HAVE_CUDA).
 absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal);
+
+struct CudaExecutorOptions {
+  // Requests (or batches) in flight on the device at once, each on its own CUDA stream with its
+  // own pinned staging and device buffers.
+  int streams = 4;
+  // Share of the device's memory the executor's buffers may hold; a request needing more is
+  // refused with RESOURCE_EXHAUSTED before anything is allocated.
+  double memory_fraction = 0.9;
+  // When > 0, the budget in bytes instead of memory_fraction (tests).
+  int64_t memory_budget_bytes = 0;
+};
+absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal,
+                                                           const CudaExecutorOptions& options);
 // Number of visible CUDA devices; 0 in builds without CUDA or on machines without a GPU.
 int CudaDeviceCount();
 

@@ -1,18 +1,29 @@
-// attention_server: serves attention.v1.Attention over gRPC, with health, reflection and
-// Prometheus metrics. Flags are read here only and handed on as option structs.
+// attention_server: serves attention.v1.Attention and attention.v1.Sessions over gRPC, with health,
+// reflection and Prometheus metrics. Flags are read here only and handed on as option structs.
 //
 // Shutdown on SIGTERM or SIGINT: health turns NOT_SERVING, new requests are answered UNAVAILABLE,
 // requests already accepted finish (for up to --shutdown_grace_s, then they are cancelled), and
-// the process exits 0.
+// the process exits 0. Idle connections and idle open streams do not hold the exit.
+//
+// --max_connection_age_s makes clients reconnect now and then (gRPC sends GOAWAY; calls in flight
+// get --max_connection_age_grace_s), so clients behind a load balancer or a Kubernetes Service
+// re-resolve and spread over new replicas.
 //
 // Security (security.h): --tls_cert/--tls_key serve TLS, --tls_client_ca adds mutual TLS, and
-// --auth_token_file requires a bearer token on every Attention call; health stays open.
+// --auth_token_file requires a bearer token on every Attention and Sessions call; health stays
+// open.
+//
+// KV-resident sessions (session_service.h): --kv_cache_fraction of each device's memory is held
+// as pages of --kv_page_bytes from the executor's page pool; idle sessions expire after
+// --session_ttl_s. Health reports attention.v1.Sessions NOT_SERVING when there is no pool.
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,7 +33,9 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -33,6 +46,8 @@
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/security.h"
+#include "server/session_service.h"
+#include "server/session_store.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on (gRPC and metrics).");
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one.");
@@ -40,11 +55,27 @@ ABSL_FLAG(int, metrics_port, 9464, "Prometheus /metrics port; 0 picks a free one
 ABSL_FLAG(std::string, backend, "auto",
           "auto | cpu | cuda. auto: cuda when a GPU is visible, else cpu.");
 ABSL_FLAG(int, threads, 0, "CPU backend compute threads; 0 = all cores.");
-ABSL_FLAG(int, workers, 2, "Scheduler worker threads (requests run at once).");
+ABSL_FLAG(int, workers, 0,
+          "Scheduler worker threads (batches run at once); 0 = --streams x GPUs for cuda, 2 for "
+          "cpu.");
 ABSL_FLAG(int, max_message_mb, 1024, "Largest gRPC message received or sent, MiB (1..2047).");
 ABSL_FLAG(int, max_queue, 256, "Requests that may wait for a device; more are refused.");
-ABSL_FLAG(int, max_batch, 1, "Requests per kernel launch (reported in ServerInfo).");
+ABSL_FLAG(int, max_batch, 1,
+          "Requests per kernel launch at most (dynamic batching; reported in ServerInfo).");
+ABSL_FLAG(int, max_queue_delay_us, 0,
+          "How long the oldest queued request waits for others to join its batch, microseconds.");
+ABSL_FLAG(std::string, devices, "",
+          "cuda: comma-separated GPU ordinals to serve on; empty = every visible GPU.");
+ABSL_FLAG(int, streams, 4, "cuda: CUDA streams per GPU (requests in flight on each).");
+ABSL_FLAG(double, device_memory_fraction, 0.65,
+          "cuda: share of each GPU's memory the request buffers may hold; larger requests are "
+          "refused with RESOURCE_EXHAUSTED. With --kv_cache_fraction at most 1.");
 ABSL_FLAG(int, shutdown_grace_s, 30, "Seconds in-flight requests get to finish on shutdown.");
+ABSL_FLAG(int, max_connection_age_s, 0,
+          "Seconds after which a client connection is asked to reconnect (GOAWAY), so clients "
+          "re-resolve and rebalance; 0 = never.");
+ABSL_FLAG(int, max_connection_age_grace_s, 0,
+          "Seconds calls in flight on an aged connection get before it is closed; 0 = unlimited.");
 ABSL_FLAG(std::string, port_file, "",
           "If set, \"<grpc_port> <metrics_port>\\n\" is written here once both ports listen.");
 ABSL_FLAG(std::string, tls_cert, "",
@@ -53,13 +84,21 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).");
 ABSL_FLAG(std::string, auth_token_file, "",
-          "File holding a bearer token; when set, every attention.v1.Attention call must send "
+          "File holding a bearer token; when set, every attention.v1.Attention and "
+          "attention.v1.Sessions call must send "
           "'authorization: Bearer <token>' (health checks stay open).");
+ABSL_FLAG(double, kv_cache_fraction, 0.25,
+          "Share of each device's memory (host RAM for the cpu backend, committed only as pages "
+          "are written) held as KV pages for attention.v1.Sessions; 0 = no sessions.");
+ABSL_FLAG(int64_t, kv_page_bytes, 262144,
+          "Bytes per KV page (a multiple of 256); a page holds rows of one session.");
+ABSL_FLAG(int, session_ttl_s, 600, "Seconds after which an idle session expires.");
 
 namespace attention::server {
 namespace {
 
 constexpr char kServiceName[] = "attention.v1.Attention";
+constexpr char kSessionsServiceName[] = "attention.v1.Sessions";
 
 std::string HostPort(const std::string& host, int port) {
   // IPv6 literals need brackets.
@@ -82,17 +121,74 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
   return absl::OkStatus();
 }
 
+// The KV-resident sessions' cache (session_store.h).
+struct KvCacheOptions {
+  double fraction = 0.25;  // of each device's memory; 0: no sessions
+  int64_t page_bytes = 262144;
+  int ttl_s = 600;
+};
+
+absl::Status CheckKvCacheOptions(const KvCacheOptions& o) {
+  if (!(o.fraction >= 0 && o.fraction < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_cache_fraction: expected a value in [0, 1), got ", o.fraction));
+  }
+  if (o.page_bytes < 256 || o.page_bytes % 256 != 0 || o.page_bytes > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_page_bytes: expected a multiple of 256 from 256 to 2^30, got ", o.page_bytes));
+  }
+  if (o.ttl_s < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--session_ttl_s: expected >= 1, got ", o.ttl_s));
+  }
+  return absl::OkStatus();
+}
+
+// One KV page pool per executor's device: fraction * memory / page_bytes pages. Empty when the
+// fraction is 0 or the backend keeps no pages (its executor answers UNIMPLEMENTED).
+absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
+    const KvCacheOptions& o, const std::vector<std::unique_ptr<Executor>>& executors) {
+  std::vector<KvDevice> devices;
+  if (o.fraction == 0) return devices;
+  for (const auto& executor : executors) {
+    const DeviceDescription& device = executor->device();
+    const int64_t pages = static_cast<int64_t>(
+        o.fraction * static_cast<double>(device.memory_bytes) / static_cast<double>(o.page_bytes));
+    if (pages < 1 || pages > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_cache_fraction ", o.fraction, " of ", device.name, "'s ",
+                       device.memory_bytes, " bytes gives ", pages, " pages of --kv_page_bytes ",
+                       o.page_bytes, "; expected 1 to 2^31-1 (or 0 for no sessions)"));
+    }
+    absl::StatusOr<std::unique_ptr<KvPagePool>> pool =
+        executor->CreateKvPagePool(pages, o.page_bytes);
+    if (absl::IsUnimplemented(pool.status())) {
+      std::fprintf(stderr, "attention_server: no KV sessions: %s\n",
+                   pool.status().ToString().c_str());
+      return std::vector<KvDevice>{};
+    }
+    if (!pool.ok()) return pool.status();
+    devices.push_back(KvDevice{.name = device.name, .pool = *std::move(pool)});
+  }
+  return devices;
+}
+
 struct ServerOptions {
   std::string host = "0.0.0.0";
   int port = 50051;
   int metrics_port = 9464;
   std::string backend = "auto";
   int threads = 0;
+  std::vector<int> devices;  // empty: every visible GPU
+  CudaExecutorOptions cuda;
   int shutdown_grace_s = 30;
+  int max_connection_age_s = 0;        // 0: never
+  int max_connection_age_grace_s = 0;  // 0: unlimited
   std::string port_file;
   SecurityOptions security;
   SchedulerOptions scheduler;
   ServiceOptions service;
+  KvCacheOptions kv_cache;
 };
 
 absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
@@ -104,16 +200,38 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_message_mb: expected 1..2047, got ", max_message_mb));
   }
-  for (const auto& [name, value] : {std::pair{"--workers", o.scheduler.workers},
-                                    {"--max_queue", o.scheduler.max_queue},
-                                    {"--max_batch", o.service.max_batch}}) {
+  for (const auto& [name, value] : {std::pair{"--max_queue", o.scheduler.max_queue},
+                                    {"--max_batch", o.service.max_batch},
+                                    {"--streams", o.cuda.streams}}) {
     if (value < 1) {
       return absl::InvalidArgumentError(absl::StrCat(name, ": expected >= 1, got ", value));
     }
   }
-  if (o.threads < 0 || o.shutdown_grace_s < 0 || o.port < 0 || o.metrics_port < 0) {
+  if (o.threads < 0 || o.shutdown_grace_s < 0 || o.port < 0 || o.metrics_port < 0 ||
+      o.scheduler.workers < 0 || o.scheduler.max_queue_delay < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
-        "--threads, --shutdown_grace_s, --port and --metrics_port must be >= 0");
+        "--threads, --workers, --max_queue_delay_us, --shutdown_grace_s, --port and "
+        "--metrics_port must be >= 0");
+  }
+  // gRPC takes milliseconds as an int.
+  constexpr int kMaxAgeSeconds = std::numeric_limits<int>::max() / 1000;
+  for (const auto& [name, value] :
+       {std::pair{"--max_connection_age_s", o.max_connection_age_s},
+        {"--max_connection_age_grace_s", o.max_connection_age_grace_s}}) {
+    if (value < 0 || value > kMaxAgeSeconds) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected 0..", kMaxAgeSeconds, ", got ", value));
+    }
+  }
+  if (!(o.cuda.memory_fraction > 0 && o.cuda.memory_fraction <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device_memory_fraction: expected a value in (0, 1], got ", o.cuda.memory_fraction));
+  }
+  // On a GPU both are carved out of the same memory (the CPU backend ignores the first).
+  if (o.backend != "cpu" && o.cuda.memory_fraction + o.kv_cache.fraction > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device_memory_fraction ", o.cuda.memory_fraction, " + --kv_cache_fraction ",
+        o.kv_cache.fraction, ": expected a sum of at most 1"));
   }
   return absl::OkStatus();
 }
@@ -125,16 +243,29 @@ absl::StatusOr<std::vector<std::unique_ptr<Executor>>> MakeExecutors(ServerOptio
   std::vector<std::unique_ptr<Executor>> executors;
   if (o->backend == "cpu") {
     executors.push_back(MakeCpuExecutor(o->threads));
+    if (o->scheduler.workers == 0) o->scheduler.workers = 2;
     return executors;
   }
   if (gpus == 0) {
     return absl::FailedPreconditionError(
         "--backend=cuda: no CUDA device is visible (or this build has no CUDA); use --backend=cpu");
   }
-  for (int i = 0; i < gpus; ++i) {
-    absl::StatusOr<std::unique_ptr<Executor>> executor = MakeCudaExecutor(i);
+  std::vector<int> ordinals = o->devices;
+  if (ordinals.empty()) {
+    for (int i = 0; i < gpus; ++i) ordinals.push_back(i);
+  }
+  for (int ordinal : ordinals) {
+    if (ordinal < 0 || ordinal >= gpus) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--devices: ", ordinal, " is not a visible GPU (0..", gpus - 1, ")"));
+    }
+    absl::StatusOr<std::unique_ptr<Executor>> executor = MakeCudaExecutor(ordinal, o->cuda);
     if (!executor.ok()) return executor.status();
     executors.push_back(*std::move(executor));
+  }
+  // Enough workers to keep every stream of every GPU busy.
+  if (o->scheduler.workers == 0) {
+    o->scheduler.workers = o->cuda.streams * static_cast<int>(executors.size());
   }
   return executors;
 }
@@ -172,11 +303,31 @@ int Run(ServerOptions options, const sigset_t& stop_signals) {
     return 1;
   }
 
+  // Before the scheduler takes the executors.
+  absl::StatusOr<std::vector<KvDevice>> kv_devices = MakeKvDevices(options.kv_cache, *executors);
+  if (!kv_devices.ok()) {
+    std::fprintf(stderr, "attention_server: %s\n", kv_devices.status().ToString().c_str());
+    return 1;
+  }
   Scheduler scheduler(*std::move(executors), options.scheduler,
                       [&metrics](int depth) { metrics.SetQueueDepth(depth); });
   // Declared after the scheduler, so it stops sampling the scheduler before the scheduler goes.
   const std::unique_ptr<Metrics::SchedulerWatch> watch = metrics.Watch(scheduler);
   AttentionService service(options.service, &scheduler, &metrics);
+  std::unique_ptr<SessionStore> session_store;
+  if (!kv_devices->empty()) {
+    session_store = std::make_unique<SessionStore>(
+        *std::move(kv_devices), SessionStoreOptions{.ttl = absl::Seconds(options.kv_cache.ttl_s)},
+        &metrics);
+  }
+  SessionService sessions(
+      SessionServiceOptions{
+          .max_message_bytes = options.service.max_message_bytes,
+          .max_head_dim = options.service.max_head_dim,
+          .auth_token = options.service.auth_token,
+          .workers = std::max(2, options.scheduler.workers),
+          .sweep_interval = std::min(absl::Seconds(1), absl::Seconds(options.kv_cache.ttl_s) / 4)},
+      session_store.get(), &metrics);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -186,7 +337,15 @@ int Run(ServerOptions options, const sigset_t& stop_signals) {
   const int max_message = static_cast<int>(options.service.max_message_bytes);
   builder.SetMaxReceiveMessageSize(max_message);
   builder.SetMaxSendMessageSize(max_message);
+  if (options.max_connection_age_s > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, options.max_connection_age_s * 1000);
+    if (options.max_connection_age_grace_s > 0) {
+      builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                                 options.max_connection_age_grace_s * 1000);
+    }
+  }
   builder.RegisterService(&service);
+  builder.RegisterService(&sessions);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::fprintf(stderr, "attention_server: cannot listen on %s\n",
@@ -196,6 +355,7 @@ int Run(ServerOptions options, const sigset_t& stop_signals) {
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   health->SetServingStatus("", true);
   health->SetServingStatus(kServiceName, true);
+  health->SetServingStatus(kSessionsServiceName, session_store != nullptr);
 
   if (!options.port_file.empty()) {
     absl::Status written =
@@ -220,11 +380,24 @@ int Run(ServerOptions options, const sigset_t& stop_signals) {
                options.shutdown_grace_s);
   health->SetServingStatus("", false);
   health->SetServingStatus(kServiceName, false);
+  health->SetServingStatus(kSessionsServiceName, false);
   service.StartDraining();
-  // Waits for calls in progress; at the deadline the rest are cancelled, which drops their
-  // queued work, and Shutdown returns once every call has ended.
-  server->Shutdown(std::chrono::system_clock::now() +
-                   std::chrono::seconds(options.shutdown_grace_s));
+  sessions.StartDraining();
+  // The service drains first, with the server still up: requests arriving meanwhile are answered
+  // UNAVAILABLE by the service. (gRPC's own Shutdown cancels calls that arrive after it began, so
+  // a client would read CANCELLED, and it waits for idle connections until its deadline.)
+  const absl::Time grace_end = absl::Now() + absl::Seconds(options.shutdown_grace_s);
+  const bool drained = service.AwaitDrained(grace_end) && sessions.AwaitDrained(grace_end);
+  // Then a linger, still refusing: the answers in transit go out, and a client whose call was
+  // among the last answered, and which sends its next one at once, is refused by the service
+  // rather than cancelled by gRPC's shutdown.
+  constexpr absl::Duration kLinger = absl::Seconds(1);
+  if (drained) absl::SleepFor(std::min(kLinger, grace_end - absl::Now()));
+  // Then gRPC: at the deadline it cancels what is left (open streams, calls still running after
+  // the grace, whose queued work the scheduler then drops) and closes connections, idle or not.
+  constexpr absl::Duration kClose = absl::Milliseconds(500);
+  server->Shutdown(
+      absl::ToChronoTime(drained ? std::min(grace_end, absl::Now() + kClose) : absl::Now()));
   scheduler.Shutdown();
   std::fprintf(stderr, "attention_server: stopped\n");
   return 0;
@@ -252,6 +425,8 @@ int main(int argc, char** argv) {
   options.backend = absl::GetFlag(FLAGS_backend);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);
+  options.max_connection_age_s = absl::GetFlag(FLAGS_max_connection_age_s);
+  options.max_connection_age_grace_s = absl::GetFlag(FLAGS_max_connection_age_grace_s);
   options.port_file = absl::GetFlag(FLAGS_port_file);
   options.security.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.security.tls_key = absl::GetFlag(FLAGS_tls_key);
@@ -259,6 +434,23 @@ int main(int argc, char** argv) {
   options.security.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   options.scheduler.workers = absl::GetFlag(FLAGS_workers);
   options.scheduler.max_queue = absl::GetFlag(FLAGS_max_queue);
+  options.scheduler.max_batch = absl::GetFlag(FLAGS_max_batch);
+  options.scheduler.max_queue_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_delay_us));
+  options.cuda.streams = absl::GetFlag(FLAGS_streams);
+  options.cuda.memory_fraction = absl::GetFlag(FLAGS_device_memory_fraction);
+  for (absl::string_view ordinal :
+       absl::StrSplit(absl::GetFlag(FLAGS_devices), ',', absl::SkipEmpty())) {
+    int value = 0;
+    if (!absl::SimpleAtoi(ordinal, &value)) {
+      std::fprintf(stderr, "attention_server: --devices: expected GPU ordinals, got '%s'\n",
+                   std::string(ordinal).c_str());
+      return 2;
+    }
+    options.devices.push_back(value);
+  }
+  options.kv_cache.fraction = absl::GetFlag(FLAGS_kv_cache_fraction);
+  options.kv_cache.page_bytes = absl::GetFlag(FLAGS_kv_page_bytes);
+  options.kv_cache.ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.service.version = ATTENTION_VERSION;
   options.service.max_message_bytes = int64_t{max_message_mb} << 20;
@@ -266,6 +458,7 @@ int main(int argc, char** argv) {
   options.service.max_batch = absl::GetFlag(FLAGS_max_batch);
 
   absl::Status valid = attention::server::CheckOptions(options, max_message_mb);
+  if (valid.ok()) valid = attention::server::CheckKvCacheOptions(options.kv_cache);
   if (!valid.ok()) {
     std::fprintf(stderr, "attention_server: %s\n", valid.ToString().c_str());
     return 2;

@@ -107,6 +107,31 @@ Metrics::Metrics(const BuildInfo& build)
       .Register(*registry_)
       .Add({{"version", build.version}, {"backend", build.backend}, {"cuda", build.cuda}})
       .Set(1);
+  sessions_resident_ = &prometheus::BuildGauge()
+                            .Name("attention_sessions_resident")
+                            .Help("KV-resident sessions held, by device.")
+                            .Register(*registry_);
+  session_resident_bytes_ = &prometheus::BuildGauge()
+                                 .Name("attention_session_resident_bytes")
+                                 .Help("Bytes of the KV pages sessions hold, by device.")
+                                 .Register(*registry_);
+  kv_pages_free_ = &prometheus::BuildGauge()
+                        .Name("attention_kv_pages_free")
+                        .Help("Free pages of the KV cache, by device.")
+                        .Register(*registry_);
+  kv_pages_total_ = &prometheus::BuildGauge()
+                         .Name("attention_kv_pages_capacity")
+                         .Help("Pages of the KV cache, by device (--kv_cache_fraction).")
+                         .Register(*registry_);
+  session_expirations_ = &prometheus::BuildCounter()
+                              .Name("attention_session_expirations_total")
+                              .Help("Sessions removed after --session_ttl_s idle seconds.")
+                              .Register(*registry_)
+                              .Add({});
+  decode_step_duration_ = &prometheus::BuildHistogram()
+                               .Name("attention_decode_step_duration_seconds")
+                               .Help("One paged decode launch (a Step's sessions of one shape).")
+                               .Register(*registry_);
 }
 
 absl::StatusOr<int> Metrics::Serve(const std::string& address) {
@@ -154,11 +179,13 @@ void Metrics::StagesObserved(absl::Duration queued, const StageTimes& stages) {
   d2h_stage_.Observe(stages.d2h_us * 1e-6);
 }
 
-void Metrics::Computed(const std::string& device, double flops, int64_t query_tokens) {
-  // One request per launch until the scheduler batches.
-  batch_size_
-      .Add({{"device", device}}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64})
-      .Observe(1);
+void Metrics::Computed(const std::string& device, double flops, int64_t query_tokens,
+                       int launch_size) {
+  if (launch_size > 0) {
+    batch_size_
+        .Add({{"device", device}}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64})
+        .Observe(launch_size);
+  }
   flops_.Add({{"device", device}}).Increment(flops);
   tokens_.Add({{"device", device}}).Increment(static_cast<double>(query_tokens));
 }
@@ -169,11 +196,27 @@ void Metrics::SetDeviceMemoryTotal(const std::string& device, int64_t bytes) {
   device_memory_total_.Add({{"device", device}}).Set(static_cast<double>(bytes));
 }
 
+void Metrics::SetKvCache(const std::string& device, int64_t sessions, int64_t resident_bytes,
+                         int64_t pages_free, int64_t pages_total) {
+  const prometheus::Labels labels = {{"device", device}};
+  sessions_resident_->Add(labels).Set(static_cast<double>(sessions));
+  session_resident_bytes_->Add(labels).Set(static_cast<double>(resident_bytes));
+  kv_pages_free_->Add(labels).Set(static_cast<double>(pages_free));
+  kv_pages_total_->Add(labels).Set(static_cast<double>(pages_total));
+}
+
+void Metrics::SessionsExpired(int count) { session_expirations_->Increment(count); }
+
+void Metrics::DecodeStepObserved(const std::string& device, absl::Duration elapsed) {
+  decode_step_duration_->Add({{"device", device}}, SecondsBuckets())
+      .Observe(absl::ToDoubleSeconds(elapsed));
+}
+
 std::unique_ptr<Metrics::SchedulerWatch> Metrics::Watch(const Scheduler& scheduler,
                                                         absl::Duration busy_window) {
   queue_capacity_.Set(scheduler.max_queue());
   const absl::Time now = absl::Now();
-  absl::MutexLock lock(&watch_mu_);
+  std::lock_guard<std::mutex> lock(watch_mu_);
   scheduler_ = &scheduler;
   busy_window_ = busy_window;
   busy_history_.clear();
@@ -187,12 +230,12 @@ Metrics::SchedulerWatch::~SchedulerWatch() { metrics_->Unwatch(); }
 
 void Metrics::Unwatch() {
   // Waits for a sample in progress: the scheduler may go once this returns.
-  absl::MutexLock lock(&watch_mu_);
+  std::lock_guard<std::mutex> lock(watch_mu_);
   scheduler_ = nullptr;
 }
 
 void Metrics::SampleScheduler() {
-  absl::MutexLock lock(&watch_mu_);
+  std::lock_guard<std::mutex> lock(watch_mu_);
   if (scheduler_ == nullptr) return;
   const absl::Time now = absl::Now();
   for (const DeviceLoad& load : scheduler_->device_loads()) {

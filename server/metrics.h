@@ -9,6 +9,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,7 +17,6 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
@@ -72,9 +72,20 @@ class Metrics {
                        int64_t request_bytes, int64_t response_bytes);
   // Per executed request.
   void StagesObserved(absl::Duration queued, const StageTimes& stages);
-  void Computed(const std::string& device, double flops, int64_t query_tokens);
+  // `launch_size`: the requests in the launch this one led, observed once per launch; 0 for the
+  // other requests of a batch.
+  void Computed(const std::string& device, double flops, int64_t query_tokens,
+                int launch_size = 1);
   void SetQueueDepth(int depth);
   void SetDeviceMemoryTotal(const std::string& device, int64_t bytes);
+
+  // KV-resident sessions (session_store.h), per device: sessions held, bytes of the pages they
+  // hold, and the pool's free and total pages; expirations after the TTL; the duration of each
+  // decode step (one KvPagePool::Decode call).
+  void SetKvCache(const std::string& device, int64_t sessions, int64_t resident_bytes,
+                  int64_t pages_free, int64_t pages_total);
+  void SessionsExpired(int count);
+  void DecodeStepObserved(const std::string& device, absl::Duration elapsed);
 
   // Until the returned handle is destroyed (before `scheduler` is), every scrape first samples
   // the scheduler: each device's memory (used and total) and busy ratio. Also exports the queue's
@@ -113,17 +124,24 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& device_memory_used_;
   prometheus::Family<prometheus::Gauge>& device_busy_ratio_;
   prometheus::Gauge& queue_capacity_;
+  // Sessions (registered in the constructor's body).
+  prometheus::Family<prometheus::Gauge>* sessions_resident_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* session_resident_bytes_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* kv_pages_free_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* kv_pages_total_ = nullptr;
+  prometheus::Counter* session_expirations_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* decode_step_duration_ = nullptr;
   // The stage histograms, looked up once.
   prometheus::Histogram& queue_stage_;
   prometheus::Histogram& h2d_stage_;
   prometheus::Histogram& compute_stage_;
   prometheus::Histogram& d2h_stage_;
 
-  absl::Mutex watch_mu_;
-  const Scheduler* scheduler_ ABSL_GUARDED_BY(watch_mu_) = nullptr;
-  absl::Duration busy_window_ ABSL_GUARDED_BY(watch_mu_);
+  std::mutex watch_mu_;  // guards the three below; a pthread lock, which ThreadSanitizer sees
+  const Scheduler* scheduler_ = nullptr;
+  absl::Duration busy_window_;
   // Per device, oldest first; the first point is the last one at or before busy_window_ ago.
-  std::map<std::string, std::deque<BusyPoint>> busy_history_ ABSL_GUARDED_BY(watch_mu_);
+  std::map<std::string, std::deque<BusyPoint>> busy_history_;
 
   const std::shared_ptr<Sampled> sampled_;
   // Last, so it is destroyed first: its threads may be collecting until then.

@@ -12,10 +12,10 @@
 #include <utility>
 #include <vector>
 
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/notification_for_tests.h"
 #include "server/scheduler.h"
 
 namespace attention::server {
@@ -131,7 +131,7 @@ class SleepingExecutor final : public Executor {
 
 // Runs one job on `scheduler` and waits for it.
 void RunOneJob(Scheduler& scheduler) {
-  absl::Notification done;
+  Notification done;
   Job job;
   job.done = [&done](JobResult) { done.Notify(); };
   scheduler.Submit(std::move(job));

@@ -8,6 +8,11 @@ absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int /*ordinal*/) {
   return absl::UnimplementedError("the cuda backend is not available: built without CUDA");
 }
 
+absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal,
+                                                           const CudaExecutorOptions& /*options*/) {
+  return MakeCudaExecutor(ordinal);
+}
+
 int CudaDeviceCount() { return 0; }
 
 }  // namespace attention::server

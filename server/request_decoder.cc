@@ -18,6 +18,8 @@ using v1::Tensor;
 // Bytes a response carries besides its tensor data and request_id: tags, shapes, timing, device.
 constexpr int64_t kResponseOverhead = 1024;
 
+}  // namespace
+
 std::string ShapeString(const Tensor& t) {
   return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
 }
@@ -27,7 +29,7 @@ std::string DTypeString(int dtype) {
   return name.empty() ? absl::StrCat("unknown dtype ", dtype) : name;
 }
 
-absl::StatusOr<DType> ToDType(int dtype) {
+absl::StatusOr<DType> ToDType(int dtype, absl::string_view field) {
   switch (dtype) {
     case v1::DTYPE_FLOAT32:
       return DType::kFloat32;
@@ -37,12 +39,11 @@ absl::StatusOr<DType> ToDType(int dtype) {
       return DType::kBFloat16;
     default:
       return absl::InvalidArgumentError(
-          absl::StrCat("q.dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16, got ",
+          absl::StrCat(field, ": expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16, got ",
                        DTypeString(dtype)));
   }
 }
 
-// Checks rank, dims and byte size of one tensor; returns its byte size.
 absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const Tensor& t, int rank,
                                     absl::string_view rank_meaning, size_t element_bytes) {
   if (t.shape_size() != rank) {
@@ -68,6 +69,8 @@ absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const Tensor& t, int
   }
   return bytes;
 }
+
+namespace {
 
 // Validates cu_seqlens_* against the packed rows of its tensor: B+1 offsets, starting at 0,
 // strictly increasing (every item has at least one row), ending at `total_rows`.
@@ -124,7 +127,7 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
       return absl::InvalidArgumentError(absl::StrCat(name, ": expected a tensor, got none"));
     }
   }
-  absl::StatusOr<DType> dtype = ToDType(request.q().dtype());
+  absl::StatusOr<DType> dtype = ToDType(request.q().dtype(), "q.dtype");
   if (!dtype.ok()) return dtype.status();
   for (const auto& [name, t] :
        {std::pair<const char*, const Tensor*>{"k", &request.k()}, {"v", &request.v()}}) {
@@ -200,32 +203,17 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                                                    options.max_head_dim, ", got ", head_dim));
   }
 
-  // Scalars.
-  if (request.has_softmax_scale() &&
-      !(std::isfinite(request.softmax_scale()) && request.softmax_scale() > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("softmax_scale: expected a finite value > 0, got ", request.softmax_scale()));
-  }
-  for (const auto& [name, present, value] :
-       {std::tuple{"window_left", request.has_window_left(), request.window_left()},
-        {"window_right", request.has_window_right(), request.window_right()}}) {
-    if (present && value < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ": expected >= 0 (absent = unbounded), got ", value));
-    }
-  }
+  absl::StatusOr<MaskParams> mask = DecodeMask(request, head_dim);
+  if (!mask.ok()) return mask.status();
 
   AttentionParams p;
   p.dtype = *dtype;
   p.heads_q = heads_q;
   p.heads_kv = heads_kv;
   p.head_dim = head_dim;
-  p.softmax_scale = request.has_softmax_scale()
-                        ? request.softmax_scale()
-                        : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
-  p.window_left = request.has_window_left() ? request.window_left() : kUnboundedWindow;
-  p.window_right = request.has_window_right() ? request.window_right() : kUnboundedWindow;
-  if (request.causal()) p.window_right = 0;  // any given right bound is >= 0, so causal wins
+  p.softmax_scale = mask->softmax_scale;
+  p.window_left = mask->window_left;
+  p.window_right = mask->window_right;
 
   DecodedRequest decoded;
   int64_t visible_pairs = 0;

@@ -7,9 +7,14 @@
 // Sizing the response zero-fills it once (std::string::resize), which writes but copies nothing.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <string>
+#include <tuple>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "attention/v1/attention.pb.h"
 #include "kernels/attention_params.h"
 
@@ -37,6 +42,51 @@ struct DecodedRequest {
 // response's o (dtype and shape of q) and, when asked, lse (float32 [B, Hq, Nq], varlen
 // [Hq, total_q]) to their final sizes; `request` and `response` must outlive the result and not
 // be modified while it is in use.
+// Checks shared with the Sessions service (server/session_request.h). Messages name the field,
+// the expected and the actual value.
+
+// "[2, 4, 16, 32]".
+std::string ShapeString(const v1::Tensor& t);
+// "DTYPE_FLOAT16", or "unknown dtype 9".
+std::string DTypeString(int dtype);
+// The kernel dtype of a v1::DType; INVALID_ARGUMENT naming `field` (e.g. "q.dtype") otherwise.
+absl::StatusOr<DType> ToDType(int dtype, absl::string_view field);
+// Checks rank, dims (> 0, product fits int64) and byte size of tensor `name`; returns its bytes.
+absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const v1::Tensor& t, int rank,
+                                    absl::string_view rank_meaning, size_t element_bytes);
+
+// The scale and bottom-right aligned window of a request with softmax_scale, window_left,
+// window_right and causal (AttendRequest, StepRequest), for head dim `head_dim`.
+struct MaskParams {
+  float softmax_scale = 1.0f;
+  int64_t window_left = kUnboundedWindow;
+  int64_t window_right = kUnboundedWindow;
+};
+template <typename Request>
+absl::StatusOr<MaskParams> DecodeMask(const Request& request, int64_t head_dim) {
+  if (request.has_softmax_scale() &&
+      !(std::isfinite(request.softmax_scale()) && request.softmax_scale() > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("softmax_scale: expected a finite value > 0, got ", request.softmax_scale()));
+  }
+  for (const auto& [name, present, value] :
+       {std::tuple{"window_left", request.has_window_left(), request.window_left()},
+        {"window_right", request.has_window_right(), request.window_right()}}) {
+    if (present && value < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected >= 0 (absent = unbounded), got ", value));
+    }
+  }
+  MaskParams mask;
+  mask.softmax_scale = request.has_softmax_scale()
+                           ? request.softmax_scale()
+                           : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  if (request.has_window_left()) mask.window_left = request.window_left();
+  if (request.has_window_right()) mask.window_right = request.window_right();
+  if (request.causal()) mask.window_right = 0;  // any given right bound is >= 0, so causal wins
+  return mask;
+}
+
 absl::StatusOr<DecodedRequest> DecodeRequest(const v1::AttendRequest& request,
                                              const DecodeOptions& options,
                                              v1::AttendResponse* response);

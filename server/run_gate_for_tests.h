@@ -2,8 +2,8 @@
 // a number of runs have reached it. Shared by the scheduler and service tests' fake executors.
 #pragma once
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include <condition_variable>
+#include <mutex>
 
 namespace attention::server {
 
@@ -13,29 +13,31 @@ class RunGate {
 
   // Counts one run as started, then blocks until the gate is open.
   void Pass() {
-    absl::MutexLock lock(&mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     ++started_;
-    mu_.Await(absl::Condition(&open_));
+    changed_.notify_all();
+    changed_.wait(lock, [this] { return open_; });
   }
   void Open() {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     open_ = true;
+    changed_.notify_all();
   }
   // Blocks until `n` runs have reached the gate.
   void AwaitStarted(int n) {
-    absl::MutexLock lock(&mu_);
-    auto reached = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return started_ >= n; };
-    mu_.Await(absl::Condition(&reached));
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait(lock, [this, n] { return started_ >= n; });
   }
   int started() {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     return started_;
   }
 
  private:
-  absl::Mutex mu_;
-  bool open_ ABSL_GUARDED_BY(mu_);
-  int started_ ABSL_GUARDED_BY(mu_) = 0;
+  std::mutex mu_;  // guards the two below; a pthread lock, which ThreadSanitizer sees
+  std::condition_variable changed_;  // open_ or started_ changed
+  bool open_;
+  int started_ = 0;
 };
 
 }  // namespace attention::server

@@ -2,8 +2,11 @@
 
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace attention::server {
 
@@ -29,6 +32,7 @@ void Scheduler::Submit(Job job) {
       queue_.emplace_back(std::move(job), absl::Now());
       if (on_queue_depth_) on_queue_depth_(static_cast<int>(queue_.size()));
       work_or_stopping_.notify_one();
+      arrivals_.notify_one();
       return;
     }
   }
@@ -41,6 +45,7 @@ void Scheduler::Shutdown() {
     stopping_ = true;
   }
   work_or_stopping_.notify_all();
+  arrivals_.notify_all();
   for (std::thread& worker : workers_) {
     if (worker.joinable()) worker.join();
   }
@@ -89,47 +94,127 @@ std::vector<DeviceLoad> Scheduler::device_loads() const {
   return loads;
 }
 
+namespace {
+
+// Why a queued job must not run (its deadline passed, its caller cancelled), or OK.
+absl::Status DropReason(const Job& job, absl::Time now, absl::Duration queued) {
+  // The deadline first: a call past its deadline is also cancelled, and the deadline says why.
+  if (now >= job.deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("deadline passed while queued for ", absl::FormatDuration(queued)));
+  }
+  if (job.cancelled && job.cancelled()) {
+    return absl::CancelledError("cancelled by the client while queued");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::vector<Scheduler::Queued> Scheduler::CollectBatch(
+    std::unique_lock<std::mutex>& lock, std::vector<std::pair<Queued, absl::Status>>* dropped) {
+  std::vector<Queued> batch;
+  // Moves live jobs that `fits` accepts from the queue into the batch, and dead ones to dropped.
+  auto take = [&](auto fits) {
+    const absl::Time now = absl::Now();
+    for (auto it = queue_.begin();
+         it != queue_.end() && static_cast<int>(batch.size()) < options_.max_batch;) {
+      if (absl::Status why = DropReason(it->first, now, now - it->second); !why.ok()) {
+        dropped->emplace_back(std::move(*it), std::move(why));
+      } else if (fits(it->first.params)) {
+        batch.push_back(std::move(*it));
+      } else {
+        ++it;
+        continue;
+      }
+      it = queue_.erase(it);
+    }
+  };
+  // The oldest live job leads.
+  while (batch.empty() && !queue_.empty()) {
+    const absl::Time now = absl::Now();
+    Queued front = std::move(queue_.front());
+    queue_.pop_front();
+    if (absl::Status why = DropReason(front.first, now, now - front.second); !why.ok()) {
+      dropped->emplace_back(std::move(front), std::move(why));
+    } else {
+      batch.push_back(std::move(front));
+    }
+  }
+  if (batch.empty() || options_.max_batch == 1) return batch;
+  const Executor& rules = *slots_.front().executor;
+  const AttentionParams lead = batch.front().first.params;
+  const absl::Time until = batch.front().second + options_.max_queue_delay;
+  collecting_ = true;
+  while (true) {
+    take([&](const AttentionParams& p) { return rules.CanShareLaunch(lead, p); });
+    if (static_cast<int>(batch.size()) >= options_.max_batch || stopping_ || absl::Now() >= until) {
+      break;
+    }
+    arrivals_.wait_until(lock, absl::ToChronoTime(until));
+  }
+  collecting_ = false;
+  return batch;
+}
+
+void Scheduler::RunBatch(std::vector<Queued> batch) {
+  Slot* slot = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    slot = AcquireLeastLoaded();
+  }
+  const absl::Time start = absl::Now();
+  std::vector<AttentionParams> params;
+  for (const Queued& queued : batch) params.push_back(queued.first.params);
+  std::vector<absl::StatusOr<StageTimes>> stages = slot->executor->RunBatch(params);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Release(slot);
+  }
+  const DeviceDescription& device = slot->executor->device();
+  if (stages.size() != batch.size()) {
+    stages.assign(batch.size(),
+                  absl::InternalError(absl::StrCat("executor answered ", stages.size(),
+                                                   " results for a batch of ", batch.size())));
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    JobResult result;
+    result.queued = start - batch[i].second;
+    result.device = &device;
+    result.batch_size = static_cast<int>(batch.size());
+    result.leads_batch = i == 0;
+    if (stages[i].ok()) {
+      result.stages = *stages[i];
+    } else {
+      result.status = stages[i].status();
+    }
+    std::move(batch[i].first.done)(std::move(result));
+  }
+}
+
 void Scheduler::WorkerLoop() {
   while (true) {
-    Job job;
-    absl::Time enqueued;
-    Slot* slot = nullptr;
+    std::vector<Queued> batch;
+    std::vector<std::pair<Queued, absl::Status>> dropped;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      work_or_stopping_.wait(lock, [this] { return !queue_.empty() || stopping_; });
       // Queued work is finished even when stopping: callers are still waiting for it.
+      work_or_stopping_.wait(lock, [this] {
+        return (!queue_.empty() && !collecting_) || (stopping_ && queue_.empty());
+      });
       if (queue_.empty()) return;
-      std::tie(job, enqueued) = std::move(queue_.front());
-      queue_.pop_front();
+      batch = CollectBatch(lock, &dropped);
       if (on_queue_depth_) on_queue_depth_(static_cast<int>(queue_.size()));
     }
-    JobResult result;
-    const absl::Time now = absl::Now();
-    result.queued = now - enqueued;
-    // The deadline first: a call past its deadline is also cancelled, and the deadline says why.
-    if (now >= job.deadline) {
-      result.status = absl::DeadlineExceededError(
-          absl::StrCat("deadline passed while queued for ", absl::FormatDuration(result.queued)));
-    } else if (job.cancelled && job.cancelled()) {
-      result.status = absl::CancelledError("cancelled by the client while queued");
-    } else {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        slot = AcquireLeastLoaded();
-      }
-      absl::StatusOr<StageTimes> stages = slot->executor->Run(job.params);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        Release(slot);
-      }
-      result.device = &slot->executor->device();
-      if (stages.ok()) {
-        result.stages = *stages;
-      } else {
-        result.status = stages.status();
-      }
+    // Another worker may collect what is left while this one runs.
+    work_or_stopping_.notify_one();
+    for (auto& [queued, why] : dropped) {
+      JobResult result;
+      result.status = std::move(why);
+      result.queued = absl::Now() - queued.second;
+      std::move(queued.first.done)(std::move(result));
     }
-    std::move(job.done)(std::move(result));
+    if (!batch.empty()) RunBatch(std::move(batch));
   }
 }
 

@@ -2,11 +2,17 @@
 // the least-loaded executor. Overload is refused at once (RESOURCE_EXHAUSTED) rather than queued
 // without bound; work whose caller has gone (cancelled, deadline passed) is dropped before it
 // reaches a device.
+//
+// Dynamic batching (max_batch > 1): a worker that takes the oldest request also takes the queued
+// requests that can share its launch (Executor::CanShareLaunch), waiting up to max_queue_delay
+// from the oldest request's arrival for more, until it holds max_batch; the batch then goes to the
+// least-loaded executor as one RunBatch. One worker collects at a time, so requests arriving
+// during the wait join its batch rather than starting batches of one on idle workers.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -24,6 +30,9 @@ namespace attention::server {
 struct SchedulerOptions {
   int workers = 2;      // threads pulling jobs off the queue
   int max_queue = 256;  // jobs waiting for a worker; more are refused
+  int max_batch = 1;    // jobs per RunBatch at most
+  // How long the oldest queued job may wait for others to join its batch.
+  absl::Duration max_queue_delay = absl::ZeroDuration();
 };
 
 // What happened to a job. `device` is the executor's device when the job ran, else nullptr.
@@ -32,6 +41,8 @@ struct JobResult {
   StageTimes stages;
   absl::Duration queued;
   const DeviceDescription* device = nullptr;
+  int batch_size = 0;        // jobs in the launch this one ran in; 0 when it did not run
+  bool leads_batch = false;  // the first job of its launch (so each launch is counted once)
 };
 
 struct Job {
@@ -49,7 +60,7 @@ struct Job {
 struct DeviceLoad {
   const DeviceDescription* device = nullptr;
   // Wall time since the scheduler started during which at least one job ran on the device
-  // (for a GPU the executor serialises its runs, so this is copies and kernels back to back).
+  // (for a GPU this counts copies and kernels of all its streams, overlapped or not).
   absl::Duration busy;
   absl::StatusOr<MemoryUsage> memory;
 };
@@ -89,7 +100,16 @@ class Scheduler {
     absl::Time busy_since;
   };
 
+  using Queued = std::pair<Job, absl::Time>;  // job, enqueue time
+
   void WorkerLoop();
+  // Takes the oldest live job and the jobs that may share its launch, per the batching options;
+  // jobs found dead go to `dropped` with their answer. Empty when the queue holds no live job.
+  // Needs mu_ (held through `lock`, which it may release while waiting).
+  std::vector<Queued> CollectBatch(std::unique_lock<std::mutex>& lock,
+                                   std::vector<std::pair<Queued, absl::Status>>* dropped);
+  // Runs `batch` on the least-loaded executor and answers every job.
+  void RunBatch(std::vector<Queued> batch);
   // The executor with the fewest jobs running; its count is raised. Needs mu_.
   Slot* AcquireLeastLoaded();
   // Lowers the slot's count after a run. Needs mu_.
@@ -101,9 +121,11 @@ class Scheduler {
   // abseil is built without its annotations.
   mutable std::mutex mu_;
   std::condition_variable work_or_stopping_;
+  std::condition_variable arrivals_;  // a job was queued (the collecting worker waits on it)
   std::vector<Slot> slots_;
-  std::deque<std::pair<Job, absl::Time>> queue_;  // guarded by mu_: job, enqueue time
-  bool stopping_ = false;  // guarded by mu_
+  std::deque<Queued> queue_;  // guarded by mu_
+  bool stopping_ = false;     // guarded by mu_
+  bool collecting_ = false;   // guarded by mu_: a worker is collecting a batch
   std::vector<std::thread> workers_;
 };
 

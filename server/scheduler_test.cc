@@ -2,13 +2,13 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/notification_for_tests.h"
 #include "server/run_gate_for_tests.h"
 
 namespace attention::server {
@@ -16,40 +16,62 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// An executor whose runs block until Release(); it counts the runs it started.
+// The head dim that makes GatedExecutor fail a launch, as a device fault would.
+constexpr int64_t kFaultyHeadDim = 13;
+
+// An executor whose runs block until Release(); it counts the runs (launches) it started. Jobs
+// with equal head dims share a launch; a launch holding kFaultyHeadDim fails as a whole.
 class GatedExecutor final : public Executor {
  public:
   explicit GatedExecutor(std::string name) { device_.name = std::move(name); }
   const DeviceDescription& device() const override { return device_; }
-  absl::StatusOr<StageTimes> Run(const AttentionParams&) override {
+  absl::StatusOr<StageTimes> Run(const AttentionParams& params) override {
+    return RunBatch(absl::MakeConstSpan(&params, 1)).front();
+  }
+  bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) const override {
+    return a.head_dim == b.head_dim;
+  }
+  std::vector<absl::StatusOr<StageTimes>> RunBatch(
+      absl::Span<const AttentionParams> items) override {
     gate_.Pass();
-    absl::MutexLock lock(&mu_);
-    if (!fail_with_.ok()) return fail_with_;
-    return StageTimes{.compute_us = 1};
+    std::lock_guard<std::mutex> lock(mu_);
+    launch_sizes_.push_back(static_cast<int>(items.size()));
+    absl::StatusOr<StageTimes> result = StageTimes{.compute_us = 1};
+    if (!fail_with_.ok()) result = fail_with_;
+    for (const AttentionParams& item : items) {
+      if (item.head_dim == kFaultyHeadDim) result = absl::InternalError("device fault in launch");
+    }
+    return std::vector<absl::StatusOr<StageTimes>>(items.size(), result);
   }
   void Release() { gate_.Open(); }
   void FailWith(absl::Status status) {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     fail_with_ = std::move(status);
   }
   // Blocks until `n` runs have started.
   void AwaitStarted(int n) { gate_.AwaitStarted(n); }
   int started() { return gate_.started(); }
+  std::vector<int> launch_sizes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return launch_sizes_;
+  }
 
  private:
   DeviceDescription device_;
   RunGate gate_;
-  absl::Mutex mu_;
-  absl::Status fail_with_ ABSL_GUARDED_BY(mu_);
+  std::mutex mu_;  // guards the two below; a pthread lock, which ThreadSanitizer sees
+  absl::Status fail_with_;
+  std::vector<int> launch_sizes_;
 };
 
 // Collects one job's result.
 struct Outcome {
-  absl::Notification done;
+  Notification done;
   JobResult result;
 
-  Job MakeJob() {
+  Job MakeJob(int64_t head_dim = 0) {
     Job job;
+    job.params.head_dim = head_dim;
     job.done = [this](JobResult r) {
       result = std::move(r);
       done.Notify();
@@ -158,7 +180,7 @@ TEST(SchedulerTest, ShutdownFinishesQueuedWorkAndRefusesNew) {
   f.scheduler->Submit(running.MakeJob());
   f.gates[0]->AwaitStarted(1);
   f.scheduler->Submit(queued.MakeJob());
-  absl::Notification shut;
+  Notification shut;
   std::thread stopper([&] {
     f.scheduler->Shutdown();
     shut.Notify();
@@ -173,6 +195,93 @@ TEST(SchedulerTest, ShutdownFinishesQueuedWorkAndRefusesNew) {
   ASSERT_TRUE(late.done.HasBeenNotified());
   EXPECT_EQ(late.result.status.code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(late.result.status.message(), HasSubstr("shutting down"));
+}
+
+TEST(SchedulerTest, BatchesCompatibleQueuedJobsUpToMaxBatch) {
+  Fixture f(1, {.workers = 1, .max_queue = 16, .max_batch = 3});
+  Outcome blocker, a[4], other;
+  f.scheduler->Submit(blocker.MakeJob(64));
+  f.gates[0]->AwaitStarted(1);  // the worker holds the blocker; the rest queue up
+  for (Outcome& o : a) f.scheduler->Submit(o.MakeJob(64));
+  f.scheduler->Submit(other.MakeJob(128));
+  f.ReleaseAll();
+  for (Outcome& o : a) o.done.WaitForNotification();
+  other.done.WaitForNotification();
+
+  // The blocker alone, three of the four head-dim-64 jobs together, then the fourth alone (the
+  // head-dim-128 job cannot join it), then the head-dim-128 job.
+  EXPECT_EQ(f.gates[0]->launch_sizes(), (std::vector<int>{1, 3, 1, 1}));
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(a[i].result.status.ok()) << a[i].result.status;
+    EXPECT_EQ(a[i].result.batch_size, 3);
+    EXPECT_EQ(a[i].result.leads_batch, i == 0);
+  }
+  EXPECT_EQ(a[3].result.batch_size, 1);
+  EXPECT_EQ(other.result.batch_size, 1);
+  EXPECT_TRUE(other.result.status.ok()) << other.result.status;
+}
+
+TEST(SchedulerTest, FullBatchRunsWithoutWaitingOutTheDelay) {
+  Fixture f(1,
+            {.workers = 1, .max_queue = 16, .max_batch = 4, .max_queue_delay = absl::Seconds(30)});
+  f.ReleaseAll();
+  const absl::Time start = absl::Now();
+  Outcome o[4];
+  f.scheduler->Submit(o[0].MakeJob(64));
+  absl::SleepFor(absl::Milliseconds(20));  // the worker is now waiting for companions
+  for (int i = 1; i < 4; ++i) f.scheduler->Submit(o[i].MakeJob(64));
+  for (Outcome& x : o) x.done.WaitForNotification();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(f.gates[0]->launch_sizes(), (std::vector<int>{4}));
+  EXPECT_GE(o[0].result.queued, absl::Milliseconds(20));
+}
+
+TEST(SchedulerTest, PartialBatchRunsWhenTheDelayEnds) {
+  Fixture f(
+      1,
+      {.workers = 1, .max_queue = 16, .max_batch = 8, .max_queue_delay = absl::Milliseconds(30)});
+  f.ReleaseAll();
+  Outcome alone;
+  f.scheduler->Submit(alone.MakeJob(64));
+  alone.done.WaitForNotification();
+  EXPECT_TRUE(alone.result.status.ok()) << alone.result.status;
+  EXPECT_EQ(alone.result.batch_size, 1);
+  EXPECT_GE(alone.result.queued, absl::Milliseconds(30));
+}
+
+TEST(SchedulerTest, DeadJobsAreLeftOutOfBatches) {
+  Fixture f(1, {.workers = 1, .max_queue = 16, .max_batch = 4});
+  Outcome blocker, first, cancelled, last;
+  f.scheduler->Submit(blocker.MakeJob(64));
+  f.gates[0]->AwaitStarted(1);
+  f.scheduler->Submit(first.MakeJob(64));
+  Job gone = cancelled.MakeJob(64);
+  gone.cancelled = [] { return true; };
+  f.scheduler->Submit(std::move(gone));
+  f.scheduler->Submit(last.MakeJob(64));
+  f.ReleaseAll();
+  for (Outcome* o : {&first, &cancelled, &last}) o->done.WaitForNotification();
+  EXPECT_EQ(cancelled.result.status.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(cancelled.result.device, nullptr);
+  EXPECT_EQ(first.result.batch_size, 2);
+  EXPECT_EQ(last.result.batch_size, 2);
+  EXPECT_EQ(f.gates[0]->launch_sizes(), (std::vector<int>{1, 2}));
+}
+
+TEST(SchedulerTest, AFailedLaunchFailsOnlyItsOwnJobs) {
+  Fixture f(1, {.workers = 1, .max_queue = 16, .max_batch = 2});
+  Outcome blocker, faulty, companion, healthy;
+  f.scheduler->Submit(blocker.MakeJob(64));
+  f.gates[0]->AwaitStarted(1);
+  f.scheduler->Submit(faulty.MakeJob(kFaultyHeadDim));
+  f.scheduler->Submit(companion.MakeJob(kFaultyHeadDim));
+  f.scheduler->Submit(healthy.MakeJob(64));
+  f.ReleaseAll();
+  for (Outcome* o : {&faulty, &companion, &healthy}) o->done.WaitForNotification();
+  EXPECT_EQ(faulty.result.status.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(companion.result.status.code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(healthy.result.status.ok()) << healthy.result.status;
+  EXPECT_TRUE(blocker.result.status.ok()) << blocker.result.status;
 }
 
 }  // namespace

@@ -2,9 +2,10 @@
 //
 // TLS: the server presents --tls_cert/--tls_key; with --tls_client_ca it also demands a client
 // certificate signed by that CA (mutual TLS). Without a certificate the port is plaintext.
-// Bearer token: with --auth_token_file every attention.v1.Attention call must carry the metadata
-// `authorization: Bearer <token>`, else it is answered UNAUTHENTICATED. The health service is not
-// checked, so load balancers and orchestrators can probe without a secret. The Prometheus port is
+// Bearer token: with --auth_token_file every attention.v1.Attention and attention.v1.Sessions call
+// must carry the metadata `authorization: Bearer <token>`, else it is answered UNAUTHENTICATED.
+// The health service is not checked, so load balancers and orchestrators can probe without a
+// secret. The Prometheus port is
 // separate, plaintext and unauthenticated: keep it on an internal network.
 #pragma once
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One full pass on a GPU host, from a bundle made by ../shared/device/bundle.sh .device
-# (cuda_kernel_tests, cuda_attention_bench, and optionally attention_server + attn_client):
-# tests, compute-sanitizer memcheck and racecheck on a small filter, the server checked with the
-# client, then the benchmark beside torch (table last). Logs and plots go to $OUT.
+# (cuda_kernel_tests, cuda_attention_bench, and optionally attention_server + attn_client,
+# cuda_paged_kv_tests, cuda_pipeline_tests, sessions_tests, client_session_tests): tests,
+# compute-sanitizer memcheck and racecheck on a small filter, the session end-to-end suites against
+# --backend=cuda, the server checked with the client, then the benchmark beside torch (table
+# last). Logs and plots go to $OUT.
 #   bench/cuda/device_run.sh [tests|bench|all]
 set -uo pipefail
 what=${1:-all}
@@ -22,6 +24,21 @@ if [[ $what == tests || $what == all ]]; then
     compute-sanitizer --tool $tool --error-exitcode 9 "$bin/cuda_kernel_tests" \
       --gtest_brief=1 --gtest_filter="$filter" >"$out/sanitizer_$tool.log" 2>&1
     summary+=("compute-sanitizer $tool: rc=$? $(grep -E '(ERROR|RACECHECK) SUMMARY' "$out/sanitizer_$tool.log" | tr '\n' ' ' )")
+  done
+  for t in cuda_paged_kv_tests cuda_pipeline_tests; do
+    [[ -x $bin/$t ]] || continue
+    "$bin/$t" --gtest_brief=1 >"$out/$t.log" 2>&1
+    summary+=("$t: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/$t.log" | tr '\n' ' ')")
+    grep -E "^\[  FAILED|Failure|seed" "$out/$t.log" | head -20
+  done
+  # The end-to-end suites that start their own server, pointed at the CUDA backend.
+  for t in sessions_tests client_session_tests; do
+    [[ -x $bin/$t && -x $bin/attention_server ]] || continue
+    # SessionsLimitsE2E sizes its cache from host RAM (the cpu backend's memory): not here.
+    ATTENTION_E2E_SERVER=$bin/attention_server ATTENTION_E2E_EXTRA_FLAGS=--backend=cuda \
+      "$bin/$t" --gtest_brief=1 --gtest_filter=-SessionsLimitsE2E.* >"$out/$t.log" 2>&1
+    summary+=("$t on --backend=cuda: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/$t.log" | tr '\n' ' ')")
+    grep -E "^\[  FAILED|Failure|seed" "$out/$t.log" | head -20
   done
   if [[ -x $bin/attention_server && -x $bin/attn_client ]]; then
     rm -f /tmp/ports

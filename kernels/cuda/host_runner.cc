@@ -1,7 +1,13 @@
 #include "kernels/cuda/host_runner.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <memory>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_attention.h"
@@ -9,171 +15,484 @@
 namespace attention::cuda {
 namespace {
 
-constexpr size_t kAlign = 256;
+constexpr int64_t kAlign = 256;
+// Buffers grow in steps of this much, so slightly larger calls do not reallocate each time.
+constexpr int64_t kGrowStep = int64_t{2} << 20;
 
-size_t RoundUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
+int64_t RoundUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
-#define RETURN_IF_CUDA_ERROR(expr, what)              \
-  do {                                                \
-    if (cudaError_t err_ = (expr); err_ != cudaSuccess) \
-      return CudaError(err_, what);                   \
+#define RETURN_IF_CUDA_ERROR(expr, what)                                              \
+  do {                                                                                \
+    if (cudaError_t err_ = (expr); err_ != cudaSuccess) return CudaError(err_, what); \
   } while (0)
 
-// Element counts of the contiguous host tensors.
-struct Extents {
-  int64_t rows_q, rows_k;  // B * N, or total rows when varlen
+// Dense q is [B, N, H, D] (rows advance by H*D); with one head both layouts are the same memory.
+bool IsBshd(const AttentionParams& p) { return p.q_row_stride == p.heads_q * p.head_dim; }
+// Packable as varlen rows: varlen already, or dense BSHD.
+bool Packable(const AttentionParams& p) { return p.is_varlen() || IsBshd(p); }
+
+int64_t RowsQ(const AttentionParams& p) { return p.is_varlen() ? p.total_q : p.batch * p.seqlen_q; }
+int64_t RowsK(const AttentionParams& p) { return p.is_varlen() ? p.total_k : p.batch * p.seqlen_k; }
+
+bool IsPinned(const void* ptr) {
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    cudaGetLastError();  // clear it: an unknown pointer is just not pinned
+    return false;
+  }
+  return attr.type == cudaMemoryTypeHost;
+}
+
+// memcpy, split over threads when large: one thread copies at 5-6 GB/s (measured on the H200
+// host), well below the 55 GB/s DMA that follows it.
+void ParallelCopy(void* dst, const void* src, size_t bytes) {
+  constexpr size_t kSplitAbove = size_t{8} << 20;
+  constexpr int kThreads = 4;
+  if (bytes < kSplitAbove) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  const size_t part = (bytes / kThreads + 63) / 64 * 64;
+  auto copy = [&](int t) {
+    const size_t begin = std::min(bytes, t * part), end = std::min(bytes, begin + part);
+    std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
+                end - begin);
+  };
+  std::thread helpers[kThreads - 1];
+  for (int t = 1; t < kThreads; ++t) helpers[t - 1] = std::thread(copy, t);
+  copy(0);
+  for (std::thread& h : helpers) h.join();
+}
+
+// Where each tensor of a launch lives, in one buffer laid out q | k | v | o | lse | cu_q | cu_k
+// (each region 256-byte aligned). The device buffer has lines of D8 elements, the pinned staging
+// buffer lines of D: items are packed one after another in both.
+struct Packing {
+  bool varlen = false;  // packed as varlen [total, H, D] (else concatenated along B)
+  int64_t lines_q = 0;  // rows * heads, all items
+  int64_t lines_k = 0;
+  int64_t rows_q = 0;     // query rows, all items (the lse's inner extent when varlen)
+  int64_t sequences = 0;  // batch items after packing
+  std::vector<int64_t> line_q, line_k, row_q;  // per item: first q line, k line and q row
+  int64_t offsets[8] = {0};                    // region starts; offsets[7] is the total
+
+  int64_t Regions(int64_t line_elems, size_t elem, bool lse) {
+    const int64_t q = lines_q * line_elems * elem, k = lines_k * line_elems * elem;
+    const int64_t lse_bytes = lse ? lines_q * int64_t{sizeof(float)} : 0;
+    const int64_t cu = varlen ? (sequences + 1) * int64_t{sizeof(int32_t)} : 0;
+    const int64_t sizes[7] = {q, k, k, q, lse_bytes, cu, cu};
+    for (int i = 0; i < 7; ++i) offsets[i + 1] = offsets[i] + RoundUp(sizes[i], kAlign);
+    return offsets[7];
+  }
 };
 
-Extents GetExtents(const AttentionParams& p) {
-  if (p.is_varlen()) return {p.total_q, p.total_k};
-  return {p.batch * p.seqlen_q, p.batch * p.seqlen_k};
+Packing Pack(absl::Span<const AttentionParams> items) {
+  const AttentionParams& first = items[0];
+  Packing p;
+  for (const AttentionParams& item : items) {
+    p.varlen = p.varlen || item.is_varlen() || item.seqlen_q != first.seqlen_q ||
+               item.seqlen_k != first.seqlen_k;
+    p.line_q.push_back(p.lines_q);
+    p.line_k.push_back(p.lines_k);
+    p.row_q.push_back(p.rows_q);
+    p.lines_q += RowsQ(item) * item.heads_q;
+    p.lines_k += RowsK(item) * item.heads_kv;
+    p.rows_q += RowsQ(item);
+    p.sequences += item.batch;
+  }
+  return p;
 }
+
+// A buffer's regions (device or staging) by index, from Packing::offsets.
+struct Regions {
+  char* base;
+  const int64_t* offsets;
+  char* at(int i) const { return base + offsets[i]; }
+};
 
 }  // namespace
 
 absl::Status CudaError(cudaError_t err, const char* what) {
-  return absl::InternalError(absl::StrCat("cuda backend: ", what, ": ", cudaGetErrorName(err),
-                                          ": ", cudaGetErrorString(err)));
+  return absl::InternalError(absl::StrCat("cuda backend: ", what, ": ", cudaGetErrorName(err), ": ",
+                                          cudaGetErrorString(err)));
 }
+
+bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) {
+  if (a.dtype != b.dtype || a.heads_q != b.heads_q || a.heads_kv != b.heads_kv ||
+      a.head_dim != b.head_dim || a.softmax_scale != b.softmax_scale ||
+      a.window_left != b.window_left || a.window_right != b.window_right ||
+      (a.lse == nullptr) != (b.lse == nullptr)) {
+    return false;
+  }
+  const bool same_dense = !a.is_varlen() && !b.is_varlen() && IsBshd(a) == IsBshd(b) &&
+                          a.seqlen_q == b.seqlen_q && a.seqlen_k == b.seqlen_k;
+  return same_dense || (Packable(a) && Packable(b));
+}
+
+// One stream with its events and buffers. Owned by the runner; used by one call at a time.
+struct HostRunner::Stream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t events[4] = {};  // before h2d, before the kernel, after it, after the d2h copies
+  void* device = nullptr;
+  int64_t device_bytes = 0;  // guarded by the runner's mu_ while the stream is free
+  void* staging = nullptr;
+  int64_t staging_bytes = 0;
+};
 
 absl::StatusOr<std::unique_ptr<HostRunner>> HostRunner::Create(const HostRunnerOptions& options) {
-  RETURN_IF_CUDA_ERROR(cudaSetDevice(options.device), "cudaSetDevice");
-  cudaStream_t stream;
-  RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
-                       "cudaStreamCreate");
-  cudaEvent_t events[4];
-  for (cudaEvent_t& e : events) {
-    if (cudaError_t err = cudaEventCreate(&e); err != cudaSuccess) {
-      cudaStreamDestroy(stream);
-      return CudaError(err, "cudaEventCreate");
-    }
+  if (options.streams < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("streams: expected >= 1, got ", options.streams));
   }
-  return std::unique_ptr<HostRunner>(new HostRunner(options, stream, events));
+  RETURN_IF_CUDA_ERROR(cudaSetDevice(options.device), "cudaSetDevice");
+  int64_t budget = options.memory_budget_bytes;
+  if (budget <= 0) budget = std::numeric_limits<int64_t>::max();
+  std::unique_ptr<HostRunner> runner(new HostRunner(options, budget));
+  for (int i = 0; i < options.streams; ++i) {
+    auto s = std::make_unique<Stream>();
+    // Owned by `runner` from here, so its destructor frees whatever was created.
+    runner->streams_.push_back(std::move(s));
+    Stream* stream = runner->streams_.back().get();
+    RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream->stream, cudaStreamNonBlocking),
+                         "cudaStreamCreate");
+    for (cudaEvent_t& e : stream->events)
+      RETURN_IF_CUDA_ERROR(cudaEventCreate(&e), "cudaEventCreate");
+    runner->free_.push_back(stream);
+  }
+  return runner;
 }
 
-HostRunner::HostRunner(const HostRunnerOptions& options, cudaStream_t stream,
-                       cudaEvent_t (&events)[4])
-    : options_(options), stream_(stream) {
-  for (int i = 0; i < 4; ++i) events_[i] = events[i];
-}
+HostRunner::HostRunner(const HostRunnerOptions& options, int64_t budget)
+    : options_(options), budget_(budget) {}
 
 HostRunner::~HostRunner() {
   cudaSetDevice(options_.device);
-  cudaFree(workspace_);
-  for (cudaEvent_t e : events_) cudaEventDestroy(e);
-  cudaStreamDestroy(stream_);
+  for (const std::unique_ptr<Stream>& s : streams_) {
+    if (s->stream) cudaStreamSynchronize(s->stream);
+    cudaFree(s->device);
+    cudaFreeHost(s->staging);
+    for (cudaEvent_t e : s->events) {
+      if (e) cudaEventDestroy(e);
+    }
+    if (s->stream) cudaStreamDestroy(s->stream);
+  }
 }
 
-absl::Status HostRunner::Reserve(size_t bytes) {
-  if (bytes <= workspace_bytes_) return absl::OkStatus();
-  RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-  cudaFree(workspace_);
-  workspace_ = nullptr;
-  workspace_bytes_ = 0;
-  if (cudaError_t err = cudaMalloc(&workspace_, bytes); err != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free allocation error
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cuda backend: cannot allocate ", bytes, " bytes of device memory: ",
-                     cudaGetErrorName(err)));
+HostRunner::Stream* HostRunner::Acquire() {
+  std::unique_lock<std::mutex> lock(mu_);
+  released_.wait(lock, [this] { return !free_.empty(); });
+  Stream* s = free_.back();
+  free_.pop_back();
+  return s;
+}
+
+void HostRunner::Release(Stream* stream) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(stream);
   }
-  workspace_bytes_ = bytes;
+  released_.notify_all();
+}
+
+absl::Status HostRunner::ReserveDevice(Stream* stream, int64_t bytes) {
+  if (bytes <= stream->device_bytes) return absl::OkStatus();
+  bytes = RoundUp(bytes, kGrowStep);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    // The old buffer goes first: its contents are not needed and its bytes count.
+    cudaFree(stream->device);
+    stream->device = nullptr;
+    reserved_ -= stream->device_bytes;
+    stream->device_bytes = 0;
+    // Short of budget: free idle streams' buffers (they regrow when next used); if that is not
+    // enough, wait for busy streams to come back and free theirs. Every stream comes back, so
+    // this ends; `bytes` <= budget was checked by the caller (rounded up within the budget).
+    while (reserved_ + bytes > budget_) {
+      for (Stream* idle : free_) {
+        if (idle->device_bytes == 0) continue;
+        cudaFree(idle->device);
+        idle->device = nullptr;
+        reserved_ -= idle->device_bytes;
+        idle->device_bytes = 0;
+      }
+      if (reserved_ + bytes <= budget_) break;
+      released_.wait(lock);
+    }
+    reserved_ += bytes;
+  }
+  if (cudaError_t err = cudaMalloc(&stream->device, bytes); err != cudaSuccess) {
+    cudaGetLastError();  // an allocation error is not sticky: clear it for the next call
+    stream->device = nullptr;
+    std::lock_guard<std::mutex> lock(mu_);
+    reserved_ -= bytes;
+    return absl::InternalError(absl::StrCat("cuda backend: cannot allocate ", bytes,
+                                            " bytes of device memory: ", cudaGetErrorName(err)));
+  }
+  stream->device_bytes = bytes;
   return absl::OkStatus();
 }
 
+absl::Status HostRunner::ReserveStaging(Stream* stream, int64_t bytes) {
+  if (bytes <= stream->staging_bytes) return absl::OkStatus();
+  bytes = RoundUp(bytes, kGrowStep);
+  cudaFreeHost(stream->staging);
+  stream->staging = nullptr;
+  stream->staging_bytes = 0;
+  if (cudaError_t err = cudaHostAlloc(&stream->staging, bytes, cudaHostAllocPortable);
+      err != cudaSuccess) {
+    cudaGetLastError();
+    stream->staging = nullptr;
+    return absl::InternalError(
+        absl::StrCat("cuda backend: cannot allocate ", bytes,
+                     " bytes of pinned host memory: ", cudaGetErrorName(err)));
+  }
+  stream->staging_bytes = bytes;
+  return absl::OkStatus();
+}
+
+int64_t HostRunner::DeviceBytes(absl::Span<const AttentionParams> items) {
+  const AttentionParams& first = items[0];
+  Packing packing = Pack(items);
+  return packing.Regions((first.head_dim + 7) / 8 * 8, DTypeSize(first.dtype),
+                         first.lse != nullptr);
+}
+
 absl::StatusOr<HostRunTimes> HostRunner::Run(const AttentionParams& host) {
-  if (absl::Status s = CheckParams(host); !s.ok()) return s;
-  std::lock_guard<std::mutex> lock(mu_);
-  RETURN_IF_CUDA_ERROR(cudaSetDevice(options_.device), "cudaSetDevice");
+  return RunBatch(absl::MakeConstSpan(&host, 1));
+}
 
-  const size_t elem = DTypeSize(host.dtype);
-  const int64_t d = host.head_dim, d8 = (d + 7) / 8 * 8;
-  const Extents ext = GetExtents(host);
-  // Lines of D elements in each tensor (contiguous in both layouts).
-  const int64_t lines_q = ext.rows_q * host.heads_q, lines_k = ext.rows_k * host.heads_kv;
-  const size_t q_bytes = lines_q * d8 * elem, k_bytes = lines_k * d8 * elem;
-  const size_t lse_bytes = host.lse ? lines_q * sizeof(float) : 0;
-  const size_t cu_bytes = host.is_varlen() ? (host.batch + 1) * sizeof(int32_t) : 0;
-
-  // Workspace: q | k | v | o | lse | cu_seqlens_q | cu_seqlens_k, each 256-byte aligned.
-  size_t offsets[8] = {0};
-  const size_t sizes[7] = {q_bytes, k_bytes, k_bytes, q_bytes, lse_bytes, cu_bytes, cu_bytes};
-  for (int i = 0; i < 7; ++i) offsets[i + 1] = offsets[i] + RoundUp(sizes[i], kAlign);
-  if (absl::Status s = Reserve(offsets[7]); !s.ok()) return s;
-  auto at = [&](int i) { return static_cast<char*>(workspace_) + offsets[i]; };
-
-  AttentionParams dev = host;
-  dev.q = at(0);
-  dev.k = at(1);
-  dev.v = at(2);
-  dev.o = at(3);
-  dev.lse = host.lse ? reinterpret_cast<float*>(at(4)) : nullptr;
-  if (host.is_varlen()) {
-    dev.cu_seqlens_q = reinterpret_cast<const int32_t*>(at(5));
-    dev.cu_seqlens_k = reinterpret_cast<const int32_t*>(at(6));
-  }
-  if (d8 != d) {
-    // Contiguous strides are multiples of D: the same tensor with D8-element lines.
-    for (int64_t* s : {&dev.q_batch_stride, &dev.q_head_stride, &dev.q_row_stride,
-                       &dev.k_batch_stride, &dev.k_head_stride, &dev.k_row_stride,
-                       &dev.v_batch_stride, &dev.v_head_stride, &dev.v_row_stride,
-                       &dev.o_batch_stride, &dev.o_head_stride, &dev.o_row_stride}) {
-      *s = *s / d * d8;
+absl::StatusOr<HostRunTimes> HostRunner::RunBatch(absl::Span<const AttentionParams> items) {
+  if (items.empty()) return absl::InvalidArgumentError("RunBatch: no items");
+  for (const AttentionParams& item : items) {
+    if (absl::Status s = CheckParams(item); !s.ok()) return s;
+    if (!CanShareLaunch(items[0], item)) {
+      return absl::InvalidArgumentError("RunBatch: items cannot share a launch");
     }
-    dev.head_dim = d8;
   }
+  // The budget first, before any stream or memory is taken.
+  if (const int64_t need = DeviceBytes(items); RoundUp(need, kGrowStep) > budget_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cuda backend: the request needs ", RoundUp(need, kGrowStep),
+                     " bytes of device memory, over the budget of ", budget_, " bytes"));
+  }
+  Stream* stream = Acquire();
+  absl::StatusOr<HostRunTimes> times = RunOn(stream, items);
+  if (!times.ok()) {
+    // Whatever was enqueued before the error finishes (or fails) before the stream is reused;
+    // a non-sticky error is cleared so the next call starts clean.
+    cudaStreamSynchronize(stream->stream);
+    cudaGetLastError();
+  }
+  Release(stream);
+  return times;
+}
 
-  RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[0], stream_), "cudaEventRecord");
-  auto h2d = [&](void* dst, const void* src, int64_t lines) {
-    if (d8 == d) return cudaMemcpyAsync(dst, src, lines * d * elem, cudaMemcpyHostToDevice, stream_);
-    cudaError_t err = cudaMemsetAsync(dst, 0, lines * d8 * elem, stream_);
-    if (err != cudaSuccess) return err;
-    return cudaMemcpy2DAsync(dst, d8 * elem, src, d * elem, d * elem, lines,
-                             cudaMemcpyHostToDevice, stream_);
-  };
-  RETURN_IF_CUDA_ERROR(h2d(at(0), host.q, lines_q), "copy q to the device");
-  RETURN_IF_CUDA_ERROR(h2d(at(1), host.k, lines_k), "copy k to the device");
-  RETURN_IF_CUDA_ERROR(h2d(at(2), host.v, lines_k), "copy v to the device");
-  if (host.is_varlen()) {
-    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(at(5), host.cu_seqlens_q, cu_bytes,
-                                         cudaMemcpyHostToDevice, stream_),
-                         "copy cu_seqlens_q to the device");
-    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(at(6), host.cu_seqlens_k, cu_bytes,
-                                         cudaMemcpyHostToDevice, stream_),
-                         "copy cu_seqlens_k to the device");
-  }
-  if (options_.poison_outputs) {
-    // All-ones bytes are NaN in float32, float16 and bfloat16.
-    RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(3), 0xff, q_bytes, stream_), "poison o");
-    if (lse_bytes) RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(4), 0xff, lse_bytes, stream_), "poison lse");
-  }
-  RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[1], stream_), "cudaEventRecord");
-  if (absl::Status s = Forward(dev, stream_); !s.ok()) {
-    cudaStreamSynchronize(stream_);
+absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
+                                               absl::Span<const AttentionParams> items) {
+  RETURN_IF_CUDA_ERROR(cudaSetDevice(options_.device), "cudaSetDevice");
+  const AttentionParams& first = items[0];
+  const size_t elem = DTypeSize(first.dtype);
+  const int64_t d = first.head_dim, d8 = (d + 7) / 8 * 8;
+  const bool with_lse = first.lse != nullptr;
+
+  Packing dev_pack = Pack(items), host_pack = dev_pack;
+  if (absl::Status s = ReserveDevice(stream, dev_pack.Regions(d8, elem, with_lse)); !s.ok())
+    return s;
+  if (absl::Status s = ReserveStaging(stream, host_pack.Regions(d, elem, with_lse)); !s.ok()) {
     return s;
   }
-  RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[2], stream_), "cudaEventRecord");
-  if (d8 == d) {
-    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(host.o, at(3), q_bytes, cudaMemcpyDeviceToHost, stream_),
-                         "copy o to the host");
+  const Regions dev{static_cast<char*>(stream->device), dev_pack.offsets};
+  const Regions host{static_cast<char*>(stream->staging), host_pack.offsets};
+  cudaStream_t cs = stream->stream;
+
+  // The launch: items concatenated along B, or packed as varlen [total, H, D].
+  AttentionParams launch = first;
+  launch.head_dim = d8;
+  launch.q = dev.at(0);
+  launch.k = dev.at(1);
+  launch.v = dev.at(2);
+  launch.o = dev.at(3);
+  launch.lse = with_lse ? reinterpret_cast<float*>(dev.at(4)) : nullptr;
+  launch.batch = dev_pack.sequences;
+  if (dev_pack.varlen) {
+    launch.cu_seqlens_q = reinterpret_cast<const int32_t*>(dev.at(5));
+    launch.cu_seqlens_k = reinterpret_cast<const int32_t*>(dev.at(6));
+    launch.total_q = dev_pack.rows_q;
+    launch.total_k = 0;
+    launch.seqlen_q = launch.seqlen_k = 0;
+    // cu_seqlens: [sequences + 1] each, built in the staging buffer from every item's own
+    // (varlen) or from its B items of N rows (dense).
+    auto* cu_q = reinterpret_cast<int32_t*>(host.at(5));
+    auto* cu_k = reinterpret_cast<int32_t*>(host.at(6));
+    int64_t seq = 0, row_q = 0, row_k = 0;
+    cu_q[0] = cu_k[0] = 0;
+    for (const AttentionParams& item : items) {
+      for (int64_t b = 0; b < item.batch; ++b, ++seq) {
+        const int64_t nq =
+            item.is_varlen() ? item.cu_seqlens_q[b + 1] - item.cu_seqlens_q[b] : item.seqlen_q;
+        const int64_t nk =
+            item.is_varlen() ? item.cu_seqlens_k[b + 1] - item.cu_seqlens_k[b] : item.seqlen_k;
+        row_q += nq;
+        row_k += nk;
+        cu_q[seq + 1] = static_cast<int32_t>(row_q);
+        cu_k[seq + 1] = static_cast<int32_t>(row_k);
+        launch.seqlen_q = std::max(launch.seqlen_q, nq);
+        launch.seqlen_k = std::max(launch.seqlen_k, nk);
+      }
+    }
+    launch.total_k = row_k;
+    launch.SetContiguousStrides(Layout::kBSHD);
   } else {
-    RETURN_IF_CUDA_ERROR(cudaMemcpy2DAsync(host.o, d * elem, at(3), d8 * elem, d * elem, lines_q,
-                                           cudaMemcpyDeviceToHost, stream_),
-                         "copy o to the host");
+    launch.cu_seqlens_q = launch.cu_seqlens_k = nullptr;
+    launch.SetContiguousStrides(IsBshd(first) ? Layout::kBSHD : Layout::kBHSD);
   }
-  if (lse_bytes) {
+  // The kernel's own checks (sizes that fit the grid, ...) before any copy is enqueued.
+  if (absl::StatusOr<KernelParams> checked = ToKernelParams(launch); !checked.ok()) {
+    return checked.status();
+  }
+
+  // Inputs: each item's lines go to its place in the device buffer, from its own memory when
+  // that is pinned, else through the staging buffer, where consecutive staged items form one run
+  // and one DMA. Tensor by tensor, so the DMA of q overlaps the staging memcpys of k.
+  RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[0], cs), "cudaEventRecord");
+  // Lines [line, line + lines) of `region` from host memory `src` (pinned) to the device.
+  auto dma_in = [&](int region, int64_t line, const void* src, int64_t lines) -> cudaError_t {
+    char* dst = dev.at(region) + line * d8 * elem;
+    if (d8 == d) return cudaMemcpyAsync(dst, src, lines * d * elem, cudaMemcpyHostToDevice, cs);
+    cudaError_t err = cudaMemsetAsync(dst, 0, lines * d8 * elem, cs);
+    if (err != cudaSuccess) return err;
+    return cudaMemcpy2DAsync(dst, d8 * elem, src, d * elem, d * elem, lines, cudaMemcpyHostToDevice,
+                             cs);
+  };
+  for (int region = 0; region < 3; ++region) {
+    const std::vector<int64_t>& first_line = region == 0 ? dev_pack.line_q : dev_pack.line_k;
+    int64_t run_start = 0, run_end = 0;  // staged lines not yet sent
+    for (size_t i = 0; i <= items.size(); ++i) {
+      const AttentionParams* item = i < items.size() ? &items[i] : nullptr;
+      const void* src = item == nullptr ? nullptr
+                        : region == 0   ? item->q
+                        : region == 1   ? item->k
+                                        : item->v;
+      const bool staged = item != nullptr && !IsPinned(src);
+      if (!staged && run_end > run_start) {
+        RETURN_IF_CUDA_ERROR(
+            dma_in(region, run_start, host.at(region) + run_start * d * elem, run_end - run_start),
+            "copy q, k, v to the device");
+        run_start = run_end;
+      }
+      if (item == nullptr) break;
+      const int64_t lines =
+          region == 0 ? RowsQ(*item) * item->heads_q : RowsK(*item) * item->heads_kv;
+      if (staged) {
+        if (run_end == run_start) run_start = run_end = first_line[i];
+        ParallelCopy(host.at(region) + first_line[i] * d * elem, src, lines * d * elem);
+        run_end += lines;
+      } else {
+        RETURN_IF_CUDA_ERROR(dma_in(region, first_line[i], src, lines),
+                             "copy q, k, v to the device");
+      }
+    }
+  }
+  if (dev_pack.varlen) {
+    const size_t cu_bytes = (dev_pack.sequences + 1) * sizeof(int32_t);
     RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(host.lse, at(4), lse_bytes, cudaMemcpyDeviceToHost, stream_),
+        cudaMemcpyAsync(dev.at(5), host.at(5), cu_bytes, cudaMemcpyHostToDevice, cs),
+        "copy cu_seqlens_q to the device");
+    RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(dev.at(6), host.at(6), cu_bytes, cudaMemcpyHostToDevice, cs),
+        "copy cu_seqlens_k to the device");
+  }
+  const int64_t o_dev_bytes = dev_pack.lines_q * d8 * elem;
+  const int64_t lse_bytes = with_lse ? dev_pack.lines_q * int64_t{sizeof(float)} : 0;
+  if (options_.poison_outputs) {
+    // All-ones bytes are NaN in float32, float16 and bfloat16.
+    RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.at(3), 0xff, o_dev_bytes, cs), "poison o");
+    if (with_lse)
+      RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.at(4), 0xff, lse_bytes, cs), "poison lse");
+  }
+  RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[1], cs), "cudaEventRecord");
+  if (absl::Status s = Forward(launch, cs); !s.ok()) return s;
+  RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[2], cs), "cudaEventRecord");
+
+  // Outputs: o straight into a pinned destination, else into staging (consecutive staged items
+  // in one DMA); lse always into staging (its packed layout differs from the items' when varlen).
+  auto dma_out = [&](char* dst, int64_t line, int64_t lines) -> cudaError_t {
+    const char* src = dev.at(3) + line * d8 * elem;
+    return d8 == d ? cudaMemcpyAsync(dst, src, lines * d * elem, cudaMemcpyDeviceToHost, cs)
+                   : cudaMemcpy2DAsync(dst, d * elem, src, d8 * elem, d * elem, lines,
+                                       cudaMemcpyDeviceToHost, cs);
+  };
+  std::vector<bool> o_staged(items.size());
+  {
+    int64_t run_start = 0, run_end = 0;
+    for (size_t i = 0; i <= items.size(); ++i) {
+      const bool staged = i < items.size() && !IsPinned(items[i].o);
+      if (i < items.size()) o_staged[i] = staged;
+      if (!staged && run_end > run_start) {
+        RETURN_IF_CUDA_ERROR(
+            dma_out(host.at(3) + run_start * d * elem, run_start, run_end - run_start),
+            "copy o to the host");
+        run_start = run_end;
+      }
+      if (i == items.size()) break;
+      const int64_t lines = RowsQ(items[i]) * items[i].heads_q;
+      if (staged) {
+        if (run_end == run_start) run_start = run_end = dev_pack.line_q[i];
+        run_end += lines;
+      } else {
+        RETURN_IF_CUDA_ERROR(dma_out(static_cast<char*>(items[i].o), dev_pack.line_q[i], lines),
+                             "copy o to the host");
+      }
+    }
+  }
+  if (with_lse) {
+    RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(host.at(4), dev.at(4), lse_bytes, cudaMemcpyDeviceToHost, cs),
         "copy lse to the host");
   }
-  RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[3], stream_), "cudaEventRecord");
-  RETURN_IF_CUDA_ERROR(cudaEventSynchronize(events_[3]), "run on the device");
+  RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[3], cs), "cudaEventRecord");
+  RETURN_IF_CUDA_ERROR(cudaEventSynchronize(stream->events[3]), "run on the device");
+
+  // Unstaging, on the host: o by item; lse by item, head and sequence when it was packed.
+  const auto unstage_start = std::chrono::steady_clock::now();
+  const auto* lse_packed = reinterpret_cast<const float*>(host.at(4));
+  for (size_t i = 0; i < items.size(); ++i) {
+    const AttentionParams& item = items[i];
+    const int64_t rows = RowsQ(item), lines = rows * item.heads_q;
+    if (o_staged[i]) {
+      ParallelCopy(item.o, host.at(3) + dev_pack.line_q[i] * d * elem, lines * d * elem);
+    }
+    if (!with_lse) continue;
+    if (!dev_pack.varlen) {  // [B, H, N] slices, one after another
+      std::memcpy(item.lse, lse_packed + dev_pack.line_q[i], lines * sizeof(float));
+      continue;
+    }
+    // Packed lse is [H, total rows]; the item's is [H, total_i] (varlen) or [B, H, N] (dense).
+    const int64_t h_count = item.heads_q, row0 = dev_pack.row_q[i];
+    for (int64_t h = 0; h < h_count; ++h) {
+      const float* src = lse_packed + h * dev_pack.rows_q + row0;
+      if (item.is_varlen()) {
+        std::memcpy(item.lse + h * rows, src, rows * sizeof(float));
+      } else {
+        for (int64_t b = 0; b < item.batch; ++b) {
+          std::memcpy(item.lse + (b * h_count + h) * item.seqlen_q, src + b * item.seqlen_q,
+                      item.seqlen_q * sizeof(float));
+        }
+      }
+    }
+  }
+  const double unstage_us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - unstage_start)
+          .count();
 
   float ms[3];
   for (int i = 0; i < 3; ++i) {
-    RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]),
+    RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&ms[i], stream->events[i], stream->events[i + 1]),
                          "cudaEventElapsedTime");
   }
-  return HostRunTimes{ms[0] * 1e3, ms[1] * 1e3, ms[2] * 1e3};
+  // h2d spans the staging memcpys too (events[0] is recorded before them on an idle stream);
+  // d2h adds the host unstaging after the DMA.
+  return HostRunTimes{ms[0] * 1e3, ms[1] * 1e3, ms[2] * 1e3 + unstage_us};
 }
 
 }  // namespace attention::cuda

@@ -1,6 +1,32 @@
-// Runs the CUDA backend on host tensors: copies q, k, v (and cu_seqlens) to one device
-// workspace, runs Forward, copies o (and lse) back, and times each stage with CUDA events. The
-// server's CUDA executor and the GPU tests share it.
+// Runs the CUDA backend on host tensors: one device, a pool of CUDA streams, and per stream a
+// pinned host staging buffer and a device buffer that are reused across calls. A call takes a
+// free stream, copies q, k, v (and cu_seqlens) to its device buffer, runs Forward, copies o (and
+// lse) back, and times each stage with CUDA events; calls on different streams overlap (one
+// stream's copies beside another's kernel). The server's CUDA executor, the GPU tests and the
+// pipeline benchmark share it.
+//
+// Several compatible requests (CanShareLaunch) run as one launch (RunBatch): requests of equal
+// shapes are concatenated along B; BSHD and varlen requests of different lengths are packed as
+// varlen [total, H, D] with cu_seqlens built here. Results go back to each request's own o and lse.
+//
+// Host copies per call, for each input tensor: host memory -> pinned staging (one memcpy, split
+// over 4 threads above 8 MiB: one thread copies at 5-6 GB/s on the H200 host) -> DMA; for o and
+// lse: DMA -> pinned staging -> host memory (one memcpy). Consecutive staged items of a batch go
+// in one DMA. A tensor whose host memory is already pinned (cudaHostAlloc or cudaHostRegister)
+// skips its staging memcpy and is DMA'd directly (0 host copies). Registering pageable memory per
+// call (cudaHostRegister) would remove the memcpy too, but pins page by page and costs more than
+// the memcpy it saves.
+//
+// Memory: the device buffers of all streams together stay within options.memory_budget_bytes. A
+// call needing more than the whole budget is refused (RESOURCE_EXHAUSTED, needed vs budget bytes)
+// before anything is allocated; a call needing more than its stream holds grows that stream's
+// buffer to the new high-water mark, first freeing idle streams' buffers and then waiting for busy
+// ones when the budget is short. After warm-up (every stream grown to the largest call) nothing is
+// allocated on the call path.
+//
+// Errors: a CUDA error fails only the call that met it (INTERNAL naming the error); the stream is
+// drained and reused. Errors that poison the whole CUDA context (an illegal address in a kernel)
+// fail every later call on the device too; nothing short of a new process recovers from those.
 //
 // Head dims that are not a multiple of 8 are served by padding: each D-element line of q, k, v
 // lands in a zeroed line of D8 = roundup(D, 8) elements (cudaMemcpy2D), the kernel runs with
@@ -10,18 +36,26 @@
 
 #include <cuda_runtime_api.h>
 
+#include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/attention_params.h"
 
 namespace attention::cuda {
 
 struct HostRunnerOptions {
   int device = 0;
+  // Calls in flight at once, each on its own stream with its own buffers.
+  int streams = 1;
+  // Device bytes all streams' buffers may hold together; 0: no limit but the device's memory.
+  int64_t memory_budget_bytes = 0;
   // Fill o and lse with NaN on the device before the kernel, so unwritten elements show (tests).
   bool poison_outputs = false;
 };
@@ -30,30 +64,51 @@ struct HostRunTimes {
   double h2d_us = 0, compute_us = 0, d2h_us = 0;
 };
 
-// One device's workspace and stream. Run is thread-safe (calls are serialised).
+// Whether requests `a` and `b` can share one launch: same dtype, heads, head dim, scale, window
+// and lse request, and either both dense in the same layout with equal lengths (concatenated along
+// B) or both BSHD-or-varlen (packed as varlen). Host-side and cheap; the scheduler groups by it.
+bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b);
+
 class HostRunner {
  public:
-  // Creates the stream and events on options.device.
+  // Creates the streams and events on options.device; buffers are allocated at first use.
   static absl::StatusOr<std::unique_ptr<HostRunner>> Create(const HostRunnerOptions& options);
   ~HostRunner();
   HostRunner(const HostRunner&) = delete;
   HostRunner& operator=(const HostRunner&) = delete;
 
   // host: every pointer is host memory and the tensors are contiguous (SetContiguousStrides in
-  // either layout, or packed varlen). Returns when o (and lse) hold the result.
+  // either layout, or packed varlen). Returns when o (and lse) hold the result. Thread-safe.
   absl::StatusOr<HostRunTimes> Run(const AttentionParams& host);
 
+  // Runs `items` (pairwise CanShareLaunch with items[0]) in one launch; the times are the
+  // launch's, shared by every item. One error fails them all. Thread-safe.
+  absl::StatusOr<HostRunTimes> RunBatch(absl::Span<const AttentionParams> items);
+
+  // Device bytes RunBatch(items) needs: q, k, v, o, lse and cu_seqlens, padded and aligned.
+  static int64_t DeviceBytes(absl::Span<const AttentionParams> items);
+  int64_t memory_budget_bytes() const { return budget_; }
+
  private:
-  HostRunner(const HostRunnerOptions& options, cudaStream_t stream, cudaEvent_t (&events)[4]);
-  // Grows the device workspace to at least `bytes`.
-  absl::Status Reserve(size_t bytes);
+  struct Stream;
+  explicit HostRunner(const HostRunnerOptions& options, int64_t budget);
+
+  // Takes a free stream, waiting for one; Release gives it back.
+  Stream* Acquire();
+  void Release(Stream* stream);
+  // Grows `stream`'s device buffer to `bytes`, within the budget (see the file comment).
+  absl::Status ReserveDevice(Stream* stream, int64_t bytes);
+  // Grows `stream`'s pinned staging buffer to `bytes`.
+  absl::Status ReserveStaging(Stream* stream, int64_t bytes);
+  absl::StatusOr<HostRunTimes> RunOn(Stream* stream, absl::Span<const AttentionParams> items);
 
   const HostRunnerOptions options_;
+  const int64_t budget_;
+  std::vector<std::unique_ptr<Stream>> streams_;
   std::mutex mu_;
-  cudaStream_t stream_;
-  cudaEvent_t events_[4];  // before h2d, before the kernel, after it, after d2h
-  void* workspace_ = nullptr;
-  size_t workspace_bytes_ = 0;
+  std::condition_variable released_;
+  std::vector<Stream*> free_;  // guarded by mu_
+  int64_t reserved_ = 0;       // guarded by mu_: device bytes held by all streams
 };
 
 // A Status naming a CUDA error: InternalError("cuda backend: <what>: <name>: <description>").

@@ -15,6 +15,8 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 
 extern char** environ;
 
@@ -46,9 +48,18 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   const std::string port_file = dir + "/ports";
   const std::string log_file = dir + "/server.log";
 
-  std::vector<std::string> args = {options.binary, "--host=127.0.0.1", "--port=0",
-                                   "--metrics_port=0", "--port_file=" + port_file};
+  // ATTENTION_E2E_SERVER and ATTENTION_E2E_EXTRA_FLAGS (space-separated, after the test's own
+  // flags, so they win) let the same tests run elsewhere, e.g. against --backend=cuda on a GPU host.
+  const char* binary_override = std::getenv("ATTENTION_E2E_SERVER");
+  std::vector<std::string> args = {binary_override != nullptr ? binary_override : options.binary,
+                                   "--host=127.0.0.1", "--port=0", "--metrics_port=0",
+                                   "--port_file=" + port_file};
   args.insert(args.end(), options.flags.begin(), options.flags.end());
+  if (const char* extra = std::getenv("ATTENTION_E2E_EXTRA_FLAGS"); extra != nullptr) {
+    for (absl::string_view flag : absl::StrSplit(extra, ' ', absl::SkipEmpty())) {
+      args.emplace_back(flag);
+    }
+  }
   std::vector<char*> argv;
   for (std::string& arg : args) argv.push_back(arg.data());
   argv.push_back(nullptr);

@@ -1,16 +1,19 @@
 // Shutdown under load: SIGTERM while one worker has a queue of accepted requests and clients keep
 // sending. The health service must report NOT_SERVING before any request is refused; requests
 // arriving after that get UNAVAILABLE; every request accepted before the signal completes with a
-// correct response; the process exits 0 within --shutdown_grace_s.
+// correct response; the process exits 0 within --shutdown_grace_s. Also: calls arriving during
+// the drain are refused by the service, not cancelled; idle connections do not delay the exit.
 #include <signal.h>
 
 #include <atomic>
 #include <cstdint>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +21,8 @@
 #include "absl/time/time.h"
 #include "client/attention_client.h"
 #include "client/request_builder.h"
+#include "attention/v1/attention.grpc.pb.h"
+#include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_test_util.h"
@@ -161,6 +166,122 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
               "%s (grace %d s)\n",
               kAccepted, late_ok, late_unavailable, absl::FormatDuration(exit_after).c_str(),
               kGraceSeconds);
+}
+
+// Calls arriving while the server drains are refused by the service itself (UNAVAILABLE, "server
+// is shutting down"), never cancelled by gRPC's shutdown: the server stays up until the drain is
+// over. One accepted request holds the drain; the calls judged are those answered before it.
+TEST(ShutdownTest, CallsArrivingDuringTheDrainGetUnavailable) {
+  constexpr int kClients = 4;
+  constexpr int kGraceSeconds = 60;
+  absl::StatusOr<e2e::RunningServer> server = e2e::StartServer(
+      {"--backend=cpu", "--threads=1", "--workers=1",
+       absl::StrCat("--shutdown_grace_s=", kGraceSeconds)});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint64_t seed = e2e::FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  // q, k, v [1, 2, 2048, 32]: a few hundred milliseconds on one thread, the whole drain.
+  absl::StatusOr<v1::AttendRequest> blocker = client::MakeRandomRequest(
+      {.batch = 1, .heads_q = 2, .heads_kv = 2, .seqlen_q = 2048, .seqlen_k = 2048,
+       .head_dim = 32},
+      rng);
+  absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(
+      {.batch = 1, .heads_q = 2, .heads_kv = 1, .seqlen_q = 16, .seqlen_k = 16, .head_dim = 32},
+      rng);
+  ASSERT_TRUE(blocker.ok() && small.ok());
+
+  // Every client is connected before the signal, as a long-lived client would be.
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.push_back(std::make_unique<client::Client>(
+        client::ClientOptions{.target = server->process->target(),
+                              .deadline = absl::Seconds(kGraceSeconds)}));
+    ASSERT_TRUE(clients.back()->GetServerInfo().ok());
+  }
+
+  std::atomic<int64_t> blocker_done_ns{0};
+  std::promise<absl::StatusOr<v1::AttendResponse>> blocker_result;
+  server->client->AttendAsync(*blocker, [&](absl::StatusOr<v1::AttendResponse> response) {
+    blocker_done_ns.store(absl::GetCurrentTimeNanos());
+    blocker_result.set_value(std::move(response));
+  });
+  ASSERT_TRUE(WaitForInflight(server->process->metrics_port(), 1));
+  ASSERT_TRUE(server->process->Signal(SIGTERM).ok());
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (server->client->CheckHealth("attention.v1.Attention").value_or(
+             HealthCheckResponse::SERVING) == HealthCheckResponse::SERVING &&
+         absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+
+  // Each client sends until the blocker's answer arrives; (answered at, status) per call.
+  std::mutex mu;
+  std::vector<std::pair<int64_t, absl::Status>> outcomes;
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      while (blocker_done_ns.load() == 0) {
+        absl::StatusOr<v1::AttendResponse> response = clients[c]->Attend(*small);
+        std::lock_guard<std::mutex> lock(mu);
+        outcomes.emplace_back(absl::GetCurrentTimeNanos(), response.status());
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+    });
+  }
+  absl::StatusOr<v1::AttendResponse> blocked = blocker_result.get_future().get();
+  for (std::thread& t : threads) t.join();
+  e2e::ExpectCorrect(*blocker, blocked);
+
+  // Answered before the drain ended: refused by the service (or accepted just before the signal
+  // took effect). Answered after: the server may be inside gRPC's own shutdown, not judged.
+  int refused = 0, after = 0;
+  for (const auto& [answered_ns, status] : outcomes) {
+    if (answered_ns >= blocker_done_ns.load()) {
+      ++after;
+      continue;
+    }
+    if (status.ok()) continue;
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+    EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("server is shutting down"));
+    ++refused;
+  }
+  EXPECT_GT(refused, 0) << "no call reached the server while it drained";
+  absl::StatusOr<int> code = server->process->WaitForExit(absl::Seconds(kGraceSeconds + 10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << server->process->Log();
+  std::printf("drain: %d calls refused UNAVAILABLE while one request drained, %d answered after\n",
+              refused, after);
+}
+
+// An idle connection and an idle open stream do not hold the exit: once the accepted requests
+// are answered, the server closes them instead of waiting out --shutdown_grace_s.
+TEST(ShutdownTest, IdleConnectionsDoNotHoldTheExit) {
+  constexpr int kGraceSeconds = 30;
+  absl::StatusOr<e2e::RunningServer> server = e2e::StartServer(
+      {"--backend=cpu", "--threads=1", absl::StrCat("--shutdown_grace_s=", kGraceSeconds)});
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE(server->client->GetServerInfo().ok());  // connected, then idle
+  auto stub = v1::Attention::NewStub(server->client->channel());
+  grpc::ClientContext stream_context;
+  auto stream = stub->AttendStream(&stream_context);  // open, nothing sent
+
+  const absl::Time signal_time = absl::Now();
+  ASSERT_TRUE(server->process->Signal(SIGTERM).ok());
+  absl::StatusOr<int> code = server->process->WaitForExit(absl::Seconds(kGraceSeconds + 10));
+  const absl::Duration exit_after = absl::Now() - signal_time;
+  stream_context.TryCancel();
+  stream->Finish();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << server->process->Log();
+  // The server lingers 1 s after the drain and gives gRPC 0.5 s to close; the rest is slack.
+  absl::Duration exit_bound = absl::Seconds(5);
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  exit_bound += absl::Seconds(10);  // the sanitizer's exit scan
+#endif
+  EXPECT_LT(exit_after, exit_bound);
+  std::printf("idle connection and stream: exit 0 after %s (grace %d s)\n",
+              absl::FormatDuration(exit_after).c_str(), kGraceSeconds);
 }
 
 }  // namespace

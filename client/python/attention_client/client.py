@@ -91,20 +91,39 @@ def _from_tensor(t, kind):
     return a
 
 
+def _lse_from_tensor(t, kind):
+    """A float32 LSE tensor as numpy, or torch on the device of the input when kind is torch."""
+    lse = np.frombuffer(t.data, dtype="<f4").reshape(tuple(t.shape)).copy()
+    if kind[0] == "torch":
+        lse = torch.from_numpy(lse.astype(np.float32)).to(kind[1].device)
+    return lse
+
+
 class Client:
     """One channel to a server; thread-safe, reuse it for many calls.
 
     target: "host:port", or several "h1:p1,h2:p2" (calls spread round-robin over them).
-    timeout: default deadline per call, seconds. max_attempts > 1 retries UNAVAILABLE calls.
+    timeout: default deadline per call, seconds. max_attempts > 1 retries UNAVAILABLE Attend
+    calls (session calls are never retried). metadata: sent on every call that names none, e.g.
+    [("authorization", "Bearer TOKEN")].
     """
 
     def __init__(self, target="localhost:50051", *, timeout=60.0, max_message_bytes=1 << 30,
-                 max_attempts=1, credentials=None, options=()):
+                 max_attempts=1, credentials=None, options=(), metadata=None):
         self.timeout = timeout
-        config = {}
-        if "," in target and "://" not in target and not target.startswith(("ipv4:", "ipv6:")):
+        self.metadata = metadata
+        self._credentials = credentials
+        self._several = ("," in target and "://" not in target
+                         and not target.startswith(("ipv4:", "ipv6:")))
+        if self._several:
             hosts = [h.strip().replace("localhost:", "127.0.0.1:") for h in target.split(",")]
             target = ("ipv6:" if any(h.startswith("[") for h in hosts) else "ipv4:") + ",".join(hosts)
+        self._target = target
+        self._base_options = [("grpc.max_send_message_length", max_message_bytes),
+                              ("grpc.max_receive_message_length", max_message_bytes)]
+        self._extra_options = list(options)
+        config = {}
+        if self._several:
             config["loadBalancingConfig"] = [{"round_robin": {}}]
         if max_attempts > 1:
             config["methodConfig"] = [{
@@ -112,21 +131,35 @@ class Client:
                 "retryPolicy": {"maxAttempts": max_attempts, "initialBackoff": "0.1s",
                                 "maxBackoff": "2s", "backoffMultiplier": 2,
                                 "retryableStatusCodes": ["UNAVAILABLE"]}}]
-        opts = [("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes)]
+        opts = list(self._base_options)
         if config:
             import json
             opts.append(("grpc.service_config", json.dumps(config)))
             opts.append(("grpc.per_rpc_retry_buffer_size", max_message_bytes))
-        opts.extend(options)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=opts)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=opts)
+        self._channel = self._open_channel(opts)
         self._stub = pb_grpc.AttentionStub(self._channel)
+        # A session lives on one server: over several addresses, sessions take a pick_first
+        # channel of their own, so every call of a session reaches the server holding it.
+        self._sessions_channel = self._open_channel(self._base_options) if self._several else None
+        self._sessions_stub = pb_grpc.SessionsStub(self._sessions_channel or self._channel)
+
+    def _open_channel(self, opts):
+        opts = list(opts) + self._extra_options
+        if self._credentials is None:
+            return grpc.insecure_channel(self._target, options=opts)
+        return grpc.secure_channel(self._target, self._credentials, options=opts)
+
+    def _call(self, method, request, timeout, metadata):
+        try:
+            return method(request, timeout=self.timeout if timeout is None else timeout,
+                          metadata=self.metadata if metadata is None else metadata)
+        except grpc.RpcError as e:
+            raise AttentionError(e.code(), e.details()) from None
 
     def close(self):
         self._channel.close()
+        if self._sessions_channel is not None:
+            self._sessions_channel.close()
 
     def __enter__(self):
         return self
@@ -163,26 +196,50 @@ class Client:
             request.cu_seqlens_q.extend(int(x) for x in cu_seqlens_q)
             request.cu_seqlens_k.extend(
                 int(x) for x in (cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k))
-        try:
-            response = self._stub.Attend(request, timeout=self.timeout if timeout is None else timeout,
-                                         metadata=metadata)
-        except grpc.RpcError as e:
-            raise AttentionError(e.code(), e.details()) from None
+        response = self._call(self._stub.Attend, request, timeout, metadata)
         o = _from_tensor(response.o, kind)
         if not return_lse:
             return o
-        lse = np.frombuffer(response.lse.data, dtype="<f4").reshape(tuple(response.lse.shape)).copy()
-        if kind[0] == "torch":
-            lse = torch.from_numpy(lse.astype(np.float32)).to(kind[1].device)
-        return o, lse
+        return o, _lse_from_tensor(response.lse, kind)
 
     def server_info(self, timeout=None):
         """The server's attention.v1.ServerInfo message."""
-        try:
-            return self._stub.GetServerInfo(pb.GetServerInfoRequest(),
-                                            timeout=self.timeout if timeout is None else timeout)
-        except grpc.RpcError as e:
-            raise AttentionError(e.code(), e.details()) from None
+        return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout, None)
+
+    def session(self, *, dtype=None, kv_heads=None, head_dim=None, k=None, v=None, layout="bhsd",
+                bfloat16_bits=False, timeout=None, metadata=None):
+        """A new KV-resident session on the server (attention_client.session.Session).
+
+        k, v (optional first rows): [Hkv, N, D] (layout "bhsd") or [N, Hkv, D] ("bshd"); dtype,
+        kv_heads and head_dim default to theirs. dtype: "float32" | "float16" | "bfloat16", or a
+        numpy/torch dtype. layout also applies to append(). metadata: for every call of the
+        session (default: the client's).
+        """
+        from attention_client.session import create_session
+        return create_session(self, dtype=dtype, kv_heads=kv_heads, head_dim=head_dim, k=k, v=v,
+                              layout=layout, bfloat16_bits=bfloat16_bits, timeout=timeout,
+                              metadata=metadata)
+
+    def step_many(self, items, *, causal=False, softmax_scale=None, window_left=None,
+                  window_right=None, return_lse=False, timeout=None, metadata=None,
+                  request_id=""):
+        """One Step RPC over several sessions of this client, run by the server as one launch.
+
+        items: (session, q) or (session, q, k, v) tuples, each session at most once; q
+        [Hq, Nq, D], k and v [Hkv, n, D] appended before attending. Returns one o (or (o, lse))
+        per item, in order; every session's length is updated.
+        """
+        from attention_client.session import step_many
+        return step_many(self, items, causal=causal, softmax_scale=softmax_scale,
+                         window_left=window_left, window_right=window_right,
+                         return_lse=return_lse, timeout=timeout, metadata=metadata,
+                         request_id=request_id)
+
+    def list_sessions(self, *, timeout=None, metadata=None):
+        """ListSessionsResponse: the caller's sessions (all, when the server checks no tokens),
+        page_bytes, pages_total, pages_free."""
+        from attention_client.session import list_sessions
+        return list_sessions(self, timeout=timeout, metadata=metadata)
 
 
 def attend(q, k, v, *, target="localhost:50051", **kwargs):

@@ -1,0 +1,198 @@
+"""KV-resident sessions (attention.v1.Sessions): K/V stay on the server between calls, so a
+decode step sends only the new queries and the new token's K/V.
+
+    with client.session(k=k0, v=v0) as s:           # k0, v0: [Hkv, N, D]; dtype and shape from them
+        o = s.step(q, k=k1, v=v1, causal=True)      # q: [Hq, Nq, D]; k1, v1: [Hkv, n, D] appended first
+    outs = client.step_many([(s1, q1, k1, v1), (s2, q2)], causal=True)   # one Step RPC
+
+Sessions are a server-side cache: a restart or --session_ttl_s idle seconds lose them, and their
+calls then raise AttentionError with code NOT_FOUND; re-create from your own copy of the sequence.
+"""
+import grpc
+import numpy as np
+
+from attention_client._stubs import attention_pb2 as pb
+from attention_client.client import (_LAYOUTS, AttentionError, _from_tensor, _lse_from_tensor,
+                                     _to_tensor)
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+_DTYPE_NAMES = {"float32": pb.DTYPE_FLOAT32, "fp32": pb.DTYPE_FLOAT32,
+                "float16": pb.DTYPE_FLOAT16, "fp16": pb.DTYPE_FLOAT16, "half": pb.DTYPE_FLOAT16,
+                "bfloat16": pb.DTYPE_BFLOAT16, "bf16": pb.DTYPE_BFLOAT16}
+
+
+def _wire_dtype(dtype):
+    """"float16", np.float16, torch.float16, ml_dtypes.bfloat16 or a pb.DType value -> pb.DType."""
+    if isinstance(dtype, int) and dtype in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16):
+        return dtype
+    if torch is not None and isinstance(dtype, torch.dtype):
+        name = str(dtype).replace("torch.", "")
+    elif isinstance(dtype, str):
+        name = dtype
+    else:
+        name = np.dtype(dtype).name
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    return _DTYPE_NAMES[name]
+
+
+def _options(request, causal, softmax_scale, window_left, window_right, return_lse):
+    request.causal = causal
+    request.return_lse = return_lse
+    if softmax_scale is not None:
+        request.softmax_scale = softmax_scale
+    if window_left is not None:
+        request.window_left = window_left
+    if window_right is not None:
+        request.window_right = window_right
+
+
+class Session:
+    """One session on the server. Use it as a context manager (dropped on exit) or call drop().
+
+    id: the server's session id; length: K/V rows as of this object's last call.
+    """
+
+    def __init__(self, client, info, layout, bfloat16_bits, metadata):
+        self._client = client
+        self.id = info.session_id
+        self.length = info.length
+        self.dtype = info.dtype
+        self.kv_heads = info.kv_heads
+        self.head_dim = info.head_dim
+        self.layout = layout
+        self._bfloat16_bits = bfloat16_bits
+        self._metadata = metadata
+
+    def __repr__(self):
+        return (f"Session({self.id}, length={self.length}, kv_heads={self.kv_heads}, "
+                f"head_dim={self.head_dim})")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.id:
+            try:
+                self.drop()
+            except AttentionError as e:
+                if e.code != grpc.StatusCode.NOT_FOUND:  # an expired session is dropped already
+                    raise
+
+    def _live_id(self):
+        if not self.id:
+            raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION, "the session was dropped")
+        return self.id
+
+    def append(self, k, v, *, timeout=None):
+        """Appends rows: k, v [Hkv, n, D] (layout "bhsd") or [n, Hkv, D] ("bshd"). Returns the
+        new length."""
+        tk, _ = _to_tensor(k, "k", self._bfloat16_bits)
+        tv, _ = _to_tensor(v, "v", self._bfloat16_bits)
+        request = pb.AppendKvRequest(session_id=self._live_id(), layout=_LAYOUTS[self.layout],
+                                     k=tk, v=tv)
+        info = self._client._call(self._client._sessions_stub.AppendKv, request, timeout,
+                                  self._metadata)
+        self.length = info.length
+        return self.length
+
+    def step(self, q, k=None, v=None, *, causal=False, softmax_scale=None, window_left=None,
+             window_right=None, return_lse=False, timeout=None):
+        """Attends q [Hq, Nq, D] to the session, after appending k, v [Hkv, n, D] when given.
+
+        The queries are the session's last Nq positions (masks bottom-right aligned, as attend()).
+        Returns o [Hq, Nq, D] (same kind and dtype as q), or (o, lse) with return_lse: lse
+        float32 [Hq, Nq].
+        """
+        return step_many(self._client, [(self, q, k, v)], causal=causal,
+                         softmax_scale=softmax_scale, window_left=window_left,
+                         window_right=window_right, return_lse=return_lse, timeout=timeout,
+                         metadata=self._metadata)[0]
+
+    def drop(self, *, timeout=None):
+        """Frees the session's K/V on the server; the object holds no session afterwards."""
+        request = pb.DropSessionRequest(session_id=self._live_id())
+        self.id = ""
+        self._client._call(self._client._sessions_stub.DropSession, request, timeout,
+                           self._metadata)
+
+    def info(self, *, timeout=None):
+        """The server's SessionInfo (length, pages, resident_bytes, idle_s, expires_in_s, device);
+        raises AttentionError NOT_FOUND when the session is gone."""
+        session_id = self._live_id()
+        for info in list_sessions(self._client, timeout=timeout, metadata=self._metadata).sessions:
+            if info.session_id == session_id:
+                self.length = info.length
+                return info
+        raise AttentionError(grpc.StatusCode.NOT_FOUND, f"session {session_id} is not on the server")
+
+
+def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, v=None,
+                   layout="bhsd", bfloat16_bits=False, timeout=None, metadata=None):
+    """A new session; see Client.session."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v go together: give both or neither")
+    request = pb.CreateSessionRequest(layout=_LAYOUTS[layout])
+    if k is not None:
+        tk, _ = _to_tensor(k, "k", bfloat16_bits)
+        tv, _ = _to_tensor(v, "v", bfloat16_bits)
+        request.k.CopyFrom(tk)
+        request.v.CopyFrom(tv)
+        if len(tk.shape) == 3:  # else the server names the bad shape
+            heads_axis = 0 if layout == "bhsd" else 1
+            kv_heads = tk.shape[heads_axis] if kv_heads is None else kv_heads
+            head_dim = tk.shape[2] if head_dim is None else head_dim
+        dtype = tk.dtype if dtype is None else dtype
+    if dtype is None or kv_heads is None or head_dim is None:
+        raise ValueError("dtype, kv_heads and head_dim are needed when k and v are not given")
+    request.dtype = _wire_dtype(dtype)
+    request.kv_heads = kv_heads
+    request.head_dim = head_dim
+    info = client._call(client._sessions_stub.CreateSession, request, timeout, metadata)
+    return Session(client, info, layout, bfloat16_bits, metadata)
+
+
+def step_many(client, items, *, causal=False, softmax_scale=None, window_left=None,
+              window_right=None, return_lse=False, timeout=None, metadata=None, request_id=""):
+    """One Step RPC over several sessions; see Client.step_many."""
+    request = pb.StepRequest(request_id=request_id)
+    _options(request, causal, softmax_scale, window_left, window_right, return_lse)
+    kinds, sessions = [], []
+    for item in items:
+        session, q, k, v = (tuple(item) + (None, None))[:4]
+        if (k is None) != (v is None):
+            raise ValueError("k and v go together: give both or neither")
+        if session._client is not client:
+            raise ValueError(f"session {session.id} belongs to another Client")
+        tq, kind = _to_tensor(q, "q", session._bfloat16_bits)
+        entry = request.entries.add(session_id=session._live_id(), q=tq)
+        if k is not None:
+            entry.k.CopyFrom(_to_tensor(k, "k", session._bfloat16_bits)[0])
+            entry.v.CopyFrom(_to_tensor(v, "v", session._bfloat16_bits)[0])
+        kinds.append(kind)
+        sessions.append(session)
+    response = client._call(client._sessions_stub.Step, request, timeout, metadata)
+    if len(response.results) != len(sessions):
+        raise AttentionError(grpc.StatusCode.DATA_LOSS, f"Step sent {len(sessions)} entries and "
+                             f"got {len(response.results)} results")
+    outputs = []
+    for session, kind, result in zip(sessions, kinds, response.results):
+        if result.session_id != session.id:
+            raise AttentionError(grpc.StatusCode.DATA_LOSS, f"Step result for session "
+                                 f"{result.session_id} where {session.id} was expected")
+        session.length = result.length
+        o = _from_tensor(result.o, kind)
+        outputs.append((o, _lse_from_tensor(result.lse, kind)) if return_lse else o)
+    return outputs
+
+
+def list_sessions(client, *, timeout=None, metadata=None):
+    """The ListSessionsResponse: the caller's sessions, page_bytes, pages_total, pages_free."""
+    return client._call(client._sessions_stub.ListSessions, pb.ListSessionsRequest(), timeout,
+                        metadata)

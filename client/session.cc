@@ -1,0 +1,203 @@
+#include "client/session.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace attention::client {
+namespace {
+
+// The client's channel, unless it balances calls over several servers: a session lives on one.
+std::shared_ptr<grpc::Channel> SessionChannel(const Client& client) {
+  const ClientOptions& options = client.options();
+  const bool several = ChannelTarget(options.target).find(',') != std::string::npos;
+  if (!several || options.load_balancing == "pick_first") return client.channel();
+  ClientOptions sticky = options;
+  sticky.load_balancing = "pick_first";
+  return grpc::CreateCustomChannel(ChannelTarget(sticky.target), ChannelCredentials(sticky),
+                                   MakeChannelArguments(sticky));
+}
+
+absl::Status CheckPair(const v1::Tensor* k, const v1::Tensor* v) {
+  if ((k == nullptr) != (v == nullptr)) {
+    return absl::InvalidArgumentError("k and v go together: give both or neither");
+  }
+  return absl::OkStatus();
+}
+
+StepOutput ToOutput(v1::StepResult& result) {
+  return StepOutput{std::move(*result.mutable_o()), std::move(*result.mutable_lse()),
+                    result.length()};
+}
+
+}  // namespace
+
+Session::Session(Session&& other) noexcept
+    : client_(other.client_),
+      id_(std::exchange(other.id_, "")),
+      spec_(other.spec_),
+      length_(other.length_) {}
+
+Session& Session::operator=(Session&& other) noexcept {
+  if (this != &other) {
+    if (!id_.empty()) Drop().IgnoreError();
+    client_ = other.client_;
+    id_ = std::exchange(other.id_, "");
+    spec_ = other.spec_;
+    length_ = other.length_;
+  }
+  return *this;
+}
+
+Session::~Session() {
+  // Best effort: an expired session or a gone server leaves nothing to free.
+  if (!id_.empty()) Drop().IgnoreError();
+}
+
+absl::Status Session::Append(const v1::Tensor& k, const v1::Tensor& v, const CallOptions& call) {
+  if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
+  v1::AppendKvRequest request;
+  request.set_session_id(id_);
+  request.set_layout(spec_.layout);
+  *request.mutable_k() = k;
+  *request.mutable_v() = v;
+  std::unique_ptr<grpc::ClientContext> context = client_->NewContext(call);
+  v1::SessionInfo info;
+  absl::Status status = ToAbslStatus(client_->stub().AppendKv(context.get(), request, &info));
+  if (status.ok()) length_ = info.length();
+  return status;
+}
+
+absl::StatusOr<StepOutput> Session::Step(const v1::Tensor& q, const StepOptions& options,
+                                         const v1::Tensor* k, const v1::Tensor* v,
+                                         const CallOptions& call) {
+  const StepItem item{this, &q, k, v};
+  absl::StatusOr<std::vector<StepOutput>> outputs =
+      client_->StepMany(absl::MakeConstSpan(&item, 1), options, call);
+  if (!outputs.ok()) return outputs.status();
+  return std::move(outputs->front());
+}
+
+absl::Status Session::Drop(const CallOptions& call) {
+  if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
+  absl::Status status = client_->Drop(id_, call);
+  // Whatever the answer, this object stops claiming the session: NOT_FOUND means it is gone
+  // already, and other errors leave it to expire on the server.
+  id_.clear();
+  return status;
+}
+
+absl::StatusOr<v1::SessionInfo> Session::Info(const CallOptions& call) const {
+  if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
+  absl::StatusOr<v1::ListSessionsResponse> list = client_->List(call);
+  if (!list.ok()) return list.status();
+  for (const v1::SessionInfo& info : list->sessions()) {
+    if (info.session_id() == id_) return info;
+  }
+  return absl::NotFoundError(absl::StrCat("session ", id_, " is not on the server"));
+}
+
+std::string Session::Release() { return std::exchange(id_, ""); }
+
+SessionClient::SessionClient(const Client& client)
+    : client_(client), channel_(SessionChannel(client)), stub_(v1::Sessions::NewStub(channel_)) {}
+
+absl::StatusOr<Session> SessionClient::Create(const SessionSpec& spec, const v1::Tensor* k,
+                                              const v1::Tensor* v, const CallOptions& call) {
+  if (absl::Status pair = CheckPair(k, v); !pair.ok()) return pair;
+  v1::CreateSessionRequest request;
+  request.set_dtype(spec.dtype);
+  request.set_kv_heads(static_cast<int32_t>(spec.kv_heads));
+  request.set_head_dim(static_cast<int32_t>(spec.head_dim));
+  request.set_layout(spec.layout);
+  if (k != nullptr) {
+    *request.mutable_k() = *k;
+    *request.mutable_v() = *v;
+  }
+  std::unique_ptr<grpc::ClientContext> context = NewContext(call);
+  v1::SessionInfo info;
+  grpc::Status status = stub_->CreateSession(context.get(), request, &info);
+  if (!status.ok()) return ToAbslStatus(status);
+  return Session(this, info.session_id(), spec, info.length());
+}
+
+absl::StatusOr<v1::StepRequest> SessionClient::MakeStepRequest(absl::Span<const StepItem> items,
+                                                               const StepOptions& options) {
+  v1::StepRequest request;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const StepItem& item = items[i];
+    if (item.session == nullptr || item.q == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("step item ", i, " lacks a session or q"));
+    }
+    if (item.session->id().empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step item ", i, ": the session was dropped or released"));
+    }
+    if (absl::Status pair = CheckPair(item.k, item.v); !pair.ok()) return pair;
+    v1::StepEntry* entry = request.add_entries();
+    entry->set_session_id(item.session->id());
+    *entry->mutable_q() = *item.q;
+    if (item.k != nullptr) {
+      *entry->mutable_k() = *item.k;
+      *entry->mutable_v() = *item.v;
+    }
+  }
+  request.set_causal(options.causal);
+  if (options.softmax_scale) request.set_softmax_scale(*options.softmax_scale);
+  if (options.window_left) request.set_window_left(*options.window_left);
+  if (options.window_right) request.set_window_right(*options.window_right);
+  request.set_return_lse(options.return_lse);
+  return request;
+}
+
+absl::StatusOr<std::vector<StepOutput>> SessionClient::StepMany(absl::Span<const StepItem> items,
+                                                                const StepOptions& options,
+                                                                const CallOptions& call) {
+  absl::StatusOr<v1::StepRequest> request = MakeStepRequest(items, options);
+  if (!request.ok()) return request.status();
+  for (const StepItem& item : items) {
+    if (item.session->client_ != this) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("session ", item.session->id(), " belongs to another SessionClient"));
+    }
+  }
+  std::unique_ptr<grpc::ClientContext> context = NewContext(call);
+  v1::StepResponse response;
+  grpc::Status status = stub_->Step(context.get(), *request, &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  if (response.results_size() != static_cast<int>(items.size())) {
+    return absl::DataLossError(absl::StrCat("Step sent ", items.size(), " entries and got ",
+                                            response.results_size(), " results"));
+  }
+  std::vector<StepOutput> outputs;
+  outputs.reserve(items.size());
+  for (int i = 0; i < response.results_size(); ++i) {
+    v1::StepResult& result = *response.mutable_results(i);
+    if (result.session_id() != items[i].session->id()) {
+      return absl::DataLossError(absl::StrCat("Step result ", i, " is for session ",
+                                              result.session_id(), ", expected ",
+                                              items[i].session->id()));
+    }
+    items[i].session->length_ = result.length();
+    outputs.push_back(ToOutput(result));
+  }
+  return outputs;
+}
+
+absl::StatusOr<v1::ListSessionsResponse> SessionClient::List(const CallOptions& call) {
+  std::unique_ptr<grpc::ClientContext> context = NewContext(call);
+  v1::ListSessionsResponse response;
+  grpc::Status status = stub_->ListSessions(context.get(), v1::ListSessionsRequest(), &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+absl::Status SessionClient::Drop(const std::string& session_id, const CallOptions& call) {
+  v1::DropSessionRequest request;
+  request.set_session_id(session_id);
+  std::unique_ptr<grpc::ClientContext> context = NewContext(call);
+  v1::DropSessionResponse response;
+  return ToAbslStatus(stub_->DropSession(context.get(), request, &response));
+}
+
+}  // namespace attention::client

@@ -1,0 +1,159 @@
+// KV-resident sessions (attention.v1.Sessions) from C++: the K/V of one sequence stay on the
+// server between calls, so a decode step sends only the new queries and the new token's K/V.
+//
+//   attention::client::Client client({.target = "localhost:50051"});
+//   attention::client::SessionClient sessions(client);
+//   absl::StatusOr<Session> s = sessions.Create({.dtype = v1::DTYPE_FLOAT16, .kv_heads = 8,
+//                                                .head_dim = 128}, &k, &v);   // k, v: [8, N, 128]
+//   absl::StatusOr<StepOutput> out = s->Step(q, {.causal = true}, &k1, &v1);  // q: [Hq, 1, 128]
+//
+// Every call carries the Client's deadline (or CallOptions') and bearer token over its channel
+// and credentials. Session calls are never retried (an append that reached the server before the
+// connection dropped would be applied twice). Sessions are a server-side cache: after a server
+// restart or --session_ttl_s idle seconds a session is gone and its calls get NOT_FOUND; the
+// caller re-creates it from its own copy of the sequence.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "attention/v1/attention.grpc.pb.h"
+#include "client/attention_client.h"
+
+namespace attention::client {
+
+// The shape of a session's K/V rows, fixed at creation.
+struct SessionSpec {
+  v1::DType dtype = v1::DTYPE_FLOAT16;
+  int64_t kv_heads = 1;   // Hkv
+  int64_t head_dim = 64;  // D
+  // Of the K/V given to Create and Append: BHSD [Hkv, n, D] or BSHD [n, Hkv, D]. (A Step's new
+  // rows are always [Hkv, n, D].)
+  v1::Layout layout = v1::LAYOUT_BHSD;
+};
+
+// The attention settings of a step; masks as in AttendRequest, bottom-right aligned: the
+// queries are the session's last Nq positions after the step's append.
+struct StepOptions {
+  bool causal = false;
+  std::optional<float> softmax_scale;  // absent: 1/sqrt(D)
+  std::optional<int32_t> window_left;
+  std::optional<int32_t> window_right;
+  bool return_lse = false;
+};
+
+struct StepOutput {
+  v1::Tensor o;        // [Hq, Nq, D], q's dtype
+  v1::Tensor lse;      // with return_lse: float32 [Hq, Nq], natural log; else empty
+  int64_t length = 0;  // the session's rows after the step
+};
+
+class SessionClient;
+
+// One server-side session. Move-only; dropped on the server when destroyed, unless Release()d or
+// Drop()ped. Its SessionClient must outlive it. Not thread-safe: one call at a time per session
+// (the server also takes each session at most once per step).
+class Session {
+ public:
+  Session(Session&& other) noexcept;
+  Session& operator=(Session&& other) noexcept;
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+  // Drops the session on the server (errors ignored: it may have expired) unless released.
+  ~Session();
+
+  // Appends rows: k and v [Hkv, n, D] (BHSD) or [n, Hkv, D] (BSHD, per the SessionSpec).
+  absl::Status Append(const v1::Tensor& k, const v1::Tensor& v, const CallOptions& call = {});
+
+  // Attends q [Hq, Nq, D] (Hq a multiple of Hkv) to the session's rows, after first appending k
+  // and v [Hkv, n, D] when given (both or neither).
+  absl::StatusOr<StepOutput> Step(const v1::Tensor& q, const StepOptions& options = {},
+                                  const v1::Tensor* k = nullptr, const v1::Tensor* v = nullptr,
+                                  const CallOptions& call = {});
+
+  // Frees the session's K/V on the server now; afterwards this object holds no session.
+  absl::Status Drop(const CallOptions& call = {});
+
+  // The server's current view of the session (rows, pages, bytes, idle and expiry times), from
+  // ListSessions; NOT_FOUND when it is gone.
+  absl::StatusOr<v1::SessionInfo> Info(const CallOptions& call = {}) const;
+
+  // Gives up ownership: the destructor will not drop it. Returns the session id.
+  std::string Release();
+
+  const std::string& id() const { return id_; }
+  const SessionSpec& spec() const { return spec_; }
+  // K/V rows as of this object's last call (Create, Append or Step).
+  int64_t length() const { return length_; }
+
+ private:
+  friend class SessionClient;
+  Session(SessionClient* client, std::string id, const SessionSpec& spec, int64_t length)
+      : client_(client), id_(std::move(id)), spec_(spec), length_(length) {}
+
+  SessionClient* client_ = nullptr;
+  std::string id_;  // empty: holds no session (moved from, dropped or released)
+  SessionSpec spec_;
+  int64_t length_ = 0;
+};
+
+// One entry of a batched step: `session` attends `q` [Hq, Nq, D] after appending k and v
+// [Hkv, n, D] when given. The pointers must stay valid during the call.
+struct StepItem {
+  Session* session = nullptr;
+  const v1::Tensor* q = nullptr;
+  const v1::Tensor* k = nullptr;
+  const v1::Tensor* v = nullptr;
+};
+
+// Sessions calls over a Client's channel, credentials, deadline and token. When the client's
+// target lists several addresses balanced round-robin, sessions get their own pick_first channel
+// over the same addresses, so every call of a session reaches the server that holds it. The
+// Client must outlive it. Thread-safe, as Client is (each Session: one call at a time).
+class SessionClient {
+ public:
+  explicit SessionClient(const Client& client);
+
+  // A new session, with its first rows when k and v are given (both or neither).
+  absl::StatusOr<Session> Create(const SessionSpec& spec, const v1::Tensor* k = nullptr,
+                                 const v1::Tensor* v = nullptr, const CallOptions& call = {});
+
+  // One Step RPC for several sessions of this client (each at most once), which the server runs
+  // as one launch where it can. Results come in the order of `items`; each session's length() is
+  // updated.
+  absl::StatusOr<std::vector<StepOutput>> StepMany(absl::Span<const StepItem> items,
+                                                   const StepOptions& options = {},
+                                                   const CallOptions& call = {});
+
+  // The caller's sessions (every session when the server checks no tokens) and the cache's room.
+  absl::StatusOr<v1::ListSessionsResponse> List(const CallOptions& call = {});
+
+  // Drops a session by id (one released from a Session, or left by another process).
+  absl::Status Drop(const std::string& session_id, const CallOptions& call = {});
+
+  // The channel sessions calls use, and a stub on it (for callers driving the RPCs themselves,
+  // as attn_bench does).
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+  v1::Sessions::Stub& stub() { return *stub_; }
+  std::unique_ptr<grpc::ClientContext> NewContext(const CallOptions& call) const {
+    return client_.NewContext(call);
+  }
+
+ private:
+  friend class Session;
+  // The StepRequest for `items` and `options`; an error when an item lacks a session or q.
+  static absl::StatusOr<v1::StepRequest> MakeStepRequest(absl::Span<const StepItem> items,
+                                                         const StepOptions& options);
+
+  const Client& client_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Sessions::Stub> stub_;
+};
+
+}  // namespace attention::client

@@ -1,0 +1,215 @@
+// The CUDA request pipeline (kernels/cuda/host_runner.h, the CUDA executor): requests batched
+// into one launch (concatenated along B, or packed as varlen beside requests of other lengths)
+// against the float64 reference, the device memory budget, and a CUDA error failing only the
+// request that met it. GPU tests skip, with a message, where no GPU is visible.
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cuda/host_runner.h"
+#include "server/executor.h"
+#include "tests/kernels/attention_test_grid.h"
+
+namespace attention::server {
+namespace {
+
+using ::attention::kernel_test::AttentionCase;
+using ::testing::HasSubstr;
+
+bool HaveGpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"
+
+// Host buffers for one request shaped like `p` (or with other lengths), filled with a constant:
+// the companions that share a launch with the request under test.
+struct Companion {
+  std::vector<char> q, k, v, o;
+  std::vector<float> lse;
+  AttentionParams params;
+
+  // `p` with its own buffers; dense BSHD with `seqlen_q` x `seqlen_k` rows when those are > 0.
+  Companion(const AttentionParams& p, int64_t seqlen_q, int64_t seqlen_k) : params(p) {
+    if (seqlen_q > 0) {
+      params.cu_seqlens_q = params.cu_seqlens_k = nullptr;
+      params.batch = 2;
+      params.seqlen_q = seqlen_q;
+      params.seqlen_k = seqlen_k;
+      params.SetContiguousStrides(Layout::kBSHD);
+    }
+    const kernel_test::HostBufferBytes bytes = kernel_test::BufferBytes(params);
+    // 0x3c3c.. is a small positive value in every dtype.
+    q.assign(bytes.q, 0x3c);
+    k.assign(bytes.k, 0x3c);
+    v.assign(bytes.v, 0x3c);
+    o.assign(bytes.o, 0);
+    lse.assign(bytes.lse / sizeof(float), 0);
+    params.q = q.data();
+    params.k = k.data();
+    params.v = v.data();
+    params.o = o.data();
+    params.lse = p.lse ? lse.data() : nullptr;
+  }
+};
+
+cuda::HostRunner& Runner() {
+  static cuda::HostRunner* runner = [] {
+    auto r = cuda::HostRunner::Create({.device = 0, .streams = 2, .poison_outputs = true});
+    return r.ok() ? r->release() : nullptr;
+  }();
+  return *runner;
+}
+
+using Param = std::tuple<AttentionCase, DType>;
+
+class BatchedLaunchTest : public testing::TestWithParam<Param> {};
+
+// The request under test between two companions of its own shape: one launch, concatenated
+// along B (or packed, when varlen).
+TEST_P(BatchedLaunchTest, SameShapeBatchMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const auto& [c, dtype] = GetParam();
+  kernel_test::CheckCase(
+      c, dtype,
+      [](const AttentionParams& p) {
+        Companion before(p, 0, 0), after(p, 0, 0);
+        const AttentionParams items[] = {before.params, p, after.params};
+        return Runner().RunBatch(items).status();
+      },
+      kernel_test::DefaultTolerance(dtype));
+}
+
+// The request under test beside a request of other lengths: packed as varlen. Only BSHD and
+// varlen requests can be packed so.
+TEST_P(BatchedLaunchTest, PackedWithOtherLengthsMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const auto& [c, dtype] = GetParam();
+  if (!c.is_varlen() && c.layout != Layout::kBSHD && c.heads_q > 1) {
+    GTEST_SKIP() << "BHSD requests of different lengths do not share a launch";
+  }
+  kernel_test::CheckCase(
+      c, dtype,
+      [](const AttentionParams& p) {
+        Companion other(p, p.seqlen_q + 7, p.seqlen_k + 29);
+        if (!cuda::CanShareLaunch(p, other.params)) {
+          return absl::InternalError("the companion cannot share the launch");
+        }
+        const AttentionParams items[] = {other.params, p};
+        return Runner().RunBatch(items).status();
+      },
+      kernel_test::DefaultTolerance(dtype));
+}
+
+std::vector<AttentionCase> BatchCases() {
+  std::vector<AttentionCase> cases;
+  for (const AttentionCase& c : kernel_test::StandardGrid()) {
+    // A few of each kind keep the GPU run short: varlen, BSHD, windows, lse, odd head dims.
+    if (c.is_varlen() || c.layout == Layout::kBSHD || c.return_lse || c.head_dim % 8 != 0 ||
+        c.window_left != kUnboundedWindow) {
+      cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, BatchedLaunchTest,
+                         testing::Combine(testing::ValuesIn(BatchCases()),
+                                          testing::Values(DType::kFloat32, DType::kFloat16,
+                                                          DType::kBFloat16)),
+                         [](const testing::TestParamInfo<Param>& info) {
+                           return kernel_test::CaseName(std::get<0>(info.param),
+                                                        std::get<1>(info.param));
+                         });
+
+// A dense bfloat16 BHSD request of [1, heads, rows, 128]; its tensors are `data` (at least 16
+// bytes), which must never be read: the calls below fail before any copy.
+AttentionParams Oversized(int64_t heads, int64_t rows, std::vector<char>* data) {
+  data->assign(64, 0);
+  AttentionParams p;
+  p.dtype = DType::kBFloat16;
+  p.batch = 1;
+  p.heads_q = p.heads_kv = heads;
+  p.seqlen_q = p.seqlen_k = rows;
+  p.head_dim = 128;
+  p.q = p.k = p.v = data->data();
+  p.o = data->data();
+  p.SetContiguousStrides(Layout::kBHSD);
+  return p;
+}
+
+// A small request that must succeed, with its own buffers.
+struct Small {
+  std::vector<char> q, o;
+  AttentionParams params;
+  Small() {
+    params.dtype = DType::kBFloat16;
+    params.batch = 1;
+    params.heads_q = params.heads_kv = 2;
+    params.seqlen_q = params.seqlen_k = 64;
+    params.head_dim = 64;
+    q.assign(2 * 64 * 64 * 2, 0x3c);
+    o.assign(q.size(), 0);
+    params.q = params.k = params.v = q.data();
+    params.o = o.data();
+    params.SetContiguousStrides(Layout::kBHSD);
+  }
+};
+
+TEST(CudaPipelineTest, OverBudgetRequestIsRefusedBeforeAnyAllocation) {
+  SKIP_WITHOUT_GPU();
+  absl::StatusOr<std::unique_ptr<Executor>> executor =
+      MakeCudaExecutor(0, {.streams = 2, .memory_budget_bytes = int64_t{64} << 20});
+  ASSERT_TRUE(executor.ok()) << executor.status();
+  std::vector<char> data;
+  // 4 tensors of 16 heads x 16384 rows x 128 x 2 bytes = 256 MiB, over the 64 MiB budget.
+  const AttentionParams big = Oversized(16, 16384, &data);
+  size_t free_before = 0, free_after = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_before, &total), cudaSuccess);
+  absl::StatusOr<StageTimes> refused = (*executor)->Run(big);
+  ASSERT_EQ(cudaMemGetInfo(&free_after, &total), cudaSuccess);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("needs 268"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("budget of 67108864 bytes"));
+  EXPECT_EQ(free_before, free_after);  // nothing was allocated for it
+
+  // A batch over the budget whose items fit runs item by item.
+  Small a, b;
+  const AttentionParams fits[] = {a.params, b.params};
+  for (const absl::StatusOr<StageTimes>& r : (*executor)->RunBatch(fits)) {
+    EXPECT_TRUE(r.ok()) << r.status();
+  }
+}
+
+TEST(CudaPipelineTest, CudaErrorFailsOnlyTheRequestThatMetIt) {
+  SKIP_WITHOUT_GPU();
+  size_t free_bytes = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  // A budget larger than the device, so the request below passes it and cudaMalloc fails.
+  absl::StatusOr<std::unique_ptr<Executor>> executor =
+      MakeCudaExecutor(0, {.streams = 2, .memory_budget_bytes = static_cast<int64_t>(total) * 4});
+  ASSERT_TRUE(executor.ok()) << executor.status();
+  std::vector<char> data;
+  // 4 tensors of 16 heads x 2^24 rows x 128 x 2 bytes = 256 GiB, more than any GPU here holds.
+  const AttentionParams huge = Oversized(16, int64_t{1} << 24, &data);
+  absl::StatusOr<StageTimes> failed = (*executor)->Run(huge);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
+  EXPECT_THAT(failed.status().message(), HasSubstr("cannot allocate"));
+  // The executor keeps serving, on both streams.
+  for (int i = 0; i < 4; ++i) {
+    Small ok;
+    absl::StatusOr<StageTimes> r = (*executor)->Run(ok.params);
+    EXPECT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(ok.o.size(), ok.q.size());
+  }
+}
+
+}  // namespace
+}  // namespace attention::server

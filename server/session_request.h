@@ -1,0 +1,52 @@
+// Validation of Sessions requests (CreateSession, AppendKv, Step) into what the session store
+// takes: shapes, host pointers into the request's bytes, strides. Every check of a call runs
+// before anything is appended, so a refused call changes no session. Messages name the field,
+// the expected and the actual value (request_decoder's helpers and wording).
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "attention/v1/attention.pb.h"
+#include "kernels/paged_kv.h"
+#include "server/session_store.h"
+
+namespace attention::server {
+
+struct SessionLimits {
+  int max_head_dim = 256;
+};
+
+v1::DType ToProtoDType(DType dtype);
+
+// A CreateSession: the session's shape and its first rows (rows == 0 when none are given).
+struct DecodedCreate {
+  KvShape shape;
+  KvRows rows;
+};
+absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& request,
+                                           const SessionLimits& limits);
+
+// The k and v rows to append to a session of `shape`: BHSD [Hkv, n, D] or BSHD [n, Hkv, D]; both
+// absent (null) is zero rows. `prefix` begins the field names ("", "entries[2].").
+absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* k,
+                                    const v1::Tensor* v, v1::Layout layout, const KvShape& shape);
+
+// The checks of a Step that need no session: entries present, each with a session id (distinct)
+// and a q, the scale and windows.
+absl::Status CheckStep(const v1::StepRequest& request);
+
+// One Step entry checked against its session (of `shape`, holding `length` rows before the step).
+struct DecodedEntry {
+  const void* q = nullptr;  // [Hq, Nq, D]
+  int64_t heads_q = 0;
+  int64_t rows_q = 0;  // Nq
+  KvRows rows;         // appended first
+  int64_t length_after = 0;
+};
+absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& entry,
+                                             const KvShape& shape, int64_t length);
+
+}  // namespace attention::server

@@ -1,0 +1,169 @@
+// Checks of Sessions requests (session_request.h): each malformed field is refused
+// INVALID_ARGUMENT with a message naming the field, the expected and the actual value; valid
+// rows come out with the strides of their layout.
+#include "server/session_request.h"
+
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace attention::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr KvShape kShape{.dtype = DType::kFloat16, .heads_kv = 2, .head_dim = 8};
+
+v1::Tensor MakeTensor(v1::DType dtype, std::vector<int64_t> shape) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  int64_t n = dtype == v1::DTYPE_FLOAT32 ? 4 : 2;
+  for (int64_t d : shape) {
+    t.add_shape(d);
+    n *= d;
+  }
+  t.mutable_data()->assign(n, '\x3c');
+  return t;
+}
+
+void ExpectInvalid(const absl::Status& status, const std::string& text) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(status.message(), HasSubstr(text));
+}
+
+TEST(DecodeCreateTest, ChecksDtypeHeadsAndHeadDim) {
+  v1::CreateSessionRequest request;
+  request.set_dtype(v1::DTYPE_FLOAT16);
+  request.set_kv_heads(2);
+  request.set_head_dim(8);
+  absl::StatusOr<DecodedCreate> ok = DecodeCreate(request, {});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->rows.rows, 0);
+  EXPECT_EQ(ok->shape.heads_kv, 2);
+
+  v1::CreateSessionRequest bad = request;
+  bad.set_dtype(v1::DTYPE_UNSPECIFIED);
+  ExpectInvalid(DecodeCreate(bad, {}).status(),
+                "dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16 or "
+                "DTYPE_BFLOAT16, got DTYPE_UNSPECIFIED");
+  bad = request;
+  bad.set_kv_heads(0);
+  ExpectInvalid(DecodeCreate(bad, {}).status(), "kv_heads: expected >= 1, got 0");
+  bad = request;
+  bad.set_head_dim(300);
+  ExpectInvalid(DecodeCreate(bad, {.max_head_dim = 256}).status(),
+                "head_dim: expected 1..256, got 300");
+  bad = request;
+  *bad.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {2, 5, 8});
+  ExpectInvalid(DecodeCreate(bad, {}).status(), "v: expected a tensor (k and v come together)");
+}
+
+TEST(DecodeKvRowsTest, StridesFollowTheLayout) {
+  const v1::Tensor bhsd = MakeTensor(v1::DTYPE_FLOAT16, {2, 5, 8});
+  absl::StatusOr<KvRows> rows = DecodeKvRows("", &bhsd, &bhsd, v1::LAYOUT_BHSD, kShape);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(rows->rows, 5);
+  EXPECT_EQ(rows->head_stride, 5 * 8);
+  EXPECT_EQ(rows->row_stride, 8);
+  const v1::Tensor bshd = MakeTensor(v1::DTYPE_FLOAT16, {5, 2, 8});
+  rows = DecodeKvRows("", &bshd, &bshd, v1::LAYOUT_BSHD, kShape);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(rows->rows, 5);
+  EXPECT_EQ(rows->head_stride, 8);
+  EXPECT_EQ(rows->row_stride, 2 * 8);
+}
+
+TEST(DecodeKvRowsTest, NamesTheFieldExpectedAndActual) {
+  const v1::Tensor good = MakeTensor(v1::DTYPE_FLOAT16, {2, 5, 8});
+  const v1::Tensor heads = MakeTensor(v1::DTYPE_FLOAT16, {3, 5, 8});
+  ExpectInvalid(DecodeKvRows("entries[1].", &heads, &heads, v1::LAYOUT_BHSD, kShape).status(),
+                "entries[1].k.shape[0] (kv heads): expected 2 (the session's), got 3");
+  const v1::Tensor dim = MakeTensor(v1::DTYPE_FLOAT16, {2, 5, 16});
+  ExpectInvalid(DecodeKvRows("", &good, &dim, v1::LAYOUT_BHSD, kShape).status(),
+                "v.shape[2] (head dim): expected 8 (the session's), got 16");
+  const v1::Tensor f32 = MakeTensor(v1::DTYPE_FLOAT32, {2, 5, 8});
+  ExpectInvalid(DecodeKvRows("", &f32, &f32, v1::LAYOUT_BHSD, kShape).status(),
+                "k.dtype: expected DTYPE_FLOAT16 (the session's), got DTYPE_FLOAT32");
+  v1::Tensor short_data = good;
+  short_data.mutable_data()->pop_back();
+  ExpectInvalid(DecodeKvRows("", &good, &short_data, v1::LAYOUT_BHSD, kShape).status(),
+                "v.data: expected 160 bytes");
+  const v1::Tensor other_rows = MakeTensor(v1::DTYPE_FLOAT16, {2, 6, 8});
+  ExpectInvalid(DecodeKvRows("", &good, &other_rows, v1::LAYOUT_BHSD, kShape).status(),
+                "v.shape: expected [2, 5, 8] (as k), got [2, 6, 8]");
+  const v1::Tensor rank2 = MakeTensor(v1::DTYPE_FLOAT16, {2, 40});
+  ExpectInvalid(DecodeKvRows("", &rank2, &rank2, v1::LAYOUT_BHSD, kShape).status(),
+                "k.shape: expected rank 3 ([Hkv, n, D]), got rank 2 [2, 40]");
+  ExpectInvalid(DecodeKvRows("", &good, &good, static_cast<v1::Layout>(7), kShape).status(),
+                "layout: expected LAYOUT_BHSD or LAYOUT_BSHD, got 7");
+}
+
+v1::StepRequest TwoEntries() {
+  v1::StepRequest request;
+  for (const char* id : {"a", "b"}) {
+    v1::StepEntry* entry = request.add_entries();
+    entry->set_session_id(id);
+    *entry->mutable_q() = MakeTensor(v1::DTYPE_FLOAT16, {4, 1, 8});
+  }
+  return request;
+}
+
+TEST(CheckStepTest, RefusesMissingAndRepeatedSessionsAndBadMasks) {
+  EXPECT_EQ(CheckStep(TwoEntries()), absl::OkStatus());
+  ExpectInvalid(CheckStep(v1::StepRequest()), "entries: expected at least one entry, got none");
+  v1::StepRequest request = TwoEntries();
+  request.mutable_entries(1)->set_session_id("a");
+  ExpectInvalid(CheckStep(request),
+                "entries[1].session_id: expected each session at most once per step, got 'a'");
+  request = TwoEntries();
+  request.mutable_entries(0)->clear_session_id();
+  ExpectInvalid(CheckStep(request), "entries[0].session_id: expected a session id, got none");
+  request = TwoEntries();
+  request.mutable_entries(1)->clear_q();
+  ExpectInvalid(CheckStep(request), "entries[1].q: expected a tensor [Hq, Nq, D], got none");
+  request = TwoEntries();
+  request.set_window_left(-2);
+  ExpectInvalid(CheckStep(request), "window_left: expected >= 0 (absent = unbounded), got -2");
+  request = TwoEntries();
+  request.set_softmax_scale(0);
+  ExpectInvalid(CheckStep(request), "softmax_scale: expected a finite value > 0, got 0");
+}
+
+TEST(DecodeStepEntryTest, ChecksQueriesAgainstTheSession) {
+  v1::StepEntry entry = TwoEntries().entries(0);
+  *entry.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {2, 1, 8});
+  *entry.mutable_v() = MakeTensor(v1::DTYPE_FLOAT16, {2, 1, 8});
+  absl::StatusOr<DecodedEntry> ok = DecodeStepEntry(0, entry, kShape, 0);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->heads_q, 4);
+  EXPECT_EQ(ok->rows_q, 1);
+  EXPECT_EQ(ok->rows.rows, 1);
+  EXPECT_EQ(ok->length_after, 1);
+
+  v1::StepEntry bad = entry;
+  *bad.mutable_q() = MakeTensor(v1::DTYPE_FLOAT16, {3, 1, 8});
+  ExpectInvalid(DecodeStepEntry(2, bad, kShape, 5).status(),
+                "entries[2].q.shape[0] (query heads): expected a multiple of the session's 2 kv "
+                "heads, got 3");
+  bad = entry;
+  *bad.mutable_q() = MakeTensor(v1::DTYPE_FLOAT16, {4, 3, 8});
+  ExpectInvalid(DecodeStepEntry(0, bad, kShape, 1).status(),
+                "entries[0].q.shape[1] (queries): expected at most the session's 2 rows");
+  bad = entry;
+  *bad.mutable_q() = MakeTensor(v1::DTYPE_BFLOAT16, {4, 1, 8});
+  ExpectInvalid(DecodeStepEntry(0, bad, kShape, 1).status(),
+                "entries[0].q.dtype: expected DTYPE_FLOAT16 (the session's), got DTYPE_BFLOAT16");
+  bad = entry;
+  *bad.mutable_q() = MakeTensor(v1::DTYPE_FLOAT16, {4, 1, 4});
+  ExpectInvalid(DecodeStepEntry(0, bad, kShape, 1).status(),
+                "entries[0].q.shape[2] (head dim): expected 8 (the session's), got 4");
+  bad = entry;
+  bad.clear_v();
+  ExpectInvalid(DecodeStepEntry(0, bad, kShape, 1).status(),
+                "entries[0].v: expected a tensor (k and v come together), got none");
+}
+
+}  // namespace
+}  // namespace attention::server

@@ -1,0 +1,366 @@
+#include "server/session_store.h"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "server/metrics.h"
+
+namespace attention::server {
+namespace {
+
+constexpr int kIdBytes = 16;  // 128 bits
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Pages a session of `rows` rows holds: at least one.
+int64_t PagesFor(int64_t rows, int64_t page_rows) {
+  return std::max<int64_t>(1, CeilDiv(rows, page_rows));
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> NewSessionId() {
+  char bytes[kIdBytes];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(absl::StrCat("getrandom: ", std::strerror(errno)));
+    }
+    got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(absl::string_view(bytes, sizeof(bytes)));
+}
+
+SessionStore::Lease& SessionStore::Lease::operator=(Lease&& other) noexcept {
+  if (this != &other) {
+    Release();
+    store_ = other.store_;
+    session_ = std::move(other.session_);
+  }
+  return *this;
+}
+
+SessionStore::Lease::~Lease() { Release(); }
+
+void SessionStore::Lease::Release() {
+  if (session_ == nullptr) return;
+  session_->call_mu.unlock();
+  store_->ReleaseSession(session_);
+  session_.reset();
+}
+
+const std::string& SessionStore::Lease::id() const { return session_->id; }
+const KvShape& SessionStore::Lease::shape() const { return session_->shape; }
+int SessionStore::Lease::device() const { return session_->device; }
+int64_t SessionStore::Lease::length() const { return session_->length; }
+const std::vector<int32_t>& SessionStore::Lease::page_table() const { return session_->page_table; }
+
+SessionStore::SessionStore(std::vector<KvDevice> devices, const SessionStoreOptions& options,
+                           Metrics* metrics)
+    : options_(options), metrics_(metrics), devices_(std::move(devices)) {
+  page_bytes_ = devices_.front().pool->page_bytes();
+  device_states_.resize(devices_.size());
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    const int64_t pages = devices_[d].pool->num_pages();
+    std::vector<int32_t>& free_pages = device_states_[d].free_pages;
+    free_pages.reserve(pages);
+    // A stack: page 0 is handed out first.
+    for (int64_t p = pages - 1; p >= 0; --p) free_pages.push_back(static_cast<int32_t>(p));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  PublishLocked();
+}
+
+int64_t SessionStore::PageRowsFor(const KvShape& shape) const {
+  return PageRows(page_bytes_, shape.dtype, shape.heads_kv, shape.head_dim);
+}
+
+absl::Status SessionStore::NotFound(absl::string_view id) const {
+  return absl::NotFoundError(
+      absl::StrCat("session '", id, "' not found: unknown, dropped, or expired after ",
+                   absl::FormatDuration(options_.ttl),
+                   " idle (sessions are also lost when the server restarts); create it again"));
+}
+
+absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner,
+                                                         const KvShape& shape,
+                                                         int64_t initial_rows) {
+  const int64_t page_rows = PageRowsFor(shape);
+  if (page_rows <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_heads * head_dim: expected a shape of which a ", page_bytes_,
+        "-byte page (--kv_page_bytes) holds at least 16 rows of K and V, got kv_heads ",
+        shape.heads_kv, " * head_dim ", shape.head_dim, " of ", DTypeName(shape.dtype)));
+  }
+  if (initial_rows > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("k.shape: expected at most 2147483647 rows per session, got ", initial_rows));
+  }
+  absl::StatusOr<std::string> id = NewSessionId();
+  if (!id.ok()) return id.status();
+  const int64_t pages = PagesFor(initial_rows, page_rows);
+
+  auto session = std::make_shared<Session>();
+  // Its call lock before the store's, the order every call takes them in; the lease releases it.
+  std::unique_lock<std::mutex> call_lock(session->call_mu);
+  std::lock_guard<std::mutex> lock(mu_);
+  const absl::Time now = options_.clock();
+  // The device with the most free pages (expired sessions' pages count as free).
+  SweepLocked(now);
+  int device = 0;
+  for (size_t d = 1; d < device_states_.size(); ++d) {
+    if (device_states_[d].free_pages.size() > device_states_[device].free_pages.size()) {
+      device = static_cast<int>(d);
+    }
+  }
+  DeviceState& state = device_states_[device];
+  const int64_t free_pages = static_cast<int64_t>(state.free_pages.size());
+  if (pages > free_pages) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache full: a new session of ", initial_rows, " rows needs ",
+                     pages * page_bytes_, " bytes (", pages, " pages of ", page_bytes_, " bytes), ",
+                     free_pages * page_bytes_, " bytes free on the emptiest device (",
+                     devices_[device].name, "); drop idle sessions or wait for them to expire"));
+  }
+  // 128 random bits do not collide in practice; the check costs nothing.
+  while (sessions_.contains(*id)) {
+    id = NewSessionId();
+    if (!id.ok()) return id.status();
+  }
+  session->id = *std::move(id);
+  session->owner = std::string(owner);
+  session->shape = shape;
+  session->device = device;
+  session->page_rows = page_rows;
+  session->last_used = now;
+  session->users = 1;
+  for (int64_t p = 0; p < pages; ++p) {
+    session->page_table.push_back(state.free_pages.back());
+    state.free_pages.pop_back();
+  }
+  ++state.sessions;
+  call_lock.release();  // held by the lease from now on
+  sessions_.emplace(session->id, session);
+  PublishLocked();
+  return Lease(this, std::move(session));
+}
+
+bool SessionStore::ExpiredLocked(const Session& session, absl::Time now) const {
+  return session.users == 0 && now - session.last_used >= options_.ttl;
+}
+
+std::shared_ptr<SessionStore::Session> SessionStore::FindLocked(absl::string_view owner,
+                                                                absl::string_view id) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end() || it->second->owner != owner) return nullptr;
+  std::shared_ptr<Session> session = it->second;
+  if (ExpiredLocked(*session, options_.clock())) {
+    RemoveLocked(session);
+    if (metrics_ != nullptr) metrics_->SessionsExpired(1);
+    PublishLocked();
+    return nullptr;
+  }
+  return session;
+}
+
+absl::StatusOr<std::vector<SessionStore::Lease>> SessionStore::Acquire(
+    absl::string_view owner, absl::Span<const std::string> ids) {
+  std::vector<std::shared_ptr<Session>> found;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const absl::Time now = options_.clock();
+    for (const std::string& id : ids) {
+      std::shared_ptr<Session> session = FindLocked(owner, id);
+      if (session == nullptr) {
+        for (const auto& s : found) --s->users;  // none was locked yet
+        return NotFound(id);
+      }
+      ++session->users;  // cannot expire while held or waited for
+      session->last_used = now;
+      found.push_back(std::move(session));
+    }
+  }
+  // Lock in id order, so calls on overlapping sets cannot deadlock.
+  std::vector<Session*> order;
+  for (const auto& s : found) order.push_back(s.get());
+  std::sort(order.begin(), order.end(), [](Session* a, Session* b) { return a->id < b->id; });
+  for (Session* s : order) s->call_mu.lock();
+  std::vector<Lease> leases;
+  leases.reserve(found.size());
+  for (auto& s : found) leases.emplace_back(this, std::move(s));
+  return leases;
+}
+
+absl::Status SessionStore::Reserve(absl::Span<Lease* const> leases,
+                                   absl::Span<const int64_t> new_rows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> needed(devices_.size(), 0);
+  std::vector<int64_t> more(leases.size(), 0);
+  for (size_t i = 0; i < leases.size(); ++i) {
+    const Session& s = *leases[i]->session_;
+    const int64_t rows = s.length + new_rows[i];
+    if (rows > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat("session '", s.id, "': expected at most ",
+                                                     std::numeric_limits<int32_t>::max(),
+                                                     " rows, would hold ", rows));
+    }
+    more[i] = std::max<int64_t>(
+        0, PagesFor(rows, s.page_rows) - static_cast<int64_t>(s.page_table.size()));
+    needed[s.device] += more[i];
+  }
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    const int64_t free_pages = static_cast<int64_t>(device_states_[d].free_pages.size());
+    if (needed[d] > free_pages) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "KV cache full on ", devices_[d].name, ": the rows to append need ",
+          needed[d] * page_bytes_, " bytes (", needed[d], " pages of ", page_bytes_, " bytes), ",
+          free_pages * page_bytes_,
+          " bytes free; nothing was appended. Drop idle sessions or wait for them to expire"));
+    }
+  }
+  for (size_t i = 0; i < leases.size(); ++i) {
+    Session& s = *leases[i]->session_;
+    std::vector<int32_t>& free_pages = device_states_[s.device].free_pages;
+    for (int64_t p = 0; p < more[i]; ++p) {
+      s.page_table.push_back(free_pages.back());
+      free_pages.pop_back();
+    }
+  }
+  PublishLocked();
+  return absl::OkStatus();
+}
+
+absl::Status SessionStore::Append(Lease& lease, const KvRows& rows) {
+  Session& s = *lease.session_;
+  if (rows.rows == 0) return absl::OkStatus();
+  if (static_cast<int64_t>(s.page_table.size()) * s.page_rows < s.length + rows.rows) {
+    return absl::InternalError(
+        absl::StrCat("session '", s.id, "': append of ", rows.rows, " rows without its pages"));
+  }
+  KvWrite write;
+  write.shape = s.shape;
+  write.page_table = s.page_table.data();
+  write.first_row = s.length;
+  write.rows = rows.rows;
+  write.k = rows.k;
+  write.v = rows.v;
+  write.head_stride = rows.head_stride;
+  write.row_stride = rows.row_stride;
+  if (absl::Status status = devices_[s.device].pool->Write(write); !status.ok()) return status;
+  std::lock_guard<std::mutex> lock(mu_);
+  s.length += rows.rows;
+  return absl::OkStatus();
+}
+
+void SessionStore::ReleaseSession(const std::shared_ptr<Session>& session) {
+  std::lock_guard<std::mutex> lock(mu_);
+  --session->users;
+  session->last_used = options_.clock();
+  if (session->dropped && session->users == 0) {
+    FreePagesLocked(*session);
+    PublishLocked();
+  }
+}
+
+void SessionStore::FreePagesLocked(Session& session) {
+  std::vector<int32_t>& free_pages = device_states_[session.device].free_pages;
+  free_pages.insert(free_pages.end(), session.page_table.rbegin(), session.page_table.rend());
+  session.page_table.clear();
+}
+
+void SessionStore::RemoveLocked(const std::shared_ptr<Session>& session) {
+  sessions_.erase(session->id);
+  --device_states_[session->device].sessions;
+  session->dropped = true;
+  // A call holding it frees the pages when it ends: they may be in use until then.
+  if (session->users == 0) FreePagesLocked(*session);
+}
+
+absl::Status SessionStore::Drop(absl::string_view owner, absl::string_view id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_ptr<Session> session = FindLocked(owner, id);
+  if (session == nullptr) return NotFound(id);
+  RemoveLocked(session);
+  PublishLocked();
+  return absl::OkStatus();
+}
+
+int SessionStore::SweepLocked(absl::Time now) {
+  std::vector<std::shared_ptr<Session>> expired;
+  for (const auto& [id, session] : sessions_) {
+    if (ExpiredLocked(*session, now)) expired.push_back(session);
+  }
+  for (const auto& session : expired) RemoveLocked(session);
+  if (!expired.empty()) {
+    if (metrics_ != nullptr) metrics_->SessionsExpired(static_cast<int>(expired.size()));
+    PublishLocked();
+  }
+  return static_cast<int>(expired.size());
+}
+
+int SessionStore::Sweep() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return SweepLocked(options_.clock());
+}
+
+SessionSnapshot SessionStore::SnapshotLocked(const Session& session, absl::Time now) const {
+  SessionSnapshot out;
+  out.id = session.id;
+  out.shape = session.shape;
+  out.length = session.length;
+  out.pages = static_cast<int64_t>(session.page_table.size());
+  out.resident_bytes = out.pages * page_bytes_;
+  // A session in use is not idle.
+  out.idle = session.users > 0 ? absl::ZeroDuration() : now - session.last_used;
+  out.expires_in = std::max(absl::ZeroDuration(), options_.ttl - out.idle);
+  out.device = devices_[session.device].name;
+  return out;
+}
+
+std::vector<SessionSnapshot> SessionStore::List(absl::string_view owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const absl::Time now = options_.clock();
+  SweepLocked(now);
+  std::vector<SessionSnapshot> out;
+  for (const auto& [id, session] : sessions_) {
+    if (session->owner == owner) out.push_back(SnapshotLocked(*session, now));
+  }
+  return out;
+}
+
+CacheRoom SessionStore::Room() {
+  std::lock_guard<std::mutex> lock(mu_);
+  CacheRoom room;
+  room.page_bytes = page_bytes_;
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    room.pages_total += devices_[d].pool->num_pages();
+    room.pages_free += static_cast<int64_t>(device_states_[d].free_pages.size());
+  }
+  return room;
+}
+
+SessionSnapshot SessionStore::Snapshot(const Lease& lease) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return SnapshotLocked(*lease.session_, options_.clock());
+}
+
+void SessionStore::PublishLocked() {
+  if (metrics_ == nullptr) return;
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    const int64_t total = devices_[d].pool->num_pages();
+    const int64_t free_pages = static_cast<int64_t>(device_states_[d].free_pages.size());
+    metrics_->SetKvCache(devices_[d].name, device_states_[d].sessions,
+                         (total - free_pages) * page_bytes_, free_pages, total);
+  }
+}
+
+}  // namespace attention::server

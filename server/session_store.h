@@ -1,0 +1,198 @@
+// The server's KV-resident sessions: the K/V rows of each session live in pages of a device's
+// KvPagePool (kernels/paged_kv.h); this store owns the page allocator, each session's page table,
+// ownership by caller token, and expiry after a TTL of idleness.
+//
+// Memory: each device's pool is a fixed number of pages, allocated once at startup. A session holds
+// ceil(max(length, 1) / page_rows) pages (at least one, so creating sessions uses room). Nothing is
+// evicted to make room: a call that needs more pages than are free is refused RESOURCE_EXHAUSTED
+// with the bytes it needs and the bytes free. Idle sessions expire after `ttl` (Sweep, called by a
+// sweeper, and a lazy check on every lookup); an unknown, expired or dropped id, or the id of
+// another owner, is NOT_FOUND.
+//
+// Concurrency: a call holds its sessions through Leases. A lease holds the session's call lock,
+// so calls on one session run one at a time (a second call waits; nothing is rejected). A call
+// on several sessions (a Step) locks them in id order, so two such calls cannot deadlock. Pages
+// of a session dropped while a call holds it are freed when the call ends.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kernels/paged_kv.h"
+
+namespace attention::server {
+
+class Metrics;
+
+// One device's page pool.
+struct KvDevice {
+  std::string name;  // "cpu", "cuda:0"
+  std::unique_ptr<KvPagePool> pool;
+};
+
+struct SessionStoreOptions {
+  // Idle time after which a session expires.
+  absl::Duration ttl = absl::Seconds(600);
+  // The time now; tests pass a fake clock.
+  std::function<absl::Time()> clock = [] { return absl::Now(); };
+};
+
+// Rows to append to a session: k and v host pointers with element strides, as KvWrite takes them
+// (BHSD [Hkv, rows, D] or BSHD [rows, Hkv, D]).
+struct KvRows {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t rows = 0;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+};
+
+// What ListSessions and SessionInfo report of a session.
+struct SessionSnapshot {
+  std::string id;
+  KvShape shape;
+  int64_t length = 0;
+  int64_t pages = 0;
+  int64_t resident_bytes = 0;
+  absl::Duration idle;
+  absl::Duration expires_in;
+  std::string device;
+};
+
+// The cache's room over every device.
+struct CacheRoom {
+  int64_t page_bytes = 0;
+  int64_t pages_total = 0;
+  int64_t pages_free = 0;
+};
+
+class SessionStore {
+ public:
+  struct Session;
+
+  // One call's hold on one session (see the file comment). Movable; releasing it (destruction)
+  // marks the session used now.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(SessionStore* store, std::shared_ptr<Session> session)
+        : store_(store), session_(std::move(session)) {}
+    Lease(Lease&& other) noexcept = default;
+    Lease& operator=(Lease&& other) noexcept;
+    ~Lease();
+
+    const std::string& id() const;
+    const KvShape& shape() const;
+    int device() const;
+    // Rows held, and the page table covering them (and any pages reserved beyond them).
+    int64_t length() const;
+    const std::vector<int32_t>& page_table() const;
+
+   private:
+    friend class SessionStore;
+    void Release();
+    SessionStore* store_ = nullptr;
+    std::shared_ptr<Session> session_;
+  };
+
+  // `devices` must be non-empty with pools of one page size; `metrics` (may be null) gets the
+  // session gauges and counters and must outlive the store.
+  SessionStore(std::vector<KvDevice> devices, const SessionStoreOptions& options, Metrics* metrics);
+  SessionStore(const SessionStore&) = delete;
+  SessionStore& operator=(const SessionStore&) = delete;
+
+  int64_t page_bytes() const { return page_bytes_; }
+  // Rows per page of `shape`; 0 when a page cannot hold 16 rows of it.
+  int64_t PageRowsFor(const KvShape& shape) const;
+  const std::string& device_name(int device) const { return devices_[device].name; }
+  KvPagePool& pool(int device) { return *devices_[device].pool; }
+
+  // A new session of `owner` with room for `initial_rows`, on the device with the most free
+  // pages, held by the returned lease (write its first rows with Append). INVALID_ARGUMENT when a
+  // page cannot hold 16 rows of `shape`; RESOURCE_EXHAUSTED when no device has the room.
+  absl::StatusOr<Lease> Create(absl::string_view owner, const KvShape& shape, int64_t initial_rows);
+
+  // Holds the sessions `ids` (distinct) of `owner`, in the order given; waits for calls that hold
+  // any of them. NOT_FOUND names the first id that is unknown, expired, dropped or another
+  // owner's.
+  absl::StatusOr<std::vector<Lease>> Acquire(absl::string_view owner,
+                                             absl::Span<const std::string> ids);
+
+  // Reserves the pages for appending new_rows[i] rows to leases[i], all or nothing:
+  // RESOURCE_EXHAUSTED (bytes needed, bytes free) when a device lacks the room.
+  absl::Status Reserve(absl::Span<Lease* const> leases, absl::Span<const int64_t> new_rows);
+
+  // Writes `rows` after the session's last row into pages reserved by Create or Reserve.
+  absl::Status Append(Lease& lease, const KvRows& rows);
+
+  // Removes a session of `owner`; NOT_FOUND as Acquire.
+  absl::Status Drop(absl::string_view owner, absl::string_view id);
+
+  // The sessions of `owner` (the server passes "" for every caller when it checks no tokens).
+  std::vector<SessionSnapshot> List(absl::string_view owner);
+  CacheRoom Room();
+  SessionSnapshot Snapshot(const Lease& lease);
+
+  // Expires every idle session past the TTL; returns how many.
+  int Sweep();
+
+ private:
+  struct DeviceState {
+    std::vector<int32_t> free_pages;  // a stack
+    int64_t sessions = 0;
+  };
+
+  void ReleaseSession(const std::shared_ptr<Session>& session);
+  // The session `id` of `owner` that has not expired, or null (expiring it if it just did).
+  std::shared_ptr<Session> FindLocked(absl::string_view owner, absl::string_view id);
+  bool ExpiredLocked(const Session& session, absl::Time now) const;
+  void RemoveLocked(const std::shared_ptr<Session>& session);
+  void FreePagesLocked(Session& session);
+  int SweepLocked(absl::Time now);
+  SessionSnapshot SnapshotLocked(const Session& session, absl::Time now) const;
+  void PublishLocked();
+  absl::Status NotFound(absl::string_view id) const;
+
+  const SessionStoreOptions options_;
+  Metrics* const metrics_;
+  std::vector<KvDevice> devices_;
+  int64_t page_bytes_ = 0;
+
+  std::mutex mu_;
+  std::vector<DeviceState> device_states_;                                 // guarded by mu_
+  std::map<std::string, std::shared_ptr<Session>, std::less<>> sessions_;  // by id; guarded by mu_
+};
+
+// A session's state. Writes to page_table and length hold both mu_ and call_mu; reads hold
+// either. The rest (last_used, users, dropped) is guarded by the store's mu_.
+struct SessionStore::Session {
+  std::string id;
+  std::string owner;
+  KvShape shape;
+  int device = 0;
+  int64_t page_rows = 0;
+
+  std::mutex call_mu;  // held by the call that holds a lease on it
+  std::vector<int32_t> page_table;
+  int64_t length = 0;
+
+  absl::Time last_used;
+  int users = 0;  // leases on it, held or waiting
+  bool dropped = false;
+};
+
+// 32 lower-case hex digits from 128 bits of the kernel's CSPRNG (getrandom).
+absl::StatusOr<std::string> NewSessionId();
+
+}  // namespace attention::server

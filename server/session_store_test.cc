@@ -1,0 +1,296 @@
+// The session store (session_store.h) over small CPU page pools: allocation, exhaustion, TTL
+// expiry on a fake clock, owners, drop, device choice and concurrent appends to one session.
+#include "server/session_store.h"
+
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/paged_kv_pool.h"
+
+namespace attention::server {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr int64_t kPageBytes = 4096;
+// float32, 2 kv heads, head dim 8: 128 bytes of K and V per row, so 32 rows per page.
+constexpr KvShape kShape{.dtype = DType::kFloat32, .heads_kv = 2, .head_dim = 8};
+constexpr int64_t kPageRows = 32;
+
+class FakeClock {
+ public:
+  absl::Time Now() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return now_;
+  }
+  void Advance(absl::Duration d) {
+    std::lock_guard<std::mutex> lock(mu_);
+    now_ += d;
+  }
+
+ private:
+  std::mutex mu_;
+  absl::Time now_ = absl::FromUnixSeconds(1'000'000);
+};
+
+std::vector<KvDevice> Devices(std::vector<int64_t> pages) {
+  std::vector<KvDevice> devices;
+  for (size_t d = 0; d < pages.size(); ++d) {
+    absl::StatusOr<std::unique_ptr<KvPagePool>> pool =
+        cpu::MakeKvPagePool(pages[d], kPageBytes, /*threads=*/1);
+    EXPECT_TRUE(pool.ok()) << pool.status();
+    devices.push_back(KvDevice{.name = "dev" + std::to_string(d), .pool = *std::move(pool)});
+  }
+  return devices;
+}
+
+// `rows` random rows in BHSD [Hkv, rows, D] for k and v.
+struct Rows {
+  explicit Rows(int64_t rows, std::mt19937_64& rng)
+      : k(kShape.heads_kv * rows * kShape.head_dim), v(k.size()) {
+    std::normal_distribution<float> normal;
+    for (float& x : k) x = normal(rng);
+    for (float& x : v) x = normal(rng);
+    view = KvRows{.k = k.data(),
+                  .v = v.data(),
+                  .rows = rows,
+                  .head_stride = rows * kShape.head_dim,
+                  .row_stride = kShape.head_dim};
+  }
+  std::vector<float> k, v;
+  KvRows view;
+};
+
+class SessionStoreTest : public ::testing::Test {
+ protected:
+  void Make(std::vector<int64_t> pages, absl::Duration ttl = absl::Seconds(60)) {
+    store_ = std::make_unique<SessionStore>(
+        Devices(std::move(pages)),
+        SessionStoreOptions{.ttl = ttl, .clock = [this] { return clock_.Now(); }}, nullptr);
+  }
+  // Creates a session of `owner` holding `rows` rows; returns its id.
+  std::string CreateWith(const std::string& owner, int64_t rows) {
+    Rows data(rows, rng_);
+    absl::StatusOr<SessionStore::Lease> lease = store_->Create(owner, kShape, rows);
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    if (!lease.ok()) return "";
+    EXPECT_EQ(store_->Append(*lease, data.view), absl::OkStatus());
+    return lease->id();
+  }
+  absl::Status AppendRows(const std::string& owner, const std::string& id, int64_t rows) {
+    Rows data(rows, rng_);
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
+    if (!leases.ok()) return leases.status();
+    SessionStore::Lease* held[] = {&leases->front()};
+    const int64_t new_rows[] = {rows};
+    if (absl::Status s = store_->Reserve(held, new_rows); !s.ok()) return s;
+    return store_->Append(leases->front(), data.view);
+  }
+
+  const uint64_t seed_ = std::random_device()();
+  std::mt19937_64 rng_{seed_};
+  FakeClock clock_;
+  std::unique_ptr<SessionStore> store_;
+};
+
+TEST(SessionIdTest, Is32HexDigitsAndFresh) {
+  std::set<std::string> ids;
+  for (int i = 0; i < 100; ++i) {
+    absl::StatusOr<std::string> id = NewSessionId();
+    ASSERT_TRUE(id.ok()) << id.status();
+    ASSERT_EQ(id->size(), 32u);
+    for (char c : *id) EXPECT_TRUE(absl::ascii_isxdigit(c)) << *id;
+    ids.insert(*id);
+  }
+  EXPECT_EQ(ids.size(), 100u);
+}
+
+TEST_F(SessionStoreTest, AllocatesPagesForRowsAndAtLeastOne) {
+  SCOPED_TRACE(seed_);
+  Make({10});
+  EXPECT_EQ(store_->PageRowsFor(kShape), kPageRows);
+  const std::string empty = CreateWith("", 0);
+  const std::string three = CreateWith("", 2 * kPageRows + 1);
+  std::vector<SessionSnapshot> list = store_->List("");
+  ASSERT_EQ(list.size(), 2u);
+  for (const SessionSnapshot& s : list) {
+    EXPECT_EQ(s.pages, s.id == empty ? 1 : 3) << s.id;
+    EXPECT_EQ(s.length, s.id == empty ? 0 : 2 * kPageRows + 1);
+    EXPECT_EQ(s.resident_bytes, s.pages * kPageBytes);
+    EXPECT_EQ(s.device, "dev0");
+  }
+  EXPECT_EQ(store_->Room().pages_free, 6);
+  EXPECT_EQ(store_->Room().pages_total, 10);
+  // Appending within the last page takes no page; past it, one more.
+  ASSERT_EQ(AppendRows("", three, kPageRows - 1), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 6);
+  ASSERT_EQ(AppendRows("", three, 1), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 5);
+}
+
+TEST_F(SessionStoreTest, FullCacheRefusesWithBytesNeededAndFree) {
+  SCOPED_TRACE(seed_);
+  Make({4});
+  const std::string id = CreateWith("", 3 * kPageRows);  // 3 of 4 pages
+  absl::StatusOr<SessionStore::Lease> big = store_->Create("", kShape, 2 * kPageRows);
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(big.status().message(), AllOf(HasSubstr("8192 bytes"), HasSubstr("4096 bytes free")));
+  absl::Status append = AppendRows("", id, kPageRows + 1);  // needs 2 pages, 1 free
+  EXPECT_EQ(append.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(append.message(), AllOf(HasSubstr("need 8192 bytes"), HasSubstr("4096 bytes free"),
+                                      HasSubstr("nothing was appended")));
+  // Nothing changed: the session keeps its rows and pages, the last page is still free.
+  std::vector<SessionSnapshot> list = store_->List("");
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].length, 3 * kPageRows);
+  EXPECT_EQ(list[0].pages, 3);
+  EXPECT_EQ(store_->Room().pages_free, 1);
+  EXPECT_EQ(AppendRows("", id, kPageRows), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 0);
+}
+
+TEST_F(SessionStoreTest, ReserveIsAllOrNothingOverSessions) {
+  SCOPED_TRACE(seed_);
+  Make({4});
+  const std::string a = CreateWith("", kPageRows);
+  const std::string b = CreateWith("", kPageRows);
+  absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {a, b});
+  ASSERT_TRUE(leases.ok()) << leases.status();
+  SessionStore::Lease* held[] = {&(*leases)[0], &(*leases)[1]};
+  const int64_t too_many[] = {kPageRows, 2 * kPageRows};  // 3 pages, 2 free
+  EXPECT_EQ(store_->Reserve(held, too_many).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*leases)[0].page_table().size(), 1u);
+  EXPECT_EQ((*leases)[1].page_table().size(), 1u);
+  const int64_t fits[] = {kPageRows, kPageRows};
+  EXPECT_EQ(store_->Reserve(held, fits), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 0);
+}
+
+TEST_F(SessionStoreTest, IdleSessionsExpireAfterTtl) {
+  SCOPED_TRACE(seed_);
+  Make({4}, absl::Seconds(10));
+  const std::string swept = CreateWith("", 1);
+  const std::string lazy = CreateWith("", 1);
+  clock_.Advance(absl::Seconds(9));
+  EXPECT_EQ(store_->Sweep(), 0);
+  EXPECT_EQ(AppendRows("", lazy, 1), absl::OkStatus());  // used: its 10 s start again
+  std::vector<SessionSnapshot> list = store_->List("");
+  ASSERT_EQ(list.size(), 2u);
+  for (const SessionSnapshot& s : list) {
+    EXPECT_EQ(s.idle, s.id == swept ? absl::Seconds(9) : absl::ZeroDuration());
+    EXPECT_EQ(s.expires_in, s.id == swept ? absl::Seconds(1) : absl::Seconds(10));
+  }
+  clock_.Advance(absl::Seconds(1));
+  EXPECT_EQ(store_->Sweep(), 1);
+  EXPECT_EQ(store_->Room().pages_free, 3);
+  absl::Status gone = AppendRows("", swept, 1);
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(gone.message(), AllOf(HasSubstr(swept), HasSubstr("expired")));
+  // No sweep: the lookup itself finds it expired.
+  clock_.Advance(absl::Seconds(10));
+  EXPECT_EQ(AppendRows("", lazy, 1).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Room().pages_free, 4);
+}
+
+TEST_F(SessionStoreTest, HeldSessionsDoNotExpire) {
+  SCOPED_TRACE(seed_);
+  Make({2}, absl::Seconds(10));
+  const std::string id = CreateWith("", 1);
+  absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {id});
+  ASSERT_TRUE(leases.ok());
+  clock_.Advance(absl::Seconds(60));
+  EXPECT_EQ(store_->Sweep(), 0);
+  leases->clear();  // released now: idle from now on
+  EXPECT_EQ(store_->Sweep(), 0);
+  EXPECT_EQ(AppendRows("", id, 1), absl::OkStatus());
+}
+
+TEST_F(SessionStoreTest, OwnersSeeOnlyTheirSessions) {
+  SCOPED_TRACE(seed_);
+  Make({4});
+  const std::string mine = CreateWith("token-a", 1);
+  EXPECT_EQ(AppendRows("token-b", mine, 1).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Drop("token-b", mine).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(store_->List("token-b").empty());
+  EXPECT_EQ(store_->List("token-a").size(), 1u);
+  EXPECT_EQ(AppendRows("token-a", mine, 1), absl::OkStatus());
+}
+
+TEST_F(SessionStoreTest, DropFreesPagesWhenNoCallHoldsThem) {
+  SCOPED_TRACE(seed_);
+  Make({4});
+  const std::string a = CreateWith("", 2 * kPageRows);
+  const std::string b = CreateWith("", 1);
+  EXPECT_EQ(store_->Room().pages_free, 1);
+  EXPECT_EQ(store_->Drop("", a), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 3);
+  EXPECT_EQ(store_->Drop("", a).code(), absl::StatusCode::kNotFound);
+  // Dropped while a call holds it: gone at once, its page freed when the call ends.
+  absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {b});
+  ASSERT_TRUE(leases.ok());
+  EXPECT_EQ(store_->Drop("", b), absl::OkStatus());
+  EXPECT_TRUE(store_->List("").empty());
+  EXPECT_EQ(store_->Room().pages_free, 3);
+  leases->clear();
+  EXPECT_EQ(store_->Room().pages_free, 4);
+}
+
+TEST_F(SessionStoreTest, NewSessionsGoToTheDeviceWithTheMostFreePages) {
+  SCOPED_TRACE(seed_);
+  Make({3, 5});
+  CreateWith("", 3 * kPageRows);  // dev1: 5 -> 2 free
+  CreateWith("", 1);              // dev0 has 3 free now
+  std::vector<SessionSnapshot> list = store_->List("");
+  ASSERT_EQ(list.size(), 2u);
+  for (const SessionSnapshot& s : list) EXPECT_EQ(s.device, s.pages == 3 ? "dev1" : "dev0");
+  EXPECT_EQ(store_->Room().pages_total, 8);
+  EXPECT_EQ(store_->Room().pages_free, 4);
+}
+
+TEST_F(SessionStoreTest, ConcurrentCallsOnOneSessionRunOneAtATime) {
+  SCOPED_TRACE(seed_);
+  Make({8});
+  const std::string id = CreateWith("", 0);
+  constexpr int kThreads = 4, kAppends = 25;
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> failures(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(seed_ + t);
+      for (int i = 0; i < kAppends; ++i) {
+        Rows data(1, rng);
+        absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {id});
+        if (!leases.ok()) {
+          failures[t] = leases.status();
+          return;
+        }
+        SessionStore::Lease* held[] = {&leases->front()};
+        const int64_t one[] = {1};
+        absl::Status s = store_->Reserve(held, one);
+        if (s.ok()) s = store_->Append(leases->front(), data.view);
+        if (!s.ok()) {
+          failures[t] = s;
+          return;
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : failures) EXPECT_EQ(s, absl::OkStatus());
+  std::vector<SessionSnapshot> list = store_->List("");
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].length, kThreads * kAppends);
+  EXPECT_EQ(list[0].pages, (kThreads * kAppends + kPageRows - 1) / kPageRows);
+}
+
+}  // namespace
+}  // namespace attention::server

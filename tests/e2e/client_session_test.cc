@@ -1,0 +1,315 @@
+// The C++ Session object (client/session.h) against the real server (CPU backend): decode steps
+// after appends match the float64 reference over the whole sequence, StepMany over sessions of
+// different lengths, LSE, ownership (drop on destruction, Release, moves), NOT_FOUND after a
+// drop, sessions over a round-robin client, and the bearer token on session calls.
+//
+// The reference of a step is an Attend problem over the session's rows: q [1, 1, Hq, D] (one
+// decode query, so [Hq, 1, D] as the step sends it) against k, v [1, N, Hkv, D], built by
+// MakeRequest from the same float values, so both sides round them to the dtype alike.
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "client/reference_check.h"
+#include "client/request_builder.h"
+#include "client/session.h"
+#include "client/tensors.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/e2e_test_util.h"
+
+namespace attention::e2e {
+namespace {
+
+using client::Session;
+using client::SessionClient;
+using client::SessionSpec;
+using client::StepItem;
+using client::StepOptions;
+using client::StepOutput;
+
+class ClientSessionTest : public SharedServerTest<ClientSessionTest> {
+ public:
+  static std::vector<std::string> ServerFlags() { return {"--backend=cpu"}; }
+};
+
+// A session's rows as the client keeps them: [N, Hkv, D] floats (BSHD), so appending rows is
+// appending values.
+struct Sequence {
+  SessionSpec spec;
+  std::vector<float> k, v;
+
+  int64_t rows() const { return static_cast<int64_t>(k.size()) / (spec.kv_heads * spec.head_dim); }
+  // n new random rows: appended here, returned as tensors [n, Hkv, D] for Create and Append.
+  std::pair<v1::Tensor, v1::Tensor> Grow(int64_t n, std::mt19937_64& rng) {
+    return Grow(n, {n, spec.kv_heads, spec.head_dim}, rng);
+  }
+  // One new row as a Step takes it: [Hkv, 1, D] (the same values as [1, Hkv, D]).
+  std::pair<v1::Tensor, v1::Tensor> GrowForStep(std::mt19937_64& rng) {
+    return Grow(1, {spec.kv_heads, 1, spec.head_dim}, rng);
+  }
+
+ private:
+  std::pair<v1::Tensor, v1::Tensor> Grow(int64_t n, const std::vector<int64_t>& shape,
+                                         std::mt19937_64& rng) {
+    std::vector<float> new_k = client::RandomNormal(client::NumElements(shape), rng);
+    std::vector<float> new_v = client::RandomNormal(client::NumElements(shape), rng);
+    k.insert(k.end(), new_k.begin(), new_k.end());
+    v.insert(v.end(), new_v.begin(), new_v.end());
+    return {client::MakeTensor(spec.dtype, shape, new_k),
+            client::MakeTensor(spec.dtype, shape, new_v)};
+  }
+};
+
+// Expects `out`, the step of query q (values of [Hq, 1, D]) on `sequence`, to match the reference.
+void ExpectStepCorrect(const Sequence& sequence, const std::vector<float>& q, int64_t heads_q,
+                       const StepOptions& options, const StepOutput& out) {
+  const client::ProblemSpec problem{.batch = 1,
+                                    .heads_q = heads_q,
+                                    .heads_kv = sequence.spec.kv_heads,
+                                    .seqlen_q = 1,
+                                    .seqlen_k = sequence.rows(),
+                                    .head_dim = sequence.spec.head_dim,
+                                    .dtype = sequence.spec.dtype,
+                                    .layout = v1::LAYOUT_BSHD,
+                                    .causal = options.causal,
+                                    .softmax_scale = options.softmax_scale,
+                                    .window_left = options.window_left,
+                                    .window_right = options.window_right,
+                                    .return_lse = options.return_lse};
+  SCOPED_TRACE(client::DescribeProblem(problem));
+  EXPECT_EQ(out.length, sequence.rows());
+  absl::StatusOr<v1::AttendRequest> request =
+      client::MakeRequest(problem, q, sequence.k, sequence.v);
+  ASSERT_TRUE(request.ok()) << request.status();
+  // The step's o [Hq, 1, D] and lse [Hq, 1] as the Attend response of that problem.
+  v1::AttendResponse response;
+  *response.mutable_o() = out.o;
+  response.mutable_o()->clear_shape();
+  for (int64_t s : {int64_t{1}, int64_t{1}, heads_q, sequence.spec.head_dim}) {
+    response.mutable_o()->add_shape(s);
+  }
+  if (options.return_lse) {
+    ASSERT_EQ(out.lse.shape_size(), 2);
+    *response.mutable_lse() = out.lse;
+    response.mutable_lse()->clear_shape();
+    for (int64_t s : {int64_t{1}, heads_q, int64_t{1}}) response.mutable_lse()->add_shape(s);
+  }
+  ASSERT_EQ(out.o.shape_size(), 3);
+  EXPECT_EQ(out.o.shape(0), heads_q);
+  EXPECT_EQ(out.o.shape(1), 1);
+  absl::StatusOr<client::CheckResult> check = client::CheckResponse(*request, response);
+  ASSERT_TRUE(check.ok()) << check.status();
+  EXPECT_LE(check->relative_error, client::ErrorBound(problem.dtype));
+  if (options.return_lse) {
+    EXPECT_TRUE(check->lse_checked);
+    EXPECT_LE(check->lse_relative_error, client::ErrorBound(problem.dtype));
+  }
+}
+
+TEST_F(ClientSessionTest, DecodeAfterAppendsMatchesReference) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  for (v1::DType dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
+    SCOPED_TRACE(client::DTypeName(dtype));
+    const int64_t heads_q = 8;
+    Sequence seq{
+        .spec = {.dtype = dtype, .kv_heads = 2, .head_dim = 128, .layout = v1::LAYOUT_BSHD}};
+    SessionClient sessions(client());
+    auto [k0, v0] = seq.Grow(61, rng);
+    absl::StatusOr<Session> session = sessions.Create(seq.spec, &k0, &v0);
+    ASSERT_TRUE(session.ok()) << session.status();
+    EXPECT_EQ(session->id().size(), 32u);
+    EXPECT_EQ(session->length(), 61);
+    for (int64_t n : {17, 1, 100}) {
+      auto [k, v] = seq.Grow(n, rng);
+      ASSERT_EQ(session->Append(k, v), absl::OkStatus());
+      EXPECT_EQ(session->length(), seq.rows());
+    }
+    for (int step = 0; step < 3; ++step) {
+      const std::vector<float> q = client::RandomNormal(heads_q * seq.spec.head_dim, rng);
+      auto [k, v] = seq.GrowForStep(rng);
+      const StepOptions options{.causal = true, .return_lse = step == 2};
+      absl::StatusOr<StepOutput> out = session->Step(
+          client::MakeTensor(dtype, {heads_q, 1, seq.spec.head_dim}, q), options, &k, &v);
+      ASSERT_TRUE(out.ok()) << out.status();
+      EXPECT_EQ(out->o.dtype(), dtype);
+      ExpectStepCorrect(seq, q, heads_q, options, *out);
+    }
+    absl::StatusOr<v1::SessionInfo> info = session->Info();
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->length(), seq.rows());
+    EXPECT_EQ(info->kv_heads(), 2);
+    EXPECT_EQ(info->head_dim(), 128);
+    EXPECT_GT(info->resident_bytes(), 0);
+  }
+}
+
+TEST_F(ClientSessionTest, StepManyOverSessionsOfDifferentLengths) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  const int64_t heads_q = 4;
+  SessionClient sessions(client());
+  std::vector<Sequence> seqs;
+  std::vector<Session> live;
+  for (int64_t length : {1, 90, 300}) {
+    Sequence& seq = seqs.emplace_back(Sequence{
+        .spec = {
+            .dtype = v1::DTYPE_FLOAT32, .kv_heads = 2, .head_dim = 64, .layout = v1::LAYOUT_BSHD}});
+    auto [k, v] = seq.Grow(length, rng);
+    absl::StatusOr<Session> session = sessions.Create(seq.spec, &k, &v);
+    ASSERT_TRUE(session.ok()) << session.status();
+    live.push_back(*std::move(session));
+  }
+  // Sessions 0 and 2 append a row before attending; session 1 only attends.
+  std::vector<std::vector<float>> q(seqs.size());
+  std::vector<v1::Tensor> q_tensors(seqs.size()), k_tensors(seqs.size()), v_tensors(seqs.size());
+  std::vector<StepItem> items;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    q[i] = client::RandomNormal(heads_q * 64, rng);
+    q_tensors[i] = client::MakeTensor(v1::DTYPE_FLOAT32, {heads_q, 1, 64}, q[i]);
+    StepItem item{.session = &live[i], .q = &q_tensors[i]};
+    if (i != 1) {
+      std::tie(k_tensors[i], v_tensors[i]) = seqs[i].GrowForStep(rng);
+      item.k = &k_tensors[i];
+      item.v = &v_tensors[i];
+    }
+    items.push_back(item);
+  }
+  const StepOptions options{.causal = true, .return_lse = true};
+  absl::StatusOr<std::vector<StepOutput>> outs = sessions.StepMany(items, options);
+  ASSERT_TRUE(outs.ok()) << outs.status();
+  ASSERT_EQ(outs->size(), seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("session ", i));
+    ExpectStepCorrect(seqs[i], q[i], heads_q, options, (*outs)[i]);
+    EXPECT_EQ(live[i].length(), seqs[i].rows());
+  }
+}
+
+bool Listed(SessionClient& sessions, const std::string& id) {
+  absl::StatusOr<v1::ListSessionsResponse> list = sessions.List();
+  EXPECT_TRUE(list.ok()) << list.status();
+  if (!list.ok()) return false;
+  for (const v1::SessionInfo& info : list->sessions()) {
+    if (info.session_id() == id) return true;
+  }
+  return false;
+}
+
+TEST_F(ClientSessionTest, OwnershipAndNotFoundAfterDrop) {
+  SessionClient sessions(client());
+  const SessionSpec spec{.dtype = v1::DTYPE_FLOAT16, .kv_heads = 1, .head_dim = 32};
+  std::string id;
+  {
+    absl::StatusOr<Session> session = sessions.Create(spec);
+    ASSERT_TRUE(session.ok()) << session.status();
+    EXPECT_EQ(session->length(), 0);
+    Session moved = *std::move(session);  // the moved-from object holds nothing to drop
+    EXPECT_TRUE(session->id().empty());
+    id = moved.id();
+    EXPECT_TRUE(Listed(sessions, id));
+  }
+  EXPECT_FALSE(Listed(sessions, id)) << "the destructor drops the session";
+
+  absl::StatusOr<Session> session = sessions.Create(spec);
+  ASSERT_TRUE(session.ok()) << session.status();
+  id = session->Release();
+  session = absl::UnknownError("destroyed");  // destroys the released object
+  EXPECT_TRUE(Listed(sessions, id)) << "a released session stays";
+  EXPECT_EQ(sessions.Drop(id), absl::OkStatus());
+  EXPECT_EQ(sessions.Drop(id).code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(Listed(sessions, id));
+
+  absl::StatusOr<Session> dropped = sessions.Create(spec);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(dropped->Drop(), absl::OkStatus());
+  const v1::Tensor q = client::MakeTensor(v1::DTYPE_FLOAT16, {1, 1, 32}, std::vector<float>(32, 1));
+  EXPECT_EQ(dropped->Step(q).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(dropped->Drop().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ClientSessionTest, BadStepsAreRefused) {
+  SessionClient sessions(client());
+  absl::StatusOr<Session> session =
+      sessions.Create({.dtype = v1::DTYPE_FLOAT32, .kv_heads = 3, .head_dim = 16});
+  ASSERT_TRUE(session.ok()) << session.status();
+  const v1::Tensor q = client::MakeTensor(v1::DTYPE_FLOAT32, {4, 1, 16}, std::vector<float>(64, 1));
+  // 4 query heads over 3 kv heads: the server's INVALID_ARGUMENT.
+  EXPECT_EQ(session->Step(q).status().code(), absl::StatusCode::kInvalidArgument);
+  // k without v: refused before sending.
+  EXPECT_EQ(session->Step(q, {}, &q, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  // A session of another SessionClient in a batch: refused before sending.
+  SessionClient other(client());
+  StepItem item{.session = &*session, .q = &q};
+  EXPECT_EQ(other.StepMany({&item, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ClientSessionTest, RoundRobinClientKeepsSessionsOnOneServer) {
+  // Two names of one server: the client balances Attend calls round-robin; sessions take a
+  // pick_first channel of their own.
+  const std::string target = absl::StrCat(process().target(), ",localhost:", process().port());
+  client::Client balanced({.target = target});
+  SessionClient sessions(balanced);
+  EXPECT_NE(sessions.channel(), balanced.channel());
+  absl::StatusOr<Session> session =
+      sessions.Create({.dtype = v1::DTYPE_FLOAT32, .kv_heads = 1, .head_dim = 8});
+  ASSERT_TRUE(session.ok()) << session.status();
+  const v1::Tensor q = client::MakeTensor(v1::DTYPE_FLOAT32, {1, 1, 8}, std::vector<float>(8, 1));
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(session->Step(q, {}, &q, &q).ok());
+  }
+  EXPECT_EQ(session->length(), 4);
+}
+
+// A server checking a bearer token: session calls carry the client's token like Attend calls.
+class ClientSessionTokenTest : public SharedServerTest<ClientSessionTokenTest> {
+ public:
+  static constexpr char kToken[] = "session-test-token";
+  static std::string TokenFile() {
+    static const std::string* const path = [] {
+      auto* file = new std::string((std::filesystem::temp_directory_path() /
+                                    absl::StrCat("client_session_test_token.", getpid()))
+                                       .string());
+      std::ofstream(*file) << kToken << "\n";
+      return file;
+    }();
+    return *path;
+  }
+  static std::vector<std::string> ServerFlags() {
+    return {"--backend=cpu", "--auth_token_file=" + TokenFile()};
+  }
+  static void TearDownTestSuite() {
+    SharedServerTest<ClientSessionTokenTest>::TearDownTestSuite();
+    std::filesystem::remove(TokenFile());
+  }
+};
+
+TEST_F(ClientSessionTokenTest, SessionCallsCarryTheToken) {
+  client::Client with_token({.target = process().target(), .bearer_token = kToken});
+  SessionClient sessions(with_token);
+  const SessionSpec spec{.dtype = v1::DTYPE_FLOAT32, .kv_heads = 1, .head_dim = 8};
+  absl::StatusOr<Session> session = sessions.Create(spec);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const v1::Tensor q = client::MakeTensor(v1::DTYPE_FLOAT32, {1, 1, 8}, std::vector<float>(8, 1));
+  EXPECT_TRUE(session->Step(q, {}, &q, &q).ok());
+  EXPECT_TRUE(session->Info().ok());
+
+  SessionClient anonymous(client());  // the fixture's client sends no token
+  EXPECT_EQ(anonymous.Create(spec).status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(anonymous.Drop(session->id()).code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(anonymous.List().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(session->Drop(), absl::OkStatus());
+}
+
+}  // namespace
+}  // namespace attention::e2e

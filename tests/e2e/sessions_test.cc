@@ -1,0 +1,872 @@
+// End to end KV-resident sessions (attention.v1.Sessions) over real gRPC, against the real server
+// on the CPU backend, driven through the generated stub (the server's contract, not a client
+// library): decode and extend steps against the float64 reference over ragged lengths, GQA,
+// windows and LSE; many single-row appends equal one Attend; two half-sequence sessions merged by
+// their LSEs equal one session holding all of it; errors (NOT_FOUND, INVALID_ARGUMENT changing
+// nothing, RESOURCE_EXHAUSTED, UNAUTHENTICATED), expiry after the TTL, and the metrics.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "attention/v1/attention.grpc.pb.h"
+#include "client/reference_check.h"
+#include "client/request_builder.h"
+#include "client/tensors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/e2e_test_util.h"
+#include "tests/e2e/metrics_scrape.h"
+
+namespace attention::e2e {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+absl::Status ToAbsl(const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+// Calls on the Sessions service of one server, with a bearer token when given.
+class SessionsStub {
+ public:
+  SessionsStub(std::shared_ptr<grpc::Channel> channel, std::string token = "")
+      : attention_(v1::Attention::NewStub(channel)),
+        stub_(v1::Sessions::NewStub(std::move(channel))),
+        token_(std::move(token)) {}
+
+  // The server's first device ("cpu", or "cuda:0" when the suite runs against --backend=cuda).
+  std::string ServerDevice() {
+    absl::StatusOr<v1::ServerInfo> info =
+        Call(&v1::Attention::Stub::GetServerInfo, v1::GetServerInfoRequest(), v1::ServerInfo(),
+             attention_.get());
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() && info->devices_size() > 0 ? info->devices(0).name() : "";
+  }
+
+  absl::StatusOr<v1::SessionInfo> Create(const v1::CreateSessionRequest& r) {
+    return Call(&v1::Sessions::Stub::CreateSession, r, v1::SessionInfo());
+  }
+  absl::StatusOr<v1::SessionInfo> Append(const v1::AppendKvRequest& r) {
+    return Call(&v1::Sessions::Stub::AppendKv, r, v1::SessionInfo());
+  }
+  absl::StatusOr<v1::StepResponse> Step(const v1::StepRequest& r) {
+    return Call(&v1::Sessions::Stub::Step, r, v1::StepResponse());
+  }
+  absl::Status Drop(const std::string& id) {
+    v1::DropSessionRequest r;
+    r.set_session_id(id);
+    return Call(&v1::Sessions::Stub::DropSession, r, v1::DropSessionResponse()).status();
+  }
+  absl::StatusOr<v1::ListSessionsResponse> List() {
+    return Call(&v1::Sessions::Stub::ListSessions, v1::ListSessionsRequest(),
+                v1::ListSessionsResponse());
+  }
+  // The session's length per ListSessions; -1 when it is not listed.
+  int64_t Length(const std::string& id) {
+    absl::StatusOr<v1::ListSessionsResponse> list = List();
+    EXPECT_TRUE(list.ok()) << list.status();
+    if (!list.ok()) return -1;
+    for (const v1::SessionInfo& s : list->sessions()) {
+      if (s.session_id() == id) return s.length();
+    }
+    return -1;
+  }
+
+ private:
+  template <typename Stub, typename Req, typename Resp>
+  absl::StatusOr<Resp> Call(grpc::Status (Stub::*method)(grpc::ClientContext*, const Req&, Resp*),
+                            const Req& request, Resp response, Stub* stub) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    if (!token_.empty()) context.AddMetadata("authorization", "Bearer " + token_);
+    grpc::Status status = (stub->*method)(&context, request, &response);
+    if (!status.ok()) return ToAbsl(status);
+    return response;
+  }
+  template <typename Req, typename Resp>
+  absl::StatusOr<Resp> Call(grpc::Status (v1::Sessions::Stub::*method)(grpc::ClientContext*,
+                                                                       const Req&, Resp*),
+                            const Req& request, Resp response) {
+    return Call(method, request, std::move(response), stub_.get());
+  }
+
+  std::unique_ptr<v1::Attention::Stub> attention_;
+  std::unique_ptr<v1::Sessions::Stub> stub_;
+  std::string token_;
+};
+
+// A sequence's K/V as the test keeps it: per kv head, rows of D floats (BHSD [Hkv, N, D]).
+struct Sequence {
+  int64_t heads_kv = 0, head_dim = 0;
+  std::vector<std::vector<float>> k, v;  // [Hkv][N * D]
+
+  Sequence(int64_t hkv, int64_t d) : heads_kv(hkv), head_dim(d), k(hkv), v(hkv) {}
+  int64_t length() const { return static_cast<int64_t>(k[0].size()) / head_dim; }
+
+  // n new random rows, appended here; returned as BHSD [Hkv, n, D] (k then v).
+  std::pair<std::vector<float>, std::vector<float>> Grow(int64_t n, std::mt19937_64& rng) {
+    std::vector<float> nk = client::RandomNormal(heads_kv * n * head_dim, rng);
+    std::vector<float> nv = client::RandomNormal(heads_kv * n * head_dim, rng);
+    for (int64_t h = 0; h < heads_kv; ++h) {
+      k[h].insert(k[h].end(), nk.begin() + h * n * head_dim, nk.begin() + (h + 1) * n * head_dim);
+      v[h].insert(v[h].end(), nv.begin() + h * n * head_dim, nv.begin() + (h + 1) * n * head_dim);
+    }
+    return {std::move(nk), std::move(nv)};
+  }
+  // Rows [from, to) as BHSD [Hkv, to - from, D] (k or v).
+  std::vector<float> Rows(const std::vector<std::vector<float>>& kv, int64_t from,
+                          int64_t to) const {
+    std::vector<float> out;
+    for (int64_t h = 0; h < heads_kv; ++h) {
+      out.insert(out.end(), kv[h].begin() + from * head_dim, kv[h].begin() + to * head_dim);
+    }
+    return out;
+  }
+};
+
+// BHSD [Hkv, n, D] values as BSHD [n, Hkv, D].
+std::vector<float> ToBshd(const std::vector<float>& bhsd, int64_t hkv, int64_t n, int64_t d) {
+  std::vector<float> out(bhsd.size());
+  for (int64_t h = 0; h < hkv; ++h) {
+    for (int64_t i = 0; i < n; ++i) {
+      std::copy_n(bhsd.begin() + (h * n + i) * d, d, out.begin() + (i * hkv + h) * d);
+    }
+  }
+  return out;
+}
+
+struct MaskSpec {
+  bool causal = false;
+  std::optional<float> softmax_scale;
+  std::optional<int32_t> window_left;
+  bool return_lse = false;
+};
+
+void SetMask(const MaskSpec& m, v1::StepRequest* r) {
+  r->set_causal(m.causal);
+  if (m.softmax_scale) r->set_softmax_scale(*m.softmax_scale);
+  if (m.window_left) r->set_window_left(*m.window_left);
+  r->set_return_lse(m.return_lse);
+}
+
+// The AttendRequest whose answer a step's result must match: q [1, Hq, Nq, D] over the whole
+// sequence [1, Hkv, N, D].
+v1::AttendRequest ReferenceRequest(v1::DType dtype, const Sequence& seq,
+                                   const std::vector<float>& q, int64_t hq, int64_t nq,
+                                   const MaskSpec& m) {
+  const int64_t n = seq.length(), d = seq.head_dim, hkv = seq.heads_kv;
+  v1::AttendRequest r;
+  *r.mutable_q() = client::MakeTensor(dtype, {1, hq, nq, d}, q);
+  *r.mutable_k() = client::MakeTensor(dtype, {1, hkv, n, d}, seq.Rows(seq.k, 0, n));
+  *r.mutable_v() = client::MakeTensor(dtype, {1, hkv, n, d}, seq.Rows(seq.v, 0, n));
+  r.set_causal(m.causal);
+  if (m.softmax_scale) r.set_softmax_scale(*m.softmax_scale);
+  if (m.window_left) r.set_window_left(*m.window_left);
+  r.set_return_lse(m.return_lse);
+  return r;
+}
+
+// Expects a step's result to match the float64 reference of `request` within the API's bound.
+void ExpectMatchesReference(const v1::AttendRequest& request, const v1::StepResult& result) {
+  v1::AttendResponse response;
+  *response.mutable_o() = result.o();
+  response.mutable_o()->mutable_shape()->Clear();
+  for (int64_t s : request.q().shape()) response.mutable_o()->add_shape(s);
+  if (request.return_lse()) {
+    *response.mutable_lse() = result.lse();
+    response.mutable_lse()->mutable_shape()->Clear();
+    for (int i = 0; i < 3; ++i) response.mutable_lse()->add_shape(request.q().shape(i));
+  }
+  absl::StatusOr<client::CheckResult> check = client::CheckResponse(request, response);
+  ASSERT_TRUE(check.ok()) << check.status();
+  const double bound = client::ErrorBound(request.q().dtype());
+  EXPECT_LE(check->relative_error, bound) << "o ||o-ref||/||ref||";
+  if (request.return_lse()) {
+    EXPECT_TRUE(check->lse_checked);
+    EXPECT_LE(check->lse_relative_error, bound) << "lse";
+  }
+}
+
+// One session the tests drive: its server id, dtype and the rows it should hold.
+struct TestSession {
+  std::string id;
+  v1::DType dtype;
+  Sequence seq;
+};
+
+// Creates a session of `initial` random rows (none when 0), sent in `layout`.
+absl::StatusOr<TestSession> CreateSession(SessionsStub& stub, v1::DType dtype, int64_t hkv,
+                                          int64_t d, int64_t initial, v1::Layout layout,
+                                          std::mt19937_64& rng) {
+  TestSession s{.dtype = dtype, .seq = Sequence(hkv, d)};
+  v1::CreateSessionRequest r;
+  r.set_dtype(dtype);
+  r.set_kv_heads(static_cast<int32_t>(hkv));
+  r.set_head_dim(static_cast<int32_t>(d));
+  r.set_layout(layout);
+  if (initial > 0) {
+    auto [k, v] = s.seq.Grow(initial, rng);
+    const bool bshd = layout == v1::LAYOUT_BSHD;
+    const std::vector<int64_t> shape =
+        bshd ? std::vector<int64_t>{initial, hkv, d} : std::vector<int64_t>{hkv, initial, d};
+    *r.mutable_k() = client::MakeTensor(dtype, shape, bshd ? ToBshd(k, hkv, initial, d) : k);
+    *r.mutable_v() = client::MakeTensor(dtype, shape, bshd ? ToBshd(v, hkv, initial, d) : v);
+  }
+  absl::StatusOr<v1::SessionInfo> info = stub.Create(r);
+  if (!info.ok()) return info.status();
+  EXPECT_EQ(info->session_id().size(), 32u);
+  EXPECT_EQ(info->length(), initial);
+  EXPECT_EQ(info->device(), stub.ServerDevice());
+  s.id = info->session_id();
+  return s;
+}
+
+// A step entry for `s`: q [hq, nq, D] (returned) after appending `append` new rows (recorded).
+std::vector<float> AddEntry(TestSession& s, int64_t hq, int64_t nq, int64_t append,
+                            std::mt19937_64& rng, v1::StepRequest* r) {
+  v1::StepEntry* e = r->add_entries();
+  e->set_session_id(s.id);
+  const int64_t hkv = s.seq.heads_kv, d = s.seq.head_dim;
+  std::vector<float> q = client::RandomNormal(hq * nq * d, rng);
+  *e->mutable_q() = client::MakeTensor(s.dtype, {hq, nq, d}, q);
+  if (append > 0) {
+    auto [k, v] = s.seq.Grow(append, rng);
+    *e->mutable_k() = client::MakeTensor(s.dtype, {hkv, append, d}, k);
+    *e->mutable_v() = client::MakeTensor(s.dtype, {hkv, append, d}, v);
+  }
+  return q;
+}
+
+class SessionsE2E : public SharedServerTest<SessionsE2E> {
+ public:
+  // 16 KiB pages: 16 rows of float32 with Hkv 2, D 64, so sequences span many pages.
+  static std::vector<std::string> ServerFlags() {
+    return {"--backend=cpu", "--threads=2", "--kv_page_bytes=16384"};
+  }
+
+ protected:
+  SessionsStub Stub() { return SessionsStub(client().channel()); }
+  // Paged decode launches so far (attention_decode_step_duration_seconds_count).
+  double DecodeLaunches() {
+    absl::StatusOr<std::string> text = HttpGet(process().metrics_port(), "/metrics");
+    EXPECT_TRUE(text.ok()) << text.status();
+    if (!text.ok()) return -1;
+    return SumSamples(ParseMetrics(*text), "attention_decode_step_duration_seconds_count");
+  }
+};
+
+struct StepCase {
+  v1::DType dtype;
+  int64_t hq, hkv, d;
+  int64_t initial;  // rows given to CreateSession
+  int64_t append;   // rows the step appends
+  int64_t nq;
+  MaskSpec mask;
+  v1::Layout layout = v1::LAYOUT_BHSD;
+};
+
+TEST_F(SessionsE2E, StepsMatchTheReference) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub = Stub();
+  const std::vector<StepCase> cases = {
+      // decode, GQA, causal, LSE
+      {v1::DTYPE_FLOAT32, 4, 2, 64, 37, 1, 1, {.causal = true, .return_lse = true}},
+      // MQA, extend by 3 rows with 3 queries, first rows sent BSHD
+      {v1::DTYPE_FLOAT16,
+       8,
+       1,
+       128,
+       100,
+       3,
+       3,
+       {.causal = true, .return_lse = true},
+       v1::LAYOUT_BSHD},
+      // one row, no mask, head dim 40
+      {v1::DTYPE_BFLOAT16, 2, 2, 40, 1, 0, 1, {}},
+      // sliding window over many pages (16 rows a page)
+      {v1::DTYPE_FLOAT32,
+       6,
+       3,
+       32,
+       70,
+       5,
+       5,
+       {.causal = true, .window_left = 16, .return_lse = true}},
+      // prefill through a step: the session starts empty
+      {v1::DTYPE_FLOAT16, 4, 2, 64, 0, 20, 20, {.causal = true, .return_lse = true}},
+      // fewer queries than appended rows, explicit scale, no mask
+      {v1::DTYPE_FLOAT32,
+       4,
+       4,
+       32,
+       33,
+       2,
+       1,
+       {.softmax_scale = 0.3f, .return_lse = true},
+       v1::LAYOUT_BSHD},
+      // long decode with a window
+      {v1::DTYPE_BFLOAT16,
+       8,
+       2,
+       128,
+       250,
+       1,
+       1,
+       {.causal = true, .window_left = 31, .return_lse = true}},
+  };
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const StepCase& k = cases[c];
+    SCOPED_TRACE(absl::StrCat("case ", c));
+    absl::StatusOr<TestSession> s =
+        CreateSession(stub, k.dtype, k.hkv, k.d, k.initial, k.layout, rng);
+    ASSERT_TRUE(s.ok()) << s.status();
+    // The step of the case, then one more decode step on the same session.
+    for (const auto& [append, nq] : {std::pair{k.append, k.nq}, {int64_t{1}, int64_t{1}}}) {
+      v1::StepRequest r;
+      r.set_request_id(absl::StrCat("case-", c));
+      SetMask(k.mask, &r);
+      const std::vector<float> q = AddEntry(*s, k.hq, nq, append, rng, &r);
+      absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+      ASSERT_TRUE(out.ok()) << out.status();
+      EXPECT_EQ(out->request_id(), r.request_id());
+      EXPECT_EQ(out->device(), stub.ServerDevice());
+      EXPECT_GT(out->timing().total_us(), 0);
+      ASSERT_EQ(out->results_size(), 1);
+      EXPECT_EQ(out->results(0).session_id(), s->id);
+      EXPECT_EQ(out->results(0).length(), s->seq.length());
+      ExpectMatchesReference(ReferenceRequest(k.dtype, s->seq, q, k.hq, nq, k.mask),
+                             out->results(0));
+    }
+    EXPECT_EQ(stub.Drop(s->id), absl::OkStatus());
+  }
+}
+
+TEST_F(SessionsE2E, OneStepOverRaggedSessionsOfSeveralShapes) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub = Stub();
+  // Five sessions of one shape (one launch) with lengths around the 16-row page, and two of
+  // another shape (a second launch), interleaved.
+  struct Member {
+    v1::DType dtype;
+    int64_t hq, hkv, d, initial;
+  };
+  const std::vector<Member> members = {
+      {v1::DTYPE_FLOAT32, 4, 2, 64, 1},   {v1::DTYPE_FLOAT16, 4, 4, 32, 9},
+      {v1::DTYPE_FLOAT32, 4, 2, 64, 15},  {v1::DTYPE_FLOAT32, 4, 2, 64, 16},
+      {v1::DTYPE_FLOAT16, 4, 4, 32, 40},  {v1::DTYPE_FLOAT32, 4, 2, 64, 17},
+      {v1::DTYPE_FLOAT32, 4, 2, 64, 130},
+  };
+  const MaskSpec mask{.causal = true, .return_lse = true};
+  std::vector<TestSession> sessions;
+  for (const Member& m : members) {
+    absl::StatusOr<TestSession> s =
+        CreateSession(stub, m.dtype, m.hkv, m.d, m.initial, v1::LAYOUT_BHSD, rng);
+    ASSERT_TRUE(s.ok()) << s.status();
+    sessions.push_back(*std::move(s));
+  }
+  for (int step = 0; step < 2; ++step) {
+    v1::StepRequest r;
+    SetMask(mask, &r);
+    std::vector<std::vector<float>> qs;
+    for (size_t i = 0; i < members.size(); ++i) {
+      // Decode steps, and on the second step some entries extend by 2 rows with 2 queries.
+      const int64_t n = step == 1 && i % 3 == 0 ? 2 : 1;
+      qs.push_back(AddEntry(sessions[i], members[i].hq, n, n, rng, &r));
+    }
+    const double launches_before = DecodeLaunches();
+    absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(DecodeLaunches() - launches_before, 2) << "one launch per shape";
+    ASSERT_EQ(out->results_size(), static_cast<int>(members.size()));
+    for (size_t i = 0; i < members.size(); ++i) {
+      SCOPED_TRACE(absl::StrCat("step ", step, " entry ", i));
+      EXPECT_EQ(out->results(i).session_id(), sessions[i].id);
+      EXPECT_EQ(out->results(i).length(), sessions[i].seq.length());
+      const int64_t nq = r.entries(i).q().shape(1);
+      ExpectMatchesReference(
+          ReferenceRequest(members[i].dtype, sessions[i].seq, qs[i], members[i].hq, nq, mask),
+          out->results(i));
+    }
+  }
+  for (const TestSession& s : sessions) EXPECT_EQ(stub.Drop(s.id), absl::OkStatus());
+}
+
+TEST_F(SessionsE2E, HundredSingleRowAppendsEqualOneAttend) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub = Stub();
+  constexpr int64_t kHq = 4, kHkv = 2, kD = 64, kRows = 100, kNq = 8;
+  absl::StatusOr<TestSession> s =
+      CreateSession(stub, v1::DTYPE_FLOAT32, kHkv, kD, 0, v1::LAYOUT_BHSD, rng);
+  ASSERT_TRUE(s.ok()) << s.status();
+  // One row at a time: AppendKv on even rows, a decode Step's append on odd ones.
+  const MaskSpec causal{.causal = true};
+  for (int64_t i = 0; i < kRows; ++i) {
+    if (i % 2 == 0) {
+      auto [k, v] = s->seq.Grow(1, rng);
+      v1::AppendKvRequest a;
+      a.set_session_id(s->id);
+      *a.mutable_k() = client::MakeTensor(v1::DTYPE_FLOAT32, {kHkv, 1, kD}, k);
+      *a.mutable_v() = client::MakeTensor(v1::DTYPE_FLOAT32, {kHkv, 1, kD}, v);
+      absl::StatusOr<v1::SessionInfo> info = stub.Append(a);
+      ASSERT_TRUE(info.ok()) << info.status();
+      ASSERT_EQ(info->length(), i + 1);
+    } else {
+      v1::StepRequest r;
+      SetMask(causal, &r);
+      AddEntry(*s, kHq, 1, 1, rng, &r);
+      absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+      ASSERT_TRUE(out.ok()) << out.status();
+      ASSERT_EQ(out->results(0).length(), i + 1);
+    }
+  }
+  // The last 8 positions' queries, causal, against one Attend over the 100 rows.
+  v1::StepRequest r;
+  SetMask(MaskSpec{.causal = true, .return_lse = true}, &r);
+  const std::vector<float> q = AddEntry(*s, kHq, kNq, 0, rng, &r);
+  absl::StatusOr<v1::StepResponse> step = stub.Step(r);
+  ASSERT_TRUE(step.ok()) << step.status();
+  const v1::AttendRequest attend = ReferenceRequest(v1::DTYPE_FLOAT32, s->seq, q, kHq, kNq,
+                                                    MaskSpec{.causal = true, .return_lse = true});
+  absl::StatusOr<v1::AttendResponse> whole = client().Attend(attend);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  absl::StatusOr<std::vector<float>> o_step = client::TensorToFloat(step->results(0).o());
+  absl::StatusOr<std::vector<float>> o_whole = client::TensorToFloat(whole->o());
+  ASSERT_TRUE(o_step.ok() && o_whole.ok());
+  ASSERT_EQ(o_step->size(), o_whole->size());
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < o_step->size(); ++i) {
+    diff += std::pow((*o_step)[i] - (*o_whole)[i], 2);
+    norm += std::pow((*o_whole)[i], 2);
+  }
+  EXPECT_LE(std::sqrt(diff / norm), 1e-5) << "||o_step - o_attend|| / ||o_attend||";
+  ExpectMatchesReference(attend, step->results(0));
+  EXPECT_EQ(stub.Drop(s->id), absl::OkStatus());
+}
+
+TEST_F(SessionsE2E, TwoHalvesMergedByLseEqualTheWhole) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub = Stub();
+  constexpr int64_t kHq = 8, kHkv = 2, kD = 64, kRows = 150, kNq = 2;
+  absl::StatusOr<TestSession> whole =
+      CreateSession(stub, v1::DTYPE_FLOAT32, kHkv, kD, kRows, v1::LAYOUT_BHSD, rng);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  // The halves hold rows [0, 70) and [70, 150) of the same sequence.
+  std::vector<TestSession> halves;
+  for (const auto& [from, to] : {std::pair<int64_t, int64_t>{0, 70}, {70, kRows}}) {
+    absl::StatusOr<TestSession> half =
+        CreateSession(stub, v1::DTYPE_FLOAT32, kHkv, kD, 0, v1::LAYOUT_BHSD, rng);
+    ASSERT_TRUE(half.ok()) << half.status();
+    v1::AppendKvRequest a;
+    a.set_session_id(half->id);
+    *a.mutable_k() = client::MakeTensor(v1::DTYPE_FLOAT32, {kHkv, to - from, kD},
+                                        whole->seq.Rows(whole->seq.k, from, to));
+    *a.mutable_v() = client::MakeTensor(v1::DTYPE_FLOAT32, {kHkv, to - from, kD},
+                                        whole->seq.Rows(whole->seq.v, from, to));
+    ASSERT_TRUE(stub.Append(a).ok());
+    halves.push_back(*std::move(half));
+  }
+  // One step over all three sessions with the same q (no mask: every query sees every row).
+  const std::vector<float> q = client::RandomNormal(kHq * kNq * kD, rng);
+  v1::StepRequest r;
+  r.set_return_lse(true);
+  for (const std::string& id : {whole->id, halves[0].id, halves[1].id}) {
+    v1::StepEntry* e = r.add_entries();
+    e->set_session_id(id);
+    *e->mutable_q() = client::MakeTensor(v1::DTYPE_FLOAT32, {kHq, kNq, kD}, q);
+  }
+  absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::vector<std::vector<float>> o, lse;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<std::vector<float>> oi = client::TensorToFloat(out->results(i).o());
+    absl::StatusOr<std::vector<float>> li = client::TensorToFloat(out->results(i).lse());
+    ASSERT_TRUE(oi.ok() && li.ok());
+    o.push_back(*oi);
+    lse.push_back(*li);
+  }
+  // Row (h, i): o = (e^{lse_a} o_a + e^{lse_b} o_b) / (e^{lse_a} + e^{lse_b}), lse = log of the
+  // sum.
+  double o_diff = 0, o_norm = 0, lse_diff = 0, lse_norm = 0;
+  for (int64_t row = 0; row < kHq * kNq; ++row) {
+    const double la = lse[1][row], lb = lse[2][row], m = std::max(la, lb);
+    const double wa = std::exp(la - m), wb = std::exp(lb - m);
+    const double merged_lse = m + std::log(wa + wb);
+    lse_diff += std::pow(merged_lse - lse[0][row], 2);
+    lse_norm += std::pow(lse[0][row], 2);
+    for (int64_t j = 0; j < kD; ++j) {
+      const int64_t at = row * kD + j;
+      const double merged = (wa * o[1][at] + wb * o[2][at]) / (wa + wb);
+      o_diff += std::pow(merged - o[0][at], 2);
+      o_norm += std::pow(o[0][at], 2);
+    }
+  }
+  EXPECT_LE(std::sqrt(o_diff / o_norm), 1e-5) << "merged o vs the whole sequence's";
+  EXPECT_LE(std::sqrt(lse_diff / lse_norm), 1e-5) << "merged lse vs the whole sequence's";
+  ExpectMatchesReference(
+      ReferenceRequest(v1::DTYPE_FLOAT32, whole->seq, q, kHq, kNq, MaskSpec{.return_lse = true}),
+      out->results(0));
+  for (const std::string& id : {whole->id, halves[0].id, halves[1].id}) {
+    EXPECT_EQ(stub.Drop(id), absl::OkStatus());
+  }
+}
+
+TEST_F(SessionsE2E, UnknownAndDroppedSessionsAreNotFound) {
+  std::mt19937_64 rng(FreshSeed());
+  SessionsStub stub = Stub();
+  absl::StatusOr<TestSession> s =
+      CreateSession(stub, v1::DTYPE_FLOAT32, 1, 8, 3, v1::LAYOUT_BHSD, rng);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(stub.Drop(s->id), absl::OkStatus());
+  for (const std::string& id : {s->id, std::string(32, 'a')}) {
+    v1::StepRequest r;
+    TestSession ghost{.id = id, .dtype = v1::DTYPE_FLOAT32, .seq = Sequence(1, 8)};
+    AddEntry(ghost, 1, 1, 1, rng, &r);
+    absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kNotFound) << out.status();
+    EXPECT_THAT(std::string(out.status().message()), HasSubstr(id));
+    EXPECT_EQ(stub.Drop(id).code(), absl::StatusCode::kNotFound);
+    v1::AppendKvRequest a;
+    a.set_session_id(id);
+    *a.mutable_k() = r.entries(0).k();
+    *a.mutable_v() = r.entries(0).v();
+    EXPECT_EQ(stub.Append(a).status().code(), absl::StatusCode::kNotFound);
+  }
+}
+
+TEST_F(SessionsE2E, InvalidEntriesAreRefusedBeforeAnythingIsAppended) {
+  std::mt19937_64 rng(FreshSeed());
+  SessionsStub stub = Stub();
+  absl::StatusOr<TestSession> a =
+      CreateSession(stub, v1::DTYPE_FLOAT16, 2, 16, 5, v1::LAYOUT_BHSD, rng);
+  absl::StatusOr<TestSession> b =
+      CreateSession(stub, v1::DTYPE_FLOAT16, 2, 16, 5, v1::LAYOUT_BHSD, rng);
+  ASSERT_TRUE(a.ok() && b.ok());
+  struct Case {
+    std::string name;
+    std::function<void(v1::StepRequest*)> corrupt;
+    std::vector<std::string> words;
+  };
+  const std::vector<Case> cases = {
+      {"kv heads",
+       [](v1::StepRequest* r) {
+         *r->mutable_entries(1)->mutable_k() =
+             client::MakeTensor(v1::DTYPE_FLOAT16, {3, 1, 16}, std::vector<float>(48, 1));
+       },
+       {"entries[1].k.shape[0]", "expected 2", "got 3"}},
+      {"v bytes",
+       [](v1::StepRequest* r) { r->mutable_entries(1)->mutable_v()->mutable_data()->pop_back(); },
+       {"entries[1].v.data", "expected 64 bytes", "got 63"}},
+      {"q heads",
+       [](v1::StepRequest* r) {
+         *r->mutable_entries(1)->mutable_q() =
+             client::MakeTensor(v1::DTYPE_FLOAT16, {3, 1, 16}, std::vector<float>(48, 1));
+       },
+       {"entries[1].q.shape[0]", "multiple", "2 kv heads", "got 3"}},
+      {"dtype",
+       [](v1::StepRequest* r) {
+         r->mutable_entries(1)->mutable_q()->set_dtype(v1::DTYPE_BFLOAT16);
+       },
+       {"entries[1].q.dtype", "DTYPE_FLOAT16", "DTYPE_BFLOAT16"}},
+      {"duplicate",
+       [&](v1::StepRequest* r) { r->mutable_entries(1)->set_session_id(a->id); },
+       {"entries[1].session_id", "at most once", a->id}},
+      {"window",
+       [](v1::StepRequest* r) { r->set_window_left(-1); },
+       {"window_left", "expected >= 0", "got -1"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    v1::StepRequest r;
+    AddEntry(*a, 4, 1, 1, rng, &r);  // valid, and appends a row
+    AddEntry(*b, 4, 1, 1, rng, &r);
+    c.corrupt(&r);
+    absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
+    for (const std::string& word : c.words) {
+      EXPECT_THAT(std::string(out.status().message()), HasSubstr(word));
+    }
+    EXPECT_EQ(stub.Length(a->id), 5) << "entry 0's row was appended";
+    EXPECT_EQ(stub.Length(b->id), 5);
+  }
+  // Create and Append name their fields too.
+  v1::CreateSessionRequest create;
+  create.set_dtype(v1::DTYPE_FLOAT16);
+  create.set_kv_heads(2);
+  create.set_head_dim(0);
+  EXPECT_THAT(std::string(stub.Create(create).status().message()),
+              HasSubstr("head_dim: expected 1..256, got 0"));
+  v1::AppendKvRequest append;
+  append.set_session_id(a->id);
+  append.set_layout(v1::LAYOUT_BSHD);
+  *append.mutable_k() = client::MakeTensor(v1::DTYPE_FLOAT16, {4, 3, 16}, std::vector<float>(192));
+  *append.mutable_v() = append.k();
+  absl::StatusOr<v1::SessionInfo> appended = stub.Append(append);
+  EXPECT_EQ(appended.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(appended.status().message()),
+              HasSubstr("k.shape[1] (kv heads): expected 2 (the session's), got 3"));
+  EXPECT_EQ(stub.Length(a->id), 5);
+  EXPECT_EQ(stub.Drop(a->id), absl::OkStatus());
+  EXPECT_EQ(stub.Drop(b->id), absl::OkStatus());
+}
+
+TEST_F(SessionsE2E, ListAndMetricsShowTheCache) {
+  std::mt19937_64 rng(FreshSeed());
+  SessionsStub stub = Stub();
+  absl::StatusOr<client::HealthStatus> health = client().CheckHealth("attention.v1.Sessions");
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
+  // float32, Hkv 2, D 64: 16 rows per 16 KiB page, so 40 rows hold 3 pages.
+  absl::StatusOr<TestSession> s =
+      CreateSession(stub, v1::DTYPE_FLOAT32, 2, 64, 40, v1::LAYOUT_BHSD, rng);
+  ASSERT_TRUE(s.ok()) << s.status();
+  v1::StepRequest r;
+  AddEntry(*s, 2, 1, 1, rng, &r);
+  ASSERT_TRUE(stub.Step(r).ok());
+  absl::StatusOr<v1::ListSessionsResponse> list = stub.List();
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->page_bytes(), 16384);
+  EXPECT_GT(list->pages_total(), list->pages_free());
+  const v1::SessionInfo* info = nullptr;
+  for (const v1::SessionInfo& i : list->sessions()) {
+    if (i.session_id() == s->id) info = &i;
+  }
+  ASSERT_NE(info, nullptr);
+  EXPECT_EQ(info->length(), 41);
+  EXPECT_EQ(info->pages(), 3);
+  EXPECT_EQ(info->resident_bytes(), 3 * 16384);
+  EXPECT_EQ(info->kv_heads(), 2);
+  EXPECT_EQ(info->head_dim(), 64);
+  EXPECT_EQ(info->dtype(), v1::DTYPE_FLOAT32);
+  EXPECT_GE(info->idle_s(), 0);
+  EXPECT_LE(info->expires_in_s(), 600);
+  EXPECT_GT(info->expires_in_s(), 500);
+
+  absl::StatusOr<std::string> text = HttpGet(process().metrics_port(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  const std::vector<MetricSample> samples = ParseMetrics(*text);
+  const std::string device = stub.ServerDevice();
+  EXPECT_GE(SumSamples(samples, "attention_sessions_resident", {{"device", device}}), 1);
+  EXPECT_GE(SumSamples(samples, "attention_session_resident_bytes", {{"device", device}}),
+            3 * 16384);
+  EXPECT_EQ(SumSamples(samples, "attention_kv_pages_free", {{"device", device}}),
+            list->pages_free());
+  EXPECT_EQ(SumSamples(samples, "attention_kv_pages_capacity", {{"device", device}}),
+            list->pages_total());
+  EXPECT_TRUE(HasSample(samples, "attention_session_expirations_total"));
+  EXPECT_GE(
+      SumSamples(samples, "attention_decode_step_duration_seconds_count", {{"device", device}}), 1);
+  EXPECT_GE(SumSamples(samples, "attention_requests_total", {{"rpc", "Step"}, {"code", "OK"}}), 1);
+  EXPECT_GE(
+      SumSamples(samples, "attention_requests_total", {{"rpc", "CreateSession"}, {"code", "OK"}}),
+      1);
+  EXPECT_EQ(stub.Drop(s->id), absl::OkStatus());
+}
+
+TEST_F(SessionsE2E, ConcurrentStepsOnOneSessionRunOneAtATime) {
+  std::mt19937_64 rng(FreshSeed());
+  SessionsStub stub = Stub();
+  absl::StatusOr<TestSession> s =
+      CreateSession(stub, v1::DTYPE_FLOAT32, 1, 8, 0, v1::LAYOUT_BHSD, rng);
+  ASSERT_TRUE(s.ok()) << s.status();
+  constexpr int kThreads = 3, kSteps = 20;
+  std::vector<std::vector<int64_t>> lengths(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      SessionsStub own = Stub();
+      const v1::Tensor row =
+          client::MakeTensor(v1::DTYPE_FLOAT32, {1, 1, 8}, std::vector<float>(8, 1.0f + t));
+      for (int i = 0; i < kSteps; ++i) {
+        v1::StepRequest r;
+        v1::StepEntry* e = r.add_entries();
+        e->set_session_id(s->id);
+        *e->mutable_q() = row;
+        *e->mutable_k() = row;
+        *e->mutable_v() = row;
+        absl::StatusOr<v1::StepResponse> out = own.Step(r);
+        if (out.ok()) lengths[t].push_back(out->results(0).length());
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  // Every step appended its row and saw a length no other step saw.
+  std::vector<int64_t> all;
+  for (const auto& l : lengths) all.insert(all.end(), l.begin(), l.end());
+  std::sort(all.begin(), all.end());
+  ASSERT_EQ(all.size(), static_cast<size_t>(kThreads * kSteps));
+  for (int i = 0; i < kThreads * kSteps; ++i) EXPECT_EQ(all[i], i + 1);
+  EXPECT_EQ(stub.Length(s->id), kThreads * kSteps);
+  EXPECT_EQ(stub.Drop(s->id), absl::OkStatus());
+}
+
+TEST(SessionsOffE2E, WithoutACacheSessionsAreUnimplemented) {
+  absl::StatusOr<RunningServer> server = StartServer({"--backend=cpu", "--kv_cache_fraction=0"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::StatusOr<client::HealthStatus> health =
+      server->client->CheckHealth("attention.v1.Sessions");
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  SessionsStub stub(server->client->channel());
+  absl::StatusOr<v1::ListSessionsResponse> list = stub.List();
+  EXPECT_EQ(list.status().code(), absl::StatusCode::kUnimplemented) << list.status();
+  EXPECT_THAT(std::string(list.status().message()), HasSubstr("--kv_cache_fraction"));
+  EXPECT_EQ(server->Stop(), absl::OkStatus());
+}
+
+// A server with a bearer token, a cache of 8 pages of 4 KiB and a 2-second TTL.
+class SessionsLimitsE2E : public SharedServerTest<SessionsLimitsE2E> {
+ public:
+  static constexpr char kToken[] = "sessions-e2e-token";
+  static constexpr int64_t kPages = 8;
+  static constexpr int64_t kPageBytes = 4096;
+
+  static std::string TokenFile() {
+    static const std::string* const path = [] {
+      auto* file = new std::string(
+          (std::filesystem::temp_directory_path() / absl::StrCat("sessions_test_token.", getpid()))
+              .string());
+      std::ofstream(*file) << kToken << "\n";
+      return file;
+    }();
+    return *path;
+  }
+  // The fraction of this host's RAM (as the server reads it) that is 8.5 pages.
+  static double Fraction() {
+    std::ifstream meminfo("/proc/meminfo");
+    std::string line;
+    while (std::getline(meminfo, line)) {
+      if (absl::StartsWith(line, "MemTotal:")) {
+        int64_t kib = 0;
+        absl::string_view value = absl::StripSuffix(
+            absl::StripAsciiWhitespace(absl::StripPrefix(line, "MemTotal:")), " kB");
+        if (absl::SimpleAtoi(value, &kib)) {
+          return (kPages + 0.5) * kPageBytes / (static_cast<double>(kib) * 1024);
+        }
+      }
+    }
+    return 0;
+  }
+  static std::vector<std::string> ServerFlags() {
+    return {"--backend=cpu",
+            "--threads=1",
+            "--auth_token_file=" + TokenFile(),
+            absl::StrCat("--kv_cache_fraction=", absl::StrFormat("%.17g", Fraction())),
+            absl::StrCat("--kv_page_bytes=", kPageBytes),
+            "--session_ttl_s=2"};
+  }
+  static void TearDownTestSuite() {
+    SharedServerTest<SessionsLimitsE2E>::TearDownTestSuite();
+    std::filesystem::remove(TokenFile());
+  }
+
+ protected:
+  SessionsStub Stub(const std::string& token = kToken) {
+    return SessionsStub(client().channel(), token);
+  }
+};
+
+TEST_F(SessionsLimitsE2E, EveryCallNeedsTheToken) {
+  for (const std::string& token : {std::string(), std::string("wrong-token")}) {
+    SCOPED_TRACE(token);
+    SessionsStub stub = Stub(token);
+    v1::CreateSessionRequest create;
+    create.set_dtype(v1::DTYPE_FLOAT32);
+    create.set_kv_heads(1);
+    create.set_head_dim(8);
+    EXPECT_EQ(stub.Create(create).status().code(), absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(stub.Append(v1::AppendKvRequest()).status().code(),
+              absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(stub.Step(v1::StepRequest()).status().code(), absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(stub.Drop("x").code(), absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(stub.List().status().code(), absl::StatusCode::kUnauthenticated);
+  }
+  absl::StatusOr<v1::ListSessionsResponse> list = Stub().List();
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->pages_total(), kPages);
+}
+
+TEST_F(SessionsLimitsE2E, AFullCacheRefusesWithBytesNeededAndFree) {
+  std::mt19937_64 rng(FreshSeed());
+  SessionsStub stub = Stub();
+  // float32, Hkv 1, D 8: 64 bytes a row, 64 rows a page. One session takes 7 of the 8 pages.
+  absl::StatusOr<TestSession> big =
+      CreateSession(stub, v1::DTYPE_FLOAT32, 1, 8, 7 * 64, v1::LAYOUT_BHSD, rng);
+  ASSERT_TRUE(big.ok()) << big.status();
+  absl::StatusOr<TestSession> small =
+      CreateSession(stub, v1::DTYPE_FLOAT32, 1, 8, 1, v1::LAYOUT_BHSD, rng);
+  ASSERT_TRUE(small.ok()) << small.status();
+  absl::StatusOr<TestSession> none =
+      CreateSession(stub, v1::DTYPE_FLOAT32, 1, 8, 0, v1::LAYOUT_BHSD, rng);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kResourceExhausted) << none.status();
+  EXPECT_THAT(std::string(none.status().message()),
+              AllOf(HasSubstr("needs 4096 bytes"), HasSubstr("0 bytes free")));
+  // A step whose append needs a page: refused, and its other entry appended nothing either.
+  v1::StepRequest r;
+  AddEntry(*small, 1, 1, 1, rng, &r);
+  AddEntry(*big, 1, 1, 1, rng, &r);
+  absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kResourceExhausted) << out.status();
+  EXPECT_THAT(std::string(out.status().message()),
+              AllOf(HasSubstr("need 4096 bytes"), HasSubstr("0 bytes free")));
+  EXPECT_EQ(stub.Length(small->id), 1);
+  EXPECT_EQ(stub.Length(big->id), 7 * 64);
+  // Dropping frees the room.
+  EXPECT_EQ(stub.Drop(small->id), absl::OkStatus());
+  v1::StepRequest again;
+  AddEntry(*big, 1, 1, 1, rng, &again);
+  out = stub.Step(again);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->results(0).length(), 7 * 64 + 1);
+  EXPECT_EQ(stub.Drop(big->id), absl::OkStatus());
+}
+
+TEST_F(SessionsLimitsE2E, IdleSessionsExpire) {
+  std::mt19937_64 rng(FreshSeed());
+  SessionsStub stub = Stub();
+  absl::StatusOr<TestSession> s =
+      CreateSession(stub, v1::DTYPE_FLOAT32, 1, 8, 5, v1::LAYOUT_BHSD, rng);
+  ASSERT_TRUE(s.ok()) << s.status();
+  absl::StatusOr<v1::ListSessionsResponse> list = stub.List();
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->sessions_size(), 1);
+  EXPECT_LE(list->sessions(0).expires_in_s(), 2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+  // The sweeper removed it: the metrics show it before any call touches the session.
+  absl::StatusOr<std::string> text = HttpGet(process().metrics_port(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  const std::vector<MetricSample> samples = ParseMetrics(*text);
+  EXPECT_GE(SumSamples(samples, "attention_session_expirations_total"), 1);
+  EXPECT_EQ(SumSamples(samples, "attention_sessions_resident", {{"device", "cpu"}}), 0);
+  EXPECT_EQ(SumSamples(samples, "attention_kv_pages_free", {{"device", "cpu"}}), kPages);
+  v1::StepRequest r;
+  AddEntry(*s, 1, 1, 0, rng, &r);
+  absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kNotFound) << out.status();
+  EXPECT_THAT(std::string(out.status().message()), HasSubstr("expired"));
+}
+
+}  // namespace
+}  // namespace attention::e2e

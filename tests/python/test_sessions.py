@@ -1,0 +1,195 @@
+"""KV-resident sessions through the Python client (client/python) against the real attention_server
+(CPU backend).
+
+Each step's output is compared with the numpy float64 reference of test_attention_client.py over
+the session's whole sequence (every row created, appended and stepped so far), by relative error
+within the API's bounds (1e-5 float32, 1e-2 float16 and bfloat16). Inputs are fresh random each
+run; the seed is printed, and a failure message repeats it.
+
+Run by ctest (label "python") like test_attention_client.py. Exits 77 (skipped) when grpcio or
+numpy is missing.
+"""
+import copy
+import unittest
+
+from test_attention_client import (F16_BOUND, F32_BOUND, SEED, ServerTest, lse_error, reference,
+                                   rel_error)
+
+import grpc
+import numpy as np
+from attention_client import (AttentionError, Client, bfloat16_bits_to_float32,
+                              float32_to_bfloat16_bits)
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+def session_reference(q, k, v, **kwargs):
+    """o [Hq, Nq, D] and lse [Hq, Nq] of q [Hq, Nq, D] over k, v [Hkv, N, D] (queries last)."""
+    o, lse = reference(q[None], k[None], v[None], **kwargs)
+    return o[0], lse[0]
+
+
+class SessionTest(ServerTest):
+    def rows(self, hkv, n, d):
+        return self.normal(hkv, n, d), self.normal(hkv, n, d)
+
+    def test_decode_after_appends_matches_reference(self):
+        hq, hkv, d = 8, 2, 64
+        k, v = self.rows(hkv, 45, d)
+        with self.client.session(k=k, v=v) as s:  # float32, Hkv and D from k
+            self.assertEqual((s.length, s.kv_heads, s.head_dim), (45, hkv, d))
+            for n in (7, 1, 30):
+                k1, v1 = self.rows(hkv, n, d)
+                self.assertEqual(s.append(k1, v1), k.shape[1] + n)
+                k, v = np.concatenate([k, k1], axis=1), np.concatenate([v, v1], axis=1)
+            for step in range(4):  # decode: one token's query and K/V per step
+                q = self.normal(hq, 1, d)
+                k1, v1 = self.rows(hkv, 1, d)
+                k, v = np.concatenate([k, k1], axis=1), np.concatenate([v, v1], axis=1)
+                o = s.step(q, k1, v1, causal=True)
+                self.assertEqual(o.dtype, np.float32)
+                self.assertEqual(o.shape, q.shape)
+                self.assertEqual(s.length, k.shape[1])
+                ref_o, _ = session_reference(q, k, v, causal=True)
+                self.assertWithin(rel_error(o, ref_o), F32_BOUND, f"step {step} o")
+
+    def test_lse_scale_and_window(self):
+        hq, hkv, d = 4, 4, 32
+        k, v = self.rows(hkv, 70, d)
+        with self.client.session(k=k, v=v) as s:
+            q = self.normal(hq, 5, d)  # an extend step: 5 queries, the last 5 positions
+            k1, v1 = self.rows(hkv, 5, d)
+            k, v = np.concatenate([k, k1], axis=1), np.concatenate([v, v1], axis=1)
+            o, lse = s.step(q, k1, v1, causal=True, return_lse=True)
+            self.assertEqual(lse.dtype, np.float32)
+            self.assertEqual(lse.shape, (hq, 5))
+            ref_o, ref_lse = session_reference(q, k, v, causal=True)
+            self.assertWithin(rel_error(o, ref_o), F32_BOUND, "causal o")
+            self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, "causal lse")
+            # No append: the queries are the last 3 positions of the 75 rows.
+            q = self.normal(hq, 3, d)
+            o, lse = s.step(q, softmax_scale=0.3, window_left=16, window_right=0, return_lse=True)
+            self.assertEqual(s.length, 75)
+            ref_o, ref_lse = session_reference(q, k, v, scale=0.3, window_left=16, window_right=0)
+            self.assertWithin(rel_error(o, ref_o), F32_BOUND, "window o")
+            self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, "window lse")
+
+    def test_bshd_float16_session(self):
+        hq, hkv, d = 6, 3, 64
+        k, v = (x.astype(np.float16) for x in self.rows(hkv, 33, d))
+        # BSHD first rows and appends: [N, Hkv, D].
+        with self.client.session(k=k.transpose(1, 0, 2).copy(), v=v.transpose(1, 0, 2).copy(),
+                                 layout="bshd") as s:
+            self.assertEqual((s.kv_heads, s.head_dim), (hkv, d))
+            k1, v1 = (x.astype(np.float16) for x in self.rows(hkv, 20, d))
+            s.append(k1.transpose(1, 0, 2).copy(), v1.transpose(1, 0, 2).copy())
+            k, v = np.concatenate([k, k1], axis=1), np.concatenate([v, v1], axis=1)
+            q = self.normal(hq, 2, d).astype(np.float16)
+            o = s.step(q, causal=True)
+            self.assertEqual(o.dtype, np.float16)
+            ref_o, _ = session_reference(q, k, v, causal=True)
+            self.assertWithin(rel_error(o, ref_o), F16_BOUND, "float16 o")
+
+    def test_bfloat16_bits_session(self):
+        hq, hkv, d = 4, 1, 128
+        k, v = (float32_to_bfloat16_bits(x) for x in self.rows(hkv, 50, d))
+        with self.client.session(dtype="bfloat16", k=k, v=v, bfloat16_bits=True) as s:
+            q = float32_to_bfloat16_bits(self.normal(hq, 1, d))
+            k1, v1 = (float32_to_bfloat16_bits(x) for x in self.rows(hkv, 1, d))
+            o = s.step(q, k1, v1)
+            self.assertEqual(o.dtype, np.uint16)
+            kf, vf = (bfloat16_bits_to_float32(np.concatenate(x, axis=1)) for x in ((k, k1), (v, v1)))
+            ref_o, _ = session_reference(bfloat16_bits_to_float32(q), kf, vf)
+            self.assertWithin(rel_error(bfloat16_bits_to_float32(o), ref_o), F16_BOUND,
+                              "bfloat16 o")
+
+    def test_step_many_over_sessions_of_different_lengths(self):
+        hq, hkv, d = 4, 2, 64
+        lengths = (1, 64, 257)
+        seqs = [self.rows(hkv, n, d) for n in lengths]
+        sessions = [self.client.session(k=k, v=v) for k, v in seqs]
+        try:
+            items, refs = [], []
+            for i, (s, (k, v)) in enumerate(zip(sessions, seqs)):
+                q = self.normal(hq, 2, d)
+                if i % 2 == 0:  # some entries append two rows, some only attend
+                    k1, v1 = self.rows(hkv, 2, d)
+                    k, v = np.concatenate([k, k1], axis=1), np.concatenate([v, v1], axis=1)
+                    items.append((s, q, k1, v1))
+                else:
+                    items.append((s, q))
+                refs.append(session_reference(q, k, v, causal=True))
+            outs = self.client.step_many(items, causal=True, return_lse=True)
+            self.assertEqual(len(outs), len(items))
+            for i, ((o, lse), (ref_o, ref_lse)) in enumerate(zip(outs, refs)):
+                self.assertWithin(rel_error(o, ref_o), F32_BOUND, f"session {i} o")
+                self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, f"session {i} lse")
+            self.assertEqual([s.length for s in sessions], [lengths[0] + 2, lengths[1], lengths[2] + 2])
+        finally:
+            for s in sessions:
+                s.drop()
+
+    def test_info_list_and_not_found_after_drop(self):
+        k, v = self.rows(2, 40, 64)
+        s = self.client.session(k=k, v=v)
+        info = s.info()
+        self.assertEqual((info.session_id, info.length, info.kv_heads, info.head_dim),
+                         (s.id, 40, 2, 64))
+        self.assertGreater(info.resident_bytes, 0)
+        self.assertGreater(info.pages, 0)
+        self.assertIn(s.id, [x.session_id for x in self.client.list_sessions().sessions])
+        stale = copy.copy(s)  # still names the session after s drops it
+        s.drop()
+        self.assertNotIn(stale.id, [x.session_id for x in self.client.list_sessions().sessions])
+        for call in (lambda: stale.step(self.normal(2, 1, 64)),
+                     lambda: stale.append(*self.rows(2, 1, 64)),
+                     stale.info, stale.drop):
+            with self.assertRaises(AttentionError) as e:
+                call()
+            self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(AttentionError) as e:  # the dropped object refuses locally
+            s.step(self.normal(2, 1, 64))
+        self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+
+    def test_context_manager_drops(self):
+        with self.client.session(dtype=np.float32, kv_heads=1, head_dim=16) as s:
+            self.assertEqual(s.length, 0)
+            session_id = s.id
+        self.assertNotIn(session_id, [x.session_id for x in self.client.list_sessions().sessions])
+
+    def test_bad_query_heads_is_invalid_argument(self):
+        with self.client.session(k=self.normal(3, 8, 32), v=self.normal(3, 8, 32)) as s:
+            with self.assertRaises(AttentionError) as e:
+                s.step(self.normal(4, 1, 32))  # 4 query heads over 3 kv heads
+            self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+
+    def test_round_robin_client_keeps_a_session_on_one_server(self):
+        # Two names of one server: attend() goes round-robin, sessions over their own
+        # pick_first channel.
+        with Client(f"127.0.0.1:{self.port},localhost:{self.port}", timeout=60) as balanced:
+            k, v = self.rows(1, 10, 16)
+            with balanced.session(k=k, v=v) as s:
+                for _ in range(3):
+                    k1, v1 = self.rows(1, 1, 16)
+                    s.step(self.normal(2, 1, 16), k1, v1)
+                self.assertEqual(s.length, 13)
+            self.assertIsNotNone(balanced._sessions_channel)
+
+    @unittest.skipIf(torch is None, "torch is not installed")
+    def test_torch_tensors(self):
+        k, v = (torch.from_numpy(x) for x in self.rows(2, 20, 64))
+        with self.client.session(k=k, v=v) as s:
+            q = torch.from_numpy(self.normal(4, 1, 64))
+            o, lse = s.step(q, return_lse=True)
+            self.assertIsInstance(o, torch.Tensor)
+            self.assertIsInstance(lse, torch.Tensor)
+            ref_o, _ = session_reference(q.numpy(), k.numpy(), v.numpy())
+            self.assertWithin(rel_error(o.numpy(), ref_o), F32_BOUND, "torch o")
+
+
+if __name__ == "__main__":
+    print(f"python_sessions: seed {SEED}", flush=True)
+    unittest.main()
