@@ -260,7 +260,7 @@ int RunAttend(Client& client) {
   const double bound = ErrorBound(spec->dtype);
   std::printf("check: ||o-ref||/||ref|| = %.3g, max|o-ref|/max|ref| = %.3g", check->relative_error,
               check->max_relative_error);
-  if (check->lse_checked) std::printf(", lse ||.||-relative = %.3g", check->lse_relative_error);
+  if (check->lse_checked) std::printf(", lse error = %.3g", check->lse_relative_error);
   const bool pass = WithinBound(*check, spec->dtype);
   std::printf(" (bound %.0e): %s\n", bound, pass ? "PASS" : "FAIL");
   return pass ? 0 : kExitFailed;

@@ -164,8 +164,17 @@ absl::StatusOr<CheckResult> CheckResponse(const v1::AttendRequest& request,
       }
     }
     result.lse_checked = true;
+    // An LSE is a log: its float32 rounding error is absolute (about eps times the logits), so
+    // near 0 a purely relative measure is ill-conditioned. Each element's scale counts as at least
+    // 1: ||lse - ref|| / (||ref|| + sqrt(n)).
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      diff += (got[i] - want[i]) * (got[i] - want[i]);
+      norm += want[i] * want[i];
+    }
+    const double scale = std::sqrt(norm) + std::sqrt(static_cast<double>(got.size()));
     result.lse_relative_error =
-        rows_match ? RelativeError(got, want) : std::numeric_limits<double>::infinity();
+        rows_match ? std::sqrt(diff) / scale : std::numeric_limits<double>::infinity();
     if (std::isnan(result.lse_relative_error)) {
       result.lse_relative_error = std::numeric_limits<double>::infinity();
     }

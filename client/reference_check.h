@@ -15,8 +15,9 @@ struct CheckResult {
   double relative_error = 0;
   // max |o - ref| / max |ref|: the worst single element, scaled like the norm measure.
   double max_relative_error = 0;
-  // For return_lse: ||lse - ref|| / ||ref|| over the rows that see a key; rows that see none must
-  // be -inf in both (a mismatch there counts as an infinite error).
+  // For return_lse: ||lse - ref|| / (||ref|| + sqrt(n)) over the n rows that see a key (an LSE's
+  // error is absolute near 0); rows that see none must be -inf in both (a mismatch there counts
+  // as an infinite error).
   bool lse_checked = false;
   double lse_relative_error = 0;
 };

@@ -87,7 +87,7 @@ struct CudaExecutorOptions {
   int streams = 4;
   // Share of the device's memory the executor's buffers may hold; a request needing more is
   // refused with RESOURCE_EXHAUSTED before anything is allocated.
-  double memory_fraction = 0.9;
+  double memory_fraction = 0.65;  // the server default; the KV cache takes its share beside it
   // When > 0, the budget in bytes instead of memory_fraction (tests).
   int64_t memory_budget_bytes = 0;
 };

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs decode_bench (one paged decode step, split-KV) beside torch SDPA and a device copy.
 
-  python3 bench/cuda/decode_bench.py DECODE_BENCH_BINARY [--out DIR]
+  python3 bench/cuda/decode_bench.py DECODE_BENCH_BINARY [--out DIR] [--baseline BINARY]
 
 Shape: bfloat16, B=8, Hq=32, Hkv=8, D=128, Nq=1, Nk in {4096, 32768, 131072}. torch's
 FLASH_ATTENTION and CUDNN_ATTENTION backends run on contiguous K/V [B, Hkv, Nk, D] with
@@ -10,7 +10,9 @@ repeated to Hq heads with repeat_interleave before timing (it then reads Hq/Hkv 
 the table says so). Timing: triton.testing.do_bench (median, L2 flushed before each run). TB/s
 counts the K/V bytes of the Hkv heads (B * Nk * Hkv * D * 2 bytes * 2) for every column. The
 device-to-device rate is torch clone of a 4 GiB tensor, counted as bytes read + written.
-Writes DIR/decode_bench.csv and prints a markdown table.
+--baseline: a decode_bench built from an earlier version, run in the same command (before ours'
+torch timings); the table gets its planned rows' times as "before us". Writes DIR/decode_bench.csv
+and prints a markdown table.
 """
 import argparse
 import csv
@@ -70,10 +72,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("binary")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--baseline", help="decode_bench of an earlier version, timed in the same run")
     args = ap.parse_args()
     torch.manual_seed(0)
 
     rows = ours(args.binary)
+    before = {}
+    if args.baseline:
+        for r in ours(args.baseline):
+            if not r["forced_splits"]:
+                before[(r["nk"], r["page_bytes"])] = r["us"]
+                print(f"# baseline nk={r['nk']} page={r['page_bytes'] >> 10} KiB "
+                      f"splits={r['splits']}: {r['us']:.1f} us")
     d2d = d2d_tbps()
     nks = sorted({r["nk"] for r in rows})
     ref = {}
@@ -99,16 +109,19 @@ def main():
         print(f"#   nk={r['nk']} page={r['page_bytes'] >> 10} KiB ({r['page_rows']} rows) "
               f"splits={r['splits']}{' (forced)' if r['forced_splits'] else ''} "
               f"ctas={r['ctas']}: {r['us']:.1f} us, {r['kv_tbps']:.2f} TB/s")
-    print("| Nk | page | splits | ours us | ours TB/s | % of D2D | flash us (TB/s) | "
-          "cudnn us (TB/s) | ours / faster torch |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| Nk | page | splits |" + (" before us |" if before else "") +
+          " ours us | ours TB/s | % of D2D | flash us (TB/s) | cudnn us (TB/s) | "
+          "ours / faster torch |")
+    print("|---|---|---|" + ("---|" if before else "") + "---|---|---|---|---|---|")
     for nk in nks:
         planned = [r for r in rows if r["nk"] == nk and not r["forced_splits"]]
         for r in planned:
             (fu, fhow), (cu, chow) = ref[nk]["flash"], ref[nk]["cudnn"]
             best = min(x for x in (fu, cu) if x == x) if (fu == fu or cu == cu) else float("nan")
             note = lambda how: "" if how == "enable_gqa" else f" [{how}]"
-            print(f"| {nk} | {r['page_bytes'] >> 10} KiB | {r['splits']} | {r['us']:.1f} | "
+            was = before.get((nk, r["page_bytes"]), float("nan"))
+            print(f"| {nk} | {r['page_bytes'] >> 10} KiB | {r['splits']} | "
+                  + (f"{was:.1f} | " if before else "") + f"{r['us']:.1f} | "
                   f"{r['kv_tbps']:.2f} | {100 * r['kv_tbps'] / d2d:.0f}% | "
                   f"{fu:.1f} ({kv_bytes(nk) / fu / 1e6:.2f}){note(fhow)} | "
                   f"{cu:.1f} ({kv_bytes(nk) / cu / 1e6:.2f}){note(chow)} | {best / r['us']:.2f}x |")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One pass of the paged KV work on a GPU host, from a bundle made by
 # ../shared/device/bundle.sh .device-kv (cuda_paged_kv_tests, decode_bench, optionally
-# decode_tile_sweep): the tests, compute-sanitizer memcheck and racecheck on small filters, the tile
-# sweep, then the decode bench beside torch (table last). Logs go to $OUT.
+# decode_tile_sweep and decode_bench_base, a decode_bench of an earlier version): the tests,
+# compute-sanitizer memcheck and racecheck on small filters, the tile sweep, then the decode bench
+# beside torch and the earlier version (table last). Logs go to $OUT.
 #   bench/cuda/decode_device_run.sh [BUNDLE_DIR]
 set -uo pipefail
 bundle=${1:-.device-kv}
@@ -30,8 +31,10 @@ if [[ -x $bin/decode_tile_sweep ]]; then
   summary+=("decode_tile_sweep: rc=$?")
 fi
 
+baseline=()
+[[ -x $bin/decode_bench_base ]] && baseline=(--baseline "$bin/decode_bench_base")
 PYTHONUNBUFFERED=1 python3 bench/cuda/decode_bench.py "$bin/decode_bench" --out "$out" \
-  >"$out/bench.log" 2>&1
+  "${baseline[@]}" >"$out/bench.log" 2>&1
 summary+=("decode bench: rc=$?")
 
 printf '%s\n' "${summary[@]}"

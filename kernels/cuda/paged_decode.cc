@@ -13,7 +13,6 @@ namespace {
 
 constexpr int64_t kMaxGridYZ = 65535;
 constexpr int64_t kMaxLength = int64_t{1} << 30;  // keeps i + diag + window in int32
-constexpr int kCtasPerSm = 2;  // the tensor-core tiles' shared memory (~100 KiB) allows two
 constexpr double kWaveFill = 0.9;
 
 // A bound that excludes no key of any row becomes unbounded (-1), so it fits in int32.
@@ -36,7 +35,6 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
   }
   PagedDecodePlan plan;
   plan.launch.num_seqs = static_cast<int>(host.num_seqs);
-  plan.launch.first_row = host.num_seqs > 0 ? host.heads_q * host.cu_seqlens_q[0] : 0;
   const int group = static_cast<int>(host.heads_q / shape.heads_kv);
   plan.m_blocks = static_cast<int>(std::max<int64_t>(1, (group * extent.max_seqlen_q + 15) / 16));
   if (extent.max_seqlen_k >= kMaxLength || extent.max_seqlen_q >= kMaxLength ||
@@ -67,8 +65,9 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
   };
   int64_t splits = std::clamp<int64_t>(options.splits, 1, most);
   if (options.splits <= 0) {
-    const int64_t slots =
-        int64_t{options.sm_count} * (options.ctas_per_sm > 0 ? options.ctas_per_sm : kCtasPerSm);
+    const int64_t slots = int64_t{options.sm_count} *
+                          (options.ctas_per_sm > 0 ? options.ctas_per_sm
+                                                   : PagedCtasPerSm(plan.launch.kernel_head_dim));
     auto fill = [&](int64_t s) {
       const int64_t ctas = base * actual(s);
       return static_cast<double>(ctas) / (((ctas + slots - 1) / slots) * slots);
@@ -85,13 +84,15 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
     const size_t rows = static_cast<size_t>(host.heads_q * host.total_q);
     const size_t part_o = plan.splits * rows * shape.head_dim * sizeof(float);
     plan.workspace_bytes = (part_o + 255) / 256 * 256 + plan.splits * rows * sizeof(float);
+    plan.tickets = base;
   }
   return plan;
 }
 
 PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* pool,
                                       int64_t page_bytes, const DecodeExtent& extent,
-                                      const PagedDecodeParams& dev, void* workspace) {
+                                      const PagedDecodeParams& dev, void* workspace,
+                                      int32_t* tickets) {
   PagedKernelParams k{};
   k.pool = static_cast<const unsigned char*>(pool);
   k.page_bytes = page_bytes;
@@ -120,15 +121,17 @@ PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* p
     k.part_o = static_cast<float*>(workspace);
     k.part_lse =
         reinterpret_cast<float*>(static_cast<char*>(workspace) + (part_o + 255) / 256 * 256);
+    k.tickets = tickets;
   }
   return k;
 }
 
 absl::Status LaunchPagedDecode(const PagedDecodePlan& plan, const void* pool, int64_t page_bytes,
                                const DecodeExtent& extent, const PagedDecodeParams& dev,
-                               void* workspace, cudaStream_t stream) {
+                               void* workspace, int32_t* tickets, cudaStream_t stream) {
   if (dev.num_seqs == 0 || dev.total_q == 0) return absl::OkStatus();
-  const PagedKernelParams k = ToPagedKernelParams(plan, pool, page_bytes, extent, dev, workspace);
+  const PagedKernelParams k =
+      ToPagedKernelParams(plan, pool, page_bytes, extent, dev, workspace, tickets);
   cudaError_t err = cudaSuccess;
   switch (dev.shape.dtype) {
     case DType::kFloat16:

@@ -27,6 +27,9 @@ struct PagedDecodePlan {
   int split_keys = 0;
   int m_blocks = 0;
   size_t workspace_bytes = 0;  // float32 partials when splits > 1
+  // int32 tickets when splits > 1 (one per sequence x kv head x 16-row block): the split CTAs of
+  // a row block count themselves on it, and the last merges (paged_decode_kernel.cuh).
+  int64_t tickets = 0;
 };
 
 struct PagedPlanOptions {
@@ -50,13 +53,15 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
 // The kernels' view of a planned step (device pointers as for LaunchPagedDecode).
 PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* pool,
                                       int64_t page_bytes, const DecodeExtent& extent,
-                                      const PagedDecodeParams& dev, void* workspace);
+                                      const PagedDecodeParams& dev, void* workspace,
+                                      int32_t* tickets);
 
-// Enqueues the step on `stream`. dev: PagedDecodeParams with device pointers (q, o, lse,
-// cu_seqlens_q, seqlens_k, page_table); pool: the device pages; workspace: plan.workspace_bytes
-// of device memory (256-byte aligned).
+// Enqueues the step on `stream`: one kernel launch. dev: PagedDecodeParams with device pointers
+// (q, o, lse, cu_seqlens_q, seqlens_k, page_table); pool: the device pages; workspace:
+// plan.workspace_bytes of device memory (256-byte aligned); tickets: plan.tickets int32 of device
+// memory, all zero, which the step leaves zero (keep them for the next step; no memset per step).
 absl::Status LaunchPagedDecode(const PagedDecodePlan& plan, const void* pool, int64_t page_bytes,
                                const DecodeExtent& extent, const PagedDecodeParams& dev,
-                               void* workspace, cudaStream_t stream);
+                               void* workspace, int32_t* tickets, cudaStream_t stream);
 
 }  // namespace attention::cuda

@@ -15,16 +15,20 @@
 // registers. S = Q K^T and O += P V are mma.sync m16n8k16 with float32 accumulation, P fed back
 // from the accumulators as the A operand. At the end the warps' (max, sum, O) are merged through
 // shared memory and the CTA writes either the result (one split) or a normalised float32 partial
-// and its log2-sum-exp (PagedCombineKernel merges the splits by LSE).
+// and its log2-sum-exp. With several splits the step is still one launch: each split CTA takes a
+// ticket of its (sequence, row block) after its partials (MergeSplitsIfLast), and the last to
+// arrive merges the splits by LSE into o and lse and zeroes the ticket again.
 //
 // SIMT path (float32, and head dims the tensor path lacks; PagedSimtKernel): a warp per row, keys
 // one at a time (lanes split D, a shuffle reduction per key). Correct, not fast.
 //
-// Measured (bench/README.md, H200, bfloat16 B=8 Hq=32 Hkv=8 D=128, one query, 256 KiB pages, 4
-// splits): 52.5 us at Nk=4096 (2.56 TB/s of K/V), 261.6 us at 32k (4.10), 976.6 us at 128k (4.40);
-// 0.95x / 0.98x / 0.98x of torch SDPA's cuDNN backend, 1.00x / 1.00x / 1.07x of its FlashAttention
-// backend. v1 (per-row page-table reads, two waves of splits, a combine loading one split at a
-// time) ran 0.66-0.69x of cuDNN.
+// Measured (bench/README.md, H200, bfloat16 B=8 Hq=32 Hkv=8 D=128, one query, 256 KiB pages, 2
+// splits of the 4-stage tile): 49.1 us at Nk=4096 (2.74 TB/s of K/V), 254.2 us at 32k (4.22),
+// 949.1 us at 128k (4.53); 1.01x / 0.99x / 0.99x of torch SDPA's cuDNN backend (1.00-1.01x with
+// 512 KiB pages), 1.07x / 1.01x / 1.05x of its FlashAttention backend. Before the merge moved into
+// this kernel (a separate combine launch, 3 stages at 2 CTAs per SM): 51.7 / 257.3 / 955.4 us in
+// the same run (0.96x / 0.98x / 0.98x); v1 (per-row page-table reads, two waves of splits, a
+// combine loading one split at a time) ran 0.66-0.69x of cuDNN.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -89,18 +93,24 @@ __device__ __forceinline__ KeyRange PagedVisibleKeys(const PagedKernelParams& p,
   return {lo, hi};
 }
 
+// Element i of o, rounded to T.
+template <typename T>
+__device__ __forceinline__ void StoreO(void* o, int64_t i, float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    static_cast<float*>(o)[i] = x;
+  } else if constexpr (std::is_same_v<T, __half>) {
+    static_cast<__half*>(o)[i] = __float2half_rn(x);
+  } else {
+    static_cast<__nv_bfloat16*>(o)[i] = __float2bfloat16_rn(x);
+  }
+}
+
 // Writes element `col` of a finished row: o (one split) or the split's float32 partial.
 template <typename T>
 __device__ __forceinline__ void StoreOut(const PagedKernelParams& p, int64_t index, int col,
                                          float x) {
   if (p.splits == 1) {
-    if constexpr (std::is_same_v<T, float>) {
-      static_cast<float*>(p.o)[index * p.head_dim + col] = x;
-    } else if constexpr (std::is_same_v<T, __half>) {
-      static_cast<__half*>(p.o)[index * p.head_dim + col] = __float2half_rn(x);
-    } else {
-      static_cast<__nv_bfloat16*>(p.o)[index * p.head_dim + col] = __float2bfloat16_rn(x);
-    }
+    StoreO<T>(p.o, index * p.head_dim + col, x);
   } else {
     p.part_o[(blockIdx.x * p.total_rows + index) * p.head_dim + col] = x;
   }
@@ -111,6 +121,81 @@ __device__ __forceinline__ void StoreLse(const PagedKernelParams& p, int64_t ind
     if (p.lse != nullptr) p.lse[index] = lse2 == -INFINITY ? -INFINITY : lse2 * kLn2;
   } else {
     p.part_lse[blockIdx.x * p.total_rows + index] = lse2;
+  }
+}
+
+// Called by every thread of a split CTA (splits > 1) once its partials of its 16 rows are stored.
+// The CTA takes a ticket of its (sequence, grid row); the last split to take one merges the splits'
+// partials of those rows by LSE into o (and lse), a warp per row, and resets the ticket for the
+// next step. One launch per step: the merges of early finished rows overlap the other CTAs' reads,
+// and no combine launch waits for the whole grid. weights: shared memory for blockDim.x / 32 x
+// kPagedMaxSplits floats. The CTA's coordinates are read again here rather than kept live through
+// the key loop.
+template <typename T>
+__device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, float* weights) {
+  __shared__ bool last;
+  __threadfence();  // this thread's partials are visible device-wide before the ticket
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* ticket = p.tickets + static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y;
+    last = atomicAdd(ticket, 1) == p.splits - 1;
+    if (last) *ticket = 0;  // every split has its ticket: zero again for the next step
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int seq = blockIdx.z;
+  const int hk = blockIdx.y / p.m_blocks, m0 = blockIdx.y % p.m_blocks * kPagedRows;
+  const int q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
+  const int row_end = min(m0 + kPagedRows, p.group * nq);
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* w = weights + warp * kPagedMaxSplits;
+  const int64_t split_stride = p.total_rows * p.head_dim;
+  for (int m = m0 + warp; m < row_end; m += warps) {
+    const int64_t r = GetPagedRow(p, q0, nq, hk, m).index;
+    // Other CTAs wrote the partials: loads through L2 (__ldcg), never a stale L1 line.
+    float mx = -INFINITY;
+    for (int s = lane; s < p.splits; s += 32)
+      mx = fmaxf(mx, __ldcg(p.part_lse + s * p.total_rows + r));
+#pragma unroll
+    for (int x = 16; x >= 1; x /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+    float sum = 0.f;
+    for (int s = lane; s < p.splits; s += 32) {
+      const float ws =
+          mx == -INFINITY ? 0.f : exp2f(__ldcg(p.part_lse + s * p.total_rows + r) - mx);
+      w[s] = ws;
+      sum += ws;
+    }
+#pragma unroll
+    for (int x = 16; x >= 1; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+    __syncwarp();
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float* part = p.part_o + r * p.head_dim;
+    // Lane l sums columns 4l..4l+3 (+128 c) over the splits, several splits' loads in flight.
+    if (p.head_dim % 4 == 0) {
+      for (int col = 4 * lane; col < p.head_dim; col += 128) {
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+        for (int s = 0; s < p.splits; ++s) {
+          const float4 x = __ldcg(reinterpret_cast<const float4*>(part + s * split_stride + col));
+          const float ws = w[s];
+          o.x += ws * x.x, o.y += ws * x.y, o.z += ws * x.z, o.w += ws * x.w;
+        }
+        StoreO<T>(p.o, r * p.head_dim + col, o.x * inv);
+        StoreO<T>(p.o, r * p.head_dim + col + 1, o.y * inv);
+        StoreO<T>(p.o, r * p.head_dim + col + 2, o.z * inv);
+        StoreO<T>(p.o, r * p.head_dim + col + 3, o.w * inv);
+      }
+    } else {
+      for (int col = lane; col < p.head_dim; col += 32) {
+        float o = 0.f;
+#pragma unroll 8
+        for (int s = 0; s < p.splits; ++s) o += w[s] * __ldcg(part + s * split_stride + col);
+        StoreO<T>(p.o, r * p.head_dim + col, o * inv);
+      }
+    }
+    if (lane == 0 && p.lse != nullptr) p.lse[r] = sum > 0.f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
+    __syncwarp();  // every lane is done with w before the next row's weights
   }
 }
 
@@ -375,6 +460,8 @@ __global__ void __launch_bounds__(Tile::kThreads) PagedDecodeKernel(const PagedK
     StoreOut<T>(p, row.index, col, sum > 0.f ? o / sum : 0.f);
     if (col == 0) StoreLse(p, row.index, sum > 0.f ? mx * scale_log2 + log2f(sum) : -INFINITY);
   }
+  // The merge area is free once every thread is past the loop above (the merge syncs first).
+  if (p.splits > 1) MergeSplitsIfLast<T>(p, merge);
 }
 
 // The SIMT path: warp w computes rows w, w + 4, ... of the CTA's 16, lane l owning columns
@@ -388,6 +475,7 @@ __global__ void __launch_bounds__(kPagedThreads) PagedSimtKernel(const PagedKern
   const int nk = p.seqlens_k[seq];
   const int rows = p.group * nq;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ float merge_weights[kPagedThreads / 32][kPagedMaxSplits];
   const int32_t* page_table = p.page_table + seq * p.page_table_stride;
   const int64_t head_offset = static_cast<int64_t>(hk) * p.page_rows * p.head_dim;
   const int64_t v_offset = static_cast<int64_t>(p.heads_kv) * p.page_rows * p.head_dim;
@@ -440,64 +528,7 @@ __global__ void __launch_bounds__(kPagedThreads) PagedSimtKernel(const PagedKern
     }
     if (lane == 0) StoreLse(p, row.index, sum > 0.f ? mx * p.scale_log2 + log2f(sum) : -INFINITY);
   }
-}
-
-// Merges the splits by LSE: a warp per row of o. The lanes first turn the splits' log2-sum-exps
-// into weights 2^(lse_s - max) (kept in shared memory), then lane l sums columns 4l..4l+3 (+128 c)
-// over the splits, the loads of several splits in flight at once.
-template <typename T>
-__global__ void __launch_bounds__(kPagedThreads)
-    PagedCombineKernel(const PagedKernelParams p, int64_t first_row) {
-  __shared__ float weights[kPagedThreads / 32][kPagedMaxSplits];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t r = first_row + blockIdx.x * int64_t(kPagedThreads / 32) + warp;
-  if (r >= p.total_rows) return;
-  float mx = -INFINITY;
-  for (int s = lane; s < p.splits; s += 32) mx = fmaxf(mx, p.part_lse[s * p.total_rows + r]);
-#pragma unroll
-  for (int x = 16; x >= 1; x /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
-  float sum = 0.f;
-  for (int s = lane; s < p.splits; s += 32) {
-    const float w = mx == -INFINITY ? 0.f : exp2f(p.part_lse[s * p.total_rows + r] - mx);
-    weights[warp][s] = w;
-    sum += w;
-  }
-#pragma unroll
-  for (int x = 16; x >= 1; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
-  __syncwarp();
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  const float* part = p.part_o + r * p.head_dim;
-  const int64_t split_stride = p.total_rows * p.head_dim;
-  auto store = [&](int col, float x) {
-    if constexpr (std::is_same_v<T, float>) {
-      static_cast<float*>(p.o)[r * p.head_dim + col] = x;
-    } else if constexpr (std::is_same_v<T, __half>) {
-      static_cast<__half*>(p.o)[r * p.head_dim + col] = __float2half_rn(x);
-    } else {
-      static_cast<__nv_bfloat16*>(p.o)[r * p.head_dim + col] = __float2bfloat16_rn(x);
-    }
-  };
-  if (p.head_dim % 4 == 0) {
-    for (int col = 4 * lane; col < p.head_dim; col += 128) {
-      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-      for (int s = 0; s < p.splits; ++s) {
-        const float4 x = *reinterpret_cast<const float4*>(part + s * split_stride + col);
-        const float w = weights[warp][s];
-        o.x += w * x.x, o.y += w * x.y, o.z += w * x.z, o.w += w * x.w;
-      }
-      store(col, o.x * inv), store(col + 1, o.y * inv), store(col + 2, o.z * inv),
-          store(col + 3, o.w * inv);
-    }
-  } else {
-    for (int col = lane; col < p.head_dim; col += 32) {
-      float o = 0.f;
-#pragma unroll 8
-      for (int s = 0; s < p.splits; ++s) o += weights[warp][s] * part[s * split_stride + col];
-      store(col, o * inv);
-    }
-  }
-  if (lane == 0 && p.lse != nullptr) p.lse[r] = sum > 0.f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
+  if (p.splits > 1) MergeSplitsIfLast<T>(p, &merge_weights[0][0]);
 }
 
 }  // namespace attention::cuda

@@ -1,5 +1,6 @@
 // The launch side of the paged decode kernels (paged_decode_kernel.cuh): tiles per head dim and
-// the launch of one step (decode kernel, then the combine kernel when there are several splits).
+// the launch of one step (one kernel: with several splits, the last split of each row block merges
+// them).
 // Included by paged_decode_{f16,bf16,f32}.cu, one dtype each.
 #pragma once
 
@@ -10,8 +11,10 @@
 
 namespace attention::cuda {
 
-// (D, key tile, stages): a stage (K + V tile) is 32 KiB at both head dims, three stages and Q make
-// ~100 KiB of shared memory, two CTAs per SM: four stages' worth of K/V in flight per SM.
+// (D, key tile, stages): a stage (K + V tile) is 32 KiB at both head dims. D = 64: three stages
+// and Q make ~100 KiB of shared memory, two CTAs per SM. D = 128: four stages, ~132 KiB, one CTA
+// per SM with three tiles in flight (measured on the H200, bench/README.md: 1-2% faster than three
+// stages at two CTAs per SM, whose four tiles in flight per SM come with twice the prologues).
 template <typename T, int kD>
 struct PagedTileFor;
 template <typename T>
@@ -20,8 +23,17 @@ struct PagedTileFor<T, 64> {
 };
 template <typename T>
 struct PagedTileFor<T, 128> {
-  using Tile = PagedTile<T, 128, 64, 3>;
+  using Tile = PagedTile<T, 128, 64, 4>;
 };
+
+// The planner's CTAs per SM (PagedCtasPerSm) are what the tiles' shared memory allows on an H100 /
+// H200 (228 KiB per SM, 1 KiB of it reserved per CTA).
+template <typename Tile>
+constexpr int ResidentCtas() {
+  return (228 << 10) / (Tile::kSmemBytes + (1 << 10));
+}
+static_assert(ResidentCtas<PagedTileFor<__half, 64>::Tile>() == PagedCtasPerSm(64));
+static_assert(ResidentCtas<PagedTileFor<__half, 128>::Tile>() == PagedCtasPerSm(128));
 
 template <typename Tile>
 cudaError_t LaunchPagedTile(const PagedKernelParams& p, dim3 grid, cudaStream_t stream) {
@@ -30,18 +42,6 @@ cudaError_t LaunchPagedTile(const PagedKernelParams& p, dim3 grid, cudaStream_t 
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
-}
-
-// The combine kernel, when there are several splits.
-template <typename T>
-cudaError_t LaunchPagedCombine(const PagedKernelParams& p, const PagedLaunch& launch,
-                               cudaStream_t stream) {
-  if (p.splits == 1) return cudaSuccess;
-  const int64_t rows = p.total_rows - launch.first_row;
-  const int64_t rows_per_cta = kPagedThreads / 32;
-  PagedCombineKernel<T><<<static_cast<unsigned>((rows + rows_per_cta - 1) / rows_per_cta),
-                          kPagedThreads, 0, stream>>>(p, launch.first_row);
   return cudaGetLastError();
 }
 
@@ -66,8 +66,7 @@ cudaError_t LaunchPagedDecodeFor(const PagedKernelParams& p, const PagedLaunch& 
         err = cudaGetLastError();
     }
   }
-  if (err != cudaSuccess) return err;
-  return LaunchPagedCombine<T>(p, launch, stream);
+  return err;
 }
 
 }  // namespace attention::cuda

@@ -16,11 +16,16 @@ inline constexpr int kPagedTensorHeadDims[] = {64, 128};
 // Largest head dim of the SIMT path (every dtype, any head dim up to this).
 inline constexpr int kPagedMaxHeadDim = 256;
 
+// CTAs resident per SM of the kernel for a head dim (PagedLaunch::kernel_head_dim; 0: the SIMT
+// kernel), which the planner fills its wave with: the D = 128 tile's four stages (~132 KiB of
+// shared memory) leave room for one, the D = 64 tile's three (~100 KiB) for two
+// (paged_decode_launch.cuh checks both).
+constexpr int PagedCtasPerSm(int kernel_head_dim) { return kernel_head_dim == 128 ? 1 : 2; }
+
 // What the grid needs beyond the kernel params.
 struct PagedLaunch {
   int num_seqs = 0;
   int kernel_head_dim = 0;  // 64 or 128: the tensor-core tile of that D; 0: the SIMT kernel
-  int64_t first_row = 0;    // heads_q * cu_seqlens_q[0]: the combine kernel's first row
 };
 
 cudaError_t LaunchPagedDecodeF16(const PagedKernelParams& p, const PagedLaunch& launch,

@@ -6,7 +6,7 @@
 
 namespace attention::cuda {
 
-// The most splits of one step (the combine kernel keeps a weight per split in shared memory).
+// The most splits of one step (the merge keeps a weight per split in shared memory).
 inline constexpr int kPagedMaxSplits = 256;
 
 struct PagedKernelParams {
@@ -31,9 +31,12 @@ struct PagedKernelParams {
   int splits;
   int split_keys;  // keys per split, a multiple of the kernel's key tile
   // splits > 1: per split, a normalised float32 o [total_rows, D] and its log2-sum-exp
-  // [total_rows] (-inf where the split saw no key), merged by PagedCombineKernel.
+  // [total_rows] (-inf where the split saw no key); the last split CTA of each (sequence, grid
+  // row) to finish merges them (MergeSplitsIfLast), counted by tickets [sequences, grid y]: zero
+  // before the step, zero again after it (the merging CTA resets its counter).
   float* part_o;
   float* part_lse;
+  int32_t* tickets;
   int64_t total_rows;  // heads_q * total_q
 };
 

@@ -1,7 +1,8 @@
 // The CUDA backend's paged KV pool: one cudaMalloc of num_pages * page_bytes, writes by
 // cudaMemcpy2DAsync from host rows into pages, decode steps by the split-KV kernels
 // (paged_decode.h) with the step's small host arrays staged through a device scratch buffer that
-// grows and is reused. Calls are serialised on one stream (std::mutex).
+// grows and is reused, beside the kernels' split tickets (zeroed once when allocated; each step
+// leaves them zero). Calls are serialised on one stream (std::mutex).
 #include "kernels/cuda/paged_kv_pool.h"
 
 #include <cuda_runtime_api.h>
@@ -39,8 +40,9 @@ absl::Status AllocationError(size_t bytes, const char* what, cudaError_t err) {
 class CudaKvPagePool : public KvPagePool {
  public:
   CudaKvPagePool(int device, int sm_count, int64_t num_pages, int64_t page_bytes, void* pages,
-                 cudaStream_t stream, cudaEvent_t (&events)[4])
-      : device_(device),
+                 cudaStream_t stream, cudaEvent_t (&events)[4], const CudaKvPoolOptions& options)
+      : options_(options),
+        device_(device),
         sm_count_(sm_count),
         num_pages_(num_pages),
         page_bytes_(page_bytes),
@@ -52,6 +54,7 @@ class CudaKvPagePool : public KvPagePool {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     cudaFree(scratch_);
+    cudaFree(tickets_);
     cudaFree(pages_);
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     cudaStreamDestroy(stream_);
@@ -129,6 +132,7 @@ class CudaKvPagePool : public KvPagePool {
     size_t offsets[8] = {0};
     for (int i = 0; i < 7; ++i) offsets[i + 1] = offsets[i] + RoundUp(sizes[i]);
     if (absl::Status s = Reserve(offsets[7]); !s.ok()) return s;
+    if (absl::Status s = ReserveTickets(plan->tickets); !s.ok()) return s;
     auto at = [&](int i) { return scratch_ + offsets[i]; };
 
     PagedDecodeParams dev = host;
@@ -146,15 +150,17 @@ class CudaKvPagePool : public KvPagePool {
       RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(at(i), src, sizes[i], cudaMemcpyHostToDevice, stream_),
                            "copy the decode step's inputs to the device");
     }
-    // All-ones bytes are NaN in every dtype: an element the kernels miss shows instead of a value
-    // left from an earlier step.
-    RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(1), 0xff, q_bytes, stream_), "poison o");
-    if (lse_bytes) {
-      RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(2), 0xff, lse_bytes, stream_), "poison lse");
+    if (options_.poison_outputs) {
+      // All-ones bytes are NaN in every dtype: an element the kernels miss shows instead of a
+      // value left from an earlier step.
+      RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(1), 0xff, q_bytes, stream_), "poison o");
+      if (lse_bytes) {
+        RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(2), 0xff, lse_bytes, stream_), "poison lse");
+      }
     }
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[1], stream_), "cudaEventRecord");
     if (absl::Status s =
-            LaunchPagedDecode(*plan, pages_, page_bytes_, *extent, dev, at(6), stream_);
+            LaunchPagedDecode(*plan, pages_, page_bytes_, *extent, dev, at(6), tickets_, stream_);
         !s.ok()) {
       cudaStreamSynchronize(stream_);
       return s;
@@ -194,6 +200,25 @@ class CudaKvPagePool : public KvPagePool {
     return absl::OkStatus();
   }
 
+  // Grows the split tickets to at least `count`, zeroed (the kernels leave them zero).
+  absl::Status ReserveTickets(int64_t count) {
+    if (count <= ticket_count_) return absl::OkStatus();
+    RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    cudaFree(tickets_);
+    tickets_ = nullptr;
+    ticket_count_ = 0;
+    const size_t bytes = count * sizeof(int32_t);
+    void* p = nullptr;
+    if (cudaError_t err = cudaMalloc(&p, bytes); err != cudaSuccess) {
+      return AllocationError(bytes, "decode split tickets", err);
+    }
+    tickets_ = static_cast<int32_t*>(p);
+    RETURN_IF_CUDA_ERROR(cudaMemsetAsync(tickets_, 0, bytes, stream_), "zero the split tickets");
+    ticket_count_ = count;
+    return absl::OkStatus();
+  }
+
+  const CudaKvPoolOptions options_;
   const int device_, sm_count_;
   const int64_t num_pages_, page_bytes_;
   unsigned char* const pages_;
@@ -202,12 +227,15 @@ class CudaKvPagePool : public KvPagePool {
   cudaEvent_t events_[4];  // before h2d, before the kernels, after them, after d2h
   unsigned char* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  int32_t* tickets_ = nullptr;
+  int64_t ticket_count_ = 0;
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t num_pages,
-                                                           int64_t page_bytes) {
+                                                           int64_t page_bytes,
+                                                           const CudaKvPoolOptions& options) {
   if (num_pages <= 0 || page_bytes <= 0 || page_bytes % 16 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "num_pages must be positive and page_bytes a positive multiple of 16 (16-byte loads), "
@@ -239,7 +267,7 @@ absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t n
     }
   }
   return std::unique_ptr<KvPagePool>(
-      new CudaKvPagePool(device, sm_count, num_pages, page_bytes, pages, stream, events));
+      new CudaKvPagePool(device, sm_count, num_pages, page_bytes, pages, stream, events, options));
 }
 
 }  // namespace attention::cuda

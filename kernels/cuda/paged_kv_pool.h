@@ -10,7 +10,14 @@
 
 namespace attention::cuda {
 
+struct CudaKvPoolOptions {
+  // Fill o (and lse) with NaN before each step's kernel, so an element it misses shows (tests);
+  // off, a step pays for no memsets.
+  bool poison_outputs = false;
+};
+
 absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t num_pages,
-                                                            int64_t page_bytes);
+                                                           int64_t page_bytes,
+                                                           const CudaKvPoolOptions& options = {});
 
 }  // namespace attention::cuda

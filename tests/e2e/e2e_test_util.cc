@@ -140,7 +140,7 @@ void ExpectCorrect(const v1::AttendRequest& request,
       << "||o-ref||/||ref||; max|o-ref|/max|ref| = " << check->max_relative_error;
   if (request.return_lse()) {
     EXPECT_TRUE(check->lse_checked);
-    EXPECT_LE(check->lse_relative_error, bound) << "lse ||lse-ref||/||ref||";
+    EXPECT_LE(check->lse_relative_error, bound) << "lse ||lse-ref||/(||ref||+sqrt(n))";
   }
 }
 

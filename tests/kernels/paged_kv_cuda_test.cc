@@ -7,7 +7,7 @@
 namespace attention::kernel_test {
 
 absl::StatusOr<std::unique_ptr<KvPagePool>> MakeTestPool(int64_t num_pages, int64_t page_bytes) {
-  return cuda::MakeKvPagePool(/*device=*/0, num_pages, page_bytes);
+  return cuda::MakeKvPagePool(/*device=*/0, num_pages, page_bytes, {.poison_outputs = true});
 }
 
 std::string PoolUnavailableReason() {

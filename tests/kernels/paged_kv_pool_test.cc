@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -492,6 +493,38 @@ TEST_P(PagedKvPoolMergeTest, HalvesMergedByLseEqualWhole) {
   }
   o_err.Expect("merged o", Tolerance(dtype));
   lse_err.Expect("merged lse", Tolerance(dtype));
+}
+
+// Steps after the first on one pool give the first step's bytes: nothing a step leaves on the
+// device (the CUDA kernels' split tickets, scratch) changes the next. A long sequence (many
+// splits) beside a short one, then the long one alone (fewer row blocks).
+TEST_P(PagedKvPoolMergeTest, RepeatedStepsRepeatTheFirst) {
+  const DType dtype = GetParam();
+  const std::vector<DecodeCase> cases = Cases();
+  const DecodeCase& c = *std::find_if(cases.begin(), cases.end(), [](const DecodeCase& x) {
+    return x.name.rfind("long_", 0) == 0;
+  });
+  const uint64_t seed = NextSeed();
+  SCOPED_TRACE(absl::StrCat(c.name, " ", DTypeName(dtype), " seed=", seed,
+                            " (rerun with ATTENTION_TEST_SEED=", seed, ")"));
+  std::mt19937_64 rng(seed);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  PoolSetup setup;
+  MakeSetup(c, dtype, rng, &setup);
+  if (HasFatalFailure()) return;
+  DecodeCase one = c;
+  one.nq.resize(1);
+  one.nk.resize(1);
+  const std::vector<Sequence> first(setup.seqs.begin(), setup.seqs.begin() + 1);
+  const StepResult both = Decode(*setup.pool, c, dtype, scale, setup.seqs, setup.stride);
+  const StepResult alone = Decode(*setup.pool, one, dtype, scale, first, setup.stride);
+  for (int rep = 0; rep < 2; ++rep) {
+    const StepResult again = Decode(*setup.pool, c, dtype, scale, setup.seqs, setup.stride);
+    EXPECT_EQ(again.o, both.o) << "step " << rep + 2;
+    EXPECT_EQ(std::memcmp(again.lse.data(), both.lse.data(), both.lse.size() * sizeof(float)), 0);
+  }
+  const StepResult alone_again = Decode(*setup.pool, one, dtype, scale, first, setup.stride);
+  EXPECT_EQ(alone_again.o, alone.o);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolMergeTest,
