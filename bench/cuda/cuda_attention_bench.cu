@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/cuda/check_cuda.h"
 #include "kernels/attention_params.h"
 #include "kernels/cuda/cuda_attention.h"
 #ifdef ATTENTION_TILE_SWEEP
@@ -35,14 +36,6 @@ namespace {
 
 using attention::AttentionParams;
 using attention::DType;
-
-#define CHECK_CUDA(expr)                                                         \
-  do {                                                                           \
-    if (cudaError_t err_ = (expr); err_ != cudaSuccess) {                        \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(err_));         \
-      return false;                                                              \
-    }                                                                            \
-  } while (0)
 
 __device__ uint32_t Hash(uint64_t x) {
   x ^= x >> 33;

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/cuda/check_cuda.h"
 #include "kernels/cuda/paged_decode.h"
 #include "kernels/paged_kv.h"
 #include "kernels/paged_kv_host.h"
@@ -35,14 +36,6 @@
 namespace {
 
 using attention::DType;
-
-#define CHECK_CUDA(expr)                                                 \
-  do {                                                                   \
-    if (cudaError_t err_ = (expr); err_ != cudaSuccess) {                \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(err_)); \
-      return false;                                                      \
-    }                                                                    \
-  } while (0)
 
 constexpr int64_t kBatch = 8, kHeadsQ = 32, kHeadsKv = 8, kHeadDim = 128;
 

@@ -51,30 +51,10 @@ inline void Store(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// dst[0, n) = float(src[0, n)) * scale, dst[n, n_pad) = 0. One loop per dtype (the dtype switch
-// outside it), so the bfloat16 and float32 loops vectorise.
-void ConvertRow(DType dtype, const void* src, int64_t n, int64_t n_pad, float scale, float* dst) {
-  switch (dtype) {
-    case DType::kFloat32: {
-      const auto* s = static_cast<const unsigned char*>(src);
-      for (int64_t x = 0; x < n; ++x) {
-        float f;
-        std::memcpy(&f, s + x * sizeof(float), sizeof(float));
-        dst[x] = f * scale;
-      }
-      break;
-    }
-    case DType::kFloat16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (int64_t x = 0; x < n; ++x) dst[x] = HalfToFloat(s[x]) * scale;
-      break;
-    }
-    case DType::kBFloat16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (int64_t x = 0; x < n; ++x) dst[x] = BFloat16ToFloat(s[x]) * scale;
-      break;
-    }
-  }
+// dst[0, n) = float(src[0, n)) * scale, dst[n, n_pad) = 0.
+void ConvertPaddedRow(DType dtype, const void* src, int64_t n, int64_t n_pad, float scale,
+                      float* dst) {
+  ConvertRow(dtype, src, n, scale, dst);
   std::fill(dst + n, dst + n_pad, 0.0f);
 }
 
@@ -190,8 +170,8 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
   };
   sc.Prepare(rows, d_pad);
   for (int64_t r = 0; r < rows; ++r) {
-    ConvertRow(shape.dtype, static_cast<const unsigned char*>(p.q) + row_index(r) * d * elem, d,
-               d_pad, p.softmax_scale * kLog2e, sc.q.data() + r * d_pad);
+    ConvertPaddedRow(shape.dtype, static_cast<const unsigned char*>(p.q) + row_index(r) * d * elem,
+                     d, d_pad, p.softmax_scale * kLog2e, sc.q.data() + r * d_pad);
   }
 
   // Query i sees keys [i + diag - window_left, i + diag + window_right]; the item's keys are the
@@ -209,9 +189,9 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
         job.pool + p.page_table[seq * p.page_table_stride + key0 / job.page_rows] * job.page_bytes;
     const unsigned char* k_rows = page + KvRowOffset(shape, job.page_rows, hk, page_row);
     for (int64_t j = 0; j < kn; ++j) {
-      ConvertRow(shape.dtype, k_rows + j * d * elem, d, d_pad, 1.0f, sc.k.data() + j * d_pad);
-      ConvertRow(shape.dtype, k_rows + v_offset + j * d * elem, d, d_pad, 1.0f,
-                 sc.v.data() + j * d_pad);
+      ConvertPaddedRow(shape.dtype, k_rows + j * d * elem, d, d_pad, 1.0f, sc.k.data() + j * d_pad);
+      ConvertPaddedRow(shape.dtype, k_rows + v_offset + j * d * elem, d, d_pad, 1.0f,
+                       sc.v.data() + j * d_pad);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = r / group;
@@ -255,7 +235,7 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
     const float* o = sc.o.data() + r * d_pad;
     const int64_t at = row_index(r);
     if (job.splits == 1) {
-      for (int64_t x = 0; x < d; ++x) StoreFromFloat(p.o, at * d + x, shape.dtype, o[x] * inv);
+      StoreRow(o, d, inv, shape.dtype, static_cast<unsigned char*>(p.o) + at * d * elem);
       if (p.lse != nullptr) p.lse[at] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
     } else {
       const int64_t part = split * p.heads_q * p.total_q + at;
@@ -285,7 +265,8 @@ void MergeSplits(const DecodeJob& job, int64_t first, int64_t last) {
       }
     }
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t x = 0; x < d; ++x) StoreFromFloat(p.o, r * d + x, p.shape.dtype, acc[x] * inv);
+    StoreRow(acc.data(), d, inv, p.shape.dtype,
+             static_cast<unsigned char*>(p.o) + r * d * DTypeSize(p.shape.dtype));
     if (p.lse != nullptr) p.lse[r] = sum > 0.0f ? (mx + std::log2(sum)) * kLn2 : kNegInf;
   }
 }

@@ -20,6 +20,18 @@ _NUMPY_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.float16): p
 _LAYOUTS = {"bhsd": pb.LAYOUT_BHSD, "bshd": pb.LAYOUT_BSHD}
 
 
+def _set_options(request, causal, softmax_scale, window_left, window_right, return_lse):
+    """The mask and output options an AttendRequest and a StepRequest share."""
+    request.causal = causal
+    request.return_lse = return_lse
+    if softmax_scale is not None:
+        request.softmax_scale = softmax_scale
+    if window_left is not None:
+        request.window_left = window_left
+    if window_right is not None:
+        request.window_right = window_right
+
+
 class AttentionError(Exception):
     """A failed call: code is the grpc.StatusCode, details the server's message."""
 
@@ -185,13 +197,8 @@ class Client:
         if layout not in _LAYOUTS:
             raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
         request = pb.AttendRequest(request_id=request_id, q=tq, k=tk, v=tv,
-                                   layout=_LAYOUTS[layout], causal=causal, return_lse=return_lse)
-        if softmax_scale is not None:
-            request.softmax_scale = softmax_scale
-        if window_left is not None:
-            request.window_left = window_left
-        if window_right is not None:
-            request.window_right = window_right
+                                   layout=_LAYOUTS[layout])
+        _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
         if cu_seqlens_q is not None:
             request.cu_seqlens_q.extend(int(x) for x in cu_seqlens_q)
             request.cu_seqlens_k.extend(

@@ -13,7 +13,7 @@ import numpy as np
 
 from attention_client._stubs import attention_pb2 as pb
 from attention_client.client import (_LAYOUTS, AttentionError, _from_tensor, _lse_from_tensor,
-                                     _to_tensor)
+                                     _set_options, _to_tensor)
 
 try:
     import torch
@@ -38,17 +38,6 @@ def _wire_dtype(dtype):
     if name not in _DTYPE_NAMES:
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     return _DTYPE_NAMES[name]
-
-
-def _options(request, causal, softmax_scale, window_left, window_right, return_lse):
-    request.causal = causal
-    request.return_lse = return_lse
-    if softmax_scale is not None:
-        request.softmax_scale = softmax_scale
-    if window_left is not None:
-        request.window_left = window_left
-    if window_right is not None:
-        request.window_right = window_right
 
 
 class Session:
@@ -162,7 +151,7 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
               window_right=None, return_lse=False, timeout=None, metadata=None, request_id=""):
     """One Step RPC over several sessions; see Client.step_many."""
     request = pb.StepRequest(request_id=request_id)
-    _options(request, causal, softmax_scale, window_left, window_right, return_lse)
+    _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
     kinds, sessions = [], []
     for item in items:
         session, q, k, v = (tuple(item) + (None, None))[:4]
