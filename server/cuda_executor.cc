@@ -5,12 +5,17 @@
 // with CUDA events. Batches (RunBatch) run as one launch; a batch too large for the device memory
 // budget runs item by item, and an item too large on its own is refused (RESOURCE_EXHAUSTED).
 //
+// A CUDA error that corrupts the context (an illegal address, a kernel trap: "sticky" errors) leaves
+// the device unusable until the process restarts: Health probes the context after a failed run
+// and keeps answering that error, so the scheduler sends no more work here.
+//
 // Host copies of tensor data per request through gRPC: 4. wire -> request bytes (protobuf parse),
 // request bytes -> pinned staging (memcpy), pinned staging -> response bytes (memcpy), response
 // bytes -> wire (serialisation). The DMAs read and write pinned memory only.
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -40,6 +45,19 @@ class CudaExecutor final : public Executor {
     }
     return MemoryUsage{.used_bytes = static_cast<int64_t>(total_bytes - free_bytes),
                        .total_bytes = static_cast<int64_t>(total_bytes)};
+  }
+
+  absl::Status Health() override {
+    std::lock_guard<std::mutex> lock(health_mu_);
+    if (!lost_.ok()) return lost_;
+    // Every call on a corrupted context answers the sticky error; a busy healthy device answers
+    // cudaErrorNotReady for the legacy stream, an idle one cudaSuccess.
+    cudaError_t err = cudaSetDevice(ordinal_);
+    if (err == cudaSuccess) err = cudaStreamQuery(nullptr);
+    if (err != cudaSuccess && err != cudaErrorNotReady) {
+      lost_ = cuda::CudaError(err, "device lost, restart the server to use it again");
+    }
+    return lost_;
   }
 
   absl::StatusOr<StageTimes> Run(const AttentionParams& host_params) override {
@@ -75,6 +93,8 @@ class CudaExecutor final : public Executor {
   const int ordinal_;
   const DeviceDescription device_;
   std::unique_ptr<cuda::HostRunner> runner_;
+  std::mutex health_mu_;
+  absl::Status lost_;  // guarded by health_mu_; set once, never cleared
 };
 
 }  // namespace

@@ -66,6 +66,12 @@ class Executor {
     return results;
   }
 
+  // OK while the device can run work. The scheduler asks after a failed run: an executor whose
+  // device can run nothing more (a CUDA error that leaves the context unusable until the process
+  // restarts) answers that error from then on, and the scheduler takes it out of rotation.
+  // Thread-safe.
+  virtual absl::Status Health() { return absl::OkStatus(); }
+
   // A pool of `num_pages` KV pages of `page_bytes` on this device, for KV-resident sessions.
   // Called once at startup; RESOURCE_EXHAUSTED when the device cannot hold it.
   virtual absl::StatusOr<std::unique_ptr<KvPagePool>> CreateKvPagePool(int64_t num_pages,

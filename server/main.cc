@@ -16,10 +16,14 @@
 // KV-resident sessions (session_service.h): --kv_cache_fraction of each device's memory is held
 // as pages of --kv_page_bytes from the executor's page pool; idle sessions expire after
 // --session_ttl_s. Health reports attention.v1.Sessions NOT_SERVING when there is no pool.
+//
+// A device whose CUDA context a fault corrupted is taken out of service (attention_device_in_service
+// turns 0); when none is left, health turns NOT_SERVING and calls get UNAVAILABLE.
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -168,7 +172,9 @@ absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
       return std::vector<KvDevice>{};
     }
     if (!pool.ok()) return pool.status();
-    devices.push_back(KvDevice{.name = device.name, .pool = *std::move(pool)});
+    devices.push_back(KvDevice{.name = device.name,
+                               .pool = *std::move(pool),
+                               .health = [e = executor.get()] { return e->Health(); }});
   }
   return devices;
 }
@@ -309,6 +315,17 @@ int Run(ServerOptions options, const sigset_t& stop_signals) {
     std::fprintf(stderr, "attention_server: %s\n", kv_devices.status().ToString().c_str());
     return 1;
   }
+  // Set once the server runs; a device lost before then is seen by the check after the start.
+  std::atomic<grpc::HealthCheckServiceInterface*> health_service{nullptr};
+  options.scheduler.on_device_lost = [&health_service](const DeviceDescription&,
+                                                       const absl::Status&, int in_service) {
+    grpc::HealthCheckServiceInterface* health = health_service.load();
+    if (in_service > 0 || health == nullptr) return;
+    // Nothing left to compute on: load balancers and orchestrators move traffic elsewhere.
+    for (const char* service : {"", kServiceName, kSessionsServiceName}) {
+      health->SetServingStatus(service, false);
+    }
+  };
   Scheduler scheduler(*std::move(executors), options.scheduler,
                       [&metrics](int depth) { metrics.SetQueueDepth(depth); });
   // Declared after the scheduler, so it stops sampling the scheduler before the scheduler goes.
@@ -356,6 +373,8 @@ int Run(ServerOptions options, const sigset_t& stop_signals) {
   health->SetServingStatus("", true);
   health->SetServingStatus(kServiceName, true);
   health->SetServingStatus(kSessionsServiceName, session_store != nullptr);
+  health_service.store(health);
+  if (scheduler.devices_in_service() == 0) options.scheduler.on_device_lost({}, {}, 0);
 
   if (!options.port_file.empty()) {
     absl::Status written =

@@ -91,6 +91,11 @@ Metrics::Metrics(const BuildInfo& build)
                              .Help("Fraction of recent wall time (10 s or more) during which the "
                                    "device ran at least one request.")
                              .Register(*registry_)),
+      device_in_service_(prometheus::BuildGauge()
+                             .Name("attention_device_in_service")
+                             .Help("1 while the device takes work, 0 once a fault took it out of "
+                                   "service (until the server restarts).")
+                             .Register(*registry_)),
       queue_capacity_(prometheus::BuildGauge()
                           .Name("attention_queue_capacity")
                           .Help("Requests that may wait for a device; more are refused.")
@@ -240,6 +245,7 @@ void Metrics::SampleScheduler() {
   const absl::Time now = absl::Now();
   for (const DeviceLoad& load : scheduler_->device_loads()) {
     const prometheus::Labels labels = {{"device", load.device->name}};
+    device_in_service_.Add(labels).Set(load.lost.ok() ? 1 : 0);
     if (load.memory.ok()) {
       device_memory_used_.Add(labels).Set(static_cast<double>(load.memory->used_bytes));
       device_memory_total_.Add(labels).Set(static_cast<double>(load.memory->total_bytes));

@@ -1,6 +1,9 @@
 #include "server/scheduler.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -25,6 +28,8 @@ void Scheduler::Submit(Job job) {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) {
       refusal = absl::UnavailableError("server is shutting down");
+    } else if (CountInService() == 0) {
+      refusal = NoDeviceError();
     } else if (static_cast<int>(queue_.size()) >= options_.max_queue) {
       refusal = absl::ResourceExhaustedError(
           absl::StrCat("queue full: ", queue_.size(), " queued, limit ", options_.max_queue));
@@ -62,12 +67,32 @@ int Scheduler::queue_depth() const {
   return static_cast<int>(queue_.size());
 }
 
-Scheduler::Slot* Scheduler::AcquireLeastLoaded() {
-  Slot* best = &slots_.front();
-  for (Slot& slot : slots_) {
-    if (slot.in_flight < best->in_flight) best = &slot;
+int Scheduler::devices_in_service() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return CountInService();
+}
+
+int Scheduler::CountInService() const {
+  int count = 0;
+  for (const Slot& slot : slots_) count += slot.lost.ok() ? 1 : 0;
+  return count;
+}
+
+absl::Status Scheduler::NoDeviceError() const {
+  std::string why;
+  for (const Slot& slot : slots_) {
+    absl::StrAppend(&why, why.empty() ? "" : "; ", slot.executor->device().name, ": ",
+                    slot.lost.message());
   }
-  if (best->in_flight++ == 0) best->busy_since = absl::Now();
+  return absl::UnavailableError(absl::StrCat("every device is out of service (", why, ")"));
+}
+
+Scheduler::Slot* Scheduler::AcquireLeastLoaded() {
+  Slot* best = nullptr;
+  for (Slot& slot : slots_) {
+    if (slot.lost.ok() && (best == nullptr || slot.in_flight < best->in_flight)) best = &slot;
+  }
+  if (best != nullptr && best->in_flight++ == 0) best->busy_since = absl::Now();
   return best;
 }
 
@@ -77,11 +102,13 @@ void Scheduler::Release(Slot* slot) {
 
 std::vector<DeviceLoad> Scheduler::device_loads() const {
   std::vector<absl::Duration> busy;
+  std::vector<absl::Status> lost;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const absl::Time now = absl::Now();
     for (const Slot& slot : slots_) {
       busy.push_back(slot.busy + (slot.in_flight > 0 ? now - slot.busy_since : absl::Duration()));
+      lost.push_back(slot.lost);
     }
   }
   // Memory outside the lock: a device may take a while to answer; workers must not wait for it.
@@ -89,7 +116,10 @@ std::vector<DeviceLoad> Scheduler::device_loads() const {
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Executor& executor = *slots_[i].executor;
     loads.push_back(
-        DeviceLoad{.device = &executor.device(), .busy = busy[i], .memory = executor.Memory()});
+        DeviceLoad{.device = &executor.device(),
+                   .busy = busy[i],
+                   .memory = executor.Memory(),
+                   .lost = std::move(lost[i])});
   }
   return loads;
 }
@@ -157,19 +187,48 @@ std::vector<Scheduler::Queued> Scheduler::CollectBatch(
   return batch;
 }
 
+void Scheduler::CheckHealth(Slot* slot) {
+  // Outside the lock: the executor may probe its device.
+  absl::Status health = slot->executor->Health();
+  if (health.ok()) return;
+  int in_service = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!slot->lost.ok()) return;  // another worker took it out already
+    slot->lost = health;
+    in_service = CountInService();
+  }
+  const DeviceDescription& device = slot->executor->device();
+  std::fprintf(stderr, "attention_server: %s taken out of service (%d left): %s\n",
+               device.name.c_str(), in_service, health.ToString().c_str());
+  if (options_.on_device_lost) options_.on_device_lost(device, health, in_service);
+}
+
 void Scheduler::RunBatch(std::vector<Queued> batch) {
   Slot* slot = nullptr;
+  absl::Status no_device;
   {
     std::lock_guard<std::mutex> lock(mu_);
     slot = AcquireLeastLoaded();
+    if (slot == nullptr) no_device = NoDeviceError();
   }
   const absl::Time start = absl::Now();
+  if (slot == nullptr) {
+    for (Queued& queued : batch) {
+      std::move(queued.first.done)(
+          JobResult{.status = no_device, .queued = start - queued.second});
+    }
+    return;
+  }
   std::vector<AttentionParams> params;
   for (const Queued& queued : batch) params.push_back(queued.first.params);
   std::vector<absl::StatusOr<StageTimes>> stages = slot->executor->RunBatch(params);
   {
     std::lock_guard<std::mutex> lock(mu_);
     Release(slot);
+  }
+  if (std::any_of(stages.begin(), stages.end(), [](const auto& s) { return !s.ok(); })) {
+    CheckHealth(slot);
   }
   const DeviceDescription& device = slot->executor->device();
   if (stages.size() != batch.size()) {

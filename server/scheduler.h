@@ -33,6 +33,10 @@ struct SchedulerOptions {
   int max_batch = 1;    // jobs per RunBatch at most
   // How long the oldest queued job may wait for others to join its batch.
   absl::Duration max_queue_delay = absl::ZeroDuration();
+  // Told when an executor is taken out of rotation (its Health failed after a run), with the
+  // number of executors still in service. May be empty.
+  std::function<void(const DeviceDescription&, const absl::Status&, int in_service)>
+      on_device_lost;
 };
 
 // What happened to a job. `device` is the executor's device when the job ran, else nullptr.
@@ -63,6 +67,8 @@ struct DeviceLoad {
   // (for a GPU this counts copies and kernels of all its streams, overlapped or not).
   absl::Duration busy;
   absl::StatusOr<MemoryUsage> memory;
+  // OK while the device takes work; the error that took it out of rotation otherwise.
+  absl::Status lost;
 };
 
 class Scheduler {
@@ -77,7 +83,7 @@ class Scheduler {
   Scheduler& operator=(const Scheduler&) = delete;
 
   // Queues `job`, or answers it at once: RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE
-  // after Shutdown began.
+  // after Shutdown began or when every executor is out of rotation.
   void Submit(Job job);
 
   // Refuses new jobs, lets the workers finish every queued and running one, and joins them.
@@ -86,6 +92,8 @@ class Scheduler {
   // One entry per executor, in the order given.
   std::vector<const DeviceDescription*> devices() const;
   int queue_depth() const;
+  // Executors not taken out of rotation.
+  int devices_in_service() const;
   int max_queue() const { return options_.max_queue; }
   // One entry per executor, in the order given; asks each executor for its memory.
   std::vector<DeviceLoad> device_loads() const;
@@ -98,6 +106,8 @@ class Scheduler {
     int in_flight = 0;
     absl::Duration busy;
     absl::Time busy_since;
+    // Guarded by mu_: not OK once the executor failed its health check; it gets no more jobs.
+    absl::Status lost;
   };
 
   using Queued = std::pair<Job, absl::Time>;  // job, enqueue time
@@ -110,8 +120,15 @@ class Scheduler {
                                    std::vector<std::pair<Queued, absl::Status>>* dropped);
   // Runs `batch` on the least-loaded executor and answers every job.
   void RunBatch(std::vector<Queued> batch);
-  // The executor with the fewest jobs running; its count is raised. Needs mu_.
+  // After a failed run on `slot`: takes its executor out of rotation if its health check fails.
+  void CheckHealth(Slot* slot);
+  // The executor in service with the fewest jobs running, its count raised; nullptr when every
+  // executor is out of rotation. Needs mu_.
   Slot* AcquireLeastLoaded();
+  // Executors not taken out of rotation. Needs mu_.
+  int CountInService() const;
+  // UNAVAILABLE naming why each executor is out of rotation. Needs mu_.
+  absl::Status NoDeviceError() const;
   // Lowers the slot's count after a run. Needs mu_.
   static void Release(Slot* slot);
 

@@ -43,6 +43,20 @@ class GatedExecutor final : public Executor {
     }
     return std::vector<absl::StatusOr<StageTimes>>(items.size(), result);
   }
+  absl::Status Health() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++health_checks_;
+    return health_;
+  }
+  // Health answers `status` from now on, as a device with a corrupted context would.
+  void Lose(absl::Status status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    health_ = std::move(status);
+  }
+  int health_checks() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return health_checks_;
+  }
   void Release() { gate_.Open(); }
   void FailWith(absl::Status status) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -61,6 +75,8 @@ class GatedExecutor final : public Executor {
   RunGate gate_;
   std::mutex mu_;  // guards the two below; a pthread lock, which ThreadSanitizer sees
   absl::Status fail_with_;
+  absl::Status health_;
+  int health_checks_ = 0;
   std::vector<int> launch_sizes_;
 };
 
@@ -282,6 +298,65 @@ TEST(SchedulerTest, AFailedLaunchFailsOnlyItsOwnJobs) {
   EXPECT_EQ(companion.result.status.code(), absl::StatusCode::kInternal);
   EXPECT_TRUE(healthy.result.status.ok()) << healthy.result.status;
   EXPECT_TRUE(blocker.result.status.ok()) << blocker.result.status;
+}
+
+TEST(SchedulerTest, ALostDeviceLeavesRotationAndTheLastOneLeavesUnavailable) {
+  std::vector<std::pair<std::string, int>> lost;  // device, devices in service after
+  std::mutex lost_mu;
+  Fixture f(2, {.workers = 1,
+                .max_queue = 16,
+                .on_device_lost = [&](const DeviceDescription& device, const absl::Status& why,
+                                      int in_service) {
+                  EXPECT_THAT(why.message(), HasSubstr("context lost"));
+                  std::lock_guard<std::mutex> lock(lost_mu);
+                  lost.emplace_back(device.name, in_service);
+                }});
+  f.ReleaseAll();
+  // A successful run asks nothing; a failed one asks the executor's health.
+  Outcome fine;
+  f.scheduler->Submit(fine.MakeJob(64));
+  fine.done.WaitForNotification();
+  EXPECT_EQ(f.gates[0]->health_checks() + f.gates[1]->health_checks(), 0);
+
+  // dev0 (the least loaded: the first one) faults and loses its context.
+  f.gates[0]->Lose(absl::InternalError("context lost on dev0"));
+  f.gates[0]->FailWith(absl::InternalError("illegal address"));
+  Outcome faulty;
+  f.scheduler->Submit(faulty.MakeJob(64));
+  faulty.done.WaitForNotification();
+  EXPECT_EQ(faulty.result.status.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(faulty.result.device->name, "dev0");
+  EXPECT_EQ(f.scheduler->devices_in_service(), 1);
+  std::vector<DeviceLoad> loads = f.scheduler->device_loads();
+  EXPECT_THAT(loads[0].lost.message(), HasSubstr("context lost on dev0"));
+  EXPECT_TRUE(loads[1].lost.ok());
+
+  // Everything now runs on dev1, which stays in service after an ordinary failed launch.
+  const int dev0_runs = f.gates[0]->started();
+  for (int i = 0; i < 4; ++i) {
+    Outcome o;
+    f.scheduler->Submit(o.MakeJob(i == 0 ? kFaultyHeadDim : 64));
+    o.done.WaitForNotification();
+    EXPECT_EQ(o.result.device->name, "dev1");
+    EXPECT_EQ(o.result.status.ok(), i != 0) << o.result.status;
+  }
+  EXPECT_EQ(f.gates[0]->started(), dev0_runs);
+  EXPECT_EQ(f.scheduler->devices_in_service(), 1);
+
+  // dev1 is lost too: new jobs are refused at once, naming both devices.
+  f.gates[1]->Lose(absl::InternalError("context lost on dev1"));
+  Outcome last, refused;
+  f.scheduler->Submit(last.MakeJob(kFaultyHeadDim));
+  last.done.WaitForNotification();
+  EXPECT_EQ(f.scheduler->devices_in_service(), 0);
+  f.scheduler->Submit(refused.MakeJob(64));
+  ASSERT_TRUE(refused.done.HasBeenNotified());
+  EXPECT_EQ(refused.result.status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(refused.result.status.message(),
+              HasSubstr("every device is out of service (dev0: context lost on dev0; dev1: "
+                        "context lost on dev1)"));
+  std::lock_guard<std::mutex> lock(lost_mu);
+  EXPECT_EQ(lost, (std::vector<std::pair<std::string, int>>{{"dev0", 1}, {"dev1", 0}}));
 }
 
 }  // namespace

@@ -109,16 +109,26 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   if (!id.ok()) return id.status();
   const int64_t pages = PagesFor(initial_rows, page_rows);
 
+  // Before the store's lock: a health check may probe the device.
+  std::vector<bool> usable(devices_.size());
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    usable[d] = !devices_[d].health || devices_[d].health().ok();
+  }
+  if (std::find(usable.begin(), usable.end(), true) == usable.end()) {
+    return absl::UnavailableError("every device is out of service; the server needs a restart");
+  }
+
   auto session = std::make_shared<Session>();
   // Its call lock before the store's, the order every call takes them in; the lease releases it.
   std::unique_lock<std::mutex> call_lock(session->call_mu);
   std::lock_guard<std::mutex> lock(mu_);
   const absl::Time now = options_.clock();
-  // The device with the most free pages (expired sessions' pages count as free).
+  // The usable device with the most free pages (expired sessions' pages count as free).
   SweepLocked(now);
-  int device = 0;
-  for (size_t d = 1; d < device_states_.size(); ++d) {
-    if (device_states_[d].free_pages.size() > device_states_[device].free_pages.size()) {
+  int device = -1;
+  for (size_t d = 0; d < device_states_.size(); ++d) {
+    if (usable[d] && (device < 0 || device_states_[d].free_pages.size() >
+                                        device_states_[device].free_pages.size())) {
       device = static_cast<int>(d);
     }
   }

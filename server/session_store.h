@@ -39,6 +39,9 @@ class Metrics;
 struct KvDevice {
   std::string name;  // "cpu", "cuda:0"
   std::unique_ptr<KvPagePool> pool;
+  // OK while the device can run work (Executor::Health); a device that fails it gets no new
+  // sessions. Empty: always OK.
+  std::function<absl::Status()> health;
 };
 
 struct SessionStoreOptions {

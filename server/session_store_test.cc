@@ -2,6 +2,7 @@
 // expiry on a fake clock, owners, drop, device choice and concurrent appends to one session.
 #include "server/session_store.h"
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -254,6 +255,24 @@ TEST_F(SessionStoreTest, NewSessionsGoToTheDeviceWithTheMostFreePages) {
   for (const SessionSnapshot& s : list) EXPECT_EQ(s.device, s.pages == 3 ? "dev1" : "dev0");
   EXPECT_EQ(store_->Room().pages_total, 8);
   EXPECT_EQ(store_->Room().pages_free, 4);
+}
+
+TEST(SessionStoreHealthTest, LostDevicesGetNoNewSessions) {
+  std::vector<KvDevice> devices = Devices({3, 5});
+  std::atomic<bool> dev1_lost{false};
+  devices[1].health = [&dev1_lost] {
+    return dev1_lost ? absl::InternalError("context lost") : absl::OkStatus();
+  };
+  devices[0].health = [] { return absl::InternalError("context lost"); };
+  SessionStore store(std::move(devices), SessionStoreOptions{}, nullptr);
+  // dev0 is lost: the session goes to dev1 even though both have room.
+  absl::StatusOr<SessionStore::Lease> first = store.Create("", kShape, 1);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(store.device_name(first->device()), "dev1");
+  dev1_lost = true;
+  absl::StatusOr<SessionStore::Lease> second = store.Create("", kShape, 1);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(second.status().message(), HasSubstr("every device is out of service"));
 }
 
 TEST_F(SessionStoreTest, ConcurrentCallsOnOneSessionRunOneAtATime) {

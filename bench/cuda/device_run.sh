@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One full pass on a GPU host, from a bundle made by ../shared/device/bundle.sh .device
 # (cuda_kernel_tests, cuda_attention_bench, and optionally attention_server + attn_client,
-# cuda_paged_kv_tests, cuda_pipeline_tests, sessions_tests, client_session_tests): tests,
+# cuda_paged_kv_tests, cuda_pipeline_tests, cuda_device_loss_tests, sessions_tests,
+# client_session_tests): tests,
 # compute-sanitizer memcheck and racecheck on a small filter, the session end-to-end suites against
 # --backend=cuda, the server checked with the client, then the benchmark beside torch (table
 # last). Logs and plots go to $OUT.
@@ -25,7 +26,7 @@ if [[ $what == tests || $what == all ]]; then
       --gtest_brief=1 --gtest_filter="$filter" >"$out/sanitizer_$tool.log" 2>&1
     summary+=("compute-sanitizer $tool: rc=$? $(grep -E '(ERROR|RACECHECK) SUMMARY' "$out/sanitizer_$tool.log" | tr '\n' ' ' )")
   done
-  for t in cuda_paged_kv_tests cuda_pipeline_tests; do
+  for t in cuda_paged_kv_tests cuda_pipeline_tests cuda_device_loss_tests; do
     [[ -x $bin/$t ]] || continue
     "$bin/$t" --gtest_brief=1 >"$out/$t.log" 2>&1
     summary+=("$t: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/$t.log" | tr '\n' ' ')")
