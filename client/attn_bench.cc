@@ -89,6 +89,8 @@ ABSL_FLAG(bool, lse, false, "ask for the log-sum-exp too");
 ABSL_FLAG(std::string, rpc, "unary", "unary (one call per request) | stream (AttendStream)");
 ABSL_FLAG(double, deadline_s, 60, "deadline per unary call, seconds");
 ABSL_FLAG(int, max_attempts, 1, "attempts per call on UNAVAILABLE (gRPC retry policy)");
+ABSL_FLAG(int, max_message_mb, 1024,
+          "largest gRPC message sent or received, MiB (1..2047; the server has its own limit)");
 ABSL_FLAG(bool, json, false, "print one JSON object with the results as the last line");
 ABSL_FLAG(bool, progress, true, "print a progress line on stderr every second");
 
@@ -687,6 +689,12 @@ int Main() {
   options.target = absl::GetFlag(FLAGS_target);
   options.deadline = load.deadline;
   options.max_attempts = absl::GetFlag(FLAGS_max_attempts);
+  const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  if (max_message_mb < 1 || max_message_mb > 2047) {
+    std::fprintf(stderr, "attn_bench: --max_message_mb: expected 1..2047, got %d\n", max_message_mb);
+    return 2;
+  }
+  options.max_message_bytes = max_message_mb << 20;
   if (mode == "decode") return RunDecode(*spec, load, options);
 
   std::mt19937_64 rng(std::random_device{}());
