@@ -3,14 +3,17 @@
 // library): decode and extend steps against the float64 reference over ragged lengths, GQA,
 // windows and LSE; many single-row appends equal one Attend; two half-sequence sessions merged by
 // their LSEs equal one session holding all of it; errors (NOT_FOUND, INVALID_ARGUMENT changing
-// nothing, RESOURCE_EXHAUSTED, UNAUTHENTICATED), expiry after the TTL, and the metrics.
+// nothing, RESOURCE_EXHAUSTED, UNAUTHENTICATED), expiry after the TTL, the metrics, and no page
+// leaked over 10,000 create, append, drop cycles.
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <optional>
 #include <random>
 #include <string>
@@ -22,6 +25,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "client/reference_check.h"
 #include "client/request_builder.h"
@@ -720,6 +725,139 @@ TEST_F(SessionsE2E, ConcurrentStepsOnOneSessionRunOneAtATime) {
   for (int i = 0; i < kThreads * kSteps; ++i) EXPECT_EQ(all[i], i + 1);
   EXPECT_EQ(stub.Length(s->id), kThreads * kSteps);
   EXPECT_EQ(stub.Drop(s->id), absl::OkStatus());
+}
+
+// The cache's state per the server's metrics endpoint, summed over its devices.
+struct CacheGauges {
+  double sessions = -1, resident_bytes = -1, pages_free = -1;
+};
+
+CacheGauges ScrapeCache(int metrics_port) {
+  absl::StatusOr<std::string> text = HttpGet(metrics_port, "/metrics");
+  EXPECT_TRUE(text.ok()) << text.status();
+  if (!text.ok()) return {};
+  const std::vector<MetricSample> samples = ParseMetrics(*text);
+  return {SumSamples(samples, "attention_sessions_resident"),
+          SumSamples(samples, "attention_session_resident_bytes"),
+          SumSamples(samples, "attention_kv_pages_free")};
+}
+
+// The churn test's sessions: float16, Hkv 1, D 32, so 128 bytes a row (k and v) and 128 rows a
+// 16 KiB page (SessionsE2E's --kv_page_bytes); 0..130 rows at creation and 1..130 appended span
+// one to three pages.
+constexpr int64_t kChurnHkv = 1, kChurnD = 32, kChurnMaxRows = 130, kChurnPageRows = 128;
+
+// The pages a session of `length` rows holds: at least one.
+int64_t ChurnPages(int64_t length) {
+  return std::max<int64_t>(1, (length + kChurnPageRows - 1) / kChurnPageRows);
+}
+
+v1::Tensor ChurnRows(int64_t n, std::mt19937_64& rng) {
+  return client::MakeTensor(v1::DTYPE_FLOAT16, {kChurnHkv, n, kChurnD},
+                            client::RandomNormal(kChurnHkv * n * kChurnD, rng));
+}
+
+// Grows session `id` of `length` rows: AppendKv of 1..130 rows; on every eighth cycle an append
+// of the wrong shape, which must be refused; on every fourth a decode Step appending one row.
+absl::Status GrowChurnSession(SessionsStub& stub, const std::string& id, int64_t length, int cycle,
+                              std::mt19937_64& rng) {
+  v1::AppendKvRequest append;
+  append.set_session_id(id);
+  const int64_t added = std::uniform_int_distribution<int64_t>(1, kChurnMaxRows)(rng);
+  *append.mutable_k() = ChurnRows(added, rng);
+  *append.mutable_v() = ChurnRows(added, rng);
+  absl::StatusOr<v1::SessionInfo> appended = stub.Append(append);
+  if (!appended.ok()) return appended.status();
+  if (appended->length() != length + added || appended->pages() != ChurnPages(length + added)) {
+    return absl::InternalError(absl::StrCat("AppendKv of ", added, " rows to ", length,
+                                            " answered length ", appended->length(), ", ",
+                                            appended->pages(), " pages"));
+  }
+  if (cycle % 8 == 0) {  // two kv heads for a one-head session
+    v1::AppendKvRequest wrong = append;
+    *wrong.mutable_k() = client::MakeTensor(v1::DTYPE_FLOAT16, {2, 1, kChurnD},
+                                            std::vector<float>(2 * kChurnD, 1.0f));
+    *wrong.mutable_v() = wrong.k();
+    const absl::Status refused = stub.Append(wrong).status();
+    if (refused.code() != absl::StatusCode::kInvalidArgument) {
+      return absl::InternalError(
+          absl::StrCat("a wrong-shape AppendKv answered ", refused.ToString()));
+    }
+  }
+  if (cycle % 4 == 0) {
+    v1::StepRequest step;
+    v1::StepEntry* entry = step.add_entries();
+    entry->set_session_id(id);
+    *entry->mutable_q() = ChurnRows(1, rng);
+    *entry->mutable_k() = ChurnRows(1, rng);
+    *entry->mutable_v() = ChurnRows(1, rng);
+    absl::StatusOr<v1::StepResponse> stepped = stub.Step(step);
+    if (!stepped.ok()) return stepped.status();
+  }
+  return absl::OkStatus();
+}
+
+// One create, grow, drop cycle; the session is dropped even when a check before failed.
+absl::Status ChurnCycle(SessionsStub& stub, int cycle, std::mt19937_64& rng) {
+  v1::CreateSessionRequest create;
+  create.set_dtype(v1::DTYPE_FLOAT16);
+  create.set_kv_heads(kChurnHkv);
+  create.set_head_dim(kChurnD);
+  const int64_t initial = std::uniform_int_distribution<int64_t>(0, kChurnMaxRows)(rng);
+  if (initial > 0) {
+    *create.mutable_k() = ChurnRows(initial, rng);
+    *create.mutable_v() = ChurnRows(initial, rng);
+  }
+  absl::StatusOr<v1::SessionInfo> created = stub.Create(create);
+  if (!created.ok()) return created.status();
+  const absl::Status used =
+      created->pages() == ChurnPages(initial)
+          ? GrowChurnSession(stub, created->session_id(), initial, cycle, rng)
+          : absl::InternalError(
+                absl::StrCat("a session of ", initial, " rows holds ", created->pages(), " pages"));
+  const absl::Status dropped = stub.Drop(created->session_id());
+  return used.ok() ? dropped : used;
+}
+
+// No page leaks under churn: 10,000 create, append, drop cycles from several threads at once
+// (see ChurnCycle), after which every page is free again and no session is held.
+TEST_F(SessionsE2E, TenThousandCreateAppendDropCyclesLeaveNoPagesBehind) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  const CacheGauges before = ScrapeCache(process().metrics_port());
+  absl::StatusOr<v1::ListSessionsResponse> list_before = Stub().List();
+  ASSERT_TRUE(list_before.ok()) << list_before.status();
+  ASSERT_GT(before.pages_free, 0);
+  constexpr int kCycles = 10000, kThreads = 4;
+  std::atomic<int> next_cycle{0};
+  std::vector<std::string> failures(kThreads);  // each thread's first failure
+  std::vector<std::thread> threads;
+  const absl::Time start = absl::Now();
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      SessionsStub stub = Stub();
+      std::mt19937_64 rng(seed + t);
+      for (int cycle = next_cycle++; cycle < kCycles; cycle = next_cycle++) {
+        if (const absl::Status s = ChurnCycle(stub, cycle, rng); !s.ok()) {
+          failures[t] = absl::StrCat("cycle ", cycle, ": ", s.ToString());
+          return;
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  std::cout << kCycles << " cycles on " << kThreads << " threads in "
+            << absl::FormatDuration(absl::Now() - start) << "\n";
+  for (const std::string& failure : failures) EXPECT_EQ(failure, "");
+
+  const CacheGauges after = ScrapeCache(process().metrics_port());
+  EXPECT_EQ(after.pages_free, before.pages_free) << "KV pages not returned";
+  EXPECT_EQ(after.sessions, 0) << before.sessions << " at the start";
+  EXPECT_EQ(after.resident_bytes, 0);
+  absl::StatusOr<v1::ListSessionsResponse> list = Stub().List();
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->sessions_size(), 0);
+  EXPECT_EQ(list->pages_free(), list_before->pages_free());
 }
 
 TEST(SessionsOffE2E, WithoutACacheSessionsAreUnimplemented) {

@@ -1,16 +1,21 @@
 #!/usr/bin/env python3
 """The observability stack against a real server: a real Prometheus scrapes a real
-attention_server on loopback while attn_client sends a known set of requests; then every PromQL
-expression of the Grafana dashboard and of the alerting rules is run through Prometheus's HTTP
-API and must return data that agrees with what the client sent.
+attention_server on loopback while attn_client sends a known set of requests and attn_bench
+--mode=decode steps KV-resident sessions; then every PromQL expression of the Grafana dashboard and
+of the alerting rules is run through Prometheus's HTTP API and must return data that agrees with
+what the clients sent.
 
-  prometheus_scrape_test.py --server=BIN --client=BIN --prometheus=BIN --promtool=BIN --deploy=DIR
+  prometheus_scrape_test.py --server=BIN --client=BIN --bench=BIN --prometheus=BIN --promtool=BIN
+      --deploy=DIR
 
 Checks:
   - `promtool check metrics` reports nothing on a scrape taken while requests run;
   - Prometheus loads deploy/prometheus/rules and evaluates every rule without error;
   - attention_requests_total by (rpc, code), the FLOPs, tokens and payload counts equal what the
-    client sent;
+    clients sent;
+  - the sessions: decode launches equal the Steps answered, expirations the sessions whose drop
+    found them expired; while the load ran all decode sessions were resident, and after it no
+    session and no KV page is held;
   - every dashboard and rule expression returns at least one finite value; latency quantiles lie
     within the client-measured round-trip range, widened to the histogram's bucket bounds;
   - the dashboard's template variables (label_values) find this server and its device.
@@ -42,6 +47,19 @@ INVALID_ARGS = ["--shape=1,8,64,64", "--kv_heads=3"]
 INVALID_TENSOR_BYTES = 4 * (8 * 64 * 64 + 2 * 3 * 64 * 64)
 LOAD_SECONDS = 6.0  # keep sending rounds at least this long (several scrapes at 1 s)
 SCRAPE_INTERVAL_S = 1
+
+# Sessions, beside the Attend rounds: attn_bench --mode=decode holds DECODE_SESSIONS sessions of
+# 100 rows for the load's length, stepping 4 of them per Step (each step appends a row) at 40
+# Steps/s, then drops them. A second attn_bench steps one session once and waits twice the
+# server's --session_ttl_s (its --rate) before dropping it, so the session expires and the drop
+# gets NOT_FOUND.
+SESSION_TTL_S = 2
+KV_PAGE_BYTES = 65536
+DECODE_SESSIONS = 8
+DECODE_ARGS = ["--nk=100", "--shape=4,8,1,64", "--kv_heads=2", "--dtype=float16", "--causal",
+               "--concurrency=2", "--rate=40", f"--duration_s={LOAD_SECONDS}"]
+EXPIRING_ARGS = ["--nk=16", "--shape=1,2,1,32", "--kv_heads=1", "--dtype=float32",
+                 "--concurrency=1", f"--rate={1 / (2 * SESSION_TTL_S)}", "--requests=1"]
 
 # The server's duration buckets (server/metrics.cc): 20 us doubling.
 BUCKET_FIRST_S = 20e-6
@@ -209,15 +227,24 @@ def bucket_ceil(seconds):
 class Load:
     """Sends rounds of requests and counts what was sent."""
 
-    def __init__(self, client, target):
+    def __init__(self, client, bench, target):
         self.client = client
+        self.bench = bench
         self.target = target
         self.sent = {}  # (rpc, code) -> requests
-        self.round_trip_min = math.inf
-        self.round_trip_max = 0.0
+        self.round_trips = {}  # rpc -> [min, max] seconds, as the clients measured them
+        self.steps_ok = 0  # Step calls answered: one decode launch each (one shape per Step)
+        self.sessions_expired = 0  # sessions whose drop found them expired
 
     def count(self, rpc, code, n=1):
         self.sent[(rpc, code)] = self.sent.get((rpc, code), 0) + n
+
+    def round_trip(self, rpc, low, high):
+        seen = self.round_trips.setdefault(rpc, [math.inf, 0.0])
+        seen[0], seen[1] = min(seen[0], low), max(seen[1], high)
+
+    def round_trip_max(self):
+        return max(high for _, high in self.round_trips.values())
 
     def start_attend(self):
         shape = ",".join(map(str, SHAPE))
@@ -229,10 +256,38 @@ class Load:
         output, _ = process.communicate(timeout=120)
         if process.returncode != 0:
             raise Failure(f"attn_client failed ({process.returncode}):\n{output}")
-        low, high = parse_round_trips(output)
-        self.round_trip_min = min(self.round_trip_min, low)
-        self.round_trip_max = max(self.round_trip_max, high)
+        self.round_trip("Attend", *parse_round_trips(output))
         self.count("Attend", "OK", REPEAT)
+
+    def start_decode(self, sessions, args):
+        process = subprocess.Popen(
+            [self.bench, f"--target={self.target}", "--mode=decode", "--progress=false", "--json",
+             "--warmup_s=0", f"--sessions={sessions}"] + args,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return process, sessions
+
+    def finish_decode(self, started):
+        """Counts what an attn_bench --mode=decode run sent: its sessions' CreateSession, its Step
+        calls by code (from its JSON line) and its sessions' DropSession (NOT_FOUND: expired)."""
+        process, sessions = started
+        output, errors = process.communicate(timeout=120)
+        dropped = re.search(r"dropped (\d+) sessions, (\d+) failed", output)
+        if process.returncode != 0 or not dropped:
+            raise Failure(f"attn_bench --mode=decode failed ({process.returncode}):\n"
+                          f"{output}{errors}")
+        result = json.loads(output.strip().splitlines()[-1])
+        self.count("CreateSession", "OK", sessions)
+        self.count("Step", "OK", result["requests"])
+        for code, n in result["errors"].items():
+            self.count("Step", code, n)
+        expired = int(dropped.group(2))
+        self.count("DropSession", "OK", sessions - expired)
+        if expired:
+            self.count("DropSession", "NOT_FOUND", expired)
+        self.sessions_expired += expired
+        self.steps_ok += result["requests"]
+        if result["requests"]:  # latencies from the scheduled send time: an upper bound
+            self.round_trip("Step", 0.0, result["max"])
 
     def invalid(self):
         # 8 query heads over 3 key/value heads: Hq % Hkv != 0, INVALID_ARGUMENT.
@@ -265,26 +320,33 @@ def check_metrics_text(promtool, text):
 
 
 def check_value_ranges(title, expr, samples, load):
-    """Latency quantiles and means within the client's range; ratios within [0, 1]."""
+    """Latency quantiles and means within the clients' ranges; ratios within [0, 1]."""
     if expr.startswith("histogram_quantile(") and "_seconds_bucket" in expr:
-        high = bucket_ceil(load.round_trip_max)
-        # Server time is the client's round trip less transport; allow it to be half.
-        low = bucket_floor(load.round_trip_min / 2)
+        attend_min, attend_max = load.round_trips["Attend"]
         for labels, value in samples:
-            if "stage" in labels:  # a part of the request: [0, the whole]
-                if not 0 <= value <= high:
-                    raise Failure(f"{title}: {expr}: stage {labels['stage']} at {value} s, outside "
-                                  f"[0, {high}] (client max {load.round_trip_max} s)")
-            elif labels.get("rpc") == "Attend" or "rpc" not in labels:
-                if not low <= value <= high:
-                    raise Failure(f"{title}: {expr}: {value} s outside [{low}, {high}] (client "
-                                  f"round trips {load.round_trip_min}..{load.round_trip_max} s)")
-    if "_seconds_sum" in expr:  # mean times: each within [0, the client's longest round trip]
+            # The server's part of a request measured by a client: within [low, the bucket
+            # bound at or above the client's longest round trip].
+            low, rpc = 0.0, labels.get("rpc", "Attend")
+            if "attention_decode_step_duration_seconds" in expr:
+                rpc = "Step"  # a decode launch is a part of a Step
+            elif "stage" in labels:
+                pass  # a stage is a part of an Attend request
+            elif rpc == "Attend":
+                # Server time is the client's round trip less transport; allow it to be half.
+                low = bucket_floor(attend_min / 2)
+            if rpc not in load.round_trips:
+                continue  # not timed by a client (GetServerInfo, CreateSession, ...)
+            high = bucket_ceil(load.round_trips[rpc][1])
+            if not low <= value <= high:
+                raise Failure(f"{title}: {expr}: {value} s outside [{low}, {high}] for {labels} "
+                              f"(client round trips {load.round_trips})")
+    if "_seconds_sum" in expr:  # mean times: each within [0, the clients' longest round trip]
         for labels, value in samples:
-            if not 0 <= value <= load.round_trip_max:
+            if not 0 <= value <= load.round_trip_max():
                 raise Failure(f"{title}: {expr}: mean {value} s outside [0, "
-                              f"{load.round_trip_max}] ({labels})")
-    if "busy_ratio" in expr or "/ attention_device_memory_total_bytes" in expr:
+                              f"{load.round_trip_max()}] ({labels})")
+    if any(ratio in expr for ratio in ("busy_ratio", "/ attention_device_memory_total_bytes",
+                                       "/ attention_kv_pages_capacity")):
         for labels, value in samples:
             if not 0 <= value <= 1:
                 raise Failure(f"{title}: {expr}: {value} outside [0, 1]")
@@ -340,6 +402,41 @@ def check_counts(prom, load, at, instance):
     log(f"counts agree: {load.sent}; FLOPs {expected['attention_flops_total']:.4g}")
 
 
+def check_sessions(prom, load, at, instance, window_s):
+    sel = f'{{instance="{instance}"}}'
+
+    def value(expr):
+        values = prom.query(expr, at)
+        if len(values) != 1:
+            raise Failure(f"{expr}: expected one value, Prometheus has {values}")
+        return values[0][1]
+
+    expected = {
+        # Each Step carried sessions of one shape: one decode launch.
+        f"sum(attention_decode_step_duration_seconds_count{sel})": load.steps_ok,
+        f"sum(attention_session_expirations_total{sel})": load.sessions_expired,
+        # Every session was dropped or expired: none is held, and every page is free again.
+        f"sum(attention_sessions_resident{sel})": 0,
+        f"sum(attention_session_resident_bytes{sel})": 0,
+        f"sum(attention_kv_pages_capacity{sel}) - sum(attention_kv_pages_free{sel})": 0,
+    }
+    for expr, want in expected.items():
+        if value(expr) != want:
+            raise Failure(f"{expr}: Prometheus has {value(expr)}, expected {want}")
+    # While the load ran: the decode sessions (and, early on, the expiring one), each holding at
+    # least one page.
+    most = value(f"max_over_time(attention_sessions_resident{sel}[{window_s}s])")
+    if not DECODE_SESSIONS <= most <= DECODE_SESSIONS + 1:
+        raise Failure(f"at most {most} sessions resident during the load, expected "
+                      f"{DECODE_SESSIONS} or {DECODE_SESSIONS + 1}")
+    most_bytes = value(f"max_over_time(attention_session_resident_bytes{sel}[{window_s}s])")
+    if most_bytes < DECODE_SESSIONS * KV_PAGE_BYTES or most_bytes % KV_PAGE_BYTES:
+        raise Failure(f"at most {most_bytes} bytes resident, not whole pages of {KV_PAGE_BYTES} "
+                      f"for {DECODE_SESSIONS} sessions")
+    log(f"sessions agree: {load.steps_ok} decode launches, {load.sessions_expired} expired, "
+        f"at most {most:.0f} resident ({most_bytes / 2**20:.2f} MiB), none left")
+
+
 def check_rules_loaded(prom):
     def all_evaluated():
         rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
@@ -374,6 +471,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", required=True)
     parser.add_argument("--client", required=True)
+    parser.add_argument("--bench", required=True)
     parser.add_argument("--prometheus", default="")
     parser.add_argument("--promtool", default="")
     parser.add_argument("--deploy", required=True)
@@ -397,7 +495,9 @@ def main():
             port_file = os.path.join(tmp, "ports")
             server = subprocess.Popen([args.server, "--host=127.0.0.1", "--port=0",
                                        "--metrics_port=0", f"--port_file={port_file}",
-                                       "--backend=cpu", "--workers=2"],
+                                       "--backend=cpu", "--workers=2",
+                                       f"--session_ttl_s={SESSION_TTL_S}",
+                                       f"--kv_page_bytes={KV_PAGE_BYTES}"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             processes.append(server)
 
@@ -437,8 +537,10 @@ scrape_configs:
             wait_for("the first scrape", lambda: prom.query(
                 f'up{{instance="{instance}"}} == 1', time.time()), timeout_s=15)
 
-            load = Load(args.client, f"127.0.0.1:{grpc_port}")
+            load = Load(args.client, args.bench, f"127.0.0.1:{grpc_port}")
             load_start = time.time()
+            decoders = [load.start_decode(DECODE_SESSIONS, DECODE_ARGS),
+                        load.start_decode(1, EXPIRING_ARGS)]
             rounds = 0
             while rounds < 2 or time.time() - load_start < LOAD_SECONDS:
                 clients = [load.start_attend(), load.start_attend()]
@@ -450,9 +552,14 @@ scrape_configs:
                 for c in clients:
                     load.finish_attend(c)
                 rounds += 1
+            for d in decoders:
+                load.finish_decode(d)
             load_end = time.time()
+            # (attn_bench reports no shortest Step: 0 stands for it.)
+            trips = ", ".join(f"{rpc} {low * 1e3:.2f}..{high * 1e3:.2f} ms"
+                              for rpc, (low, high) in load.round_trips.items())
             log(f"sent {load.sent} in {rounds} rounds, {load_end - load_start:.1f} s; round trips "
-                f"{load.round_trip_min * 1e3:.2f}..{load.round_trip_max * 1e3:.2f} ms")
+                f"{trips}")
 
             # Wait until a scrape after the load has landed, then evaluate just after it.
             total = sum(load.sent.values())
@@ -464,6 +571,7 @@ scrape_configs:
             variables = {"__rate_interval": f"{window_s}s", "instance": instance, "device": "cpu"}
 
             check_counts(prom, load, at, instance)
+            check_sessions(prom, load, at, instance, window_s)
             check_rules_loaded(prom)
             check_variables(prom, dashboard, variables, load_start, at)
             checked = run_expressions(prom, exprs, variables, at, load)
