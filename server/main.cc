@@ -94,6 +94,9 @@ ABSL_FLAG(std::string, auth_token_file, "",
 ABSL_FLAG(double, kv_cache_fraction, 0.25,
           "Share of each device's memory (host RAM for the cpu backend, committed only as pages "
           "are written) held as KV pages for attention.v1.Sessions; 0 = no sessions.");
+ABSL_FLAG(int64_t, kv_cache_bytes, 0,
+          "Bytes of each device's memory held as KV pages; when > 0 it replaces "
+          "--kv_cache_fraction.");
 ABSL_FLAG(int64_t, kv_page_bytes, 262144,
           "Bytes per KV page (a multiple of 256); a page holds rows of one session.");
 ABSL_FLAG(int, session_ttl_s, 600, "Seconds after which an idle session expires.");
@@ -128,6 +131,7 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
 // The KV-resident sessions' cache (session_store.h).
 struct KvCacheOptions {
   double fraction = 0.25;  // of each device's memory; 0: no sessions
+  int64_t bytes = 0;       // > 0: this many bytes of each device's memory instead of `fraction`
   int64_t page_bytes = 262144;
   int ttl_s = 600;
 };
@@ -136,6 +140,10 @@ absl::Status CheckKvCacheOptions(const KvCacheOptions& o) {
   if (!(o.fraction >= 0 && o.fraction < 1)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--kv_cache_fraction: expected a value in [0, 1), got ", o.fraction));
+  }
+  if (o.bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_cache_bytes: expected >= 0, got ", o.bytes));
   }
   if (o.page_bytes < 256 || o.page_bytes % 256 != 0 || o.page_bytes > (int64_t{1} << 30)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -148,21 +156,35 @@ absl::Status CheckKvCacheOptions(const KvCacheOptions& o) {
   return absl::OkStatus();
 }
 
-// One KV page pool per executor's device: fraction * memory / page_bytes pages. Empty when the
-// fraction is 0 or the backend keeps no pages (its executor answers UNIMPLEMENTED).
+// One KV page pool per executor's device: `bytes` (or fraction * memory) / page_bytes pages.
+// Empty when both are 0 or the backend keeps no pages (its executor answers UNIMPLEMENTED).
+// `request_fraction` is the share of each device's memory its request buffers may hold beside.
 absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
-    const KvCacheOptions& o, const std::vector<std::unique_ptr<Executor>>& executors) {
+    const KvCacheOptions& o, double request_fraction,
+    const std::vector<std::unique_ptr<Executor>>& executors) {
   std::vector<KvDevice> devices;
-  if (o.fraction == 0) return devices;
+  if (o.fraction == 0 && o.bytes == 0) return devices;
   for (const auto& executor : executors) {
     const DeviceDescription& device = executor->device();
-    const int64_t pages = static_cast<int64_t>(
-        o.fraction * static_cast<double>(device.memory_bytes) / static_cast<double>(o.page_bytes));
+    const std::string asked =
+        o.bytes > 0 ? absl::StrCat("--kv_cache_bytes ", o.bytes)
+                    : absl::StrCat("--kv_cache_fraction ", o.fraction, " of ", device.name, "'s ",
+                                   device.memory_bytes, " bytes");
+    const double room = (1 - request_fraction) * static_cast<double>(device.memory_bytes);
+    if (static_cast<double>(o.bytes) > room) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(asked, ": more than the ", static_cast<int64_t>(room), " bytes of ",
+                       device.name, " left beside the request buffers (--device_memory_fraction ",
+                       request_fraction, ")"));
+    }
+    const double cache_bytes =
+        o.bytes > 0 ? static_cast<double>(o.bytes)
+                    : o.fraction * static_cast<double>(device.memory_bytes);
+    const int64_t pages = static_cast<int64_t>(cache_bytes / static_cast<double>(o.page_bytes));
     if (pages < 1 || pages > std::numeric_limits<int32_t>::max()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--kv_cache_fraction ", o.fraction, " of ", device.name, "'s ",
-                       device.memory_bytes, " bytes gives ", pages, " pages of --kv_page_bytes ",
-                       o.page_bytes, "; expected 1 to 2^31-1 (or 0 for no sessions)"));
+          absl::StrCat(asked, " gives ", pages, " pages of --kv_page_bytes ", o.page_bytes,
+                       "; expected 1 to 2^31-1 (or 0 for no sessions)"));
     }
     absl::StatusOr<std::unique_ptr<KvPagePool>> pool =
         executor->CreateKvPagePool(pages, o.page_bytes);
@@ -234,7 +256,8 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
         "--device_memory_fraction: expected a value in (0, 1], got ", o.cuda.memory_fraction));
   }
   // On a GPU both are carved out of the same memory (the CPU backend ignores the first).
-  if (o.backend != "cpu" && o.cuda.memory_fraction + o.kv_cache.fraction > 1) {
+  if (o.backend != "cpu" && o.kv_cache.bytes == 0 &&
+      o.cuda.memory_fraction + o.kv_cache.fraction > 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--device_memory_fraction ", o.cuda.memory_fraction, " + --kv_cache_fraction ",
         o.kv_cache.fraction, ": expected a sum of at most 1"));
@@ -310,7 +333,8 @@ int Run(ServerOptions options, const sigset_t& stop_signals) {
   }
 
   // Before the scheduler takes the executors.
-  absl::StatusOr<std::vector<KvDevice>> kv_devices = MakeKvDevices(options.kv_cache, *executors);
+  absl::StatusOr<std::vector<KvDevice>> kv_devices = MakeKvDevices(
+      options.kv_cache, options.backend == "cpu" ? 0 : options.cuda.memory_fraction, *executors);
   if (!kv_devices.ok()) {
     std::fprintf(stderr, "attention_server: %s\n", kv_devices.status().ToString().c_str());
     return 1;
@@ -468,6 +492,7 @@ int main(int argc, char** argv) {
     options.devices.push_back(value);
   }
   options.kv_cache.fraction = absl::GetFlag(FLAGS_kv_cache_fraction);
+  options.kv_cache.bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   options.kv_cache.page_bytes = absl::GetFlag(FLAGS_kv_page_bytes);
   options.kv_cache.ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);

@@ -20,11 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
@@ -891,27 +887,11 @@ class SessionsLimitsE2E : public SharedServerTest<SessionsLimitsE2E> {
     }();
     return *path;
   }
-  // The fraction of this host's RAM (as the server reads it) that is 8.5 pages.
-  static double Fraction() {
-    std::ifstream meminfo("/proc/meminfo");
-    std::string line;
-    while (std::getline(meminfo, line)) {
-      if (absl::StartsWith(line, "MemTotal:")) {
-        int64_t kib = 0;
-        absl::string_view value = absl::StripSuffix(
-            absl::StripAsciiWhitespace(absl::StripPrefix(line, "MemTotal:")), " kB");
-        if (absl::SimpleAtoi(value, &kib)) {
-          return (kPages + 0.5) * kPageBytes / (static_cast<double>(kib) * 1024);
-        }
-      }
-    }
-    return 0;
-  }
   static std::vector<std::string> ServerFlags() {
     return {"--backend=cpu",
             "--threads=1",
             "--auth_token_file=" + TokenFile(),
-            absl::StrCat("--kv_cache_fraction=", absl::StrFormat("%.17g", Fraction())),
+            absl::StrCat("--kv_cache_bytes=", kPages * kPageBytes + kPageBytes / 2),
             absl::StrCat("--kv_page_bytes=", kPageBytes),
             "--session_ttl_s=2"};
   }
@@ -997,8 +977,9 @@ TEST_F(SessionsLimitsE2E, IdleSessionsExpire) {
   ASSERT_TRUE(text.ok()) << text.status();
   const std::vector<MetricSample> samples = ParseMetrics(*text);
   EXPECT_GE(SumSamples(samples, "attention_session_expirations_total"), 1);
-  EXPECT_EQ(SumSamples(samples, "attention_sessions_resident", {{"device", "cpu"}}), 0);
-  EXPECT_EQ(SumSamples(samples, "attention_kv_pages_free", {{"device", "cpu"}}), kPages);
+  const std::string device = stub.ServerDevice();
+  EXPECT_EQ(SumSamples(samples, "attention_sessions_resident", {{"device", device}}), 0);
+  EXPECT_EQ(SumSamples(samples, "attention_kv_pages_free", {{"device", device}}), kPages);
   v1::StepRequest r;
   AddEntry(*s, 1, 1, 0, rng, &r);
   absl::StatusOr<v1::StepResponse> out = stub.Step(r);
