@@ -81,7 +81,10 @@ struct KvStepTimes {
 };
 
 // A pool of `num_pages` pages of `page_bytes` on one device. Write and Decode take host pointers
-// (q, o, lse, page tables, lengths) and return when done. Thread-safe.
+// (q, o, lse, page tables, lengths). Write returns once it has taken the rows: the caller may reuse
+// its buffers, while a device pool may still be copying them, ordered before every later call (a
+// copy's failure then surfaces in a later call). Decode returns when o and lse are written.
+// Thread-safe.
 class KvPagePool {
  public:
   virtual ~KvPagePool() = default;

@@ -97,7 +97,7 @@ ABSL_FLAG(double, kv_cache_fraction, 0.25,
 ABSL_FLAG(int64_t, kv_cache_bytes, 0,
           "Bytes of each device's memory held as KV pages; when > 0 it replaces "
           "--kv_cache_fraction.");
-ABSL_FLAG(int64_t, kv_page_bytes, 262144,
+ABSL_FLAG(int64_t, kv_page_bytes, 524288,
           "Bytes per KV page (a multiple of 256); a page holds rows of one session.");
 ABSL_FLAG(int, session_ttl_s, 600, "Seconds after which an idle session expires.");
 
@@ -132,7 +132,7 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
 struct KvCacheOptions {
   double fraction = 0.25;  // of each device's memory; 0: no sessions
   int64_t bytes = 0;       // > 0: this many bytes of each device's memory instead of `fraction`
-  int64_t page_bytes = 262144;
+  int64_t page_bytes = 524288;
   int ttl_s = 600;
 };
 

@@ -6,12 +6,25 @@
 // of 256 KiB, 512 KiB and 1 MiB (64, 128, 256 rows) with the planner's splits, and 256 KiB pages
 // with forced split counts. Each sequence's pages are a random permutation of the pool. Each
 // configuration: 5 warm-up steps, then the median of 50 steps timed with CUDA events, each after
-// a 256 MiB memset that evicts the 50 MB L2 (as triton's do_bench does). "kv_tbps" = bytes of K
-// and V read (B * NK * Hkv * D * 2 * 2) / time. decode_bench.py runs torch SDPA beside it.
+// a 256 MiB memset that evicts the 50 MB L2 (as triton's do_bench does; "flush": "memset"). That
+// memset leaves the L2 full of dirty lines, written back to DRAM while the timed step reads; the
+// planned configurations are also timed after the memset and a read of the same 256 MiB, which
+// leaves clean lines only ("flush": "clean"). "kv_tbps" = bytes of K and V read
+// (B * NK * Hkv * D * 2 * 2) / time. decode_bench.py runs torch SDPA beside it.
+//
+// The roofline anchor ("anchor" lines, both flushes): a read-only kernel over the same pool (at
+// Hkv = 8 the pool is exactly the step's K/V bytes), 16-byte loads, 8 in flight per thread,
+// XOR-reduced so no load is dead: each CTA a contiguous slice in address order ("linear") or in
+// the step's page-table order ("paged"), or the whole grid sweeping the pool in address order
+// ("stride": consecutive CTAs read consecutive 64 KiB blocks); with or without the L2 evict_first
+// policy; on 128 CTAs (the step's grid) and 1, 2 and 4 per SM; and an empty kernel (the launch).
 //
 // Built as decode_tile_sweep (ATTENTION_PAGED_TILE_SWEEP; not part of the default build, sm_90a
 // only) it times candidate tiles (key tile x stages x warps) of the bfloat16 D=128 kernel instead,
-// 256 KiB pages, each with the planner's splits for its occupancy: one JSON line per (NK, tile).
+// 256 KiB pages, each with the planner's splits for its occupancy: one JSON line per (NK, variant,
+// flush). Its "trace" variant also records %globaltimer in every CTA at the kernel's trace points
+// (PagedTracePoint) over one more step and prints each point's min / median / max across CTAs, in
+// us from the first CTA's start.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -52,12 +65,166 @@ __global__ void FillRandom(__nv_bfloat16* out, int64_t n, uint64_t seed) {
   }
 }
 
+constexpr int kAnchorThreads = 512, kAnchorUnroll = 8;
+
+__device__ __forceinline__ uint4 LoadStreaming(const uint4* p, bool evict_first, uint64_t policy) {
+  uint4 x;
+  if (evict_first) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "l"(p), "l"(policy));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "l"(p));
+  }
+  return x;
+}
+
+enum class Order { kLinear, kPaged, kStride };
+
+// Reads n16 16-byte vectors of src: with kLinear / kPaged, CTA b the slice
+// [b, b + 1) * n16 / gridDim.x, vector i at i (linear) or in page table[i >> page_shift] (paged:
+// 2^page_shift vectors per page); with kStride, block k of kAnchorUnroll * kAnchorThreads vectors
+// by CTA k % gridDim.x. The XOR of all words is stored only when it equals a constant, so no load
+// is dead.
+template <bool kEvictFirst, Order kOrder>
+__global__ void __launch_bounds__(kAnchorThreads)
+    ReadAnchor(const uint4* src, int64_t n16, const int32_t* table, int page_shift,
+               uint32_t* sink) {
+  constexpr int64_t kBlock = kAnchorUnroll * kAnchorThreads;
+  const int64_t per_cta = (n16 + gridDim.x - 1) / gridDim.x;
+  const int64_t lo = kOrder == Order::kStride ? blockIdx.x * kBlock : blockIdx.x * per_cta;
+  const int64_t hi = kOrder == Order::kStride ? n16 : min(n16, lo + per_cta);
+  const int64_t step = kOrder == Order::kStride ? gridDim.x * kBlock : kBlock;
+  uint64_t policy = 0;
+  if (kEvictFirst)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  const int64_t mask = (int64_t{1} << page_shift) - 1;
+  uint32_t acc = 0;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += step) {
+    uint4 x[kAnchorUnroll];
+#pragma unroll
+    for (int j = 0; j < kAnchorUnroll; ++j) {
+      const int64_t idx = i + j * kAnchorThreads;
+      x[j] = make_uint4(0, 0, 0, 0);
+      if (idx < hi) {
+        const int64_t at =
+            kOrder == Order::kPaged
+                ? (static_cast<int64_t>(table[idx >> page_shift]) << page_shift) + (idx & mask)
+                : idx;
+        x[j] = LoadStreaming(src + at, kEvictFirst, policy);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kAnchorUnroll; ++j) acc ^= x[j].x ^ x[j].y ^ x[j].z ^ x[j].w;
+  }
+  if (acc == 0x2545f491u) *sink = acc;
+}
+
+__global__ void EmptyKernel() {}
+
+// The L2 eviction before each timed run (see the top of the file).
+struct Flush {
+  void* buffer = nullptr;
+  size_t bytes = size_t{256} << 20;
+  uint32_t* sink = nullptr;
+};
+
+// Median microseconds of 50 runs of `run` after 5 warm-ups, each after evicting the L2.
+template <typename Run>
+bool MedianUs(const Flush& flush, bool clean, Run run, double* us) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 55; ++rep) {
+    CHECK_CUDA(cudaMemsetAsync(flush.buffer, rep, flush.bytes));
+    if (clean) {
+      ReadAnchor<false, Order::kStride><<<528, kAnchorThreads>>>(
+          static_cast<const uint4*>(flush.buffer), flush.bytes / 16, nullptr, 0, flush.sink);
+    }
+    CHECK_CUDA(cudaEventRecord(start));
+    if (!run()) return false;
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    if (rep >= 5) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  *us = ms[ms.size() / 2] * 1e3;
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return true;
+}
+
+const char* FlushName(bool clean) { return clean ? "clean" : "memset"; }
+
+// The anchors over `pool` (pool_bytes, pages of page_bytes in the order of `table`, a device
+// copy): one JSON line each per flush.
+bool TimeAnchors(int64_t nk, const void* pool, size_t pool_bytes, int64_t page_bytes,
+                 const int32_t* table, int sm_count, const Flush& flush) {
+  using Kernel = void (*)(const uint4*, int64_t, const int32_t*, int, uint32_t*);
+  struct Anchor {
+    const char* name;
+    Kernel kernel;
+  };
+  const Anchor anchors[] = {{"linear", ReadAnchor<false, Order::kLinear>},
+                            {"linear_evict_first", ReadAnchor<true, Order::kLinear>},
+                            {"paged", ReadAnchor<false, Order::kPaged>},
+                            {"paged_evict_first", ReadAnchor<true, Order::kPaged>},
+                            {"stride", ReadAnchor<false, Order::kStride>},
+                            {"stride_evict_first", ReadAnchor<true, Order::kStride>}};
+  const int page_shift = static_cast<int>(std::log2(static_cast<double>(page_bytes / 16)));
+  const double kv_bytes = static_cast<double>(pool_bytes);
+  for (bool clean : {false, true}) {
+    double us = 0;
+    if (!MedianUs(
+            flush, clean,
+            [&] {
+              EmptyKernel<<<sm_count, kAnchorThreads>>>();
+              return cudaGetLastError() == cudaSuccess;
+            },
+            &us)) {
+      return false;
+    }
+    std::printf(
+        "{\"anchor\": \"empty\", \"nk\": %lld, \"flush\": \"%s\", \"ctas\": %d, "
+        "\"us\": %.2f}\n",
+        (long long)nk, FlushName(clean), sm_count, us);
+    for (const Anchor& a : anchors) {
+      for (int ctas : {128, sm_count, 2 * sm_count, 4 * sm_count}) {
+        if (!MedianUs(
+                flush, clean,
+                [&] {
+                  a.kernel<<<ctas, kAnchorThreads>>>(static_cast<const uint4*>(pool),
+                                                     pool_bytes / 16, table, page_shift,
+                                                     flush.sink);
+                  return cudaGetLastError() == cudaSuccess;
+                },
+                &us)) {
+          return false;
+        }
+        std::printf(
+            "{\"anchor\": \"%s\", \"nk\": %lld, \"page_bytes\": %lld, \"flush\": \"%s\", "
+            "\"ctas\": %d, \"us\": %.2f, \"kv_tbps\": %.3f}\n",
+            a.name, (long long)nk, (long long)page_bytes, FlushName(clean), ctas, us,
+            kv_bytes / us / 1e6);
+      }
+    }
+  }
+  std::fflush(stdout);
+  return true;
+}
+
 // A kernel other than the default one (the tile sweep).
 struct Variant {
   std::string name;
   int key_tile = 0;
   int ctas_per_sm = 0;
   cudaError_t (*launch)(const attention::cuda::PagedKernelParams&, dim3, cudaStream_t) = nullptr;
+  bool trace = false;  // print the trace points of one more step (PrintTrace)
 };
 
 struct Config {
@@ -65,9 +232,53 @@ struct Config {
   int64_t page_bytes;
   int splits;  // 0: the planner's
   const Variant* variant = nullptr;
+  bool anchors = false;  // also time the roofline anchors over this configuration's pool
 };
 
-bool TimeConfig(const Config& c, int sm_count, void* flush, size_t flush_bytes) {
+#ifdef ATTENTION_PAGED_TILE_SWEEP
+// %globaltimer (ns) per CTA (x + gridDim.x * (y + gridDim.y * z)) and trace point.
+constexpr int kTraceMaxCtas = 4096, kTracePoints = 5;
+__device__ uint64_t g_trace[kTraceMaxCtas][kTracePoints];
+struct GlobalTimerTrace {
+  __device__ static void Mark(attention::cuda::PagedTracePoint point) {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (cta < kTraceMaxCtas) g_trace[cta][point] = t;
+  }
+};
+
+// One more step of `step` after a memset flush with g_trace zeroed: per trace point, the min /
+// median / max over the grid's CTAs in us from the earliest start, as one JSON line.
+template <typename Step>
+bool PrintTrace(const Config& c, int64_t ctas, const Flush& flush, Step step) {
+  static const char* kNames[kTracePoints] = {"start", "first_tile", "loop_done", "stored", "end"};
+  std::vector<uint64_t> t(kTraceMaxCtas * kTracePoints, 0);
+  CHECK_CUDA(cudaMemcpyToSymbol(g_trace, t.data(), t.size() * sizeof(uint64_t)));
+  CHECK_CUDA(cudaMemsetAsync(flush.buffer, 1, flush.bytes));
+  if (!step()) return false;
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaMemcpyFromSymbol(t.data(), g_trace, t.size() * sizeof(uint64_t)));
+  const int64_t n = std::min<int64_t>(ctas, kTraceMaxCtas);
+  uint64_t t0 = ~uint64_t{0};
+  for (int64_t i = 0; i < n; ++i) t0 = std::min(t0, t[i * kTracePoints]);
+  std::string line = "{\"trace\": \"" + c.variant->name + "\", \"nk\": " + std::to_string(c.nk);
+  for (int point = 0; point < kTracePoints; ++point) {
+    std::vector<double> us;
+    for (int64_t i = 0; i < n; ++i) us.push_back((t[i * kTracePoints + point] - t0) * 1e-3);
+    std::sort(us.begin(), us.end());
+    char buf[128];
+    std::snprintf(buf, sizeof(buf), ", \"%s\": [%.2f, %.2f, %.2f]", kNames[point], us.front(),
+                  us[us.size() / 2], us.back());
+    line += buf;
+  }
+  std::printf("%s}\n", line.c_str());
+  std::fflush(stdout);
+  return true;
+}
+#endif
+
+bool TimeConfig(const Config& c, int sm_count, const Flush& flush) {
   const int64_t page_rows = attention::PageRows(c.page_bytes, DType::kBFloat16, kHeadsKv, kHeadDim);
   const int64_t pages_per_seq = (c.nk + page_rows - 1) / page_rows;
   const int64_t num_pages = kBatch * pages_per_seq;
@@ -138,60 +349,62 @@ bool TimeConfig(const Config& c, int sm_count, void* flush, size_t flush_bytes) 
   dev.cu_seqlens_q = m + table.size();
   dev.seqlens_k = m + table.size() + cu_q.size();
 
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<float> ms;
-  for (int rep = 0; rep < 55; ++rep) {
-    CHECK_CUDA(cudaMemsetAsync(flush, rep, flush_bytes));
-    CHECK_CUDA(cudaEventRecord(start));
-    const absl::Status st =
-        c.variant != nullptr
-            ? absl::OkStatus()
-            : attention::cuda::LaunchPagedDecode(*plan, pool, c.page_bytes, *extent, dev, workspace,
-                                                 static_cast<int32_t*>(tickets), 0);
+  auto step = [&] {
+    if (c.variant == nullptr) {
+      const absl::Status st = attention::cuda::LaunchPagedDecode(
+          *plan, pool, c.page_bytes, *extent, dev, workspace, static_cast<int32_t*>(tickets), 0);
+      if (!st.ok()) std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
+      return st.ok();
+    }
 #ifdef ATTENTION_PAGED_TILE_SWEEP
-    if (c.variant != nullptr) {
-      const attention::cuda::PagedKernelParams kp = attention::cuda::ToPagedKernelParams(
-          *plan, pool, c.page_bytes, *extent, dev, workspace, static_cast<int32_t*>(tickets));
-      CHECK_CUDA(c.variant->launch(
-          kp, dim3(kp.splits, kp.heads_kv * kp.m_blocks, plan->launch.num_seqs), 0));
-    }
+    const attention::cuda::PagedKernelParams kp = attention::cuda::ToPagedKernelParams(
+        *plan, pool, c.page_bytes, *extent, dev, workspace, static_cast<int32_t*>(tickets));
+    const cudaError_t err =
+        c.variant->launch(kp, dim3(kp.splits, kp.heads_kv * kp.m_blocks, plan->launch.num_seqs), 0);
+    if (err != cudaSuccess) std::fprintf(stderr, "%s\n", cudaGetErrorString(err));
+    return err == cudaSuccess;
+#else
+    return false;
 #endif
-    CHECK_CUDA(cudaEventRecord(stop));
-    if (!st.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
-      return false;
-    }
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    if (rep >= 5) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  const double us = ms[ms.size() / 2] * 1e3;
+  };
   const double kv_bytes = 2.0 * kBatch * c.nk * kHeadsKv * kHeadDim * 2;
-  std::printf(
-      "{%s\"nk\": %lld, \"page_bytes\": %lld, \"page_rows\": %lld, \"splits\": %d, "
-      "\"forced_splits\": %s, \"ctas\": %lld, \"us\": %.2f, \"kv_tbps\": %.3f}\n",
-      c.variant ? ("\"tile\": \"" + c.variant->name + "\", ").c_str() : "", (long long)c.nk,
-      (long long)c.page_bytes, (long long)page_rows, plan->splits, c.splits ? "true" : "false",
-      (long long)plan->splits * kHeadsKv * plan->m_blocks * kBatch, us, kv_bytes / us / 1e6);
-  std::fflush(stdout);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  // Forced split counts only after the memset (the planner's rows after both flushes).
+  for (bool clean : {false, true}) {
+    if (clean && c.splits != 0) break;
+    double us = 0;
+    if (!MedianUs(flush, clean, step, &us)) return false;
+    std::printf(
+        "{%s\"nk\": %lld, \"page_bytes\": %lld, \"page_rows\": %lld, \"splits\": %d, "
+        "\"forced_splits\": %s, \"ctas\": %lld, \"flush\": \"%s\", \"us\": %.2f, "
+        "\"kv_tbps\": %.3f}\n",
+        c.variant ? ("\"tile\": \"" + c.variant->name + "\", ").c_str() : "", (long long)c.nk,
+        (long long)c.page_bytes, (long long)page_rows, plan->splits, c.splits ? "true" : "false",
+        (long long)plan->splits * kHeadsKv * plan->m_blocks * kBatch, FlushName(clean), us,
+        kv_bytes / us / 1e6);
+    std::fflush(stdout);
+  }
+  if (c.anchors && !TimeAnchors(c.nk, pool, pool_bytes, c.page_bytes, m, sm_count, flush)) {
+    return false;
+  }
+#ifdef ATTENTION_PAGED_TILE_SWEEP
+  if (c.variant->trace &&
+      !PrintTrace(c, int64_t{plan->splits} * kHeadsKv * plan->m_blocks * kBatch, flush, step)) {
+    return false;
+  }
+#endif
   for (void* p : {pool, q, o, lse, meta, workspace, tickets}) cudaFree(p);
   return true;
 }
 
 #ifdef ATTENTION_PAGED_TILE_SWEEP
 template <typename Tile>
-Variant MakeVariant() {
+Variant MakeVariant(bool trace = false) {
   Variant v;
   v.name = std::to_string(Tile::kBc) + "keys_x" + std::to_string(Tile::kStages) + "stages_" +
-           std::to_string(Tile::kWarps) + "warps";
+           std::to_string(Tile::kWarps) + "warps" + (trace ? "_trace" : "");
   v.key_tile = Tile::kBc;
   v.launch = attention::cuda::LaunchPagedTile<Tile>;
+  v.trace = trace;
   auto* kernel = attention::cuda::PagedDecodeKernel<Tile>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.ctas_per_sm, kernel, Tile::kThreads,
@@ -202,18 +415,18 @@ Variant MakeVariant() {
 std::vector<Variant> Variants() {
   using attention::cuda::PagedTile;
   using T = __nv_bfloat16;
-  return {MakeVariant<PagedTile<T, 128, 64, 4, 4>>(), MakeVariant<PagedTile<T, 128, 64, 3, 4>>(),
-          MakeVariant<PagedTile<T, 128, 64, 5, 4>>(), MakeVariant<PagedTile<T, 128, 64, 6, 4>>(),
-          MakeVariant<PagedTile<T, 128, 64, 2, 4>>()};
+  return {MakeVariant<PagedTile<T, 128, 64, 4, 4>>(), MakeVariant<PagedTile<T, 128, 64, 5, 4>>(),
+          MakeVariant<PagedTile<T, 128, 64, 3, 4>>(),
+          MakeVariant<PagedTile<T, 128, 64, 4, 4, GlobalTimerTrace>>(true)};
 }
 #endif
 
 bool Main(const std::vector<int64_t>& nks) {
   int sm_count = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
-  const size_t flush_bytes = size_t{256} << 20;
-  void* flush;
-  CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
+  Flush flush;
+  CHECK_CUDA(cudaMalloc(&flush.buffer, flush.bytes));
+  CHECK_CUDA(cudaMalloc(&flush.sink, sizeof(uint32_t)));
 #ifdef ATTENTION_PAGED_TILE_SWEEP
   const std::vector<Variant> variants = Variants();
 #endif
@@ -223,14 +436,15 @@ bool Main(const std::vector<int64_t>& nks) {
     for (const Variant& v : variants) configs.push_back({nk, 256 << 10, 0, &v});
 #else
     for (int64_t page_bytes : {256 << 10, 512 << 10, 1 << 20})
-      configs.push_back({nk, page_bytes, 0});
+      configs.push_back({nk, page_bytes, 0, nullptr, page_bytes == (256 << 10)});
     for (int splits : {4, 8, 16, 32, 64}) configs.push_back({nk, 256 << 10, splits});
 #endif
     for (const Config& c : configs) {
-      if (!TimeConfig(c, sm_count, flush, flush_bytes)) return false;
+      if (!TimeConfig(c, sm_count, flush)) return false;
     }
   }
-  cudaFree(flush);
+  cudaFree(flush.buffer);
+  cudaFree(flush.sink);
   return true;
 }
 

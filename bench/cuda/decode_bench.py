@@ -11,8 +11,11 @@ the table says so). Timing: triton.testing.do_bench (median, L2 flushed before e
 counts the K/V bytes of the Hkv heads (B * Nk * Hkv * D * 2 bytes * 2) for every column. The
 device-to-device rate is torch clone of a 4 GiB tensor, counted as bytes read + written.
 --baseline: a decode_bench built from an earlier version, run in the same command (before ours'
-torch timings); the table gets its planned rows' times as "before us". Writes DIR/decode_bench.csv
-and prints a markdown table.
+torch timings); the table gets its planned rows' times as "before us". The roofline anchor
+(decode_bench's "anchor" lines: read-only kernels over the same pool, timed the same way) goes in
+the table as the fastest read of the K/V bytes at each Nk; a second table gives ours and the
+anchor after a flush that leaves the L2 clean (no write-back inside the timed step). Writes
+DIR/decode_bench.csv, DIR/decode_anchor.csv and prints markdown tables.
 """
 import argparse
 import csv
@@ -28,8 +31,19 @@ B, HQ, HKV, D = 8, 32, 8, 128
 
 
 def ours(binary):
+    """(step rows, anchor rows) of a decode_bench run; rows without "flush" are memset-flushed."""
     out = subprocess.run([binary], check=True, capture_output=True, text=True).stdout
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    for r in lines:
+        r.setdefault("flush", "memset")
+    return ([r for r in lines if "anchor" not in r], [r for r in lines if "anchor" in r])
+
+
+def best_anchor(anchors, nk, flush):
+    """The fastest read anchor (not the empty kernel) at nk after `flush`, or None."""
+    reads = [a for a in anchors
+             if a["nk"] == nk and a["flush"] == flush and a["anchor"] != "empty"]
+    return min(reads, key=lambda a: a["us"]) if reads else None
 
 
 def kv_bytes(nk):
@@ -76,11 +90,11 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
 
-    rows = ours(args.binary)
+    rows, anchors = ours(args.binary)
     before = {}
     if args.baseline:
-        for r in ours(args.baseline):
-            if not r["forced_splits"]:
+        for r in ours(args.baseline)[0]:
+            if not r["forced_splits"] and r["flush"] == "memset":
                 before[(r["nk"], r["page_bytes"])] = r["us"]
                 print(f"# baseline nk={r['nk']} page={r['page_bytes'] >> 10} KiB "
                       f"splits={r['splits']}: {r['us']:.1f} us")
@@ -94,11 +108,17 @@ def main():
 
     with open(os.path.join(args.out, "decode_bench.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["nk", "page_bytes", "page_rows", "splits", "forced_splits", "ctas", "us",
-                     "kv_tbps"])
+        w.writerow(["nk", "page_bytes", "page_rows", "splits", "forced_splits", "ctas", "flush",
+                    "us", "kv_tbps"])
         for r in rows:
             w.writerow([r["nk"], r["page_bytes"], r["page_rows"], r["splits"], r["forced_splits"],
-                        r["ctas"], r["us"], r["kv_tbps"]])
+                        r["ctas"], r["flush"], r["us"], r["kv_tbps"]])
+    with open(os.path.join(args.out, "decode_anchor.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["anchor", "nk", "flush", "ctas", "us", "kv_tbps"])
+        for a in anchors:
+            w.writerow([a["anchor"], a["nk"], a["flush"], a["ctas"], a["us"],
+                        a.get("kv_tbps", "")])
 
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"cuDNN {torch.backends.cudnn.version()}")
@@ -108,13 +128,21 @@ def main():
     for r in rows:
         print(f"#   nk={r['nk']} page={r['page_bytes'] >> 10} KiB ({r['page_rows']} rows) "
               f"splits={r['splits']}{' (forced)' if r['forced_splits'] else ''} "
-              f"ctas={r['ctas']}: {r['us']:.1f} us, {r['kv_tbps']:.2f} TB/s")
+              f"ctas={r['ctas']} flush={r['flush']}: {r['us']:.1f} us, {r['kv_tbps']:.2f} TB/s")
+    print("# roofline anchors (read-only kernels over the same pool; us, K/V TB/s):")
+    for a in anchors:
+        rate = f", {a['kv_tbps']:.2f} TB/s" if "kv_tbps" in a else ""
+        print(f"#   nk={a['nk']} {a['anchor']} ctas={a['ctas']} flush={a['flush']}: "
+              f"{a['us']:.1f} us{rate}")
     print("| Nk | page | splits |" + (" before us |" if before else "") +
-          " ours us | ours TB/s | % of D2D | flash us (TB/s) | cudnn us (TB/s) | "
-          "ours / faster torch |")
-    print("|---|---|---|" + ("---|" if before else "") + "---|---|---|---|---|---|")
+          " ours us | ours TB/s | % of D2D | read anchor us (TB/s) | ours / anchor | "
+          "flash us (TB/s) | cudnn us (TB/s) | ours / faster torch |")
+    print("|---|---|---|" + ("---|" if before else "") + "---|---|---|---|---|---|---|---|")
     for nk in nks:
-        planned = [r for r in rows if r["nk"] == nk and not r["forced_splits"]]
+        planned = [r for r in rows
+                   if r["nk"] == nk and not r["forced_splits"] and r["flush"] == "memset"]
+        anchor = best_anchor(anchors, nk, "memset")
+        anchor_us = anchor["us"] if anchor else float("nan")
         for r in planned:
             (fu, fhow), (cu, chow) = ref[nk]["flash"], ref[nk]["cudnn"]
             best = min(x for x in (fu, cu) if x == x) if (fu == fu or cu == cu) else float("nan")
@@ -123,8 +151,27 @@ def main():
             print(f"| {nk} | {r['page_bytes'] >> 10} KiB | {r['splits']} | "
                   + (f"{was:.1f} | " if before else "") + f"{r['us']:.1f} | "
                   f"{r['kv_tbps']:.2f} | {100 * r['kv_tbps'] / d2d:.0f}% | "
+                  f"{anchor_us:.1f} ({kv_bytes(nk) / anchor_us / 1e6:.2f}) | "
+                  f"{anchor_us / r['us']:.2f}x | "
                   f"{fu:.1f} ({kv_bytes(nk) / fu / 1e6:.2f}){note(fhow)} | "
                   f"{cu:.1f} ({kv_bytes(nk) / cu / 1e6:.2f}){note(chow)} | {best / r['us']:.2f}x |")
+
+    print()
+    print("After a flush that leaves the L2 clean (memset, then a read of the same 256 MiB):")
+    print("| Nk | page | ours us | ours TB/s | read anchor us (TB/s) | ours / anchor | "
+          "empty kernel us |")
+    print("|---|---|---|---|---|---|---|")
+    for nk in nks:
+        anchor = best_anchor(anchors, nk, "clean")
+        anchor_us = anchor["us"] if anchor else float("nan")
+        empty = [a["us"] for a in anchors
+                 if a["nk"] == nk and a["flush"] == "clean" and a["anchor"] == "empty"]
+        for r in rows:
+            if r["nk"] != nk or r["forced_splits"] or r["flush"] != "clean":
+                continue
+            print(f"| {nk} | {r['page_bytes'] >> 10} KiB | {r['us']:.1f} | {r['kv_tbps']:.2f} | "
+                  f"{anchor_us:.1f} ({kv_bytes(nk) / anchor_us / 1e6:.2f}) | "
+                  f"{anchor_us / r['us']:.2f}x | {empty[0] if empty else float('nan'):.1f} |")
 
 
 if __name__ == "__main__":

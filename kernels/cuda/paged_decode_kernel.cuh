@@ -23,12 +23,14 @@
 // one at a time (lanes split D, a shuffle reduction per key). Correct, not fast.
 //
 // Measured (bench/README.md, H200, bfloat16 B=8 Hq=32 Hkv=8 D=128, one query, 256 KiB pages, 2
-// splits of the 4-stage tile): 49.1 us at Nk=4096 (2.74 TB/s of K/V), 254.2 us at 32k (4.22),
-// 949.1 us at 128k (4.53); 1.01x / 0.99x / 0.99x of torch SDPA's cuDNN backend (1.00-1.01x with
-// 512 KiB pages), 1.07x / 1.01x / 1.05x of its FlashAttention backend. Before the merge moved into
-// this kernel (a separate combine launch, 3 stages at 2 CTAs per SM): 51.7 / 257.3 / 955.4 us in
-// the same run (0.96x / 0.98x / 0.98x); v1 (per-row page-table reads, two waves of splits, a
-// combine loading one split at a time) ran 0.66-0.69x of cuDNN.
+// splits of the 4-stage tile): 49.1 us at Nk=4096 (2.73 TB/s of K/V), 253.5 us at 32k (4.24),
+// 953.6 us at 128k (4.50); 1.01x / 0.99x / 0.98x of torch SDPA's cuDNN backend (1.00x / 1.005x /
+// 0.998x with 512 KiB pages), 1.07x / 1.01x / 1.02x of its FlashAttention backend. A plain read of
+// the same K/V bytes (decode_bench's roofline anchor) takes 37.5 / 255.2 / 956.1 us: from 32k on
+// the step reads at the anchor's rate; at 4k 13.7 of its 49.1 us are outside the key loop (launch
+// 2.7, ~6 until the first tile lands, ~1.4 epilogue, up to ~4 for the last CTA's merge). v1
+// (per-row page-table reads, two waves of splits, a combine loading one split at a time) ran
+// 0.66-0.69x of cuDNN.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -48,13 +50,22 @@ namespace attention::cuda {
 inline constexpr int kPagedRows = 16;  // rows (query heads x queries) per CTA
 inline constexpr int kPagedThreads = 128;
 
-template <typename T, int kD_, int kBc_, int kStages_, int kWarps_ = 4>
+// Trace: the tile sweep's instrumentation hook (bench/cuda/decode_bench.cu); thread 0 of each CTA
+// calls Trace::Mark(point) at the PagedTracePoint points. NoPagedTrace compiles to nothing.
+enum PagedTracePoint { kTraceStart, kTraceFirstTile, kTraceLoopDone, kTraceStored, kTraceEnd };
+struct NoPagedTrace {
+  __device__ static void Mark(PagedTracePoint) {}
+};
+
+template <typename T, int kD_, int kBc_, int kStages_, int kWarps_ = 4,
+          typename Trace_ = NoPagedTrace>
 struct PagedTile {
   using Element = T;
   static constexpr int kD = kD_;
   static constexpr int kBc = kBc_;
   static constexpr int kStages = kStages_;
   static constexpr int kWarps = kWarps_;
+  using Trace = Trace_;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kWarpKeys = kBc / kWarps;  // keys of a tile per warp
   static constexpr int kChunkElems = 8;
@@ -66,6 +77,12 @@ struct PagedTile {
   // Warps' partial O (float) and (max, sum) per row, merged at the end in the stage buffers.
   static constexpr int kMergeBytes = kWarps * kPagedRows * (kD + 2) * 4;
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
+  // CTAs per SM that the shared memory allows on an H100 / H200 (228 KiB per SM, 1 KiB of it
+  // reserved per CTA), and __launch_bounds__'s minimum of resident CTAs: that many where it is
+  // more than one (without it ptxas held the D = 64 tile to 96 registers and spilled 8 bytes), else
+  // none (0: ptxas picks the registers of a CTA alone on its SM).
+  static constexpr int kResidentCtas = (228 << 10) / (kSmemBytes + (1 << 10));
+  static constexpr int kMinCtasPerSm = kResidentCtas > 1 ? kResidentCtas : 0;
   static_assert(kMergeBytes <= kStages * kStageBytes, "the merge reuses the stage buffers");
   static_assert(kWarpKeys % 16 == 0, "P V consumes keys 16 at a time");
   static_assert(kBc % (kThreads / kChunks) == 0, "whole rows per load pass");
@@ -115,6 +132,21 @@ __device__ __forceinline__ void StoreOut(const PagedKernelParams& p, int64_t ind
     p.part_o[(blockIdx.x * p.total_rows + index) * p.head_dim + col] = x;
   }
 }
+// StoreOut of columns col..col+3 (head_dim and col multiples of 4).
+template <typename T>
+__device__ __forceinline__ void StoreOut4(const PagedKernelParams& p, int64_t index, int col,
+                                          float4 x) {
+  if (p.splits == 1) {
+    const int64_t at = index * p.head_dim + col;
+    StoreO<T>(p.o, at, x.x);
+    StoreO<T>(p.o, at + 1, x.y);
+    StoreO<T>(p.o, at + 2, x.z);
+    StoreO<T>(p.o, at + 3, x.w);
+  } else {
+    *reinterpret_cast<float4*>(p.part_o + (blockIdx.x * p.total_rows + index) * p.head_dim + col) =
+        x;
+  }
+}
 // Writes a finished row's log2-sum-exp (-inf: saw no key): natural-log lse, or the partial's.
 __device__ __forceinline__ void StoreLse(const PagedKernelParams& p, int64_t index, float lse2) {
   if (p.splits == 1) {
@@ -128,11 +160,14 @@ __device__ __forceinline__ void StoreLse(const PagedKernelParams& p, int64_t ind
 // The CTA takes a ticket of its (sequence, grid row); the last split to take one merges the splits'
 // partials of those rows by LSE into o (and lse), a warp per row, and resets the ticket for the
 // next step. One launch per step: the merges of early finished rows overlap the other CTAs' reads,
-// and no combine launch waits for the whole grid. weights: shared memory for blockDim.x / 32 x
-// kPagedMaxSplits floats. The CTA's coordinates are read again here rather than kept live through
-// the key loop.
+// and no combine launch waits for the whole grid. A warp merges up to kMergeBatch of its rows at
+// once (as many as `weights` holds), so their loads from L2 are in flight together: one round trip
+// for the log-sum-exps, one for the partials (the merge ends the step: its latency is the step's).
+// weights: shared memory for blockDim.x / 32 x kPagedMaxSplits floats. The CTA's coordinates are
+// read again here rather than kept live through the key loop.
 template <typename T>
 __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, float* weights) {
+  constexpr int kMergeBatch = 4;
   __shared__ bool last;
   __threadfence();  // this thread's partials are visible device-wide before the ticket
   __syncthreads();
@@ -149,58 +184,99 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
   const int q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
   const int row_end = min(m0 + kPagedRows, p.group * nq);
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* w = weights + warp * kPagedMaxSplits;
+  const int splits = p.splits;
+  const int batch = max(1, min(kMergeBatch, kPagedMaxSplits / splits));
+  float* w = weights + warp * kPagedMaxSplits;  // [batch][splits]
   const int64_t split_stride = p.total_rows * p.head_dim;
-  for (int m = m0 + warp; m < row_end; m += warps) {
-    const int64_t r = GetPagedRow(p, q0, nq, hk, m).index;
-    // Other CTAs wrote the partials: loads through L2 (__ldcg), never a stale L1 line.
-    float mx = -INFINITY;
-    for (int s = lane; s < p.splits; s += 32)
-      mx = fmaxf(mx, __ldcg(p.part_lse + s * p.total_rows + r));
+  // The warp's rows m0 + warp + k * warps, `batch` at a time.
+  for (int m = m0 + warp; m < row_end; m += batch * warps) {
+    int64_t r[kMergeBatch];
+    float mx[kMergeBatch], sum[kMergeBatch];
+    const int n = min(batch, (row_end - 1 - m) / warps + 1);  // rows of this batch
 #pragma unroll
-    for (int x = 16; x >= 1; x /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
-    float sum = 0.f;
-    for (int s = lane; s < p.splits; s += 32) {
-      const float ws =
-          mx == -INFINITY ? 0.f : exp2f(__ldcg(p.part_lse + s * p.total_rows + r) - mx);
-      w[s] = ws;
-      sum += ws;
+    for (int b = 0; b < kMergeBatch; ++b) {
+      r[b] = b < n ? GetPagedRow(p, q0, nq, hk, m + b * warps).index : 0;
+      mx[b] = -INFINITY;
+      sum[b] = 0.f;
+    }
+    // Other CTAs wrote the partials: loads through L2 (__ldcg), never a stale L1 line.
+#pragma unroll
+    for (int b = 0; b < kMergeBatch; ++b) {
+      if (b >= n) break;
+      for (int s = lane; s < splits; s += 32) {
+        const float l = __ldcg(p.part_lse + s * p.total_rows + r[b]);
+        w[b * splits + s] = l;
+        mx[b] = fmaxf(mx[b], l);
+      }
     }
 #pragma unroll
-    for (int x = 16; x >= 1; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+    for (int b = 0; b < kMergeBatch; ++b) {
+#pragma unroll
+      for (int x = 16; x >= 1; x /= 2) mx[b] = fmaxf(mx[b], __shfl_xor_sync(0xffffffffu, mx[b], x));
+      if (b >= n) continue;
+      for (int s = lane; s < splits; s += 32) {
+        const float ws = mx[b] == -INFINITY ? 0.f : exp2f(w[b * splits + s] - mx[b]);
+        w[b * splits + s] = ws;
+        sum[b] += ws;
+      }
+#pragma unroll
+      for (int x = 16; x >= 1; x /= 2) sum[b] += __shfl_xor_sync(0xffffffffu, sum[b], x);
+    }
     __syncwarp();
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const float* part = p.part_o + r * p.head_dim;
-    // Lane l sums columns 4l..4l+3 (+128 c) over the splits, several splits' loads in flight.
+    // Lane l sums columns 4l..4l+3 (+128 c) over the splits, every row's loads in flight together.
     if (p.head_dim % 4 == 0) {
       for (int col = 4 * lane; col < p.head_dim; col += 128) {
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-        for (int s = 0; s < p.splits; ++s) {
-          const float4 x = __ldcg(reinterpret_cast<const float4*>(part + s * split_stride + col));
-          const float ws = w[s];
-          o.x += ws * x.x, o.y += ws * x.y, o.z += ws * x.z, o.w += ws * x.w;
+        float4 o[kMergeBatch];
+#pragma unroll
+        for (int b = 0; b < kMergeBatch; ++b) o[b] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int s = 0; s < splits; ++s) {
+#pragma unroll
+          for (int b = 0; b < kMergeBatch; ++b) {
+            if (b >= n) break;
+            const float4 x = __ldcg(reinterpret_cast<const float4*>(p.part_o + s * split_stride +
+                                                                    r[b] * p.head_dim + col));
+            const float ws = w[b * splits + s];
+            o[b].x += ws * x.x, o[b].y += ws * x.y, o[b].z += ws * x.z, o[b].w += ws * x.w;
+          }
         }
-        StoreO<T>(p.o, r * p.head_dim + col, o.x * inv);
-        StoreO<T>(p.o, r * p.head_dim + col + 1, o.y * inv);
-        StoreO<T>(p.o, r * p.head_dim + col + 2, o.z * inv);
-        StoreO<T>(p.o, r * p.head_dim + col + 3, o.w * inv);
+#pragma unroll
+        for (int b = 0; b < kMergeBatch; ++b) {
+          if (b >= n) break;
+          const float inv = sum[b] > 0.f ? 1.f / sum[b] : 0.f;
+          const int64_t at = r[b] * p.head_dim + col;
+          StoreO<T>(p.o, at, o[b].x * inv);
+          StoreO<T>(p.o, at + 1, o[b].y * inv);
+          StoreO<T>(p.o, at + 2, o[b].z * inv);
+          StoreO<T>(p.o, at + 3, o[b].w * inv);
+        }
       }
     } else {
       for (int col = lane; col < p.head_dim; col += 32) {
-        float o = 0.f;
+#pragma unroll
+        for (int b = 0; b < kMergeBatch; ++b) {
+          if (b >= n) break;
+          float o = 0.f;
 #pragma unroll 8
-        for (int s = 0; s < p.splits; ++s) o += w[s] * __ldcg(part + s * split_stride + col);
-        StoreO<T>(p.o, r * p.head_dim + col, o * inv);
+          for (int s = 0; s < splits; ++s)
+            o += w[b * splits + s] * __ldcg(p.part_o + s * split_stride + r[b] * p.head_dim + col);
+          StoreO<T>(p.o, r[b] * p.head_dim + col, sum[b] > 0.f ? o / sum[b] : 0.f);
+        }
       }
     }
-    if (lane == 0 && p.lse != nullptr) p.lse[r] = sum > 0.f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
-    __syncwarp();  // every lane is done with w before the next row's weights
+    if (lane == 0 && p.lse != nullptr) {
+#pragma unroll
+      for (int b = 0; b < kMergeBatch; ++b) {
+        if (b < n) p.lse[r[b]] = sum[b] > 0.f ? (mx[b] + log2f(sum[b])) * kLn2 : -INFINITY;
+      }
+    }
+    __syncwarp();  // every lane is done with w before the next batch's weights
   }
 }
 
 template <typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads) PagedDecodeKernel(const PagedKernelParams p) {
+__global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
+    PagedDecodeKernel(const PagedKernelParams p) {
   using T = typename Tile::Element;
   constexpr int kD = Tile::kD, kBc = Tile::kBc, kStages = Tile::kStages;
   constexpr int kRowBytes = Tile::kRowBytes, kWarpKeys = Tile::kWarpKeys;
@@ -214,8 +290,21 @@ __global__ void __launch_bounds__(Tile::kThreads) PagedDecodeKernel(const PagedK
   const uint32_t s_q = SmemAddress(smem);
   const uint32_t s_kv = s_q + Tile::kQBytes;  // [kStages][K tile, V tile]
 
+  if (threadIdx.x == 0) Tile::Trace::Mark(kTraceStart);
   const int seq = blockIdx.z;
   const int hk = blockIdx.y / p.m_blocks, m0 = blockIdx.y % p.m_blocks * kPagedRows;
+  const int split_lo = blockIdx.x * p.split_keys;
+  const int32_t* page_table = p.page_table + seq * p.page_table_stride;
+  // The page-table entries of the first kStages - 1 tiles from split_lo, read together with the
+  // lengths below (they follow from the grid alone), so that the first K/V requests wait for one
+  // round trip to memory instead of two; used when the CTA's keys start at split_lo (no left window
+  // cuts them).
+  int first_pages[kStages - 1];
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    const int at = (split_lo + s * kBc) / p.page_rows;
+    first_pages[s] = at < p.page_table_stride ? page_table[at] : 0;
+  }
   const int q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
   const int nk = p.seqlens_k[seq];
   const int rows = p.group * nq;
@@ -225,7 +314,6 @@ __global__ void __launch_bounds__(Tile::kThreads) PagedDecodeKernel(const PagedK
 
   // This CTA's keys: its split, cut to what its queries may see; whole kBc tiles from tile_begin.
   const KeyRange vis = PagedVisibleKeys(p, nq, nk, first_query, last_query);
-  const int split_lo = blockIdx.x * p.split_keys;
   const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
   const int tile_begin = k_lo / kBc;
   const int n_tiles = k_hi > k_lo ? (k_hi + kBc - 1) / kBc - tile_begin : 0;
@@ -237,20 +325,21 @@ __global__ void __launch_bounds__(Tile::kThreads) PagedDecodeKernel(const PagedK
   // Loads: thread i copies chunk i % kChunks of tile rows i / kChunks + j * kRowStep, K and V.
   const int ld_chunk = threadIdx.x % Tile::kChunks, ld_row = threadIdx.x / Tile::kChunks;
   const bool ld_chunk_valid = ld_chunk < d_chunks;
-  const int32_t* page_table = p.page_table + seq * p.page_table_stride;
   const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * 2;
-  const int64_t head_offset = static_cast<int64_t>(hk) * p.page_rows * row_bytes + ld_chunk * 16;
+  const int64_t head_offset = static_cast<int64_t>(hk) * p.page_rows * row_bytes;
   const int64_t v_offset = static_cast<int64_t>(p.heads_kv) * p.page_rows * row_bytes;
-  const int64_t thread_offset = head_offset + ld_row * row_bytes;
-  auto load_tile = [&](int stage, int tile) {
+  const int64_t thread_offset = ld_row * row_bytes + ld_chunk * 16;
+  // page: the tile's page-table entry when already read, else -1.
+  auto load_tile = [&](int stage, int tile, int page) {
     const uint32_t s_k = s_kv + stage * Tile::kStageBytes, s_v = s_k + Tile::kTileBytes;
     const int n0 = (tile_begin + tile) * kBc;
     const int page_row0 = n0 % p.page_rows;
     if (page_row0 + kBc <= p.page_rows && n0 + kBc <= nk) {
       // The whole tile lies in one page, below the last key (pages of a multiple of kBc rows):
       // one page-table read, then rows at a fixed stride.
-      const unsigned char* src = p.pool + page_table[n0 / p.page_rows] * p.page_bytes +
-                                 page_row0 * row_bytes + thread_offset;
+      if (page < 0) page = page_table[n0 / p.page_rows];
+      const unsigned char* src =
+          p.pool + page * p.page_bytes + page_row0 * row_bytes + head_offset + thread_offset;
       if (!ld_chunk_valid) src = p.pool;
 #pragma unroll
       for (int j = 0; j < kBc / kRowStep; ++j) {
@@ -269,7 +358,7 @@ __global__ void __launch_bounds__(Tile::kThreads) PagedDecodeKernel(const PagedK
       const unsigned char* src = p.pool;
       if (valid) {
         const int page = page_table[key / p.page_rows];
-        src += page * p.page_bytes + head_offset + (key % p.page_rows) * row_bytes;
+        src += page * p.page_bytes + head_offset + (key % p.page_rows) * row_bytes + ld_chunk * 16;
       }
       const uint32_t off = SwizzledOffset<kRowBytes>(r, ld_chunk);
       CpAsync16(s_k + off, src, valid);
@@ -278,7 +367,7 @@ __global__ void __launch_bounds__(Tile::kThreads) PagedDecodeKernel(const PagedK
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_tiles) load_tile(s, s);
+    if (s < n_tiles) load_tile(s, s, tile_begin * kBc == split_lo ? first_pages[s] : -1);
     CpAsyncCommit();
   }
 
@@ -329,7 +418,10 @@ __global__ void __launch_bounds__(Tile::kThreads) PagedDecodeKernel(const PagedK
     // Tile `tile` has landed; every warp is past tile - 1, whose stage the next load reuses.
     CpAsyncWait<kStages - 2>();
     __syncthreads();
-    if (tile + kStages - 1 < n_tiles) load_tile((tile + kStages - 1) % kStages, tile + kStages - 1);
+    if (tile == 0 && threadIdx.x == 0) Tile::Trace::Mark(kTraceFirstTile);
+    if (tile + kStages - 1 < n_tiles) {
+      load_tile((tile + kStages - 1) % kStages, tile + kStages - 1, -1);
+    }
     CpAsyncCommit();
 
     const uint32_t s_k = s_kv + (tile % kStages) * Tile::kStageBytes + warp * kWarpKeys * kRowBytes;
@@ -419,6 +511,7 @@ __global__ void __launch_bounds__(Tile::kThreads) PagedDecodeKernel(const PagedK
   }
   CpAsyncWait<0>();
   __syncthreads();
+  if (threadIdx.x == 0) Tile::Trace::Mark(kTraceLoopDone);
 
   // Merge the warps: each stores (max, sum, O) of its rows; then every thread finishes columns.
   float* merge = reinterpret_cast<float*>(smem + Tile::kQBytes);
@@ -441,33 +534,53 @@ __global__ void __launch_bounds__(Tile::kThreads) PagedDecodeKernel(const PagedK
           make_float2(acc_o[dt][half * 2], acc_o[dt][half * 2 + 1]);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < kPagedRows * kD; i += kThreads) {
-    const int r = i / kD, col = i % kD;
-    if (m0 + r > row_last || col >= p.head_dim) continue;
-    float mx = -INFINITY;
+  // Thread r < 16 turns row r's (max, sum) of each warp into the warp's weight (in m_max), the
+  // row's 1 / sum (m_sum[r]) and log2-sum-exp (m_sum[16 + r]) once; then every thread finishes 4
+  // columns of a row at a time (the epilogue runs at 4 warps per SM: few instructions per output).
+  if (threadIdx.x < kPagedRows) {
+    const int r = threadIdx.x;
+    float mx = -INFINITY, sum = 0.f;
 #pragma unroll
     for (int w = 0; w < Tile::kWarps; ++w) mx = fmaxf(mx, m_max[w * kPagedRows + r]);
-    float sum = 0.f, o = 0.f;
-    if (mx != -INFINITY) {
 #pragma unroll
-      for (int w = 0; w < Tile::kWarps; ++w) {
-        const float scale = FastExp2((m_max[w * kPagedRows + r] - mx) * scale_log2);
-        sum += scale * m_sum[w * kPagedRows + r];
-        o += scale * merge[(w * kPagedRows + r) * kD + col];
-      }
+    for (int w = 0; w < Tile::kWarps; ++w) {
+      const float weight =
+          mx == -INFINITY ? 0.f : FastExp2((m_max[w * kPagedRows + r] - mx) * scale_log2);
+      sum += weight * m_sum[w * kPagedRows + r];
+      m_max[w * kPagedRows + r] = weight;
     }
-    const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
-    StoreOut<T>(p, row.index, col, sum > 0.f ? o / sum : 0.f);
-    if (col == 0) StoreLse(p, row.index, sum > 0.f ? mx * scale_log2 + log2f(sum) : -INFINITY);
+    m_sum[r] = sum > 0.f ? 1.f / sum : 0.f;
+    m_sum[kPagedRows + r] = sum > 0.f ? mx * scale_log2 + log2f(sum) : -INFINITY;
   }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kPagedRows * kD / 4; i += kThreads) {
+    const int r = i / (kD / 4), col = i % (kD / 4) * 4;
+    if (m0 + r > row_last || col >= p.head_dim) continue;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < Tile::kWarps; ++w) {
+      const float weight = m_max[w * kPagedRows + r];
+      const float4 x = *reinterpret_cast<const float4*>(merge + (w * kPagedRows + r) * kD + col);
+      o.x += weight * x.x, o.y += weight * x.y, o.z += weight * x.z, o.w += weight * x.w;
+    }
+    const float inv = m_sum[r];
+    o.x *= inv, o.y *= inv, o.z *= inv, o.w *= inv;
+    const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
+    StoreOut4<T>(p, row.index, col, o);
+    if (col == 0) StoreLse(p, row.index, m_sum[kPagedRows + r]);
+  }
+  if (threadIdx.x == 0) Tile::Trace::Mark(kTraceStored);
   // The merge area is free once every thread is past the loop above (the merge syncs first).
   if (p.splits > 1) MergeSplitsIfLast<T>(p, merge);
+  if (threadIdx.x == 0) Tile::Trace::Mark(kTraceEnd);
 }
 
 // The SIMT path: warp w computes rows w, w + 4, ... of the CTA's 16, lane l owning columns
 // l + 32 c. Any head dim up to 32 * kMaxCols.
+// __launch_bounds__(threads, 1): without a minimum of resident CTAs ptxas held this kernel to 64
+// registers and spilled 8 bytes; it runs at most 16 warps per SM anyway.
 template <typename T>
-__global__ void __launch_bounds__(kPagedThreads) PagedSimtKernel(const PagedKernelParams p) {
+__global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedKernelParams p) {
   constexpr int kMaxCols = 8;
   const int seq = blockIdx.z;
   const int hk = blockIdx.y / p.m_blocks, m0 = blockIdx.y % p.m_blocks * kPagedRows;

@@ -26,14 +26,10 @@ struct PagedTileFor<T, 128> {
   using Tile = PagedTile<T, 128, 64, 4>;
 };
 
-// The planner's CTAs per SM (PagedCtasPerSm) are what the tiles' shared memory allows on an H100 /
-// H200 (228 KiB per SM, 1 KiB of it reserved per CTA).
-template <typename Tile>
-constexpr int ResidentCtas() {
-  return (228 << 10) / (Tile::kSmemBytes + (1 << 10));
-}
-static_assert(ResidentCtas<PagedTileFor<__half, 64>::Tile>() == PagedCtasPerSm(64));
-static_assert(ResidentCtas<PagedTileFor<__half, 128>::Tile>() == PagedCtasPerSm(128));
+// The planner's CTAs per SM (PagedCtasPerSm) are what the tiles' shared memory allows
+// (PagedTile::kResidentCtas).
+static_assert(PagedTileFor<__half, 64>::Tile::kResidentCtas == PagedCtasPerSm(64));
+static_assert(PagedTileFor<__half, 128>::Tile::kResidentCtas == PagedCtasPerSm(128));
 
 template <typename Tile>
 cudaError_t LaunchPagedTile(const PagedKernelParams& p, dim3 grid, cudaStream_t stream) {

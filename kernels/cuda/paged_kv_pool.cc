@@ -1,13 +1,19 @@
-// The CUDA backend's paged KV pool: one cudaMalloc of num_pages * page_bytes, writes by
-// cudaMemcpy2DAsync from host rows into pages, decode steps by the split-KV kernels
-// (paged_decode.h) with the step's small host arrays staged through a device scratch buffer that
-// grows and is reused, beside the kernels' split tickets (zeroed once when allocated; each step
-// leaves them zero). Calls are serialised on one stream (std::mutex).
+// The CUDA backend's paged KV pool: one cudaMalloc of num_pages * page_bytes, decode steps by the
+// split-KV kernels (paged_decode.h) with the step's small host arrays in a device scratch buffer
+// that grows and is reused, beside the kernels' split tickets (zeroed once when allocated; each
+// step leaves them zero). Calls are serialised on one stream (std::mutex).
+//
+// Every host<->device copy goes through pinned staging, so it is a DMA queued without waiting:
+// a Write packs its rows there (one 2D copy per page run and K or V) and returns with the copies
+// in flight (stream order puts them before any later decode); a decode step packs q and its small
+// arrays there (one copy), and receives o and lse there. A decode step of 8 sequences that each
+// append a row thus costs 18 queued copies and one wait, where pageable copies cost a wait each.
 #include "kernels/cuda/paged_kv_pool.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstring>
 #include <iterator>
 #include <mutex>
 #include <utility>
@@ -56,6 +62,7 @@ class CudaKvPagePool : public KvPagePool {
     cudaFree(scratch_);
     cudaFree(tickets_);
     cudaFree(pages_);
+    cudaFreeHost(staging_);
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     cudaStreamDestroy(stream_);
   }
@@ -75,47 +82,39 @@ class CudaKvPagePool : public KvPagePool {
     const int64_t v_offset = VOffset(shape, *page_rows);
     absl::Status status = ForEachPageRun(w, *page_rows, [&](const PageRun& run) {
       unsigned char* page = pages_ + run.page * page_bytes_;
+      const size_t run_bytes = run.count * row_bytes;  // one head's rows of the run
       for (int kv = 0; kv < 2; ++kv) {
-        const auto* src = static_cast<const unsigned char*>(kv == 0 ? w.k : w.v) +
-                          run.src_row * w.row_stride * elem;
-        unsigned char* dst =
-            page + KvRowOffset(shape, *page_rows, 0, run.page_row) + (kv == 0 ? 0 : v_offset);
-        // Fewer copies of more lines: one per head over the run's rows, or (a run shorter than
-        // the heads, e.g. one decoded row) one per row over the heads.
-        if (run.count >= shape.heads_kv) {
-          for (int64_t h = 0; h < shape.heads_kv; ++h) {
-            RETURN_IF_CUDA_ERROR(
-                cudaMemcpy2DAsync(dst + h * *page_rows * row_bytes, row_bytes,
-                                  src + h * w.head_stride * elem, w.row_stride * elem, row_bytes,
-                                  run.count, cudaMemcpyHostToDevice, stream_),
-                "copy kv rows to the device");
-          }
-        } else {
+        const auto* src = static_cast<const unsigned char*>(kv == 0 ? w.k : w.v);
+        // The run's rows packed as [Hkv, count, D]: each head's rows are contiguous in the page.
+        absl::StatusOr<unsigned char*> staged = Stage(shape.heads_kv * run_bytes);
+        if (!staged.ok()) return staged.status();
+        for (int64_t h = 0; h < shape.heads_kv; ++h) {
           for (int64_t j = 0; j < run.count; ++j) {
-            RETURN_IF_CUDA_ERROR(
-                cudaMemcpy2DAsync(dst + j * row_bytes, *page_rows * row_bytes,
-                                  src + j * w.row_stride * elem, w.head_stride * elem, row_bytes,
-                                  shape.heads_kv, cudaMemcpyHostToDevice, stream_),
-                "copy kv rows to the device");
+            std::memcpy(*staged + h * run_bytes + j * row_bytes,
+                        src + (h * w.head_stride + (run.src_row + j) * w.row_stride) * elem,
+                        row_bytes);
           }
         }
+        unsigned char* dst =
+            page + KvRowOffset(shape, *page_rows, 0, run.page_row) + (kv == 0 ? 0 : v_offset);
+        RETURN_IF_CUDA_ERROR(
+            cudaMemcpy2DAsync(dst, *page_rows * row_bytes, *staged, run_bytes, run_bytes,
+                              shape.heads_kv, cudaMemcpyHostToDevice, stream_),
+            "copy kv rows to the device");
       }
       return absl::OkStatus();
     });
-    if (!status.ok()) {
-      cudaStreamSynchronize(stream_);
-      return status;
-    }
-    // The caller may reuse its rows once Write returns.
-    RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "copy kv rows to the device");
-    return absl::OkStatus();
+    if (!status.ok()) cudaStreamSynchronize(stream_);
+    // The rows are staged: the caller may reuse its buffers at once.
+    return status;
   }
 
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host) override {
     absl::StatusOr<DecodeExtent> extent = CheckPagedDecode(host, page_bytes_, num_pages_);
     if (!extent.ok()) return extent.status();
     if (host.num_seqs == 0 || host.total_q == 0) return KvStepTimes{};
-    absl::StatusOr<PagedDecodePlan> plan = PlanPagedDecode(host, *extent, {.sm_count = sm_count_});
+    absl::StatusOr<PagedDecodePlan> plan =
+        PlanPagedDecode(host, *extent, {.sm_count = sm_count_, .splits = options_.splits});
     if (!plan.ok()) return plan.status();
 
     std::lock_guard<std::mutex> lock(mu_);
@@ -126,36 +125,41 @@ class CudaKvPagePool : public KvPagePool {
     const size_t cu_bytes = (host.num_seqs + 1) * sizeof(int32_t);
     const size_t lens_bytes = host.num_seqs * sizeof(int32_t);
     const size_t table_bytes = host.num_seqs * host.page_table_stride * sizeof(int32_t);
-    // Scratch: q | o | lse | cu_seqlens_q | seqlens_k | page_table | workspace.
+    // Scratch: the inputs q | cu_seqlens_q | seqlens_k | page_table (one copy from staging laid
+    // out the same), then the outputs o | lse, then the kernels' workspace.
+    enum { kQ, kCu, kLens, kTable, kO, kLse, kWorkspace };
     const size_t sizes[7] = {
-        q_bytes, q_bytes, lse_bytes, cu_bytes, lens_bytes, table_bytes, plan->workspace_bytes};
+        q_bytes, cu_bytes, lens_bytes, table_bytes, q_bytes, lse_bytes, plan->workspace_bytes};
     size_t offsets[8] = {0};
     for (int i = 0; i < 7; ++i) offsets[i + 1] = offsets[i] + RoundUp(sizes[i]);
     if (absl::Status s = Reserve(offsets[7]); !s.ok()) return s;
     if (absl::Status s = ReserveTickets(plan->tickets); !s.ok()) return s;
     auto at = [&](int i) { return scratch_ + offsets[i]; };
+    // Staging: the inputs as in scratch, then o and lse as in scratch.
+    absl::StatusOr<unsigned char*> staged = Stage(offsets[kWorkspace]);
+    if (!staged.ok()) return staged.status();
+    auto staged_at = [&](int i) { return *staged + offsets[i]; };
+    const void* inputs[] = {host.q, host.cu_seqlens_q, host.seqlens_k, host.page_table};
+    for (int i = kQ; i <= kTable; ++i) std::memcpy(staged_at(i), inputs[i], sizes[i]);
 
     PagedDecodeParams dev = host;
-    dev.q = at(0);
-    dev.o = at(1);
-    dev.lse = host.lse ? reinterpret_cast<float*>(at(2)) : nullptr;
-    dev.cu_seqlens_q = reinterpret_cast<const int32_t*>(at(3));
-    dev.seqlens_k = reinterpret_cast<const int32_t*>(at(4));
-    dev.page_table = reinterpret_cast<const int32_t*>(at(5));
+    dev.q = at(kQ);
+    dev.o = at(kO);
+    dev.lse = host.lse ? reinterpret_cast<float*>(at(kLse)) : nullptr;
+    dev.cu_seqlens_q = reinterpret_cast<const int32_t*>(at(kCu));
+    dev.seqlens_k = reinterpret_cast<const int32_t*>(at(kLens));
+    dev.page_table = reinterpret_cast<const int32_t*>(at(kTable));
 
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[0], stream_), "cudaEventRecord");
-    const std::pair<const void*, int> inputs[] = {
-        {host.q, 0}, {host.cu_seqlens_q, 3}, {host.seqlens_k, 4}, {host.page_table, 5}};
-    for (const auto& [src, i] : inputs) {
-      RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(at(i), src, sizes[i], cudaMemcpyHostToDevice, stream_),
-                           "copy the decode step's inputs to the device");
-    }
+    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(at(kQ), staged_at(kQ), offsets[kO],
+                                         cudaMemcpyHostToDevice, stream_),
+                         "copy the decode step's inputs to the device");
     if (options_.poison_outputs) {
       // All-ones bytes are NaN in every dtype: an element the kernels miss shows instead of a
       // value left from an earlier step.
-      RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(1), 0xff, q_bytes, stream_), "poison o");
+      RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(kO), 0xff, q_bytes, stream_), "poison o");
       if (lse_bytes) {
-        RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(2), 0xff, lse_bytes, stream_), "poison lse");
+        RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(kLse), 0xff, lse_bytes, stream_), "poison lse");
       }
     }
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[1], stream_), "cudaEventRecord");
@@ -166,15 +170,14 @@ class CudaKvPagePool : public KvPagePool {
       return s;
     }
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[2], stream_), "cudaEventRecord");
-    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(host.o, at(1), q_bytes, cudaMemcpyDeviceToHost, stream_),
-                         "copy o to the host");
-    if (lse_bytes) {
-      RETURN_IF_CUDA_ERROR(
-          cudaMemcpyAsync(host.lse, at(2), lse_bytes, cudaMemcpyDeviceToHost, stream_),
-          "copy lse to the host");
-    }
+    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(staged_at(kO), at(kO), offsets[kWorkspace] - offsets[kO],
+                                         cudaMemcpyDeviceToHost, stream_),
+                         "copy o and lse to the host");
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[3], stream_), "cudaEventRecord");
     RETURN_IF_CUDA_ERROR(cudaEventSynchronize(events_[3]), "run the decode step on the device");
+    std::memcpy(host.o, staged_at(kO), q_bytes);
+    if (lse_bytes) std::memcpy(host.lse, staged_at(kLse), lse_bytes);
+    staging_used_ = 0;  // the stream is idle: every copy from staging is done
     float ms[3];
     for (int i = 0; i < 3; ++i) {
       RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]),
@@ -184,6 +187,35 @@ class CudaKvPagePool : public KvPagePool {
   }
 
  private:
+  // `bytes` of pinned staging, after what earlier calls staged and may still be copying from.
+  // When the rest is short, waits for the stream and starts from the front again, first growing
+  // the buffer when `bytes` exceeds it.
+  absl::StatusOr<unsigned char*> Stage(size_t bytes) {
+    bytes = RoundUp(bytes);
+    if (staging_used_ + bytes > staging_bytes_) {
+      RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+      staging_used_ = 0;
+      if (bytes > staging_bytes_) {
+        cudaFreeHost(staging_);
+        staging_ = nullptr;
+        staging_bytes_ = 0;
+        const size_t size = std::max<size_t>(bytes, kMinStagingBytes);
+        void* p = nullptr;
+        if (cudaError_t err = cudaHostAlloc(&p, size, cudaHostAllocDefault); err != cudaSuccess) {
+          cudaGetLastError();  // not sticky
+          return absl::ResourceExhaustedError(
+              absl::StrCat("cuda backend: cannot allocate ", size,
+                           " bytes of pinned host memory for KV staging: ", cudaGetErrorName(err)));
+        }
+        staging_ = static_cast<unsigned char*>(p);
+        staging_bytes_ = size;
+      }
+    }
+    unsigned char* at = staging_ + staging_used_;
+    staging_used_ += bytes;
+    return at;
+  }
+
   // Grows the scratch buffer to at least `bytes`.
   absl::Status Reserve(size_t bytes) {
     if (bytes <= scratch_bytes_) return absl::OkStatus();
@@ -227,6 +259,11 @@ class CudaKvPagePool : public KvPagePool {
   cudaEvent_t events_[4];  // before h2d, before the kernels, after them, after d2h
   unsigned char* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  // Pinned host staging (Stage); the front staging_used_ bytes may still be in flight.
+  static constexpr size_t kMinStagingBytes = size_t{16} << 20;
+  unsigned char* staging_ = nullptr;
+  size_t staging_bytes_ = 0;
+  size_t staging_used_ = 0;
   int32_t* tickets_ = nullptr;
   int64_t ticket_count_ = 0;
 };

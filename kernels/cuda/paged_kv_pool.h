@@ -14,6 +14,9 @@ struct CudaKvPoolOptions {
   // Fill o (and lse) with NaN before each step's kernel, so an element it misses shows (tests);
   // off, a step pays for no memsets.
   bool poison_outputs = false;
+  // > 0: every step runs this many splits (at most one per key tile) instead of the planner's
+  // choice, so tests reach split counts the planner would not pick for their shapes.
+  int splits = 0;
 };
 
 absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t num_pages,
