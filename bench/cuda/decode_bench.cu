@@ -437,7 +437,7 @@ bool Main(const std::vector<int64_t>& nks) {
 #else
     for (int64_t page_bytes : {256 << 10, 512 << 10, 1 << 20})
       configs.push_back({nk, page_bytes, 0, nullptr, page_bytes == (256 << 10)});
-    for (int splits : {4, 8, 16, 32, 64}) configs.push_back({nk, 256 << 10, splits});
+    for (int splits : {1, 3, 4, 8, 16, 32, 64}) configs.push_back({nk, 256 << 10, splits});
 #endif
     for (const Config& c : configs) {
       if (!TimeConfig(c, sm_count, flush)) return false;
