@@ -16,6 +16,8 @@ def main(path):
     for run in runs:
         if run.get("run_type") == "aggregate" and run.get("aggregate_name") != "median":
             continue
+        if "GFLOP/s" not in run:  # the memory anchor (BM_StreamQkvToO) reports GB/s only
+            continue
         name = run.get("run_name", run["name"])
         rate[name] = run["GFLOP/s"]
 

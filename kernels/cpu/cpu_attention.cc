@@ -1,20 +1,25 @@
 // The CPU backend: FlashAttention's tiled online softmax, float32 accumulation.
 //
 // One work item is (batch item, query head, block of kBlockM = 96 query rows). It converts its Q
-// block once to float32, transposed, with softmax_scale * log2(e) folded in (so the softmax runs on
-// exp2), then streams K/V tiles of kBlockN = 64 keys, limited to the keys some row of the block
-// can see (causal and windowed blocks skip fully masked tiles; only tiles crossing a window edge
-// are masked element-wise). Scores are kept transposed, keys x rows, so that both products are
-// "broadcast an element of A, FMA a row of B" and the softmax statistics are vectors over rows:
-//   S^T = K Q^T                 [keys, rows], register-blocked 6 keys x 16 rows over D
+// block once to float32 with softmax_scale * log2(e) folded in (so the softmax runs on exp2) and
+// transposes it 8x8 in registers, then streams K/V tiles of kBlockN = 64 keys, limited to the keys
+// some row of the block can see (causal and windowed blocks skip fully masked tiles; only tiles
+// crossing a window edge are masked element-wise). Scores are kept transposed, keys x rows, so that
+// both products are "broadcast an element of A, FMA a row of B" and the softmax statistics are
+// vectors over rows:
+//   S^T = K Q^T                 [keys, rows], register-blocked 6 keys x 16 rows over D; a last
+//                               block of 8 rows (all rows when N <= 8) 12 keys x 8 rows
 //   m_new = max(m, colmax(S^T)); P^T = exp2(S^T - m_new); l = l exp2(m - m_new) + colsum(P^T)
-//   O = O exp2(m - m_new) + P V  [rows, D], register-blocked 6 rows x 16 features over the keys
+//   O = O exp2(m - m_new) + P V  [rows, D], register-blocked 6 rows x 16 features over the keys,
+//                               the rescale applied as the accumulators load (none on tile 1)
 // and finally writes O / l and lse = (m + log2 l) ln 2. float32 K and V (D a multiple of 16 for V)
-// are read in place; other dtypes are converted once per tile into per-thread scratch. Scratch is
-// O(tile): nothing is ever O(N^2).
+// are read in place; other dtypes are converted once per tile into per-thread scratch, float16
+// through F16C where the CPU has it. Scratch is O(tile): nothing is ever O(N^2).
 //
-// Items are sorted by their key count (longest first) and claimed through an atomic counter by the
-// calling thread and a persistent pool, so concurrent Forward calls share the workers.
+// Items are sorted by their score count (longest first) and cut into tasks of at least ~4096
+// scores (runs of consecutive items), which the calling thread and a persistent pool claim through
+// an atomic counter, so concurrent Forward calls share the workers and thousands of tiny heads cost
+// a few claims.
 //
 // The hot function is compiled for x86-64-v4 (AVX-512), x86-64-v3 (AVX2 + FMA) and baseline
 // x86-64, picked at load time (target_clones); the code uses 8-float GCC vectors, which each target
@@ -22,9 +27,13 @@
 //
 // Measured 2026-11-30 (bench/cpu, float32 B=1 H=8 N=2048 D=64, 2 cores of an AMD EPYC VM, AVX2):
 // 105 GFLOP/s, 5.4x the naive OpenBLAS attention; causal 83 GFLOP/s, 8.5x. One thread: 53 GFLOP/s
-// causal, ~67% of FMA peak. Table and command: bench/README.md.
+// causal, ~67% of FMA peak. Table and command: bench/README.md. The service-overhead shapes
+// (BM_CpuBackendService, medians): float16 B=1 H=8 N=128 D=64 on one thread 1.6 -> 0.65 ms;
+// float32 B=512 H=16 N=8 D=64 on both threads 15-21 -> 11-12 ms, memory-bound (bench/README.md,
+// "Service overhead").
 #include "kernels/cpu/cpu_attention.h"
 
+#include <immintrin.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -48,28 +57,40 @@ namespace {
 
 constexpr int64_t kBlockM = 96;  // query rows per work item
 constexpr int64_t kBlockN = 64;  // keys per K/V tile
-constexpr int64_t kMr = 6;       // micro-kernel rows (at most; partial micro-tiles use fewer)
-constexpr int64_t kNr = 16;      // micro-kernel columns: two 8-float vectors
+// Micro-kernel shapes: up to kMr rows of two 8-float vectors (kNr columns), or up to kMr1 rows of
+// one vector; either way 12 accumulators keep both FMA pipes busy through the FMA latency.
+constexpr int64_t kMr = 6;
+constexpr int64_t kMr1 = 12;
+constexpr int64_t kNr = 16;
+constexpr int64_t kLanes = 8;  // floats per Vec8
 static_assert(kBlockM % kNr == 0, "S^T's rows hold whole micro-tile columns");
+// Score elements (rows x keys) a task should hold before load balancing splits the work finer:
+// ~1 MFLOP at D = 64, so claiming a task costs well under 1% of computing it.
+constexpr int64_t kTaskCost = 4096;
+constexpr int64_t kTasksPerThread = 8;  // at least, where the work allows it
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Helpers of the multiversioned ComputeBlock: always inlined, so each build of it gets them
+// compiled for its own target.
+#define ATTENTION_INLINE inline __attribute__((always_inline))
 
 using Vec8 = float __attribute__((vector_size(32)));
 using IVec8 = int32_t __attribute__((vector_size(32)));
 
 // Scratch buffers are 64-byte aligned (see Scratch); memcpy keeps unaligned rows legal too.
-inline Vec8 Load(const float* p) {
+ATTENTION_INLINE Vec8 Load(const float* p) {
   Vec8 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void Store(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
-inline Vec8 Splat(float x) { return Vec8{} + x; }
+ATTENTION_INLINE void Store(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+ATTENTION_INLINE Vec8 Splat(float x) { return Vec8{} + x; }
 
 // 2^x for x <= 0 (x = -inf gives 0): x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7
 // Taylor polynomial (relative error < 1e-8), 2^n through the exponent bits.
-inline Vec8 Exp2(Vec8 x) {
+ATTENTION_INLINE Vec8 Exp2(Vec8 x) {
   const Vec8 lowest = Splat(-127.0f);
   x = x < lowest ? lowest : x;
   constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
@@ -88,60 +109,115 @@ inline Vec8 Exp2(Vec8 x) {
   return poly * std::bit_cast<Vec8>(bits);
 }
 
-inline float HorizontalMax(Vec8 v) {
-  float m = v[0];
-  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
-  return m;
-}
-inline float HorizontalSum(Vec8 v) {
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+// Transposes the 8x8 block r[0..8) (rows) into columns, in place: afterwards r[j][i] is the old
+// r[i][j]. Three rounds of two-input shuffles (AVX2: unpack, shufps, vperm2f128).
+ATTENTION_INLINE void Transpose8x8(Vec8 (&r)[8]) {
+  Vec8 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    for (int j = 0; j < 2; ++j) {
+      u[i + 2 * j] = __builtin_shufflevector(t[i + j], t[i + j + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[i + 2 * j + 1] =
+          __builtin_shufflevector(t[i + j], t[i + j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  }
+  // u[0..4) hold columns {0,4}, {1,5}, {2,6}, {3,7} of rows 0-3; u[4..8) the same of rows 4-7.
+  for (int j = 0; j < 4; ++j) {
+    r[j] = __builtin_shufflevector(u[j], u[j + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[j + 4] = __builtin_shufflevector(u[j], u[j + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
 }
 
-// c[kRows x kNr] = (or +=) a[kRows x depth] * b[depth x kNr]. a's element (r, k) is
-// a[r * a_row + k * a_depth], so a may be read transposed; b and c are row-major (ldb, ldc). Each
-// step broadcasts kRows elements of a and FMAs them into one row of b.
-template <int kRows, bool kAccumulate>
-inline void MicroKernel(int64_t depth, const float* a, int64_t a_row, int64_t a_depth,
-                        const float* b, int64_t ldb, float* c, int64_t ldc) {
-  Vec8 acc[kRows][2];
+// float16 rows through F16C, 8 elements an instruction (exact one way; round to nearest even the
+// other, like FloatToHalf). Only called where kHaveF16c.
+__attribute__((target("avx,f16c"))) void HalfRowToFloatF16c(const uint16_t* src, int64_t n,
+                                                            float scale, float* dst) {
+  int64_t x = 0;
+  for (; x + kLanes <= n; x += kLanes) {
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + x)));
+    _mm256_storeu_ps(dst + x, _mm256_mul_ps(f, _mm256_set1_ps(scale)));
+  }
+  for (; x < n; ++x) dst[x] = HalfToFloat(src[x]) * scale;
+}
+__attribute__((target("avx,f16c"))) void FloatRowToHalfF16c(const float* src, int64_t n,
+                                                            float scale, uint16_t* dst) {
+  int64_t x = 0;
+  for (; x + kLanes <= n; x += kLanes) {
+    const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(src + x), _mm256_set1_ps(scale));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + x),
+                     _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; x < n; ++x) dst[x] = FloatToHalf(src[x] * scale);
+}
+
+// Whether this CPU has F16C. Set before main, so the hot path reads a plain bool.
+const bool kHaveF16c = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c") != 0;
+}();
+
+// ConvertRow (dst[0, n) = float(src[0, n)) * scale), with float16 through F16C where the CPU has
+// it: the scalar conversion costs as much as the attention math at D = 64.
+ATTENTION_INLINE void LoadRow(DType dtype, const void* src, int64_t n, float scale, float* dst) {
+  if (dtype == DType::kFloat16 && kHaveF16c) {
+    HalfRowToFloatF16c(static_cast<const uint16_t*>(src), n, scale, dst);
+  } else {
+    ConvertRow(dtype, src, n, scale, dst);
+  }
+}
+
+// StoreRow (dst[0, n) = src[0, n) * scale in `dtype`), with float16 through F16C likewise.
+ATTENTION_INLINE void StoreOutputRow(const float* src, int64_t n, float scale, DType dtype,
+                                     void* dst) {
+  if (dtype == DType::kFloat16 && kHaveF16c) {
+    FloatRowToHalfF16c(src, n, scale, static_cast<uint16_t*>(dst));
+  } else {
+    StoreRow(src, n, scale, dtype, dst);
+  }
+}
+
+// c[kRows x 8 kVecs] = a[kRows x depth] * b[depth x 8 kVecs], or with kRescale
+// c = diag(scale[0, kRows)) c + a b (the online softmax's rescale folded into the accumulator
+// load). a's element (r, k) is a[r * a_row + k * a_depth], so a may be read transposed; b and c are
+// row-major (ldb, ldc). Each step broadcasts kRows elements of a and FMAs them into one row of b.
+template <int kRows, int kVecs, bool kRescale>
+ATTENTION_INLINE void MicroKernel(int64_t depth, const float* a, int64_t a_row, int64_t a_depth,
+                                  const float* b, int64_t ldb, float* c, int64_t ldc,
+                                  const float* scale) {
+  Vec8 acc[kRows][kVecs];
   for (int r = 0; r < kRows; ++r) {
-    acc[r][0] = kAccumulate ? Load(c + r * ldc) : Vec8{};
-    acc[r][1] = kAccumulate ? Load(c + r * ldc + 8) : Vec8{};
+    for (int v = 0; v < kVecs; ++v) {
+      acc[r][v] = kRescale ? Load(c + r * ldc + v * kLanes) * scale[r] : Vec8{};
+    }
   }
   for (int64_t k = 0; k < depth; ++k) {
-    const Vec8 b0 = Load(b + k * ldb);
-    const Vec8 b1 = Load(b + k * ldb + 8);
+    Vec8 bk[kVecs];
+    for (int v = 0; v < kVecs; ++v) bk[v] = Load(b + k * ldb + v * kLanes);
     for (int r = 0; r < kRows; ++r) {
       const float ar = a[r * a_row + k * a_depth];
-      acc[r][0] += ar * b0;
-      acc[r][1] += ar * b1;
+      for (int v = 0; v < kVecs; ++v) acc[r][v] += ar * bk[v];
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    Store(c + r * ldc, acc[r][0]);
-    Store(c + r * ldc + 8, acc[r][1]);
+    for (int v = 0; v < kVecs; ++v) Store(c + r * ldc + v * kLanes, acc[r][v]);
   }
 }
 
-// MicroKernel for `rows` = 1..kMr rows, so no operand needs padding rows.
-template <bool kAccumulate>
-inline void MicroKernelRows(int64_t rows, int64_t depth, const float* a, int64_t a_row,
-                            int64_t a_depth, const float* b, int64_t ldb, float* c, int64_t ldc) {
-  static_assert(kMr == 6, "one case per row count");
-  switch (rows) {
-    case 6:
-      return MicroKernel<6, kAccumulate>(depth, a, a_row, a_depth, b, ldb, c, ldc);
-    case 5:
-      return MicroKernel<5, kAccumulate>(depth, a, a_row, a_depth, b, ldb, c, ldc);
-    case 4:
-      return MicroKernel<4, kAccumulate>(depth, a, a_row, a_depth, b, ldb, c, ldc);
-    case 3:
-      return MicroKernel<3, kAccumulate>(depth, a, a_row, a_depth, b, ldb, c, ldc);
-    case 2:
-      return MicroKernel<2, kAccumulate>(depth, a, a_row, a_depth, b, ldb, c, ldc);
-    default:
-      return MicroKernel<1, kAccumulate>(depth, a, a_row, a_depth, b, ldb, c, ldc);
+// MicroKernel for `rows` = 1..kMaxRows rows, so no operand needs padding rows.
+template <int kMaxRows, int kVecs, bool kRescale>
+ATTENTION_INLINE void MicroKernelUpTo(int64_t rows, int64_t depth, const float* a, int64_t a_row,
+                                      int64_t a_depth, const float* b, int64_t ldb, float* c,
+                                      int64_t ldc, const float* scale) {
+  if constexpr (kMaxRows > 1) {
+    if (rows < kMaxRows) {
+      return MicroKernelUpTo<kMaxRows - 1, kVecs, kRescale>(rows, depth, a, a_row, a_depth, b, ldb,
+                                                            c, ldc, scale);
+    }
   }
+  MicroKernel<kMaxRows, kVecs, kRescale>(depth, a, a_row, a_depth, b, ldb, c, ldc, scale);
 }
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -180,7 +256,7 @@ KeyRange KeysOfBlock(const AttentionParams& p, const ItemExtent& e, int64_t row0
 
 struct WorkItem {
   int64_t batch, head, row0;
-  int64_t cost;  // keys the block can see: the sort key for load balancing
+  int64_t cost;  // score elements (rows x visible keys): the sort key for load balancing
 };
 
 // Per-thread buffers, sized for one work item at head dim d (d_pad = d rounded up to kNr).
@@ -193,15 +269,15 @@ struct Scratch {
   float* o;   // [kBlockM, d_pad]   unnormalised output
   float* m;   // [kBlockM]          running row max (log2 domain)
   float* l;   // [kBlockM]          running row sum
-  float* alpha;  // [kBlockM]          this tile's rescale factor exp2(m_old - m_new)
-  float* row;    // [d]                one converted row
+  float* alpha;  // [kBlockM]         this tile's rescale factor exp2(m_old - m_new)
+  float* rows8;  // [kLanes, d_pad]   kLanes Q rows converted, before their transposition
 
   void Prepare(int64_t d, int64_t d_pad) {
     constexpr int64_t kAlign = 16;  // floats: every buffer starts on a 64-byte boundary
     const int64_t sizes[] = {d * kBlockM,       kBlockN * d,     kBlockN * d_pad,
                              kBlockN * kBlockM, kBlockM * d_pad, kBlockM,
-                             kBlockM,           kBlockM,         d};
-    float** buffers[] = {&qt, &k, &v, &st, &o, &m, &l, &alpha, &row};
+                             kBlockM,           kBlockM,         kLanes * d_pad};
+    float** buffers[] = {&qt, &k, &v, &st, &o, &m, &l, &alpha, &rows8};
     int64_t total = kAlign;
     for (int64_t size : sizes) total += RoundUp(size, kAlign);
     if (static_cast<int64_t>(storage.size()) < total) storage.resize(total);
@@ -215,6 +291,87 @@ struct Scratch {
   }
 };
 
+// qt: [d, kBlockM] columns [0, cols) <- q rows [row0, row0 + rows) of (batch, head) scaled into
+// the exp2 domain, zero in columns [rows, cols). Rows are converted kLanes at a time into rows8
+// and transposed 8x8 in registers.
+ATTENTION_INLINE void LoadQTransposed(const AttentionParams& p, const ItemExtent& e,
+                                      const WorkItem& item, int64_t rows, int64_t cols,
+                                      Scratch& scratch) {
+  const int64_t d = p.head_dim;
+  const int64_t d_pad = RoundUp(d, kNr);
+  const size_t elem = DTypeSize(p.dtype);
+  const auto* q_base = static_cast<const unsigned char*>(p.q);
+  float* const rows8 = scratch.rows8;
+  for (int64_t i0 = 0; i0 < cols; i0 += kLanes) {
+    for (int64_t r = 0; r < kLanes; ++r) {
+      const int64_t i = i0 + r;
+      if (i >= rows) {
+        std::fill(rows8 + r * d_pad, rows8 + r * d_pad + d, 0.0f);
+        continue;
+      }
+      const int64_t at = item.batch * p.q_batch_stride +
+                         (e.q_offset + item.row0 + i) * p.q_row_stride +
+                         item.head * p.q_head_stride;
+      LoadRow(p.dtype, q_base + at * elem, d, p.softmax_scale * kLog2e, rows8 + r * d_pad);
+    }
+    int64_t x0 = 0;
+    for (; x0 + kLanes <= d; x0 += kLanes) {
+      Vec8 block[kLanes];
+      for (int64_t r = 0; r < kLanes; ++r) block[r] = Load(rows8 + r * d_pad + x0);
+      Transpose8x8(block);
+      for (int64_t x = 0; x < kLanes; ++x) Store(scratch.qt + (x0 + x) * kBlockM + i0, block[x]);
+    }
+    for (; x0 < d; ++x0) {
+      for (int64_t r = 0; r < kLanes; ++r) {
+        scratch.qt[x0 * kBlockM + i0 + r] = rows8[r * d_pad + x0];
+      }
+    }
+  }
+}
+
+// Sets S^T columns [0, cols) to -inf where a row of the block cannot see the key. Key key0 + j is
+// visible to rows i with LowestKey(i) <= key <= HighestKey(i), i.e. rows
+// [key - (nk - nq) - window_right, key - (nk - nq) + window_left] (block-local below).
+ATTENTION_INLINE void MaskTile(const AttentionParams& p, const ItemExtent& e, int64_t row0,
+                               int64_t key0, int64_t kn, int64_t cols, float* st) {
+  for (int64_t j = 0; j < kn; ++j) {
+    const int64_t diag = key0 + j - (e.nk - e.nq) - row0;
+    const int64_t first = p.window_right == kUnboundedWindow ? 0 : diag - p.window_right;
+    const int64_t last = p.window_left == kUnboundedWindow ? cols : diag + p.window_left + 1;
+    const int64_t lo = std::clamp<int64_t>(first, 0, cols);
+    const int64_t hi = std::clamp<int64_t>(last, lo, cols);
+    std::fill(st + j * kBlockM, st + j * kBlockM + lo, kNegInf);
+    std::fill(st + j * kBlockM + hi, st + j * kBlockM + cols, kNegInf);
+  }
+}
+
+// Online softmax over one tile, 8 rows at a time (columns of S^T): with m_new = max(m,
+// colmax(S^T)), P^T = exp2(S^T - m_new) in place, alpha = exp2(m - m_new), l = l alpha +
+// colsum(P^T), m = m_new. st: [kn, kBlockM]; m, l, alpha: [cols].
+ATTENTION_INLINE void SoftmaxTile(int64_t kn, int64_t cols, float* st, float* m, float* l,
+                                  float* alpha) {
+  for (int64_t c = 0; c < cols; c += kLanes) {
+    const Vec8 m_old = Load(m + c);
+    Vec8 m_new = m_old;
+    for (int64_t j = 0; j < kn; ++j) {
+      const Vec8 x = Load(st + j * kBlockM + c);
+      m_new = x > m_new ? x : m_new;
+    }
+    // Rows with no visible key yet keep m = -inf; shifting them by 0 makes their P and alpha 0.
+    const Vec8 shift = m_new == kNegInf ? Vec8{} : m_new;
+    Vec8 sum{};
+    for (int64_t j = 0; j < kn; ++j) {
+      const Vec8 prob = Exp2(Load(st + j * kBlockM + c) - shift);
+      Store(st + j * kBlockM + c, prob);
+      sum += prob;
+    }
+    const Vec8 a = Exp2(m_old - shift);
+    Store(alpha + c, a);
+    Store(l + c, Load(l + c) * a + sum);
+    Store(m + c, m_new);
+  }
+}
+
 // The hot function in three builds, picked at load time by an ifunc resolver. ThreadSanitizer
 // builds use the baseline one alone: GCC instruments the resolver, which runs during relocation,
 // before the TSan runtime is up.
@@ -225,43 +382,29 @@ struct Scratch {
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 
-// Computes one work item: rows [row0, row0 + kBlockM) of (batch, head).
-ATTENTION_MULTIVERSIONED void ComputeBlock(
-    const AttentionParams& p, const WorkItem& item, Scratch& scratch) {
+// Computes one work item: rows [row0, row0 + kBlockM) of (batch, head). `scratch` is Prepared for
+// p.head_dim.
+ATTENTION_MULTIVERSIONED void ComputeBlock(const AttentionParams& p, const WorkItem& item,
+                                           Scratch& scratch) {
   const int64_t d = p.head_dim;
   const int64_t d_pad = RoundUp(d, kNr);
   const size_t elem = DTypeSize(p.dtype);
   const ItemExtent e = ExtentOf(p, item.batch);
-  const int64_t h = item.head;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  const int64_t hk = item.head / (p.heads_q / p.heads_kv);
   const int64_t rows = std::min(kBlockM, e.nq - item.row0);
-  const int64_t cols = RoundUp(rows, kNr);  // S^T columns computed: rows, padded with zero q
-  scratch.Prepare(d, d_pad);
-  float* const qt = scratch.qt;
+  const int64_t cols = RoundUp(rows, kLanes);  // S^T columns computed: rows, padded with zero q
   float* const st = scratch.st;
   float* const o = scratch.o;
   float* const m = scratch.m;
   float* const l = scratch.l;
-  float* const alpha = scratch.alpha;
 
-  // qt: [d, kBlockM] <- q block [rows, d], scaled into the exp2 domain.
-  const auto* q_base = static_cast<const unsigned char*>(p.q);
-  // Only the padding columns [rows, cols) are read besides the rows written below: zeroing the
-  // whole [d, kBlockM] block would dominate short blocks (decode steps, N = 8 items).
-  for (int64_t x = 0; x < d; ++x) {
-    std::fill(qt + x * kBlockM + rows, qt + x * kBlockM + cols, 0.0f);
-  }
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t at = item.batch * p.q_batch_stride +
-                       (e.q_offset + item.row0 + i) * p.q_row_stride + h * p.q_head_stride;
-    ConvertRow(p.dtype, q_base + at * elem, d, p.softmax_scale * kLog2e, scratch.row);
-    for (int64_t x = 0; x < d; ++x) qt[x * kBlockM + i] = scratch.row[x];
-  }
-  std::fill(o, o + rows * d_pad, 0.0f);
-  std::fill(m, m + kBlockM, kNegInf);
-  std::fill(l, l + kBlockM, 0.0f);
+  LoadQTransposed(p, e, item, rows, cols, scratch);
+  std::fill(m, m + cols, kNegInf);
+  std::fill(l, l + cols, 0.0f);
 
   const KeyRange keys = KeysOfBlock(p, e, item.row0, rows);
+  // No tile ever writes O: its rows come out 0.
+  if (keys.begin >= keys.end) std::fill(o, o + rows * d_pad, 0.0f);
   // A tile needs element-wise masking unless every row sees all of it.
   const int64_t all_rows_lo = LowestKey(p, e, item.row0 + rows - 1);
   const int64_t all_rows_hi = HighestKey(p, e, item.row0);
@@ -283,8 +426,7 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(
       ldk = p.k_row_stride;
     } else {
       for (int64_t j = 0; j < kn; ++j) {
-        ConvertRow(p.dtype, k_base + (k_at + j * p.k_row_stride) * elem, d, 1.0f,
-                   scratch.k + j * d);
+        LoadRow(p.dtype, k_base + (k_at + j * p.k_row_stride) * elem, d, 1.0f, scratch.k + j * d);
       }
     }
     const float* v = scratch.v;
@@ -295,66 +437,45 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(
     } else {
       for (int64_t j = 0; j < kn; ++j) {
         float* const dst = scratch.v + j * d_pad;
-        ConvertRow(p.dtype, v_base + (v_at + j * p.v_row_stride) * elem, d, 1.0f, dst);
+        LoadRow(p.dtype, v_base + (v_at + j * p.v_row_stride) * elem, d, 1.0f, dst);
         std::fill(dst + d, dst + d_pad, 0.0f);
       }
     }
 
-    // S^T = K Q^T: [kn, cols], log2 domain.
+    // S^T = K Q^T: [kn, cols], log2 domain, in column blocks of 16; a last block of 8 (rows of
+    // at most 8, as in decode steps) takes the one-vector kernel.
+    const int64_t cols16 = cols / kNr * kNr;
     for (int64_t j = 0; j < kn; j += kMr) {
-      for (int64_t c = 0; c < cols; c += kNr) {
-        MicroKernelRows<false>(std::min(kMr, kn - j), d, k + j * ldk, ldk, 1, qt + c, kBlockM,
-                               st + j * kBlockM + c, kBlockM);
+      for (int64_t c = 0; c < cols16; c += kNr) {
+        MicroKernelUpTo<kMr, 2, false>(std::min(kMr, kn - j), d, k + j * ldk, ldk, 1,
+                                       scratch.qt + c, kBlockM, st + j * kBlockM + c, kBlockM,
+                                       nullptr);
       }
     }
-
+    for (int64_t j = 0; cols16 < cols && j < kn; j += kMr1) {
+      MicroKernelUpTo<kMr1, 1, false>(std::min(kMr1, kn - j), d, k + j * ldk, ldk, 1,
+                                      scratch.qt + cols16, kBlockM, st + j * kBlockM + cols16,
+                                      kBlockM, nullptr);
+    }
     if (key0 < all_rows_lo || key0 + kn - 1 > all_rows_hi) {
-      // Key key0 + j is visible to rows i with LowestKey(i) <= key <= HighestKey(i), i.e. rows
-      // [key - (nk - nq) - window_right, key - (nk - nq) + window_left] (block-local below).
-      for (int64_t j = 0; j < kn; ++j) {
-        const int64_t diag = key0 + j - (e.nk - e.nq) - item.row0;
-        const int64_t first = p.window_right == kUnboundedWindow ? 0 : diag - p.window_right;
-        const int64_t last = p.window_left == kUnboundedWindow ? cols : diag + p.window_left + 1;
-        const int64_t lo = std::clamp<int64_t>(first, 0, cols);
-        const int64_t hi = std::clamp<int64_t>(last, lo, cols);
-        std::fill(st + j * kBlockM, st + j * kBlockM + lo, kNegInf);
-        std::fill(st + j * kBlockM + hi, st + j * kBlockM + cols, kNegInf);
-      }
+      MaskTile(p, e, item.row0, key0, kn, cols, st);
     }
+    SoftmaxTile(kn, cols, st, m, l, scratch.alpha);
 
-    // Online softmax, 8 rows at a time (columns of S^T): P^T = exp2(S^T - m_new) in place.
-    for (int64_t c = 0; c < cols; c += 8) {
-      const Vec8 m_old = Load(m + c);
-      Vec8 m_new = m_old;
-      for (int64_t j = 0; j < kn; ++j) {
-        const Vec8 x = Load(st + j * kBlockM + c);
-        m_new = x > m_new ? x : m_new;
-      }
-      // Rows with no visible key yet keep m = -inf; shifting them by 0 makes their P and alpha 0.
-      const Vec8 shift = m_new == kNegInf ? Vec8{} : m_new;
-      Vec8 sum{};
-      for (int64_t j = 0; j < kn; ++j) {
-        const Vec8 prob = Exp2(Load(st + j * kBlockM + c) - shift);
-        Store(st + j * kBlockM + c, prob);
-        sum += prob;
-      }
-      const Vec8 a = Exp2(m_old - shift);
-      Store(alpha + c, a);
-      Store(l + c, Load(l + c) * a + sum);
-      Store(m + c, m_new);
-    }
-    for (int64_t i = 0; i < rows; ++i) {
-      if (alpha[i] == 1.0f) continue;
-      float* const orow = o + i * d_pad;
-      const Vec8 a = Splat(alpha[i]);
-      for (int64_t x = 0; x < d_pad; x += 8) Store(orow + x, Load(orow + x) * a);
-    }
-
-    // O += P V: [rows, d_pad], over the kn keys of the tile (P read from P^T).
+    // O = diag(alpha) O + P V: [rows, d_pad], over the kn keys of the tile (P read from P^T); the
+    // first tile starts from O = 0.
+    const bool first_tile = key0 == keys.begin;
     for (int64_t i = 0; i < rows; i += kMr) {
+      const int64_t mr = std::min(kMr, rows - i);
       for (int64_t c = 0; c < d_pad; c += kNr) {
-        MicroKernelRows<true>(std::min(kMr, rows - i), kn, st + i, 1, kBlockM, v + c, ldv,
-                              o + i * d_pad + c, d_pad);
+        float* const oc = o + i * d_pad + c;
+        if (first_tile) {
+          MicroKernelUpTo<kMr, 2, false>(mr, kn, st + i, 1, kBlockM, v + c, ldv, oc, d_pad,
+                                         nullptr);
+        } else {
+          MicroKernelUpTo<kMr, 2, true>(mr, kn, st + i, 1, kBlockM, v + c, ldv, oc, d_pad,
+                                        scratch.alpha + i);
+        }
       }
     }
   }
@@ -365,10 +486,10 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(
     const int64_t row = e.q_offset + item.row0 + i;
     void* const dst =
         o_base +
-        (item.batch * p.o_batch_stride + row * p.o_row_stride + h * p.o_head_stride) * elem;
-    StoreRow(o + i * d_pad, d, l[i] > 0.0f ? 1.0f / l[i] : 0.0f, p.dtype, dst);
+        (item.batch * p.o_batch_stride + row * p.o_row_stride + item.head * p.o_head_stride) * elem;
+    StoreOutputRow(o + i * d_pad, d, l[i] > 0.0f ? 1.0f / l[i] : 0.0f, p.dtype, dst);
     if (p.lse != nullptr) {
-      p.lse[item.batch * p.lse_batch_stride + h * p.lse_head_stride + row] =
+      p.lse[item.batch * p.lse_batch_stride + item.head * p.lse_head_stride + row] =
           l[i] > 0.0f ? (m[i] + std::log2(l[i])) * kLn2 : kNegInf;
     }
   }
@@ -388,15 +509,33 @@ absl::Status CheckVarlen(const AttentionParams& p) {
   return absl::OkStatus();
 }
 
-// One Forward call's items, claimed by whichever threads join in.
+// One Forward call's items, cut into tasks (runs of consecutive items) that whichever threads
+// join in claim one at a time.
 struct Job {
   const AttentionParams* params = nullptr;
-  std::vector<WorkItem> items;
-  std::atomic<size_t> next{0};
-  std::atomic<size_t> done{0};
+  std::vector<WorkItem> items;    // longest first
+  std::vector<size_t> task_ends;  // task t is items [task_ends[t - 1] (or 0), task_ends[t])
+  std::atomic<size_t> next{0};    // next task to claim
+  std::atomic<size_t> done{0};    // tasks finished
   std::mutex mu;
   std::condition_variable all_done;
 };
+
+// Cuts job.items into tasks of at least `grain` score elements (the last may hold less), so that
+// thousands of tiny heads (decode steps, N = 8 items) cost a few claims, not one each.
+void CutTasks(Job& job, int threads) {
+  int64_t total = 0;
+  for (const WorkItem& item : job.items) total += item.cost;
+  const int64_t grain = std::min(kTaskCost, total / (int64_t{threads} * kTasksPerThread));
+  int64_t cost = 0;
+  for (size_t i = 0; i < job.items.size(); ++i) {
+    cost += job.items[i].cost;
+    if (cost >= grain || i + 1 == job.items.size()) {
+      job.task_ends.push_back(i + 1);
+      cost = 0;
+    }
+  }
+}
 
 }  // namespace
 
@@ -408,12 +547,17 @@ struct CpuBackend::Impl {
   bool stop = false;
   std::vector<std::thread> workers;
 
-  // Claims and computes items of `job` until none are left.
+  // Claims and computes tasks of `job` until none are left.
   static void Work(Job& job) {
     thread_local Scratch scratch;
-    for (size_t i; (i = job.next.fetch_add(1)) < job.items.size();) {
-      ComputeBlock(*job.params, job.items[i], scratch);
-      if (job.done.fetch_add(1) + 1 == job.items.size()) {
+    const AttentionParams& p = *job.params;
+    scratch.Prepare(p.head_dim, RoundUp(p.head_dim, kNr));
+    const size_t tasks = job.task_ends.size();
+    for (size_t t; (t = job.next.fetch_add(1)) < tasks;) {
+      for (size_t i = t == 0 ? 0 : job.task_ends[t - 1]; i < job.task_ends[t]; ++i) {
+        ComputeBlock(p, job.items[i], scratch);
+      }
+      if (job.done.fetch_add(1) + 1 == tasks) {
         std::lock_guard<std::mutex> lock(job.mu);
         job.all_done.notify_all();
       }
@@ -479,21 +623,28 @@ absl::Status CpuBackend::Forward(const AttentionParams& p) {
 
   auto job = std::make_shared<Job>();
   job->params = &p;
+  if (!p.is_varlen()) {
+    job->items.reserve(p.batch * p.heads_q * RoundUp(p.seqlen_q, kBlockM) / kBlockM);
+  }
   for (int64_t b = 0; b < p.batch; ++b) {
     const ItemExtent e = ExtentOf(p, b);
     for (int64_t row0 = 0; row0 < e.nq; row0 += kBlockM) {
-      const KeyRange keys = KeysOfBlock(p, e, row0, std::min(kBlockM, e.nq - row0));
-      for (int64_t h = 0; h < p.heads_q; ++h) {
-        job->items.push_back({b, h, row0, std::max<int64_t>(0, keys.end - keys.begin)});
-      }
+      const int64_t rows = std::min(kBlockM, e.nq - row0);
+      const KeyRange keys = KeysOfBlock(p, e, row0, rows);
+      const int64_t cost = rows * std::max<int64_t>(0, keys.end - keys.begin);
+      for (int64_t h = 0; h < p.heads_q; ++h) job->items.push_back({b, h, row0, cost});
     }
   }
   if (job->items.empty()) return absl::OkStatus();
   // Longest first, so the last items to finish are short ones (causal blocks differ up to N/64x).
-  std::stable_sort(job->items.begin(), job->items.end(),
-                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  // Equal costs (thousands of tiny heads) are already in order.
+  const auto longer = [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; };
+  if (!std::is_sorted(job->items.begin(), job->items.end(), longer)) {
+    std::stable_sort(job->items.begin(), job->items.end(), longer);
+  }
+  CutTasks(*job, impl_->threads);
 
-  const bool share = !impl_->workers.empty() && job->items.size() > 1;
+  const bool share = !impl_->workers.empty() && job->task_ends.size() > 1;
   if (share) {
     {
       std::lock_guard<std::mutex> lock(impl_->mu);
@@ -505,7 +656,7 @@ absl::Status CpuBackend::Forward(const AttentionParams& p) {
   if (share) {
     impl_->Retire(job);
     std::unique_lock<std::mutex> lock(job->mu);
-    job->all_done.wait(lock, [&] { return job->done.load() == job->items.size(); });
+    job->all_done.wait(lock, [&] { return job->done.load() == job->task_ends.size(); });
   }
   return absl::OkStatus();
 }
