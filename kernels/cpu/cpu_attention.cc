@@ -33,6 +33,7 @@
 // "Service overhead").
 #include "kernels/cpu/cpu_attention.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 #include <sched.h>
 
@@ -153,10 +154,14 @@ __attribute__((target("avx,f16c"))) void FloatRowToHalfF16c(const float* src, in
   for (; x < n; ++x) dst[x] = FloatToHalf(src[x] * scale);
 }
 
-// Whether this CPU has F16C. Set before main, so the hot path reads a plain bool.
+// Whether this CPU has F16C (CPUID.1:ECX) and AVX with its registers saved by the OS (as
+// __builtin_cpu_supports checks it; not every compiler knows "f16c" there). Set before main, so
+// the hot path reads a plain bool.
 const bool kHaveF16c = [] {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("f16c") != 0;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __builtin_cpu_supports("avx") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 &&
+         (ecx & bit_F16C) != 0;
 }();
 
 // ConvertRow (dst[0, n) = float(src[0, n)) * scale), with float16 through F16C where the CPU has
