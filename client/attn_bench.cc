@@ -691,7 +691,8 @@ int Main() {
   options.max_attempts = absl::GetFlag(FLAGS_max_attempts);
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   if (max_message_mb < 1 || max_message_mb > 2047) {
-    std::fprintf(stderr, "attn_bench: --max_message_mb: expected 1..2047, got %d\n", max_message_mb);
+    std::fprintf(stderr, "attn_bench: --max_message_mb: expected 1..2047, got %d\n",
+                 max_message_mb);
     return 2;
   }
   options.max_message_bytes = max_message_mb << 20;

@@ -5,9 +5,9 @@
 // with CUDA events. Batches (RunBatch) run as one launch; a batch too large for the device memory
 // budget runs item by item, and an item too large on its own is refused (RESOURCE_EXHAUSTED).
 //
-// A CUDA error that corrupts the context (an illegal address, a kernel trap: "sticky" errors) leaves
-// the device unusable until the process restarts: Health probes the context after a failed run
-// and keeps answering that error, so the scheduler sends no more work here.
+// A CUDA error that corrupts the context (an illegal address, a kernel trap: "sticky" errors)
+// leaves the device unusable until the process restarts: Health probes the context after a failed
+// run and keeps answering that error, so the scheduler sends no more work here.
 //
 // Host copies of tensor data per request through gRPC: 4. wire -> request bytes (protobuf parse),
 // request bytes -> pinned staging (memcpy), pinned staging -> response bytes (memcpy), response

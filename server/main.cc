@@ -17,8 +17,9 @@
 // as pages of --kv_page_bytes from the executor's page pool; idle sessions expire after
 // --session_ttl_s. Health reports attention.v1.Sessions NOT_SERVING when there is no pool.
 //
-// A device whose CUDA context a fault corrupted is taken out of service (attention_device_in_service
-// turns 0); when none is left, health turns NOT_SERVING and calls get UNAVAILABLE.
+// A device whose CUDA context a fault corrupted is taken out of service
+// (attention_device_in_service turns 0); when none is left, health turns NOT_SERVING and calls get
+// UNAVAILABLE.
 #include <signal.h>
 #include <unistd.h>
 
