@@ -13,37 +13,12 @@
 #include "server/fault_kernel_for_tests.h"
 #include "server/notification_for_tests.h"
 #include "server/scheduler.h"
-#include "tests/kernels/attention_test_grid.h"
+#include "server/small_request_for_tests.h"
 
 namespace attention::server {
 namespace {
 
 using ::testing::HasSubstr;
-
-// A small float16 request (B=1, H=2, N=16, D=64) with its own host buffers.
-struct SmallRequest {
-  std::vector<char> q, k, v, o;
-  AttentionParams params;
-
-  SmallRequest() {
-    params.dtype = DType::kFloat16;
-    params.batch = 1;
-    params.heads_q = params.heads_kv = 2;
-    params.seqlen_q = params.seqlen_k = 16;
-    params.head_dim = 64;
-    params.softmax_scale = 0.125f;
-    params.SetContiguousStrides(Layout::kBSHD);
-    const kernel_test::HostBufferBytes bytes = kernel_test::BufferBytes(params);
-    q.assign(bytes.q, 0x3c);  // 0x3c3c: a small positive float16
-    k.assign(bytes.k, 0x3c);
-    v.assign(bytes.v, 0x3c);
-    o.assign(bytes.o, 0);
-    params.q = q.data();
-    params.k = k.data();
-    params.v = v.data();
-    params.o = o.data();
-  }
-};
 
 // Submits `params` and waits for its answer.
 JobResult RunJob(Scheduler& scheduler, const AttentionParams& params) {

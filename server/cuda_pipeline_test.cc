@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/host_runner.h"
 #include "server/executor.h"
+#include "server/small_request_for_tests.h"
 #include "tests/kernels/attention_test_grid.h"
 
 namespace attention::server {
@@ -145,24 +146,6 @@ AttentionParams Oversized(int64_t heads, int64_t rows, std::vector<char>* data) 
   return p;
 }
 
-// A small request that must succeed, with its own buffers.
-struct Small {
-  std::vector<char> q, o;
-  AttentionParams params;
-  Small() {
-    params.dtype = DType::kBFloat16;
-    params.batch = 1;
-    params.heads_q = params.heads_kv = 2;
-    params.seqlen_q = params.seqlen_k = 64;
-    params.head_dim = 64;
-    q.assign(2 * 64 * 64 * 2, 0x3c);
-    o.assign(q.size(), 0);
-    params.q = params.k = params.v = q.data();
-    params.o = o.data();
-    params.SetContiguousStrides(Layout::kBHSD);
-  }
-};
-
 TEST(CudaPipelineTest, OverBudgetRequestIsRefusedBeforeAnyAllocation) {
   SKIP_WITHOUT_GPU();
   absl::StatusOr<std::unique_ptr<Executor>> executor =
@@ -181,7 +164,7 @@ TEST(CudaPipelineTest, OverBudgetRequestIsRefusedBeforeAnyAllocation) {
   EXPECT_EQ(free_before, free_after);  // nothing was allocated for it
 
   // A batch over the budget whose items fit runs item by item.
-  Small a, b;
+  SmallRequest a, b;
   const AttentionParams fits[] = {a.params, b.params};
   for (const absl::StatusOr<StageTimes>& r : (*executor)->RunBatch(fits)) {
     EXPECT_TRUE(r.ok()) << r.status();
@@ -204,7 +187,7 @@ TEST(CudaPipelineTest, CudaErrorFailsOnlyTheRequestThatMetIt) {
   EXPECT_THAT(failed.status().message(), HasSubstr("cannot allocate"));
   // The executor keeps serving, on both streams.
   for (int i = 0; i < 4; ++i) {
-    Small ok;
+    SmallRequest ok;
     absl::StatusOr<StageTimes> r = (*executor)->Run(ok.params);
     EXPECT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(ok.o.size(), ok.q.size());
