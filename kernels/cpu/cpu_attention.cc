@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/vec8.h"
 #include "kernels/dtype_convert.h"
 
 namespace attention::cpu {
@@ -63,7 +64,6 @@ constexpr int64_t kBlockN = 64;  // keys per K/V tile
 constexpr int64_t kMr = 6;
 constexpr int64_t kMr1 = 12;
 constexpr int64_t kNr = 16;
-constexpr int64_t kLanes = 8;  // floats per Vec8
 static_assert(kBlockM % kNr == 0, "S^T's rows hold whole micro-tile columns");
 // Score elements (rows x keys) a task should hold before load balancing splits the work finer:
 // ~1 MFLOP at D = 64, so claiming a task costs well under 1% of computing it.
@@ -77,16 +77,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // compiled for its own target.
 #define ATTENTION_INLINE inline __attribute__((always_inline))
 
-using Vec8 = float __attribute__((vector_size(32)));
 using IVec8 = int32_t __attribute__((vector_size(32)));
 
-// Scratch buffers are 64-byte aligned (see Scratch); memcpy keeps unaligned rows legal too.
-ATTENTION_INLINE Vec8 Load(const float* p) {
-  Vec8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-ATTENTION_INLINE void Store(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
 ATTENTION_INLINE Vec8 Splat(float x) { return Vec8{} + x; }
 
 // 2^x for x <= 0 (x = -inf gives 0): x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/vec8.h"
 #include "kernels/dtype_convert.h"
 #include "kernels/paged_kv_host.h"
 
@@ -39,15 +40,6 @@ constexpr int64_t kMinSplitKeys = 512;  // fewer keys per split cost more in mer
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-using Vec8 = float __attribute__((vector_size(32)));
-
-inline Vec8 Load(const float* p) {
-  Vec8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void Store(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
