@@ -225,6 +225,7 @@ struct Variant {
   int ctas_per_sm = 0;
   cudaError_t (*launch)(const attention::cuda::PagedKernelParams&, dim3, cudaStream_t) = nullptr;
   bool trace = false;  // print the trace points of one more step (PrintTrace)
+  bool clusters = true;  // as Config::clusters
 };
 
 struct Config {
@@ -233,6 +234,14 @@ struct Config {
   int splits;  // 0: the planner's
   const Variant* variant = nullptr;
   bool anchors = false;  // also time the roofline anchors over this configuration's pool
+  // Splits merge in thread-block clusters where the GPU runs the cluster merge (else through the
+  // global workspace and tickets).
+  bool clusters = true;
+};
+
+struct Device {
+  int sm_count = 0;
+  bool clusters = false;  // compute capability 9.0: the kernels' sm_90a code runs (paged_kv_pool.cc)
 };
 
 #ifdef ATTENTION_PAGED_TILE_SWEEP
@@ -278,7 +287,8 @@ bool PrintTrace(const Config& c, int64_t ctas, const Flush& flush, Step step) {
 }
 #endif
 
-bool TimeConfig(const Config& c, int sm_count, const Flush& flush) {
+bool TimeConfig(const Config& c, const Device& device, const Flush& flush) {
+  const int sm_count = device.sm_count;
   const int64_t page_rows = attention::PageRows(c.page_bytes, DType::kBFloat16, kHeadsKv, kHeadDim);
   const int64_t pages_per_seq = (c.nk + page_rows - 1) / page_rows;
   const int64_t num_pages = kBatch * pages_per_seq;
@@ -314,7 +324,9 @@ bool TimeConfig(const Config& c, int sm_count, const Flush& flush) {
                                        {.sm_count = sm_count,
                                         .splits = c.splits,
                                         .ctas_per_sm = c.variant ? c.variant->ctas_per_sm : 0,
-                                        .key_tile = c.variant ? c.variant->key_tile : 0});
+                                        .key_tile = c.variant ? c.variant->key_tile : 0,
+                                        .clusters = device.clusters && c.clusters &&
+                                                    (!c.variant || c.variant->clusters)});
   if (!plan.ok()) {
     std::fprintf(stderr, "%s\n", std::string(plan.status().message()).c_str());
     return false;
@@ -375,10 +387,11 @@ bool TimeConfig(const Config& c, int sm_count, const Flush& flush) {
     if (!MedianUs(flush, clean, step, &us)) return false;
     std::printf(
         "{%s\"nk\": %lld, \"page_bytes\": %lld, \"page_rows\": %lld, \"splits\": %d, "
-        "\"forced_splits\": %s, \"ctas\": %lld, \"flush\": \"%s\", \"us\": %.2f, "
-        "\"kv_tbps\": %.3f}\n",
+        "\"forced_splits\": %s, \"cluster\": %s, \"ctas\": %lld, \"flush\": \"%s\", "
+        "\"us\": %.2f, \"kv_tbps\": %.3f}\n",
         c.variant ? ("\"tile\": \"" + c.variant->name + "\", ").c_str() : "", (long long)c.nk,
         (long long)c.page_bytes, (long long)page_rows, plan->splits, c.splits ? "true" : "false",
+        plan->cluster ? "true" : "false",
         (long long)plan->splits * kHeadsKv * plan->m_blocks * kBatch, FlushName(clean), us,
         kv_bytes / us / 1e6);
     std::fflush(stdout);
@@ -398,10 +411,12 @@ bool TimeConfig(const Config& c, int sm_count, const Flush& flush) {
 
 #ifdef ATTENTION_PAGED_TILE_SWEEP
 template <typename Tile>
-Variant MakeVariant(bool trace = false) {
+Variant MakeVariant(bool trace = false, bool clusters = true) {
   Variant v;
   v.name = std::to_string(Tile::kBc) + "keys_x" + std::to_string(Tile::kStages) + "stages_" +
-           std::to_string(Tile::kWarps) + "warps" + (trace ? "_trace" : "");
+           std::to_string(Tile::kWarps) + "warps" + (clusters ? "" : "_tickets") +
+           (trace ? "_trace" : "");
+  v.clusters = clusters;
   v.key_tile = Tile::kBc;
   v.launch = attention::cuda::LaunchPagedTile<Tile>;
   v.trace = trace;
@@ -409,6 +424,24 @@ Variant MakeVariant(bool trace = false) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.ctas_per_sm, kernel, Tile::kThreads,
                                                 Tile::kSmemBytes);
+  // How many clusters of 2, 4 and 8 CTAs the GPU holds at once (its SMs in whole clusters per GPC).
+  std::string line = "{\"variant\": \"" + v.name + "\", \"ctas_per_sm\": " +
+                     std::to_string(v.ctas_per_sm);
+  for (int size : {2, 4, 8}) {
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim = {static_cast<unsigned>(size), 1, 1};
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(size, 64);
+    config.blockDim = dim3(Tile::kThreads);
+    config.dynamicSmemBytes = Tile::kSmemBytes;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int clusters = -1;
+    cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+    line += ", \"clusters_of_" + std::to_string(size) + "\": " + std::to_string(clusters);
+  }
+  std::printf("%s}\n", line.c_str());
   return v;
 }
 
@@ -416,14 +449,20 @@ std::vector<Variant> Variants() {
   using attention::cuda::PagedTile;
   using T = __nv_bfloat16;
   return {MakeVariant<PagedTile<T, 128, 64, 4, 4>>(), MakeVariant<PagedTile<T, 128, 64, 5, 4>>(),
-          MakeVariant<PagedTile<T, 128, 64, 3, 4>>(),
-          MakeVariant<PagedTile<T, 128, 64, 4, 4, GlobalTimerTrace>>(true)};
+          MakeVariant<PagedTile<T, 128, 64, 3, 4>>(), MakeVariant<PagedTile<T, 128, 128, 3, 8>>(),
+          MakeVariant<PagedTile<T, 128, 64, 4, 4>>(false, false),
+          MakeVariant<PagedTile<T, 128, 64, 4, 4, GlobalTimerTrace>>(true),
+          MakeVariant<PagedTile<T, 128, 64, 4, 4, GlobalTimerTrace>>(true, false)};
 }
 #endif
 
 bool Main(const std::vector<int64_t>& nks) {
-  int sm_count = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
+  Device device;
+  int major = 0, minor = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&device.sm_count, cudaDevAttrMultiProcessorCount, 0));
+  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
+  device.clusters = major == 9 && minor == 0;
   Flush flush;
   CHECK_CUDA(cudaMalloc(&flush.buffer, flush.bytes));
   CHECK_CUDA(cudaMalloc(&flush.sink, sizeof(uint32_t)));
@@ -437,10 +476,11 @@ bool Main(const std::vector<int64_t>& nks) {
 #else
     for (int64_t page_bytes : {256 << 10, 512 << 10, 1 << 20})
       configs.push_back({nk, page_bytes, 0, nullptr, page_bytes == (256 << 10)});
+    configs.push_back({nk, 512 << 10, 0, nullptr, false, /*clusters=*/false});
     for (int splits : {1, 3, 4, 8, 16, 32, 64}) configs.push_back({nk, 256 << 10, splits});
 #endif
     for (const Config& c : configs) {
-      if (!TimeConfig(c, sm_count, flush)) return false;
+      if (!TimeConfig(c, device, flush)) return false;
     }
   }
   cudaFree(flush.buffer);

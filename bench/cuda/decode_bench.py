@@ -36,7 +36,13 @@ def ours(binary):
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     for r in lines:
         r.setdefault("flush", "memset")
+        r.setdefault("cluster", False)
     return ([r for r in lines if "anchor" not in r], [r for r in lines if "anchor" in r])
+
+
+def merge(r):
+    """How a row's splits merge: in a cluster, through tickets, or not at all (one split)."""
+    return "cluster" if r["cluster"] else "tickets" if r["splits"] > 1 else "none"
 
 
 def best_anchor(anchors, nk, flush):
@@ -108,11 +114,11 @@ def main():
 
     with open(os.path.join(args.out, "decode_bench.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["nk", "page_bytes", "page_rows", "splits", "forced_splits", "ctas", "flush",
-                    "us", "kv_tbps"])
+        w.writerow(["nk", "page_bytes", "page_rows", "splits", "forced_splits", "merge", "ctas",
+                    "flush", "us", "kv_tbps"])
         for r in rows:
             w.writerow([r["nk"], r["page_bytes"], r["page_rows"], r["splits"], r["forced_splits"],
-                        r["ctas"], r["flush"], r["us"], r["kv_tbps"]])
+                        merge(r), r["ctas"], r["flush"], r["us"], r["kv_tbps"]])
     with open(os.path.join(args.out, "decode_anchor.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["anchor", "nk", "flush", "ctas", "us", "kv_tbps"])
@@ -128,16 +134,16 @@ def main():
     for r in rows:
         print(f"#   nk={r['nk']} page={r['page_bytes'] >> 10} KiB ({r['page_rows']} rows) "
               f"splits={r['splits']}{' (forced)' if r['forced_splits'] else ''} "
-              f"ctas={r['ctas']} flush={r['flush']}: {r['us']:.1f} us, {r['kv_tbps']:.2f} TB/s")
+              f"merge={merge(r)} ctas={r['ctas']} flush={r['flush']}: {r['us']:.1f} us, {r['kv_tbps']:.2f} TB/s")
     print("# roofline anchors (read-only kernels over the same pool; us, K/V TB/s):")
     for a in anchors:
         rate = f", {a['kv_tbps']:.2f} TB/s" if "kv_tbps" in a else ""
         print(f"#   nk={a['nk']} {a['anchor']} ctas={a['ctas']} flush={a['flush']}: "
               f"{a['us']:.1f} us{rate}")
-    print("| Nk | page | splits |" + (" before us |" if before else "") +
+    print("| Nk | page | splits | merge |" + (" before us |" if before else "") +
           " ours us | ours TB/s | % of D2D | read anchor us (TB/s) | ours / anchor | "
           "flash us (TB/s) | cudnn us (TB/s) | ours / faster torch |")
-    print("|---|---|---|" + ("---|" if before else "") + "---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|" + ("---|" if before else "") + "---|---|---|---|---|---|---|---|")
     for nk in nks:
         planned = [r for r in rows
                    if r["nk"] == nk and not r["forced_splits"] and r["flush"] == "memset"]
@@ -148,7 +154,7 @@ def main():
             best = min(x for x in (fu, cu) if x == x) if (fu == fu or cu == cu) else float("nan")
             note = lambda how: "" if how == "enable_gqa" else f" [{how}]"
             was = before.get((nk, r["page_bytes"]), float("nan"))
-            print(f"| {nk} | {r['page_bytes'] >> 10} KiB | {r['splits']} | "
+            print(f"| {nk} | {r['page_bytes'] >> 10} KiB | {r['splits']} | {merge(r)} | "
                   + (f"{was:.1f} | " if before else "") + f"{r['us']:.1f} | "
                   f"{r['kv_tbps']:.2f} | {100 * r['kv_tbps'] / d2d:.0f}% | "
                   f"{anchor_us:.1f} ({kv_bytes(nk) / anchor_us / 1e6:.2f}) | "
@@ -158,9 +164,9 @@ def main():
 
     print()
     print("After a flush that leaves the L2 clean (memset, then a read of the same 256 MiB):")
-    print("| Nk | page | ours us | ours TB/s | read anchor us (TB/s) | ours / anchor | "
+    print("| Nk | page | merge | ours us | ours TB/s | read anchor us (TB/s) | ours / anchor | "
           "empty kernel us |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for nk in nks:
         anchor = best_anchor(anchors, nk, "clean")
         anchor_us = anchor["us"] if anchor else float("nan")
@@ -169,7 +175,8 @@ def main():
         for r in rows:
             if r["nk"] != nk or r["forced_splits"] or r["flush"] != "clean":
                 continue
-            print(f"| {nk} | {r['page_bytes'] >> 10} KiB | {r['us']:.1f} | {r['kv_tbps']:.2f} | "
+            print(f"| {nk} | {r['page_bytes'] >> 10} KiB | {merge(r)} | {r['us']:.1f} | "
+                  f"{r['kv_tbps']:.2f} | "
                   f"{anchor_us:.1f} ({kv_bytes(nk) / anchor_us / 1e6:.2f}) | "
                   f"{anchor_us / r['us']:.2f}x | {empty[0] if empty else float('nan'):.1f} |")
 

@@ -2,10 +2,11 @@
 # One pass of the paged KV work on a GPU host, from a bundle made by
 # ../shared/device/bundle.sh .device-kv (cuda_paged_kv_tests, decode_bench, optionally
 # decode_tile_sweep and decode_bench_base, a decode_bench of an earlier version): the tests (as
-# planned, and with 2 splits, as the bench's shapes run, and 3), compute-sanitizer memcheck and
-# racecheck on small filters (as planned and with 2 splits), the tile sweep, then the decode bench
+# planned, and with 2 splits, as the bench's shapes run, and 3, merged in clusters on a Hopper GPU,
+# and with 2 splits merged through tickets), compute-sanitizer memcheck and racecheck on small
+# filters (as planned and with 2 splits), the tile sweep, then the decode bench
 # beside torch and the earlier version, then both versions twice more alternately (the planned
-# 256 KiB rows: confirm.log; table last). Logs go to $OUT.
+# 512 KiB rows: confirm.log; table last). Logs go to $OUT.
 #   bench/cuda/decode_device_run.sh [BUNDLE_DIR] [--no-sanitizers]
 set -uo pipefail
 bundle=${1:-.device-kv}
@@ -19,14 +20,17 @@ summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 
 : >"$out/tests.log"
-for splits in "" 2 3; do  # "": the planner's
-  export ATTENTION_TEST_SPLITS=$splits
-  echo "=== splits=${splits:-planned}" >>"$out/tests.log"
+for run in "" 2 3 2:0; do  # splits[:clusters]; "": the planner's
+  export ATTENTION_TEST_SPLITS=${run%%:*}
+  export ATTENTION_TEST_CLUSTERS=${run#*:}
+  [[ $run == *:* ]] || unset ATTENTION_TEST_CLUSTERS
+  echo "=== splits=${run:-planned}" >>"$out/tests.log"
   timeout 120 "$bin/cuda_paged_kv_tests" --gtest_brief=1 >>"$out/tests.log" 2>&1
   rc=$?
-  summary+=("cuda_paged_kv_tests splits=${splits:-planned}: rc=$rc $(grep -E '^\[  (PASSED|FAILED)' "$out/tests.log" | tail -1)")
+  summary+=("cuda_paged_kv_tests splits=${run:-planned}: rc=$rc $(grep -E '^\[  (PASSED|FAILED)' "$out/tests.log" | tail -1)")
   ((rc == 124)) && break  # a hung step: the rest would hang too
 done
+unset ATTENTION_TEST_CLUSTERS
 grep -E "^===|^\[  FAILED|Failure|error|seed" "$out/tests.log" | head -40
 if ((sanitizers)); then
   filter='*ragged_lengths*float16*:*nq_causal*bfloat16*:*long_5000*bfloat16*:*d64_pages128*float16*:*d256*float16*:*window_both*float32*:*Merge*bfloat16*:*Errors*'
@@ -63,7 +67,7 @@ if [[ -x $bin/decode_bench_base ]]; then
   for rep in 1 2; do
     for b in decode_bench_base decode_bench; do
       timeout 120 "$bin/$b" 4096 32768 131072 2>&1 |
-        grep '"page_bytes": 262144' | grep '"forced_splits": false' | grep -v '"flush": "clean"' |
+        grep '"page_bytes": 524288' | grep '"forced_splits": false' | grep -v '"flush": "clean"' |
         sed "s/^/$b rep$rep: /" >>"$out/confirm.log"
     done
   done
@@ -72,5 +76,5 @@ fi
 printf '%s\n' "${summary[@]}"
 [[ -f $out/sweep.log ]] && sed 's/"page_bytes": 262144, "page_rows": 64, //' "$out/sweep.log"
 grep -E "^\||^GPU|^#|^After" "$out/bench.log"
-[[ -f $out/confirm.log ]] && sed -E 's/"page_bytes": 262144, "page_rows": 64, //; s/, "kv_tbps": [0-9.]+//' "$out/confirm.log"
+[[ -f $out/confirm.log ]] && sed -E 's/"page_bytes": 524288, "page_rows": 128, //; s/, "kv_tbps": [0-9.]+//' "$out/confirm.log"
 exit 0

@@ -80,7 +80,9 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
   const int64_t tiles_per_split = (tiles + splits - 1) / splits;
   plan.splits = static_cast<int>(actual(splits));
   plan.split_keys = static_cast<int>(tiles_per_split * plan.key_tile);
-  if (plan.splits > 1) {
+  plan.cluster = options.clusters && plan.splits > 1 && plan.splits <= kPagedMaxClusterSplits &&
+                 plan.launch.kernel_head_dim != 0;
+  if (plan.splits > 1 && !plan.cluster) {
     const size_t rows = static_cast<size_t>(host.heads_q * host.total_q);
     const size_t part_o = plan.splits * rows * shape.head_dim * sizeof(float);
     plan.workspace_bytes = (part_o + 255) / 256 * 256 + plan.splits * rows * sizeof(float);
@@ -116,7 +118,8 @@ PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* p
   k.splits = plan.splits;
   k.split_keys = plan.split_keys;
   k.total_rows = dev.heads_q * dev.total_q;
-  if (plan.splits > 1) {
+  k.cluster = plan.cluster;
+  if (plan.splits > 1 && !plan.cluster) {
     const size_t part_o = plan.splits * k.total_rows * k.head_dim * sizeof(float);
     k.part_o = static_cast<float*>(workspace);
     k.part_lse =

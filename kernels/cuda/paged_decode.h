@@ -26,9 +26,14 @@ struct PagedDecodePlan {
   int splits = 1;
   int split_keys = 0;
   int m_blocks = 0;
-  size_t workspace_bytes = 0;  // float32 partials when splits > 1
-  // int32 tickets when splits > 1 (one per sequence x kv head x 16-row block): the split CTAs of
-  // a row block count themselves on it, and the last merges (paged_decode_kernel.cuh).
+  // splits > 1 on a tensor-core tile of a device with clusters: a row block's splits run as one
+  // thread-block cluster and merge through its distributed shared memory (no workspace, no
+  // tickets).
+  bool cluster = false;
+  size_t workspace_bytes = 0;  // float32 partials when splits > 1 without cluster
+  // int32 tickets when splits > 1 without cluster (one per sequence x kv head x 16-row block): the
+  // split CTAs of a row block count themselves on it, and the last merges
+  // (paged_decode_kernel.cuh).
   int64_t tickets = 0;
 };
 
@@ -39,13 +44,18 @@ struct PagedPlanOptions {
   // tile; 0: the default kernel's.
   int ctas_per_sm = 0;
   int key_tile = 0;
+  // Whether the kernels may merge splits in thread-block clusters: the device runs their sm_90a
+  // code (compute capability 9.0), where the cluster merge is compiled.
+  bool clusters = false;
 };
 
 // Plans a step checked by CheckPagedDecode (host params: reads cu_seqlens_q[0]). Splits (at most
 // one per key tile, kPagedMaxSplits in all): the fewest whose grid fills its last wave of
 // sm_count x ctas_per_sm CTAs within 90% as well as the best split count does. Measured on the
 // H200 (bench/README.md), one full wave beats two or more: every split adds a prologue, partial
-// results and merge traffic, while a wave's CTAs already keep the memory system busy.
+// results and merge traffic, while a wave's CTAs already keep the memory system busy. Up to
+// kPagedMaxClusterSplits splits on a tensor-core tile merge in a cluster where options.clusters
+// says so; more, or the SIMT kernel, through a global workspace and tickets.
 absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
                                                 const DecodeExtent& extent,
                                                 const PagedPlanOptions& options);

@@ -15,24 +15,27 @@
 // registers. S = Q K^T and O += P V are mma.sync m16n8k16 with float32 accumulation, P fed back
 // from the accumulators as the A operand. At the end the warps' (max, sum, O) are merged through
 // shared memory and the CTA writes either the result (one split) or a normalised float32 partial
-// and its log2-sum-exp. With several splits the step is still one launch: each split CTA takes a
-// ticket of its (sequence, row block) after its partials (MergeSplitsIfLast), and the last to
-// arrive merges the splits by LSE into o and lse and zeroes the ticket again.
+// and its log2-sum-exp. With several splits the step is still one launch. Two splits on a Hopper
+// GPU run as a cluster per (sequence, row block): the partials stay in each CTA's shared memory
+// and the pair merges them by LSE through distributed shared memory (MergeSplitsInCluster).
+// Otherwise the partials go to a global workspace, each split CTA takes a ticket of its (sequence,
+// row block) after them (MergeSplitsIfLast), and the last to arrive merges the splits by LSE into
+// o and lse and zeroes the ticket again.
 //
 // SIMT path (float32, and head dims the tensor path lacks; PagedSimtKernel): a warp per row, keys
 // one at a time (lanes split D, a shuffle reduction per key). Correct, not fast.
 //
-// Measured (bench/README.md, H200, bfloat16 B=8 Hq=32 Hkv=8 D=128, one query, 256 KiB pages, 2
-// splits of the 4-stage tile): 49.1 us at Nk=4096 (2.73 TB/s of K/V), 253.5 us at 32k (4.24),
-// 953.6 us at 128k (4.50); 1.01x / 0.99x / 0.98x of torch SDPA's cuDNN backend (1.00x / 1.005x /
-// 0.998x with 512 KiB pages), 1.07x / 1.01x / 1.02x of its FlashAttention backend. A plain read of
-// the same K/V bytes (decode_bench's roofline anchor) takes 37.5 / 255.2 / 956.1 us: from 32k on
-// the step reads at the anchor's rate; at 4k 13.7 of its 49.1 us are outside the key loop (launch
-// 2.7, ~6 until the first tile lands, ~1.4 epilogue, up to ~4 for the last CTA's merge). v1
-// (per-row page-table reads, two waves of splits, a combine loading one split at a time) ran
-// 0.66-0.69x of cuDNN.
+// Measured (bench/README.md, H200, bfloat16 B=8 Hq=32 Hkv=8 D=128, one query, 512 KiB pages, 2
+// splits of the 4-stage tile merged in clusters): 47.0 us at Nk=4096 (2.86 TB/s of K/V), 252.1 us
+// at 32k (4.26), 955.5 us at 128k (4.50); 1.06x / 1.02x / 1.01x of torch SDPA's cuDNN backend in
+// the same run. A plain read of the same K/V bytes (decode_bench's roofline anchor) takes 38.1 /
+// 259.1 / 975.3 us: from 32k on the step reads at least at the anchor's rate; at 4k ~12 of its 47
+// us are outside the key loop (launch 2.8, ~6 until the first tiles land, ~1.3 epilogue, ~1.7 for
+// the cluster merge, which the ticket merge took ~4.5 for). v1 (per-row page-table reads, two
+// waves of splits, a combine loading one split at a time) ran 0.66-0.69x of cuDNN.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -74,8 +77,11 @@ struct PagedTile {
   static constexpr int kTileBytes = kBc * kRowBytes;
   static constexpr int kStageBytes = 2 * kTileBytes;  // K then V
   static constexpr int kQBytes = kPagedRows * kRowBytes;
-  // Warps' partial O (float) and (max, sum) per row, merged at the end in the stage buffers.
+  // Warps' partial O (float) and (max, sum) per row, merged at the end in the stage buffers,
+  // followed there by the CTA's normalised O [16][kD] and log2-sum-exps [16] (float) when a
+  // cluster merges the splits.
   static constexpr int kMergeBytes = kWarps * kPagedRows * (kD + 2) * 4;
+  static constexpr int kClusterPartBytes = kPagedRows * (kD + 1) * 4;
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
   // CTAs per SM that the shared memory allows on an H100 / H200 (228 KiB per SM, 1 KiB of it
   // reserved per CTA), and __launch_bounds__'s minimum of resident CTAs: that many where it is
@@ -83,7 +89,8 @@ struct PagedTile {
   // none (0: ptxas picks the registers of a CTA alone on its SM).
   static constexpr int kResidentCtas = (228 << 10) / (kSmemBytes + (1 << 10));
   static constexpr int kMinCtasPerSm = kResidentCtas > 1 ? kResidentCtas : 0;
-  static_assert(kMergeBytes <= kStages * kStageBytes, "the merge reuses the stage buffers");
+  static_assert(kMergeBytes + kClusterPartBytes <= kStages * kStageBytes,
+                "the merge reuses the stage buffers");
   static_assert(kWarpKeys % 16 == 0, "P V consumes keys 16 at a time");
   static_assert(kBc % (kThreads / kChunks) == 0, "whole rows per load pass");
   static_assert(kD % 64 == 0, "the swizzle needs rows of >= 8 chunks");
@@ -272,6 +279,63 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
     }
     __syncwarp();  // every lane is done with w before the next batch's weights
   }
+}
+
+// Called by every thread of a split CTA launched in a cluster of its row block's splits
+// (p.cluster; Hopper on), once its normalised O rows o_part [16][kD] and their log2-sum-exps
+// lse_part [16] (-inf: saw no key) are in its shared memory. The cluster's CTAs merge the splits by
+// LSE reading each other's shared memory: CTA rank j finishes the float4s j * blockDim.x + tid +
+// k * splits * blockDim.x of the rows row-major, each thread loading one float4 and one lse per
+// split at once. No global workspace, no fence, no ticket: the merge costs two cluster barriers
+// and a round trip through the distributed shared memory, where the ticket merge paid a fence, an
+// atomic and two L2 round trips after the last split. The second barrier keeps every CTA's shared
+// memory alive until the others have read it.
+template <typename T, int kD>
+__device__ __forceinline__ void MergeSplitsInCluster(const PagedKernelParams& p,
+                                                     const float* o_part, const float* lse_part,
+                                                     int q0, int nq, int hk, int m0, int n_rows) {
+#if __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every split's o_part and lse_part are written
+  const int splits = p.splits;
+  const int items = n_rows * (kD / 4);
+  for (int i = static_cast<int>(cluster.block_rank()) * blockDim.x + threadIdx.x; i < items;
+       i += splits * blockDim.x) {
+    const int r = i / (kD / 4), col = i % (kD / 4) * 4;
+    if (col >= p.head_dim) continue;
+    float lse[kPagedMaxClusterSplits];
+    float4 x[kPagedMaxClusterSplits];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kPagedMaxClusterSplits; ++s) {
+      if (s >= splits) break;
+      lse[s] = *cluster.map_shared_rank(lse_part + r, s);
+      x[s] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(o_part + r * kD + col, s));
+      mx = fmaxf(mx, lse[s]);
+    }
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    float sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < kPagedMaxClusterSplits; ++s) {
+      if (s >= splits) break;
+      const float w = mx == -INFINITY ? 0.f : exp2f(lse[s] - mx);
+      sum += w;
+      o.x += w * x[s].x, o.y += w * x[s].y, o.z += w * x[s].z, o.w += w * x[s].w;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int64_t index = GetPagedRow(p, q0, nq, hk, m0 + r).index;
+    const int64_t at = index * p.head_dim + col;
+    StoreO<T>(p.o, at, o.x * inv);
+    StoreO<T>(p.o, at + 1, o.y * inv);
+    StoreO<T>(p.o, at + 2, o.z * inv);
+    StoreO<T>(p.o, at + 3, o.w * inv);
+    if (col == 0 && p.lse != nullptr) {
+      p.lse[index] = sum > 0.f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
+    }
+  }
+  cluster.sync();  // the others are done reading this CTA's shared memory
+#endif
 }
 
 template <typename Tile>
@@ -517,6 +581,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
   float* merge = reinterpret_cast<float*>(smem + Tile::kQBytes);
   float* m_max = merge + Tile::kWarps * kPagedRows * kD;  // [kWarps][16]
   float* m_sum = m_max + Tile::kWarps * kPagedRows;       // [kWarps][16]
+  float* o_part = m_sum + Tile::kWarps * kPagedRows;      // [16][kD], p.cluster only
+  float* lse_part = o_part + kPagedRows * kD;             // [16], p.cluster only
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = g + half * 8;
@@ -565,13 +631,22 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
     }
     const float inv = m_sum[r];
     o.x *= inv, o.y *= inv, o.z *= inv, o.w *= inv;
+    if (p.cluster) {
+      *reinterpret_cast<float4*>(o_part + r * kD + col) = o;
+      if (col == 0) lse_part[r] = m_sum[kPagedRows + r];
+      continue;
+    }
     const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
     StoreOut4<T>(p, row.index, col, o);
     if (col == 0) StoreLse(p, row.index, m_sum[kPagedRows + r]);
   }
   if (threadIdx.x == 0) Tile::Trace::Mark(kTraceStored);
-  // The merge area is free once every thread is past the loop above (the merge syncs first).
-  if (p.splits > 1) MergeSplitsIfLast<T>(p, merge);
+  if (p.cluster) {
+    MergeSplitsInCluster<T, kD>(p, o_part, lse_part, q0, nq, hk, m0, row_last - m0 + 1);
+  } else if (p.splits > 1) {
+    // The merge area is free once every thread is past the loop above (the merge syncs first).
+    MergeSplitsIfLast<T>(p, merge);
+  }
   if (threadIdx.x == 0) Tile::Trace::Mark(kTraceEnd);
 }
 

@@ -1,6 +1,6 @@
 // The launch side of the paged decode kernels (paged_decode_kernel.cuh): tiles per head dim and
-// the launch of one step (one kernel: with several splits, the last split of each row block merges
-// them).
+// the launch of one step (one kernel: with several splits, the row block's splits merge in their
+// cluster, or the last of them merges them).
 // Included by paged_decode_{f16,bf16,f32}.cu, one dtype each.
 #pragma once
 
@@ -37,8 +37,20 @@ cudaError_t LaunchPagedTile(const PagedKernelParams& p, dim3 grid, cudaStream_t 
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  // p.cluster: the splits of a row block (grid x) form one cluster (MergeSplitsInCluster).
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = p.splits;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(Tile::kThreads);
+  config.dynamicSmemBytes = Tile::kSmemBytes;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = p.cluster ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, p);
 }
 
 template <typename T>

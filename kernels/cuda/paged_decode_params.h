@@ -8,6 +8,11 @@ namespace attention::cuda {
 
 // The most splits of one step (the merge keeps a weight per split in shared memory).
 inline constexpr int kPagedMaxSplits = 256;
+// The most splits that merge as one cluster. Pairs fill every SM of an H200 (66 clusters of 2 at
+// one CTA per SM, 132 at two), larger clusters do not (30 of 4 or 15 of 8 at one CTA per SM: 120
+// SMs; measured with cudaOccupancyMaxActiveClusters, bench/README.md), so a grid planned to fill
+// the GPU would run a second wave.
+inline constexpr int kPagedMaxClusterSplits = 2;
 
 struct PagedKernelParams {
   const unsigned char* pool;
@@ -30,10 +35,14 @@ struct PagedKernelParams {
   int m_blocks;
   int splits;
   int split_keys;  // keys per split, a multiple of the kernel's key tile
-  // splits > 1: per split, a normalised float32 o [total_rows, D] and its log2-sum-exp
-  // [total_rows] (-inf where the split saw no key); the last split CTA of each (sequence, grid
-  // row) to finish merges them (MergeSplitsIfLast), counted by tickets [sequences, grid y]: zero
-  // before the step, zero again after it (the merging CTA resets its counter).
+  // splits > 1 with cluster: the splits of a (sequence, grid row) form one thread-block cluster
+  // (Hopper) and merge through distributed shared memory (MergeSplitsInCluster); no workspace.
+  bool cluster;
+  // splits > 1 without cluster: per split, a normalised float32 o [total_rows, D] and its
+  // log2-sum-exp [total_rows] (-inf where the split saw no key); the last split CTA of each
+  // (sequence, grid row) to finish merges them (MergeSplitsIfLast), counted by tickets
+  // [sequences, grid y]: zero before the step, zero again after it (the merging CTA resets its
+  // counter).
   float* part_o;
   float* part_lse;
   int32_t* tickets;

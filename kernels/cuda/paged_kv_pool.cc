@@ -45,11 +45,12 @@ absl::Status AllocationError(size_t bytes, const char* what, cudaError_t err) {
 
 class CudaKvPagePool : public KvPagePool {
  public:
-  CudaKvPagePool(int device, int sm_count, int64_t num_pages, int64_t page_bytes, void* pages,
-                 cudaStream_t stream, cudaEvent_t (&events)[4], const CudaKvPoolOptions& options)
+  CudaKvPagePool(int device, const PagedPlanOptions& plan_options, int64_t num_pages,
+                 int64_t page_bytes, void* pages, cudaStream_t stream, cudaEvent_t (&events)[4],
+                 const CudaKvPoolOptions& options)
       : options_(options),
+        plan_options_(plan_options),
         device_(device),
-        sm_count_(sm_count),
         num_pages_(num_pages),
         page_bytes_(page_bytes),
         pages_(static_cast<unsigned char*>(pages)),
@@ -114,7 +115,7 @@ class CudaKvPagePool : public KvPagePool {
     if (!extent.ok()) return extent.status();
     if (host.num_seqs == 0 || host.total_q == 0) return KvStepTimes{};
     absl::StatusOr<PagedDecodePlan> plan =
-        PlanPagedDecode(host, *extent, {.sm_count = sm_count_, .splits = options_.splits});
+        PlanPagedDecode(host, *extent, plan_options_);
     if (!plan.ok()) return plan.status();
 
     std::lock_guard<std::mutex> lock(mu_);
@@ -251,7 +252,8 @@ class CudaKvPagePool : public KvPagePool {
   }
 
   const CudaKvPoolOptions options_;
-  const int device_, sm_count_;
+  const PagedPlanOptions plan_options_;  // the device's, with options_.splits
+  const int device_;
   const int64_t num_pages_, page_bytes_;
   unsigned char* const pages_;
   std::mutex mu_;
@@ -280,9 +282,18 @@ absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t n
         num_pages, " and ", page_bytes));
   }
   RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
-  int sm_count = 0;
+  int sm_count = 0, major = 0, minor = 0;
   RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
                        "cudaDeviceGetAttribute");
+  RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                       "cudaDeviceGetAttribute");
+  RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+                       "cudaDeviceGetAttribute");
+  // The cluster merge is in the kernels' sm_90a code only, which runs on compute capability 9.0
+  // alone (other GPUs run the sm_80 code, or JIT its PTX).
+  const PagedPlanOptions plan_options = {.sm_count = sm_count,
+                                         .splits = options.splits,
+                                         .clusters = major == 9 && minor == 0 && options.clusters};
   const size_t bytes = static_cast<size_t>(num_pages) * page_bytes;
   void* pages = nullptr;
   if (cudaError_t err = cudaMalloc(&pages, bytes); err != cudaSuccess) {
@@ -304,7 +315,7 @@ absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t n
     }
   }
   return std::unique_ptr<KvPagePool>(
-      new CudaKvPagePool(device, sm_count, num_pages, page_bytes, pages, stream, events, options));
+      new CudaKvPagePool(device, plan_options, num_pages, page_bytes, pages, stream, events, options));
 }
 
 }  // namespace attention::cuda

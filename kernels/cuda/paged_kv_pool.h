@@ -17,6 +17,9 @@ struct CudaKvPoolOptions {
   // > 0: every step runs this many splits (at most one per key tile) instead of the planner's
   // choice, so tests reach split counts the planner would not pick for their shapes.
   int splits = 0;
+  // false: split CTAs merge through global memory even on a device with thread-block clusters
+  // (tests reach both merges; kernels/cuda/paged_decode.h).
+  bool clusters = true;
 };
 
 absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t num_pages,

@@ -1,11 +1,13 @@
 // The paged KV pool tests on the CUDA backend's pool (GPU 0); they skip where no GPU is visible.
 // ATTENTION_TEST_SPLITS=N runs every step with N splits instead of the planner's (at most one
 // per key tile): the planner gives these small shapes as many splits as they have key tiles, the
-// decode bench's shapes two; bench/cuda/decode_device_run.sh runs the suite as planned and with 2
-// and 3 splits.
+// decode bench's shapes two; ATTENTION_TEST_CLUSTERS=0 merges splits through global memory even
+// where the GPU has thread-block clusters. bench/cuda/decode_device_run.sh runs the suite as
+// planned, with 2 and 3 splits, and with 2 splits without clusters.
 #include <cuda_runtime_api.h>
 
 #include <cstdlib>
+#include <string>
 
 #include "kernels/cuda/paged_kv_pool.h"
 #include "tests/kernels/paged_kv_pool_test.h"
@@ -14,10 +16,12 @@ namespace attention::kernel_test {
 
 absl::StatusOr<std::unique_ptr<KvPagePool>> MakeTestPool(int64_t num_pages, int64_t page_bytes) {
   const char* splits = std::getenv("ATTENTION_TEST_SPLITS");
+  const char* clusters = std::getenv("ATTENTION_TEST_CLUSTERS");
   return cuda::MakeKvPagePool(
       /*device=*/0, num_pages, page_bytes,
       {.poison_outputs = true,
-       .splits = splits != nullptr && *splits != '\0' ? std::atoi(splits) : 0});
+       .splits = splits != nullptr && *splits != '\0' ? std::atoi(splits) : 0,
+       .clusters = clusters == nullptr || std::string(clusters) != "0"});
 }
 
 std::string PoolUnavailableReason() {
