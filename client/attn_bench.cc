@@ -117,8 +117,8 @@ struct Completion {
   Clock::time_point start;  // sent (closed loop) or scheduled (open loop)
   grpc::Status status;
   int64_t response_bytes = 0;
-  double compute_us = 0;  // the server's ServerTiming.compute_us; 0 for the echo server
-  double flops = 0;       // attention FLOPs the request asked for
+  v1::ServerTiming timing;  // the server's account of the request; empty from the echo server
+  double flops = 0;         // attention FLOPs the request asked for
 };
 
 // Latencies, bytes and error codes of the measured requests, plus a per-second window for the
@@ -141,7 +141,7 @@ class Recorder {
       return;
     }
     latencies_.push_back(latency);
-    compute_us_.push_back(c.compute_us);
+    timings_.push_back(c.timing);
     payload_bytes_ += request_bytes_ + c.response_bytes;
     flops_ += c.flops;
   }
@@ -158,7 +158,7 @@ class Recorder {
   Clock::time_point measure_from() const { return measure_from_; }
   // Only after the run (no callbacks left).
   std::vector<double>& latencies() { return latencies_; }
-  std::vector<double>& compute_us() { return compute_us_; }
+  const std::vector<v1::ServerTiming>& timings() const { return timings_; }
   const std::map<grpc::StatusCode, int64_t>& errors() const { return errors_; }
   int64_t payload_bytes() const { return payload_bytes_; }
   double flops() const { return flops_; }
@@ -171,7 +171,7 @@ class Recorder {
   std::vector<double> window_;
   int64_t window_errors_ = 0;
   std::vector<double> latencies_;
-  std::vector<double> compute_us_;
+  std::vector<v1::ServerTiming> timings_;
   std::map<grpc::StatusCode, int64_t> errors_;
   int64_t payload_bytes_ = 0;
   double flops_ = 0;
@@ -196,7 +196,7 @@ struct Rpcs {
       unary;
   std::function<void(grpc::ClientContext*, grpc::ClientBidiReactor<Req, Resp>*)> stream;
   std::function<int64_t(const Resp&)> response_bytes;
-  std::function<double(const Resp&)> compute_us;
+  std::function<v1::ServerTiming(const Resp&)> timing;
   std::function<double(const Resp&)> flops;
 };
 
@@ -222,7 +222,7 @@ class UnarySlot final : public Slot {
       Completion c{start, s};
       if (s.ok()) {
         c.response_bytes = rpcs_.response_bytes(owned->response);
-        c.compute_us = rpcs_.compute_us(owned->response);
+        c.timing = rpcs_.timing(owned->response);
         c.flops = rpcs_.flops(owned->response);
       }
       // The context holds a channel reference: it must go before `done_` lets the run end and
@@ -279,7 +279,7 @@ class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> 
   void Complete() {
     in_flight_ = false;
     done_(this, Completion{start_, grpc::Status::OK, rpcs_.response_bytes(response_),
-                           rpcs_.compute_us(response_), rpcs_.flops(response_)},
+                           rpcs_.timing(response_), rpcs_.flops(response_)},
           /*retire=*/false);
   }
 
@@ -316,7 +316,9 @@ struct PhaseResult {
   double payload_gb_per_s = 0;
   double tflop_per_s = 0;
   double p50 = 0, p90 = 0, p99 = 0, p999 = 0, max = 0;  // seconds
-  double compute_us_p50 = 0;
+  // p50 of each ServerTiming field over the requests: queue, h2d, compute, d2h and total (arrival
+  // to response ready; p50 - total is what the transport and the client cost).
+  double queue_us_p50 = 0, h2d_us_p50 = 0, compute_us_p50 = 0, d2h_us_p50 = 0, server_us_p50 = 0;
   std::map<grpc::StatusCode, int64_t> errors;
   // Decode mode: session-steps and new tokens per second (Step requests carry several sessions,
   // each several tokens).
@@ -444,8 +446,6 @@ PhaseResult RunPhase(const std::string& name, const LoadSettings& settings,
   r.name = name;
   std::vector<double>& latencies = recorder.latencies();
   std::sort(latencies.begin(), latencies.end());
-  std::vector<double>& compute = recorder.compute_us();
-  std::sort(compute.begin(), compute.end());
   r.ok = static_cast<int64_t>(latencies.size());
   r.elapsed_s = Seconds(recorder.last_completion() - measure_from);
   if (r.elapsed_s > 0) {
@@ -458,7 +458,17 @@ PhaseResult RunPhase(const std::string& name, const LoadSettings& settings,
   r.p99 = Percentile(latencies, 0.99);
   r.p999 = Percentile(latencies, 0.999);
   r.max = latencies.empty() ? 0 : latencies.back();
-  r.compute_us_p50 = Percentile(compute, 0.5);
+  auto p50 = [&](double (v1::ServerTiming::*field)() const) {
+    std::vector<double> values;
+    for (const v1::ServerTiming& t : recorder.timings()) values.push_back((t.*field)());
+    std::sort(values.begin(), values.end());
+    return Percentile(values, 0.5);
+  };
+  r.queue_us_p50 = p50(&v1::ServerTiming::queue_us);
+  r.h2d_us_p50 = p50(&v1::ServerTiming::h2d_us);
+  r.compute_us_p50 = p50(&v1::ServerTiming::compute_us);
+  r.d2h_us_p50 = p50(&v1::ServerTiming::d2h_us);
+  r.server_us_p50 = p50(&v1::ServerTiming::total_us);
   r.errors = recorder.errors();
   return r;
 }
@@ -474,7 +484,11 @@ void PrintResult(const PhaseResult& r) {
                 r.tokens_per_s);
   }
   if (r.compute_us_p50 > 0) {
-    std::printf("%s: server compute p50 %.1f us\n", r.name.c_str(), r.compute_us_p50);
+    std::printf(
+        "%s: server p50 us: queue %.1f  h2d %.1f  compute %.1f  d2h %.1f  arrival to response "
+        "%.1f\n",
+        r.name.c_str(), r.queue_us_p50, r.h2d_us_p50, r.compute_us_p50, r.d2h_us_p50,
+        r.server_us_p50);
   }
   std::printf("%s: errors %s\n", r.name.c_str(), ErrorsText(r.errors).c_str());
 }
@@ -489,9 +503,11 @@ std::string ResultJson(const PhaseResult& r) {
   return absl::StrFormat(
       "\"requests\":%d,\"elapsed_s\":%.6g,\"requests_per_s\":%.6g,\"payload_gb_per_s\":%.6g,"
       "\"tflop_per_s\":%.6g,\"p50\":%.6g,\"p90\":%.6g,\"p99\":%.6g,\"p999\":%.6g,\"max\":%.6g,"
-      "\"compute_us_p50\":%.6g,\"errors\":{%s}%s",
+      "\"compute_us_p50\":%.6g,\"server_p50_us\":{\"queue\":%.6g,\"h2d\":%.6g,\"d2h\":%.6g,"
+      "\"total\":%.6g},\"errors\":{%s}%s",
       r.ok, r.elapsed_s, r.requests_per_s, r.payload_gb_per_s, r.tflop_per_s, r.p50, r.p90, r.p99,
-      r.p999, r.max, r.compute_us_p50, absl::StrJoin(errors, ","), decode);
+      r.p999, r.max, r.compute_us_p50, r.queue_us_p50, r.h2d_us_p50, r.d2h_us_p50,
+      r.server_us_p50, absl::StrJoin(errors, ","), decode);
 }
 
 // Attention FLOPs of one request: 4 * D per (query, visible key) pair (QKᵀ and PV), per head.
@@ -633,7 +649,7 @@ int RunDecode(const ProblemSpec& spec, const LoadSettings& load, const ClientOpt
     }
     return bytes;
   };
-  rpcs.compute_us = [](const v1::StepResponse& r) { return r.timing().compute_us(); };
+  rpcs.timing = [](const v1::StepResponse& r) { return r.timing(); };
   // Each session's N queries over its length after the step.
   rpcs.flops = [&spec](const v1::StepResponse& r) {
     double flops = 0;
@@ -761,7 +777,7 @@ int Main() {
     echo_rpcs.response_bytes = [](const bench::EchoReply& r) {
       return static_cast<int64_t>(r.o().size());
     };
-    echo_rpcs.compute_us = [](const bench::EchoReply&) { return 0.0; };
+    echo_rpcs.timing = [](const bench::EchoReply&) { return v1::ServerTiming(); };
     // The attention the same bytes would ask for, so both phases report comparable TFLOP/s.
     echo_rpcs.flops = [flops](const bench::EchoReply&) { return flops; };
   }
@@ -781,7 +797,7 @@ int Main() {
     attention_rpcs.response_bytes = [](const v1::AttendResponse& r) {
       return static_cast<int64_t>(r.o().data().size() + r.lse().data().size());
     };
-    attention_rpcs.compute_us = [](const v1::AttendResponse& r) { return r.timing().compute_us(); };
+    attention_rpcs.timing = [](const v1::AttendResponse& r) { return r.timing(); };
     attention_rpcs.flops = [flops](const v1::AttendResponse&) { return flops; };
     results.push_back(RunPhase("attention", load, request_bytes, attention_slot));
     PrintResult(results.back());
