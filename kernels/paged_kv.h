@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/attention_params.h"
 
 namespace attention {
@@ -81,16 +82,17 @@ struct KvStepTimes {
 };
 
 // A pool of `num_pages` pages of `page_bytes` on one device. Write and Decode take host pointers
-// (q, o, lse, page tables, lengths). Write returns once it has taken the rows: the caller may reuse
-// its buffers, while a device pool may still be copying them, ordered before every later call (a
-// copy's failure then surfaces in a later call). Decode returns when o and lse are written.
-// Thread-safe.
+// (q, o, lse, page tables, lengths). Write takes the rows of any number of sequences (a step's new
+// tokens in one call: a device pool then moves them in one copy and one kernel); it checks every
+// write before doing any, and returns once it has taken the rows: the caller may reuse its buffers,
+// while a device pool may still be copying them, ordered before every later call (a copy's failure
+// then surfaces in a later call). Decode returns when o and lse are written. Thread-safe.
 class KvPagePool {
  public:
   virtual ~KvPagePool() = default;
   virtual int64_t page_bytes() const = 0;
   virtual int64_t num_pages() const = 0;
-  virtual absl::Status Write(const KvWrite& write) = 0;
+  virtual absl::Status Write(absl::Span<const KvWrite> writes) = 0;
   virtual absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host_params) = 0;
 };
 

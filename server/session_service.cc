@@ -284,11 +284,9 @@ absl::Status SessionService::RunStep(const std::string& owner, absl::Time arriva
     new_rows.push_back(entries[i].rows.rows);
   }
   if (absl::Status status = store_->Reserve(held, new_rows); !status.ok()) return status;
-  for (int i = 0; i < n; ++i) {
-    if (absl::Status status = store_->Append((*leases)[i], entries[i].rows); !status.ok()) {
-      return status;
-    }
-  }
+  std::vector<KvRows> rows;
+  for (const DecodedEntry& entry : entries) rows.push_back(entry.rows);
+  if (absl::Status status = store_->Append(held, rows); !status.ok()) return status;
 
   // Results in entry order; groups of one device and shape, in order of first appearance.
   std::vector<StepGroup> groups;

@@ -249,26 +249,38 @@ absl::Status SessionStore::Reserve(absl::Span<Lease* const> leases,
   return absl::OkStatus();
 }
 
-absl::Status SessionStore::Append(Lease& lease, const KvRows& rows) {
-  Session& s = *lease.session_;
-  if (rows.rows == 0) return absl::OkStatus();
-  if (static_cast<int64_t>(s.page_table.size()) * s.page_rows < s.length + rows.rows) {
-    return absl::InternalError(
-        absl::StrCat("session '", s.id, "': append of ", rows.rows, " rows without its pages"));
+absl::Status SessionStore::Append(absl::Span<Lease* const> leases,
+                                  absl::Span<const KvRows> rows) {
+  std::vector<std::vector<KvWrite>> writes(devices_.size());
+  for (size_t i = 0; i < leases.size(); ++i) {
+    const Session& s = *leases[i]->session_;
+    if (rows[i].rows == 0) continue;
+    if (static_cast<int64_t>(s.page_table.size()) * s.page_rows < s.length + rows[i].rows) {
+      return absl::InternalError(absl::StrCat("session '", s.id, "': append of ", rows[i].rows,
+                                              " rows without its pages"));
+    }
+    KvWrite& write = writes[s.device].emplace_back();
+    write.shape = s.shape;
+    write.page_table = s.page_table.data();
+    write.first_row = s.length;
+    write.rows = rows[i].rows;
+    write.k = rows[i].k;
+    write.v = rows[i].v;
+    write.head_stride = rows[i].head_stride;
+    write.row_stride = rows[i].row_stride;
   }
-  KvWrite write;
-  write.shape = s.shape;
-  write.page_table = s.page_table.data();
-  write.first_row = s.length;
-  write.rows = rows.rows;
-  write.k = rows.k;
-  write.v = rows.v;
-  write.head_stride = rows.head_stride;
-  write.row_stride = rows.row_stride;
-  if (absl::Status status = devices_[s.device].pool->Write(write); !status.ok()) return status;
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    if (writes[d].empty()) continue;
+    if (absl::Status status = devices_[d].pool->Write(writes[d]); !status.ok()) return status;
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  s.length += rows.rows;
+  for (size_t i = 0; i < leases.size(); ++i) leases[i]->session_->length += rows[i].rows;
   return absl::OkStatus();
+}
+
+absl::Status SessionStore::Append(Lease& lease, const KvRows& rows) {
+  Lease* held[] = {&lease};
+  return Append(held, absl::MakeConstSpan(&rows, 1));
 }
 
 void SessionStore::ReleaseSession(const std::shared_ptr<Session>& session) {

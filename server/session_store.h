@@ -136,8 +136,11 @@ class SessionStore {
   // RESOURCE_EXHAUSTED (bytes needed, bytes free) when a device lacks the room.
   absl::Status Reserve(absl::Span<Lease* const> leases, absl::Span<const int64_t> new_rows);
 
-  // Writes `rows` after the session's last row into pages reserved by Create or Reserve.
-  absl::Status Append(Lease& lease, const KvRows& rows);
+  // Writes rows[i] after the last row of leases[i]'s session into pages reserved by Create or
+  // Reserve: one pool Write per device for all its sessions (a step's new tokens move together).
+  // The sessions' lengths grow only when every write was taken.
+  absl::Status Append(absl::Span<Lease* const> leases, absl::Span<const KvRows> rows);
+  absl::Status Append(Lease& lease, const KvRows& rows);  // one session
 
   // Removes a session of `owner`; NOT_FOUND as Acquire.
   absl::Status Drop(absl::string_view owner, absl::string_view id);

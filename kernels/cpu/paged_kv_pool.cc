@@ -284,26 +284,17 @@ class CpuKvPagePool : public KvPagePool {
 
   // Rows land in distinct pages per sequence, so concurrent writes of different sequences need no
   // lock; the caller orders a sequence's writes before the decode steps that read them.
-  absl::Status Write(const KvWrite& w) override {
-    absl::StatusOr<int64_t> page_rows = CheckKvWrite(w, page_bytes_, num_pages_);
-    if (!page_rows.ok()) return page_rows.status();
-    const KvShape& shape = w.shape;
-    const int64_t elem = static_cast<int64_t>(DTypeSize(shape.dtype));
-    const int64_t row_bytes = shape.head_dim * elem;
-    const int64_t v_offset = VOffset(shape, *page_rows);
-    return ForEachPageRun(w, *page_rows, [&](const PageRun& run) {
-      unsigned char* page = memory_ + run.page * page_bytes_;
-      for (int64_t h = 0; h < shape.heads_kv; ++h) {
-        unsigned char* dst = page + KvRowOffset(shape, *page_rows, h, run.page_row);
-        for (int64_t j = 0; j < run.count; ++j) {
-          const int64_t src = (h * w.head_stride + (run.src_row + j) * w.row_stride) * elem;
-          std::memcpy(dst + j * row_bytes, static_cast<const unsigned char*>(w.k) + src, row_bytes);
-          std::memcpy(dst + v_offset + j * row_bytes, static_cast<const unsigned char*>(w.v) + src,
-                      row_bytes);
-        }
-      }
-      return absl::OkStatus();
-    });
+  absl::Status Write(absl::Span<const KvWrite> writes) override {
+    std::vector<int64_t> page_rows;
+    for (const KvWrite& w : writes) {
+      absl::StatusOr<int64_t> rows = CheckKvWrite(w, page_bytes_, num_pages_);
+      if (!rows.ok()) return rows.status();
+      page_rows.push_back(*rows);
+    }
+    for (size_t i = 0; i < writes.size(); ++i) {
+      if (absl::Status s = WriteRows(writes[i], page_rows[i]); !s.ok()) return s;
+    }
+    return absl::OkStatus();
   }
 
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& p) override {
@@ -349,6 +340,27 @@ class CpuKvPagePool : public KvPagePool {
   }
 
  private:
+  // One checked write (page_rows from CheckKvWrite).
+  absl::Status WriteRows(const KvWrite& w, int64_t page_rows) {
+    const KvShape& shape = w.shape;
+    const int64_t elem = static_cast<int64_t>(DTypeSize(shape.dtype));
+    const int64_t row_bytes = shape.head_dim * elem;
+    const int64_t v_offset = VOffset(shape, page_rows);
+    return ForEachPageRun(w, page_rows, [&](const PageRun& run) {
+      unsigned char* page = memory_ + run.page * page_bytes_;
+      for (int64_t h = 0; h < shape.heads_kv; ++h) {
+        unsigned char* dst = page + KvRowOffset(shape, page_rows, h, run.page_row);
+        for (int64_t j = 0; j < run.count; ++j) {
+          const int64_t src = (h * w.head_stride + (run.src_row + j) * w.row_stride) * elem;
+          std::memcpy(dst + j * row_bytes, static_cast<const unsigned char*>(w.k) + src, row_bytes);
+          std::memcpy(dst + v_offset + j * row_bytes, static_cast<const unsigned char*>(w.v) + src,
+                      row_bytes);
+        }
+      }
+      return absl::OkStatus();
+    });
+  }
+
   unsigned char* const memory_;
   const int64_t num_pages_, page_bytes_;
   const int threads_;

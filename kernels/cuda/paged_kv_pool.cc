@@ -4,10 +4,12 @@
 // step leaves them zero). Calls are serialised on one stream (std::mutex).
 //
 // Every host<->device copy goes through pinned staging, so it is a DMA queued without waiting:
-// a Write packs its rows there (one 2D copy per page run and K or V) and returns with the copies
-// in flight (stream order puts them before any later decode); a decode step packs q and its small
-// arrays there (one copy), and receives o and lse there. A decode step of 8 sequences that each
-// append a row thus costs 18 queued copies and one wait, where pageable copies cost a wait each.
+// a Write packs the rows of all its sequences there with a table of where each (page run, K or V,
+// head) goes, copies both at once and scatters them into the pages with one kernel (kv_scatter.h),
+// and returns with that in flight (stream order puts it before any later decode); a decode step
+// packs q and its small arrays there (one copy), and receives o and lse there. A step of 8
+// sequences that each append a row thus costs 3 copies, 2 launches and one wait (it was 18
+// copies: one 2D copy per sequence and K or V; before pinned staging, a wait per copy).
 #include "kernels/cuda/paged_kv_pool.h"
 
 #include <cuda_runtime_api.h>
@@ -16,10 +18,12 @@
 #include <cstring>
 #include <iterator>
 #include <mutex>
+#include <numeric>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/host_runner.h"
+#include "kernels/cuda/kv_scatter.h"
 #include "kernels/cuda/paged_decode.h"
 #include "kernels/paged_kv_host.h"
 
@@ -35,6 +39,18 @@ namespace {
 
 constexpr size_t kAlign = 256;
 size_t RoundUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// One run of one write (a page's worth of rows at most): 2 * Hkv segments, one per K or V head.
+struct WriteRun {
+  const KvWrite* write;
+  int64_t page_rows;
+  PageRun run;
+};
+// Staged bytes of each of a run's segments: its rows, rounded up to 16 for the next one.
+size_t SegmentBytes(const WriteRun& r) {
+  const size_t bytes = r.run.count * r.write->shape.head_dim * DTypeSize(r.write->shape.dtype);
+  return (bytes + 15) / 16 * 16;
+}
 
 absl::Status AllocationError(size_t bytes, const char* what, cudaError_t err) {
   cudaGetLastError();  // clear the (non-sticky) allocation error
@@ -71,40 +87,41 @@ class CudaKvPagePool : public KvPagePool {
   int64_t page_bytes() const override { return page_bytes_; }
   int64_t num_pages() const override { return num_pages_; }
 
-  absl::Status Write(const KvWrite& w) override {
-    absl::StatusOr<int64_t> page_rows = CheckKvWrite(w, page_bytes_, num_pages_);
-    if (!page_rows.ok()) return page_rows.status();
-    if (w.rows == 0) return absl::OkStatus();
+  // The writes' rows are gathered into pinned staging, one segment per (page run, K or V, head):
+  // its rows, packed, are contiguous in the page. Runs are taken in chunks of up to
+  // kWriteChunkBytes (at least a run); each chunk is one copy of its rows and segment table to the
+  // device scratch and one scatter launch (kv_scatter.h). A step's new tokens thus cost two calls,
+  // however many sequences it appends to.
+  absl::Status Write(absl::Span<const KvWrite> writes) override {
+    std::vector<WriteRun> runs;
+    for (const KvWrite& w : writes) {
+      absl::StatusOr<int64_t> page_rows = CheckKvWrite(w, page_bytes_, num_pages_);
+      if (!page_rows.ok()) return page_rows.status();
+      absl::Status status = ForEachPageRun(w, *page_rows, [&](const PageRun& run) {
+        runs.push_back({&w, *page_rows, run});
+        return absl::OkStatus();
+      });
+      if (!status.ok()) return status;
+    }
+    if (runs.empty()) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-    const KvShape& shape = w.shape;
-    const size_t elem = DTypeSize(shape.dtype);
-    const size_t row_bytes = shape.head_dim * elem;
-    const int64_t v_offset = VOffset(shape, *page_rows);
-    absl::Status status = ForEachPageRun(w, *page_rows, [&](const PageRun& run) {
-      unsigned char* page = pages_ + run.page * page_bytes_;
-      const size_t run_bytes = run.count * row_bytes;  // one head's rows of the run
-      for (int kv = 0; kv < 2; ++kv) {
-        const auto* src = static_cast<const unsigned char*>(kv == 0 ? w.k : w.v);
-        // The run's rows packed as [Hkv, count, D]: each head's rows are contiguous in the page.
-        absl::StatusOr<unsigned char*> staged = Stage(shape.heads_kv * run_bytes);
-        if (!staged.ok()) return staged.status();
-        for (int64_t h = 0; h < shape.heads_kv; ++h) {
-          for (int64_t j = 0; j < run.count; ++j) {
-            std::memcpy(*staged + h * run_bytes + j * row_bytes,
-                        src + (h * w.head_stride + (run.src_row + j) * w.row_stride) * elem,
-                        row_bytes);
-          }
-        }
-        unsigned char* dst =
-            page + KvRowOffset(shape, *page_rows, 0, run.page_row) + (kv == 0 ? 0 : v_offset);
-        RETURN_IF_CUDA_ERROR(
-            cudaMemcpy2DAsync(dst, *page_rows * row_bytes, *staged, run_bytes, run_bytes,
-                              shape.heads_kv, cudaMemcpyHostToDevice, stream_),
-            "copy kv rows to the device");
+    absl::Status status = absl::OkStatus();
+    for (size_t first = 0; first < runs.size() && status.ok();) {
+      // Runs [first, last): their segments' rows, then the segment table.
+      size_t last = first, segments = 0, data_bytes = 0;
+      while (last < runs.size()) {
+        const WriteRun& r = runs[last];
+        const size_t bytes = 2 * r.write->shape.heads_kv * SegmentBytes(r);
+        if (last > first && data_bytes + bytes > kWriteChunkBytes) break;
+        data_bytes += bytes;
+        segments += 2 * r.write->shape.heads_kv;
+        ++last;
       }
-      return absl::OkStatus();
-    });
+      status =
+          WriteChunk(absl::MakeConstSpan(runs).subspan(first, last - first), data_bytes, segments);
+      first = last;
+    }
     if (!status.ok()) cudaStreamSynchronize(stream_);
     // The rows are staged: the caller may reuse its buffers at once.
     return status;
@@ -188,6 +205,50 @@ class CudaKvPagePool : public KvPagePool {
   }
 
  private:
+  // Stages the runs' rows (data_bytes, a multiple of 16) and their segment table (`segments`
+  // entries) after them, copies both to the device scratch at once and scatters the rows into
+  // their pages. In units of the largest power of two up to 16 that divides every row's bytes
+  // (every offset in a page is a multiple of a row).
+  absl::Status WriteChunk(absl::Span<const WriteRun> runs, size_t data_bytes, size_t segments) {
+    const size_t bytes = data_bytes + segments * sizeof(KvSegment);
+    if (absl::Status s = Reserve(bytes); !s.ok()) return s;
+    absl::StatusOr<unsigned char*> staged = Stage(bytes);
+    if (!staged.ok()) return staged.status();
+    auto* table = reinterpret_cast<KvSegment*>(*staged + data_bytes);
+    size_t at = 0, n = 0;
+    int unit = 16;
+    for (const WriteRun& r : runs) {
+      const KvWrite& w = *r.write;
+      const KvShape& shape = w.shape;
+      const size_t elem = DTypeSize(shape.dtype);
+      const size_t row_bytes = shape.head_dim * elem;
+      unit = std::gcd(unit, static_cast<int>(row_bytes));
+      for (int kv = 0; kv < 2; ++kv) {
+        const auto* src = static_cast<const unsigned char*>(kv == 0 ? w.k : w.v);
+        const int64_t page = r.run.page * page_bytes_ + (kv == 0 ? 0 : VOffset(shape, r.page_rows));
+        for (int64_t h = 0; h < shape.heads_kv; ++h) {
+          for (int64_t j = 0; j < r.run.count; ++j) {
+            std::memcpy(*staged + at + j * row_bytes,
+                        src + (h * w.head_stride + (r.run.src_row + j) * w.row_stride) * elem,
+                        row_bytes);
+          }
+          table[n++] = {static_cast<int64_t>(at),
+                        page + KvRowOffset(shape, r.page_rows, h, r.run.page_row),
+                        static_cast<int64_t>(r.run.count * row_bytes)};
+          at += SegmentBytes(r);
+        }
+      }
+    }
+    RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(scratch_, *staged, bytes, cudaMemcpyHostToDevice, stream_),
+        "copy kv rows to the device");
+    RETURN_IF_CUDA_ERROR(
+        LaunchKvScatter(reinterpret_cast<const KvSegment*>(scratch_ + data_bytes),
+                        static_cast<int64_t>(segments), scratch_, pages_, unit, stream_),
+        "scatter kv rows into their pages");
+    return absl::OkStatus();
+  }
+
   // `bytes` of pinned staging, after what earlier calls staged and may still be copying from.
   // When the rest is short, waits for the stream and starts from the front again, first growing
   // the buffer when `bytes` exceeds it.
@@ -263,6 +324,9 @@ class CudaKvPagePool : public KvPagePool {
   size_t scratch_bytes_ = 0;
   // Pinned host staging (Stage); the front staging_used_ bytes may still be in flight.
   static constexpr size_t kMinStagingBytes = size_t{16} << 20;
+  // Rows per copy and scatter of a Write (a quarter of the staging: packing the next chunk overlaps
+  // the copy of the last).
+  static constexpr size_t kWriteChunkBytes = kMinStagingBytes / 4;
   unsigned char* staging_ = nullptr;
   size_t staging_bytes_ = 0;
   size_t staging_used_ = 0;

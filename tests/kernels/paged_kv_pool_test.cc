@@ -212,39 +212,53 @@ struct Sequence {
   std::vector<int32_t> pages;  // page_table_stride entries, -1 past its pages
 };
 
-// Writes a sequence's K/V into the pool: in chunks of `chunk` rows (0: random sizes), from
-// BHSD [Hkv, nk, D] or BSHD [nk, Hkv, D] host rows.
-void WriteSequence(KvPagePool& pool, const KvShape& shape, const Sequence& s, int64_t nk,
-                   Layout layout, int64_t chunk, std::mt19937_64& rng) {
+// Writes the sequences' K/V (nk[i] rows each) into the pool from BHSD [Hkv, nk, D] or BSHD
+// [nk, Hkv, D] host rows, in rounds: each round's Write takes the next chunk of every sequence not
+// yet written in full (as a step appends a token to each of its sessions), `chunk` rows (0: random
+// sizes of 1-40 rows per sequence and round).
+void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Sequence>& seqs,
+                    const std::vector<int32_t>& nks, Layout layout, int64_t chunk,
+                    std::mt19937_64& rng) {
   const int64_t hkv = shape.heads_kv, d = shape.head_dim;
-  std::vector<float> k(s.k.size()), v(s.v.size());
-  for (int64_t h = 0; h < hkv; ++h)
-    for (int64_t r = 0; r < nk; ++r)
-      for (int64_t x = 0; x < d; ++x) {
-        const int64_t from = (h * nk + r) * d + x;
-        const int64_t to = layout == Layout::kBHSD ? from : (r * hkv + h) * d + x;
-        k[to] = s.k[from];
-        v[to] = s.v[from];
-      }
-  const std::vector<unsigned char> kb = Encode(k, shape.dtype), vb = Encode(v, shape.dtype);
-  const int64_t head_stride = layout == Layout::kBHSD ? nk * d : d;
-  const int64_t row_stride = layout == Layout::kBHSD ? d : hkv * d;
+  std::vector<std::vector<unsigned char>> kb, vb;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const Sequence& s = seqs[i];
+    const int64_t nk = nks[i];
+    std::vector<float> k(s.k.size()), v(s.v.size());
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t r = 0; r < nk; ++r)
+        for (int64_t x = 0; x < d; ++x) {
+          const int64_t from = (h * nk + r) * d + x;
+          const int64_t to = layout == Layout::kBHSD ? from : (r * hkv + h) * d + x;
+          k[to] = s.k[from];
+          v[to] = s.v[from];
+        }
+    kb.push_back(Encode(k, shape.dtype));
+    vb.push_back(Encode(v, shape.dtype));
+  }
   std::uniform_int_distribution<int64_t> random_chunk(1, 40);
-  for (int64_t r0 = 0; r0 < nk;) {
-    const int64_t rows = std::min(nk - r0, chunk > 0 ? chunk : random_chunk(rng));
-    KvWrite w;
-    w.shape = shape;
-    w.page_table = s.pages.data();
-    w.first_row = r0;
-    w.rows = rows;
-    const size_t at = r0 * row_stride * DTypeSize(shape.dtype);
-    w.k = kb.data() + at;
-    w.v = vb.data() + at;
-    w.head_stride = head_stride;
-    w.row_stride = row_stride;
-    const absl::Status status = pool.Write(w);
+  std::vector<int64_t> written(seqs.size(), 0);
+  while (true) {
+    std::vector<KvWrite> round;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const int64_t nk = nks[i], r0 = written[i];
+      if (r0 == nk) continue;
+      const int64_t row_stride = layout == Layout::kBHSD ? d : hkv * d;
+      KvWrite& w = round.emplace_back();
+      w.shape = shape;
+      w.page_table = seqs[i].pages.data();
+      w.first_row = r0;
+      w.rows = std::min(nk - r0, chunk > 0 ? chunk : random_chunk(rng));
+      const size_t at = r0 * row_stride * DTypeSize(shape.dtype);
+      w.k = kb[i].data() + at;
+      w.v = vb[i].data() + at;
+      w.head_stride = layout == Layout::kBHSD ? nk * d : d;
+      w.row_stride = row_stride;
+      written[i] += w.rows;
+    }
+    if (round.empty()) return;
+    const absl::Status status = pool.Write(round);
     ASSERT_TRUE(status.ok()) << status;
-    r0 += rows;
   }
 }
 
@@ -369,9 +383,9 @@ void MakeSetup(const DecodeCase& c, DType dtype, std::mt19937_64& rng, PoolSetup
     s.pages.assign(setup->stride, -1);
     for (int64_t j = 0; j < (c.nk[i] + c.page_rows - 1) / c.page_rows; ++j)
       s.pages[j] = *next_page++;
-    WriteSequence(*setup->pool, shape, s, c.nk[i], c.write_layout, c.write_chunk, rng);
     setup->seqs.push_back(std::move(s));
   }
+  WriteSequences(*setup->pool, shape, setup->seqs, c.nk, c.write_layout, c.write_chunk, rng);
 }
 
 using Param = std::tuple<DecodeCase, DType>;
@@ -554,7 +568,13 @@ TEST_F(PagedKvPoolErrorsTest, RejectsPagesOutsideThePoolAndTooSmallPages) {
   w.k = w.v = rows.data();
   w.head_stride = 64;
   w.row_stride = 128;
-  EXPECT_EQ((*pool)->Write(w).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*pool)->Write({w}).code(), absl::StatusCode::kInvalidArgument);
+  // A batch is checked whole: a good write beside the bad one is refused with it.
+  KvWrite good = w;
+  const int32_t good_table[] = {0};
+  good.page_table = good_table;
+  EXPECT_EQ((*pool)->Write({good}), absl::OkStatus());
+  EXPECT_EQ((*pool)->Write({good, w}).code(), absl::StatusCode::kInvalidArgument);
 
   std::vector<uint16_t> q(2 * 64), o(2 * 64);
   const int32_t cu_q[] = {0, 1}, seqlens_k[] = {17};
