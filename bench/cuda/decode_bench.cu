@@ -449,7 +449,7 @@ std::vector<Variant> Variants() {
   using attention::cuda::PagedTile;
   using T = __nv_bfloat16;
   return {MakeVariant<PagedTile<T, 128, 64, 4, 4>>(), MakeVariant<PagedTile<T, 128, 64, 5, 4>>(),
-          MakeVariant<PagedTile<T, 128, 64, 3, 4>>(), MakeVariant<PagedTile<T, 128, 128, 3, 8>>(),
+          MakeVariant<PagedTile<T, 128, 64, 3, 4>>(),
           MakeVariant<PagedTile<T, 128, 64, 4, 4>>(false, false),
           MakeVariant<PagedTile<T, 128, 64, 4, 4, GlobalTimerTrace>>(true),
           MakeVariant<PagedTile<T, 128, 64, 4, 4, GlobalTimerTrace>>(true, false)};
