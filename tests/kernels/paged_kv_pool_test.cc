@@ -349,6 +349,36 @@ StepResult Decode(KvPagePool& pool, const DecodeCase& c, DType dtype, float scal
   return r;
 }
 
+// Checks a step's o and lse (Decode of `seqs`) against the float64 reference of each sequence.
+void ExpectMatchesReference(const DecodeCase& c, DType dtype, float scale,
+                            const std::vector<Sequence>& seqs, const StepResult& r) {
+  ErrorSums o_err, lse_err;
+  int64_t q_row0 = 0;  // first row (of Hq * total_q) of the sequence
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    std::vector<double> ref_o, ref_lse;
+    Reference(c, scale, seqs[i], c.nq[i], c.nk[i], &ref_o, &ref_lse);
+    for (int64_t row = 0; row < c.heads_q * c.nq[i]; ++row) {
+      const bool empty = std::isinf(ref_lse[row]);
+      for (int64_t x = 0; x < c.head_dim; ++x) {
+        const double got = LoadAsFloat(r.o.data(), (q_row0 + row) * c.head_dim + x, dtype);
+        o_err.Add(got, ref_o[row * c.head_dim + x]);
+        if (empty && got != 0.0) ++o_err.bad_empty;
+      }
+      if (c.return_lse) {
+        const double got = r.lse[q_row0 + row];
+        if (empty) {
+          if (!(std::isinf(got) && got < 0)) ++lse_err.bad_empty;
+        } else {
+          lse_err.Add(got, ref_lse[row]);
+        }
+      }
+    }
+    q_row0 += c.heads_q * c.nq[i];
+  }
+  o_err.Expect("o", Tolerance(dtype));
+  if (c.return_lse) lse_err.Expect("lse", Tolerance(dtype));
+}
+
 // Builds a pool and the sequences of `c` (pages shuffled over the pool), writes their K/V.
 struct PoolSetup {
   std::unique_ptr<KvPagePool> pool;
@@ -408,32 +438,7 @@ TEST_P(PagedKvPoolTest, DecodeMatchesReference) {
   MakeSetup(c, dtype, rng, &setup);
   if (HasFatalFailure()) return;
   const StepResult r = Decode(*setup.pool, c, dtype, scale, setup.seqs, setup.stride);
-
-  ErrorSums o_err, lse_err;
-  int64_t q_row0 = 0;  // first row (of Hq * total_q) of the sequence
-  for (size_t i = 0; i < setup.seqs.size(); ++i) {
-    std::vector<double> ref_o, ref_lse;
-    Reference(c, scale, setup.seqs[i], c.nq[i], c.nk[i], &ref_o, &ref_lse);
-    for (int64_t row = 0; row < c.heads_q * c.nq[i]; ++row) {
-      const bool empty = std::isinf(ref_lse[row]);
-      for (int64_t x = 0; x < c.head_dim; ++x) {
-        const double got = LoadAsFloat(r.o.data(), (q_row0 + row) * c.head_dim + x, dtype);
-        o_err.Add(got, ref_o[row * c.head_dim + x]);
-        if (empty && got != 0.0) ++o_err.bad_empty;
-      }
-      if (c.return_lse) {
-        const double got = r.lse[q_row0 + row];
-        if (empty) {
-          if (!(std::isinf(got) && got < 0)) ++lse_err.bad_empty;
-        } else {
-          lse_err.Add(got, ref_lse[row]);
-        }
-      }
-    }
-    q_row0 += c.heads_q * c.nq[i];
-  }
-  o_err.Expect("o", Tolerance(dtype));
-  if (c.return_lse) lse_err.Expect("lse", Tolerance(dtype));
+  ExpectMatchesReference(c, dtype, scale, setup.seqs, r);
 }
 
 std::vector<Param> Params() {
@@ -450,6 +455,81 @@ INSTANTIATE_TEST_SUITE_P(Grid, PagedKvPoolTest, testing::ValuesIn(Params()),
                          [](const testing::TestParamInfo<Param>& info) {
                            return absl::StrCat(std::get<0>(info.param).name, "_",
                                                DTypeName(std::get<1>(info.param)));
+                         });
+
+// One Write of sequences of two shapes (a Step appending to sessions of different head dims on one
+// device: the CUDA pool scatters 40-byte and 128-byte float16 rows, or 80- and 256-byte float32
+// rows, in one launch): each then decodes as if written alone.
+class PagedKvPoolWriteTest : public testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    if (std::string reason = PoolUnavailableReason(); !reason.empty()) GTEST_SKIP() << reason;
+  }
+};
+
+TEST_P(PagedKvPoolWriteTest, OneWriteOfTwoShapes) {
+  const DType dtype = GetParam();
+  const uint64_t seed = NextSeed();
+  SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " seed=", seed, " (rerun with ATTENTION_TEST_SEED=",
+                            seed, ")"));
+  std::mt19937_64 rng(seed);
+  DecodeCase cases[2];
+  cases[0].heads_q = 2;
+  cases[0].heads_kv = 2;
+  cases[0].head_dim = 20;
+  cases[0].nq = {1};
+  cases[0].nk = {77};
+  cases[1].heads_q = 4;
+  cases[1].heads_kv = 2;
+  cases[1].head_dim = 64;
+  cases[1].nq = {2};
+  cases[1].nk = {150};
+  const int64_t page_bytes = 16 * 2 * 2 * 64 * 4;  // 16 to 96 rows of either shape
+  absl::StatusOr<std::unique_ptr<KvPagePool>> pool = MakeTestPool(32, page_bytes);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  std::vector<int32_t> order(32);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  Sequence seqs[2];
+  std::vector<unsigned char> kb[2], vb[2];
+  std::vector<KvWrite> writes;
+  auto next_page = order.begin();
+  for (int i = 0; i < 2; ++i) {
+    const DecodeCase& c = cases[i];
+    const int64_t nk = c.nk[0];
+    const int64_t page_rows = PageRows(page_bytes, dtype, c.heads_kv, c.head_dim);
+    ASSERT_GT(page_rows, 0);
+    seqs[i].q = RandomRounded(c.heads_q * c.nq[0] * c.head_dim, dtype, rng);
+    seqs[i].k = RandomRounded(c.heads_kv * nk * c.head_dim, dtype, rng);
+    seqs[i].v = RandomRounded(c.heads_kv * nk * c.head_dim, dtype, rng);
+    for (int64_t j = 0; j < (nk + page_rows - 1) / page_rows; ++j)
+      seqs[i].pages.push_back(*next_page++);
+    kb[i] = Encode(seqs[i].k, dtype);
+    vb[i] = Encode(seqs[i].v, dtype);
+    KvWrite& w = writes.emplace_back();
+    w.shape = {dtype, c.heads_kv, c.head_dim};
+    w.page_table = seqs[i].pages.data();
+    w.rows = nk;
+    w.k = kb[i].data();
+    w.v = vb[i].data();
+    w.head_stride = nk * c.head_dim;  // BHSD [Hkv, nk, D]
+    w.row_stride = c.head_dim;
+  }
+  ASSERT_EQ((*pool)->Write(writes), absl::OkStatus());
+  for (int i = 0; i < 2; ++i) {
+    const DecodeCase& c = cases[i];
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    const std::vector<Sequence> one = {seqs[i]};
+    const StepResult r =
+        Decode(**pool, c, dtype, scale, one, static_cast<int64_t>(seqs[i].pages.size()));
+    ExpectMatchesReference(c, dtype, scale, one, r);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolWriteTest,
+                         testing::Values(DType::kFloat16, DType::kBFloat16, DType::kFloat32),
+                         [](const testing::TestParamInfo<DType>& info) {
+                           return std::string(DTypeName(info.param));
                          });
 
 class PagedKvPoolMergeTest : public testing::TestWithParam<DType> {
