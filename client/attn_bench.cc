@@ -506,8 +506,8 @@ std::string ResultJson(const PhaseResult& r) {
       "\"compute_us_p50\":%.6g,\"server_p50_us\":{\"queue\":%.6g,\"h2d\":%.6g,\"d2h\":%.6g,"
       "\"total\":%.6g},\"errors\":{%s}%s",
       r.ok, r.elapsed_s, r.requests_per_s, r.payload_gb_per_s, r.tflop_per_s, r.p50, r.p90, r.p99,
-      r.p999, r.max, r.compute_us_p50, r.queue_us_p50, r.h2d_us_p50, r.d2h_us_p50,
-      r.server_us_p50, absl::StrJoin(errors, ","), decode);
+      r.p999, r.max, r.compute_us_p50, r.queue_us_p50, r.h2d_us_p50, r.d2h_us_p50, r.server_us_p50,
+      absl::StrJoin(errors, ","), decode);
 }
 
 // Attention FLOPs of one request: 4 * D per (query, visible key) pair (QKᵀ and PV), per head.

@@ -249,8 +249,7 @@ absl::Status SessionStore::Reserve(absl::Span<Lease* const> leases,
   return absl::OkStatus();
 }
 
-absl::Status SessionStore::Append(absl::Span<Lease* const> leases,
-                                  absl::Span<const KvRows> rows) {
+absl::Status SessionStore::Append(absl::Span<Lease* const> leases, absl::Span<const KvRows> rows) {
   std::vector<std::vector<KvWrite>> writes(devices_.size());
   for (size_t i = 0; i < leases.size(); ++i) {
     const Session& s = *leases[i]->session_;

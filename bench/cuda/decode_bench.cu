@@ -224,7 +224,7 @@ struct Variant {
   int key_tile = 0;
   int ctas_per_sm = 0;
   cudaError_t (*launch)(const attention::cuda::PagedKernelParams&, dim3, cudaStream_t) = nullptr;
-  bool trace = false;  // print the trace points of one more step (PrintTrace)
+  bool trace = false;    // print the trace points of one more step (PrintTrace)
   bool clusters = true;  // as Config::clusters
 };
 
@@ -241,7 +241,9 @@ struct Config {
 
 struct Device {
   int sm_count = 0;
-  bool clusters = false;  // compute capability 9.0: the kernels' sm_90a code runs (paged_kv_pool.cc)
+  // Compute capability 9.0: the kernels' sm_90a code runs, with the cluster merge
+  // (paged_kv_pool.cc).
+  bool clusters = false;
 };
 
 #ifdef ATTENTION_PAGED_TILE_SWEEP
@@ -319,14 +321,13 @@ bool TimeConfig(const Config& c, const Device& device, const Flush& flush) {
     std::fprintf(stderr, "%s\n", std::string(extent.status().message()).c_str());
     return false;
   }
-  const absl::StatusOr<attention::cuda::PagedDecodePlan> plan =
-      attention::cuda::PlanPagedDecode(host, *extent,
-                                       {.sm_count = sm_count,
-                                        .splits = c.splits,
-                                        .ctas_per_sm = c.variant ? c.variant->ctas_per_sm : 0,
-                                        .key_tile = c.variant ? c.variant->key_tile : 0,
-                                        .clusters = device.clusters && c.clusters &&
-                                                    (!c.variant || c.variant->clusters)});
+  const absl::StatusOr<attention::cuda::PagedDecodePlan> plan = attention::cuda::PlanPagedDecode(
+      host, *extent,
+      {.sm_count = sm_count,
+       .splits = c.splits,
+       .ctas_per_sm = c.variant ? c.variant->ctas_per_sm : 0,
+       .key_tile = c.variant ? c.variant->key_tile : 0,
+       .clusters = device.clusters && c.clusters && (!c.variant || c.variant->clusters)});
   if (!plan.ok()) {
     std::fprintf(stderr, "%s\n", std::string(plan.status().message()).c_str());
     return false;
@@ -425,8 +426,8 @@ Variant MakeVariant(bool trace = false, bool clusters = true) {
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.ctas_per_sm, kernel, Tile::kThreads,
                                                 Tile::kSmemBytes);
   // How many clusters of 2, 4 and 8 CTAs the GPU holds at once (its SMs in whole clusters per GPC).
-  std::string line = "{\"variant\": \"" + v.name + "\", \"ctas_per_sm\": " +
-                     std::to_string(v.ctas_per_sm);
+  std::string line =
+      "{\"variant\": \"" + v.name + "\", \"ctas_per_sm\": " + std::to_string(v.ctas_per_sm);
   for (int size : {2, 4, 8}) {
     cudaLaunchAttribute cluster;
     cluster.id = cudaLaunchAttributeClusterDimension;
@@ -448,7 +449,8 @@ Variant MakeVariant(bool trace = false, bool clusters = true) {
 std::vector<Variant> Variants() {
   using attention::cuda::PagedTile;
   using T = __nv_bfloat16;
-  return {MakeVariant<PagedTile<T, 128, 64, 4, 4>>(), MakeVariant<PagedTile<T, 128, 64, 5, 4>>(),
+  return {MakeVariant<PagedTile<T, 128, 64, 4, 4>>(),
+          MakeVariant<PagedTile<T, 128, 64, 5, 4>>(),
           MakeVariant<PagedTile<T, 128, 64, 3, 4>>(),
           MakeVariant<PagedTile<T, 128, 64, 4, 4>>(false, false),
           MakeVariant<PagedTile<T, 128, 64, 4, 4, GlobalTimerTrace>>(true),

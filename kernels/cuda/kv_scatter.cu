@@ -19,8 +19,8 @@ __global__ void __launch_bounds__(kScatterThreads)
 template <typename U>
 cudaError_t Launch(const KvSegment* segments, int64_t count, const unsigned char* src,
                    unsigned char* dst, cudaStream_t stream) {
-  KvScatterKernel<U><<<static_cast<unsigned>(count), kScatterThreads, 0, stream>>>(segments, src,
-                                                                                   dst);
+  KvScatterKernel<U>
+      <<<static_cast<unsigned>(count), kScatterThreads, 0, stream>>>(segments, src, dst);
   return cudaGetLastError();
 }
 

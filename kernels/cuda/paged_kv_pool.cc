@@ -131,8 +131,7 @@ class CudaKvPagePool : public KvPagePool {
     absl::StatusOr<DecodeExtent> extent = CheckPagedDecode(host, page_bytes_, num_pages_);
     if (!extent.ok()) return extent.status();
     if (host.num_seqs == 0 || host.total_q == 0) return KvStepTimes{};
-    absl::StatusOr<PagedDecodePlan> plan =
-        PlanPagedDecode(host, *extent, plan_options_);
+    absl::StatusOr<PagedDecodePlan> plan = PlanPagedDecode(host, *extent, plan_options_);
     if (!plan.ok()) return plan.status();
 
     std::lock_guard<std::mutex> lock(mu_);
@@ -239,9 +238,8 @@ class CudaKvPagePool : public KvPagePool {
         }
       }
     }
-    RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(scratch_, *staged, bytes, cudaMemcpyHostToDevice, stream_),
-        "copy kv rows to the device");
+    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(scratch_, *staged, bytes, cudaMemcpyHostToDevice, stream_),
+                         "copy kv rows to the device");
     RETURN_IF_CUDA_ERROR(
         LaunchKvScatter(reinterpret_cast<const KvSegment*>(scratch_ + data_bytes),
                         static_cast<int64_t>(segments), scratch_, pages_, unit, stream_),
@@ -378,8 +376,8 @@ absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t n
       return CudaError(err, "cudaEventCreate");
     }
   }
-  return std::unique_ptr<KvPagePool>(
-      new CudaKvPagePool(device, plan_options, num_pages, page_bytes, pages, stream, events, options));
+  return std::unique_ptr<KvPagePool>(new CudaKvPagePool(device, plan_options, num_pages, page_bytes,
+                                                        pages, stream, events, options));
 }
 
 }  // namespace attention::cuda

@@ -470,8 +470,8 @@ class PagedKvPoolWriteTest : public testing::TestWithParam<DType> {
 TEST_P(PagedKvPoolWriteTest, OneWriteOfTwoShapes) {
   const DType dtype = GetParam();
   const uint64_t seed = NextSeed();
-  SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " seed=", seed, " (rerun with ATTENTION_TEST_SEED=",
-                            seed, ")"));
+  SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " seed=", seed,
+                            " (rerun with ATTENTION_TEST_SEED=", seed, ")"));
   std::mt19937_64 rng(seed);
   DecodeCase cases[2];
   cases[0].heads_q = 2;
