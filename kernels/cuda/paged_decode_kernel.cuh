@@ -26,11 +26,11 @@
 // one at a time (lanes split D, a shuffle reduction per key). Correct, not fast.
 //
 // Measured (bench/README.md, H200, bfloat16 B=8 Hq=32 Hkv=8 D=128, one query, 512 KiB pages, 2
-// splits of the 4-stage tile merged in clusters): 47.0 us at Nk=4096 (2.86 TB/s of K/V), 252.1 us
-// at 32k (4.26), 955.5 us at 128k (4.50); 1.06x / 1.02x / 1.01x of torch SDPA's cuDNN backend in
-// the same run. A plain read of the same K/V bytes (decode_bench's roofline anchor) takes 38.1 /
-// 259.1 / 975.3 us: from 32k on the step reads at least at the anchor's rate; at 4k ~12 of its 47
-// us are outside the key loop (launch 2.8, ~6 until the first tiles land, ~1.3 epilogue, ~1.7 for
+// splits of the 4-stage tile merged in clusters): 46.9 us at Nk=4096 (2.86 TB/s of K/V), 252.1 us
+// at 32k (4.26), 959.5 us at 128k (4.48); 1.07x / 1.02x / 1.00x of torch SDPA's cuDNN backend in
+// the same run (0.9998x at 128k; 1.005x in another). A plain read of the same K/V bytes
+// (decode_bench's roofline anchor) takes 38.0 / 259.1 / 975.5 us: from 32k on the step reads at
+// least at the anchor's rate; at 4k ~12 of its 47 us are outside the key loop (launch 2.8, ~6 until the first tiles land, ~1.3 epilogue, ~1.7 for
 // the cluster merge, which the ticket merge took ~4.5 for). v1 (per-row page-table reads, two
 // waves of splits, a combine loading one split at a time) ran 0.66-0.69x of cuDNN.
 #pragma once
