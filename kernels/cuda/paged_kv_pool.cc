@@ -1,7 +1,8 @@
 // The CUDA backend's paged KV pool: one cudaMalloc of num_pages * page_bytes, decode steps by the
 // split-KV kernels (paged_decode.h) with the step's small host arrays in a device scratch buffer
 // that grows and is reused, beside the kernels' split tickets (zeroed once when allocated; each
-// step leaves them zero). Calls are serialised on one stream (std::mutex).
+// step leaves them zero). Calls queue their work on one stream under a mutex; a decode step waits
+// for its results without it, so the next step's staging and launch overlap this one's kernel.
 //
 // Every host<->device copy goes through pinned staging, so it is a DMA queued without waiting:
 // a Write packs the rows of all its sequences there with a table of where each (page run, K or V,
@@ -15,11 +16,14 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
+#include <condition_variable>
 #include <cstring>
 #include <iterator>
 #include <mutex>
 #include <numeric>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/host_runner.h"
@@ -52,6 +56,10 @@ size_t SegmentBytes(const WriteRun& r) {
   return (bytes + 15) / 16 * 16;
 }
 
+absl::Status CudaStatus(cudaError_t err, const char* what) {
+  return err == cudaSuccess ? absl::OkStatus() : CudaError(err, what);
+}
+
 absl::Status AllocationError(size_t bytes, const char* what, cudaError_t err) {
   cudaGetLastError();  // clear the (non-sticky) allocation error
   return absl::ResourceExhaustedError(absl::StrCat("cuda backend: cannot allocate ", bytes,
@@ -71,7 +79,7 @@ class CudaKvPagePool : public KvPagePool {
         page_bytes_(page_bytes),
         pages_(static_cast<unsigned char*>(pages)),
         stream_(stream) {
-    std::copy(std::begin(events), std::end(events), events_);
+    idle_events_.push_back({events[0], events[1], events[2], events[3]});
   }
   ~CudaKvPagePool() override {
     cudaSetDevice(device_);
@@ -80,7 +88,9 @@ class CudaKvPagePool : public KvPagePool {
     cudaFree(tickets_);
     cudaFree(pages_);
     cudaFreeHost(staging_);
-    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    for (const StepEvents& set : idle_events_) {
+      for (cudaEvent_t e : set) cudaEventDestroy(e);
+    }
     cudaStreamDestroy(stream_);
   }
 
@@ -104,7 +114,7 @@ class CudaKvPagePool : public KvPagePool {
       if (!status.ok()) return status;
     }
     if (runs.empty()) return absl::OkStatus();
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     absl::Status status = absl::OkStatus();
     for (size_t first = 0; first < runs.size() && status.ok();) {
@@ -118,8 +128,8 @@ class CudaKvPagePool : public KvPagePool {
         segments += 2 * r.write->shape.heads_kv;
         ++last;
       }
-      status =
-          WriteChunk(absl::MakeConstSpan(runs).subspan(first, last - first), data_bytes, segments);
+      status = WriteChunk(absl::MakeConstSpan(runs).subspan(first, last - first), data_bytes,
+                          segments, lock);
       first = last;
     }
     if (!status.ok()) cudaStreamSynchronize(stream_);
@@ -134,7 +144,7 @@ class CudaKvPagePool : public KvPagePool {
     absl::StatusOr<PagedDecodePlan> plan = PlanPagedDecode(host, *extent, plan_options_);
     if (!plan.ok()) return plan.status();
 
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     const size_t elem = DTypeSize(host.shape.dtype);
     const size_t q_bytes = host.heads_q * host.total_q * host.shape.head_dim * elem;
@@ -144,21 +154,75 @@ class CudaKvPagePool : public KvPagePool {
     const size_t table_bytes = host.num_seqs * host.page_table_stride * sizeof(int32_t);
     // Scratch: the inputs q | cu_seqlens_q | seqlens_k | page_table (one copy from staging laid
     // out the same), then the outputs o | lse, then the kernels' workspace.
-    enum { kQ, kCu, kLens, kTable, kO, kLse, kWorkspace };
+    StepLayout l;
     const size_t sizes[7] = {
         q_bytes, cu_bytes, lens_bytes, table_bytes, q_bytes, lse_bytes, plan->workspace_bytes};
-    size_t offsets[8] = {0};
-    for (int i = 0; i < 7; ++i) offsets[i + 1] = offsets[i] + RoundUp(sizes[i]);
-    if (absl::Status s = Reserve(offsets[7]); !s.ok()) return s;
+    for (int i = 0; i < 7; ++i) l.offsets[i + 1] = l.offsets[i] + RoundUp(sizes[i]);
+    if (absl::Status s = Reserve(l.offsets[7]); !s.ok()) return s;
     if (absl::Status s = ReserveTickets(plan->tickets); !s.ok()) return s;
-    auto at = [&](int i) { return scratch_ + offsets[i]; };
     // Staging: the inputs as in scratch, then o and lse as in scratch.
-    absl::StatusOr<unsigned char*> staged = Stage(offsets[kWorkspace]);
+    absl::StatusOr<unsigned char*> staged = Stage(l.offsets[kWorkspace], lock);
     if (!staged.ok()) return staged.status();
-    auto staged_at = [&](int i) { return *staged + offsets[i]; };
+    l.staged = *staged;
     const void* inputs[] = {host.q, host.cu_seqlens_q, host.seqlens_k, host.page_table};
-    for (int i = kQ; i <= kTable; ++i) std::memcpy(staged_at(i), inputs[i], sizes[i]);
+    for (int i = kQ; i <= kTable; ++i) std::memcpy(l.staged + l.offsets[i], inputs[i], sizes[i]);
+    absl::StatusOr<StepEvents> events = TakeEvents();
+    if (!events.ok()) return events.status();
 
+    // The step's staging holds its outputs until it has read them (Stage waits for that before it
+    // starts from the front again). The wait runs without the lock, so the next step's staging and
+    // launch overlap this one's kernel on the stream.
+    ++staged_readers_;
+    absl::Status status = Enqueue(*plan, *extent, host, l, *events);
+    const uint64_t mine = ++enqueued_;
+    KvStepTimes times;
+    if (status.ok()) {
+      lock.unlock();
+      status = CudaStatus(cudaEventSynchronize((*events)[3]), "run the decode step on the device");
+      if (status.ok()) {
+        std::memcpy(host.o, l.staged + l.offsets[kO], q_bytes);
+        if (lse_bytes) std::memcpy(host.lse, l.staged + l.offsets[kLse], lse_bytes);
+        double* us[3] = {&times.h2d_us, &times.compute_us, &times.d2h_us};
+        for (int i = 0; i < 3 && status.ok(); ++i) {
+          float ms = 0;
+          status = CudaStatus(cudaEventElapsedTime(&ms, (*events)[i], (*events)[i + 1]),
+                              "cudaEventElapsedTime");
+          *us[i] = ms * 1e3;
+        }
+      }
+      lock.lock();
+    } else {
+      cudaStreamSynchronize(stream_);
+    }
+    --staged_readers_;
+    idle_events_.push_back(*events);
+    if (staged_readers_ == 0) {
+      readers_done_.notify_all();
+      // This step's copy-out was the stream's last work and nobody reads staging: the next call
+      // stages from the front (a lone caller reuses the same warm staging every step).
+      if (status.ok() && enqueued_ == mine) staging_used_ = 0;
+    }
+    if (!status.ok()) return status;
+    return times;
+  }
+
+ private:
+  // Where a decode step's buffers lie: offsets of q | cu_seqlens_q | seqlens_k | page_table | o |
+  // lse | workspace in the device scratch (and, up to the workspace, in the step's staging).
+  enum { kQ, kCu, kLens, kTable, kO, kLse, kWorkspace };
+  struct StepLayout {
+    size_t offsets[8] = {0};
+    unsigned char* staged = nullptr;
+  };
+  // Before the h2d copy, before the kernels, after them, after the d2h copy.
+  using StepEvents = std::array<cudaEvent_t, 4>;
+
+  // Queues a staged step: its inputs' copy, the kernels, its outputs' copy, and the events around
+  // them. Under mu_.
+  absl::Status Enqueue(const PagedDecodePlan& plan, const DecodeExtent& extent,
+                       const PagedDecodeParams& host, const StepLayout& l,
+                       const StepEvents& events) {
+    auto at = [&](int i) { return scratch_ + l.offsets[i]; };
     PagedDecodeParams dev = host;
     dev.q = at(kQ);
     dev.o = at(kO);
@@ -166,52 +230,62 @@ class CudaKvPagePool : public KvPagePool {
     dev.cu_seqlens_q = reinterpret_cast<const int32_t*>(at(kCu));
     dev.seqlens_k = reinterpret_cast<const int32_t*>(at(kLens));
     dev.page_table = reinterpret_cast<const int32_t*>(at(kTable));
-
-    RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[0], stream_), "cudaEventRecord");
-    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(at(kQ), staged_at(kQ), offsets[kO],
-                                         cudaMemcpyHostToDevice, stream_),
-                         "copy the decode step's inputs to the device");
+    RETURN_IF_CUDA_ERROR(cudaEventRecord(events[0], stream_), "cudaEventRecord");
+    RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(at(kQ), l.staged, l.offsets[kO], cudaMemcpyHostToDevice, stream_),
+        "copy the decode step's inputs to the device");
     if (options_.poison_outputs) {
       // All-ones bytes are NaN in every dtype: an element the kernels miss shows instead of a
       // value left from an earlier step.
-      RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(kO), 0xff, q_bytes, stream_), "poison o");
-      if (lse_bytes) {
-        RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(kLse), 0xff, lse_bytes, stream_), "poison lse");
+      RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(kO), 0xff, l.offsets[kLse] - l.offsets[kO], stream_),
+                           "poison o");
+      if (host.lse) {
+        RETURN_IF_CUDA_ERROR(
+            cudaMemsetAsync(at(kLse), 0xff, l.offsets[kWorkspace] - l.offsets[kLse], stream_),
+            "poison lse");
       }
     }
-    RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[1], stream_), "cudaEventRecord");
-    if (absl::Status s =
-            LaunchPagedDecode(*plan, pages_, page_bytes_, *extent, dev, at(6), tickets_, stream_);
+    RETURN_IF_CUDA_ERROR(cudaEventRecord(events[1], stream_), "cudaEventRecord");
+    if (absl::Status s = LaunchPagedDecode(plan, pages_, page_bytes_, extent, dev, at(kWorkspace),
+                                           tickets_, stream_);
         !s.ok()) {
-      cudaStreamSynchronize(stream_);
       return s;
     }
-    RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[2], stream_), "cudaEventRecord");
-    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(staged_at(kO), at(kO), offsets[kWorkspace] - offsets[kO],
-                                         cudaMemcpyDeviceToHost, stream_),
-                         "copy o and lse to the host");
-    RETURN_IF_CUDA_ERROR(cudaEventRecord(events_[3], stream_), "cudaEventRecord");
-    RETURN_IF_CUDA_ERROR(cudaEventSynchronize(events_[3]), "run the decode step on the device");
-    std::memcpy(host.o, staged_at(kO), q_bytes);
-    if (lse_bytes) std::memcpy(host.lse, staged_at(kLse), lse_bytes);
-    staging_used_ = 0;  // the stream is idle: every copy from staging is done
-    float ms[3];
-    for (int i = 0; i < 3; ++i) {
-      RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]),
-                           "cudaEventElapsedTime");
-    }
-    return KvStepTimes{ms[0] * 1e3, ms[1] * 1e3, ms[2] * 1e3};
+    RETURN_IF_CUDA_ERROR(cudaEventRecord(events[2], stream_), "cudaEventRecord");
+    RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(l.staged + l.offsets[kO], at(kO), l.offsets[kWorkspace] - l.offsets[kO],
+                        cudaMemcpyDeviceToHost, stream_),
+        "copy o and lse to the host");
+    RETURN_IF_CUDA_ERROR(cudaEventRecord(events[3], stream_), "cudaEventRecord");
+    return absl::OkStatus();
   }
 
- private:
+  // An idle set of step events (created when none is idle). Under mu_.
+  absl::StatusOr<StepEvents> TakeEvents() {
+    if (!idle_events_.empty()) {
+      const StepEvents events = idle_events_.back();
+      idle_events_.pop_back();
+      return events;
+    }
+    StepEvents events;
+    for (size_t i = 0; i < events.size(); ++i) {
+      if (cudaError_t err = cudaEventCreate(&events[i]); err != cudaSuccess) {
+        for (size_t j = 0; j < i; ++j) cudaEventDestroy(events[j]);
+        return CudaError(err, "cudaEventCreate");
+      }
+    }
+    return events;
+  }
+
   // Stages the runs' rows (data_bytes, a multiple of 16) and their segment table (`segments`
   // entries) after them, copies both to the device scratch at once and scatters the rows into
   // their pages. In units of the largest power of two up to 16 that divides every row's bytes
   // (every offset in a page is a multiple of a row).
-  absl::Status WriteChunk(absl::Span<const WriteRun> runs, size_t data_bytes, size_t segments) {
+  absl::Status WriteChunk(absl::Span<const WriteRun> runs, size_t data_bytes, size_t segments,
+                          std::unique_lock<std::mutex>& lock) {
     const size_t bytes = data_bytes + segments * sizeof(KvSegment);
     if (absl::Status s = Reserve(bytes); !s.ok()) return s;
-    absl::StatusOr<unsigned char*> staged = Stage(bytes);
+    absl::StatusOr<unsigned char*> staged = Stage(bytes, lock);
     if (!staged.ok()) return staged.status();
     auto* table = reinterpret_cast<KvSegment*>(*staged + data_bytes);
     size_t at = 0, n = 0;
@@ -244,15 +318,18 @@ class CudaKvPagePool : public KvPagePool {
         LaunchKvScatter(reinterpret_cast<const KvSegment*>(scratch_ + data_bytes),
                         static_cast<int64_t>(segments), scratch_, pages_, unit, stream_),
         "scatter kv rows into their pages");
+    ++enqueued_;
     return absl::OkStatus();
   }
 
-  // `bytes` of pinned staging, after what earlier calls staged and may still be copying from.
-  // When the rest is short, waits for the stream and starts from the front again, first growing
-  // the buffer when `bytes` exceeds it.
-  absl::StatusOr<unsigned char*> Stage(size_t bytes) {
+  // `bytes` of pinned staging, after what earlier calls staged and may still be copying from or
+  // reading. When the rest is short, waits until no decode step has its outputs there still to
+  // read and the stream is done with every copy, and starts from the front again, first growing
+  // the buffer when `bytes` exceeds it. `lock` holds mu_ (released while waiting for readers).
+  absl::StatusOr<unsigned char*> Stage(size_t bytes, std::unique_lock<std::mutex>& lock) {
     bytes = RoundUp(bytes);
     if (staging_used_ + bytes > staging_bytes_) {
+      readers_done_.wait(lock, [this] { return staged_readers_ == 0; });
       RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
       staging_used_ = 0;
       if (bytes > staging_bytes_) {
@@ -317,7 +394,11 @@ class CudaKvPagePool : public KvPagePool {
   unsigned char* const pages_;
   std::mutex mu_;
   cudaStream_t stream_;
-  cudaEvent_t events_[4];  // before h2d, before the kernels, after them, after d2h
+  std::vector<StepEvents> idle_events_;  // one set per step in flight, reused
+  // Decode steps queued whose outputs in staging are still to be read (Stage waits for none).
+  int staged_readers_ = 0;
+  std::condition_variable readers_done_;
+  uint64_t enqueued_ = 0;  // work queued on the stream so far (Write chunks, decode steps)
   unsigned char* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   // Pinned host staging (Stage); the front staging_used_ bytes may still be in flight.

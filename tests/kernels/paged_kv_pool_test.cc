@@ -14,6 +14,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -524,6 +525,61 @@ TEST_P(PagedKvPoolWriteTest, OneWriteOfTwoShapes) {
         Decode(**pool, c, dtype, scale, one, static_cast<int64_t>(seqs[i].pages.size()));
     ExpectMatchesReference(c, dtype, scale, one, r);
   }
+}
+
+// Several threads at once, each on sequences of its own in one pool, each rewriting all its rows
+// before every step (as sessions append while others step; the CUDA pool's staging wraps around
+// many times): every step matches its reference.
+TEST_P(PagedKvPoolWriteTest, ConcurrentWritesAndStepsFromThreads) {
+  const DType dtype = GetParam();
+  const uint64_t seed = NextSeed();
+  SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " seed=", seed, " (rerun with ATTENTION_TEST_SEED=",
+                            seed, ")"));
+  DecodeCase c;
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.head_dim = 128;
+  c.nq = {1, 2};
+  c.nk = {700, 1500};
+  c.page_rows = 64;
+  constexpr int kThreads = 4, kSteps = 12;
+  const int64_t page_bytes = c.page_rows * 2 * c.heads_kv * c.head_dim * DTypeSize(dtype);
+  int64_t stride = 0;
+  for (int32_t nk : c.nk) stride = std::max<int64_t>(stride, (nk + c.page_rows - 1) / c.page_rows);
+  const int64_t num_pages = kThreads * static_cast<int64_t>(c.nk.size()) * stride;
+  absl::StatusOr<std::unique_ptr<KvPagePool>> pool = MakeTestPool(num_pages, page_bytes);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> order(num_pages);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<std::vector<Sequence>> seqs(kThreads);
+  auto next_page = order.begin();
+  for (int t = 0; t < kThreads; ++t) {
+    for (size_t i = 0; i < c.nk.size(); ++i) {
+      Sequence& s = seqs[t].emplace_back();
+      s.q = RandomRounded(c.heads_q * c.nq[i] * c.head_dim, dtype, rng);
+      s.k = RandomRounded(c.heads_kv * c.nk[i] * c.head_dim, dtype, rng);
+      s.v = RandomRounded(c.heads_kv * c.nk[i] * c.head_dim, dtype, rng);
+      s.pages.assign(stride, -1);
+      for (int64_t j = 0; j < (c.nk[i] + c.page_rows - 1) / c.page_rows; ++j)
+        s.pages[j] = *next_page++;
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  const KvShape shape{dtype, c.heads_kv, c.head_dim};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 thread_rng(seed + t + 1);
+      for (int step = 0; step < kSteps; ++step) {
+        WriteSequences(**pool, shape, seqs[t], c.nk, Layout::kBHSD, 0, thread_rng);
+        ExpectMatchesReference(c, dtype, scale, seqs[t],
+                               Decode(**pool, c, dtype, scale, seqs[t], stride));
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolWriteTest,
