@@ -421,12 +421,22 @@ void MakeSetup(const DecodeCase& c, DType dtype, std::mt19937_64& rng, PoolSetup
 
 using Param = std::tuple<DecodeCase, DType>;
 
-class PagedKvPoolTest : public testing::TestWithParam<Param> {
+// Every suite skips where the backend has no pool (no GPU visible).
+template <typename Base>
+class PoolTest : public Base {
  protected:
   void SetUp() override {
     if (std::string reason = PoolUnavailableReason(); !reason.empty()) GTEST_SKIP() << reason;
   }
 };
+
+class PagedKvPoolTest : public PoolTest<testing::TestWithParam<Param>> {};
+
+// The suites run per dtype, named by it.
+const auto kAllDtypes = testing::Values(DType::kFloat16, DType::kBFloat16, DType::kFloat32);
+std::string DtypeTestName(const testing::TestParamInfo<DType>& info) {
+  return std::string(DTypeName(info.param));
+}
 
 TEST_P(PagedKvPoolTest, DecodeMatchesReference) {
   const auto& [c, dtype] = GetParam();
@@ -461,12 +471,7 @@ INSTANTIATE_TEST_SUITE_P(Grid, PagedKvPoolTest, testing::ValuesIn(Params()),
 // One Write of sequences of two shapes (a Step appending to sessions of different head dims on one
 // device: the CUDA pool scatters 40-byte and 128-byte float16 rows, or 80- and 256-byte float32
 // rows, in one launch): each then decodes as if written alone.
-class PagedKvPoolWriteTest : public testing::TestWithParam<DType> {
- protected:
-  void SetUp() override {
-    if (std::string reason = PoolUnavailableReason(); !reason.empty()) GTEST_SKIP() << reason;
-  }
-};
+class PagedKvPoolWriteTest : public PoolTest<testing::TestWithParam<DType>> {};
 
 TEST_P(PagedKvPoolWriteTest, OneWriteOfTwoShapes) {
   const DType dtype = GetParam();
@@ -533,8 +538,8 @@ TEST_P(PagedKvPoolWriteTest, OneWriteOfTwoShapes) {
 TEST_P(PagedKvPoolWriteTest, ConcurrentWritesAndStepsFromThreads) {
   const DType dtype = GetParam();
   const uint64_t seed = NextSeed();
-  SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " seed=", seed, " (rerun with ATTENTION_TEST_SEED=",
-                            seed, ")"));
+  SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " seed=", seed,
+                            " (rerun with ATTENTION_TEST_SEED=", seed, ")"));
   DecodeCase c;
   c.heads_q = 8;
   c.heads_kv = 2;
@@ -582,18 +587,9 @@ TEST_P(PagedKvPoolWriteTest, ConcurrentWritesAndStepsFromThreads) {
   for (std::thread& thread : threads) thread.join();
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolWriteTest,
-                         testing::Values(DType::kFloat16, DType::kBFloat16, DType::kFloat32),
-                         [](const testing::TestParamInfo<DType>& info) {
-                           return std::string(DTypeName(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolWriteTest, kAllDtypes, DtypeTestName);
 
-class PagedKvPoolMergeTest : public testing::TestWithParam<DType> {
- protected:
-  void SetUp() override {
-    if (std::string reason = PoolUnavailableReason(); !reason.empty()) GTEST_SKIP() << reason;
-  }
-};
+class PagedKvPoolMergeTest : public PoolTest<testing::TestWithParam<DType>> {};
 
 // Attention over keys [0, n) equals the LSE-weighted merge of attention over [0, n/2) and
 // [n/2, n): two sequences of one step, each holding half of the keys, the same queries.
@@ -677,18 +673,9 @@ TEST_P(PagedKvPoolMergeTest, RepeatedStepsRepeatTheFirst) {
   EXPECT_EQ(alone_again.o, alone.o);
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolMergeTest,
-                         testing::Values(DType::kFloat16, DType::kBFloat16, DType::kFloat32),
-                         [](const testing::TestParamInfo<DType>& info) {
-                           return std::string(DTypeName(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolMergeTest, kAllDtypes, DtypeTestName);
 
-class PagedKvPoolErrorsTest : public testing::Test {
- protected:
-  void SetUp() override {
-    if (std::string reason = PoolUnavailableReason(); !reason.empty()) GTEST_SKIP() << reason;
-  }
-};
+class PagedKvPoolErrorsTest : public PoolTest<testing::Test> {};
 
 TEST_F(PagedKvPoolErrorsTest, RejectsPagesOutsideThePoolAndTooSmallPages) {
   const KvShape shape{DType::kFloat16, 2, 64};
