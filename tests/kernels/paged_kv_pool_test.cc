@@ -28,6 +28,12 @@ namespace {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
+// What a failure message says of a test's inputs: its dtype and how to rerun it on them.
+std::string SeedHint(DType dtype, uint64_t seed) {
+  return absl::StrCat(DTypeName(dtype), " seed=", seed, " (rerun with ATTENTION_TEST_SEED=", seed,
+                      ")");
+}
+
 uint64_t NextSeed() {
   if (const char* env = std::getenv("ATTENTION_TEST_SEED"); env != nullptr && *env != '\0') {
     return std::strtoull(env, nullptr, 10);
@@ -441,8 +447,7 @@ std::string DtypeTestName(const testing::TestParamInfo<DType>& info) {
 TEST_P(PagedKvPoolTest, DecodeMatchesReference) {
   const auto& [c, dtype] = GetParam();
   const uint64_t seed = NextSeed();
-  SCOPED_TRACE(absl::StrCat(c.name, " ", DTypeName(dtype), " seed=", seed,
-                            " (rerun with ATTENTION_TEST_SEED=", seed, ")"));
+  SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
   std::mt19937_64 rng(seed);
   const float scale = c.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
   PoolSetup setup;
@@ -476,8 +481,7 @@ class PagedKvPoolWriteTest : public PoolTest<testing::TestWithParam<DType>> {};
 TEST_P(PagedKvPoolWriteTest, OneWriteOfTwoShapes) {
   const DType dtype = GetParam();
   const uint64_t seed = NextSeed();
-  SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " seed=", seed,
-                            " (rerun with ATTENTION_TEST_SEED=", seed, ")"));
+  SCOPED_TRACE(SeedHint(dtype, seed));
   std::mt19937_64 rng(seed);
   DecodeCase cases[2];
   cases[0].heads_q = 2;
@@ -538,8 +542,7 @@ TEST_P(PagedKvPoolWriteTest, OneWriteOfTwoShapes) {
 TEST_P(PagedKvPoolWriteTest, ConcurrentWritesAndStepsFromThreads) {
   const DType dtype = GetParam();
   const uint64_t seed = NextSeed();
-  SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " seed=", seed,
-                            " (rerun with ATTENTION_TEST_SEED=", seed, ")"));
+  SCOPED_TRACE(SeedHint(dtype, seed));
   DecodeCase c;
   c.heads_q = 8;
   c.heads_kv = 2;
@@ -596,8 +599,7 @@ class PagedKvPoolMergeTest : public PoolTest<testing::TestWithParam<DType>> {};
 TEST_P(PagedKvPoolMergeTest, HalvesMergedByLseEqualWhole) {
   const DType dtype = GetParam();
   const uint64_t seed = NextSeed();
-  SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " seed=", seed,
-                            " (rerun with ATTENTION_TEST_SEED=", seed, ")"));
+  SCOPED_TRACE(SeedHint(dtype, seed));
   std::mt19937_64 rng(seed);
   DecodeCase c;
   c.heads_q = 8;
@@ -651,8 +653,7 @@ TEST_P(PagedKvPoolMergeTest, RepeatedStepsRepeatTheFirst) {
     return x.name.rfind("long_", 0) == 0;
   });
   const uint64_t seed = NextSeed();
-  SCOPED_TRACE(absl::StrCat(c.name, " ", DTypeName(dtype), " seed=", seed,
-                            " (rerun with ATTENTION_TEST_SEED=", seed, ")"));
+  SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
   std::mt19937_64 rng(seed);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   PoolSetup setup;
