@@ -91,6 +91,12 @@ Metrics::Metrics(const BuildInfo& build)
                              .Help("Fraction of recent wall time (10 s or more) during which the "
                                    "device ran at least one request.")
                              .Register(*registry_)),
+      device_running_batches_(prometheus::BuildGauge()
+                                  .Name("attention_device_running_batches")
+                                  .Help("Batches (one kernel launch with its copies) running on "
+                                        "the device now; the queued ones are "
+                                        "attention_queue_depth.")
+                                  .Register(*registry_)),
       device_in_service_(prometheus::BuildGauge()
                              .Name("attention_device_in_service")
                              .Help("1 while the device takes work, 0 once a fault took it out of "
@@ -246,6 +252,7 @@ void Metrics::SampleScheduler() {
   for (const DeviceLoad& load : scheduler_->device_loads()) {
     const prometheus::Labels labels = {{"device", load.device->name}};
     device_in_service_.Add(labels).Set(load.lost.ok() ? 1 : 0);
+    device_running_batches_.Add(labels).Set(load.running);
     if (load.memory.ok()) {
       device_memory_used_.Add(labels).Set(static_cast<double>(load.memory->used_bytes));
       device_memory_total_.Add(labels).Set(static_cast<double>(load.memory->total_bytes));

@@ -123,6 +123,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& device_memory_total_;
   prometheus::Family<prometheus::Gauge>& device_memory_used_;
   prometheus::Family<prometheus::Gauge>& device_busy_ratio_;
+  prometheus::Family<prometheus::Gauge>& device_running_batches_;
   prometheus::Family<prometheus::Gauge>& device_in_service_;
   prometheus::Gauge& queue_capacity_;
   // Sessions (registered in the constructor's body).

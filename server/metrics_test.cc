@@ -16,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/notification_for_tests.h"
+#include "server/run_gate_for_tests.h"
 #include "server/scheduler.h"
 
 namespace attention::server {
@@ -106,11 +107,13 @@ TEST(MetricsTest, ReportsAPortInUse) {
   EXPECT_THAT(clash.status().message(), HasSubstr("cannot listen on 127.0.0.1:"));
 }
 
-// An executor whose runs take `run_time` and which reports `memory` (or nothing when absent).
+// An executor whose runs take `run_time` and which reports `memory` (or nothing when absent);
+// with a `gate`, each run first waits for it to open.
 class SleepingExecutor final : public Executor {
  public:
-  SleepingExecutor(std::string name, absl::Duration run_time, std::optional<MemoryUsage> memory)
-      : run_time_(run_time), memory_(memory) {
+  SleepingExecutor(std::string name, absl::Duration run_time, std::optional<MemoryUsage> memory,
+                   RunGate* gate = nullptr)
+      : run_time_(run_time), memory_(memory), gate_(gate) {
     device_.name = std::move(name);
   }
   const DeviceDescription& device() const override { return device_; }
@@ -119,6 +122,7 @@ class SleepingExecutor final : public Executor {
     return *memory_;
   }
   absl::StatusOr<StageTimes> Run(const AttentionParams&) override {
+    if (gate_ != nullptr) gate_->Pass();
     absl::SleepFor(run_time_);
     return StageTimes{.compute_us = absl::ToDoubleMicroseconds(run_time_)};
   }
@@ -127,6 +131,7 @@ class SleepingExecutor final : public Executor {
   DeviceDescription device_;
   const absl::Duration run_time_;
   const std::optional<MemoryUsage> memory_;
+  RunGate* const gate_;
 };
 
 // Runs one job on `scheduler` and waits for it.
@@ -195,6 +200,32 @@ TEST(MetricsTest, BusyRatioCoversTheRecentWindow) {
 
   // Scrape C more than a window after B: the window B..C saw no run, whatever came before.
   absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(SampleValue(metrics.Scrape(), series), 0.0);
+}
+
+// attention_device_running_batches counts the batches a device runs now: two workers' runs held
+// at the gate on one device read 2, and 0 once they are done.
+TEST(MetricsTest, RunningBatchesCountWhatTheDeviceRunsNow) {
+  Metrics metrics(BuildInfo{});
+  RunGate gate;
+  std::vector<std::unique_ptr<Executor>> executors;
+  executors.push_back(
+      std::make_unique<SleepingExecutor>("dev0", absl::ZeroDuration(), std::nullopt, &gate));
+  Scheduler scheduler(std::move(executors), SchedulerOptions{.workers = 2});
+  const std::string series = "attention_device_running_batches{device=\"dev0\"}";
+  const auto watch = metrics.Watch(scheduler);
+  EXPECT_EQ(SampleValue(metrics.Scrape(), series), 0.0);
+
+  Notification done[2];
+  for (Notification& n : done) {
+    Job job;
+    job.done = [&n](JobResult) { n.Notify(); };
+    scheduler.Submit(std::move(job));
+  }
+  gate.AwaitStarted(2);
+  EXPECT_EQ(SampleValue(metrics.Scrape(), series), 2.0);
+  gate.Open();
+  for (Notification& n : done) n.WaitForNotification();
   EXPECT_EQ(SampleValue(metrics.Scrape(), series), 0.0);
 }
 

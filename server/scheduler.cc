@@ -102,12 +102,14 @@ void Scheduler::Release(Slot* slot) {
 
 std::vector<DeviceLoad> Scheduler::device_loads() const {
   std::vector<absl::Duration> busy;
+  std::vector<int> running;
   std::vector<absl::Status> lost;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const absl::Time now = absl::Now();
     for (const Slot& slot : slots_) {
       busy.push_back(slot.busy + (slot.in_flight > 0 ? now - slot.busy_since : absl::Duration()));
+      running.push_back(slot.in_flight);
       lost.push_back(slot.lost);
     }
   }
@@ -115,11 +117,11 @@ std::vector<DeviceLoad> Scheduler::device_loads() const {
   std::vector<DeviceLoad> loads;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Executor& executor = *slots_[i].executor;
-    loads.push_back(
-        DeviceLoad{.device = &executor.device(),
-                   .busy = busy[i],
-                   .memory = executor.Memory(),
-                   .lost = std::move(lost[i])});
+    loads.push_back(DeviceLoad{.device = &executor.device(),
+                               .busy = busy[i],
+                               .running = running[i],
+                               .memory = executor.Memory(),
+                               .lost = std::move(lost[i])});
   }
   return loads;
 }

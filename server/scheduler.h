@@ -66,6 +66,8 @@ struct DeviceLoad {
   // Wall time since the scheduler started during which at least one job ran on the device
   // (for a GPU this counts copies and kernels of all its streams, overlapped or not).
   absl::Duration busy;
+  // Batches running on the device now (up to one per worker; the GPU overlaps them on streams).
+  int running = 0;
   absl::StatusOr<MemoryUsage> memory;
   // OK while the device takes work; the error that took it out of rotation otherwise.
   absl::Status lost;

@@ -3,13 +3,10 @@
 // requests queue behind it, some with a 200 ms deadline, some cancelled by their client. The
 // metrics then show them answered DEADLINE_EXCEEDED and CANCELLED, while the kernel's counters
 // (attention_tokens_total, attention_flops_total) count the long request and nothing else.
-#include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cmath>
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -61,23 +58,6 @@ class PendingCall {
   grpc::Status status_;
 };
 
-// Polls `name` on /metrics until `done` holds for it or 30 s pass; returns the last value.
-double WaitForMetric(int port, const std::string& name,
-                     const std::map<std::string, std::string>& labels,
-                     const std::function<bool(double)>& done) {
-  double value = -1;
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (absl::Now() < deadline) {
-    absl::StatusOr<double> v = ScrapeMetric(port, name, labels);
-    if (v.ok()) {
-      value = *v;
-      if (done(value)) break;
-    }
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return value;
-}
-
 TEST(DeadlineTest, ExpiredAndCancelledQueuedRequestsNeverReachTheKernel) {
   constexpr int kExpiring = 5;
   constexpr int kCancelled = 5;
@@ -95,21 +75,8 @@ TEST(DeadlineTest, ExpiredAndCancelledQueuedRequestsNeverReachTheKernel) {
   absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(short_spec, rng);
   ASSERT_TRUE(small.ok()) << small.status();
 
-  // The blocker must keep the worker busy for a second or two whatever the build (a sanitizer
-  // slows the kernel fifty-fold): a calibration request (q, k, v [1, 4, 1024, 16], 0.27 GFLOP)
-  // measures the server's speed, and the blocker, q, k, v [1, 16, N, 64], is sized from it.
-  const client::ProblemSpec calibration_spec{.batch = 1, .heads_q = 4, .heads_kv = 4,
-                                             .seqlen_q = 1024, .seqlen_k = 1024, .head_dim = 16};
-  absl::StatusOr<v1::AttendRequest> calibration = client::MakeRandomRequest(calibration_spec, rng);
-  ASSERT_TRUE(calibration.ok()) << calibration.status();
-  absl::StatusOr<v1::AttendResponse> calibrated = server->client->Attend(*calibration);
-  ASSERT_TRUE(calibrated.ok()) << calibrated.status();
-  const double flops_per_us = 4.0 * 4 * 16 * 1024 * 1024 / calibrated->timing().compute_us();
-  const int64_t n = std::clamp<int64_t>(
-      static_cast<int64_t>(std::sqrt(1.5e6 * flops_per_us / (4.0 * 16 * 64))), 512, 4096);
-  const client::ProblemSpec long_spec{.batch = 1, .heads_q = 16, .heads_kv = 16, .seqlen_q = n,
-                                      .seqlen_k = n, .head_dim = 64};
-  absl::StatusOr<v1::AttendRequest> blocker = client::MakeRandomRequest(long_spec, rng);
+  // The blocker keeps the one worker busy for a second or two whatever the build.
+  absl::StatusOr<Blocker> blocker = CalibratedBlocker(*server->client, absl::Seconds(1.5), rng);
   ASSERT_TRUE(blocker.ok()) << blocker.status();
   // The counters from here on: what the calibration added is not the blocker's.
   absl::StatusOr<double> tokens_before = ScrapeMetric(port, "attention_tokens_total");
@@ -118,14 +85,8 @@ TEST(DeadlineTest, ExpiredAndCancelledQueuedRequestsNeverReachTheKernel) {
 
   auto stub = v1::Attention::NewStub(server->client->channel());
   std::future<absl::StatusOr<v1::AttendResponse>> blocked =
-      server->client->AttendAsync(*blocker, {.deadline = absl::Minutes(10)});
-  // The blocker is counted in flight once received; decoding and queueing it takes milliseconds,
-  // and the idle worker takes it at once. Should it not be running yet, the short requests would
-  // run first and the checks below fail, never pass wrongly.
-  ASSERT_GE(WaitForMetric(port, "attention_inflight_requests", {}, [](double v) { return v >= 1; }),
-            1);
-  absl::SleepFor(absl::Milliseconds(300));
-  ASSERT_EQ(WaitForMetric(port, "attention_queue_depth", {}, [](double v) { return v == 0; }), 0);
+      server->client->AttendAsync(blocker->request, {.deadline = absl::Minutes(10)});
+  ASSERT_TRUE(WaitUntilRunning(port)) << "the blocker never ran";
 
   std::vector<std::unique_ptr<PendingCall>> expiring, cancelled;
   for (int i = 0; i < kExpiring; ++i) {
@@ -145,14 +106,14 @@ TEST(DeadlineTest, ExpiredAndCancelledQueuedRequestsNeverReachTheKernel) {
   }
   for (auto& call : cancelled) EXPECT_EQ(call->Wait().error_code(), grpc::StatusCode::CANCELLED);
 
-  // The blocker itself completes; its float64 reference would cost the client more than the
-  // server's run, and correctness is other tests' subject, so only the answer's shape is checked.
+  // The blocker itself completes (only its answer's size is checked, see CalibratedBlocker).
   absl::StatusOr<v1::AttendResponse> blocker_response = blocked.get();
   ASSERT_TRUE(blocker_response.ok()) << blocker_response.status();
-  EXPECT_EQ(blocker_response->o().data().size(), blocker->q().data().size());
-  std::printf("deadline: blocker [1, 16, %ld, 64] computed for %.0f ms; queued requests were "
-              "answered while it ran\n",
-              static_cast<long>(n), blocker_response->timing().compute_us() / 1e3);
+  EXPECT_EQ(blocker_response->o().data().size(), blocker->request.q().data().size());
+  std::printf(
+      "deadline: blocker [1, 16, %ld, 64] computed for %.0f ms; queued requests were "
+      "answered while it ran\n",
+      static_cast<long>(blocker->seqlen), blocker_response->timing().compute_us() / 1e3);
 
   // The server answered the queued ones when the worker reached them, without running them.
   const std::map<std::string, std::string> attend = {{"rpc", "Attend"}};
@@ -172,8 +133,8 @@ TEST(DeadlineTest, ExpiredAndCancelledQueuedRequestsNeverReachTheKernel) {
                           [](double v) { return v >= 2; }),
             2);
   // The kernel saw the blocker alone: N query tokens, 4 * 16 * 64 * N * N FLOPs.
-  const double blocker_tokens = *tokens_before + n;
-  const double blocker_flops = *flops_before + 4.0 * 16 * 64 * n * n;
+  const double blocker_tokens = *tokens_before + blocker->seqlen;
+  const double blocker_flops = *flops_before + blocker->flops;
   absl::StatusOr<double> tokens = ScrapeMetric(port, "attention_tokens_total");
   absl::StatusOr<double> flops = ScrapeMetric(port, "attention_flops_total");
   ASSERT_TRUE(tokens.ok() && flops.ok());

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -34,15 +35,18 @@ namespace {
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
 
-// Polls attention_inflight_requests until it reaches `n` (true) or 30 s pass (false).
-bool WaitForInflight(int metrics_port, int n) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (absl::Now() < deadline) {
-    absl::StatusOr<double> inflight = ScrapeMetric(metrics_port, "attention_inflight_requests");
-    if (inflight.ok() && *inflight >= n) return true;
-    absl::SleepFor(absl::Milliseconds(2));
-  }
-  return false;
+// Waits until `n` requests show as in flight (attention_inflight_requests); the last value read.
+double WaitForInflight(int metrics_port, int n) {
+  return WaitForMetric(metrics_port, "attention_inflight_requests", {},
+                       [n](double v) { return v >= n; });
+}
+
+// The blocker answered: OK, its own id, an o as large as its q (see CalibratedBlocker).
+void ExpectBlockerAnswered(const Blocker& blocker,
+                           const absl::StatusOr<v1::AttendResponse>& response) {
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->request_id(), blocker.request.request_id());
+  EXPECT_EQ(response->o().data().size(), blocker.request.q().data().size());
 }
 
 TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
@@ -56,18 +60,20 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
   const uint64_t seed = e2e::FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
 
-  // Request 0 blocks the one worker: q, k, v [1, 2, 2048, 32] float32, 1 GFLOP, a few hundred
-  // milliseconds. The others are small ([1, 2, 64, 32]) and wait behind it, so all twelve are
-  // accepted and unfinished when the signal comes.
-  const client::ProblemSpec blocker{.batch = 1, .heads_q = 2, .heads_kv = 2, .seqlen_q = 2048,
-                                    .seqlen_k = 2048, .head_dim = 32};
+  // Request 0 blocks the one worker for about two seconds whatever the build. The others are
+  // small ([1, 2, 64, 32]) and wait behind it, so all twelve are accepted and unfinished when the
+  // signal comes.
+  std::mt19937_64 blocker_rng(seed);
+  absl::StatusOr<Blocker> blocker =
+      CalibratedBlocker(*server->client, absl::Seconds(2), blocker_rng);
+  ASSERT_TRUE(blocker.ok()) << blocker.status();
+  blocker->request.set_request_id("r0");
   const client::ProblemSpec small{.batch = 1, .heads_q = 2, .heads_kv = 1, .seqlen_q = 64,
                                   .seqlen_k = 80, .head_dim = 32, .return_lse = true};
-  std::vector<v1::AttendRequest> requests;
-  for (int i = 0; i < kAccepted + kLateClients; ++i) {
+  std::vector<v1::AttendRequest> requests;  // [i - 1] is request i: 1..11 accepted, then late
+  for (int i = 1; i < kAccepted + kLateClients; ++i) {
     std::mt19937_64 rng(seed + i);
-    absl::StatusOr<v1::AttendRequest> request =
-        client::MakeRandomRequest(i == 0 ? blocker : small, rng);
+    absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(small, rng);
     ASSERT_TRUE(request.ok()) << request.status();
     request->set_request_id(absl::StrCat("r", i));
     requests.push_back(*std::move(request));
@@ -94,26 +100,39 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
     watch_context.TryCancel();  // the watch must not hold the draining server open
     watch->Finish();
   });
+  // Should a check below end the test early, the threads are stopped and joined first.
+  absl::Cleanup stop_watcher = [&] {
+    watch_context.TryCancel();
+    watcher.join();
+  };
 
   // Phase 1: twelve requests accepted (in flight on the server) before the signal.
   std::vector<std::future<absl::StatusOr<v1::AttendResponse>>> accepted;
-  accepted.push_back(server->client->AttendAsync(requests[0]));
-  ASSERT_TRUE(WaitForInflight(server->process->metrics_port(), 1));
-  for (int i = 1; i < kAccepted; ++i) accepted.push_back(server->client->AttendAsync(requests[i]));
-  ASSERT_TRUE(WaitForInflight(server->process->metrics_port(), kAccepted))
-      << "requests never showed as in flight";
+  accepted.push_back(server->client->AttendAsync(blocker->request));
+  ASSERT_TRUE(WaitUntilRunning(server->process->metrics_port())) << "the blocker never ran";
+  for (int i = 1; i < kAccepted; ++i) {
+    accepted.push_back(server->client->AttendAsync(requests[i - 1]));
+  }
+  ASSERT_GE(WaitForInflight(server->process->metrics_port(), kAccepted), kAccepted)
+      << "requests never showed as in flight together; the blocker, [1, 16, " << blocker->seqlen
+      << ", 64], must run longer";
 
   // Phase 2: clients that keep sending through the shutdown, each on its own channel.
   std::atomic<bool> signalled{false};
+  std::atomic<bool> stop_late{false};
   std::mutex mu;
   int late_ok = 0, late_unavailable = 0;
   int64_t first_refusal_ns = 0;
   std::vector<std::thread> late;
+  absl::Cleanup stop_late_clients = [&] {
+    stop_late.store(true);
+    for (std::thread& t : late) t.join();
+  };
   for (int c = 0; c < kLateClients; ++c) {
     late.emplace_back([&, c] {
       client::Client client({.target = server->process->target(), .deadline = absl::Seconds(60)});
-      const v1::AttendRequest& request = requests[kAccepted + c];
-      while (true) {
+      const v1::AttendRequest& request = requests[kAccepted - 1 + c];
+      while (!stop_late.load()) {
         const bool sent_after_signal = signalled.load();
         absl::StatusOr<v1::AttendResponse> response = client.Attend(request);
         const int64_t now_ns = absl::GetCurrentTimeNanos();
@@ -138,14 +157,17 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
   ASSERT_TRUE(server->process->Signal(SIGTERM).ok());
 
   // Every request accepted before the signal completes, correctly.
-  for (int i = 0; i < kAccepted; ++i) {
-    SCOPED_TRACE(requests[i].request_id());
-    e2e::ExpectCorrect(requests[i], accepted[i].get());
+  ExpectBlockerAnswered(*blocker, accepted[0].get());
+  for (int i = 1; i < kAccepted; ++i) {
+    SCOPED_TRACE(requests[i - 1].request_id());
+    e2e::ExpectCorrect(requests[i - 1], accepted[i].get());
   }
-  for (std::thread& t : late) t.join();
+  for (std::thread& t : late) t.join();  // each ends at its first refusal
+  std::move(stop_late_clients).Cancel();
   absl::StatusOr<int> code = server->process->WaitForExit(absl::Seconds(kGraceSeconds + 10));
   const absl::Duration exit_after = absl::Now() - signal_time;
   watcher.join();
+  std::move(stop_watcher).Cancel();
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0) << server->process->Log();
   absl::Duration exit_bound = absl::Seconds(kGraceSeconds);
@@ -162,10 +184,11 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
   // noise (flipping health only after the drain would be seconds late).
   EXPECT_LE(not_serving_at_ns.load(), first_refusal_ns + int64_t{100'000'000})
       << "a request was refused before health reported NOT_SERVING";
-  std::printf("shutdown: %d accepted completed, %d late requests served, %d refused; exit 0 after "
-              "%s (grace %d s)\n",
-              kAccepted, late_ok, late_unavailable, absl::FormatDuration(exit_after).c_str(),
-              kGraceSeconds);
+  std::printf(
+      "shutdown: %d accepted completed (blocker [1, 16, %ld, 64]), %d late requests "
+      "served, %d refused; exit 0 after %s (grace %d s)\n",
+      kAccepted, static_cast<long>(blocker->seqlen), late_ok, late_unavailable,
+      absl::FormatDuration(exit_after).c_str(), kGraceSeconds);
 }
 
 // Calls arriving while the server drains are refused by the service itself (UNAVAILABLE, "server
@@ -174,43 +197,45 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
 TEST(ShutdownTest, CallsArrivingDuringTheDrainGetUnavailable) {
   constexpr int kClients = 4;
   constexpr int kGraceSeconds = 60;
-  absl::StatusOr<e2e::RunningServer> server = e2e::StartServer(
-      {"--backend=cpu", "--threads=1", "--workers=1",
-       absl::StrCat("--shutdown_grace_s=", kGraceSeconds)});
+  absl::StatusOr<e2e::RunningServer> server =
+      e2e::StartServer({"--backend=cpu", "--threads=1", "--workers=1",
+                        absl::StrCat("--shutdown_grace_s=", kGraceSeconds)});
   ASSERT_TRUE(server.ok()) << server.status();
   const uint64_t seed = e2e::FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
   std::mt19937_64 rng(seed);
-  // q, k, v [1, 2, 2048, 32]: a few hundred milliseconds on one thread, the whole drain.
-  absl::StatusOr<v1::AttendRequest> blocker = client::MakeRandomRequest(
-      {.batch = 1, .heads_q = 2, .heads_kv = 2, .seqlen_q = 2048, .seqlen_k = 2048,
-       .head_dim = 32},
-      rng);
+  // The blocker keeps the one worker busy for about two seconds: the whole drain.
+  absl::StatusOr<Blocker> blocker = CalibratedBlocker(*server->client, absl::Seconds(2), rng);
   absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(
       {.batch = 1, .heads_q = 2, .heads_kv = 1, .seqlen_q = 16, .seqlen_k = 16, .head_dim = 32},
       rng);
-  ASSERT_TRUE(blocker.ok() && small.ok());
+  ASSERT_TRUE(blocker.ok()) << blocker.status();
+  ASSERT_TRUE(small.ok()) << small.status();
 
   // Every client is connected before the signal, as a long-lived client would be.
   std::vector<std::unique_ptr<client::Client>> clients;
   for (int c = 0; c < kClients; ++c) {
-    clients.push_back(std::make_unique<client::Client>(
-        client::ClientOptions{.target = server->process->target(),
-                              .deadline = absl::Seconds(kGraceSeconds)}));
+    clients.push_back(std::make_unique<client::Client>(client::ClientOptions{
+        .target = server->process->target(), .deadline = absl::Seconds(kGraceSeconds)}));
     ASSERT_TRUE(clients.back()->GetServerInfo().ok());
   }
 
   std::atomic<int64_t> blocker_done_ns{0};
   std::promise<absl::StatusOr<v1::AttendResponse>> blocker_result;
-  server->client->AttendAsync(*blocker, [&](absl::StatusOr<v1::AttendResponse> response) {
+  server->client->AttendAsync(blocker->request, [&](absl::StatusOr<v1::AttendResponse> response) {
     blocker_done_ns.store(absl::GetCurrentTimeNanos());
     blocker_result.set_value(std::move(response));
   });
-  ASSERT_TRUE(WaitForInflight(server->process->metrics_port(), 1));
+  // From here on the blocker's callback may run: the test waits for it before returning.
+  std::future<absl::StatusOr<v1::AttendResponse>> blocked = blocker_result.get_future();
+  absl::Cleanup wait_for_blocker = [&] {
+    if (blocked.valid()) blocked.wait();
+  };
+  ASSERT_TRUE(WaitUntilRunning(server->process->metrics_port())) << "the blocker never ran";
   ASSERT_TRUE(server->process->Signal(SIGTERM).ok());
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
-  while (server->client->CheckHealth("attention.v1.Attention").value_or(
-             HealthCheckResponse::SERVING) == HealthCheckResponse::SERVING &&
+  while (server->client->CheckHealth("attention.v1.Attention")
+                 .value_or(HealthCheckResponse::SERVING) == HealthCheckResponse::SERVING &&
          absl::Now() < give_up) {
     absl::SleepFor(absl::Milliseconds(1));
   }
@@ -229,9 +254,8 @@ TEST(ShutdownTest, CallsArrivingDuringTheDrainGetUnavailable) {
       }
     });
   }
-  absl::StatusOr<v1::AttendResponse> blocked = blocker_result.get_future().get();
   for (std::thread& t : threads) t.join();
-  e2e::ExpectCorrect(*blocker, blocked);
+  ExpectBlockerAnswered(*blocker, blocked.get());
 
   // Answered before the drain ended: refused by the service (or accepted just before the signal
   // took effect). Answered after: the server may be inside gRPC's own shutdown, not judged.
