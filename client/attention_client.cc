@@ -123,7 +123,10 @@ absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& reque
 void Client::AttendAsync(const v1::AttendRequest& request, AttendCallback done,
                          const CallOptions& call) {
   // The callback API needs context, request and response alive until the call completes; they
-  // live in one heap object that the completion callback frees.
+  // live in one heap object that the completion callback frees before it calls `done`: the
+  // context holds a reference to the channel, and were it released after `done` let the caller
+  // drop its Client, the channel's last reference would go on gRPC's callback thread, where
+  // gRPC 1.51 then shuts its library down under that thread (a crash).
   struct Call {
     std::unique_ptr<grpc::ClientContext> context;
     v1::AttendRequest request;
@@ -134,11 +137,13 @@ void Client::AttendAsync(const v1::AttendRequest& request, AttendCallback done,
   stub_->async()->Attend(state->context.get(), &state->request, &state->response,
                          [state](grpc::Status status) {
                            std::unique_ptr<Call> owned(state);
-                           if (status.ok()) {
-                             owned->done(std::move(owned->response));
-                           } else {
-                             owned->done(ToAbslStatus(status));
-                           }
+                           AttendCallback done = std::move(owned->done);
+                           absl::StatusOr<v1::AttendResponse> result =
+                               status.ok()
+                                   ? absl::StatusOr<v1::AttendResponse>(std::move(owned->response))
+                                   : ToAbslStatus(status);
+                           owned.reset();
+                           done(std::move(result));
                          });
 }
 

@@ -151,6 +151,30 @@ TEST(MetricsTest, CountsRequestsByRpcAndCode) {
   EXPECT_EQ(server->Stop(), absl::OkStatus());
 }
 
+// A Client may be dropped as soon as an AttendAsync answer arrives, even as the process's last
+// gRPC object: the answer comes only after the call has let go of the channel, so the channel's
+// last reference never goes on gRPC's callback thread (gRPC 1.51 would then shut its library down
+// under that thread, and the process crash). Each round's client is the process's only one.
+TEST(ClientTest, DroppedRightAfterAnAsyncAnswer) {
+  constexpr int kRounds = 5;
+  absl::StatusOr<RunningServer> server = StartServer({"--backend=cpu"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  server->client.reset();
+  std::mt19937_64 rng(FreshSeed());
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(
+      {.batch = 512, .heads_q = 16, .heads_kv = 16, .seqlen_q = 8, .seqlen_k = 8, .head_dim = 64},
+      rng);
+  ASSERT_TRUE(request.ok()) << request.status();
+  for (int i = 0; i < kRounds; ++i) {
+    auto client = std::make_unique<client::Client>(
+        client::ClientOptions{.target = server->process->target()});
+    absl::StatusOr<v1::AttendResponse> response = client->AttendAsync(*request).get();
+    client.reset();
+    ExpectCorrect(*request, response);
+  }
+  EXPECT_TRUE(server->process->Stop().ok());
+}
+
 // Runs a command line, returning its exit code and what it printed.
 struct CommandResult {
   int exit_code = -1;
