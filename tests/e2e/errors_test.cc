@@ -2,9 +2,7 @@
 // message naming the field, and a server that keeps serving correctly afterwards.
 #include <signal.h>
 
-#include <algorithm>
 #include <cctype>
-#include <cmath>
 #include <functional>
 #include <future>
 #include <limits>
@@ -14,11 +12,10 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "client/attention_client.h"
 #include "client/request_builder.h"
-#include "client/tensors.h"
 #include "gtest/gtest.h"
+#include "tests/e2e/blocker.h"
 #include "tests/e2e/e2e_test_util.h"
 #include "tests/e2e/metrics_scrape.h"
 
@@ -260,100 +257,74 @@ TEST(ResourceLimitsTest, RequestOverMessageLimitIsResourceExhausted) {
   EXPECT_EQ(server->Stop(), absl::OkStatus());
 }
 
-// A request that computes for tens of milliseconds yet is cheap to send: q, k, v [1, 1, 4096, 32]
-// float32 (1.5 MiB, 2.1 GFLOP). The float64 reference would take seconds, so the tests below
-// check its answers for completeness and agreement with each other; correctness is the grid's.
-const ProblemSpec kSlow{
-    .batch = 1, .heads_q = 1, .heads_kv = 1, .seqlen_q = 4096, .seqlen_k = 4096, .head_dim = 32};
-
-// Every OK response is complete (finite, q's shape) and, the requests being identical, equal to
-// the first. Returns how many were OK; the others must have `allowed` codes.
-int CheckSameAnswers(std::vector<std::future<absl::StatusOr<v1::AttendResponse>>>& futures,
-                     const std::vector<absl::StatusCode>& allowed,
-                     std::vector<absl::Status>* errors) {
-  int ok = 0;
-  std::string first;
-  for (auto& future : futures) {
-    absl::StatusOr<v1::AttendResponse> response = future.get();
-    if (!response.ok()) {
-      EXPECT_NE(std::find(allowed.begin(), allowed.end(), response.status().code()), allowed.end())
-          << response.status();
-      errors->push_back(response.status());
-      continue;
-    }
-    absl::StatusOr<std::vector<float>> o = client::TensorToFloat(response->o());
-    EXPECT_TRUE(o.ok()) << o.status();
-    if (o.ok()) {
-      EXPECT_EQ(o->size(), client::NumElements(client::QueryShape(kSlow)));
-      EXPECT_TRUE(std::all_of(o->begin(), o->end(), [](float x) { return std::isfinite(x); }));
-    }
-    if (ok++ == 0) {
-      first = response->o().data();
-    } else {
-      EXPECT_TRUE(response->o().data() == first) << "identical requests, different answers";
-    }
-  }
-  return ok;
-}
-
-// One worker, one queue slot and a burst of slow requests: the overflow is RESOURCE_EXHAUSTED
-// with a message about the queue, the accepted requests are answered, and the server goes on.
+// One worker, one queue slot: while a blocker runs, the first of a burst of small requests waits
+// in the slot and the rest are refused at once with RESOURCE_EXHAUSTED and a message about the
+// queue; the blocker and the queued request are answered, and the server goes on.
 TEST(ResourceLimitsTest, FullQueueIsResourceExhausted) {
+  constexpr int kBurst = 8;
   absl::StatusOr<RunningServer> server = StartServer(
       {"--backend=cpu", "--threads=1", "--workers=1", "--max_queue=1", "--max_batch=1"});
   ASSERT_TRUE(server.ok()) << server.status();
-  absl::StatusOr<v1::AttendRequest> request = Request(kSlow, FreshSeed());
-  ASSERT_TRUE(request.ok()) << request.status();
-  std::vector<std::future<absl::StatusOr<v1::AttendResponse>>> futures;
-  for (int i = 0; i < 8; ++i) futures.push_back(server->client->AttendAsync(*request));
-  std::vector<absl::Status> errors;
-  const int ok = CheckSameAnswers(futures, {absl::StatusCode::kResourceExhausted}, &errors);
-  EXPECT_GE(ok, 1);
-  EXPECT_GE(errors.size(), 1u);
-  for (const absl::Status& error : errors) {
-    EXPECT_TRUE(HasWord(absl::AsciiStrToLower(error.message()), "queue")) << error;
-  }
-  absl::StatusOr<v1::AttendRequest> small = Request(kDense, FreshSeed());
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  absl::StatusOr<Blocker> blocker = CalibratedBlocker(*server->client, absl::Seconds(1), rng);
+  ASSERT_TRUE(blocker.ok()) << blocker.status();
+  std::future<absl::StatusOr<v1::AttendResponse>> blocked =
+      server->client->AttendAsync(blocker->request);
+  ASSERT_TRUE(WaitUntilRunning(server->process->metrics_port())) << "the blocker never ran";
+
+  // The burst goes out one call at a time, so the first one sent is the one that is queued.
+  absl::StatusOr<v1::AttendRequest> small = Request(kDense, seed + 1);
   ASSERT_TRUE(small.ok()) << small.status();
+  std::future<absl::StatusOr<v1::AttendResponse>> queued = server->client->AttendAsync(*small);
+  ASSERT_EQ(WaitForMetric(server->process->metrics_port(), "attention_queue_depth", {},
+                          [](double v) { return v >= 1; }),
+            1);
+  for (int i = 1; i < kBurst; ++i) {
+    absl::StatusOr<v1::AttendResponse> refused = server->client->Attend(*small);
+    ASSERT_FALSE(refused.ok()) << "call " << i
+                               << " of the burst was served while the queue was full";
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+    EXPECT_TRUE(HasWord(absl::AsciiStrToLower(refused.status().message()), "queue"))
+        << refused.status();
+  }
+  ExpectBlockerAnswered(*blocker, blocked.get());
+  ExpectCorrect(*small, queued.get());
   ExpectCorrect(*small, server->client->Attend(*small));
   EXPECT_EQ(server->Stop(), absl::OkStatus());
 }
 
-// SIGTERM while requests run: the accepted ones finish (OK, or UNAVAILABLE if the server drops
-// queued work while draining), new calls are refused with UNAVAILABLE, and the server exits 0.
+// SIGTERM while one request runs and five wait: every accepted request is answered, new calls are
+// refused with UNAVAILABLE, and the server exits 0.
 TEST(ShutdownTest, SigtermDrainsInFlightRequests) {
+  constexpr int kQueued = 5;
   absl::StatusOr<RunningServer> server =
       StartServer({"--backend=cpu", "--threads=1", "--workers=1", "--shutdown_grace_s=20"});
   ASSERT_TRUE(server.ok()) << server.status();
-  absl::StatusOr<v1::AttendRequest> request = Request(kSlow, FreshSeed());
-  ASSERT_TRUE(request.ok()) << request.status();
-  constexpr int kRequests = 6;
-  std::vector<std::future<absl::StatusOr<v1::AttendResponse>>> futures;
-  for (int i = 0; i < kRequests; ++i) futures.push_back(server->client->AttendAsync(*request));
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  absl::StatusOr<Blocker> blocker = CalibratedBlocker(*server->client, absl::Seconds(1), rng);
+  ASSERT_TRUE(blocker.ok()) << blocker.status();
+  absl::StatusOr<v1::AttendRequest> small = Request(kDense, seed + 1);
+  ASSERT_TRUE(small.ok()) << small.status();
 
-  // Wait until the server has accepted every request (in flight plus finished) while several
-  // are still in flight, then stop it. Calls the server has not yet accepted when it stops are
-  // outside this test: gRPC may cancel those.
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  double inflight = 0, accepted = 0;
-  while (absl::Now() < deadline) {
-    absl::StatusOr<std::string> metrics = HttpGet(server->process->metrics_port(), "/metrics");
-    ASSERT_TRUE(metrics.ok()) << metrics.status();
-    const std::vector<MetricSample> samples = ParseMetrics(*metrics);
-    inflight = SumSamples(samples, "attention_inflight_requests");
-    accepted = inflight + SumSamples(samples, "attention_requests_total", {{"rpc", "Attend"}});
-    if (accepted >= kRequests) break;
-    absl::SleepFor(absl::Milliseconds(2));
-  }
-  ASSERT_GE(accepted, kRequests) << "the server never accepted every request";
-  ASSERT_GE(inflight, 2) << "requests finished before the test could stop the server";
+  std::future<absl::StatusOr<v1::AttendResponse>> blocked =
+      server->client->AttendAsync(blocker->request);
+  ASSERT_TRUE(WaitUntilRunning(server->process->metrics_port())) << "the blocker never ran";
+  std::vector<std::future<absl::StatusOr<v1::AttendResponse>>> queued;
+  for (int i = 0; i < kQueued; ++i) queued.push_back(server->client->AttendAsync(*small));
+  // Every call accepted (counted in flight) before the signal; calls the server has not yet
+  // accepted when it stops would be outside this test (gRPC may cancel those).
+  ASSERT_EQ(WaitForMetric(server->process->metrics_port(), "attention_inflight_requests", {},
+                          [](double v) { return v >= 1 + kQueued; }),
+            1 + kQueued);
   ASSERT_TRUE(server->process->Signal(SIGTERM).ok());
 
-  std::vector<absl::Status> errors;
-  const int ok = CheckSameAnswers(futures, {absl::StatusCode::kUnavailable}, &errors);
-  EXPECT_GE(ok, 1) << "the running request must complete";
-
-  absl::StatusOr<v1::AttendResponse> late = server->client->Attend(*request);
+  ExpectBlockerAnswered(*blocker, blocked.get());
+  for (auto& future : queued) ExpectCorrect(*small, future.get());
+  absl::StatusOr<v1::AttendResponse> late = server->client->Attend(*small);
   EXPECT_FALSE(late.ok());
   if (!late.ok()) {
     EXPECT_EQ(late.status().code(), absl::StatusCode::kUnavailable) << late.status();

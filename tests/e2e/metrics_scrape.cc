@@ -13,6 +13,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace attention::e2e {
 
@@ -119,6 +121,29 @@ bool HasSample(const std::vector<MetricSample>& samples, const std::string& name
     if (Matches(s, name, labels)) return true;
   }
   return false;
+}
+
+absl::StatusOr<double> ScrapeMetric(int metrics_port, const std::string& name,
+                                    const std::map<std::string, std::string>& labels) {
+  absl::StatusOr<std::string> text = HttpGet(metrics_port, "/metrics");
+  if (!text.ok()) return text.status();
+  return SumSamples(ParseMetrics(*text), name, labels);
+}
+
+double WaitForMetric(int metrics_port, const std::string& name,
+                     const std::map<std::string, std::string>& labels,
+                     const std::function<bool(double)>& done) {
+  double value = -1;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    absl::StatusOr<double> v = ScrapeMetric(metrics_port, name, labels);
+    if (v.ok()) {
+      value = *v;
+      if (done(value)) break;
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return value;
 }
 
 }  // namespace attention::e2e

@@ -1,7 +1,8 @@
-// Reading the server's Prometheus endpoint in tests: a minimal HTTP/1.0 GET over a socket and a
-// parser for the text exposition format.
+// Reading the server's Prometheus endpoint in tests: a minimal HTTP/1.0 GET over a socket, a
+// parser for the text exposition format, one metric read or waited for.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -29,5 +30,15 @@ double SumSamples(const std::vector<MetricSample>& samples, const std::string& n
 // Whether any sample is named `name` and has all of `labels`.
 bool HasSample(const std::vector<MetricSample>& samples, const std::string& name,
                const std::map<std::string, std::string>& labels = {});
+
+// The sum of `name`'s samples with `labels` on the server's /metrics.
+absl::StatusOr<double> ScrapeMetric(int metrics_port, const std::string& name,
+                                    const std::map<std::string, std::string>& labels = {});
+
+// Polls `name` (with `labels`) on /metrics until `done` holds for it or 30 s pass; returns the
+// last value read (-1 when no scrape succeeded).
+double WaitForMetric(int metrics_port, const std::string& name,
+                     const std::map<std::string, std::string>& labels,
+                     const std::function<bool(double)>& done);
 
 }  // namespace attention::e2e

@@ -22,8 +22,9 @@
 #include "client/attention_client.h"
 #include "client/request_builder.h"
 #include "gtest/gtest.h"
+#include "tests/e2e/blocker.h"
 #include "tests/e2e/e2e_test_util.h"
-#include "tests/reliability/reliability_util.h"
+#include "tests/e2e/metrics_scrape.h"
 
 namespace attention::reliability {
 namespace {
@@ -76,17 +77,18 @@ TEST(DeadlineTest, ExpiredAndCancelledQueuedRequestsNeverReachTheKernel) {
   ASSERT_TRUE(small.ok()) << small.status();
 
   // The blocker keeps the one worker busy for a second or two whatever the build.
-  absl::StatusOr<Blocker> blocker = CalibratedBlocker(*server->client, absl::Seconds(1.5), rng);
+  absl::StatusOr<e2e::Blocker> blocker =
+      e2e::CalibratedBlocker(*server->client, absl::Seconds(1.5), rng);
   ASSERT_TRUE(blocker.ok()) << blocker.status();
   // The counters from here on: what the calibration added is not the blocker's.
-  absl::StatusOr<double> tokens_before = ScrapeMetric(port, "attention_tokens_total");
-  absl::StatusOr<double> flops_before = ScrapeMetric(port, "attention_flops_total");
+  absl::StatusOr<double> tokens_before = e2e::ScrapeMetric(port, "attention_tokens_total");
+  absl::StatusOr<double> flops_before = e2e::ScrapeMetric(port, "attention_flops_total");
   ASSERT_TRUE(tokens_before.ok() && flops_before.ok());
 
   auto stub = v1::Attention::NewStub(server->client->channel());
   std::future<absl::StatusOr<v1::AttendResponse>> blocked =
       server->client->AttendAsync(blocker->request, {.deadline = absl::Minutes(10)});
-  ASSERT_TRUE(WaitUntilRunning(port)) << "the blocker never ran";
+  ASSERT_TRUE(e2e::WaitUntilRunning(port)) << "the blocker never ran";
 
   std::vector<std::unique_ptr<PendingCall>> expiring, cancelled;
   for (int i = 0; i < kExpiring; ++i) {
@@ -96,8 +98,8 @@ TEST(DeadlineTest, ExpiredAndCancelledQueuedRequestsNeverReachTheKernel) {
     cancelled.push_back(std::make_unique<PendingCall>(stub.get(), *small, absl::Seconds(60)));
   }
   // All ten wait in the queue before any is cancelled.
-  ASSERT_EQ(WaitForMetric(port, "attention_queue_depth", {},
-                          [](double v) { return v == kExpiring + kCancelled; }),
+  ASSERT_EQ(e2e::WaitForMetric(port, "attention_queue_depth", {},
+                               [](double v) { return v == kExpiring + kCancelled; }),
             kExpiring + kCancelled)
       << "the blocker finished before the short requests queued; it must run longer";
   for (auto& call : cancelled) call->Cancel();
@@ -122,28 +124,28 @@ TEST(DeadlineTest, ExpiredAndCancelledQueuedRequestsNeverReachTheKernel) {
     labels["code"] = code;
     return labels;
   };
-  EXPECT_EQ(WaitForMetric(port, "attention_requests_total", with_code("DEADLINE_EXCEEDED"),
-                          [](double v) { return v >= kExpiring; }),
+  EXPECT_EQ(e2e::WaitForMetric(port, "attention_requests_total", with_code("DEADLINE_EXCEEDED"),
+                               [](double v) { return v >= kExpiring; }),
             kExpiring);
-  EXPECT_EQ(WaitForMetric(port, "attention_requests_total", with_code("CANCELLED"),
-                          [](double v) { return v >= kCancelled; }),
+  EXPECT_EQ(e2e::WaitForMetric(port, "attention_requests_total", with_code("CANCELLED"),
+                               [](double v) { return v >= kCancelled; }),
             kCancelled);
   // OK: the calibration and the blocker.
-  EXPECT_EQ(WaitForMetric(port, "attention_requests_total", with_code("OK"),
-                          [](double v) { return v >= 2; }),
+  EXPECT_EQ(e2e::WaitForMetric(port, "attention_requests_total", with_code("OK"),
+                               [](double v) { return v >= 2; }),
             2);
   // The kernel saw the blocker alone: N query tokens, 4 * 16 * 64 * N * N FLOPs.
   const double blocker_tokens = *tokens_before + blocker->seqlen;
   const double blocker_flops = *flops_before + blocker->flops;
-  absl::StatusOr<double> tokens = ScrapeMetric(port, "attention_tokens_total");
-  absl::StatusOr<double> flops = ScrapeMetric(port, "attention_flops_total");
+  absl::StatusOr<double> tokens = e2e::ScrapeMetric(port, "attention_tokens_total");
+  absl::StatusOr<double> flops = e2e::ScrapeMetric(port, "attention_flops_total");
   ASSERT_TRUE(tokens.ok() && flops.ok());
   EXPECT_EQ(*tokens, blocker_tokens);
   EXPECT_EQ(*flops, blocker_flops);
 
   // A short request that is not cancelled does reach the kernel: the counters do move.
   e2e::ExpectCorrect(*small, server->client->Attend(*small));
-  tokens = ScrapeMetric(port, "attention_tokens_total");
+  tokens = e2e::ScrapeMetric(port, "attention_tokens_total");
   ASSERT_TRUE(tokens.ok());
   EXPECT_EQ(*tokens, blocker_tokens + 3);
   EXPECT_TRUE(server->process->Stop().ok());

@@ -20,6 +20,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_test_util.h"
+#include "tests/e2e/metrics_scrape.h"
 #include "tests/reliability/reliability_util.h"
 
 namespace attention::reliability {
@@ -143,7 +144,7 @@ TEST(OverloadTest, ExcessIsRefusedAtOnceAcceptedWorkIsCorrectMemoryStaysBounded)
   // Still serving, and nothing left queued.
   e2e::ExpectCorrect(requests[1], server->client->Attend(requests[1]));
   absl::StatusOr<double> depth =
-      ScrapeMetric(server->process->metrics_port(), "attention_queue_depth");
+      e2e::ScrapeMetric(server->process->metrics_port(), "attention_queue_depth");
   ASSERT_TRUE(depth.ok()) << depth.status();
   EXPECT_EQ(*depth, 0);
   EXPECT_TRUE(server->process->Stop().ok());

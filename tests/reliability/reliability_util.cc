@@ -1,7 +1,5 @@
 #include "tests/reliability/reliability_util.h"
 
-#include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -11,9 +9,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
-#include "client/request_builder.h"
-#include "tests/e2e/metrics_scrape.h"
 
 namespace attention::reliability {
 namespace {
@@ -107,69 +102,6 @@ absl::StatusOr<int64_t> ResidentBytes(pid_t pid) {
     if (std::sscanf(line.c_str(), "VmRSS: %ld kB", &kib) == 1) return kib * 1024;
   }
   return absl::NotFoundError(absl::StrCat("no VmRSS for pid ", pid));
-}
-
-absl::StatusOr<double> ScrapeMetric(int metrics_port, const std::string& name,
-                                    const std::map<std::string, std::string>& labels) {
-  absl::StatusOr<std::string> text = e2e::HttpGet(metrics_port, "/metrics");
-  if (!text.ok()) return text.status();
-  return e2e::SumSamples(e2e::ParseMetrics(*text), name, labels);
-}
-
-double WaitForMetric(int metrics_port, const std::string& name,
-                     const std::map<std::string, std::string>& labels,
-                     const std::function<bool(double)>& done) {
-  double value = -1;
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (absl::Now() < deadline) {
-    absl::StatusOr<double> v = ScrapeMetric(metrics_port, name, labels);
-    if (v.ok()) {
-      value = *v;
-      if (done(value)) break;
-    }
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return value;
-}
-
-bool WaitUntilRunning(int metrics_port) {
-  return WaitForMetric(metrics_port, "attention_device_running_batches", {},
-                       [](double v) { return v >= 1; }) >= 1;
-}
-
-absl::StatusOr<Blocker> CalibratedBlocker(client::Client& client, absl::Duration busy,
-                                          std::mt19937_64& rng) {
-  constexpr int64_t kCalibrationN = 1024;
-  absl::StatusOr<v1::AttendRequest> calibration =
-      client::MakeRandomRequest({.batch = 1,
-                                 .heads_q = 4,
-                                 .heads_kv = 4,
-                                 .seqlen_q = kCalibrationN,
-                                 .seqlen_k = kCalibrationN,
-                                 .head_dim = 16},
-                                rng);
-  if (!calibration.ok()) return calibration.status();
-  absl::StatusOr<v1::AttendResponse> calibrated = client.Attend(*calibration);
-  if (!calibrated.ok()) return calibrated.status();
-  const double flops_per_us = 4.0 * 4 * 16 * kCalibrationN * kCalibrationN /
-                              std::max(1.0, calibrated->timing().compute_us());
-  const double flops_per_token_pair = 4.0 * 16 * 64;
-  Blocker blocker;
-  blocker.seqlen =
-      std::clamp<int64_t>(static_cast<int64_t>(std::sqrt(absl::ToDoubleMicroseconds(busy) *
-                                                         flops_per_us / flops_per_token_pair)),
-                          512, 4096);
-  blocker.flops = flops_per_token_pair * static_cast<double>(blocker.seqlen * blocker.seqlen);
-  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest({.batch = 1,
-                                                                         .heads_q = 16,
-                                                                         .heads_kv = 16,
-                                                                         .seqlen_q = blocker.seqlen,
-                                                                         .seqlen_k = blocker.seqlen,
-                                                                         .head_dim = 64},
-                                                                        rng);
-  if (!request.ok()) return request.status();
-  blocker.request = *std::move(request);
-  return blocker;
 }
 
 }  // namespace attention::reliability

@@ -20,14 +20,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "attention/v1/attention.grpc.pb.h"
 #include "client/attention_client.h"
 #include "client/request_builder.h"
-#include "attention/v1/attention.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "tests/e2e/blocker.h"
 #include "tests/e2e/e2e_test_util.h"
-#include "tests/reliability/reliability_util.h"
+#include "tests/e2e/metrics_scrape.h"
 
 namespace attention::reliability {
 namespace {
@@ -37,16 +38,8 @@ using grpc::health::v1::HealthCheckResponse;
 
 // Waits until `n` requests show as in flight (attention_inflight_requests); the last value read.
 double WaitForInflight(int metrics_port, int n) {
-  return WaitForMetric(metrics_port, "attention_inflight_requests", {},
-                       [n](double v) { return v >= n; });
-}
-
-// The blocker answered: OK, its own id, an o as large as its q (see CalibratedBlocker).
-void ExpectBlockerAnswered(const Blocker& blocker,
-                           const absl::StatusOr<v1::AttendResponse>& response) {
-  ASSERT_TRUE(response.ok()) << response.status();
-  EXPECT_EQ(response->request_id(), blocker.request.request_id());
-  EXPECT_EQ(response->o().data().size(), blocker.request.q().data().size());
+  return e2e::WaitForMetric(metrics_port, "attention_inflight_requests", {},
+                            [n](double v) { return v >= n; });
 }
 
 TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
@@ -64,8 +57,8 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
   // small ([1, 2, 64, 32]) and wait behind it, so all twelve are accepted and unfinished when the
   // signal comes.
   std::mt19937_64 blocker_rng(seed);
-  absl::StatusOr<Blocker> blocker =
-      CalibratedBlocker(*server->client, absl::Seconds(2), blocker_rng);
+  absl::StatusOr<e2e::Blocker> blocker =
+      e2e::CalibratedBlocker(*server->client, absl::Seconds(2), blocker_rng);
   ASSERT_TRUE(blocker.ok()) << blocker.status();
   blocker->request.set_request_id("r0");
   const client::ProblemSpec small{.batch = 1, .heads_q = 2, .heads_kv = 1, .seqlen_q = 64,
@@ -109,7 +102,7 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
   // Phase 1: twelve requests accepted (in flight on the server) before the signal.
   std::vector<std::future<absl::StatusOr<v1::AttendResponse>>> accepted;
   accepted.push_back(server->client->AttendAsync(blocker->request));
-  ASSERT_TRUE(WaitUntilRunning(server->process->metrics_port())) << "the blocker never ran";
+  ASSERT_TRUE(e2e::WaitUntilRunning(server->process->metrics_port())) << "the blocker never ran";
   for (int i = 1; i < kAccepted; ++i) {
     accepted.push_back(server->client->AttendAsync(requests[i - 1]));
   }
@@ -157,7 +150,7 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
   ASSERT_TRUE(server->process->Signal(SIGTERM).ok());
 
   // Every request accepted before the signal completes, correctly.
-  ExpectBlockerAnswered(*blocker, accepted[0].get());
+  e2e::ExpectBlockerAnswered(*blocker, accepted[0].get());
   for (int i = 1; i < kAccepted; ++i) {
     SCOPED_TRACE(requests[i - 1].request_id());
     e2e::ExpectCorrect(requests[i - 1], accepted[i].get());
@@ -205,7 +198,8 @@ TEST(ShutdownTest, CallsArrivingDuringTheDrainGetUnavailable) {
   SCOPED_TRACE(absl::StrCat("seed ", seed));
   std::mt19937_64 rng(seed);
   // The blocker keeps the one worker busy for about two seconds: the whole drain.
-  absl::StatusOr<Blocker> blocker = CalibratedBlocker(*server->client, absl::Seconds(2), rng);
+  absl::StatusOr<e2e::Blocker> blocker =
+      e2e::CalibratedBlocker(*server->client, absl::Seconds(2), rng);
   absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(
       {.batch = 1, .heads_q = 2, .heads_kv = 1, .seqlen_q = 16, .seqlen_k = 16, .head_dim = 32},
       rng);
@@ -231,7 +225,7 @@ TEST(ShutdownTest, CallsArrivingDuringTheDrainGetUnavailable) {
   absl::Cleanup wait_for_blocker = [&] {
     if (blocked.valid()) blocked.wait();
   };
-  ASSERT_TRUE(WaitUntilRunning(server->process->metrics_port())) << "the blocker never ran";
+  ASSERT_TRUE(e2e::WaitUntilRunning(server->process->metrics_port())) << "the blocker never ran";
   ASSERT_TRUE(server->process->Signal(SIGTERM).ok());
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
   while (server->client->CheckHealth("attention.v1.Attention")
@@ -255,7 +249,7 @@ TEST(ShutdownTest, CallsArrivingDuringTheDrainGetUnavailable) {
     });
   }
   for (std::thread& t : threads) t.join();
-  ExpectBlockerAnswered(*blocker, blocked.get());
+  e2e::ExpectBlockerAnswered(*blocker, blocked.get());
 
   // Answered before the drain ended: refused by the service (or accepted just before the signal
   // took effect). Answered after: the server may be inside gRPC's own shutdown, not judged.

@@ -16,6 +16,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_test_util.h"
+#include "tests/e2e/metrics_scrape.h"
 #include "tests/e2e/server_process.h"
 #include "tests/reliability/reliability_util.h"
 
@@ -186,7 +187,7 @@ TEST_F(SecurityTest, BearerTokenGuardsEveryAttentionRpcButNotHealth) {
   // Health stays open, without any credentials.
   EXPECT_TRUE(CheckHealth(channel).ok());
 
-  absl::StatusOr<double> counted = ScrapeMetric(
+  absl::StatusOr<double> counted = e2e::ScrapeMetric(
       (*server)->metrics_port(), "attention_requests_total", {{"code", "UNAUTHENTICATED"}});
   ASSERT_TRUE(counted.ok()) << counted.status();
   EXPECT_EQ(*counted, refused);
