@@ -80,7 +80,8 @@ class Client {
                                             const CallOptions& call = {});
 
   // Starts Attend without blocking; `done` runs once, on a gRPC thread, with the result. The
-  // request is copied, so the caller may drop it at once.
+  // request is copied, so the caller may drop it at once; the call's own state is gone before
+  // `done` runs, so the Client may be destroyed as soon as the result is in (not from `done`).
   using AttendCallback = std::function<void(absl::StatusOr<v1::AttendResponse>)>;
   void AttendAsync(const v1::AttendRequest& request, AttendCallback done,
                    const CallOptions& call = {});
