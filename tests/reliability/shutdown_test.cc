@@ -36,12 +36,6 @@ namespace {
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
 
-// Waits until `n` requests show as in flight (attention_inflight_requests); the last value read.
-double WaitForInflight(int metrics_port, int n) {
-  return e2e::WaitForMetric(metrics_port, "attention_inflight_requests", {},
-                            [n](double v) { return v >= n; });
-}
-
 TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
   constexpr int kAccepted = 12;
   constexpr int kLateClients = 4;
@@ -106,7 +100,9 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
   for (int i = 1; i < kAccepted; ++i) {
     accepted.push_back(server->client->AttendAsync(requests[i - 1]));
   }
-  ASSERT_GE(WaitForInflight(server->process->metrics_port(), kAccepted), kAccepted)
+  ASSERT_GE(e2e::WaitForMetric(server->process->metrics_port(), "attention_inflight_requests", {},
+                               [](double v) { return v >= kAccepted; }),
+            kAccepted)
       << "requests never showed as in flight together; the blocker, [1, 16, " << blocker->seqlen
       << ", 64], must run longer";
 
