@@ -61,13 +61,13 @@ std::string ServiceConfigJson(const ClientOptions& options) {
     parts.push_back(absl::StrCat(R"("loadBalancingConfig":[{")", policy, R"(":{}}])"));
   }
   if (options.max_attempts > 1) {
-    parts.push_back(absl::StrCat(
-        R"("methodConfig":[{"name":[{"service":"attention.v1.Attention"},)",
-        R"({"service":"grpc.health.v1.Health"}],"retryPolicy":{"maxAttempts":)",
-        options.max_attempts, R"(,"initialBackoff":")",
-        absl::ToDoubleSeconds(options.initial_backoff), R"(s","maxBackoff":")",
-        absl::ToDoubleSeconds(options.max_backoff),
-        R"(s","backoffMultiplier":2,"retryableStatusCodes":["UNAVAILABLE"]}}])"));
+    parts.push_back(
+        absl::StrCat(R"("methodConfig":[{"name":[{"service":"attention.v1.Attention"},)",
+                     R"({"service":"grpc.health.v1.Health"}],"retryPolicy":{"maxAttempts":)",
+                     options.max_attempts, R"(,"initialBackoff":")",
+                     absl::ToDoubleSeconds(options.initial_backoff), R"(s","maxBackoff":")",
+                     absl::ToDoubleSeconds(options.max_backoff),
+                     R"(s","backoffMultiplier":2,"retryableStatusCodes":["UNAVAILABLE"]}}])"));
   }
   if (parts.empty()) return "";
   return absl::StrCat("{", absl::StrJoin(parts, ","), "}");
@@ -134,17 +134,16 @@ void Client::AttendAsync(const v1::AttendRequest& request, AttendCallback done,
     AttendCallback done;
   };
   auto* state = new Call{NewContext(call), request, {}, std::move(done)};
-  stub_->async()->Attend(state->context.get(), &state->request, &state->response,
-                         [state](grpc::Status status) {
-                           std::unique_ptr<Call> owned(state);
-                           AttendCallback done = std::move(owned->done);
-                           absl::StatusOr<v1::AttendResponse> result =
-                               status.ok()
-                                   ? absl::StatusOr<v1::AttendResponse>(std::move(owned->response))
-                                   : ToAbslStatus(status);
-                           owned.reset();
-                           done(std::move(result));
-                         });
+  stub_->async()->Attend(
+      state->context.get(), &state->request, &state->response, [state](grpc::Status status) {
+        std::unique_ptr<Call> owned(state);
+        AttendCallback done = std::move(owned->done);
+        absl::StatusOr<v1::AttendResponse> result =
+            status.ok() ? absl::StatusOr<v1::AttendResponse>(std::move(owned->response))
+                        : ToAbslStatus(status);
+        owned.reset();
+        done(std::move(result));
+      });
 }
 
 std::future<absl::StatusOr<v1::AttendResponse>> Client::AttendAsync(

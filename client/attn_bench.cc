@@ -278,8 +278,9 @@ class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> 
 
   void Complete() {
     in_flight_ = false;
-    done_(this, Completion{start_, grpc::Status::OK, rpcs_.response_bytes(response_),
-                           rpcs_.timing(response_), rpcs_.flops(response_)},
+    done_(this,
+          Completion{start_, grpc::Status::OK, rpcs_.response_bytes(response_),
+                     rpcs_.timing(response_), rpcs_.flops(response_)},
           /*retire=*/false);
   }
 
@@ -303,7 +304,7 @@ class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> 
   Resp response_;
   Clock::time_point start_;
   std::atomic<bool> in_flight_{false};  // set by Send, cleared by the callbacks
-  std::atomic<int> pending_{0};          // of the write and the read of the request in flight
+  std::atomic<int> pending_{0};         // of the write and the read of the request in flight
   std::atomic<bool> finished_{false};
   std::promise<void> ended_;
 };
@@ -334,12 +335,23 @@ double Percentile(const std::vector<double>& sorted, double p) {
 }
 
 const char* CodeName(grpc::StatusCode code) {
-  static const char* const kNames[] = {
-      "OK",          "CANCELLED",          "UNKNOWN",        "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND",    "ALREADY_EXISTS", "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",         "UNAVAILABLE",    "DATA_LOSS",
-      "UNAUTHENTICATED"};
+  static const char* const kNames[] = {"OK",
+                                       "CANCELLED",
+                                       "UNKNOWN",
+                                       "INVALID_ARGUMENT",
+                                       "DEADLINE_EXCEEDED",
+                                       "NOT_FOUND",
+                                       "ALREADY_EXISTS",
+                                       "PERMISSION_DENIED",
+                                       "RESOURCE_EXHAUSTED",
+                                       "FAILED_PRECONDITION",
+                                       "ABORTED",
+                                       "OUT_OF_RANGE",
+                                       "UNIMPLEMENTED",
+                                       "INTERNAL",
+                                       "UNAVAILABLE",
+                                       "DATA_LOSS",
+                                       "UNAUTHENTICATED"};
   const int i = static_cast<int>(code);
   return i >= 0 && i < 17 ? kNames[i] : "?";
 }
@@ -352,13 +364,11 @@ std::string ErrorsText(const std::map<grpc::StatusCode, int64_t>& errors) {
 }
 
 // Drives `settings`' load through slots made by `make_slot` and measures it.
-PhaseResult RunPhase(const std::string& name, const LoadSettings& settings,
-                     int64_t request_bytes,
+PhaseResult RunPhase(const std::string& name, const LoadSettings& settings, int64_t request_bytes,
                      const std::function<std::unique_ptr<Slot>(Slot::DoneFn)>& make_slot) {
   const Clock::time_point t0 = Clock::now();
-  const Clock::time_point measure_from =
-      t0 + std::chrono::duration_cast<Clock::duration>(
-               std::chrono::duration<double>(settings.warmup_s));
+  const Clock::time_point measure_from = t0 + std::chrono::duration_cast<Clock::duration>(
+                                                  std::chrono::duration<double>(settings.warmup_s));
   const Clock::time_point end =
       measure_from + std::chrono::duration_cast<Clock::duration>(
                          std::chrono::duration<double>(settings.duration_s));
@@ -477,8 +487,8 @@ void PrintResult(const PhaseResult& r) {
   std::printf("%s: %lld requests in %.2f s: %.1f requests/s, %.3f GB/s payload, %.4f TFLOP/s\n",
               r.name.c_str(), static_cast<long long>(r.ok), r.elapsed_s, r.requests_per_s,
               r.payload_gb_per_s, r.tflop_per_s);
-  std::printf("%s: latency ms p50 %.3f  p90 %.3f  p99 %.3f  p99.9 %.3f  max %.3f\n",
-              r.name.c_str(), r.p50 * 1e3, r.p90 * 1e3, r.p99 * 1e3, r.p999 * 1e3, r.max * 1e3);
+  std::printf("%s: latency ms p50 %.3f  p90 %.3f  p99 %.3f  p99.9 %.3f  max %.3f\n", r.name.c_str(),
+              r.p50 * 1e3, r.p90 * 1e3, r.p99 * 1e3, r.p999 * 1e3, r.max * 1e3);
   if (r.decode) {
     std::printf("%s: %.1f session-steps/s, %.1f tokens/s\n", r.name.c_str(), r.steps_per_s,
                 r.tokens_per_s);
@@ -495,11 +505,12 @@ void PrintResult(const PhaseResult& r) {
 
 std::string ResultJson(const PhaseResult& r) {
   std::vector<std::string> errors;
-  for (const auto& [code, n] : r.errors) errors.push_back(absl::StrCat("\"", CodeName(code), "\":", n));
-  const std::string decode =
-      r.decode ? absl::StrFormat(",\"steps_per_s\":%.6g,\"tokens_per_s\":%.6g", r.steps_per_s,
-                                 r.tokens_per_s)
-               : "";
+  for (const auto& [code, n] : r.errors)
+    errors.push_back(absl::StrCat("\"", CodeName(code), "\":", n));
+  const std::string decode = r.decode
+                                 ? absl::StrFormat(",\"steps_per_s\":%.6g,\"tokens_per_s\":%.6g",
+                                                   r.steps_per_s, r.tokens_per_s)
+                                 : "";
   return absl::StrFormat(
       "\"requests\":%d,\"elapsed_s\":%.6g,\"requests_per_s\":%.6g,\"payload_gb_per_s\":%.6g,"
       "\"tflop_per_s\":%.6g,\"p50\":%.6g,\"p90\":%.6g,\"p99\":%.6g,\"p999\":%.6g,\"max\":%.6g,"
@@ -557,12 +568,12 @@ absl::StatusOr<ProblemSpec> SpecFromFlags() {
 // heads and the new tokens per session per step (seqlen_q).
 int RunDecode(const ProblemSpec& spec, const LoadSettings& load, const ClientOptions& options) {
   const int64_t per_step = spec.batch;
-  const int64_t session_count = absl::GetFlag(FLAGS_sessions) > 0
-                                    ? absl::GetFlag(FLAGS_sessions)
-                                    : per_step * load.concurrency;
+  const int64_t session_count = absl::GetFlag(FLAGS_sessions) > 0 ? absl::GetFlag(FLAGS_sessions)
+                                                                  : per_step * load.concurrency;
   if (load.stream || session_count < per_step * load.concurrency) {
-    std::fprintf(stderr, "attn_bench: decode needs --rpc=unary and --sessions >= B * "
-                         "--concurrency (each Step in flight has sessions of its own)\n");
+    std::fprintf(stderr,
+                 "attn_bench: decode needs --rpc=unary and --sessions >= B * "
+                 "--concurrency (each Step in flight has sessions of its own)\n");
     return 2;
   }
   const bool append = absl::GetFlag(FLAGS_append_kv);
@@ -626,16 +637,17 @@ int RunDecode(const ProblemSpec& spec, const LoadSettings& load, const ClientOpt
   const int64_t request_bytes =
       per_step * static_cast<int64_t>(q.data().size() +
                                       (append ? new_k.data().size() + new_v.data().size() : 0));
-  std::printf("attn_bench: decode, %lld sessions, %lld per Step, Hq=%lld Hkv=%lld D=%lld %s, "
-              "%lld new tokens per session-step%s%s, concurrency %d, %s, request payload %.2f "
-              "KiB\n",
-              static_cast<long long>(session_count), static_cast<long long>(per_step),
-              static_cast<long long>(spec.heads_q), static_cast<long long>(spec.heads_kv),
-              static_cast<long long>(spec.head_dim), DTypeName(spec.dtype),
-              static_cast<long long>(spec.seqlen_q), append ? " (K/V appended)" : "",
-              spec.causal ? ", causal" : "", load.concurrency,
-              load.rate ? absl::StrCat("rate ", *load.rate, "/s").c_str() : "closed loop",
-              static_cast<double>(request_bytes) / 1024);
+  std::printf(
+      "attn_bench: decode, %lld sessions, %lld per Step, Hq=%lld Hkv=%lld D=%lld %s, "
+      "%lld new tokens per session-step%s%s, concurrency %d, %s, request payload %.2f "
+      "KiB\n",
+      static_cast<long long>(session_count), static_cast<long long>(per_step),
+      static_cast<long long>(spec.heads_q), static_cast<long long>(spec.heads_kv),
+      static_cast<long long>(spec.head_dim), DTypeName(spec.dtype),
+      static_cast<long long>(spec.seqlen_q), append ? " (K/V appended)" : "",
+      spec.causal ? ", causal" : "", load.concurrency,
+      load.rate ? absl::StrCat("rate ", *load.rate, "/s").c_str() : "closed loop",
+      static_cast<double>(request_bytes) / 1024);
 
   Rpcs<v1::StepRequest, v1::StepResponse> rpcs;
   rpcs.unary = [&](grpc::ClientContext* c, const v1::StepRequest* request,
@@ -766,8 +778,8 @@ int Main() {
       echo_only ? absl::GetFlag(FLAGS_target) : absl::GetFlag(FLAGS_echo_target);
   if (!echo_target.empty()) {
     echo_stub = bench::Echo::NewStub(channel_for(echo_target));
-    echo_rpcs.unary = [&](grpc::ClientContext* c, const bench::EchoRequest* q,
-                          bench::EchoReply* r, std::function<void(grpc::Status)> f) {
+    echo_rpcs.unary = [&](grpc::ClientContext* c, const bench::EchoRequest* q, bench::EchoReply* r,
+                          std::function<void(grpc::Status)> f) {
       echo_stub->async()->Echo(c, q, r, std::move(f));
     };
     echo_rpcs.stream = [&](grpc::ClientContext* c,
@@ -789,11 +801,10 @@ int Main() {
                                v1::AttendResponse* r, std::function<void(grpc::Status)> f) {
       attention_stub->async()->Attend(c, q, r, std::move(f));
     };
-    attention_rpcs.stream =
-        [&](grpc::ClientContext* c,
-            grpc::ClientBidiReactor<v1::AttendRequest, v1::AttendResponse>* r) {
-          attention_stub->async()->AttendStream(c, r);
-        };
+    attention_rpcs.stream = [&](grpc::ClientContext* c,
+                                grpc::ClientBidiReactor<v1::AttendRequest, v1::AttendResponse>* r) {
+      attention_stub->async()->AttendStream(c, r);
+    };
     attention_rpcs.response_bytes = [](const v1::AttendResponse& r) {
       return static_cast<int64_t>(r.o().data().size() + r.lse().data().size());
     };
@@ -812,12 +823,14 @@ int Main() {
     const PhaseResult& a = results[0];
     const PhaseResult& e = results[1];
     const double ratio = e.payload_gb_per_s > 0 ? a.payload_gb_per_s / e.payload_gb_per_s : 0;
-    std::printf("attention/echo: payload GB/s ratio %.3f, p50 - echo p50 = %.1f us "
-                "(server compute p50 %.1f us)\n",
-                ratio, (a.p50 - e.p50) * 1e6, a.compute_us_p50);
-    json = absl::StrCat("{", ResultJson(a), ",\"echo\":{", ResultJson(e),
-                        absl::StrFormat("},\"payload_ratio_vs_echo\":%.6g,\"p50_minus_echo_s\":%.6g}",
-                                        ratio, a.p50 - e.p50));
+    std::printf(
+        "attention/echo: payload GB/s ratio %.3f, p50 - echo p50 = %.1f us "
+        "(server compute p50 %.1f us)\n",
+        ratio, (a.p50 - e.p50) * 1e6, a.compute_us_p50);
+    json =
+        absl::StrCat("{", ResultJson(a), ",\"echo\":{", ResultJson(e),
+                     absl::StrFormat("},\"payload_ratio_vs_echo\":%.6g,\"p50_minus_echo_s\":%.6g}",
+                                     ratio, a.p50 - e.p50));
   } else {
     json = absl::StrCat("{", ResultJson(results[0]), "}");
   }

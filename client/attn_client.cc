@@ -282,9 +282,9 @@ absl::Status ApplySecurityFlags(ClientOptions& options) {
   }
   if (absl::GetFlag(FLAGS_tls) || !ca.empty() || !cert.empty()) {
     ClientOptions::Tls tls;
-    for (auto [path, pem] : {std::pair{&ca, &tls.root_certs_pem},
-                             std::pair{&cert, &tls.client_cert_pem},
-                             std::pair{&key, &tls.client_key_pem}}) {
+    for (auto [path, pem] :
+         {std::pair{&ca, &tls.root_certs_pem}, std::pair{&cert, &tls.client_cert_pem},
+          std::pair{&key, &tls.client_key_pem}}) {
       if (path->empty()) continue;
       absl::StatusOr<std::string> text = ReadSmallFile(*path);
       if (!text.ok()) return text.status();

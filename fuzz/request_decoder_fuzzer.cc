@@ -14,8 +14,8 @@
 #include <cstdlib>
 
 #include "absl/status/statusor.h"
-#include "google/protobuf/stubs/logging.h"
 #include "attention/v1/attention.pb.h"
+#include "google/protobuf/stubs/logging.h"
 #include "kernels/attention_params.h"
 #include "kernels/cpu/cpu_attention.h"
 #include "server/request_decoder.h"
@@ -74,7 +74,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       attention::server::DecodeRequest(request, options, &response);
   if (!decoded.ok()) {
     const absl::StatusCode code = decoded.status().code();
-    if (code != absl::StatusCode::kInvalidArgument && code != absl::StatusCode::kResourceExhausted) {
+    if (code != absl::StatusCode::kInvalidArgument &&
+        code != absl::StatusCode::kResourceExhausted) {
       Fail("a refusal that is neither INVALID_ARGUMENT nor RESOURCE_EXHAUSTED");
     }
     if (decoded.status().message().empty()) Fail("a refusal without a message");

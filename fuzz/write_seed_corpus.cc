@@ -41,11 +41,11 @@ AttendRequest Dense(DType dtype, int64_t b, int64_t hq, int64_t hkv, int64_t nq,
   AttendRequest r;
   r.set_request_id("seed");
   if (bshd) r.set_layout(attention::v1::LAYOUT_BSHD);
-  SetTensor(r.mutable_q(), dtype, bshd ? std::vector<int64_t>{b, nq, hq, d}
-                                       : std::vector<int64_t>{b, hq, nq, d});
+  SetTensor(r.mutable_q(), dtype,
+            bshd ? std::vector<int64_t>{b, nq, hq, d} : std::vector<int64_t>{b, hq, nq, d});
   for (Tensor* t : {r.mutable_k(), r.mutable_v()}) {
-    SetTensor(t, dtype, bshd ? std::vector<int64_t>{b, nk, hkv, d}
-                             : std::vector<int64_t>{b, hkv, nk, d});
+    SetTensor(t, dtype,
+              bshd ? std::vector<int64_t>{b, nk, hkv, d} : std::vector<int64_t>{b, hkv, nk, d});
   }
   return r;
 }

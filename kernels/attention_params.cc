@@ -8,9 +8,12 @@ size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
   }
   return "unknown";
 }
@@ -53,9 +56,8 @@ absl::Status CheckParams(const AttentionParams& p) {
         p.heads_kv, " seqlen_q=", p.seqlen_q, " seqlen_k=", p.seqlen_k, " head_dim=", p.head_dim));
   }
   if (p.heads_q % p.heads_kv != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("heads_q (", p.heads_q,
-                                                   ") must be a multiple of heads_kv (",
-                                                   p.heads_kv, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "heads_q (", p.heads_q, ") must be a multiple of heads_kv (", p.heads_kv, ")"));
   }
   if ((p.cu_seqlens_q == nullptr) != (p.cu_seqlens_k == nullptr)) {
     return absl::InvalidArgumentError("cu_seqlens_q and cu_seqlens_k must be set together");

@@ -58,7 +58,7 @@ struct PagedDecodeParams {
 
   const void* q = nullptr;
   void* o = nullptr;
-  float* lse = nullptr;  // nullptr: not computed
+  float* lse = nullptr;                   // nullptr: not computed
   const int32_t* cu_seqlens_q = nullptr;  // [num_seqs + 1]
   int64_t total_q = 0;                    // cu_seqlens_q[num_seqs]
   int64_t max_seqlen_q = 0;

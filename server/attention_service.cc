@@ -190,9 +190,7 @@ class AttentionService::StreamReactor final
   }
 
   // Needs mu_.
-  bool Ending() const {
-    return finished_ || reads_done_ || cancelled_ || !status_.ok();
-  }
+  bool Ending() const { return finished_ || reads_done_ || cancelled_ || !status_.ok(); }
 
   // Starts whatever the state allows: the next write, the next read, or Finish. Needs mu_.
   void Advance() {
@@ -219,10 +217,10 @@ class AttentionService::StreamReactor final
   grpc::CallbackServerContext* const context_;
   std::mutex mu_;  // guards all below; a pthread lock, which ThreadSanitizer sees
   std::shared_ptr<StreamReactor> self_;
-  std::unique_ptr<Exchange> reading_;  // the read outstanding, if any
-  std::unique_ptr<Exchange> writing_;  // the write outstanding, if any
+  std::unique_ptr<Exchange> reading_;            // the read outstanding, if any
+  std::unique_ptr<Exchange> writing_;            // the write outstanding, if any
   std::deque<std::unique_ptr<Exchange>> ready_;  // answered, to be written
-  int in_flight_ = 0;  // in Process, not yet answered
+  int in_flight_ = 0;                            // in Process, not yet answered
   bool reads_done_ = false;
   bool cancelled_ = false;
   bool finished_ = false;

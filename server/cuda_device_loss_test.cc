@@ -47,12 +47,13 @@ TEST(CudaDeviceLossTest, AStickyErrorTakesTheDeviceOutOfService) {
   std::vector<std::unique_ptr<Executor>> executors;
   executors.push_back(*std::move(made));
   int lost_calls = 0, in_service_after = -1;
-  Scheduler scheduler(std::move(executors),
-                      {.workers = 1, .on_device_lost = [&](const DeviceDescription&,
-                                                           const absl::Status&, int in_service) {
-                         ++lost_calls;
-                         in_service_after = in_service;
-                       }});
+  Scheduler scheduler(
+      std::move(executors),
+      {.workers = 1,
+       .on_device_lost = [&](const DeviceDescription&, const absl::Status&, int in_service) {
+         ++lost_calls;
+         in_service_after = in_service;
+       }});
   SmallRequest request;
   JobResult healthy = RunJob(scheduler, request.params);
   ASSERT_TRUE(healthy.status.ok()) << healthy.status;

@@ -23,8 +23,8 @@ struct StageTimes {
 
 // What a device is, for GetServerInfo and metrics labels.
 struct DeviceDescription {
-  std::string name;                // "cpu", "cuda:0"
-  std::string description;         // CPU model or GPU name
+  std::string name;         // "cpu", "cuda:0"
+  std::string description;  // CPU model or GPU name
   int64_t memory_bytes = 0;
   int multiprocessors = 0;         // SMs, or CPU cores
   std::string compute_capability;  // "9.0"; empty for the CPU

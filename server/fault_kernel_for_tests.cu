@@ -1,8 +1,8 @@
 // A kernel that writes through an invalid device pointer: the "sticky" CUDA error (the context is
 // unusable until the process exits) that the device-loss test needs.
-#include "server/fault_kernel_for_tests.h"
-
 #include <cstdint>
+
+#include "server/fault_kernel_for_tests.h"
 
 namespace attention::server {
 namespace {

@@ -37,8 +37,8 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -167,20 +167,18 @@ absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
   if (o.fraction == 0 && o.bytes == 0) return devices;
   for (const auto& executor : executors) {
     const DeviceDescription& device = executor->device();
-    const std::string asked =
-        o.bytes > 0 ? absl::StrCat("--kv_cache_bytes ", o.bytes)
-                    : absl::StrCat("--kv_cache_fraction ", o.fraction, " of ", device.name, "'s ",
-                                   device.memory_bytes, " bytes");
+    const std::string asked = o.bytes > 0
+                                  ? absl::StrCat("--kv_cache_bytes ", o.bytes)
+                                  : absl::StrCat("--kv_cache_fraction ", o.fraction, " of ",
+                                                 device.name, "'s ", device.memory_bytes, " bytes");
     const double room = (1 - request_fraction) * static_cast<double>(device.memory_bytes);
     if (static_cast<double>(o.bytes) > room) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(asked, ": more than the ", static_cast<int64_t>(room), " bytes of ",
-                       device.name, " left beside the request buffers (--device_memory_fraction ",
-                       request_fraction, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          asked, ": more than the ", static_cast<int64_t>(room), " bytes of ", device.name,
+          " left beside the request buffers (--device_memory_fraction ", request_fraction, ")"));
     }
-    const double cache_bytes =
-        o.bytes > 0 ? static_cast<double>(o.bytes)
-                    : o.fraction * static_cast<double>(device.memory_bytes);
+    const double cache_bytes = o.bytes > 0 ? static_cast<double>(o.bytes)
+                                           : o.fraction * static_cast<double>(device.memory_bytes);
     const int64_t pages = static_cast<int64_t>(cache_bytes / static_cast<double>(o.page_bytes));
     if (pages < 1 || pages > std::numeric_limits<int32_t>::max()) {
       return absl::InvalidArgumentError(
@@ -259,9 +257,9 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
   // On a GPU both are carved out of the same memory (the CPU backend ignores the first).
   if (o.backend != "cpu" && o.kv_cache.bytes == 0 &&
       o.cuda.memory_fraction + o.kv_cache.fraction > 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--device_memory_fraction ", o.cuda.memory_fraction, " + --kv_cache_fraction ",
-        o.kv_cache.fraction, ": expected a sum of at most 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device_memory_fraction ", o.cuda.memory_fraction, " + --kv_cache_fraction ",
+                     o.kv_cache.fraction, ": expected a sum of at most 1"));
   }
   return absl::OkStatus();
 }
@@ -415,8 +413,8 @@ int Run(ServerOptions options, const sigset_t& stop_signals) {
                options.security.tls_cert.empty()
                    ? "plaintext"
                    : (options.security.tls_client_ca.empty() ? "TLS" : "mutual TLS"),
-               options.service.auth_token.empty() ? "" : ", bearer token required",
-               *metrics_port, options.backend.c_str());
+               options.service.auth_token.empty() ? "" : ", bearer token required", *metrics_port,
+               options.backend.c_str());
 
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);

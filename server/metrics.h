@@ -74,8 +74,7 @@ class Metrics {
   void StagesObserved(absl::Duration queued, const StageTimes& stages);
   // `launch_size`: the requests in the launch this one led, observed once per launch; 0 for the
   // other requests of a batch.
-  void Computed(const std::string& device, double flops, int64_t query_tokens,
-                int launch_size = 1);
+  void Computed(const std::string& device, double flops, int64_t query_tokens, int launch_size = 1);
   void SetQueueDepth(int depth);
   void SetDeviceMemoryTotal(const std::string& device, int64_t bytes);
 

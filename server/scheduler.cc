@@ -217,8 +217,7 @@ void Scheduler::RunBatch(std::vector<Queued> batch) {
   const absl::Time start = absl::Now();
   if (slot == nullptr) {
     for (Queued& queued : batch) {
-      std::move(queued.first.done)(
-          JobResult{.status = no_device, .queued = start - queued.second});
+      std::move(queued.first.done)(JobResult{.status = no_device, .queued = start - queued.second});
     }
     return;
   }

@@ -35,8 +35,7 @@ struct SchedulerOptions {
   absl::Duration max_queue_delay = absl::ZeroDuration();
   // Told when an executor is taken out of rotation (its Health failed after a run), with the
   // number of executors still in service. May be empty.
-  std::function<void(const DeviceDescription&, const absl::Status&, int in_service)>
-      on_device_lost;
+  std::function<void(const DeviceDescription&, const absl::Status&, int in_service)> on_device_lost;
 };
 
 // What happened to a job. `device` is the executor's device when the job ran, else nullptr.

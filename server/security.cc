@@ -19,7 +19,8 @@ absl::StatusOr<std::string> ReadFile(absl::string_view flag, const std::string& 
   if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
   std::string contents((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
-  if (contents.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " is empty"));
+  if (contents.empty())
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " is empty"));
   return contents;
 }
 
@@ -50,7 +51,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   if (!key.ok()) return key.status();
 
   grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  ssl.pem_key_cert_pairs.push_back({.private_key = *std::move(key), .cert_chain = *std::move(cert)});
+  ssl.pem_key_cert_pairs.push_back(
+      {.private_key = *std::move(key), .cert_chain = *std::move(cert)});
   if (!options.tls_client_ca.empty()) {
     absl::StatusOr<std::string> ca = ReadFile("--tls_client_ca", options.tls_client_ca);
     if (!ca.ok()) return ca.status();
@@ -71,9 +73,9 @@ absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
   for (char c : token) {
     // gRPC metadata values are printable ASCII; a space would split "Bearer <token>".
     if (c <= 0x20 || c >= 0x7f) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--auth_token_file: the token in ", path,
-          " must be printable ASCII without spaces (as in RFC 6750's token68)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--auth_token_file: the token in ", path,
+                       " must be printable ASCII without spaces (as in RFC 6750's token68)"));
     }
   }
   return token;

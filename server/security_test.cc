@@ -76,25 +76,24 @@ TEST(CheckBearerTokenTest, RefusesMissingOrWrongCredentials) {
       {{"authorization", ""}},
       {{"authorization", "Bearer"}},
       {{"authorization", "Bearer "}},
-      {{"authorization", "Bearer abc12"}},      // a prefix
-      {{"authorization", "Bearer abc1234"}},    // longer
-      {{"authorization", "Bearer abc124"}},     // last character differs
-      {{"authorization", "Bearer  abc123"}},    // two spaces
-      {{"authorization", "Basic abc123"}},      // another scheme
-      {{"authorization", "abc123"}},            // no scheme
+      {{"authorization", "Bearer abc12"}},    // a prefix
+      {{"authorization", "Bearer abc1234"}},  // longer
+      {{"authorization", "Bearer abc124"}},   // last character differs
+      {{"authorization", "Bearer  abc123"}},  // two spaces
+      {{"authorization", "Basic abc123"}},    // another scheme
+      {{"authorization", "abc123"}},          // no scheme
   };
   for (const Metadata& metadata : refused) {
     absl::Status status = CheckBearerToken(metadata, "abc123");
     EXPECT_EQ(status.code(), absl::StatusCode::kUnauthenticated)
-        << (metadata.empty() ? std::string("(none)")
-                             : std::string(metadata.begin()->second.data(),
-                                           metadata.begin()->second.size()));
+        << (metadata.empty()
+                ? std::string("(none)")
+                : std::string(metadata.begin()->second.data(), metadata.begin()->second.size()));
   }
 }
 
 TEST(MakeServerCredentialsTest, PlaintextWithoutCertificate) {
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      MakeServerCredentials({});
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeServerCredentials({});
   ASSERT_TRUE(credentials.ok()) << credentials.status();
   EXPECT_NE(*credentials, nullptr);
 }
@@ -108,11 +107,12 @@ TEST(MakeServerCredentialsTest, RefusesIncompleteFlagSets) {
               HasSubstr("--tls_cert and --tls_key must be given together"));
   EXPECT_THAT(MakeServerCredentials({.tls_client_ca = pem}).status().message(),
               HasSubstr("--tls_client_ca needs --tls_cert and --tls_key"));
-  EXPECT_THAT(
-      MakeServerCredentials({.tls_cert = pem, .tls_key = "/nonexistent/key.pem"}).status().message(),
-      HasSubstr("--tls_key: cannot read /nonexistent/key.pem"));
-  EXPECT_THAT(MakeServerCredentials({.tls_cert = pem, .tls_key = pem,
-                                     .tls_client_ca = files.Write("empty.pem", "")})
+  EXPECT_THAT(MakeServerCredentials({.tls_cert = pem, .tls_key = "/nonexistent/key.pem"})
+                  .status()
+                  .message(),
+              HasSubstr("--tls_key: cannot read /nonexistent/key.pem"));
+  EXPECT_THAT(MakeServerCredentials(
+                  {.tls_cert = pem, .tls_key = pem, .tls_client_ca = files.Write("empty.pem", "")})
                   .status()
                   .message(),
               HasSubstr("--tls_client_ca: "));

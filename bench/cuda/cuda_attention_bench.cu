@@ -19,8 +19,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -174,9 +174,9 @@ int Sweep(int argc, char** argv) {
       Candidate<64, 128, 64, 4>(),       Candidate<64, 64, 64, 4>(),
       Candidate<64, 128, 64, 4, true>(), Candidate<64, 64, 64, 4, true>(),
       Candidate<64, 64, 128, 4>(),       Candidate<64, 64, 128, 4, true>()};
-  const std::vector<std::pair<std::string, Runner>> d128 = {
-      Candidate<128, 128, 64, 4>(), Candidate<128, 128, 64, 4, true>(),
-      Candidate<128, 128, 32, 4>()};
+  const std::vector<std::pair<std::string, Runner>> d128 = {Candidate<128, 128, 64, 4>(),
+                                                            Candidate<128, 128, 64, 4, true>(),
+                                                            Candidate<128, 128, 32, 4>()};
   for (const Shape& s : shapes) {
     for (const auto& [label, run] : s.d == 64 ? d64 : d128) {
       if (!TimeShape(s, run, label)) return 1;
@@ -208,8 +208,7 @@ int main(int argc, char** argv) {
     const int64_t d = std::atoll(argv[3]), n = std::atoll(argv[4]);
     shapes.push_back({dt, 16384 / n, 2048 / d, n, d, std::strcmp(argv[5], "true") == 0});
   } else {
-    std::fprintf(stderr, "usage: %s grid|fp32|one {float16|bfloat16} D N {true|false}\n",
-                 argv[0]);
+    std::fprintf(stderr, "usage: %s grid|fp32|one {float16|bfloat16} D N {true|false}\n", argv[0]);
     return 2;
   }
   for (const Shape& s : shapes) {

@@ -75,9 +75,8 @@ int main(int argc, char** argv) {
   const int max_bytes = absl::GetFlag(FLAGS_max_message_mb) * (1 << 20);
   int port = 0;
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(
-      absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
-      grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
+                           grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(max_bytes);
   builder.SetMaxSendMessageSize(max_bytes);
   builder.RegisterService(&service);

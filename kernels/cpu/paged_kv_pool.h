@@ -11,6 +11,6 @@
 namespace attention::cpu {
 
 absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int64_t num_pages, int64_t page_bytes,
-                                                            int threads);
+                                                           int threads);
 
 }  // namespace attention::cpu

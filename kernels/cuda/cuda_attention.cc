@@ -29,24 +29,26 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   if (absl::Status s = CheckParams(p); !s.ok()) return s;
   if (p.head_dim % 8 != 0 || p.head_dim > kMaxHeadDim) {
     return absl::UnimplementedError(
-        absl::StrCat("head_dim ", p.head_dim, " is not implemented by the cuda backend (it takes "
-                     "multiples of 8 up to ", kMaxHeadDim, ")"));
+        absl::StrCat("head_dim ", p.head_dim,
+                     " is not implemented by the cuda backend (it takes "
+                     "multiples of 8 up to ",
+                     kMaxHeadDim, ")"));
   }
   constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
-  if (p.seqlen_q > kMaxInt || p.seqlen_k > kMaxInt || p.total_q > kMaxInt ||
-      p.total_k > kMaxInt || p.heads_q > kMaxGridYZ || p.batch > kMaxGridYZ) {
+  if (p.seqlen_q > kMaxInt || p.seqlen_k > kMaxInt || p.total_q > kMaxInt || p.total_k > kMaxInt ||
+      p.heads_q > kMaxGridYZ || p.batch > kMaxGridYZ) {
     return absl::UnimplementedError(absl::StrCat(
-        "the cuda backend takes at most ", kMaxGridYZ, " heads and batch items and 2^31-1 rows; "
-        "got batch=", p.batch, " heads_q=", p.heads_q, " seqlen_q=", p.seqlen_q,
-        " seqlen_k=", p.seqlen_k));
+        "the cuda backend takes at most ", kMaxGridYZ,
+        " heads and batch items and 2^31-1 rows; "
+        "got batch=",
+        p.batch, " heads_q=", p.heads_q, " seqlen_q=", p.seqlen_q, " seqlen_k=", p.seqlen_k));
   }
   // 16-byte cp.async and vector stores: every row, head and batch start must be 16-byte aligned
   // (true for contiguous tensors with head_dim % 8 == 0 from cudaMalloc).
   const int64_t elems16 = 16 / static_cast<int64_t>(DTypeSize(p.dtype));
-  const int64_t strides[] = {p.q_batch_stride, p.q_head_stride, p.q_row_stride,
-                             p.k_batch_stride, p.k_head_stride, p.k_row_stride,
-                             p.v_batch_stride, p.v_head_stride, p.v_row_stride,
-                             p.o_batch_stride, p.o_head_stride, p.o_row_stride};
+  const int64_t strides[] = {p.q_batch_stride, p.q_head_stride,  p.q_row_stride,   p.k_batch_stride,
+                             p.k_head_stride,  p.k_row_stride,   p.v_batch_stride, p.v_head_stride,
+                             p.v_row_stride,   p.o_batch_stride, p.o_head_stride,  p.o_row_stride};
   bool aligned = Aligned16(p.q) && Aligned16(p.k) && Aligned16(p.v) && Aligned16(p.o);
   for (int64_t s : strides) aligned = aligned && s % elems16 == 0;
   if (!aligned) {
@@ -98,13 +100,19 @@ absl::Status Forward(const AttentionParams& p, cudaStream_t stream) {
   const KernelParams& k = *kp;
   cudaError_t err = cudaSuccess;
   switch (p.dtype) {
-    case DType::kFloat16: err = LaunchFlashForwardF16(k, stream); break;
-    case DType::kBFloat16: err = LaunchFlashForwardBF16(k, stream); break;
-    case DType::kFloat32: err = LaunchForwardF32(k, stream); break;
+    case DType::kFloat16:
+      err = LaunchFlashForwardF16(k, stream);
+      break;
+    case DType::kBFloat16:
+      err = LaunchFlashForwardBF16(k, stream);
+      break;
+    case DType::kFloat32:
+      err = LaunchForwardF32(k, stream);
+      break;
   }
   if (err != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("cuda backend: ", cudaGetErrorName(err), ": ",
-                                            cudaGetErrorString(err)));
+    return absl::InternalError(
+        absl::StrCat("cuda backend: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
   }
   return absl::OkStatus();
 }

@@ -1,4 +1,5 @@
-// bfloat16 instantiations of the tensor-core kernel (flash_forward_kernel.cuh has the design notes).
+// bfloat16 instantiations of the tensor-core kernel (flash_forward_kernel.cuh has the design
+// notes).
 #include "kernels/cuda/flash_forward_launch.cuh"
 #include "kernels/cuda/launchers.h"
 

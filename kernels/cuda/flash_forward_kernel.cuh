@@ -74,7 +74,7 @@ struct FlashTile {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kMSteps = kBr / (16 * kWarps);  // 16-row blocks per warp
   static constexpr int kChunkElems = 16 / sizeof(T);
-  static constexpr int kChunks = kD / kChunkElems;     // 16-byte chunks per row
+  static constexpr int kChunks = kD / kChunkElems;  // 16-byte chunks per row
   static constexpr int kRowBytes = kD * sizeof(T);
   // true: the key-tile step compiled twice, with and without the element mask, each one straight
   // block (more code, more registers live at once: D=128 spills); false: one copy that branches
@@ -110,8 +110,8 @@ __device__ __forceinline__ uint32_t PairOffset(uint32_t lane_off, int j) {
 // and chunks >= d_chunks are zero-filled). Thread i copies chunk i % kChunks of rows
 // i / kChunks + j * (kThreads / kChunks), so one pointer advanced by a constant serves all j.
 template <typename Tile, int kRows, typename T>
-__device__ __forceinline__ void LoadTile(uint32_t smem, const T* src, int64_t row_stride,
-                                         int row0, int n_rows, int d_chunks) {
+__device__ __forceinline__ void LoadTile(uint32_t smem, const T* src, int64_t row_stride, int row0,
+                                         int n_rows, int d_chunks) {
   constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
   static_assert(Tile::kThreads % Tile::kChunks == 0 && kRows % kRowStep == 0,
                 "whole rows per pass");
@@ -161,14 +161,13 @@ __device__ __forceinline__ void NegateTile(uint32_t smem) {
 }
 
 template <typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads)
-    FlashForwardKernel(const KernelParams p) {
+__global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const KernelParams p) {
   using T = typename Tile::Element;
   constexpr bool kF32 = Tile::kF32;
   constexpr int kD = Tile::kD, kBr = Tile::kBr, kBc = Tile::kBc, kRowBytes = Tile::kRowBytes;
   constexpr int kMSteps = Tile::kMSteps;
-  constexpr int kNTiles = kBc / 8;  // 8-key column tiles of S
-  constexpr int kDTiles = kD / 8;   // 8-wide column tiles of O
+  constexpr int kNTiles = kBc / 8;            // 8-key column tiles of S
+  constexpr int kDTiles = kD / 8;             // 8-wide column tiles of O
   constexpr int kKSteps = Tile::kChunks / 2;  // k-steps of Q K^T (two chunks each)
   constexpr int kTileBytes = kBc * kRowBytes;
   constexpr int kBlockBytes = 16 * kRowBytes;  // one 16-row block of a tile
@@ -433,10 +432,9 @@ __global__ void __launch_bounds__(Tile::kThreads)
         for (int ms = 0; ms < kMSteps; ++ms)
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
-            const uint32_t x[4] = {__float_as_uint(acc_s[ms][nt][0]),
-                                   __float_as_uint(acc_s[ms][nt][2]),
-                                   __float_as_uint(acc_s[ms][nt][1]),
-                                   __float_as_uint(acc_s[ms][nt][3])};
+            const uint32_t x[4] = {
+                __float_as_uint(acc_s[ms][nt][0]), __float_as_uint(acc_s[ms][nt][2]),
+                __float_as_uint(acc_s[ms][nt][1]), __float_as_uint(acc_s[ms][nt][3])};
             pa[ms][nt] = Split(x);
           }
 #pragma unroll

@@ -18,23 +18,35 @@ namespace attention::cuda {
 template <typename T, int kD>
 struct FlashTileFor;
 template <typename T>
-struct FlashTileFor<T, 64> { using Tile = FlashTile<T, 64, 128, 64, 4>; };
+struct FlashTileFor<T, 64> {
+  using Tile = FlashTile<T, 64, 128, 64, 4>;
+};
 template <typename T>
-struct FlashTileFor<T, 128> { using Tile = FlashTile<T, 128, 128, 64, 4>; };
+struct FlashTileFor<T, 128> {
+  using Tile = FlashTile<T, 128, 128, 64, 4>;
+};
 template <typename T>
-struct FlashTileFor<T, 256> { using Tile = FlashTile<T, 256, 64, 32, 4>; };
+struct FlashTileFor<T, 256> {
+  using Tile = FlashTile<T, 256, 64, 32, 4>;
+};
 template <>
-struct FlashTileFor<float, 64> { using Tile = FlashTile<float, 64, 64, 64, 4>; };
+struct FlashTileFor<float, 64> {
+  using Tile = FlashTile<float, 64, 64, 64, 4>;
+};
 template <>
-struct FlashTileFor<float, 128> { using Tile = FlashTile<float, 128, 64, 32, 4>; };
+struct FlashTileFor<float, 128> {
+  using Tile = FlashTile<float, 128, 64, 32, 4>;
+};
 template <>
-struct FlashTileFor<float, 256> { using Tile = FlashTile<float, 256, 64, 16, 4>; };
+struct FlashTileFor<float, 256> {
+  using Tile = FlashTile<float, 256, 64, 16, 4>;
+};
 
 template <typename Tile>
 cudaError_t LaunchFlashTile(const KernelParams& p, cudaStream_t stream) {
   auto* kernel = FlashForwardKernel<Tile>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Tile::kSmemBytes);
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.seqlen_q + Tile::kBr - 1) / Tile::kBr, p.heads_q, p.batch);
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);

@@ -30,9 +30,10 @@
 // at 32k (4.26), 959.5 us at 128k (4.48); 1.07x / 1.02x / 1.00x of torch SDPA's cuDNN backend in
 // the same run (0.9998x at 128k; 1.005x in another). A plain read of the same K/V bytes
 // (decode_bench's roofline anchor) takes 38.0 / 259.1 / 975.5 us: from 32k on the step reads at
-// least at the anchor's rate; at 4k ~12 of its 47 us are outside the key loop (launch 2.8, ~6 until the first tiles land, ~1.3 epilogue, ~1.7 for
-// the cluster merge, which the ticket merge took ~4.5 for). v1 (per-row page-table reads, two
-// waves of splits, a combine loading one split at a time) ran 0.66-0.69x of cuDNN.
+// least at the anchor's rate; at 4k ~12 of its 47 us are outside the key loop (launch 2.8, ~6 until
+// the first tiles land, ~1.3 epilogue, ~1.7 for the cluster merge, which the ticket merge took ~4.5
+// for). v1 (per-row page-table reads, two waves of splits, a combine loading one split at a time)
+// ran 0.66-0.69x of cuDNN.
 #pragma once
 
 #include <cooperative_groups.h>

@@ -155,8 +155,8 @@ class CudaKvPagePool : public KvPagePool {
     // Scratch: the inputs q | cu_seqlens_q | seqlens_k | page_table (one copy from staging laid
     // out the same), then the outputs o | lse, then the kernels' workspace.
     StepLayout l;
-    const size_t sizes[7] = {
-        q_bytes, cu_bytes, lens_bytes, table_bytes, q_bytes, lse_bytes, plan->workspace_bytes};
+    const size_t sizes[7] = {q_bytes, cu_bytes,  lens_bytes,           table_bytes,
+                             q_bytes, lse_bytes, plan->workspace_bytes};
     for (int i = 0; i < 7; ++i) l.offsets[i + 1] = l.offsets[i] + RoundUp(sizes[i]);
     if (absl::Status s = Reserve(l.offsets[7]); !s.ok()) return s;
     if (absl::Status s = ReserveTickets(plan->tickets); !s.ok()) return s;

@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "gtest/gtest.h"
 #include "attention/v1/attention.pb.h"
 #include "client/attention_client.h"
 #include "client/request_builder.h"
+#include "gtest/gtest.h"
 #include "tests/e2e/server_process.h"
 
 namespace attention::e2e {

@@ -49,7 +49,8 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   const std::string log_file = dir + "/server.log";
 
   // ATTENTION_E2E_SERVER and ATTENTION_E2E_EXTRA_FLAGS (space-separated, after the test's own
-  // flags, so they win) let the same tests run elsewhere, e.g. against --backend=cuda on a GPU host.
+  // flags, so they win) let the same tests run elsewhere, e.g. against --backend=cuda on a GPU
+  // host.
   const char* binary_override = std::getenv("ATTENTION_E2E_SERVER");
   std::vector<std::string> args = {binary_override != nullptr ? binary_override : options.binary,
                                    "--host=127.0.0.1", "--port=0", "--metrics_port=0",

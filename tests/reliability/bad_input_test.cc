@@ -32,21 +32,31 @@
 namespace attention::reliability {
 namespace {
 
-using ::testing::HasSubstr;
 using client::ProblemSpec;
 using e2e::FreshSeed;
 using e2e::RunningServer;
 using e2e::StartServer;
+using ::testing::HasSubstr;
 
 // Dense: q [2, 4, 16, 32], k and v [2, 2, 24, 32], float32, BHSD.
-const ProblemSpec kDense{.batch = 2, .heads_q = 4, .heads_kv = 2, .seqlen_q = 16, .seqlen_k = 24,
-                         .head_dim = 32};
+const ProblemSpec kDense{
+    .batch = 2, .heads_q = 4, .heads_kv = 2, .seqlen_q = 16, .seqlen_k = 24, .head_dim = 32};
 // BSHD: q [1, 8, 2, 16], k and v [1, 12, 2, 16], bfloat16.
-const ProblemSpec kBshd{.batch = 1, .heads_q = 2, .heads_kv = 2, .seqlen_q = 8, .seqlen_k = 12,
-                        .head_dim = 16, .dtype = v1::DTYPE_BFLOAT16, .layout = v1::LAYOUT_BSHD};
+const ProblemSpec kBshd{.batch = 1,
+                        .heads_q = 2,
+                        .heads_kv = 2,
+                        .seqlen_q = 8,
+                        .seqlen_k = 12,
+                        .head_dim = 16,
+                        .dtype = v1::DTYPE_BFLOAT16,
+                        .layout = v1::LAYOUT_BSHD};
 // Varlen: q [10, 2, 16] with cu_seqlens_q {0, 3, 10}; k and v [12, 2, 16] with {0, 5, 12}.
-const ProblemSpec kVarlen{.heads_q = 2, .heads_kv = 2, .head_dim = 16, .dtype = v1::DTYPE_FLOAT16,
-                          .varlen_q = {3, 7}, .varlen_k = {5, 7}};
+const ProblemSpec kVarlen{.heads_q = 2,
+                          .heads_kv = 2,
+                          .head_dim = 16,
+                          .dtype = v1::DTYPE_FLOAT16,
+                          .varlen_q = {3, 7},
+                          .varlen_k = {5, 7}};
 
 constexpr int kLimitMiB = 1;  // the server's --max_message_mb
 
@@ -82,7 +92,8 @@ std::vector<BadInput> BadInputs() {
       {"MissingQ", &kDense, [](R r) { r->clear_q(); }, kInvalid, "q: expected a tensor, got none"},
       {"MissingK", &kDense, [](R r) { r->clear_k(); }, kInvalid, "k: expected a tensor, got none"},
       {"MissingV", &kDense, [](R r) { r->clear_v(); }, kInvalid, "v: expected a tensor, got none"},
-      {"EmptyRequest", &kDense, [](R r) { r->Clear(); }, kInvalid, "q: expected a tensor, got none"},
+      {"EmptyRequest", &kDense, [](R r) { r->Clear(); }, kInvalid,
+       "q: expected a tensor, got none"},
       {"EmptyTensorQ", &kDense,
        [](R r) {
          r->mutable_q()->clear_shape();
@@ -95,13 +106,17 @@ std::vector<BadInput> BadInputs() {
          r->mutable_k()->Clear();
          r->mutable_v()->Clear();
        },
-       kInvalid, "q.dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16, got "
-                 "DTYPE_UNSPECIFIED"},
+       kInvalid,
+       "q.dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16, got "
+       "DTYPE_UNSPECIFIED"},
       // Dims.
       {"ZeroSeqlenK", &kDense, [](R r) { r->mutable_k()->set_shape(2, 0); }, kInvalid,
        "k.shape[2]: expected > 0, got 0"},
-      {"ZeroBatch", &kDense, [](R r) { Reshape(r->mutable_q(), {0, 4, 16, 32}); }, kInvalid,
-       "q.shape[0]: expected > 0, got 0"},
+      {"ZeroBatch", &kDense,
+       [](R r) {
+         Reshape(r->mutable_q(), {0, 4, 16, 32});
+       },
+       kInvalid, "q.shape[0]: expected > 0, got 0"},
       {"NegativeDim", &kDense, [](R r) { r->mutable_v()->set_shape(1, -2); }, kInvalid,
        "v.shape[1]: expected > 0, got -2"},
       {"NegativeHugeDim", &kDense,
@@ -111,8 +126,9 @@ std::vector<BadInput> BadInputs() {
        [](R r) {
          for (int i = 0; i < 4; ++i) r->mutable_q()->set_shape(i, int64_t{1} << 20);
        },
-       kInvalid, "q.shape: expected a size that fits int64, got [1048576, 1048576, 1048576, "
-                 "1048576] (overflows)"},
+       kInvalid,
+       "q.shape: expected a size that fits int64, got [1048576, 1048576, 1048576, "
+       "1048576] (overflows)"},
       {"DimsOverflowWithElementSize", &kDense,
        [](R r) {
          // 2^61 elements fit int64, 2^61 * 4 bytes do not.
@@ -129,18 +145,31 @@ std::vector<BadInput> BadInputs() {
        [](R r) { r->mutable_k()->mutable_data()->append(r->k().data()); }, kInvalid,
        "k.data: expected 768 bytes (shape [1, 12, 2, 16] x 2 bytes), got 1536"},
       // Rank.
-      {"Rank3WhereDense4", &kDense, [](R r) { Reshape(r->mutable_q(), {2, 4, 512}); }, kInvalid,
-       "q.shape: expected rank 4 ([B, H, N, D] for LAYOUT_BHSD), got rank 3 [2, 4, 512]"},
-      {"Rank5WhereDense4", &kDense, [](R r) { Reshape(r->mutable_k(), {2, 2, 24, 32, 1}); },
+      {"Rank3WhereDense4", &kDense,
+       [](R r) {
+         Reshape(r->mutable_q(), {2, 4, 512});
+       },
+       kInvalid, "q.shape: expected rank 4 ([B, H, N, D] for LAYOUT_BHSD), got rank 3 [2, 4, 512]"},
+      {"Rank5WhereDense4", &kDense,
+       [](R r) {
+         Reshape(r->mutable_k(), {2, 2, 24, 32, 1});
+       },
        kInvalid, "k.shape: expected rank 4 ([B, H, N, D] for LAYOUT_BHSD), got rank 5"},
-      {"Rank3WhereBshd4", &kBshd, [](R r) { Reshape(r->mutable_v(), {12, 2, 16}); }, kInvalid,
-       "v.shape: expected rank 4 ([B, N, H, D] for LAYOUT_BSHD), got rank 3"},
-      {"Rank4WhereVarlen3", &kVarlen, [](R r) { Reshape(r->mutable_q(), {1, 10, 2, 16}); },
+      {"Rank3WhereBshd4", &kBshd,
+       [](R r) {
+         Reshape(r->mutable_v(), {12, 2, 16});
+       },
+       kInvalid, "v.shape: expected rank 4 ([B, N, H, D] for LAYOUT_BSHD), got rank 3"},
+      {"Rank4WhereVarlen3", &kVarlen,
+       [](R r) {
+         Reshape(r->mutable_q(), {1, 10, 2, 16});
+       },
        kInvalid, "q.shape: expected rank 3 ([total, H, D] with cu_seqlens), got rank 4"},
       // DTypes.
       {"DTypeUnspecified", &kDense, [](R r) { r->mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); },
-       kInvalid, "q.dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16, got "
-                 "DTYPE_UNSPECIFIED"},
+       kInvalid,
+       "q.dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16, got "
+       "DTYPE_UNSPECIFIED"},
       {"DTypeUnknown", &kDense, [](R r) { r->mutable_q()->set_dtype(static_cast<v1::DType>(42)); },
        kInvalid, "got unknown dtype 42"},
       {"DTypeMismatchK", &kDense, [](R r) { r->mutable_k()->set_dtype(v1::DTYPE_BFLOAT16); },
@@ -188,8 +217,11 @@ std::vector<BadInput> BadInputs() {
          Reshape(r->mutable_v(), {1, 2, 24, 32});
        },
        kInvalid, "k.shape[0] (batch): expected 2 (as q), got 1"},
-      {"KAndVDiffer", &kDense, [](R r) { Reshape(r->mutable_v(), {2, 2, 23, 32}); }, kInvalid,
-       "v.shape: expected [2, 2, 24, 32] (as k), got [2, 2, 23, 32]"},
+      {"KAndVDiffer", &kDense,
+       [](R r) {
+         Reshape(r->mutable_v(), {2, 2, 23, 32});
+       },
+       kInvalid, "v.shape: expected [2, 2, 24, 32] (as k), got [2, 2, 23, 32]"},
       // cu_seqlens.
       {"CuSeqlensNotMonotonic", &kVarlen,
        [](R r) {
@@ -236,8 +268,10 @@ std::vector<BadInput> BadInputs() {
        "window_right: expected >= 0 (absent = unbounded), got -7"},
       // Sizes: the gRPC message limit itself, and the response the request would need.
       {"MessageOverLimit", &kDense,
-       [](R r) { Reshape(r->mutable_q(), {2, 4, 16 * 1024, 32}); }, kExhausted,
-       "larger than max"},
+       [](R r) {
+         Reshape(r->mutable_q(), {2, 4, 16 * 1024, 32});
+       },
+       kExhausted, "larger than max"},
       {"ResponseOverLimit", &kDense,
        [](R r) {
          // q [1, 1, 200000, 1] float16 is 0.4 MB, its LSE 0.8 MB: under 1 MiB in, over it out.
@@ -327,8 +361,8 @@ TEST(GarbageBytesTest, UnparseableMessageIsRefusedAndServerKeepsServing) {
   grpc::GenericStub stub(server->client->channel());
   // Field 2 (q) announced as 100 bytes long, then 3 bytes: a truncated message.
   const std::string garbage = "\x12\x64\x01\x02\x03";
-  for (const char* method : {"/attention.v1.Attention/Attend",
-                             "/attention.v1.Attention/GetServerInfo"}) {
+  for (const char* method :
+       {"/attention.v1.Attention/Attend", "/attention.v1.Attention/GetServerInfo"}) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     grpc::Slice slice(garbage);

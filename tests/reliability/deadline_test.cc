@@ -71,8 +71,8 @@ TEST(DeadlineTest, ExpiredAndCancelledQueuedRequestsNeverReachTheKernel) {
   std::mt19937_64 rng(seed);
 
   // The queued ones: q [1, 2, 3, 16]: 3 query tokens each, easy to tell apart in the counters.
-  const client::ProblemSpec short_spec{.batch = 1, .heads_q = 2, .heads_kv = 2, .seqlen_q = 3,
-                                       .seqlen_k = 5, .head_dim = 16};
+  const client::ProblemSpec short_spec{
+      .batch = 1, .heads_q = 2, .heads_kv = 2, .seqlen_q = 3, .seqlen_k = 5, .head_dim = 16};
   absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(short_spec, rng);
   ASSERT_TRUE(small.ok()) << small.status();
 

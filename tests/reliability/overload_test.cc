@@ -32,9 +32,8 @@ TEST(OverloadTest, ExcessIsRefusedAtOnceAcceptedWorkIsCorrectMemoryStaysBounded)
   constexpr int kClients = 48;
   constexpr int kRequestsPerClient = 4;
   constexpr int kMaxQueue = 2;
-  absl::StatusOr<e2e::RunningServer> server =
-      e2e::StartServer({"--backend=cpu", "--threads=1", "--workers=1",
-                        absl::StrCat("--max_queue=", kMaxQueue)});
+  absl::StatusOr<e2e::RunningServer> server = e2e::StartServer(
+      {"--backend=cpu", "--threads=1", "--workers=1", absl::StrCat("--max_queue=", kMaxQueue)});
   ASSERT_TRUE(server.ok()) << server.status();
   const uint64_t seed = e2e::FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
@@ -45,8 +44,12 @@ TEST(OverloadTest, ExcessIsRefusedAtOnceAcceptedWorkIsCorrectMemoryStaysBounded)
   constexpr int kDistinct = 4;
   std::vector<v1::AttendRequest> requests;
   for (int i = 0; i < kDistinct; ++i) {
-    const client::ProblemSpec spec{.batch = 1, .heads_q = 1, .heads_kv = 1, .seqlen_q = 4096,
-                                   .seqlen_k = 4096 - 100 * i, .head_dim = 4};
+    const client::ProblemSpec spec{.batch = 1,
+                                   .heads_q = 1,
+                                   .heads_kv = 1,
+                                   .seqlen_q = 4096,
+                                   .seqlen_k = 4096 - 100 * i,
+                                   .head_dim = 4};
     std::mt19937_64 rng(seed + i);
     absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(spec, rng);
     ASSERT_TRUE(request.ok()) << request.status();
@@ -126,8 +129,8 @@ TEST(OverloadTest, ExcessIsRefusedAtOnceAcceptedWorkIsCorrectMemoryStaysBounded)
   const int64_t growth = rss_peak.load() - *rss_before;
   // Bound: every client's message in memory at once twice over (wire buffer and parsed copy),
   // plus the response of each admitted request, plus 64 MiB for threads and allocator slack.
-  int64_t bound = 2 * kClients * request_bytes + (kMaxQueue + 1) * request_bytes +
-                  (int64_t{64} << 20);
+  int64_t bound =
+      2 * kClients * request_bytes + (kMaxQueue + 1) * request_bytes + (int64_t{64} << 20);
 #if defined(__SANITIZE_ADDRESS__)
   // AddressSanitizer holds freed memory in a quarantine (256 MiB by default) before reuse.
   bound += int64_t{256} << 20;

@@ -40,9 +40,9 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
   constexpr int kAccepted = 12;
   constexpr int kLateClients = 4;
   constexpr int kGraceSeconds = 20;
-  absl::StatusOr<e2e::RunningServer> server = e2e::StartServer(
-      {"--backend=cpu", "--threads=1", "--workers=1", "--max_queue=64",
-       absl::StrCat("--shutdown_grace_s=", kGraceSeconds)});
+  absl::StatusOr<e2e::RunningServer> server =
+      e2e::StartServer({"--backend=cpu", "--threads=1", "--workers=1", "--max_queue=64",
+                        absl::StrCat("--shutdown_grace_s=", kGraceSeconds)});
   ASSERT_TRUE(server.ok()) << server.status();
   const uint64_t seed = e2e::FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
@@ -55,8 +55,13 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
       e2e::CalibratedBlocker(*server->client, absl::Seconds(2), blocker_rng);
   ASSERT_TRUE(blocker.ok()) << blocker.status();
   blocker->request.set_request_id("r0");
-  const client::ProblemSpec small{.batch = 1, .heads_q = 2, .heads_kv = 1, .seqlen_q = 64,
-                                  .seqlen_k = 80, .head_dim = 32, .return_lse = true};
+  const client::ProblemSpec small{.batch = 1,
+                                  .heads_q = 2,
+                                  .heads_kv = 1,
+                                  .seqlen_q = 64,
+                                  .seqlen_k = 80,
+                                  .head_dim = 32,
+                                  .return_lse = true};
   std::vector<v1::AttendRequest> requests;  // [i - 1] is request i: 1..11 accepted, then late
   for (int i = 1; i < kAccepted + kLateClients; ++i) {
     std::mt19937_64 rng(seed + i);

@@ -102,8 +102,8 @@ TEST(SoakTest, EveryResponseMatchesItsOwnRequest) {
           responses.emplace(batch[0].request_id(), client.Attend(batch[0]));
         }
         for (size_t i = 0; i < batch.size(); ++i) {
-          SCOPED_TRACE(absl::StrCat(batch[i].request_id(), ": ",
-                                    client::DescribeProblem(specs[i])));
+          SCOPED_TRACE(
+              absl::StrCat(batch[i].request_id(), ": ", client::DescribeProblem(specs[i])));
           auto it = responses.find(batch[i].request_id());
           if (it == responses.end()) {
             ADD_FAILURE() << "no response carries this request_id";
@@ -117,12 +117,12 @@ TEST(SoakTest, EveryResponseMatchesItsOwnRequest) {
   }
   for (std::thread& t : clients) t.join();
   EXPECT_GT(checked.load(), 0);
-  std::printf("soak: %d clients, %s, %lld responses checked against their own reference "
-              "(%.0f/s), %s\n",
-              kClients, absl::FormatDuration(duration).c_str(),
-              static_cast<long long>(checked.load()),
-              checked.load() / absl::ToDoubleSeconds(duration),
-              ::testing::Test::HasFailure() ? "FAILED" : "all correct");
+  std::printf(
+      "soak: %d clients, %s, %lld responses checked against their own reference "
+      "(%.0f/s), %s\n",
+      kClients, absl::FormatDuration(duration).c_str(), static_cast<long long>(checked.load()),
+      checked.load() / absl::ToDoubleSeconds(duration),
+      ::testing::Test::HasFailure() ? "FAILED" : "all correct");
   EXPECT_TRUE(server->process->Stop().ok());
 }
 

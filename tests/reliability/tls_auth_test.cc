@@ -171,12 +171,9 @@ TEST_F(SecurityTest, BearerTokenGuardsEveryAttentionRpcButNotHealth) {
   EXPECT_TRUE(good.info.ok()) << good.info.error_message();
 
   int refused = 0;
-  for (const std::optional<std::string>& authorization :
-       std::vector<std::optional<std::string>>{std::nullopt,
-                                               "Bearer wrong",
-                                               absl::StrCat("Bearer ", kToken, "x"),
-                                               absl::StrCat("Basic ", kToken),
-                                               std::string(kToken)}) {
+  for (const std::optional<std::string>& authorization : std::vector<std::optional<std::string>>{
+           std::nullopt, "Bearer wrong", absl::StrCat("Bearer ", kToken, "x"),
+           absl::StrCat("Basic ", kToken), std::string(kToken)}) {
     SCOPED_TRACE(authorization.value_or("(no authorization metadata)"));
     RpcStatuses bad = CallEveryRpc(channel, authorization, request);
     for (const grpc::Status& s : {bad.attend, bad.stream, bad.info}) {
