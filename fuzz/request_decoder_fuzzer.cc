@@ -18,7 +18,7 @@
 #include "google/protobuf/stubs/logging.h"
 #include "kernels/attention_params.h"
 #include "kernels/cpu/cpu_attention.h"
-#include "server/request_decoder.h"
+#include "server/requests/request_decoder.h"
 
 namespace {
 

@@ -46,13 +46,13 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "server/attention_service.h"
-#include "server/executor.h"
-#include "server/metrics.h"
-#include "server/scheduler.h"
-#include "server/security.h"
-#include "server/session_service.h"
-#include "server/session_store.h"
+#include "server/executors/executor.h"
+#include "server/metrics/metrics.h"
+#include "server/scheduling/scheduler.h"
+#include "server/service/attention_service.h"
+#include "server/service/security.h"
+#include "server/service/session_service.h"
+#include "server/sessions/session_store.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on (gRPC and metrics).");
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one.");

@@ -37,8 +37,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kernels/cuda/cuda_attention.h"
-#include "server/executor.h"
-#include "server/scheduler.h"
+#include "server/executors/executor.h"
+#include "server/scheduling/scheduler.h"
 
 ABSL_FLAG(std::string, shape, "4,16,4096,128", "B,H,N,D (BHSD)");
 ABSL_FLAG(std::string, dtype, "bfloat16", "float32 | float16 | bfloat16");

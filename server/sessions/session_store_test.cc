@@ -1,6 +1,6 @@
 // The session store (session_store.h) over small CPU page pools: allocation, exhaustion, TTL
 // expiry on a fake clock, owners, drop, device choice and concurrent appends to one session.
-#include "server/session_store.h"
+#include "server/sessions/session_store.h"
 
 #include <atomic>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "server/request_decoder.h"
+#include "server/requests/request_decoder.h"
 
 #include <cmath>
 #include <cstring>

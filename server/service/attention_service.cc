@@ -1,4 +1,4 @@
-#include "server/attention_service.h"
+#include "server/service/attention_service.h"
 
 #include <deque>
 #include <memory>
@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/security.h"
+#include "server/service/security.h"
 
 namespace attention::server {
 

@@ -9,11 +9,11 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/executor.h"
-#include "server/fault_kernel_for_tests.h"
-#include "server/notification_for_tests.h"
-#include "server/scheduler.h"
-#include "server/small_request_for_tests.h"
+#include "server/executors/executor.h"
+#include "server/scheduling/scheduler.h"
+#include "server/testing/fault_kernel_for_tests.h"
+#include "server/testing/notification_for_tests.h"
+#include "server/testing/small_request_for_tests.h"
 
 namespace attention::server {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/metrics.h"
+#include "server/metrics/metrics.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -15,9 +15,9 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/notification_for_tests.h"
-#include "server/run_gate_for_tests.h"
-#include "server/scheduler.h"
+#include "server/scheduling/scheduler.h"
+#include "server/testing/notification_for_tests.h"
+#include "server/testing/run_gate_for_tests.h"
 
 namespace attention::server {
 namespace {

@@ -2,7 +2,7 @@
 // unusable until the process exits) that the device-loss test needs.
 #include <cstdint>
 
-#include "server/fault_kernel_for_tests.h"
+#include "server/testing/fault_kernel_for_tests.h"
 
 namespace attention::server {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/scheduler.h"
+#include "server/scheduling/scheduler.h"
 
 #include <atomic>
 #include <memory>
@@ -8,8 +8,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/notification_for_tests.h"
-#include "server/run_gate_for_tests.h"
+#include "server/testing/notification_for_tests.h"
+#include "server/testing/run_gate_for_tests.h"
 
 namespace attention::server {
 namespace {

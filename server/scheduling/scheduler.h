@@ -23,7 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "kernels/attention_params.h"
-#include "server/executor.h"
+#include "server/executors/executor.h"
 
 namespace attention::server {
 

@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/host_runner.h"
 #include "kernels/cuda/paged_kv_pool.h"
-#include "server/executor.h"
+#include "server/executors/executor.h"
 
 namespace attention::server {
 namespace {

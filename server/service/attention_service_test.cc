@@ -1,7 +1,7 @@
 // The service over real loopback gRPC, in process: one request end to end against the float64
 // reference, and the stream's ordering, error, cancellation and drain behaviour with executors
 // that copy or block.
-#include "server/attention_service.h"
+#include "server/service/attention_service.h"
 
 #include <cmath>
 #include <cstring>
@@ -23,7 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/reference/reference_attention.h"
-#include "server/run_gate_for_tests.h"
+#include "server/testing/run_gate_for_tests.h"
 
 namespace attention::server {
 namespace {

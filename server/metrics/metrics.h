@@ -26,8 +26,8 @@
 #include "prometheus/histogram.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
-#include "server/executor.h"
-#include "server/scheduler.h"
+#include "server/executors/executor.h"
+#include "server/scheduling/scheduler.h"
 
 namespace attention::server {
 

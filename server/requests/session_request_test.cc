@@ -1,7 +1,7 @@
 // Checks of Sessions requests (session_request.h): each malformed field is refused
 // INVALID_ARGUMENT with a message naming the field, the expected and the actual value; valid
 // rows come out with the strides of their layout.
-#include "server/session_request.h"
+#include "server/requests/session_request.h"
 
 #include <string>
 #include <vector>

@@ -1,6 +1,6 @@
 // CUDA entry points for builds without the CUDA toolkit: no devices, and a clear error when one is
 // asked for anyway.
-#include "server/executor.h"
+#include "server/executors/executor.h"
 
 namespace attention::server {
 

@@ -11,7 +11,7 @@
 #include "absl/strings/string_view.h"
 #include "attention/v1/attention.pb.h"
 #include "kernels/paged_kv.h"
-#include "server/session_store.h"
+#include "server/sessions/session_store.h"
 
 namespace attention::server {
 

@@ -1,4 +1,4 @@
-#include "server/session_service.h"
+#include "server/service/session_service.h"
 
 #include <algorithm>
 #include <cstring>
@@ -7,9 +7,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "server/attention_service.h"
-#include "server/request_decoder.h"
-#include "server/security.h"
+#include "server/requests/request_decoder.h"
+#include "server/service/attention_service.h"
+#include "server/service/security.h"
 
 namespace attention::server {
 namespace {

@@ -15,9 +15,9 @@
 #include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "server/metrics.h"
-#include "server/request_decoder.h"
-#include "server/scheduler.h"
+#include "server/metrics/metrics.h"
+#include "server/requests/request_decoder.h"
+#include "server/scheduling/scheduler.h"
 
 namespace attention::server {
 

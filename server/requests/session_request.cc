@@ -1,10 +1,10 @@
-#include "server/session_request.h"
+#include "server/requests/session_request.h"
 
 #include <set>
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "server/request_decoder.h"
+#include "server/requests/request_decoder.h"
 
 namespace attention::server {
 

@@ -1,4 +1,4 @@
-#include "server/security.h"
+#include "server/service/security.h"
 
 #include <cstdlib>
 #include <filesystem>

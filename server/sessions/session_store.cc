@@ -1,4 +1,4 @@
-#include "server/session_store.h"
+#include "server/sessions/session_store.h"
 
 #include <sys/random.h>
 
@@ -10,7 +10,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "server/metrics.h"
+#include "server/metrics/metrics.h"
 
 namespace attention::server {
 namespace {

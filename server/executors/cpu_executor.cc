@@ -13,7 +13,7 @@
 #include "absl/time/clock.h"
 #include "kernels/cpu/cpu_attention.h"
 #include "kernels/cpu/paged_kv_pool.h"
-#include "server/executor.h"
+#include "server/executors/executor.h"
 
 namespace attention::server {
 namespace {

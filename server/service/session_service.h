@@ -24,9 +24,9 @@
 #include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "server/metrics.h"
-#include "server/session_request.h"
-#include "server/session_store.h"
+#include "server/metrics/metrics.h"
+#include "server/requests/session_request.h"
+#include "server/sessions/session_store.h"
 
 namespace attention::server {
 

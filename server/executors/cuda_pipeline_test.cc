@@ -12,8 +12,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/host_runner.h"
-#include "server/executor.h"
-#include "server/small_request_for_tests.h"
+#include "server/executors/executor.h"
+#include "server/testing/small_request_for_tests.h"
 #include "tests/kernels/attention_test_grid.h"
 
 namespace attention::server {
