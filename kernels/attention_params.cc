@@ -1,5 +1,7 @@
 #include "kernels/attention_params.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace attention {
@@ -67,6 +69,19 @@ absl::Status CheckParams(const AttentionParams& p) {
                                                    p.window_left, ", ", p.window_right));
   }
   return absl::OkStatus();
+}
+
+int64_t VisibleKeyPairs(int64_t nq, int64_t nk, int64_t window_left, int64_t window_right) {
+  int64_t pairs = 0;
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t diagonal = i + nk - nq;
+    const int64_t lo =
+        window_left == kUnboundedWindow ? 0 : std::max<int64_t>(0, diagonal - window_left);
+    const int64_t hi =
+        window_right == kUnboundedWindow ? nk - 1 : std::min(nk - 1, diagonal + window_right);
+    pairs += std::max<int64_t>(0, hi - lo + 1);
+  }
+  return pairs;
 }
 
 }  // namespace attention

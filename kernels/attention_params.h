@@ -79,4 +79,9 @@ struct AttentionParams {
 // Requests are validated with clearer messages in the server; this guards direct callers.
 absl::Status CheckParams(const AttentionParams& p);
 
+// (query row, key) pairs of one sequence with nq queries and nk keys under the bottom-right
+// aligned window: row i sees keys max(0, i+nk-nq-left) .. min(nk-1, i+nk-nq+right). FLOPs of the
+// sequence are 4 * Hq * D * pairs.
+int64_t VisibleKeyPairs(int64_t nq, int64_t nk, int64_t window_left, int64_t window_right);
+
 }  // namespace attention

@@ -157,7 +157,8 @@ absl::Status CheckKvCacheOptions(const KvCacheOptions& o) {
   return absl::OkStatus();
 }
 
-// One KV page pool per executor's device: `bytes` (or fraction * memory) / page_bytes pages.
+// One KV page pool per executor, kept by the executor: `bytes` (or fraction * memory) /
+// page_bytes pages. The store's device d is executor d.
 // Empty when both are 0 or the backend keeps no pages (its executor answers UNIMPLEMENTED).
 // `request_fraction` is the share of each device's memory its request buffers may hold beside.
 absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
@@ -185,8 +186,7 @@ absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
           absl::StrCat(asked, " gives ", pages, " pages of --kv_page_bytes ", o.page_bytes,
                        "; expected 1 to 2^31-1 (or 0 for no sessions)"));
     }
-    absl::StatusOr<std::unique_ptr<KvPagePool>> pool =
-        executor->CreateKvPagePool(pages, o.page_bytes);
+    absl::StatusOr<KvPagePool*> pool = executor->InitKvPool(pages, o.page_bytes);
     if (absl::IsUnimplemented(pool.status())) {
       std::fprintf(stderr, "attention_server: no KV sessions: %s\n",
                    pool.status().ToString().c_str());
@@ -194,7 +194,7 @@ absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
     }
     if (!pool.ok()) return pool.status();
     devices.push_back(KvDevice{.name = device.name,
-                               .pool = *std::move(pool),
+                               .pool = *pool,
                                .health = [e = executor.get()] { return e->Health(); }});
   }
   return devices;
@@ -353,7 +353,8 @@ int Run(ServerOptions options, const sigset_t& stop_signals) {
                       [&metrics](int depth) { metrics.SetQueueDepth(depth); });
   // Declared after the scheduler, so it stops sampling the scheduler before the scheduler goes.
   const std::unique_ptr<Metrics::SchedulerWatch> watch = metrics.Watch(scheduler);
-  AttentionService service(options.service, &scheduler, &metrics);
+  DrainGate drain;
+  AttentionService service(options.service, &scheduler, &metrics, &drain);
   std::unique_ptr<SessionStore> session_store;
   if (!kv_devices->empty()) {
     session_store = std::make_unique<SessionStore>(
@@ -365,9 +366,8 @@ int Run(ServerOptions options, const sigset_t& stop_signals) {
           .max_message_bytes = options.service.max_message_bytes,
           .max_head_dim = options.service.max_head_dim,
           .auth_token = options.service.auth_token,
-          .workers = std::max(2, options.scheduler.workers),
           .sweep_interval = std::min(absl::Seconds(1), absl::Seconds(options.kv_cache.ttl_s) / 4)},
-      session_store.get(), &metrics);
+      session_store.get(), &scheduler, &metrics, &drain);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -423,13 +423,12 @@ int Run(ServerOptions options, const sigset_t& stop_signals) {
   health->SetServingStatus("", false);
   health->SetServingStatus(kServiceName, false);
   health->SetServingStatus(kSessionsServiceName, false);
-  service.StartDraining();
-  sessions.StartDraining();
+  drain.StartDraining();
   // The service drains first, with the server still up: requests arriving meanwhile are answered
   // UNAVAILABLE by the service. (gRPC's own Shutdown cancels calls that arrive after it began, so
   // a client would read CANCELLED, and it waits for idle connections until its deadline.)
   const absl::Time grace_end = absl::Now() + absl::Seconds(options.shutdown_grace_s);
-  const bool drained = service.AwaitDrained(grace_end) && sessions.AwaitDrained(grace_end);
+  const bool drained = drain.AwaitDrained(grace_end);
   // Then a linger, still refusing: the answers in transit go out, and a client whose call was
   // among the last answered, and which sends its next one at once, is refused by the service
   // rather than cancelled by gRPC's shutdown.

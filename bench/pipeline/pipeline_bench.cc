@@ -249,7 +249,7 @@ int Main() {
         bool done = false;
         server::JobResult result;
         server::Job job;
-        job.params = mine;
+        job.work = mine;
         job.done = [&](server::JobResult r) {
           std::lock_guard<std::mutex> lock(mu);
           result = std::move(r);

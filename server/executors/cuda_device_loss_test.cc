@@ -25,7 +25,7 @@ JobResult RunJob(Scheduler& scheduler, const AttentionParams& params) {
   Notification done;
   JobResult result;
   Job job;
-  job.params = params;
+  job.work = params;
   job.done = [&](JobResult r) {
     result = std::move(r);
     done.Notify();

@@ -64,11 +64,6 @@ class CudaExecutor final : public Executor {
     return ToStageTimes(runner_->Run(host_params));
   }
 
-  // The KV pages of sessions: one device allocation, decode steps by the split-KV kernels.
-  absl::StatusOr<std::unique_ptr<KvPagePool>> CreateKvPagePool(int64_t num_pages,
-                                                               int64_t page_bytes) override {
-    return cuda::MakeKvPagePool(ordinal_, num_pages, page_bytes);
-  }
 
   bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) const override {
     return cuda::CanShareLaunch(a, b);
@@ -81,6 +76,13 @@ class CudaExecutor final : public Executor {
     }
     absl::StatusOr<StageTimes> times = ToStageTimes(runner_->RunBatch(items));
     return std::vector<absl::StatusOr<StageTimes>>(items.size(), times);
+  }
+
+ protected:
+  // The KV pages of sessions: one device allocation, decode steps by the split-KV kernels.
+  absl::StatusOr<std::unique_ptr<KvPagePool>> CreateKvPagePool(int64_t num_pages,
+                                                               int64_t page_bytes) override {
+    return cuda::MakeKvPagePool(ordinal_, num_pages, page_bytes);
   }
 
  private:

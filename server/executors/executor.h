@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "kernels/attention_params.h"
 #include "kernels/paged_kv.h"
@@ -72,12 +73,27 @@ class Executor {
   // Thread-safe.
   virtual absl::Status Health() { return absl::OkStatus(); }
 
-  // A pool of `num_pages` KV pages of `page_bytes` on this device, for KV-resident sessions.
-  // Called once at startup; RESOURCE_EXHAUSTED when the device cannot hold it.
+  // Creates this executor's pool of `num_pages` KV pages of `page_bytes` for KV-resident sessions
+  // and keeps it: the sessions' store writes rows into it, and RunDecode attends to them. Called
+  // once at startup, before the executor runs work; RESOURCE_EXHAUSTED when the device cannot hold
+  // it, UNIMPLEMENTED when the backend keeps no pages. The pool lives as long as the executor.
+  absl::StatusOr<KvPagePool*> InitKvPool(int64_t num_pages, int64_t page_bytes);
+  // The pool InitKvPool made, or nullptr.
+  KvPagePool* kv_pool() const { return kv_pool_.get(); }
+
+  // Runs one decode/extend step over sequences already in this executor's KV pool (host pointers,
+  // see kernels/paged_kv.h) and returns when o (and lse) are written. Thread-safe.
+  absl::StatusOr<StageTimes> RunDecode(const PagedDecodeParams& host_params);
+
+ protected:
+  // The backend's page pool; InitKvPool keeps what it returns.
   virtual absl::StatusOr<std::unique_ptr<KvPagePool>> CreateKvPagePool(int64_t num_pages,
                                                                        int64_t page_bytes) {
     return absl::UnimplementedError("this executor keeps no KV pages");
   }
+
+ private:
+  std::unique_ptr<KvPagePool> kv_pool_;
 };
 
 // The CPU backend's executor, `threads` compute threads (0 = all cores).

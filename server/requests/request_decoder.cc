@@ -100,21 +100,6 @@ absl::Status CheckCuSeqlens(absl::string_view name,
   return absl::OkStatus();
 }
 
-// (query row, key) pairs an item with nq queries and nk keys computes under the bottom-right
-// aligned window: row i sees keys max(0, i+nk-nq-left) .. min(nk-1, i+nk-nq+right).
-int64_t VisiblePairs(int64_t nq, int64_t nk, int64_t window_left, int64_t window_right) {
-  int64_t pairs = 0;
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t diagonal = i + nk - nq;
-    const int64_t lo =
-        window_left == kUnboundedWindow ? 0 : std::max<int64_t>(0, diagonal - window_left);
-    const int64_t hi =
-        window_right == kUnboundedWindow ? nk - 1 : std::min(nk - 1, diagonal + window_right);
-    pairs += std::max<int64_t>(0, hi - lo + 1);
-  }
-  return pairs;
-}
-
 }  // namespace
 
 absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
@@ -240,14 +225,14 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
       const int64_t nk = request.cu_seqlens_k(b + 1) - request.cu_seqlens_k(b);
       p.seqlen_q = std::max(p.seqlen_q, nq);
       p.seqlen_k = std::max(p.seqlen_k, nk);
-      visible_pairs += VisiblePairs(nq, nk, p.window_left, p.window_right);
+      visible_pairs += VisibleKeyPairs(nq, nk, p.window_left, p.window_right);
     }
     decoded.query_tokens = p.total_q;
   } else {
     p.batch = q.shape(0);
     p.seqlen_q = q.shape(row_axis);
     p.seqlen_k = k.shape(row_axis);
-    visible_pairs = p.batch * VisiblePairs(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+    visible_pairs = p.batch * VisibleKeyPairs(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
     decoded.query_tokens = p.batch * p.seqlen_q;
   }
   decoded.flops = 4.0 * static_cast<double>(heads_q) * static_cast<double>(head_dim) *

@@ -121,7 +121,7 @@ absl::Status CheckStep(const v1::StepRequest& request) {
 }
 
 absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& entry,
-                                             const KvShape& shape, int64_t length) {
+                                             const KvShape& shape) {
   const std::string prefix = absl::StrCat("entries[", index, "].");
   const std::string q_field = absl::StrCat(prefix, "q");
   const v1::Tensor& q = entry.q();
@@ -152,14 +152,17 @@ absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& ent
   decoded.heads_q = q.shape(0);
   decoded.rows_q = q.shape(1);
   decoded.rows = *rows;
-  decoded.length_after = length + rows->rows;
-  // The queries are the session's last Nq positions.
-  if (decoded.rows_q > decoded.length_after) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        q_field, ".shape[1] (queries): expected at most the session's ", decoded.length_after,
-        " rows after this step's append (queries are its last positions), got ", decoded.rows_q));
-  }
   return decoded;
+}
+
+absl::Status CheckQueriesFit(int index, const DecodedEntry& entry, int64_t length) {
+  const int64_t length_after = length + entry.rows.rows;
+  if (entry.rows_q > length_after) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "entries[", index, "].q.shape[1] (queries): expected at most the session's ", length_after,
+        " rows after this step's append (queries are its last positions), got ", entry.rows_q));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace attention::server

@@ -38,15 +38,18 @@ absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* 
 // and a q, the scale and windows.
 absl::Status CheckStep(const v1::StepRequest& request);
 
-// One Step entry checked against its session (of `shape`, holding `length` rows before the step).
+// One Step entry checked against its session's shape (which never changes, so this runs before
+// the step is queued).
 struct DecodedEntry {
   const void* q = nullptr;  // [Hq, Nq, D]
   int64_t heads_q = 0;
   int64_t rows_q = 0;  // Nq
   KvRows rows;         // appended first
-  int64_t length_after = 0;
 };
 absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& entry,
-                                             const KvShape& shape, int64_t length);
+                                             const KvShape& shape);
+// The check that needs the session's length (`length` rows before this step): its queries are
+// its last positions, so at most as many as it holds after the append.
+absl::Status CheckQueriesFit(int index, const DecodedEntry& entry, int64_t length);
 
 }  // namespace attention::server

@@ -135,33 +135,36 @@ TEST(DecodeStepEntryTest, ChecksQueriesAgainstTheSession) {
   v1::StepEntry entry = TwoEntries().entries(0);
   *entry.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {2, 1, 8});
   *entry.mutable_v() = MakeTensor(v1::DTYPE_FLOAT16, {2, 1, 8});
-  absl::StatusOr<DecodedEntry> ok = DecodeStepEntry(0, entry, kShape, 0);
+  absl::StatusOr<DecodedEntry> ok = DecodeStepEntry(0, entry, kShape);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(ok->heads_q, 4);
   EXPECT_EQ(ok->rows_q, 1);
   EXPECT_EQ(ok->rows.rows, 1);
-  EXPECT_EQ(ok->length_after, 1);
+  EXPECT_EQ(CheckQueriesFit(0, *ok, 0), absl::OkStatus());
 
   v1::StepEntry bad = entry;
   *bad.mutable_q() = MakeTensor(v1::DTYPE_FLOAT16, {3, 1, 8});
-  ExpectInvalid(DecodeStepEntry(2, bad, kShape, 5).status(),
+  ExpectInvalid(DecodeStepEntry(2, bad, kShape).status(),
                 "entries[2].q.shape[0] (query heads): expected a multiple of the session's 2 kv "
                 "heads, got 3");
   bad = entry;
   *bad.mutable_q() = MakeTensor(v1::DTYPE_FLOAT16, {4, 3, 8});
-  ExpectInvalid(DecodeStepEntry(0, bad, kShape, 1).status(),
+  absl::StatusOr<DecodedEntry> three_queries = DecodeStepEntry(0, bad, kShape);
+  ASSERT_TRUE(three_queries.ok()) << three_queries.status();
+  ExpectInvalid(CheckQueriesFit(0, *three_queries, 1),
                 "entries[0].q.shape[1] (queries): expected at most the session's 2 rows");
+  EXPECT_EQ(CheckQueriesFit(0, *three_queries, 2), absl::OkStatus());
   bad = entry;
   *bad.mutable_q() = MakeTensor(v1::DTYPE_BFLOAT16, {4, 1, 8});
-  ExpectInvalid(DecodeStepEntry(0, bad, kShape, 1).status(),
+  ExpectInvalid(DecodeStepEntry(0, bad, kShape).status(),
                 "entries[0].q.dtype: expected DTYPE_FLOAT16 (the session's), got DTYPE_BFLOAT16");
   bad = entry;
   *bad.mutable_q() = MakeTensor(v1::DTYPE_FLOAT16, {4, 1, 4});
-  ExpectInvalid(DecodeStepEntry(0, bad, kShape, 1).status(),
+  ExpectInvalid(DecodeStepEntry(0, bad, kShape).status(),
                 "entries[0].q.shape[2] (head dim): expected 8 (the session's), got 4");
   bad = entry;
   bad.clear_v();
-  ExpectInvalid(DecodeStepEntry(0, bad, kShape, 1).status(),
+  ExpectInvalid(DecodeStepEntry(0, bad, kShape).status(),
                 "entries[0].v: expected a tensor (k and v come together), got none");
 }
 

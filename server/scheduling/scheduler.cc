@@ -5,6 +5,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -23,25 +24,52 @@ Scheduler::Scheduler(std::vector<std::unique_ptr<Executor>> executors,
 Scheduler::~Scheduler() { Shutdown(); }
 
 void Scheduler::Submit(Job job) {
+  std::vector<Job> jobs;
+  jobs.push_back(std::move(job));
+  SubmitAll(std::move(jobs));
+}
+
+absl::Status Scheduler::RefusalLocked(const Job& job, int more) const {
+  const bool pinned = !std::holds_alternative<AttentionParams>(job.work);
+  if (stopping_) return absl::UnavailableError("server is shutting down");
+  if (job.device >= static_cast<int>(slots_.size()) || job.device < -1 ||
+      (pinned && job.device < 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("job device: expected an executor index 0..",
+                                                   slots_.size() - 1, pinned ? "" : " or -1",
+                                                   ", got ", job.device));
+  }
+  if (job.device >= 0 && !slots_[job.device].lost.ok()) return LostError(slots_[job.device]);
+  if (CountInService() == 0) return NoDeviceError();
+  if (static_cast<int>(queue_.size()) + more > options_.max_queue) {
+    return absl::ResourceExhaustedError(absl::StrCat("queue full: ", queue_.size(),
+                                                     " queued, limit ", options_.max_queue,
+                                                     more > 1 ? absl::StrCat(", this call needs ", more) : ""));
+  }
+  return absl::OkStatus();
+}
+
+void Scheduler::SubmitAll(std::vector<Job> jobs) {
   absl::Status refusal;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) {
-      refusal = absl::UnavailableError("server is shutting down");
-    } else if (CountInService() == 0) {
-      refusal = NoDeviceError();
-    } else if (static_cast<int>(queue_.size()) >= options_.max_queue) {
-      refusal = absl::ResourceExhaustedError(
-          absl::StrCat("queue full: ", queue_.size(), " queued, limit ", options_.max_queue));
-    } else {
-      queue_.emplace_back(std::move(job), absl::Now());
+    for (const Job& job : jobs) {
+      refusal = RefusalLocked(job, static_cast<int>(jobs.size()));
+      if (!refusal.ok()) break;
+    }
+    if (refusal.ok()) {
+      const absl::Time now = absl::Now();
+      for (Job& job : jobs) queue_.emplace_back(std::move(job), now);
       if (on_queue_depth_) on_queue_depth_(static_cast<int>(queue_.size()));
-      work_or_stopping_.notify_one();
+      if (jobs.size() == 1) {
+        work_or_stopping_.notify_one();
+      } else {
+        work_or_stopping_.notify_all();
+      }
       arrivals_.notify_one();
       return;
     }
   }
-  std::move(job.done)(JobResult{.status = refusal});
+  for (Job& job : jobs) std::move(job.done)(JobResult{.status = refusal});
 }
 
 void Scheduler::Shutdown() {
@@ -78,6 +106,11 @@ int Scheduler::CountInService() const {
   return count;
 }
 
+absl::Status Scheduler::LostError(const Slot& slot) {
+  return absl::UnavailableError(
+      absl::StrCat(slot.executor->device().name, " is out of service: ", slot.lost.message()));
+}
+
 absl::Status Scheduler::NoDeviceError() const {
   std::string why;
   for (const Slot& slot : slots_) {
@@ -87,10 +120,14 @@ absl::Status Scheduler::NoDeviceError() const {
   return absl::UnavailableError(absl::StrCat("every device is out of service (", why, ")"));
 }
 
-Scheduler::Slot* Scheduler::AcquireLeastLoaded() {
+Scheduler::Slot* Scheduler::AcquireSlot(int device) {
   Slot* best = nullptr;
-  for (Slot& slot : slots_) {
-    if (slot.lost.ok() && (best == nullptr || slot.in_flight < best->in_flight)) best = &slot;
+  if (device >= 0) {
+    if (slots_[device].lost.ok()) best = &slots_[device];
+  } else {
+    for (Slot& slot : slots_) {
+      if (slot.lost.ok() && (best == nullptr || slot.in_flight < best->in_flight)) best = &slot;
+    }
   }
   if (best != nullptr && best->in_flight++ == 0) best->busy_since = absl::Now();
   return best;
@@ -143,17 +180,48 @@ absl::Status DropReason(const Job& job, absl::Time now, absl::Duration queued) {
 
 }  // namespace
 
+bool Scheduler::RunnableLocked(const Job& job) const {
+  return std::none_of(job.sessions.begin(), job.sessions.end(),
+                      [this](const std::string& id) { return held_sessions_.contains(id); });
+}
+
+bool Scheduler::AnyRunnableLocked() const {
+  return std::any_of(queue_.begin(), queue_.end(),
+                     [this](const Queued& queued) { return RunnableLocked(queued.first); });
+}
+
+bool Scheduler::CanJoin(const std::vector<Queued>& batch, const Job& job) const {
+  const Job& lead = batch.front().first;
+  if (lead.work.index() != job.work.index() || lead.device != job.device) return false;
+  if (const auto* params = std::get_if<AttentionParams>(&job.work)) {
+    return slots_.front().executor->CanShareLaunch(std::get<AttentionParams>(lead.work), *params);
+  }
+  const auto* decode = std::get_if<DecodeWork>(&job.work);
+  if (decode == nullptr || !(decode->key == std::get<DecodeWork>(lead.work).key)) return false;
+  // One launch holds each session once.
+  for (const Queued& member : batch) {
+    for (const std::string& id : member.first.sessions) {
+      if (std::find(job.sessions.begin(), job.sessions.end(), id) != job.sessions.end()) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 std::vector<Scheduler::Queued> Scheduler::CollectBatch(
     std::unique_lock<std::mutex>& lock, std::vector<std::pair<Queued, absl::Status>>* dropped) {
   std::vector<Queued> batch;
   // Moves live jobs that `fits` accepts from the queue into the batch, and dead ones to dropped.
+  // Jobs whose sessions are held stay queued, and so do later jobs on the same sessions.
   auto take = [&](auto fits) {
     const absl::Time now = absl::Now();
     for (auto it = queue_.begin();
          it != queue_.end() && static_cast<int>(batch.size()) < options_.max_batch;) {
       if (absl::Status why = DropReason(it->first, now, now - it->second); !why.ok()) {
         dropped->emplace_back(std::move(*it), std::move(why));
-      } else if (fits(it->first.params)) {
+      } else if (RunnableLocked(it->first) && fits(it->first)) {
+        held_sessions_.insert(it->first.sessions.begin(), it->first.sessions.end());
         batch.push_back(std::move(*it));
       } else {
         ++it;
@@ -162,24 +230,16 @@ std::vector<Scheduler::Queued> Scheduler::CollectBatch(
       it = queue_.erase(it);
     }
   };
-  // The oldest live job leads.
-  while (batch.empty() && !queue_.empty()) {
-    const absl::Time now = absl::Now();
-    Queued front = std::move(queue_.front());
-    queue_.pop_front();
-    if (absl::Status why = DropReason(front.first, now, now - front.second); !why.ok()) {
-      dropped->emplace_back(std::move(front), std::move(why));
-    } else {
-      batch.push_back(std::move(front));
-    }
+  // The oldest runnable live job leads.
+  take([&](const Job&) { return batch.empty(); });
+  if (batch.empty() || options_.max_batch == 1 ||
+      std::holds_alternative<DeviceWork>(batch.front().first.work)) {
+    return batch;
   }
-  if (batch.empty() || options_.max_batch == 1) return batch;
-  const Executor& rules = *slots_.front().executor;
-  const AttentionParams lead = batch.front().first.params;
   const absl::Time until = batch.front().second + options_.max_queue_delay;
   collecting_ = true;
   while (true) {
-    take([&](const AttentionParams& p) { return rules.CanShareLaunch(lead, p); });
+    take([&](const Job& job) { return CanJoin(batch, job); });
     if (static_cast<int>(batch.size()) >= options_.max_batch || stopping_ || absl::Now() >= until) {
       break;
     }
@@ -206,50 +266,96 @@ void Scheduler::CheckHealth(Slot* slot) {
   if (options_.on_device_lost) options_.on_device_lost(device, health, in_service);
 }
 
+std::vector<absl::StatusOr<StageTimes>> Scheduler::RunForward(Executor& executor,
+                                                              std::vector<Queued>& batch) {
+  std::vector<AttentionParams> params;
+  for (const Queued& queued : batch) params.push_back(std::get<AttentionParams>(queued.first.work));
+  return executor.RunBatch(params);
+}
+
+std::vector<absl::StatusOr<StageTimes>> Scheduler::RunDecode(Executor& executor,
+                                                             std::vector<Queued>& batch) {
+  std::vector<absl::StatusOr<StageTimes>> results(batch.size());
+  std::vector<DecodeSequence> seqs;
+  std::vector<size_t> prepared;  // jobs whose sequences are in `seqs`
+  for (size_t i = 0; i < batch.size(); ++i) {
+    absl::StatusOr<std::vector<DecodeSequence>> job_seqs =
+        std::move(std::get<DecodeWork>(batch[i].first.work).prepare)();
+    if (!job_seqs.ok()) {
+      results[i] = job_seqs.status();
+      continue;
+    }
+    seqs.insert(seqs.end(), job_seqs->begin(), job_seqs->end());
+    prepared.push_back(i);
+  }
+  if (prepared.empty()) return results;
+  const DecodePlan plan(std::get<DecodeWork>(batch.front().first.work).key, std::move(seqs));
+  absl::StatusOr<StageTimes> times = executor.RunDecode(plan.params());
+  if (times.ok()) plan.Unpack();
+  for (size_t i : prepared) results[i] = times;
+  return results;
+}
+
 void Scheduler::RunBatch(std::vector<Queued> batch) {
+  const Job& lead = batch.front().first;
   Slot* slot = nullptr;
   absl::Status no_device;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    slot = AcquireLeastLoaded();
-    if (slot == nullptr) no_device = NoDeviceError();
+    slot = AcquireSlot(lead.device);
+    if (slot == nullptr) {
+      no_device = lead.device >= 0 ? LostError(slots_[lead.device]) : NoDeviceError();
+    }
   }
   const absl::Time start = absl::Now();
-  if (slot == nullptr) {
-    for (Queued& queued : batch) {
-      std::move(queued.first.done)(JobResult{.status = no_device, .queued = start - queued.second});
+  std::vector<absl::StatusOr<StageTimes>> stages;
+  if (slot != nullptr) {
+    Executor& executor = *slot->executor;
+    if (std::holds_alternative<AttentionParams>(lead.work)) {
+      stages = RunForward(executor, batch);
+    } else if (std::holds_alternative<DecodeWork>(lead.work)) {
+      stages = RunDecode(executor, batch);
+    } else {
+      stages.push_back(std::move(std::get<DeviceWork>(batch.front().first.work).run)());
     }
-    return;
-  }
-  std::vector<AttentionParams> params;
-  for (const Queued& queued : batch) params.push_back(queued.first.params);
-  std::vector<absl::StatusOr<StageTimes>> stages = slot->executor->RunBatch(params);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Release(slot);
-  }
-  if (std::any_of(stages.begin(), stages.end(), [](const auto& s) { return !s.ok(); })) {
-    CheckHealth(slot);
-  }
-  const DeviceDescription& device = slot->executor->device();
-  if (stages.size() != batch.size()) {
-    stages.assign(batch.size(),
-                  absl::InternalError(absl::StrCat("executor answered ", stages.size(),
-                                                   " results for a batch of ", batch.size())));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Release(slot);
+    }
+    if (std::any_of(stages.begin(), stages.end(), [](const auto& s) { return !s.ok(); })) {
+      CheckHealth(slot);
+    }
+    if (stages.size() != batch.size()) {
+      stages.assign(batch.size(),
+                    absl::InternalError(absl::StrCat("executor answered ", stages.size(),
+                                                     " results for a batch of ", batch.size())));
+    }
   }
   for (size_t i = 0; i < batch.size(); ++i) {
     JobResult result;
     result.queued = start - batch[i].second;
-    result.device = &device;
-    result.batch_size = static_cast<int>(batch.size());
-    result.leads_batch = i == 0;
-    if (stages[i].ok()) {
-      result.stages = *stages[i];
+    if (slot == nullptr) {
+      result.status = no_device;
     } else {
-      result.status = stages[i].status();
+      result.device = &slot->executor->device();
+      result.batch_size = static_cast<int>(batch.size());
+      result.leads_batch = i == 0;
+      if (stages[i].ok()) {
+        result.stages = *stages[i];
+      } else {
+        result.status = stages[i].status();
+      }
     }
     std::move(batch[i].first.done)(std::move(result));
   }
+  // After the answers, which end the jobs' holds on their sessions: jobs queued behind them may run.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Queued& queued : batch) {
+      for (const std::string& id : queued.first.sessions) held_sessions_.erase(id);
+    }
+  }
+  work_or_stopping_.notify_all();
 }
 
 void Scheduler::WorkerLoop() {
@@ -260,7 +366,7 @@ void Scheduler::WorkerLoop() {
       std::unique_lock<std::mutex> lock(mu_);
       // Queued work is finished even when stopping: callers are still waiting for it.
       work_or_stopping_.wait(lock, [this] {
-        return (!queue_.empty() && !collecting_) || (stopping_ && queue_.empty());
+        return (!collecting_ && AnyRunnableLocked()) || (stopping_ && queue_.empty());
       });
       if (queue_.empty()) return;
       batch = CollectBatch(lock, &dropped);

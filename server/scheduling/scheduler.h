@@ -1,12 +1,21 @@
-// The scheduler: a bounded queue of decoded requests and a pool of worker threads that run them on
-// the least-loaded executor. Overload is refused at once (RESOURCE_EXHAUSTED) rather than queued
-// without bound; work whose caller has gone (cancelled, deadline passed) is dropped before it
-// reaches a device.
+// The scheduler: the one bounded queue of every RPC that computes (Attend and its stream, a
+// Sessions Step, and the CreateSession/AppendKv writes into a device's KV pool) and a pool of
+// worker threads that run them on the executors. Overload is refused at once
+// (RESOURCE_EXHAUSTED) rather than queued without bound; work whose caller has gone (cancelled,
+// deadline passed) is dropped before it reaches a device.
 //
-// Dynamic batching (max_batch > 1): a worker that takes the oldest request also takes the queued
-// requests that can share its launch (Executor::CanShareLaunch), waiting up to max_queue_delay
-// from the oldest request's arrival for more, until it holds max_batch; the batch then goes to the
-// least-loaded executor as one RunBatch. One worker collects at a time, so requests arriving
+// Three kinds of job: a forward pass (AttentionParams), run on the least-loaded executor; a
+// decode step (DecodeWork), run on the executor whose KV pool holds its sessions; and device work
+// (DeviceWork: a session's K/V written into a pool), also on its sessions' executor. Jobs that
+// name sessions run one at a time per session, in queue order: a job whose session another
+// running job holds waits in the queue (later jobs on other sessions pass it), so no worker ever
+// waits for a session.
+//
+// Dynamic batching (max_batch > 1): a worker that takes the oldest runnable job also takes the
+// queued jobs that can share its launch, forward passes by Executor::CanShareLaunch, decode steps
+// on the same executor with equal DecodeKeys and no common session; it waits up to
+// max_queue_delay from the oldest job's arrival for more, until it holds max_batch; the batch
+// then runs as one RunBatch or one RunDecode. One worker collects at a time, so jobs arriving
 // during the wait join its batch rather than starting batches of one on idle workers.
 #pragma once
 
@@ -16,7 +25,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
+#include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
@@ -24,6 +36,7 @@
 #include "absl/time/time.h"
 #include "kernels/attention_params.h"
 #include "server/executors/executor.h"
+#include "server/sessions/step_plan.h"
 
 namespace attention::server {
 
@@ -48,9 +61,28 @@ struct JobResult {
   bool leads_batch = false;  // the first job of its launch (so each launch is counted once)
 };
 
+// A decode step's part of a launch: sequences of sessions in one executor's KV pool.
+struct DecodeWork {
+  DecodeKey key;
+  // On the worker, before the launch: takes the job's sessions, appends the step's new rows and
+  // answers the sequences to attend (host pointers valid until `done`). An error answers this job
+  // alone; the others of the launch run.
+  absl::AnyInvocable<absl::StatusOr<std::vector<DecodeSequence>>() &&> prepare;
+};
+
+// Work on one executor that is not a launch of its own (a session's rows written into its pool).
+struct DeviceWork {
+  absl::AnyInvocable<absl::StatusOr<StageTimes>() &&> run;
+};
+
 struct Job {
-  // Host pointers; they must stay valid until `done` is called.
-  AttentionParams params;
+  // A forward pass (host pointers that must stay valid until `done`), a decode step or device work.
+  std::variant<AttentionParams, DecodeWork, DeviceWork> work;
+  // The executor, by its index in the scheduler's order, that must run it (where its sessions'
+  // pages are); -1: the least-loaded. Decode and device work must name one.
+  int device = -1;
+  // Sessions the job holds while it runs (distinct); jobs sharing one never run at once.
+  std::vector<std::string> sessions;
   // The caller's deadline; a job still queued when it passes is answered DEADLINE_EXCEEDED.
   absl::Time deadline = absl::InfiniteFuture();
   // True once the caller has gone; a queued job is then answered CANCELLED. May be empty.
@@ -84,8 +116,12 @@ class Scheduler {
   Scheduler& operator=(const Scheduler&) = delete;
 
   // Queues `job`, or answers it at once: RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE
-  // after Shutdown began or when every executor is out of rotation.
+  // after Shutdown began or when every executor (or the one it names) is out of rotation,
+  // INVALID_ARGUMENT when it names no executor of this scheduler.
   void Submit(Job job);
+  // Queues every job of `jobs` or none: answers each one with the same refusal when the queue
+  // lacks the room for all (a call whose work is several jobs runs whole or not at all).
+  void SubmitAll(std::vector<Job> jobs);
 
   // Refuses new jobs, lets the workers finish every queued and running one, and joins them.
   void Shutdown();
@@ -114,22 +150,39 @@ class Scheduler {
   using Queued = std::pair<Job, absl::Time>;  // job, enqueue time
 
   void WorkerLoop();
-  // Takes the oldest live job and the jobs that may share its launch, per the batching options;
-  // jobs found dead go to `dropped` with their answer. Empty when the queue holds no live job.
-  // Needs mu_ (held through `lock`, which it may release while waiting).
+  // Whether a queued job may start now: none of its sessions is held by a running job. Needs mu_.
+  bool RunnableLocked(const Job& job) const;
+  bool AnyRunnableLocked() const;
+  // Takes the oldest runnable live job and the jobs that may share its launch, per the batching
+  // options, and marks their sessions held; jobs found dead go to `dropped` with their answer.
+  // Empty when the queue holds no runnable live job. Needs mu_ (held through `lock`, which it may
+  // release while waiting).
   std::vector<Queued> CollectBatch(std::unique_lock<std::mutex>& lock,
                                    std::vector<std::pair<Queued, absl::Status>>* dropped);
-  // Runs `batch` on the least-loaded executor and answers every job.
+  // Whether `job` may join `batch` (led by batch[0]) in one launch. Needs mu_.
+  bool CanJoin(const std::vector<Queued>& batch, const Job& job) const;
+  // Runs `batch` on its executor, answers every job and releases its sessions.
   void RunBatch(std::vector<Queued> batch);
+  // The launch of a batch of each kind on `executor`: one result per job, in order.
+  static std::vector<absl::StatusOr<StageTimes>> RunForward(Executor& executor,
+                                                            std::vector<Queued>& batch);
+  static std::vector<absl::StatusOr<StageTimes>> RunDecode(Executor& executor,
+                                                           std::vector<Queued>& batch);
   // After a failed run on `slot`: takes its executor out of rotation if its health check fails.
   void CheckHealth(Slot* slot);
-  // The executor in service with the fewest jobs running, its count raised; nullptr when every
-  // executor is out of rotation. Needs mu_.
-  Slot* AcquireLeastLoaded();
+  // The executor `device` names, or when it is -1 the one in service with the fewest jobs
+  // running, its count raised; nullptr when that executor (or every one) is out of rotation.
+  // Needs mu_.
+  Slot* AcquireSlot(int device);
   // Executors not taken out of rotation. Needs mu_.
   int CountInService() const;
   // UNAVAILABLE naming why each executor is out of rotation. Needs mu_.
   absl::Status NoDeviceError() const;
+  // UNAVAILABLE naming why `slot` is out of rotation. Needs mu_.
+  static absl::Status LostError(const Slot& slot);
+  // Why `job` cannot be queued now, with `more` jobs of its call to queue together, or OK.
+  // Needs mu_.
+  absl::Status RefusalLocked(const Job& job, int more) const;
   // Lowers the slot's count after a run. Needs mu_.
   static void Release(Slot* slot);
 
@@ -142,6 +195,8 @@ class Scheduler {
   std::condition_variable arrivals_;  // a job was queued (the collecting worker waits on it)
   std::vector<Slot> slots_;
   std::deque<Queued> queue_;  // guarded by mu_
+  // Sessions held by running jobs; guarded by mu_.
+  std::set<std::string, std::less<>> held_sessions_;
   bool stopping_ = false;     // guarded by mu_
   bool collecting_ = false;   // guarded by mu_: a worker is collecting a batch
   std::vector<std::thread> workers_;

@@ -87,7 +87,9 @@ struct Outcome {
 
   Job MakeJob(int64_t head_dim = 0) {
     Job job;
-    job.params.head_dim = head_dim;
+    AttentionParams params;
+    params.head_dim = head_dim;
+    job.work = params;
     job.done = [this](JobResult r) {
       result = std::move(r);
       done.Notify();

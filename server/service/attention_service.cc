@@ -20,22 +20,13 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 AttentionService::AttentionService(const ServiceOptions& options, Scheduler* scheduler,
-                                   Metrics* metrics)
+                                   Metrics* metrics, DrainGate* drain)
     : options_(options),
       decode_options_{.max_message_bytes = options.max_message_bytes,
                       .max_head_dim = options.max_head_dim},
       scheduler_(scheduler),
-      metrics_(metrics) {}
-
-void AttentionService::StartDraining() {
-  std::lock_guard<std::mutex> lock(drain_mu_);
-  draining_ = true;
-}
-
-bool AttentionService::AwaitDrained(absl::Time deadline) {
-  std::unique_lock<std::mutex> lock(drain_mu_);
-  return drained_.wait_until(lock, absl::ToChronoTime(deadline), [this] { return accepted_ == 0; });
-}
+      metrics_(metrics),
+      drain_(drain) {}
 
 void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContext* context,
                                const AttendRequest& request, AttendResponse* response,
@@ -59,27 +50,18 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
       !auth.ok()) {
     return finish(std::move(auth));
   }
-  bool refused = false;
-  {
-    // Checked and counted under one lock, so AwaitDrained never misses a request accepted just
-    // before StartDraining.
-    std::lock_guard<std::mutex> lock(drain_mu_);
-    refused = draining_;
-    if (!refused) ++accepted_;
-  }
-  if (refused) return finish(absl::UnavailableError("server is shutting down"));
-  // From here on the answer also ends the acceptance that AwaitDrained waits for.
+  if (!drain_->Enter()) return finish(absl::UnavailableError("server is shutting down"));
+  // From here on the answer also leaves the drain gate.
   auto answer = [this, finish = std::move(finish)](absl::Status status) mutable {
     std::move(finish)(std::move(status));
-    std::lock_guard<std::mutex> lock(drain_mu_);
-    if (--accepted_ == 0) drained_.notify_all();
+    drain_->Leave();
   };
   absl::StatusOr<DecodedRequest> decoded = DecodeRequest(request, decode_options_, response);
   if (!decoded.ok()) return answer(decoded.status());
   response->set_request_id(request.request_id());
 
   Job job;
-  job.params = decoded->params;
+  job.work = decoded->params;
   job.deadline = absl::FromChrono(context->deadline());
   job.cancelled = [context] { return context->IsCancelled(); };
   job.done = [this, response, flops = decoded->flops, tokens = decoded->query_tokens,

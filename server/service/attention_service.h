@@ -18,6 +18,7 @@
 #include "server/metrics/metrics.h"
 #include "server/requests/request_decoder.h"
 #include "server/scheduling/scheduler.h"
+#include "server/service/drain_gate.h"
 
 namespace attention::server {
 
@@ -41,15 +42,11 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 
 class AttentionService final : public v1::Attention::CallbackService {
  public:
-  // `scheduler` and `metrics` must outlive the service.
-  AttentionService(const ServiceOptions& options, Scheduler* scheduler, Metrics* metrics);
-
-  // From now on every new request, and every new message on an open stream, is answered
-  // UNAVAILABLE; requests already accepted run to the end.
-  void StartDraining();
-  // After StartDraining: blocks until every accepted request has been answered (its response
-  // handed to gRPC) or `deadline` passes. True when drained.
-  bool AwaitDrained(absl::Time deadline);
+  // `scheduler`, `metrics` and `drain` must outlive the service. Once `drain` closes, every new
+  // request, and every new message on an open stream, is answered UNAVAILABLE; requests already
+  // accepted run to the end (their responses handed to gRPC) before it reads drained.
+  AttentionService(const ServiceOptions& options, Scheduler* scheduler, Metrics* metrics,
+                   DrainGate* drain);
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const v1::AttendRequest* request,
@@ -77,10 +74,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   const DecodeOptions decode_options_;
   Scheduler* const scheduler_;
   Metrics* const metrics_;
-  std::mutex drain_mu_;  // guards the three below; a pthread lock, which ThreadSanitizer sees
-  std::condition_variable drained_;  // accepted_ fell to 0
-  bool draining_ = false;
-  int accepted_ = 0;  // requests past the draining check, not yet answered
+  DrainGate* const drain_;
 };
 
 }  // namespace attention::server

@@ -67,7 +67,7 @@ class TestServer {
     std::vector<std::unique_ptr<Executor>> executors;
     executors.push_back(std::move(executor));
     scheduler_.emplace(std::move(executors), scheduler_options);
-    service_.emplace(service_options, &*scheduler_, &metrics_);
+    service_.emplace(service_options, &*scheduler_, &metrics_, &drain_);
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -81,11 +81,12 @@ class TestServer {
     scheduler_->Shutdown();
   }
   v1::Attention::Stub& stub() { return *stub_; }
-  AttentionService& service() { return *service_; }
+  DrainGate& drain() { return drain_; }
   Metrics& metrics() { return metrics_; }
 
  private:
   Metrics metrics_;
+  DrainGate drain_;
   std::optional<Scheduler> scheduler_;
   std::optional<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
@@ -340,7 +341,7 @@ TEST(AttentionServiceTest, DeadlinePassedInTheQueueNeverRuns) {
 TEST(AttentionServiceTest, DrainingRefusesNewRequests) {
   TestServer server(std::make_unique<CopyExecutor>(absl::ZeroDuration()),
                     {.workers = 1, .max_queue = 4});
-  server.service().StartDraining();
+  server.drain().StartDraining();
   grpc::ClientContext context;
   AttendResponse response;
   grpc::Status status = server.stub().Attend(&context, SmallRequest("d", 2), &response);

@@ -1,23 +1,23 @@
 // The attention.v1.Sessions gRPC service (KV-resident sessions), on gRPC's callback API. Calls
-// that touch K/V (CreateSession, AppendKv, Step) run on the service's own worker threads, since a
-// call may wait for another call on the same session and a decode step blocks until its kernel
-// is done; DropSession and ListSessions are answered inline.
+// that touch a device (CreateSession, AppendKv, Step) become scheduler jobs on the device their
+// session's pages are on, through the one queue every computing RPC takes: the same admission
+// (RESOURCE_EXHAUSTED when full), deadline and cancellation drop, drain, device health and
+// metrics as Attend. DropSession and ListSessions touch no device and are answered inline.
 //
 // Every call checks the bearer token (when the server has one), is refused UNAVAILABLE once the
-// server drains, and is recorded in the request metrics under its rpc name. A Step runs its
-// entries of one shape (dtype, kv heads, head dim, query heads) and device as ONE
-// KvPagePool::Decode; entries of other shapes or devices are further calls, in order of first
-// appearance.
+// server drains, and is recorded in the request metrics under its rpc name. A Step is checked
+// against its sessions' shapes before it is queued; its entries of one device and one decode key
+// (dtype, kv heads, head dim, query heads, mask, lse) are one decode job, which the scheduler may
+// run in one launch with other Steps' jobs (--max_batch > 1). Entries of other devices or keys
+// are further jobs of the same call, queued together or not at all.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
@@ -26,6 +26,8 @@
 #include "grpcpp/grpcpp.h"
 #include "server/metrics/metrics.h"
 #include "server/requests/session_request.h"
+#include "server/scheduling/scheduler.h"
+#include "server/service/drain_gate.h"
 #include "server/sessions/session_store.h"
 
 namespace attention::server {
@@ -36,8 +38,6 @@ struct SessionServiceOptions {
   // When set, every call must carry `authorization: Bearer <auth_token>` (see security.h), and
   // sessions belong to the token that created them.
   std::string auth_token;
-  // Threads running CreateSession, AppendKv and Step.
-  int workers = 2;
   // How often idle sessions past the TTL are removed (lookups also check).
   absl::Duration sweep_interval = absl::Seconds(1);
 };
@@ -45,18 +45,14 @@ struct SessionServiceOptions {
 class SessionService final : public v1::Sessions::CallbackService {
  public:
   // `store` may be null: the server keeps no KV cache (its backend has no page pool), and every
-  // call is answered UNIMPLEMENTED. `store` and `metrics` must outlive the service.
-  SessionService(const SessionServiceOptions& options, SessionStore* store, Metrics* metrics);
-  // Runs the calls already queued, then stops the workers and the sweeper.
+  // call is answered UNIMPLEMENTED. The store's device d is the scheduler's executor d. `store`,
+  // `scheduler`, `metrics` and `drain` must outlive the service.
+  SessionService(const SessionServiceOptions& options, SessionStore* store, Scheduler* scheduler,
+                 Metrics* metrics, DrainGate* drain);
+  // Stops the sweeper.
   ~SessionService() override;
   SessionService(const SessionService&) = delete;
   SessionService& operator=(const SessionService&) = delete;
-
-  // From now on every new call is answered UNAVAILABLE; calls already accepted run to the end.
-  void StartDraining();
-  // After StartDraining: blocks until every accepted call has been answered or `deadline`
-  // passes. True when drained.
-  bool AwaitDrained(absl::Time deadline);
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
                                           const v1::CreateSessionRequest* request,
@@ -75,38 +71,42 @@ class SessionService final : public v1::Sessions::CallbackService {
                                          v1::ListSessionsResponse* response) override;
 
  private:
-  // Answers one call: checks the token and draining, then runs `body` (on a worker when
-  // `on_worker`, else inline) and finishes the reactor with its status, recording metrics.
-  // `body` gets the caller's owner key and the call's arrival time.
-  grpc::ServerUnaryReactor* Serve(
-      absl::string_view rpc, grpc::CallbackServerContext* context,
-      const google::protobuf::Message& request, const google::protobuf::Message* response,
-      bool on_worker, absl::AnyInvocable<absl::Status(const std::string&, absl::Time) &&> body);
+  struct StepCall;
+  // How a call's body answers: `finish` once, from this thread or from a scheduler worker.
+  using Finish = absl::AnyInvocable<void(absl::Status) &&>;
+  using Body = absl::AnyInvocable<void(const std::string& owner, Finish finish) &&>;
 
-  absl::Status RunCreate(const std::string& owner, const v1::CreateSessionRequest& request,
-                         v1::SessionInfo* response);
-  absl::Status RunAppend(const std::string& owner, const v1::AppendKvRequest& request,
-                         v1::SessionInfo* response);
-  absl::Status RunStep(const std::string& owner, absl::Time arrival, const v1::StepRequest& request,
-                       v1::StepResponse* response);
+  // Answers one call: checks the token, the drain and the store, then runs `body`, which answers
+  // through the `finish` it is given (recording metrics and leaving the drain gate). `body` gets
+  // the caller's owner key.
+  grpc::ServerUnaryReactor* Serve(absl::string_view rpc, grpc::CallbackServerContext* context,
+                                  const google::protobuf::Message& request,
+                                  const google::protobuf::Message* response, Body body);
+  // Queues `run` as device work on `device` for the call of `context`, holding `sessions`.
+  void SubmitDeviceWork(grpc::CallbackServerContext* context, int device,
+                        std::vector<std::string> sessions,
+                        absl::AnyInvocable<absl::Status() &&> run, Finish finish);
 
-  void WorkerLoop();
+  void RunCreate(grpc::CallbackServerContext* context, const std::string& owner,
+                 const v1::CreateSessionRequest& request, v1::SessionInfo* response,
+                 Finish finish);
+  void RunAppend(grpc::CallbackServerContext* context, const std::string& owner,
+                 const v1::AppendKvRequest& request, v1::SessionInfo* response, Finish finish);
+  void RunStep(grpc::CallbackServerContext* context, const std::string& owner,
+               const v1::StepRequest& request, v1::StepResponse* response, Finish finish);
+
   void SweeperLoop();
 
   const SessionServiceOptions options_;
   const SessionLimits limits_;
   SessionStore* const store_;
+  Scheduler* const scheduler_;
   Metrics* const metrics_;
-  std::atomic<bool> draining_{false};
+  DrainGate* const drain_;
 
   std::mutex mu_;
-  std::condition_variable wake_;                     // for the workers: a call queued, or stopping
-  std::condition_variable stop_sweep_;               // for the sweeper: stopping
-  std::deque<absl::AnyInvocable<void() &&>> queue_;  // guarded by mu_
-  bool stopping_ = false;                            // guarded by mu_
-  int in_flight_ = 0;                                // guarded by mu_: calls not yet answered
-  std::condition_variable answered_;                 // in_flight_ went down
-  std::vector<std::thread> workers_;
+  std::condition_variable stop_sweep_;  // for the sweeper: stopping
+  bool stopping_ = false;               // guarded by mu_
   std::thread sweeper_;
 };
 

@@ -91,9 +91,38 @@ absl::Status SessionStore::NotFound(absl::string_view id) const {
                    " idle (sessions are also lost when the server restarts); create it again"));
 }
 
+absl::StatusOr<int> SessionStore::EmptiestDevice() {
+  // Before the store's lock: a health check may probe the device.
+  std::vector<bool> usable(devices_.size());
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    usable[d] = !devices_[d].health || devices_[d].health().ok();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  SweepLocked(options_.clock());
+  int device = -1;
+  for (size_t d = 0; d < device_states_.size(); ++d) {
+    if (usable[d] && (device < 0 || device_states_[d].free_pages.size() >
+                                        device_states_[device].free_pages.size())) {
+      device = static_cast<int>(d);
+    }
+  }
+  if (device < 0) {
+    return absl::UnavailableError("every device is out of service; the server needs a restart");
+  }
+  return device;
+}
+
+absl::StatusOr<SessionStore::Place> SessionStore::Locate(absl::string_view owner,
+                                                         absl::string_view id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_ptr<Session> session = FindLocked(owner, id);
+  if (session == nullptr) return NotFound(id);
+  return Place{.device = session->device, .shape = session->shape};
+}
+
 absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner,
                                                          const KvShape& shape,
-                                                         int64_t initial_rows) {
+                                                         int64_t initial_rows, int device) {
   const int64_t page_rows = PageRowsFor(shape);
   if (page_rows <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -105,41 +134,28 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
     return absl::InvalidArgumentError(
         absl::StrCat("k.shape: expected at most 2147483647 rows per session, got ", initial_rows));
   }
+  if (device < 0 || device >= static_cast<int>(devices_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("device: expected 0..", devices_.size() - 1,
+                                                   ", got ", device));
+  }
   absl::StatusOr<std::string> id = NewSessionId();
   if (!id.ok()) return id.status();
   const int64_t pages = PagesFor(initial_rows, page_rows);
-
-  // Before the store's lock: a health check may probe the device.
-  std::vector<bool> usable(devices_.size());
-  for (size_t d = 0; d < devices_.size(); ++d) {
-    usable[d] = !devices_[d].health || devices_[d].health().ok();
-  }
-  if (std::find(usable.begin(), usable.end(), true) == usable.end()) {
-    return absl::UnavailableError("every device is out of service; the server needs a restart");
-  }
 
   auto session = std::make_shared<Session>();
   // Its call lock before the store's, the order every call takes them in; the lease releases it.
   std::unique_lock<std::mutex> call_lock(session->call_mu);
   std::lock_guard<std::mutex> lock(mu_);
   const absl::Time now = options_.clock();
-  // The usable device with the most free pages (expired sessions' pages count as free).
   SweepLocked(now);
-  int device = -1;
-  for (size_t d = 0; d < device_states_.size(); ++d) {
-    if (usable[d] && (device < 0 || device_states_[d].free_pages.size() >
-                                        device_states_[device].free_pages.size())) {
-      device = static_cast<int>(d);
-    }
-  }
   DeviceState& state = device_states_[device];
   const int64_t free_pages = static_cast<int64_t>(state.free_pages.size());
   if (pages > free_pages) {
     return absl::ResourceExhaustedError(
         absl::StrCat("KV cache full: a new session of ", initial_rows, " rows needs ",
                      pages * page_bytes_, " bytes (", pages, " pages of ", page_bytes_, " bytes), ",
-                     free_pages * page_bytes_, " bytes free on the emptiest device (",
-                     devices_[device].name, "); drop idle sessions or wait for them to expire"));
+                     free_pages * page_bytes_, " bytes free on ",
+                     devices_[device].name, "; drop idle sessions or wait for them to expire"));
   }
   // 128 random bits do not collide in practice; the check costs nothing.
   while (sessions_.contains(*id)) {

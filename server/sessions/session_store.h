@@ -35,10 +35,10 @@ namespace attention::server {
 
 class Metrics;
 
-// One device's page pool.
+// One device's page pool (its executor's, which outlives the store).
 struct KvDevice {
   std::string name;  // "cpu", "cuda:0"
-  std::unique_ptr<KvPagePool> pool;
+  KvPagePool* pool = nullptr;
   // OK while the device can run work (Executor::Health); a device that fails it gets no new
   // sessions. Empty: always OK.
   std::function<absl::Status()> health;
@@ -121,10 +121,23 @@ class SessionStore {
   const std::string& device_name(int device) const { return devices_[device].name; }
   KvPagePool& pool(int device) { return *devices_[device].pool; }
 
-  // A new session of `owner` with room for `initial_rows`, on the device with the most free
-  // pages, held by the returned lease (write its first rows with Append). INVALID_ARGUMENT when a
-  // page cannot hold 16 rows of `shape`; RESOURCE_EXHAUSTED when no device has the room.
-  absl::StatusOr<Lease> Create(absl::string_view owner, const KvShape& shape, int64_t initial_rows);
+  // The device in service with the most free pages (expired sessions' pages count as free), where
+  // a new session goes; UNAVAILABLE when every device is out of service.
+  absl::StatusOr<int> EmptiestDevice();
+
+  // A new session of `owner` with room for `initial_rows` on `device`, held by the returned lease
+  // (write its first rows with Append). INVALID_ARGUMENT when a page cannot hold 16 rows of
+  // `shape`; RESOURCE_EXHAUSTED when the device lacks the room.
+  absl::StatusOr<Lease> Create(absl::string_view owner, const KvShape& shape, int64_t initial_rows,
+                               int device);
+
+  // Where session `id` of `owner` lives and its shape, without holding it (both never change);
+  // NOT_FOUND as Acquire. A call uses it to queue its work for the session's device.
+  struct Place {
+    int device = 0;
+    KvShape shape;
+  };
+  absl::StatusOr<Place> Locate(absl::string_view owner, absl::string_view id);
 
   // Holds the sessions `ids` (distinct) of `owner`, in the order given; waits for calls that hold
   // any of them. NOT_FOUND names the first id that is unknown, expired, dropped or another

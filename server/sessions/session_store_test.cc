@@ -43,15 +43,33 @@ class FakeClock {
   absl::Time now_ = absl::FromUnixSeconds(1'000'000);
 };
 
-std::vector<KvDevice> Devices(std::vector<int64_t> pages) {
-  std::vector<KvDevice> devices;
-  for (size_t d = 0; d < pages.size(); ++d) {
-    absl::StatusOr<std::unique_ptr<KvPagePool>> pool =
-        cpu::MakeKvPagePool(pages[d], kPageBytes, /*threads=*/1);
-    EXPECT_TRUE(pool.ok()) << pool.status();
-    devices.push_back(KvDevice{.name = "dev" + std::to_string(d), .pool = *std::move(pool)});
+// Page pools of `pages[d]` pages, kept for the test's life as executors keep theirs for the
+// server's: the store only points at them.
+class Pools {
+ public:
+  std::vector<KvDevice> Devices(std::vector<int64_t> pages) {
+    std::vector<KvDevice> devices;
+    for (size_t d = 0; d < pages.size(); ++d) {
+      absl::StatusOr<std::unique_ptr<KvPagePool>> pool =
+          cpu::MakeKvPagePool(pages[d], kPageBytes, /*threads=*/1);
+      EXPECT_TRUE(pool.ok()) << pool.status();
+      if (!pool.ok()) continue;
+      owned_.push_back(*std::move(pool));
+      devices.push_back(KvDevice{.name = "dev" + std::to_string(d), .pool = owned_.back().get()});
+    }
+    return devices;
   }
-  return devices;
+
+ private:
+  std::vector<std::unique_ptr<KvPagePool>> owned_;
+};
+
+// A new session on the device the server would pick (SessionStore::EmptiestDevice).
+absl::StatusOr<SessionStore::Lease> CreateOnEmptiest(SessionStore& store, absl::string_view owner,
+                                                     int64_t rows) {
+  absl::StatusOr<int> device = store.EmptiestDevice();
+  if (!device.ok()) return device.status();
+  return store.Create(owner, kShape, rows, *device);
 }
 
 // `rows` random rows in BHSD [Hkv, rows, D] for k and v.
@@ -75,13 +93,13 @@ class SessionStoreTest : public ::testing::Test {
  protected:
   void Make(std::vector<int64_t> pages, absl::Duration ttl = absl::Seconds(60)) {
     store_ = std::make_unique<SessionStore>(
-        Devices(std::move(pages)),
+        pools_.Devices(std::move(pages)),
         SessionStoreOptions{.ttl = ttl, .clock = [this] { return clock_.Now(); }}, nullptr);
   }
   // Creates a session of `owner` holding `rows` rows; returns its id.
   std::string CreateWith(const std::string& owner, int64_t rows) {
     Rows data(rows, rng_);
-    absl::StatusOr<SessionStore::Lease> lease = store_->Create(owner, kShape, rows);
+    absl::StatusOr<SessionStore::Lease> lease = CreateOnEmptiest(*store_, owner, rows);
     EXPECT_TRUE(lease.ok()) << lease.status();
     if (!lease.ok()) return "";
     EXPECT_EQ(store_->Append(*lease, data.view), absl::OkStatus());
@@ -100,6 +118,7 @@ class SessionStoreTest : public ::testing::Test {
   const uint64_t seed_ = std::random_device()();
   std::mt19937_64 rng_{seed_};
   FakeClock clock_;
+  Pools pools_;  // before the store, which points at its pools
   std::unique_ptr<SessionStore> store_;
 };
 
@@ -142,7 +161,7 @@ TEST_F(SessionStoreTest, FullCacheRefusesWithBytesNeededAndFree) {
   SCOPED_TRACE(seed_);
   Make({4});
   const std::string id = CreateWith("", 3 * kPageRows);  // 3 of 4 pages
-  absl::StatusOr<SessionStore::Lease> big = store_->Create("", kShape, 2 * kPageRows);
+  absl::StatusOr<SessionStore::Lease> big = CreateOnEmptiest(*store_, "", 2 * kPageRows);
   EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(big.status().message(), AllOf(HasSubstr("8192 bytes"), HasSubstr("4096 bytes free")));
   absl::Status append = AppendRows("", id, kPageRows + 1);  // needs 2 pages, 1 free
@@ -258,7 +277,8 @@ TEST_F(SessionStoreTest, NewSessionsGoToTheDeviceWithTheMostFreePages) {
 }
 
 TEST(SessionStoreHealthTest, LostDevicesGetNoNewSessions) {
-  std::vector<KvDevice> devices = Devices({3, 5});
+  Pools pools;
+  std::vector<KvDevice> devices = pools.Devices({3, 5});
   std::atomic<bool> dev1_lost{false};
   devices[1].health = [&dev1_lost] {
     return dev1_lost ? absl::InternalError("context lost") : absl::OkStatus();
@@ -266,11 +286,11 @@ TEST(SessionStoreHealthTest, LostDevicesGetNoNewSessions) {
   devices[0].health = [] { return absl::InternalError("context lost"); };
   SessionStore store(std::move(devices), SessionStoreOptions{}, nullptr);
   // dev0 is lost: the session goes to dev1 even though both have room.
-  absl::StatusOr<SessionStore::Lease> first = store.Create("", kShape, 1);
+  absl::StatusOr<SessionStore::Lease> first = CreateOnEmptiest(store, "", 1);
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_EQ(store.device_name(first->device()), "dev1");
   dev1_lost = true;
-  absl::StatusOr<SessionStore::Lease> second = store.Create("", kShape, 1);
+  absl::StatusOr<SessionStore::Lease> second = CreateOnEmptiest(store, "", 1);
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(second.status().message(), HasSubstr("every device is out of service"));
 }

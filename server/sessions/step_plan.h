@@ -1,0 +1,72 @@
+// Step planning: one decode launch over the sequences of one or more Steps. Each sequence is a
+// session's page table and length (after the step's append) and its new queries; the plan packs
+// what PagedDecodeParams takes (page table rows, key lengths, cu_seqlens, packed q) and, after
+// the launch, copies o and lse back to each sequence's own buffers. Plain data, no gRPC: the
+// scheduler builds one plan per launch, so Steps of different calls can share it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "kernels/paged_kv.h"
+
+namespace attention::server {
+
+// What sequences must share to decode in one launch.
+struct DecodeKey {
+  KvShape shape;
+  int64_t heads_q = 0;
+  float softmax_scale = 1.0f;
+  int64_t window_left = kUnboundedWindow;
+  int64_t window_right = kUnboundedWindow;
+  bool lse = false;  // the launch writes lse for every sequence
+
+  bool operator==(const DecodeKey& other) const {
+    return shape.dtype == other.shape.dtype && shape.heads_kv == other.shape.heads_kv &&
+           shape.head_dim == other.shape.head_dim && heads_q == other.heads_q &&
+           softmax_scale == other.softmax_scale && window_left == other.window_left &&
+           window_right == other.window_right && lse == other.lse;
+  }
+};
+
+// One sequence of a launch. The pointers are host memory that outlives the launch.
+struct DecodeSequence {
+  absl::Span<const int32_t> pages;  // the session's page table, covering `length` rows
+  int64_t length = 0;               // keys, this step's new rows included
+  const void* q = nullptr;          // [Hq, Nq, D] of the key's dtype
+  int64_t rows_q = 0;               // Nq: the session's last Nq positions
+  void* o = nullptr;                // [Hq, Nq, D], written by the launch
+  float* lse = nullptr;             // [Hq, Nq] float32 when the key asks for lse
+};
+
+// FLOPs of one sequence's step, counted as a forward pass counts them: 4 * Hq * D * the visible
+// (query, key) pairs.
+double DecodeFlops(const DecodeKey& key, const DecodeSequence& seq);
+
+class DecodePlan {
+ public:
+  // `seqs` must not be empty. One sequence is read and written in place; several are packed.
+  DecodePlan(const DecodeKey& key, std::vector<DecodeSequence> seqs);
+  DecodePlan(const DecodePlan&) = delete;
+  DecodePlan& operator=(const DecodePlan&) = delete;
+
+  // For Executor::RunDecode; its pointers are this plan's (or the single sequence's) buffers.
+  const PagedDecodeParams& params() const { return params_; }
+  // After a successful launch: each sequence's o (and lse) into its own buffers.
+  void Unpack() const;
+
+ private:
+  const DecodeKey key_;
+  const std::vector<DecodeSequence> seqs_;
+  int64_t row_bytes_ = 0;                 // one query row of all heads: Hq * D * dtype size
+  std::vector<int32_t> cu_seqlens_q_;     // [seqs + 1]
+  std::vector<int32_t> seqlens_k_;        // [seqs]
+  std::vector<int32_t> page_table_;       // [seqs, stride], unused pages 0
+  std::vector<char> q_packed_, o_packed_;  // [total_q, Hq, D] when packed
+  std::vector<float> lse_packed_;          // [total_q, Hq] when packed
+  PagedDecodeParams params_;
+};
+
+}  // namespace attention::server
