@@ -193,9 +193,9 @@ absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
       return std::vector<KvDevice>{};
     }
     if (!pool.ok()) return pool.status();
-    devices.push_back(KvDevice{.name = device.name,
-                               .pool = *pool,
-                               .health = [e = executor.get()] { return e->Health(); }});
+    devices.push_back(KvDevice{.name = device.name, .pool = *pool, .health = [e = executor.get()] {
+                                 return e->Health();
+                               }});
   }
   return devices;
 }

@@ -74,7 +74,6 @@ class CpuExecutor final : public Executor {
     return StageTimes{.compute_us = absl::ToDoubleMicroseconds(absl::Now() - start)};
   }
 
-
  protected:
   // Host memory, reserved but committed only as pages are written.
   absl::StatusOr<std::unique_ptr<KvPagePool>> CreateKvPagePool(int64_t num_pages,

@@ -64,7 +64,6 @@ class CudaExecutor final : public Executor {
     return ToStageTimes(runner_->Run(host_params));
   }
 
-
   bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) const override {
     return cuda::CanShareLaunch(a, b);
   }

@@ -4,9 +4,8 @@ namespace attention::server {
 
 absl::StatusOr<KvPagePool*> Executor::InitKvPool(int64_t num_pages, int64_t page_bytes) {
   if (kv_pool_ != nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(device().name, " already holds a KV pool of ", kv_pool_->num_pages(),
-                     " pages"));
+    return absl::FailedPreconditionError(absl::StrCat(device().name, " already holds a KV pool of ",
+                                                      kv_pool_->num_pages(), " pages"));
   }
   absl::StatusOr<std::unique_ptr<KvPagePool>> pool = CreateKvPagePool(num_pages, page_bytes);
   if (!pool.ok()) return pool.status();

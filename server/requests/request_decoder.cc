@@ -232,7 +232,8 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
     p.batch = q.shape(0);
     p.seqlen_q = q.shape(row_axis);
     p.seqlen_k = k.shape(row_axis);
-    visible_pairs = p.batch * VisibleKeyPairs(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+    visible_pairs =
+        p.batch * VisibleKeyPairs(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
     decoded.query_tokens = p.batch * p.seqlen_q;
   }
   decoded.flops = 4.0 * static_cast<double>(heads_q) * static_cast<double>(head_dim) *

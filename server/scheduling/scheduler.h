@@ -197,8 +197,8 @@ class Scheduler {
   std::deque<Queued> queue_;  // guarded by mu_
   // Sessions held by running jobs; guarded by mu_.
   std::set<std::string, std::less<>> held_sessions_;
-  bool stopping_ = false;     // guarded by mu_
-  bool collecting_ = false;   // guarded by mu_: a worker is collecting a batch
+  bool stopping_ = false;    // guarded by mu_
+  bool collecting_ = false;  // guarded by mu_: a worker is collecting a batch
   std::vector<std::thread> workers_;
 };
 

@@ -406,9 +406,8 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
         call->stages.compute_us += result.stages.compute_us;
         call->stages.d2h_us += result.stages.d2h_us;
         call->queued = std::max(call->queued, result.queued);
-        if (result.device != nullptr &&
-            std::find(call->devices.begin(), call->devices.end(), result.device->name) ==
-                call->devices.end()) {
+        if (result.device != nullptr && std::find(call->devices.begin(), call->devices.end(),
+                                                  result.device->name) == call->devices.end()) {
           call->devices.push_back(result.device->name);
         }
         last = --call->pending == 0;

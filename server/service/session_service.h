@@ -88,8 +88,7 @@ class SessionService final : public v1::Sessions::CallbackService {
                         absl::AnyInvocable<absl::Status() &&> run, Finish finish);
 
   void RunCreate(grpc::CallbackServerContext* context, const std::string& owner,
-                 const v1::CreateSessionRequest& request, v1::SessionInfo* response,
-                 Finish finish);
+                 const v1::CreateSessionRequest& request, v1::SessionInfo* response, Finish finish);
   void RunAppend(grpc::CallbackServerContext* context, const std::string& owner,
                  const v1::AppendKvRequest& request, v1::SessionInfo* response, Finish finish);
   void RunStep(grpc::CallbackServerContext* context, const std::string& owner,

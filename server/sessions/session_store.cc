@@ -121,8 +121,8 @@ absl::StatusOr<SessionStore::Place> SessionStore::Locate(absl::string_view owner
 }
 
 absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner,
-                                                         const KvShape& shape,
-                                                         int64_t initial_rows, int device) {
+                                                         const KvShape& shape, int64_t initial_rows,
+                                                         int device) {
   const int64_t page_rows = PageRowsFor(shape);
   if (page_rows <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -135,8 +135,8 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
         absl::StrCat("k.shape: expected at most 2147483647 rows per session, got ", initial_rows));
   }
   if (device < 0 || device >= static_cast<int>(devices_.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("device: expected 0..", devices_.size() - 1,
-                                                   ", got ", device));
+    return absl::InvalidArgumentError(
+        absl::StrCat("device: expected 0..", devices_.size() - 1, ", got ", device));
   }
   absl::StatusOr<std::string> id = NewSessionId();
   if (!id.ok()) return id.status();
@@ -154,8 +154,8 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
     return absl::ResourceExhaustedError(
         absl::StrCat("KV cache full: a new session of ", initial_rows, " rows needs ",
                      pages * page_bytes_, " bytes (", pages, " pages of ", page_bytes_, " bytes), ",
-                     free_pages * page_bytes_, " bytes free on ",
-                     devices_[device].name, "; drop idle sessions or wait for them to expire"));
+                     free_pages * page_bytes_, " bytes free on ", devices_[device].name,
+                     "; drop idle sessions or wait for them to expire"));
   }
   // 128 random bits do not collide in practice; the check costs nothing.
   while (sessions_.contains(*id)) {

@@ -9,7 +9,8 @@ namespace attention::server {
 DecodePlan::DecodePlan(const DecodeKey& key, std::vector<DecodeSequence> seqs)
     : key_(key), seqs_(std::move(seqs)) {
   const int64_t n = static_cast<int64_t>(seqs_.size());
-  row_bytes_ = key_.heads_q * key_.shape.head_dim * static_cast<int64_t>(DTypeSize(key_.shape.dtype));
+  row_bytes_ =
+      key_.heads_q * key_.shape.head_dim * static_cast<int64_t>(DTypeSize(key_.shape.dtype));
   cu_seqlens_q_.assign(n + 1, 0);
   seqlens_k_.assign(n, 0);
   int64_t stride = 0;

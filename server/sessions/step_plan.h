@@ -60,10 +60,10 @@ class DecodePlan {
  private:
   const DecodeKey key_;
   const std::vector<DecodeSequence> seqs_;
-  int64_t row_bytes_ = 0;                 // one query row of all heads: Hq * D * dtype size
-  std::vector<int32_t> cu_seqlens_q_;     // [seqs + 1]
-  std::vector<int32_t> seqlens_k_;        // [seqs]
-  std::vector<int32_t> page_table_;       // [seqs, stride], unused pages 0
+  int64_t row_bytes_ = 0;                  // one query row of all heads: Hq * D * dtype size
+  std::vector<int32_t> cu_seqlens_q_;      // [seqs + 1]
+  std::vector<int32_t> seqlens_k_;         // [seqs]
+  std::vector<int32_t> page_table_;        // [seqs, stride], unused pages 0
   std::vector<char> q_packed_, o_packed_;  // [total_q, Hq, D] when packed
   std::vector<float> lse_packed_;          // [total_q, Hq] when packed
   PagedDecodeParams params_;

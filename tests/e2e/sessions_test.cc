@@ -13,7 +13,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <random>
 #include <string>
@@ -29,6 +31,7 @@
 #include "client/tensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/e2e/blocker.h"
 #include "tests/e2e/e2e_test_util.h"
 #include "tests/e2e/metrics_scrape.h"
 
@@ -854,6 +857,166 @@ TEST_F(SessionsE2E, TenThousandCreateAppendDropCyclesLeaveNoPagesBehind) {
   ASSERT_TRUE(list.ok()) << list.status();
   EXPECT_EQ(list->sessions_size(), 0);
   EXPECT_EQ(list->pages_free(), list_before->pages_free());
+}
+
+// Steps take the one queue every computing call takes. The one worker runs a blocker while a
+// burst of Steps arrives: the queue's two places are taken, every other Step is refused
+// RESOURCE_EXHAUSTED at once and changes nothing, and the queued ones answer correctly once the
+// blocker ends; their FLOPs, query tokens and stage times show on /metrics.
+TEST(StepAdmissionE2E, AFullQueueRefusesStepsAtOnce) {
+  constexpr int kSteps = 48, kQueue = 2;
+  constexpr int64_t kHq = 4, kHkv = 2, kD = 64, kInitial = 40;
+  absl::StatusOr<RunningServer> server =
+      StartServer({"--backend=cpu", "--threads=1", "--workers=1",
+                   absl::StrCat("--max_queue=", kQueue), "--kv_page_bytes=16384"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub(server->client->channel());
+  const std::string device = stub.ServerDevice();
+  std::vector<TestSession> sessions;
+  for (int i = 0; i < kSteps; ++i) {
+    absl::StatusOr<TestSession> s =
+        CreateSession(stub, v1::DTYPE_FLOAT32, kHkv, kD, kInitial, v1::LAYOUT_BHSD, rng);
+    ASSERT_TRUE(s.ok()) << s.status();
+    sessions.push_back(*std::move(s));
+  }
+  const MaskSpec mask{.causal = true, .return_lse = true};
+  std::vector<v1::StepRequest> steps(kSteps);
+  std::vector<std::vector<float>> queries(kSteps);
+  for (int i = 0; i < kSteps; ++i) {
+    SetMask(mask, &steps[i]);
+    queries[i] = AddEntry(sessions[i], kHq, 1, 1, rng, &steps[i]);
+  }
+  absl::StatusOr<Blocker> blocker = CalibratedBlocker(*server->client, absl::Seconds(2), rng);
+  ASSERT_TRUE(blocker.ok()) << blocker.status();
+  const int port = server->process->metrics_port();
+  auto metric = [port, &device](const std::string& name, bool per_device) {
+    absl::StatusOr<double> value =
+        ScrapeMetric(port, name,
+                     per_device ? std::map<std::string, std::string>{{"device", device}}
+                                : std::map<std::string, std::string>{});
+    EXPECT_TRUE(value.ok()) << value.status();
+    return value.value_or(-1);
+  };
+  const double flops_before = metric("attention_flops_total", true);
+  const double tokens_before = metric("attention_tokens_total", true);
+  const double queue_stage_before =
+      SumSamples(ParseMetrics(HttpGet(port, "/metrics").value_or("")),
+                 "attention_stage_duration_seconds_count", {{"stage", "queue"}});
+
+  std::future<absl::StatusOr<v1::AttendResponse>> blocked =
+      server->client->AttendAsync(blocker->request);
+  ASSERT_TRUE(WaitUntilRunning(port)) << "the blocker never ran";
+  std::vector<absl::StatusOr<v1::StepResponse>> answers(kSteps, absl::UnknownError("not answered"));
+  std::vector<absl::Duration> took(kSteps);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kSteps; ++i) {
+    threads.emplace_back([&, i] {
+      SessionsStub own(server->client->channel());
+      const absl::Time start = absl::Now();
+      answers[i] = own.Step(steps[i]);
+      took[i] = absl::Now() - start;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  ExpectBlockerAnswered(*blocker, blocked.get());
+
+  int served = 0;
+  double step_flops = 0;
+  for (int i = 0; i < kSteps; ++i) {
+    if (answers[i].ok()) {
+      ++served;
+      const TestSession& s = sessions[i];
+      step_flops += 4.0 * kHq * kD * static_cast<double>(s.seq.length());
+      ExpectMatchesReference(ReferenceRequest(s.dtype, s.seq, queries[i], kHq, 1, mask),
+                             answers[i]->results(0));
+      continue;
+    }
+    EXPECT_EQ(answers[i].status().code(), absl::StatusCode::kResourceExhausted)
+        << answers[i].status();
+    EXPECT_THAT(answers[i].status().message(), HasSubstr("queue full"));
+    // Refused at once, not after the blocker, and nothing was appended.
+    EXPECT_LT(took[i], absl::Seconds(1)) << "step " << i << " was refused only after waiting";
+    EXPECT_EQ(stub.Length(sessions[i].id), kInitial) << "a refused step changed its session";
+  }
+  EXPECT_GE(served, 1);
+  EXPECT_LE(served, kQueue) << "more Steps were accepted than the queue holds";
+
+  EXPECT_DOUBLE_EQ(metric("attention_tokens_total", true) - tokens_before,
+                   static_cast<double>(blocker->seqlen + served));
+  EXPECT_NEAR(metric("attention_flops_total", true) - flops_before, blocker->flops + step_flops,
+              1e-6 * blocker->flops);
+  EXPECT_EQ(SumSamples(ParseMetrics(HttpGet(port, "/metrics").value_or("")),
+                       "attention_stage_duration_seconds_count", {{"stage", "queue"}}) -
+                queue_stage_before,
+            1 + served);
+  EXPECT_EQ(server->Stop(), absl::OkStatus());
+}
+
+// With --max_batch > 1, Steps of different calls queued together (same shape, heads and mask,
+// other sessions) run as one decode launch: attention_batch_size sees one launch of all of them
+// after the blocker's launch of one; each answer matches the reference.
+TEST(StepAdmissionE2E, CompatibleStepsOfDifferentCallsShareOneLaunch) {
+  constexpr int kSteps = 4;
+  constexpr int64_t kHq = 8, kHkv = 2, kD = 32;
+  absl::StatusOr<RunningServer> server = StartServer(
+      {"--backend=cpu", "--threads=1", "--workers=1", "--max_batch=8", "--kv_page_bytes=16384"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub(server->client->channel());
+  const std::string device = stub.ServerDevice();
+  std::vector<TestSession> sessions;
+  std::vector<v1::StepRequest> steps(kSteps);
+  std::vector<std::vector<float>> queries(kSteps);
+  const MaskSpec mask{.causal = true, .return_lse = true};
+  for (int i = 0; i < kSteps; ++i) {
+    // Ragged lengths: the launch packs sequences of different lengths and page counts.
+    absl::StatusOr<TestSession> s =
+        CreateSession(stub, v1::DTYPE_FLOAT16, kHkv, kD, 17 + 61 * i, v1::LAYOUT_BHSD, rng);
+    ASSERT_TRUE(s.ok()) << s.status();
+    sessions.push_back(*std::move(s));
+    SetMask(mask, &steps[i]);
+    queries[i] = AddEntry(sessions[i], kHq, 1 + i % 2, 1 + i % 2, rng, &steps[i]);
+  }
+  absl::StatusOr<Blocker> blocker = CalibratedBlocker(*server->client, absl::Seconds(1), rng);
+  ASSERT_TRUE(blocker.ok()) << blocker.status();
+  const int port = server->process->metrics_port();
+  const std::map<std::string, std::string> on_device = {{"device", device}};
+  const double launches_before =
+      ScrapeMetric(port, "attention_batch_size_count", on_device).value_or(-1);
+  const double batched_before =
+      ScrapeMetric(port, "attention_batch_size_sum", on_device).value_or(-1);
+
+  std::future<absl::StatusOr<v1::AttendResponse>> blocked =
+      server->client->AttendAsync(blocker->request);
+  ASSERT_TRUE(WaitUntilRunning(port)) << "the blocker never ran";
+  std::vector<absl::StatusOr<v1::StepResponse>> answers(kSteps, absl::UnknownError("not answered"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kSteps; ++i) {
+    threads.emplace_back(
+        [&, i] { answers[i] = SessionsStub(server->client->channel()).Step(steps[i]); });
+  }
+  const double queued =
+      WaitForMetric(port, "attention_queue_depth", {}, [](double v) { return v >= kSteps; });
+  for (std::thread& t : threads) t.join();
+  ExpectBlockerAnswered(*blocker, blocked.get());
+  ASSERT_EQ(queued, kSteps) << "the Steps were not all queued behind the blocker";
+  for (int i = 0; i < kSteps; ++i) {
+    ASSERT_TRUE(answers[i].ok()) << answers[i].status();
+    const TestSession& s = sessions[i];
+    ExpectMatchesReference(ReferenceRequest(s.dtype, s.seq, queries[i], kHq, 1 + i % 2, mask),
+                           answers[i]->results(0));
+  }
+  EXPECT_EQ(
+      ScrapeMetric(port, "attention_batch_size_count", on_device).value_or(-1) - launches_before,
+      2);
+  EXPECT_EQ(ScrapeMetric(port, "attention_batch_size_sum", on_device).value_or(-1) - batched_before,
+            1 + kSteps);
+  EXPECT_EQ(server->Stop(), absl::OkStatus());
 }
 
 TEST(SessionsOffE2E, WithoutACacheSessionsAreUnimplemented) {
