@@ -41,9 +41,9 @@ absl::Status Scheduler::RefusalLocked(const Job& job, int more) const {
   if (job.device >= 0 && !slots_[job.device].lost.ok()) return LostError(slots_[job.device]);
   if (CountInService() == 0) return NoDeviceError();
   if (static_cast<int>(queue_.size()) + more > options_.max_queue) {
-    return absl::ResourceExhaustedError(absl::StrCat("queue full: ", queue_.size(),
-                                                     " queued, limit ", options_.max_queue,
-                                                     more > 1 ? absl::StrCat(", this call needs ", more) : ""));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("queue full: ", queue_.size(), " queued, limit ", options_.max_queue,
+                     more > 1 ? absl::StrCat(", this call needs ", more) : ""));
   }
   return absl::OkStatus();
 }
@@ -348,7 +348,8 @@ void Scheduler::RunBatch(std::vector<Queued> batch) {
     }
     std::move(batch[i].first.done)(std::move(result));
   }
-  // After the answers, which end the jobs' holds on their sessions: jobs queued behind them may run.
+  // After the answers, which end the jobs' holds on their sessions: jobs queued behind them may
+  // run.
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const Queued& queued : batch) {

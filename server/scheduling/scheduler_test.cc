@@ -78,6 +78,38 @@ class GatedExecutor final : public Executor {
   absl::Status health_;
   int health_checks_ = 0;
   std::vector<int> launch_sizes_;
+
+ protected:
+  // A pool that writes nothing and records each decode launch's sequence count.
+  absl::StatusOr<std::unique_ptr<KvPagePool>> CreateKvPagePool(int64_t num_pages,
+                                                               int64_t page_bytes) override {
+    class RecordingPool final : public KvPagePool {
+     public:
+      explicit RecordingPool(GatedExecutor* executor) : executor_(executor) {}
+      int64_t page_bytes() const override { return 4096; }
+      int64_t num_pages() const override { return 1; }
+      absl::Status Write(absl::Span<const KvWrite>) override { return absl::OkStatus(); }
+      absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& p) override {
+        std::lock_guard<std::mutex> lock(executor_->mu_);
+        executor_->decode_launches_.push_back(static_cast<int>(p.num_seqs));
+        return KvStepTimes{.compute_us = 2};
+      }
+
+     private:
+      GatedExecutor* const executor_;
+    };
+    return std::make_unique<RecordingPool>(this);
+  }
+
+ public:
+  // The sequence counts of the decode launches so far.
+  std::vector<int> decode_launches() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return decode_launches_;
+  }
+
+ private:
+  std::vector<int> decode_launches_;  // guarded by mu_
 };
 
 // Collects one job's result.
@@ -103,6 +135,7 @@ struct Fixture {
     std::vector<std::unique_ptr<Executor>> owned;
     for (int i = 0; i < executors; ++i) {
       auto executor = std::make_unique<GatedExecutor>("dev" + std::to_string(i));
+      EXPECT_TRUE(executor->InitKvPool(1, 4096).ok());
       gates.push_back(executor.get());
       owned.push_back(std::move(executor));
     }
@@ -359,6 +392,125 @@ TEST(SchedulerTest, ALostDeviceLeavesRotationAndTheLastOneLeavesUnavailable) {
                         "context lost on dev1)"));
   std::lock_guard<std::mutex> lock(lost_mu);
   EXPECT_EQ(lost, (std::vector<std::pair<std::string, int>>{{"dev0", 1}, {"dev1", 0}}));
+}
+
+}  // namespace
+}  // namespace attention::server
+
+namespace attention::server {
+namespace {
+
+// A decode job over one one-query sequence of session `id` (shape f32, Hkv 1, D 1) with `key`;
+// its q, o and page table live here.
+struct DecodeOutcome : Outcome {
+  float q = 1, o = 0;
+  int32_t page = 0;
+
+  Job MakeDecodeJob(const std::string& id, const DecodeKey& key) {
+    Job job = MakeJob();
+    job.device = 0;
+    job.sessions = {id};
+    job.work = DecodeWork{
+        .key = key, .prepare = [this]() -> absl::StatusOr<std::vector<DecodeSequence>> {
+          return std::vector<DecodeSequence>{
+              {.pages = absl::MakeConstSpan(&page, 1), .length = 1, .q = &q, .rows_q = 1, .o = &o}};
+        }};
+    return job;
+  }
+};
+
+DecodeKey TinyKey(float scale) {
+  return DecodeKey{.shape = {.dtype = DType::kFloat32, .heads_kv = 1, .head_dim = 1},
+                   .heads_q = 1,
+                   .softmax_scale = scale};
+}
+
+TEST(SchedulerTest, DecodeStepsWithEqualKeysAndOtherSessionsShareOneLaunch) {
+  Fixture f(1, {.workers = 1, .max_queue = 16, .max_batch = 8});
+  Outcome blocker;
+  f.scheduler->Submit(blocker.MakeJob());
+  f.gates[0]->AwaitStarted(1);
+  DecodeOutcome s1, s2, other_key, s1_again;
+  f.scheduler->Submit(s1.MakeDecodeJob("s1", TinyKey(1)));
+  f.scheduler->Submit(s2.MakeDecodeJob("s2", TinyKey(1)));
+  f.scheduler->Submit(other_key.MakeDecodeJob("s3", TinyKey(0.5f)));
+  f.scheduler->Submit(s1_again.MakeDecodeJob("s1", TinyKey(1)));
+  f.ReleaseAll();
+  for (Outcome* o : std::initializer_list<Outcome*>{&blocker, &s1, &s2, &other_key, &s1_again}) {
+    o->done.WaitForNotification();
+    EXPECT_TRUE(o->result.status.ok()) << o->result.status;
+  }
+  // s1 and s2 in one launch; the other key alone; s1's second step after its first, alone.
+  EXPECT_EQ(f.gates[0]->decode_launches(), (std::vector<int>{2, 1, 1}));
+  EXPECT_EQ(s1.result.batch_size, 2);
+  EXPECT_TRUE(s1.result.leads_batch);
+  EXPECT_FALSE(s2.result.leads_batch);
+  EXPECT_EQ(s1.result.stages.compute_us, 2);
+  EXPECT_EQ(s1_again.result.batch_size, 1);
+}
+
+TEST(SchedulerTest, JobsOnOneSessionRunOneAtATimeWhileOthersPass) {
+  Fixture f(1, {.workers = 2, .max_queue = 16});
+  Notification first_started, release_first;
+  std::atomic<bool> first_done{false}, second_overlapped{false};
+  auto device_job = [](Outcome& outcome, std::string id, absl::AnyInvocable<void()> body) {
+    Job job = outcome.MakeJob();
+    job.device = 0;
+    job.sessions = {std::move(id)};
+    job.work = DeviceWork{.run = [body = std::move(body)]() mutable -> absl::StatusOr<StageTimes> {
+      body();
+      return StageTimes{.h2d_us = 1};
+    }};
+    return job;
+  };
+  Outcome first, second, other;
+  f.scheduler->Submit(device_job(first, "s", [&] {
+    first_started.Notify();
+    release_first.WaitForNotification();
+    first_done = true;
+  }));
+  first_started.WaitForNotification();
+  f.scheduler->Submit(device_job(second, "s", [&] { second_overlapped = !first_done; }));
+  f.scheduler->Submit(device_job(other, "t", [] {}));
+  // The second worker passes the held job and runs the one on another session.
+  other.done.WaitForNotification();
+  EXPECT_TRUE(other.result.status.ok()) << other.result.status;
+  EXPECT_FALSE(second.done.HasBeenNotified());
+  EXPECT_EQ(f.scheduler->queue_depth(), 1);
+  release_first.Notify();
+  second.done.WaitForNotification();
+  EXPECT_TRUE(second.result.status.ok()) << second.result.status;
+  EXPECT_FALSE(second_overlapped) << "two jobs on one session ran at once";
+}
+
+TEST(SchedulerTest, WorkOnALostDeviceIsUnavailable) {
+  Fixture f(2, {.workers = 1});
+  Outcome failed;
+  f.gates[1]->Lose(absl::InternalError("context lost"));
+  Job job = failed.MakeJob();
+  job.device = 1;
+  job.work = DeviceWork{
+      .run = []() -> absl::StatusOr<StageTimes> { return absl::InternalError("device fault"); }};
+  f.ReleaseAll();
+  f.scheduler->Submit(std::move(job));
+  failed.done.WaitForNotification();
+  EXPECT_EQ(failed.result.status.code(), absl::StatusCode::kInternal);
+  // The failure took dev1 out of rotation: work for its sessions is refused at once.
+  DecodeOutcome decode;
+  f.scheduler->Submit(decode.MakeDecodeJob("s", TinyKey(1)));
+  Job on_lost = decode.MakeDecodeJob("s", TinyKey(1));
+  on_lost.device = 1;
+  Outcome refused;
+  on_lost.done = [&refused](JobResult r) {
+    refused.result = std::move(r);
+    refused.done.Notify();
+  };
+  f.scheduler->Submit(std::move(on_lost));
+  ASSERT_TRUE(refused.done.HasBeenNotified());
+  EXPECT_EQ(refused.result.status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(refused.result.status.message(), HasSubstr("dev1 is out of service: context lost"));
+  decode.done.WaitForNotification();
+  EXPECT_TRUE(decode.result.status.ok()) << decode.result.status;
 }
 
 }  // namespace

@@ -1,0 +1,124 @@
+#include "server/sessions/step_plan.h"
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/paged_kv_pool.h"
+
+namespace attention::server {
+namespace {
+
+using ::testing::ElementsAre;
+
+constexpr KvShape kShape{.dtype = DType::kFloat32, .heads_kv = 2, .head_dim = 8};
+constexpr int64_t kHq = 4;
+constexpr int64_t kPageBytes = 16 * 2 * 2 * 8 * 4;  // 16 rows of K and V
+
+DecodeKey Key(bool lse) {
+  return DecodeKey{.shape = kShape, .heads_q = kHq, .softmax_scale = 0.5f, .lse = lse};
+}
+
+// One sequence's buffers: q [Hq, nq, D] random, o and lse poisoned.
+struct SeqData {
+  SeqData(std::vector<int32_t> pages_in, int64_t length_in, int64_t nq, std::mt19937& rng)
+      : pages(std::move(pages_in)), length(length_in), q(kHq * nq * kShape.head_dim),
+        o(q.size(), -777.0f), lse(kHq * nq, -777.0f) {
+    std::normal_distribution<float> normal;
+    for (float& x : q) x = normal(rng);
+  }
+  DecodeSequence View() {
+    return DecodeSequence{.pages = pages,
+                          .length = length,
+                          .q = q.data(),
+                          .rows_q = static_cast<int64_t>(lse.size()) / kHq,
+                          .o = o.data(),
+                          .lse = lse.data()};
+  }
+  std::vector<int32_t> pages;
+  int64_t length;
+  std::vector<float> q, o, lse;
+};
+
+TEST(DecodePlanTest, PacksSequencesOfSeveralLengthsAndPageCounts) {
+  std::mt19937 rng(7);
+  SeqData a({4, 9}, 20, 1, rng), b({3}, 5, 3, rng), c({1, 2, 6}, 40, 2, rng);
+  const DecodePlan plan(Key(true), {a.View(), b.View(), c.View()});
+  const PagedDecodeParams& p = plan.params();
+  EXPECT_EQ(p.num_seqs, 3);
+  EXPECT_EQ(p.total_q, 6);
+  EXPECT_EQ(p.max_seqlen_q, 3);
+  EXPECT_EQ(p.max_seqlen_k, 40);
+  EXPECT_THAT(std::vector<int32_t>(p.cu_seqlens_q, p.cu_seqlens_q + 4), ElementsAre(0, 1, 4, 6));
+  EXPECT_THAT(std::vector<int32_t>(p.seqlens_k, p.seqlens_k + 3), ElementsAre(20, 5, 40));
+  // One row of the page table a sequence, as wide as the longest, the rest zeros.
+  EXPECT_EQ(p.page_table_stride, 3);
+  EXPECT_THAT(std::vector<int32_t>(p.page_table, p.page_table + 9),
+              ElementsAre(4, 9, 0, 3, 0, 0, 1, 2, 6));
+  EXPECT_EQ(p.softmax_scale, 0.5f);
+  EXPECT_NE(p.lse, nullptr);
+  // q packed: sequence b's [Hq, 3, D] starts at row 1 of [6, Hq, D].
+  const float* q = static_cast<const float*>(p.q);
+  const int64_t row = kHq * kShape.head_dim;
+  EXPECT_EQ(std::vector<float>(q + row, q + 4 * row), b.q);
+}
+
+TEST(DecodePlanTest, OneSequenceIsReadAndWrittenInPlace) {
+  std::mt19937 rng(8);
+  SeqData a({0, 1}, 17, 2, rng);
+  const DecodePlan with_lse(Key(true), {a.View()});
+  EXPECT_EQ(with_lse.params().q, a.q.data());
+  EXPECT_EQ(with_lse.params().o, a.o.data());
+  EXPECT_EQ(with_lse.params().lse, a.lse.data());
+  const DecodePlan without(Key(false), {a.View()});
+  EXPECT_EQ(without.params().lse, nullptr);
+}
+
+// A packed launch answers each sequence exactly as its own launch does, in its own buffers.
+TEST(DecodePlanTest, PackedLaunchUnpacksToWhatEachSequenceAloneGets) {
+  std::mt19937 rng(9);
+  absl::StatusOr<std::unique_ptr<KvPagePool>> pool =
+      cpu::MakeKvPagePool(/*num_pages=*/8, kPageBytes, /*threads=*/1);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  // Three sequences' K/V written into their pages: [Hkv, rows, D] random.
+  std::vector<std::vector<int32_t>> tables = {{5, 0}, {2}, {7, 1, 3}};
+  std::vector<int64_t> lengths = {19, 9, 33};
+  std::vector<std::vector<float>> kv(3);
+  std::vector<KvWrite> writes;
+  std::normal_distribution<float> normal;
+  for (int s = 0; s < 3; ++s) {
+    kv[s].resize(kShape.heads_kv * lengths[s] * kShape.head_dim);
+    for (float& x : kv[s]) x = normal(rng);
+    writes.push_back(KvWrite{.shape = kShape,
+                             .page_table = tables[s].data(),
+                             .rows = lengths[s],
+                             .k = kv[s].data(),
+                             .v = kv[s].data(),
+                             .head_stride = lengths[s] * kShape.head_dim,
+                             .row_stride = kShape.head_dim});
+  }
+  ASSERT_EQ((*pool)->Write(writes), absl::OkStatus());
+
+  std::vector<SeqData> packed, alone;
+  for (int s = 0; s < 3; ++s) {
+    packed.emplace_back(tables[s], lengths[s], 1 + s, rng);
+    alone.push_back(packed.back());
+  }
+  std::vector<DecodeSequence> views;
+  for (SeqData& d : packed) views.push_back(d.View());
+  const DecodePlan plan(Key(true), views);
+  ASSERT_TRUE((*pool)->Decode(plan.params()).ok());
+  plan.Unpack();
+  for (int s = 0; s < 3; ++s) {
+    const DecodePlan own(Key(true), {alone[s].View()});
+    ASSERT_TRUE((*pool)->Decode(own.params()).ok());
+    EXPECT_EQ(packed[s].o, alone[s].o) << "sequence " << s;
+    EXPECT_EQ(packed[s].lse, alone[s].lse) << "sequence " << s;
+    EXPECT_NE(packed[s].o.front(), -777.0f) << "sequence " << s << " left unwritten";
+  }
+}
+
+}  // namespace
+}  // namespace attention::server
