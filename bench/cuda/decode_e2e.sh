@@ -3,6 +3,8 @@
 # against Attend with the same K/V sent on every call. One attention_server --backend=cuda, then
 # attn_bench runs; each run's JSON line goes to stdout and to $OUT/decode_e2e.jsonl.
 #   bench/cuda/decode_e2e.sh BIN_DIR [NK] [SEQUENCES]
+# SERVER=path runs that attention_server instead of BIN_DIR's; RUNS="step_c1 ..." picks the runs
+# (default: step_c1 step_c4 attend_c1).
 # Defaults: NK=32768 rows per session, SEQUENCES=8 sessions per Step; bfloat16, Hq 32, Hkv 8,
 # D 128, one query row each, causal; each Step appends its token's K/V first. The Attend call
 # carries SEQUENCES x NK x 8 x 128 x 2 x 2 bytes of K/V (1 GiB at the defaults), so both ends
@@ -12,9 +14,11 @@ bin=${1:?BIN_DIR}
 nk=${2:-32768}
 seqs=${3:-8}
 out=${OUT:-/tmp/out}
+server_bin=${SERVER:-$bin/attention_server}
+runs=${RUNS:-step_c1 step_c4 attend_c1}
 mkdir -p "$out"
 ports=$(mktemp)
-"$bin/attention_server" --backend=cuda --port=0 --metrics_port=0 --port_file="$ports" \
+"$server_bin" --backend=cuda --port=0 --metrics_port=0 --port_file="$ports" \
   --max_message_mb=2047 >"$out/decode_e2e_server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
@@ -30,8 +34,13 @@ run() {  # NAME ARGS...: one attn_bench run, its JSON line kept with NAME
   echo "$name: $json"
 }
 : >"$out/decode_e2e.jsonl"
-for c in 1 4; do
-  run "step_c$c" --mode=decode --sessions=$((seqs * c)) --concurrency=$c \
-    --warmup_s=1 --duration_s=5
+for name in $runs; do
+  case $name in
+    step_c*)
+      c=${name#step_c}
+      run "$name" --mode=decode --sessions=$((seqs * c)) --concurrency=$c --warmup_s=1 --duration_s=5
+      ;;
+    attend_c1) run attend_c1 --concurrency=1 --warmup_s=2 --duration_s=10 ;;
+    *) echo "decode_e2e.sh: unknown run $name" >&2 ;;
+  esac
 done
-run attend_c1 --concurrency=1 --warmup_s=2 --duration_s=10

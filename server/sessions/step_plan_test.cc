@@ -24,8 +24,11 @@ DecodeKey Key(bool lse) {
 // One sequence's buffers: q [Hq, nq, D] random, o and lse poisoned.
 struct SeqData {
   SeqData(std::vector<int32_t> pages_in, int64_t length_in, int64_t nq, std::mt19937& rng)
-      : pages(std::move(pages_in)), length(length_in), q(kHq * nq * kShape.head_dim),
-        o(q.size(), -777.0f), lse(kHq * nq, -777.0f) {
+      : pages(std::move(pages_in)),
+        length(length_in),
+        q(kHq * nq * kShape.head_dim),
+        o(q.size(), -777.0f),
+        lse(kHq * nq, -777.0f) {
     std::normal_distribution<float> normal;
     for (float& x : q) x = normal(rng);
   }

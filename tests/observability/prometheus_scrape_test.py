@@ -234,6 +234,10 @@ class Load:
         self.sent = {}  # (rpc, code) -> requests
         self.round_trips = {}  # rpc -> [min, max] seconds, as the clients measured them
         self.steps_ok = 0  # Step calls answered: one decode launch each (one shape per Step)
+        # What the answered Steps computed: query tokens exactly; FLOPs between the bounds their
+        # sessions' lengths allow (each Step appends a row to the sessions it steps first).
+        self.step_tokens = 0
+        self.step_flops = [0, 0]
         self.sessions_expired = 0  # sessions whose drop found them expired
 
     def count(self, rpc, code, n=1):
@@ -264,12 +268,12 @@ class Load:
             [self.bench, f"--target={self.target}", "--mode=decode", "--progress=false", "--json",
              "--warmup_s=0", f"--sessions={sessions}"] + args,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        return process, sessions
+        return process, sessions, args
 
     def finish_decode(self, started):
         """Counts what an attn_bench --mode=decode run sent: its sessions' CreateSession, its Step
         calls by code (from its JSON line) and its sessions' DropSession (NOT_FOUND: expired)."""
-        process, sessions = started
+        process, sessions, args = started
         output, errors = process.communicate(timeout=120)
         dropped = re.search(r"dropped (\d+) sessions, (\d+) failed", output)
         if process.returncode != 0 or not dropped:
@@ -286,6 +290,14 @@ class Load:
             self.count("DropSession", "NOT_FOUND", expired)
         self.sessions_expired += expired
         self.steps_ok += result["requests"]
+        flags = dict(a.split("=", 1) for a in args if "=" in a)
+        b, h, n, d = map(int, flags["--shape"].split(","))  # entries, Hq, queries, D per Step
+        nk, steps = int(flags["--nk"]), result["requests"]
+        self.step_tokens += steps * b * n
+        # n queries at the end of a causal sequence of `length` keys see n * length - n(n-1)/2.
+        per_length = lambda length: steps * b * 4 * h * d * (n * length - n * (n - 1) // 2)
+        self.step_flops[0] += per_length(nk + 1)
+        self.step_flops[1] += per_length(nk + steps)
         if result["requests"]:  # latencies from the scheduled send time: an upper bound
             self.round_trip("Step", 0.0, result["max"])
 
@@ -379,13 +391,16 @@ def check_counts(prom, load, at, instance):
     ok = load.sent[("Attend", "OK")]
     attend = ok + load.sent.get(("Attend", "INVALID_ARGUMENT"), 0)
     b, h, n, d = SHAPE
+    attend_flops = ok * 4 * h * d * n * n * b
+    # Steps take the same path: their tokens, stages and launches count with Attend's; a
+    # CreateSession's write into the pool is a job too, with its stages (and no launch).
+    creates = load.sent.get(("CreateSession", "OK"), 0)
     expected = {
-        "attention_flops_total": ok * 4 * h * d * n * n * b,
-        "attention_tokens_total": ok * b * n,
+        "attention_tokens_total": ok * b * n + load.step_tokens,
         'attention_request_duration_seconds_count{rpc="Attend"}': attend,
         'attention_request_bytes_count{rpc="Attend"}': attend,
-        'attention_stage_duration_seconds_count{stage="compute"}': ok,
-        "attention_batch_size_count": ok,
+        'attention_stage_duration_seconds_count{stage="compute"}': ok + load.steps_ok + creates,
+        "attention_batch_size_count": ok + load.steps_ok,
     }
     for series, want in expected.items():
         selector = series.replace("}", f',instance="{instance}"}}') if "{" in series else \
@@ -393,13 +408,18 @@ def check_counts(prom, load, at, instance):
         values = prom.query(f"sum({selector})", at)
         if len(values) != 1 or values[0][1] != want:
             raise Failure(f"{series}: Prometheus has {values}, the client sent {want}")
+    flops = prom.query(f"sum(attention_flops_total{sel})", at)
+    low, high = attend_flops + load.step_flops[0], attend_flops + load.step_flops[1]
+    if len(flops) != 1 or not low <= flops[0][1] <= high:
+        raise Failure(f"attention_flops_total: Prometheus has {flops}, the client sent Attend "
+                      f"{attend_flops} and Steps {load.step_flops[0]}..{load.step_flops[1]}")
     # Each request carries its q, k and v (float32) and a few hundred bytes of framing.
     tensor_bytes = ok * 3 * (4 * b * h * n * d) + (attend - ok) * INVALID_TENSOR_BYTES
     got_bytes = prom.query(f'sum(attention_request_bytes_sum{{rpc="Attend",instance="{instance}"}})',
                            at)[0][1]
     if not tensor_bytes <= got_bytes <= tensor_bytes + 1024 * attend:
         raise Failure(f"attention_request_bytes_sum {got_bytes}, tensors alone {tensor_bytes}")
-    log(f"counts agree: {load.sent}; FLOPs {expected['attention_flops_total']:.4g}")
+    log(f"counts agree: {load.sent}; FLOPs {flops[0][1]:.4g} (Attend {attend_flops:.4g})")
 
 
 def check_sessions(prom, load, at, instance, window_s):
