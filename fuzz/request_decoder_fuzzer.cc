@@ -1,11 +1,23 @@
 // libFuzzer target over everything the server does with untrusted bytes before a device sees
-// them: protobuf parsing of an AttendRequest, validation and decoding (server/request_decoder),
-// and, for what the decoder accepts, the CPU kernel itself. The property checked is the server's
-// safety contract: any request either fails with INVALID_ARGUMENT or RESOURCE_EXHAUSTED, or it
-// decodes into parameters the kernel accepts and computes inside the buffers the decoder sized
-// (AddressSanitizer reports any read or write outside them).
+// them: protobuf parsing, validation and decoding of the requests that carry tensors.
 //
-// Run it with fuzz/run.sh. The seed corpus in fuzz/corpus/ holds the named requests that
+// The first input byte picks the message (its value modulo 4):
+//   0  AttendRequest (server/requests/request_decoder), and, for what the decoder accepts, the
+//      CPU kernel itself;
+//   1  CreateSessionRequest (DecodeCreate);
+//   2  AppendKvRequest (DecodeKvRows) against a session whose shape and length come from the
+//      next 4 bytes (SessionFromBytes);
+//   3  StepRequest (CheckStep, then DecodeStepEntry for every entry) against such a session.
+// The rest of the input is the serialized message.
+//
+// The property checked is the server's safety contract: any request either fails with
+// INVALID_ARGUMENT (or, for Attend, RESOURCE_EXHAUSTED) and a message, or it decodes into what
+// the next stage takes: kernel parameters the kernel accepts and computes inside the buffers the
+// decoder sized, or KV rows and queries whose pointers, strides and counts stay inside the
+// request's bytes. Every element the strides reach is read (AddressSanitizer reports any read
+// outside them).
+//
+// Run it with fuzz/run.sh. The seed corpus in fuzz/corpus/ holds the named inputs that
 // write_seed_corpus makes and the inputs (named by hash) that fuzzing runs found to add coverage,
 // merged in with `request_decoder_fuzzer -merge=1 fuzz/corpus NEW_INPUTS_DIR`.
 #include <cstddef>
@@ -13,12 +25,15 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attention/v1/attention.pb.h"
 #include "google/protobuf/stubs/logging.h"
 #include "kernels/attention_params.h"
 #include "kernels/cpu/cpu_attention.h"
+#include "kernels/paged_kv.h"
 #include "server/requests/request_decoder.h"
+#include "server/requests/session_request.h"
 
 namespace {
 
@@ -54,17 +69,9 @@ void CheckDecoded(const attention::v1::AttendRequest& request,
   if (decoded.flops < 0 || decoded.query_tokens < 1) Fail("negative work counts");
 }
 
-}  // namespace
-
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  // Protobuf logs every request_id that is not UTF-8; at fuzzing rates that log is the bottleneck.
-  google::protobuf::SetLogHandler(nullptr);
-  return 0;
-}
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+void FuzzAttend(const uint8_t* data, size_t size) {
   attention::v1::AttendRequest request;
-  if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return;
 
   // Odd-sized inputs get a tiny message limit, so the RESOURCE_EXHAUSTED paths are reached too.
   const attention::server::DecodeOptions options{
@@ -79,13 +86,165 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Fail("a refusal that is neither INVALID_ARGUMENT nor RESOURCE_EXHAUSTED");
     }
     if (decoded.status().message().empty()) Fail("a refusal without a message");
-    return 0;
+    return;
   }
   CheckDecoded(request, response, *decoded, options.max_head_dim);
 
   if (decoded->flops <= kMaxKernelFlops) {
     static attention::cpu::CpuBackend* backend = new attention::cpu::CpuBackend({.threads = 1});
     if (!backend->Forward(decoded->params).ok()) Fail("the CPU kernel refused a decoded request");
+  }
+}
+
+// Sessions requests are refused with INVALID_ARGUMENT and a message, nothing else.
+void CheckSessionRefusal(const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kInvalidArgument) {
+    Fail("a Sessions refusal that is not INVALID_ARGUMENT");
+  }
+  if (status.message().empty()) Fail("a Sessions refusal without a message");
+}
+
+// The session a fuzzed AppendKv or Step runs against, from 4 input bytes: dtype, kv heads
+// (1..8), head dim (1..256) and rows held (0..255), as a CreateSession could have made it.
+struct FuzzedSession {
+  attention::KvShape shape;
+  int64_t length = 0;
+};
+FuzzedSession SessionFromBytes(const uint8_t* bytes) {
+  constexpr attention::DType kDTypes[] = {attention::DType::kFloat32, attention::DType::kFloat16,
+                                          attention::DType::kBFloat16};
+  return {.shape = {.dtype = kDTypes[bytes[0] % 3],
+                    .heads_kv = 1 + bytes[1] % 8,
+                    .head_dim = 1 + bytes[2]},
+          .length = bytes[3]};
+}
+
+// Reads every element [head, row, 0..D) that `rows`' strides reach in k and v, as the KV write
+// does, and checks that the byte counts match the tensors the rows came from.
+void CheckKvRows(const attention::server::KvRows& rows, const attention::v1::Tensor* k,
+                 const attention::v1::Tensor* v, const attention::KvShape& shape) {
+  if (rows.rows < 0) Fail("negative KV rows");
+  if (rows.rows == 0) {
+    if (rows.k != nullptr || rows.v != nullptr) Fail("KV pointers without rows");
+    return;
+  }
+  if (k == nullptr || v == nullptr) Fail("KV rows from no tensors");
+  if (rows.k != k->data().data() || rows.v != v->data().data()) {
+    Fail("KV pointers outside the request's tensors");
+  }
+  const int64_t element = static_cast<int64_t>(attention::DTypeSize(shape.dtype));
+  const int64_t bytes = rows.rows * shape.heads_kv * shape.head_dim * element;
+  if (static_cast<int64_t>(k->data().size()) != bytes ||
+      static_cast<int64_t>(v->data().size()) != bytes) {
+    Fail("KV rows do not cover their tensors' bytes exactly");
+  }
+  const int64_t last = (shape.heads_kv - 1) * rows.head_stride + (rows.rows - 1) * rows.row_stride +
+                       shape.head_dim - 1;
+  if (rows.head_stride < 1 || rows.row_stride < 1 || (last + 1) * element > bytes) {
+    Fail("KV strides reach outside the tensors");
+  }
+  // Touch what the strides reach, so AddressSanitizer sees any read outside the buffers.
+  volatile uint8_t sink = 0;
+  for (const void* base : {rows.k, rows.v}) {
+    const auto* p = static_cast<const uint8_t*>(base);
+    for (int64_t h = 0; h < shape.heads_kv; ++h) {
+      for (int64_t r = 0; r < rows.rows; ++r) {
+        const int64_t first = (h * rows.head_stride + r * rows.row_stride) * element;
+        sink = sink + p[first] + p[first + shape.head_dim * element - 1];
+      }
+    }
+  }
+}
+
+void FuzzCreate(const uint8_t* data, size_t size) {
+  attention::v1::CreateSessionRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return;
+  const attention::server::SessionLimits limits{.max_head_dim = 256};
+  absl::StatusOr<attention::server::DecodedCreate> decoded =
+      attention::server::DecodeCreate(request, limits);
+  if (!decoded.ok()) return CheckSessionRefusal(decoded.status());
+  const attention::KvShape& shape = decoded->shape;
+  if (shape.heads_kv != request.kv_heads() || shape.head_dim != request.head_dim() ||
+      shape.heads_kv < 1 || shape.head_dim < 1 || shape.head_dim > limits.max_head_dim) {
+    Fail("a created session's shape is not the request's, or out of range");
+  }
+  if (attention::server::ToProtoDType(shape.dtype) != request.dtype()) Fail("dtype changed");
+  CheckKvRows(decoded->rows, request.has_k() ? &request.k() : nullptr,
+              request.has_v() ? &request.v() : nullptr, shape);
+}
+
+void FuzzAppend(const uint8_t* data, size_t size) {
+  if (size < 4) return;
+  const FuzzedSession session = SessionFromBytes(data);
+  attention::v1::AppendKvRequest request;
+  if (!request.ParseFromArray(data + 4, static_cast<int>(size - 4))) return;
+  const attention::v1::Tensor* k = request.has_k() ? &request.k() : nullptr;
+  const attention::v1::Tensor* v = request.has_v() ? &request.v() : nullptr;
+  absl::StatusOr<attention::server::KvRows> rows =
+      attention::server::DecodeKvRows("", k, v, request.layout(), session.shape);
+  if (!rows.ok()) return CheckSessionRefusal(rows.status());
+  CheckKvRows(*rows, k, v, session.shape);
+}
+
+void FuzzStep(const uint8_t* data, size_t size) {
+  if (size < 4) return;
+  const FuzzedSession session = SessionFromBytes(data);
+  attention::v1::StepRequest request;
+  if (!request.ParseFromArray(data + 4, static_cast<int>(size - 4))) return;
+  const absl::Status checked = attention::server::CheckStep(request);
+  if (!checked.ok()) return CheckSessionRefusal(checked);
+  if (request.entries_size() < 1) Fail("a Step without entries passed CheckStep");
+  const attention::KvShape& shape = session.shape;
+  const int64_t element = static_cast<int64_t>(attention::DTypeSize(shape.dtype));
+  // Every entry against the one fuzzed session shape (in the server each has its own session).
+  for (int i = 0; i < request.entries_size(); ++i) {
+    const attention::v1::StepEntry& entry = request.entries(i);
+    absl::StatusOr<attention::server::DecodedEntry> decoded =
+        attention::server::DecodeStepEntry(i, entry, shape, session.length);
+    if (!decoded.ok()) {
+      CheckSessionRefusal(decoded.status());
+      continue;
+    }
+    if (decoded->q != entry.q().data().data()) Fail("q points outside the request's tensor");
+    if (decoded->heads_q < 1 || decoded->rows_q < 1 || decoded->heads_q % shape.heads_kv != 0) {
+      Fail("decoded query heads or rows out of range");
+    }
+    if (decoded->heads_q * decoded->rows_q * shape.head_dim * element !=
+        static_cast<int64_t>(entry.q().data().size())) {
+      Fail("q's decoded shape does not cover its bytes exactly");
+    }
+    CheckKvRows(decoded->rows, entry.has_k() ? &entry.k() : nullptr,
+                entry.has_v() ? &entry.v() : nullptr, shape);
+    if (decoded->length_after != session.length + decoded->rows.rows ||
+        decoded->rows_q > decoded->length_after) {
+      Fail("queries beyond the session's rows after the append");
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  // Protobuf logs every request_id that is not UTF-8; at fuzzing rates that log is the bottleneck.
+  google::protobuf::SetLogHandler(nullptr);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  switch (data[0] % 4) {
+    case 0:
+      FuzzAttend(data + 1, size - 1);
+      break;
+    case 1:
+      FuzzCreate(data + 1, size - 1);
+      break;
+    case 2:
+      FuzzAppend(data + 1, size - 1);
+      break;
+    default:
+      FuzzStep(data + 1, size - 1);
+      break;
   }
   return 0;
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer target with clang-14 into build-fuzz/ and fuzzes AttendRequest decoding
-# for SECONDS (default 60), starting from the seed corpus in fuzz/corpus/ (read only: new inputs
-# go to build-fuzz/corpus/). A crash, leak or slow input (over 10 s) fails the run; libFuzzer
+# Builds the libFuzzer target with clang-14 into build-fuzz/ and fuzzes the decoding of
+# AttendRequest and of the Sessions requests (CreateSession, AppendKv, Step) for SECONDS (default
+# 60), starting from the seed corpus in fuzz/corpus/ (read only: new inputs go to
+# build-fuzz/corpus/). A crash, leak or slow input (over 10 s) fails the run; libFuzzer
 # leaves the input in build-fuzz/ as crash-*, leak-* or timeout-*.
 #   fuzz/run.sh          # CI: one minute
 #   fuzz/run.sh 600      # ten minutes

@@ -4,7 +4,7 @@
 # GPU tests (label "gpu") skip with a message on machines without a GPU.
 # CI extras, off unless set: ATTENTION_CI_SANITIZE=1 also runs the suite under AddressSanitizer +
 # UndefinedBehaviorSanitizer (scripts/sanitize.sh asan); ATTENTION_CI_FUZZ_S=N fuzzes request
-# decoding for N seconds (fuzz/run.sh).
+# decoding (Attend and Sessions requests) for N seconds (fuzz/run.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/build.sh "$@"

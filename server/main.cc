@@ -28,7 +28,6 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -48,6 +47,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "server/executors/executor.h"
 #include "server/metrics/metrics.h"
+#include "server/options/server_options.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/attention_service.h"
 #include "server/service/security.h"
@@ -129,34 +129,6 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
   return absl::OkStatus();
 }
 
-// The KV-resident sessions' cache (session_store.h).
-struct KvCacheOptions {
-  double fraction = 0.25;  // of each device's memory; 0: no sessions
-  int64_t bytes = 0;       // > 0: this many bytes of each device's memory instead of `fraction`
-  int64_t page_bytes = 524288;
-  int ttl_s = 600;
-};
-
-absl::Status CheckKvCacheOptions(const KvCacheOptions& o) {
-  if (!(o.fraction >= 0 && o.fraction < 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv_cache_fraction: expected a value in [0, 1), got ", o.fraction));
-  }
-  if (o.bytes < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv_cache_bytes: expected >= 0, got ", o.bytes));
-  }
-  if (o.page_bytes < 256 || o.page_bytes % 256 != 0 || o.page_bytes > (int64_t{1} << 30)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--kv_page_bytes: expected a multiple of 256 from 256 to 2^30, got ", o.page_bytes));
-  }
-  if (o.ttl_s < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--session_ttl_s: expected >= 1, got ", o.ttl_s));
-  }
-  return absl::OkStatus();
-}
-
 // One KV page pool per executor, kept by the executor: `bytes` (or fraction * memory) /
 // page_bytes pages. The store's device d is executor d.
 // Empty when both are 0 or the backend keeps no pages (its executor answers UNIMPLEMENTED).
@@ -168,25 +140,10 @@ absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
   if (o.fraction == 0 && o.bytes == 0) return devices;
   for (const auto& executor : executors) {
     const DeviceDescription& device = executor->device();
-    const std::string asked = o.bytes > 0
-                                  ? absl::StrCat("--kv_cache_bytes ", o.bytes)
-                                  : absl::StrCat("--kv_cache_fraction ", o.fraction, " of ",
-                                                 device.name, "'s ", device.memory_bytes, " bytes");
-    const double room = (1 - request_fraction) * static_cast<double>(device.memory_bytes);
-    if (static_cast<double>(o.bytes) > room) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          asked, ": more than the ", static_cast<int64_t>(room), " bytes of ", device.name,
-          " left beside the request buffers (--device_memory_fraction ", request_fraction, ")"));
-    }
-    const double cache_bytes = o.bytes > 0 ? static_cast<double>(o.bytes)
-                                           : o.fraction * static_cast<double>(device.memory_bytes);
-    const int64_t pages = static_cast<int64_t>(cache_bytes / static_cast<double>(o.page_bytes));
-    if (pages < 1 || pages > std::numeric_limits<int32_t>::max()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(asked, " gives ", pages, " pages of --kv_page_bytes ", o.page_bytes,
-                       "; expected 1 to 2^31-1 (or 0 for no sessions)"));
-    }
-    absl::StatusOr<KvPagePool*> pool = executor->InitKvPool(pages, o.page_bytes);
+    absl::StatusOr<int64_t> pages =
+        KvCachePages(o, request_fraction, device.name, device.memory_bytes);
+    if (!pages.ok()) return pages.status();
+    absl::StatusOr<KvPagePool*> pool = executor->InitKvPool(*pages, o.page_bytes);
     if (absl::IsUnimplemented(pool.status())) {
       std::fprintf(stderr, "attention_server: no KV sessions: %s\n",
                    pool.status().ToString().c_str());
@@ -200,69 +157,11 @@ absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
   return devices;
 }
 
-struct ServerOptions {
-  std::string host = "0.0.0.0";
-  int port = 50051;
-  int metrics_port = 9464;
-  std::string backend = "auto";
-  int threads = 0;
-  std::vector<int> devices;  // empty: every visible GPU
-  CudaExecutorOptions cuda;
-  int shutdown_grace_s = 30;
-  int max_connection_age_s = 0;        // 0: never
-  int max_connection_age_grace_s = 0;  // 0: unlimited
-  std::string port_file;
+// The plain options (server/options/server_options.h) and the gRPC edge's.
+struct ServerConfig : ServerOptions {
   SecurityOptions security;
-  SchedulerOptions scheduler;
   ServiceOptions service;
-  KvCacheOptions kv_cache;
 };
-
-absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
-  if (o.backend != "auto" && o.backend != "cpu" && o.backend != "cuda") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--backend: expected auto, cpu or cuda, got ", o.backend));
-  }
-  if (max_message_mb < 1 || max_message_mb > 2047) {  // gRPC limits are int bytes
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max_message_mb: expected 1..2047, got ", max_message_mb));
-  }
-  for (const auto& [name, value] : {std::pair{"--max_queue", o.scheduler.max_queue},
-                                    {"--max_batch", o.service.max_batch},
-                                    {"--streams", o.cuda.streams}}) {
-    if (value < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": expected >= 1, got ", value));
-    }
-  }
-  if (o.threads < 0 || o.shutdown_grace_s < 0 || o.port < 0 || o.metrics_port < 0 ||
-      o.scheduler.workers < 0 || o.scheduler.max_queue_delay < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(
-        "--threads, --workers, --max_queue_delay_us, --shutdown_grace_s, --port and "
-        "--metrics_port must be >= 0");
-  }
-  // gRPC takes milliseconds as an int.
-  constexpr int kMaxAgeSeconds = std::numeric_limits<int>::max() / 1000;
-  for (const auto& [name, value] :
-       {std::pair{"--max_connection_age_s", o.max_connection_age_s},
-        {"--max_connection_age_grace_s", o.max_connection_age_grace_s}}) {
-    if (value < 0 || value > kMaxAgeSeconds) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ": expected 0..", kMaxAgeSeconds, ", got ", value));
-    }
-  }
-  if (!(o.cuda.memory_fraction > 0 && o.cuda.memory_fraction <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--device_memory_fraction: expected a value in (0, 1], got ", o.cuda.memory_fraction));
-  }
-  // On a GPU both are carved out of the same memory (the CPU backend ignores the first).
-  if (o.backend != "cpu" && o.kv_cache.bytes == 0 &&
-      o.cuda.memory_fraction + o.kv_cache.fraction > 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--device_memory_fraction ", o.cuda.memory_fraction, " + --kv_cache_fraction ",
-                     o.kv_cache.fraction, ": expected a sum of at most 1"));
-  }
-  return absl::OkStatus();
-}
 
 // One executor per device of the chosen backend ("auto" resolved into o->backend).
 absl::StatusOr<std::vector<std::unique_ptr<Executor>>> MakeExecutors(ServerOptions* o) {
@@ -298,7 +197,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Executor>>> MakeExecutors(ServerOptio
   return executors;
 }
 
-int Run(ServerOptions options, const sigset_t& stop_signals) {
+int Run(ServerConfig options, const sigset_t& stop_signals) {
   absl::StatusOr<std::vector<std::unique_ptr<Executor>>> executors = MakeExecutors(&options);
   if (!executors.ok()) {
     std::fprintf(stderr, "attention_server: %s\n", executors.status().ToString().c_str());
@@ -459,7 +358,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Serves attention.v1.Attention over gRPC.");
   absl::ParseCommandLine(argc, argv);
 
-  attention::server::ServerOptions options;
+  attention::server::ServerConfig options;
   options.host = absl::GetFlag(FLAGS_host);
   options.port = absl::GetFlag(FLAGS_port);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);

@@ -1,5 +1,5 @@
-// Prometheus metrics for the server (names, types and labels per API.md; dashboards depend on
-// them). Label values are bounded sets (rpc names, status codes, devices, stages): never a
+// Prometheus metrics for the server (names, types and labels per docs/API.md; dashboards depend
+// on them). Label values are bounded sets (rpc names, status codes, devices, stages): never a
 // request id. Latencies and sizes are histograms, so they can be aggregated across replicas.
 // Request metrics are updated on the request path; device memory and busy ratio are sampled from
 // the scheduler when /metrics is scraped (Watch).

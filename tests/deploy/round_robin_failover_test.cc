@@ -9,8 +9,16 @@
 // are retried on the others). The test asserts that every request completed and matched, that
 // each replica's attention_requests_total counted a share of the load before the kill, and that
 // requests started after the kill completed, served by both survivors.
+//
+// Sessions over the same kind of channel: two replicas, one round-robin client. A session lives
+// on the server that created it, so every call of a session must reach that server
+// (client/session.h: SessionClient takes a pick_first channel of its own); a Step sent to the
+// other one is NOT_FOUND. The test finds each session on exactly one replica through each
+// replica's own ListSessions, and checks every Step through the round-robin client against the
+// float64 reference.
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -18,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,6 +40,8 @@
 #include "client/attention_client.h"
 #include "client/reference_check.h"
 #include "client/request_builder.h"
+#include "client/session.h"
+#include "client/tensors.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_test_util.h"
 #include "tests/e2e/metrics_scrape.h"
@@ -260,6 +271,185 @@ TEST(RoundRobinFailoverTest, EveryRequestCompletesWhenAReplicaDiesMidRun) {
     if (i == kVictim) continue;
     EXPECT_TRUE(replicas[i]->Stop().ok()) << replicas[i]->Log();
   }
+}
+
+// A session's rows as the client keeps them, [N, Hkv, D] floats (BSHD), and the replica that
+// holds it.
+struct SessionRows {
+  std::vector<float> k, v;
+  int holder = -1;
+
+  int64_t length(const client::SessionSpec& spec) const {
+    return static_cast<int64_t>(k.size()) / (spec.kv_heads * spec.head_dim);
+  }
+};
+
+// n new random rows [n, Hkv, D] (the same values as a Step's [Hkv, 1, D] when n is 1), kept in
+// `rows` and returned as tensors of `shape`.
+std::pair<v1::Tensor, v1::Tensor> GrowRows(SessionRows& rows, const client::SessionSpec& spec,
+                                           int64_t n, const std::vector<int64_t>& shape,
+                                           std::mt19937_64& rng) {
+  std::vector<float> k = client::RandomNormal(n * spec.kv_heads * spec.head_dim, rng);
+  std::vector<float> v = client::RandomNormal(n * spec.kv_heads * spec.head_dim, rng);
+  rows.k.insert(rows.k.end(), k.begin(), k.end());
+  rows.v.insert(rows.v.end(), v.begin(), v.end());
+  return {client::MakeTensor(spec.dtype, shape, k), client::MakeTensor(spec.dtype, shape, v)};
+}
+
+// Checks o [Hq, 1, D], the step of query q on the session's rows, against the float64 reference
+// of the same attention as an Attend problem: q [1, 1, Hq, D] over k, v [1, N, Hkv, D].
+absl::Status CheckStepOutput(const client::SessionSpec& spec, const SessionRows& rows,
+                             const std::vector<float>& q, int64_t heads_q, const v1::Tensor& o) {
+  const client::ProblemSpec problem{.batch = 1,
+                                    .heads_q = heads_q,
+                                    .heads_kv = spec.kv_heads,
+                                    .seqlen_q = 1,
+                                    .seqlen_k = rows.length(spec),
+                                    .head_dim = spec.head_dim,
+                                    .dtype = spec.dtype,
+                                    .layout = v1::LAYOUT_BSHD,
+                                    .causal = true};
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRequest(problem, q, rows.k, rows.v);
+  if (!request.ok()) return request.status();
+  v1::AttendResponse response;
+  *response.mutable_o() = o;
+  response.mutable_o()->clear_shape();
+  for (int64_t s : {int64_t{1}, int64_t{1}, heads_q, spec.head_dim}) {
+    response.mutable_o()->add_shape(s);
+  }
+  absl::StatusOr<client::CheckResult> check = client::CheckResponse(*request, response);
+  if (!check.ok()) return check.status();
+  if (!client::WithinBound(*check, spec.dtype)) {
+    return absl::InternalError(absl::StrCat("relative error ", check->relative_error,
+                                            " over the bound ", client::ErrorBound(spec.dtype)));
+  }
+  return absl::OkStatus();
+}
+
+TEST(RoundRobinSessionsTest, RoundRobinClientKeepsSessionsOnOneServer) {
+  const uint64_t seed = e2e::FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  constexpr int kServers = 2;
+  // Odd, and the order of the Steps shuffled: a channel alternating between the two servers
+  // cannot match where the sessions are by chance.
+  constexpr int kSessions = 5;
+  constexpr int kSteps = 4;
+  constexpr int64_t kHeadsQ = 4;
+  const client::SessionSpec spec{
+      .dtype = v1::DTYPE_FLOAT32, .kv_heads = 2, .head_dim = 16, .layout = v1::LAYOUT_BSHD};
+
+  std::vector<std::unique_ptr<ServerProcess>> servers;
+  for (int i = 0; i < kServers; ++i) {
+    absl::StatusOr<std::unique_ptr<ServerProcess>> server =
+        ServerProcess::Start({.flags = {"--backend=cpu", "--threads=1"}});
+    ASSERT_TRUE(server.ok()) << server.status();
+    servers.push_back(*std::move(server));
+  }
+  // One client over both addresses (round_robin, the default for several), and one straight to
+  // each server for looking at it directly.
+  auto balanced = std::make_unique<client::Client>(
+      client::ClientOptions{.target = absl::StrCat(servers[0]->target(), ",", servers[1]->target()),
+                            .deadline = absl::Seconds(20)});
+  std::vector<std::unique_ptr<client::Client>> direct;
+  for (const auto& server : servers) {
+    direct.push_back(std::make_unique<client::Client>(
+        client::ClientOptions{.target = server->target(), .deadline = absl::Seconds(20)}));
+  }
+
+  // The balanced channel does spread calls: Attend calls reach both servers.
+  for (int i = 0; i < 40; ++i) {
+    absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(
+        {.batch = 1, .heads_q = 2, .heads_kv = 1, .seqlen_q = 3, .seqlen_k = 5, .head_dim = 8},
+        rng);
+    ASSERT_TRUE(request.ok()) << request.status();
+    ASSERT_TRUE(balanced->Attend(*request).ok());
+  }
+  for (int i = 0; i < kServers; ++i) {
+    absl::StatusOr<double> served = AttendServedOk(*servers[i]);
+    ASSERT_TRUE(served.ok()) << served.status();
+    EXPECT_GT(*served, 0) << "server " << i << " got no Attend call of the round-robin client";
+  }
+
+  client::SessionClient sessions(*balanced);
+  std::vector<client::Session> created;
+  std::vector<SessionRows> rows(kSessions);
+  for (int s = 0; s < kSessions; ++s) {
+    const int64_t n = 1 + static_cast<int64_t>(rng() % 20);
+    auto [k, v] = GrowRows(rows[s], spec, n, {n, spec.kv_heads, spec.head_dim}, rng);
+    absl::StatusOr<client::Session> session = sessions.Create(spec, &k, &v);
+    ASSERT_TRUE(session.ok()) << session.status();
+    created.push_back(*std::move(session));
+  }
+
+  // Each session is on exactly one server, as that server's own ListSessions says.
+  const auto holders = [&](const std::string& id) {
+    std::vector<int> found;
+    for (int i = 0; i < kServers; ++i) {
+      client::SessionClient on_server(*direct[i]);
+      absl::StatusOr<v1::ListSessionsResponse> list = on_server.List();
+      EXPECT_TRUE(list.ok()) << list.status();
+      if (!list.ok()) continue;
+      for (const v1::SessionInfo& info : list->sessions()) {
+        if (info.session_id() == id) found.push_back(i);
+      }
+    }
+    return found;
+  };
+  for (int s = 0; s < kSessions; ++s) {
+    const std::vector<int> found = holders(created[s].id());
+    ASSERT_EQ(found.size(), 1u) << "session " << created[s].id() << " is on " << found.size()
+                                << " servers";
+    rows[s].holder = found[0];
+  }
+
+  // Every Step through the round-robin client reaches the holder: it succeeds (the other server
+  // would answer NOT_FOUND) and matches the reference over the session's rows.
+  std::vector<int> order(kSessions);
+  for (int s = 0; s < kSessions; ++s) order[s] = s;
+  for (int step = 0; step < kSteps; ++step) {
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int s : order) {
+      SCOPED_TRACE(absl::StrCat("step ", step, " of session ", s));
+      const std::vector<float> q = client::RandomNormal(kHeadsQ * spec.head_dim, rng);
+      auto [k, v] = GrowRows(rows[s], spec, 1, {spec.kv_heads, 1, spec.head_dim}, rng);
+      absl::StatusOr<client::StepOutput> out = created[s].Step(
+          client::MakeTensor(spec.dtype, {kHeadsQ, 1, spec.head_dim}, q), {.causal = true}, &k, &v);
+      ASSERT_TRUE(out.ok()) << out.status();
+      EXPECT_EQ(out->length, rows[s].length(spec));
+      EXPECT_TRUE(CheckStepOutput(spec, rows[s], q, kHeadsQ, out->o).ok())
+          << CheckStepOutput(spec, rows[s], q, kHeadsQ, out->o);
+    }
+  }
+
+  // Afterwards each session is still on its one server, with every appended row; sent straight
+  // to the other server, its Step is NOT_FOUND.
+  for (int s = 0; s < kSessions; ++s) {
+    EXPECT_EQ(holders(created[s].id()), std::vector<int>{rows[s].holder});
+    client::SessionClient on_holder(*direct[rows[s].holder]);
+    absl::StatusOr<v1::ListSessionsResponse> list = on_holder.List();
+    ASSERT_TRUE(list.ok()) << list.status();
+    int64_t listed_length = -1;
+    for (const v1::SessionInfo& info : list->sessions()) {
+      if (info.session_id() == created[s].id()) listed_length = info.length();
+    }
+    EXPECT_EQ(listed_length, rows[s].length(spec));
+    client::SessionClient on_other(*direct[1 - rows[s].holder]);
+    v1::StepRequest request;
+    v1::StepEntry* entry = request.add_entries();
+    entry->set_session_id(created[s].id());
+    *entry->mutable_q() = client::MakeTensor(spec.dtype, {kHeadsQ, 1, spec.head_dim},
+                                             std::vector<float>(kHeadsQ * spec.head_dim, 1));
+    v1::StepResponse response;
+    std::unique_ptr<grpc::ClientContext> context = on_other.NewContext({});
+    EXPECT_EQ(on_other.stub().Step(context.get(), request, &response).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+
+  created.clear();  // drops the sessions
+  balanced.reset();
+  direct.clear();
+  for (auto& server : servers) EXPECT_TRUE(server->Stop().ok()) << server->Log();
 }
 
 }  // namespace

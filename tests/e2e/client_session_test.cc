@@ -1,7 +1,8 @@
 // The C++ Session object (client/session.h) against the real server (CPU backend): decode steps
 // after appends match the float64 reference over the whole sequence, StepMany over sessions of
 // different lengths, LSE, ownership (drop on destruction, Release, moves), NOT_FOUND after a
-// drop, sessions over a round-robin client, and the bearer token on session calls.
+// drop, and the bearer token on session calls. (Sessions over a round-robin client across two
+// servers: tests/deploy/round_robin_failover_test.cc.)
 //
 // The reference of a step is an Attend problem over the session's rows: q [1, 1, Hq, D] (one
 // decode query, so [Hq, 1, D] as the step sends it) against k, v [1, N, Hkv, D], built by
@@ -252,23 +253,6 @@ TEST_F(ClientSessionTest, BadStepsAreRefused) {
   SessionClient other(client());
   StepItem item{.session = &*session, .q = &q};
   EXPECT_EQ(other.StepMany({&item, 1}).status().code(), absl::StatusCode::kInvalidArgument);
-}
-
-TEST_F(ClientSessionTest, RoundRobinClientKeepsSessionsOnOneServer) {
-  // Two names of one server: the client balances Attend calls round-robin; sessions take a
-  // pick_first channel of their own.
-  const std::string target = absl::StrCat(process().target(), ",localhost:", process().port());
-  client::Client balanced({.target = target});
-  SessionClient sessions(balanced);
-  EXPECT_NE(sessions.channel(), balanced.channel());
-  absl::StatusOr<Session> session =
-      sessions.Create({.dtype = v1::DTYPE_FLOAT32, .kv_heads = 1, .head_dim = 8});
-  ASSERT_TRUE(session.ok()) << session.status();
-  const v1::Tensor q = client::MakeTensor(v1::DTYPE_FLOAT32, {1, 1, 8}, std::vector<float>(8, 1));
-  for (int i = 0; i < 4; ++i) {
-    EXPECT_TRUE(session->Step(q, {}, &q, &q).ok());
-  }
-  EXPECT_EQ(session->length(), 4);
 }
 
 // A server checking a bearer token: session calls carry the client's token like Attend calls.

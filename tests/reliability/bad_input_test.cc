@@ -2,8 +2,8 @@
 // one per row below, and must answer each with the API's code and a message naming the field, what
 // was expected and what came; afterwards it must still answer a good request correctly.
 //
-// Rows: every request-level row of API.md's error table (malformed -> INVALID_ARGUMENT; over the
-// message limit -> RESOURCE_EXHAUSTED; missing or wrong credentials -> UNAUTHENTICATED). The
+// Rows: every request-level row of docs/API.md's error table (malformed -> INVALID_ARGUMENT; over
+// the message limit -> RESOURCE_EXHAUSTED; missing or wrong credentials -> UNAUTHENTICATED). The
 // table's other rows are about server state and have their own tests: queue full
 // (overload_test), draining (shutdown_test), deadline and cancellation (deadline_test).
 // UNIMPLEMENTED and INTERNAL need a CUDA device lacking a feature or faulting; the CPU backend

@@ -1,0 +1,101 @@
+#include "server/options/server_options.h"
+
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+
+namespace attention::server {
+
+absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
+  if (o.backend != "auto" && o.backend != "cpu" && o.backend != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend: expected auto, cpu or cuda, got ", o.backend));
+  }
+  if (max_message_mb < 1 || max_message_mb > 2047) {  // gRPC limits are int bytes
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_message_mb: expected 1..2047, got ", max_message_mb));
+  }
+  for (const auto& [name, value] : {std::pair{"--max_queue", o.scheduler.max_queue},
+                                    {"--max_batch", o.scheduler.max_batch},
+                                    {"--streams", o.cuda.streams}}) {
+    if (value < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": expected >= 1, got ", value));
+    }
+  }
+  if (o.threads < 0 || o.shutdown_grace_s < 0 || o.port < 0 || o.metrics_port < 0 ||
+      o.scheduler.workers < 0 || o.scheduler.max_queue_delay < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "--threads, --workers, --max_queue_delay_us, --shutdown_grace_s, --port and "
+        "--metrics_port must be >= 0");
+  }
+  // gRPC takes milliseconds as an int.
+  constexpr int kMaxAgeSeconds = std::numeric_limits<int>::max() / 1000;
+  for (const auto& [name, value] :
+       {std::pair{"--max_connection_age_s", o.max_connection_age_s},
+        {"--max_connection_age_grace_s", o.max_connection_age_grace_s}}) {
+    if (value < 0 || value > kMaxAgeSeconds) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected 0..", kMaxAgeSeconds, ", got ", value));
+    }
+  }
+  if (!(o.cuda.memory_fraction > 0 && o.cuda.memory_fraction <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device_memory_fraction: expected a value in (0, 1], got ", o.cuda.memory_fraction));
+  }
+  // On a GPU both are carved out of the same memory (the CPU backend ignores the first).
+  if (o.backend != "cpu" && o.kv_cache.bytes == 0 &&
+      o.cuda.memory_fraction + o.kv_cache.fraction > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device_memory_fraction ", o.cuda.memory_fraction, " + --kv_cache_fraction ",
+                     o.kv_cache.fraction, ": expected a sum of at most 1"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckKvCacheOptions(const KvCacheOptions& o) {
+  if (!(o.fraction >= 0 && o.fraction < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_cache_fraction: expected a value in [0, 1), got ", o.fraction));
+  }
+  if (o.bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_cache_bytes: expected >= 0, got ", o.bytes));
+  }
+  if (o.page_bytes < 256 || o.page_bytes % 256 != 0 || o.page_bytes > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_page_bytes: expected a multiple of 256 from 256 to 2^30, got ", o.page_bytes));
+  }
+  if (o.ttl_s < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--session_ttl_s: expected >= 1, got ", o.ttl_s));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> KvCachePages(const KvCacheOptions& o, double request_fraction,
+                                     const std::string& device_name, int64_t device_memory_bytes) {
+  if (o.fraction == 0 && o.bytes == 0) return 0;
+  const std::string asked = o.bytes > 0
+                                ? absl::StrCat("--kv_cache_bytes ", o.bytes)
+                                : absl::StrCat("--kv_cache_fraction ", o.fraction, " of ",
+                                               device_name, "'s ", device_memory_bytes, " bytes");
+  const double room = (1 - request_fraction) * static_cast<double>(device_memory_bytes);
+  if (static_cast<double>(o.bytes) > room) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        asked, ": more than the ", static_cast<int64_t>(room), " bytes of ", device_name,
+        " left beside the request buffers (--device_memory_fraction ", request_fraction, ")"));
+  }
+  const double cache_bytes = o.bytes > 0 ? static_cast<double>(o.bytes)
+                                         : o.fraction * static_cast<double>(device_memory_bytes);
+  const int64_t pages = static_cast<int64_t>(cache_bytes / static_cast<double>(o.page_bytes));
+  if (pages < 1 || pages > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(asked, " gives ", pages, " pages of --kv_page_bytes ", o.page_bytes,
+                     "; expected 1 to 2^31-1 (or 0 for no sessions)"));
+  }
+  return pages;
+}
+
+}  // namespace attention::server

@@ -1,0 +1,56 @@
+// The server's options as plain data, and their checks: what main.cc fills from flags and hands
+// on to the rooms. No gRPC here (the gRPC edge's own options, ServiceOptions and SecurityOptions,
+// stay in service/ and are added to these in main.cc). Every error is INVALID_ARGUMENT and names
+// the flag, what was expected and what came.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/executors/executor.h"
+#include "server/scheduling/scheduler.h"
+
+namespace attention::server {
+
+// The KV-resident sessions' cache (sessions/session_store.h).
+struct KvCacheOptions {
+  double fraction = 0.25;  // of each device's memory; 0: no sessions
+  int64_t bytes = 0;       // > 0: this many bytes of each device's memory instead of `fraction`
+  int64_t page_bytes = 524288;
+  int ttl_s = 600;
+};
+
+struct ServerOptions {
+  std::string host = "0.0.0.0";
+  int port = 50051;
+  int metrics_port = 9464;
+  std::string backend = "auto";
+  int threads = 0;
+  std::vector<int> devices;  // empty: every visible GPU
+  CudaExecutorOptions cuda;
+  int shutdown_grace_s = 30;
+  int max_connection_age_s = 0;        // 0: never
+  int max_connection_age_grace_s = 0;  // 0: unlimited
+  std::string port_file;
+  SchedulerOptions scheduler;
+  KvCacheOptions kv_cache;
+};
+
+// The checks of everything but the KV cache (CheckKvCacheOptions). `max_message_mb` is the flag
+// as given (the service takes it in bytes).
+absl::Status CheckOptions(const ServerOptions& o, int max_message_mb);
+
+absl::Status CheckKvCacheOptions(const KvCacheOptions& o);
+
+// KV pages for one device of `device_memory_bytes` named `device_name`: o.bytes (when > 0) or
+// o.fraction of the memory, over o.page_bytes; 0 when both are 0 (no sessions). On a GPU the
+// request buffers hold `request_fraction` of the memory (--device_memory_fraction; 0 on the CPU),
+// and o.bytes must fit in the rest. An error when that does not hold, or when the count is not
+// 1 to 2^31-1 (page ids are int32).
+absl::StatusOr<int64_t> KvCachePages(const KvCacheOptions& o, double request_fraction,
+                                     const std::string& device_name, int64_t device_memory_bytes);
+
+}  // namespace attention::server
