@@ -18,11 +18,6 @@ constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on gridDim.y and gridDim.
 
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-// A bound that excludes no key of any row becomes unbounded (-1), so it fits in int32.
-int ClampWindow(int64_t bound, int64_t covering) {
-  return bound < 0 || bound >= covering ? -1 : static_cast<int>(bound);
-}
-
 }  // namespace
 
 absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
@@ -83,10 +78,9 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   k.seqlen_k = static_cast<int>(p.seqlen_k);
   k.kv_group = static_cast<int>(p.heads_q / p.heads_kv);
   k.head_dim = static_cast<int>(p.head_dim);
-  k.scale_log2 = std::max(std::fabs(p.softmax_scale) * kLog2e, std::numeric_limits<float>::min());
-  k.negate_q = p.softmax_scale < 0;
-  // Row i sees keys from i + diag - window_left; window_left >= seqlen_k reaches below key 0 for
-  // every row. Likewise window_right >= seqlen_q reaches past the last key.
+  const Log2Scale scale = ToLog2Scale(p.softmax_scale);
+  k.scale_log2 = scale.scale_log2;
+  k.negate_q = scale.negate_q;
   k.window_left = ClampWindow(p.window_left, p.seqlen_k);
   k.window_right = ClampWindow(p.window_right, p.seqlen_q);
   k.cu_seqlens_q = p.cu_seqlens_q;
