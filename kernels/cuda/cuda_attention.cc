@@ -9,7 +9,9 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/launchers.h"
+#include "kernels/status_macros.h"
 
 namespace attention::cuda {
 namespace {
@@ -21,7 +23,7 @@ bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 }  // namespace
 
 absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
-  if (absl::Status s = CheckParams(p); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckParams(p));
   if (p.head_dim % 8 != 0 || p.head_dim > kMaxHeadDim) {
     return absl::UnimplementedError(
         absl::StrCat("head_dim ", p.head_dim,
@@ -104,11 +106,7 @@ absl::Status Forward(const AttentionParams& p, cudaStream_t stream) {
       err = LaunchForwardF32(k, stream);
       break;
   }
-  if (err != cudaSuccess) {
-    return absl::InternalError(
-        absl::StrCat("cuda backend: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
-  }
-  return absl::OkStatus();
+  return CudaStatus(err, "forward kernel");
 }
 
 }  // namespace attention::cuda

@@ -5,7 +5,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/host_runner.h"
+#include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/kernel_params.h"
 
 namespace attention::cuda {
@@ -150,8 +150,7 @@ absl::Status LaunchPagedDecode(const PagedDecodePlan& plan, const void* pool, in
       err = LaunchPagedDecodeF32(k, plan.launch, stream);
       break;
   }
-  if (err != cudaSuccess) return CudaError(err, "paged decode kernels");
-  return absl::OkStatus();
+  return CudaStatus(err, "paged decode kernels");
 }
 
 }  // namespace attention::cuda
