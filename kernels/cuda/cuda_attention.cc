@@ -1,10 +1,8 @@
 // attention::cuda::Forward: checks what the kernels rely on (head dim, 16-byte alignment, sizes
-// that fit the grid), converts AttentionParams into KernelParams (ToKernelParams) and launches the
-// tensor-core kernel for the dtype.
+// that fit the grid), converts AttentionParams into KernelParams (ToKernelParams), plans the kernel
+// variant (PlanFlashForward) and launches it for the dtype.
 #include "kernels/cuda/cuda_attention.h"
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -19,6 +17,28 @@ namespace {
 constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on gridDim.y and gridDim.z
 
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// ForwardVariant::kMmaSm80: the mma.sync kernel of the dtype (launchers.h).
+cudaError_t LaunchMmaSm80(DType dtype, const KernelParams& k, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return LaunchFlashForwardF16(k, stream);
+    case DType::kBFloat16:
+      return LaunchFlashForwardBF16(k, stream);
+    case DType::kFloat32:
+      return LaunchForwardF32(k, stream);
+  }
+  return cudaErrorInvalidValue;  // not reached: every dtype has a case
+}
+
+// The launcher of each variant.
+cudaError_t LaunchVariant(const ForwardPlan& plan, const KernelParams& k, cudaStream_t stream) {
+  switch (plan.variant) {
+    case ForwardVariant::kMmaSm80:
+      return LaunchMmaSm80(plan.dtype, k, stream);
+  }
+  return cudaErrorInvalidValue;  // not reached: plans name known variants
+}
 
 }  // namespace
 
@@ -90,23 +110,26 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   return k;
 }
 
-absl::Status Forward(const AttentionParams& p, cudaStream_t stream) {
-  absl::StatusOr<KernelParams> kp = ToKernelParams(p);
-  if (!kp.ok()) return kp.status();
-  const KernelParams& k = *kp;
-  cudaError_t err = cudaSuccess;
-  switch (p.dtype) {
-    case DType::kFloat16:
-      err = LaunchFlashForwardF16(k, stream);
-      break;
-    case DType::kBFloat16:
-      err = LaunchFlashForwardBF16(k, stream);
-      break;
-    case DType::kFloat32:
-      err = LaunchForwardF32(k, stream);
-      break;
+absl::StatusOr<ForwardLaunch> PrepareForward(const AttentionParams& p,
+                                             std::optional<ForwardVariant> variant) {
+  ASSIGN_OR_RETURN(const KernelParams k, ToKernelParams(p));
+  ASSIGN_OR_RETURN(const DeviceCaps caps, CurrentDeviceCaps());
+  ASSIGN_OR_RETURN(const ForwardPlan plan, PlanFlashForward(p, caps, variant));
+  return ForwardLaunch{k, plan};
+}
+
+absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream) {
+  if (const cudaError_t err = LaunchVariant(launch.plan, launch.params, stream);
+      err != cudaSuccess) {
+    return CudaError(err, absl::StrCat("forward kernel ", ForwardVariantName(launch.plan.variant)));
   }
-  return CudaStatus(err, "forward kernel");
+  return absl::OkStatus();
+}
+
+absl::Status Forward(const AttentionParams& p, cudaStream_t stream,
+                     std::optional<ForwardVariant> variant) {
+  ASSIGN_OR_RETURN(const ForwardLaunch launch, PrepareForward(p, variant));
+  return LaunchForward(launch, stream);
 }
 
 }  // namespace attention::cuda

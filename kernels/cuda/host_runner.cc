@@ -330,10 +330,9 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     launch.cu_seqlens_q = launch.cu_seqlens_k = nullptr;
     launch.SetContiguousStrides(IsBshd(first) ? Layout::kBSHD : Layout::kBHSD);
   }
-  // The kernel's own checks (sizes that fit the grid, ...) before any copy is enqueued.
-  if (absl::StatusOr<KernelParams> checked = ToKernelParams(launch); !checked.ok()) {
-    return checked.status();
-  }
+  // The kernel's own checks (sizes that fit the grid, ...) and its plan before any copy is
+  // enqueued.
+  ASSIGN_OR_RETURN(const ForwardLaunch forward, PrepareForward(launch, options_.forward_variant));
 
   // Inputs: each item's lines go to its place in the device buffer, from its own memory when
   // that is pinned, else through the staging buffer, where consecutive staged items form one run
@@ -395,7 +394,7 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
       RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.at(4), 0xff, lse_bytes, cs), "poison lse");
   }
   RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[1], cs), "cudaEventRecord");
-  RETURN_IF_ERROR(Forward(launch, cs));
+  RETURN_IF_ERROR(LaunchForward(forward, cs));
   RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[2], cs), "cudaEventRecord");
 
   // Outputs: o straight into a pinned destination, else into staging (consecutive staged items

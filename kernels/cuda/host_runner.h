@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -49,6 +50,7 @@
 #include "absl/types/span.h"
 #include "kernels/attention_params.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/forward_plan.h"
 
 namespace attention::cuda {
 
@@ -60,6 +62,9 @@ struct HostRunnerOptions {
   int64_t memory_budget_bytes = 0;
   // Fill o and lse with NaN on the device before the kernel, so unwritten elements show (tests).
   bool poison_outputs = false;
+  // Run every call on this forward kernel variant instead of the planner's choice (tests, the
+  // bench); a call it cannot run fails with the reason (PlanFlashForward).
+  std::optional<ForwardVariant> forward_variant;
 };
 
 struct HostRunTimes {

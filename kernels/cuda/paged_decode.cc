@@ -1,7 +1,6 @@
 #include "kernels/cuda/paged_decode.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"

@@ -27,6 +27,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/device_caps.h"
 #include "kernels/cuda/kv_scatter.h"
 #include "kernels/cuda/paged_decode.h"
 #include "kernels/paged_kv_host.h"
@@ -400,18 +401,14 @@ absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t n
         num_pages, " and ", page_bytes));
   }
   RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
-  int sm_count = 0, major = 0, minor = 0;
-  RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
-                       "cudaDeviceGetAttribute");
-  RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-                       "cudaDeviceGetAttribute");
-  RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
-                       "cudaDeviceGetAttribute");
+  ASSIGN_OR_RETURN(const DeviceCaps caps, GetDeviceCaps(device));
   // The cluster merge is in the kernels' sm_90a code only, which runs on compute capability 9.0
   // alone (other GPUs run the sm_80 code, or JIT its PTX).
-  const PagedPlanOptions plan_options = {.sm_count = sm_count,
-                                         .splits = options.splits,
-                                         .clusters = major == 9 && minor == 0 && options.clusters};
+  constexpr int kClusterCapability = 90;
+  const PagedPlanOptions plan_options = {
+      .sm_count = caps.sm_count,
+      .splits = options.splits,
+      .clusters = caps.compute_capability == kClusterCapability && options.clusters};
   const size_t bytes = static_cast<size_t>(num_pages) * page_bytes;
   void* pages = nullptr;
   if (cudaError_t err = cudaMalloc(&pages, bytes); err != cudaSuccess) {
