@@ -31,14 +31,10 @@ absl::StatusOr<ForwardPlan> PlanMmaSm80(const AttentionParams& p, const DeviceCa
         absl::StrCat("forward variant ", name, " takes head dims that are multiples of 8 up to ",
                      kMaxHeadDim, "; got ", p.head_dim));
   }
-  ForwardPlan plan{.variant = ForwardVariant::kMmaSm80, .dtype = p.dtype};
+  ForwardPlan plan{.variant = ForwardVariant::kMmaSm80,
+                   .dtype = p.dtype,
+                   .kernel_head_dim = SpecialisationFor(kSpecialisedHeadDims, p.head_dim)};
   const int head_dim = static_cast<int>(p.head_dim);
-  for (int d : kSpecialisedHeadDims) {
-    if (head_dim <= d) {
-      plan.kernel_head_dim = d;
-      break;
-    }
-  }
   switch (p.dtype) {
     case DType::kFloat16:
       plan.smem_bytes = FlashForwardSmemBytesF16(head_dim);

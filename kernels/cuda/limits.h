@@ -3,6 +3,8 @@
 // them. Plain C++ (no CUDA types), so host code and the server may include it.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <iterator>
 #include <vector>
 
@@ -18,6 +20,16 @@ inline constexpr int kMaxHeadDim = kSpecialisedHeadDims[std::size(kSpecialisedHe
 inline constexpr int kPagedTensorHeadDims[] = {64, 128};
 // Largest head dim of the paged SIMT path (every dtype, any head dim up to this).
 inline constexpr int kPagedMaxHeadDim = 256;
+
+// The specialisation that serves head_dim: the smallest of `dims` (ascending) >= head_dim, or 0
+// when none is.
+template <size_t kN>
+constexpr int SpecialisationFor(const int (&dims)[kN], int64_t head_dim) {
+  for (int d : dims) {
+    if (head_dim <= d) return d;
+  }
+  return 0;
+}
 
 // The forward kernels' specialised head dims (kSpecialisedHeadDims), for a server's list of the
 // head dims that run fastest.

@@ -1,11 +1,13 @@
 #include "kernels/cuda/paged_decode.h"
 
 #include <algorithm>
+#include <iterator>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/kernel_params.h"
+#include "kernels/cuda/limits.h"
 
 namespace attention::cuda {
 namespace {
@@ -25,7 +27,8 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
         "head_dim ", shape.head_dim,
         " is not supported by the cuda KV pool (it takes head dims "
         "up to ",
-        kPagedMaxHeadDim, "; float16/bfloat16 multiples of 8 up to 128 on tensor cores)"));
+        kPagedMaxHeadDim, "; float16/bfloat16 multiples of 8 up to ",
+        kPagedTensorHeadDims[std::size(kPagedTensorHeadDims) - 1], " on tensor cores)"));
   }
   PagedDecodePlan plan;
   plan.launch.num_seqs = static_cast<int>(host.num_seqs);
@@ -39,14 +42,9 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
         kMaxGridYZ, " sequences and ", kMaxGridYZ, " kv heads x 16-row blocks; got max_seqlen_k=",
         extent.max_seqlen_k, " max_seqlen_q=", extent.max_seqlen_q, " num_seqs=", host.num_seqs));
   }
-  // The smallest tensor-core tile that holds head_dim (kPagedTensorHeadDims ascending), if any.
+  // The smallest tensor-core tile that holds head_dim, if any.
   if (shape.dtype != DType::kFloat32 && shape.head_dim % 8 == 0) {
-    for (int d : kPagedTensorHeadDims) {
-      if (shape.head_dim <= d) {
-        plan.launch.kernel_head_dim = d;
-        break;
-      }
-    }
+    plan.launch.kernel_head_dim = SpecialisationFor(kPagedTensorHeadDims, shape.head_dim);
   }
   const bool tensor = plan.launch.kernel_head_dim != 0;
   // Key tiles of the tensor-core kernels (paged_decode_launch.cuh): 32 KiB of K+V per stage.

@@ -17,7 +17,6 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/forward_plan.h"
 #include "kernels/cuda/host_runner.h"
-#include "kernels/cuda/limits.h"
 #include "tests/kernels/attention_test_grid.h"
 
 namespace attention::kernel_test {
@@ -46,14 +45,15 @@ absl::StatusOr<cuda::HostRunner*> Runner(cuda::ForwardVariant variant) {
 #define SKIP_WITHOUT_GPU() \
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"
 
-// OK when device 0 can run `variant` (at its smallest specialisation), else why not:
-// FAILED_PRECONDITION when the device lacks what the variant needs.
-absl::Status DeviceRuns(cuda::ForwardVariant variant) {
+// OK when device 0 can run `variant` on dtype and head_dim (as the runner launches it: padded to
+// a multiple of 8), else why not: FAILED_PRECONDITION when the device lacks what the variant needs
+// (compute capability, shared memory).
+absl::Status DeviceRuns(cuda::ForwardVariant variant, DType dtype, int64_t head_dim) {
   const absl::StatusOr<cuda::DeviceCaps> caps = cuda::GetDeviceCaps(0);
   if (!caps.ok()) return caps.status();
   AttentionParams probe;
-  probe.dtype = DType::kFloat16;
-  probe.head_dim = cuda::kSpecialisedHeadDims[0];
+  probe.dtype = dtype;
+  probe.head_dim = (head_dim + 7) / 8 * 8;
   return cuda::PlanFlashForward(probe, *caps, variant).status();
 }
 
@@ -69,7 +69,7 @@ class CudaAttentionTest : public testing::TestWithParam<Param> {};
 TEST_P(CudaAttentionTest, MatchesReference) {
   SKIP_WITHOUT_GPU();
   const auto& [c, dtype, variant] = GetParam();
-  if (const absl::Status runs = DeviceRuns(variant); !runs.ok()) {
+  if (const absl::Status runs = DeviceRuns(variant, dtype, c.head_dim); !runs.ok()) {
     if (runs.code() == absl::StatusCode::kFailedPrecondition) GTEST_SKIP() << runs;
     FAIL() << runs;
   }
