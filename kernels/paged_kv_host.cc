@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
 
 namespace attention {
 namespace {
@@ -34,8 +35,7 @@ absl::Status CheckPage(int64_t page, int64_t num_pages, int64_t seq, int64_t ind
 
 absl::StatusOr<DecodeExtent> CheckPagedDecode(const PagedDecodeParams& p, int64_t page_bytes,
                                               int64_t num_pages) {
-  absl::StatusOr<int64_t> page_rows = CheckShape(p.shape, page_bytes);
-  if (!page_rows.ok()) return page_rows.status();
+  ASSIGN_OR_RETURN(const int64_t page_rows, CheckShape(p.shape, page_bytes));
   if (p.heads_q <= 0 || p.heads_q % p.shape.heads_kv != 0) {
     return absl::InvalidArgumentError(absl::StrCat("heads_q (", p.heads_q,
                                                    ") must be a positive multiple of heads_kv (",
@@ -46,7 +46,7 @@ absl::StatusOr<DecodeExtent> CheckPagedDecode(const PagedDecodeParams& p, int64_
     return absl::InvalidArgumentError(absl::StrCat("window bounds must be >= 0 or unbounded, got ",
                                                    p.window_left, ", ", p.window_right));
   }
-  DecodeExtent extent{.page_rows = *page_rows};
+  DecodeExtent extent{.page_rows = page_rows};
   if (p.num_seqs == 0) return extent;
   if (!p.q || !p.o || !p.cu_seqlens_q || !p.seqlens_k || !p.page_table) {
     return absl::InvalidArgumentError(
@@ -64,17 +64,14 @@ absl::StatusOr<DecodeExtent> CheckPagedDecode(const PagedDecodeParams& p, int64_
       return absl::InvalidArgumentError(
           absl::StrCat("sequence ", s, " has ", nq, " queries and ", nk, " keys"));
     }
-    const int64_t pages = (nk + *page_rows - 1) / *page_rows;
+    const int64_t pages = (nk + page_rows - 1) / page_rows;
     if (pages > p.page_table_stride) {
       return absl::InvalidArgumentError(
-          absl::StrCat("sequence ", s, " has ", nk, " keys: ", pages, " pages of ", *page_rows,
+          absl::StrCat("sequence ", s, " has ", nk, " keys: ", pages, " pages of ", page_rows,
                        " rows, more than page_table_stride (", p.page_table_stride, ")"));
     }
     for (int64_t i = 0; i < pages; ++i) {
-      if (absl::Status st = CheckPage(p.page_table[s * p.page_table_stride + i], num_pages, s, i);
-          !st.ok()) {
-        return st;
-      }
+      RETURN_IF_ERROR(CheckPage(p.page_table[s * p.page_table_stride + i], num_pages, s, i));
     }
     extent.max_seqlen_q = std::max(extent.max_seqlen_q, nq);
     extent.max_seqlen_k = std::max(extent.max_seqlen_k, nk);
@@ -83,21 +80,20 @@ absl::StatusOr<DecodeExtent> CheckPagedDecode(const PagedDecodeParams& p, int64_
 }
 
 absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64_t num_pages) {
-  absl::StatusOr<int64_t> page_rows = CheckShape(w.shape, page_bytes);
-  if (!page_rows.ok()) return page_rows.status();
+  ASSIGN_OR_RETURN(const int64_t page_rows, CheckShape(w.shape, page_bytes));
   if (w.first_row < 0 || w.rows < 0 || w.head_stride < 0 || w.row_stride < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "first_row, rows and strides must be >= 0: first_row=", w.first_row, " rows=", w.rows,
         " head_stride=", w.head_stride, " row_stride=", w.row_stride));
   }
-  if (w.rows == 0) return *page_rows;
+  if (w.rows == 0) return page_rows;
   if (!w.page_table || !w.k || !w.v) {
     return absl::InvalidArgumentError("page_table, k and v must all be set");
   }
-  for (int64_t i = w.first_row / *page_rows; i <= (w.first_row + w.rows - 1) / *page_rows; ++i) {
-    if (absl::Status st = CheckPage(w.page_table[i], num_pages, 0, i); !st.ok()) return st;
+  for (int64_t i = w.first_row / page_rows; i <= (w.first_row + w.rows - 1) / page_rows; ++i) {
+    RETURN_IF_ERROR(CheckPage(w.page_table[i], num_pages, 0, i));
   }
-  return *page_rows;
+  return page_rows;
 }
 
 absl::Status ForEachPageRun(const KvWrite& w, int64_t page_rows,
@@ -106,9 +102,7 @@ absl::Status ForEachPageRun(const KvWrite& w, int64_t page_rows,
     const int64_t row = w.first_row + done;
     const int64_t page_row = row % page_rows;
     const int64_t count = std::min(w.rows - done, page_rows - page_row);
-    if (absl::Status st = fn({w.page_table[row / page_rows], page_row, done, count}); !st.ok()) {
-      return st;
-    }
+    RETURN_IF_ERROR(fn({w.page_table[row / page_rows], page_row, done, count}));
     done += count;
   }
   return absl::OkStatus();

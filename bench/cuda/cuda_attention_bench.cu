@@ -1,8 +1,11 @@
 // Times attention::cuda::Forward on device-resident inputs and prints one JSON line per shape:
-//   cuda_attention_bench grid   the FlashAttention grid: float16 and bfloat16, D in {64,128,256},
-//                               N in {512..16384}, B = 16384/N, H = 2048/D, causal and not
-//   cuda_attention_bench fp32   float32, B=16, H=12, D=64, N in {1024, 4096}
-//   cuda_attention_bench one DTYPE D N CAUSAL   one shape of the grid
+//   cuda_attention_bench [--variant NAME] grid   the FlashAttention grid: float16 and bfloat16,
+//                               D in {64,128,256}, N in {512..16384}, B = 16384/N, H = 2048/D,
+//                               causal and not
+//   cuda_attention_bench [--variant NAME] fp32   float32, B=16, H=12, D=64, N in {1024, 4096}
+//   cuda_attention_bench [--variant NAME] one DTYPE D N CAUSAL   one shape of the grid
+// --variant forces a forward kernel variant (ForwardVariantName, e.g. mma_sm80) instead of the
+// planner's choice; each JSON line names the variant that ran ("variant").
 // Each shape: random normal inputs (BHSD), 3 warm-up runs, then the median of 30 runs each timed
 // with CUDA events. One input set is 3 x 200 MB for the grid (4x the 50 MB L2), so repeated runs
 // do not run from the cache. run_bench.py times torch's SDPA on the same shapes beside it.
@@ -22,13 +25,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "bench/cuda/check_cuda.h"
 #include "kernels/attention_params.h"
 #include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/forward_plan.h"
+#include "kernels/status_macros.h"
 #ifdef ATTENTION_TILE_SWEEP
+#include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/flash_forward_launch.cuh"
 #endif
 
@@ -69,12 +76,23 @@ struct Shape {
   bool causal;
 };
 
-using Runner = std::function<absl::Status(const AttentionParams&)>;
+using attention::cuda::ForwardVariant;
 
-absl::Status RunForward(const AttentionParams& p) { return attention::cuda::Forward(p, nullptr); }
+// Runs one forward pass and returns the kernel variant that ran it.
+using Runner = std::function<absl::StatusOr<ForwardVariant>(const AttentionParams&)>;
+
+// attention::cuda::Forward, forcing `variant` when set.
+Runner ForwardRunner(std::optional<ForwardVariant> variant) {
+  return [variant](const AttentionParams& p) -> absl::StatusOr<ForwardVariant> {
+    ASSIGN_OR_RETURN(const attention::cuda::ForwardLaunch launch,
+                     attention::cuda::PrepareForward(p, variant));
+    RETURN_IF_ERROR(attention::cuda::LaunchForward(launch, nullptr));
+    return launch.plan.variant;
+  };
+}
 
 // Times `run` on shape s; `label` (if any) is added to the JSON line as "tile".
-bool TimeShape(const Shape& s, const Runner& run = RunForward, const std::string& label = "") {
+bool TimeShape(const Shape& s, const Runner& run, const std::string& label = "") {
   AttentionParams p;
   p.dtype = s.dtype;
   p.batch = s.b;
@@ -103,15 +121,17 @@ bool TimeShape(const Shape& s, const Runner& run = RunForward, const std::string
   CHECK_CUDA(cudaEventCreate(&stop));
   std::vector<float> ms;
   bool ok = true;
+  ForwardVariant variant = ForwardVariant::kMmaSm80;
   for (int rep = 0; rep < 33 && ok; ++rep) {
     cudaEventRecord(start);
-    absl::Status st = run(p);
+    absl::StatusOr<ForwardVariant> ran = run(p);
     cudaEventRecord(stop);
-    if (!st.ok()) {
-      std::fprintf(stderr, "Forward: %s\n", std::string(st.message()).c_str());
+    if (!ran.ok()) {
+      std::fprintf(stderr, "Forward: %s\n", std::string(ran.status().message()).c_str());
       ok = false;
       break;
     }
+    variant = *ran;
     CHECK_CUDA(cudaEventSynchronize(stop));
     float t = 0;
     cudaEventElapsedTime(&t, start, stop);
@@ -124,9 +144,10 @@ bool TimeShape(const Shape& s, const Runner& run = RunForward, const std::string
     if (s.causal) flops /= 2;
     std::printf(
         "{\"dtype\": \"%s\", \"d\": %lld, \"N\": %lld, \"B\": %lld, \"H\": %lld, \"causal\": %s, "
-        "%s\"ms\": %.4f, \"TFLOPs\": %.1f}\n",
+        "\"variant\": \"%s\", %s\"ms\": %.4f, \"TFLOPs\": %.1f}\n",
         attention::DTypeName(s.dtype), (long long)s.d, (long long)s.n, (long long)s.b,
         (long long)s.h, s.causal ? "true" : "false",
+        std::string(attention::cuda::ForwardVariantName(variant)).c_str(),
         label.empty() ? "" : ("\"tile\": \"" + label + "\", ").c_str(), median,
         flops / median / 1e9);
     std::fflush(stdout);
@@ -138,13 +159,13 @@ bool TimeShape(const Shape& s, const Runner& run = RunForward, const std::string
 }
 
 #ifdef ATTENTION_TILE_SWEEP
+// The tiles are the mma.sync kernel's (ForwardVariant::kMmaSm80).
 template <typename Tile>
 Runner TileRunner() {
-  return [](const AttentionParams& p) -> absl::Status {
-    absl::StatusOr<attention::cuda::KernelParams> kp = attention::cuda::ToKernelParams(p);
-    if (!kp.ok()) return kp.status();
-    const cudaError_t err = attention::cuda::LaunchFlashTile<Tile>(*kp, nullptr);
-    return err == cudaSuccess ? absl::OkStatus() : absl::InternalError(cudaGetErrorString(err));
+  return [](const AttentionParams& p) -> absl::StatusOr<ForwardVariant> {
+    ASSIGN_OR_RETURN(const attention::cuda::KernelParams kp, attention::cuda::ToKernelParams(p));
+    RETURN_IF_CUDA_ERROR(attention::cuda::LaunchFlashTile<Tile>(kp, nullptr), "candidate tile");
+    return ForwardVariant::kMmaSm80;
   };
 }
 
@@ -192,6 +213,18 @@ int main(int argc, char** argv) {
 #ifdef ATTENTION_TILE_SWEEP
   return Sweep(argc, argv);
 #endif
+  const char* program = argv[0];
+  std::optional<ForwardVariant> variant;
+  if (argc > 2 && std::strcmp(argv[1], "--variant") == 0) {
+    const absl::StatusOr<ForwardVariant> parsed = attention::cuda::ParseForwardVariant(argv[2]);
+    if (!parsed.ok()) {
+      std::fprintf(stderr, "--variant: %s\n", std::string(parsed.status().message()).c_str());
+      return 2;
+    }
+    variant = *parsed;
+    argc -= 2;
+    argv += 2;
+  }
   const char* which = argc > 1 ? argv[1] : "grid";
   std::vector<Shape> shapes;
   if (std::strcmp(which, "fp32") == 0) {
@@ -208,11 +241,14 @@ int main(int argc, char** argv) {
     const int64_t d = std::atoll(argv[3]), n = std::atoll(argv[4]);
     shapes.push_back({dt, 16384 / n, 2048 / d, n, d, std::strcmp(argv[5], "true") == 0});
   } else {
-    std::fprintf(stderr, "usage: %s grid|fp32|one {float16|bfloat16} D N {true|false}\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s [--variant NAME] grid|fp32|one {float16|bfloat16} D N {true|false}\n",
+                 program);
     return 2;
   }
+  const Runner run = ForwardRunner(variant);
   for (const Shape& s : shapes) {
-    if (!TimeShape(s)) return 1;
+    if (!TimeShape(s, run)) return 1;
   }
   return 0;
 }

@@ -7,6 +7,7 @@
 # --backend=cuda, the server checked with the client, then the benchmark beside torch (table
 # last). Logs and plots go to $OUT.
 #   bench/cuda/device_run.sh [tests|bench|all]
+# VARIANT=NAME forces the benchmark's forward kernel variant (run_bench.py --variant).
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-/tmp/out}
@@ -60,7 +61,7 @@ fi
 
 if [[ $what == bench || $what == all ]]; then
   PYTHONUNBUFFERED=1 python3 bench/cuda/run_bench.py "$bin/cuda_attention_bench" --out "$out" --confirm 5 \
-    >"$out/bench.log" 2>&1
+    ${VARIANT:+--variant "$VARIANT"} >"$out/bench.log" 2>&1
   summary+=("bench: rc=$?")
 fi
 

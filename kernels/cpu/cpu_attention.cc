@@ -53,6 +53,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/vec8.h"
 #include "kernels/dtype_convert.h"
+#include "kernels/status_macros.h"
 
 namespace attention::cpu {
 namespace {
@@ -613,10 +614,8 @@ CpuBackend::~CpuBackend() {
 int CpuBackend::threads() const { return impl_->threads; }
 
 absl::Status CpuBackend::Forward(const AttentionParams& p) {
-  if (absl::Status status = CheckParams(p); !status.ok()) return status;
-  if (p.is_varlen()) {
-    if (absl::Status status = CheckVarlen(p); !status.ok()) return status;
-  }
+  RETURN_IF_ERROR(CheckParams(p));
+  if (p.is_varlen()) RETURN_IF_ERROR(CheckVarlen(p));
 
   auto job = std::make_shared<Job>();
   job->params = &p;

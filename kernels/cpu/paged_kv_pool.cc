@@ -31,6 +31,7 @@
 #include "kernels/cpu/vec8.h"
 #include "kernels/dtype_convert.h"
 #include "kernels/paged_kv_host.h"
+#include "kernels/status_macros.h"
 
 namespace attention::cpu {
 namespace {
@@ -287,32 +288,30 @@ class CpuKvPagePool : public KvPagePool {
   absl::Status Write(absl::Span<const KvWrite> writes) override {
     std::vector<int64_t> page_rows;
     for (const KvWrite& w : writes) {
-      absl::StatusOr<int64_t> rows = CheckKvWrite(w, page_bytes_, num_pages_);
-      if (!rows.ok()) return rows.status();
-      page_rows.push_back(*rows);
+      ASSIGN_OR_RETURN(const int64_t rows, CheckKvWrite(w, page_bytes_, num_pages_));
+      page_rows.push_back(rows);
     }
     for (size_t i = 0; i < writes.size(); ++i) {
-      if (absl::Status s = WriteRows(writes[i], page_rows[i]); !s.ok()) return s;
+      RETURN_IF_ERROR(WriteRows(writes[i], page_rows[i]));
     }
     return absl::OkStatus();
   }
 
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& p) override {
-    absl::StatusOr<DecodeExtent> extent = CheckPagedDecode(p, page_bytes_, num_pages_);
-    if (!extent.ok()) return extent.status();
+    ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(p, page_bytes_, num_pages_));
     if (p.num_seqs == 0 || p.total_q == 0) return KvStepTimes{};
     const auto start = std::chrono::steady_clock::now();
     std::lock_guard<std::mutex> lock(mu_);
     // Enough items for every thread a few times over, but no split shorter than kMinSplitKeys.
     const int64_t base = p.num_seqs * p.shape.heads_kv;
-    const int64_t max_splits = std::max<int64_t>(1, extent->max_seqlen_k / kMinSplitKeys);
+    const int64_t max_splits = std::max<int64_t>(1, extent.max_seqlen_k / kMinSplitKeys);
     const int64_t splits = std::clamp<int64_t>((4 * threads_ + base - 1) / base, 1, max_splits);
     DecodeJob job{.p = &p,
                   .pool = memory_,
                   .page_bytes = page_bytes_,
-                  .page_rows = extent->page_rows,
+                  .page_rows = extent.page_rows,
                   .splits = splits,
-                  .split_keys = (extent->max_seqlen_k + splits - 1) / splits,
+                  .split_keys = (extent.max_seqlen_k + splits - 1) / splits,
                   .part_o = nullptr,
                   .part_lse = nullptr};
     const int64_t rows = p.heads_q * p.total_q;

@@ -1,15 +1,15 @@
 // attention::cuda::Forward: checks what the kernels rely on (head dim, 16-byte alignment, sizes
-// that fit the grid), converts AttentionParams into KernelParams (ToKernelParams) and launches the
-// tensor-core kernel for the dtype.
+// that fit the grid), converts AttentionParams into KernelParams (ToKernelParams), plans the kernel
+// variant (PlanFlashForward) and launches it for the dtype.
 #include "kernels/cuda/cuda_attention.h"
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/launchers.h"
+#include "kernels/status_macros.h"
 
 namespace attention::cuda {
 namespace {
@@ -18,15 +18,32 @@ constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on gridDim.y and gridDim.
 
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-// A bound that excludes no key of any row becomes unbounded (-1), so it fits in int32.
-int ClampWindow(int64_t bound, int64_t covering) {
-  return bound < 0 || bound >= covering ? -1 : static_cast<int>(bound);
+// ForwardVariant::kMmaSm80: the mma.sync kernel of the dtype (launchers.h).
+cudaError_t LaunchMmaSm80(DType dtype, const KernelParams& k, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return LaunchFlashForwardF16(k, stream);
+    case DType::kBFloat16:
+      return LaunchFlashForwardBF16(k, stream);
+    case DType::kFloat32:
+      return LaunchForwardF32(k, stream);
+  }
+  return cudaErrorInvalidValue;  // not reached: every dtype has a case
+}
+
+// The launcher of each variant.
+cudaError_t LaunchVariant(const ForwardPlan& plan, const KernelParams& k, cudaStream_t stream) {
+  switch (plan.variant) {
+    case ForwardVariant::kMmaSm80:
+      return LaunchMmaSm80(plan.dtype, k, stream);
+  }
+  return cudaErrorInvalidValue;  // not reached: plans name known variants
 }
 
 }  // namespace
 
 absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
-  if (absl::Status s = CheckParams(p); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckParams(p));
   if (p.head_dim % 8 != 0 || p.head_dim > kMaxHeadDim) {
     return absl::UnimplementedError(
         absl::StrCat("head_dim ", p.head_dim,
@@ -83,10 +100,9 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   k.seqlen_k = static_cast<int>(p.seqlen_k);
   k.kv_group = static_cast<int>(p.heads_q / p.heads_kv);
   k.head_dim = static_cast<int>(p.head_dim);
-  k.scale_log2 = std::max(std::fabs(p.softmax_scale) * kLog2e, std::numeric_limits<float>::min());
-  k.negate_q = p.softmax_scale < 0;
-  // Row i sees keys from i + diag - window_left; window_left >= seqlen_k reaches below key 0 for
-  // every row. Likewise window_right >= seqlen_q reaches past the last key.
+  const Log2Scale scale = ToLog2Scale(p.softmax_scale);
+  k.scale_log2 = scale.scale_log2;
+  k.negate_q = scale.negate_q;
   k.window_left = ClampWindow(p.window_left, p.seqlen_k);
   k.window_right = ClampWindow(p.window_right, p.seqlen_q);
   k.cu_seqlens_q = p.cu_seqlens_q;
@@ -94,27 +110,26 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   return k;
 }
 
-absl::Status Forward(const AttentionParams& p, cudaStream_t stream) {
-  absl::StatusOr<KernelParams> kp = ToKernelParams(p);
-  if (!kp.ok()) return kp.status();
-  const KernelParams& k = *kp;
-  cudaError_t err = cudaSuccess;
-  switch (p.dtype) {
-    case DType::kFloat16:
-      err = LaunchFlashForwardF16(k, stream);
-      break;
-    case DType::kBFloat16:
-      err = LaunchFlashForwardBF16(k, stream);
-      break;
-    case DType::kFloat32:
-      err = LaunchForwardF32(k, stream);
-      break;
-  }
-  if (err != cudaSuccess) {
-    return absl::InternalError(
-        absl::StrCat("cuda backend: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
+absl::StatusOr<ForwardLaunch> PrepareForward(const AttentionParams& p,
+                                             std::optional<ForwardVariant> variant) {
+  ASSIGN_OR_RETURN(const KernelParams k, ToKernelParams(p));
+  ASSIGN_OR_RETURN(const DeviceCaps caps, CurrentDeviceCaps());
+  ASSIGN_OR_RETURN(const ForwardPlan plan, PlanFlashForward(p, caps, variant));
+  return ForwardLaunch{k, plan};
+}
+
+absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream) {
+  if (const cudaError_t err = LaunchVariant(launch.plan, launch.params, stream);
+      err != cudaSuccess) {
+    return CudaError(err, absl::StrCat("forward kernel ", ForwardVariantName(launch.plan.variant)));
   }
   return absl::OkStatus();
+}
+
+absl::Status Forward(const AttentionParams& p, cudaStream_t stream,
+                     std::optional<ForwardVariant> variant) {
+  ASSIGN_OR_RETURN(const ForwardLaunch launch, PrepareForward(p, variant));
+  return LaunchForward(launch, stream);
 }
 
 }  // namespace attention::cuda

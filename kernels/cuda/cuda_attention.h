@@ -1,20 +1,38 @@
-// The CUDA backend's forward pass (see flash_forward_kernel.cuh for the kernel and
-// flash_forward_launch.cuh for its tiles and measured speed).
+// The CUDA backend's forward pass: checks, converts, plans (forward_plan.h: which kernel variant,
+// from the current device's caps or forced) and launches. See flash_forward_kernel.cuh for the
+// kernel and flash_forward_launch.cuh for its tiles and measured speed.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <optional>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/attention_params.h"
+#include "kernels/cuda/forward_plan.h"
 #include "kernels/cuda/kernel_params.h"
 
 namespace attention::cuda {
 
-// Enqueues attention on `stream`. q, k, v, o, lse and cu_seqlens_* are device pointers. Returns
-// at once; the result is ready when the stream reaches this point. Every CUDA error becomes a
-// Status naming it.
-absl::Status Forward(const AttentionParams& p, cudaStream_t stream);
+// Enqueues attention on `stream` on the current device. q, k, v, o, lse and cu_seqlens_* are
+// device pointers. Returns at once; the result is ready when the stream reaches this point. Every
+// CUDA error becomes a Status naming it. variant: run this kernel variant instead of the
+// planner's choice (tests, benchmarks), or fail saying why it cannot run.
+absl::Status Forward(const AttentionParams& p, cudaStream_t stream,
+                     std::optional<ForwardVariant> variant = std::nullopt);
+
+// A checked, converted and planned forward pass, ready to launch.
+struct ForwardLaunch {
+  KernelParams params;
+  ForwardPlan plan;
+};
+// Everything Forward does before it launches (no device work; the current device's caps are
+// queried once per device): the launch, or the error Forward would return.
+absl::StatusOr<ForwardLaunch> PrepareForward(const AttentionParams& p,
+                                             std::optional<ForwardVariant> variant = std::nullopt);
+// Enqueues a prepared launch on `stream` (the device it was prepared on must be current).
+absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream);
 
 // The checks and the conversion Forward does before it launches: the kernels' view of `p`, or the
 // error Forward would return. (The tile sweep in bench/cuda launches other tiles with it.)

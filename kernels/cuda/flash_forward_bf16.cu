@@ -9,4 +9,8 @@ cudaError_t LaunchFlashForwardBF16(const KernelParams& p, cudaStream_t stream) {
   return LaunchFlashForward<__nv_bfloat16>(p, stream);
 }
 
+int FlashForwardSmemBytesBF16(int head_dim) {
+  return FlashForwardSmemBytes<__nv_bfloat16>(head_dim);
+}
+
 }  // namespace attention::cuda

@@ -8,4 +8,6 @@ cudaError_t LaunchFlashForwardF16(const KernelParams& p, cudaStream_t stream) {
   return LaunchFlashForward<__half>(p, stream);
 }
 
+int FlashForwardSmemBytesF16(int head_dim) { return FlashForwardSmemBytes<__half>(head_dim); }
+
 }  // namespace attention::cuda

@@ -9,4 +9,6 @@ cudaError_t LaunchForwardF32(const KernelParams& p, cudaStream_t stream) {
   return LaunchFlashForward<float>(p, stream);
 }
 
+int FlashForwardSmemBytesF32(int head_dim) { return FlashForwardSmemBytes<float>(head_dim); }
+
 }  // namespace attention::cuda

@@ -58,8 +58,11 @@
 #include <type_traits>
 
 #include "kernels/cuda/kernel_params.h"
+#include "kernels/cuda/limits.h"
 #include "kernels/cuda/masks.cuh"
 #include "kernels/cuda/mma_ops.cuh"
+#include "kernels/cuda/online_softmax.cuh"
+#include "kernels/cuda/tile_ops.cuh"
 
 namespace attention::cuda {
 
@@ -86,25 +89,11 @@ struct FlashTile {
   // Q tile + 2 K tiles + 2 V tiles.
   static constexpr int kSmemBytes = (kBr + 4 * kBc) * kRowBytes;
 
-  static_assert(kD % 64 == 0 && kD <= 256, "the swizzle needs rows of >= 8 chunks");
+  static_assert(kD % 64 == 0, "the swizzle needs rows of >= 8 chunks");
+  static_assert(kD <= kMaxHeadDim);
   static_assert(kBr % (16 * kWarps) == 0 && kMSteps >= 1, "warps own whole 16-row blocks");
   static_assert(kBc % 16 == 0, "P V consumes keys 16 at a time");
 };
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
-template <int kRowBytes>
-__device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
-  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
-}
-
-// ldmatrix.x4 over two adjacent chunks (2j, 2j + 1) of 16 rows: each lane gives one row address.
-// With lane_off = SwizzledOffset(row, sel) for the lane's row and chunk sel in {0, 1}, the
-// address of pair j is lane_off ^ ((j % 4) << 5) + (j / 4) * 128: chunk 2j + sel is swizzled
-// into bits 4-6 of the offset only, and row * kRowBytes is a multiple of 128. For compile-time j
-// that is one of four loop-invariant registers plus an immediate, with no per-access index math.
-__device__ __forceinline__ uint32_t PairOffset(uint32_t lane_off, int j) {
-  return (lane_off ^ static_cast<uint32_t>((j & 3) << 5)) + static_cast<uint32_t>((j >> 2) << 7);
-}
 
 // Issues cp.async for a tile of kRows rows starting at global row `row0` of `src` (rows >= n_rows
 // and chunks >= d_chunks are zero-filled). Thread i copies chunk i % kChunks of rows
@@ -126,17 +115,6 @@ __device__ __forceinline__ void LoadTile(uint32_t smem, const T* src, int64_t ro
     CpAsync16(smem + SwizzledOffset<Tile::kRowBytes>(r, c), valid ? g : src, valid);
     g += kRowStep * row_stride;
   }
-}
-
-// Combines x[0..kN) with op as a balanced tree (kN a power of two); x is clobbered.
-template <int kN, typename Op>
-__device__ __forceinline__ float TreeReduce(float (&x)[kN], Op op) {
-  static_assert((kN & (kN - 1)) == 0, "power of two");
-#pragma unroll
-  for (int stride = 1; stride < kN; stride *= 2)
-#pragma unroll
-    for (int i = 0; i + stride < kN; i += 2 * stride) x[i] = op(x[i], x[i + stride]);
-  return x[0];
 }
 
 // Flips the sign of every element of a tile of kRows rows (each thread the chunks LoadTile gave
@@ -197,7 +175,7 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
   T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride +
          static_cast<int64_t>(e.q_start + m0) * p.o_row_stride;
 
-  const KeyRange keys = VisibleKeys(p, e, m0, row_last);
+  const KeyRange keys = VisibleKeys(p, e.nq, e.nk, m0, row_last);
   const int n_block_min = max(keys.lo, 0) / kBc;
   const int n_block_max = keys.hi > keys.lo ? (keys.hi + kBc - 1) / kBc : n_block_min;
 
@@ -347,53 +325,19 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
         for (int ms = 0; ms < kMSteps; ++ms) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const KeyRange vis = VisibleKeys(p, e, m0 + block_row(ms) + g + half * 8,
-                                             m0 + block_row(ms) + g + half * 8);
-            const int lo = vis.lo - n0 - 2 * t, hi = vis.hi - n0 - 2 * t;
-#pragma unroll
-            for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-              for (int i = 0; i < 2; ++i) {
-                const int col = nt * 8 + i;  // key n0 + col + 2t
-                if (col < lo || col >= hi) acc_s[ms][nt][half * 2 + i] = -INFINITY;
-              }
+            const int row = m0 + block_row(ms) + g + half * 8;
+            MaskRow(acc_s[ms], half, VisibleKeys(p, e.nq, e.nk, row, row), n0, t);
           }
         }
       }
 
-      // Online softmax in the log2 domain: p = exp2(scale_log2 * s - scale_log2 * max), one FFMA
-      // and one ex2 per logit (scale_log2 > 0, see KernelParams).
+      // Online softmax in the log2 domain (online_softmax.cuh: one FFMA and one ex2 per logit).
 #pragma unroll
       for (int ms = 0; ms < kMSteps; ++ms) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          // Max and sum as trees over the column tiles: log2(kNTiles) dependent steps, not kBc/4.
-          float part[kNTiles];
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt) {
-            part[nt] = fmaxf(acc_s[ms][nt][half * 2], acc_s[ms][nt][half * 2 + 1]);
-          }
-          float mx = fmaxf(row_max[ms][half],
-                           TreeReduce(part, [](float a, float b) { return fmaxf(a, b); }));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // A row that has seen no key yet keeps max -inf; subtract 0 then so exp2 gives 0, not
-          // NaN.
-          const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-          const float rescale = FastExp2(row_max[ms][half] * scale_log2 - m_scaled);
-          row_max[ms][half] = mx;
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              acc_s[ms][nt][half * 2 + i] =
-                  FastExp2(fmaf(acc_s[ms][nt][half * 2 + i], scale_log2, -m_scaled));
-            }
-            part[nt] = acc_s[ms][nt][half * 2] + acc_s[ms][nt][half * 2 + 1];
-          }
-          // This lane's share of the row sum.
-          row_sum[ms][half] = fmaf(row_sum[ms][half], rescale,
-                                   TreeReduce(part, [](float a, float b) { return a + b; }));
+          const float rescale =
+              OnlineSoftmaxRow(acc_s[ms], half, row_max[ms][half], row_sum[ms][half], scale_log2);
 #pragma unroll
           for (int dt = 0; dt < kDTiles; ++dt) {
             acc_o[ms][dt][half * 2] *= rescale;
@@ -502,9 +446,7 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
   for (int ms = 0; ms < kMSteps; ++ms) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float l = row_sum[ms][half];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float l = QuadSum(row_sum[ms][half]);
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int r = block_row(ms) + g + half * 8;  // row within the tile
 #pragma unroll

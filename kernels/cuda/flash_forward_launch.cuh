@@ -4,8 +4,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
+#include <iterator>
+
 #include "kernels/cuda/flash_forward_kernel.cuh"
 #include "kernels/cuda/kernel_params.h"
+#include "kernels/cuda/limits.h"
 
 namespace attention::cuda {
 
@@ -53,11 +57,27 @@ cudaError_t LaunchFlashTile(const KernelParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// f(Tile()) for the tile of the smallest specialised head dim >= head_dim (kSpecialisedHeadDims,
+// ascending; head_dim <= kMaxHeadDim): the one dispatch of the launch and of the planner's shared
+// memory query.
+template <typename T, size_t kI = 0, typename F>
+auto WithFlashTile(int head_dim, F&& f) {
+  constexpr int kD = kSpecialisedHeadDims[kI];
+  if constexpr (kI + 1 < std::size(kSpecialisedHeadDims)) {
+    if (head_dim > kD) return WithFlashTile<T, kI + 1>(head_dim, f);
+  }
+  return f(typename FlashTileFor<T, kD>::Tile());
+}
+
 template <typename T>
 cudaError_t LaunchFlashForward(const KernelParams& p, cudaStream_t stream) {
-  if (p.head_dim <= 64) return LaunchFlashTile<typename FlashTileFor<T, 64>::Tile>(p, stream);
-  if (p.head_dim <= 128) return LaunchFlashTile<typename FlashTileFor<T, 128>::Tile>(p, stream);
-  return LaunchFlashTile<typename FlashTileFor<T, 256>::Tile>(p, stream);
+  return WithFlashTile<T>(p.head_dim,
+                          [&](auto tile) { return LaunchFlashTile<decltype(tile)>(p, stream); });
+}
+
+template <typename T>
+int FlashForwardSmemBytes(int head_dim) {
+  return WithFlashTile<T>(head_dim, [](auto tile) { return decltype(tile)::kSmemBytes; });
 }
 
 }  // namespace attention::cuda

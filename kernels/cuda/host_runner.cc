@@ -11,6 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/status_macros.h"
 
 namespace attention::cuda {
 namespace {
@@ -20,11 +22,6 @@ constexpr int64_t kAlign = 256;
 constexpr int64_t kGrowStep = int64_t{2} << 20;
 
 int64_t RoundUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
-
-#define RETURN_IF_CUDA_ERROR(expr, what)                                              \
-  do {                                                                                \
-    if (cudaError_t err_ = (expr); err_ != cudaSuccess) return CudaError(err_, what); \
-  } while (0)
 
 // Dense q is [B, N, H, D] (rows advance by H*D); with one head both layouts are the same memory.
 bool IsBshd(const AttentionParams& p) { return p.q_row_stride == p.heads_q * p.head_dim; }
@@ -111,11 +108,6 @@ struct Regions {
 };
 
 }  // namespace
-
-absl::Status CudaError(cudaError_t err, const char* what) {
-  return absl::InternalError(absl::StrCat("cuda backend: ", what, ": ", cudaGetErrorName(err), ": ",
-                                          cudaGetErrorString(err)));
-}
 
 bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) {
   if (a.dtype != b.dtype || a.heads_q != b.heads_q || a.heads_kv != b.heads_kv ||
@@ -221,12 +213,10 @@ absl::Status HostRunner::ReserveDevice(Stream* stream, int64_t bytes) {
     reserved_ += bytes;
   }
   if (cudaError_t err = cudaMalloc(&stream->device, bytes); err != cudaSuccess) {
-    cudaGetLastError();  // an allocation error is not sticky: clear it for the next call
     stream->device = nullptr;
     std::lock_guard<std::mutex> lock(mu_);
     reserved_ -= bytes;
-    return absl::InternalError(absl::StrCat("cuda backend: cannot allocate ", bytes,
-                                            " bytes of device memory: ", cudaGetErrorName(err)));
+    return CudaError(err, absl::StrCat("cannot allocate ", bytes, " bytes of device memory"));
   }
   stream->device_bytes = bytes;
   return absl::OkStatus();
@@ -240,11 +230,8 @@ absl::Status HostRunner::ReserveStaging(Stream* stream, int64_t bytes) {
   stream->staging_bytes = 0;
   if (cudaError_t err = cudaHostAlloc(&stream->staging, bytes, cudaHostAllocPortable);
       err != cudaSuccess) {
-    cudaGetLastError();
     stream->staging = nullptr;
-    return absl::InternalError(
-        absl::StrCat("cuda backend: cannot allocate ", bytes,
-                     " bytes of pinned host memory: ", cudaGetErrorName(err)));
+    return CudaError(err, absl::StrCat("cannot allocate ", bytes, " bytes of pinned host memory"));
   }
   stream->staging_bytes = bytes;
   return absl::OkStatus();
@@ -264,7 +251,7 @@ absl::StatusOr<HostRunTimes> HostRunner::Run(const AttentionParams& host) {
 absl::StatusOr<HostRunTimes> HostRunner::RunBatch(absl::Span<const AttentionParams> items) {
   if (items.empty()) return absl::InvalidArgumentError("RunBatch: no items");
   for (const AttentionParams& item : items) {
-    if (absl::Status s = CheckParams(item); !s.ok()) return s;
+    RETURN_IF_ERROR(CheckParams(item));
     if (!CanShareLaunch(items[0], item)) {
       return absl::InvalidArgumentError("RunBatch: items cannot share a launch");
     }
@@ -296,11 +283,8 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   const bool with_lse = first.lse != nullptr;
 
   Packing dev_pack = Pack(items), host_pack = dev_pack;
-  if (absl::Status s = ReserveDevice(stream, dev_pack.Regions(d8, elem, with_lse)); !s.ok())
-    return s;
-  if (absl::Status s = ReserveStaging(stream, host_pack.Regions(d, elem, with_lse)); !s.ok()) {
-    return s;
-  }
+  RETURN_IF_ERROR(ReserveDevice(stream, dev_pack.Regions(d8, elem, with_lse)));
+  RETURN_IF_ERROR(ReserveStaging(stream, host_pack.Regions(d, elem, with_lse)));
   const Regions dev{static_cast<char*>(stream->device), dev_pack.offsets};
   const Regions host{static_cast<char*>(stream->staging), host_pack.offsets};
   cudaStream_t cs = stream->stream;
@@ -346,10 +330,9 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     launch.cu_seqlens_q = launch.cu_seqlens_k = nullptr;
     launch.SetContiguousStrides(IsBshd(first) ? Layout::kBSHD : Layout::kBHSD);
   }
-  // The kernel's own checks (sizes that fit the grid, ...) before any copy is enqueued.
-  if (absl::StatusOr<KernelParams> checked = ToKernelParams(launch); !checked.ok()) {
-    return checked.status();
-  }
+  // The kernel's own checks (sizes that fit the grid, ...) and its plan before any copy is
+  // enqueued.
+  ASSIGN_OR_RETURN(const ForwardLaunch forward, PrepareForward(launch, options_.forward_variant));
 
   // Inputs: each item's lines go to its place in the device buffer, from its own memory when
   // that is pinned, else through the staging buffer, where consecutive staged items form one run
@@ -411,7 +394,7 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
       RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.at(4), 0xff, lse_bytes, cs), "poison lse");
   }
   RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[1], cs), "cudaEventRecord");
-  if (absl::Status s = Forward(launch, cs); !s.ok()) return s;
+  RETURN_IF_ERROR(LaunchForward(forward, cs));
   RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[2], cs), "cudaEventRecord");
 
   // Outputs: o straight into a pinned destination, else into staging (consecutive staged items

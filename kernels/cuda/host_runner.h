@@ -24,9 +24,10 @@
 // ones when the budget is short. After warm-up (every stream grown to the largest call) nothing is
 // allocated on the call path.
 //
-// Errors: a CUDA error fails only the call that met it (INTERNAL naming the error); the stream is
-// drained and reused. Errors that poison the whole CUDA context (an illegal address in a kernel)
-// fail every later call on the device too; nothing short of a new process recovers from those.
+// Errors: a CUDA error fails only the call that met it (cuda_status.h: RESOURCE_EXHAUSTED when an
+// allocation failed, else INTERNAL, naming the error); the stream is drained and reused. Errors
+// that poison the whole CUDA context (an illegal address in a kernel) fail every later call on the
+// device too; nothing short of a new process recovers from those.
 //
 // Head dims that are not a multiple of 8 are served by padding: each D-element line of q, k, v
 // lands in a zeroed line of D8 = roundup(D, 8) elements (cudaMemcpy2D), the kernel runs with
@@ -41,12 +42,15 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/attention_params.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/forward_plan.h"
 
 namespace attention::cuda {
 
@@ -58,6 +62,9 @@ struct HostRunnerOptions {
   int64_t memory_budget_bytes = 0;
   // Fill o and lse with NaN on the device before the kernel, so unwritten elements show (tests).
   bool poison_outputs = false;
+  // Run every call on this forward kernel variant instead of the planner's choice (tests, the
+  // bench); a call it cannot run fails with the reason (PlanFlashForward).
+  std::optional<ForwardVariant> forward_variant;
 };
 
 struct HostRunTimes {
@@ -110,8 +117,5 @@ class HostRunner {
   std::vector<Stream*> free_;  // guarded by mu_
   int64_t reserved_ = 0;       // guarded by mu_: device bytes held by all streams
 };
-
-// A Status naming a CUDA error: InternalError("cuda backend: <what>: <name>: <description>").
-absl::Status CudaError(cudaError_t err, const char* what);
 
 }  // namespace attention::cuda

@@ -1,9 +1,13 @@
 // The plain-old-data view of AttentionParams that the CUDA kernels take by value. Lengths fit
 // int32 (the launcher checks); offsets are int64 so that tensors past 2^31 elements index
-// correctly.
+// correctly. Also the host-side conversions that the forward and the paged decode params share
+// (the softmax scale into the log2 domain, window bounds into int32).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace attention::cuda {
 
@@ -37,5 +41,22 @@ struct KernelParams {
   const int32_t* cu_seqlens_q;  // device, batch + 1 entries; nullptr when not varlen
   const int32_t* cu_seqlens_k;
 };
+
+// The kernels' form of a softmax scale (KernelParams::scale_log2 and negate_q).
+struct Log2Scale {
+  float scale_log2;
+  bool negate_q;
+};
+inline Log2Scale ToLog2Scale(float softmax_scale) {
+  return {std::max(std::fabs(softmax_scale) * kLog2e, std::numeric_limits<float>::min()),
+          softmax_scale < 0};
+}
+
+// A window bound that excludes no key of any row becomes unbounded (-1), so it fits in int32:
+// row i sees keys from i + nk - nq - window_left, so window_left >= nk reaches below key 0 for
+// every row (covering = nk); likewise window_right >= nq past the last key (covering = nq).
+inline int ClampWindow(int64_t bound, int64_t covering) {
+  return bound < 0 || bound >= covering ? -1 : static_cast<int>(bound);
+}
 
 }  // namespace attention::cuda

@@ -1,6 +1,9 @@
-// Device helpers over KernelParams: where a batch item lives, which keys a row may see, and a
-// fast exp2.
+// Device helpers over the kernels' params (KernelParams, PagedKernelParams): where a batch item
+// lives, which keys a row may see (the one window clamp of both kernels), which key tiles need
+// element masks, and the element mask on mma accumulators (layout: online_softmax.cuh).
 #pragma once
+
+#include <cmath>
 
 #include "kernels/cuda/kernel_params.h"
 
@@ -17,16 +20,19 @@ __device__ __forceinline__ ItemExtent GetItemExtent(const KernelParams& p, int b
   return {q0, k0, p.cu_seqlens_q[b + 1] - q0, p.cu_seqlens_k[b + 1] - k0};
 }
 
-// Keys [lo, hi) that rows [row_first, row_last] of an item may see (bottom-right aligned mask:
-// row i sees key j iff i + nk - nq - window_left <= j <= i + nk - nq + window_right).
+// Keys [lo, hi) of an item.
 struct KeyRange {
   int lo, hi;
 };
 
-__device__ __forceinline__ KeyRange VisibleKeys(const KernelParams& p, const ItemExtent& e,
-                                                int row_first, int row_last) {
-  const int diag = e.nk - e.nq;
-  int lo = 0, hi = e.nk;
+// Keys [lo, hi) that rows [row_first, row_last] of an item of nq queries and nk keys may see
+// (bottom-right aligned mask: row i sees key j iff i + nk - nq - window_left <= j <= i + nk - nq +
+// window_right; bounds -1 = unbounded). Params: any kernel params with window_left, window_right.
+template <typename Params>
+__device__ __forceinline__ KeyRange VisibleKeys(const Params& p, int nq, int nk, int row_first,
+                                                int row_last) {
+  const int diag = nk - nq;
+  int lo = 0, hi = nk;
   if (p.window_left >= 0) lo = max(lo, row_first + diag - p.window_left);
   if (p.window_right >= 0) hi = min(hi, row_last + diag + p.window_right + 1);
   return {lo, hi};
@@ -42,11 +48,19 @@ __device__ __forceinline__ bool TileNeedsMask(const KernelParams& p, const ItemE
          (p.window_left >= 0 && n0 < row_last + diag - p.window_left);
 }
 
-// 2^x on the special-function unit; 2^-inf = +0, which masked logits rely on.
-__device__ __forceinline__ float FastExp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
+// Sets the logits of one row (s[.][2 half + i]) outside its visible keys `vis` to -inf; s starts
+// at key n0 and this lane (t = lane % 4) holds keys n0 + 8 nt + 2t + i.
+template <int kNTiles>
+__device__ __forceinline__ void MaskRow(float (&s)[kNTiles][4], int half, KeyRange vis, int n0,
+                                        int t) {
+  const int lo = vis.lo - n0 - 2 * t, hi = vis.hi - n0 - 2 * t;
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int col = nt * 8 + i;  // key n0 + col + 2t
+      if (col < lo || col >= hi) s[nt][half * 2 + i] = -INFINITY;
+    }
 }
 
 }  // namespace attention::cuda

@@ -1,12 +1,13 @@
 #include "kernels/cuda/paged_decode.h"
 
 #include <algorithm>
-#include <cmath>
+#include <iterator>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/host_runner.h"
+#include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/kernel_params.h"
+#include "kernels/cuda/limits.h"
 
 namespace attention::cuda {
 namespace {
@@ -14,11 +15,6 @@ namespace {
 constexpr int64_t kMaxGridYZ = 65535;
 constexpr int64_t kMaxLength = int64_t{1} << 30;  // keeps i + diag + window in int32
 constexpr double kWaveFill = 0.9;
-
-// A bound that excludes no key of any row becomes unbounded (-1), so it fits in int32.
-int ClampWindow(int64_t bound, int64_t covering) {
-  return bound < 0 || bound >= covering ? -1 : static_cast<int>(bound);
-}
 
 }  // namespace
 
@@ -31,7 +27,8 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
         "head_dim ", shape.head_dim,
         " is not supported by the cuda KV pool (it takes head dims "
         "up to ",
-        kPagedMaxHeadDim, "; float16/bfloat16 multiples of 8 up to 128 on tensor cores)"));
+        kPagedMaxHeadDim, "; float16/bfloat16 multiples of 8 up to ",
+        kPagedTensorHeadDims[std::size(kPagedTensorHeadDims) - 1], " on tensor cores)"));
   }
   PagedDecodePlan plan;
   plan.launch.num_seqs = static_cast<int>(host.num_seqs);
@@ -45,9 +42,11 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
         kMaxGridYZ, " sequences and ", kMaxGridYZ, " kv heads x 16-row blocks; got max_seqlen_k=",
         extent.max_seqlen_k, " max_seqlen_q=", extent.max_seqlen_q, " num_seqs=", host.num_seqs));
   }
-  const bool tensor =
-      shape.dtype != DType::kFloat32 && shape.head_dim % 8 == 0 && shape.head_dim <= 128;
-  plan.launch.kernel_head_dim = tensor ? (shape.head_dim <= 64 ? 64 : 128) : 0;
+  // The smallest tensor-core tile that holds head_dim, if any.
+  if (shape.dtype != DType::kFloat32 && shape.head_dim % 8 == 0) {
+    plan.launch.kernel_head_dim = SpecialisationFor(kPagedTensorHeadDims, shape.head_dim);
+  }
+  const bool tensor = plan.launch.kernel_head_dim != 0;
   // Key tiles of the tensor-core kernels (paged_decode_launch.cuh): 32 KiB of K+V per stage.
   plan.key_tile = options.key_tile > 0                ? options.key_tile
                   : !tensor                           ? 64
@@ -110,8 +109,9 @@ PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* p
   k.heads_kv = static_cast<int>(dev.shape.heads_kv);
   k.group = static_cast<int>(dev.heads_q / dev.shape.heads_kv);
   k.head_dim = static_cast<int>(dev.shape.head_dim);
-  k.scale_log2 = std::max(std::fabs(dev.softmax_scale) * kLog2e, std::numeric_limits<float>::min());
-  k.negate_q = dev.softmax_scale < 0;
+  const Log2Scale scale = ToLog2Scale(dev.softmax_scale);
+  k.scale_log2 = scale.scale_log2;
+  k.negate_q = scale.negate_q;
   k.window_left = ClampWindow(dev.window_left, extent.max_seqlen_k);
   k.window_right = ClampWindow(dev.window_right, extent.max_seqlen_q);
   k.m_blocks = plan.m_blocks;
@@ -147,8 +147,7 @@ absl::Status LaunchPagedDecode(const PagedDecodePlan& plan, const void* pool, in
       err = LaunchPagedDecodeF32(k, plan.launch, stream);
       break;
   }
-  if (err != cudaSuccess) return CudaError(err, "paged decode kernels");
-  return absl::OkStatus();
+  return CudaStatus(err, "paged decode kernels");
 }
 
 }  // namespace attention::cuda

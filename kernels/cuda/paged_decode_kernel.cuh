@@ -11,7 +11,7 @@
 // in flight while one is consumed. A tile inside one page (pages of a multiple of kBc rows, as the
 // server's are) costs one page-table read; others (smaller pages, the last tile) look up each row.
 // The kWarps warps split each tile's keys (kBc / kWarps each) and keep their own online softmax
-// (exp2, raw-logit max as in flash_forward_kernel.cuh) over the same 16 rows; Q's fragments stay in
+// (online_softmax.cuh, as in flash_forward_kernel.cuh) over the same 16 rows; Q's fragments stay in
 // registers. S = Q K^T and O += P V are mma.sync m16n8k16 with float32 accumulation, P fed back
 // from the accumulators as the A operand. At the end the warps' (max, sum, O) are merged through
 // shared memory and the CTA writes either the result (one split) or a normalised float32 partial
@@ -44,10 +44,12 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kernels/cuda/flash_forward_kernel.cuh"
+#include "kernels/cuda/kernel_params.h"
 #include "kernels/cuda/masks.cuh"
 #include "kernels/cuda/mma_ops.cuh"
+#include "kernels/cuda/online_softmax.cuh"
 #include "kernels/cuda/paged_decode_params.h"
+#include "kernels/cuda/tile_ops.cuh"
 
 namespace attention::cuda {
 
@@ -106,16 +108,6 @@ __device__ __forceinline__ PagedRow GetPagedRow(const PagedKernelParams& p, int 
                                                 int m) {
   const int query = m / p.group, head = hk * p.group + m % p.group;
   return {static_cast<int64_t>(p.heads_q) * q0 + static_cast<int64_t>(head) * nq + query, query};
-}
-
-// Keys [lo, hi) of one sequence that queries [first, last] may see (bottom-right aligned).
-__device__ __forceinline__ KeyRange PagedVisibleKeys(const PagedKernelParams& p, int nq, int nk,
-                                                     int first, int last) {
-  const int diag = nk - nq;
-  int lo = 0, hi = nk;
-  if (p.window_left >= 0) lo = max(lo, first + diag - p.window_left);
-  if (p.window_right >= 0) hi = min(hi, last + diag + p.window_right + 1);
-  return {lo, hi};
 }
 
 // Element i of o, rounded to T.
@@ -378,7 +370,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
   const int first_query = m0 / p.group, last_query = row_last / p.group;
 
   // This CTA's keys: its split, cut to what its queries may see; whole kBc tiles from tile_begin.
-  const KeyRange vis = PagedVisibleKeys(p, nq, nk, first_query, last_query);
+  const KeyRange vis = VisibleKeys(p, nq, nk, first_query, last_query);
   const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
   const int tile_begin = k_lo / kBc;
   const int n_tiles = k_hi > k_lo ? (k_hi + kBc - 1) / kBc - tile_begin : 0;
@@ -466,10 +458,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int query = (m0 + g + half * 8) / p.group;
-    row_keys[half] = PagedVisibleKeys(p, nq, nk, query, query);
+    row_keys[half] = VisibleKeys(p, nq, nk, query, query);
   }
   // Tiles needing no element mask: inside every row's window and below nk.
-  const KeyRange all_rows = PagedVisibleKeys(p, nq, nk, last_query, first_query);
+  const KeyRange all_rows = VisibleKeys(p, nq, nk, last_query, first_query);
 
   float acc_o[kDTiles][4];
 #pragma unroll
@@ -511,44 +503,16 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
 
     if (n0 < all_rows.lo || n0 + kWarpKeys > all_rows.hi) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int lo = row_keys[half].lo - n0 - 2 * t, hi = row_keys[half].hi - n0 - 2 * t;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const int col = nt * 8 + i;  // key n0 + col + 2t
-            if (col < lo || col >= hi) acc_s[nt][half * 2 + i] = -INFINITY;
-          }
-      }
+      for (int half = 0; half < 2; ++half) MaskRow(acc_s, half, row_keys[half], n0, t);
     }
 
-    // Online softmax in the log2 domain (as flash_forward_kernel.cuh). O is rescaled only when
-    // some row of the warp got a new max (after the first tiles, most tiles leave every max as
-    // it was: the rescale is then exactly 1).
+    // Online softmax in the log2 domain (online_softmax.cuh). O is rescaled only when some row
+    // of the warp got a new max (after the first tiles, most tiles leave every max as it was: the
+    // rescale is then exactly 1).
     float rescale[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float part[kNTiles];
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-        part[nt] = fmaxf(acc_s[nt][half * 2], acc_s[nt][half * 2 + 1]);
-      float mx =
-          fmaxf(row_max[half], TreeReduce(part, [](float a, float b) { return fmaxf(a, b); }));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-      rescale[half] = FastExp2(row_max[half] * scale_log2 - m_scaled);
-      row_max[half] = mx;
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-          acc_s[nt][half * 2 + i] = FastExp2(fmaf(acc_s[nt][half * 2 + i], scale_log2, -m_scaled));
-        part[nt] = acc_s[nt][half * 2] + acc_s[nt][half * 2 + 1];
-      }
-      row_sum[half] = fmaf(row_sum[half], rescale[half],
-                           TreeReduce(part, [](float a, float b) { return a + b; }));
+      rescale[half] = OnlineSoftmaxRow(acc_s, half, row_max[half], row_sum[half], scale_log2);
     }
     if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
 #pragma unroll
@@ -587,9 +551,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = g + half * 8;
-    float l = row_sum[half];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float l = QuadSum(row_sum[half]);
     if (t == 0) {
       m_max[warp * kPagedRows + r] = row_max[half];
       m_sum[warp * kPagedRows + r] = l;
@@ -671,7 +633,7 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
   const float sign = p.negate_q ? -1.f : 1.f;
   for (int m = m0 + warp; m < min(m0 + kPagedRows, rows); m += kPagedThreads / 32) {
     const PagedRow row = GetPagedRow(p, q0, nq, hk, m);
-    const KeyRange vis = PagedVisibleKeys(p, nq, nk, row.query, row.query);
+    const KeyRange vis = VisibleKeys(p, nq, nk, row.query, row.query);
     const int split_lo = blockIdx.x * p.split_keys;
     const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
     float q[kMaxCols], acc[kMaxCols];

@@ -6,15 +6,10 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/limits.h"
 #include "kernels/cuda/paged_decode_params.h"
 
 namespace attention::cuda {
-
-// Head dims with a tensor-core tile (float16 and bfloat16); any multiple of 8 below one of them
-// runs in it (columns past head_dim zero-filled).
-inline constexpr int kPagedTensorHeadDims[] = {64, 128};
-// Largest head dim of the SIMT path (every dtype, any head dim up to this).
-inline constexpr int kPagedMaxHeadDim = 256;
 
 // CTAs resident per SM of the kernel for a head dim (PagedLaunch::kernel_head_dim; 0: the SIMT
 // kernel), which the planner fills its wave with: the D = 128 tile's four stages (~132 KiB of

@@ -26,20 +26,15 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/host_runner.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/device_caps.h"
 #include "kernels/cuda/kv_scatter.h"
 #include "kernels/cuda/paged_decode.h"
 #include "kernels/paged_kv_host.h"
+#include "kernels/status_macros.h"
 
 namespace attention::cuda {
 namespace {
-
-#define RETURN_IF_CUDA_ERROR(expr, what)                  \
-  do {                                                    \
-    if (cudaError_t err_ = (expr); err_ != cudaSuccess) { \
-      return CudaError(err_, what);                       \
-    }                                                     \
-  } while (0)
 
 constexpr size_t kAlign = 256;
 size_t RoundUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -56,15 +51,10 @@ size_t SegmentBytes(const WriteRun& r) {
   return (bytes + 15) / 16 * 16;
 }
 
-absl::Status CudaStatus(cudaError_t err, const char* what) {
-  return err == cudaSuccess ? absl::OkStatus() : CudaError(err, what);
-}
-
+// The error of a failed cudaMalloc of `bytes` for `what` (RESOURCE_EXHAUSTED, see CudaError).
 absl::Status AllocationError(size_t bytes, const char* what, cudaError_t err) {
-  cudaGetLastError();  // clear the (non-sticky) allocation error
-  return absl::ResourceExhaustedError(absl::StrCat("cuda backend: cannot allocate ", bytes,
-                                                   " bytes of device memory for ", what, ": ",
-                                                   cudaGetErrorName(err)));
+  return CudaError(err,
+                   absl::StrCat("cannot allocate ", bytes, " bytes of device memory for ", what));
 }
 
 class CudaKvPagePool : public KvPagePool {
@@ -105,13 +95,11 @@ class CudaKvPagePool : public KvPagePool {
   absl::Status Write(absl::Span<const KvWrite> writes) override {
     std::vector<WriteRun> runs;
     for (const KvWrite& w : writes) {
-      absl::StatusOr<int64_t> page_rows = CheckKvWrite(w, page_bytes_, num_pages_);
-      if (!page_rows.ok()) return page_rows.status();
-      absl::Status status = ForEachPageRun(w, *page_rows, [&](const PageRun& run) {
-        runs.push_back({&w, *page_rows, run});
+      ASSIGN_OR_RETURN(const int64_t page_rows, CheckKvWrite(w, page_bytes_, num_pages_));
+      RETURN_IF_ERROR(ForEachPageRun(w, page_rows, [&](const PageRun& run) {
+        runs.push_back({&w, page_rows, run});
         return absl::OkStatus();
-      });
-      if (!status.ok()) return status;
+      }));
     }
     if (runs.empty()) return absl::OkStatus();
     std::unique_lock<std::mutex> lock(mu_);
@@ -138,11 +126,9 @@ class CudaKvPagePool : public KvPagePool {
   }
 
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host) override {
-    absl::StatusOr<DecodeExtent> extent = CheckPagedDecode(host, page_bytes_, num_pages_);
-    if (!extent.ok()) return extent.status();
+    ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(host, page_bytes_, num_pages_));
     if (host.num_seqs == 0 || host.total_q == 0) return KvStepTimes{};
-    absl::StatusOr<PagedDecodePlan> plan = PlanPagedDecode(host, *extent, plan_options_);
-    if (!plan.ok()) return plan.status();
+    ASSIGN_OR_RETURN(const PagedDecodePlan plan, PlanPagedDecode(host, extent, plan_options_));
 
     std::unique_lock<std::mutex> lock(mu_);
     RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
@@ -155,37 +141,34 @@ class CudaKvPagePool : public KvPagePool {
     // Scratch: the inputs q | cu_seqlens_q | seqlens_k | page_table (one copy from staging laid
     // out the same), then the outputs o | lse, then the kernels' workspace.
     StepLayout l;
-    const size_t sizes[7] = {q_bytes, cu_bytes,  lens_bytes,           table_bytes,
-                             q_bytes, lse_bytes, plan->workspace_bytes};
+    const size_t sizes[7] = {q_bytes, cu_bytes,  lens_bytes,          table_bytes,
+                             q_bytes, lse_bytes, plan.workspace_bytes};
     for (int i = 0; i < 7; ++i) l.offsets[i + 1] = l.offsets[i] + RoundUp(sizes[i]);
-    if (absl::Status s = Reserve(l.offsets[7]); !s.ok()) return s;
-    if (absl::Status s = ReserveTickets(plan->tickets); !s.ok()) return s;
+    RETURN_IF_ERROR(Reserve(l.offsets[7]));
+    RETURN_IF_ERROR(ReserveTickets(plan.tickets));
     // Staging: the inputs as in scratch, then o and lse as in scratch.
-    absl::StatusOr<unsigned char*> staged = Stage(l.offsets[kWorkspace], lock);
-    if (!staged.ok()) return staged.status();
-    l.staged = *staged;
+    ASSIGN_OR_RETURN(l.staged, Stage(l.offsets[kWorkspace], lock));
     const void* inputs[] = {host.q, host.cu_seqlens_q, host.seqlens_k, host.page_table};
     for (int i = kQ; i <= kTable; ++i) std::memcpy(l.staged + l.offsets[i], inputs[i], sizes[i]);
-    absl::StatusOr<StepEvents> events = TakeEvents();
-    if (!events.ok()) return events.status();
+    ASSIGN_OR_RETURN(const StepEvents events, TakeEvents());
 
     // The step's staging holds its outputs until it has read them (Stage waits for that before it
     // starts from the front again). The wait runs without the lock, so the next step's staging and
     // launch overlap this one's kernel on the stream.
     ++staged_readers_;
-    absl::Status status = Enqueue(*plan, *extent, host, l, *events);
+    absl::Status status = Enqueue(plan, extent, host, l, events);
     const uint64_t mine = ++enqueued_;
     KvStepTimes times;
     if (status.ok()) {
       lock.unlock();
-      status = CudaStatus(cudaEventSynchronize((*events)[3]), "run the decode step on the device");
+      status = CudaStatus(cudaEventSynchronize(events[3]), "run the decode step on the device");
       if (status.ok()) {
         std::memcpy(host.o, l.staged + l.offsets[kO], q_bytes);
         if (lse_bytes) std::memcpy(host.lse, l.staged + l.offsets[kLse], lse_bytes);
         double* us[3] = {&times.h2d_us, &times.compute_us, &times.d2h_us};
         for (int i = 0; i < 3 && status.ok(); ++i) {
           float ms = 0;
-          status = CudaStatus(cudaEventElapsedTime(&ms, (*events)[i], (*events)[i + 1]),
+          status = CudaStatus(cudaEventElapsedTime(&ms, events[i], events[i + 1]),
                               "cudaEventElapsedTime");
           *us[i] = ms * 1e3;
         }
@@ -195,7 +178,7 @@ class CudaKvPagePool : public KvPagePool {
       cudaStreamSynchronize(stream_);
     }
     --staged_readers_;
-    idle_events_.push_back(*events);
+    idle_events_.push_back(events);
     if (staged_readers_ == 0) {
       readers_done_.notify_all();
       // This step's copy-out was the stream's last work and nobody reads staging: the next call
@@ -246,11 +229,8 @@ class CudaKvPagePool : public KvPagePool {
       }
     }
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events[1], stream_), "cudaEventRecord");
-    if (absl::Status s = LaunchPagedDecode(plan, pages_, page_bytes_, extent, dev, at(kWorkspace),
-                                           tickets_, stream_);
-        !s.ok()) {
-      return s;
-    }
+    RETURN_IF_ERROR(LaunchPagedDecode(plan, pages_, page_bytes_, extent, dev, at(kWorkspace),
+                                      tickets_, stream_));
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events[2], stream_), "cudaEventRecord");
     RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(l.staged + l.offsets[kO], at(kO), l.offsets[kWorkspace] - l.offsets[kO],
@@ -284,10 +264,9 @@ class CudaKvPagePool : public KvPagePool {
   absl::Status WriteChunk(absl::Span<const WriteRun> runs, size_t data_bytes, size_t segments,
                           std::unique_lock<std::mutex>& lock) {
     const size_t bytes = data_bytes + segments * sizeof(KvSegment);
-    if (absl::Status s = Reserve(bytes); !s.ok()) return s;
-    absl::StatusOr<unsigned char*> staged = Stage(bytes, lock);
-    if (!staged.ok()) return staged.status();
-    auto* table = reinterpret_cast<KvSegment*>(*staged + data_bytes);
+    RETURN_IF_ERROR(Reserve(bytes));
+    ASSIGN_OR_RETURN(unsigned char* const staged, Stage(bytes, lock));
+    auto* table = reinterpret_cast<KvSegment*>(staged + data_bytes);
     size_t at = 0, n = 0;
     int unit = 16;
     for (const WriteRun& r : runs) {
@@ -301,7 +280,7 @@ class CudaKvPagePool : public KvPagePool {
         const int64_t page = r.run.page * page_bytes_ + (kv == 0 ? 0 : VOffset(shape, r.page_rows));
         for (int64_t h = 0; h < shape.heads_kv; ++h) {
           for (int64_t j = 0; j < r.run.count; ++j) {
-            std::memcpy(*staged + at + j * row_bytes,
+            std::memcpy(staged + at + j * row_bytes,
                         src + (h * w.head_stride + (r.run.src_row + j) * w.row_stride) * elem,
                         row_bytes);
           }
@@ -312,7 +291,7 @@ class CudaKvPagePool : public KvPagePool {
         }
       }
     }
-    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(scratch_, *staged, bytes, cudaMemcpyHostToDevice, stream_),
+    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(scratch_, staged, bytes, cudaMemcpyHostToDevice, stream_),
                          "copy kv rows to the device");
     RETURN_IF_CUDA_ERROR(
         LaunchKvScatter(reinterpret_cast<const KvSegment*>(scratch_ + data_bytes),
@@ -338,12 +317,9 @@ class CudaKvPagePool : public KvPagePool {
         staging_bytes_ = 0;
         const size_t size = std::max<size_t>(bytes, kMinStagingBytes);
         void* p = nullptr;
-        if (cudaError_t err = cudaHostAlloc(&p, size, cudaHostAllocDefault); err != cudaSuccess) {
-          cudaGetLastError();  // not sticky
-          return absl::ResourceExhaustedError(
-              absl::StrCat("cuda backend: cannot allocate ", size,
-                           " bytes of pinned host memory for KV staging: ", cudaGetErrorName(err)));
-        }
+        RETURN_IF_CUDA_ERROR(
+            cudaHostAlloc(&p, size, cudaHostAllocDefault),
+            absl::StrCat("cannot allocate ", size, " bytes of pinned host memory for KV staging"));
         staging_ = static_cast<unsigned char*>(p);
         staging_bytes_ = size;
       }
@@ -425,18 +401,14 @@ absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t n
         num_pages, " and ", page_bytes));
   }
   RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
-  int sm_count = 0, major = 0, minor = 0;
-  RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
-                       "cudaDeviceGetAttribute");
-  RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-                       "cudaDeviceGetAttribute");
-  RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
-                       "cudaDeviceGetAttribute");
+  ASSIGN_OR_RETURN(const DeviceCaps caps, GetDeviceCaps(device));
   // The cluster merge is in the kernels' sm_90a code only, which runs on compute capability 9.0
   // alone (other GPUs run the sm_80 code, or JIT its PTX).
-  const PagedPlanOptions plan_options = {.sm_count = sm_count,
-                                         .splits = options.splits,
-                                         .clusters = major == 9 && minor == 0 && options.clusters};
+  constexpr int kClusterCapability = 90;
+  const PagedPlanOptions plan_options = {
+      .sm_count = caps.sm_count,
+      .splits = options.splits,
+      .clusters = caps.compute_capability == kClusterCapability && options.clusters};
   const size_t bytes = static_cast<size_t>(num_pages) * page_bytes;
   void* pages = nullptr;
   if (cudaError_t err = cudaMalloc(&pages, bytes); err != cudaSuccess) {

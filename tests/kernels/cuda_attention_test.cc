@@ -1,15 +1,21 @@
 // The CUDA backend against the float64 reference: the standard grid in every dtype, larger
-// multi-tile cases, and the errors it returns. Tests that need a GPU skip, with a message, on
-// machines without one; the error checks run everywhere.
+// multi-tile cases, and the errors it returns. Every case runs once per forward kernel variant
+// (kForwardVariants), forced, the variant named in the test name. Tests that need a GPU skip, with
+// a message, on machines without one, and a variant skips on a GPU it cannot run on; the error
+// checks run everywhere.
 #include "kernels/cuda/cuda_attention.h"
 
 #include <cuda_runtime_api.h>
 
+#include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/forward_plan.h"
 #include "kernels/cuda/host_runner.h"
 #include "tests/kernels/attention_test_grid.h"
 
@@ -21,38 +27,64 @@ bool HaveGpu() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
-// Copies host inputs to device 0, poisons o and lse there with NaN, runs, copies back.
-cuda::HostRunner& Runner() {
-  static cuda::HostRunner* runner = [] {
-    auto r = cuda::HostRunner::Create({.device = 0, .poison_outputs = true});
-    return r.ok() ? r->release() : nullptr;
-  }();
-  return *runner;
+// A runner on device 0 forcing `variant` (one per variant, kept for the whole test run): copies
+// host inputs to the device, poisons o and lse there with NaN, runs, copies back.
+absl::StatusOr<cuda::HostRunner*> Runner(cuda::ForwardVariant variant) {
+  static auto* const runners =
+      new std::map<cuda::ForwardVariant, std::unique_ptr<cuda::HostRunner>>;
+  std::unique_ptr<cuda::HostRunner>& runner = (*runners)[variant];
+  if (runner == nullptr) {
+    absl::StatusOr<std::unique_ptr<cuda::HostRunner>> made =
+        cuda::HostRunner::Create({.device = 0, .poison_outputs = true, .forward_variant = variant});
+    if (!made.ok()) return made.status();
+    runner = std::move(*made);
+  }
+  return runner.get();
 }
-
-absl::Status DeviceForward(const AttentionParams& host) { return Runner().Run(host).status(); }
 
 #define SKIP_WITHOUT_GPU() \
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"
 
-using Param = std::tuple<AttentionCase, DType>;
+// OK when device 0 can run `variant` on dtype and head_dim (as the runner launches it: padded to
+// a multiple of 8), else why not: FAILED_PRECONDITION when the device lacks what the variant needs
+// (compute capability, shared memory).
+absl::Status DeviceRuns(cuda::ForwardVariant variant, DType dtype, int64_t head_dim) {
+  const absl::StatusOr<cuda::DeviceCaps> caps = cuda::GetDeviceCaps(0);
+  if (!caps.ok()) return caps.status();
+  AttentionParams probe;
+  probe.dtype = dtype;
+  probe.head_dim = (head_dim + 7) / 8 * 8;
+  return cuda::PlanFlashForward(probe, *caps, variant).status();
+}
+
+using Param = std::tuple<AttentionCase, DType, cuda::ForwardVariant>;
 
 std::string ParamName(const testing::TestParamInfo<Param>& info) {
-  return CaseName(std::get<0>(info.param), std::get<1>(info.param));
+  const auto& [c, dtype, variant] = info.param;
+  return absl::StrCat(CaseName(c, dtype), "_", cuda::ForwardVariantName(variant));
 }
 
 class CudaAttentionTest : public testing::TestWithParam<Param> {};
 
 TEST_P(CudaAttentionTest, MatchesReference) {
   SKIP_WITHOUT_GPU();
-  const auto& [c, dtype] = GetParam();
-  CheckCase(c, dtype, DeviceForward, DefaultTolerance(dtype));
+  const auto& [c, dtype, variant] = GetParam();
+  if (const absl::Status runs = DeviceRuns(variant, dtype, c.head_dim); !runs.ok()) {
+    if (runs.code() == absl::StatusCode::kFailedPrecondition) GTEST_SKIP() << runs;
+    FAIL() << runs;
+  }
+  const absl::StatusOr<cuda::HostRunner*> runner = Runner(variant);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  CheckCase(
+      c, dtype, [&](const AttentionParams& host) { return (*runner)->Run(host).status(); },
+      DefaultTolerance(dtype));
 }
 
 INSTANTIATE_TEST_SUITE_P(StandardGrid, CudaAttentionTest,
                          testing::Combine(testing::ValuesIn(StandardGrid()),
                                           testing::Values(DType::kFloat32, DType::kFloat16,
-                                                          DType::kBFloat16)),
+                                                          DType::kBFloat16),
+                                          testing::ValuesIn(cuda::kForwardVariants)),
                          ParamName);
 
 // Many key tiles per CTA (the cp.async pipeline, causal tile skipping, ragged last tiles) in each
@@ -107,7 +139,8 @@ std::vector<AttentionCase> LargeCases() {
 INSTANTIATE_TEST_SUITE_P(Large, CudaAttentionTest,
                          testing::Combine(testing::ValuesIn(LargeCases()),
                                           testing::Values(DType::kFloat32, DType::kFloat16,
-                                                          DType::kBFloat16)),
+                                                          DType::kBFloat16),
+                                          testing::ValuesIn(cuda::kForwardVariants)),
                          ParamName);
 
 // Forward's own checks, before any device work (so they run without a GPU): fake device pointers.

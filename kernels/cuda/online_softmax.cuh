@@ -1,0 +1,70 @@
+// The online softmax that the forward and the paged decode kernels share, on the accumulators of
+// mma.sync m16n8k{16,8} (mma_ops.cuh): a 16-row block of S is float s[kNTiles][4] per lane, lane
+// 4g + t holding keys 8 nt + 2t + i (i = 0, 1) of row g (s[nt][i]) and of row g + 8
+// (s[nt][2 + i]); "half" 0 or 1 picks the row. A row's logits live in the 4 lanes of a quad, so its
+// statistics need two shuffles and no shared memory.
+//
+// Log2 domain with the scale folded in (KernelParams::scale_log2 > 0): the running max is kept on
+// the raw logits, and p = exp2(scale_log2 * s - scale_log2 * max) is one FFMA and one ex2.
+#pragma once
+
+#include <cmath>
+
+namespace attention::cuda {
+
+// 2^x on the special-function unit; 2^-inf = +0, which masked logits rely on.
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Combines x[0..kN) with op as a balanced tree (kN a power of two); x is clobbered.
+template <int kN, typename Op>
+__device__ __forceinline__ float TreeReduce(float (&x)[kN], Op op) {
+  static_assert((kN & (kN - 1)) == 0, "power of two");
+#pragma unroll
+  for (int stride = 1; stride < kN; stride *= 2)
+#pragma unroll
+    for (int i = 0; i + stride < kN; i += 2 * stride) x[i] = op(x[i], x[i + stride]);
+  return x[0];
+}
+
+// The sum of x over the 4 lanes of this lane's quad (one row's lanes), in every one of them.
+__device__ __forceinline__ float QuadSum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+
+// One row's step over a new tile of its logits s[.][2 half + i]: raises row_max (raw logits) to
+// the tile's max, turns the logits into p in place, and adds this lane's share of the tile's sum to
+// row_sum after rescaling it. Returns the rescale of the row's earlier terms, exp2(scale_log2 *
+// (old max - new max)), which the caller applies to its O accumulators. Max and sum are trees over
+// the column tiles (log2(kNTiles) dependent steps, not kNTiles).
+template <int kNTiles>
+__device__ __forceinline__ float OnlineSoftmaxRow(float (&s)[kNTiles][4], int half, float& row_max,
+                                                  float& row_sum, float scale_log2) {
+  float part[kNTiles];
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt) part[nt] = fmaxf(s[nt][half * 2], s[nt][half * 2 + 1]);
+  float mx = fmaxf(row_max, TreeReduce(part, [](float a, float b) { return fmaxf(a, b); }));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  // A row that has seen no key yet keeps max -inf; subtract 0 then so exp2 gives 0, not NaN.
+  const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+  const float rescale = FastExp2(row_max * scale_log2 - m_scaled);
+  row_max = mx;
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      s[nt][half * 2 + i] = FastExp2(fmaf(s[nt][half * 2 + i], scale_log2, -m_scaled));
+    }
+    part[nt] = s[nt][half * 2] + s[nt][half * 2 + 1];
+  }
+  row_sum = fmaf(row_sum, rescale, TreeReduce(part, [](float a, float b) { return a + b; }));
+  return rescale;
+}
+
+}  // namespace attention::cuda

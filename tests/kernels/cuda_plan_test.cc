@@ -1,0 +1,135 @@
+// The CUDA backend's host-side rules, without a GPU: the forward plan (variant names, forcing,
+// what a device's caps rule out; hand-made caps, so no CUDA call), the CUDA status codes, and the
+// specialised head dims.
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/attention_params.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/forward_plan.h"
+#include "kernels/cuda/limits.h"
+
+namespace attention::cuda {
+namespace {
+
+// H200: compute capability 9.0, 132 SMs, 227 KiB of shared memory per block.
+constexpr DeviceCaps kH200 = {
+    .compute_capability = 90, .sm_count = 132, .smem_per_block_optin = 232448};
+// An RTX 3090 (8.6): 99 KiB per block.
+constexpr DeviceCaps kSm86 = {
+    .compute_capability = 86, .sm_count = 82, .smem_per_block_optin = 101376};
+// A T4 (7.5): before mma.sync bfloat16 and cp.async.
+constexpr DeviceCaps kSm75 = {
+    .compute_capability = 75, .sm_count = 40, .smem_per_block_optin = 65536};
+
+AttentionParams Params(DType dtype, int64_t head_dim) {
+  AttentionParams p;
+  p.dtype = dtype;
+  p.head_dim = head_dim;
+  return p;
+}
+
+bool Mentions(const absl::Status& s, const std::string& text) {
+  return s.message().find(text) != absl::string_view::npos;
+}
+
+TEST(ForwardVariantTest, NamesRoundTripAndSuitTestNames) {
+  for (ForwardVariant v : kForwardVariants) {
+    const absl::string_view name = ForwardVariantName(v);
+    EXPECT_FALSE(name.empty());
+    for (char c : name) EXPECT_TRUE((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_');
+    const absl::StatusOr<ForwardVariant> parsed = ParseForwardVariant(name);
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, v);
+  }
+  EXPECT_EQ(ForwardVariantName(ForwardVariant::kMmaSm80), "mma_sm80");
+}
+
+TEST(ForwardVariantTest, UnknownNameIsInvalidArgumentListingTheNames) {
+  const absl::StatusOr<ForwardVariant> parsed = ParseForwardVariant("wgmma_sm70");
+  EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Mentions(parsed.status(), "wgmma_sm70")) << parsed.status();
+  EXPECT_TRUE(Mentions(parsed.status(), "mma_sm80")) << parsed.status();
+}
+
+TEST(PlanFlashForwardTest, PicksTheSpecialisationAndItsSharedMemory) {
+  for (ForwardVariant v : kForwardVariants) {
+    const absl::StatusOr<ForwardPlan> plan =
+        PlanFlashForward(Params(DType::kBFloat16, 96), kH200, v);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->variant, v);
+  }
+  const absl::StatusOr<ForwardPlan> plan = PlanFlashForward(Params(DType::kBFloat16, 96), kH200);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->variant, ForwardVariant::kMmaSm80);
+  EXPECT_EQ(plan->dtype, DType::kBFloat16);
+  EXPECT_EQ(plan->kernel_head_dim, 128);
+  // Q tile of 128 rows + 2 K and 2 V tiles of 64 rows, 128 bfloat16 each.
+  EXPECT_EQ(plan->smem_bytes, (128 + 4 * 64) * 128 * 2);
+}
+
+TEST(PlanFlashForwardTest, DeviceTooOldIsFailedPreconditionNamingTheVariant) {
+  for (std::optional<ForwardVariant> forced :
+       {std::optional<ForwardVariant>(), std::optional(ForwardVariant::kMmaSm80)}) {
+    const absl::StatusOr<ForwardPlan> plan =
+        PlanFlashForward(Params(DType::kFloat16, 64), kSm75, forced);
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(Mentions(plan.status(), "mma_sm80")) << plan.status();
+    EXPECT_TRUE(Mentions(plan.status(), "7.5")) << plan.status();
+  }
+}
+
+TEST(PlanFlashForwardTest, SharedMemoryBeyondTheDevicesIsFailedPrecondition) {
+  // float32 at D = 256 takes 128 KiB per block, more than an sm_86 GPU allows; bfloat16 96 KiB.
+  const absl::StatusOr<ForwardPlan> f32 = PlanFlashForward(Params(DType::kFloat32, 256), kSm86);
+  EXPECT_EQ(f32.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Mentions(f32.status(), "shared memory")) << f32.status();
+  EXPECT_TRUE(Mentions(f32.status(), "mma_sm80")) << f32.status();
+  EXPECT_TRUE(PlanFlashForward(Params(DType::kBFloat16, 256), kSm86).ok());
+  EXPECT_TRUE(PlanFlashForward(Params(DType::kFloat32, 256), kH200).ok());
+}
+
+TEST(PlanFlashForwardTest, HeadDimTheVariantLacksIsInvalidArgument) {
+  for (int64_t head_dim : {12, 264}) {
+    const absl::StatusOr<ForwardPlan> plan =
+        PlanFlashForward(Params(DType::kFloat16, head_dim), kH200, ForwardVariant::kMmaSm80);
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << head_dim;
+    EXPECT_TRUE(Mentions(plan.status(), "mma_sm80")) << plan.status();
+  }
+}
+
+TEST(PlanFlashForwardTest, UnknownForcedVariantIsInvalidArgument) {
+  const absl::StatusOr<ForwardPlan> plan =
+      PlanFlashForward(Params(DType::kFloat16, 64), kH200, static_cast<ForwardVariant>(99));
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Mentions(plan.status(), "unknown forward variant")) << plan.status();
+}
+
+TEST(CudaStatusTest, AllocationFailureIsResourceExhaustedOthersInternal) {
+  const absl::Status oom = CudaError(cudaErrorMemoryAllocation, "cannot allocate 64 bytes");
+  EXPECT_EQ(oom.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Mentions(oom, "cudaErrorMemoryAllocation")) << oom;
+  EXPECT_TRUE(Mentions(oom, "cannot allocate 64 bytes")) << oom;
+  const absl::Status launch = CudaError(cudaErrorLaunchFailure, "forward kernel");
+  EXPECT_EQ(launch.code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(Mentions(launch, "cudaErrorLaunchFailure")) << launch;
+  EXPECT_TRUE(CudaStatus(cudaSuccess, "nothing").ok());
+  EXPECT_EQ(CudaStatus(cudaErrorInvalidValue, "x").code(), absl::StatusCode::kInternal);
+}
+
+TEST(SpecialisedHeadDimsTest, AscendingEndingAtTheLimits) {
+  const std::vector<int> forward = SpecialisedHeadDims();
+  ASSERT_FALSE(forward.empty());
+  EXPECT_TRUE(std::is_sorted(forward.begin(), forward.end()));
+  EXPECT_EQ(forward.back(), kMaxHeadDim);
+  const std::vector<int> paged = PagedSpecialisedHeadDims();
+  ASSERT_FALSE(paged.empty());
+  EXPECT_TRUE(std::is_sorted(paged.begin(), paged.end()));
+  EXPECT_LE(paged.back(), kPagedMaxHeadDim);
+}
+
+}  // namespace
+}  // namespace attention::cuda
