@@ -38,6 +38,7 @@ DeviceDescription DescribeHost() {
   device.description = ProcField("/proc/cpuinfo", "model name", ':');
   if (device.description.empty()) device.description = "unknown CPU";
   device.multiprocessors = static_cast<int>(std::thread::hardware_concurrency());
+  device.fast_head_dims = cpu::SpecialisedHeadDims();
   // "MemTotal:       16318428 kB"
   int64_t kib = 0;
   if (absl::SimpleAtoi(absl::StripSuffix(ProcField("/proc/meminfo", "MemTotal", ':'), " kB"),

@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/host_runner.h"
+#include "kernels/cuda/limits.h"
 #include "kernels/cuda/paged_kv_pool.h"
 #include "server/executors/executor.h"
 
@@ -120,6 +121,7 @@ absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal,
   device.memory_bytes = static_cast<int64_t>(prop.totalGlobalMem);
   device.multiprocessors = prop.multiProcessorCount;
   device.compute_capability = absl::StrCat(prop.major, ".", prop.minor);
+  device.fast_head_dims = cuda::SpecialisedHeadDims();
   absl::StatusOr<std::unique_ptr<cuda::HostRunner>> runner = cuda::HostRunner::Create(
       {.device = ordinal,
        .streams = options.streams,

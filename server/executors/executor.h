@@ -29,6 +29,9 @@ struct DeviceDescription {
   int64_t memory_bytes = 0;
   int multiprocessors = 0;         // SMs, or CPU cores
   std::string compute_capability;  // "9.0"; empty for the CPU
+  // Head dims its kernels specialise (faster than the rest; every head dim up to the limit runs),
+  // from the backend's own dispatch lists. Empty when one code path serves every head dim.
+  std::vector<int> fast_head_dims;
 };
 
 // A device's memory at one moment, for metrics.

@@ -3,6 +3,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -242,7 +243,12 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   for (v1::DType dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
     response->add_dtypes(dtype);
   }
-  for (int d : options_.fast_head_dims) response->add_head_dims(d);
+  // The fast ones, as the devices' kernels specialise them; all of 1..max_head_dim work.
+  std::set<int> fast_head_dims;
+  for (const DeviceDescription* device : scheduler_->devices()) {
+    fast_head_dims.insert(device->fast_head_dims.begin(), device->fast_head_dims.end());
+  }
+  for (int d : fast_head_dims) response->add_head_dims(d);
   v1::ServerLimits* limits = response->mutable_limits();
   limits->set_max_message_bytes(options_.max_message_bytes);
   limits->set_max_queue(options_.max_queue);

@@ -29,8 +29,6 @@ struct ServiceOptions {
   int max_queue = 256;
   int max_batch = 1;
   int max_head_dim = 256;
-  // Head dims ServerInfo lists as fast (the kernels' specialisations); all of 1..max_head_dim work.
-  std::vector<int> fast_head_dims = {64, 128};
   // Requests one AttendStream may have queued, running or waiting to be written; further reads
   // wait, so a fast sender is slowed by gRPC flow control instead of filling the queue.
   int stream_window = 16;

@@ -22,6 +22,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_attention.h"
 #include "kernels/reference/reference_attention.h"
 #include "server/testing/run_gate_for_tests.h"
 
@@ -40,6 +41,7 @@ class CopyExecutor final : public Executor {
       : delay_per_row_(delay_per_row), gate_(/*open=*/!gated) {
     device_.name = "copy";
   }
+  void SetFastHeadDims(std::vector<int> dims) { device_.fast_head_dims = std::move(dims); }
   const DeviceDescription& device() const override { return device_; }
   absl::StatusOr<StageTimes> Run(const AttentionParams& p) override {
     gate_.Pass();
@@ -374,6 +376,19 @@ TEST(AttentionServiceTest, ServerInfoDescribesDevicesAndLimits) {
   EXPECT_EQ(info.limits().max_queue(), 7);
   EXPECT_EQ(info.limits().max_batch(), 1);
   EXPECT_EQ(info.limits().max_head_dim(), 256);
+  // The CPU kernel's own list (one code path for every head dim: none listed as faster).
+  EXPECT_EQ(std::vector<int>(info.head_dims().begin(), info.head_dims().end()),
+            cpu::SpecialisedHeadDims());
+}
+
+TEST(AttentionServiceTest, ServerInfoListsTheHeadDimsTheDevicesSpecialise) {
+  auto executor = std::make_unique<CopyExecutor>(absl::ZeroDuration());
+  executor->SetFastHeadDims({128, 64, 256});
+  TestServer server(std::move(executor), {.workers = 1});
+  grpc::ClientContext context;
+  v1::ServerInfo info;
+  ASSERT_TRUE(server.stub().GetServerInfo(&context, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_THAT(info.head_dims(), ::testing::ElementsAre(64, 128, 256));
 }
 
 }  // namespace

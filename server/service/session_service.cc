@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "kernels/status_macros.h"
 #include "server/requests/request_decoder.h"
 #include "server/service/attention_service.h"
 #include "server/service/security.h"
@@ -141,7 +142,7 @@ void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int 
   job.work = DeviceWork{.run = [run = std::move(run)]() mutable -> absl::StatusOr<StageTimes> {
     // Writing K/V into the device's pool is its host-to-device stage.
     const absl::Time start = absl::Now();
-    if (absl::Status status = std::move(run)(); !status.ok()) return status;
+    RETURN_IF_ERROR(std::move(run)());
     return StageTimes{.h2d_us = absl::ToDoubleMicroseconds(absl::Now() - start)};
   }};
   job.device = device;
@@ -252,8 +253,8 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
     SessionStore::Lease& lease = leases->front();
     SessionStore::Lease* held[] = {&lease};
     const int64_t new_rows[] = {rows.rows};
-    if (absl::Status status = store_->Reserve(held, new_rows); !status.ok()) return status;
-    if (absl::Status status = store_->Append(lease, rows); !status.ok()) return status;
+    RETURN_IF_ERROR(store_->Reserve(held, new_rows));
+    RETURN_IF_ERROR(store_->Append(lease, rows));
     FillInfo(store_->Snapshot(lease), response);
     return absl::OkStatus();
   };
@@ -358,8 +359,8 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
         new_rows.push_back(entry.rows.rows);
         rows.push_back(entry.rows);
       }
-      if (absl::Status status = store_->Reserve(held, new_rows); !status.ok()) return status;
-      if (absl::Status status = store_->Append(held, rows); !status.ok()) return status;
+      RETURN_IF_ERROR(store_->Reserve(held, new_rows));
+      RETURN_IF_ERROR(store_->Append(held, rows));
       for (size_t s = 0; s < group.entries.size(); ++s) {
         const int i = group.entries[s];
         const SessionStore::Lease& lease = (*leases)[s];

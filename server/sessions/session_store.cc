@@ -10,6 +10,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
 #include "server/metrics/metrics.h"
 
 namespace attention::server {
@@ -286,7 +287,7 @@ absl::Status SessionStore::Append(absl::Span<Lease* const> leases, absl::Span<co
   }
   for (size_t d = 0; d < devices_.size(); ++d) {
     if (writes[d].empty()) continue;
-    if (absl::Status status = devices_[d].pool->Write(writes[d]); !status.ok()) return status;
+    RETURN_IF_ERROR(devices_[d].pool->Write(writes[d]));
   }
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < leases.size(); ++i) leases[i]->session_->length += rows[i].rows;

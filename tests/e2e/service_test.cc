@@ -21,6 +21,7 @@
 #include "google/protobuf/descriptor.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_attention.h"
 #include "tests/e2e/e2e_test_util.h"
 #include "tests/e2e/metrics_scrape.h"
 
@@ -52,7 +53,9 @@ TEST_F(ServiceTest, ServerInfoDescribesTheCpuServer) {
     EXPECT_NE(std::find(info->dtypes().begin(), info->dtypes().end(), dtype), info->dtypes().end())
         << v1::DType_Name(dtype);
   }
-  EXPECT_FALSE(info->head_dims().empty());
+  // The fast head dims are the CPU kernel's own specialisations (none: one code path for all).
+  EXPECT_EQ(std::vector<int>(info->head_dims().begin(), info->head_dims().end()),
+            cpu::SpecialisedHeadDims());
   EXPECT_EQ(info->limits().max_message_bytes(), int64_t{64} << 20);
   EXPECT_EQ(info->limits().max_queue(), 77);
   EXPECT_EQ(info->limits().max_batch(), 5);
