@@ -45,6 +45,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "kernels/status_macros.h"
 #include "server/executors/executor.h"
 #include "server/metrics/metrics.h"
 #include "server/options/server_options.h"
@@ -140,10 +141,9 @@ absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
   if (o.fraction == 0 && o.bytes == 0) return devices;
   for (const auto& executor : executors) {
     const DeviceDescription& device = executor->device();
-    absl::StatusOr<int64_t> pages =
-        KvCachePages(o, request_fraction, device.name, device.memory_bytes);
-    if (!pages.ok()) return pages.status();
-    absl::StatusOr<KvPagePool*> pool = executor->InitKvPool(*pages, o.page_bytes);
+    ASSIGN_OR_RETURN(int64_t pages,
+                     KvCachePages(o, request_fraction, device.name, device.memory_bytes));
+    absl::StatusOr<KvPagePool*> pool = executor->InitKvPool(pages, o.page_bytes);
     if (absl::IsUnimplemented(pool.status())) {
       std::fprintf(stderr, "attention_server: no KV sessions: %s\n",
                    pool.status().ToString().c_str());
@@ -186,9 +186,8 @@ absl::StatusOr<std::vector<std::unique_ptr<Executor>>> MakeExecutors(ServerOptio
       return absl::InvalidArgumentError(
           absl::StrCat("--devices: ", ordinal, " is not a visible GPU (0..", gpus - 1, ")"));
     }
-    absl::StatusOr<std::unique_ptr<Executor>> executor = MakeCudaExecutor(ordinal, o->cuda);
-    if (!executor.ok()) return executor.status();
-    executors.push_back(*std::move(executor));
+    ASSIGN_OR_RETURN(std::unique_ptr<Executor> executor, MakeCudaExecutor(ordinal, o->cuda));
+    executors.push_back(std::move(executor));
   }
   // Enough workers to keep every stream of every GPU busy.
   if (o->scheduler.workers == 0) {

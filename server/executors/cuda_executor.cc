@@ -22,6 +22,7 @@
 #include "kernels/cuda/host_runner.h"
 #include "kernels/cuda/limits.h"
 #include "kernels/cuda/paged_kv_pool.h"
+#include "kernels/status_macros.h"
 #include "server/executors/executor.h"
 
 namespace attention::server {
@@ -122,16 +123,16 @@ absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal,
   device.multiprocessors = prop.multiProcessorCount;
   device.compute_capability = absl::StrCat(prop.major, ".", prop.minor);
   device.fast_head_dims = cuda::SpecialisedHeadDims();
-  absl::StatusOr<std::unique_ptr<cuda::HostRunner>> runner = cuda::HostRunner::Create(
-      {.device = ordinal,
-       .streams = options.streams,
-       .memory_budget_bytes =
-           options.memory_budget_bytes > 0
-               ? options.memory_budget_bytes
-               : static_cast<int64_t>(options.memory_fraction *
-                                      static_cast<double>(prop.totalGlobalMem))});
-  if (!runner.ok()) return runner.status();
-  return std::make_unique<CudaExecutor>(ordinal, std::move(device), *std::move(runner));
+  ASSIGN_OR_RETURN(std::unique_ptr<cuda::HostRunner> runner,
+                   cuda::HostRunner::Create(
+                       {.device = ordinal,
+                        .streams = options.streams,
+                        .memory_budget_bytes =
+                            options.memory_budget_bytes > 0
+                                ? options.memory_budget_bytes
+                                : static_cast<int64_t>(options.memory_fraction *
+                                                       static_cast<double>(prop.totalGlobalMem))}));
+  return std::make_unique<CudaExecutor>(ordinal, std::move(device), std::move(runner));
 }
 
 int CudaDeviceCount() {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "kernels/status_macros.h"
 
 namespace attention::server {
 namespace {
@@ -112,8 +113,7 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
       return absl::InvalidArgumentError(absl::StrCat(name, ": expected a tensor, got none"));
     }
   }
-  absl::StatusOr<DType> dtype = ToDType(request.q().dtype(), "q.dtype");
-  if (!dtype.ok()) return dtype.status();
+  ASSIGN_OR_RETURN(DType dtype, ToDType(request.q().dtype(), "q.dtype"));
   for (const auto& [name, t] :
        {std::pair<const char*, const Tensor*>{"k", &request.k()}, {"v", &request.v()}}) {
     if (t->dtype() != request.q().dtype()) {
@@ -139,14 +139,13 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   const absl::string_view rank_meaning =
       varlen ? "[total, H, D] with cu_seqlens"
              : (bshd ? "[B, N, H, D] for LAYOUT_BSHD" : "[B, H, N, D] for LAYOUT_BHSD");
-  const size_t element_bytes = DTypeSize(*dtype);
+  const size_t element_bytes = DTypeSize(dtype);
   int64_t request_bytes = 0;
   for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q", &request.q()},
                                 {"k", &request.k()},
                                 {"v", &request.v()}}) {
-    absl::StatusOr<int64_t> bytes = CheckTensor(name, *t, rank, rank_meaning, element_bytes);
-    if (!bytes.ok()) return bytes.status();
-    request_bytes += *bytes;  // each fits in memory, so the sum cannot overflow
+    ASSIGN_OR_RETURN(int64_t bytes, CheckTensor(name, *t, rank, rank_meaning, element_bytes));
+    request_bytes += bytes;  // each fits in memory, so the sum cannot overflow
   }
   if (request_bytes > options.max_message_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("request tensors are ", request_bytes,
@@ -188,17 +187,16 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                                                    options.max_head_dim, ", got ", head_dim));
   }
 
-  absl::StatusOr<MaskParams> mask = DecodeMask(request, head_dim);
-  if (!mask.ok()) return mask.status();
+  ASSIGN_OR_RETURN(MaskParams mask, DecodeMask(request, head_dim));
 
   AttentionParams p;
-  p.dtype = *dtype;
+  p.dtype = dtype;
   p.heads_q = heads_q;
   p.heads_kv = heads_kv;
   p.head_dim = head_dim;
-  p.softmax_scale = mask->softmax_scale;
-  p.window_left = mask->window_left;
-  p.window_right = mask->window_right;
+  p.softmax_scale = mask.softmax_scale;
+  p.window_left = mask.window_left;
+  p.window_right = mask.window_right;
 
   DecodedRequest decoded;
   int64_t visible_pairs = 0;

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
 #include "server/requests/request_decoder.h"
 
 namespace attention::server {
@@ -43,9 +44,9 @@ absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* 
                                                      " (the session's), got ",
                                                      DTypeString(t->dtype())));
     }
-    absl::StatusOr<int64_t> bytes = CheckTensor(
-        field, *t, 3, bshd ? "[n, Hkv, D] for LAYOUT_BSHD" : "[Hkv, n, D]", DTypeSize(shape.dtype));
-    if (!bytes.ok()) return bytes.status();
+    RETURN_IF_ERROR(CheckTensor(field, *t, 3, bshd ? "[n, Hkv, D] for LAYOUT_BSHD" : "[Hkv, n, D]",
+                                DTypeSize(shape.dtype))
+                        .status());
     if (t->shape(head_axis) != shape.heads_kv) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ".shape[", head_axis, "] (kv heads): expected ", shape.heads_kv,
@@ -72,8 +73,7 @@ absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* 
 
 absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& request,
                                            const SessionLimits& limits) {
-  absl::StatusOr<DType> dtype = ToDType(request.dtype(), "dtype");
-  if (!dtype.ok()) return dtype.status();
+  ASSIGN_OR_RETURN(DType dtype, ToDType(request.dtype(), "dtype"));
   if (request.kv_heads() < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("kv_heads: expected >= 1, got ", request.kv_heads()));
@@ -84,12 +84,10 @@ absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& reque
   }
   DecodedCreate decoded;
   decoded.shape =
-      KvShape{.dtype = *dtype, .heads_kv = request.kv_heads(), .head_dim = request.head_dim()};
-  absl::StatusOr<KvRows> rows =
-      DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
-                   request.has_v() ? &request.v() : nullptr, request.layout(), decoded.shape);
-  if (!rows.ok()) return rows.status();
-  decoded.rows = *rows;
+      KvShape{.dtype = dtype, .heads_kv = request.kv_heads(), .head_dim = request.head_dim()};
+  ASSIGN_OR_RETURN(decoded.rows, DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
+                                              request.has_v() ? &request.v() : nullptr,
+                                              request.layout(), decoded.shape));
   return decoded;
 }
 
@@ -131,8 +129,7 @@ absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& ent
                                                    " (the session's), got ",
                                                    DTypeString(q.dtype())));
   }
-  absl::StatusOr<int64_t> bytes = CheckTensor(q_field, q, 3, "[Hq, Nq, D]", DTypeSize(shape.dtype));
-  if (!bytes.ok()) return bytes.status();
+  RETURN_IF_ERROR(CheckTensor(q_field, q, 3, "[Hq, Nq, D]", DTypeSize(shape.dtype)).status());
   if (q.shape(2) != shape.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat(q_field, ".shape[2] (head dim): expected ",
                                                    shape.head_dim, " (the session's), got ",
@@ -143,15 +140,14 @@ absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& ent
         absl::StrCat(q_field, ".shape[0] (query heads): expected a multiple of the session's ",
                      shape.heads_kv, " kv heads, got ", q.shape(0)));
   }
-  absl::StatusOr<KvRows> rows =
-      DecodeKvRows(prefix, entry.has_k() ? &entry.k() : nullptr,
-                   entry.has_v() ? &entry.v() : nullptr, v1::LAYOUT_BHSD, shape);
-  if (!rows.ok()) return rows.status();
+  ASSIGN_OR_RETURN(KvRows rows,
+                   DecodeKvRows(prefix, entry.has_k() ? &entry.k() : nullptr,
+                                entry.has_v() ? &entry.v() : nullptr, v1::LAYOUT_BHSD, shape));
   DecodedEntry decoded;
   decoded.q = q.data().data();
   decoded.heads_q = q.shape(0);
   decoded.rows_q = q.shape(1);
-  decoded.rows = *rows;
+  decoded.rows = rows;
   return decoded;
 }
 

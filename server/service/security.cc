@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/security/server_credentials.h"
+#include "kernels/status_macros.h"
 
 namespace attention::server {
 namespace {
@@ -45,18 +46,14 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     }
     return grpc::InsecureServerCredentials();
   }
-  absl::StatusOr<std::string> cert = ReadFile("--tls_cert", options.tls_cert);
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadFile("--tls_key", options.tls_key);
-  if (!key.ok()) return key.status();
+  ASSIGN_OR_RETURN(std::string cert, ReadFile("--tls_cert", options.tls_cert));
+  ASSIGN_OR_RETURN(std::string key, ReadFile("--tls_key", options.tls_key));
 
   grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  ssl.pem_key_cert_pairs.push_back(
-      {.private_key = *std::move(key), .cert_chain = *std::move(cert)});
+  ssl.pem_key_cert_pairs.push_back({.private_key = std::move(key), .cert_chain = std::move(cert)});
   if (!options.tls_client_ca.empty()) {
-    absl::StatusOr<std::string> ca = ReadFile("--tls_client_ca", options.tls_client_ca);
-    if (!ca.ok()) return ca.status();
-    ssl.pem_root_certs = *std::move(ca);
+    ASSIGN_OR_RETURN(std::string ca, ReadFile("--tls_client_ca", options.tls_client_ca));
+    ssl.pem_root_certs = std::move(ca);
     // Mutual TLS: a handshake without a client certificate signed by the CA fails.
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
@@ -64,9 +61,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 }
 
 absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
-  absl::StatusOr<std::string> contents = ReadFile("--auth_token_file", path);
-  if (!contents.ok()) return contents.status();
-  const std::string token(absl::StripAsciiWhitespace(*contents));
+  ASSIGN_OR_RETURN(std::string contents, ReadFile("--auth_token_file", path));
+  const std::string token(absl::StripAsciiWhitespace(contents));
   if (token.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("--auth_token_file: ", path, " holds no token"));
   }

@@ -139,8 +139,7 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
     return absl::InvalidArgumentError(
         absl::StrCat("device: expected 0..", devices_.size() - 1, ", got ", device));
   }
-  absl::StatusOr<std::string> id = NewSessionId();
-  if (!id.ok()) return id.status();
+  ASSIGN_OR_RETURN(std::string id, NewSessionId());
   const int64_t pages = PagesFor(initial_rows, page_rows);
 
   auto session = std::make_shared<Session>();
@@ -159,11 +158,10 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
                      "; drop idle sessions or wait for them to expire"));
   }
   // 128 random bits do not collide in practice; the check costs nothing.
-  while (sessions_.contains(*id)) {
-    id = NewSessionId();
-    if (!id.ok()) return id.status();
+  while (sessions_.contains(id)) {
+    ASSIGN_OR_RETURN(id, NewSessionId());
   }
-  session->id = *std::move(id);
+  session->id = std::move(id);
   session->owner = std::string(owner);
   session->shape = shape;
   session->device = device;
