@@ -71,6 +71,10 @@ absl::Status CheckParams(const AttentionParams& p) {
   return absl::OkStatus();
 }
 
+absl::Status StoppedError() {
+  return absl::CancelledError("stopped while running: nobody waits for the result any more");
+}
+
 int64_t VisibleKeyPairs(int64_t nq, int64_t nk, int64_t window_left, int64_t window_right) {
   int64_t pairs = 0;
   for (int64_t i = 0; i < nq; ++i) {

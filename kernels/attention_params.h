@@ -7,6 +7,7 @@
 // choices of strides (SetContiguousStrides); varlen packs [total, H, D] and uses cu_seqlens_*.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -59,6 +60,11 @@ struct AttentionParams {
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
 
+  // Set by the caller once nobody waits for the result (the call was cancelled, its deadline
+  // passed, or the server gave up on it while shutting down). A backend checks it between tiles
+  // and then returns CANCELLED with o and lse undefined. nullptr: never stopped.
+  const std::atomic<bool>* stop = nullptr;
+
   // Varlen: batch + 1 monotonic offsets into packed rows; nullptr when not varlen. Host memory for
   // the CPU backend, device memory for the CUDA backend.
   const int32_t* cu_seqlens_q = nullptr;
@@ -78,6 +84,12 @@ struct AttentionParams {
 // Checks the fields a backend relies on (non-null pointers, positive shapes, Hq % Hkv == 0).
 // Requests are validated with clearer messages in the server; this guards direct callers.
 absl::Status CheckParams(const AttentionParams& p);
+
+// What a backend answers when `stop` ended its run.
+absl::Status StoppedError();
+inline bool StopRequested(const std::atomic<bool>* stop) {
+  return stop != nullptr && stop->load(std::memory_order_relaxed);
+}
 
 // (query row, key) pairs of one sequence with nq queries and nk keys under the bottom-right
 // aligned window: row i sees keys max(0, i+nk-nq-left) .. min(nk-1, i+nk-nq+right). FLOPs of the

@@ -72,6 +72,9 @@ struct PagedDecodeParams {
   float softmax_scale = 1.0f;
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
+
+  // As AttentionParams::stop: checked between tiles; CANCELLED once set.
+  const std::atomic<bool>* stop = nullptr;
 };
 
 // Step times, microseconds (copies are 0 on the CPU).

@@ -30,6 +30,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -102,6 +103,9 @@ ABSL_FLAG(int64_t, kv_cache_bytes, 0,
 ABSL_FLAG(int64_t, kv_page_bytes, 524288,
           "Bytes per KV page (a multiple of 256); a page holds rows of one session.");
 ABSL_FLAG(int, session_ttl_s, 600, "Seconds after which an idle session expires.");
+ABSL_FLAG(double, max_request_flops, 0,
+          "Work one request may ask for, FLOPs (4 * Hq * D * visible query-key pairs); more is "
+          "refused RESOURCE_EXHAUSTED. 0 = the backend's default (cuda 2e15, cpu 5e13).");
 
 namespace attention::server {
 namespace {
@@ -196,6 +200,16 @@ absl::StatusOr<std::vector<std::unique_ptr<Executor>>> MakeExecutors(ServerOptio
   return executors;
 }
 
+// The shutdown's steps (Run): how long aborted work gets to answer after the grace, the linger
+// for answers in transit, the quiet that ends the holding of refusals and its longest wait, the
+// time gRPC's GOAWAY gets before the held refusals go out, and gRPC's own close.
+constexpr absl::Duration kAbortWait = absl::Seconds(2);
+constexpr absl::Duration kLinger = absl::Seconds(1);
+constexpr absl::Duration kQuiet = absl::Milliseconds(50);
+constexpr absl::Duration kMaxHold = absl::Seconds(1);
+constexpr absl::Duration kGoawayLead = absl::Milliseconds(50);
+constexpr absl::Duration kClose = absl::Milliseconds(500);
+
 int Run(ServerConfig options, const sigset_t& stop_signals) {
   absl::StatusOr<std::vector<std::unique_ptr<Executor>>> executors = MakeExecutors(&options);
   if (!executors.ok()) {
@@ -203,6 +217,9 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
     return 1;
   }
   options.service.backend = options.backend;
+  options.service.max_request_flops = options.max_request_flops > 0
+                                          ? options.max_request_flops
+                                          : DefaultMaxRequestFlops(options.backend);
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       MakeServerCredentials(options.security);
   if (!credentials.ok()) {
@@ -263,6 +280,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
       SessionServiceOptions{
           .max_message_bytes = options.service.max_message_bytes,
           .max_head_dim = options.service.max_head_dim,
+          .max_request_flops = options.service.max_request_flops,
           .auth_token = options.service.auth_token,
           .sweep_interval = std::min(absl::Seconds(1), absl::Seconds(options.kv_cache.ttl_s) / 4)},
       session_store.get(), &scheduler, &metrics, &drain);
@@ -326,17 +344,30 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // UNAVAILABLE by the service. (gRPC's own Shutdown cancels calls that arrive after it began, so
   // a client would read CANCELLED, and it waits for idle connections until its deadline.)
   const absl::Time grace_end = absl::Now() + absl::Seconds(options.shutdown_grace_s);
-  const bool drained = drain.AwaitDrained(grace_end);
+  bool drained = drain.AwaitDrained(grace_end);
+  if (!drained) {
+    // The grace is over: what still runs is stopped (the CPU kernels at their next tile; a GPU
+    // launch, bounded by --max_request_flops, runs out) and answered UNAVAILABLE, as is what waits.
+    std::fprintf(stderr, "attention_server: grace period over, stopping the work left\n");
+    scheduler.Abort(absl::UnavailableError(
+        absl::StrCat("server is shutting down: its grace period of ", options.shutdown_grace_s,
+                     " s ended before this call was answered")));
+    drained = drain.AwaitDrained(absl::Now() + kAbortWait);
+  }
   // Then a linger, still refusing: the answers in transit go out, and a client whose call was
   // among the last answered, and which sends its next one at once, is refused by the service
   // rather than cancelled by gRPC's shutdown.
-  constexpr absl::Duration kLinger = absl::Seconds(1);
   if (drained) absl::SleepFor(std::min(kLinger, grace_end - absl::Now()));
-  // Then gRPC: at the deadline it cancels what is left (open streams, calls still running after
-  // the grace, whose queued work the scheduler then drops) and closes connections, idle or not.
-  constexpr absl::Duration kClose = absl::Milliseconds(500);
-  server->Shutdown(
-      absl::ToChronoTime(drained ? std::min(grace_end, absl::Now() + kClose) : absl::Now()));
+  // Then the refusals are held until calls stop arriving (each client waits for its answer), so
+  // none is half-received when gRPC shuts down; gRPC sends its GOAWAY, and only then are the held
+  // calls answered UNAVAILABLE: their clients' next calls find the server gone, not cancelled.
+  drain.HoldUntilQuiet(kQuiet, kMaxHold);
+  // gRPC: at the deadline it cancels what is left (open streams, calls still running after the
+  // grace, whose queued work the scheduler then drops) and closes connections, idle or not.
+  std::thread closer([&server] { server->Shutdown(absl::ToChronoTime(absl::Now() + kClose)); });
+  absl::SleepFor(kGoawayLead);
+  drain.ReleaseHeld();
+  closer.join();
   scheduler.Shutdown();
   std::fprintf(stderr, "attention_server: stopped\n");
   return 0;
@@ -391,6 +422,7 @@ int main(int argc, char** argv) {
   options.kv_cache.bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   options.kv_cache.page_bytes = absl::GetFlag(FLAGS_kv_page_bytes);
   options.kv_cache.ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
+  options.max_request_flops = absl::GetFlag(FLAGS_max_request_flops);
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.service.version = ATTENTION_VERSION;
   options.service.max_message_bytes = int64_t{max_message_mb} << 20;

@@ -552,7 +552,11 @@ struct CpuBackend::Impl {
     scratch.Prepare(p.head_dim, RoundUp(p.head_dim, kNr));
     const size_t tasks = job.task_ends.size();
     for (size_t t; (t = job.next.fetch_add(1)) < tasks;) {
-      for (size_t i = t == 0 ? 0 : job.task_ends[t - 1]; i < job.task_ends[t]; ++i) {
+      // A stopped run still claims and counts its tasks, so Forward's wait ends; it computes
+      // nothing more. The check between items (one query tile of one head over its keys) bounds
+      // how long a stop waits.
+      for (size_t i = t == 0 ? 0 : job.task_ends[t - 1];
+           i < job.task_ends[t] && !StopRequested(p.stop); ++i) {
         ComputeBlock(p, job.items[i], scratch);
       }
       if (job.done.fetch_add(1) + 1 == tasks) {
@@ -654,6 +658,7 @@ absl::Status CpuBackend::Forward(const AttentionParams& p) {
     std::unique_lock<std::mutex> lock(job->mu);
     job->all_done.wait(lock, [&] { return job->done.load() == job->task_ends.size(); });
   }
+  if (StopRequested(p.stop)) return StoppedError();
   return absl::OkStatus();
 }
 

@@ -323,8 +323,10 @@ class CpuKvPagePool : public KvPagePool {
     }
     workers_.ParallelFor(base * splits, [&job](int64_t item) {
       thread_local Scratch scratch;
-      DecodeItem(job, item, scratch);
+      // Once stopped, the remaining items (one sequence, kv head and split each) are skipped.
+      if (!StopRequested(job.p->stop)) DecodeItem(job, item, scratch);
     });
+    if (StopRequested(p.stop)) return StoppedError();
     if (splits > 1) {
       const int64_t first = p.heads_q * p.cu_seqlens_q[0];
       const int64_t chunk = 64;

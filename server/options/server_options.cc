@@ -1,5 +1,6 @@
 #include "server/options/server_options.h"
 
+#include <cmath>
 #include <limits>
 #include <utility>
 
@@ -29,6 +30,11 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
     return absl::InvalidArgumentError(
         "--threads, --workers, --max_queue_delay_us, --shutdown_grace_s, --port and "
         "--metrics_port must be >= 0");
+  }
+  if (!(o.max_request_flops >= 0 && std::isfinite(o.max_request_flops))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_request_flops: expected a finite value >= 0 (0 = the backend's default), got ",
+        o.max_request_flops));
   }
   // gRPC takes milliseconds as an int.
   constexpr int kMaxAgeSeconds = std::numeric_limits<int>::max() / 1000;
@@ -96,6 +102,12 @@ absl::StatusOr<int64_t> KvCachePages(const KvCacheOptions& o, double request_fra
                      "; expected 1 to 2^31-1 (or 0 for no sessions)"));
   }
   return pages;
+}
+
+double DefaultMaxRequestFlops(const std::string& backend) {
+  constexpr double kCudaFlops = 2e15;
+  constexpr double kCpuFlops = 5e13;
+  return backend == "cuda" ? kCudaFlops : kCpuFlops;
 }
 
 }  // namespace attention::server

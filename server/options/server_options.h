@@ -37,7 +37,16 @@ struct ServerOptions {
   std::string port_file;
   SchedulerOptions scheduler;
   KvCacheOptions kv_cache;
+  // Work one request may ask for (--max_request_flops); 0: the backend's default
+  // (DefaultMaxRequestFlops).
+  double max_request_flops = 0;
 };
+
+// The per-request work limit when --max_request_flops is 0, for a resolved backend ("cpu" or
+// "cuda"): what the device computes in a few seconds, so that no single call holds it for long
+// (CUDA: 2e15, about 6 s of the H200's forward kernel at 330 TFLOP/s; CPU: 5e13, a few minutes
+// on a few cores, which a deadline or cancellation can still stop between tiles).
+double DefaultMaxRequestFlops(const std::string& backend);
 
 // The checks of everything but the KV cache (CheckKvCacheOptions). `max_message_mb` is the flag
 // as given (the service takes it in bytes).

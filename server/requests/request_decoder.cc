@@ -236,6 +236,13 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   }
   decoded.flops = 4.0 * static_cast<double>(heads_q) * static_cast<double>(head_dim) *
                   static_cast<double>(visible_pairs);
+  if (options.max_request_flops > 0 && decoded.flops > options.max_request_flops) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request needs ", absl::SixDigits(decoded.flops),
+                     " FLOPs (4 * Hq * D * visible pairs), over the limit of ",
+                     absl::SixDigits(options.max_request_flops),
+                     " per request (--max_request_flops); split it over several calls"));
+  }
 
   // The response: o like q, lse float32 [B, Hq, Nq] (varlen [Hq, total_q]).
   const int64_t o_bytes = static_cast<int64_t>(q.data().size());

@@ -25,6 +25,8 @@ struct DecodeOptions {
   int64_t max_message_bytes = int64_t{1} << 30;
   // Head dims 1..max_head_dim are served.
   int max_head_dim = 256;
+  // Work one request may ask for, in FLOPs (DecodedRequest::flops); 0 = no limit.
+  double max_request_flops = 0;
 };
 
 // A validated request, ready for an executor.

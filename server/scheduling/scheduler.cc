@@ -19,6 +19,7 @@ Scheduler::Scheduler(std::vector<std::unique_ptr<Executor>> executors,
     : options_(options), on_queue_depth_(std::move(on_queue_depth)) {
   for (auto& executor : executors) slots_.push_back(Slot{std::move(executor)});
   for (int i = 0; i < options_.workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  watchdog_ = std::thread([this] { WatchdogLoop(); });
 }
 
 Scheduler::~Scheduler() { Shutdown(); }
@@ -31,6 +32,7 @@ void Scheduler::Submit(Job job) {
 
 absl::Status Scheduler::RefusalLocked(const Job& job, int more) const {
   const bool pinned = !std::holds_alternative<AttentionParams>(job.work);
+  if (!aborted_.ok()) return aborted_;
   if (stopping_) return absl::UnavailableError("server is shutting down");
   if (job.device >= static_cast<int>(slots_.size()) || job.device < -1 ||
       (pinned && job.device < 0)) {
@@ -81,6 +83,29 @@ void Scheduler::Shutdown() {
   arrivals_.notify_all();
   for (std::thread& worker : workers_) {
     if (worker.joinable()) worker.join();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    watchdog_stop_ = true;
+  }
+  watch_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
+void Scheduler::Abort(absl::Status why) {
+  std::deque<Queued> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = why;
+    dropped.swap(queue_);
+    if (on_queue_depth_) on_queue_depth_(0);
+    for (Running* running : running_) running->stop = true;
+  }
+  work_or_stopping_.notify_all();
+  arrivals_.notify_all();
+  const absl::Time now = absl::Now();
+  for (Queued& queued : dropped) {
+    std::move(queued.first.done)(JobResult{.status = why, .queued = now - queued.second});
   }
 }
 
@@ -178,6 +203,17 @@ absl::Status DropReason(const Job& job, absl::Time now, absl::Duration queued) {
   return absl::OkStatus();
 }
 
+// The same for a job that was running (its batch was stopped).
+absl::Status StopReason(const Job& job, absl::Time now) {
+  if (now >= job.deadline) {
+    return absl::DeadlineExceededError("deadline passed while running; the run was stopped");
+  }
+  if (job.cancelled && job.cancelled()) {
+    return absl::CancelledError("cancelled by the client while running; the run was stopped");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 bool Scheduler::RunnableLocked(const Job& job) const {
@@ -267,14 +303,19 @@ void Scheduler::CheckHealth(Slot* slot) {
 }
 
 std::vector<absl::StatusOr<StageTimes>> Scheduler::RunForward(Executor& executor,
-                                                              std::vector<Queued>& batch) {
+                                                              std::vector<Queued>& batch,
+                                                              const std::atomic<bool>* stop) {
   std::vector<AttentionParams> params;
-  for (const Queued& queued : batch) params.push_back(std::get<AttentionParams>(queued.first.work));
+  for (const Queued& queued : batch) {
+    params.push_back(std::get<AttentionParams>(queued.first.work));
+    params.back().stop = stop;
+  }
   return executor.RunBatch(params);
 }
 
 std::vector<absl::StatusOr<StageTimes>> Scheduler::RunDecode(Executor& executor,
-                                                             std::vector<Queued>& batch) {
+                                                             std::vector<Queued>& batch,
+                                                             const std::atomic<bool>* stop) {
   std::vector<absl::StatusOr<StageTimes>> results(batch.size());
   std::vector<DecodeSequence> seqs;
   std::vector<size_t> prepared;  // jobs whose sequences are in `seqs`
@@ -290,7 +331,9 @@ std::vector<absl::StatusOr<StageTimes>> Scheduler::RunDecode(Executor& executor,
   }
   if (prepared.empty()) return results;
   const DecodePlan plan(std::get<DecodeWork>(batch.front().first.work).key, std::move(seqs));
-  absl::StatusOr<StageTimes> times = executor.RunDecode(plan.params());
+  PagedDecodeParams params = plan.params();
+  params.stop = stop;
+  absl::StatusOr<StageTimes> times = executor.RunDecode(params);
   if (times.ok()) plan.Unpack();
   for (size_t i : prepared) results[i] = times;
   return results;
@@ -300,35 +343,51 @@ void Scheduler::RunBatch(std::vector<Queued> batch) {
   const Job& lead = batch.front().first;
   Slot* slot = nullptr;
   absl::Status no_device;
+  Running running{.batch = &batch};
   {
     std::lock_guard<std::mutex> lock(mu_);
     slot = AcquireSlot(lead.device);
     if (slot == nullptr) {
       no_device = lead.device >= 0 ? LostError(slots_[lead.device]) : NoDeviceError();
+    } else {
+      running.stop = !aborted_.ok();
+      running_.push_back(&running);
     }
   }
+  watch_.notify_one();
   const absl::Time start = absl::Now();
   std::vector<absl::StatusOr<StageTimes>> stages;
   if (slot != nullptr) {
     Executor& executor = *slot->executor;
     if (std::holds_alternative<AttentionParams>(lead.work)) {
-      stages = RunForward(executor, batch);
+      stages = RunForward(executor, batch, &running.stop);
     } else if (std::holds_alternative<DecodeWork>(lead.work)) {
-      stages = RunDecode(executor, batch);
+      stages = RunDecode(executor, batch, &running.stop);
     } else {
       stages.push_back(std::move(std::get<DeviceWork>(batch.front().first.work).run)());
     }
+    absl::Status aborted;
     {
       std::lock_guard<std::mutex> lock(mu_);
       Release(slot);
-    }
-    if (std::any_of(stages.begin(), stages.end(), [](const auto& s) { return !s.ok(); })) {
-      CheckHealth(slot);
+      running_.erase(std::find(running_.begin(), running_.end(), &running));
+      aborted = aborted_;
     }
     if (stages.size() != batch.size()) {
       stages.assign(batch.size(),
                     absl::InternalError(absl::StrCat("executor answered ", stages.size(),
                                                      " results for a batch of ", batch.size())));
+    }
+    if (running.stop) {
+      // Stopped, not failed: each job that did not finish is told why nobody waited for it.
+      const absl::Time now = absl::Now();
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (stages[i].ok()) continue;
+        absl::Status why = aborted.ok() ? StopReason(batch[i].first, now) : aborted;
+        if (!why.ok()) stages[i] = std::move(why);
+      }
+    } else if (std::any_of(stages.begin(), stages.end(), [](const auto& s) { return !s.ok(); })) {
+      CheckHealth(slot);
     }
   }
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -357,6 +416,26 @@ void Scheduler::RunBatch(std::vector<Queued> batch) {
     }
   }
   work_or_stopping_.notify_all();
+}
+
+void Scheduler::WatchdogLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!watchdog_stop_) {
+    if (running_.empty()) {
+      watch_.wait(lock, [this] { return watchdog_stop_ || !running_.empty(); });
+      continue;
+    }
+    watch_.wait_for(lock, absl::ToChronoNanoseconds(kStopPoll));
+    const absl::Time now = absl::Now();
+    for (Running* running : running_) {
+      if (running->stop) continue;
+      // A batch stops only when none of its jobs has a caller left: the others still want it.
+      const bool nobody_waits =
+          std::all_of(running->batch->begin(), running->batch->end(),
+                      [now](const Queued& queued) { return !StopReason(queued.first, now).ok(); });
+      if (nobody_waits) running->stop = true;
+    }
+  }
 }
 
 void Scheduler::WorkerLoop() {

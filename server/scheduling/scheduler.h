@@ -11,6 +11,12 @@
 // running job holds waits in the queue (later jobs on other sessions pass it), so no worker ever
 // waits for a session.
 //
+// Running work stops too: a watchdog checks the running batches every kStopPoll and sets a
+// batch's stop flag (AttentionParams::stop, PagedDecodeParams::stop) once none of its jobs has a
+// caller left; the CPU kernels stop at their next tile, so the worker is free within about
+// kStopPoll plus one tile. Abort (the end of a drain's grace) answers every queued job and stops
+// every running one.
+//
 // Dynamic batching (max_batch > 1): a worker that takes the oldest runnable job also takes the
 // queued jobs that can share its launch, forward passes by Executor::CanShareLaunch, decode steps
 // on the same executor with equal DecodeKeys and no common session; it waits up to
@@ -19,6 +25,7 @@
 // during the wait join its batch rather than starting batches of one on idle workers.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -125,6 +132,13 @@ class Scheduler {
 
   // Refuses new jobs, lets the workers finish every queued and running one, and joins them.
   void Shutdown();
+  // Gives up on all work: from now on queued jobs and new ones are answered `why`, and running
+  // batches are stopped (their jobs answered `why` unless they had finished). Call before Shutdown
+  // when waiting longer is not wanted (a drain's grace ended).
+  void Abort(absl::Status why);
+
+  // How often the watchdog looks for running batches whose callers have all gone.
+  static constexpr absl::Duration kStopPoll = absl::Milliseconds(10);
 
   // One entry per executor, in the order given.
   std::vector<const DeviceDescription*> devices() const;
@@ -149,7 +163,14 @@ class Scheduler {
 
   using Queued = std::pair<Job, absl::Time>;  // job, enqueue time
 
+  // A batch on a device, watched by the watchdog.
+  struct Running {
+    const std::vector<Queued>* batch = nullptr;
+    std::atomic<bool> stop{false};
+  };
+
   void WorkerLoop();
+  void WatchdogLoop();
   // Whether a queued job may start now: none of its sessions is held by a running job. Needs mu_.
   bool RunnableLocked(const Job& job) const;
   bool AnyRunnableLocked() const;
@@ -163,11 +184,14 @@ class Scheduler {
   bool CanJoin(const std::vector<Queued>& batch, const Job& job) const;
   // Runs `batch` on its executor, answers every job and releases its sessions.
   void RunBatch(std::vector<Queued> batch);
-  // The launch of a batch of each kind on `executor`: one result per job, in order.
+  // The launch of a batch of each kind on `executor`, stopped when `stop` is set: one result per
+  // job, in order.
   static std::vector<absl::StatusOr<StageTimes>> RunForward(Executor& executor,
-                                                            std::vector<Queued>& batch);
+                                                            std::vector<Queued>& batch,
+                                                            const std::atomic<bool>* stop);
   static std::vector<absl::StatusOr<StageTimes>> RunDecode(Executor& executor,
-                                                           std::vector<Queued>& batch);
+                                                           std::vector<Queued>& batch,
+                                                           const std::atomic<bool>* stop);
   // After a failed run on `slot`: takes its executor out of rotation if its health check fails.
   void CheckHealth(Slot* slot);
   // The executor `device` names, or when it is -1 the one in service with the fewest jobs
@@ -197,9 +221,14 @@ class Scheduler {
   std::deque<Queued> queue_;  // guarded by mu_
   // Sessions held by running jobs; guarded by mu_.
   std::set<std::string, std::less<>> held_sessions_;
-  bool stopping_ = false;    // guarded by mu_
-  bool collecting_ = false;  // guarded by mu_: a worker is collecting a batch
+  bool stopping_ = false;          // guarded by mu_
+  bool collecting_ = false;        // guarded by mu_: a worker is collecting a batch
+  absl::Status aborted_;           // guarded by mu_: set by Abort
+  std::vector<Running*> running_;  // guarded by mu_
+  std::condition_variable watch_;  // for the watchdog: a batch started, or stopping
+  bool watchdog_stop_ = false;     // guarded by mu_
   std::vector<std::thread> workers_;
+  std::thread watchdog_;
 };
 
 }  // namespace attention::server

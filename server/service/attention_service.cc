@@ -24,7 +24,8 @@ AttentionService::AttentionService(const ServiceOptions& options, Scheduler* sch
                                    Metrics* metrics, DrainGate* drain)
     : options_(options),
       decode_options_{.max_message_bytes = options.max_message_bytes,
-                      .max_head_dim = options.max_head_dim},
+                      .max_head_dim = options.max_head_dim,
+                      .max_request_flops = options.max_request_flops},
       scheduler_(scheduler),
       metrics_(metrics),
       drain_(drain) {}
@@ -51,7 +52,11 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
       !auth.ok()) {
     return finish(std::move(auth));
   }
-  if (!drain_->Enter()) return finish(absl::UnavailableError("server is shutting down"));
+  if (!drain_->Enter()) {
+    return drain_->Refuse([finish = std::move(finish)]() mutable {
+      std::move(finish)(absl::UnavailableError("server is shutting down"));
+    });
+  }
   // From here on the answer also leaves the drain gate.
   auto answer = [this, finish = std::move(finish)](absl::Status status) mutable {
     std::move(finish)(std::move(status));
@@ -254,6 +259,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_max_queue(options_.max_queue);
   limits->set_max_batch(options_.max_batch);
   limits->set_max_head_dim(options_.max_head_dim);
+  limits->set_max_request_flops(options_.max_request_flops);
   metrics_->RequestFinished("GetServerInfo", absl::StatusCode::kOk, absl::Now() - arrival,
                             static_cast<int64_t>(request->ByteSizeLong()),
                             static_cast<int64_t>(response->ByteSizeLong()));

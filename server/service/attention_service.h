@@ -29,6 +29,8 @@ struct ServiceOptions {
   int max_queue = 256;
   int max_batch = 1;
   int max_head_dim = 256;
+  // Work one request may ask for, FLOPs; 0 = no limit (main.cc sets the backend's default).
+  double max_request_flops = 0;
   // Requests one AttendStream may have queued, running or waiting to be written; further reads
   // wait, so a fast sender is slowed by gRPC flow control instead of filling the queue.
   int stream_window = 16;

@@ -1,11 +1,21 @@
 // The server's one drain: every Attention and Sessions call passes this gate when it arrives, and
 // leaves it once answered. On SIGTERM main closes the gate (new calls are answered UNAVAILABLE)
 // and waits until every call that passed has been answered.
+//
+// Before gRPC's own shutdown closes the connections, main holds the refusals for a moment: a
+// client waiting for its answer sends nothing new, so once calls stop arriving no call is left
+// half-received when gRPC shuts down (gRPC 1.51 answers such calls CANCELLED, which clients do not
+// retry). The held refusals are answered UNAVAILABLE once gRPC has sent its GOAWAY.
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
+#include <utility>
+#include <vector>
 
+#include "absl/functional/any_invocable.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 
 namespace attention::server {
@@ -30,6 +40,45 @@ class DrainGate {
     std::lock_guard<std::mutex> lock(mu_);
     draining_ = true;
   }
+
+  // A call Enter turned away: `answer` (its UNAVAILABLE) runs now, or while holding, at
+  // ReleaseHeld.
+  void Refuse(absl::AnyInvocable<void() &&> answer) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last_refusal_ = absl::Now();
+      if (holding_) {
+        held_.push_back(std::move(answer));
+        return;
+      }
+    }
+    std::move(answer)();
+  }
+  // From now on refusals are held; returns once none has arrived for `quiet`, or after `max_wait`.
+  void HoldUntilQuiet(absl::Duration quiet, absl::Duration max_wait) {
+    const absl::Time give_up = absl::Now() + max_wait;
+    std::unique_lock<std::mutex> lock(mu_);
+    holding_ = true;
+    const absl::Time held_since = absl::Now();
+    while (true) {
+      const absl::Time now = absl::Now();
+      const absl::Time quiet_since = std::max(held_since, last_refusal_);
+      if (now - quiet_since >= quiet || now >= give_up) return;
+      lock.unlock();
+      absl::SleepFor(std::min(quiet - (now - quiet_since), give_up - now));
+      lock.lock();
+    }
+  }
+  // Answers the held refusals; later ones are answered at once.
+  void ReleaseHeld() {
+    std::vector<absl::AnyInvocable<void() &&>> held;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      holding_ = false;
+      held.swap(held_);
+    }
+    for (auto& answer : held) std::move(answer)();
+  }
   // After StartDraining: blocks until every call that entered has left or `deadline` passes.
   // True when drained.
   bool AwaitDrained(absl::Time deadline) {
@@ -42,6 +91,9 @@ class DrainGate {
   std::condition_variable drained_;
   bool draining_ = false;
   int inside_ = 0;
+  bool holding_ = false;
+  absl::Time last_refusal_ = absl::InfinitePast();
+  std::vector<absl::AnyInvocable<void() &&>> held_;
 };
 
 }  // namespace attention::server

@@ -112,7 +112,8 @@ grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::Status status = CheckBearerToken(context->client_metadata(), options_.auth_token);
   const bool entered = status.ok() && drain_->Enter();
-  if (status.ok() && !entered) status = absl::UnavailableError("server is shutting down");
+  const bool refused = status.ok() && !entered;
+  if (refused) status = absl::UnavailableError("server is shutting down");
   if (status.ok() && store_ == nullptr) {
     status = absl::UnimplementedError(
         "this server keeps no KV cache: its backend has no paged KV pool, or "
@@ -126,6 +127,12 @@ grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
     reactor->Finish(ToGrpcStatus(status));
     if (entered) drain_->Leave();
   };
+  if (refused) {
+    drain_->Refuse([finish = std::move(finish), status = std::move(status)]() mutable {
+      std::move(finish)(std::move(status));
+    });
+    return reactor;
+  }
   if (!status.ok()) {
     std::move(finish)(std::move(status));
     return reactor;
@@ -349,15 +356,22 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
       std::vector<SessionStore::Lease*> held;
       std::vector<int64_t> new_rows;
       std::vector<KvRows> rows;
+      double flops = 0;
       for (size_t s = 0; s < group.entries.size(); ++s) {
         const DecodedEntry& entry = call->entries[group.entries[s]];
-        if (absl::Status status = CheckQueriesFit(group.entries[s], entry, (*leases)[s].length());
-            !status.ok()) {
-          return status;
-        }
+        const int64_t length = (*leases)[s].length();
+        RETURN_IF_ERROR(CheckQueriesFit(group.entries[s], entry, length));
+        flops +=
+            DecodeFlops(group.key, {.length = length + entry.rows.rows, .rows_q = entry.rows_q});
         held.push_back(&(*leases)[s]);
         new_rows.push_back(entry.rows.rows);
         rows.push_back(entry.rows);
+      }
+      if (options_.max_request_flops > 0 && flops > options_.max_request_flops) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "step needs ", absl::SixDigits(flops), " FLOPs on ", store_->device_name(group.device),
+            ", over the limit of ", absl::SixDigits(options_.max_request_flops),
+            " per request (--max_request_flops); nothing was appended"));
       }
       RETURN_IF_ERROR(store_->Reserve(held, new_rows));
       RETURN_IF_ERROR(store_->Append(held, rows));

@@ -35,6 +35,8 @@ namespace attention::server {
 struct SessionServiceOptions {
   int64_t max_message_bytes = int64_t{1024} << 20;
   int max_head_dim = 256;
+  // Work one Step may ask for on one device, FLOPs; 0 = no limit.
+  double max_request_flops = 0;
   // When set, every call must carry `authorization: Bearer <auth_token>` (see security.h), and
   // sessions belong to the token that created them.
   std::string auth_token;

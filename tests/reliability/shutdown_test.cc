@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <future>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -271,6 +272,83 @@ TEST(ShutdownTest, CallsArrivingDuringTheDrainGetUnavailable) {
   EXPECT_EQ(*code, 0) << server->process->Log();
   std::printf("drain: %d calls refused UNAVAILABLE while one request drained, %d answered after\n",
               refused, after);
+}
+
+// Clients that keep sending through the whole shutdown, past the drain and the closing of the
+// connections, each on its own connection: every call is answered (OK, correct) or refused
+// UNAVAILABLE, which clients retry elsewhere; none is CANCELLED (the client cancelled nothing).
+// One accepted blocker keeps the drain open for about a second, so calls arrive during the drain,
+// at its end and while gRPC closes the connections.
+TEST(ShutdownTest, ClientsSendingThroughTheShutdownGetAnswersOrUnavailable) {
+  constexpr int kClients = 16;
+  constexpr int kGraceSeconds = 30;
+  absl::StatusOr<e2e::RunningServer> server =
+      e2e::StartServer({"--backend=cpu", "--threads=1", "--workers=2",
+                        absl::StrCat("--shutdown_grace_s=", kGraceSeconds)});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint64_t seed = e2e::FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  absl::StatusOr<e2e::Blocker> blocker =
+      e2e::CalibratedBlocker(*server->client, absl::Seconds(1), rng);
+  absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(
+      {.batch = 1, .heads_q = 2, .heads_kv = 1, .seqlen_q = 16, .seqlen_k = 16, .head_dim = 32},
+      rng);
+  ASSERT_TRUE(blocker.ok()) << blocker.status();
+  ASSERT_TRUE(small.ok()) << small.status();
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.push_back(std::make_unique<client::Client>(client::ClientOptions{
+        .target = server->process->target(), .deadline = absl::Seconds(kGraceSeconds)}));
+    ASSERT_TRUE(clients.back()->GetServerInfo().ok());
+  }
+
+  // The blocker runs first (it must be accepted before the signal), then the clients start.
+  std::future<absl::StatusOr<v1::AttendResponse>> blocked =
+      server->client->AttendAsync(blocker->request);
+  ASSERT_TRUE(e2e::WaitUntilRunning(server->process->metrics_port())) << "the blocker never ran";
+  std::atomic<bool> exited{false};
+  std::mutex mu;
+  std::map<absl::StatusCode, int> codes;
+  std::vector<std::string> unexpected;
+  std::vector<std::thread> threads;
+  absl::Cleanup stop_clients = [&] {
+    exited.store(true);
+    for (std::thread& t : threads) t.join();
+  };
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      // Until the process is gone: a refused call is retried at once, as a client would retry
+      // elsewhere (here there is no elsewhere, so it comes back).
+      while (!exited.load()) {
+        absl::StatusOr<v1::AttendResponse> response = clients[c]->Attend(*small);
+        std::lock_guard<std::mutex> lock(mu);
+        ++codes[response.status().code()];
+        if (response.ok()) {
+          e2e::ExpectCorrect(*small, response);
+        } else if (response.status().code() != absl::StatusCode::kUnavailable &&
+                   unexpected.size() < 10) {
+          unexpected.push_back(response.status().ToString());
+        }
+      }
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(100));  // served before the signal
+  ASSERT_TRUE(server->process->Signal(SIGTERM).ok());
+  e2e::ExpectBlockerAnswered(*blocker, blocked.get());
+  absl::StatusOr<int> code = server->process->WaitForExit(absl::Seconds(kGraceSeconds + 10));
+  // A little longer: calls sent as the process went must be answered (or fail) too.
+  absl::SleepFor(absl::Milliseconds(200));
+  std::move(stop_clients).Invoke();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << server->process->Log();
+  EXPECT_GT(codes[absl::StatusCode::kOk], 0);
+  EXPECT_GT(codes[absl::StatusCode::kUnavailable], 0);
+  EXPECT_THAT(unexpected, ::testing::IsEmpty()) << "calls answered neither OK nor UNAVAILABLE";
+  std::string summary;
+  for (const auto& [c, n] : codes)
+    absl::StrAppend(&summary, " ", absl::StatusCodeToString(c), " ", n);
+  std::printf("through the shutdown:%s\n", summary.c_str());
 }
 
 // An idle connection and an idle open stream do not hold the exit: once the accepted requests
