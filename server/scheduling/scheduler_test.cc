@@ -513,5 +513,77 @@ TEST(SchedulerTest, WorkOnALostDeviceIsUnavailable) {
   EXPECT_TRUE(decode.result.status.ok()) << decode.result.status;
 }
 
+// An executor whose runs spin until their stop flag is set (as the CPU kernel checks between
+// tiles), then answer as a backend does.
+class SpinningExecutor final : public Executor {
+ public:
+  SpinningExecutor() { device_.name = "spin"; }
+  const DeviceDescription& device() const override { return device_; }
+  absl::StatusOr<StageTimes> Run(const AttentionParams& params) override {
+    started_.Notify();
+    while (!StopRequested(params.stop)) absl::SleepFor(absl::Milliseconds(1));
+    return StoppedError();
+  }
+  Notification& started() { return started_; }
+
+ private:
+  DeviceDescription device_;
+  Notification started_;
+};
+
+Scheduler MakeSpinningScheduler(SpinningExecutor** executor) {
+  auto owned = std::make_unique<SpinningExecutor>();
+  *executor = owned.get();
+  std::vector<std::unique_ptr<Executor>> executors;
+  executors.push_back(std::move(owned));
+  return Scheduler(std::move(executors), {.workers = 1});
+}
+
+TEST(SchedulerStopTest, ARunningJobWhoseCallerCancelsIsStoppedAndSaysWhy) {
+  SpinningExecutor* executor = nullptr;
+  Scheduler scheduler = MakeSpinningScheduler(&executor);
+  std::atomic<bool> cancelled{false};
+  Outcome outcome;
+  Job job = outcome.MakeJob();
+  job.cancelled = [&cancelled] { return cancelled.load(); };
+  scheduler.Submit(std::move(job));
+  executor->started().WaitForNotification();
+  const absl::Time cancel_time = absl::Now();
+  cancelled = true;
+  outcome.done.WaitForNotification();
+  EXPECT_LT(absl::Now() - cancel_time, Scheduler::kStopPoll + absl::Seconds(1));
+  EXPECT_EQ(outcome.result.status.code(), absl::StatusCode::kCancelled);
+  EXPECT_THAT(outcome.result.status.message(), HasSubstr("while running; the run was stopped"));
+}
+
+TEST(SchedulerStopTest, ARunningJobPastItsDeadlineIsStopped) {
+  SpinningExecutor* executor = nullptr;
+  Scheduler scheduler = MakeSpinningScheduler(&executor);
+  Outcome outcome;
+  Job job = outcome.MakeJob();
+  job.deadline = absl::Now() + absl::Milliseconds(100);
+  scheduler.Submit(std::move(job));
+  outcome.done.WaitForNotification();
+  EXPECT_EQ(outcome.result.status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(outcome.result.status.message(), HasSubstr("deadline passed while running"));
+}
+
+TEST(SchedulerStopTest, AbortStopsWhatRunsAndAnswersWhatWaits) {
+  SpinningExecutor* executor = nullptr;
+  Scheduler scheduler = MakeSpinningScheduler(&executor);
+  Outcome running, queued, later;
+  scheduler.Submit(running.MakeJob());
+  executor->started().WaitForNotification();
+  scheduler.Submit(queued.MakeJob());
+  scheduler.Abort(absl::UnavailableError("grace period over"));
+  for (Outcome* o : {&running, &queued}) {
+    o->done.WaitForNotification();
+    EXPECT_EQ(o->result.status, absl::UnavailableError("grace period over"));
+  }
+  scheduler.Submit(later.MakeJob());
+  ASSERT_TRUE(later.done.HasBeenNotified());
+  EXPECT_EQ(later.result.status, absl::UnavailableError("grace period over"));
+}
+
 }  // namespace
 }  // namespace attention::server

@@ -44,8 +44,8 @@ constexpr client::ProblemSpec kSmall{
 constexpr absl::Duration kStopBound = absl::Seconds(3);
 
 TEST(StopTest, ARequestWhoseDeadlinePassesWhileRunningStopsAndFreesItsWorker) {
-  absl::StatusOr<e2e::RunningServer> server = e2e::StartServer(
-      {"--backend=cpu", "--threads=1", "--workers=1", "--max_request_flops=1e13"});
+  absl::StatusOr<e2e::RunningServer> server =
+      e2e::StartServer({"--backend=cpu", "--threads=1", "--workers=1", "--max_request_flops=1e13"});
   ASSERT_TRUE(server.ok()) << server.status();
   const uint64_t seed = e2e::FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
