@@ -181,8 +181,23 @@ class DockerfileTest(unittest.TestCase):
     def test_builds_in_cuda13_devel_and_runs_in_cuda13_runtime_ubuntu2404(self):
         self.assertGreaterEqual(len(self.docker.stages), 2, "multi-stage build")
         build_image, runtime_image = self.docker.stages[0][0], self.docker.stages[-1][0]
-        self.assertRegex(build_image, r"^nvidia/cuda:13\.\d+(\.\d+)?-devel-ubuntu24\.04$")
-        self.assertRegex(runtime_image, r"^nvidia/cuda:13\.\d+(\.\d+)?-runtime-ubuntu24\.04$")
+        self.assertRegex(build_image,
+                         r"^docker\.io/nvidia/cuda:13\.\d+(\.\d+)?-devel-ubuntu24\.04$")
+        self.assertRegex(runtime_image,
+                         r"^docker\.io/nvidia/cuda:13\.\d+(\.\d+)?-runtime-ubuntu24\.04$")
+
+    def test_from_images_are_fully_qualified(self):
+        # podman (and docker with short-name resolution off) refuse "nvidia/cuda": the first
+        # component must name the registry, a host with a dot or port, or localhost.
+        earlier_stages = set()
+        for image, name in self.docker.stages:
+            if image not in earlier_stages:
+                registry = image.split("/", 1)[0]
+                self.assertTrue("/" in image and ("." in registry or ":" in registry
+                                                  or registry == "localhost"),
+                                f"FROM {image}: name the registry (docker.io/...)")
+            if name:
+                earlier_stages.add(name)
 
     def test_builds_with_the_scripts_ci_runs(self):
         runs = " ".join(self.docker.all("RUN"))
