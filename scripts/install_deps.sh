@@ -29,7 +29,8 @@ else
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   echo "install_deps: installing ${missing[*]}"
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}"
 fi
 
 install_deploy_tools() {

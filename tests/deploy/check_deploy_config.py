@@ -600,6 +600,46 @@ class KustomizeRenderTest(unittest.TestCase):
         self.assertEqual([d for d in documents if api_group(d) != OPERATOR_GROUP], base)
 
 
+def markdown_anchors(text):
+    """The anchors GitHub gives the headings of a Markdown text: lower case, punctuation other
+    than '-' and '_' dropped, spaces turned into '-'."""
+    anchors = set()
+    in_code = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = None if in_code else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            heading = re.sub(r"[^\w\- ]", "", m.group(1).replace("`", "").lower())
+            anchors.add(heading.replace(" ", "-"))
+    return anchors
+
+
+class RunbookTest(unittest.TestCase):
+    """Every alert links its runbook: a section of deploy/README.md, by a URL relative to the
+    repository root (deploy/README.md#runbook-<alert name in lower case>)."""
+
+    def test_every_alert_has_a_runbook_section(self):
+        anchors = markdown_anchors(read("deploy/README.md"))
+        alerts = 0
+        for path in glob.glob(os.path.join(ROOT, "deploy", "prometheus", "rules", "*.yml")):
+            rules = yaml.safe_load(read(os.path.relpath(path, ROOT)))
+            for group in rules["groups"]:
+                for rule in group["rules"]:
+                    if "alert" not in rule:
+                        continue
+                    alerts += 1
+                    name = rule["alert"]
+                    url = rule.get("annotations", {}).get("runbook_url")
+                    self.assertEqual(url, f"deploy/README.md#runbook-{name.lower()}",
+                                     f"{name}: runbook_url")
+                    document, _, anchor = url.partition("#")
+                    self.assertTrue(os.path.exists(os.path.join(ROOT, document)), url)
+                    self.assertIn(anchor, anchors,
+                                  f"{name}: no heading 'Runbook: {name}' in deploy/README.md")
+        self.assertGreater(alerts, 0, "no alerts under deploy/prometheus/rules")
+
+
 class ReadmeTest(unittest.TestCase):
     def test_paths_and_flags_in_deploy_readme_exist(self):
         text = read("deploy/README.md")
