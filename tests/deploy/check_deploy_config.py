@@ -253,7 +253,7 @@ class DockerfileTest(unittest.TestCase):
                                         "scripts/install_deps.sh"}):
             self.assertFalse(dockerignored(path, patterns), f"{path} is .dockerignored")
         # A copied build/ would carry a CMakeCache.txt naming another source folder.
-        for path in ("build", "build-cpu", ".git"):
+        for path in ("build", "build-cpu", ".git", ".deploy-tools"):
             self.assertTrue(dockerignored(path, patterns), f"{path} is in the build context")
 
     def test_runs_as_non_root(self):
