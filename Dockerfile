@@ -16,9 +16,15 @@
 # GPUs the kernels are compiled for, as a CMake list (sm_80 and sm_90a by default).
 ARG CUDA_VERSION=13.0.2
 
-FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS build
+# Images by their full names (registry included): podman, and docker set to resolve no short
+# names, refuse "nvidia/cuda".
+FROM docker.io/nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS build
 ARG CUDA_ARCHITECTURES="80;90a"
 ARG DEBIAN_FRONTEND=noninteractive
+# The image runs no tests, so install_deps.sh leaves out the deployment tests' linters.
+ARG ATTENTION_DEPLOY_TOOLS=0
+# A failing command anywhere in a pipe (ldd below) fails the step.
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /src
 # Dependencies in a layer of their own, rebuilt only when the script changes. build.sh runs the
 # script again and finds every package present.
@@ -44,7 +50,7 @@ RUN set -eu; \
     sort -u /tmp/owners > /out/runtime-packages.txt; \
     cat /out/runtime-packages.txt
 
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04
+FROM docker.io/nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04
 ARG DEBIAN_FRONTEND=noninteractive
 COPY --from=build /out/runtime-packages.txt /tmp/runtime-packages.txt
 RUN apt-get update -qq \

