@@ -344,6 +344,7 @@ void Scheduler::RunBatch(std::vector<Queued> batch) {
   Slot* slot = nullptr;
   absl::Status no_device;
   Running running{.batch = &batch};
+  bool wake_watchdog = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     slot = AcquireSlot(lead.device);
@@ -352,9 +353,11 @@ void Scheduler::RunBatch(std::vector<Queued> batch) {
     } else {
       running.stop = !aborted_.ok();
       running_.push_back(&running);
+      // The watchdog sleeps while nothing runs; wake it for the first batch only.
+      wake_watchdog = running_.size() == 1;
     }
   }
-  watch_.notify_one();
+  if (wake_watchdog) watch_.notify_one();
   const absl::Time start = absl::Now();
   std::vector<absl::StatusOr<StageTimes>> stages;
   if (slot != nullptr) {
