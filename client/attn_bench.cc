@@ -45,8 +45,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -58,6 +56,7 @@
 #include "client/request_builder.h"
 #include "client/session.h"
 #include "client/tensors.h"
+#include "client/tool_flags.h"
 
 ABSL_FLAG(std::string, mode, "attend",
           "attend (Attend calls) | decode (Step calls on KV-resident sessions)");
@@ -843,12 +842,13 @@ int Main() {
 }  // namespace attention::client
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  attention::client::ParseToolFlags(
+      argc, argv,
       "attn_bench --target=HOST:PORT[,HOST:PORT...] [--concurrency=N] [--rate=R] "
       "[--duration_s=S | --requests=N] [--shape=B,H,N,D] [--rpc=unary|stream] "
       "[--echo | --echo_target=HOST:PORT] [--json]\n"
       "attn_bench --mode=decode --sessions=S --nk=CONTEXT --shape=SESSIONS_PER_STEP,H,NEW_TOKENS,D "
-      "[--kv_heads=HKV] [--causal] ...");
-  absl::ParseCommandLine(argc, argv);
+      "[--kv_heads=HKV] [--causal] ...",
+      __FILE__);
   return attention::client::Main();
 }

@@ -23,8 +23,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -36,6 +34,7 @@
 #include "client/reference_check.h"
 #include "client/request_builder.h"
 #include "client/tensors.h"
+#include "client/tool_flags.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051", "server address, host:port");
 ABSL_FLAG(int64_t, deadline_ms, 60000, "deadline per call, milliseconds");
@@ -81,7 +80,6 @@ namespace attention::client {
 namespace {
 
 constexpr int kExitFailed = 1;
-constexpr int kExitUsage = 2;
 
 absl::StatusOr<std::vector<int64_t>> ParseInts(absl::Span<const std::string> parts,
                                                const char* flag) {
@@ -304,9 +302,10 @@ absl::Status ApplySecurityFlags(ClientOptions& options) {
 }  // namespace attention::client
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "attn_client --target=HOST:PORT [--shape=B,H,N,D ...] [--check] | --health | --info");
-  absl::ParseCommandLine(argc, argv);
+  attention::client::ParseToolFlags(
+      argc, argv,
+      "attn_client --target=HOST:PORT [--shape=B,H,N,D ...] [--check] | --health | --info",
+      __FILE__);
   attention::client::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
