@@ -75,8 +75,9 @@ ABSL_FLAG(std::optional<double>, rate, std::nullopt,
 ABSL_FLAG(double, duration_s, 10, "measured seconds (after the warmup); ignored with --requests");
 ABSL_FLAG(int64_t, requests, 0, "measured requests; 0: run for --duration_s");
 ABSL_FLAG(double, warmup_s, 1, "seconds of load before measuring starts");
-ABSL_FLAG(std::string, shape, "1,8,128,64",
-          "B,H,N,D: batch, query heads, query length, head dim (decode: sessions per Step, "
+ABSL_FLAG(attention::client::Shape, shape, (attention::client::Shape{1, 8, 128, 64}),
+          "B,H,N,D, positive integers: batch, query heads, query length, head dim (decode: "
+          "sessions per Step, "
           "query heads, new tokens per session per step, head dim)");
 ABSL_FLAG(std::optional<int64_t>, kv_heads, std::nullopt, "key/value heads (default: H)");
 ABSL_FLAG(std::optional<int64_t>, nk, std::nullopt,
@@ -534,21 +535,14 @@ double AttentionFlops(const ProblemSpec& spec) {
 
 absl::StatusOr<ProblemSpec> SpecFromFlags() {
   ProblemSpec spec;
-  std::vector<int64_t> shape;
-  for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_shape), ',')) {
-    int64_t value;
-    if (!absl::SimpleAtoi(part, &value) || value <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--shape: bad number '", part, "'"));
-    }
-    shape.push_back(value);
-  }
-  if (shape.size() != 4) return absl::InvalidArgumentError("--shape needs B,H,N,D");
-  spec.batch = shape[0];
-  spec.heads_q = shape[1];
-  spec.seqlen_q = shape[2];
-  spec.head_dim = shape[3];
+  const Shape shape = absl::GetFlag(FLAGS_shape);
+  spec.batch = shape.batch;
+  spec.heads_q = shape.heads;
+  spec.seqlen_q = shape.seqlen;
+  spec.head_dim = shape.head_dim;
   spec.heads_kv = absl::GetFlag(FLAGS_kv_heads).value_or(spec.heads_q);
   spec.seqlen_k = absl::GetFlag(FLAGS_nk).value_or(spec.seqlen_q);
+  if (absl::Status s = CheckKvFlags(spec); !s.ok()) return s;
   absl::StatusOr<v1::DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return dtype.status();
   spec.dtype = *dtype;

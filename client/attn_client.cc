@@ -44,7 +44,8 @@ ABSL_FLAG(std::string, health_service, "",
           "service to health-check; empty for the server as a whole");
 ABSL_FLAG(bool, info, false, "print GetServerInfo and exit");
 
-ABSL_FLAG(std::string, shape, "1,8,512,64", "B,H,N,D: batch, query heads, query length, head dim");
+ABSL_FLAG(attention::client::Shape, shape, (attention::client::Shape{1, 8, 512, 64}),
+          "B,H,N,D: batch, query heads, query length, head dim (positive integers)");
 ABSL_FLAG(std::optional<int64_t>, kv_heads, std::nullopt, "key/value heads (default: H)");
 ABSL_FLAG(std::optional<int64_t>, nk, std::nullopt, "key length (default: N)");
 ABSL_FLAG(std::string, dtype, "float32", "float32 | float16 | bfloat16");
@@ -96,16 +97,14 @@ absl::StatusOr<std::vector<int64_t>> ParseInts(absl::Span<const std::string> par
 
 absl::StatusOr<ProblemSpec> SpecFromFlags() {
   ProblemSpec spec;
-  const std::vector<std::string> shape_parts = absl::StrSplit(absl::GetFlag(FLAGS_shape), ',');
-  absl::StatusOr<std::vector<int64_t>> shape = ParseInts(shape_parts, "shape");
-  if (!shape.ok()) return shape.status();
-  if (shape->size() != 4) return absl::InvalidArgumentError("--shape needs B,H,N,D");
-  spec.batch = (*shape)[0];
-  spec.heads_q = (*shape)[1];
-  spec.seqlen_q = (*shape)[2];
-  spec.head_dim = (*shape)[3];
+  const Shape shape = absl::GetFlag(FLAGS_shape);
+  spec.batch = shape.batch;
+  spec.heads_q = shape.heads;
+  spec.seqlen_q = shape.seqlen;
+  spec.head_dim = shape.head_dim;
   spec.heads_kv = absl::GetFlag(FLAGS_kv_heads).value_or(spec.heads_q);
   spec.seqlen_k = absl::GetFlag(FLAGS_nk).value_or(spec.seqlen_q);
+  if (absl::Status s = CheckKvFlags(spec); !s.ok()) return s;
   absl::StatusOr<v1::DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return dtype.status();
   spec.dtype = *dtype;
@@ -123,6 +122,9 @@ absl::StatusOr<ProblemSpec> SpecFromFlags() {
                                      std::tuple{&FLAGS_varlen_k, "varlen_k", &spec.varlen_k}}) {
     absl::StatusOr<std::vector<int64_t>> values = ParseInts(absl::GetFlag(*flag), name);
     if (!values.ok()) return values.status();
+    if (std::any_of(values->begin(), values->end(), [](int64_t n) { return n < 0; })) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": lengths must be >= 0"));
+    }
     lengths->assign(values->begin(), values->end());
   }
   if (spec.is_varlen()) spec.batch = static_cast<int64_t>(spec.varlen_q.size());

@@ -61,8 +61,7 @@ absl::Status CheckCommandLine(int argc, char** argv) {
     }
     std::string error;
     if (!flag->ParseFrom(*value, &error)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", name, "=", *value, ": ", error, " (", flag->Help(), ")"));
+      return absl::InvalidArgumentError(absl::StrCat("--", name, "=", *value, ": ", error));
     }
   }
   return absl::OkStatus();
@@ -89,6 +88,14 @@ bool AbslParseFlag(absl::string_view text, Shape* shape, std::string* error) {
 
 std::string AbslUnparseFlag(const Shape& shape) {
   return absl::StrJoin({shape.batch, shape.heads, shape.seqlen, shape.head_dim}, ",");
+}
+
+absl::Status CheckKvFlags(const ProblemSpec& spec) {
+  if (spec.heads_kv < 1 || spec.seqlen_k < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_heads and --nk must be positive, got ",
+                                                   spec.heads_kv, " and ", spec.seqlen_k));
+  }
+  return absl::OkStatus();
 }
 
 void ParseToolFlags(int argc, char** argv, absl::string_view usage, absl::string_view flags_file) {

@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "client/request_builder.h"
 
 namespace attention::client {
 
@@ -25,6 +27,10 @@ struct Shape {
 // error naming the offending part.
 bool AbslParseFlag(absl::string_view text, Shape* shape, std::string* error);
 std::string AbslUnparseFlag(const Shape& shape);
+
+// --kv_heads and --nk, once in `spec` (heads_kv, seqlen_k), must be positive like --shape's dims:
+// a negative size would reach the tensors' allocation.
+absl::Status CheckKvFlags(const ProblemSpec& spec);
 
 // Parses the command line like absl::ParseCommandLine, with two differences: --help lists the
 // flags defined in `flags_file` (the tool's __FILE__; abseil's default looks for a file named
