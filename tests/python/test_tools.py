@@ -4,14 +4,24 @@ attn_bench, run as real binaries.
 - --help lists each tool's own flags with their usage lines, by their path in the source tree
   (never the build machine's).
 - Bad flags and bad values exit 2 with the reason (client/README.md), from one --shape parser.
+- attn_bench: failed calls exit 1 and print their messages, a dead target is backed off, p95,
+  --csv, a --concurrency sweep, the configuration in the JSON, an ETA in the progress lines.
 
 Run by ctest (label "python"), which sets ATTENTION_SERVER_BINARY, ATTN_ECHO_SERVER_BINARY,
 ATTN_CLIENT_BINARY and ATTN_BENCH_BINARY. Needs only the standard library.
 """
+import csv
+import json
 import os
 import re
+import shutil
+import signal
 import subprocess
+import tempfile
+import time
 import unittest
+
+from test_attn_bench import start
 
 BINARIES = {
     "attention_server": os.environ.get("ATTENTION_SERVER_BINARY"),
@@ -69,11 +79,80 @@ class BadFlagsTest(unittest.TestCase):
             for args, reason in ((["--no_such_flag=1"], "unknown flag --no_such_flag"),
                                  (["--kv_heads=-2"], "--kv_heads and --nk must be positive"),
                                  (["--deadline_ms=soon" if tool == "attn_client"
-                                   else "--concurrency=many"], "Illegal value")):
+                                   else "--rate=fast"], "Illegal value")):
                 with self.subTest(tool=tool, args=args):
                     p = run(tool, "--target=127.0.0.1:1", *args)
                     self.assertEqual(p.returncode, 2, p.stderr)
                     self.assertIn(reason, p.stderr)
+
+
+class ServerTest(unittest.TestCase):
+    """Tests against one real attention_server (CPU backend)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="tools_test_")
+        cls.server, port = start(
+            [BINARIES["attention_server"], "--backend=cpu", "--host=127.0.0.1", "--port=0",
+             "--metrics_port=0", f"--port_file={cls.dir}/server"], f"{cls.dir}/server")
+        cls.target = f"--target=127.0.0.1:{port}"
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.send_signal(signal.SIGTERM)
+        cls.server.wait(timeout=60)
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+
+class BenchTest(ServerTest):
+    def bench(self, *flags):
+        return run("attn_bench", "--progress=false", "--warmup_s=0.1", "--shape=1,2,16,32",
+                   *flags, timeout=120)
+
+    def test_dead_target_fails_loudly_and_backs_off(self):
+        start_time = time.monotonic()
+        p = self.bench("--target=127.0.0.1:1", "--concurrency=4", "--duration_s=2", "--json")
+        self.assertLess(time.monotonic() - start_time, 10)
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn("call failed: UNAVAILABLE:", p.stderr)
+        errors = json.loads(p.stdout.strip().splitlines()[-1])["errors"]
+        # Backing off per slot from 10 ms to 1 s: a few tries each, not thousands.
+        self.assertGreater(errors["UNAVAILABLE"], 0)
+        self.assertLess(errors["UNAVAILABLE"], 100)
+
+    def test_rejected_calls_exit_1_with_the_message(self):
+        p = self.bench(self.target, "--shape=1,2,16,300", "--requests=5", "--json")
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertRegex(p.stderr, r"call failed: INVALID_ARGUMENT: .*\S")
+        self.assertEqual(p.stderr.count("call failed: INVALID_ARGUMENT"), 1)  # distinct ones
+        self.assertEqual(json.loads(p.stdout.strip().splitlines()[-1])["errors"],
+                         {"INVALID_ARGUMENT": 5})
+
+    def test_sweep_csv_json_config_p95(self):
+        p = self.bench(self.target, "--concurrency=1,2", "--requests=8", "--json", "--csv",
+                       "--dtype=float32")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        lines = p.stdout.strip().splitlines()
+        runs = [json.loads(line) for line in lines[-2:]]
+        self.assertEqual([r["config"]["concurrency"] for r in runs], [1, 2])
+        for r in runs:
+            self.assertEqual(r["requests"], 8)
+            self.assertLessEqual(r["p90"], r["p95"])
+            self.assertLessEqual(r["p95"], r["p99"])
+            self.assertEqual(r["config"]["shape"], [1, 2, 16, 32])
+            self.assertEqual(r["config"]["dtype"], "float32")
+            self.assertEqual(r["config"]["mode"], "attend")
+        rows = list(csv.DictReader(lines[-5:-2]))
+        self.assertEqual([row["concurrency"] for row in rows], ["1", "2"])
+        self.assertEqual([row["requests"] for row in rows], ["8", "8"])
+        self.assertGreater(float(rows[0]["p95"]), 0)
+        self.assertEqual(len(re.findall(r"latency ms p50 .* p95 ", p.stdout)), 2)
+
+    def test_progress_has_an_eta(self):
+        p = run("attn_bench", self.target, "--shape=1,2,16,32", "--warmup_s=0",
+                "--duration_s=2.5", "--progress=true")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertRegex(p.stderr, r"\[attention c=1 .* eta \d+s")
 
 
 if __name__ == "__main__":
