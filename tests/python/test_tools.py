@@ -6,6 +6,8 @@ attn_bench, run as real binaries.
 - Bad flags and bad values exit 2 with the reason (client/README.md), from one --shape parser.
 - attn_bench: failed calls exit 1 and print their messages, a dead target is backed off, p95,
   --csv, a --concurrency sweep, the configuration in the JSON, an ETA in the progress lines.
+- attn_client: .npy inputs give the shape and dtype, a request over --max_message_mb is refused
+  before it is built, --check says it computes the reference and on how many threads.
 
 Run by ctest (label "python"), which sets ATTENTION_SERVER_BINARY, ATTN_ECHO_SERVER_BINARY,
 ATTN_CLIENT_BINARY and ATTN_BENCH_BINARY. Needs only the standard library.
@@ -153,6 +155,33 @@ class BenchTest(ServerTest):
                 "--duration_s=2.5", "--progress=true")
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertRegex(p.stderr, r"\[attention c=1 .* eta \d+s")
+
+
+class ClientTest(ServerTest):
+    def test_npy_inputs_give_shape_and_dtype(self):
+        o16 = f"{self.dir}/o16.npy"
+        p = run("attn_client", self.target, "--shape=1,2,24,32", "--dtype=float16", f"--out={o16}")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        # A '<f2' file [1, 2, 24, 32] as q, k and v, with neither --shape nor --dtype.
+        p = run("attn_client", self.target, f"--q={o16}", f"--k={o16}", f"--v={o16}", "--check")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("Nq=24 Nk=24 Hq=2 Hkv=2", p.stdout)
+        self.assertIn("D=32 float16", p.stdout)
+        self.assertIn("o: float16 [1, 2, 24, 32]", p.stdout)
+
+    def test_too_large_request_refused_before_it_is_built(self):
+        start_time = time.monotonic()
+        p = run("attn_client", self.target, "--shape=64,32,4096,128", "--max_message_mb=64")
+        self.assertLess(time.monotonic() - start_time, 5)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("the request would be 12288.0 MiB, over --max_message_mb=64", p.stderr)
+
+    def test_check_says_what_it_does(self):
+        p = run("attn_client", self.target, "--shape=2,4,40,64", "--kv_heads=2", "--nk=70",
+                "--causal", "--lse", "--dtype=bfloat16", "--check")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("computing the float64 reference", p.stderr)
+        self.assertRegex(p.stdout, r"every row, reference on \d+ threads\): PASS")
 
 
 if __name__ == "__main__":
