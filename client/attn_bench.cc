@@ -23,8 +23,8 @@
 //   attn_bench --mode=decode --sessions=64 --nk=4096 --shape=8,32,1,128 --kv_heads=8
 //       --dtype=bfloat16 --causal --concurrency=8 --duration_s=10 --json
 //
-// Exit status: 0 done (even with failed calls: they are counted by code); 1 sessions could not be
-// created; 2 bad flags.
+// Exit status: 0 every measured call succeeded; 1 a measured call failed (the first few distinct
+// errors are printed on stderr), or sessions could not be created; 2 bad flags.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -34,19 +34,20 @@
 #include <deque>
 #include <functional>
 #include <future>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -58,6 +59,7 @@
 #include "client/request_builder.h"
 #include "client/session.h"
 #include "client/tensors.h"
+#include "client/tool_flags.h"
 
 ABSL_FLAG(std::string, mode, "attend",
           "attend (Attend calls) | decode (Step calls on KV-resident sessions)");
@@ -70,14 +72,17 @@ ABSL_FLAG(std::string, target, "localhost:50051",
 ABSL_FLAG(bool, echo, false, "--target is an attn_echo_server: measure the transport alone");
 ABSL_FLAG(std::string, echo_target, "",
           "also run the same load against this attn_echo_server after the attention phase");
-ABSL_FLAG(int, concurrency, 1, "requests in flight at most (closed loop: always)");
+ABSL_FLAG(std::vector<std::string>, concurrency, {"1"},
+          "requests in flight at most (closed loop: always); a list, e.g. 1,2,4,8, runs each in "
+          "turn (a sweep), one result each");
 ABSL_FLAG(std::optional<double>, rate, std::nullopt,
           "requests per second, evenly spaced (open loop); absent: closed loop");
 ABSL_FLAG(double, duration_s, 10, "measured seconds (after the warmup); ignored with --requests");
 ABSL_FLAG(int64_t, requests, 0, "measured requests; 0: run for --duration_s");
 ABSL_FLAG(double, warmup_s, 1, "seconds of load before measuring starts");
-ABSL_FLAG(std::string, shape, "1,8,128,64",
-          "B,H,N,D: batch, query heads, query length, head dim (decode: sessions per Step, "
+ABSL_FLAG(attention::client::Shape, shape, (attention::client::Shape{1, 8, 128, 64}),
+          "B,H,N,D, positive integers: batch, query heads, query length, head dim (decode: "
+          "sessions per Step, "
           "query heads, new tokens per session per step, head dim)");
 ABSL_FLAG(std::optional<int64_t>, kv_heads, std::nullopt, "key/value heads (default: H)");
 ABSL_FLAG(std::optional<int64_t>, nk, std::nullopt,
@@ -91,8 +96,10 @@ ABSL_FLAG(double, deadline_s, 60, "deadline per unary call, seconds");
 ABSL_FLAG(int, max_attempts, 1, "attempts per call on UNAVAILABLE (gRPC retry policy)");
 ABSL_FLAG(int, max_message_mb, 1024,
           "largest gRPC message sent or received, MiB (1..2047; the server has its own limit)");
-ABSL_FLAG(bool, json, false, "print one JSON object with the results as the last line");
-ABSL_FLAG(bool, progress, true, "print a progress line on stderr every second");
+ABSL_FLAG(bool, json, false,
+          "print the results as one JSON object per run (per --concurrency value) at the end");
+ABSL_FLAG(bool, csv, false, "print the results as CSV at the end: a header line, one row per run");
+ABSL_FLAG(bool, progress, true, "print a progress line (with an ETA) on stderr every second");
 
 namespace attention::client {
 namespace {
@@ -121,21 +128,36 @@ struct Completion {
   double flops = 0;         // attention FLOPs the request asked for
 };
 
+// How many distinct failures (code and message) a phase prints; the rest are only counted.
+constexpr int kErrorsShown = 5;
+
+const char* CodeName(grpc::StatusCode code);
+
 // Latencies, bytes and error codes of the measured requests, plus a per-second window for the
-// progress line. Shared by gRPC's callback threads.
+// progress line. Shared by gRPC's callback threads. The first kErrorsShown distinct failures are
+// printed on stderr as they come, warmup included: a count by code does not say what went wrong.
 class Recorder {
  public:
-  Recorder(Clock::time_point measure_from, int64_t request_bytes)
-      : measure_from_(measure_from), request_bytes_(request_bytes) {}
+  Recorder(std::string name, Clock::time_point measure_from, int64_t request_bytes)
+      : name_(std::move(name)), measure_from_(measure_from), request_bytes_(request_bytes) {}
 
   void Add(const Completion& c) {
     const Clock::time_point now = Clock::now();
     const double latency = Seconds(now - c.start);
     std::lock_guard<std::mutex> lock(mu_);
     window_.push_back(latency);
-    if (!c.status.ok()) ++window_errors_;
+    if (!c.status.ok()) {
+      ++window_errors_;
+      std::pair<grpc::StatusCode, std::string> error{c.status.error_code(),
+                                                     c.status.error_message()};
+      if (shown_errors_.size() < kErrorsShown && shown_errors_.insert(error).second) {
+        std::fprintf(stderr, "attn_bench: %s: call failed: %s: %s\n", name_.c_str(),
+                     CodeName(error.first), error.second.c_str());
+      }
+    }
     if (c.start < measure_from_) return;
     last_completion_ = std::max(last_completion_, now);
+    ++measured_;
     if (!c.status.ok()) {
       ++errors_[c.status.error_code()];
       return;
@@ -156,6 +178,10 @@ class Recorder {
   }
 
   Clock::time_point measure_from() const { return measure_from_; }
+  int64_t measured() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return measured_;
+  }
   // Only after the run (no callbacks left).
   std::vector<double>& latencies() { return latencies_; }
   const std::vector<v1::ServerTiming>& timings() const { return timings_; }
@@ -165,9 +191,12 @@ class Recorder {
   Clock::time_point last_completion() const { return last_completion_; }
 
  private:
+  const std::string name_;
   const Clock::time_point measure_from_;
   const int64_t request_bytes_;
   std::mutex mu_;
+  std::set<std::pair<grpc::StatusCode, std::string>> shown_errors_;
+  int64_t measured_ = 0;  // completions of measured requests, failed ones included
   std::vector<double> window_;
   int64_t window_errors_ = 0;
   std::vector<double> latencies_;
@@ -316,7 +345,8 @@ struct PhaseResult {
   double requests_per_s = 0;
   double payload_gb_per_s = 0;
   double tflop_per_s = 0;
-  double p50 = 0, p90 = 0, p99 = 0, p999 = 0, max = 0;  // seconds
+  int concurrency = 1;
+  double p50 = 0, p90 = 0, p95 = 0, p99 = 0, p999 = 0, max = 0;  // seconds
   // p50 of each ServerTiming field over the requests: queue, h2d, compute, d2h and total (arrival
   // to response ready; p50 - total is what the transport and the client cost).
   double queue_us_p50 = 0, h2d_us_p50 = 0, compute_us_p50 = 0, d2h_us_p50 = 0, server_us_p50 = 0;
@@ -372,28 +402,38 @@ PhaseResult RunPhase(const std::string& name, const LoadSettings& settings, int6
   const Clock::time_point end =
       measure_from + std::chrono::duration_cast<Clock::duration>(
                          std::chrono::duration<double>(settings.duration_s));
-  Recorder recorder(measure_from, request_bytes);
+  Recorder recorder(name, measure_from, request_bytes);
 
+  // A slot whose call was answered UNAVAILABLE (no server, a draining one) waits before its next
+  // send, doubling from kFirstBackoff to kMaxBackoff, so a dead target is not spun on; any other
+  // answer resets its wait.
+  constexpr Clock::duration kFirstBackoff = std::chrono::milliseconds(10);
+  constexpr Clock::duration kMaxBackoff = std::chrono::seconds(1);
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<Slot*> free_slots;
+  std::deque<std::pair<Slot*, Clock::time_point>> free_slots;  // and when each may send again
+  std::map<Slot*, Clock::duration> backoff;
   int in_flight = 0;
   int live_slots = settings.concurrency;
   Slot::DoneFn done = [&](Slot* slot, const Completion& c, bool retire) {
     recorder.Add(c);
     std::lock_guard<std::mutex> lock(mu);
     --in_flight;
+    Clock::duration& wait = backoff[slot];
+    wait = c.status.error_code() == grpc::StatusCode::UNAVAILABLE
+               ? std::clamp(2 * wait, kFirstBackoff, kMaxBackoff)
+               : Clock::duration::zero();
     if (retire) {
       --live_slots;
     } else {
-      free_slots.push_back(slot);
+      free_slots.emplace_back(slot, Clock::now() + wait);
     }
     cv.notify_all();
   };
   std::vector<std::unique_ptr<Slot>> slots;
   for (int i = 0; i < settings.concurrency; ++i) {
     slots.push_back(make_slot(done));
-    free_slots.push_back(slots.back().get());
+    free_slots.emplace_back(slots.back().get(), t0);
   }
 
   std::atomic<bool> running{true};
@@ -405,24 +445,38 @@ PhaseResult RunPhase(const std::string& name, const LoadSettings& settings, int6
       std::this_thread::sleep_until(next);
       auto [window, errors] = recorder.TakeWindow();
       std::sort(window.begin(), window.end());
-      std::fprintf(stderr, "[%s %5.1fs%s] %6zu done/s  p50 %8.3f ms  p99 %8.3f ms  errors %lld\n",
-                   name.c_str(), Seconds(Clock::now() - t0),
-                   Clock::now() < measure_from ? " warmup" : "", window.size(),
+      // Time left: to the end of the duration, or the requests left at this second's rate.
+      const Clock::time_point now = Clock::now();
+      double eta_s = Seconds(end - now);
+      if (settings.requests > 0) {
+        const double left = static_cast<double>(settings.requests - recorder.measured());
+        eta_s = Seconds(std::max(measure_from - now, Clock::duration::zero())) +
+                (window.empty() ? std::numeric_limits<double>::infinity()
+                                : left / static_cast<double>(window.size()));
+      }
+      std::fprintf(stderr,
+                   "[%s c=%d %5.1fs%s] %6zu done/s  p50 %8.3f ms  p99 %8.3f ms  errors %lld  "
+                   "eta %.0fs\n",
+                   name.c_str(), settings.concurrency, Seconds(now - t0),
+                   now < measure_from ? " warmup" : "", window.size(),
                    Percentile(window, 0.5) * 1e3, Percentile(window, 0.99) * 1e3,
-                   static_cast<long long>(errors));
+                   static_cast<long long>(errors), std::max(eta_s, 0.0));
     }
   });
 
   int64_t issued_measured = 0;
   for (int64_t i = 0;; ++i) {
     Slot* slot;
+    Clock::time_point ready;
     {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] { return !free_slots.empty() || live_slots == 0; });
       if (live_slots == 0) break;
-      slot = free_slots.front();
+      std::tie(slot, ready) = free_slots.front();
       free_slots.pop_front();
     }
+    // A backing-off slot: the run's end stops the wait (the duration is not stretched).
+    std::this_thread::sleep_until(settings.requests > 0 ? ready : std::min(ready, end));
     Clock::time_point start = Clock::now();
     if (settings.rate) {
       const Clock::time_point scheduled =
@@ -434,7 +488,7 @@ PhaseResult RunPhase(const std::string& name, const LoadSettings& settings, int6
     const bool stop = settings.requests > 0 ? issued_measured >= settings.requests : start >= end;
     if (stop) {
       std::lock_guard<std::mutex> lock(mu);
-      free_slots.push_back(slot);
+      free_slots.emplace_back(slot, ready);
       break;
     }
     if (start >= measure_from) ++issued_measured;
@@ -454,6 +508,7 @@ PhaseResult RunPhase(const std::string& name, const LoadSettings& settings, int6
 
   PhaseResult r;
   r.name = name;
+  r.concurrency = settings.concurrency;
   std::vector<double>& latencies = recorder.latencies();
   std::sort(latencies.begin(), latencies.end());
   r.ok = static_cast<int64_t>(latencies.size());
@@ -465,6 +520,7 @@ PhaseResult RunPhase(const std::string& name, const LoadSettings& settings, int6
   }
   r.p50 = Percentile(latencies, 0.5);
   r.p90 = Percentile(latencies, 0.9);
+  r.p95 = Percentile(latencies, 0.95);
   r.p99 = Percentile(latencies, 0.99);
   r.p999 = Percentile(latencies, 0.999);
   r.max = latencies.empty() ? 0 : latencies.back();
@@ -487,8 +543,9 @@ void PrintResult(const PhaseResult& r) {
   std::printf("%s: %lld requests in %.2f s: %.1f requests/s, %.3f GB/s payload, %.4f TFLOP/s\n",
               r.name.c_str(), static_cast<long long>(r.ok), r.elapsed_s, r.requests_per_s,
               r.payload_gb_per_s, r.tflop_per_s);
-  std::printf("%s: latency ms p50 %.3f  p90 %.3f  p99 %.3f  p99.9 %.3f  max %.3f\n", r.name.c_str(),
-              r.p50 * 1e3, r.p90 * 1e3, r.p99 * 1e3, r.p999 * 1e3, r.max * 1e3);
+  std::printf("%s: latency ms p50 %.3f  p90 %.3f  p95 %.3f  p99 %.3f  p99.9 %.3f  max %.3f\n",
+              r.name.c_str(), r.p50 * 1e3, r.p90 * 1e3, r.p95 * 1e3, r.p99 * 1e3, r.p999 * 1e3,
+              r.max * 1e3);
   if (r.decode) {
     std::printf("%s: %.1f session-steps/s, %.1f tokens/s\n", r.name.c_str(), r.steps_per_s,
                 r.tokens_per_s);
@@ -513,13 +570,74 @@ std::string ResultJson(const PhaseResult& r) {
                                  : "";
   return absl::StrFormat(
       "\"requests\":%d,\"elapsed_s\":%.6g,\"requests_per_s\":%.6g,\"payload_gb_per_s\":%.6g,"
-      "\"tflop_per_s\":%.6g,\"p50\":%.6g,\"p90\":%.6g,\"p99\":%.6g,\"p999\":%.6g,\"max\":%.6g,"
+      "\"tflop_per_s\":%.6g,\"p50\":%.6g,\"p90\":%.6g,\"p95\":%.6g,\"p99\":%.6g,\"p999\":%.6g,"
+      "\"max\":%.6g,"
       "\"compute_us_p50\":%.6g,\"server_p50_us\":{\"queue\":%.6g,\"h2d\":%.6g,\"d2h\":%.6g,"
       "\"total\":%.6g},\"errors\":{%s}%s",
-      r.ok, r.elapsed_s, r.requests_per_s, r.payload_gb_per_s, r.tflop_per_s, r.p50, r.p90, r.p99,
-      r.p999, r.max, r.compute_us_p50, r.queue_us_p50, r.h2d_us_p50, r.d2h_us_p50, r.server_us_p50,
-      absl::StrJoin(errors, ","), decode);
+      r.ok, r.elapsed_s, r.requests_per_s, r.payload_gb_per_s, r.tflop_per_s, r.p50, r.p90, r.p95,
+      r.p99, r.p999, r.max, r.compute_us_p50, r.queue_us_p50, r.h2d_us_p50, r.d2h_us_p50,
+      r.server_us_p50, absl::StrJoin(errors, ","), decode);
 }
+
+// The run's configuration, in its JSON object: what was measured, beside the figures.
+std::string ConfigJson(const ProblemSpec& spec, const LoadSettings& load) {
+  return absl::StrFormat(
+      "\"config\":{\"target\":\"%s\",\"echo_target\":\"%s\",\"mode\":\"%s\",\"rpc\":\"%s\","
+      "\"shape\":[%d,%d,%d,%d],\"kv_heads\":%d,\"nk\":%d,\"dtype\":\"%s\",\"layout\":\"%s\","
+      "\"causal\":%s,\"lse\":%s,\"concurrency\":%d,\"rate\":%s,\"duration_s\":%.6g,"
+      "\"requests\":%d,\"warmup_s\":%.6g}",
+      absl::GetFlag(FLAGS_target), absl::GetFlag(FLAGS_echo_target), absl::GetFlag(FLAGS_mode),
+      load.stream ? "stream" : "unary", spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim,
+      spec.heads_kv, spec.seqlen_k, DTypeName(spec.dtype),
+      spec.layout == v1::LAYOUT_BSHD ? "bshd" : "bhsd", spec.causal ? "true" : "false",
+      spec.return_lse ? "true" : "false", load.concurrency,
+      load.rate ? absl::StrCat(*load.rate) : "null", load.duration_s, load.requests, load.warmup_s);
+}
+
+// The results of every run (one per --concurrency value), printed together at the end so that
+// the last lines are the machine-readable ones: the CSV, then one JSON object per run.
+class Outputs {
+ public:
+  void AddRun(const std::string& json) { json_.push_back(json); }
+
+  void AddPhase(const PhaseResult& r, const ProblemSpec& spec, const LoadSettings& load) {
+    int64_t errors = 0;
+    for (const auto& [code, n] : r.errors) errors += n;
+    failed_ |= errors > 0;
+    csv_.push_back(absl::StrFormat(
+        "%s,%s,%s,%d;%d;%d;%d,%d,%d,%s,%s,%d,%s,%d,%d,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,"
+        "%.6g,%.6g,%.6g",
+        absl::GetFlag(FLAGS_mode), r.name,
+        absl::StrJoin(absl::StrSplit(absl::GetFlag(FLAGS_target), ','), ";"), spec.batch,
+        spec.heads_q, spec.seqlen_q, spec.head_dim, spec.heads_kv, spec.seqlen_k,
+        DTypeName(spec.dtype), load.stream ? "stream" : "unary", r.concurrency,
+        load.rate ? absl::StrCat(*load.rate) : "", r.ok, errors, r.elapsed_s, r.requests_per_s,
+        r.payload_gb_per_s, r.tflop_per_s, r.p50, r.p90, r.p95, r.p99, r.p999, r.max,
+        r.compute_us_p50, r.server_us_p50));
+  }
+
+  // Prints what --csv and --json ask for; the exit status: 1 when a measured call failed.
+  int Finish() const {
+    if (absl::GetFlag(FLAGS_csv)) {
+      std::printf(
+          "mode,phase,target,shape,kv_heads,nk,dtype,rpc,concurrency,rate,requests,errors,"
+          "elapsed_s,requests_per_s,payload_gb_per_s,tflop_per_s,p50,p90,p95,p99,p999,max,"
+          "compute_us_p50,server_us_p50\n");
+      for (const std::string& row : csv_) std::printf("%s\n", row.c_str());
+    }
+    if (absl::GetFlag(FLAGS_json)) {
+      for (const std::string& json : json_) std::printf("%s\n", json.c_str());
+    }
+    std::fflush(stdout);
+    if (failed_) std::fprintf(stderr, "attn_bench: some calls failed (errors above)\n");
+    return failed_ ? 1 : 0;
+  }
+
+ private:
+  std::vector<std::string> json_;
+  std::vector<std::string> csv_;
+  bool failed_ = false;
+};
 
 // Attention FLOPs of one request: 4 * D per (query, visible key) pair (QKᵀ and PV), per head.
 double AttentionFlops(const ProblemSpec& spec) {
@@ -535,21 +653,14 @@ double AttentionFlops(const ProblemSpec& spec) {
 
 absl::StatusOr<ProblemSpec> SpecFromFlags() {
   ProblemSpec spec;
-  std::vector<int64_t> shape;
-  for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_shape), ',')) {
-    int64_t value;
-    if (!absl::SimpleAtoi(part, &value) || value <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--shape: bad number '", part, "'"));
-    }
-    shape.push_back(value);
-  }
-  if (shape.size() != 4) return absl::InvalidArgumentError("--shape needs B,H,N,D");
-  spec.batch = shape[0];
-  spec.heads_q = shape[1];
-  spec.seqlen_q = shape[2];
-  spec.head_dim = shape[3];
+  const Shape shape = absl::GetFlag(FLAGS_shape);
+  spec.batch = shape.batch;
+  spec.heads_q = shape.heads;
+  spec.seqlen_q = shape.seqlen;
+  spec.head_dim = shape.head_dim;
   spec.heads_kv = absl::GetFlag(FLAGS_kv_heads).value_or(spec.heads_q);
   spec.seqlen_k = absl::GetFlag(FLAGS_nk).value_or(spec.seqlen_q);
+  if (absl::Status s = CheckKvFlags(spec); !s.ok()) return s;
   absl::StatusOr<v1::DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return dtype.status();
   spec.dtype = *dtype;
@@ -566,11 +677,13 @@ absl::StatusOr<ProblemSpec> SpecFromFlags() {
 // Decode mode (see the file comment): `spec` gives the sessions' shape (Hkv, D, dtype, layout of
 // their first rows), their first length (seqlen_k), the sessions per Step (batch), the query
 // heads and the new tokens per session per step (seqlen_q).
-int RunDecode(const ProblemSpec& spec, const LoadSettings& load, const ClientOptions& options) {
+int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> concurrencies,
+              const ClientOptions& options) {
   const int64_t per_step = spec.batch;
+  const int max_concurrency = *std::max_element(concurrencies.begin(), concurrencies.end());
   const int64_t session_count = absl::GetFlag(FLAGS_sessions) > 0 ? absl::GetFlag(FLAGS_sessions)
-                                                                  : per_step * load.concurrency;
-  if (load.stream || session_count < per_step * load.concurrency) {
+                                                                  : per_step * max_concurrency;
+  if (load.stream || session_count < per_step * max_concurrency) {
     std::fprintf(stderr,
                  "attn_bench: decode needs --rpc=unary and --sessions >= B * "
                  "--concurrency (each Step in flight has sessions of its own)\n");
@@ -613,42 +726,6 @@ int RunDecode(const ProblemSpec& spec, const LoadSettings& load, const ClientOpt
   const v1::Tensor q = random_tensor({spec.heads_q, spec.seqlen_q, spec.head_dim});
   const v1::Tensor new_k = random_tensor({spec.heads_kv, spec.seqlen_q, spec.head_dim});
   const v1::Tensor new_v = random_tensor({spec.heads_kv, spec.seqlen_q, spec.head_dim});
-  // Slot i steps its own sessions (those j with j % concurrency == i), B at a time, in turn.
-  std::vector<std::vector<v1::StepRequest>> slot_requests(load.concurrency);
-  for (int i = 0; i < load.concurrency; ++i) {
-    std::vector<const Session*> own;
-    for (int64_t j = i; j < session_count; j += load.concurrency) own.push_back(&sessions[j]);
-    const int64_t owned = static_cast<int64_t>(own.size());
-    for (int64_t r = 0; r < owned / std::gcd(owned, per_step); ++r) {
-      v1::StepRequest& request = slot_requests[i].emplace_back();
-      for (int64_t t = 0; t < per_step; ++t) {
-        v1::StepEntry* entry = request.add_entries();
-        entry->set_session_id(own[(r * per_step + t) % owned]->id());
-        *entry->mutable_q() = q;
-        if (append) {
-          *entry->mutable_k() = new_k;
-          *entry->mutable_v() = new_v;
-        }
-      }
-      request.set_causal(spec.causal);
-      request.set_return_lse(spec.return_lse);
-    }
-  }
-  const int64_t request_bytes =
-      per_step * static_cast<int64_t>(q.data().size() +
-                                      (append ? new_k.data().size() + new_v.data().size() : 0));
-  std::printf(
-      "attn_bench: decode, %lld sessions, %lld per Step, Hq=%lld Hkv=%lld D=%lld %s, "
-      "%lld new tokens per session-step%s%s, concurrency %d, %s, request payload %.2f "
-      "KiB\n",
-      static_cast<long long>(session_count), static_cast<long long>(per_step),
-      static_cast<long long>(spec.heads_q), static_cast<long long>(spec.heads_kv),
-      static_cast<long long>(spec.head_dim), DTypeName(spec.dtype),
-      static_cast<long long>(spec.seqlen_q), append ? " (K/V appended)" : "",
-      spec.causal ? ", causal" : "", load.concurrency,
-      load.rate ? absl::StrCat("rate ", *load.rate, "/s").c_str() : "closed loop",
-      static_cast<double>(request_bytes) / 1024);
-
   Rpcs<v1::StepRequest, v1::StepResponse> rpcs;
   rpcs.unary = [&](grpc::ClientContext* c, const v1::StepRequest* request,
                    v1::StepResponse* response, std::function<void(grpc::Status)> f) {
@@ -673,23 +750,64 @@ int RunDecode(const ProblemSpec& spec, const LoadSettings& load, const ClientOpt
     }
     return flops;
   };
-  int next_slot = 0;
-  PhaseResult result = RunPhase("decode", load, request_bytes, [&](Slot::DoneFn done) {
-    return std::make_unique<UnarySlot<v1::StepRequest, v1::StepResponse>>(
-        slot_requests[next_slot++], rpcs, load.deadline, std::move(done));
-  });
-  result.decode = true;
-  result.steps_per_s = result.requests_per_s * static_cast<double>(per_step);
-  result.tokens_per_s = result.steps_per_s * static_cast<double>(spec.seqlen_q);
-  PrintResult(result);
+
+  Outputs outputs;
+  for (const int concurrency : concurrencies) {
+    load.concurrency = concurrency;
+    // Slot i steps its own sessions (those j with j % concurrency == i), B at a time, in turn.
+    std::vector<std::vector<v1::StepRequest>> slot_requests(load.concurrency);
+    for (int i = 0; i < load.concurrency; ++i) {
+      std::vector<const Session*> own;
+      for (int64_t j = i; j < session_count; j += load.concurrency) own.push_back(&sessions[j]);
+      const int64_t owned = static_cast<int64_t>(own.size());
+      for (int64_t r = 0; r < owned / std::gcd(owned, per_step); ++r) {
+        v1::StepRequest& request = slot_requests[i].emplace_back();
+        for (int64_t t = 0; t < per_step; ++t) {
+          v1::StepEntry* entry = request.add_entries();
+          entry->set_session_id(own[(r * per_step + t) % owned]->id());
+          *entry->mutable_q() = q;
+          if (append) {
+            *entry->mutable_k() = new_k;
+            *entry->mutable_v() = new_v;
+          }
+        }
+        request.set_causal(spec.causal);
+        request.set_return_lse(spec.return_lse);
+      }
+    }
+    const int64_t request_bytes =
+        per_step * static_cast<int64_t>(q.data().size() +
+                                        (append ? new_k.data().size() + new_v.data().size() : 0));
+    std::printf(
+        "attn_bench: decode, %lld sessions, %lld per Step, Hq=%lld Hkv=%lld D=%lld %s, "
+        "%lld new tokens per session-step%s%s, concurrency %d, %s, request payload %.2f "
+        "KiB\n",
+        static_cast<long long>(session_count), static_cast<long long>(per_step),
+        static_cast<long long>(spec.heads_q), static_cast<long long>(spec.heads_kv),
+        static_cast<long long>(spec.head_dim), DTypeName(spec.dtype),
+        static_cast<long long>(spec.seqlen_q), append ? " (K/V appended)" : "",
+        spec.causal ? ", causal" : "", load.concurrency,
+        load.rate ? absl::StrCat("rate ", *load.rate, "/s").c_str() : "closed loop",
+        static_cast<double>(request_bytes) / 1024);
+
+    int next_slot = 0;
+    PhaseResult result = RunPhase("decode", load, request_bytes, [&](Slot::DoneFn done) {
+      return std::make_unique<UnarySlot<v1::StepRequest, v1::StepResponse>>(
+          slot_requests[next_slot++], rpcs, load.deadline, std::move(done));
+    });
+    result.decode = true;
+    result.steps_per_s = result.requests_per_s * static_cast<double>(per_step);
+    result.tokens_per_s = result.steps_per_s * static_cast<double>(spec.seqlen_q);
+    PrintResult(result);
+    outputs.AddPhase(result, spec, load);
+    outputs.AddRun(absl::StrCat("{", ResultJson(result), ",", ConfigJson(spec, load), "}"));
+  }
 
   int64_t drop_errors = 0;
   for (Session& session : sessions) drop_errors += session.Drop().ok() ? 0 : 1;
   std::printf("attn_bench: dropped %lld sessions, %lld failed\n",
               static_cast<long long>(session_count), static_cast<long long>(drop_errors));
-  if (absl::GetFlag(FLAGS_json)) std::printf("{%s}\n", ResultJson(result).c_str());
-  std::fflush(stdout);
-  return 0;
+  return outputs.Finish();
 }
 
 int Main() {
@@ -697,7 +815,11 @@ int Main() {
   const std::string mode = absl::GetFlag(FLAGS_mode);
   const std::string rpc = absl::GetFlag(FLAGS_rpc);
   LoadSettings load;
-  load.concurrency = absl::GetFlag(FLAGS_concurrency);
+  std::vector<int> concurrencies;
+  for (const std::string& value : absl::GetFlag(FLAGS_concurrency)) {
+    int c = 0;
+    concurrencies.push_back(absl::SimpleAtoi(value, &c) ? c : 0);
+  }
   load.rate = absl::GetFlag(FLAGS_rate);
   load.duration_s = absl::GetFlag(FLAGS_duration_s);
   load.requests = absl::GetFlag(FLAGS_requests);
@@ -706,11 +828,12 @@ int Main() {
   load.deadline = absl::Seconds(absl::GetFlag(FLAGS_deadline_s));
   load.progress = absl::GetFlag(FLAGS_progress);
   if (!spec.ok() || (rpc != "unary" && rpc != "stream") || (mode != "attend" && mode != "decode") ||
-      load.concurrency < 1 || (load.rate && *load.rate <= 0)) {
+      concurrencies.empty() || *std::min_element(concurrencies.begin(), concurrencies.end()) < 1 ||
+      (load.rate && *load.rate <= 0)) {
     std::fprintf(stderr, "attn_bench: %s\n",
                  !spec.ok() ? std::string(spec.status().message()).c_str()
                             : "--rpc must be unary or stream, --mode attend or decode, "
-                              "--concurrency >= 1, --rate > 0");
+                              "--concurrency integers >= 1, --rate > 0");
     return 2;
   }
   ClientOptions options;
@@ -724,7 +847,7 @@ int Main() {
     return 2;
   }
   options.max_message_bytes = max_message_mb << 20;
-  if (mode == "decode") return RunDecode(*spec, load, options);
+  if (mode == "decode") return RunDecode(*spec, load, concurrencies, options);
 
   std::mt19937_64 rng(std::random_device{}());
   absl::StatusOr<v1::AttendRequest> request = MakeRandomRequest(*spec, rng);
@@ -735,8 +858,9 @@ int Main() {
   const int64_t request_bytes = static_cast<int64_t>(
       request->q().data().size() + request->k().data().size() + request->v().data().size());
   const double flops = AttentionFlops(*spec);
-  std::printf("attn_bench: %s, %s, concurrency %d, %s, request payload %.2f MiB\n",
-              DescribeProblem(*spec).c_str(), rpc.c_str(), load.concurrency,
+  std::printf("attn_bench: %s, %s, concurrency %s, %s, request payload %.2f MiB\n",
+              DescribeProblem(*spec).c_str(), rpc.c_str(),
+              absl::StrJoin(concurrencies, ",").c_str(),
               load.rate ? absl::StrCat("rate ", *load.rate, "/s").c_str() : "closed loop",
               static_cast<double>(request_bytes) / (1 << 20));
 
@@ -794,7 +918,6 @@ int Main() {
     echo_rpcs.flops = [flops](const bench::EchoReply&) { return flops; };
   }
 
-  std::vector<PhaseResult> results;
   if (!echo_only) {
     attention_stub = v1::Attention::NewStub(channel_for(absl::GetFlag(FLAGS_target)));
     attention_rpcs.unary = [&](grpc::ClientContext* c, const v1::AttendRequest* q,
@@ -810,45 +933,52 @@ int Main() {
     };
     attention_rpcs.timing = [](const v1::AttendResponse& r) { return r.timing(); };
     attention_rpcs.flops = [flops](const v1::AttendResponse&) { return flops; };
-    results.push_back(RunPhase("attention", load, request_bytes, attention_slot));
-    PrintResult(results.back());
-  }
-  if (!echo_target.empty()) {
-    results.push_back(RunPhase("echo", load, request_bytes, echo_slot));
-    PrintResult(results.back());
   }
 
-  std::string json;
-  if (results.size() == 2) {
-    const PhaseResult& a = results[0];
-    const PhaseResult& e = results[1];
-    const double ratio = e.payload_gb_per_s > 0 ? a.payload_gb_per_s / e.payload_gb_per_s : 0;
-    std::printf(
-        "attention/echo: payload GB/s ratio %.3f, p50 - echo p50 = %.1f us "
-        "(server compute p50 %.1f us)\n",
-        ratio, (a.p50 - e.p50) * 1e6, a.compute_us_p50);
-    json =
-        absl::StrCat("{", ResultJson(a), ",\"echo\":{", ResultJson(e),
-                     absl::StrFormat("},\"payload_ratio_vs_echo\":%.6g,\"p50_minus_echo_s\":%.6g}",
-                                     ratio, a.p50 - e.p50));
-  } else {
-    json = absl::StrCat("{", ResultJson(results[0]), "}");
+  Outputs outputs;
+  for (const int concurrency : concurrencies) {
+    load.concurrency = concurrency;
+    std::vector<PhaseResult> results;
+    if (!echo_only) results.push_back(RunPhase("attention", load, request_bytes, attention_slot));
+    if (!echo_target.empty()) results.push_back(RunPhase("echo", load, request_bytes, echo_slot));
+    for (const PhaseResult& r : results) {
+      PrintResult(r);
+      outputs.AddPhase(r, *spec, load);
+    }
+
+    std::string json;
+    if (results.size() == 2) {
+      const PhaseResult& a = results[0];
+      const PhaseResult& e = results[1];
+      const double ratio = e.payload_gb_per_s > 0 ? a.payload_gb_per_s / e.payload_gb_per_s : 0;
+      std::printf(
+          "attention/echo: payload GB/s ratio %.3f, p50 - echo p50 = %.1f us "
+          "(server compute p50 %.1f us)\n",
+          ratio, (a.p50 - e.p50) * 1e6, a.compute_us_p50);
+      json = absl::StrCat(
+          "{", ResultJson(a), ",\"echo\":{", ResultJson(e),
+          absl::StrFormat("},\"payload_ratio_vs_echo\":%.6g,\"p50_minus_echo_s\":%.6g}", ratio,
+                          a.p50 - e.p50));
+    } else {
+      json = absl::StrCat("{", ResultJson(results[0]), "}");
+    }
+    json.insert(json.size() - 1, absl::StrCat(",", ConfigJson(*spec, load)));
+    outputs.AddRun(json);
   }
-  if (absl::GetFlag(FLAGS_json)) std::printf("%s\n", json.c_str());
-  std::fflush(stdout);
-  return 0;
+  return outputs.Finish();
 }
 
 }  // namespace
 }  // namespace attention::client
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  attention::client::ParseToolFlags(
+      argc, argv,
       "attn_bench --target=HOST:PORT[,HOST:PORT...] [--concurrency=N] [--rate=R] "
       "[--duration_s=S | --requests=N] [--shape=B,H,N,D] [--rpc=unary|stream] "
       "[--echo | --echo_target=HOST:PORT] [--json]\n"
       "attn_bench --mode=decode --sessions=S --nk=CONTEXT --shape=SESSIONS_PER_STEP,H,NEW_TOKENS,D "
-      "[--kv_heads=HKV] [--causal] ...");
-  absl::ParseCommandLine(argc, argv);
+      "[--kv_heads=HKV] [--causal] ...",
+      __FILE__);
   return attention::client::Main();
 }

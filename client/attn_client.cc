@@ -9,6 +9,7 @@
 // Exit status: 0 success; 1 the check failed, the server is not SERVING, or a call failed;
 // 2 bad flags or inputs.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -23,8 +24,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -36,6 +35,7 @@
 #include "client/reference_check.h"
 #include "client/request_builder.h"
 #include "client/tensors.h"
+#include "client/tool_flags.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051", "server address, host:port");
 ABSL_FLAG(int64_t, deadline_ms, 60000, "deadline per call, milliseconds");
@@ -45,10 +45,16 @@ ABSL_FLAG(std::string, health_service, "",
           "service to health-check; empty for the server as a whole");
 ABSL_FLAG(bool, info, false, "print GetServerInfo and exit");
 
-ABSL_FLAG(std::string, shape, "1,8,512,64", "B,H,N,D: batch, query heads, query length, head dim");
+ABSL_FLAG(std::optional<attention::client::Shape>, shape, std::nullopt,
+          "B,H,N,D: batch, query heads, query length, head dim (positive integers; default: "
+          "--q's shape, else 1,8,512,64)");
 ABSL_FLAG(std::optional<int64_t>, kv_heads, std::nullopt, "key/value heads (default: H)");
 ABSL_FLAG(std::optional<int64_t>, nk, std::nullopt, "key length (default: N)");
-ABSL_FLAG(std::string, dtype, "float32", "float32 | float16 | bfloat16");
+ABSL_FLAG(std::optional<std::string>, dtype, std::nullopt,
+          "float32 | float16 | bfloat16 (default: float16 for a '<f2' --q file, else float32)");
+ABSL_FLAG(int, max_message_mb, 1024,
+          "largest gRPC message sent or received, MiB (1..2047); a larger request is refused "
+          "before it is built (the server has its own limit: --info)");
 ABSL_FLAG(std::string, layout, "bhsd", "bhsd ([B, H, N, D]) | bshd ([B, N, H, D])");
 ABSL_FLAG(bool, causal, false, "causal mask (bottom-right aligned)");
 ABSL_FLAG(std::optional<float>, scale, std::nullopt, "softmax scale (default: 1/sqrt(D))");
@@ -60,8 +66,9 @@ ABSL_FLAG(std::vector<std::string>, varlen, {},
           "--shape's B and N are then ignored)");
 ABSL_FLAG(std::vector<std::string>, varlen_k, {},
           "varlen: per-item key lengths (default: --varlen)");
-ABSL_FLAG(std::string, q, "", ".npy file for q ('<f4' or '<f2', the request's q shape)");
-ABSL_FLAG(std::string, k, "", ".npy file for k");
+ABSL_FLAG(std::string, q, "",
+          ".npy file for q ('<f4' or '<f2'); gives --shape and --dtype unless they are set");
+ABSL_FLAG(std::string, k, "", ".npy file for k; gives --kv_heads and --nk unless they are set");
 ABSL_FLAG(std::string, v, "", ".npy file for v");
 ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt, "seed for random inputs (default: random)");
 ABSL_FLAG(std::string, out, "",
@@ -81,7 +88,6 @@ namespace attention::client {
 namespace {
 
 constexpr int kExitFailed = 1;
-constexpr int kExitUsage = 2;
 
 absl::StatusOr<std::vector<int64_t>> ParseInts(absl::Span<const std::string> parts,
                                                const char* flag) {
@@ -96,26 +102,56 @@ absl::StatusOr<std::vector<int64_t>> ParseInts(absl::Span<const std::string> par
   return values;
 }
 
-absl::StatusOr<ProblemSpec> SpecFromFlags() {
+// The --q, --k, --v files, read before the problem is described since they may describe it.
+using InputFiles = std::array<std::optional<NpyArray>, 3>;
+
+absl::StatusOr<InputFiles> ReadInputFiles() {
+  InputFiles files;
+  const std::string paths[] = {absl::GetFlag(FLAGS_q), absl::GetFlag(FLAGS_k),
+                               absl::GetFlag(FLAGS_v)};
+  for (int i = 0; i < 3; ++i) {
+    if (paths[i].empty()) continue;
+    absl::StatusOr<NpyArray> array = ReadNpy(paths[i]);
+    if (!array.ok()) return array.status();
+    files[i] = *std::move(array);
+  }
+  return files;
+}
+
+// The flags' problem; unset flags come from the files: B, Hq, Nq, D and the dtype from q's
+// shape and element type, Hkv and Nk from k's shape (rank 4, in --layout's order).
+absl::StatusOr<ProblemSpec> SpecFromFlags(const InputFiles& files) {
   ProblemSpec spec;
-  const std::vector<std::string> shape_parts = absl::StrSplit(absl::GetFlag(FLAGS_shape), ',');
-  absl::StatusOr<std::vector<int64_t>> shape = ParseInts(shape_parts, "shape");
-  if (!shape.ok()) return shape.status();
-  if (shape->size() != 4) return absl::InvalidArgumentError("--shape needs B,H,N,D");
-  spec.batch = (*shape)[0];
-  spec.heads_q = (*shape)[1];
-  spec.seqlen_q = (*shape)[2];
-  spec.head_dim = (*shape)[3];
-  spec.heads_kv = absl::GetFlag(FLAGS_kv_heads).value_or(spec.heads_q);
-  spec.seqlen_k = absl::GetFlag(FLAGS_nk).value_or(spec.seqlen_q);
-  absl::StatusOr<v1::DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
-  if (!dtype.ok()) return dtype.status();
-  spec.dtype = *dtype;
   const std::string layout = absl::GetFlag(FLAGS_layout);
   if (layout != "bhsd" && layout != "bshd") {
     return absl::InvalidArgumentError(absl::StrCat("--layout must be bhsd or bshd, got ", layout));
   }
   spec.layout = layout == "bshd" ? v1::LAYOUT_BSHD : v1::LAYOUT_BHSD;
+  const int head_axis = spec.layout == v1::LAYOUT_BSHD ? 2 : 1;
+  const std::optional<NpyArray>& q_file = files[0];
+  const std::optional<NpyArray>& k_file = files[1];
+  Shape shape{1, 8, 512, 64};
+  if (absl::GetFlag(FLAGS_shape)) {
+    shape = *absl::GetFlag(FLAGS_shape);
+  } else if (q_file && q_file->shape.size() == 4) {
+    shape = {q_file->shape[0], q_file->shape[head_axis], q_file->shape[3 - head_axis],
+             q_file->shape[3]};
+  }
+  spec.batch = shape.batch;
+  spec.heads_q = shape.heads;
+  spec.seqlen_q = shape.seqlen;
+  spec.head_dim = shape.head_dim;
+  const bool k_gives = k_file && k_file->shape.size() == 4;
+  spec.heads_kv =
+      absl::GetFlag(FLAGS_kv_heads).value_or(k_gives ? k_file->shape[head_axis] : spec.heads_q);
+  spec.seqlen_k =
+      absl::GetFlag(FLAGS_nk).value_or(k_gives ? k_file->shape[3 - head_axis] : spec.seqlen_q);
+  if (absl::Status s = CheckKvFlags(spec); !s.ok()) return s;
+  const bool half_file = q_file && q_file->type == NpyType::kFloat16;
+  absl::StatusOr<v1::DType> dtype =
+      ParseDType(absl::GetFlag(FLAGS_dtype).value_or(half_file ? "float16" : "float32"));
+  if (!dtype.ok()) return dtype.status();
+  spec.dtype = *dtype;
   spec.causal = absl::GetFlag(FLAGS_causal);
   spec.softmax_scale = absl::GetFlag(FLAGS_scale);
   spec.window_left = absl::GetFlag(FLAGS_window_left);
@@ -125,6 +161,9 @@ absl::StatusOr<ProblemSpec> SpecFromFlags() {
                                      std::tuple{&FLAGS_varlen_k, "varlen_k", &spec.varlen_k}}) {
     absl::StatusOr<std::vector<int64_t>> values = ParseInts(absl::GetFlag(*flag), name);
     if (!values.ok()) return values.status();
+    if (std::any_of(values->begin(), values->end(), [](int64_t n) { return n < 0; })) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": lengths must be >= 0"));
+    }
     lengths->assign(values->begin(), values->end());
   }
   if (spec.is_varlen()) spec.batch = static_cast<int64_t>(spec.varlen_q.size());
@@ -132,29 +171,26 @@ absl::StatusOr<ProblemSpec> SpecFromFlags() {
 }
 
 // q, k, v from the --q/--k/--v files, or random normal from the seed.
-absl::StatusOr<v1::AttendRequest> BuildRequest(const ProblemSpec& spec) {
+absl::StatusOr<v1::AttendRequest> BuildRequest(const ProblemSpec& spec, InputFiles& files) {
   uint64_t seed = absl::GetFlag(FLAGS_seed).value_or(std::random_device()());
   std::printf("problem: %s (seed %llu)\n", DescribeProblem(spec).c_str(),
               static_cast<unsigned long long>(seed));
   std::mt19937_64 rng(seed);
   const std::vector<int64_t> shapes[] = {QueryShape(spec), KeyValueShape(spec),
                                          KeyValueShape(spec)};
-  const std::string files[] = {absl::GetFlag(FLAGS_q), absl::GetFlag(FLAGS_k),
-                               absl::GetFlag(FLAGS_v)};
+  const char* names[] = {"--q", "--k", "--v"};
   std::vector<float> data[3];
   for (int i = 0; i < 3; ++i) {
-    if (files[i].empty()) {
+    if (!files[i]) {
       data[i] = RandomNormal(NumElements(shapes[i]), rng);
       continue;
     }
-    absl::StatusOr<NpyArray> array = ReadNpy(files[i]);
-    if (!array.ok()) return array.status();
-    if (array->shape != shapes[i]) {
+    if (files[i]->shape != shapes[i]) {
       return absl::InvalidArgumentError(
-          absl::StrCat(files[i], " has shape [", absl::StrJoin(array->shape, ", "),
+          absl::StrCat(names[i], " has shape [", absl::StrJoin(files[i]->shape, ", "),
                        "], the request needs [", absl::StrJoin(shapes[i], ", "), "]"));
     }
-    data[i] = std::move(array->values);
+    data[i] = std::move(files[i]->values);
   }
   return MakeRequest(spec, data[0], data[1], data[2]);
 }
@@ -193,13 +229,29 @@ void PrintLatencies(std::vector<double> ms) {
   std::printf("\n");
 }
 
-int RunAttend(Client& client) {
-  absl::StatusOr<ProblemSpec> spec = SpecFromFlags();
+// The request's size from its shapes, before any of it is built: q, k and v at the dtype's width.
+int64_t EstimateRequestBytes(const ProblemSpec& spec) {
+  const int64_t width = spec.dtype == v1::DTYPE_FLOAT32 ? 4 : 2;
+  return width * (NumElements(QueryShape(spec)) + 2 * NumElements(KeyValueShape(spec)));
+}
+
+int RunAttend(Client& client, int64_t max_message_bytes) {
+  absl::StatusOr<InputFiles> files = ReadInputFiles();
+  absl::StatusOr<ProblemSpec> spec =
+      files.ok() ? SpecFromFlags(*files) : absl::StatusOr<ProblemSpec>(files.status());
   if (!spec.ok()) {
     std::fprintf(stderr, "%s\n", spec.status().ToString().c_str());
     return kExitUsage;
   }
-  absl::StatusOr<v1::AttendRequest> request = BuildRequest(*spec);
+  if (const int64_t bytes = EstimateRequestBytes(*spec); bytes > max_message_bytes) {
+    std::fprintf(stderr,
+                 "the request would be %.1f MiB, over --max_message_mb=%lld; raise it (the "
+                 "server's limit is in --info) or send less\n",
+                 static_cast<double>(bytes) / (1 << 20),
+                 static_cast<long long>(max_message_bytes >> 20));
+    return kExitUsage;
+  }
+  absl::StatusOr<v1::AttendRequest> request = BuildRequest(*spec, *files);
   if (!request.ok()) {
     std::fprintf(stderr, "%s\n", request.status().ToString().c_str());
     return kExitUsage;
@@ -252,6 +304,7 @@ int RunAttend(Client& client) {
   }
 
   if (!absl::GetFlag(FLAGS_check)) return 0;
+  std::fprintf(stderr, "check: computing the float64 reference...\n");
   absl::StatusOr<CheckResult> check = CheckResponse(*request, response);
   if (!check.ok()) {
     std::fprintf(stderr, "check failed: %s\n", check.status().ToString().c_str());
@@ -262,7 +315,8 @@ int RunAttend(Client& client) {
               check->max_relative_error);
   if (check->lse_checked) std::printf(", lse error = %.3g", check->lse_relative_error);
   const bool pass = WithinBound(*check, spec->dtype);
-  std::printf(" (bound %.0e): %s\n", bound, pass ? "PASS" : "FAIL");
+  std::printf(" (bound %.0e; every row, reference on %d threads): %s\n", bound,
+              check->reference_threads, pass ? "PASS" : "FAIL");
   return pass ? 0 : kExitFailed;
 }
 
@@ -304,12 +358,19 @@ absl::Status ApplySecurityFlags(ClientOptions& options) {
 }  // namespace attention::client
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "attn_client --target=HOST:PORT [--shape=B,H,N,D ...] [--check] | --health | --info");
-  absl::ParseCommandLine(argc, argv);
+  attention::client::ParseToolFlags(
+      argc, argv,
+      "attn_client --target=HOST:PORT [--shape=B,H,N,D ...] [--check] | --health | --info",
+      __FILE__);
   attention::client::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
+  const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  if (max_message_mb < 1 || max_message_mb > 2047) {
+    std::cerr << "attn_client: --max_message_mb: expected 1..2047, got " << max_message_mb << "\n";
+    return attention::client::kExitUsage;
+  }
+  options.max_message_bytes = max_message_mb << 20;
   if (absl::Status status = attention::client::ApplySecurityFlags(options); !status.ok()) {
     std::cerr << "attn_client: " << status << "\n";
     return attention::client::kExitUsage;
@@ -317,5 +378,5 @@ int main(int argc, char** argv) {
   attention::client::Client client(options);
   if (absl::GetFlag(FLAGS_health)) return attention::client::RunHealth(client);
   if (absl::GetFlag(FLAGS_info)) return attention::client::RunInfo(client);
-  return attention::client::RunAttend(client);
+  return attention::client::RunAttend(client, options.max_message_bytes);
 }

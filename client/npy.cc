@@ -103,6 +103,7 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   absl::StatusOr<std::vector<int64_t>> shape = ParseShape(*shape_text);
   if (!shape.ok()) return shape.status();
   array.shape = *std::move(shape);
+  array.type = element_bytes == 2 ? NpyType::kFloat16 : NpyType::kFloat32;
 
   const size_t n = static_cast<size_t>(NumElements(array.shape));
   const size_t data_start = header_start + header_len;

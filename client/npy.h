@@ -17,6 +17,7 @@ namespace attention::client {
 enum class NpyType { kFloat32, kFloat16 };
 
 struct NpyArray {
+  NpyType type = NpyType::kFloat32;  // the file's element type
   std::vector<int64_t> shape;
   std::vector<float> values;  // row-major, prod(shape) of them
 };

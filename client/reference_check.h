@@ -20,6 +20,8 @@ struct CheckResult {
   // as an infinite error).
   bool lse_checked = false;
   double lse_relative_error = 0;
+  // Threads the reference ran on (one (batch item, query head) pair at a time each).
+  int reference_threads = 1;
 };
 
 // The API's bound on relative_error for `dtype`: 1e-5 for float32, 1e-2 for float16/bfloat16.

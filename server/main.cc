@@ -36,6 +36,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -386,6 +387,10 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   absl::SetProgramUsageMessage("Serves attention.v1.Attention over gRPC.");
+  // --help lists this file's flags (abseil's default looks for a file named like the program).
+  const auto own_flags = [](absl::string_view file) { return file == __FILE__; };
+  absl::SetFlagsUsageConfig(
+      {.contains_helpshort_flags = own_flags, .contains_help_flags = own_flags});
   absl::ParseCommandLine(argc, argv);
 
   attention::server::ServerConfig options;

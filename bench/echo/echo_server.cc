@@ -10,6 +10,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "bench/echo/echo.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -70,6 +72,12 @@ volatile std::sig_atomic_t g_stop = 0;
 }  // namespace attention::bench
 
 int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Serves attention.bench.Echo (the transport anchor of attn_bench) over gRPC.");
+  // --help lists this file's flags (abseil's default looks for a file named like the program).
+  const auto own_flags = [](absl::string_view file) { return file == __FILE__; };
+  absl::SetFlagsUsageConfig(
+      {.contains_helpshort_flags = own_flags, .contains_help_flags = own_flags});
   absl::ParseCommandLine(argc, argv);
   attention::bench::EchoService service;
   const int max_bytes = absl::GetFlag(FLAGS_max_message_mb) * (1 << 20);

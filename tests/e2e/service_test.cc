@@ -200,7 +200,7 @@ TEST_F(ServiceTest, CliCheckPassesAgainstTheServer) {
   for (const std::string args : {
            " --shape=2,4,100,64 --kv_heads=2 --nk=77 --dtype=float32 --causal --lse --check",
            " --shape=1,8,1,128 --kv_heads=1 --nk=300 --dtype=bfloat16 --layout=bshd --check",
-           " --shape=1,4,0,32 --varlen=37,1,128 --varlen_k=50,20,128 --dtype=float16 --causal "
+           " --shape=1,4,1,32 --varlen=37,1,128 --varlen_k=50,20,128 --dtype=float16 --causal "
            "--lse --repeat=3 --check",
            " --shape=1,2,64,32 --window_left=8 --window_right=4 --scale=0.2 --check",
        }) {

@@ -46,12 +46,13 @@ class AttnBenchTest(unittest.TestCase):
             proc.wait(timeout=60)
         shutil.rmtree(cls.dir, ignore_errors=True)
 
-    def bench(self, *flags):
-        out = subprocess.run(
+    def bench(self, *flags, returncode=0):
+        p = subprocess.run(
             [os.environ["ATTN_BENCH_BINARY"], "--progress=false", "--json", "--warmup_s=0.2",
              "--shape=1,4,64,64", *flags],
-            capture_output=True, text=True, timeout=120, check=True).stdout
-        return json.loads(out.strip().splitlines()[-1])
+            capture_output=True, text=True, timeout=120)
+        self.assertEqual(p.returncode, returncode, p.stderr)
+        return json.loads(p.stdout.strip().splitlines()[-1])
 
     def check_phase(self, result, requests):
         self.assertEqual(result["errors"], {})
@@ -78,8 +79,9 @@ class AttnBenchTest(unittest.TestCase):
         self.assertGreater(r["requests"], 20)
 
     def test_errors_are_counted_by_code(self):
-        # Hq % Hkv != 0: every call fails with INVALID_ARGUMENT.
-        r = self.bench(f"--target=127.0.0.1:{self.port}", "--kv_heads=3", "--requests=5")
+        # Hq % Hkv != 0: every call fails with INVALID_ARGUMENT, and the run exits 1.
+        r = self.bench(f"--target=127.0.0.1:{self.port}", "--kv_heads=3", "--requests=5",
+                       returncode=1)
         self.assertEqual(r["errors"], {"INVALID_ARGUMENT": 5})
 
 
