@@ -146,9 +146,18 @@ Metrics::Metrics(const BuildInfo& build)
 }
 
 absl::StatusOr<int> Metrics::Serve(const std::string& address) {
+  // civetweb gives each connection a worker thread from accept until its request has been read
+  // and answered, so an idle or stalled connection holds a worker until the request timeout
+  // (civetweb's default 30 s; prometheus-cpp's default pool is 2 workers). Enough workers for the
+  // scrapers and a few stray connections, and a timeout well inside Prometheus's default 10 s
+  // scrape timeout, so a scrape is not starved by them. Keep-alive stays off (civetweb's
+  // default): a scraper's connection gives its worker back after each scrape.
+  const std::vector<std::string> options = {"listening_ports",    address,  //
+                                            "num_threads",        "8",      //
+                                            "request_timeout_ms", "5000"};
   // civetweb reports a failed bind by throwing; it stays inside this call.
   try {
-    exposer_ = std::make_unique<prometheus::Exposer>(address);
+    exposer_ = std::make_unique<prometheus::Exposer>(options);
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat("metrics: cannot listen on ", address, ": ", e.what()));
