@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <exception>
 #include <sstream>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "prometheus/text_serializer.h"
+#include "server/metrics/process_metrics.h"
 
 namespace attention::server {
 namespace {
@@ -280,7 +282,11 @@ void Metrics::SampleScheduler() {
 
 std::vector<prometheus::MetricFamily> Metrics::Sampled::Collect() const {
   metrics_->SampleScheduler();
-  return metrics_->registry_->Collect();
+  std::vector<prometheus::MetricFamily> families = metrics_->registry_->Collect();
+  for (prometheus::MetricFamily& family : CollectProcessMetrics()) {
+    families.push_back(std::move(family));
+  }
+  return families;
 }
 
 }  // namespace attention::server
