@@ -3,7 +3,7 @@
 // metadata limit (it would see RESOURCE_EXHAUSTED instead of the real error), and non-UTF-8 bytes
 // would make it unreadable. So at most kQuotedPrefixBytes are quoted, escaped, with the length:
 //   Quote("abc")              -> 'abc'
-//   Quote(1 MiB of "x")       -> 'xxxx...x...' (1048576 bytes)   (64 bytes quoted)
+//   Quote(1 MiB of "x")       -> 'xx...x...' (1048576 bytes), 64 x quoted
 //   Quote("a\xff\n")          -> 'a\xff\n'
 #pragma once
 
