@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <exception>
 #include <sstream>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "prometheus/text_serializer.h"
+#include "server/metrics/process_metrics.h"
 
 namespace attention::server {
 namespace {
@@ -146,9 +148,18 @@ Metrics::Metrics(const BuildInfo& build)
 }
 
 absl::StatusOr<int> Metrics::Serve(const std::string& address) {
+  // civetweb gives each connection a worker thread from accept until its request has been read
+  // and answered, so an idle or stalled connection holds a worker until the request timeout
+  // (civetweb's default 30 s; prometheus-cpp's default pool is 2 workers). Enough workers for the
+  // scrapers and a few stray connections, and a timeout well inside Prometheus's default 10 s
+  // scrape timeout, so a scrape is not starved by them. Keep-alive stays off (civetweb's
+  // default): a scraper's connection gives its worker back after each scrape.
+  const std::vector<std::string> options = {"listening_ports",    address,  //
+                                            "num_threads",        "8",      //
+                                            "request_timeout_ms", "5000"};
   // civetweb reports a failed bind by throwing; it stays inside this call.
   try {
-    exposer_ = std::make_unique<prometheus::Exposer>(address);
+    exposer_ = std::make_unique<prometheus::Exposer>(options);
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat("metrics: cannot listen on ", address, ": ", e.what()));
@@ -271,7 +282,11 @@ void Metrics::SampleScheduler() {
 
 std::vector<prometheus::MetricFamily> Metrics::Sampled::Collect() const {
   metrics_->SampleScheduler();
-  return metrics_->registry_->Collect();
+  std::vector<prometheus::MetricFamily> families = metrics_->registry_->Collect();
+  for (prometheus::MetricFamily& family : CollectProcessMetrics()) {
+    families.push_back(std::move(family));
+  }
+  return families;
 }
 
 }  // namespace attention::server

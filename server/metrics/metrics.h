@@ -2,7 +2,8 @@
 // on them). Label values are bounded sets (rpc names, status codes, devices, stages): never a
 // request id. Latencies and sizes are histograms, so they can be aggregated across replicas.
 // Request metrics are updated on the request path; device memory and busy ratio are sampled from
-// the scheduler when /metrics is scraped (Watch).
+// the scheduler when /metrics is scraped (Watch); the process metrics (process_metrics.h) are
+// read then too.
 #pragma once
 
 #include <cstdint>
@@ -93,7 +94,8 @@ class Metrics {
                                                       absl::Duration busy_window = kBusyWindow);
 
  private:
-  // What the exposer collects: the registry, after sampling the watched scheduler.
+  // What the exposer collects: the registry, after sampling the watched scheduler, and the
+  // process metrics.
   class Sampled final : public prometheus::Collectable {
    public:
     explicit Sampled(Metrics* metrics) : metrics_(metrics) {}

@@ -152,6 +152,42 @@ std::optional<double> SampleValue(const std::string& text, const std::string& se
   return std::nullopt;
 }
 
+// The conventional process metrics, read at each scrape.
+TEST(MetricsTest, ExportsProcessMetrics) {
+  Metrics metrics(BuildInfo{});
+  const std::string before = metrics.Scrape();
+  for (const char* name : {"process_cpu_seconds_total", "process_resident_memory_bytes",
+                           "process_virtual_memory_bytes", "process_open_fds", "process_max_fds",
+                           "process_start_time_seconds"}) {
+    EXPECT_TRUE(SampleValue(before, name).has_value()) << name << " missing from:\n" << before;
+  }
+  EXPECT_THAT(before, HasSubstr("# TYPE process_cpu_seconds_total counter"));
+  EXPECT_THAT(before, HasSubstr("# TYPE process_open_fds gauge"));
+  const double resident = SampleValue(before, "process_resident_memory_bytes").value_or(0);
+  EXPECT_GT(resident, 1 << 20);
+  EXPECT_GE(SampleValue(before, "process_virtual_memory_bytes").value_or(0), resident);
+  const double open_fds = SampleValue(before, "process_open_fds").value_or(0);
+  EXPECT_GE(open_fds, 3);  // stdin, stdout, stderr at least
+  EXPECT_GE(SampleValue(before, "process_max_fds").value_or(0), open_fds);
+  // This test's process started less than ten minutes ago.
+  const double start = SampleValue(before, "process_start_time_seconds").value_or(0);
+  const double now = absl::ToUnixMicros(absl::Now()) * 1e-6;
+  EXPECT_LE(start, now + 1);
+  EXPECT_GT(start, now - 600);
+
+  // Each scrape reads them anew: two more descriptors, and CPU time spent.
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const double cpu_before = SampleValue(before, "process_cpu_seconds_total").value_or(0);
+  for (const absl::Time end = absl::Now() + absl::Milliseconds(50); absl::Now() < end;) {
+  }
+  const std::string after = metrics.Scrape();
+  EXPECT_EQ(SampleValue(after, "process_open_fds"), open_fds + 2);
+  EXPECT_GT(SampleValue(after, "process_cpu_seconds_total").value_or(0), cpu_before);
+  close(fds[0]);
+  close(fds[1]);
+}
+
 TEST(MetricsTest, WatchExportsDeviceMemoryAndQueueCapacity) {
   Metrics metrics(BuildInfo{});
   std::vector<std::unique_ptr<Executor>> executors;

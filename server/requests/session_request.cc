@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/quote.h"
 #include "kernels/status_macros.h"
 #include "server/requests/request_decoder.h"
 
@@ -106,8 +107,8 @@ absl::Status CheckStep(const v1::StepRequest& request) {
       return absl::InvalidArgumentError(
           absl::StrCat("entries[", i,
                        "].session_id: expected each session at most once per step, "
-                       "got '",
-                       entry.session_id(), "' again"));
+                       "got ",
+                       Quote(entry.session_id()), " again"));
     }
     if (!entry.has_q()) {
       return absl::InvalidArgumentError(

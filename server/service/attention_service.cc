@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/quote.h"
 #include "server/service/security.h"
 
 namespace attention::server {
@@ -172,7 +173,7 @@ class AttentionService::StreamReactor final
     } else if (status_.ok()) {
       status_ = absl::Status(
           status.code(),
-          absl::StrCat("request '", exchange->request.request_id(), "': ", status.message()));
+          absl::StrCat("request ", Quote(exchange->request.request_id()), ": ", status.message()));
     }
     Advance();
   }

@@ -10,6 +10,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/quote.h"
 #include "kernels/status_macros.h"
 #include "server/metrics/metrics.h"
 
@@ -87,7 +88,7 @@ int64_t SessionStore::PageRowsFor(const KvShape& shape) const {
 
 absl::Status SessionStore::NotFound(absl::string_view id) const {
   return absl::NotFoundError(
-      absl::StrCat("session '", id, "' not found: unknown, dropped, or expired after ",
+      absl::StrCat("session ", Quote(id), " not found: unknown, dropped, or expired after ",
                    absl::FormatDuration(options_.ttl),
                    " idle (sessions are also lost when the server restarts); create it again"));
 }

@@ -1,10 +1,16 @@
 // End to end service surface: GetServerInfo, grpc.health.v1, server reflection, the Prometheus
 // endpoint, and the attn_client CLI run against a live server.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -14,6 +20,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/attention_client.h"
 #include "client/npy.h"
 #include "client/request_builder.h"
@@ -110,6 +118,69 @@ TEST_F(ServiceTest, ReflectionListsAndDescribesTheService) {
   EXPECT_TRUE(found) << "no descriptor for attention.v1.Attention";
   stream->WritesDone();
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+// grpc.health.v1.Health is listed, so a reflection client (grpcurl describe) must also find its
+// descriptor: the server links the health .proto's generated code into its descriptor pool.
+TEST_F(ServiceTest, ReflectionDescribesTheHealthService) {
+  auto stub = reflection::ServerReflection::NewStub(client().channel());
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto stream = stub->ServerReflectionInfo(&context);
+  reflection::ServerReflectionRequest describe;
+  describe.set_file_containing_symbol("grpc.health.v1.Health");
+  ASSERT_TRUE(stream->Write(describe));
+  reflection::ServerReflectionResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  ASSERT_TRUE(response.has_file_descriptor_response()) << response.DebugString();
+  std::map<std::string, std::string> methods;  // name -> input type
+  for (const std::string& bytes : response.file_descriptor_response().file_descriptor_proto()) {
+    google::protobuf::FileDescriptorProto file;
+    ASSERT_TRUE(file.ParseFromString(bytes));
+    if (file.package() != "grpc.health.v1") continue;
+    for (const auto& service : file.service()) {
+      if (service.name() != "Health") continue;
+      for (const auto& m : service.method()) methods[m.name()] = m.input_type();
+    }
+  }
+  EXPECT_EQ(methods,
+            (std::map<std::string, std::string>{{"Check", ".grpc.health.v1.HealthCheckRequest"},
+                                                {"Watch", ".grpc.health.v1.HealthCheckRequest"}}));
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+// The metrics server (civetweb) gives each connection a worker thread until its request is read:
+// connections that stay idle, or stall halfway through a request line, must not keep a scraper
+// waiting.
+TEST_F(ServiceTest, MetricsAnswerBesideIdleAndStalledConnections) {
+  const int port = process().metrics_port();
+  const auto connect_loopback = [port] {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0)
+        << std::strerror(errno);
+    return fd;
+  };
+  std::vector<int> held;
+  for (int i = 0; i < 4; ++i) held.push_back(connect_loopback());
+  held.push_back(connect_loopback());
+  const std::string half_request = "GET /metrics HTTP/1.1\r\nHo";
+  ASSERT_EQ(write(held.back(), half_request.data(), half_request.size()),
+            static_cast<ssize_t>(half_request.size()));
+  // Let the server take them onto its workers before the scrape arrives.
+  absl::SleepFor(absl::Milliseconds(200));
+
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> text = HttpGet(port, "/metrics");
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_TRUE(absl::StrContains(*text, "attention_build_info"));
+  EXPECT_LT(took, absl::Seconds(2)) << "the scrape waited " << took;
+  for (int fd : held) close(fd);
 }
 
 // The counters count exactly the calls made, by rpc and code; a fresh server so nothing else

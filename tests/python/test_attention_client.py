@@ -252,5 +252,60 @@ class HalfPrecisionTest(ServerTest):
                                       np.array([1.0, 1.0, 1.015625, -2.5], dtype=np.float32))
 
 
+class ImportTest(ServerTest):
+    """Importing the package must not import torch: it takes seconds, and a broken install raises
+    on import. Each check runs a fresh interpreter with a stand-in torch package first on the
+    path."""
+
+    def run_python(self, fake_torch_body, code):
+        with tempfile.TemporaryDirectory() as fake:
+            os.makedirs(os.path.join(fake, "torch"))
+            with open(os.path.join(fake, "torch", "__init__.py"), "w") as f:
+                f.write(fake_torch_body)
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join([fake, env.get("PYTHONPATH", "")])
+            return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                  text=True, timeout=120)
+
+    def test_import_does_not_import_torch(self):
+        done = self.run_python("", "import sys, attention_client\n"
+                                   "assert 'torch' not in sys.modules, 'torch was imported'\n")
+        self.assertEqual(done.returncode, 0, done.stderr)
+
+    def test_a_torch_that_fails_to_import_leaves_numpy_use_working(self):
+        code = (
+            "import sys, numpy as np, attention_client\n"
+            f"client = attention_client.Client('127.0.0.1:{self.port}')\n"
+            "q = np.ones((1, 2, 3, 8), np.float32)\n"
+            "o = client.attend(q, q, q)\n"
+            "assert o.shape == q.shape and np.allclose(o, 1), o\n")
+        done = self.run_python("raise OSError('libtorch_cuda.so: cannot open shared object')\n",
+                               code)
+        self.assertEqual(done.returncode, 0, done.stderr)
+
+
+class HealthAndInfoTest(ServerTest):
+    def test_health_is_serving(self):
+        self.assertEqual(self.client.health(), "SERVING")
+        self.assertEqual(self.client.health("attention.v1.Attention"), "SERVING")
+        with self.assertRaises(AttentionError) as raised:
+            self.client.health("no.such.Service")
+        self.assertEqual(raised.exception.code, grpc.StatusCode.NOT_FOUND)
+
+    def test_attend_result_carries_timing_and_device(self):
+        q, k, v = self.qkv()
+        r = self.client.attend(q, k, v, causal=True, return_lse=True, return_info=True,
+                               request_id="with-info")
+        ref_o, ref_lse = reference(q, k, v, causal=True)
+        self.assertWithin(rel_error(r.o, ref_o), F32_BOUND, "o")
+        self.assertWithin(lse_error(r.lse, ref_lse), F32_BOUND, "lse")
+        self.assertEqual(r.device, "cpu")
+        self.assertEqual(r.request_id, "with-info")
+        self.assertIsInstance(r.timing, attention_client.ServerTiming)
+        self.assertGreater(r.timing.compute_us, 0)
+        self.assertGreaterEqual(r.timing.total_us, r.timing.compute_us)
+        self.assertIsNone(self.client.attend(q, k, v, return_info=True).lse)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -132,6 +132,26 @@ class SessionTest(ServerTest):
             for s in sessions:
                 s.drop()
 
+    def test_step_results_carry_length_timing_and_device(self):
+        hq, hkv, d = 4, 2, 32
+        k, v = self.rows(hkv, 20, d)
+        with self.client.session(k=k, v=v) as s, self.client.session(k=k, v=v) as t:
+            q = self.normal(hq, 1, d)
+            k1, v1 = self.rows(hkv, 1, d)
+            r = s.step(q, k1, v1, causal=True, return_lse=True, return_info=True)
+            ref_o, ref_lse = session_reference(q, np.concatenate([k, k1], axis=1),
+                                               np.concatenate([v, v1], axis=1), causal=True)
+            self.assertWithin(rel_error(r.o, ref_o), F32_BOUND, "o")
+            self.assertWithin(lse_error(r.lse, ref_lse), F32_BOUND, "lse")
+            self.assertEqual((r.length, r.device), (21, "cpu"))
+            self.assertGreater(r.timing.compute_us, 0)
+            self.assertGreaterEqual(r.timing.total_us, r.timing.compute_us)
+            # One Step RPC: its timing and device are every item's.
+            both = self.client.step_many([(s, q), (t, q)], return_info=True)
+            self.assertEqual([b.length for b in both], [21, 20])
+            self.assertEqual(both[0].timing, both[1].timing)
+            self.assertIsNone(both[0].lse)
+
     def test_info_list_and_not_found_after_drop(self):
         k, v = self.rows(2, 40, 64)
         s = self.client.session(k=k, v=v)

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "client/attention_client.h"
 #include "client/request_builder.h"
@@ -388,6 +389,67 @@ TEST(GarbageBytesTest, UnparseableMessageIsRefusedAndServerKeepsServing) {
   absl::StatusOr<v1::AttendRequest> good = RandomRequest(kDense, seed);
   ASSERT_TRUE(good.ok()) << good.status();
   e2e::ExpectCorrect(*good, server->client->Attend(*good));
+  EXPECT_TRUE(server->process->Stop().ok());
+}
+
+// One unary call on the Sessions stub; its status as an absl::Status.
+template <typename Request, typename Response>
+absl::Status CallSessions(grpc::Status (v1::Sessions::Stub::*method)(grpc::ClientContext*,
+                                                                     const Request&, Response*),
+                          v1::Sessions::Stub& stub, const Request& request) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  Response response;
+  const grpc::Status status = (stub.*method)(&context, request, &response);
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+// Strings a client sends (session ids, request ids) may be megabytes of any bytes. Errors quote a
+// short escaped prefix with the length: echoed whole, the status message would exceed the
+// client's metadata limit, and the client would read RESOURCE_EXHAUSTED instead of the error.
+TEST(LongClientStringTest, ErrorsQuoteAShortEscapedPrefix) {
+  absl::StatusOr<RunningServer> server = StartServer({"--backend=cpu"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  // 1 MiB, starting with characters that are not printable ASCII. (Bytes that are not UTF-8 do
+  // not reach the service: proto3 string fields must be UTF-8, so gRPC refuses the message.)
+  std::string id = "\t\x01\xc3\xa9";  // tab, SOH, e acute
+  id.resize(1 << 20, 'x');
+  const auto expect_short = [](const absl::Status& status, absl::StatusCode code) {
+    EXPECT_EQ(status.code(), code) << status.ToString().substr(0, 300);
+    const std::string message(status.message());
+    EXPECT_LT(message.size(), 1000u) << message.substr(0, 300);
+    EXPECT_THAT(message, HasSubstr("'\\t\\x01\\xc3\\xa9xxx"));
+    EXPECT_THAT(message, HasSubstr("...' (1048576 bytes)"));
+    for (char c : message) EXPECT_TRUE(absl::ascii_isprint(c)) << int{c};
+  };
+  std::unique_ptr<v1::Sessions::Stub> sessions = v1::Sessions::NewStub(server->client->channel());
+
+  v1::DropSessionRequest drop;
+  drop.set_session_id(id);
+  expect_short(CallSessions(&v1::Sessions::Stub::DropSession, *sessions, drop),
+               absl::StatusCode::kNotFound);
+
+  v1::StepRequest step;
+  v1::StepEntry* entry = step.add_entries();
+  entry->set_session_id(id);
+  v1::Tensor* q = entry->mutable_q();
+  q->set_dtype(v1::DTYPE_FLOAT32);
+  Reshape(q, {2, 1, 16});
+  expect_short(CallSessions(&v1::Sessions::Stub::Step, *sessions, step),
+               absl::StatusCode::kNotFound);
+  *step.add_entries() = *entry;  // the same session twice
+  expect_short(CallSessions(&v1::Sessions::Stub::Step, *sessions, step),
+               absl::StatusCode::kInvalidArgument);
+
+  // A failing request on a stream: the stream's error names the request by its id.
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  absl::StatusOr<v1::AttendRequest> bad = RandomRequest(kDense, seed);
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  bad->clear_q();
+  bad->set_request_id(id);
+  expect_short(server->client->AttendStream(std::vector<v1::AttendRequest>{*bad}).status(),
+               absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(server->process->Stop().ok());
 }
 

@@ -5,16 +5,20 @@
     o = client.attend(q, k, v, causal=True)                 # q: [B, Hq, Nq, D] numpy or torch
     o, lse = client.attend(q, k, v, return_lse=True)        # lse: float32 [B, Hq, Nq]
     o = attention_client.attend(q, k, v, target="localhost:50051")   # one-off call
+    r = client.attend(q, k, v, return_info=True)            # r.o, r.lse, r.timing, r.device
+    client.health()                                         # "SERVING"
     with client.session(k=k0, v=v0) as s:                   # KV-resident: k0, v0 [Hkv, N, D]
         o = s.step(q1, k=k1, v=v1, causal=True)             # q1 [Hq, 1, D]; k1, v1 [Hkv, 1, D]
 
 float32 and float16 arrays travel as they are; bfloat16 as ml_dtypes.bfloat16 arrays or torch
 bfloat16 tensors, or, without either, as uint16 arrays of bfloat16 bits with bfloat16_bits=True
-(see float32_to_bfloat16_bits / bfloat16_bits_to_float32).
+(see float32_to_bfloat16_bits / bfloat16_bits_to_float32). torch is imported only when a
+torch tensor is handed in.
 """
-from attention_client.client import (AttentionError, Client, attend, bfloat16_bits_to_float32,
+from attention_client.client import (AttendResult, AttentionError, Client, ServerTiming,
+                                     StepResult, attend, bfloat16_bits_to_float32,
                                      float32_to_bfloat16_bits)
 from attention_client.session import Session
 
-__all__ = ["AttentionError", "Client", "attend", "bfloat16_bits_to_float32",
-           "float32_to_bfloat16_bits", "Session"]
+__all__ = ["AttendResult", "AttentionError", "Client", "ServerTiming", "StepResult", "attend",
+           "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "Session"]

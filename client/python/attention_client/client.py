@@ -1,4 +1,11 @@
-"""Client and attend(): numpy arrays or torch tensors in, the same kind out."""
+"""Client and attend(): numpy arrays or torch tensors in, the same kind out.
+
+torch is imported only when a torch tensor or dtype is handed in: importing it takes seconds,
+and a broken install raises on import (not only ImportError), which must not break numpy use.
+"""
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
 import grpc
 import numpy as np
 
@@ -11,13 +18,49 @@ try:  # optional: numpy's bfloat16
 except ImportError:
     _ML_BFLOAT16 = None
 
-try:  # optional: torch tensors in and out
-    import torch
-except ImportError:
-    torch = None
-
 _NUMPY_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.float16): pb.DTYPE_FLOAT16}
 _LAYOUTS = {"bhsd": pb.LAYOUT_BHSD, "bshd": pb.LAYOUT_BSHD}
+
+
+def _is_torch(x):
+    """Whether x is a torch object (a tensor, a dtype), judged without importing torch."""
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+class ServerTiming(NamedTuple):
+    """Server-side microseconds of one call: waiting in the queue, host-to-device copies, the
+    kernel, device-to-host copies, and the whole call in the server."""
+    queue_us: float
+    h2d_us: float
+    compute_us: float
+    d2h_us: float
+    total_us: float
+
+    @classmethod
+    def _from_pb(cls, t):
+        return cls(t.queue_us, t.h2d_us, t.compute_us, t.d2h_us, t.total_us)
+
+
+@dataclass(frozen=True)
+class AttendResult:
+    """attend(..., return_info=True): o, lse (None without return_lse), where it ran (device,
+    e.g. "cuda:0" or "cpu"), the server's timing and the echoed request_id."""
+    o: Any
+    lse: Optional[Any]
+    timing: ServerTiming
+    device: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """step(..., return_info=True): o, lse (None without return_lse), the session's length after
+    the step, and the device and timing of the Step RPC (shared by the items of a step_many)."""
+    o: Any
+    lse: Optional[Any]
+    length: int
+    timing: ServerTiming
+    device: str
 
 
 def _set_options(request, causal, softmax_scale, window_left, window_right, return_lse):
@@ -56,7 +99,8 @@ def bfloat16_bits_to_float32(bits):
 
 def _to_tensor(x, name, bfloat16_bits):
     """One input as (pb.Tensor, kind) where kind says how to return the output."""
-    if torch is not None and isinstance(x, torch.Tensor):
+    if _is_torch(x):
+        import torch
         t = x.detach().contiguous().cpu()
         if t.dtype == torch.bfloat16:
             return _tensor(pb.DTYPE_BFLOAT16, t.shape, t.view(torch.int16).numpy()), ("torch", x)
@@ -95,6 +139,7 @@ def _from_tensor(t, kind):
         raise AttentionError(grpc.StatusCode.INTERNAL, f"response tensor has dtype {t.dtype}")
     a = a.copy()  # frombuffer views are read-only
     if kind[0] == "torch":
+        import torch
         if t.dtype == pb.DTYPE_BFLOAT16:  # torch has no uint16: reinterpret through int16
             out = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         else:
@@ -107,6 +152,7 @@ def _lse_from_tensor(t, kind):
     """A float32 LSE tensor as numpy, or torch on the device of the input when kind is torch."""
     lse = np.frombuffer(t.data, dtype="<f4").reshape(tuple(t.shape)).copy()
     if kind[0] == "torch":
+        import torch
         lse = torch.from_numpy(lse.astype(np.float32)).to(kind[1].device)
     return lse
 
@@ -182,14 +228,15 @@ class Client:
     def attend(self, q, k, v, *, causal=False, softmax_scale=None, window_left=None,
                window_right=None, layout="bhsd", return_lse=False, cu_seqlens_q=None,
                cu_seqlens_k=None, bfloat16_bits=False, timeout=None, request_id="",
-               metadata=None):
+               metadata=None, return_info=False):
         """O = softmax(scale * Q Kᵀ + mask) V on the server.
 
         q: [B, Hq, Nq, D] (layout "bhsd") or [B, Nq, Hq, D] ("bshd"); k, v: [B, Hkv, Nk, D]
         likewise. Varlen: q [total_q, Hq, D], k and v [total_k, Hkv, D] with cu_seqlens_q and
         cu_seqlens_k (B+1 offsets each; cu_seqlens_k defaults to cu_seqlens_q).
         Returns o (same kind, dtype and shape as q), or (o, lse) with return_lse: lse float32
-        [B, Hq, Nq] (varlen [Hq, total_q]). Raises AttentionError with the gRPC status code.
+        [B, Hq, Nq] (varlen [Hq, total_q]); with return_info an AttendResult (o, lse, timing,
+        device, request_id). Raises AttentionError with the gRPC status code.
         """
         tq, kind = _to_tensor(q, "q", bfloat16_bits)
         tk, _ = _to_tensor(k, "k", bfloat16_bits)
@@ -205,9 +252,18 @@ class Client:
                 int(x) for x in (cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k))
         response = self._call(self._stub.Attend, request, timeout, metadata)
         o = _from_tensor(response.o, kind)
-        if not return_lse:
-            return o
-        return o, _lse_from_tensor(response.lse, kind)
+        lse = _lse_from_tensor(response.lse, kind) if return_lse else None
+        if return_info:
+            return AttendResult(o, lse, ServerTiming._from_pb(response.timing), response.device,
+                                response.request_id)
+        return (o, lse) if return_lse else o
+
+    def health(self, service="", *, timeout=None):
+        """The grpc.health.v1 status of service ("" = the server as a whole;
+        "attention.v1.Attention", "attention.v1.Sessions"): "SERVING" or "NOT_SERVING" (or
+        "UNKNOWN"). An unknown service raises AttentionError NOT_FOUND."""
+        from attention_client.health import check
+        return check(self, service, timeout)
 
     def server_info(self, timeout=None):
         """The server's attention.v1.ServerInfo message."""
@@ -229,18 +285,18 @@ class Client:
 
     def step_many(self, items, *, causal=False, softmax_scale=None, window_left=None,
                   window_right=None, return_lse=False, timeout=None, metadata=None,
-                  request_id=""):
+                  request_id="", return_info=False):
         """One Step RPC over several sessions of this client, run by the server as one launch.
 
         items: (session, q) or (session, q, k, v) tuples, each session at most once; q
-        [Hq, Nq, D], k and v [Hkv, n, D] appended before attending. Returns one o (or (o, lse))
-        per item, in order; every session's length is updated.
+        [Hq, Nq, D], k and v [Hkv, n, D] appended before attending. Returns one o (or (o, lse),
+        or with return_info a StepResult) per item, in order; every session's length is updated.
         """
         from attention_client.session import step_many
         return step_many(self, items, causal=causal, softmax_scale=softmax_scale,
                          window_left=window_left, window_right=window_right,
                          return_lse=return_lse, timeout=timeout, metadata=metadata,
-                         request_id=request_id)
+                         request_id=request_id, return_info=return_info)
 
     def list_sessions(self, *, timeout=None, metadata=None):
         """ListSessionsResponse: the caller's sessions (all, when the server checks no tokens),

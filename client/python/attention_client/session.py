@@ -12,13 +12,9 @@ import grpc
 import numpy as np
 
 from attention_client._stubs import attention_pb2 as pb
-from attention_client.client import (_LAYOUTS, AttentionError, _from_tensor, _lse_from_tensor,
-                                     _set_options, _to_tensor)
-
-try:
-    import torch
-except ImportError:
-    torch = None
+from attention_client.client import (_LAYOUTS, AttentionError, ServerTiming, StepResult,
+                                     _from_tensor, _is_torch, _lse_from_tensor, _set_options,
+                                     _to_tensor)
 
 _DTYPE_NAMES = {"float32": pb.DTYPE_FLOAT32, "fp32": pb.DTYPE_FLOAT32,
                 "float16": pb.DTYPE_FLOAT16, "fp16": pb.DTYPE_FLOAT16, "half": pb.DTYPE_FLOAT16,
@@ -29,7 +25,7 @@ def _wire_dtype(dtype):
     """"float16", np.float16, torch.float16, ml_dtypes.bfloat16 or a pb.DType value -> pb.DType."""
     if isinstance(dtype, int) and dtype in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16):
         return dtype
-    if torch is not None and isinstance(dtype, torch.dtype):
+    if _is_torch(dtype):
         name = str(dtype).replace("torch.", "")
     elif isinstance(dtype, str):
         name = dtype
@@ -90,17 +86,17 @@ class Session:
         return self.length
 
     def step(self, q, k=None, v=None, *, causal=False, softmax_scale=None, window_left=None,
-             window_right=None, return_lse=False, timeout=None):
+             window_right=None, return_lse=False, timeout=None, return_info=False):
         """Attends q [Hq, Nq, D] to the session, after appending k, v [Hkv, n, D] when given.
 
         The queries are the session's last Nq positions (masks bottom-right aligned, as attend()).
         Returns o [Hq, Nq, D] (same kind and dtype as q), or (o, lse) with return_lse: lse
-        float32 [Hq, Nq].
+        float32 [Hq, Nq]; with return_info a StepResult (o, lse, length, timing, device).
         """
         return step_many(self._client, [(self, q, k, v)], causal=causal,
                          softmax_scale=softmax_scale, window_left=window_left,
                          window_right=window_right, return_lse=return_lse, timeout=timeout,
-                         metadata=self._metadata)[0]
+                         metadata=self._metadata, return_info=return_info)[0]
 
     def drop(self, *, timeout=None):
         """Frees the session's K/V on the server; the object holds no session afterwards."""
@@ -148,7 +144,8 @@ def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, 
 
 
 def step_many(client, items, *, causal=False, softmax_scale=None, window_left=None,
-              window_right=None, return_lse=False, timeout=None, metadata=None, request_id=""):
+              window_right=None, return_lse=False, timeout=None, metadata=None, request_id="",
+              return_info=False):
     """One Step RPC over several sessions; see Client.step_many."""
     request = pb.StepRequest(request_id=request_id)
     _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
@@ -170,6 +167,7 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
     if len(response.results) != len(sessions):
         raise AttentionError(grpc.StatusCode.DATA_LOSS, f"Step sent {len(sessions)} entries and "
                              f"got {len(response.results)} results")
+    timing = ServerTiming._from_pb(response.timing)
     outputs = []
     for session, kind, result in zip(sessions, kinds, response.results):
         if result.session_id != session.id:
@@ -177,7 +175,11 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
                                  f"{result.session_id} where {session.id} was expected")
         session.length = result.length
         o = _from_tensor(result.o, kind)
-        outputs.append((o, _lse_from_tensor(result.lse, kind)) if return_lse else o)
+        lse = _lse_from_tensor(result.lse, kind) if return_lse else None
+        if return_info:
+            outputs.append(StepResult(o, lse, result.length, timing, response.device))
+        else:
+            outputs.append((o, lse) if return_lse else o)
     return outputs
 
 
