@@ -53,6 +53,7 @@
 #include "server/options/server_options.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/attention_service.h"
+#include "server/service/reflection_v1.h"
 #include "server/service/security.h"
 #include "server/service/session_service.h"
 #include "server/sessions/session_store.h"
@@ -303,6 +304,11 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   }
   builder.RegisterService(&service);
   builder.RegisterService(&sessions);
+  // Reflection v1 beside gRPC's v1alpha plugin; both list what the server serves.
+  ReflectionV1Service reflection_v1({kServiceName, kSessionsServiceName, "grpc.health.v1.Health",
+                                     "grpc.reflection.v1.ServerReflection",
+                                     "grpc.reflection.v1alpha.ServerReflection"});
+  builder.RegisterService(&reflection_v1);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::fprintf(stderr, "attention_server: cannot listen on %s\n",

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,7 @@
 #include "client/request_builder.h"
 #include "client/tensors.h"
 #include "google/protobuf/descriptor.pb.h"
+#include "grpc/reflection/v1/reflection.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_attention.h"
@@ -122,15 +124,30 @@ TEST_F(ServiceTest, ReflectionListsAndDescribesTheService) {
 
 // grpc.health.v1.Health is listed, so a reflection client (grpcurl describe) must also find its
 // descriptor: the server links the health .proto's generated code into its descriptor pool.
-TEST_F(ServiceTest, ReflectionDescribesTheHealthService) {
-  auto stub = reflection::ServerReflection::NewStub(client().channel());
+// The methods of grpc.health.v1.Health as a reflection service describes them, and the services
+// it lists; `Stub`, `Request` and `Response` are those of v1alpha or v1 (the same messages).
+template <typename Stub, typename Request, typename Response>
+void ExpectReflectionDescribesHealth(std::unique_ptr<Stub> stub) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   auto stream = stub->ServerReflectionInfo(&context);
-  reflection::ServerReflectionRequest describe;
+  Request list;
+  list.set_list_services("");
+  ASSERT_TRUE(stream->Write(list));
+  Response listed;
+  ASSERT_TRUE(stream->Read(&listed));
+  std::set<std::string> services;
+  for (const auto& service : listed.list_services_response().service()) {
+    services.insert(service.name());
+  }
+  for (const char* name : {"attention.v1.Attention", "attention.v1.Sessions",
+                           "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}) {
+    EXPECT_TRUE(services.contains(name)) << name << " not listed: " << listed.DebugString();
+  }
+  Request describe;
   describe.set_file_containing_symbol("grpc.health.v1.Health");
   ASSERT_TRUE(stream->Write(describe));
-  reflection::ServerReflectionResponse response;
+  Response response;
   ASSERT_TRUE(stream->Read(&response));
   ASSERT_TRUE(response.has_file_descriptor_response()) << response.DebugString();
   std::map<std::string, std::string> methods;  // name -> input type
@@ -146,8 +163,29 @@ TEST_F(ServiceTest, ReflectionDescribesTheHealthService) {
   EXPECT_EQ(methods,
             (std::map<std::string, std::string>{{"Check", ".grpc.health.v1.HealthCheckRequest"},
                                                 {"Watch", ".grpc.health.v1.HealthCheckRequest"}}));
+  // An unknown symbol is an error response on the stream, which stays open.
+  Request unknown;
+  unknown.set_file_containing_symbol("no.such.Symbol");
+  ASSERT_TRUE(stream->Write(unknown));
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.error_response().error_code(), grpc::StatusCode::NOT_FOUND);
   stream->WritesDone();
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(ServiceTest, ReflectionDescribesTheHealthService) {
+  ExpectReflectionDescribesHealth<reflection::ServerReflection::Stub,
+                                  reflection::ServerReflectionRequest,
+                                  reflection::ServerReflectionResponse>(
+      reflection::ServerReflection::NewStub(client().channel()));
+}
+
+// Reflection v1 (which grpcurl and other clients try first) answers the same.
+TEST_F(ServiceTest, ReflectionV1DescribesTheHealthService) {
+  namespace v1r = grpc::reflection::v1;
+  ExpectReflectionDescribesHealth<v1r::ServerReflection::Stub, v1r::ServerReflectionRequest,
+                                  v1r::ServerReflectionResponse>(
+      v1r::ServerReflection::NewStub(client().channel()));
 }
 
 // The metrics server (civetweb) gives each connection a worker thread until its request is read:
