@@ -28,7 +28,8 @@ void AddFile(const FileDescriptor* file, std::set<std::string>* sent,
   if (!sent->insert(file->name()).second) return;
   google::protobuf::FileDescriptorProto proto;
   file->CopyTo(&proto);
-  proto.SerializeToString(response->mutable_file_descriptor_response()->add_file_descriptor_proto());
+  proto.SerializeToString(
+      response->mutable_file_descriptor_response()->add_file_descriptor_proto());
   for (int i = 0; i < file->dependency_count(); ++i) AddFile(file->dependency(i), sent, response);
 }
 
@@ -68,8 +69,7 @@ grpc::Status ReflectionV1Service::ServerReflectionInfo(
             pool->FindFileContainingSymbol(request.file_containing_symbol());
         if (file == nullptr) {
           SetError(grpc::StatusCode::NOT_FOUND,
-                   absl::StrCat("symbol not found: ", request.file_containing_symbol()),
-                   &response);
+                   absl::StrCat("symbol not found: ", request.file_containing_symbol()), &response);
         } else {
           AddFile(file, &sent, &response);
         }
@@ -108,10 +108,11 @@ grpc::Status ReflectionV1Service::ServerReflectionInfo(
         break;
       }
       case ServerReflectionRequest::MESSAGE_REQUEST_NOT_SET:
-        SetError(grpc::StatusCode::INVALID_ARGUMENT,
-                 "message_request: expected one of file_by_filename, file_containing_symbol, "
-                 "file_containing_extension, all_extension_numbers_of_type, list_services; got none",
-                 &response);
+        SetError(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            "message_request: expected one of file_by_filename, file_containing_symbol, "
+            "file_containing_extension, all_extension_numbers_of_type, list_services; got none",
+            &response);
         break;
     }
     if (!stream->Write(response)) break;

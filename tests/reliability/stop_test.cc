@@ -8,6 +8,8 @@
 #include <future>
 #include <random>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -43,29 +45,43 @@ constexpr client::ProblemSpec kSmall{
 // answer's way back, with room for a loaded machine.
 constexpr absl::Duration kStopBound = absl::Seconds(3);
 
-TEST(StopTest, ARequestWhoseDeadlinePassesWhileRunningStopsAndFreesItsWorker) {
-  absl::StatusOr<e2e::RunningServer> server =
-      e2e::StartServer({"--backend=cpu", "--threads=1", "--workers=1", "--max_request_flops=1e13"});
-  ASSERT_TRUE(server.ok()) << server.status();
-  const uint64_t seed = e2e::FreshSeed();
-  SCOPED_TRACE(absl::StrCat("seed ", seed));
-  std::mt19937_64 rng(seed);
-  absl::StatusOr<v1::AttendRequest> long_request = client::MakeRandomRequest(kLong, rng);
-  absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(kSmall, rng);
-  ASSERT_TRUE(long_request.ok()) << long_request.status();
-  ASSERT_TRUE(small.ok()) << small.status();
+// A one-worker CPU server that admits kLong, with `flags` beside, and a long and a small request.
+class StopTest : public ::testing::Test {
+ protected:
+  void Start(std::vector<std::string> flags) {
+    flags.insert(flags.end(),
+                 {"--backend=cpu", "--threads=1", "--workers=1", "--max_request_flops=1e13"});
+    server_ = e2e::StartServer(flags);
+    ASSERT_TRUE(server_.ok()) << server_.status();
+    std::mt19937_64 rng(seed_);
+    absl::StatusOr<v1::AttendRequest> long_request = client::MakeRandomRequest(kLong, rng);
+    absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(kSmall, rng);
+    ASSERT_TRUE(long_request.ok()) << long_request.status();
+    ASSERT_TRUE(small.ok()) << small.status();
+    long_request_ = *std::move(long_request);
+    small_ = *std::move(small);
+  }
+
+  const uint64_t seed_ = e2e::FreshSeed();
+  absl::StatusOr<e2e::RunningServer> server_ = absl::UnknownError("not started");
+  v1::AttendRequest long_request_, small_;
+};
+
+TEST_F(StopTest, ARequestWhoseDeadlinePassesWhileRunningStopsAndFreesItsWorker) {
+  SCOPED_TRACE(absl::StrCat("seed ", seed_));
+  ASSERT_NO_FATAL_FAILURE(Start({}));
 
   const absl::Time start = absl::Now();
   absl::StatusOr<v1::AttendResponse> expired =
-      server->client->Attend(*long_request, {.deadline = absl::Seconds(2)});
+      server_->client->Attend(long_request_, {.deadline = absl::Seconds(2)});
   EXPECT_EQ(expired.status().code(), absl::StatusCode::kDeadlineExceeded) << expired.status();
   // The worker is free again soon after the deadline: the small request, which needs the one
   // worker, is answered well before the long one could have finished.
-  const int port = server->process->metrics_port();
+  const int port = server_->process->metrics_port();
   EXPECT_EQ(e2e::WaitForMetric(port, "attention_device_running_batches", {},
                                [](double v) { return v == 0; }),
             0);
-  e2e::ExpectCorrect(*small, server->client->Attend(*small));
+  e2e::ExpectCorrect(small_, server_->client->Attend(small_));
   const absl::Duration took = absl::Now() - start;
   EXPECT_LT(took, absl::Seconds(2) + kStopBound) << "the stopped run held its worker";
   // The server says why: the call's code is counted, and its work is not (it did not finish).
@@ -73,42 +89,33 @@ TEST(StopTest, ARequestWhoseDeadlinePassesWhileRunningStopsAndFreesItsWorker) {
                               {{"rpc", "Attend"}, {"code", "DEADLINE_EXCEEDED"}})
                 .value_or(-1),
             1);
-  EXPECT_EQ(server->Stop(), absl::OkStatus());
+  EXPECT_EQ(server_->Stop(), absl::OkStatus());
 }
 
-TEST(StopTest, ADrainWhoseGraceEndsStopsWhatRunsAndAnswersItUnavailable) {
+TEST_F(StopTest, ADrainWhoseGraceEndsStopsWhatRunsAndAnswersItUnavailable) {
   constexpr int kGraceSeconds = 2;
-  absl::StatusOr<e2e::RunningServer> server =
-      e2e::StartServer({"--backend=cpu", "--threads=1", "--workers=1", "--max_request_flops=1e13",
-                        absl::StrCat("--shutdown_grace_s=", kGraceSeconds)});
-  ASSERT_TRUE(server.ok()) << server.status();
-  const uint64_t seed = e2e::FreshSeed();
-  SCOPED_TRACE(absl::StrCat("seed ", seed));
-  std::mt19937_64 rng(seed);
-  absl::StatusOr<v1::AttendRequest> long_request = client::MakeRandomRequest(kLong, rng);
-  absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(kSmall, rng);
-  ASSERT_TRUE(long_request.ok()) << long_request.status();
-  ASSERT_TRUE(small.ok()) << small.status();
+  SCOPED_TRACE(absl::StrCat("seed ", seed_));
+  ASSERT_NO_FATAL_FAILURE(Start({absl::StrCat("--shutdown_grace_s=", kGraceSeconds)}));
   std::future<absl::StatusOr<v1::AttendResponse>> running =
-      server->client->AttendAsync(*long_request, {.deadline = absl::Seconds(120)});
-  ASSERT_TRUE(e2e::WaitUntilRunning(server->process->metrics_port())) << "it never ran";
+      server_->client->AttendAsync(long_request_, {.deadline = absl::Seconds(120)});
+  ASSERT_TRUE(e2e::WaitUntilRunning(server_->process->metrics_port())) << "it never ran";
   // One more, queued behind it: it too is answered when the grace ends.
   std::future<absl::StatusOr<v1::AttendResponse>> queued =
-      server->client->AttendAsync(*small, {.deadline = absl::Seconds(120)});
-  ASSERT_EQ(e2e::WaitForMetric(server->process->metrics_port(), "attention_queue_depth", {},
+      server_->client->AttendAsync(small_, {.deadline = absl::Seconds(120)});
+  ASSERT_EQ(e2e::WaitForMetric(server_->process->metrics_port(), "attention_queue_depth", {},
                                [](double v) { return v >= 1; }),
             1);
   const absl::Time signal_time = absl::Now();
-  ASSERT_TRUE(server->process->Signal(SIGTERM).ok());
+  ASSERT_TRUE(server_->process->Signal(SIGTERM).ok());
   for (auto* answer : {&running, &queued}) {
     absl::StatusOr<v1::AttendResponse> response = answer->get();
     EXPECT_EQ(response.status().code(), absl::StatusCode::kUnavailable) << response.status();
     EXPECT_THAT(std::string(response.status().message()), HasSubstr("grace period"));
   }
-  absl::StatusOr<int> code = server->process->WaitForExit(absl::Seconds(kGraceSeconds + 30));
+  absl::StatusOr<int> code = server_->process->WaitForExit(absl::Seconds(kGraceSeconds + 30));
   const absl::Duration exit_after = absl::Now() - signal_time;
   ASSERT_TRUE(code.ok()) << code.status();
-  EXPECT_EQ(*code, 0) << server->process->Log();
+  EXPECT_EQ(*code, 0) << server_->process->Log();
   // The grace, the stop, the linger and gRPC's close; a sanitized server also checks for leaks on
   // its way out.
   absl::Duration bound = absl::Seconds(kGraceSeconds) + kStopBound + absl::Seconds(3);
@@ -118,7 +125,7 @@ TEST(StopTest, ADrainWhoseGraceEndsStopsWhatRunsAndAnswersItUnavailable) {
   EXPECT_LT(exit_after, bound) << "the drain outlasted its grace";
 }
 
-TEST(StopTest, ARequestOverTheWorkLimitIsRefusedBeforeItIsQueued) {
+TEST(StopLimitTest, ARequestOverTheWorkLimitIsRefusedBeforeItIsQueued) {
   absl::StatusOr<e2e::RunningServer> server =
       e2e::StartServer({"--backend=cpu", "--max_request_flops=1e9"});
   ASSERT_TRUE(server.ok()) << server.status();
