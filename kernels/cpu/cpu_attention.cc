@@ -7,9 +7,9 @@
 // crossing a window edge are masked element-wise). A key a row cannot see never reaches it, even
 // when its K or V is Inf or NaN: masked logits are overwritten with -inf, and a tile on a window
 // edge whose V holds a non-finite value (checked on those tiles only) takes P V row by row over
-// each row's own keys instead of the register-blocked product, where 0 * NaN = NaN. Scores are kept transposed, keys x rows, so that
-// both products are "broadcast an element of A, FMA a row of B" and the softmax statistics are
-// vectors over rows:
+// each row's own keys instead of the register-blocked product, where 0 * NaN = NaN. Scores are kept
+// transposed, keys x rows, so that both products are "broadcast an element of A, FMA a row of B"
+// and the softmax statistics are vectors over rows:
 //   S^T = K Q^T                 [keys, rows], register-blocked 6 keys x 16 rows over D; a last
 //                               block of 8 rows (all rows when N <= 8) 12 keys x 8 rows
 //   m_new = max(m, colmax(S^T)); P^T = exp2(S^T - m_new); l = l exp2(m - m_new) + colsum(P^T)
