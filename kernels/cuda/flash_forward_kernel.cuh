@@ -210,7 +210,7 @@ __device__ __forceinline__ void FlashForwardRowsExact(const KernelParams& p, con
 #pragma unroll
       for (int x = 16; x >= 1; x /= 2) s += __shfl_xor_sync(0xffffffffu, s, x);
       float rescale;
-      const float pk = OnlineSoftmaxKey(s, mx, sum, p.scale_log2, rescale);
+      const float pk = OnlineSoftmaxKey(s, mx, sum, p.scale, rescale);
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         const int col = lane + 32 * c;
@@ -226,7 +226,7 @@ __device__ __forceinline__ void FlashForwardRowsExact(const KernelParams& p, con
     }
     if (p.lse != nullptr && lane == 0) {
       p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + e.q_start + m0 + r] =
-          sum > 0.f ? (mx * p.scale_log2 + log2f(sum)) * kLn2 : -INFINITY;
+          sum > 0.f ? mx * p.scale + logf(sum) : -INFINITY;
     }
   }
 }
@@ -562,9 +562,9 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
         }
       }
       if (p.lse != nullptr && t == 0 && m0 + r < e.nq) {
-        // Natural-log LSE: scale_log2 * row_max is max(scale * s) * log2(e).
-        const float lse =
-            l > 0.f ? (row_max[ms][half] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+        // Natural-log LSE: scale * row_max is max(scale * s) (KernelParams: no log2(e) in it to
+        // overflow).
+        const float lse = l > 0.f ? row_max[ms][half] * p.scale + logf(l) : -INFINITY;
         p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + e.q_start + m0 + r] = lse;
       }
     }

@@ -10,6 +10,8 @@
 
 #include <cmath>
 
+#include "kernels/cuda/kernel_params.h"
+
 namespace attention::cuda {
 
 // 2^x on the special-function unit; 2^-inf = +0, which masked logits rely on.
@@ -56,26 +58,27 @@ __device__ __forceinline__ float OnlineSoftmaxRow(float (&s)[kNTiles][4], int ha
   const float rescale = FastExp2(row_max * scale_log2 - m_scaled);
   row_max = mx;
 #pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt) {
+  for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       s[nt][half * 2 + i] = FastExp2(fmaf(s[nt][half * 2 + i], scale_log2, -m_scaled));
     }
-    part[nt] = s[nt][half * 2] + s[nt][half * 2 + 1];
-  }
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt) part[nt] = s[nt][half * 2] + s[nt][half * 2 + 1];
   row_sum = fmaf(row_sum, rescale, TreeReduce(part, [](float a, float b) { return a + b; }));
   return rescale;
 }
 
 // One key's step of a row's online softmax when keys come one at a time (the SIMT paths): raises
-// row_max (raw logits) to the logit s and returns p = exp2(scale_log2 * (s - max)); `rescale` gets
-// the factor of the row's earlier terms, by which the caller scales its O accumulators (row_sum is
-// rescaled here). A NaN logit gives a NaN p (fmaxf keeps the max finite).
+// row_max (raw logits) to the logit s and returns p = exp(scale * (s - max)) (exponents as
+// differences, so no scale overflows them); `rescale` gets the factor of the row's earlier terms,
+// by which the caller scales its O accumulators (row_sum is rescaled here). A NaN logit gives a
+// NaN p (fmaxf keeps the max finite).
 __device__ __forceinline__ float OnlineSoftmaxKey(float s, float& row_max, float& row_sum,
-                                                  float scale_log2, float& rescale) {
+                                                  float scale, float& rescale) {
   const float new_max = fmaxf(row_max, s);
-  rescale = FastExp2((row_max - new_max) * scale_log2);
-  const float p = FastExp2((s - new_max) * scale_log2);
+  rescale = FastExp2((row_max - new_max) * scale * kLog2e);
+  const float p = FastExp2((s - new_max) * scale * kLog2e);
   row_sum = row_sum * rescale + p;
   row_max = new_max;
   return p;

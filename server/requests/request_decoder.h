@@ -62,6 +62,10 @@ struct MaskParams {
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
 };
+// Any finite scale > 0 is accepted, however large: the kernels compute o and lse wherever the
+// scaled logits fit float32 (AttentionParams::softmax_scale), and for float32 and bfloat16 inputs
+// no bound on the scale could promise more (q.k alone can overflow at scale 1), so refusing large
+// scales would turn away valid requests without protecting any.
 template <typename Request>
 absl::StatusOr<MaskParams> DecodeMask(const Request& request, int64_t head_dim) {
   if (request.has_softmax_scale() &&

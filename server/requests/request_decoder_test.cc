@@ -306,6 +306,25 @@ TEST(RequestDecoderTest, BshdStrides) {
   }
 }
 
+// Every finite positive scale is accepted as it is, up to FLT_MAX: the kernels compute it wherever
+// the scaled logits fit float32 (AttentionParams::softmax_scale), so no bound would be right for
+// every input.
+TEST(RequestDecoderTest, AcceptsEveryFinitePositiveScale) {
+  Random random;
+  SCOPED_TRACE("seed " + std::to_string(random.seed()));
+  for (float scale : {1e-30f, 3e38f, std::numeric_limits<float>::max()}) {
+    AttendRequest request;
+    SetTensor(request.mutable_q(), v1::DTYPE_FLOAT32, {1, 1, 4, 16}, random);
+    SetTensor(request.mutable_k(), v1::DTYPE_FLOAT32, {1, 1, 4, 16}, random);
+    SetTensor(request.mutable_v(), v1::DTYPE_FLOAT32, {1, 1, 4, 16}, random);
+    request.set_softmax_scale(scale);
+    AttendResponse response;
+    absl::StatusOr<DecodedRequest> decoded = DecodeRequest(request, {}, &response);
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    EXPECT_EQ(decoded->params.softmax_scale, scale);
+  }
+}
+
 TEST(RequestDecoderTest, VarlenOffsetsAndLse) {
   Random random;
   SCOPED_TRACE("seed " + std::to_string(random.seed()));
