@@ -29,7 +29,9 @@
 // element mask; if any holds an Inf or NaN (rare: poisoned inputs), the CTA computes its rows on
 // an exact SIMT path instead (FlashForwardRowsExact: each row sums the keys it sees, one at a
 // time). The key loop itself is unchanged: zeroing V in shared memory inside it cost the D = 128
-// 16-bit tiles (255 registers) more spills than this check does.
+// 16-bit tiles (at 255 registers) more spills than this check, which costs them 60 bytes (a few
+// local-memory accesses per key tile, none before; not yet measured on the H200), and issuing it
+// after the first loads (to overlap their latency) cost more again.
 // Shared memory rows are kD elements = kChunks chunks of 16 bytes; chunk c of row r is stored at
 // c ^ (r % 8), so the 8 row addresses of every ldmatrix phase and every cp.async warp store hit 8
 // different 16-byte bank groups (no bank conflicts, no padding).
@@ -149,8 +151,8 @@ __device__ __forceinline__ void NegateTile(uint32_t smem) {
 
 // Whether one of the key tiles [n_block_min, n_block_max) that take the element mask for rows
 // [m0, row_last] has an Inf or NaN in V (this thread's share of the check: chunks i + n kThreads
-// of each such tile's real rows). v: this item and kv head at row 0. Not inlined, like the exact
-// path: it runs once, before the key loop.
+// of each such tile's real rows). v: this item and kv head at row 0. Runs once per CTA, before its
+// first loads.
 template <typename Tile>
 __device__ __forceinline__ bool MaskedTilesHaveNonFiniteV(const KernelParams& p,
                                                           const ItemExtent& e,

@@ -15,8 +15,8 @@
 // registers. S = Q K^T and O += P V are mma.sync m16n8k16 with float32 accumulation, P fed back
 // from the accumulators as the A operand. At the end the warps' (max, sum, O) are merged through
 // shared memory and the CTA writes either the result (one split) or a normalised float32 partial
-// and its log-sum-exp (natural log, like lse: max * scale fits float32 wherever the scaled logits
-// do, where a log2 one would need max * scale * log2(e) to fit). With several splits the step is
+// and its log-sum-exp (natural log, like lse, from the scale itself: the saturation of scale_log2
+// for huge scales, KernelParams, does not reach it). With several splits the step is
 // still one launch. Two splits on a Hopper GPU run as a cluster per (sequence, row block): the
 // partials stay in each CTA's shared memory and the pair merges them by LSE through distributed
 // shared memory (MergeSplitsInCluster). Otherwise the partials go to a global workspace, each split
