@@ -58,13 +58,13 @@ __device__ __forceinline__ float OnlineSoftmaxRow(float (&s)[kNTiles][4], int ha
   const float rescale = FastExp2(row_max * scale_log2 - m_scaled);
   row_max = mx;
 #pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt)
+  for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       s[nt][half * 2 + i] = FastExp2(fmaf(s[nt][half * 2 + i], scale_log2, -m_scaled));
     }
-#pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt) part[nt] = s[nt][half * 2] + s[nt][half * 2 + 1];
+    part[nt] = s[nt][half * 2] + s[nt][half * 2 + 1];
+  }
   row_sum = fmaf(row_sum, rescale, TreeReduce(part, [](float a, float b) { return a + b; }));
   return rescale;
 }
