@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <limits>
 #include <random>
-#include <string_view>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -189,14 +189,14 @@ std::vector<AttentionCase> StandardGrid() {
     // float32): the softmax is the row's max key, lse ~ 1e37. 3e38 and FLT_MAX overflow
     // scale * log2(e) (AttentionParams::softmax_scale). Few keys, so that the top two logits of a
     // row are never within the kernels' rounding of each other.
-    for (const auto& [name, scale] : {std::pair{"scale1e20_causal_lse", 1e20f},
-                                      {"scale3e38_causal_lse", 3e38f},
-                                      {"scale_flt_max_lse", std::numeric_limits<float>::max()}}) {
+    for (const auto& [name, scale, causal] :
+         {std::tuple{"scale1e20_causal_lse", 1e20f, true},
+          {"scale3e38_causal_lse", 3e38f, true},
+          {"scale_flt_max_lse", std::numeric_limits<float>::max(), false}}) {
       c = Square(name, 5, 16);
       c.heads_q = c.heads_kv = 1;
       c.softmax_scale = scale;
-      c.window_right =
-          std::string_view(name).find("causal") != std::string_view::npos ? 0 : kUnboundedWindow;
+      c.window_right = causal ? 0 : kUnboundedWindow;
       c.return_lse = true;
       c.input_scale = 0.1f;
       add(c);
