@@ -25,13 +25,14 @@
 // are zero-filled by cp.async, and a masked logit is overwritten with -inf (a NaN one too), so its
 // P is exactly 0. But the mma multiplies that 0 by V (0 * NaN = NaN), and one V tile serves every
 // row of the CTA, so no copy of V suits both the rows that see a key and those that mask it. So,
-// before its first loads, a CTA checks the V rows (from global memory) of the tiles that take the
-// element mask; if any holds an Inf or NaN (rare: poisoned inputs), the CTA computes its rows on
-// an exact SIMT path instead (FlashForwardRowsExact: each row sums the keys it sees, one at a
-// time). The key loop itself is unchanged: zeroing V in shared memory inside it cost the D = 128
-// 16-bit tiles (at 255 registers) more spills than this check, which costs them 60 bytes (a few
-// local-memory accesses per key tile, none before; not yet measured on the H200), and issuing it
-// after the first loads (to overlap their latency) cost more again.
+// before its first loads, a CTA checks the V rows (from global memory) of the keys that some of
+// its rows see and others do not (the causal diagonal, window edges: none without a window); if
+// one holds an Inf or NaN (rare: poisoned inputs), the CTA computes its rows on an exact SIMT path
+// instead (FlashForwardRowsExact: each row sums the keys it sees, one at a time). The key loop
+// itself is unchanged: zeroing V in shared memory inside it cost the D = 128 16-bit tiles (at 255
+// registers) more spills than this check, which costs them 88 bytes (a few local-memory accesses
+// per key tile, none before; not yet measured on the H200); issuing it after the first loads (to
+// overlap their latency) cost more again.
 // Shared memory rows are kD elements = kChunks chunks of 16 bytes; chunk c of row r is stored at
 // c ^ (r % 8), so the 8 row addresses of every ldmatrix phase and every cp.async warp store hit 8
 // different 16-byte bank groups (no bank conflicts, no padding).
@@ -149,24 +150,27 @@ __device__ __forceinline__ void NegateTile(uint32_t smem) {
   }
 }
 
-// Whether one of the key tiles [n_block_min, n_block_max) that take the element mask for rows
-// [m0, row_last] has an Inf or NaN in V (this thread's share of the check: chunks i + n kThreads
-// of each such tile's real rows). v: this item and kv head at row 0. Runs once per CTA, before its
-// first loads.
+// Whether V holds an Inf or NaN at a key that some of rows [m0, row_last] see and others do not
+// (this thread's share of the check: chunks i + n kThreads of those keys' rows). Keys every row
+// sees may hold anything (the rows are poisoned by them either way), and keys past the end are
+// never loaded, so unmasked and ragged-only CTAs read nothing here. v: this item and kv head at
+// row 0. Runs once per CTA, before its first loads.
 template <typename Tile>
-__device__ __forceinline__ bool MaskedTilesHaveNonFiniteV(const KernelParams& p,
-                                                          const ItemExtent& e,
-                                                          const typename Tile::Element* v, int m0,
-                                                          int row_last, int n_block_min,
-                                                          int n_block_max, int d_chunks) {
+__device__ __forceinline__ bool PartlyMaskedKeysHaveNonFiniteV(const KernelParams& p,
+                                                               const ItemExtent& e,
+                                                               const typename Tile::Element* v,
+                                                               int m0, int row_last, int d_chunks) {
+  const KeyRange some = VisibleKeys(p, e.nq, e.nk, m0, row_last);
+  const KeyRange every = VisibleKeys(p, e.nq, e.nk, row_last, m0);  // empty when lo >= hi
+  // [some.lo, cut) and [max(every.hi, cut), some.hi): all of `some` when `every` is empty.
+  const int cut = min(max(every.lo, some.lo), some.hi);
   bool found = false;
-  for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
-    const int n0 = n_block * Tile::kBc;
-    if (!TileNeedsMask(p, e, m0, row_last, n0, Tile::kBc)) continue;
-    const int chunks = min(Tile::kBc, e.nk - n0) * d_chunks;
-    for (int i = threadIdx.x; i < chunks; i += Tile::kThreads) {
+#pragma unroll
+  for (int range = 0; range < 2; ++range) {
+    const int lo = range == 0 ? some.lo : max(every.hi, cut), hi = range == 0 ? cut : some.hi;
+    for (int i = threadIdx.x; i < (hi - lo) * d_chunks; i += Tile::kThreads) {
       uint4 x = __ldg(reinterpret_cast<const uint4*>(
-          v + static_cast<int64_t>(n0 + i / d_chunks) * p.v_row_stride +
+          v + static_cast<int64_t>(lo + i / d_chunks) * p.v_row_stride +
           i % d_chunks * Tile::kChunkElems));
       found |= ZeroNonFinite<typename Tile::Element>(x);
     }
@@ -174,7 +178,8 @@ __device__ __forceinline__ bool MaskedTilesHaveNonFiniteV(const KernelParams& p,
   return found;
 }
 
-// The exact path of a CTA whose masked tiles hold an Inf or NaN in V (see the opening comment):
+// The exact path of a CTA with an Inf or NaN in V at a key some of its rows mask (see the opening
+// comment):
 // warp w computes rows m0 + w + n kWarps, lane l columns l + 32 c, one key at a time over the keys
 // the row sees (a shuffle reduction per key), as PagedSimtKernel does; a non-finite V at a key
 // reaches exactly the rows that see it. Correct, not fast. q, o: this item and head at row m0; k,
@@ -274,9 +279,8 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
   const int n_block_min = max(keys.lo, 0) / kBc;
   const int n_block_max = keys.hi > keys.lo ? (keys.hi + kBc - 1) / kBc : n_block_min;
 
-  // A non-finite V in a masked tile sends the CTA to the exact path (see the opening comment).
-  if (__syncthreads_or(MaskedTilesHaveNonFiniteV<Tile>(p, e, v, m0, row_last, n_block_min,
-                                                       n_block_max, d_chunks))) {
+  // A non-finite V at a key some rows mask sends the CTA to the exact path (opening comment).
+  if (__syncthreads_or(PartlyMaskedKeysHaveNonFiniteV<Tile>(p, e, v, m0, row_last, d_chunks))) {
     FlashForwardRowsExact<Tile>(p, e, b, h, m0, q, k, v, o);
     return;
   }
