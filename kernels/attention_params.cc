@@ -1,7 +1,6 @@
 #include "kernels/attention_params.h"
 
 #include <algorithm>
-#include <limits>
 
 #include "absl/strings/str_cat.h"
 
@@ -70,12 +69,6 @@ absl::Status CheckParams(const AttentionParams& p) {
                                                    p.window_left, ", ", p.window_right));
   }
   return absl::OkStatus();
-}
-
-float Log2SoftmaxScale(float softmax_scale) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  constexpr float kMax = std::numeric_limits<float>::max();
-  return std::clamp(softmax_scale * kLog2e, -kMax, kMax);
 }
 
 int64_t VisibleKeyPairs(int64_t nq, int64_t nk, int64_t window_left, int64_t window_right) {

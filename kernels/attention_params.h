@@ -51,15 +51,6 @@ struct AttentionParams {
   // lse[b * lse_batch_stride + h * lse_head_stride + q_row_offset(b) + i]
   int64_t lse_batch_stride = 0, lse_head_stride = 0;
 
-  // Any finite value. The backends fold c = |softmax_scale| * log2(e) into the logits and run the
-  // softmax on exp2, keeping its running max on the logits: o and lse are right wherever the
-  // scaled logits fit float32 that way, |softmax_scale * q.k| * log2(e) <= FLT_MAX (the CPU
-  // backend folds c into q, so also |softmax_scale * q| * log2(e) <= FLT_MAX); beyond, the rows
-  // that overflow come out NaN. For |softmax_scale| > FLT_MAX / log2(e) ~ 2.36e38, where c itself
-  // overflows, c saturates at FLT_MAX: the logits such a scale keeps in range are below 1, and on
-  // those every p but the row max's underflows to exactly 0 with either factor unless two logits
-  // lie within ~1e-36 of each other, so o is exact but in that corner; lse = max * scale + ln(sum)
-  // uses the scale itself. Log2SoftmaxScale gives c with its sign.
   float softmax_scale = 1.0f;
 
   // Bottom-right aligned mask (FlashAttention's convention): query i sees key j iff
@@ -83,9 +74,6 @@ struct AttentionParams {
   // [total, H, D] when cu_seqlens are set, whatever `layout` says).
   void SetContiguousStrides(Layout layout);
 };
-
-// softmax_scale * log2(e), saturated at +-FLT_MAX (see AttentionParams::softmax_scale).
-float Log2SoftmaxScale(float softmax_scale);
 
 // Checks the fields a backend relies on (non-null pointers, positive shapes, Hq % Hkv == 0).
 // Requests are validated with clearer messages in the server; this guards direct callers.

@@ -73,6 +73,7 @@ static_assert(kBlockM % kNr == 0, "S^T's rows hold whole micro-tile columns");
 // ~1 MFLOP at D = 64, so claiming a task costs well under 1% of computing it.
 constexpr int64_t kTaskCost = 4096;
 constexpr int64_t kTasksPerThread = 8;  // at least, where the work allows it
+constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -312,7 +313,7 @@ ATTENTION_INLINE void LoadQTransposed(const AttentionParams& p, const ItemExtent
       const int64_t at = item.batch * p.q_batch_stride +
                          (e.q_offset + item.row0 + i) * p.q_row_stride +
                          item.head * p.q_head_stride;
-      LoadRow(p.dtype, q_base + at * elem, d, Log2SoftmaxScale(p.softmax_scale), rows8 + r * d_pad);
+      LoadRow(p.dtype, q_base + at * elem, d, p.softmax_scale * kLog2e, rows8 + r * d_pad);
     }
     int64_t x0 = 0;
     for (; x0 + kLanes <= d; x0 += kLanes) {
@@ -518,11 +519,7 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(const AttentionParams& p, const WorkI
     }
   }
 
-  // o = O / l in the output dtype; rows that saw no key get o = 0, lse = -inf. lse = m * lse_per_m
-  // + ln(l): m is the row max of the logits times Log2SoftmaxScale, which saturates for huge scales
-  // (AttentionParams::softmax_scale), so lse_per_m is softmax_scale / that (ln 2 otherwise).
-  const float q_scale = Log2SoftmaxScale(p.softmax_scale);
-  const float lse_per_m = q_scale == 0.0f ? kLn2 : p.softmax_scale / q_scale;
+  // o = O / l in the output dtype; rows that saw no key get o = 0, lse = -inf.
   auto* o_base = static_cast<unsigned char*>(p.o);
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t row = e.q_offset + item.row0 + i;
@@ -532,7 +529,7 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(const AttentionParams& p, const WorkI
     StoreOutputRow(o + i * d_pad, d, l[i] > 0.0f ? 1.0f / l[i] : 0.0f, p.dtype, dst);
     if (p.lse != nullptr) {
       p.lse[item.batch * p.lse_batch_stride + item.head * p.lse_head_stride + row] =
-          l[i] > 0.0f ? m[i] * lse_per_m + std::log(l[i]) : kNegInf;
+          l[i] > 0.0f ? (m[i] + std::log2(l[i])) * kLn2 : kNegInf;
     }
   }
 }

@@ -8,8 +8,8 @@
 // rows (the point of grouping: one read of K/V per kv head), logits are masked per row
 // (bottom-right aligned window), and the online softmax keeps a running max m and sum l per row.
 // With one split the item writes o and lse itself; with several, each writes a normalised float32
-// partial and its log-sum-exp (natural log, as lse), and the partials are merged by LSE afterwards
-// (o = sum_s w_s o_s / sum_s w_s with w_s = e^(lse_s - max lse)).
+// partial and its log2-sum-exp, and the partials are merged by LSE afterwards (o = sum_s w_s o_s /
+// sum_s w_s with w_s = 2^(lse_s - max lse)).
 #include "kernels/cpu/paged_kv_pool.h"
 
 #include <sched.h>
@@ -38,6 +38,7 @@ namespace {
 
 constexpr int64_t kTileKeys = 64;       // keys per K/V tile
 constexpr int64_t kMinSplitKeys = 512;  // fewer keys per split cost more in merging than they gain
+constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -117,7 +118,7 @@ struct DecodeJob {
   int64_t page_bytes, page_rows;
   int64_t splits, split_keys;
   // splits > 1: [splits, Hq * total_q, d] normalised partial o and [splits, Hq * total_q]
-  // log-sum-exp.
+  // log2-sum-exp.
   float* part_o;
   float* part_lse;
 };
@@ -163,7 +164,7 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
   sc.Prepare(rows, d_pad);
   for (int64_t r = 0; r < rows; ++r) {
     ConvertPaddedRow(shape.dtype, static_cast<const unsigned char*>(p.q) + row_index(r) * d * elem,
-                     d, d_pad, Log2SoftmaxScale(p.softmax_scale), sc.q.data() + r * d_pad);
+                     d, d_pad, p.softmax_scale * kLog2e, sc.q.data() + r * d_pad);
   }
 
   // Query i sees keys [i + diag - window_left, i + diag + window_right]; the item's keys are the
@@ -219,28 +220,25 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
     key0 += kn;
   }
 
-  // Rows that saw no key: o = 0, lse = -inf. lse = m * lse_per_m + ln(l), as in the CPU forward:
-  // m is the row max of the logits times Log2SoftmaxScale, which saturates for huge scales.
-  const float q_scale = Log2SoftmaxScale(p.softmax_scale);
-  const float lse_per_m = q_scale == 0.0f ? kLn2 : p.softmax_scale / q_scale;
+  // Rows that saw no key: o = 0, lse = -inf.
   for (int64_t r = 0; r < rows; ++r) {
     const float l = sc.l[r];
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const float lse = l > 0.0f ? sc.m[r] * lse_per_m + std::log(l) : kNegInf;
+    const float lse2 = l > 0.0f ? sc.m[r] + std::log2(l) : kNegInf;
     const float* o = sc.o.data() + r * d_pad;
     const int64_t at = row_index(r);
     if (job.splits == 1) {
       StoreRow(o, d, inv, shape.dtype, static_cast<unsigned char*>(p.o) + at * d * elem);
-      if (p.lse != nullptr) p.lse[at] = lse;
+      if (p.lse != nullptr) p.lse[at] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
     } else {
       const int64_t part = split * p.heads_q * p.total_q + at;
       for (int64_t x = 0; x < d; ++x) job.part_o[part * d + x] = o[x] * inv;
-      job.part_lse[part] = lse;
+      job.part_lse[part] = lse2;
     }
   }
 }
 
-// Merges the splits of rows [first, last) of o and lse by their log-sum-exp.
+// Merges the splits of rows [first, last) of o and lse by their log2-sum-exp.
 void MergeSplits(const DecodeJob& job, int64_t first, int64_t last) {
   const PagedDecodeParams& p = *job.p;
   const int64_t d = p.shape.head_dim, stride = p.heads_q * p.total_q;
@@ -252,7 +250,7 @@ void MergeSplits(const DecodeJob& job, int64_t first, int64_t last) {
     float sum = 0.0f;
     if (mx != kNegInf) {
       for (int64_t s = 0; s < job.splits; ++s) {
-        const float w = std::exp(job.part_lse[s * stride + r] - mx);
+        const float w = std::exp2(job.part_lse[s * stride + r] - mx);
         if (w == 0.0f) continue;
         sum += w;
         const float* o = job.part_o + (s * stride + r) * d;
@@ -262,7 +260,7 @@ void MergeSplits(const DecodeJob& job, int64_t first, int64_t last) {
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     StoreRow(acc.data(), d, inv, p.shape.dtype,
              static_cast<unsigned char*>(p.o) + r * d * DTypeSize(p.shape.dtype));
-    if (p.lse != nullptr) p.lse[r] = sum > 0.0f ? mx + std::log(sum) : kNegInf;
+    if (p.lse != nullptr) p.lse[r] = sum > 0.0f ? (mx + std::log2(sum)) * kLn2 : kNegInf;
   }
 }
 

@@ -102,7 +102,6 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   k.head_dim = static_cast<int>(p.head_dim);
   const Log2Scale scale = ToLog2Scale(p.softmax_scale);
   k.scale_log2 = scale.scale_log2;
-  k.scale = scale.scale;
   k.negate_q = scale.negate_q;
   k.window_left = ClampWindow(p.window_left, p.seqlen_k);
   k.window_right = ClampWindow(p.window_right, p.seqlen_q);

@@ -21,18 +21,6 @@
 //   Key tiles are visited last to first, so the tiles that need element masks (the causal
 //   diagonal, window edges, the ragged last tile) come first; tiles entirely outside the mask
 //   are never loaded, and fully visible tiles skip the mask arithmetic.
-// Keys a row cannot see never reach it, even when their K or V is Inf or NaN. Keys past the end
-// are zero-filled by cp.async, and a masked logit is overwritten with -inf (a NaN one too), so its
-// P is exactly 0. But the mma multiplies that 0 by V (0 * NaN = NaN), and one V tile serves every
-// row of the CTA, so no copy of V suits both the rows that see a key and those that mask it. So,
-// before its first loads, a CTA checks the V rows (from global memory) of the keys that some of
-// its rows see and others do not (the causal diagonal, window edges: none without a window); if
-// one holds an Inf or NaN (rare: poisoned inputs), the CTA computes its rows on an exact SIMT path
-// instead (FlashForwardRowsExact: each row sums the keys it sees, one at a time). The key loop
-// itself is unchanged: zeroing V in shared memory inside it cost the D = 128 16-bit tiles (at 255
-// registers) more spills than this check, which costs them 88 bytes (a few local-memory accesses
-// per key tile, none before; not yet measured on the H200); issuing it after the first loads (to
-// overlap their latency) cost more again.
 // Shared memory rows are kD elements = kChunks chunks of 16 bytes; chunk c of row r is stored at
 // c ^ (r % 8), so the 8 row addresses of every ldmatrix phase and every cp.async warp store hit 8
 // different 16-byte bank groups (no bank conflicts, no padding).
@@ -150,94 +138,6 @@ __device__ __forceinline__ void NegateTile(uint32_t smem) {
   }
 }
 
-// Whether V holds an Inf or NaN at a key that some of rows [m0, row_last] see and others do not
-// (this thread's share of the check: chunks i + n kThreads of those keys' rows). Keys every row
-// sees may hold anything (the rows are poisoned by them either way), and keys past the end are
-// never loaded, so unmasked and ragged-only CTAs read nothing here. v: this item and kv head at
-// row 0. Runs once per CTA, before its first loads.
-template <typename Tile>
-__device__ __forceinline__ bool PartlyMaskedKeysHaveNonFiniteV(const KernelParams& p,
-                                                               const ItemExtent& e,
-                                                               const typename Tile::Element* v,
-                                                               int m0, int row_last, int d_chunks) {
-  const KeyRange some = VisibleKeys(p, e.nq, e.nk, m0, row_last);
-  const KeyRange every = VisibleKeys(p, e.nq, e.nk, row_last, m0);  // empty when lo >= hi
-  // [some.lo, cut) and [max(every.hi, cut), some.hi): all of `some` when `every` is empty.
-  const int cut = min(max(every.lo, some.lo), some.hi);
-  bool found = false;
-#pragma unroll
-  for (int range = 0; range < 2; ++range) {
-    const int lo = range == 0 ? some.lo : max(every.hi, cut), hi = range == 0 ? cut : some.hi;
-    for (int i = threadIdx.x; i < (hi - lo) * d_chunks; i += Tile::kThreads) {
-      uint4 x = __ldg(reinterpret_cast<const uint4*>(
-          v + static_cast<int64_t>(lo + i / d_chunks) * p.v_row_stride +
-          i % d_chunks * Tile::kChunkElems));
-      found |= ZeroNonFinite<typename Tile::Element>(x);
-    }
-  }
-  return found;
-}
-
-// The exact path of a CTA with an Inf or NaN in V at a key some of its rows mask (see the opening
-// comment):
-// warp w computes rows m0 + w + n kWarps, lane l columns l + 32 c, one key at a time over the keys
-// the row sees (a shuffle reduction per key), as PagedSimtKernel does; a non-finite V at a key
-// reaches exactly the rows that see it. Correct, not fast. q, o: this item and head at row m0; k,
-// v: this item and kv head at row 0.
-template <typename Tile>
-__device__ __forceinline__ void FlashForwardRowsExact(const KernelParams& p, const ItemExtent& e,
-                                                      int b, int h, int m0,
-                                                      const typename Tile::Element* q,
-                                                      const typename Tile::Element* k,
-                                                      const typename Tile::Element* v,
-                                                      typename Tile::Element* o) {
-  using T = typename Tile::Element;
-  constexpr int kCols = (Tile::kD + 31) / 32;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const float sign = p.negate_q ? -1.f : 1.f;
-  for (int r = warp; r < Tile::kBr && m0 + r < e.nq; r += Tile::kWarps) {
-    const KeyRange vis = VisibleKeys(p, e.nq, e.nk, m0 + r, m0 + r);
-    float qr[kCols], acc[kCols];
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int col = lane + 32 * c;
-      qr[c] = col < p.head_dim ? sign * static_cast<float>(q[r * p.q_row_stride + col]) : 0.f;
-      acc[c] = 0.f;
-    }
-    float mx = -INFINITY, sum = 0.f;
-    for (int key = vis.lo; key < vis.hi; ++key) {
-      const T* k_row = k + static_cast<int64_t>(key) * p.k_row_stride;
-      const T* v_row = v + static_cast<int64_t>(key) * p.v_row_stride;
-      float s = 0.f;
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int col = lane + 32 * c;
-        if (col < p.head_dim) s += qr[c] * static_cast<float>(k_row[col]);
-      }
-#pragma unroll
-      for (int x = 16; x >= 1; x /= 2) s += __shfl_xor_sync(0xffffffffu, s, x);
-      float rescale;
-      const float pk = OnlineSoftmaxKey(s, mx, sum, p.scale, rescale);
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int col = lane + 32 * c;
-        acc[c] = acc[c] * rescale + (col < p.head_dim ? pk * static_cast<float>(v_row[col]) : 0.f);
-      }
-    }
-    // sum == 0: the row saw no key (o = 0, lse = -inf), as on the tensor-core path.
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int col = lane + 32 * c;
-      if (col < p.head_dim) o[r * p.o_row_stride + col] = static_cast<T>(acc[c] * inv);
-    }
-    if (p.lse != nullptr && lane == 0) {
-      p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + e.q_start + m0 + r] =
-          sum > 0.f ? mx * p.scale + logf(sum) : -INFINITY;
-    }
-  }
-}
-
 template <typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const KernelParams p) {
   using T = typename Tile::Element;
@@ -278,12 +178,6 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
   const KeyRange keys = VisibleKeys(p, e.nq, e.nk, m0, row_last);
   const int n_block_min = max(keys.lo, 0) / kBc;
   const int n_block_max = keys.hi > keys.lo ? (keys.hi + kBc - 1) / kBc : n_block_min;
-
-  // A non-finite V at a key some rows mask sends the CTA to the exact path (opening comment).
-  if (__syncthreads_or(PartlyMaskedKeysHaveNonFiniteV<Tile>(p, e, v, m0, row_last, d_chunks))) {
-    FlashForwardRowsExact<Tile>(p, e, b, h, m0, q, k, v, o);
-    return;
-  }
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -568,9 +462,9 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
         }
       }
       if (p.lse != nullptr && t == 0 && m0 + r < e.nq) {
-        // Natural-log LSE: scale * row_max is max(scale * s) (KernelParams: no log2(e) in it to
-        // overflow).
-        const float lse = l > 0.f ? row_max[ms][half] * p.scale + logf(l) : -INFINITY;
+        // Natural-log LSE: scale_log2 * row_max is max(scale * s) * log2(e).
+        const float lse =
+            l > 0.f ? (row_max[ms][half] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
         p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + e.q_start + m0 + r] = lse;
       }
     }

@@ -33,12 +33,8 @@ struct KernelParams {
   // The kernel computes exp2(scale_log2 * (q.k - rowmax(q.k))) with scale_log2 > 0, so that the
   // max of the raw logits is the max of the scaled ones: scale_log2 = |scale| * log2(e), raised
   // to FLT_MIN for a zero scale (every exp2 is then 1, as with scale 0, and -inf stays -inf
-  // instead of becoming NaN), and saturated at FLT_MAX where it would overflow (|scale| >
-  // FLT_MAX / log2(e); see AttentionParams::softmax_scale for what that means); negate_q flips Q's
-  // sign for a negative scale. LSE is max * scale + ln(sum) with the natural `scale`, so the
-  // saturation does not reach it.
+  // instead of becoming NaN); negate_q flips Q's sign for a negative scale.
   float scale_log2;
-  float scale;  // |softmax_scale|, raised to FLT_MIN like scale_log2
   bool negate_q;
   // Window bounds, -1 = unbounded; the launcher turns bounds that exclude nothing into -1.
   int window_left, window_right;
@@ -49,14 +45,11 @@ struct KernelParams {
 // The kernels' form of a softmax scale (KernelParams::scale_log2 and negate_q).
 struct Log2Scale {
   float scale_log2;
-  float scale;
   bool negate_q;
 };
 inline Log2Scale ToLog2Scale(float softmax_scale) {
-  const float scale = std::max(std::fabs(softmax_scale), std::numeric_limits<float>::min());
-  return {std::clamp(scale * kLog2e, std::numeric_limits<float>::min(),
-                     std::numeric_limits<float>::max()),
-          scale, softmax_scale < 0};
+  return {std::max(std::fabs(softmax_scale) * kLog2e, std::numeric_limits<float>::min()),
+          softmax_scale < 0};
 }
 
 // A window bound that excludes no key of any row becomes unbounded (-1), so it fits in int32:

@@ -111,7 +111,6 @@ PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* p
   k.head_dim = static_cast<int>(dev.shape.head_dim);
   const Log2Scale scale = ToLog2Scale(dev.softmax_scale);
   k.scale_log2 = scale.scale_log2;
-  k.scale = scale.scale;
   k.negate_q = scale.negate_q;
   k.window_left = ClampWindow(dev.window_left, extent.max_seqlen_k);
   k.window_right = ClampWindow(dev.window_right, extent.max_seqlen_q);

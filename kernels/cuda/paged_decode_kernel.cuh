@@ -15,13 +15,12 @@
 // registers. S = Q K^T and O += P V are mma.sync m16n8k16 with float32 accumulation, P fed back
 // from the accumulators as the A operand. At the end the warps' (max, sum, O) are merged through
 // shared memory and the CTA writes either the result (one split) or a normalised float32 partial
-// and its log-sum-exp (natural log, like lse, from the scale itself: the saturation of scale_log2
-// for huge scales, KernelParams, does not reach it). With several splits the step is
-// still one launch. Two splits on a Hopper GPU run as a cluster per (sequence, row block): the
-// partials stay in each CTA's shared memory and the pair merges them by LSE through distributed
-// shared memory (MergeSplitsInCluster). Otherwise the partials go to a global workspace, each split
-// CTA takes a ticket of its (sequence, row block) after them (MergeSplitsIfLast), and the last to
-// arrive merges the splits by LSE into o and lse and zeroes the ticket again.
+// and its log2-sum-exp. With several splits the step is still one launch. Two splits on a Hopper
+// GPU run as a cluster per (sequence, row block): the partials stay in each CTA's shared memory
+// and the pair merges them by LSE through distributed shared memory (MergeSplitsInCluster).
+// Otherwise the partials go to a global workspace, each split CTA takes a ticket of its (sequence,
+// row block) after them (MergeSplitsIfLast), and the last to arrive merges the splits by LSE into
+// o and lse and zeroes the ticket again.
 //
 // SIMT path (float32, and head dims the tensor path lacks; PagedSimtKernel): a warp per row, keys
 // one at a time (lanes split D, a shuffle reduction per key). Correct, not fast.
@@ -92,7 +91,7 @@ struct PagedTile {
   static constexpr int kStageBytes = 2 * kTileBytes;  // K then V
   static constexpr int kQBytes = kPagedRows * kRowBytes;
   // Warps' partial O (float) and (max, sum) per row, merged at the end in the stage buffers,
-  // followed there by the CTA's normalised O [16][kD] and log-sum-exps [16] (float) when a
+  // followed there by the CTA's normalised O [16][kD] and log2-sum-exps [16] (float) when a
   // cluster merges the splits.
   static constexpr int kMergeBytes = kWarps * kPagedRows * (kD + 2) * 4;
   static constexpr int kClusterPartBytes = kPagedRows * (kD + 1) * 4;
@@ -159,12 +158,12 @@ __device__ __forceinline__ void StoreOut4(const PagedKernelParams& p, int64_t in
         x;
   }
 }
-// Writes a finished row's log-sum-exp (-inf: saw no key): lse, or the partial's.
-__device__ __forceinline__ void StoreLse(const PagedKernelParams& p, int64_t index, float lse) {
+// Writes a finished row's log2-sum-exp (-inf: saw no key): natural-log lse, or the partial's.
+__device__ __forceinline__ void StoreLse(const PagedKernelParams& p, int64_t index, float lse2) {
   if (p.splits == 1) {
-    if (p.lse != nullptr) p.lse[index] = lse;
+    if (p.lse != nullptr) p.lse[index] = lse2 == -INFINITY ? -INFINITY : lse2 * kLn2;
   } else {
-    p.part_lse[blockIdx.x * p.total_rows + index] = lse;
+    p.part_lse[blockIdx.x * p.total_rows + index] = lse2;
   }
 }
 
@@ -227,7 +226,7 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
       for (int x = 16; x >= 1; x /= 2) mx[b] = fmaxf(mx[b], __shfl_xor_sync(0xffffffffu, mx[b], x));
       if (b >= n) continue;
       for (int s = lane; s < splits; s += 32) {
-        const float ws = mx[b] == -INFINITY ? 0.f : expf(w[b * splits + s] - mx[b]);
+        const float ws = mx[b] == -INFINITY ? 0.f : exp2f(w[b * splits + s] - mx[b]);
         w[b * splits + s] = ws;
         sum[b] += ws;
       }
@@ -279,7 +278,7 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
     if (lane == 0 && p.lse != nullptr) {
 #pragma unroll
       for (int b = 0; b < kMergeBatch; ++b) {
-        if (b < n) p.lse[r[b]] = sum[b] > 0.f ? mx[b] + logf(sum[b]) : -INFINITY;
+        if (b < n) p.lse[r[b]] = sum[b] > 0.f ? (mx[b] + log2f(sum[b])) * kLn2 : -INFINITY;
       }
     }
     __syncwarp();  // every lane is done with w before the next batch's weights
@@ -287,7 +286,7 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
 }
 
 // Called by every thread of a split CTA launched in a cluster of its row block's splits
-// (p.cluster; Hopper on), once its normalised O rows o_part [16][kD] and their log-sum-exps
+// (p.cluster; Hopper on), once its normalised O rows o_part [16][kD] and their log2-sum-exps
 // lse_part [16] (-inf: saw no key) are in its shared memory. The cluster's CTAs merge the splits by
 // LSE reading each other's shared memory: CTA rank j finishes the float4s j * blockDim.x + tid +
 // k * splits * blockDim.x of the rows row-major, each thread loading one float4 and one lse per
@@ -324,7 +323,7 @@ __device__ __forceinline__ void MergeSplitsInCluster(const PagedKernelParams& p,
 #pragma unroll
     for (int s = 0; s < kPagedMaxClusterSplits; ++s) {
       if (s >= splits) break;
-      const float w = mx == -INFINITY ? 0.f : expf(lse[s] - mx);
+      const float w = mx == -INFINITY ? 0.f : exp2f(lse[s] - mx);
       sum += w;
       o.x += w * x[s].x, o.y += w * x[s].y, o.z += w * x[s].z, o.w += w * x[s].w;
     }
@@ -336,7 +335,7 @@ __device__ __forceinline__ void MergeSplitsInCluster(const PagedKernelParams& p,
     StoreO<T>(p.o, at + 2, o.z * inv);
     StoreO<T>(p.o, at + 3, o.w * inv);
     if (col == 0 && p.lse != nullptr) {
-      p.lse[index] = sum > 0.f ? mx + logf(sum) : -INFINITY;
+      p.lse[index] = sum > 0.f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
     }
   }
   cluster.sync();  // the others are done reading this CTA's shared memory
@@ -600,7 +599,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
   }
   __syncthreads();
   // Thread r < 16 turns row r's (max, sum) of each warp into the warp's weight (in m_max), the
-  // row's 1 / sum (m_sum[r]) and log-sum-exp (m_sum[16 + r]) once; then every thread finishes 4
+  // row's 1 / sum (m_sum[r]) and log2-sum-exp (m_sum[16 + r]) once; then every thread finishes 4
   // columns of a row at a time (the epilogue runs at 4 warps per SM: few instructions per output).
   if (threadIdx.x < kPagedRows) {
     const int r = threadIdx.x;
@@ -610,12 +609,12 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
 #pragma unroll
     for (int w = 0; w < Tile::kWarps; ++w) {
       const float weight =
-          mx == -INFINITY ? 0.f : FastExp2((m_max[w * kPagedRows + r] - mx) * p.scale * kLog2e);
+          mx == -INFINITY ? 0.f : FastExp2((m_max[w * kPagedRows + r] - mx) * scale_log2);
       sum += weight * m_sum[w * kPagedRows + r];
       m_max[w * kPagedRows + r] = weight;
     }
     m_sum[r] = sum > 0.f ? 1.f / sum : 0.f;
-    m_sum[kPagedRows + r] = sum > 0.f ? mx * p.scale + logf(sum) : -INFINITY;
+    m_sum[kPagedRows + r] = sum > 0.f ? mx * scale_log2 + log2f(sum) : -INFINITY;
   }
   __syncthreads();
   for (int i = threadIdx.x; i < kPagedRows * kD / 4; i += kThreads) {
@@ -696,7 +695,7 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
 #pragma unroll
       for (int x = 16; x >= 1; x /= 2) s += __shfl_xor_sync(0xffffffffu, s, x);
       float rescale;
-      const float pk = OnlineSoftmaxKey(s, mx, sum, p.scale, rescale);
+      const float pk = OnlineSoftmaxKey(s, mx, sum, p.scale_log2, rescale);
 #pragma unroll
       for (int c = 0; c < kMaxCols; ++c) {
         const int col = lane + 32 * c;
@@ -710,7 +709,7 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
       const int col = lane + 32 * c;
       if (col < p.head_dim) StoreOut<T>(p, row.index, col, acc[c] * inv);
     }
-    if (lane == 0) StoreLse(p, row.index, sum > 0.f ? mx * p.scale + logf(sum) : -INFINITY);
+    if (lane == 0) StoreLse(p, row.index, sum > 0.f ? mx * p.scale_log2 + log2f(sum) : -INFINITY);
   }
   if (p.splits > 1) MergeSplitsIfLast<T>(p, &merge_weights[0][0]);
 }

@@ -29,7 +29,6 @@ struct PagedKernelParams {
   // As KernelParams: exp2(scale_log2 * (q.k - max)) with scale_log2 > 0, Q negated for a negative
   // scale; window bounds -1 = unbounded.
   float scale_log2;
-  float scale;  // |softmax_scale| (KernelParams)
   bool negate_q;
   int window_left, window_right;
   // Grid: x = splits, y = heads_kv * m_blocks (16-row blocks of group * Nq), z = sequences.
@@ -40,8 +39,8 @@ struct PagedKernelParams {
   // (Hopper) and merge through distributed shared memory (MergeSplitsInCluster); no workspace.
   bool cluster;
   // splits > 1 without cluster: per split, a normalised float32 o [total_rows, D] and its
-  // natural-log log-sum-exp [total_rows] (-inf where the split saw no key); the last split CTA of
-  // each (sequence, grid row) to finish merges them (MergeSplitsIfLast), counted by tickets
+  // log2-sum-exp [total_rows] (-inf where the split saw no key); the last split CTA of each
+  // (sequence, grid row) to finish merges them (MergeSplitsIfLast), counted by tickets
   // [sequences, grid y]: zero before the step, zero again after it (the merging CTA resets its
   // counter).
   float* part_o;

@@ -29,8 +29,8 @@ __device__ __forceinline__ uint32_t PairOffset(uint32_t lane_off, int j) {
 }
 
 // Zeroes the Inf and NaN elements of a 16-byte chunk of T (__half, __nv_bfloat16 or float);
-// returns whether it held any. The kernels check the V rows of tiles on a window edge with it (see
-// their opening comments): P V must not multiply a masked key's P = 0 by a non-finite V.
+// returns whether it held any. The paged decode kernel checks the V rows of tiles on a window edge
+// with it (see its opening comment): P V must not multiply a masked key's P = 0 by a non-finite V.
 template <typename T>
 __device__ __forceinline__ bool ZeroNonFinite(uint4& chunk) {
   // Exponent bits (all ones: Inf or NaN) of each element of a 32-bit word.
