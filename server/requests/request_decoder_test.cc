@@ -161,6 +161,12 @@ TEST(RequestDecoderTest, RejectsMalformedRequestsNamingTheField) {
        kInvalid, "softmax_scale: expected a finite value > 0, got inf"},
       {"zero scale", false, [](auto& r, auto&) { r.set_softmax_scale(0); }, kInvalid,
        "softmax_scale: expected a finite value > 0, got 0"},
+      {"huge scale", false, [](auto& r, auto&) { r.set_softmax_scale(3e38f); }, kInvalid,
+       "softmax_scale: expected at most 1e+06 (larger scales cannot be computed accurately), got "
+       "3e+38"},
+      {"scale above the bound", false, [](auto& r, auto&) { r.set_softmax_scale(1e7f); }, kInvalid,
+       "softmax_scale: expected at most 1e+06 (larger scales cannot be computed accurately), got "
+       "1e+07"},
       {"negative window_left", false, [](auto& r, auto&) { r.set_window_left(-1); }, kInvalid,
        "window_left: expected >= 0 (absent = unbounded), got -1"},
       {"negative window_right", false, [](auto& r, auto&) { r.set_window_right(-4); }, kInvalid,
@@ -306,13 +312,12 @@ TEST(RequestDecoderTest, BshdStrides) {
   }
 }
 
-// Every finite positive scale is accepted as it is, up to FLT_MAX: the kernels compute it wherever
-// the scaled logits fit float32 (AttentionParams::softmax_scale), so no bound would be right for
-// every input.
-TEST(RequestDecoderTest, AcceptsEveryFinitePositiveScale) {
+// Scales up to kMaxSoftmaxScale are accepted as they are (the bound itself included); the cases
+// above refuse larger ones.
+TEST(RequestDecoderTest, AcceptsScalesUpToTheBound) {
   Random random;
   SCOPED_TRACE("seed " + std::to_string(random.seed()));
-  for (float scale : {1e-30f, 3e38f, std::numeric_limits<float>::max()}) {
+  for (float scale : {1e-30f, 100.0f, kMaxSoftmaxScale}) {
     AttendRequest request;
     SetTensor(request.mutable_q(), v1::DTYPE_FLOAT32, {1, 1, 4, 16}, random);
     SetTensor(request.mutable_k(), v1::DTYPE_FLOAT32, {1, 1, 4, 16}, random);
@@ -323,6 +328,7 @@ TEST(RequestDecoderTest, AcceptsEveryFinitePositiveScale) {
     ASSERT_TRUE(decoded.ok()) << decoded.status();
     EXPECT_EQ(decoded->params.softmax_scale, scale);
   }
+  EXPECT_EQ(kMaxSoftmaxScale, 1e6f);
 }
 
 TEST(RequestDecoderTest, VarlenOffsetsAndLse) {
