@@ -35,8 +35,8 @@
 // tensor), and the tensor-core kernel cannot compute them exactly: its P V multiplies a masked
 // key's P = 0 by V (0 * NaN = NaN) for every row of a tile, while the reference keeps a key a row
 // cannot see out of that row. So they are slower here but exact. Before each masked call the
-// runner scans V's exponent bits on the host (HoldsNonFinite, kernels/non_finite.h: ~4 ms for a
-// 64 MiB bfloat16 V on one core of the dev machine); unmasked calls skip the scan (their only
+// runner scans V's exponent bits on the host (HoldsNonFinite, kernels/non_finite.h: ~2.5-3 ms for
+// a 64 MiB bfloat16 V on one core of the dev machine); unmasked calls skip the scan (their only
 // unseen keys, past Nk, are zero-filled on the device). The times of a fallen-back call count the
 // CPU run as compute_us.
 //
