@@ -4,9 +4,12 @@
 // block once to float32 with softmax_scale * log2(e) folded in (so the softmax runs on exp2) and
 // transposes it 8x8 in registers, then streams K/V tiles of kBlockN = 64 keys, limited to the keys
 // some row of the block can see (causal and windowed blocks skip fully masked tiles; only tiles
-// crossing a window edge are masked element-wise). Scores are kept transposed, keys x rows, so that
-// both products are "broadcast an element of A, FMA a row of B" and the softmax statistics are
-// vectors over rows:
+// crossing a window edge are masked element-wise). A key a row cannot see never reaches it, even
+// when its K or V is Inf or NaN: masked logits are overwritten with -inf, and a tile on a window
+// edge whose V holds a non-finite value (checked on those tiles only) takes P V row by row over
+// each row's own keys instead of the register-blocked product, where 0 * NaN = NaN. Scores are kept
+// transposed, keys x rows, so that both products are "broadcast an element of A, FMA a row of B"
+// and the softmax statistics are vectors over rows:
 //   S^T = K Q^T                 [keys, rows], register-blocked 6 keys x 16 rows over D; a last
 //                               block of 8 rows (all rows when N <= 8) 12 keys x 8 rows
 //   m_new = max(m, colmax(S^T)); P^T = exp2(S^T - m_new); l = l exp2(m - m_new) + colsum(P^T)
@@ -343,6 +346,38 @@ ATTENTION_INLINE void MaskTile(const AttentionParams& p, const ItemExtent& e, in
   }
 }
 
+// Whether rows [0, kn) of v (row stride ldv) hold a non-finite element in columns [0, d).
+ATTENTION_INLINE bool HasNonFinite(const float* v, int64_t ldv, int64_t kn, int64_t d) {
+  constexpr uint32_t kExponent = 0x7f800000u;  // all ones: Inf or NaN
+  uint32_t bad = 0;
+  for (int64_t j = 0; j < kn; ++j) {
+    for (int64_t x = 0; x < d; ++x) {
+      bad |= (std::bit_cast<uint32_t>(v[j * ldv + x]) & kExponent) == kExponent;
+    }
+  }
+  return bad != 0;
+}
+
+// O = diag(alpha) O + P V (O = P V on the first tile) row by row, each row summing only the keys
+// of the tile it sees (MaskTile's ranges, as key indices): for tiles on a window edge whose V holds
+// a non-finite value, which the register-blocked product would spread to the rows that mask its key
+// (their P is 0, and 0 * NaN = NaN). st: [kn, kBlockM] P^T; v: [kn, d_pad] with row stride ldv;
+// o: [rows, d_pad].
+ATTENTION_INLINE void MaskedPvRows(const AttentionParams& p, const ItemExtent& e, int64_t row0,
+                                   int64_t rows, int64_t key0, int64_t kn, const float* st,
+                                   const float* v, int64_t ldv, int64_t d_pad, bool first_tile,
+                                   const float* alpha, float* o) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t lo = std::clamp<int64_t>(LowestKey(p, e, row0 + i) - key0, 0, kn);
+    const int64_t hi = std::clamp<int64_t>(HighestKey(p, e, row0 + i) + 1 - key0, lo, kn);
+    for (int64_t c = 0; c < d_pad; c += kLanes) {
+      Vec8 acc = first_tile ? Vec8{} : Load(o + i * d_pad + c) * alpha[i];
+      for (int64_t j = lo; j < hi; ++j) acc += st[j * kBlockM + i] * Load(v + j * ldv + c);
+      Store(o + i * d_pad + c, acc);
+    }
+  }
+}
+
 // Online softmax over one tile, 8 rows at a time (columns of S^T): with m_new = max(m,
 // colmax(S^T)), P^T = exp2(S^T - m_new) in place, alpha = exp2(m - m_new), l = l alpha +
 // colsum(P^T), m = m_new. st: [kn, kBlockM]; m, l, alpha: [cols].
@@ -455,14 +490,20 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(const AttentionParams& p, const WorkI
                                       scratch.qt + cols16, kBlockM, st + j * kBlockM + cols16,
                                       kBlockM, nullptr);
     }
-    if (key0 < all_rows_lo || key0 + kn - 1 > all_rows_hi) {
-      MaskTile(p, e, item.row0, key0, kn, cols, st);
-    }
+    // MaskTile overwrites (not adds to) the masked logits, so a NaN logit of a non-finite K at a
+    // masked key becomes -inf too, and its P exactly 0.
+    const bool masked = key0 < all_rows_lo || key0 + kn - 1 > all_rows_hi;
+    if (masked) MaskTile(p, e, item.row0, key0, kn, cols, st);
     SoftmaxTile(kn, cols, st, m, l, scratch.alpha);
 
     // O = diag(alpha) O + P V: [rows, d_pad], over the kn keys of the tile (P read from P^T); the
     // first tile starts from O = 0.
     const bool first_tile = key0 == keys.begin;
+    if (masked && HasNonFinite(v, ldv, kn, d)) {
+      MaskedPvRows(p, e, item.row0, rows, key0, kn, st, v, ldv, d_pad, first_tile, scratch.alpha,
+                   o);
+      continue;
+    }
     for (int64_t i = 0; i < rows; i += kMr) {
       const int64_t mr = std::min(kMr, rows - i);
       for (int64_t c = 0; c < d_pad; c += kNr) {

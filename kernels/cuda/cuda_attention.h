@@ -18,7 +18,9 @@ namespace attention::cuda {
 // Enqueues attention on `stream` on the current device. q, k, v, o, lse and cu_seqlens_* are
 // device pointers. Returns at once; the result is ready when the stream reaches this point. Every
 // CUDA error becomes a Status naming it. variant: run this kernel variant instead of the
-// planner's choice (tests, benchmarks), or fail saying why it cannot run.
+// planner's choice (tests, benchmarks), or fail saying why it cannot run. An Inf or NaN in V at a
+// key the mask hides from some rows reaches those rows here (the tensor-core P V multiplies their
+// P = 0 by it); HostRunner sends such calls to the exact CPU kernel instead (host_runner.h).
 absl::Status Forward(const AttentionParams& p, cudaStream_t stream,
                      std::optional<ForwardVariant> variant = std::nullopt);
 

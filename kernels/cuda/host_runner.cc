@@ -10,8 +10,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/cpu_attention.h"
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/non_finite.h"
 #include "kernels/status_macros.h"
 
 namespace attention::cuda {
@@ -30,6 +32,19 @@ bool Packable(const AttentionParams& p) { return p.is_varlen() || IsBshd(p); }
 
 int64_t RowsQ(const AttentionParams& p) { return p.is_varlen() ? p.total_q : p.batch * p.seqlen_q; }
 int64_t RowsK(const AttentionParams& p) { return p.is_varlen() ? p.total_k : p.batch * p.seqlen_k; }
+
+// Whether the mask hides some keys from some rows (a causal or window mask). Without one, the only
+// keys a row cannot see are those past Nk, which the kernel zero-fills.
+bool Masked(const AttentionParams& p) {
+  return p.window_left != kUnboundedWindow || p.window_right != kUnboundedWindow;
+}
+
+// Whether `p` goes to the exact CPU kernel instead (file comment): masked, with an Inf or NaN in V.
+// All of V is scanned, not only the keys some rows mask: a key every row sees gives NaN rows on
+// either backend, so the wider scan costs only a slower, still exact, answer on such inputs.
+bool NeedsExactPath(const AttentionParams& p) {
+  return Masked(p) && HoldsNonFinite(p.dtype, p.v, RowsK(p) * p.heads_kv * p.head_dim);
+}
 
 bool IsPinned(const void* ptr) {
   cudaPointerAttributes attr;
@@ -157,6 +172,11 @@ absl::StatusOr<std::unique_ptr<HostRunner>> HostRunner::Create(const HostRunnerO
 HostRunner::HostRunner(const HostRunnerOptions& options, int64_t budget)
     : options_(options), budget_(budget) {}
 
+cpu::CpuBackend& HostRunner::ExactBackend() {
+  std::call_once(exact_once_, [this] { exact_ = std::make_unique<cpu::CpuBackend>(); });
+  return *exact_;
+}
+
 HostRunner::~HostRunner() {
   cudaSetDevice(options_.device);
   for (const std::unique_ptr<Stream>& s : streams_) {
@@ -262,8 +282,32 @@ absl::StatusOr<HostRunTimes> HostRunner::RunBatch(absl::Span<const AttentionPara
         absl::StrCat("cuda backend: the request needs ", RoundUp(need, kGrowStep),
                      " bytes of device memory, over the budget of ", budget_, " bytes"));
   }
+  // Masked requests with a non-finite V run on the exact CPU kernel (file comment); the rest of
+  // the batch still shares one launch. Unmasked batches skip the scan.
+  std::vector<AttentionParams> on_device;
+  double exact_us = 0;
+  if (Masked(items[0])) {
+    bool any_exact = false;
+    for (const AttentionParams& item : items) {
+      if (!NeedsExactPath(item)) {
+        on_device.push_back(item);
+        continue;
+      }
+      any_exact = true;
+      const auto start = std::chrono::steady_clock::now();
+      RETURN_IF_ERROR(ExactBackend().Forward(item));
+      exact_us +=
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+              .count();
+    }
+    if (any_exact) {
+      if (on_device.empty()) return HostRunTimes{.compute_us = exact_us};
+      items = absl::MakeConstSpan(on_device);
+    }
+  }
   Stream* stream = Acquire();
   absl::StatusOr<HostRunTimes> times = RunOn(stream, items);
+  if (times.ok()) times->compute_us += exact_us;
   if (!times.ok()) {
     // Whatever was enqueued before the error finishes (or fails) before the stream is reused;
     // a non-sticky error is cleared so the next call starts clean.

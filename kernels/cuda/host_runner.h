@@ -29,6 +29,17 @@
 // that poison the whole CUDA context (an illegal address in a kernel) fail every later call on the
 // device too; nothing short of a new process recovers from those.
 //
+// What falls back: a masked request (causal or a window) whose V holds an Inf or NaN is computed on
+// the CPU (cpu::CpuBackend, the exact kernel) instead of the GPU and its result returned as this
+// backend's; the rest of its batch still runs on the GPU. Such inputs are pathological (a poisoned
+// tensor), and the tensor-core kernel cannot compute them exactly: its P V multiplies a masked
+// key's P = 0 by V (0 * NaN = NaN) for every row of a tile, while the reference keeps a key a row
+// cannot see out of that row. So they are slower here but exact. Before each masked call the
+// runner scans V's exponent bits on the host (HoldsNonFinite, kernels/non_finite.h: ~2.5-3 ms for
+// a 64 MiB bfloat16 V on one core of the dev machine); unmasked calls skip the scan (their only
+// unseen keys, past Nk, are zero-filled on the device). The times of a fallen-back call count the
+// CPU run as compute_us.
+//
 // Head dims that are not a multiple of 8 are served by padding: each D-element line of q, k, v
 // lands in a zeroed line of D8 = roundup(D, 8) elements (cudaMemcpy2D), the kernel runs with
 // head dim D8 (zero columns add nothing to q.k; the scale stays the caller's), and o's first D
@@ -51,6 +62,10 @@
 #include "kernels/attention_params.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/forward_plan.h"
+
+namespace attention::cpu {
+class CpuBackend;
+}  // namespace attention::cpu
 
 namespace attention::cuda {
 
@@ -108,6 +123,8 @@ class HostRunner {
   // Grows `stream`'s pinned staging buffer to `bytes`.
   absl::Status ReserveStaging(Stream* stream, int64_t bytes);
   absl::StatusOr<HostRunTimes> RunOn(Stream* stream, absl::Span<const AttentionParams> items);
+  // The exact CPU kernel of the calls that fall back (file comment), created at first use.
+  cpu::CpuBackend& ExactBackend();
 
   const HostRunnerOptions options_;
   const int64_t budget_;
@@ -116,6 +133,8 @@ class HostRunner {
   std::condition_variable released_;
   std::vector<Stream*> free_;  // guarded by mu_
   int64_t reserved_ = 0;       // guarded by mu_: device bytes held by all streams
+  std::once_flag exact_once_;
+  std::unique_ptr<cpu::CpuBackend> exact_;
 };
 
 }  // namespace attention::cuda

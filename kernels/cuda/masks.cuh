@@ -63,4 +63,21 @@ __device__ __forceinline__ void MaskRow(float (&s)[kNTiles][4], int half, KeyRan
     }
 }
 
+// Sets the logits of one row (layout as MaskRow) to NaN at the keys n0 + j that it sees (`vis`)
+// and whose V held an Inf or NaN (bit j of `flags`; the caller has zeroed those V elements so that
+// the rows masking the key multiply a finite V by their P = 0): the row's result is NaN, as the
+// non-finite V would have made it.
+template <int kNTiles>
+__device__ __forceinline__ void PoisonRow(float (&s)[kNTiles][4], int half, KeyRange vis, int n0,
+                                          int t, uint32_t flags) {
+  const int lo = vis.lo - n0 - 2 * t, hi = vis.hi - n0 - 2 * t;
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int col = nt * 8 + i;  // key n0 + col + 2t
+      if (col >= lo && col < hi && ((flags >> (col + 2 * t)) & 1u) != 0) s[nt][half * 2 + i] = NAN;
+    }
+}
+
 }  // namespace attention::cuda

@@ -67,4 +67,18 @@ __device__ __forceinline__ float OnlineSoftmaxRow(float (&s)[kNTiles][4], int ha
   return rescale;
 }
 
+// One key's step of a row's online softmax when keys come one at a time (the SIMT paths): raises
+// row_max (raw logits) to the logit s and returns p = exp2(scale_log2 * (s - max)); `rescale` gets
+// the factor of the row's earlier terms, by which the caller scales its O accumulators (row_sum is
+// rescaled here). A NaN logit gives a NaN p (fmaxf keeps the max finite).
+__device__ __forceinline__ float OnlineSoftmaxKey(float s, float& row_max, float& row_sum,
+                                                  float scale_log2, float& rescale) {
+  const float new_max = fmaxf(row_max, s);
+  rescale = FastExp2((row_max - new_max) * scale_log2);
+  const float p = FastExp2((s - new_max) * scale_log2);
+  row_sum = row_sum * rescale + p;
+  row_max = new_max;
+  return p;
+}
+
 }  // namespace attention::cuda

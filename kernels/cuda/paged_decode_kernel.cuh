@@ -25,6 +25,16 @@
 // SIMT path (float32, and head dims the tensor path lacks; PagedSimtKernel): a warp per row, keys
 // one at a time (lanes split D, a shuffle reduction per key). Correct, not fast.
 //
+// Keys a row cannot see never reach it, even when their K or V is Inf or NaN (rows of a dropped
+// sequence left in a reused page, the unused tail of the last page, keys outside the window). Keys
+// past a sequence's length are never read (zero-filled by cp.async; the SIMT path stops at them).
+// A masked logit is overwritten with -inf (a NaN one too), so its P is exactly 0; but the mma
+// multiplies that 0 by V (0 * NaN = NaN), and a warp's V rows serve all 16 rows. So on a warp's
+// tiles that take the element mask (only those), the warp zeroes the Inf and NaN elements of its
+// V rows in shared memory (only it reads them) and flags their keys; the rows that see a flagged
+// key get a NaN logit there (PoisonRow: their result is NaN, as the non-finite V makes it), the
+// others multiply a finite V by their P = 0. The SIMT path visits only the keys a row sees.
+//
 // Measured (bench/README.md, H200, bfloat16 B=8 Hq=32 Hkv=8 D=128, one query, 512 KiB pages, 2
 // splits of the 4-stage tile merged in clusters): 46.9 us at Nk=4096 (2.86 TB/s of K/V), 252.1 us
 // at 32k (4.26), 959.5 us at 128k (4.48); 1.07x / 1.02x / 1.00x of torch SDPA's cuDNN backend in
@@ -95,6 +105,7 @@ struct PagedTile {
   static_assert(kMergeBytes + kClusterPartBytes <= kStages * kStageBytes,
                 "the merge reuses the stage buffers");
   static_assert(kWarpKeys % 16 == 0, "P V consumes keys 16 at a time");
+  static_assert(kWarpKeys <= 32, "a warp flags its keys' non-finite V in one 32-bit word");
   static_assert(kBc % (kThreads / kChunks) == 0, "whole rows per load pass");
   static_assert(kD % 64 == 0, "the swizzle needs rows of >= 8 chunks");
 };
@@ -485,6 +496,27 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
     const uint32_t s_v = s_k + Tile::kTileBytes;
     const int n0 = (tile_begin + tile) * kBc + warp * kWarpKeys;  // this warp's first key
 
+    // Masked warp tiles: zero the Inf and NaN of this warp's V rows (as stored: the swizzle
+    // permutes chunks within a row only) and flag their keys, bit j for key n0 + j.
+    const bool masked = n0 < all_rows.lo || n0 + kWarpKeys > all_rows.hi;
+    uint32_t nonfinite = 0;
+    if (masked) {
+      for (int i = lane; i < kWarpKeys * Tile::kChunks; i += 32) {
+        const uint32_t addr = s_v + i * 16;
+        uint4 x;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                     : "r"(addr));
+        if (ZeroNonFinite<T>(x)) {
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x.x), "r"(x.y),
+                       "r"(x.z), "r"(x.w));
+          nonfinite |= 1u << (i / Tile::kChunks);
+        }
+      }
+      nonfinite = __reduce_or_sync(0xffffffffu, nonfinite);
+      __syncwarp();  // the zeroed V is visible to the whole warp before P V
+    }
+
     float acc_s[kNTiles][4];
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
@@ -501,9 +533,12 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
       }
     }
 
-    if (n0 < all_rows.lo || n0 + kWarpKeys > all_rows.hi) {
+    if (masked) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) MaskRow(acc_s, half, row_keys[half], n0, t);
+      for (int half = 0; half < 2; ++half) {
+        MaskRow(acc_s, half, row_keys[half], n0, t);
+        if (nonfinite != 0) PoisonRow(acc_s, half, row_keys[half], n0, t, nonfinite);
+      }
     }
 
     // Online softmax in the log2 domain (online_softmax.cuh). O is rescaled only when some row
@@ -659,11 +694,8 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
       }
 #pragma unroll
       for (int x = 16; x >= 1; x /= 2) s += __shfl_xor_sync(0xffffffffu, s, x);
-      const float new_max = fmaxf(mx, s);
-      const float rescale = FastExp2((mx - new_max) * p.scale_log2);
-      const float pk = FastExp2((s - new_max) * p.scale_log2);
-      sum = sum * rescale + pk;
-      mx = new_max;
+      float rescale;
+      const float pk = OnlineSoftmaxKey(s, mx, sum, p.scale_log2, rescale);
 #pragma unroll
       for (int c = 0; c < kMaxCols; ++c) {
         const int col = lane + 32 * c;

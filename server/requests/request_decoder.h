@@ -64,12 +64,25 @@ struct MaskParams {
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
 };
+// The largest softmax_scale served. Far above any model's: 1/sqrt(D) is ~0.06-1, and temperature
+// or logit-scaling variants reach ~1e2. Beyond it the kernels' folded scale * log2(e) factor and
+// the scaled logits risk overflowing float32, and the softmax becomes a discontinuous function of
+// the logits' last-bit rounding (the top logit takes all the weight, so a tensor-core q.k that
+// differs from an exact one in the last bit flips the answer): no backend could promise an
+// accurate result, so such scales are refused rather than answered inexactly.
+inline constexpr float kMaxSoftmaxScale = 1e6f;
+
 template <typename Request>
 absl::StatusOr<MaskParams> DecodeMask(const Request& request, int64_t head_dim) {
   if (request.has_softmax_scale() &&
       !(std::isfinite(request.softmax_scale()) && request.softmax_scale() > 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("softmax_scale: expected a finite value > 0, got ", request.softmax_scale()));
+  }
+  if (request.has_softmax_scale() && request.softmax_scale() > kMaxSoftmaxScale) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "softmax_scale: expected at most ", kMaxSoftmaxScale,
+        " (larger scales cannot be computed accurately), got ", request.softmax_scale()));
   }
   for (const auto& [name, present, value] :
        {std::tuple{"window_left", request.has_window_left(), request.window_left()},

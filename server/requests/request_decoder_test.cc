@@ -161,6 +161,12 @@ TEST(RequestDecoderTest, RejectsMalformedRequestsNamingTheField) {
        kInvalid, "softmax_scale: expected a finite value > 0, got inf"},
       {"zero scale", false, [](auto& r, auto&) { r.set_softmax_scale(0); }, kInvalid,
        "softmax_scale: expected a finite value > 0, got 0"},
+      {"huge scale", false, [](auto& r, auto&) { r.set_softmax_scale(3e38f); }, kInvalid,
+       "softmax_scale: expected at most 1e+06 (larger scales cannot be computed accurately), got "
+       "3e+38"},
+      {"scale above the bound", false, [](auto& r, auto&) { r.set_softmax_scale(1e7f); }, kInvalid,
+       "softmax_scale: expected at most 1e+06 (larger scales cannot be computed accurately), got "
+       "1e+07"},
       {"negative window_left", false, [](auto& r, auto&) { r.set_window_left(-1); }, kInvalid,
        "window_left: expected >= 0 (absent = unbounded), got -1"},
       {"negative window_right", false, [](auto& r, auto&) { r.set_window_right(-4); }, kInvalid,
@@ -304,6 +310,25 @@ TEST(RequestDecoderTest, BshdStrides) {
     EXPECT_EQ(QIndex(p, b, h, i, d), ((b * 6 + i) * 4 + h) * 16 + d);
     EXPECT_EQ(KIndex(p, b, 0, j, d), (b * 9 + j) * 16 + d);
   }
+}
+
+// Scales up to kMaxSoftmaxScale are accepted as they are (the bound itself included); the cases
+// above refuse larger ones.
+TEST(RequestDecoderTest, AcceptsScalesUpToTheBound) {
+  Random random;
+  SCOPED_TRACE("seed " + std::to_string(random.seed()));
+  for (float scale : {1e-30f, 100.0f, kMaxSoftmaxScale}) {
+    AttendRequest request;
+    SetTensor(request.mutable_q(), v1::DTYPE_FLOAT32, {1, 1, 4, 16}, random);
+    SetTensor(request.mutable_k(), v1::DTYPE_FLOAT32, {1, 1, 4, 16}, random);
+    SetTensor(request.mutable_v(), v1::DTYPE_FLOAT32, {1, 1, 4, 16}, random);
+    request.set_softmax_scale(scale);
+    AttendResponse response;
+    absl::StatusOr<DecodedRequest> decoded = DecodeRequest(request, {}, &response);
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    EXPECT_EQ(decoded->params.softmax_scale, scale);
+  }
+  EXPECT_EQ(kMaxSoftmaxScale, 1e6f);
 }
 
 TEST(RequestDecoderTest, VarlenOffsetsAndLse) {

@@ -129,6 +129,14 @@ TEST(CheckStepTest, RefusesMissingAndRepeatedSessionsAndBadMasks) {
   request = TwoEntries();
   request.set_softmax_scale(0);
   ExpectInvalid(CheckStep(request), "softmax_scale: expected a finite value > 0, got 0");
+  request = TwoEntries();
+  request.set_softmax_scale(3e38f);
+  ExpectInvalid(CheckStep(request),
+                "softmax_scale: expected at most 1e+06 (larger scales cannot be computed "
+                "accurately), got 3e+38");
+  request = TwoEntries();
+  request.set_softmax_scale(1e6f);
+  EXPECT_TRUE(CheckStep(request).ok());
 }
 
 TEST(DecodeStepEntryTest, ChecksQueriesAgainstTheSession) {

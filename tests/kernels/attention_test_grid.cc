@@ -1,6 +1,7 @@
 #include "tests/kernels/attention_test_grid.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -206,6 +207,66 @@ std::vector<AttentionCase> StandardGrid() {
     c.window_right = 2;
     add(c);
   }
+  // Non-finite K or V at keys that some rows see and others do not (causal and window edges,
+  // Nq != Nk, tiles of 64 and 128 keys +-1): the rows that mask the key must not notice it.
+  {
+    using Target = AttentionCase::PoisonTarget;
+    std::vector<AttentionCase> shapes;
+    AttentionCase c = Square("poison_causal_n4", 4, 64);
+    c.heads_q = c.heads_kv = 1;
+    c.window_right = 0;
+    c.return_lse = true;
+    c.poison_keys = {3};
+    shapes.push_back(c);
+    c = Square("poison_causal_n129", 129, 64);
+    c.window_right = 0;
+    c.return_lse = true;
+    c.poison_keys = {63, 64, 127, 128};
+    shapes.push_back(c);
+    c = Square("poison_window_8_3_n200_bshd", 200, 64);
+    c.window_left = 8;
+    c.window_right = 3;
+    c.layout = Layout::kBSHD;
+    c.poison_keys = {20, 64, 127, 199};
+    shapes.push_back(c);
+    c = Square("poison_window_30_0_nq65_nk129", 0, 128);
+    c.seqlen_q = 65;
+    c.seqlen_k = 129;
+    c.window_left = 30;
+    c.window_right = 0;
+    c.return_lse = true;
+    c.poison_keys = {63, 64, 65, 100, 128};
+    shapes.push_back(c);
+    c = Square("poison_window_5_5_nq129_nk63_gqa", 0, 64);
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.seqlen_q = 129;
+    c.seqlen_k = 63;
+    c.window_left = 5;
+    c.window_right = 5;
+    c.return_lse = true;
+    c.poison_keys = {0, 31, 62};
+    shapes.push_back(c);
+    c = Square("poison_causal_nq257_nk65", 0, 64);
+    c.seqlen_q = 257;
+    c.seqlen_k = 65;
+    c.window_right = 0;
+    c.poison_keys = {1, 64};
+    shapes.push_back(c);
+    for (const AttentionCase& shape : shapes) {
+      for (const auto& [target, target_name] : {std::pair{Target::kK, "k"}, {Target::kV, "v"}}) {
+        for (const auto& [value, value_name] :
+             {std::pair{std::numeric_limits<float>::quiet_NaN(), "nan"},
+              {std::numeric_limits<float>::infinity(), "inf"}}) {
+          c = shape;
+          c.name = absl::StrCat(shape.name, "_", target_name, "_", value_name);
+          c.poison_target = target;
+          c.poison = value;
+          add(c);
+        }
+      }
+    }
+  }
   // Large-magnitude inputs: logits near 1e3 must not overflow. The float32 error bound grows with
   // the logits (see float32_tolerance_factor).
   {
@@ -290,6 +351,41 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
   for (int64_t i = 0; i < q_elements; ++i) q.Set(i, normal(rng));
   for (int64_t i = 0; i < kv_elements; ++i) k.Set(i, normal(rng));
   for (int64_t i = 0; i < kv_elements; ++i) v.Set(i, normal(rng));
+  // Item b's first row and lengths.
+  auto item_rows = [&](int64_t b) {
+    if (!c.is_varlen()) return std::array<int64_t, 3>{0, p.seqlen_q, p.seqlen_k};
+    return std::array<int64_t, 3>{cu_k[b], cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]};
+  };
+  if (c.poison_target != AttentionCase::PoisonTarget::kNone) {
+    const bool on_k = c.poison_target == AttentionCase::PoisonTarget::kK;
+    HostArray& t = on_k ? k : v;
+    const int64_t batch_stride = on_k ? p.k_batch_stride : p.v_batch_stride;
+    const int64_t head_stride = on_k ? p.k_head_stride : p.v_head_stride;
+    const int64_t row_stride = on_k ? p.k_row_stride : p.v_row_stride;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const auto [k_row0, nq, nk] = item_rows(b);
+      for (int64_t key : c.poison_keys) {
+        if (key >= nk) continue;
+        for (int64_t h = 0; h < p.heads_kv; ++h) {
+          for (int64_t x = 0; x < p.head_dim; ++x) {
+            t.Set(b * batch_stride + h * head_stride + (k_row0 + key) * row_stride + x, c.poison);
+          }
+        }
+      }
+    }
+  }
+  // Whether item-local row i of item b sees a poisoned key (bottom-right aligned window).
+  auto sees_poison = [&](int64_t b, int64_t i) {
+    const auto [k_row0, nq, nk] = item_rows(b);
+    for (int64_t key : c.poison_keys) {
+      const int64_t diag = i + nk - nq;
+      if (key < nk && (c.window_left == kUnboundedWindow || key >= diag - c.window_left) &&
+          (c.window_right == kUnboundedWindow || key <= diag + c.window_right)) {
+        return true;
+      }
+    }
+    return false;
+  };
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (int64_t i = 0; i < q_elements; ++i) o.Set(i, nan);
   std::vector<float> lse(c.return_lse ? lse_elements : 0, nan);
@@ -309,18 +405,37 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
 
   const double bound =
       dtype == DType::kFloat32 ? tolerance * c.float32_tolerance_factor : tolerance;
-  int64_t nan_count = 0;
+  // Rows compared, by their lse position [B, Hq, Nq] (varlen [Hq, total_q]), and the o element
+  // offset of each compared element (o rows are found through the o strides).
+  std::vector<char> compared(lse_elements, 0);
+  std::vector<int64_t> o_compared;
+  o_compared.reserve(q_elements);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t row0 = c.is_varlen() ? cu_q[b] : 0;
+    const int64_t nq = c.is_varlen() ? cu_q[b + 1] - cu_q[b] : p.seqlen_q;
+    for (int64_t h = 0; h < p.heads_q; ++h) {
+      for (int64_t i = 0; i < nq; ++i) {
+        if (sees_poison(b, i)) continue;
+        compared[b * p.lse_batch_stride + h * p.lse_head_stride + row0 + i] = 1;
+        const int64_t base =
+            b * p.o_batch_stride + h * p.o_head_stride + (row0 + i) * p.o_row_stride;
+        for (int64_t x = 0; x < p.head_dim; ++x) o_compared.push_back(base + x);
+      }
+    }
+  }
+  int64_t non_finite = 0;
   double err2 = 0, ref2 = 0;
-  for (int64_t i = 0; i < q_elements; ++i) {
+  for (int64_t i : o_compared) {
     const double x = o.Get(i);
-    if (std::isnan(x)) {
-      ++nan_count;
+    if (!std::isfinite(x)) {
+      ++non_finite;
       continue;
     }
     err2 += (x - ref_o[i]) * (x - ref_o[i]);
     ref2 += ref_o[i] * ref_o[i];
   }
-  EXPECT_EQ(nan_count, 0) << "o elements left NaN (unwritten or computed NaN) of " << q_elements;
+  EXPECT_EQ(non_finite, 0) << "o elements left NaN (unwritten) or computed non-finite, of "
+                           << o_compared.size() << " compared";
   EXPECT_LE(std::sqrt(err2), bound * std::sqrt(ref2))
       << "o relative error " << std::sqrt(err2 / ref2);
 
@@ -333,7 +448,7 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
     for (int64_t h = 0; h < p.heads_q; ++h) {
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t l = b * p.lse_batch_stride + h * p.lse_head_stride + row0 + i;
-        if (ref_lse[l] != -kInf) continue;
+        if (!compared[l] || ref_lse[l] != -kInf) continue;
         ++empty_rows;
         const int64_t base =
             b * p.o_batch_stride + h * p.o_head_stride + (row0 + i) * p.o_row_stride;
@@ -350,6 +465,7 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
     int64_t lse_nan = 0, lse_bad_inf = 0;
     double lse_err2 = 0, lse_ref2 = 0;
     for (int64_t i = 0; i < lse_elements; ++i) {
+      if (!compared[i]) continue;
       if (std::isnan(lse[i])) {
         ++lse_nan;
       } else if (ref_lse[i] == -kInf || std::isinf(lse[i])) {

@@ -1,7 +1,7 @@
 // A backend-agnostic test grid for attention kernels: the cases every backend must get right
 // (ragged lengths, Nq != Nk, GQA/MQA, windows, varlen, layouts, head dims, dtypes, huge inputs,
-// rows that see no key), random inputs, NaN poisoning of the outputs, and the comparison with the
-// float64 reference (kernels/reference).
+// rows that see no key, NaN and Inf in K or V at keys outside some rows' windows), random inputs,
+// NaN poisoning of the outputs, and the comparison with the float64 reference (kernels/reference).
 //
 // A backend test supplies a HostForward taking host pointers; a device backend wraps it with
 // copies (HostBufferBytes gives the sizes):
@@ -51,6 +51,15 @@ struct AttentionCase {
   // by their own rounding instead, so their tolerance is left as is.
   double float32_tolerance_factor = 1.0;
 
+  // Keys (item-local indices, in every item and kv head) whose K or V row is set to `poison`
+  // in all features after the random fill: non-finite values at keys that some rows see and
+  // others do not. Rows that see a poisoned key are left out of the comparison; every other row
+  // must match the reference (finite, within the bound), whatever the poisoned key holds.
+  enum class PoisonTarget { kNone, kK, kV };
+  PoisonTarget poison_target = PoisonTarget::kNone;
+  float poison = 0.0f;
+  std::vector<int64_t> poison_keys;
+
   bool is_varlen() const { return !varlen_q.empty(); }
 };
 
@@ -70,7 +79,8 @@ using HostForward = std::function<absl::Status(const AttentionParams& host_param
 
 // Builds random inputs of `dtype` for `c` (fresh seed each call, or ATTENTION_TEST_SEED when set;
 // the seed is printed on failure), poisons o and lse with NaN, calls `forward` and expects (gtest
-// EXPECT_*) that it returns OK, that o and lse hold no NaN, that ||o - ref|| / ||ref|| and the same
+// EXPECT_*) that it returns OK, that o and lse hold no NaN or Inf (rows that see a poisoned key
+// excepted: they are not compared), that ||o - ref|| / ||ref|| and the same
 // for lse are within `tolerance` (times c.float32_tolerance_factor for float32), and that rows
 // which see no key get o = 0 and lse = -inf.
 void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, double tolerance);
