@@ -586,13 +586,19 @@ struct CpuBackend::Impl {
   bool stop = false;
   std::vector<std::thread> workers;
 
-  // Claims and computes tasks of `job` until none are left.
+  // Claims and computes tasks of `job` until none are left. The params are read only while this
+  // thread holds a claimed task: a pool worker may pick the job up after every task is done, when
+  // Forward has returned and its caller may have freed them.
   static void Work(Job& job) {
     thread_local Scratch scratch;
-    const AttentionParams& p = *job.params;
-    scratch.Prepare(p.head_dim, RoundUp(p.head_dim, kNr));
     const size_t tasks = job.task_ends.size();
+    bool prepared = false;
     for (size_t t; (t = job.next.fetch_add(1)) < tasks;) {
+      const AttentionParams& p = *job.params;
+      if (!prepared) {
+        scratch.Prepare(p.head_dim, RoundUp(p.head_dim, kNr));
+        prepared = true;
+      }
       // A stopped run still claims and counts its tasks, so Forward's wait ends; it computes
       // nothing more. The check between items (one query tile of one head over its keys) bounds
       // how long a stop waits.
