@@ -200,7 +200,7 @@ void FuzzStep(const uint8_t* data, size_t size) {
   for (int i = 0; i < request.entries_size(); ++i) {
     const attention::v1::StepEntry& entry = request.entries(i);
     absl::StatusOr<attention::server::DecodedEntry> decoded =
-        attention::server::DecodeStepEntry(i, entry, shape, session.length);
+        attention::server::DecodeStepEntry(i, entry, shape);
     if (!decoded.ok()) {
       CheckSessionRefusal(decoded.status());
       continue;
@@ -215,8 +215,11 @@ void FuzzStep(const uint8_t* data, size_t size) {
     }
     CheckKvRows(decoded->rows, entry.has_k() ? &entry.k() : nullptr,
                 entry.has_v() ? &entry.v() : nullptr, shape);
-    if (decoded->length_after != session.length + decoded->rows.rows ||
-        decoded->rows_q > decoded->length_after) {
+    // The check that needs the session's length: queries are its last positions.
+    const absl::Status fits = attention::server::CheckQueriesFit(i, *decoded, session.length);
+    if (!fits.ok()) {
+      CheckSessionRefusal(fits);
+    } else if (decoded->rows_q > session.length + decoded->rows.rows) {
       Fail("queries beyond the session's rows after the append");
     }
   }
