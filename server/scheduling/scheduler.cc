@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <variant>
@@ -191,25 +192,19 @@ std::vector<DeviceLoad> Scheduler::device_loads() const {
 namespace {
 
 // Why a queued job must not run (its deadline passed, its caller cancelled), or OK.
-absl::Status DropReason(const Job& job, absl::Time now, absl::Duration queued) {
+// Why nobody waits for `job` any more (its deadline passed, its caller cancelled), or OK.
+// `queued`: how long it has waited in the queue; nullopt once it runs.
+absl::Status NobodyWaits(const Job& job, absl::Time now, std::optional<absl::Duration> queued) {
+  const auto where = [&queued] {
+    return queued ? absl::StrCat("queued for ", absl::FormatDuration(*queued))
+                  : std::string("running; the run was stopped");
+  };
   // The deadline first: a call past its deadline is also cancelled, and the deadline says why.
   if (now >= job.deadline) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("deadline passed while queued for ", absl::FormatDuration(queued)));
+    return absl::DeadlineExceededError(absl::StrCat("deadline passed while ", where()));
   }
   if (job.cancelled && job.cancelled()) {
-    return absl::CancelledError("cancelled by the client while queued");
-  }
-  return absl::OkStatus();
-}
-
-// The same for a job that was running (its batch was stopped).
-absl::Status StopReason(const Job& job, absl::Time now) {
-  if (now >= job.deadline) {
-    return absl::DeadlineExceededError("deadline passed while running; the run was stopped");
-  }
-  if (job.cancelled && job.cancelled()) {
-    return absl::CancelledError("cancelled by the client while running; the run was stopped");
+    return absl::CancelledError(absl::StrCat("cancelled by the client while ", where()));
   }
   return absl::OkStatus();
 }
@@ -254,7 +249,7 @@ std::vector<Scheduler::Queued> Scheduler::CollectBatch(
     const absl::Time now = absl::Now();
     for (auto it = queue_.begin();
          it != queue_.end() && static_cast<int>(batch.size()) < options_.max_batch;) {
-      if (absl::Status why = DropReason(it->first, now, now - it->second); !why.ok()) {
+      if (absl::Status why = NobodyWaits(it->first, now, now - it->second); !why.ok()) {
         dropped->emplace_back(std::move(*it), std::move(why));
       } else if (RunnableLocked(it->first) && fits(it->first)) {
         held_sessions_.insert(it->first.sessions.begin(), it->first.sessions.end());
@@ -386,7 +381,7 @@ void Scheduler::RunBatch(std::vector<Queued> batch) {
       const absl::Time now = absl::Now();
       for (size_t i = 0; i < batch.size(); ++i) {
         if (stages[i].ok()) continue;
-        absl::Status why = aborted.ok() ? StopReason(batch[i].first, now) : aborted;
+        absl::Status why = aborted.ok() ? NobodyWaits(batch[i].first, now, std::nullopt) : aborted;
         if (!why.ok()) stages[i] = std::move(why);
       }
     } else if (std::any_of(stages.begin(), stages.end(), [](const auto& s) { return !s.ok(); })) {
@@ -434,8 +429,9 @@ void Scheduler::WatchdogLoop() {
       if (running->stop) continue;
       // A batch stops only when none of its jobs has a caller left: the others still want it.
       const bool nobody_waits =
-          std::all_of(running->batch->begin(), running->batch->end(),
-                      [now](const Queued& queued) { return !StopReason(queued.first, now).ok(); });
+          std::all_of(running->batch->begin(), running->batch->end(), [now](const Queued& queued) {
+            return !NobodyWaits(queued.first, now, std::nullopt).ok();
+          });
       if (nobody_waits) running->stop = true;
     }
   }

@@ -186,6 +186,23 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
       absl::FormatDuration(exit_after).c_str(), kGraceSeconds);
 }
 
+// A small request ([1, 2, 16, 32] over 16 keys) for the calls that keep arriving.
+constexpr client::ProblemSpec kSmallCall{
+    .batch = 1, .heads_q = 2, .heads_kv = 1, .seqlen_q = 16, .seqlen_k = 16, .head_dim = 32};
+
+// `n` clients of `server`, each on its own connection, connected (one call answered) before the
+// signal, as long-lived clients would be.
+std::vector<std::unique_ptr<client::Client>> ConnectedClients(const e2e::RunningServer& server,
+                                                              int n, absl::Duration deadline) {
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int c = 0; c < n; ++c) {
+    clients.push_back(std::make_unique<client::Client>(
+        client::ClientOptions{.target = server.process->target(), .deadline = deadline}));
+    EXPECT_TRUE(clients.back()->GetServerInfo().ok());
+  }
+  return clients;
+}
+
 // Calls arriving while the server drains are refused by the service itself (UNAVAILABLE, "server
 // is shutting down"), never cancelled by gRPC's shutdown: the server stays up until the drain is
 // over. One accepted request holds the drain; the calls judged are those answered before it.
@@ -202,19 +219,13 @@ TEST(ShutdownTest, CallsArrivingDuringTheDrainGetUnavailable) {
   // The blocker keeps the one worker busy for about two seconds: the whole drain.
   absl::StatusOr<e2e::Blocker> blocker =
       e2e::CalibratedBlocker(*server->client, absl::Seconds(2), rng);
-  absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(
-      {.batch = 1, .heads_q = 2, .heads_kv = 1, .seqlen_q = 16, .seqlen_k = 16, .head_dim = 32},
-      rng);
+  absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(kSmallCall, rng);
   ASSERT_TRUE(blocker.ok()) << blocker.status();
   ASSERT_TRUE(small.ok()) << small.status();
 
-  // Every client is connected before the signal, as a long-lived client would be.
-  std::vector<std::unique_ptr<client::Client>> clients;
-  for (int c = 0; c < kClients; ++c) {
-    clients.push_back(std::make_unique<client::Client>(client::ClientOptions{
-        .target = server->process->target(), .deadline = absl::Seconds(kGraceSeconds)}));
-    ASSERT_TRUE(clients.back()->GetServerInfo().ok());
-  }
+  std::vector<std::unique_ptr<client::Client>> clients =
+      ConnectedClients(*server, kClients, absl::Seconds(kGraceSeconds));
+  ASSERT_FALSE(HasFailure()) << "a client could not connect";
 
   std::atomic<int64_t> blocker_done_ns{0};
   std::promise<absl::StatusOr<v1::AttendResponse>> blocker_result;
@@ -291,17 +302,12 @@ TEST(ShutdownTest, ClientsSendingThroughTheShutdownGetAnswersOrUnavailable) {
   std::mt19937_64 rng(seed);
   absl::StatusOr<e2e::Blocker> blocker =
       e2e::CalibratedBlocker(*server->client, absl::Seconds(1), rng);
-  absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(
-      {.batch = 1, .heads_q = 2, .heads_kv = 1, .seqlen_q = 16, .seqlen_k = 16, .head_dim = 32},
-      rng);
+  absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(kSmallCall, rng);
   ASSERT_TRUE(blocker.ok()) << blocker.status();
   ASSERT_TRUE(small.ok()) << small.status();
-  std::vector<std::unique_ptr<client::Client>> clients;
-  for (int c = 0; c < kClients; ++c) {
-    clients.push_back(std::make_unique<client::Client>(client::ClientOptions{
-        .target = server->process->target(), .deadline = absl::Seconds(kGraceSeconds)}));
-    ASSERT_TRUE(clients.back()->GetServerInfo().ok());
-  }
+  std::vector<std::unique_ptr<client::Client>> clients =
+      ConnectedClients(*server, kClients, absl::Seconds(kGraceSeconds));
+  ASSERT_FALSE(HasFailure()) << "a client could not connect";
 
   // The blocker runs first (it must be accepted before the signal), then the clients start.
   std::future<absl::StatusOr<v1::AttendResponse>> blocked =
