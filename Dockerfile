@@ -21,8 +21,10 @@ ARG CUDA_VERSION=13.0.2
 FROM docker.io/nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS build
 ARG CUDA_ARCHITECTURES="80;90a"
 ARG DEBIAN_FRONTEND=noninteractive
-# The image runs no tests, so install_deps.sh leaves out the deployment tests' linters.
+# The image runs no tests, so install_deps.sh leaves out the deployment tests' linters and the
+# Python tests' torch and transformers.
 ARG ATTENTION_DEPLOY_TOOLS=0
+ARG ATTENTION_PYTHON_ENV=0
 # A failing command anywhere in a pipe (ldd below) fails the step.
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /src

@@ -56,7 +56,10 @@ ABSL_FLAG(int, max_message_mb, 1024,
           "largest gRPC message sent or received, MiB (1..2047); a larger request is refused "
           "before it is built (the server has its own limit: --info)");
 ABSL_FLAG(std::string, layout, "bhsd", "bhsd ([B, H, N, D]) | bshd ([B, N, H, D])");
-ABSL_FLAG(bool, causal, false, "causal mask (bottom-right aligned)");
+ABSL_FLAG(bool, causal, false, "causal mask (aligned as --mask_alignment says)");
+ABSL_FLAG(std::string, mask_alignment, "bottom_right",
+          "where the causal/window mask's diagonal sits when Nq != Nk: bottom_right (query i on "
+          "key i + Nk - Nq, FlashAttention's) | top_left (query i on key i, torch SDPA's)");
 ABSL_FLAG(std::optional<float>, scale, std::nullopt, "softmax scale (default: 1/sqrt(D))");
 ABSL_FLAG(std::optional<int32_t>, window_left, std::nullopt, "sliding window, keys to the left");
 ABSL_FLAG(std::optional<int32_t>, window_right, std::nullopt, "sliding window, keys to the right");
@@ -153,6 +156,13 @@ absl::StatusOr<ProblemSpec> SpecFromFlags(const InputFiles& files) {
   if (!dtype.ok()) return dtype.status();
   spec.dtype = *dtype;
   spec.causal = absl::GetFlag(FLAGS_causal);
+  const std::string alignment = absl::GetFlag(FLAGS_mask_alignment);
+  if (alignment != "bottom_right" && alignment != "top_left") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--mask_alignment must be bottom_right or top_left, got ", alignment));
+  }
+  spec.mask_alignment =
+      alignment == "top_left" ? v1::MASK_ALIGN_TOP_LEFT : v1::MASK_ALIGN_BOTTOM_RIGHT;
   spec.softmax_scale = absl::GetFlag(FLAGS_scale);
   spec.window_left = absl::GetFlag(FLAGS_window_left);
   spec.window_right = absl::GetFlag(FLAGS_window_right);

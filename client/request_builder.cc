@@ -67,6 +67,7 @@ absl::StatusOr<v1::AttendRequest> MakeRequest(const ProblemSpec& spec, absl::Spa
   *request.mutable_v() = MakeTensor(spec.dtype, kv_shape, v);
   request.set_layout(spec.layout);
   request.set_causal(spec.causal);
+  request.set_mask_alignment(spec.mask_alignment);
   if (spec.softmax_scale) request.set_softmax_scale(*spec.softmax_scale);
   if (spec.window_left) request.set_window_left(*spec.window_left);
   if (spec.window_right) request.set_window_right(*spec.window_right);
@@ -107,6 +108,7 @@ std::string DescribeProblem(const ProblemSpec& spec) {
   if (spec.causal) absl::StrAppend(&out, " causal");
   if (spec.window_left) absl::StrAppend(&out, " window_left=", *spec.window_left);
   if (spec.window_right) absl::StrAppend(&out, " window_right=", *spec.window_right);
+  if (spec.mask_alignment == v1::MASK_ALIGN_TOP_LEFT) absl::StrAppend(&out, " top_left");
   if (spec.softmax_scale) absl::StrAppend(&out, " scale=", *spec.softmax_scale);
   if (spec.return_lse) absl::StrAppend(&out, " lse");
   return out;

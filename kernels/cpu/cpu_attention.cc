@@ -240,14 +240,16 @@ struct KeyRange {
   int64_t begin, end;
 };
 
-// Window of query row i (item-local) under the bottom-right convention, unclamped.
+// Window of query row i (item-local) around its diagonal key (MaskDiagonal), unclamped.
 inline int64_t LowestKey(const AttentionParams& p, const ItemExtent& e, int64_t i) {
-  return p.window_left == kUnboundedWindow ? std::numeric_limits<int64_t>::min() / 4
-                                           : i + e.nk - e.nq - p.window_left;
+  return p.window_left == kUnboundedWindow
+             ? std::numeric_limits<int64_t>::min() / 4
+             : i + MaskDiagonal(p.mask_alignment, e.nq, e.nk) - p.window_left;
 }
 inline int64_t HighestKey(const AttentionParams& p, const ItemExtent& e, int64_t i) {
-  return p.window_right == kUnboundedWindow ? std::numeric_limits<int64_t>::max() / 4
-                                            : i + e.nk - e.nq + p.window_right;
+  return p.window_right == kUnboundedWindow
+             ? std::numeric_limits<int64_t>::max() / 4
+             : i + MaskDiagonal(p.mask_alignment, e.nq, e.nk) + p.window_right;
 }
 
 KeyRange KeysOfBlock(const AttentionParams& p, const ItemExtent& e, int64_t row0, int64_t rows) {
@@ -332,11 +334,11 @@ ATTENTION_INLINE void LoadQTransposed(const AttentionParams& p, const ItemExtent
 
 // Sets S^T columns [0, cols) to -inf where a row of the block cannot see the key. Key key0 + j is
 // visible to rows i with LowestKey(i) <= key <= HighestKey(i), i.e. rows
-// [key - (nk - nq) - window_right, key - (nk - nq) + window_left] (block-local below).
+// [key - diag - window_right, key - diag + window_left], diag = MaskDiagonal (block-local below).
 ATTENTION_INLINE void MaskTile(const AttentionParams& p, const ItemExtent& e, int64_t row0,
                                int64_t key0, int64_t kn, int64_t cols, float* st) {
   for (int64_t j = 0; j < kn; ++j) {
-    const int64_t diag = key0 + j - (e.nk - e.nq) - row0;
+    const int64_t diag = key0 + j - MaskDiagonal(p.mask_alignment, e.nq, e.nk) - row0;
     const int64_t first = p.window_right == kUnboundedWindow ? 0 : diag - p.window_right;
     const int64_t last = p.window_left == kUnboundedWindow ? cols : diag + p.window_left + 1;
     const int64_t lo = std::clamp<int64_t>(first, 0, cols);

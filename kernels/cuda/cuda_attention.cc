@@ -103,8 +103,9 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   const Log2Scale scale = ToLog2Scale(p.softmax_scale);
   k.scale_log2 = scale.scale_log2;
   k.negate_q = scale.negate_q;
-  k.window_left = ClampWindow(p.window_left, p.seqlen_k);
-  k.window_right = ClampWindow(p.window_right, p.seqlen_q);
+  k.mask_top_left = p.mask_alignment == MaskAlignment::kTopLeft;
+  k.window_left = ClampWindow(p.window_left, k.mask_top_left ? p.seqlen_q : p.seqlen_k);
+  k.window_right = ClampWindow(p.window_right, k.mask_top_left ? p.seqlen_k : p.seqlen_q);
   k.cu_seqlens_q = p.cu_seqlens_q;
   k.cu_seqlens_k = p.cu_seqlens_k;
   return k;

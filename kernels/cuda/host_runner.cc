@@ -128,7 +128,7 @@ bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) {
   if (a.dtype != b.dtype || a.heads_q != b.heads_q || a.heads_kv != b.heads_kv ||
       a.head_dim != b.head_dim || a.softmax_scale != b.softmax_scale ||
       a.window_left != b.window_left || a.window_right != b.window_right ||
-      (a.lse == nullptr) != (b.lse == nullptr)) {
+      a.mask_alignment != b.mask_alignment || (a.lse == nullptr) != (b.lse == nullptr)) {
     return false;
   }
   const bool same_dense = !a.is_varlen() && !b.is_varlen() && IsBshd(a) == IsBshd(b) &&

@@ -38,6 +38,9 @@ struct KernelParams {
   bool negate_q;
   // Window bounds, -1 = unbounded; the launcher turns bounds that exclude nothing into -1.
   int window_left, window_right;
+  // The mask's diagonal: false = bottom-right (query i on key i + nk - nq), true = top-left (on
+  // key i); see MaskDiagonal in masks.cuh.
+  bool mask_top_left;
   const int32_t* cu_seqlens_q;  // device, batch + 1 entries; nullptr when not varlen
   const int32_t* cu_seqlens_k;
 };
@@ -52,9 +55,10 @@ inline Log2Scale ToLog2Scale(float softmax_scale) {
           softmax_scale < 0};
 }
 
-// A window bound that excludes no key of any row becomes unbounded (-1), so it fits in int32:
-// row i sees keys from i + nk - nq - window_left, so window_left >= nk reaches below key 0 for
-// every row (covering = nk); likewise window_right >= nq past the last key (covering = nq).
+// A window bound that excludes no key of any row becomes unbounded (-1), so it fits in int32.
+// Bottom-right, row i sees keys from i + nk - nq - window_left, so window_left >= nk reaches below
+// key 0 for every row (covering = nk); likewise window_right >= nq past the last key (covering =
+// nq). Top-left (diagonal key i) swaps them: window_left >= nq, window_right >= nk.
 inline int ClampWindow(int64_t bound, int64_t covering) {
   return bound < 0 || bound >= covering ? -1 : static_cast<int>(bound);
 }

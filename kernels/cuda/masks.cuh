@@ -25,13 +25,24 @@ struct KeyRange {
   int lo, hi;
 };
 
+// The key on row 0's diagonal for an item of nq queries and nk keys (row i's is i + this): the
+// forward kernel's mask is aligned as its params say (AttentionParams::mask_alignment), the paged
+// decode kernel's always bottom-right (a session's queries are its last positions).
+__device__ __forceinline__ int MaskDiagonal(const KernelParams& p, int nq, int nk) {
+  return p.mask_top_left ? 0 : nk - nq;
+}
+template <typename Params>
+__device__ __forceinline__ int MaskDiagonal(const Params&, int nq, int nk) {
+  return nk - nq;
+}
+
 // Keys [lo, hi) that rows [row_first, row_last] of an item of nq queries and nk keys may see
-// (bottom-right aligned mask: row i sees key j iff i + nk - nq - window_left <= j <= i + nk - nq +
-// window_right; bounds -1 = unbounded). Params: any kernel params with window_left, window_right.
+// (row i sees key j iff i + diag - window_left <= j <= i + diag + window_right, diag =
+// MaskDiagonal; bounds -1 = unbounded). Params: any kernel params with window_left, window_right.
 template <typename Params>
 __device__ __forceinline__ KeyRange VisibleKeys(const Params& p, int nq, int nk, int row_first,
                                                 int row_last) {
-  const int diag = nk - nq;
+  const int diag = MaskDiagonal(p, nq, nk);
   int lo = 0, hi = nk;
   if (p.window_left >= 0) lo = max(lo, row_first + diag - p.window_left);
   if (p.window_right >= 0) hi = min(hi, row_last + diag + p.window_right + 1);
@@ -42,7 +53,7 @@ __device__ __forceinline__ KeyRange VisibleKeys(const Params& p, int nq, int nk,
 // runs past the keys, or crosses the window edge of the first or the last row.
 __device__ __forceinline__ bool TileNeedsMask(const KernelParams& p, const ItemExtent& e,
                                               int row_first, int row_last, int n0, int tile) {
-  const int diag = e.nk - e.nq;
+  const int diag = MaskDiagonal(p, e.nq, e.nk);
   return n0 + tile > e.nk ||
          (p.window_right >= 0 && n0 + tile - 1 > row_first + diag + p.window_right) ||
          (p.window_left >= 0 && n0 < row_last + diag - p.window_left);

@@ -48,8 +48,8 @@ absl::Status Forward(const AttentionParams& p, std::vector<double>* o, std::vect
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t q_base =
             b * p.q_batch_stride + (q0 + i) * p.q_row_stride + h * p.q_head_stride;
-        // Bottom-right aligned window: key j is visible iff lo <= j <= hi.
-        const int64_t diag = i + nk - nq;
+        // Key j is visible iff lo <= j <= hi (the window around query i's diagonal key).
+        const int64_t diag = i + MaskDiagonal(p.mask_alignment, nq, nk);
         const int64_t lo = p.window_left == kUnboundedWindow ? 0 : diag - p.window_left;
         const int64_t hi = p.window_right == kUnboundedWindow ? nk - 1 : diag + p.window_right;
         double max_score = -std::numeric_limits<double>::infinity();

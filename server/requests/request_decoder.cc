@@ -126,6 +126,11 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
     return absl::InvalidArgumentError(absl::StrCat(
         "layout: expected LAYOUT_BHSD or LAYOUT_BSHD, got ", static_cast<int>(request.layout())));
   }
+  if (!v1::MaskAlignment_IsValid(request.mask_alignment())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mask_alignment: expected MASK_ALIGN_BOTTOM_RIGHT or MASK_ALIGN_TOP_LEFT, got ",
+                     static_cast<int>(request.mask_alignment())));
+  }
   const bool varlen = request.cu_seqlens_q_size() > 0 || request.cu_seqlens_k_size() > 0;
   if (varlen && (request.cu_seqlens_q_size() == 0 || request.cu_seqlens_k_size() == 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -197,6 +202,9 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   p.softmax_scale = mask.softmax_scale;
   p.window_left = mask.window_left;
   p.window_right = mask.window_right;
+  p.mask_alignment = request.mask_alignment() == v1::MASK_ALIGN_TOP_LEFT
+                         ? MaskAlignment::kTopLeft
+                         : MaskAlignment::kBottomRight;
 
   DecodedRequest decoded;
   int64_t visible_pairs = 0;
@@ -223,15 +231,15 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
       const int64_t nk = request.cu_seqlens_k(b + 1) - request.cu_seqlens_k(b);
       p.seqlen_q = std::max(p.seqlen_q, nq);
       p.seqlen_k = std::max(p.seqlen_k, nk);
-      visible_pairs += VisibleKeyPairs(nq, nk, p.window_left, p.window_right);
+      visible_pairs += VisibleKeyPairs(nq, nk, p.window_left, p.window_right, p.mask_alignment);
     }
     decoded.query_tokens = p.total_q;
   } else {
     p.batch = q.shape(0);
     p.seqlen_q = q.shape(row_axis);
     p.seqlen_k = k.shape(row_axis);
-    visible_pairs =
-        p.batch * VisibleKeyPairs(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+    visible_pairs = p.batch * VisibleKeyPairs(p.seqlen_q, p.seqlen_k, p.window_left,
+                                              p.window_right, p.mask_alignment);
     decoded.query_tokens = p.batch * p.seqlen_q;
   }
   decoded.flops = 4.0 * static_cast<double>(heads_q) * static_cast<double>(head_dim) *

@@ -57,8 +57,9 @@ absl::StatusOr<DType> ToDType(int dtype, absl::string_view field);
 absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const v1::Tensor& t, int rank,
                                     absl::string_view rank_meaning, size_t element_bytes);
 
-// The scale and bottom-right aligned window of a request with softmax_scale, window_left,
-// window_right and causal (AttendRequest, StepRequest), for head dim `head_dim`.
+// The scale and window of a request with softmax_scale, window_left, window_right and causal
+// (AttendRequest, StepRequest), for head dim `head_dim`; AttendRequest's mask_alignment is decoded
+// beside it (a StepRequest is always bottom-right).
 struct MaskParams {
   float softmax_scale = 1.0f;
   int64_t window_left = kUnboundedWindow;

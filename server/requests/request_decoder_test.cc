@@ -98,6 +98,9 @@ TEST(RequestDecoderTest, RejectsMalformedRequestsNamingTheField) {
        kInvalid, "k.dtype: expected DTYPE_FLOAT32 (as q), got DTYPE_FLOAT16"},
       {"bad layout", false, [](auto& r, auto&) { r.set_layout(static_cast<v1::Layout>(5)); },
        kInvalid, "layout: expected LAYOUT_BHSD or LAYOUT_BSHD, got 5"},
+      {"bad mask_alignment", false,
+       [](auto& r, auto&) { r.set_mask_alignment(static_cast<v1::MaskAlignment>(2)); }, kInvalid,
+       "mask_alignment: expected MASK_ALIGN_BOTTOM_RIGHT or MASK_ALIGN_TOP_LEFT, got 2"},
       {"dense rank", false,
        [](auto& r, auto& g) {
          SetTensor(r.mutable_q(), v1::DTYPE_FLOAT32, {2, 4, 40}, g);
@@ -379,6 +382,21 @@ TEST(RequestDecoderTest, WindowsAndCausal) {
   EXPECT_EQ(decoded->params.window_right, 0);
   // Row i sees keys i+1 .. i+2: 2 keys for each of 5 rows.
   EXPECT_DOUBLE_EQ(decoded->flops, 4.0 * 2 * 4 * 8 * (5 * 2));
+  EXPECT_EQ(decoded->params.mask_alignment, MaskAlignment::kBottomRight);
+}
+
+TEST(RequestDecoderTest, TopLeftAlignment) {
+  Random random;
+  SCOPED_TRACE("seed " + std::to_string(random.seed()));
+  AttendRequest request = DenseRequest(random);  // Nq = 5, Nk = 7: diagonal of row i is i
+  request.set_causal(true);
+  request.set_mask_alignment(v1::MASK_ALIGN_TOP_LEFT);
+  AttendResponse response;
+  absl::StatusOr<DecodedRequest> decoded = DecodeRequest(request, {}, &response);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->params.mask_alignment, MaskAlignment::kTopLeft);
+  // Row i sees keys 0 .. i: 1 + 2 + 3 + 4 + 5 pairs.
+  EXPECT_DOUBLE_EQ(decoded->flops, 4.0 * 2 * 4 * 8 * 15);
 }
 
 }  // namespace

@@ -55,6 +55,7 @@ std::string Describe(const AttentionCase& c, DType dtype, uint64_t seed) {
                    " Hkv=", c.heads_kv, " Nq=", c.seqlen_q, " Nk=", c.seqlen_k, " D=", c.head_dim,
                    c.layout == Layout::kBHSD ? " BHSD" : " BSHD", " window=(", c.window_left, ",",
                    c.window_right, ")");
+  if (c.mask_alignment == MaskAlignment::kTopLeft) absl::StrAppend(&s, " top_left");
   if (c.is_varlen()) absl::StrAppend(&s, " varlen");
   if (c.softmax_scale) absl::StrAppend(&s, " scale=", *c.softmax_scale);
   if (c.input_scale != 1.0f) absl::StrAppend(&s, " input_scale=", c.input_scale);
@@ -174,6 +175,72 @@ std::vector<AttentionCase> StandardGrid() {
     c.return_lse = true;
     add(c);
   }
+  // Top-left aligned masks (torch SDPA's convention): query i's diagonal is key i, so with Nq < Nk
+  // the last keys are seen only by windows reaching right, and with Nq > Nk the rows past Nk see
+  // every key (causal) or none (a window that ends before them).
+  {
+    AttentionCase c = Square("top_left_causal_nq100_nk300_lse", 0, 64);
+    c.seqlen_q = 100;
+    c.seqlen_k = 300;
+    c.window_right = 0;
+    c.mask_alignment = MaskAlignment::kTopLeft;
+    c.return_lse = true;
+    add(c);
+    c = Square("top_left_causal_nq300_nk100_gqa", 0, 64);
+    c.heads_q = 4;
+    c.seqlen_q = 300;
+    c.seqlen_k = 100;
+    c.window_right = 0;
+    c.mask_alignment = MaskAlignment::kTopLeft;
+    add(c);
+    c = Square("top_left_causal_nq129_nk257_b2_bshd_d128", 0, 128);
+    c.batch = 2;
+    c.seqlen_q = 129;
+    c.seqlen_k = 257;
+    c.layout = Layout::kBSHD;
+    c.window_right = 0;
+    c.mask_alignment = MaskAlignment::kTopLeft;
+    add(c);
+    c = Square("top_left_window_20_0_nq70_nk200", 0, 32);
+    c.seqlen_q = 70;
+    c.seqlen_k = 200;
+    c.window_left = 20;
+    c.window_right = 0;
+    c.mask_alignment = MaskAlignment::kTopLeft;
+    add(c);
+    c = Square("top_left_window_right5_nq70_nk200", 0, 64);
+    c.seqlen_q = 70;
+    c.seqlen_k = 200;
+    c.window_right = 5;
+    c.mask_alignment = MaskAlignment::kTopLeft;
+    add(c);
+    c = Square("top_left_window_10_10_nq300_nk100_empty_rows", 0, 64);
+    c.seqlen_q = 300;
+    c.seqlen_k = 100;
+    c.window_left = 10;
+    c.window_right = 10;
+    c.mask_alignment = MaskAlignment::kTopLeft;
+    c.return_lse = true;
+    add(c);
+    c = AttentionCase();
+    c.name = "top_left_varlen_causal";
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.head_dim = 64;
+    c.varlen_q = {1, 37, 130, 64, 5};
+    c.varlen_k = {1, 200, 130, 9, 70};
+    c.window_right = 0;
+    c.mask_alignment = MaskAlignment::kTopLeft;
+    c.return_lse = true;
+    add(c);
+    c.name = "top_left_varlen_window_mqa_d80";
+    c.heads_q = 3;
+    c.heads_kv = 1;
+    c.head_dim = 80;
+    c.window_left = 7;
+    c.window_right = 2;
+    add(c);
+  }
   // Custom softmax scales.
   {
     AttentionCase c = Square("scale0p3", 90, 64);
@@ -253,6 +320,15 @@ std::vector<AttentionCase> StandardGrid() {
     c.window_right = 0;
     c.poison_keys = {1, 64};
     shapes.push_back(c);
+    // Top-left: keys past row Nq - 1 are seen by no row.
+    c = Square("poison_top_left_causal_nq65_nk129", 0, 64);
+    c.seqlen_q = 65;
+    c.seqlen_k = 129;
+    c.window_right = 0;
+    c.mask_alignment = MaskAlignment::kTopLeft;
+    c.return_lse = true;
+    c.poison_keys = {0, 31, 63, 64, 100};
+    shapes.push_back(c);
     for (const AttentionCase& shape : shapes) {
       for (const auto& [target, target_name] : {std::pair{Target::kK, "k"}, {Target::kV, "v"}}) {
         for (const auto& [value, value_name] :
@@ -317,6 +393,7 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
   p.head_dim = c.head_dim;
   p.window_left = c.window_left;
   p.window_right = c.window_right;
+  p.mask_alignment = c.mask_alignment;
   p.softmax_scale = c.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
   std::vector<int32_t> cu_q, cu_k;
   if (c.is_varlen()) {
@@ -374,11 +451,11 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
       }
     }
   }
-  // Whether item-local row i of item b sees a poisoned key (bottom-right aligned window).
+  // Whether item-local row i of item b sees a poisoned key.
   auto sees_poison = [&](int64_t b, int64_t i) {
     const auto [k_row0, nq, nk] = item_rows(b);
     for (int64_t key : c.poison_keys) {
-      const int64_t diag = i + nk - nq;
+      const int64_t diag = i + MaskDiagonal(c.mask_alignment, nq, nk);
       if (key < nk && (c.window_left == kUnboundedWindow || key >= diag - c.window_left) &&
           (c.window_right == kUnboundedWindow || key <= diag + c.window_right)) {
         return true;

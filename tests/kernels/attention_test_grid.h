@@ -1,5 +1,6 @@
 // A backend-agnostic test grid for attention kernels: the cases every backend must get right
-// (ragged lengths, Nq != Nk, GQA/MQA, windows, varlen, layouts, head dims, dtypes, huge inputs,
+// (ragged lengths, Nq != Nk, GQA/MQA, windows in both mask alignments, varlen, layouts, head dims,
+// dtypes, huge inputs,
 // rows that see no key, NaN and Inf in K or V at keys outside some rows' windows), random inputs,
 // NaN poisoning of the outputs, and the comparison with the float64 reference (kernels/reference).
 //
@@ -37,6 +38,7 @@ struct AttentionCase {
   Layout layout = Layout::kBHSD;
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;  // 0 = causal
+  MaskAlignment mask_alignment = MaskAlignment::kBottomRight;
   std::optional<float> softmax_scale;       // absent: 1 / sqrt(head_dim)
   bool return_lse = false;
   // Varlen when non-empty: per-item lengths (same count for q and k); batch and seqlen_q/k are

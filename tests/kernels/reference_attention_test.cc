@@ -1,6 +1,6 @@
 // The float64 reference on inputs whose answer is known in closed form: with q = 0 every visible
 // key gets the same weight, so o is the mean of the visible v rows and lse = log(count). That
-// checks masks (bottom-right windows, Nq != Nk), GQA head mapping, strides and varlen offsets.
+// checks masks (bottom-right and top-left windows, Nq != Nk), GQA head mapping, strides and varlen offsets.
 #include "kernels/reference/reference_attention.h"
 
 #include <cmath>
@@ -16,18 +16,21 @@ struct Expected {
   int64_t lo, hi;  // visible keys, clamped; empty when lo > hi
 };
 
-// Visible keys of row i under FlashAttention's bottom-right convention, computed directly.
-Expected Visible(int64_t i, int64_t nq, int64_t nk, int64_t left, int64_t right) {
+// Visible keys of row i under FlashAttention's bottom-right convention (diagonal key i + nk - nq)
+// or torch SDPA's top-left one (diagonal key i), computed directly.
+Expected Visible(int64_t i, int64_t nq, int64_t nk, int64_t left, int64_t right, bool top_left) {
   Expected e{0, nk - 1};
-  const int64_t diag = i + nk - nq;
+  const int64_t diag = top_left ? i : i + nk - nq;
   if (left != kUnboundedWindow) e.lo = std::max<int64_t>(0, diag - left);
   if (right != kUnboundedWindow) e.hi = std::min<int64_t>(nk - 1, diag + right);
   return e;
 }
 
-void CheckUniform(Layout layout, int64_t nq, int64_t nk, int64_t left, int64_t right) {
+void CheckUniform(Layout layout, int64_t nq, int64_t nk, int64_t left, int64_t right,
+                  bool top_left = false) {
   SCOPED_TRACE(testing::Message() << "layout " << static_cast<int>(layout) << " nq " << nq << " nk "
-                                  << nk << " window " << left << "," << right);
+                                  << nk << " window " << left << "," << right
+                                  << (top_left ? " top-left" : " bottom-right"));
   AttentionParams p;
   p.batch = 2;
   p.heads_q = 4;
@@ -37,6 +40,7 @@ void CheckUniform(Layout layout, int64_t nq, int64_t nk, int64_t left, int64_t r
   p.head_dim = 3;
   p.window_left = left;
   p.window_right = right;
+  p.mask_alignment = top_left ? MaskAlignment::kTopLeft : MaskAlignment::kBottomRight;
   p.softmax_scale = 0.7f;
   p.SetContiguousStrides(layout);
   std::vector<float> q(p.batch * p.heads_q * nq * p.head_dim, 0.0f);
@@ -62,7 +66,7 @@ void CheckUniform(Layout layout, int64_t nq, int64_t nk, int64_t left, int64_t r
     for (int64_t h = 0; h < p.heads_q; ++h) {
       const int64_t hk = h / 2;
       for (int64_t i = 0; i < nq; ++i) {
-        const Expected e = Visible(i, nq, nk, left, right);
+        const Expected e = Visible(i, nq, nk, left, right, top_left);
         const double lse_got = lse[b * p.lse_batch_stride + h * p.lse_head_stride + i];
         for (int64_t x = 0; x < p.head_dim; ++x) {
           const double got = o[b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride + x];
@@ -89,6 +93,16 @@ TEST(ReferenceAttentionTest, UniformWeightsGiveMeanOfVisibleValues) {
     CheckUniform(layout, 12, 5, kUnboundedWindow, 0);  // first 7 rows see nothing
     CheckUniform(layout, 12, 5, 1, 1);
     CheckUniform(layout, 7, 7, 0, kUnboundedWindow);
+  }
+}
+
+TEST(ReferenceAttentionTest, TopLeftAlignmentPutsRowIOnKeyI) {
+  for (Layout layout : {Layout::kBHSD, Layout::kBSHD}) {
+    CheckUniform(layout, 5, 12, kUnboundedWindow, 0, true);  // keys 5.. seen by no row
+    CheckUniform(layout, 12, 5, kUnboundedWindow, 0, true);  // rows 4.. see every key
+    CheckUniform(layout, 12, 5, 1, 1, true);                 // rows 7.. see nothing
+    CheckUniform(layout, 5, 12, 2, 3, true);
+    CheckUniform(layout, 9, 9, 1, 0, true);
   }
 }
 

@@ -183,6 +183,17 @@ class ClientTest(ServerTest):
         self.assertIn("computing the float64 reference", p.stderr)
         self.assertRegex(p.stdout, r"every row, reference on \d+ threads\): PASS")
 
+    def test_top_left_mask_alignment(self):
+        for nk in (70, 25):  # Nq < Nk and Nq > Nk: the two alignments differ
+            p = run("attn_client", self.target, "--shape=1,2,40,32", f"--nk={nk}", "--causal",
+                    "--lse", "--mask_alignment=top_left", "--check")
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertIn("top_left", p.stdout + p.stderr)
+            self.assertRegex(p.stdout, r"\): PASS")
+        p = run("attn_client", self.target, "--mask_alignment=diagonal")
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--mask_alignment must be bottom_right or top_left, got diagonal", p.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()
