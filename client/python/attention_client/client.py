@@ -20,6 +20,7 @@ except ImportError:
 
 _NUMPY_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.float16): pb.DTYPE_FLOAT16}
 _LAYOUTS = {"bhsd": pb.LAYOUT_BHSD, "bshd": pb.LAYOUT_BSHD}
+_MASK_ALIGNMENTS = {"bottom_right": pb.MASK_ALIGN_BOTTOM_RIGHT, "top_left": pb.MASK_ALIGN_TOP_LEFT}
 
 
 def _is_torch(x):
@@ -228,12 +229,14 @@ class Client:
     def attend(self, q, k, v, *, causal=False, softmax_scale=None, window_left=None,
                window_right=None, layout="bhsd", return_lse=False, cu_seqlens_q=None,
                cu_seqlens_k=None, bfloat16_bits=False, timeout=None, request_id="",
-               metadata=None, return_info=False):
+               metadata=None, return_info=False, mask_alignment="bottom_right"):
         """O = softmax(scale * Q Kᵀ + mask) V on the server.
 
         q: [B, Hq, Nq, D] (layout "bhsd") or [B, Nq, Hq, D] ("bshd"); k, v: [B, Hkv, Nk, D]
         likewise. Varlen: q [total_q, Hq, D], k and v [total_k, Hkv, D] with cu_seqlens_q and
         cu_seqlens_k (B+1 offsets each; cu_seqlens_k defaults to cu_seqlens_q).
+        mask_alignment: where a causal or window mask sits when Nq != Nk: "bottom_right" (query i
+        on key i + Nk - Nq, FlashAttention's) or "top_left" (query i on key i, torch SDPA's).
         Returns o (same kind, dtype and shape as q), or (o, lse) with return_lse: lse float32
         [B, Hq, Nq] (varlen [Hq, total_q]); with return_info an AttendResult (o, lse, timing,
         device, request_id). Raises AttentionError with the gRPC status code.
@@ -246,6 +249,10 @@ class Client:
         request = pb.AttendRequest(request_id=request_id, q=tq, k=tk, v=tv,
                                    layout=_LAYOUTS[layout])
         _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
+        if mask_alignment not in _MASK_ALIGNMENTS:
+            raise ValueError(f"mask_alignment must be one of {sorted(_MASK_ALIGNMENTS)}, got "
+                             f"{mask_alignment!r}")
+        request.mask_alignment = _MASK_ALIGNMENTS[mask_alignment]
         if cu_seqlens_q is not None:
             request.cu_seqlens_q.extend(int(x) for x in cu_seqlens_q)
             request.cu_seqlens_k.extend(
