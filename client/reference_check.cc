@@ -177,7 +177,8 @@ absl::StatusOr<CheckResult> CheckResponse(const v1::AttendRequest& request,
   if (request.has_window_left()) p.window_left = request.window_left();
   if (request.has_window_right()) p.window_right = request.window_right();
   if (request.causal()) p.window_right = 0;
-  if (request.mask_alignment() == v1::MASK_ALIGN_TOP_LEFT) p.mask_alignment = MaskAlignment::kTopLeft;
+  if (request.mask_alignment() == v1::MASK_ALIGN_TOP_LEFT)
+    p.mask_alignment = MaskAlignment::kTopLeft;
 
   std::vector<double> ref_o, ref_lse;
   const int64_t lse_size = varlen ? p.heads_q * p.total_q : p.batch * p.heads_q * p.seqlen_q;

@@ -25,7 +25,8 @@ struct ProblemSpec {
   v1::DType dtype = v1::DTYPE_FLOAT32;
   v1::Layout layout = v1::LAYOUT_BHSD;
   bool causal = false;
-  // Where the causal/window mask's diagonal sits when Nq != Nk (proto: AttendRequest.mask_alignment).
+  // Where the causal/window mask's diagonal sits when Nq != Nk (proto:
+  // AttendRequest.mask_alignment).
   v1::MaskAlignment mask_alignment = v1::MASK_ALIGN_BOTTOM_RIGHT;
   std::optional<float> softmax_scale;  // absent: the server's default 1/sqrt(D)
   std::optional<int32_t> window_left;

@@ -21,7 +21,7 @@ if [[ $what == tests || $what == all ]]; then
   "$bin/cuda_kernel_tests" --gtest_brief=1 >"$out/tests.log" 2>&1
   summary+=("cuda_kernel_tests: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/tests.log" | tr '\n' ' ')")
   grep -E "^\[  FAILED|Failure|rel|seed" "$out/tests.log" | head -40
-  filter='*n65_d256_causal*:*varlen_causal*:*gqa8_causal_bshd*:*window_both*:*n129_causal*:*prime17_d7*'
+  filter='*n65_d256_causal*:*varlen_causal*:*gqa8_causal_bshd*:*window_both*:*n129_causal*:*prime17_d7*:*top_left_causal_nq129*'
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 "$bin/cuda_kernel_tests" \
       --gtest_brief=1 --gtest_filter="$filter" >"$out/sanitizer_$tool.log" 2>&1
@@ -50,7 +50,8 @@ if [[ $what == tests || $what == all ]]; then
     port=$(cut -d' ' -f1 /tmp/ports)
     for args in "--dtype=float32 --shape=2,4,300,64" "--dtype=float16 --shape=2,8,1000,128 --causal --lse" \
                 "--dtype=bfloat16 --shape=1,8,777,256 --kv_heads=2 --layout=bshd" \
-                "--dtype=float16 --shape=1,4,129,40 --nk=300 --window_left=20 --window_right=0 --lse"; do
+                "--dtype=float16 --shape=1,4,129,40 --nk=300 --window_left=20 --window_right=0 --lse" \
+                "--dtype=bfloat16 --shape=2,8,200,128 --nk=500 --kv_heads=2 --causal --mask_alignment=top_left --lse"; do
       if "$bin/attn_client" --target=localhost:$port --check $args >>"$out/client.log" 2>&1; then r=pass; else r=FAIL; fi
       summary+=("attn_client --check $args: $r")
     done

@@ -127,9 +127,9 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
         "layout: expected LAYOUT_BHSD or LAYOUT_BSHD, got ", static_cast<int>(request.layout())));
   }
   if (!v1::MaskAlignment_IsValid(request.mask_alignment())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("mask_alignment: expected MASK_ALIGN_BOTTOM_RIGHT or MASK_ALIGN_TOP_LEFT, got ",
-                     static_cast<int>(request.mask_alignment())));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mask_alignment: expected MASK_ALIGN_BOTTOM_RIGHT or MASK_ALIGN_TOP_LEFT, got ",
+        static_cast<int>(request.mask_alignment())));
   }
   const bool varlen = request.cu_seqlens_q_size() > 0 || request.cu_seqlens_k_size() > 0;
   if (varlen && (request.cu_seqlens_q_size() == 0 || request.cu_seqlens_k_size() == 0)) {
@@ -238,8 +238,8 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
     p.batch = q.shape(0);
     p.seqlen_q = q.shape(row_axis);
     p.seqlen_k = k.shape(row_axis);
-    visible_pairs = p.batch * VisibleKeyPairs(p.seqlen_q, p.seqlen_k, p.window_left,
-                                              p.window_right, p.mask_alignment);
+    visible_pairs = p.batch * VisibleKeyPairs(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                                              p.mask_alignment);
     decoded.query_tokens = p.batch * p.seqlen_q;
   }
   decoded.flops = 4.0 * static_cast<double>(heads_q) * static_cast<double>(head_dim) *

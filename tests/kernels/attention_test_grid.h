@@ -39,7 +39,7 @@ struct AttentionCase {
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;  // 0 = causal
   MaskAlignment mask_alignment = MaskAlignment::kBottomRight;
-  std::optional<float> softmax_scale;       // absent: 1 / sqrt(head_dim)
+  std::optional<float> softmax_scale;  // absent: 1 / sqrt(head_dim)
   bool return_lse = false;
   // Varlen when non-empty: per-item lengths (same count for q and k); batch and seqlen_q/k are
   // then derived from them (count and largest length), and layout is ignored (packed [total, H,

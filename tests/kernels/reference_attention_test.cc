@@ -1,6 +1,7 @@
 // The float64 reference on inputs whose answer is known in closed form: with q = 0 every visible
 // key gets the same weight, so o is the mean of the visible v rows and lse = log(count). That
-// checks masks (bottom-right and top-left windows, Nq != Nk), GQA head mapping, strides and varlen offsets.
+// checks masks (bottom-right and top-left windows, Nq != Nk), GQA head mapping, strides and varlen
+// offsets.
 #include "kernels/reference/reference_attention.h"
 
 #include <cmath>

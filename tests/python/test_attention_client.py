@@ -307,5 +307,34 @@ class HealthAndInfoTest(ServerTest):
         self.assertIsNone(self.client.attend(q, k, v, return_info=True).lse)
 
 
+class AsyncClientTest(ServerTest):
+    """attention_client.aio.AsyncClient: calls in flight at once over one grpc.aio channel."""
+
+    def test_concurrent_attends_and_errors(self):
+        import asyncio
+
+        from attention_client.aio import AsyncClient
+
+        inputs = [self.qkv(nq=5 + i, nk=20 + 3 * i) for i in range(4)]
+
+        async def run():
+            async with AsyncClient(f"127.0.0.1:{self.port}") as client:
+                outs = await asyncio.gather(
+                    *(client.attend(q, k, v, causal=True, return_lse=True) for q, k, v in inputs))
+                info = await client.server_info()
+                with self.assertRaises(AttentionError) as caught:
+                    q, k, v = inputs[0]
+                    await client.attend(q, k[..., :7], v[..., :7])  # D differs from q's
+                return outs, info, caught.exception
+
+        outs, info, error = asyncio.run(run())
+        for (q, k, v), (o, lse) in zip(inputs, outs):
+            ref_o, ref_lse = reference(q, k, v, causal=True)
+            self.assertWithin(rel_error(o, ref_o), F32_BOUND, "async o")
+            self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, "async lse")
+        self.assertEqual(info.backend, "cpu")
+        self.assertEqual(error.code, grpc.StatusCode.INVALID_ARGUMENT)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -14,7 +14,12 @@ float32 and float16 arrays travel as they are; bfloat16 as ml_dtypes.bfloat16 ar
 bfloat16 tensors, or, without either, as uint16 arrays of bfloat16 bits with bfloat16_bits=True
 (see float32_to_bfloat16_bits / bfloat16_bits_to_float32). torch is imported only when a
 torch tensor is handed in.
+
+attention_client.torch (torch SDPA and flash_attn drop-ins), attention_client.transformers
+(transformers models with their KV cache on the server) and attention_client.aio (an asyncio
+client) are imported on first use, so `import attention_client` stays free of torch.
 """
+import importlib
 from attention_client.client import (AttendResult, AttentionError, Client, ServerTiming,
                                      StepResult, attend, bfloat16_bits_to_float32,
                                      float32_to_bfloat16_bits)
@@ -22,3 +27,12 @@ from attention_client.session import Session
 
 __all__ = ["AttendResult", "AttentionError", "Client", "ServerTiming", "StepResult", "attend",
            "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "Session"]
+
+_SUBMODULES = ("aio", "torch", "transformers")
+
+
+def __getattr__(name):
+    """attention_client.torch / .transformers / .aio, imported when first named (PEP 562)."""
+    if name in _SUBMODULES:
+        return importlib.import_module(f"attention_client.{name}")
+    raise AttributeError(f"module 'attention_client' has no attribute {name!r}")

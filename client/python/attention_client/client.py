@@ -158,6 +158,38 @@ def _lse_from_tensor(t, kind):
     return lse
 
 
+def _attend_request(q, k, v, *, causal, softmax_scale, window_left, window_right, layout,
+                    return_lse, cu_seqlens_q, cu_seqlens_k, bfloat16_bits, request_id,
+                    mask_alignment):
+    """The AttendRequest of Client.attend's arguments, and the kind of output to return."""
+    tq, kind = _to_tensor(q, "q", bfloat16_bits)
+    tk, _ = _to_tensor(k, "k", bfloat16_bits)
+    tv, _ = _to_tensor(v, "v", bfloat16_bits)
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
+    request = pb.AttendRequest(request_id=request_id, q=tq, k=tk, v=tv, layout=_LAYOUTS[layout])
+    _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
+    if mask_alignment not in _MASK_ALIGNMENTS:
+        raise ValueError(f"mask_alignment must be one of {sorted(_MASK_ALIGNMENTS)}, got "
+                         f"{mask_alignment!r}")
+    request.mask_alignment = _MASK_ALIGNMENTS[mask_alignment]
+    if cu_seqlens_q is not None:
+        request.cu_seqlens_q.extend(int(x) for x in cu_seqlens_q)
+        request.cu_seqlens_k.extend(
+            int(x) for x in (cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k))
+    return request, kind
+
+
+def _attend_output(response, kind, return_lse, return_info):
+    """What Client.attend returns for an AttendResponse: o, (o, lse) or an AttendResult."""
+    o = _from_tensor(response.o, kind)
+    lse = _lse_from_tensor(response.lse, kind) if return_lse else None
+    if return_info:
+        return AttendResult(o, lse, ServerTiming._from_pb(response.timing), response.device,
+                            response.request_id)
+    return (o, lse) if return_lse else o
+
+
 class Client:
     """One channel to a server; thread-safe, reuse it for many calls.
 
@@ -241,29 +273,13 @@ class Client:
         [B, Hq, Nq] (varlen [Hq, total_q]); with return_info an AttendResult (o, lse, timing,
         device, request_id). Raises AttentionError with the gRPC status code.
         """
-        tq, kind = _to_tensor(q, "q", bfloat16_bits)
-        tk, _ = _to_tensor(k, "k", bfloat16_bits)
-        tv, _ = _to_tensor(v, "v", bfloat16_bits)
-        if layout not in _LAYOUTS:
-            raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
-        request = pb.AttendRequest(request_id=request_id, q=tq, k=tk, v=tv,
-                                   layout=_LAYOUTS[layout])
-        _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
-        if mask_alignment not in _MASK_ALIGNMENTS:
-            raise ValueError(f"mask_alignment must be one of {sorted(_MASK_ALIGNMENTS)}, got "
-                             f"{mask_alignment!r}")
-        request.mask_alignment = _MASK_ALIGNMENTS[mask_alignment]
-        if cu_seqlens_q is not None:
-            request.cu_seqlens_q.extend(int(x) for x in cu_seqlens_q)
-            request.cu_seqlens_k.extend(
-                int(x) for x in (cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k))
+        request, kind = _attend_request(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, window_left=window_left,
+            window_right=window_right, layout=layout, return_lse=return_lse,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, bfloat16_bits=bfloat16_bits,
+            request_id=request_id, mask_alignment=mask_alignment)
         response = self._call(self._stub.Attend, request, timeout, metadata)
-        o = _from_tensor(response.o, kind)
-        lse = _lse_from_tensor(response.lse, kind) if return_lse else None
-        if return_info:
-            return AttendResult(o, lse, ServerTiming._from_pb(response.timing), response.device,
-                                response.request_id)
-        return (o, lse) if return_lse else o
+        return _attend_output(response, kind, return_lse, return_info)
 
     def health(self, service="", *, timeout=None):
         """The grpc.health.v1 status of service ("" = the server as a whole;
