@@ -161,6 +161,8 @@ int main(int argc, char** argv) {
     r.set_causal(true);
     r.set_return_lse(true);
     attend.emplace_back("varlen_causal_lse", r);
+    r.set_mask_alignment(attention::v1::MASK_ALIGN_TOP_LEFT);
+    attend.emplace_back("varlen_causal_top_left", r);
   }
   attend.emplace_back("varlen_bf16", Varlen(bf16, 2, 2, 16, {2, 2}, {3, 1}));
   {
