@@ -121,6 +121,25 @@ std::vector<AttentionCase> BatchCases() {
   return cases;
 }
 
+// Host-side only (no GPU needed): requests whose masks sit on different diagonals never share
+// a launch, whatever else they share.
+TEST(CanShareLaunchTest, MaskAlignmentsDoNotMix) {
+  AttentionParams a;
+  a.batch = 1;
+  a.heads_q = a.heads_kv = 2;
+  a.seqlen_q = 5;
+  a.seqlen_k = 9;
+  a.head_dim = 16;
+  a.window_right = 0;
+  a.SetContiguousStrides(Layout::kBHSD);
+  AttentionParams b = a;
+  EXPECT_TRUE(cuda::CanShareLaunch(a, b));
+  b.mask_alignment = MaskAlignment::kTopLeft;
+  EXPECT_FALSE(cuda::CanShareLaunch(a, b));
+  a.mask_alignment = MaskAlignment::kTopLeft;
+  EXPECT_TRUE(cuda::CanShareLaunch(a, b));
+}
+
 INSTANTIATE_TEST_SUITE_P(Grid, BatchedLaunchTest,
                          testing::Combine(testing::ValuesIn(BatchCases()),
                                           testing::Values(DType::kFloat32, DType::kFloat16,
