@@ -18,7 +18,8 @@
 // sends Step calls, each for B of them (--shape=B,H,N,D: B sessions per Step, H query heads, N
 // new tokens per session per step), appending each step's N tokens' K/V (--append_kv), and
 // reports session-steps/s and tokens/s beside the request figures. Sessions are dropped at the
-// end. Each in-flight Step has sessions of its own: --sessions >= B * --concurrency.
+// end. Each in-flight Step has sessions of its own: --sessions >= B * --concurrency. With
+// --rpc=stream each slot sends its Steps over one StepStream.
 //
 //   attn_bench --mode=decode --sessions=64 --nk=4096 --shape=8,32,1,128 --kv_heads=8
 //       --dtype=bfloat16 --causal --concurrency=8 --duration_s=10 --json
@@ -91,7 +92,9 @@ ABSL_FLAG(std::string, dtype, "float16", "float32 | float16 | bfloat16");
 ABSL_FLAG(std::string, layout, "bhsd", "bhsd | bshd");
 ABSL_FLAG(bool, causal, false, "causal mask (bottom-right aligned)");
 ABSL_FLAG(bool, lse, false, "ask for the log-sum-exp too");
-ABSL_FLAG(std::string, rpc, "unary", "unary (one call per request) | stream (AttendStream)");
+ABSL_FLAG(std::string, rpc, "unary",
+          "unary (one call per request) | stream (AttendStream; decode: StepStream), one stream "
+          "per concurrency slot");
 ABSL_FLAG(double, deadline_s, 60, "deadline per unary call, seconds");
 ABSL_FLAG(int, max_attempts, 1, "attempts per call on UNAVAILABLE (gRPC retry policy)");
 ABSL_FLAG(int, max_message_mb, 1024,
@@ -269,14 +272,14 @@ class UnarySlot final : public Slot {
   DoneFn done_;
 };
 
-// A stream carrying one request at a time: write, read its response, repeat. The response can
-// arrive before the write's completion; a request is done when both have come, since the next
-// write may start only after the last one completed.
+// A stream carrying one request at a time, `requests` in turn: write, read its response, repeat.
+// The response can arrive before the write's completion; a request is done when both have come,
+// since the next write may start only after the last one completed.
 template <class Req, class Resp>
 class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> {
  public:
-  StreamSlot(const Req& request, const Rpcs<Req, Resp>& rpcs, DoneFn done)
-      : request_(request), rpcs_(rpcs), done_(std::move(done)) {
+  StreamSlot(absl::Span<const Req> requests, const Rpcs<Req, Resp>& rpcs, DoneFn done)
+      : requests_(requests), rpcs_(rpcs), done_(std::move(done)) {
     rpcs_.stream(&context_, this);
     this->StartCall();
   }
@@ -285,8 +288,10 @@ class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> 
     start_ = start;
     in_flight_ = true;
     pending_ = 2;
+    const Req* request = &requests_[next_];
+    next_ = (next_ + 1) % requests_.size();
     this->StartRead(&response_);
-    this->StartWrite(&request_);
+    this->StartWrite(request);
   }
 
   void Close() override {
@@ -326,7 +331,8 @@ class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> 
     ended_.set_value();
   }
 
-  const Req& request_;
+  const absl::Span<const Req> requests_;
+  size_t next_ = 0;  // Send runs only while no request of this slot is in flight
   const Rpcs<Req, Resp>& rpcs_;
   DoneFn done_;
   grpc::ClientContext context_;
@@ -683,10 +689,10 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
   const int max_concurrency = *std::max_element(concurrencies.begin(), concurrencies.end());
   const int64_t session_count = absl::GetFlag(FLAGS_sessions) > 0 ? absl::GetFlag(FLAGS_sessions)
                                                                   : per_step * max_concurrency;
-  if (load.stream || session_count < per_step * max_concurrency) {
+  if (session_count < per_step * max_concurrency) {
     std::fprintf(stderr,
-                 "attn_bench: decode needs --rpc=unary and --sessions >= B * "
-                 "--concurrency (each Step in flight has sessions of its own)\n");
+                 "attn_bench: decode needs --sessions >= B * --concurrency (each Step in flight "
+                 "has sessions of its own)\n");
     return 2;
   }
   const bool append = absl::GetFlag(FLAGS_append_kv);
@@ -730,6 +736,10 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
   rpcs.unary = [&](grpc::ClientContext* c, const v1::StepRequest* request,
                    v1::StepResponse* response, std::function<void(grpc::Status)> f) {
     session_client.stub().async()->Step(c, request, response, std::move(f));
+  };
+  rpcs.stream = [&](grpc::ClientContext* c,
+                    grpc::ClientBidiReactor<v1::StepRequest, v1::StepResponse>* r) {
+    session_client.stub().async()->StepStream(c, r);
   };
   rpcs.response_bytes = [](const v1::StepResponse& r) {
     int64_t bytes = 0;
@@ -791,10 +801,16 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
         static_cast<double>(request_bytes) / 1024);
 
     int next_slot = 0;
-    PhaseResult result = RunPhase("decode", load, request_bytes, [&](Slot::DoneFn done) {
-      return std::make_unique<UnarySlot<v1::StepRequest, v1::StepResponse>>(
-          slot_requests[next_slot++], rpcs, load.deadline, std::move(done));
-    });
+    PhaseResult result =
+        RunPhase("decode", load, request_bytes, [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
+          absl::Span<const v1::StepRequest> requests = slot_requests[next_slot++];
+          if (load.stream) {
+            return std::make_unique<StreamSlot<v1::StepRequest, v1::StepResponse>>(requests, rpcs,
+                                                                                   std::move(done));
+          }
+          return std::make_unique<UnarySlot<v1::StepRequest, v1::StepResponse>>(
+              requests, rpcs, load.deadline, std::move(done));
+        });
     result.decode = true;
     result.steps_per_s = result.requests_per_s * static_cast<double>(per_step);
     result.tokens_per_s = result.steps_per_s * static_cast<double>(spec.seqlen_q);
@@ -883,7 +899,7 @@ int Main() {
   auto attention_slot = [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
     if (load.stream) {
       return std::make_unique<StreamSlot<v1::AttendRequest, v1::AttendResponse>>(
-          *request, attention_rpcs, std::move(done));
+          absl::MakeConstSpan(&*request, 1), attention_rpcs, std::move(done));
     }
     return std::make_unique<UnarySlot<v1::AttendRequest, v1::AttendResponse>>(
         absl::MakeConstSpan(&*request, 1), attention_rpcs, load.deadline, std::move(done));
@@ -891,7 +907,7 @@ int Main() {
   auto echo_slot = [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
     if (load.stream) {
       return std::make_unique<StreamSlot<bench::EchoRequest, bench::EchoReply>>(
-          echo_request, echo_rpcs, std::move(done));
+          absl::MakeConstSpan(&echo_request, 1), echo_rpcs, std::move(done));
     }
     return std::make_unique<UnarySlot<bench::EchoRequest, bench::EchoReply>>(
         absl::MakeConstSpan(&echo_request, 1), echo_rpcs, load.deadline, std::move(done));

@@ -118,6 +118,16 @@ def _to_tensor(x, name, bfloat16_bits):
     return _tensor(_NUMPY_DTYPES[a.dtype], a.shape, a), ("numpy", None)
 
 
+def _to_tensor_or_ref(client, x, name, bfloat16_bits):
+    """As _to_tensor, but a numpy array inside one of the client's regions goes by reference."""
+    if client._regions and isinstance(x, np.ndarray):
+        from attention_client.shared_memory import as_ref
+        t = as_ref(client, x)
+        if t is not None:
+            return t, ("ml_bfloat16" if t.dtype == pb.DTYPE_BFLOAT16 else "numpy", None)
+    return _to_tensor(x, name, bfloat16_bits)
+
+
 def _tensor(dtype, shape, array):
     # The wire format is little-endian, row-major.
     a = np.ascontiguousarray(array)
@@ -200,6 +210,11 @@ class Client:
         # channel of their own, so every call of a session reaches the server holding it.
         self._sessions_channel = self._open_channel(self._base_options) if self._several else None
         self._sessions_stub = pb_grpc.SessionsStub(self._sessions_channel or self._channel)
+        # Shared memory: regions are the connection's (or the token's), so they use the sessions'
+        # channel (one server).
+        self._shm_stub = pb_grpc.SharedMemoryStub(self._sessions_channel or self._channel)
+        self._regions = []
+        self._step_stream = None  # opened by the first session.step(..., stream=True)
 
     def _open_channel(self, opts):
         opts = list(opts) + self._extra_options
@@ -215,6 +230,8 @@ class Client:
             raise AttentionError(e.code(), e.details()) from None
 
     def close(self):
+        if self._step_stream is not None:
+            self._step_stream.close()
         self._channel.close()
         if self._sessions_channel is not None:
             self._sessions_channel.close()
@@ -228,7 +245,7 @@ class Client:
     def attend(self, q, k, v, *, causal=False, softmax_scale=None, window_left=None,
                window_right=None, layout="bhsd", return_lse=False, cu_seqlens_q=None,
                cu_seqlens_k=None, bfloat16_bits=False, timeout=None, request_id="",
-               metadata=None, return_info=False):
+               metadata=None, return_info=False, out=None, lse_out=None):
         """O = softmax(scale * Q Kᵀ + mask) V on the server.
 
         q: [B, Hq, Nq, D] (layout "bhsd") or [B, Nq, Hq, D] ("bshd"); k, v: [B, Hkv, Nk, D]
@@ -237,10 +254,15 @@ class Client:
         Returns o (same kind, dtype and shape as q), or (o, lse) with return_lse: lse float32
         [B, Hq, Nq] (varlen [Hq, total_q]); with return_info an AttendResult (o, lse, timing,
         device, request_id). Raises AttentionError with the gRPC status code.
+
+        Shared memory (register_shared_memory): numpy arrays inside a registered region travel
+        by reference; out (and lse_out, with return_lse) must be arrays inside a region, and
+        the server writes O (LSE) there: they are what is returned.
         """
-        tq, kind = _to_tensor(q, "q", bfloat16_bits)
-        tk, _ = _to_tensor(k, "k", bfloat16_bits)
-        tv, _ = _to_tensor(v, "v", bfloat16_bits)
+        from attention_client.shared_memory import out_ref
+        tq, kind = _to_tensor_or_ref(self, q, "q", bfloat16_bits)
+        tk, _ = _to_tensor_or_ref(self, k, "k", bfloat16_bits)
+        tv, _ = _to_tensor_or_ref(self, v, "v", bfloat16_bits)
         if layout not in _LAYOUTS:
             raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
         request = pb.AttendRequest(request_id=request_id, q=tq, k=tk, v=tv,
@@ -250,9 +272,15 @@ class Client:
             request.cu_seqlens_q.extend(int(x) for x in cu_seqlens_q)
             request.cu_seqlens_k.extend(
                 int(x) for x in (cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k))
+        if out is not None:
+            request.o_ref.CopyFrom(out_ref(self, out, "out"))
+        if lse_out is not None:
+            request.lse_ref.CopyFrom(out_ref(self, lse_out, "lse_out"))
         response = self._call(self._stub.Attend, request, timeout, metadata)
-        o = _from_tensor(response.o, kind)
-        lse = _lse_from_tensor(response.lse, kind) if return_lse else None
+        o = out if out is not None else _from_tensor(response.o, kind)
+        lse = None
+        if return_lse:
+            lse = lse_out if lse_out is not None else _lse_from_tensor(response.lse, kind)
         if return_info:
             return AttendResult(o, lse, ServerTiming._from_pb(response.timing), response.device,
                                 response.request_id)
@@ -297,6 +325,25 @@ class Client:
                          window_left=window_left, window_right=window_right,
                          return_lse=return_lse, timeout=timeout, metadata=metadata,
                          request_id=request_id, return_info=return_info)
+
+    def register_shared_memory(self, name, shm, *, offset=0, size=None, timeout=None,
+                               metadata=None):
+        """Registers a multiprocessing.shared_memory.SharedMemory (bytes [offset, offset + size))
+        with the server as region `name`; returns a Region (see attention_client.shared_memory)."""
+        from attention_client.shared_memory import register_system
+        return register_system(self, name, shm, offset=offset, size=size, timeout=timeout,
+                               metadata=self.metadata if metadata is None else metadata)
+
+    def register_cuda_tensor(self, name, tensor, *, timeout=None, metadata=None):
+        """Registers a torch CUDA tensor's memory by its CUDA IPC handle; returns a Region."""
+        from attention_client.shared_memory import register_cuda_tensor
+        return register_cuda_tensor(self, name, tensor, timeout=timeout,
+                                    metadata=self.metadata if metadata is None else metadata)
+
+    def list_shared_memory(self, *, timeout=None, metadata=None):
+        """The caller's regions on the server (RegionInfo messages)."""
+        from attention_client.shared_memory import list_regions
+        return list_regions(self, timeout=timeout, metadata=metadata)
 
     def list_sessions(self, *, timeout=None, metadata=None):
         """ListSessionsResponse: the caller's sessions (all, when the server checks no tokens),
