@@ -65,8 +65,7 @@ SharedMemoryClient::SharedMemoryClient(const Client& client)
 
 absl::StatusOr<v1::RegionInfo> SharedMemoryClient::RegisterSystem(const std::string& name,
                                                                   const std::string& key,
-                                                                  int64_t offset,
-                                                                  int64_t byte_size,
+                                                                  int64_t offset, int64_t byte_size,
                                                                   const CallOptions& call) {
   v1::RegisterRegionRequest request;
   request.set_name(name);
@@ -75,7 +74,8 @@ absl::StatusOr<v1::RegionInfo> SharedMemoryClient::RegisterSystem(const std::str
   request.set_byte_size(byte_size);
   v1::RegionInfo info;
   std::unique_ptr<grpc::ClientContext> context = client_.NewContext(call);
-  if (grpc::Status s = stub_->Register(context.get(), request, &info); !s.ok()) return ToAbslStatus(s);
+  if (grpc::Status s = stub_->Register(context.get(), request, &info); !s.ok())
+    return ToAbslStatus(s);
   return info;
 }
 
@@ -98,7 +98,8 @@ absl::StatusOr<v1::RegionInfo> SharedMemoryClient::RegisterCuda(const std::strin
   request.set_byte_size(byte_size);
   v1::RegionInfo info;
   std::unique_ptr<grpc::ClientContext> context = client_.NewContext(call);
-  if (grpc::Status s = stub_->Register(context.get(), request, &info); !s.ok()) return ToAbslStatus(s);
+  if (grpc::Status s = stub_->Register(context.get(), request, &info); !s.ok())
+    return ToAbslStatus(s);
   return info;
 }
 

@@ -64,8 +64,7 @@ class SharedMemoryClient {
                                                 int64_t offset, int64_t byte_size,
                                                 const CallOptions& call = {});
   // The whole object.
-  absl::StatusOr<v1::RegionInfo> Register(const std::string& name,
-                                          const SharedMemoryObject& object,
+  absl::StatusOr<v1::RegionInfo> Register(const std::string& name, const SharedMemoryObject& object,
                                           const CallOptions& call = {});
   // Registers device memory by its IPC handle (the bytes of a cudaIpcMemHandle_t) on GPU
   // `device`; see client/cuda_region.h to get one from a CUDA allocation.

@@ -49,6 +49,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/status_macros.h"
 #include "server/executors/executor.h"
+#include "server/executors/region_hooks.h"
 #include "server/metrics/metrics.h"
 #include "server/options/server_options.h"
 #include "server/scheduling/scheduler.h"
@@ -281,7 +282,8 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // Shared-memory regions of co-located clients (--allow_shared_memory); null: off.
   std::unique_ptr<RegionRegistry> regions;
   if (options.shared_memory.allow) {
-    regions = std::make_unique<RegionRegistry>(options.shared_memory.limits, RegionHooks{});
+    regions = std::make_unique<RegionRegistry>(options.shared_memory.limits,
+                                               MakeRegionHooks(options.backend));
   }
   AttentionService service(options.service, &scheduler, &metrics, &drain, regions.get());
   SharedMemoryService shared_memory(regions.get(), options.service.auth_token, &metrics);

@@ -13,7 +13,10 @@
 // over 4 threads above 8 MiB: one thread copies at 5-6 GB/s on the H200 host) -> DMA; for o and
 // lse: DMA -> pinned staging -> host memory (one memcpy). Consecutive staged items of a batch go
 // in one DMA. A tensor whose host memory is already pinned (cudaHostAlloc or cudaHostRegister)
-// skips its staging memcpy and is DMA'd directly (0 host copies). Registering pageable memory per
+// skips its staging memcpy and is DMA'd directly (0 host copies); so does q, k, v or o in this
+// device's own memory (a client's CUDA IPC region), copied device to device. lse is always
+// unstaged on the host, and the exact path (masked, non-finite V) scans V on the host: callers
+// give host memory for those. Registering pageable memory per
 // call (cudaHostRegister) would remove the memcpy too, but pins page by page and costs more than
 // the memcpy it saves.
 //

@@ -33,8 +33,8 @@ constexpr size_t kCudaIpcHandleBytes = 64;
 
 absl::Status CheckName(const std::string& name) {
   if (name.empty() || name.size() > kMaxRegionName) {
-    return absl::InvalidArgumentError(absl::StrCat("name: expected 1..", kMaxRegionName,
-                                                   " characters, got ", name.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("name: expected 1..", kMaxRegionName, " characters, got ", name.size()));
   }
   return absl::OkStatus();
 }
@@ -89,24 +89,23 @@ RegionRegistry::~RegionRegistry() {
 absl::Status RegionRegistry::CheckRoomLocked(const std::string& owner, const std::string& name,
                                              int64_t bytes) const {
   if (regions_.count({owner, name}) > 0) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("name: a region ", Quote(name), " is registered already; unregister it first"));
+    return absl::AlreadyExistsError(absl::StrCat("name: a region ", Quote(name),
+                                                 " is registered already; unregister it first"));
   }
   int owned = 0;
-  for (auto it = regions_.lower_bound({owner, ""}); it != regions_.end() && it->first.first == owner;
-       ++it) {
+  for (auto it = regions_.lower_bound({owner, ""});
+       it != regions_.end() && it->first.first == owner; ++it) {
     ++owned;
   }
   if (owned >= limits_.max_regions_per_owner) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "regions: this caller holds ", owned, ", the limit is ", limits_.max_regions_per_owner,
-        " (--max_shared_memory_regions)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("regions: this caller holds ", owned, ", the limit is ",
+                     limits_.max_regions_per_owner, " (--max_shared_memory_regions)"));
   }
   if (bytes > limits_.max_mapped_bytes - mapped_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "byte_size: ", bytes, " bytes more would map ", mapped_bytes_ + bytes,
-        " bytes, over the limit of ", limits_.max_mapped_bytes,
-        " (--max_shared_memory_bytes)"));
+        " bytes, over the limit of ", limits_.max_mapped_bytes, " (--max_shared_memory_bytes)"));
   }
   return absl::OkStatus();
 }
@@ -154,15 +153,15 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(const std::stri
   }
   if (offset + byte_size > static_cast<int64_t>(st.st_size)) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "byte_size: expected offset + byte_size <= the object's ", st.st_size, " bytes, got ",
-        offset, " + ", byte_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("byte_size: expected offset + byte_size <= the object's ", st.st_size,
+                     " bytes, got ", offset, " + ", byte_size));
   }
   const int64_t page = sysconf(_SC_PAGESIZE);
   const int64_t map_offset = offset / page * page;
   const size_t map_bytes = static_cast<size_t>(offset + byte_size - map_offset);
-  void* base =
-      mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(map_offset));
+  void* base = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                    static_cast<off_t>(map_offset));
   const int map_errno = errno;
   close(fd);  // the mapping keeps the object
   if (base == MAP_FAILED) {
@@ -193,10 +192,9 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(const std::string
         "cuda_ipc_handle: CUDA regions need the cuda backend; this server runs without one");
   }
   if (handle.size() != kCudaIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc_handle: expected ",
-                                                   kCudaIpcHandleBytes,
-                                                   " bytes (a cudaIpcMemHandle_t), got ",
-                                                   handle.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_ipc_handle: expected ", kCudaIpcHandleBytes,
+                     " bytes (a cudaIpcMemHandle_t), got ", handle.size()));
   }
   if (absl::Status s = CheckRange(offset, byte_size); !s.ok()) return s;
   {
@@ -215,9 +213,9 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(const std::string
   region->data = static_cast<char*>(opened->first) + offset;
   if (offset + byte_size > opened->second) {
     Unmap(*region);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "byte_size: expected offset + byte_size <= the allocation's ", opened->second,
-        " bytes, got ", offset, " + ", byte_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("byte_size: expected offset + byte_size <= the allocation's ", opened->second,
+                     " bytes, got ", offset, " + ", byte_size));
   }
   return Insert(owner, std::move(region));
 }
@@ -233,8 +231,8 @@ absl::Status RegionRegistry::Unregister(const std::string& owner, const std::str
     }
     region = it->second;
     region->closing = true;  // no new Use from here on
-    const bool idle = released_.wait_until(lock, absl::ToChronoTime(deadline),
-                                           [&] { return region->uses == 0; });
+    const bool idle =
+        released_.wait_until(lock, absl::ToChronoTime(deadline), [&] { return region->uses == 0; });
     if (!idle) {
       region->closing = false;
       return absl::DeadlineExceededError(absl::StrCat("region ", Quote(name), " is still used by ",
@@ -251,8 +249,8 @@ absl::Status RegionRegistry::Unregister(const std::string& owner, const std::str
 std::vector<RegionDescription> RegionRegistry::List(const std::string& owner) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<RegionDescription> out;
-  for (auto it = regions_.lower_bound({owner, ""}); it != regions_.end() && it->first.first == owner;
-       ++it) {
+  for (auto it = regions_.lower_bound({owner, ""});
+       it != regions_.end() && it->first.first == owner; ++it) {
     out.push_back(it->second->description);
   }
   return out;
@@ -275,12 +273,13 @@ absl::StatusOr<RegionSpan> RegionRegistry::Resolve(const std::string& owner,
     region = it->second;
     const int64_t size = region->description.byte_size;
     if (offset < 0 || byte_size < 0 || offset > size || byte_size > size - offset) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ": expected bytes inside region ", Quote(region_name), " of ", size,
-          " bytes, got offset ", offset, " and byte_size ", byte_size));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": expected bytes inside region ", Quote(region_name), " of ", size,
+                       " bytes, got offset ", offset, " and byte_size ", byte_size));
     }
     if (alignment > 1 &&
-        reinterpret_cast<uintptr_t>(region->data + offset) % static_cast<uintptr_t>(alignment) != 0) {
+        reinterpret_cast<uintptr_t>(region->data + offset) % static_cast<uintptr_t>(alignment) !=
+            0) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ".offset: expected the tensor to start on a multiple of ", alignment,
           " bytes (its element size), got offset ", offset, " into region ", Quote(region_name),

@@ -103,9 +103,8 @@ class RegionRegistry {
   // for a bad name, key, offset or size (naming the field), NOT_FOUND when no such object exists,
   // ALREADY_EXISTS when the owner has a region of that name, RESOURCE_EXHAUSTED over a limit.
   absl::StatusOr<RegionDescription> RegisterSystem(const std::string& owner,
-                                                   const std::string& name,
-                                                   const std::string& key, int64_t offset,
-                                                   int64_t byte_size);
+                                                   const std::string& name, const std::string& key,
+                                                   int64_t offset, int64_t byte_size);
   // Opens a CUDA IPC handle (sizeof(cudaIpcMemHandle_t) bytes) on `device`; bytes [offset,
   // offset + byte_size) of its allocation. UNIMPLEMENTED without the open_cuda hook.
   absl::StatusOr<RegionDescription> RegisterCuda(const std::string& owner, const std::string& name,
@@ -120,9 +119,8 @@ class RegionRegistry {
   // field `field` (e.g. "q.ref"), the pointer aligned to `alignment`; adds a Use of the region to
   // `uses`. NOT_FOUND for an unknown region (or another owner's), INVALID_ARGUMENT out of bounds.
   absl::StatusOr<RegionSpan> Resolve(const std::string& owner, absl::string_view field,
-                                     const std::string& region, int64_t offset,
-                                     int64_t byte_size, int64_t alignment,
-                                     std::vector<Use>* uses);
+                                     const std::string& region, int64_t offset, int64_t byte_size,
+                                     int64_t alignment, std::vector<Use>* uses);
 
   int64_t mapped_bytes() const;
 
@@ -140,7 +138,7 @@ class RegionRegistry {
   const RegionLimits limits_;
   const RegionHooks hooks_;
   mutable std::mutex mu_;
-  std::condition_variable released_;  // a Use went away
+  std::condition_variable released_;                // a Use went away
   std::map<Key, std::shared_ptr<Region>> regions_;  // guarded by mu_
   int64_t mapped_bytes_ = 0;                        // guarded by mu_
 };

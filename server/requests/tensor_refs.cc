@@ -7,9 +7,10 @@ namespace attention::server {
 namespace {
 
 absl::Status SharedMemoryOff(absl::string_view field) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      field, ": tensors in shared memory are off on this server (start it with "
-             "--allow_shared_memory)"));
+  return absl::FailedPreconditionError(
+      absl::StrCat(field,
+                   ": tensors in shared memory are off on this server (start it with "
+                   "--allow_shared_memory)"));
 }
 
 }  // namespace

@@ -64,13 +64,20 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
     drain_->Leave();
   };
   // The regions the request references stay held until it is answered.
-  auto refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token);
+  auto refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token,
+                                               /*cuda_inputs=*/true);
   absl::StatusOr<DecodedRequest> decoded =
       DecodeRequest(request, decode_options_, response, refs.get());
   if (!decoded.ok()) return answer(decoded.status());
   response->set_request_id(request.request_id());
 
   Job job;
+  if (refs->cuda_device() >= 0) {
+    // CUDA regions are read and written in place on their GPU: the request runs there.
+    absl::StatusOr<int> device = CudaRegionDevice(*refs, decoded->params);
+    if (!device.ok()) return answer(device.status());
+    job.device = *device;
+  }
   job.work = decoded->params;
   job.deadline = absl::FromChrono(context->deadline());
   job.cancelled = [context] { return context->IsCancelled(); };
@@ -91,6 +98,24 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
     std::move(answer)(std::move(result.status));
   };
   scheduler_->Submit(std::move(job));
+}
+
+absl::StatusOr<int> AttentionService::CudaRegionDevice(const RequestRegions& refs,
+                                                       const AttentionParams& params) const {
+  if (refs.v_in_cuda() &&
+      (params.window_left != kUnboundedWindow || params.window_right != kUnboundedWindow)) {
+    // Masked requests check V for Inf/NaN on the host before they run (the exact path).
+    return absl::UnimplementedError(
+        "v.ref: masked requests (causal, windows) need v in host or system shared memory; "
+        "v is in a CUDA region");
+  }
+  const std::string name = absl::StrCat("cuda:", refs.cuda_device());
+  const std::vector<const DeviceDescription*> devices = scheduler_->devices();
+  for (size_t i = 0; i < devices.size(); ++i) {
+    if (devices[i]->name == name) return static_cast<int>(i);
+  }
+  return absl::FailedPreconditionError(absl::StrCat("the request's CUDA regions are on ", name,
+                                                    ", which this server does not serve"));
 }
 
 grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* context,

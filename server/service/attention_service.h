@@ -20,6 +20,7 @@
 #include "server/requests/request_decoder.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/drain_gate.h"
+#include "server/service/shared_memory_service.h"
 #include "server/service/stream_reactor.h"
 
 namespace attention::server {
@@ -68,6 +69,10 @@ class AttentionService final : public v1::Attention::CallbackService {
   void Process(absl::string_view rpc, grpc::CallbackServerContext* context,
                const v1::AttendRequest& request, v1::AttendResponse* response,
                absl::AnyInvocable<void(absl::Status) &&> done);
+
+  // The scheduler's index of the GPU holding the request's CUDA regions, or why it cannot run.
+  absl::StatusOr<int> CudaRegionDevice(const RequestRegions& refs,
+                                       const AttentionParams& params) const;
 
   const ServiceOptions options_;
   const DecodeOptions decode_options_;

@@ -27,8 +27,7 @@ void FillInfo(const RegionDescription& d, v1::RegionInfo* info) {
 
 }  // namespace
 
-std::string RegionOwner(const grpc::CallbackServerContext& context,
-                        const std::string& auth_token) {
+std::string RegionOwner(const grpc::CallbackServerContext& context, const std::string& auth_token) {
   // Keys of the two kinds never collide: a peer starts with its scheme ("ipv4:", "unix:").
   return auth_token.empty() ? absl::StrCat("peer ", context.peer())
                             : absl::StrCat("token ", auth_token);
@@ -40,13 +39,24 @@ absl::StatusOr<char*> RequestRegions::Resolve(absl::string_view field, const v1:
     return absl::FailedPreconditionError(absl::StrCat(field, ": ", SharedMemoryOff().message()));
   }
   if (owner_.empty()) owner_ = RegionOwner(*context_, *auth_token_);
-  absl::StatusOr<RegionSpan> span = registry_->Resolve(
-      owner_, field, ref.region(), ref.offset(), ref.byte_size(), alignment, &uses_);
+  absl::StatusOr<RegionSpan> span = registry_->Resolve(owner_, field, ref.region(), ref.offset(),
+                                                       ref.byte_size(), alignment, &uses_);
   if (!span.ok()) return span.status();
-  if (span->kind != RegionKind::kSystem) {
-    return absl::UnimplementedError(absl::StrCat(
-        field, ": region ", ref.region(),
-        " is CUDA memory; requests read and write system regions only in this version"));
+  if (span->kind == RegionKind::kCuda) {
+    const bool served = cuda_inputs_ && (field == "q.ref" || field == "k.ref" || field == "v.ref" ||
+                                         field == "o_ref");
+    if (!served) {
+      return absl::UnimplementedError(absl::StrCat(
+          field, ": region ", ref.region(),
+          " is CUDA memory, served for Attend's q, k, v and o only; use a system region here"));
+    }
+    if (cuda_device_ >= 0 && span->device != cuda_device_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": expected CUDA memory of cuda:", cuda_device_,
+                       " (as the request's other CUDA tensors), got cuda:", span->device));
+    }
+    cuda_device_ = span->device;
+    if (field == "v.ref") v_in_cuda_ = true;
   }
   return span->data;
 }
@@ -93,9 +103,9 @@ grpc::ServerUnaryReactor* SharedMemoryService::Register(grpc::CallbackServerCont
                                            request->offset(), request->byte_size());
         break;
       case v1::RegisterRegionRequest::kCudaIpcHandle:
-        region = registry_->RegisterCuda(owner, request->name(), request->cuda_ipc_handle(),
-                                         request->device(), request->offset(),
-                                         request->byte_size());
+        region =
+            registry_->RegisterCuda(owner, request->name(), request->cuda_ipc_handle(),
+                                    request->device(), request->offset(), request->byte_size());
         break;
       default:
         region = absl::InvalidArgumentError(

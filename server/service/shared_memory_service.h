@@ -26,24 +26,36 @@ namespace attention::server {
 // The owner key of the caller of `context` (see the file comment).
 std::string RegionOwner(const grpc::CallbackServerContext& context, const std::string& auth_token);
 
-// The TensorRefs of one request of `context`'s caller, resolved in `registry` (system regions
-// only: CUDA regions are refused UNIMPLEMENTED for now); the regions stay held until this is
-// destroyed. `registry` null: shared memory is off (FAILED_PRECONDITION). Costs nothing for a
-// request without references.
+// The TensorRefs of one request of `context`'s caller, resolved in `registry`; the regions stay
+// held until this is destroyed. `registry` null: shared memory is off (FAILED_PRECONDITION).
+// Costs nothing for a request without references. CUDA regions are served for q, k, v and o of
+// Attend (`cuda_inputs`), all on one GPU, which the request then runs on; elsewhere (lse, the
+// Sessions calls) they are UNIMPLEMENTED: those bytes are read or written on the host.
 class RequestRegions final : public TensorRefResolver {
  public:
   RequestRegions(RegionRegistry* registry, const grpc::CallbackServerContext* context,
-                 const std::string* auth_token)
-      : registry_(registry), context_(context), auth_token_(auth_token) {}
+                 const std::string* auth_token, bool cuda_inputs = false)
+      : registry_(registry),
+        context_(context),
+        auth_token_(auth_token),
+        cuda_inputs_(cuda_inputs) {}
   absl::StatusOr<char*> Resolve(absl::string_view field, const v1::TensorRef& ref,
                                 int64_t alignment) override;
+
+  // The GPU ordinal of the CUDA regions referenced, or -1 when none.
+  int cuda_device() const { return cuda_device_; }
+  // Whether v was given in CUDA memory.
+  bool v_in_cuda() const { return v_in_cuda_; }
 
  private:
   RegionRegistry* const registry_;
   const grpc::CallbackServerContext* const context_;
   const std::string* const auth_token_;
+  const bool cuda_inputs_;
   std::string owner_;  // from the first reference on
   std::vector<RegionRegistry::Use> uses_;
+  int cuda_device_ = -1;
+  bool v_in_cuda_ = false;
 };
 
 class SharedMemoryService final : public v1::SharedMemory::CallbackService {

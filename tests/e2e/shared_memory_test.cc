@@ -5,6 +5,8 @@
 // outside the region (guard bytes around it are checked); regions of one caller are invisible to
 // another; Unregister waits for a running request; without --allow_shared_memory everything is
 // FAILED_PRECONDITION.
+#include "client/shared_memory.h"
+
 #include <unistd.h>
 
 #include <cmath>
@@ -19,7 +21,6 @@
 #include "attention/v1/attention.grpc.pb.h"
 #include "client/reference_check.h"
 #include "client/request_builder.h"
-#include "client/shared_memory.h"
 #include "client/tensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -35,7 +36,7 @@ using client::SharedMemoryClient;
 using client::SharedMemoryObject;
 using ::testing::HasSubstr;
 
-constexpr unsigned char kGuard = 0xA5;  // bytes outside the registered range
+constexpr unsigned char kGuard = 0xA5;   // bytes outside the registered range
 constexpr unsigned char kPoison = 0xFF;  // output bytes before a run (a NaN in every dtype)
 constexpr int64_t kGuardBytes = 4096;    // before and after the registered range
 
@@ -124,21 +125,39 @@ TEST_F(SharedMemoryE2E, AttendWithTensorsInSharedMemoryMatchesTheReference) {
   SCOPED_TRACE(absl::StrCat("seed ", seed));
   std::mt19937_64 rng(seed);
   SharedMemoryClient regions = Regions();
-  const std::vector<client::ProblemSpec> specs = {
-      {.batch = 2, .heads_q = 4, .heads_kv = 2, .seqlen_q = 37, .seqlen_k = 53, .head_dim = 32,
-       .dtype = v1::DTYPE_FLOAT32, .causal = true, .return_lse = true},
-      {.batch = 1, .heads_q = 3, .heads_kv = 1, .seqlen_q = 70, .seqlen_k = 19, .head_dim = 64,
-       .dtype = v1::DTYPE_BFLOAT16, .layout = v1::LAYOUT_BSHD, .return_lse = true},
-      {.batch = 3, .heads_q = 2, .heads_kv = 2, .seqlen_q = 1, .seqlen_k = 129, .head_dim = 40,
-       .dtype = v1::DTYPE_FLOAT16, .window_left = 16}};
+  const std::vector<client::ProblemSpec> specs = {{.batch = 2,
+                                                   .heads_q = 4,
+                                                   .heads_kv = 2,
+                                                   .seqlen_q = 37,
+                                                   .seqlen_k = 53,
+                                                   .head_dim = 32,
+                                                   .dtype = v1::DTYPE_FLOAT32,
+                                                   .causal = true,
+                                                   .return_lse = true},
+                                                  {.batch = 1,
+                                                   .heads_q = 3,
+                                                   .heads_kv = 1,
+                                                   .seqlen_q = 70,
+                                                   .seqlen_k = 19,
+                                                   .head_dim = 64,
+                                                   .dtype = v1::DTYPE_BFLOAT16,
+                                                   .layout = v1::LAYOUT_BSHD,
+                                                   .return_lse = true},
+                                                  {.batch = 3,
+                                                   .heads_q = 2,
+                                                   .heads_kv = 2,
+                                                   .seqlen_q = 1,
+                                                   .seqlen_k = 129,
+                                                   .head_dim = 40,
+                                                   .dtype = v1::DTYPE_FLOAT16,
+                                                   .window_left = 16}};
   absl::StatusOr<GuardedRegion> region = MakeRegion(regions, "attend", 4 << 20);
   ASSERT_TRUE(region.ok()) << region.status();
   for (const client::ProblemSpec& spec : specs) {
     absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(spec, rng);
     ASSERT_TRUE(request.ok()) << request.status();
     int64_t o_offset = 0, lse_offset = 0, used = 0;
-    const v1::AttendRequest by_ref =
-        ByReference(*request, *region, &o_offset, &lse_offset, &used);
+    const v1::AttendRequest by_ref = ByReference(*request, *region, &o_offset, &lse_offset, &used);
     ASSERT_LE(used, region->bytes);
     std::memset(region->data() + o_offset, kPoison, used - o_offset);
     absl::StatusOr<v1::AttendResponse> response = client().Attend(by_ref);
@@ -180,10 +199,10 @@ TEST_F(SharedMemoryE2E, StepWithTensorsInSharedMemoryEqualsTheSameStepInline) {
   SharedMemoryClient regions = Regions();
   auto stub = v1::Sessions::NewStub(client().channel());
   const int64_t hkv = 2, hq = 4, d = 32, n = 40, nq = 2;
-  const v1::Tensor k = client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, n, d},
-                                          client::RandomNormal(hkv * n * d, rng));
-  const v1::Tensor v = client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, n, d},
-                                          client::RandomNormal(hkv * n * d, rng));
+  const v1::Tensor k =
+      client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, n, d}, client::RandomNormal(hkv * n * d, rng));
+  const v1::Tensor v =
+      client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, n, d}, client::RandomNormal(hkv * n * d, rng));
   std::vector<std::string> ids;
   for (int i = 0; i < 2; ++i) {
     v1::CreateSessionRequest create;
@@ -199,12 +218,12 @@ TEST_F(SharedMemoryE2E, StepWithTensorsInSharedMemoryEqualsTheSameStepInline) {
   }
   absl::StatusOr<GuardedRegion> region = MakeRegion(regions, "step", 1 << 20);
   ASSERT_TRUE(region.ok()) << region.status();
-  const v1::Tensor q = client::MakeTensor(v1::DTYPE_FLOAT16, {hq, nq, d},
-                                          client::RandomNormal(hq * nq * d, rng));
-  const v1::Tensor k1 = client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, nq, d},
-                                           client::RandomNormal(hkv * nq * d, rng));
-  const v1::Tensor v1t = client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, nq, d},
-                                            client::RandomNormal(hkv * nq * d, rng));
+  const v1::Tensor q =
+      client::MakeTensor(v1::DTYPE_FLOAT16, {hq, nq, d}, client::RandomNormal(hq * nq * d, rng));
+  const v1::Tensor k1 =
+      client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, nq, d}, client::RandomNormal(hkv * nq * d, rng));
+  const v1::Tensor v1t =
+      client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, nq, d}, client::RandomNormal(hkv * nq * d, rng));
   auto step = [&](const std::string& id, bool by_ref) {
     v1::StepRequest r;
     r.set_causal(true);
@@ -424,8 +443,7 @@ TEST(SharedMemoryOffE2E, WithoutTheFlagEverythingIsFailedPrecondition) {
   absl::StatusOr<std::unique_ptr<SharedMemoryObject>> object =
       SharedMemoryObject::Create(FreshKey("off"), 65536);
   ASSERT_TRUE(object.ok());
-  EXPECT_EQ(regions.Register("x", **object).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(regions.Register("x", **object).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(regions.List().status().code(), absl::StatusCode::kFailedPrecondition);
   std::mt19937_64 rng(FreshSeed());
   absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(
