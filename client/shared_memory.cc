@@ -85,6 +85,19 @@ absl::StatusOr<v1::RegionInfo> SharedMemoryClient::Register(const std::string& n
   return RegisterSystem(name, object.key(), 0, object.size(), call);
 }
 
+absl::StatusOr<v1::RegionInfo> SharedMemoryClient::Register(const std::string& name,
+                                                            const SharedMemoryObject& object,
+                                                            const char* data, int64_t byte_size,
+                                                            const CallOptions& call) {
+  const int64_t offset = data - object.data();
+  if (offset < 0 || byte_size <= 0 || byte_size > object.size() - offset) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data, byte_size: expected bytes inside the object's ", object.size(),
+                     " mapped bytes, got offset ", offset, " and ", byte_size, " bytes"));
+  }
+  return RegisterSystem(name, object.key(), offset, byte_size, call);
+}
+
 absl::StatusOr<v1::RegionInfo> SharedMemoryClient::RegisterCuda(const std::string& name,
                                                                 const std::string& handle,
                                                                 int device, int64_t offset,

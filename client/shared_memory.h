@@ -66,6 +66,11 @@ class SharedMemoryClient {
   // The whole object.
   absl::StatusOr<v1::RegionInfo> Register(const std::string& name, const SharedMemoryObject& object,
                                           const CallOptions& call = {});
+  // Bytes [data, data + byte_size) of the object's mapping in this process (a pointer and a size
+  // inside it); INVALID_ARGUMENT when they are not inside it.
+  absl::StatusOr<v1::RegionInfo> Register(const std::string& name, const SharedMemoryObject& object,
+                                          const char* data, int64_t byte_size,
+                                          const CallOptions& call = {});
   // Registers device memory by its IPC handle (the bytes of a cudaIpcMemHandle_t) on GPU
   // `device`; see client/cuda_region.h to get one from a CUDA allocation.
   absl::StatusOr<v1::RegionInfo> RegisterCuda(const std::string& name, const std::string& handle,

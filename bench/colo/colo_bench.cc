@@ -34,6 +34,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "client/attention_client.h"
+#include "client/cuda_region.h"
 #include "client/request_builder.h"
 #include "client/shared_memory.h"
 #include "client/tensors.h"
@@ -102,8 +103,11 @@ v1::AttendRequest RequestByReference(const Problem& p, const std::string& region
 struct Samples {
   std::vector<double> e2e_ms, compute_us, h2d_us, d2h_us, queue_us, total_us;
   void Add(const Samples& o) {
-    for (auto [a, b] : {std::pair{&e2e_ms, &o.e2e_ms}, {&compute_us, &o.compute_us},
-                        {&h2d_us, &o.h2d_us}, {&d2h_us, &o.d2h_us}, {&queue_us, &o.queue_us},
+    for (auto [a, b] : {std::pair{&e2e_ms, &o.e2e_ms},
+                        {&compute_us, &o.compute_us},
+                        {&h2d_us, &o.h2d_us},
+                        {&d2h_us, &o.d2h_us},
+                        {&queue_us, &o.queue_us},
                         {&total_us, &o.total_us}}) {
       a->insert(a->end(), b->begin(), b->end());
     }
@@ -166,8 +170,9 @@ int RunBound(const Problem& p) {
   if (err == cudaSuccess) err = cudaEventCreate(&a);
   if (err == cudaSuccess) err = cudaEventCreate(&b);
   if (err == cudaSuccess) err = cudaEventCreate(&c);
-  if (err != cudaSuccess) return Fail("bound", absl::StrCat("CUDA: ", cudaGetErrorName(err), ": ",
-                                                            cudaGetErrorString(err)));
+  if (err != cudaSuccess)
+    return Fail("bound",
+                absl::StrCat("CUDA: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
   std::memset(host, 1, 4 * p.bytes);
   std::vector<double> h2d, d2h;
   for (int i = 0; i < iters + 2; ++i) {
@@ -255,19 +260,14 @@ int RunIpc(const Problem& p) {
     err = cudaMemcpy(static_cast<char*>(dev) + t * p.bytes, data.data(), p.bytes,
                      cudaMemcpyHostToDevice);
   }
-  cudaIpcMemHandle_t handle;
-  if (err == cudaSuccess) err = cudaIpcGetMemHandle(&handle, dev);
-  int device = 0;
-  if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err != cudaSuccess) {
-    return Fail("ipc", absl::StrCat("client CUDA: ", cudaGetErrorName(err), ": ",
-                                    cudaGetErrorString(err)));
+    return Fail(
+        "ipc", absl::StrCat("client CUDA: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
   }
   std::unique_ptr<Client> client = OwnConnection();
   client::SharedMemoryClient regions(*client);
-  absl::StatusOr<v1::RegionInfo> info = regions.RegisterCuda(
-      "colo-ipc", std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)), device, 0,
-      4 * p.bytes);
+  absl::StatusOr<v1::RegionInfo> info =
+      client::RegisterCudaAllocation(regions, "colo-ipc", dev, 4 * p.bytes);
   if (!info.ok()) return Fail("ipc", absl::StrCat("Register: ", info.status().ToString()));
   Samples samples;
   const Clock::time_point start = Clock::now();

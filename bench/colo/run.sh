@@ -154,10 +154,11 @@ def step_row(name, anchor_name, what):
             f"kernel + {extra:.0f} us", "<= kernel + 100 us", extra <= 100)
         srv = s["server_p50_us"]
         row("  where the time goes (p50, us)",
-            f"client-to-server {s['p50'] * 1e6 - srv['total']:.0f}; server {srv['total']:.0f} ="
-            f" queue {srv['queue']:.0f} + h2d {srv['h2d']:.0f} + kernel {k:.0f} + d2h "
-            f"{srv['d2h']:.0f} + decode/plan/encode "
-            f"{srv['total'] - srv['queue'] - srv['h2d'] - k - srv['d2h']:.0f}", "", "", "", None)
+            f"gRPC and client {s['p50'] * 1e6 - srv['total']:.0f}; server {srv['total']:.0f} ="
+            f" decode {srv.get('decode', 0):.0f} + queue and hop {srv['queue']:.0f} + append "
+            f"{srv['h2d']:.0f} + kernel {k:.0f} + d2h {srv['d2h']:.0f} + plan and answer "
+            f"{srv['total'] - srv.get('decode', 0) - srv['queue'] - srv['h2d'] - k - srv['d2h']:.0f}",
+            "", "", "", None)
     else:
         ratio = s["steps_per_s"] / (3233 * 8)
         row(what + " Steps/s", f"{s['requests_per_s']:.0f} Steps/s",

@@ -30,8 +30,8 @@ absl::StatusOr<std::pair<void*, int64_t>> OpenIpcHandle(absl::string_view handle
       err != cudaSuccess) {
     cudaGetLastError();
     return absl::InvalidArgumentError(
-        absl::StrCat("cuda_ipc_handle: cudaIpcOpenMemHandle on cuda:", device, " failed: ",
-                     cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+        absl::StrCat("cuda_ipc_handle: cudaIpcOpenMemHandle on cuda:", device,
+                     " failed: ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
   }
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found;
@@ -40,17 +40,15 @@ absl::StatusOr<std::pair<void*, int64_t>> OpenIpcHandle(absl::string_view handle
   if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
                                        &found) != cudaSuccess ||
       found != cudaDriverEntryPointSuccess ||
-      reinterpret_cast<MemGetAddressRange>(fn)(&alloc_base, &size,
-                                               reinterpret_cast<CUdeviceptr>(base)) !=
-          CUDA_SUCCESS) {
+      reinterpret_cast<MemGetAddressRange>(fn)(
+          &alloc_base, &size, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS) {
     cudaGetLastError();
     cudaIpcCloseMemHandle(base);
     return absl::InternalError("cuda_ipc_handle: the opened allocation's size is unknown");
   }
   // The handle names its allocation's start; what follows `base` is the allocation's rest.
-  const int64_t bytes =
-      static_cast<int64_t>(size) - static_cast<int64_t>(reinterpret_cast<CUdeviceptr>(base) -
-                                                        alloc_base);
+  const int64_t bytes = static_cast<int64_t>(size) -
+                        static_cast<int64_t>(reinterpret_cast<CUdeviceptr>(base) - alloc_base);
   return std::pair<void*, int64_t>{base, bytes};
 }
 

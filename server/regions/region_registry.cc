@@ -14,15 +14,16 @@
 
 namespace attention::server {
 
-// One registered region. `uses` and `closing` are guarded by the registry's mu_; the rest is
-// fixed once inserted.
+// One registered region. `uses`, `closing` and `removed` are guarded by the registry's mu_; the
+// rest is fixed once inserted.
 struct RegionRegistry::Use::Region {
   RegionDescription description;
   void* map_base = nullptr;  // system: the mapping (page-aligned); cuda: the IPC base pointer
   size_t map_bytes = 0;      // system: the mapping's length
   char* data = nullptr;      // the region's first byte
   int uses = 0;
-  bool closing = false;  // Unregister is waiting: no new Use
+  int closing = 0;       // Unregister calls waiting: no new Use while any is
+  bool removed = false;  // taken out of the registry (by one of them)
 };
 
 namespace {
@@ -226,22 +227,25 @@ absl::Status RegionRegistry::Unregister(const std::string& owner, const std::str
   {
     std::unique_lock<std::mutex> lock(mu_);
     auto it = regions_.find({owner, name});
-    if (it == regions_.end() || it->second->closing) {
+    if (it == regions_.end()) {
       return absl::NotFoundError(absl::StrCat("name: no region ", Quote(name), " of this caller"));
     }
     region = it->second;
-    region->closing = true;  // no new Use from here on
-    const bool idle =
-        released_.wait_until(lock, absl::ToChronoTime(deadline), [&] { return region->uses == 0; });
+    ++region->closing;  // no new Use from here on
+    const bool idle = released_.wait_until(lock, absl::ToChronoTime(deadline),
+                                           [&] { return region->uses == 0 || region->removed; });
+    --region->closing;
+    if (region->removed) return absl::OkStatus();  // another Unregister of it finished first
     if (!idle) {
-      region->closing = false;
       return absl::DeadlineExceededError(absl::StrCat("region ", Quote(name), " is still used by ",
                                                       region->uses,
                                                       " running requests; it stays registered"));
     }
+    region->removed = true;
     regions_.erase({owner, name});
     mapped_bytes_ -= region->description.byte_size;
   }
+  released_.notify_all();  // other Unregister calls of this region
   Unmap(*region);
   return absl::OkStatus();
 }
@@ -266,7 +270,7 @@ absl::StatusOr<RegionSpan> RegionRegistry::Resolve(const std::string& owner,
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find({owner, region_name});
     // Another caller's region answers as an unknown one: names are not disclosed.
-    if (it == regions_.end() || it->second->closing) {
+    if (it == regions_.end() || it->second->closing > 0) {
       return absl::NotFoundError(absl::StrCat(field, ".region: no region ", Quote(region_name),
                                               " registered by this caller"));
     }

@@ -81,6 +81,7 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
   job.work = decoded->params;
   job.deadline = absl::FromChrono(context->deadline());
   job.cancelled = [context] { return context->IsCancelled(); };
+  response->mutable_timing()->set_decode_us(absl::ToDoubleMicroseconds(absl::Now() - arrival));
   job.done = [this, response, flops = decoded->flops, tokens = decoded->query_tokens,
               refs = std::move(refs), answer = std::move(answer)](JobResult result) mutable {
     refs.reset();  // first: the regions may be unregistered once the caller has its answer

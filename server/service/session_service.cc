@@ -488,6 +488,8 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
     };
     jobs.push_back(std::move(job));
   }
+  response->mutable_timing()->set_decode_us(
+      absl::ToDoubleMicroseconds(absl::Now() - call->arrival));
   scheduler_->SubmitAll(std::move(jobs));
 }
 
