@@ -160,13 +160,14 @@ def step_row(name, anchor_name, what):
             f"{srv['total'] - srv.get('decode', 0) - srv['queue'] - srv['h2d'] - k - srv['d2h']:.0f}",
             "", "", "", None)
     else:
-        ratio = s["steps_per_s"] / (3233 * 8)
         row(what + " Steps/s", f"{s['requests_per_s']:.0f} Steps/s",
             f"3,233 (2026-12-01); unary now {a['requests_per_s']:.0f}" if a else "3,233",
             f"{s['requests_per_s'] / 3233:.2f}x", ">= 1.5x", s["requests_per_s"] >= 1.5 * 3233)
 
-step_row("step_stream_c1", "step_unary_c1", "StepStream 8x32k, 1 in flight:")
-step_row("step_stream_c4", "step_unary_c4", "StepStream 8x32k, 4 in flight:")
+cfg = (ok("step_stream_c1") or {}).get("config", {})
+steps = f"StepStream {cfg.get('shape', [0])[0]}x{cfg.get('nk', '?')}"
+step_row("step_stream_c1", "step_unary_c1", steps + ", 1 in flight:")
+step_row("step_stream_c4", "step_unary_c4", steps + ", 4 in flight:")
 for name, what in (("small_stream", "small Attend, AttendStream"),
                    ("small_unary", "small Attend, unary")):
     s = ok(name)
