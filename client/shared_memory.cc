@@ -63,6 +63,16 @@ void PlaceTensor(const v1::Tensor& tensor, const std::string& region, int64_t of
 SharedMemoryClient::SharedMemoryClient(const Client& client)
     : client_(client), stub_(v1::SharedMemory::NewStub(client.channel())) {}
 
+absl::StatusOr<v1::RegionInfo> SharedMemoryClient::Send(const v1::RegisterRegionRequest& request,
+                                                        const CallOptions& call) {
+  v1::RegionInfo info;
+  std::unique_ptr<grpc::ClientContext> context = client_.NewContext(call);
+  if (grpc::Status s = stub_->Register(context.get(), request, &info); !s.ok()) {
+    return ToAbslStatus(s);
+  }
+  return info;
+}
+
 absl::StatusOr<v1::RegionInfo> SharedMemoryClient::RegisterSystem(const std::string& name,
                                                                   const std::string& key,
                                                                   int64_t offset, int64_t byte_size,
@@ -72,11 +82,7 @@ absl::StatusOr<v1::RegionInfo> SharedMemoryClient::RegisterSystem(const std::str
   request.set_system_key(key);
   request.set_offset(offset);
   request.set_byte_size(byte_size);
-  v1::RegionInfo info;
-  std::unique_ptr<grpc::ClientContext> context = client_.NewContext(call);
-  if (grpc::Status s = stub_->Register(context.get(), request, &info); !s.ok())
-    return ToAbslStatus(s);
-  return info;
+  return Send(request, call);
 }
 
 absl::StatusOr<v1::RegionInfo> SharedMemoryClient::Register(const std::string& name,
@@ -109,11 +115,7 @@ absl::StatusOr<v1::RegionInfo> SharedMemoryClient::RegisterCuda(const std::strin
   request.set_device(device);
   request.set_offset(offset);
   request.set_byte_size(byte_size);
-  v1::RegionInfo info;
-  std::unique_ptr<grpc::ClientContext> context = client_.NewContext(call);
-  if (grpc::Status s = stub_->Register(context.get(), request, &info); !s.ok())
-    return ToAbslStatus(s);
-  return info;
+  return Send(request, call);
 }
 
 absl::Status SharedMemoryClient::Unregister(const std::string& name, const CallOptions& call) {

@@ -81,6 +81,9 @@ class SharedMemoryClient {
   absl::StatusOr<v1::ListRegionsResponse> List(const CallOptions& call = {});
 
  private:
+  absl::StatusOr<v1::RegionInfo> Send(const v1::RegisterRegionRequest& request,
+                                      const CallOptions& call);
+
   const Client& client_;
   std::unique_ptr<v1::SharedMemory::Stub> stub_;
 };

@@ -64,8 +64,8 @@ TEST(RegionRegistryTest, RefusesBadReferencesAndOtherOwners) {
   RegionRegistry registry({}, {});
   ASSERT_TRUE(registry.RegisterSystem("me", "r", object.key(), 0, 4096).ok());
   std::vector<RegionRegistry::Use> uses;
-  for (auto [offset, size] : {std::pair<int64_t, int64_t>{4090, 8}, {-1, 8}, {0, -8},
-                              {INT64_MAX - 2, 8}, {4097, 0}}) {
+  for (auto [offset, size] :
+       {std::pair<int64_t, int64_t>{4090, 8}, {-1, 8}, {0, -8}, {INT64_MAX - 2, 8}, {4097, 0}}) {
     EXPECT_EQ(registry.Resolve("me", "k.ref", "r", offset, size, 1, &uses).status().code(),
               absl::StatusCode::kInvalidArgument)
         << offset << " " << size;

@@ -3,8 +3,9 @@
 // library): decode and extend steps against the float64 reference over ragged lengths, GQA,
 // windows and LSE; many single-row appends equal one Attend; two half-sequence sessions merged by
 // their LSEs equal one session holding all of it; errors (NOT_FOUND, INVALID_ARGUMENT changing
-// nothing, RESOURCE_EXHAUSTED, UNAUTHENTICATED), expiry after the TTL, the metrics, and no page
-// leaked over 10,000 create, append, drop cycles.
+// nothing, RESOURCE_EXHAUSTED, UNAUTHENTICATED), expiry after the TTL, the metrics, no page
+// leaked over 10,000 create, append, drop cycles, and StepStream (many Steps on one stream, a
+// Step on a dropped session ending it, a cancelled stream leaving its sessions free).
 #include <unistd.h>
 
 #include <algorithm>
