@@ -120,10 +120,12 @@ def _to_tensor(x, name, bfloat16_bits):
 
 def _to_tensor_or_ref(client, x, name, bfloat16_bits):
     """As _to_tensor, but a numpy array inside one of the client's regions goes by reference."""
-    if client._regions and isinstance(x, np.ndarray):
+    if client._regions:
         from attention_client.shared_memory import as_ref
         t = as_ref(client, x)
         if t is not None:
+            if _is_torch(x):
+                return t, ("torch", x)
             return t, ("ml_bfloat16" if t.dtype == pb.DTYPE_BFLOAT16 else "numpy", None)
     return _to_tensor(x, name, bfloat16_bits)
 

@@ -12,9 +12,15 @@ bytes never cross the socket. The server must run with --allow_shared_memory.
     region.unregister()
 
 Any C-contiguous numpy array whose bytes lie inside a region this Client registered travels by
-reference (offset and size), not by value. A region of a torch CUDA tensor
-(register_cuda_tensor) is registered from the tensor's CUDA IPC handle; this server version
-accepts the registration on the cuda backend but serves requests from system regions only.
+reference (offset and size), not by value. A CUDA region (register_cuda_tensor) is registered
+from a torch CUDA tensor's IPC handle; contiguous torch CUDA tensors inside it (views of it, or
+tensors sharing its storage) then go by reference as q, k, v and out of attend, and the server
+(cuda backend, same GPU) computes on them in place:
+
+    buf = torch.empty(4 * n, dtype=torch.bfloat16, device="cuda")
+    region = client.register_cuda_tensor("gpu", buf)
+    q, k, v, out = (buf[i * n:(i + 1) * n].view(shape) for i in range(4))
+    client.attend(q, k, v, out=out)
 
 A region belongs to this client's credentials (its bearer token, or without one its connection).
 """
@@ -22,14 +28,12 @@ import numpy as np
 
 from attention_client._stubs import attention_pb2 as pb
 
-_DTYPES = {np.dtype("<f4"): pb.DTYPE_FLOAT32, np.dtype("<f2"): pb.DTYPE_FLOAT16}
-
 
 class Region:
     """A region registered with the server: name, size (bytes), kind ("system" or "cuda"), and
     for system regions the mapping in this process (array() gives views into it)."""
 
-    def __init__(self, client, info, buffer, metadata):
+    def __init__(self, client, info, buffer, metadata, cuda_base=None):
         self._client = client
         self.name = info.name
         self.size = info.byte_size
@@ -38,6 +42,7 @@ class Region:
         self._metadata = metadata
         self._buffer = buffer  # uint8 numpy view of the region's bytes (system); None for cuda
         self._base = buffer.__array_interface__["data"][0] if buffer is not None else None
+        self._cuda_base = cuda_base  # CUDA regions: the device address of the region's first byte
 
     def __repr__(self):
         return f"Region({self.name!r}, {self.kind}, {self.size} bytes)"
@@ -64,11 +69,17 @@ class Region:
         return pb.TensorRef(region=self.name, offset=offset, byte_size=nbytes)
 
     def _locate(self, a):
-        """The offset of array `a`'s bytes in this region, or None when they are not inside it."""
-        if self._base is None or not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
+        """The offset of `a`'s bytes in this region (a numpy array in a system region, a torch
+        CUDA tensor in a CUDA one), or None when they are not inside it."""
+        if isinstance(a, np.ndarray):
+            if self._base is None or not a.flags.c_contiguous:
+                return None
+            start, nbytes = a.__array_interface__["data"][0] - self._base, a.nbytes
+        elif self._cuda_base is not None and _is_torch_cuda(a) and a.is_contiguous():
+            start, nbytes = a.data_ptr() - self._cuda_base, a.numel() * a.element_size()
+        else:
             return None
-        start = a.__array_interface__["data"][0] - self._base
-        if 0 <= start and start + a.nbytes <= self.size:
+        if 0 <= start and start + nbytes <= self.size:
             return start
         return None
 
@@ -78,7 +89,7 @@ class Region:
         longer travel by reference; the shared memory can be closed once they are gone."""
         if self in self._client._regions:
             self._client._regions.remove(self)
-        self._buffer = self._base = None
+        self._buffer = self._base = self._cuda_base = None
         self._client._call(self._client._shm_stub.Unregister,
                            pb.UnregisterRegionRequest(name=self.name), timeout, self._metadata)
 
@@ -117,7 +128,7 @@ def register_cuda_tensor(client, name, tensor, *, timeout=None, metadata=None):
                                        byte_size=size_bytes - tensor.storage_offset() *
                                        tensor.element_size())
     info = client._call(client._shm_stub.Register, request, timeout, metadata)
-    region = Region(client, info, None, metadata)
+    region = Region(client, info, None, metadata, cuda_base=tensor.data_ptr())
     client._regions.append(region)
     return region
 
@@ -126,19 +137,29 @@ def list_regions(client, *, timeout=None, metadata=None):
     return client._call(client._shm_stub.List, pb.ListRegionsRequest(), timeout, metadata).regions
 
 
+def _is_torch_cuda(a):
+    return type(a).__module__.startswith("torch") and getattr(a, "is_cuda", False)
+
+
+def _wire_dtype_of(a):
+    name = str(a.dtype).replace("torch.", "") if _is_torch_cuda(a) else a.dtype.name
+    dtype = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16,
+             "bfloat16": pb.DTYPE_BFLOAT16}.get(name)
+    if dtype is None:
+        raise TypeError(f"dtype {a.dtype} is not float32, float16 or bfloat16")
+    return dtype
+
+
 def as_ref(client, a):
-    """pb.Tensor referring to array `a` when its bytes lie in one of the client's regions, else
-    None. float32/float16 by numpy dtype; bfloat16 as ml_dtypes.bfloat16."""
+    """pb.Tensor referring to `a` (a numpy array, or a torch CUDA tensor) when its bytes lie in
+    one of the client's regions, else None. bfloat16 as ml_dtypes.bfloat16 or torch.bfloat16."""
     for region in client._regions:
         offset = region._locate(a)
         if offset is None:
             continue
-        dtype = _DTYPES.get(a.dtype)
-        if dtype is None and a.dtype.name == "bfloat16":
-            dtype = pb.DTYPE_BFLOAT16
-        if dtype is None:
-            raise TypeError(f"dtype {a.dtype} is not float32, float16 or bfloat16")
-        return pb.Tensor(dtype=dtype, shape=list(a.shape), ref=region.ref(offset, a.nbytes))
+        nbytes = a.nbytes if isinstance(a, np.ndarray) else a.numel() * a.element_size()
+        return pb.Tensor(dtype=_wire_dtype_of(a), shape=list(a.shape),
+                         ref=region.ref(offset, nbytes))
     return None
 
 
@@ -147,5 +168,5 @@ def out_ref(client, out, name):
     t = as_ref(client, out) if out is not None else None
     if t is None:
         raise ValueError(f"{name}: expected a C-contiguous array inside a region this Client "
-                         "registered (Region.array)")
+                         "registered (Region.array, or a CUDA tensor in a CUDA region)")
     return t.ref
