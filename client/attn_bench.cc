@@ -24,8 +24,14 @@
 //   attn_bench --mode=decode --sessions=64 --nk=4096 --shape=8,32,1,128 --kv_heads=8
 //       --dtype=bfloat16 --causal --concurrency=8 --duration_s=10 --json
 //
+// --shm (attend mode, a server with --allow_shared_memory on this host): q, k, v and o live in a
+// POSIX shared-memory object registered with the server, and the requests refer to them, so no
+// tensor byte crosses the socket (payload GB/s still counts them).
+//
 // Exit status: 0 every measured call succeeded; 1 a measured call failed (the first few distinct
 // errors are printed on stderr), or sessions could not be created; 2 bad flags.
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -59,6 +65,7 @@
 #include "client/attention_client.h"
 #include "client/request_builder.h"
 #include "client/session.h"
+#include "client/shared_memory.h"
 #include "client/tensors.h"
 #include "client/tool_flags.h"
 
@@ -95,6 +102,9 @@ ABSL_FLAG(bool, lse, false, "ask for the log-sum-exp too");
 ABSL_FLAG(std::string, rpc, "unary",
           "unary (one call per request) | stream (AttendStream; decode: StepStream), one stream "
           "per concurrency slot");
+ABSL_FLAG(bool, shm, false,
+          "attend: q, k, v and o in a POSIX shared-memory object registered with the server "
+          "(which needs --allow_shared_memory; one --target), sent by reference");
 ABSL_FLAG(double, deadline_s, 60, "deadline per unary call, seconds");
 ABSL_FLAG(int, max_attempts, 1, "attempts per call on UNAVAILABLE (gRPC retry policy)");
 ABSL_FLAG(int, max_message_mb, 1024,
@@ -936,8 +946,40 @@ int Main() {
     echo_rpcs.flops = [flops](const bench::EchoReply&) { return flops; };
   }
 
+  // --shm: the tensors go into a shared-memory object registered over the attention channel
+  // (regions belong to the connection), and the request refers to them; o is written there.
+  std::unique_ptr<Client> shm_client;
+  std::unique_ptr<SharedMemoryClient> regions;
+  std::unique_ptr<SharedMemoryObject> object;
+  int64_t o_in_region = 0;
   if (!echo_only) {
-    attention_stub = v1::Attention::NewStub(channel_for(absl::GetFlag(FLAGS_target)));
+    std::shared_ptr<grpc::Channel> attention_channel = channel_for(absl::GetFlag(FLAGS_target));
+    attention_stub = v1::Attention::NewStub(attention_channel);
+    if (absl::GetFlag(FLAGS_shm)) {
+      o_in_region = static_cast<int64_t>(request->q().data().size());
+      absl::StatusOr<std::unique_ptr<SharedMemoryObject>> created = SharedMemoryObject::Create(
+          absl::StrCat("/attn-bench-", getpid()), request_bytes + o_in_region);
+      if (!created.ok()) {
+        std::fprintf(stderr, "attn_bench: --shm: %s\n", created.status().ToString().c_str());
+        return 1;
+      }
+      object = *std::move(created);
+      shm_client = std::make_unique<Client>(attention_channel, options);
+      regions = std::make_unique<SharedMemoryClient>(*shm_client);
+      if (absl::StatusOr<v1::RegionInfo> info = regions->Register("attn-bench", *object);
+          !info.ok()) {
+        std::fprintf(stderr, "attn_bench: --shm: %s\n", info.status().ToString().c_str());
+        return 1;
+      }
+      // q, k, v one after another, then o.
+      int64_t at = 0;
+      for (v1::Tensor* t : {request->mutable_q(), request->mutable_k(), request->mutable_v()}) {
+        const int64_t bytes = static_cast<int64_t>(t->data().size());
+        PlaceTensor(v1::Tensor(*t), "attn-bench", at, object->data(), t);
+        at += bytes;
+      }
+      *request->mutable_o_ref() = MakeRef("attn-bench", at, o_in_region);
+    }
     attention_rpcs.unary = [&](grpc::ClientContext* c, const v1::AttendRequest* q,
                                v1::AttendResponse* r, std::function<void(grpc::Status)> f) {
       attention_stub->async()->Attend(c, q, r, std::move(f));
@@ -946,8 +988,8 @@ int Main() {
                                 grpc::ClientBidiReactor<v1::AttendRequest, v1::AttendResponse>* r) {
       attention_stub->async()->AttendStream(c, r);
     };
-    attention_rpcs.response_bytes = [](const v1::AttendResponse& r) {
-      return static_cast<int64_t>(r.o().data().size() + r.lse().data().size());
+    attention_rpcs.response_bytes = [o_in_region](const v1::AttendResponse& r) {
+      return static_cast<int64_t>(r.o().data().size() + r.lse().data().size()) + o_in_region;
     };
     attention_rpcs.timing = [](const v1::AttendResponse& r) { return r.timing(); };
     attention_rpcs.flops = [flops](const v1::AttendResponse&) { return flops; };
@@ -983,6 +1025,7 @@ int Main() {
     json.insert(json.size() - 1, absl::StrCat(",", ConfigJson(*spec, load)));
     outputs.AddRun(json);
   }
+  if (regions != nullptr) regions->Unregister("attn-bench").IgnoreError();
   return outputs.Finish();
 }
 

@@ -75,9 +75,9 @@ TEST(TensorRefsTest, AttendTakesTheResolvedBytes) {
   EXPECT_TRUE(response.o().data().empty());
   EXPECT_EQ(response.o().shape_size(), 4);
   EXPECT_TRUE(response.lse().data().empty());
-  EXPECT_EQ(regions.asked(), (std::map<std::string, int64_t>{
-                                 {"q.ref", 2}, {"k.ref", 2}, {"v.ref", 2}, {"o_ref", 2},
-                                 {"lse_ref", 4}}));
+  EXPECT_EQ(regions.asked(),
+            (std::map<std::string, int64_t>{
+                {"q.ref", 2}, {"k.ref", 2}, {"v.ref", 2}, {"o_ref", 2}, {"lse_ref", 4}}));
 }
 
 TEST(TensorRefsTest, SizesAreCheckedAgainstTheShapesBeforeAnythingResolves) {
@@ -108,8 +108,7 @@ TEST(TensorRefsTest, SizesAreCheckedAgainstTheShapesBeforeAnythingResolves) {
   v1::AttendRequest r = ByReference();
   r.mutable_v()->mutable_ref()->set_region("elsewhere");
   v1::AttendResponse response;
-  EXPECT_EQ(DecodeRequest(r, {}, &response, &regions).status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(DecodeRequest(r, {}, &response, &regions).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(TensorRefsTest, WithoutAResolverReferencesAreFailedPrecondition) {
