@@ -103,12 +103,12 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
 
 absl::StatusOr<int> AttentionService::CudaRegionDevice(const RequestRegions& refs,
                                                        const AttentionParams& params) const {
-  if (refs.v_in_cuda() &&
-      (params.window_left != kUnboundedWindow || params.window_right != kUnboundedWindow)) {
-    // Masked requests check V for Inf/NaN on the host before they run (the exact path).
+  if (params.window_left != kUnboundedWindow || params.window_right != kUnboundedWindow) {
+    // Masked requests check V for Inf/NaN on the host before they run, and those holding any
+    // run on the CPU kernel (the exact path), which reads q, k, v and o on the host.
     return absl::UnimplementedError(
-        "v.ref: masked requests (causal, windows) need v in host or system shared memory; "
-        "v is in a CUDA region");
+        "masked requests (causal, windows) need q, k, v and o in host or system shared memory; "
+        "this one has tensors in a CUDA region");
   }
   const std::string name = absl::StrCat("cuda:", refs.cuda_device());
   const std::vector<const DeviceDescription*> devices = scheduler_->devices();

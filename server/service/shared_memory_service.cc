@@ -56,7 +56,6 @@ absl::StatusOr<char*> RequestRegions::Resolve(absl::string_view field, const v1:
                        " (as the request's other CUDA tensors), got cuda:", span->device));
     }
     cuda_device_ = span->device;
-    if (field == "v.ref") v_in_cuda_ = true;
   }
   return span->data;
 }

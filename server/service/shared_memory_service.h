@@ -30,7 +30,8 @@ std::string RegionOwner(const grpc::CallbackServerContext& context, const std::s
 // held until this is destroyed. `registry` null: shared memory is off (FAILED_PRECONDITION).
 // Costs nothing for a request without references. CUDA regions are served for q, k, v and o of
 // Attend (`cuda_inputs`), all on one GPU, which the request then runs on; elsewhere (lse, the
-// Sessions calls) they are UNIMPLEMENTED: those bytes are read or written on the host.
+// Sessions calls, and masked requests: the service refuses those) they are UNIMPLEMENTED: those
+// bytes are read or written on the host.
 class RequestRegions final : public TensorRefResolver {
  public:
   RequestRegions(RegionRegistry* registry, const grpc::CallbackServerContext* context,
@@ -44,8 +45,6 @@ class RequestRegions final : public TensorRefResolver {
 
   // The GPU ordinal of the CUDA regions referenced, or -1 when none.
   int cuda_device() const { return cuda_device_; }
-  // Whether v was given in CUDA memory.
-  bool v_in_cuda() const { return v_in_cuda_; }
 
  private:
   RegionRegistry* const registry_;
@@ -55,7 +54,6 @@ class RequestRegions final : public TensorRefResolver {
   std::string owner_;  // from the first reference on
   std::vector<RegionRegistry::Use> uses_;
   int cuda_device_ = -1;
-  bool v_in_cuda_ = false;
 };
 
 class SharedMemoryService final : public v1::SharedMemory::CallbackService {
