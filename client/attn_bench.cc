@@ -18,13 +18,20 @@
 // sends Step calls, each for B of them (--shape=B,H,N,D: B sessions per Step, H query heads, N
 // new tokens per session per step), appending each step's N tokens' K/V (--append_kv), and
 // reports session-steps/s and tokens/s beside the request figures. Sessions are dropped at the
-// end. Each in-flight Step has sessions of its own: --sessions >= B * --concurrency.
+// end. Each in-flight Step has sessions of its own: --sessions >= B * --concurrency. With
+// --rpc=stream each slot sends its Steps over one StepStream.
 //
 //   attn_bench --mode=decode --sessions=64 --nk=4096 --shape=8,32,1,128 --kv_heads=8
 //       --dtype=bfloat16 --causal --concurrency=8 --duration_s=10 --json
 //
+// --shm (attend mode, a server with --allow_shared_memory on this host): q, k, v and o live in a
+// POSIX shared-memory object registered with the server, and the requests refer to them, so no
+// tensor byte crosses the socket (payload GB/s still counts them).
+//
 // Exit status: 0 every measured call succeeded; 1 a measured call failed (the first few distinct
 // errors are printed on stderr), or sessions could not be created; 2 bad flags.
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -58,6 +65,7 @@
 #include "client/attention_client.h"
 #include "client/request_builder.h"
 #include "client/session.h"
+#include "client/shared_memory.h"
 #include "client/tensors.h"
 #include "client/tool_flags.h"
 
@@ -91,7 +99,12 @@ ABSL_FLAG(std::string, dtype, "float16", "float32 | float16 | bfloat16");
 ABSL_FLAG(std::string, layout, "bhsd", "bhsd | bshd");
 ABSL_FLAG(bool, causal, false, "causal mask (bottom-right aligned)");
 ABSL_FLAG(bool, lse, false, "ask for the log-sum-exp too");
-ABSL_FLAG(std::string, rpc, "unary", "unary (one call per request) | stream (AttendStream)");
+ABSL_FLAG(std::string, rpc, "unary",
+          "unary (one call per request) | stream (AttendStream; decode: StepStream), one stream "
+          "per concurrency slot");
+ABSL_FLAG(bool, shm, false,
+          "attend: q, k, v and o in a POSIX shared-memory object registered with the server "
+          "(which needs --allow_shared_memory; one --target), sent by reference");
 ABSL_FLAG(double, deadline_s, 60, "deadline per unary call, seconds");
 ABSL_FLAG(int, max_attempts, 1, "attempts per call on UNAVAILABLE (gRPC retry policy)");
 ABSL_FLAG(int, max_message_mb, 1024,
@@ -269,14 +282,14 @@ class UnarySlot final : public Slot {
   DoneFn done_;
 };
 
-// A stream carrying one request at a time: write, read its response, repeat. The response can
-// arrive before the write's completion; a request is done when both have come, since the next
-// write may start only after the last one completed.
+// A stream carrying one request at a time, `requests` in turn: write, read its response, repeat.
+// The response can arrive before the write's completion; a request is done when both have come,
+// since the next write may start only after the last one completed.
 template <class Req, class Resp>
 class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> {
  public:
-  StreamSlot(const Req& request, const Rpcs<Req, Resp>& rpcs, DoneFn done)
-      : request_(request), rpcs_(rpcs), done_(std::move(done)) {
+  StreamSlot(absl::Span<const Req> requests, const Rpcs<Req, Resp>& rpcs, DoneFn done)
+      : requests_(requests), rpcs_(rpcs), done_(std::move(done)) {
     rpcs_.stream(&context_, this);
     this->StartCall();
   }
@@ -285,8 +298,10 @@ class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> 
     start_ = start;
     in_flight_ = true;
     pending_ = 2;
+    const Req* request = &requests_[next_];
+    next_ = (next_ + 1) % requests_.size();
     this->StartRead(&response_);
-    this->StartWrite(&request_);
+    this->StartWrite(request);
   }
 
   void Close() override {
@@ -326,7 +341,8 @@ class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> 
     ended_.set_value();
   }
 
-  const Req& request_;
+  const absl::Span<const Req> requests_;
+  size_t next_ = 0;  // Send runs only while no request of this slot is in flight
   const Rpcs<Req, Resp>& rpcs_;
   DoneFn done_;
   grpc::ClientContext context_;
@@ -350,6 +366,7 @@ struct PhaseResult {
   // p50 of each ServerTiming field over the requests: queue, h2d, compute, d2h and total (arrival
   // to response ready; p50 - total is what the transport and the client cost).
   double queue_us_p50 = 0, h2d_us_p50 = 0, compute_us_p50 = 0, d2h_us_p50 = 0, server_us_p50 = 0;
+  double decode_us_p50 = 0;
   std::map<grpc::StatusCode, int64_t> errors;
   // Decode mode: session-steps and new tokens per second (Step requests carry several sessions,
   // each several tokens).
@@ -535,6 +552,7 @@ PhaseResult RunPhase(const std::string& name, const LoadSettings& settings, int6
   r.compute_us_p50 = p50(&v1::ServerTiming::compute_us);
   r.d2h_us_p50 = p50(&v1::ServerTiming::d2h_us);
   r.server_us_p50 = p50(&v1::ServerTiming::total_us);
+  r.decode_us_p50 = p50(&v1::ServerTiming::decode_us);
   r.errors = recorder.errors();
   return r;
 }
@@ -573,10 +591,10 @@ std::string ResultJson(const PhaseResult& r) {
       "\"tflop_per_s\":%.6g,\"p50\":%.6g,\"p90\":%.6g,\"p95\":%.6g,\"p99\":%.6g,\"p999\":%.6g,"
       "\"max\":%.6g,"
       "\"compute_us_p50\":%.6g,\"server_p50_us\":{\"queue\":%.6g,\"h2d\":%.6g,\"d2h\":%.6g,"
-      "\"total\":%.6g},\"errors\":{%s}%s",
+      "\"total\":%.6g,\"decode\":%.6g},\"errors\":{%s}%s",
       r.ok, r.elapsed_s, r.requests_per_s, r.payload_gb_per_s, r.tflop_per_s, r.p50, r.p90, r.p95,
       r.p99, r.p999, r.max, r.compute_us_p50, r.queue_us_p50, r.h2d_us_p50, r.d2h_us_p50,
-      r.server_us_p50, absl::StrJoin(errors, ","), decode);
+      r.server_us_p50, r.decode_us_p50, absl::StrJoin(errors, ","), decode);
 }
 
 // The run's configuration, in its JSON object: what was measured, beside the figures.
@@ -683,10 +701,10 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
   const int max_concurrency = *std::max_element(concurrencies.begin(), concurrencies.end());
   const int64_t session_count = absl::GetFlag(FLAGS_sessions) > 0 ? absl::GetFlag(FLAGS_sessions)
                                                                   : per_step * max_concurrency;
-  if (load.stream || session_count < per_step * max_concurrency) {
+  if (session_count < per_step * max_concurrency) {
     std::fprintf(stderr,
-                 "attn_bench: decode needs --rpc=unary and --sessions >= B * "
-                 "--concurrency (each Step in flight has sessions of its own)\n");
+                 "attn_bench: decode needs --sessions >= B * --concurrency (each Step in flight "
+                 "has sessions of its own)\n");
     return 2;
   }
   const bool append = absl::GetFlag(FLAGS_append_kv);
@@ -730,6 +748,10 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
   rpcs.unary = [&](grpc::ClientContext* c, const v1::StepRequest* request,
                    v1::StepResponse* response, std::function<void(grpc::Status)> f) {
     session_client.stub().async()->Step(c, request, response, std::move(f));
+  };
+  rpcs.stream = [&](grpc::ClientContext* c,
+                    grpc::ClientBidiReactor<v1::StepRequest, v1::StepResponse>* r) {
+    session_client.stub().async()->StepStream(c, r);
   };
   rpcs.response_bytes = [](const v1::StepResponse& r) {
     int64_t bytes = 0;
@@ -791,10 +813,16 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
         static_cast<double>(request_bytes) / 1024);
 
     int next_slot = 0;
-    PhaseResult result = RunPhase("decode", load, request_bytes, [&](Slot::DoneFn done) {
-      return std::make_unique<UnarySlot<v1::StepRequest, v1::StepResponse>>(
-          slot_requests[next_slot++], rpcs, load.deadline, std::move(done));
-    });
+    PhaseResult result =
+        RunPhase("decode", load, request_bytes, [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
+          absl::Span<const v1::StepRequest> requests = slot_requests[next_slot++];
+          if (load.stream) {
+            return std::make_unique<StreamSlot<v1::StepRequest, v1::StepResponse>>(requests, rpcs,
+                                                                                   std::move(done));
+          }
+          return std::make_unique<UnarySlot<v1::StepRequest, v1::StepResponse>>(
+              requests, rpcs, load.deadline, std::move(done));
+        });
     result.decode = true;
     result.steps_per_s = result.requests_per_s * static_cast<double>(per_step);
     result.tokens_per_s = result.steps_per_s * static_cast<double>(spec.seqlen_q);
@@ -883,7 +911,7 @@ int Main() {
   auto attention_slot = [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
     if (load.stream) {
       return std::make_unique<StreamSlot<v1::AttendRequest, v1::AttendResponse>>(
-          *request, attention_rpcs, std::move(done));
+          absl::MakeConstSpan(&*request, 1), attention_rpcs, std::move(done));
     }
     return std::make_unique<UnarySlot<v1::AttendRequest, v1::AttendResponse>>(
         absl::MakeConstSpan(&*request, 1), attention_rpcs, load.deadline, std::move(done));
@@ -891,7 +919,7 @@ int Main() {
   auto echo_slot = [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
     if (load.stream) {
       return std::make_unique<StreamSlot<bench::EchoRequest, bench::EchoReply>>(
-          echo_request, echo_rpcs, std::move(done));
+          absl::MakeConstSpan(&echo_request, 1), echo_rpcs, std::move(done));
     }
     return std::make_unique<UnarySlot<bench::EchoRequest, bench::EchoReply>>(
         absl::MakeConstSpan(&echo_request, 1), echo_rpcs, load.deadline, std::move(done));
@@ -918,8 +946,40 @@ int Main() {
     echo_rpcs.flops = [flops](const bench::EchoReply&) { return flops; };
   }
 
+  // --shm: the tensors go into a shared-memory object registered over the attention channel
+  // (regions belong to the connection), and the request refers to them; o is written there.
+  std::unique_ptr<Client> shm_client;
+  std::unique_ptr<SharedMemoryClient> regions;
+  std::unique_ptr<SharedMemoryObject> object;
+  int64_t o_in_region = 0;
   if (!echo_only) {
-    attention_stub = v1::Attention::NewStub(channel_for(absl::GetFlag(FLAGS_target)));
+    std::shared_ptr<grpc::Channel> attention_channel = channel_for(absl::GetFlag(FLAGS_target));
+    attention_stub = v1::Attention::NewStub(attention_channel);
+    if (absl::GetFlag(FLAGS_shm)) {
+      o_in_region = static_cast<int64_t>(request->q().data().size());
+      absl::StatusOr<std::unique_ptr<SharedMemoryObject>> created = SharedMemoryObject::Create(
+          absl::StrCat("/attn-bench-", getpid()), request_bytes + o_in_region);
+      if (!created.ok()) {
+        std::fprintf(stderr, "attn_bench: --shm: %s\n", created.status().ToString().c_str());
+        return 1;
+      }
+      object = *std::move(created);
+      shm_client = std::make_unique<Client>(attention_channel, options);
+      regions = std::make_unique<SharedMemoryClient>(*shm_client);
+      if (absl::StatusOr<v1::RegionInfo> info = regions->Register("attn-bench", *object);
+          !info.ok()) {
+        std::fprintf(stderr, "attn_bench: --shm: %s\n", info.status().ToString().c_str());
+        return 1;
+      }
+      // q, k, v one after another, then o.
+      int64_t at = 0;
+      for (v1::Tensor* t : {request->mutable_q(), request->mutable_k(), request->mutable_v()}) {
+        const int64_t bytes = static_cast<int64_t>(t->data().size());
+        PlaceTensor(v1::Tensor(*t), "attn-bench", at, object->data(), t);
+        at += bytes;
+      }
+      *request->mutable_o_ref() = MakeRef("attn-bench", at, o_in_region);
+    }
     attention_rpcs.unary = [&](grpc::ClientContext* c, const v1::AttendRequest* q,
                                v1::AttendResponse* r, std::function<void(grpc::Status)> f) {
       attention_stub->async()->Attend(c, q, r, std::move(f));
@@ -928,8 +988,8 @@ int Main() {
                                 grpc::ClientBidiReactor<v1::AttendRequest, v1::AttendResponse>* r) {
       attention_stub->async()->AttendStream(c, r);
     };
-    attention_rpcs.response_bytes = [](const v1::AttendResponse& r) {
-      return static_cast<int64_t>(r.o().data().size() + r.lse().data().size());
+    attention_rpcs.response_bytes = [o_in_region](const v1::AttendResponse& r) {
+      return static_cast<int64_t>(r.o().data().size() + r.lse().data().size()) + o_in_region;
     };
     attention_rpcs.timing = [](const v1::AttendResponse& r) { return r.timing(); };
     attention_rpcs.flops = [flops](const v1::AttendResponse&) { return flops; };
@@ -965,6 +1025,7 @@ int Main() {
     json.insert(json.size() - 1, absl::StrCat(",", ConfigJson(*spec, load)));
     outputs.AddRun(json);
   }
+  if (regions != nullptr) regions->Unregister("attn-bench").IgnoreError();
   return outputs.Finish();
 }
 

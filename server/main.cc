@@ -49,6 +49,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/status_macros.h"
 #include "server/executors/executor.h"
+#include "server/executors/region_hooks.h"
 #include "server/metrics/metrics.h"
 #include "server/options/server_options.h"
 #include "server/scheduling/scheduler.h"
@@ -56,6 +57,7 @@
 #include "server/service/reflection_v1.h"
 #include "server/service/security.h"
 #include "server/service/session_service.h"
+#include "server/service/shared_memory_service.h"
 #include "server/sessions/session_store.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on (gRPC and metrics).");
@@ -105,6 +107,12 @@ ABSL_FLAG(int64_t, kv_cache_bytes, 0,
 ABSL_FLAG(int64_t, kv_page_bytes, 524288,
           "Bytes per KV page (a multiple of 256); a page holds rows of one session.");
 ABSL_FLAG(int, session_ttl_s, 600, "Seconds after which an idle session expires.");
+ABSL_FLAG(bool, allow_shared_memory, false,
+          "Serve attention.v1.SharedMemory: co-located clients register POSIX shared-memory "
+          "objects and reference tensors in them. Only for trusted clients on this host.");
+ABSL_FLAG(int, max_shared_memory_regions, 64, "Shared-memory regions one caller may register.");
+ABSL_FLAG(int64_t, max_shared_memory_bytes, int64_t{64} << 30,
+          "Bytes of shared memory mapped at most, over every caller.");
 ABSL_FLAG(double, max_request_flops, 0,
           "Work one request may ask for, FLOPs (4 * Hq * D * visible query-key pairs); more is "
           "refused RESOURCE_EXHAUSTED. 0 = the backend's default (cuda 2e15, cpu 5e13).");
@@ -271,7 +279,14 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // Declared after the scheduler, so it stops sampling the scheduler before the scheduler goes.
   const std::unique_ptr<Metrics::SchedulerWatch> watch = metrics.Watch(scheduler);
   DrainGate drain;
-  AttentionService service(options.service, &scheduler, &metrics, &drain);
+  // Shared-memory regions of co-located clients (--allow_shared_memory); null: off.
+  std::unique_ptr<RegionRegistry> regions;
+  if (options.shared_memory.allow) {
+    regions = std::make_unique<RegionRegistry>(options.shared_memory.limits,
+                                               MakeRegionHooks(options.backend));
+  }
+  AttentionService service(options.service, &scheduler, &metrics, &drain, regions.get());
+  SharedMemoryService shared_memory(regions.get(), options.service.auth_token, &metrics);
   std::unique_ptr<SessionStore> session_store;
   if (!kv_devices->empty()) {
     session_store = std::make_unique<SessionStore>(
@@ -285,7 +300,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
           .max_request_flops = options.service.max_request_flops,
           .auth_token = options.service.auth_token,
           .sweep_interval = std::min(absl::Seconds(1), absl::Seconds(options.kv_cache.ttl_s) / 4)},
-      session_store.get(), &scheduler, &metrics, &drain);
+      session_store.get(), &scheduler, &metrics, &drain, regions.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -304,10 +319,11 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   }
   builder.RegisterService(&service);
   builder.RegisterService(&sessions);
+  builder.RegisterService(&shared_memory);
   // Reflection v1 beside gRPC's v1alpha plugin; both list what the server serves.
-  ReflectionV1Service reflection_v1({kServiceName, kSessionsServiceName, "grpc.health.v1.Health",
-                                     "grpc.reflection.v1.ServerReflection",
-                                     "grpc.reflection.v1alpha.ServerReflection"});
+  ReflectionV1Service reflection_v1(
+      {kServiceName, kSessionsServiceName, "attention.v1.SharedMemory", "grpc.health.v1.Health",
+       "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"});
   builder.RegisterService(&reflection_v1);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
@@ -434,6 +450,10 @@ int main(int argc, char** argv) {
   options.kv_cache.page_bytes = absl::GetFlag(FLAGS_kv_page_bytes);
   options.kv_cache.ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
   options.max_request_flops = absl::GetFlag(FLAGS_max_request_flops);
+  options.shared_memory.allow = absl::GetFlag(FLAGS_allow_shared_memory);
+  options.shared_memory.limits.max_regions_per_owner =
+      absl::GetFlag(FLAGS_max_shared_memory_regions);
+  options.shared_memory.limits.max_mapped_bytes = absl::GetFlag(FLAGS_max_shared_memory_bytes);
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.service.version = ATTENTION_VERSION;
   options.service.max_message_bytes = int64_t{max_message_mb} << 20;

@@ -46,13 +46,26 @@ bool NeedsExactPath(const AttentionParams& p) {
   return Masked(p) && HoldsNonFinite(p.dtype, p.v, RowsK(p) * p.heads_kv * p.head_dim);
 }
 
-bool IsPinned(const void* ptr) {
+// Whether `ptr` is memory of `device` itself.
+bool OnDevice(const void* ptr, int device) {
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeDevice && attr.device == device;
+}
+
+// Whether the DMA engines can copy `ptr` straight to or from `device`'s buffers, with no staging
+// memcpy: pinned (or registered) host memory, or memory of `device` itself (a client's CUDA IPC
+// region, which the copies then move device to device).
+bool CopiesDirectly(const void* ptr, int device) {
   cudaPointerAttributes attr;
   if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
     cudaGetLastError();  // clear it: an unknown pointer is just not pinned
     return false;
   }
-  return attr.type == cudaMemoryTypeHost;
+  return attr.type == cudaMemoryTypeHost || OnDevice(ptr, device);
 }
 
 // memcpy, split over threads when large: one thread copies at 5-6 GB/s (measured on the H200
@@ -374,6 +387,17 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     launch.cu_seqlens_q = launch.cu_seqlens_k = nullptr;
     launch.SetContiguousStrides(IsBshd(first) ? Layout::kBSHD : Layout::kBHSD);
   }
+  // One dense request whose q, k, v and o are all in this device's memory (a client's CUDA IPC
+  // region) with no padding to D8: the kernel reads and writes them where they are, no copy.
+  const bool in_place = items.size() == 1 && d8 == d && !dev_pack.varlen && !first.is_varlen() &&
+                        OnDevice(first.q, options_.device) && OnDevice(first.k, options_.device) &&
+                        OnDevice(first.v, options_.device) && OnDevice(first.o, options_.device);
+  if (in_place) {
+    launch.q = first.q;
+    launch.k = first.k;
+    launch.v = first.v;
+    launch.o = first.o;
+  }
   // The kernel's own checks (sizes that fit the grid, ...) and its plan before any copy is
   // enqueued.
   ASSIGN_OR_RETURN(const ForwardLaunch forward, PrepareForward(launch, options_.forward_variant));
@@ -385,13 +409,13 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   // Lines [line, line + lines) of `region` from host memory `src` (pinned) to the device.
   auto dma_in = [&](int region, int64_t line, const void* src, int64_t lines) -> cudaError_t {
     char* dst = dev.at(region) + line * d8 * elem;
-    if (d8 == d) return cudaMemcpyAsync(dst, src, lines * d * elem, cudaMemcpyHostToDevice, cs);
+    // cudaMemcpyDefault: `src` is pinned host memory or this device's (unified addressing).
+    if (d8 == d) return cudaMemcpyAsync(dst, src, lines * d * elem, cudaMemcpyDefault, cs);
     cudaError_t err = cudaMemsetAsync(dst, 0, lines * d8 * elem, cs);
     if (err != cudaSuccess) return err;
-    return cudaMemcpy2DAsync(dst, d8 * elem, src, d * elem, d * elem, lines, cudaMemcpyHostToDevice,
-                             cs);
+    return cudaMemcpy2DAsync(dst, d8 * elem, src, d * elem, d * elem, lines, cudaMemcpyDefault, cs);
   };
-  for (int region = 0; region < 3; ++region) {
+  for (int region = 0; region < 3 && !in_place; ++region) {
     const std::vector<int64_t>& first_line = region == 0 ? dev_pack.line_q : dev_pack.line_k;
     int64_t run_start = 0, run_end = 0;  // staged lines not yet sent
     for (size_t i = 0; i <= items.size(); ++i) {
@@ -400,7 +424,7 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
                         : region == 0   ? item->q
                         : region == 1   ? item->k
                                         : item->v;
-      const bool staged = item != nullptr && !IsPinned(src);
+      const bool staged = item != nullptr && !CopiesDirectly(src, options_.device);
       if (!staged && run_end > run_start) {
         RETURN_IF_CUDA_ERROR(
             dma_in(region, run_start, host.at(region) + run_start * d * elem, run_end - run_start),
@@ -445,15 +469,15 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   // in one DMA); lse always into staging (its packed layout differs from the items' when varlen).
   auto dma_out = [&](char* dst, int64_t line, int64_t lines) -> cudaError_t {
     const char* src = dev.at(3) + line * d8 * elem;
-    return d8 == d ? cudaMemcpyAsync(dst, src, lines * d * elem, cudaMemcpyDeviceToHost, cs)
+    return d8 == d ? cudaMemcpyAsync(dst, src, lines * d * elem, cudaMemcpyDefault, cs)
                    : cudaMemcpy2DAsync(dst, d * elem, src, d8 * elem, d * elem, lines,
-                                       cudaMemcpyDeviceToHost, cs);
+                                       cudaMemcpyDefault, cs);
   };
   std::vector<bool> o_staged(items.size());
   {
     int64_t run_start = 0, run_end = 0;
-    for (size_t i = 0; i <= items.size(); ++i) {
-      const bool staged = i < items.size() && !IsPinned(items[i].o);
+    for (size_t i = 0; i <= items.size() && !in_place; ++i) {
+      const bool staged = i < items.size() && !CopiesDirectly(items[i].o, options_.device);
       if (i < items.size()) o_staged[i] = staged;
       if (!staged && run_end > run_start) {
         RETURN_IF_CUDA_ERROR(

@@ -13,9 +13,12 @@
 // over 4 threads above 8 MiB: one thread copies at 5-6 GB/s on the H200 host) -> DMA; for o and
 // lse: DMA -> pinned staging -> host memory (one memcpy). Consecutive staged items of a batch go
 // in one DMA. A tensor whose host memory is already pinned (cudaHostAlloc or cudaHostRegister)
-// skips its staging memcpy and is DMA'd directly (0 host copies). Registering pageable memory per
-// call (cudaHostRegister) would remove the memcpy too, but pins page by page and costs more than
-// the memcpy it saves.
+// skips its staging memcpy and is DMA'd directly (0 host copies); so does q, k, v or o in this
+// device's own memory (a client's CUDA IPC region), copied device to device, and a lone dense
+// request with all four there (and D a multiple of 8) is read and written in place, no copy. lse is
+// always unstaged on the host, and the exact path (masked, non-finite V) scans V on the host:
+// callers give host memory for those. Registering pageable memory per call (cudaHostRegister) would
+// remove the memcpy too, but pins page by page and costs more than the memcpy it saves.
 //
 // Memory: the device buffers of all streams together stay within options.memory_budget_bytes. A
 // call needing more than the whole budget is refused (RESOURCE_EXHAUSTED, needed vs budget bytes)

@@ -1,17 +1,21 @@
 // The CUDA request pipeline (kernels/cuda/host_runner.h, the CUDA executor): requests batched
 // into one launch (concatenated along B, or packed as varlen beside requests of other lengths)
-// against the float64 reference, the device memory budget, and a CUDA error failing only the
-// request that met it. GPU tests skip, with a message, where no GPU is visible.
+// against the float64 reference, the device memory budget, a CUDA error failing only the
+// request that met it, and requests whose tensors are in device memory (CUDA regions). GPU tests
+// skip, with a message, where no GPU is visible.
 #include <cuda_runtime_api.h>
 
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/host_runner.h"
+#include "kernels/dtype_convert.h"
 #include "server/executors/executor.h"
 #include "server/testing/small_request_for_tests.h"
 #include "tests/kernels/attention_test_grid.h"
@@ -210,6 +214,71 @@ TEST(CudaPipelineTest, CudaErrorFailsOnlyTheRequestThatMetIt) {
     absl::StatusOr<StageTimes> r = (*executor)->Run(ok.params);
     EXPECT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(ok.o.size(), ok.q.size());
+  }
+}
+
+}  // namespace
+}  // namespace attention::server
+
+namespace attention::server {
+namespace {
+
+// q, k, v and o in this device's memory (what a client's CUDA IPC region resolves to): a lone
+// dense request is computed in place, D not a multiple of 8 and one beside another request are
+// copied device to device; every answer equals the same request from host memory, bit for bit.
+TEST(CudaPipelineTest, RequestsInDeviceMemoryEqualTheSameFromHostMemory) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_real_distribution<float> uniform(-2, 2);
+  for (int64_t d : {128, 36}) {
+    SCOPED_TRACE(absl::StrCat("D ", d));
+    AttentionParams p;
+    p.dtype = DType::kBFloat16;
+    p.batch = 2;
+    p.heads_q = 4;
+    p.heads_kv = 2;
+    p.seqlen_q = 77;
+    p.seqlen_k = 130;
+    p.head_dim = d;
+    p.softmax_scale = 0.1f;
+    p.SetContiguousStrides(Layout::kBHSD);
+    const int64_t q_elems = p.batch * p.heads_q * p.seqlen_q * d;
+    const int64_t kv_elems = p.batch * p.heads_kv * p.seqlen_k * d;
+    std::vector<uint16_t> q(q_elems), k(kv_elems), v(kv_elems), o_host(q_elems), o_dev(q_elems);
+    for (auto* t : {&q, &k, &v}) {
+      for (uint16_t& x : *t) x = FloatToBFloat16(uniform(rng));
+    }
+    AttentionParams host = p;
+    host.q = q.data();
+    host.k = k.data();
+    host.v = v.data();
+    host.o = o_host.data();
+    ASSERT_TRUE(Runner().Run(host).ok());
+    const size_t qb = q_elems * 2, kvb = kv_elems * 2;
+    void* allocation = nullptr;
+    ASSERT_EQ(cudaMalloc(&allocation, 2 * qb + 2 * kvb), cudaSuccess);
+    char* dev = static_cast<char*>(allocation);
+    ASSERT_EQ(cudaMemcpy(dev, q.data(), qb, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dev + qb, k.data(), kvb, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dev + qb + kvb, v.data(), kvb, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemset(dev + qb + 2 * kvb, 0xff, qb), cudaSuccess);
+    AttentionParams on_device = p;
+    on_device.q = dev;
+    on_device.k = dev + qb;
+    on_device.v = dev + qb + kvb;
+    on_device.o = dev + qb + 2 * kvb;
+    ASSERT_TRUE(Runner().Run(on_device).ok());
+    ASSERT_EQ(cudaMemcpy(o_dev.data(), on_device.o, qb, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(o_dev, o_host) << "alone";
+    // Beside a host request of its shape: one launch, its o copied back device to device.
+    ASSERT_EQ(cudaMemset(dev + qb + 2 * kvb, 0xff, qb), cudaSuccess);
+    Companion companion(host, 0, 0);
+    const AttentionParams both[] = {on_device, companion.params};
+    const absl::StatusOr<cuda::HostRunTimes> batched = Runner().RunBatch(both);
+    ASSERT_TRUE(batched.ok()) << batched.status();
+    ASSERT_EQ(cudaMemcpy(o_dev.data(), on_device.o, qb, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(o_dev, o_host) << "batched";
+    cudaFree(dev);
   }
 }
 

@@ -31,6 +31,13 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
         "--threads, --workers, --max_queue_delay_us, --shutdown_grace_s, --port and "
         "--metrics_port must be >= 0");
   }
+  if (o.shared_memory.limits.max_regions_per_owner < 1 ||
+      o.shared_memory.limits.max_mapped_bytes < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_shared_memory_regions and --max_shared_memory_bytes: expected >= 1, got ",
+        o.shared_memory.limits.max_regions_per_owner, " and ",
+        o.shared_memory.limits.max_mapped_bytes));
+  }
   if (!(o.max_request_flops >= 0 && std::isfinite(o.max_request_flops))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_request_flops: expected a finite value >= 0 (0 = the backend's default), got ",

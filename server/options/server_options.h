@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "server/executors/executor.h"
+#include "server/regions/region_registry.h"
 #include "server/scheduling/scheduler.h"
 
 namespace attention::server {
@@ -21,6 +22,12 @@ struct KvCacheOptions {
   int64_t bytes = 0;       // > 0: this many bytes of each device's memory instead of `fraction`
   int64_t page_bytes = 524288;
   int ttl_s = 600;
+};
+
+// Shared memory for co-located clients (regions/region_registry.h).
+struct SharedMemoryOptions {
+  bool allow = false;  // --allow_shared_memory
+  RegionLimits limits;
 };
 
 struct ServerOptions {
@@ -37,6 +44,7 @@ struct ServerOptions {
   std::string port_file;
   SchedulerOptions scheduler;
   KvCacheOptions kv_cache;
+  SharedMemoryOptions shared_memory;
   // Work one request may ask for (--max_request_flops); 0: the backend's default
   // (DefaultMaxRequestFlops).
   double max_request_flops = 0;

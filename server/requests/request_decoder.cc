@@ -63,6 +63,19 @@ absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const Tensor& t, int
           name, ".shape: expected a size that fits int64, got ", ShapeString(t), " (overflows)"));
     }
   }
+  if (t.has_ref()) {
+    // The bytes are in a region (tensor_refs.h resolves and bounds-checks them).
+    if (!t.data().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ".data: expected no bytes beside ", name,
+                                                     ".ref, got ", t.data().size()));
+    }
+    if (t.ref().byte_size() != bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".ref.byte_size: expected ", bytes, " bytes (shape ", ShapeString(t),
+                       " x ", element_bytes, " bytes), got ", t.ref().byte_size()));
+    }
+    return bytes;
+  }
   if (static_cast<int64_t>(t.data().size()) != bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat(name, ".data: expected ", bytes, " bytes (shape ", ShapeString(t), " x ",
@@ -105,7 +118,8 @@ absl::Status CheckCuSeqlens(absl::string_view name,
 
 absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                                              const DecodeOptions& options,
-                                             v1::AttendResponse* response) {
+                                             v1::AttendResponse* response,
+                                             TensorRefResolver* refs) {
   // Presence and dtypes first: every later message depends on them.
   for (const auto& [name, present] :
        {std::pair{"q", request.has_q()}, {"k", request.has_k()}, {"v", request.has_v()}}) {
@@ -146,11 +160,14 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
              : (bshd ? "[B, N, H, D] for LAYOUT_BSHD" : "[B, H, N, D] for LAYOUT_BHSD");
   const size_t element_bytes = DTypeSize(dtype);
   int64_t request_bytes = 0;
+  int64_t q_bytes = 0;  // o's size too
   for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q", &request.q()},
                                 {"k", &request.k()},
                                 {"v", &request.v()}}) {
     ASSIGN_OR_RETURN(int64_t bytes, CheckTensor(name, *t, rank, rank_meaning, element_bytes));
-    request_bytes += bytes;  // each fits in memory, so the sum cannot overflow
+    if (t == &request.q()) q_bytes = bytes;
+    // Bytes in a region do not cross gRPC. Each fits in memory, so the sum cannot overflow.
+    if (!t->has_ref()) request_bytes += bytes;
   }
   if (request_bytes > options.max_message_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("request tensors are ", request_bytes,
@@ -253,11 +270,16 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   }
 
   // The response: o like q, lse float32 [B, Hq, Nq] (varlen [Hq, total_q]).
-  const int64_t o_bytes = static_cast<int64_t>(q.data().size());
+  const int64_t o_bytes = q_bytes;
   const int64_t lse_rows = varlen ? p.total_q : p.batch * p.seqlen_q;
   const int64_t lse_bytes = request.return_lse() ? heads_q * lse_rows * int64_t{sizeof(float)} : 0;
+  if (request.has_lse_ref() && !request.return_lse()) {
+    return absl::InvalidArgumentError(
+        "lse_ref: expected only with return_lse = true, got one without");
+  }
   const int64_t response_bytes =
-      o_bytes + lse_bytes + static_cast<int64_t>(request.request_id().size()) + kResponseOverhead;
+      (request.has_o_ref() ? 0 : o_bytes) + (request.has_lse_ref() ? 0 : lse_bytes) +
+      static_cast<int64_t>(request.request_id().size()) + kResponseOverhead;
   if (response_bytes > options.max_message_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("response would be ", response_bytes,
                                                      " bytes, over the message limit of ",
@@ -266,8 +288,13 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   Tensor* o = response->mutable_o();
   o->set_dtype(q.dtype());
   o->mutable_shape()->CopyFrom(q.shape());
-  o->mutable_data()->resize(o_bytes);
-  p.o = o->mutable_data()->data();
+  if (request.has_o_ref()) {
+    ASSIGN_OR_RETURN(p.o, OutputRef("o_ref", request.o_ref(), o_bytes,
+                                    static_cast<int64_t>(element_bytes), refs));
+  } else {
+    o->mutable_data()->resize(o_bytes);
+    p.o = o->mutable_data()->data();
+  }
   if (request.return_lse()) {
     Tensor* lse = response->mutable_lse();
     lse->set_dtype(v1::DTYPE_FLOAT32);
@@ -279,13 +306,20 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
       lse->add_shape(heads_q);
       lse->add_shape(p.seqlen_q);
     }
-    lse->mutable_data()->resize(lse_bytes);
-    // std::string storage comes from operator new (or the inline buffer), aligned for float.
-    p.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+    if (request.has_lse_ref()) {
+      ASSIGN_OR_RETURN(char* lse_data, OutputRef("lse_ref", request.lse_ref(), lse_bytes,
+                                                 int64_t{sizeof(float)}, refs));
+      p.lse = reinterpret_cast<float*>(lse_data);
+    } else {
+      lse->mutable_data()->resize(lse_bytes);
+      // std::string storage comes from operator new (or the inline buffer), aligned for float.
+      p.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+    }
   }
-  p.q = q.data().data();
-  p.k = k.data().data();
-  p.v = v.data().data();
+  const int64_t alignment = static_cast<int64_t>(element_bytes);
+  ASSIGN_OR_RETURN(p.q, TensorData("q", q, alignment, refs));
+  ASSIGN_OR_RETURN(p.k, TensorData("k", k, alignment, refs));
+  ASSIGN_OR_RETURN(p.v, TensorData("v", v, alignment, refs));
   p.SetContiguousStrides(bshd ? Layout::kBSHD : Layout::kBHSD);
   decoded.params = p;
   return decoded;

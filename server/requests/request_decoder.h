@@ -17,6 +17,7 @@
 #include "absl/strings/string_view.h"
 #include "attention/v1/attention.pb.h"
 #include "kernels/attention_params.h"
+#include "server/requests/tensor_refs.h"
 
 namespace attention::server {
 
@@ -103,8 +104,12 @@ absl::StatusOr<MaskParams> DecodeMask(const Request& request, int64_t head_dim) 
   return mask;
 }
 
+// Tensors given by reference (Tensor.ref, o_ref, lse_ref) are resolved through `refs` (null:
+// shared memory is off, and such requests get FAILED_PRECONDITION); o and lse written into a
+// region leave the response's tensor with its dtype and shape and no data.
 absl::StatusOr<DecodedRequest> DecodeRequest(const v1::AttendRequest& request,
                                              const DecodeOptions& options,
-                                             v1::AttendResponse* response);
+                                             v1::AttendResponse* response,
+                                             TensorRefResolver* refs = nullptr);
 
 }  // namespace attention::server

@@ -23,7 +23,8 @@ v1::DType ToProtoDType(DType dtype) {
 }
 
 absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* k,
-                                    const v1::Tensor* v, v1::Layout layout, const KvShape& shape) {
+                                    const v1::Tensor* v, v1::Layout layout, const KvShape& shape,
+                                    TensorRefResolver* refs) {
   if ((k == nullptr) != (v == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, k == nullptr ? "k" : "v",
                                                    ": expected a tensor (k and v come together), "
@@ -64,8 +65,9 @@ absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* 
                                                    " (as k), got ", ShapeString(*v)));
   }
   KvRows rows;
-  rows.k = k->data().data();
-  rows.v = v->data().data();
+  const int64_t alignment = static_cast<int64_t>(DTypeSize(shape.dtype));
+  ASSIGN_OR_RETURN(rows.k, TensorData(absl::StrCat(prefix, "k"), *k, alignment, refs));
+  ASSIGN_OR_RETURN(rows.v, TensorData(absl::StrCat(prefix, "v"), *v, alignment, refs));
   rows.rows = k->shape(row_axis);
   rows.head_stride = bshd ? shape.head_dim : rows.rows * shape.head_dim;
   rows.row_stride = bshd ? shape.heads_kv * shape.head_dim : shape.head_dim;
@@ -73,7 +75,7 @@ absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* 
 }
 
 absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& request,
-                                           const SessionLimits& limits) {
+                                           const SessionLimits& limits, TensorRefResolver* refs) {
   ASSIGN_OR_RETURN(DType dtype, ToDType(request.dtype(), "dtype"));
   if (request.kv_heads() < 1) {
     return absl::InvalidArgumentError(
@@ -88,7 +90,7 @@ absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& reque
       KvShape{.dtype = dtype, .heads_kv = request.kv_heads(), .head_dim = request.head_dim()};
   ASSIGN_OR_RETURN(decoded.rows, DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
                                               request.has_v() ? &request.v() : nullptr,
-                                              request.layout(), decoded.shape));
+                                              request.layout(), decoded.shape, refs));
   return decoded;
 }
 
@@ -120,7 +122,7 @@ absl::Status CheckStep(const v1::StepRequest& request) {
 }
 
 absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& entry,
-                                             const KvShape& shape) {
+                                             const KvShape& shape, TensorRefResolver* refs) {
   const std::string prefix = absl::StrCat("entries[", index, "].");
   const std::string q_field = absl::StrCat(prefix, "q");
   const v1::Tensor& q = entry.q();
@@ -141,14 +143,21 @@ absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& ent
         absl::StrCat(q_field, ".shape[0] (query heads): expected a multiple of the session's ",
                      shape.heads_kv, " kv heads, got ", q.shape(0)));
   }
-  ASSIGN_OR_RETURN(KvRows rows,
-                   DecodeKvRows(prefix, entry.has_k() ? &entry.k() : nullptr,
-                                entry.has_v() ? &entry.v() : nullptr, v1::LAYOUT_BHSD, shape));
+  ASSIGN_OR_RETURN(KvRows rows, DecodeKvRows(prefix, entry.has_k() ? &entry.k() : nullptr,
+                                             entry.has_v() ? &entry.v() : nullptr, v1::LAYOUT_BHSD,
+                                             shape, refs));
   DecodedEntry decoded;
-  decoded.q = q.data().data();
+  const int64_t element_bytes = static_cast<int64_t>(DTypeSize(shape.dtype));
+  ASSIGN_OR_RETURN(decoded.q, TensorData(q_field, q, element_bytes, refs));
   decoded.heads_q = q.shape(0);
   decoded.rows_q = q.shape(1);
   decoded.rows = rows;
+  if (entry.has_o_ref()) {
+    ASSIGN_OR_RETURN(decoded.o,
+                     OutputRef(absl::StrCat(prefix, "o_ref"), entry.o_ref(),
+                               decoded.heads_q * decoded.rows_q * shape.head_dim * element_bytes,
+                               element_bytes, refs));
+  }
   return decoded;
 }
 

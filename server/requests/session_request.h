@@ -11,6 +11,7 @@
 #include "absl/strings/string_view.h"
 #include "attention/v1/attention.pb.h"
 #include "kernels/paged_kv.h"
+#include "server/requests/tensor_refs.h"
 #include "server/sessions/session_store.h"
 
 namespace attention::server {
@@ -26,13 +27,17 @@ struct DecodedCreate {
   KvShape shape;
   KvRows rows;
 };
+// Tensors given by reference are resolved through `refs` in every decoder below (null: shared
+// memory is off, FAILED_PRECONDITION).
 absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& request,
-                                           const SessionLimits& limits);
+                                           const SessionLimits& limits,
+                                           TensorRefResolver* refs = nullptr);
 
 // The k and v rows to append to a session of `shape`: BHSD [Hkv, n, D] or BSHD [n, Hkv, D]; both
 // absent (null) is zero rows. `prefix` begins the field names ("", "entries[2].").
 absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* k,
-                                    const v1::Tensor* v, v1::Layout layout, const KvShape& shape);
+                                    const v1::Tensor* v, v1::Layout layout, const KvShape& shape,
+                                    TensorRefResolver* refs = nullptr);
 
 // The checks of a Step that need no session: entries present, each with a session id (distinct)
 // and a q, the scale and windows.
@@ -45,9 +50,11 @@ struct DecodedEntry {
   int64_t heads_q = 0;
   int64_t rows_q = 0;  // Nq
   KvRows rows;         // appended first
+  char* o = nullptr;   // with o_ref: where o goes, [Hq, Nq, D]; else null (o in the response)
 };
 absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& entry,
-                                             const KvShape& shape);
+                                             const KvShape& shape,
+                                             TensorRefResolver* refs = nullptr);
 // The check that needs the session's length (`length` rows before this step): its queries are
 // its last positions, so at most as many as it holds after the append.
 absl::Status CheckQueriesFit(int index, const DecodedEntry& entry, int64_t length);

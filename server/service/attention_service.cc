@@ -1,6 +1,5 @@
 #include "server/service/attention_service.h"
 
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -8,8 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "kernels/quote.h"
 #include "server/service/security.h"
+#include "server/service/shared_memory_service.h"
 
 namespace attention::server {
 
@@ -22,14 +21,15 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 AttentionService::AttentionService(const ServiceOptions& options, Scheduler* scheduler,
-                                   Metrics* metrics, DrainGate* drain)
+                                   Metrics* metrics, DrainGate* drain, RegionRegistry* regions)
     : options_(options),
       decode_options_{.max_message_bytes = options.max_message_bytes,
                       .max_head_dim = options.max_head_dim,
                       .max_request_flops = options.max_request_flops},
       scheduler_(scheduler),
       metrics_(metrics),
-      drain_(drain) {}
+      drain_(drain),
+      regions_(regions) {}
 
 void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContext* context,
                                const AttendRequest& request, AttendResponse* response,
@@ -63,16 +63,28 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
     std::move(finish)(std::move(status));
     drain_->Leave();
   };
-  absl::StatusOr<DecodedRequest> decoded = DecodeRequest(request, decode_options_, response);
+  // The regions the request references stay held until it is answered.
+  auto refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token,
+                                               /*cuda_inputs=*/true);
+  absl::StatusOr<DecodedRequest> decoded =
+      DecodeRequest(request, decode_options_, response, refs.get());
   if (!decoded.ok()) return answer(decoded.status());
   response->set_request_id(request.request_id());
 
   Job job;
+  if (refs->cuda_device() >= 0) {
+    // CUDA regions are read and written in place on their GPU: the request runs there.
+    absl::StatusOr<int> device = CudaRegionDevice(*refs, decoded->params);
+    if (!device.ok()) return answer(device.status());
+    job.device = *device;
+  }
   job.work = decoded->params;
   job.deadline = absl::FromChrono(context->deadline());
   job.cancelled = [context] { return context->IsCancelled(); };
+  response->mutable_timing()->set_decode_us(absl::ToDoubleMicroseconds(absl::Now() - arrival));
   job.done = [this, response, flops = decoded->flops, tokens = decoded->query_tokens,
-              answer = std::move(answer)](JobResult result) mutable {
+              refs = std::move(refs), answer = std::move(answer)](JobResult result) mutable {
+    refs.reset();  // first: the regions may be unregistered once the caller has its answer
     if (result.status.ok()) {
       v1::ServerTiming* timing = response->mutable_timing();
       timing->set_queue_us(absl::ToDoubleMicroseconds(result.queued));
@@ -89,6 +101,24 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
   scheduler_->Submit(std::move(job));
 }
 
+absl::StatusOr<int> AttentionService::CudaRegionDevice(const RequestRegions& refs,
+                                                       const AttentionParams& params) const {
+  if (params.window_left != kUnboundedWindow || params.window_right != kUnboundedWindow) {
+    // Masked requests check V for Inf/NaN on the host before they run, and those holding any
+    // run on the CPU kernel (the exact path), which reads q, k, v and o on the host.
+    return absl::UnimplementedError(
+        "masked requests (causal, windows) need q, k, v and o in host or system shared memory; "
+        "this one has tensors in a CUDA region");
+  }
+  const std::string name = absl::StrCat("cuda:", refs.cuda_device());
+  const std::vector<const DeviceDescription*> devices = scheduler_->devices();
+  for (size_t i = 0; i < devices.size(); ++i) {
+    if (devices[i]->name == name) return static_cast<int>(i);
+  }
+  return absl::FailedPreconditionError(absl::StrCat("the request's CUDA regions are on ", name,
+                                                    ", which this server does not serve"));
+}
+
 grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* context,
                                                    const AttendRequest* request,
                                                    AttendResponse* response) {
@@ -98,129 +128,14 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
   return reactor;
 }
 
-// One AttendStream call. Every gRPC operation (StartRead, StartWrite, Finish) is started with mu_
-// held, so the state below and the operations in flight always agree; gRPC runs the reactions
-// (OnReadDone, ...) on its own threads, never inside those calls. The reactor owns itself through
-// self_ until OnDone, and each request in flight holds a reference too, so a worker finishing the
-// last request can never touch a deleted reactor.
-class AttentionService::StreamReactor final
-    : public grpc::ServerBidiReactor<AttendRequest, AttendResponse> {
- public:
-  StreamReactor(AttentionService* service, grpc::CallbackServerContext* context)
-      : service_(service), context_(context) {}
-
-  // Takes ownership of itself and starts the first read.
-  void Start(std::shared_ptr<StreamReactor> self) {
-    std::lock_guard<std::mutex> lock(mu_);
-    self_ = std::move(self);
-    Advance();
-  }
-
-  void OnReadDone(bool ok) override {
-    std::unique_ptr<Exchange> exchange;
-    std::shared_ptr<StreamReactor> self;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      exchange = std::move(reading_);
-      if (!ok) reads_done_ = true;
-      if (!ok || Ending()) {  // a request read while the stream ends is dropped unanswered
-        Advance();
-        return;
-      }
-      ++in_flight_;
-      self = self_;
-    }
-    Exchange* e = exchange.get();
-    service_->Process(
-        "AttendStream", context_, e->request, &e->response,
-        [self = std::move(self), exchange = std::move(exchange)](absl::Status status) mutable {
-          self->Processed(std::move(exchange), std::move(status));
-        });
-    std::lock_guard<std::mutex> lock(mu_);
-    Advance();  // the next read, if the window has room
-  }
-
-  void OnWriteDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    writing_.reset();
-    if (!ok) cancelled_ = true;  // the stream broke: nothing more can be written
-    Advance();
-  }
-
-  void OnCancel() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    cancelled_ = true;
-    Advance();
-  }
-
-  void OnDone() override {
-    std::shared_ptr<StreamReactor> self;
-    std::lock_guard<std::mutex> lock(mu_);
-    self = std::move(self_);  // released after the lock: the last reference deletes this
-  }
-
- private:
-  struct Exchange {
-    AttendRequest request;
-    AttendResponse response;
-  };
-
-  void Processed(std::unique_ptr<Exchange> exchange, absl::Status status) {
-    std::lock_guard<std::mutex> lock(mu_);
-    --in_flight_;
-    if (status.ok()) {
-      ready_.push_back(std::move(exchange));
-    } else if (status_.ok()) {
-      status_ = absl::Status(
-          status.code(),
-          absl::StrCat("request ", Quote(exchange->request.request_id()), ": ", status.message()));
-    }
-    Advance();
-  }
-
-  // Needs mu_.
-  bool Ending() const { return finished_ || reads_done_ || cancelled_ || !status_.ok(); }
-
-  // Starts whatever the state allows: the next write, the next read, or Finish. Needs mu_.
-  void Advance() {
-    if (finished_) return;
-    if (cancelled_) ready_.clear();  // nobody is listening
-    if (writing_ == nullptr && !ready_.empty()) {
-      writing_ = std::move(ready_.front());
-      ready_.pop_front();
-      StartWrite(&writing_->response);
-    }
-    const int held = in_flight_ + static_cast<int>(ready_.size()) + (writing_ != nullptr);
-    if (!Ending() && reading_ == nullptr && held < service_->options_.stream_window) {
-      reading_ = std::make_unique<Exchange>();
-      StartRead(&reading_->request);
-    }
-    if (Ending() && in_flight_ == 0 && writing_ == nullptr && ready_.empty()) {
-      finished_ = true;
-      // A read may still be outstanding; it completes (not ok) before OnDone.
-      Finish(cancelled_ ? grpc::Status::CANCELLED : ToGrpcStatus(status_));
-    }
-  }
-
-  AttentionService* const service_;
-  grpc::CallbackServerContext* const context_;
-  std::mutex mu_;  // guards all below; a pthread lock, which ThreadSanitizer sees
-  std::shared_ptr<StreamReactor> self_;
-  std::unique_ptr<Exchange> reading_;            // the read outstanding, if any
-  std::unique_ptr<Exchange> writing_;            // the write outstanding, if any
-  std::deque<std::unique_ptr<Exchange>> ready_;  // answered, to be written
-  int in_flight_ = 0;                            // in Process, not yet answered
-  bool reads_done_ = false;
-  bool cancelled_ = false;
-  bool finished_ = false;
-  absl::Status status_;  // the first failure; ends the stream
-};
-
 grpc::ServerBidiReactor<AttendRequest, AttendResponse>* AttentionService::AttendStream(
     grpc::CallbackServerContext* context) {
-  auto reactor = std::make_shared<StreamReactor>(this, context);
-  reactor->Start(reactor);
-  return reactor.get();
+  return StreamReactor<AttendRequest, AttendResponse>::Begin(
+      options_.stream_window,
+      [this, context](const AttendRequest& request, AttendResponse* response,
+                      absl::AnyInvocable<void(absl::Status) &&> done) {
+        Process("AttendStream", context, request, response, std::move(done));
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,

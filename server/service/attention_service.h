@@ -16,9 +16,12 @@
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "server/metrics/metrics.h"
+#include "server/regions/region_registry.h"
 #include "server/requests/request_decoder.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/drain_gate.h"
+#include "server/service/shared_memory_service.h"
+#include "server/service/stream_reactor.h"
 
 namespace attention::server {
 
@@ -38,15 +41,14 @@ struct ServiceOptions {
   std::string auth_token;
 };
 
-grpc::Status ToGrpcStatus(const absl::Status& status);
-
 class AttentionService final : public v1::Attention::CallbackService {
  public:
   // `scheduler`, `metrics` and `drain` must outlive the service. Once `drain` closes, every new
   // request, and every new message on an open stream, is answered UNAVAILABLE; requests already
   // accepted run to the end (their responses handed to gRPC) before it reads drained.
+  // `regions`: the shared-memory regions requests may reference; null: shared memory is off.
   AttentionService(const ServiceOptions& options, Scheduler* scheduler, Metrics* metrics,
-                   DrainGate* drain);
+                   DrainGate* drain, RegionRegistry* regions = nullptr);
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const v1::AttendRequest* request,
@@ -61,8 +63,6 @@ class AttentionService final : public v1::Attention::CallbackService {
                                           v1::ServerInfo* response) override;
 
  private:
-  class StreamReactor;
-
   // Runs one request: refuse while draining, decode into `response`, queue, execute, fill the
   // timing and device, record metrics. Calls `done` exactly once, inline on early errors or from
   // a worker; `request` and `response` must stay valid until then.
@@ -70,11 +70,16 @@ class AttentionService final : public v1::Attention::CallbackService {
                const v1::AttendRequest& request, v1::AttendResponse* response,
                absl::AnyInvocable<void(absl::Status) &&> done);
 
+  // The scheduler's index of the GPU holding the request's CUDA regions, or why it cannot run.
+  absl::StatusOr<int> CudaRegionDevice(const RequestRegions& refs,
+                                       const AttentionParams& params) const;
+
   const ServiceOptions options_;
   const DecodeOptions decode_options_;
   Scheduler* const scheduler_;
   Metrics* const metrics_;
   DrainGate* const drain_;
+  RegionRegistry* const regions_;
 };
 
 }  // namespace attention::server

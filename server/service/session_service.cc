@@ -12,6 +12,7 @@
 #include "server/requests/request_decoder.h"
 #include "server/service/attention_service.h"
 #include "server/service/security.h"
+#include "server/service/shared_memory_service.h"
 #include "server/sessions/step_plan.h"
 
 namespace attention::server {
@@ -40,6 +41,15 @@ absl::Status MissingSessionId() {
 
 double StageSumUs(const StageTimes& t) { return t.h2d_us + t.compute_us + t.d2h_us; }
 
+// `finish`, releasing `refs` (the regions a call references) before it answers.
+absl::AnyInvocable<void(absl::Status) &&> HoldingRegions(
+    std::unique_ptr<RequestRegions> refs, absl::AnyInvocable<void(absl::Status) &&> finish) {
+  return [refs = std::move(refs), finish = std::move(finish)](absl::Status status) mutable {
+    refs.reset();
+    std::move(finish)(std::move(status));
+  };
+}
+
 }  // namespace
 
 // One Step call: its entries checked against their sessions' shapes, grouped into decode jobs.
@@ -60,6 +70,8 @@ struct SessionService::StepCall {
   std::string owner;
   absl::Time arrival;
   std::vector<DecodedEntry> entries;  // per request entry
+  // The regions the entries reference, held until the call is answered.
+  std::unique_ptr<RequestRegions> refs;
   std::vector<Group> groups;
   Finish finish;
 
@@ -72,13 +84,15 @@ struct SessionService::StepCall {
 };
 
 SessionService::SessionService(const SessionServiceOptions& options, SessionStore* store,
-                               Scheduler* scheduler, Metrics* metrics, DrainGate* drain)
+                               Scheduler* scheduler, Metrics* metrics, DrainGate* drain,
+                               RegionRegistry* regions)
     : options_(options),
       limits_{.max_head_dim = options.max_head_dim},
       store_(store),
       scheduler_(scheduler),
       metrics_(metrics),
-      drain_(drain) {
+      drain_(drain),
+      regions_(regions) {
   if (store_ != nullptr) sweeper_ = std::thread([this] { SweeperLoop(); });
 }
 
@@ -106,10 +120,18 @@ grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
                                                 const google::protobuf::Message& request,
                                                 const google::protobuf::Message* response,
                                                 Body body) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  Admit(rpc, context, request, response, std::move(body),
+        [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
+  return reactor;
+}
+
+void SessionService::Admit(absl::string_view rpc, grpc::CallbackServerContext* context,
+                           const google::protobuf::Message& request,
+                           const google::protobuf::Message* response, Body body, Finish answer) {
   const absl::Time arrival = absl::Now();
   const int64_t request_bytes = static_cast<int64_t>(request.ByteSizeLong());
   metrics_->RequestStarted();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::Status status = CheckBearerToken(context->client_metadata(), options_.auth_token);
   const bool entered = status.ok() && drain_->Enter();
   const bool refused = status.ok() && !entered;
@@ -119,27 +141,23 @@ grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
         "this server keeps no KV cache: its backend has no paged KV pool, or "
         "--kv_cache_fraction is 0");
   }
-  Finish finish = [this, rpc, arrival, request_bytes, response, reactor,
-                   entered](absl::Status status) {
+  Finish finish = [this, rpc, arrival, request_bytes, response, entered,
+                   answer = std::move(answer)](absl::Status status) mutable {
     const int64_t response_bytes = status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0;
     metrics_->RequestFinished(rpc, status.code(), absl::Now() - arrival, request_bytes,
                               response_bytes);
-    reactor->Finish(ToGrpcStatus(status));
+    std::move(answer)(std::move(status));
     if (entered) drain_->Leave();
   };
   if (refused) {
     drain_->Refuse([finish = std::move(finish), status = std::move(status)]() mutable {
       std::move(finish)(std::move(status));
     });
-    return reactor;
+    return;
   }
-  if (!status.ok()) {
-    std::move(finish)(std::move(status));
-    return reactor;
-  }
+  if (!status.ok()) return std::move(finish)(std::move(status));
   // Sessions belong to the caller's token (the one the check above accepted); "" without tokens.
   std::move(body)(options_.auth_token, std::move(finish));
-  return reactor;
 }
 
 void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int device,
@@ -190,6 +208,20 @@ grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* cont
                });
 }
 
+grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* SessionService::StepStream(
+    grpc::CallbackServerContext* context) {
+  return StreamReactor<v1::StepRequest, v1::StepResponse>::Begin(
+      options_.stream_window,
+      [this, context](const v1::StepRequest& request, v1::StepResponse* response, Finish done) {
+        Admit(
+            "StepStream", context, request, response,
+            [this, context, &request, response](const std::string& owner, Finish finish) {
+              RunStep(context, owner, request, response, std::move(finish));
+            },
+            std::move(done));
+      });
+}
+
 grpc::ServerUnaryReactor* SessionService::DropSession(grpc::CallbackServerContext* context,
                                                       const v1::DropSessionRequest* request,
                                                       v1::DropSessionResponse* response) {
@@ -220,8 +252,10 @@ grpc::ServerUnaryReactor* SessionService::ListSessions(grpc::CallbackServerConte
 void SessionService::RunCreate(grpc::CallbackServerContext* context, const std::string& owner,
                                const v1::CreateSessionRequest& request, v1::SessionInfo* response,
                                Finish finish) {
-  absl::StatusOr<DecodedCreate> decoded = DecodeCreate(request, limits_);
+  auto refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token);
+  absl::StatusOr<DecodedCreate> decoded = DecodeCreate(request, limits_, refs.get());
   if (!decoded.ok()) return std::move(finish)(decoded.status());
+  finish = HoldingRegions(std::move(refs), std::move(finish));
   absl::StatusOr<int> device = store_->EmptiestDevice();
   if (!device.ok()) return std::move(finish)(device.status());
   auto run = [this, owner, decoded = *decoded, device = *device, response]() -> absl::Status {
@@ -250,10 +284,12 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
   }
   absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, request.session_id());
   if (!place.ok()) return std::move(finish)(place.status());
-  absl::StatusOr<KvRows> rows =
-      DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
-                   request.has_v() ? &request.v() : nullptr, request.layout(), place->shape);
+  auto refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token);
+  absl::StatusOr<KvRows> rows = DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
+                                             request.has_v() ? &request.v() : nullptr,
+                                             request.layout(), place->shape, refs.get());
   if (!rows.ok()) return std::move(finish)(rows.status());
+  finish = HoldingRegions(std::move(refs), std::move(finish));
   auto run = [this, owner, id = request.session_id(), rows = *rows, response]() -> absl::Status {
     absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
     if (!leases.ok()) return leases.status();
@@ -280,6 +316,7 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
   call->request = &request;
   call->response = response;
   call->owner = owner;
+  call->refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token);
   // Every check that needs no session's length before anything is queued: the sessions' places
   // and shapes never change.
   const int n = request.entries_size();
@@ -288,11 +325,14 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
     const v1::StepEntry& entry = request.entries(i);
     absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, entry.session_id());
     if (!place.ok()) return std::move(finish)(place.status());
-    absl::StatusOr<DecodedEntry> decoded = DecodeStepEntry(i, entry, place->shape);
+    absl::StatusOr<DecodedEntry> decoded =
+        DecodeStepEntry(i, entry, place->shape, call->refs.get());
     if (!decoded.ok()) return std::move(finish)(decoded.status());
     absl::StatusOr<MaskParams> mask = DecodeMask(request, place->shape.head_dim);
     if (!mask.ok()) return std::move(finish)(mask.status());
-    response_bytes += static_cast<int64_t>(entry.q().data().size()) +
+    const int64_t o_bytes = decoded->heads_q * decoded->rows_q * place->shape.head_dim *
+                            static_cast<int64_t>(DTypeSize(place->shape.dtype));
+    response_bytes += (decoded->o != nullptr ? 0 : o_bytes) +
                       static_cast<int64_t>(entry.session_id().size()) + kEntryOverhead;
     if (request.return_lse()) {
       response_bytes += decoded->heads_q * decoded->rows_q * int64_t{sizeof(float)};
@@ -326,7 +366,10 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
     v1::Tensor* o = result->mutable_o();
     o->set_dtype(q.dtype());
     o->mutable_shape()->CopyFrom(q.shape());
-    o->mutable_data()->resize(q.data().size());
+    if (call->entries[i].o == nullptr) {  // else it goes into a region (o_ref)
+      o->mutable_data()->resize(call->entries[i].heads_q * call->entries[i].rows_q * q.shape(2) *
+                                DTypeSize(*ToDType(q.dtype(), "q.dtype")));
+    }
     if (request.return_lse()) {
       v1::Tensor* lse = result->mutable_lse();
       lse->set_dtype(v1::DTYPE_FLOAT32);
@@ -385,7 +428,8 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
             .length = lease.length(),
             .q = call->entries[i].q,
             .rows_q = call->entries[i].rows_q,
-            .o = result->mutable_o()->mutable_data()->data(),
+            .o = call->entries[i].o != nullptr ? call->entries[i].o
+                                               : result->mutable_o()->mutable_data()->data(),
             // std::string storage comes from operator new (or the inline buffer), aligned for
             // float.
             .lse = request.return_lse()
@@ -439,10 +483,13 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
         timing->set_d2h_us(call->stages.d2h_us);
         timing->set_total_us(absl::ToDoubleMicroseconds(absl::Now() - call->arrival));
       }
+      call->refs.reset();  // first: the regions may be unregistered once the caller has its answer
       std::move(call->finish)(call->status);
     };
     jobs.push_back(std::move(job));
   }
+  response->mutable_timing()->set_decode_us(
+      absl::ToDoubleMicroseconds(absl::Now() - call->arrival));
   scheduler_->SubmitAll(std::move(jobs));
 }
 

@@ -25,9 +25,11 @@
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "server/metrics/metrics.h"
+#include "server/regions/region_registry.h"
 #include "server/requests/session_request.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/drain_gate.h"
+#include "server/service/stream_reactor.h"
 #include "server/sessions/session_store.h"
 
 namespace attention::server {
@@ -40,6 +42,8 @@ struct SessionServiceOptions {
   // When set, every call must carry `authorization: Bearer <auth_token>` (see security.h), and
   // sessions belong to the token that created them.
   std::string auth_token;
+  // Steps one StepStream may hold at once (running or waiting to be written); further reads wait.
+  int stream_window = 16;
   // How often idle sessions past the TTL are removed (lookups also check).
   absl::Duration sweep_interval = absl::Seconds(1);
 };
@@ -49,8 +53,9 @@ class SessionService final : public v1::Sessions::CallbackService {
   // `store` may be null: the server keeps no KV cache (its backend has no page pool), and every
   // call is answered UNIMPLEMENTED. The store's device d is the scheduler's executor d. `store`,
   // `scheduler`, `metrics` and `drain` must outlive the service.
+  // `regions`: the shared-memory regions requests may reference; null: shared memory is off.
   SessionService(const SessionServiceOptions& options, SessionStore* store, Scheduler* scheduler,
-                 Metrics* metrics, DrainGate* drain);
+                 Metrics* metrics, DrainGate* drain, RegionRegistry* regions = nullptr);
   // Stops the sweeper.
   ~SessionService() override;
   SessionService(const SessionService&) = delete;
@@ -65,6 +70,12 @@ class SessionService final : public v1::Sessions::CallbackService {
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
                                  const v1::StepRequest* request,
                                  v1::StepResponse* response) override;
+  // Steps on one stream, each answered as it finishes (its response carries its request_id), with
+  // the unary Step's checks, queue, metrics (rpc "StepStream") and drain per Step; at most
+  // `stream_window` Steps of one stream are held at once. A failed Step ends the stream with its
+  // status, naming its request_id.
+  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* StepStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* DropSession(grpc::CallbackServerContext* context,
                                         const v1::DropSessionRequest* request,
                                         v1::DropSessionResponse* response) override;
@@ -78,12 +89,17 @@ class SessionService final : public v1::Sessions::CallbackService {
   using Finish = absl::AnyInvocable<void(absl::Status) &&>;
   using Body = absl::AnyInvocable<void(const std::string& owner, Finish finish) &&>;
 
-  // Answers one call: checks the token, the drain and the store, then runs `body`, which answers
-  // through the `finish` it is given (recording metrics and leaving the drain gate). `body` gets
-  // the caller's owner key.
+  // Answers one unary call through Admit and its default reactor.
   grpc::ServerUnaryReactor* Serve(absl::string_view rpc, grpc::CallbackServerContext* context,
                                   const google::protobuf::Message& request,
                                   const google::protobuf::Message* response, Body body);
+  // Admits one request (a unary call or one message of a stream): checks the token, the drain
+  // and the store, then runs `body`, which answers through the `finish` it is given (recording
+  // metrics under `rpc`, calling `answer`, leaving the drain gate). `body` gets the caller's
+  // owner key.
+  void Admit(absl::string_view rpc, grpc::CallbackServerContext* context,
+             const google::protobuf::Message& request, const google::protobuf::Message* response,
+             Body body, Finish answer);
   // Queues `run` as device work on `device` for the call of `context`, holding `sessions`.
   void SubmitDeviceWork(grpc::CallbackServerContext* context, int device,
                         std::vector<std::string> sessions,
@@ -104,6 +120,7 @@ class SessionService final : public v1::Sessions::CallbackService {
   Scheduler* const scheduler_;
   Metrics* const metrics_;
   DrainGate* const drain_;
+  RegionRegistry* const regions_;
 
   std::mutex mu_;
   std::condition_variable stop_sweep_;  // for the sweeper: stopping

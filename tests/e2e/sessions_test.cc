@@ -3,8 +3,9 @@
 // library): decode and extend steps against the float64 reference over ragged lengths, GQA,
 // windows and LSE; many single-row appends equal one Attend; two half-sequence sessions merged by
 // their LSEs equal one session holding all of it; errors (NOT_FOUND, INVALID_ARGUMENT changing
-// nothing, RESOURCE_EXHAUSTED, UNAUTHENTICATED), expiry after the TTL, the metrics, and no page
-// leaked over 10,000 create, append, drop cycles.
+// nothing, RESOURCE_EXHAUSTED, UNAUTHENTICATED), expiry after the TTL, the metrics, no page
+// leaked over 10,000 create, append, drop cycles, and StepStream (many Steps on one stream, a
+// Step on a dropped session ending it, a cancelled stream leaving its sessions free).
 #include <unistd.h>
 
 #include <algorithm>
@@ -70,6 +71,12 @@ class SessionsStub {
   }
   absl::StatusOr<v1::StepResponse> Step(const v1::StepRequest& r) {
     return Call(&v1::Sessions::Stub::Step, r, v1::StepResponse());
+  }
+  // A StepStream on `context` (which gets the token).
+  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> StepStream(
+      grpc::ClientContext* context) {
+    if (!token_.empty()) context->AddMetadata("authorization", "Bearer " + token_);
+    return stub_->StepStream(context);
   }
   absl::Status Drop(const std::string& id) {
     v1::DropSessionRequest r;
@@ -863,6 +870,122 @@ TEST_F(SessionsE2E, TenThousandCreateAppendDropCyclesLeaveNoPagesBehind) {
 // burst of Steps arrives: the queue's two places are taken, every other Step is refused
 // RESOURCE_EXHAUSTED at once and changes nothing, and the queued ones answer correctly once the
 // blocker ends; their FLOPs, query tokens and stage times show on /metrics.
+// StepStream: many Steps on one stream, each answer carrying its request_id and matching the
+// reference. The first half one at a time, each appending a row; then 32 written at once
+// (queries only, so every answer is known whatever the order).
+TEST_F(SessionsE2E, StepStreamAnswersManyStepsCorrectly) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub = Stub();
+  std::vector<TestSession> sessions;
+  for (int64_t initial : {19, 45}) {
+    absl::StatusOr<TestSession> s =
+        CreateSession(stub, v1::DTYPE_FLOAT32, 2, 32, initial, v1::LAYOUT_BHSD, rng);
+    ASSERT_TRUE(s.ok()) << s.status();
+    sessions.push_back(*std::move(s));
+  }
+  const MaskSpec mask{.causal = true, .return_lse = true};
+  grpc::ClientContext context;
+  auto stream = stub.StepStream(&context);
+  for (int i = 0; i < 24; ++i) {
+    TestSession& s = sessions[i % 2];
+    v1::StepRequest r;
+    r.set_request_id(absl::StrCat("one-", i));
+    SetMask(mask, &r);
+    const std::vector<float> q = AddEntry(s, 4, 1, 1, rng, &r);
+    ASSERT_TRUE(stream->Write(r));
+    v1::StepResponse response;
+    ASSERT_TRUE(stream->Read(&response));
+    EXPECT_EQ(response.request_id(), r.request_id());
+    ASSERT_EQ(response.results_size(), 1);
+    EXPECT_EQ(response.results(0).length(), s.seq.length());
+    EXPECT_GT(response.timing().total_us(), 0);
+    ExpectMatchesReference(ReferenceRequest(s.dtype, s.seq, q, 4, 1, mask), response.results(0));
+  }
+  std::map<std::string, v1::AttendRequest> expected;
+  for (int i = 0; i < 32; ++i) {
+    TestSession& s = sessions[i % 2];
+    v1::StepRequest r;
+    r.set_request_id(absl::StrCat("many-", i));
+    SetMask(mask, &r);
+    const std::vector<float> q = AddEntry(s, 4, 2, 0, rng, &r);
+    expected[r.request_id()] = ReferenceRequest(s.dtype, s.seq, q, 4, 2, mask);
+    ASSERT_TRUE(stream->Write(r));
+  }
+  stream->WritesDone();
+  v1::StepResponse response;
+  while (stream->Read(&response)) {
+    auto it = expected.find(response.request_id());
+    ASSERT_NE(it, expected.end()) << "unexpected or repeated request_id " << response.request_id();
+    ASSERT_EQ(response.results_size(), 1);
+    ExpectMatchesReference(it->second, response.results(0));
+    expected.erase(it);
+  }
+  EXPECT_TRUE(expected.empty()) << expected.size() << " steps unanswered";
+  EXPECT_TRUE(stream->Finish().ok());
+  for (const TestSession& s : sessions) EXPECT_EQ(stub.Length(s.id), s.seq.length());
+}
+
+// A Step on a dropped session ends the stream NOT_FOUND naming its request_id; the Steps before
+// it were answered.
+TEST_F(SessionsE2E, StepStreamEndsWithTheStatusOfAStepOnADroppedSession) {
+  std::mt19937_64 rng(FreshSeed());
+  SessionsStub stub = Stub();
+  absl::StatusOr<TestSession> s =
+      CreateSession(stub, v1::DTYPE_FLOAT16, 1, 16, 8, v1::LAYOUT_BHSD, rng);
+  ASSERT_TRUE(s.ok()) << s.status();
+  grpc::ClientContext context;
+  auto stream = stub.StepStream(&context);
+  v1::StepRequest r;
+  r.set_request_id("before");
+  AddEntry(*s, 2, 1, 0, rng, &r);
+  ASSERT_TRUE(stream->Write(r));
+  v1::StepResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.request_id(), "before");
+  ASSERT_TRUE(stub.Drop(s->id).ok());
+  r.set_request_id("after-drop");
+  ASSERT_TRUE(stream->Write(r));
+  EXPECT_FALSE(stream->Read(&response));
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("after-drop"));
+}
+
+// A cancelled stream ends CANCELLED; its Steps leave no session held, and the server answers
+// the next Step on the same session.
+TEST_F(SessionsE2E, ACancelledStepStreamLeavesItsSessionsFree) {
+  std::mt19937_64 rng(FreshSeed());
+  SessionsStub stub = Stub();
+  absl::StatusOr<TestSession> s =
+      CreateSession(stub, v1::DTYPE_FLOAT32, 2, 64, 300, v1::LAYOUT_BHSD, rng);
+  ASSERT_TRUE(s.ok()) << s.status();
+  {
+    grpc::ClientContext context;
+    auto stream = stub.StepStream(&context);
+    for (int i = 0; i < 8; ++i) {
+      v1::StepRequest r;
+      r.set_request_id(absl::StrCat("cancelled-", i));
+      AddEntry(*s, 8, 64, 0, rng, &r);
+      if (!stream->Write(r)) break;
+    }
+    context.TryCancel();
+    v1::StepResponse response;
+    while (stream->Read(&response)) {
+    }
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  v1::StepRequest r;
+  const MaskSpec mask{.causal = true};
+  SetMask(mask, &r);
+  const std::vector<float> q = AddEntry(*s, 2, 1, 1, rng, &r);
+  absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  ExpectMatchesReference(ReferenceRequest(s->dtype, s->seq, q, 2, 1, mask), out->results(0));
+  EXPECT_EQ(stub.Length(s->id), 301);
+}
+
 TEST(StepAdmissionE2E, AFullQueueRefusesStepsAtOnce) {
   constexpr int kSteps = 48, kQueue = 2;
   constexpr int64_t kHq = 4, kHkv = 2, kD = 64, kInitial = 40;

@@ -94,6 +94,8 @@ def lse_error(out, ref):
 class ServerTest(unittest.TestCase):
     """One CPU server for the whole class, on free ports learnt from its port file."""
 
+    SERVER_FLAGS = []  # more flags for the class's server
+
     @classmethod
     def setUpClass(cls):
         cls.rng = np.random.default_rng(SEED)
@@ -102,7 +104,8 @@ class ServerTest(unittest.TestCase):
         cls.log = open(os.path.join(cls.dir, "server.log"), "w+")
         cls.server = subprocess.Popen(
             [os.environ["ATTENTION_SERVER_BINARY"], "--backend=cpu", "--host=127.0.0.1",
-             "--port=0", "--metrics_port=0", "--threads=2", f"--port_file={port_file}"],
+             "--port=0", "--metrics_port=0", "--threads=2", f"--port_file={port_file}",
+             *cls.SERVER_FLAGS],
             stdout=cls.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not os.path.exists(port_file) or not open(port_file).read().strip():

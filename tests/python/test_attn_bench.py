@@ -34,7 +34,8 @@ class AttnBenchTest(unittest.TestCase):
         cls.dir = tempfile.mkdtemp(prefix="attn_bench_test_")
         cls.server, cls.port = start(
             [os.environ["ATTENTION_SERVER_BINARY"], "--backend=cpu", "--host=127.0.0.1",
-             "--port=0", "--metrics_port=0", f"--port_file={cls.dir}/server"], f"{cls.dir}/server")
+             "--port=0", "--metrics_port=0", f"--port_file={cls.dir}/server",
+             "--allow_shared_memory"], f"{cls.dir}/server")
         cls.echo, cls.echo_port = start(
             [os.environ["ATTN_ECHO_SERVER_BINARY"], "--port=0", f"--port_file={cls.dir}/echo"],
             f"{cls.dir}/echo")
@@ -71,6 +72,12 @@ class AttnBenchTest(unittest.TestCase):
             self.check_phase(r["echo"], 40)
             self.assertGreater(r["payload_ratio_vs_echo"], 0)
             self.assertGreater(r["compute_us_p50"], 0)
+
+    def test_tensors_in_shared_memory(self):
+        for rpc in ("unary", "stream"):
+            r = self.bench(f"--target=127.0.0.1:{self.port}", "--shm", f"--rpc={rpc}",
+                           "--concurrency=2", "--requests=20")
+            self.check_phase(r, 20)
 
     def test_round_robin_targets_and_rate(self):
         r = self.bench(f"--target=127.0.0.1:{self.port},localhost:{self.port}", "--rate=100",

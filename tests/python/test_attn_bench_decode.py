@@ -55,6 +55,16 @@ class AttnBenchDecodeTest(unittest.TestCase):
         self.assertIn("created 6 sessions of 200 rows", out)
         self.assertIn("dropped 6 sessions, 0 failed", out)
 
+    def test_decode_steps_over_step_streams(self):
+        out, r = self.bench("--sessions=4", "--nk=100", "--shape=2,4,1,32", "--kv_heads=2",
+                            "--dtype=bfloat16", "--causal", "--rpc=stream", "--concurrency=2",
+                            "--requests=30")
+        self.assertEqual(r["errors"], {})
+        self.assertEqual(r["requests"], 30)
+        self.assertEqual(r["config"]["rpc"], "stream")
+        self.assertGreater(r["compute_us_p50"], 0)
+        self.assertIn("dropped 4 sessions, 0 failed", out)
+
     def test_extend_steps_without_append(self):
         out, r = self.bench("--sessions=2", "--nk=64", "--shape=1,4,4,32", "--append_kv=false",
                             "--dtype=float32", "--concurrency=2", "--duration_s=0.5", "--lse")

@@ -9,6 +9,9 @@
     client.health()                                         # "SERVING"
     with client.session(k=k0, v=v0) as s:                   # KV-resident: k0, v0 [Hkv, N, D]
         o = s.step(q1, k=k1, v=v1, causal=True)             # q1 [Hq, 1, D]; k1, v1 [Hkv, 1, D]
+        o = s.step(q1, causal=True, stream=True)            # over one long-lived StepStream
+    region = client.register_shared_memory("r", shm)        # multiprocessing.shared_memory
+    client.attend(region.array(...), ..., out=region.array(...))   # tensors by reference
 
 float32 and float16 arrays travel as they are; bfloat16 as ml_dtypes.bfloat16 arrays or torch
 bfloat16 tensors, or, without either, as uint16 arrays of bfloat16 bits with bfloat16_bits=True
@@ -23,10 +26,12 @@ import importlib
 from attention_client.client import (AttendResult, AttentionError, Client, ServerTiming,
                                      StepResult, attend, bfloat16_bits_to_float32,
                                      float32_to_bfloat16_bits)
-from attention_client.session import Session
+from attention_client.session import Session, StepStream
+from attention_client.shared_memory import Region
 
 __all__ = ["AttendResult", "AttentionError", "Client", "ServerTiming", "StepResult", "attend",
-           "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "Session"]
+           "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "Region", "Session",
+           "StepStream"]
 
 _SUBMODULES = ("aio", "torch", "transformers")
 

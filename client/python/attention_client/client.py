@@ -119,6 +119,18 @@ def _to_tensor(x, name, bfloat16_bits):
     return _tensor(_NUMPY_DTYPES[a.dtype], a.shape, a), ("numpy", None)
 
 
+def _to_tensor_or_ref(client, x, name, bfloat16_bits):
+    """As _to_tensor, but a numpy array inside one of the client's regions goes by reference."""
+    if client._regions:
+        from attention_client.shared_memory import as_ref
+        t = as_ref(client, x)
+        if t is not None:
+            if _is_torch(x):
+                return t, ("torch", x)
+            return t, ("ml_bfloat16" if t.dtype == pb.DTYPE_BFLOAT16 else "numpy", None)
+    return _to_tensor(x, name, bfloat16_bits)
+
+
 def _tensor(dtype, shape, array):
     # The wire format is little-endian, row-major.
     a = np.ascontiguousarray(array)
@@ -160,11 +172,14 @@ def _lse_from_tensor(t, kind):
 
 def _attend_request(q, k, v, *, causal, softmax_scale, window_left, window_right, layout,
                     return_lse, cu_seqlens_q, cu_seqlens_k, bfloat16_bits, request_id,
-                    mask_alignment):
-    """The AttendRequest of Client.attend's arguments, and the kind of output to return."""
-    tq, kind = _to_tensor(q, "q", bfloat16_bits)
-    tk, _ = _to_tensor(k, "k", bfloat16_bits)
-    tv, _ = _to_tensor(v, "v", bfloat16_bits)
+                    mask_alignment, to_tensor=_to_tensor):
+    """The AttendRequest of Client.attend's arguments, and the kind of output to return.
+
+    to_tensor(x, name, bfloat16_bits) -> (pb.Tensor, kind): Client.attend's also places arrays
+    inside registered shared memory by reference."""
+    tq, kind = to_tensor(q, "q", bfloat16_bits)
+    tk, _ = to_tensor(k, "k", bfloat16_bits)
+    tv, _ = to_tensor(v, "v", bfloat16_bits)
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
     request = pb.AttendRequest(request_id=request_id, q=tq, k=tk, v=tv, layout=_LAYOUTS[layout])
@@ -180,10 +195,13 @@ def _attend_request(q, k, v, *, causal, softmax_scale, window_left, window_right
     return request, kind
 
 
-def _attend_output(response, kind, return_lse, return_info):
-    """What Client.attend returns for an AttendResponse: o, (o, lse) or an AttendResult."""
-    o = _from_tensor(response.o, kind)
-    lse = _lse_from_tensor(response.lse, kind) if return_lse else None
+def _attend_output(response, kind, return_lse, return_info, out=None, lse_out=None):
+    """What Client.attend returns for an AttendResponse: o, (o, lse) or an AttendResult; out and
+    lse_out: the shared-memory arrays the server wrote O and LSE into, when the request named them."""
+    o = out if out is not None else _from_tensor(response.o, kind)
+    lse = None
+    if return_lse:
+        lse = lse_out if lse_out is not None else _lse_from_tensor(response.lse, kind)
     if return_info:
         return AttendResult(o, lse, ServerTiming._from_pb(response.timing), response.device,
                             response.request_id)
@@ -233,6 +251,11 @@ class Client:
         # channel of their own, so every call of a session reaches the server holding it.
         self._sessions_channel = self._open_channel(self._base_options) if self._several else None
         self._sessions_stub = pb_grpc.SessionsStub(self._sessions_channel or self._channel)
+        # Shared memory: regions are the connection's (or the token's), so they use the sessions'
+        # channel (one server).
+        self._shm_stub = pb_grpc.SharedMemoryStub(self._sessions_channel or self._channel)
+        self._regions = []
+        self._step_stream = None  # opened by the first session.step(..., stream=True)
 
     def _open_channel(self, opts):
         opts = list(opts) + self._extra_options
@@ -248,6 +271,8 @@ class Client:
             raise AttentionError(e.code(), e.details()) from None
 
     def close(self):
+        if self._step_stream is not None:
+            self._step_stream.close()
         self._channel.close()
         if self._sessions_channel is not None:
             self._sessions_channel.close()
@@ -261,7 +286,8 @@ class Client:
     def attend(self, q, k, v, *, causal=False, softmax_scale=None, window_left=None,
                window_right=None, layout="bhsd", return_lse=False, cu_seqlens_q=None,
                cu_seqlens_k=None, bfloat16_bits=False, timeout=None, request_id="",
-               metadata=None, return_info=False, mask_alignment="bottom_right"):
+               metadata=None, return_info=False, mask_alignment="bottom_right", out=None,
+               lse_out=None):
         """O = softmax(scale * Q Kᵀ + mask) V on the server.
 
         q: [B, Hq, Nq, D] (layout "bhsd") or [B, Nq, Hq, D] ("bshd"); k, v: [B, Hkv, Nk, D]
@@ -272,14 +298,24 @@ class Client:
         Returns o (same kind, dtype and shape as q), or (o, lse) with return_lse: lse float32
         [B, Hq, Nq] (varlen [Hq, total_q]); with return_info an AttendResult (o, lse, timing,
         device, request_id). Raises AttentionError with the gRPC status code.
+
+        Shared memory (register_shared_memory): numpy arrays inside a registered region travel
+        by reference; out (and lse_out, with return_lse) must be arrays inside a region, and
+        the server writes O (LSE) there: they are what is returned.
         """
+        from attention_client.shared_memory import out_ref
         request, kind = _attend_request(
             q, k, v, causal=causal, softmax_scale=softmax_scale, window_left=window_left,
             window_right=window_right, layout=layout, return_lse=return_lse,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, bfloat16_bits=bfloat16_bits,
-            request_id=request_id, mask_alignment=mask_alignment)
+            request_id=request_id, mask_alignment=mask_alignment,
+            to_tensor=lambda x, name, bits: _to_tensor_or_ref(self, x, name, bits))
+        if out is not None:
+            request.o_ref.CopyFrom(out_ref(self, out, "out"))
+        if lse_out is not None:
+            request.lse_ref.CopyFrom(out_ref(self, lse_out, "lse_out"))
         response = self._call(self._stub.Attend, request, timeout, metadata)
-        return _attend_output(response, kind, return_lse, return_info)
+        return _attend_output(response, kind, return_lse, return_info, out=out, lse_out=lse_out)
 
     def health(self, service="", *, timeout=None):
         """The grpc.health.v1 status of service ("" = the server as a whole;
@@ -320,6 +356,25 @@ class Client:
                          window_left=window_left, window_right=window_right,
                          return_lse=return_lse, timeout=timeout, metadata=metadata,
                          request_id=request_id, return_info=return_info)
+
+    def register_shared_memory(self, name, shm, *, offset=0, size=None, timeout=None,
+                               metadata=None):
+        """Registers a multiprocessing.shared_memory.SharedMemory (bytes [offset, offset + size))
+        with the server as region `name`; returns a Region (see attention_client.shared_memory)."""
+        from attention_client.shared_memory import register_system
+        return register_system(self, name, shm, offset=offset, size=size, timeout=timeout,
+                               metadata=self.metadata if metadata is None else metadata)
+
+    def register_cuda_tensor(self, name, tensor, *, timeout=None, metadata=None):
+        """Registers a torch CUDA tensor's memory by its CUDA IPC handle; returns a Region."""
+        from attention_client.shared_memory import register_cuda_tensor
+        return register_cuda_tensor(self, name, tensor, timeout=timeout,
+                                    metadata=self.metadata if metadata is None else metadata)
+
+    def list_shared_memory(self, *, timeout=None, metadata=None):
+        """The caller's regions on the server (RegionInfo messages)."""
+        from attention_client.shared_memory import list_regions
+        return list_regions(self, timeout=timeout, metadata=metadata)
 
     def list_sessions(self, *, timeout=None, metadata=None):
         """ListSessionsResponse: the caller's sessions (all, when the server checks no tokens),

@@ -4,10 +4,14 @@ decode step sends only the new queries and the new token's K/V.
     with client.session(k=k0, v=v0) as s:           # k0, v0: [Hkv, N, D]; dtype and shape from them
         o = s.step(q, k=k1, v=v1, causal=True)      # q: [Hq, Nq, D]; k1, v1: [Hkv, n, D] appended first
     outs = client.step_many([(s1, q1, k1, v1), (s2, q2)], causal=True)   # one Step RPC
+    o = s.step(q, k=k1, v=v1, causal=True, stream=True)   # over the client's one StepStream
 
 Sessions are a server-side cache: a restart or --session_ttl_s idle seconds lose them, and their
 calls then raise AttentionError with code NOT_FOUND; re-create from your own copy of the sequence.
 """
+import queue
+import threading
+
 import grpc
 import numpy as np
 
@@ -86,8 +90,12 @@ class Session:
         return self.length
 
     def step(self, q, k=None, v=None, *, causal=False, softmax_scale=None, window_left=None,
-             window_right=None, return_lse=False, timeout=None, return_info=False):
+             window_right=None, return_lse=False, timeout=None, return_info=False, stream=False):
         """Attends q [Hq, Nq, D] to the session, after appending k, v [Hkv, n, D] when given.
+
+        stream=True sends the Step over the Client's one long-lived Sessions.StepStream (opened
+        on first use; no per-call setup, the lowest latency), one Step in flight at a time;
+        timeout does not apply there.
 
         The queries are the session's last Nq positions (masks bottom-right aligned, as attend()).
         Returns o [Hq, Nq, D] (same kind and dtype as q), or (o, lse) with return_lse: lse
@@ -96,7 +104,7 @@ class Session:
         return step_many(self._client, [(self, q, k, v)], causal=causal,
                          softmax_scale=softmax_scale, window_left=window_left,
                          window_right=window_right, return_lse=return_lse, timeout=timeout,
-                         metadata=self._metadata, return_info=return_info)[0]
+                         metadata=self._metadata, return_info=return_info, stream=stream)[0]
 
     def drop(self, *, timeout=None):
         """Frees the session's K/V on the server; the object holds no session afterwards."""
@@ -145,7 +153,7 @@ def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, 
 
 def step_many(client, items, *, causal=False, softmax_scale=None, window_left=None,
               window_right=None, return_lse=False, timeout=None, metadata=None, request_id="",
-              return_info=False):
+              return_info=False, stream=False):
     """One Step RPC over several sessions; see Client.step_many."""
     request = pb.StepRequest(request_id=request_id)
     _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
@@ -163,7 +171,16 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
             entry.v.CopyFrom(_to_tensor(v, "v", session._bfloat16_bits)[0])
         kinds.append(kind)
         sessions.append(session)
-    response = client._call(client._sessions_stub.Step, request, timeout, metadata)
+    if stream:
+        if client._step_stream is None:
+            client._step_stream = StepStream(client, metadata)
+        try:
+            response = client._step_stream.step(request)
+        except AttentionError:
+            client._step_stream = None  # a failed Step ends its stream; the next opens another
+            raise
+    else:
+        response = client._call(client._sessions_stub.Step, request, timeout, metadata)
     if len(response.results) != len(sessions):
         raise AttentionError(grpc.StatusCode.DATA_LOSS, f"Step sent {len(sessions)} entries and "
                              f"got {len(response.results)} results")
@@ -187,3 +204,46 @@ def list_sessions(client, *, timeout=None, metadata=None):
     """The ListSessionsResponse: the caller's sessions, page_bytes, pages_total, pages_free."""
     return client._call(client._sessions_stub.ListSessions, pb.ListSessionsRequest(), timeout,
                         metadata)
+
+
+class StepStream:
+    """Steps over one Sessions.StepStream call: no per-call setup, one Step in flight at a time
+    (thread-safe: callers take turns). A Step that fails ends the stream (AttentionError with its
+    code); open another for the next."""
+
+    def __init__(self, client, metadata=None):
+        self._requests = queue.Queue()
+        self._lock = threading.Lock()
+        self._count = 0
+        self._call = client._sessions_stub.StepStream(
+            iter(self._requests.get, None),
+            metadata=client.metadata if metadata is None else metadata)
+
+    def step(self, request):
+        """Sends one StepRequest and returns its StepResponse."""
+        with self._lock:
+            self._count += 1
+            if not request.request_id:
+                request.request_id = f"step-{self._count}"
+            self._requests.put(request)
+            try:
+                response = next(self._call)
+            except StopIteration:
+                raise AttentionError(grpc.StatusCode.DATA_LOSS,
+                                     "the StepStream ended without an answer") from None
+            except grpc.RpcError as e:
+                raise AttentionError(e.code(), e.details()) from None
+            if response.request_id != request.request_id:
+                raise AttentionError(grpc.StatusCode.DATA_LOSS,
+                                     f"StepStream answered {response.request_id!r} where "
+                                     f"{request.request_id!r} was expected")
+            return response
+
+    def close(self):
+        """Ends the stream (the server finishes it once every Step is answered)."""
+        self._requests.put(None)
+        try:
+            for _ in self._call:
+                pass
+        except grpc.RpcError:
+            pass

@@ -1,0 +1,315 @@
+// colo_bench: Attend for a client on the server's host, with its tensors in shared memory
+// (attention.v1.SharedMemory), beside the anchor measured in the same process. One JSON line per
+// run on stdout.
+//
+//   colo_bench --target=127.0.0.1:50051 --mode=bound|shm|ipc [--shape=4,16,4096,128]
+//       [--dtype=bfloat16] [--clients=1] [--iters=20] [--warmup=3]
+//
+// bound: the copies a GPU must make for such a request at best, timed with CUDA events on pinned
+//   buffers of this process: H2D of q, k, v and D2H of o (the table adds the server's kernel).
+// shm:   each of --clients threads (one connection each) places q, k, v in a POSIX shared-memory
+//   object of its own, registers it, and sends Attend calls by reference with o written into the
+//   object, one call in flight per client; end-to-end latency, requests/s, the server's stage
+//   times and the share of the wall time the kernel ran (sum of compute_us / wall).
+// ipc:   q, k, v and o in one cudaMalloc of this process, registered by its cudaIpcMemHandle_t;
+//   the same calls. A step that fails (no GPU, an IPC handle the sandbox refuses) prints
+//   {"mode": ..., "error": "<the exact error>"} and exits 0, so a script goes on.
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "client/attention_client.h"
+#include "client/cuda_region.h"
+#include "client/request_builder.h"
+#include "client/shared_memory.h"
+#include "client/tensors.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attention_server address");
+ABSL_FLAG(std::string, mode, "shm", "bound | shm | ipc");
+ABSL_FLAG(std::string, shape, "4,16,4096,128", "B,H,N,D of q, k, v (BHSD)");
+ABSL_FLAG(std::string, dtype, "bfloat16", "float32 | float16 | bfloat16");
+ABSL_FLAG(int, clients, 1, "shm: clients sending at once, each with its own connection and region");
+ABSL_FLAG(int, iters, 20, "measured calls per client");
+ABSL_FLAG(int, warmup, 3, "calls per client before measuring");
+ABSL_FLAG(bool, causal, false, "causal mask");
+
+namespace attention::bench {
+namespace {
+
+using client::Client;
+using Clock = std::chrono::steady_clock;
+
+std::string Escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += (c == '\n') ? ' ' : c;
+  }
+  return out;
+}
+
+int Fail(const std::string& mode, const std::string& error) {
+  std::printf("{\"mode\":\"%s\",\"error\":\"%s\"}\n", mode.c_str(), Escape(error).c_str());
+  return 0;
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Problem {
+  std::vector<int64_t> shape;
+  v1::DType dtype;
+  int64_t bytes = 0;  // of one tensor (q, k, v and o are all the same size)
+};
+
+// q's random bytes (k and v take the same: values do not change the time).
+std::string RandomBytes(const Problem& p) {
+  std::mt19937_64 rng(1);
+  const int64_t n = client::NumElements(p.shape);
+  return client::MakeTensor(p.dtype, p.shape, client::RandomNormal(n, rng)).data();
+}
+
+// The Attend request over region `region`: q, k, v at 0, 1, 2 tensor sizes, o at 3.
+v1::AttendRequest RequestByReference(const Problem& p, const std::string& region) {
+  v1::AttendRequest r;
+  for (auto [t, i] : {std::pair{r.mutable_q(), 0}, {r.mutable_k(), 1}, {r.mutable_v(), 2}}) {
+    t->set_dtype(p.dtype);
+    for (int64_t s : p.shape) t->add_shape(s);
+    *t->mutable_ref() = client::MakeRef(region, i * p.bytes, p.bytes);
+  }
+  *r.mutable_o_ref() = client::MakeRef(region, 3 * p.bytes, p.bytes);
+  r.set_causal(absl::GetFlag(FLAGS_causal));
+  return r;
+}
+
+struct Samples {
+  std::vector<double> e2e_ms, compute_us, h2d_us, d2h_us, queue_us, total_us;
+  void Add(const Samples& o) {
+    for (auto [a, b] : {std::pair{&e2e_ms, &o.e2e_ms},
+                        {&compute_us, &o.compute_us},
+                        {&h2d_us, &o.h2d_us},
+                        {&d2h_us, &o.d2h_us},
+                        {&queue_us, &o.queue_us},
+                        {&total_us, &o.total_us}}) {
+      a->insert(a->end(), b->begin(), b->end());
+    }
+  }
+};
+
+// Sends warmup + iters calls of `request` one at a time; the measured ones into `out`.
+absl::Status Drive(Client& client, const v1::AttendRequest& request, Samples* out) {
+  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  for (int i = 0; i < warmup + iters; ++i) {
+    const Clock::time_point start = Clock::now();
+    absl::StatusOr<v1::AttendResponse> r = client.Attend(request);
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    if (!r.ok()) return r.status();
+    if (i < warmup) continue;
+    out->e2e_ms.push_back(ms);
+    out->compute_us.push_back(r->timing().compute_us());
+    out->h2d_us.push_back(r->timing().h2d_us());
+    out->d2h_us.push_back(r->timing().d2h_us());
+    out->queue_us.push_back(r->timing().queue_us());
+    out->total_us.push_back(r->timing().total_us());
+  }
+  return absl::OkStatus();
+}
+
+void Print(const std::string& mode, int clients, const Samples& s, double wall_s, bool pinned) {
+  double compute_sum = 0;
+  for (double c : s.compute_us) compute_sum += c;
+  std::printf(
+      "{\"mode\":\"%s\",\"clients\":%d,\"requests\":%zu,\"wall_s\":%.6g,\"requests_per_s\":%.6g,"
+      "\"p50_ms\":%.6g,\"compute_us_p50\":%.6g,\"h2d_us_p50\":%.6g,\"d2h_us_p50\":%.6g,"
+      "\"queue_us_p50\":%.6g,\"server_total_us_p50\":%.6g,\"kernel_busy\":%.6g,\"pinned\":%s}\n",
+      mode.c_str(), clients, s.e2e_ms.size(), wall_s, s.e2e_ms.size() / wall_s, Median(s.e2e_ms),
+      Median(s.compute_us), Median(s.h2d_us), Median(s.d2h_us), Median(s.queue_us),
+      Median(s.total_us), compute_sum * 1e-6 / wall_s, pinned ? "true" : "false");
+}
+
+client::ClientOptions Options() {
+  client::ClientOptions o;
+  o.target = absl::GetFlag(FLAGS_target);
+  o.deadline = absl::Seconds(120);
+  return o;
+}
+
+// A client on a connection of its own (regions belong to the connection).
+std::unique_ptr<Client> OwnConnection() {
+  client::ClientOptions o = Options();
+  grpc::ChannelArguments args = client::MakeChannelArguments(o);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return std::make_unique<Client>(
+      grpc::CreateCustomChannel(o.target, grpc::InsecureChannelCredentials(), args), o);
+}
+
+int RunBound(const Problem& p) {
+  const int iters = absl::GetFlag(FLAGS_iters);
+  void *host = nullptr, *dev = nullptr;
+  cudaEvent_t a, b, c;
+  cudaError_t err = cudaHostAlloc(&host, 4 * p.bytes, cudaHostAllocPortable);
+  if (err == cudaSuccess) err = cudaMalloc(&dev, 4 * p.bytes);
+  if (err == cudaSuccess) err = cudaEventCreate(&a);
+  if (err == cudaSuccess) err = cudaEventCreate(&b);
+  if (err == cudaSuccess) err = cudaEventCreate(&c);
+  if (err != cudaSuccess)
+    return Fail("bound",
+                absl::StrCat("CUDA: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
+  std::memset(host, 1, 4 * p.bytes);
+  std::vector<double> h2d, d2h;
+  for (int i = 0; i < iters + 2; ++i) {
+    cudaEventRecord(a);
+    cudaMemcpyAsync(dev, host, 3 * p.bytes, cudaMemcpyHostToDevice);
+    cudaEventRecord(b);
+    cudaMemcpyAsync(static_cast<char*>(host) + 3 * p.bytes, static_cast<char*>(dev) + 3 * p.bytes,
+                    p.bytes, cudaMemcpyDeviceToHost);
+    cudaEventRecord(c);
+    cudaEventSynchronize(c);
+    float in_ms = 0, out_ms = 0;
+    cudaEventElapsedTime(&in_ms, a, b);
+    cudaEventElapsedTime(&out_ms, b, c);
+    if (i >= 2) {
+      h2d.push_back(in_ms * 1e3);
+      d2h.push_back(out_ms * 1e3);
+    }
+  }
+  std::printf(
+      "{\"mode\":\"bound\",\"in_bytes\":%lld,\"out_bytes\":%lld,\"h2d_us_p50\":%.6g,"
+      "\"d2h_us_p50\":%.6g,\"h2d_gb_per_s\":%.6g}\n",
+      static_cast<long long>(3 * p.bytes), static_cast<long long>(p.bytes), Median(h2d),
+      Median(d2h), 3 * p.bytes / Median(h2d) * 1e-3);
+  cudaFreeHost(host);
+  cudaFree(dev);
+  return 0;
+}
+
+int RunShm(const Problem& p) {
+  const int clients = absl::GetFlag(FLAGS_clients);
+  const std::string data = RandomBytes(p);
+  struct PerClient {
+    std::unique_ptr<Client> client;
+    std::unique_ptr<client::SharedMemoryObject> object;
+    std::unique_ptr<client::SharedMemoryClient> regions;
+    v1::AttendRequest request;
+    Samples samples;
+    absl::Status status;
+    bool pinned = false;
+  };
+  std::vector<PerClient> all(clients);
+  for (int i = 0; i < clients; ++i) {
+    PerClient& c = all[i];
+    c.client = OwnConnection();
+    absl::StatusOr<std::unique_ptr<client::SharedMemoryObject>> object =
+        client::SharedMemoryObject::Create(absl::StrCat("/colo-bench-", getpid(), "-", i),
+                                           4 * p.bytes);
+    if (!object.ok()) return Fail("shm", object.status().ToString());
+    c.object = *std::move(object);
+    for (int t = 0; t < 3; ++t) std::memcpy(c.object->data() + t * p.bytes, data.data(), p.bytes);
+    c.regions = std::make_unique<client::SharedMemoryClient>(*c.client);
+    const std::string name = absl::StrCat("colo", i);
+    absl::StatusOr<v1::RegionInfo> info = c.regions->Register(name, *c.object);
+    if (!info.ok()) return Fail("shm", info.status().ToString());
+    c.pinned = info->pinned();
+    c.request = RequestByReference(p, name);
+  }
+  const Clock::time_point start = Clock::now();
+  std::vector<std::thread> threads;
+  for (PerClient& c : all) {
+    threads.emplace_back([&c] { c.status = Drive(*c.client, c.request, &c.samples); });
+  }
+  for (std::thread& t : threads) t.join();
+  // Wall time of the measured part, roughly: the warmup calls are taken off pro rata.
+  const double total_s = std::chrono::duration<double>(Clock::now() - start).count();
+  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  const double wall_s = total_s * iters / (warmup + iters);
+  Samples merged;
+  bool pinned = true;
+  for (PerClient& c : all) {
+    if (!c.status.ok()) return Fail("shm", c.status.ToString());
+    merged.Add(c.samples);
+    pinned = pinned && c.pinned;
+    c.regions->Unregister(absl::StrCat("colo", &c - all.data())).IgnoreError();
+  }
+  Print(clients > 1 ? absl::StrCat("shm_x", clients) : "shm", clients, merged, wall_s, pinned);
+  return 0;
+}
+
+int RunIpc(const Problem& p) {
+  const std::string data = RandomBytes(p);
+  void* dev = nullptr;
+  cudaError_t err = cudaMalloc(&dev, 4 * p.bytes);
+  for (int t = 0; t < 3 && err == cudaSuccess; ++t) {
+    err = cudaMemcpy(static_cast<char*>(dev) + t * p.bytes, data.data(), p.bytes,
+                     cudaMemcpyHostToDevice);
+  }
+  if (err != cudaSuccess) {
+    return Fail(
+        "ipc", absl::StrCat("client CUDA: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
+  }
+  std::unique_ptr<Client> client = OwnConnection();
+  client::SharedMemoryClient regions(*client);
+  absl::StatusOr<v1::RegionInfo> info =
+      client::RegisterCudaAllocation(regions, "colo-ipc", dev, 4 * p.bytes);
+  if (!info.ok()) return Fail("ipc", absl::StrCat("Register: ", info.status().ToString()));
+  Samples samples;
+  const Clock::time_point start = Clock::now();
+  absl::Status status = Drive(*client, RequestByReference(p, "colo-ipc"), &samples);
+  const double total_s = std::chrono::duration<double>(Clock::now() - start).count();
+  regions.Unregister("colo-ipc").IgnoreError();
+  cudaFree(dev);
+  if (!status.ok()) return Fail("ipc", absl::StrCat("Attend: ", status.ToString()));
+  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  Print("ipc", 1, samples, total_s * iters / (warmup + iters), false);
+  return 0;
+}
+
+int Main() {
+  Problem p;
+  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_shape), ',')) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(s, &v) || v <= 0) {
+      std::fprintf(stderr, "colo_bench: --shape: expected B,H,N,D\n");
+      return 2;
+    }
+    p.shape.push_back(v);
+  }
+  absl::StatusOr<v1::DType> dtype = client::ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (p.shape.size() != 4 || !dtype.ok()) {
+    std::fprintf(stderr, "colo_bench: --shape B,H,N,D and --dtype float32|float16|bfloat16\n");
+    return 2;
+  }
+  p.dtype = *dtype;
+  p.bytes = client::NumElements(p.shape) * client::DTypeBytes(p.dtype);
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode == "bound") return RunBound(p);
+  if (mode == "shm") return RunShm(p);
+  if (mode == "ipc") return RunIpc(p);
+  std::fprintf(stderr, "colo_bench: --mode: expected bound, shm or ipc\n");
+  return 2;
+}
+
+}  // namespace
+}  // namespace attention::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return attention::bench::Main();
+}

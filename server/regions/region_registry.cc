@@ -1,0 +1,325 @@
+#include "server/regions/region_registry.h"
+
+#include <fcntl.h>
+#include <limits.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/quote.h"
+
+namespace attention::server {
+
+// One registered region. `uses`, `closing` and `removed` are guarded by the registry's mu_; the
+// rest is fixed once inserted.
+struct RegionRegistry::Use::Region {
+  RegionDescription description;
+  void* map_base = nullptr;  // system: the mapping (page-aligned); cuda: the IPC base pointer
+  size_t map_bytes = 0;      // system: the mapping's length
+  char* data = nullptr;      // the region's first byte
+  int uses = 0;
+  int closing = 0;       // Unregister calls waiting: no new Use while any is
+  bool removed = false;  // taken out of the registry (by one of them)
+};
+
+namespace {
+
+constexpr size_t kMaxRegionName = 256;
+// cudaIpcMemHandle_t is 64 bytes (CUDA_IPC_HANDLE_SIZE); this room holds no CUDA header.
+constexpr size_t kCudaIpcHandleBytes = 64;
+
+absl::Status CheckName(const std::string& name) {
+  if (name.empty() || name.size() > kMaxRegionName) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("name: expected 1..", kMaxRegionName, " characters, got ", name.size()));
+  }
+  return absl::OkStatus();
+}
+
+// A POSIX shared-memory name: "/" then 1..NAME_MAX - 1 characters, none a "/" or a control
+// character, and not "." or "..". Never a path: shm_open resolves it inside the shm filesystem.
+absl::Status CheckSystemKey(const std::string& key) {
+  const auto refuse = [&key](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "system_key: expected a POSIX shared-memory name (\"/name\", no other \"/\"), ", why,
+        ", got ", Quote(key)));
+  };
+  if (key.size() < 2 || key[0] != '/') return refuse("starting with one \"/\"");
+  if (key.size() > NAME_MAX) return refuse(absl::StrCat("at most ", NAME_MAX, " characters"));
+  const std::string rest = key.substr(1);
+  if (rest == "." || rest == "..") return refuse("not \".\" or \"..\"");
+  for (char c : rest) {
+    if (c == '/' || static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      return refuse("no \"/\" or control characters after the first");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRange(int64_t offset, int64_t byte_size) {
+  if (offset < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("offset: expected >= 0, got ", offset));
+  }
+  if (byte_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("byte_size: expected > 0, got ", byte_size));
+  }
+  int64_t end = 0;
+  if (__builtin_add_overflow(offset, byte_size, &end)) {
+    return absl::InvalidArgumentError("offset + byte_size: expected to fit int64, overflows");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+RegionRegistry::Use::~Use() {
+  if (registry_ != nullptr && region_ != nullptr) registry_->Release(region_.get());
+}
+
+RegionRegistry::RegionRegistry(const RegionLimits& limits, RegionHooks hooks)
+    : limits_(limits), hooks_(std::move(hooks)) {}
+
+RegionRegistry::~RegionRegistry() {
+  for (auto& [key, region] : regions_) Unmap(*region);
+}
+
+absl::Status RegionRegistry::CheckRoomLocked(const std::string& owner, const std::string& name,
+                                             int64_t bytes) const {
+  if (regions_.count({owner, name}) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("name: a region ", Quote(name),
+                                                 " is registered already; unregister it first"));
+  }
+  int owned = 0;
+  for (auto it = regions_.lower_bound({owner, ""});
+       it != regions_.end() && it->first.first == owner; ++it) {
+    ++owned;
+  }
+  if (owned >= limits_.max_regions_per_owner) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("regions: this caller holds ", owned, ", the limit is ",
+                     limits_.max_regions_per_owner, " (--max_shared_memory_regions)"));
+  }
+  if (bytes > limits_.max_mapped_bytes - mapped_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "byte_size: ", bytes, " bytes more would map ", mapped_bytes_ + bytes,
+        " bytes, over the limit of ", limits_.max_mapped_bytes, " (--max_shared_memory_bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RegionDescription> RegionRegistry::Insert(const std::string& owner,
+                                                         std::shared_ptr<Region> region) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const RegionDescription& d = region->description;
+  if (absl::Status room = CheckRoomLocked(owner, d.name, d.byte_size); !room.ok()) {
+    Unmap(*region);
+    return room;
+  }
+  mapped_bytes_ += d.byte_size;
+  regions_[{owner, d.name}] = region;
+  return d;
+}
+
+absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(const std::string& owner,
+                                                                 const std::string& name,
+                                                                 const std::string& key,
+                                                                 int64_t offset,
+                                                                 int64_t byte_size) {
+  if (absl::Status s = CheckName(name); !s.ok()) return s;
+  if (absl::Status s = CheckSystemKey(key); !s.ok()) return s;
+  if (absl::Status s = CheckRange(offset, byte_size); !s.ok()) return s;
+  {
+    // Refuse early, before mapping anything; Insert checks again under the same lock.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (absl::Status room = CheckRoomLocked(owner, name, byte_size); !room.ok()) return room;
+  }
+  // Never O_CREAT: the client made the object; the server only maps what exists.
+  const int fd = shm_open(key.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    const int err = errno;
+    const std::string why = absl::StrCat("system_key: shm_open(", Quote(key), "): ", strerror(err));
+    if (err == ENOENT) return absl::NotFoundError(why);
+    if (err == EACCES) return absl::PermissionDeniedError(why);
+    return absl::InvalidArgumentError(why);
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat("system_key: ", Quote(key), " is not a shared-memory object"));
+  }
+  if (offset + byte_size > static_cast<int64_t>(st.st_size)) {
+    close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat("byte_size: expected offset + byte_size <= the object's ", st.st_size,
+                     " bytes, got ", offset, " + ", byte_size));
+  }
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  const int64_t map_offset = offset / page * page;
+  const size_t map_bytes = static_cast<size_t>(offset + byte_size - map_offset);
+  void* base = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                    static_cast<off_t>(map_offset));
+  const int map_errno = errno;
+  close(fd);  // the mapping keeps the object
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mmap of ", map_bytes, " bytes of ", Quote(key), ": ", strerror(map_errno)));
+  }
+  auto region = std::make_shared<Region>();
+  region->description = RegionDescription{.name = name,
+                                          .kind = RegionKind::kSystem,
+                                          .key = key,
+                                          .offset = offset,
+                                          .byte_size = byte_size};
+  region->map_base = base;
+  region->map_bytes = map_bytes;
+  region->data = static_cast<char*>(base) + (offset - map_offset);
+  if (hooks_.pin_host) region->description.pinned = hooks_.pin_host(base, map_bytes);
+  return Insert(owner, std::move(region));
+}
+
+absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(const std::string& owner,
+                                                               const std::string& name,
+                                                               const std::string& handle,
+                                                               int device, int64_t offset,
+                                                               int64_t byte_size) {
+  if (absl::Status s = CheckName(name); !s.ok()) return s;
+  if (!hooks_.open_cuda) {
+    return absl::UnimplementedError(
+        "cuda_ipc_handle: CUDA regions need the cuda backend; this server runs without one");
+  }
+  if (handle.size() != kCudaIpcHandleBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_ipc_handle: expected ", kCudaIpcHandleBytes,
+                     " bytes (a cudaIpcMemHandle_t), got ", handle.size()));
+  }
+  if (absl::Status s = CheckRange(offset, byte_size); !s.ok()) return s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (absl::Status room = CheckRoomLocked(owner, name, byte_size); !room.ok()) return room;
+  }
+  absl::StatusOr<std::pair<void*, int64_t>> opened = hooks_.open_cuda(handle, device);
+  if (!opened.ok()) return opened.status();
+  auto region = std::make_shared<Region>();
+  region->description = RegionDescription{.name = name,
+                                          .kind = RegionKind::kCuda,
+                                          .device = device,
+                                          .offset = offset,
+                                          .byte_size = byte_size};
+  region->map_base = opened->first;
+  region->data = static_cast<char*>(opened->first) + offset;
+  if (offset + byte_size > opened->second) {
+    Unmap(*region);
+    return absl::InvalidArgumentError(
+        absl::StrCat("byte_size: expected offset + byte_size <= the allocation's ", opened->second,
+                     " bytes, got ", offset, " + ", byte_size));
+  }
+  return Insert(owner, std::move(region));
+}
+
+absl::Status RegionRegistry::Unregister(const std::string& owner, const std::string& name,
+                                        absl::Time deadline) {
+  std::shared_ptr<Region> region;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto it = regions_.find({owner, name});
+    if (it == regions_.end()) {
+      return absl::NotFoundError(absl::StrCat("name: no region ", Quote(name), " of this caller"));
+    }
+    region = it->second;
+    ++region->closing;  // no new Use from here on
+    const bool idle = released_.wait_until(lock, absl::ToChronoTime(deadline),
+                                           [&] { return region->uses == 0 || region->removed; });
+    --region->closing;
+    if (region->removed) return absl::OkStatus();  // another Unregister of it finished first
+    if (!idle) {
+      return absl::DeadlineExceededError(absl::StrCat("region ", Quote(name), " is still used by ",
+                                                      region->uses,
+                                                      " running requests; it stays registered"));
+    }
+    region->removed = true;
+    regions_.erase({owner, name});
+    mapped_bytes_ -= region->description.byte_size;
+  }
+  released_.notify_all();  // other Unregister calls of this region
+  Unmap(*region);
+  return absl::OkStatus();
+}
+
+std::vector<RegionDescription> RegionRegistry::List(const std::string& owner) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<RegionDescription> out;
+  for (auto it = regions_.lower_bound({owner, ""});
+       it != regions_.end() && it->first.first == owner; ++it) {
+    out.push_back(it->second->description);
+  }
+  return out;
+}
+
+absl::StatusOr<RegionSpan> RegionRegistry::Resolve(const std::string& owner,
+                                                   absl::string_view field,
+                                                   const std::string& region_name, int64_t offset,
+                                                   int64_t byte_size, int64_t alignment,
+                                                   std::vector<Use>* uses) {
+  std::shared_ptr<Region> region;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find({owner, region_name});
+    // Another caller's region answers as an unknown one: names are not disclosed.
+    if (it == regions_.end() || it->second->closing > 0) {
+      return absl::NotFoundError(absl::StrCat(field, ".region: no region ", Quote(region_name),
+                                              " registered by this caller"));
+    }
+    region = it->second;
+    const int64_t size = region->description.byte_size;
+    if (offset < 0 || byte_size < 0 || offset > size || byte_size > size - offset) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": expected bytes inside region ", Quote(region_name), " of ", size,
+                       " bytes, got offset ", offset, " and byte_size ", byte_size));
+    }
+    if (alignment > 1 &&
+        reinterpret_cast<uintptr_t>(region->data + offset) % static_cast<uintptr_t>(alignment) !=
+            0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".offset: expected the tensor to start on a multiple of ", alignment,
+          " bytes (its element size), got offset ", offset, " into region ", Quote(region_name),
+          " (which starts at byte ", region->description.offset, " of its object)"));
+    }
+    ++region->uses;
+  }
+  RegionSpan span{.data = region->data + offset,
+                  .size = byte_size,
+                  .kind = region->description.kind,
+                  .device = region->description.device};
+  uses->push_back(Use(this, std::move(region)));
+  return span;
+}
+
+int64_t RegionRegistry::mapped_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return mapped_bytes_;
+}
+
+void RegionRegistry::Release(Region* region) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --region->uses;
+  }
+  released_.notify_all();
+}
+
+void RegionRegistry::Unmap(Region& region) {
+  if (region.description.kind == RegionKind::kSystem) {
+    if (region.description.pinned && hooks_.unpin_host) hooks_.unpin_host(region.map_base);
+    munmap(region.map_base, region.map_bytes);
+  } else if (hooks_.close_cuda) {
+    hooks_.close_cuda(region.map_base, region.description.device);
+  }
+  region.map_base = nullptr;
+}
+
+}  // namespace attention::server

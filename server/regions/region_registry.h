@@ -1,0 +1,146 @@
+// Shared-memory regions of co-located clients (the SharedMemory service's state): a client puts
+// tensors in memory it shares with the server and sends references (region, offset, size)
+// instead of bytes, so the bytes never cross the socket.
+//
+// A system region is a POSIX shared-memory object, named as shm_open names it ("/name": one
+// leading slash, no other, never a file path), opened read-write without O_CREAT and mapped once
+// at registration. A CUDA region is a cudaIpcMemHandle_t of another process's device memory,
+// opened once on its device through the hooks (this room holds no CUDA code).
+//
+// Security: a region belongs to the owner key that registered it (the bearer token, or the
+// client's connection); other owners see NOT_FOUND, as for an unknown name. Every reference is
+// bounds-checked (offset, size, alignment) before a pointer is handed out. A request holds a Use
+// of each region it references; Unregister waits until no Use is left (bounded by its deadline),
+// so a mapping is never removed under a running request. Limits: regions per owner and the total
+// bytes mapped.
+//
+// Known limit (as for every mmap of memory another process owns): a client that shrinks its
+// shared-memory object (ftruncate) after registering it makes the server's next access beyond the
+// new end fault (SIGBUS). Run the server with --allow_shared_memory only for trusted local
+// clients.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace attention::server {
+
+struct RegionLimits {
+  int max_regions_per_owner = 64;
+  int64_t max_mapped_bytes = int64_t{64} << 30;  // over every owner
+};
+
+// What the device backend does for regions; each may be empty (then: not pinned, and CUDA
+// regions are UNIMPLEMENTED).
+struct RegionHooks {
+  // Registers host memory with the GPU so copies from and to it run at the pinned rate; answers
+  // whether it did. `unpin_host` undoes it before the mapping goes.
+  std::function<bool(void* data, int64_t bytes)> pin_host;
+  std::function<void(void* data)> unpin_host;
+  // Opens the IPC handle's memory on `device`: its base pointer and the allocation's bytes.
+  std::function<absl::StatusOr<std::pair<void*, int64_t>>(absl::string_view handle, int device)>
+      open_cuda;
+  std::function<void(void* base, int device)> close_cuda;
+};
+
+enum class RegionKind { kSystem, kCuda };
+
+struct RegionDescription {
+  std::string name;
+  RegionKind kind = RegionKind::kSystem;
+  std::string key;  // the system key; empty for CUDA regions
+  int device = 0;   // CUDA regions
+  int64_t offset = 0;
+  int64_t byte_size = 0;
+  bool pinned = false;
+};
+
+// Bytes of a region a reference resolved to: host memory (system) or device memory of `device`.
+struct RegionSpan {
+  char* data = nullptr;
+  int64_t size = 0;
+  RegionKind kind = RegionKind::kSystem;
+  int device = 0;
+};
+
+class RegionRegistry {
+ public:
+  // A region held by one request: while any Use of it lives, it stays mapped (Unregister waits).
+  class Use {
+   public:
+    Use(Use&&) = default;
+    Use& operator=(Use&&) = delete;
+    ~Use();
+
+   private:
+    friend class RegionRegistry;
+    struct Region;
+    Use(RegionRegistry* registry, std::shared_ptr<Region> region)
+        : registry_(registry), region_(std::move(region)) {}
+    RegionRegistry* registry_ = nullptr;
+    std::shared_ptr<Region> region_;
+  };
+
+  RegionRegistry(const RegionLimits& limits, RegionHooks hooks);
+  // Unmaps every region; no Use may be left.
+  ~RegionRegistry();
+  RegionRegistry(const RegionRegistry&) = delete;
+  RegionRegistry& operator=(const RegionRegistry&) = delete;
+
+  // Maps bytes [offset, offset + byte_size) of the shared-memory object `key`. INVALID_ARGUMENT
+  // for a bad name, key, offset or size (naming the field), NOT_FOUND when no such object exists,
+  // ALREADY_EXISTS when the owner has a region of that name, RESOURCE_EXHAUSTED over a limit.
+  absl::StatusOr<RegionDescription> RegisterSystem(const std::string& owner,
+                                                   const std::string& name, const std::string& key,
+                                                   int64_t offset, int64_t byte_size);
+  // Opens a CUDA IPC handle (sizeof(cudaIpcMemHandle_t) bytes) on `device`; bytes [offset,
+  // offset + byte_size) of its allocation. UNIMPLEMENTED without the open_cuda hook.
+  absl::StatusOr<RegionDescription> RegisterCuda(const std::string& owner, const std::string& name,
+                                                 const std::string& handle, int device,
+                                                 int64_t offset, int64_t byte_size);
+  // Removes the region once no request holds it; DEADLINE_EXCEEDED (the region stays) when
+  // requests still hold it at `deadline`. NOT_FOUND for unknown names.
+  absl::Status Unregister(const std::string& owner, const std::string& name, absl::Time deadline);
+  std::vector<RegionDescription> List(const std::string& owner) const;
+
+  // Resolves bytes [offset, offset + byte_size) of the owner's region `region` for the request
+  // field `field` (e.g. "q.ref"), the pointer aligned to `alignment`; adds a Use of the region to
+  // `uses`. NOT_FOUND for an unknown region (or another owner's), INVALID_ARGUMENT out of bounds.
+  absl::StatusOr<RegionSpan> Resolve(const std::string& owner, absl::string_view field,
+                                     const std::string& region, int64_t offset, int64_t byte_size,
+                                     int64_t alignment, std::vector<Use>* uses);
+
+  int64_t mapped_bytes() const;
+
+ private:
+  using Region = Use::Region;
+  using Key = std::pair<std::string, std::string>;  // owner, name
+
+  absl::Status CheckRoomLocked(const std::string& owner, const std::string& name,
+                               int64_t bytes) const;
+  absl::StatusOr<RegionDescription> Insert(const std::string& owner,
+                                           std::shared_ptr<Region> region);
+  void Release(Region* region);
+  void Unmap(Region& region);
+
+  const RegionLimits limits_;
+  const RegionHooks hooks_;
+  mutable std::mutex mu_;
+  std::condition_variable released_;                // a Use went away
+  std::map<Key, std::shared_ptr<Region>> regions_;  // guarded by mu_
+  int64_t mapped_bytes_ = 0;                        // guarded by mu_
+};
+
+}  // namespace attention::server

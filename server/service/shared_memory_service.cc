@@ -1,0 +1,174 @@
+#include "server/service/shared_memory_service.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "server/service/security.h"
+#include "server/service/stream_reactor.h"
+
+namespace attention::server {
+namespace {
+
+absl::Status SharedMemoryOff() {
+  return absl::FailedPreconditionError(
+      "shared memory is off on this server (start it with --allow_shared_memory)");
+}
+
+void FillInfo(const RegionDescription& d, v1::RegionInfo* info) {
+  info->set_name(d.name);
+  info->set_kind(d.kind == RegionKind::kSystem ? "system" : "cuda");
+  info->set_key(d.key);
+  info->set_device(d.device);
+  info->set_offset(d.offset);
+  info->set_byte_size(d.byte_size);
+  info->set_pinned(d.pinned);
+}
+
+}  // namespace
+
+std::string RegionOwner(const grpc::CallbackServerContext& context, const std::string& auth_token) {
+  // Keys of the two kinds never collide: a peer starts with its scheme ("ipv4:", "unix:").
+  return auth_token.empty() ? absl::StrCat("peer ", context.peer())
+                            : absl::StrCat("token ", auth_token);
+}
+
+absl::StatusOr<char*> RequestRegions::Resolve(absl::string_view field, const v1::TensorRef& ref,
+                                              int64_t alignment) {
+  if (registry_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(field, ": ", SharedMemoryOff().message()));
+  }
+  if (owner_.empty()) owner_ = RegionOwner(*context_, *auth_token_);
+  absl::StatusOr<RegionSpan> span = registry_->Resolve(owner_, field, ref.region(), ref.offset(),
+                                                       ref.byte_size(), alignment, &uses_);
+  if (!span.ok()) return span.status();
+  if (span->kind == RegionKind::kCuda) {
+    const bool served = cuda_inputs_ && (field == "q.ref" || field == "k.ref" || field == "v.ref" ||
+                                         field == "o_ref");
+    if (!served) {
+      return absl::UnimplementedError(absl::StrCat(
+          field, ": region ", ref.region(),
+          " is CUDA memory, served for Attend's q, k, v and o only; use a system region here"));
+    }
+    if (cuda_device_ >= 0 && span->device != cuda_device_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": expected CUDA memory of cuda:", cuda_device_,
+                       " (as the request's other CUDA tensors), got cuda:", span->device));
+    }
+    cuda_device_ = span->device;
+  }
+  return span->data;
+}
+
+SharedMemoryService::SharedMemoryService(RegionRegistry* registry, std::string auth_token,
+                                         Metrics* metrics)
+    : registry_(registry), auth_token_(std::move(auth_token)), metrics_(metrics) {}
+
+SharedMemoryService::~SharedMemoryService() {
+  std::vector<Waiter> waiters;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    waiters.swap(waiters_);
+  }
+  for (Waiter& w : waiters) w.thread.join();
+}
+
+absl::Status SharedMemoryService::Admit(const grpc::CallbackServerContext& context) const {
+  if (absl::Status auth = CheckBearerToken(context.client_metadata(), auth_token_); !auth.ok()) {
+    return auth;
+  }
+  return registry_ == nullptr ? SharedMemoryOff() : absl::OkStatus();
+}
+
+void SharedMemoryService::Answer(absl::string_view rpc, absl::Time arrival,
+                                 grpc::ServerUnaryReactor* reactor, const absl::Status& status) {
+  metrics_->RequestFinished(rpc, status.code(), absl::Now() - arrival, 0, 0);
+  reactor->Finish(ToGrpcStatus(status));
+}
+
+grpc::ServerUnaryReactor* SharedMemoryService::Register(grpc::CallbackServerContext* context,
+                                                        const v1::RegisterRegionRequest* request,
+                                                        v1::RegionInfo* response) {
+  const absl::Time arrival = absl::Now();
+  metrics_->RequestStarted();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::Status status = Admit(*context);
+  if (status.ok()) {
+    const std::string owner = RegionOwner(*context, auth_token_);
+    absl::StatusOr<RegionDescription> region;
+    switch (request->source_case()) {
+      case v1::RegisterRegionRequest::kSystemKey:
+        region = registry_->RegisterSystem(owner, request->name(), request->system_key(),
+                                           request->offset(), request->byte_size());
+        break;
+      case v1::RegisterRegionRequest::kCudaIpcHandle:
+        region =
+            registry_->RegisterCuda(owner, request->name(), request->cuda_ipc_handle(),
+                                    request->device(), request->offset(), request->byte_size());
+        break;
+      default:
+        region = absl::InvalidArgumentError(
+            "source: expected system_key or cuda_ipc_handle, got neither");
+    }
+    status = region.status();
+    if (region.ok()) FillInfo(*region, response);
+  }
+  Answer("Register", arrival, reactor, status);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SharedMemoryService::Unregister(
+    grpc::CallbackServerContext* context, const v1::UnregisterRegionRequest* request,
+    v1::UnregisterRegionResponse* response) {
+  const absl::Time arrival = absl::Now();
+  metrics_->RequestStarted();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::Status status = Admit(*context);
+  if (!status.ok()) {
+    Answer("Unregister", arrival, reactor, status);
+    return reactor;
+  }
+  const std::string owner = RegionOwner(*context, auth_token_);
+  // Most regions are idle: answer at once. One in use is waited for on a thread of its own, so
+  // gRPC's threads never block.
+  status = registry_->Unregister(owner, request->name(), absl::Now());
+  if (!absl::IsDeadlineExceeded(status)) {
+    Answer("Unregister", arrival, reactor, status);
+    return reactor;
+  }
+  const absl::Time deadline = absl::FromChrono(context->deadline());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    if (it->done->load()) {
+      it->thread.join();
+      it = waiters_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::thread thread([this, owner, name = request->name(), deadline, arrival, reactor, done] {
+    Answer("Unregister", arrival, reactor, registry_->Unregister(owner, name, deadline));
+    done->store(true);
+  });
+  waiters_.push_back(Waiter{std::move(thread), std::move(done)});
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SharedMemoryService::List(grpc::CallbackServerContext* context,
+                                                    const v1::ListRegionsRequest* request,
+                                                    v1::ListRegionsResponse* response) {
+  const absl::Time arrival = absl::Now();
+  metrics_->RequestStarted();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::Status status = Admit(*context);
+  if (status.ok()) {
+    for (const RegionDescription& d : registry_->List(RegionOwner(*context, auth_token_))) {
+      FillInfo(d, response->add_regions());
+    }
+  }
+  Answer("List", arrival, reactor, status);
+  return reactor;
+}
+
+}  // namespace attention::server

@@ -1,0 +1,96 @@
+// The attention.v1.SharedMemory gRPC service (co-located clients), and the adapter through which
+// the Attention and Sessions services resolve a request's TensorRefs in the region registry
+// (server/regions/). Off unless the server runs with --allow_shared_memory: then every call here
+// and every request naming a region is FAILED_PRECONDITION.
+//
+// Owners: a region belongs to the caller's bearer token when the server checks tokens, else to
+// the caller's connection (its peer address and port), so another client of the same host cannot
+// use or see it.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "attention/v1/attention.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "server/metrics/metrics.h"
+#include "server/regions/region_registry.h"
+#include "server/requests/tensor_refs.h"
+
+namespace attention::server {
+
+// The owner key of the caller of `context` (see the file comment).
+std::string RegionOwner(const grpc::CallbackServerContext& context, const std::string& auth_token);
+
+// The TensorRefs of one request of `context`'s caller, resolved in `registry`; the regions stay
+// held until this is destroyed. `registry` null: shared memory is off (FAILED_PRECONDITION).
+// Costs nothing for a request without references. CUDA regions are served for q, k, v and o of
+// Attend (`cuda_inputs`), all on one GPU, which the request then runs on; elsewhere (lse, the
+// Sessions calls, and masked requests: the service refuses those) they are UNIMPLEMENTED: those
+// bytes are read or written on the host.
+class RequestRegions final : public TensorRefResolver {
+ public:
+  RequestRegions(RegionRegistry* registry, const grpc::CallbackServerContext* context,
+                 const std::string* auth_token, bool cuda_inputs = false)
+      : registry_(registry),
+        context_(context),
+        auth_token_(auth_token),
+        cuda_inputs_(cuda_inputs) {}
+  absl::StatusOr<char*> Resolve(absl::string_view field, const v1::TensorRef& ref,
+                                int64_t alignment) override;
+
+  // The GPU ordinal of the CUDA regions referenced, or -1 when none.
+  int cuda_device() const { return cuda_device_; }
+
+ private:
+  RegionRegistry* const registry_;
+  const grpc::CallbackServerContext* const context_;
+  const std::string* const auth_token_;
+  const bool cuda_inputs_;
+  std::string owner_;  // from the first reference on
+  std::vector<RegionRegistry::Use> uses_;
+  int cuda_device_ = -1;
+};
+
+class SharedMemoryService final : public v1::SharedMemory::CallbackService {
+ public:
+  // `registry` null: shared memory is off. `registry` and `metrics` must outlive the service.
+  SharedMemoryService(RegionRegistry* registry, std::string auth_token, Metrics* metrics);
+  // Waits for the Unregister calls still waiting.
+  ~SharedMemoryService() override;
+
+  grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* context,
+                                     const v1::RegisterRegionRequest* request,
+                                     v1::RegionInfo* response) override;
+  grpc::ServerUnaryReactor* Unregister(grpc::CallbackServerContext* context,
+                                       const v1::UnregisterRegionRequest* request,
+                                       v1::UnregisterRegionResponse* response) override;
+  grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* context,
+                                 const v1::ListRegionsRequest* request,
+                                 v1::ListRegionsResponse* response) override;
+
+ private:
+  // The token and the flag; OK when the call may go on.
+  absl::Status Admit(const grpc::CallbackServerContext& context) const;
+  // Records the call's metrics and finishes it.
+  void Answer(absl::string_view rpc, absl::Time arrival, grpc::ServerUnaryReactor* reactor,
+              const absl::Status& status);
+
+  RegionRegistry* const registry_;
+  const std::string auth_token_;
+  Metrics* const metrics_;
+  std::mutex mu_;
+  // Unregister calls waiting for their region's requests, off gRPC's threads; finished ones are
+  // joined when the next one starts, the rest at the end.
+  struct Waiter {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Waiter> waiters_;  // guarded by mu_
+};
+
+}  // namespace attention::server

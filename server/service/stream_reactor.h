@@ -1,0 +1,152 @@
+// One bidirectional stream of requests (AttendStream, StepStream): reads continuously, hands each
+// request to the service's processing as soon as it is read, and writes each response when its
+// request finishes, possibly out of order. A request that fails ends the stream with its status
+// (the message names its request_id) once the responses already computed are written.
+//
+// Every gRPC operation (StartRead, StartWrite, Finish) is started with mu_ held, so the state
+// below and the operations in flight always agree; gRPC runs the reactions (OnReadDone, ...) on
+// its own threads, never inside those calls. The reactor owns itself through self_ until OnDone,
+// and each request in flight holds a reference too, so a worker finishing the last request can
+// never touch a deleted reactor.
+//
+// Thread hops: a request is decoded and queued on the gRPC thread that completed its read (no
+// hop); the scheduler's worker that runs it starts the write of its response (one hop, the
+// queue's); the next read is started before the request is processed, so reading, computing and
+// writing overlap on one stream.
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/quote.h"
+
+namespace attention::server {
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+template <typename Request, typename Response>
+class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
+ public:
+  using Done = absl::AnyInvocable<void(absl::Status) &&>;
+  // Runs one request read from the stream, filling `response`; calls `done` exactly once, inline
+  // or from another thread. `request` and `response` stay valid until then.
+  using Process = absl::AnyInvocable<void(const Request& request, Response* response, Done done)>;
+
+  // `window`: requests the stream may have running or waiting to be written; further reads wait,
+  // so a fast sender is slowed by gRPC flow control instead of filling the queue.
+  StreamReactor(int window, Process process) : window_(window), process_(std::move(process)) {}
+
+  // Starts a stream: the reactor owns itself until gRPC is done with it.
+  static grpc::ServerBidiReactor<Request, Response>* Begin(int window, Process process) {
+    auto reactor = std::make_shared<StreamReactor>(window, std::move(process));
+    std::lock_guard<std::mutex> lock(reactor->mu_);
+    reactor->self_ = reactor;
+    reactor->Advance();
+    return reactor.get();
+  }
+
+  void OnReadDone(bool ok) override {
+    std::unique_ptr<Exchange> exchange;
+    std::shared_ptr<StreamReactor> self;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      exchange = std::move(reading_);
+      if (!ok) reads_done_ = true;
+      if (!ok || Ending()) {  // a request read while the stream ends is dropped unanswered
+        Advance();
+        return;
+      }
+      ++in_flight_;
+      self = self_;
+      Advance();  // the next read, if the window has room, while this one is processed
+    }
+    Exchange* e = exchange.get();
+    process_(e->request, &e->response,
+             [self = std::move(self), exchange = std::move(exchange)](absl::Status status) mutable {
+               self->Processed(std::move(exchange), std::move(status));
+             });
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_.reset();
+    if (!ok) cancelled_ = true;  // the stream broke: nothing more can be written
+    Advance();
+  }
+
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancelled_ = true;
+    Advance();
+  }
+
+  void OnDone() override {
+    std::shared_ptr<StreamReactor> self;
+    std::lock_guard<std::mutex> lock(mu_);
+    self = std::move(self_);  // released after the lock: the last reference deletes this
+  }
+
+ private:
+  struct Exchange {
+    Request request;
+    Response response;
+  };
+
+  void Processed(std::unique_ptr<Exchange> exchange, absl::Status status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    --in_flight_;
+    if (status.ok()) {
+      ready_.push_back(std::move(exchange));
+    } else if (status_.ok()) {
+      status_ = absl::Status(
+          status.code(),
+          absl::StrCat("request ", Quote(exchange->request.request_id()), ": ", status.message()));
+    }
+    Advance();
+  }
+
+  // Needs mu_.
+  bool Ending() const { return finished_ || reads_done_ || cancelled_ || !status_.ok(); }
+
+  // Starts whatever the state allows: the next write, the next read, or Finish. Needs mu_.
+  void Advance() {
+    if (finished_) return;
+    if (cancelled_) ready_.clear();  // nobody is listening
+    if (writing_ == nullptr && !ready_.empty()) {
+      writing_ = std::move(ready_.front());
+      ready_.pop_front();
+      this->StartWrite(&writing_->response);
+    }
+    const int held = in_flight_ + static_cast<int>(ready_.size()) + (writing_ != nullptr);
+    if (!Ending() && reading_ == nullptr && held < window_) {
+      reading_ = std::make_unique<Exchange>();
+      this->StartRead(&reading_->request);
+    }
+    if (Ending() && in_flight_ == 0 && writing_ == nullptr && ready_.empty()) {
+      finished_ = true;
+      // A read may still be outstanding; it completes (not ok) before OnDone.
+      this->Finish(cancelled_ ? grpc::Status::CANCELLED : ToGrpcStatus(status_));
+    }
+  }
+
+  const int window_;
+  Process process_;
+  std::mutex mu_;  // guards all below; a pthread lock, which ThreadSanitizer sees
+  std::shared_ptr<StreamReactor> self_;
+  std::unique_ptr<Exchange> reading_;            // the read outstanding, if any
+  std::unique_ptr<Exchange> writing_;            // the write outstanding, if any
+  std::deque<std::unique_ptr<Exchange>> ready_;  // answered, to be written
+  int in_flight_ = 0;                            // in process_, not yet answered
+  bool reads_done_ = false;
+  bool cancelled_ = false;
+  bool finished_ = false;
+  absl::Status status_;  // the first failure; ends the stream
+};
+
+}  // namespace attention::server

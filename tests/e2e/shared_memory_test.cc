@@ -1,0 +1,461 @@
+// End to end tensors in shared memory (attention.v1.SharedMemory) against the real server on the
+// CPU backend, through the client library (client/shared_memory.h): Attend and Step with inputs
+// and outputs in POSIX shared memory match the float64 reference (or the same call sent inline,
+// bit for bit); every bad reference or registration gets its documented code and writes nothing
+// outside the region (guard bytes around it are checked); regions of one caller are invisible to
+// another; Unregister waits for a running request; without --allow_shared_memory everything is
+// FAILED_PRECONDITION.
+#include "client/shared_memory.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "attention/v1/attention.grpc.pb.h"
+#include "client/reference_check.h"
+#include "client/request_builder.h"
+#include "client/tensors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/blocker.h"
+#include "tests/e2e/e2e_test_util.h"
+
+namespace attention::e2e {
+namespace {
+
+using client::MakeRef;
+using client::PlaceTensor;
+using client::SharedMemoryClient;
+using client::SharedMemoryObject;
+using ::testing::HasSubstr;
+
+constexpr unsigned char kGuard = 0xA5;   // bytes outside the registered range
+constexpr unsigned char kPoison = 0xFF;  // output bytes before a run (a NaN in every dtype)
+constexpr int64_t kGuardBytes = 4096;    // before and after the registered range
+
+// A fresh key per object, so parallel test runs never meet.
+std::string FreshKey(absl::string_view what) {
+  static int counter = 0;
+  return absl::StrCat("/attn-e2e-", getpid(), "-", what, "-", ++counter);
+}
+
+// A shared-memory object of guard + `bytes` + guard, its middle registered as `name`.
+struct GuardedRegion {
+  std::unique_ptr<SharedMemoryObject> object;
+  std::string name;
+  int64_t bytes = 0;
+  char* data() const { return object->data() + kGuardBytes; }
+  bool GuardsIntact() const {
+    for (int64_t i = 0; i < kGuardBytes; ++i) {
+      if (static_cast<unsigned char>(object->data()[i]) != kGuard ||
+          static_cast<unsigned char>(data()[bytes + i]) != kGuard) {
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+absl::StatusOr<GuardedRegion> MakeRegion(SharedMemoryClient& regions, const std::string& name,
+                                         int64_t bytes) {
+  GuardedRegion r;
+  absl::StatusOr<std::unique_ptr<SharedMemoryObject>> object =
+      SharedMemoryObject::Create(FreshKey(name), bytes + 2 * kGuardBytes);
+  if (!object.ok()) return object.status();
+  r.object = *std::move(object);
+  r.name = name;
+  r.bytes = bytes;
+  std::memset(r.object->data(), kGuard, bytes + 2 * kGuardBytes);
+  absl::StatusOr<v1::RegionInfo> info =
+      regions.RegisterSystem(name, r.object->key(), kGuardBytes, bytes);
+  if (!info.ok()) return info.status();
+  EXPECT_EQ(info->kind(), "system");
+  EXPECT_EQ(info->byte_size(), bytes);
+  return r;
+}
+
+int64_t RoundUp(int64_t n) { return (n + 63) / 64 * 64; }
+
+// `request` with q, k, v moved into `region` (laid out one after the other) and o (and lse)
+// directed there; `o_offset` and `lse_offset` get where.
+v1::AttendRequest ByReference(const v1::AttendRequest& request, const GuardedRegion& region,
+                              int64_t* o_offset, int64_t* lse_offset, int64_t* used) {
+  v1::AttendRequest r = request;
+  int64_t at = 0;
+  for (auto [from, to] : {std::pair{&request.q(), r.mutable_q()},
+                          {&request.k(), r.mutable_k()},
+                          {&request.v(), r.mutable_v()}}) {
+    PlaceTensor(*from, region.name, at, region.data(), to);
+    at += RoundUp(static_cast<int64_t>(from->data().size()));
+  }
+  *o_offset = at;
+  const int64_t o_bytes = static_cast<int64_t>(request.q().data().size());
+  *r.mutable_o_ref() = MakeRef(region.name, at, o_bytes);
+  at += RoundUp(o_bytes);
+  *lse_offset = at;
+  if (request.return_lse()) {
+    const int64_t rows = request.q().shape(0) * request.q().shape(1) * request.q().shape(2);
+    *r.mutable_lse_ref() = MakeRef(region.name, at, rows * int64_t{sizeof(float)});
+    at += RoundUp(rows * int64_t{sizeof(float)});
+  }
+  *used = at;
+  return r;
+}
+
+class SharedMemoryE2E : public SharedServerTest<SharedMemoryE2E> {
+ public:
+  static std::vector<std::string> ServerFlags() {
+    return {"--backend=cpu", "--threads=2", "--allow_shared_memory",
+            "--max_shared_memory_regions=6", "--kv_page_bytes=16384"};
+  }
+
+ protected:
+  SharedMemoryClient Regions() { return SharedMemoryClient(client()); }
+};
+
+TEST_F(SharedMemoryE2E, AttendWithTensorsInSharedMemoryMatchesTheReference) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SharedMemoryClient regions = Regions();
+  const std::vector<client::ProblemSpec> specs = {{.batch = 2,
+                                                   .heads_q = 4,
+                                                   .heads_kv = 2,
+                                                   .seqlen_q = 37,
+                                                   .seqlen_k = 53,
+                                                   .head_dim = 32,
+                                                   .dtype = v1::DTYPE_FLOAT32,
+                                                   .causal = true,
+                                                   .return_lse = true},
+                                                  {.batch = 1,
+                                                   .heads_q = 3,
+                                                   .heads_kv = 1,
+                                                   .seqlen_q = 70,
+                                                   .seqlen_k = 19,
+                                                   .head_dim = 64,
+                                                   .dtype = v1::DTYPE_BFLOAT16,
+                                                   .layout = v1::LAYOUT_BSHD,
+                                                   .return_lse = true},
+                                                  {.batch = 3,
+                                                   .heads_q = 2,
+                                                   .heads_kv = 2,
+                                                   .seqlen_q = 1,
+                                                   .seqlen_k = 129,
+                                                   .head_dim = 40,
+                                                   .dtype = v1::DTYPE_FLOAT16,
+                                                   .window_left = 16}};
+  absl::StatusOr<GuardedRegion> region = MakeRegion(regions, "attend", 4 << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  for (const client::ProblemSpec& spec : specs) {
+    absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(spec, rng);
+    ASSERT_TRUE(request.ok()) << request.status();
+    int64_t o_offset = 0, lse_offset = 0, used = 0;
+    const v1::AttendRequest by_ref = ByReference(*request, *region, &o_offset, &lse_offset, &used);
+    ASSERT_LE(used, region->bytes);
+    std::memset(region->data() + o_offset, kPoison, used - o_offset);
+    absl::StatusOr<v1::AttendResponse> response = client().Attend(by_ref);
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_TRUE(response->o().data().empty()) << "o went into the region, not the response";
+    EXPECT_EQ(response->o().shape_size(), request->q().shape_size());
+    // The answer as if it had come inline, from the region's bytes.
+    v1::AttendResponse inline_answer = *response;
+    inline_answer.mutable_o()->set_data(region->data() + o_offset, request->q().data().size());
+    if (spec.return_lse) {
+      const int64_t lse_bytes = by_ref.lse_ref().byte_size();
+      EXPECT_TRUE(response->lse().data().empty());
+      inline_answer.mutable_lse()->set_data(region->data() + lse_offset, lse_bytes);
+    }
+    ExpectCorrect(*request, inline_answer);
+    EXPECT_TRUE(region->GuardsIntact());
+  }
+  // Inputs by reference, output inline; and inline inputs, output into the region.
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(specs[0], rng);
+  ASSERT_TRUE(request.ok());
+  int64_t o_offset = 0, lse_offset = 0, used = 0;
+  v1::AttendRequest mixed = ByReference(*request, *region, &o_offset, &lse_offset, &used);
+  mixed.clear_o_ref();
+  mixed.clear_lse_ref();
+  ExpectCorrect(*request, client().Attend(mixed));
+  v1::AttendRequest out_only = *request;
+  *out_only.mutable_o_ref() = mixed.q().ref();  // q's bytes are o's size: overwrite them
+  out_only.set_return_lse(false);
+  absl::StatusOr<v1::AttendResponse> response = client().Attend(out_only);
+  ASSERT_TRUE(response.ok()) << response.status();
+  v1::AttendResponse inline_answer = *response;
+  inline_answer.mutable_o()->set_data(region->data(), request->q().data().size());
+  ExpectCorrect(out_only, inline_answer);
+  EXPECT_TRUE(regions.Unregister("attend").ok());
+}
+
+TEST_F(SharedMemoryE2E, StepWithTensorsInSharedMemoryEqualsTheSameStepInline) {
+  std::mt19937_64 rng(FreshSeed());
+  SharedMemoryClient regions = Regions();
+  auto stub = v1::Sessions::NewStub(client().channel());
+  const int64_t hkv = 2, hq = 4, d = 32, n = 40, nq = 2;
+  const v1::Tensor k =
+      client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, n, d}, client::RandomNormal(hkv * n * d, rng));
+  const v1::Tensor v =
+      client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, n, d}, client::RandomNormal(hkv * n * d, rng));
+  std::vector<std::string> ids;
+  for (int i = 0; i < 2; ++i) {
+    v1::CreateSessionRequest create;
+    create.set_dtype(v1::DTYPE_FLOAT16);
+    create.set_kv_heads(hkv);
+    create.set_head_dim(d);
+    *create.mutable_k() = k;
+    *create.mutable_v() = v;
+    v1::SessionInfo info;
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub->CreateSession(&context, create, &info).ok());
+    ids.push_back(info.session_id());
+  }
+  absl::StatusOr<GuardedRegion> region = MakeRegion(regions, "step", 1 << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  const v1::Tensor q =
+      client::MakeTensor(v1::DTYPE_FLOAT16, {hq, nq, d}, client::RandomNormal(hq * nq * d, rng));
+  const v1::Tensor k1 =
+      client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, nq, d}, client::RandomNormal(hkv * nq * d, rng));
+  const v1::Tensor v1t =
+      client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, nq, d}, client::RandomNormal(hkv * nq * d, rng));
+  auto step = [&](const std::string& id, bool by_ref) {
+    v1::StepRequest r;
+    r.set_causal(true);
+    v1::StepEntry* e = r.add_entries();
+    e->set_session_id(id);
+    *e->mutable_q() = q;
+    *e->mutable_k() = k1;
+    *e->mutable_v() = v1t;
+    if (by_ref) {
+      PlaceTensor(q, "step", 0, region->data(), e->mutable_q());
+      PlaceTensor(k1, "step", 4096, region->data(), e->mutable_k());
+      PlaceTensor(v1t, "step", 8192, region->data(), e->mutable_v());
+      std::memset(region->data() + 16384, kPoison, q.data().size());
+      *e->mutable_o_ref() = MakeRef("step", 16384, static_cast<int64_t>(q.data().size()));
+    }
+    v1::StepResponse response;
+    grpc::ClientContext context;
+    grpc::Status status = stub->Step(&context, r, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response;
+  };
+  const v1::StepResponse inline_answer = step(ids[0], false);
+  const v1::StepResponse shm_answer = step(ids[1], true);
+  ASSERT_EQ(shm_answer.results_size(), 1);
+  EXPECT_TRUE(shm_answer.results(0).o().data().empty());
+  EXPECT_EQ(shm_answer.results(0).length(), n + nq);
+  ASSERT_EQ(inline_answer.results_size(), 1);
+  EXPECT_EQ(std::string(region->data() + 16384, q.data().size()),
+            inline_answer.results(0).o().data())
+      << "the step by reference differs from the same step inline";
+  EXPECT_TRUE(region->GuardsIntact());
+  EXPECT_TRUE(regions.Unregister("step").ok());
+}
+
+TEST_F(SharedMemoryE2E, BadReferencesGetTheirCodesAndTouchNothingOutsideTheRegion) {
+  std::mt19937_64 rng(FreshSeed());
+  SharedMemoryClient regions = Regions();
+  absl::StatusOr<GuardedRegion> region = MakeRegion(regions, "bad", 1 << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(
+      {.batch = 1, .heads_q = 2, .seqlen_q = 16, .seqlen_k = 16, .head_dim = 32}, rng);
+  ASSERT_TRUE(request.ok());
+  int64_t o_offset = 0, lse_offset = 0, used = 0;
+  const v1::AttendRequest good = ByReference(*request, *region, &o_offset, &lse_offset, &used);
+  std::memset(region->data() + o_offset, kPoison, region->bytes - o_offset);
+  const std::string before(region->data(), region->bytes);
+  const int64_t q_bytes = static_cast<int64_t>(request->q().data().size());
+  struct Case {
+    std::string what;
+    std::function<void(v1::AttendRequest*)> change;
+    absl::StatusCode code;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"q past the end",
+       [&](v1::AttendRequest* r) { r->mutable_q()->mutable_ref()->set_offset(region->bytes - 8); },
+       absl::StatusCode::kInvalidArgument, "q.ref"},
+      {"q at a negative offset",
+       [&](v1::AttendRequest* r) { r->mutable_q()->mutable_ref()->set_offset(-4096); },
+       absl::StatusCode::kInvalidArgument, "q.ref"},
+      {"o past the end",
+       [&](v1::AttendRequest* r) { r->mutable_o_ref()->set_offset(region->bytes - q_bytes + 4); },
+       absl::StatusCode::kInvalidArgument, "o_ref"},
+      {"o offset overflowing",
+       [&](v1::AttendRequest* r) {
+         r->mutable_o_ref()->set_offset(std::numeric_limits<int64_t>::max() - 2);
+       },
+       absl::StatusCode::kInvalidArgument, "o_ref"},
+      {"k misaligned",
+       [&](v1::AttendRequest* r) { r->mutable_k()->mutable_ref()->set_offset(q_bytes + 2); },
+       absl::StatusCode::kInvalidArgument, "k.ref.offset"},
+      {"v's size not its shape's",
+       [&](v1::AttendRequest* r) { r->mutable_v()->mutable_ref()->set_byte_size(q_bytes - 4); },
+       absl::StatusCode::kInvalidArgument, "v.ref.byte_size"},
+      {"o's size not q's",
+       [&](v1::AttendRequest* r) { r->mutable_o_ref()->set_byte_size(q_bytes * 2); },
+       absl::StatusCode::kInvalidArgument, "o_ref.byte_size"},
+      {"data beside a ref",
+       [&](v1::AttendRequest* r) { r->mutable_q()->set_data(request->q().data()); },
+       absl::StatusCode::kInvalidArgument, "q.data"},
+      {"an unknown region",
+       [&](v1::AttendRequest* r) { r->mutable_k()->mutable_ref()->set_region("nope"); },
+       absl::StatusCode::kNotFound, "k.ref.region"},
+      {"an unknown output region",
+       [&](v1::AttendRequest* r) { r->mutable_o_ref()->set_region("nope"); },
+       absl::StatusCode::kNotFound, "o_ref.region"},
+      {"lse_ref without return_lse",
+       [&](v1::AttendRequest* r) { *r->mutable_lse_ref() = MakeRef("bad", 0, 4); },
+       absl::StatusCode::kInvalidArgument, "lse_ref"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    v1::AttendRequest r = good;
+    c.change(&r);
+    absl::StatusOr<v1::AttendResponse> response = client().Attend(r);
+    EXPECT_EQ(response.status().code(), c.code) << response.status();
+    EXPECT_THAT(std::string(response.status().message()), HasSubstr(c.says));
+    EXPECT_TRUE(region->GuardsIntact());
+    EXPECT_TRUE(std::string(region->data(), region->bytes) == before) << "the region changed";
+  }
+  EXPECT_TRUE(regions.Unregister("bad").ok());
+}
+
+TEST_F(SharedMemoryE2E, RegistrationsAreCheckedAndLimited) {
+  SharedMemoryClient regions = Regions();
+  absl::StatusOr<std::unique_ptr<SharedMemoryObject>> object =
+      SharedMemoryObject::Create(FreshKey("reg"), 65536);
+  ASSERT_TRUE(object.ok()) << object.status();
+  const std::string key = (*object)->key();
+  struct Case {
+    std::string what, name, key;
+    int64_t offset, size;
+    absl::StatusCode code;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"a file path", "a", "/dev/shm" + key, 0, 16, absl::StatusCode::kInvalidArgument,
+       "system_key"},
+      {"a relative path", "a", "../../etc/passwd", 0, 16, absl::StatusCode::kInvalidArgument,
+       "system_key"},
+      {"dot-dot", "a", "/..", 0, 16, absl::StatusCode::kInvalidArgument, "system_key"},
+      {"no such object", "a", key + "-missing", 0, 16, absl::StatusCode::kNotFound, "system_key"},
+      {"past the object's end", "a", key, 65536 - 8, 16, absl::StatusCode::kInvalidArgument,
+       "byte_size"},
+      {"a negative offset", "a", key, -1, 16, absl::StatusCode::kInvalidArgument, "offset"},
+      {"no bytes", "a", key, 0, 0, absl::StatusCode::kInvalidArgument, "byte_size"},
+      {"no name", "", key, 0, 16, absl::StatusCode::kInvalidArgument, "name"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    absl::StatusOr<v1::RegionInfo> info = regions.RegisterSystem(c.name, c.key, c.offset, c.size);
+    EXPECT_EQ(info.status().code(), c.code) << info.status();
+    EXPECT_THAT(std::string(info.status().message()), HasSubstr(c.says));
+  }
+  // The same name twice; then the caller's limit (--max_shared_memory_regions=6).
+  ASSERT_TRUE(regions.RegisterSystem("r0", key, 0, 4096).ok());
+  EXPECT_EQ(regions.RegisterSystem("r0", key, 0, 4096).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  int registered = 1;
+  absl::Status last;
+  for (int i = 1; i < 10 && last.ok(); ++i) {
+    last = regions.RegisterSystem(absl::StrCat("r", i), key, 4096 * i, 4096).status();
+    if (last.ok()) ++registered;
+  }
+  EXPECT_EQ(registered, 6);
+  EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
+  absl::StatusOr<v1::ListRegionsResponse> list = regions.List();
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->regions_size(), 6);
+  for (int i = 0; i < registered; ++i) {
+    EXPECT_TRUE(regions.Unregister(absl::StrCat("r", i)).ok());
+  }
+  EXPECT_EQ(regions.Unregister("r0").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SharedMemoryE2E, AnotherCallersRegionIsNotFound) {
+  std::mt19937_64 rng(FreshSeed());
+  SharedMemoryClient regions = Regions();
+  absl::StatusOr<GuardedRegion> region = MakeRegion(regions, "mine", 1 << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  // Another connection: another caller (no tokens on this server).
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  client::Client other(
+      grpc::CreateCustomChannel(process().target(), grpc::InsecureChannelCredentials(), args),
+      client::ClientOptions{});
+  SharedMemoryClient other_regions(other);
+  absl::StatusOr<v1::ListRegionsResponse> list = other_regions.List();
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->regions_size(), 0);
+  EXPECT_EQ(other_regions.Unregister("mine").code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(
+      {.batch = 1, .heads_q = 2, .seqlen_q = 8, .seqlen_k = 8, .head_dim = 16}, rng);
+  ASSERT_TRUE(request.ok());
+  int64_t o_offset = 0, lse_offset = 0, used = 0;
+  const v1::AttendRequest by_ref = ByReference(*request, *region, &o_offset, &lse_offset, &used);
+  std::memset(region->data() + o_offset, kPoison, 64);
+  absl::StatusOr<v1::AttendResponse> response = other.Attend(by_ref);
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kNotFound) << response.status();
+  EXPECT_EQ(static_cast<unsigned char>(region->data()[o_offset]), kPoison);
+  // The owner's call works.
+  EXPECT_TRUE(client().Attend(by_ref).ok());
+  EXPECT_TRUE(regions.Unregister("mine").ok());
+}
+
+TEST_F(SharedMemoryE2E, UnregisterWaitsForTheRequestUsingTheRegion) {
+  std::mt19937_64 rng(FreshSeed());
+  SharedMemoryClient regions = Regions();
+  absl::StatusOr<Blocker> blocker = CalibratedBlocker(client(), absl::Milliseconds(1500), rng);
+  ASSERT_TRUE(blocker.ok()) << blocker.status();
+  const int64_t q_bytes = static_cast<int64_t>(blocker->request.q().data().size());
+  absl::StatusOr<GuardedRegion> region = MakeRegion(regions, "busy", 2 * q_bytes);
+  ASSERT_TRUE(region.ok()) << region.status();
+  v1::AttendRequest r = blocker->request;
+  PlaceTensor(blocker->request.q(), "busy", 0, region->data(), r.mutable_q());
+  *r.mutable_o_ref() = MakeRef("busy", q_bytes, q_bytes);
+  std::future<absl::StatusOr<v1::AttendResponse>> running = client().AttendAsync(r);
+  ASSERT_TRUE(WaitUntilRunning(process().metrics_port()));
+  // Held by the running request: a short deadline passes, and the region stays.
+  const absl::Status early = regions.Unregister("busy", {.deadline = absl::Milliseconds(200)});
+  EXPECT_EQ(early.code(), absl::StatusCode::kDeadlineExceeded) << early;
+  absl::StatusOr<v1::ListRegionsResponse> list = regions.List();
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->regions_size(), 1);
+  // Waits until the request is done with it.
+  EXPECT_TRUE(regions.Unregister("busy").ok());
+  EXPECT_EQ(running.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  absl::StatusOr<v1::AttendResponse> response = running.get();
+  EXPECT_TRUE(response.ok()) << response.status();
+  EXPECT_TRUE(region->GuardsIntact());
+}
+
+TEST(SharedMemoryOffE2E, WithoutTheFlagEverythingIsFailedPrecondition) {
+  absl::StatusOr<RunningServer> server = StartServer({"--backend=cpu", "--threads=1"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  SharedMemoryClient regions(*server->client);
+  absl::StatusOr<std::unique_ptr<SharedMemoryObject>> object =
+      SharedMemoryObject::Create(FreshKey("off"), 65536);
+  ASSERT_TRUE(object.ok());
+  EXPECT_EQ(regions.Register("x", **object).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(regions.List().status().code(), absl::StatusCode::kFailedPrecondition);
+  std::mt19937_64 rng(FreshSeed());
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(
+      {.batch = 1, .heads_q = 1, .seqlen_q = 4, .seqlen_k = 4, .head_dim = 8}, rng);
+  ASSERT_TRUE(request.ok());
+  v1::AttendRequest r = *request;
+  PlaceTensor(request->q(), "x", 0, (*object)->data(), r.mutable_q());
+  absl::StatusOr<v1::AttendResponse> response = server->client->Attend(r);
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(response.status().message()), HasSubstr("--allow_shared_memory"));
+  EXPECT_TRUE(server->Stop().ok());
+}
+
+}  // namespace
+}  // namespace attention::e2e
