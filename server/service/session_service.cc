@@ -41,10 +41,12 @@ absl::Status MissingSessionId() {
 
 double StageSumUs(const StageTimes& t) { return t.h2d_us + t.compute_us + t.d2h_us; }
 
-// `finish`, releasing `refs` (the regions a call references) before it answers.
+// `finish`, releasing `refs` (the regions a call references) before it answers; an OK answer
+// fails when one of them shrank while the call ran.
 absl::AnyInvocable<void(absl::Status) &&> HoldingRegions(
     std::unique_ptr<RequestRegions> refs, absl::AnyInvocable<void(absl::Status) &&> finish) {
   return [refs = std::move(refs), finish = std::move(finish)](absl::Status status) mutable {
+    if (status.ok()) status = refs->Intact();
     refs.reset();
     std::move(finish)(std::move(status));
   };
@@ -472,6 +474,7 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
         last = --call->pending == 0;
       }
       if (!last) return;
+      if (call->status.ok()) call->status = call->refs->Intact();
       v1::StepResponse* response = call->response;
       if (call->status.ok()) {
         response->set_request_id(call->request->request_id());
