@@ -59,9 +59,8 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
       const uintptr_t page = addr & ~(page_bytes - 1);
       // The raw system call: sanitizers wrap mmap, and nothing but the kernel should run here.
       // MAP_NORESERVE: zero pages of a large tail must not fail for commit accounting.
-      const long mapped =
-          syscall(SYS_mmap, page, end - page, PROT_READ | PROT_WRITE,
-                  MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      const long mapped = syscall(SYS_mmap, page, end - page, PROT_READ | PROT_WRITE,
+                                  MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (mapped == -1) break;  // cannot repair: a crash as before
       slot.shrunk.store(true, std::memory_order_release);
       return;  // the access runs again, on the zero pages
