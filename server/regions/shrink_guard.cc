@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <mutex>
 
@@ -20,6 +21,10 @@ struct Slot {
   std::atomic<uintptr_t> end{0};
   std::atomic<bool> shrunk{false};
 };
+
+// Lock-free atomics are what a signal handler may touch.
+static_assert(std::atomic<uintptr_t>::is_always_lock_free &&
+              std::atomic<bool>::is_always_lock_free);
 
 Slot slots[kMaxGuardedMappings];
 struct sigaction previous_action;  // written once, before the handler can run
@@ -46,27 +51,37 @@ void Chain(int sig, siginfo_t* info, void* context) {
   if (info->si_code <= 0) raise(SIGBUS);
 }
 
-void OnSigbus(int sig, siginfo_t* info, void* context) {
+// Repairs a fault inside a guarded mapping; answers whether it did.
+bool Repair(const siginfo_t* info) {
   // si_code > 0: raised by the kernel for an access (BUS_ADRERR past the end of an object);
   // otherwise sent by a process, and si_addr means nothing.
-  if (info->si_code > 0) {
-    const uintptr_t addr = reinterpret_cast<uintptr_t>(info->si_addr);
-    for (Slot& slot : slots) {
-      const uintptr_t begin = slot.begin.load(std::memory_order_acquire);
-      if (begin == 0 || addr < begin) continue;
-      const uintptr_t end = slot.end.load(std::memory_order_acquire);
-      if (addr >= end) continue;
-      const uintptr_t page = addr & ~(page_bytes - 1);
-      // The raw system call: sanitizers wrap mmap, and nothing but the kernel should run here.
-      // MAP_NORESERVE: zero pages of a large tail must not fail for commit accounting.
-      const long mapped = syscall(SYS_mmap, page, end - page, PROT_READ | PROT_WRITE,
-                                  MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (mapped == -1) break;  // cannot repair: a crash as before
-      slot.shrunk.store(true, std::memory_order_release);
-      return;  // the access runs again, on the zero pages
-    }
+  if (info->si_code <= 0) return false;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (Slot& slot : slots) {
+    const uintptr_t begin = slot.begin.load(std::memory_order_acquire);
+    if (begin == 0 || addr < begin) continue;
+    const uintptr_t end = slot.end.load(std::memory_order_acquire);
+    if (addr >= end) continue;
+    const uintptr_t page = addr & ~(page_bytes - 1);
+    // The raw system call: sanitizers wrap mmap, and nothing but the kernel should run here.
+    // MAP_NORESERVE: zero pages of a large tail must not fail for commit accounting.
+    const long mapped = syscall(SYS_mmap, page, end - page, PROT_READ | PROT_WRITE,
+                                MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (mapped == -1) break;  // cannot repair: a crash as before
+    slot.shrunk.store(true, std::memory_order_release);
+    return true;
+  }
+  return false;
+}
+
+void OnSigbus(int sig, siginfo_t* info, void* context) {
+  const int saved_errno = errno;  // the interrupted code's
+  if (Repair(info)) {
+    errno = saved_errno;
+    return;  // the access runs again, on the zero pages
   }
   Chain(sig, info, context);
+  errno = saved_errno;
 }
 
 void InstallHandler() {
