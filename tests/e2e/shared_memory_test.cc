@@ -471,7 +471,7 @@ void Truncate(const SharedMemoryObject& object, int64_t bytes) {
 
 // Each on a server of its own: without the guard, the server dies of SIGBUS here.
 std::vector<std::string> ShrinkServerFlags() {
-  return {"--backend=cpu", "--threads=2", "--allow_shared_memory"};
+  return {"--backend=cpu", "--threads=2", "--allow_shared_memory", "--kv_page_bytes=16384"};
 }
 
 TEST(SharedMemoryShrinkE2E, AnObjectShrunkBeforeARequestIsRefusedAndTheServerServesOn) {
@@ -500,9 +500,23 @@ TEST(SharedMemoryShrinkE2E, AnObjectShrunkBeforeARequestIsRefusedAndTheServerSer
   EXPECT_THAT(message, HasSubstr("ref: region 'shrunk' was registered as bytes [0, "));
   EXPECT_THAT(message, HasSubstr(absl::StrCat("(", 4 * bytes, " bytes)")));
   EXPECT_THAT(message, HasSubstr(absl::StrCat("holds ", bytes, " bytes now")));
-  // Alive and serving; the region is refused until registered again.
+  // Alive and serving; the region is refused until registered again, by the Sessions calls too.
   EXPECT_TRUE(server->client->Attend(*request).ok());
   EXPECT_EQ(server->client->Attend(r).status().code(), absl::StatusCode::kFailedPrecondition);
+  v1::CreateSessionRequest create;
+  create.set_dtype(v1::DTYPE_FLOAT32);
+  create.set_kv_heads(2);
+  create.set_head_dim(32);
+  const v1::Tensor rows =
+      client::MakeTensor(v1::DTYPE_FLOAT32, {2, 8, 32}, client::RandomNormal(2 * 8 * 32, rng));
+  PlaceTensor(rows, "shrunk", 0, (*object)->data(), create.mutable_k());  // inside `bytes`
+  PlaceTensor(rows, "shrunk", 0, (*object)->data(), create.mutable_v());
+  v1::SessionInfo info;
+  grpc::ClientContext context;
+  const grpc::Status created =
+      v1::Sessions::NewStub(server->client->channel())->CreateSession(&context, create, &info);
+  EXPECT_EQ(created.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(created.error_message(), HasSubstr("k.ref: region 'shrunk'"));
   EXPECT_TRUE(regions.Unregister("shrunk").ok());
   EXPECT_TRUE(regions.RegisterSystem("shrunk", (*object)->key(), 0, bytes).ok());
   EXPECT_TRUE(regions.Unregister("shrunk").ok());
