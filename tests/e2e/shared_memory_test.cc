@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <random>
@@ -551,7 +552,12 @@ TEST(SharedMemoryShrinkE2E, AnObjectShrunkDuringARequestFailsItAndTheServerServe
   absl::StatusOr<v1::AttendResponse> response = running.get();
   EXPECT_EQ(response.status().code(), absl::StatusCode::kFailedPrecondition) << response.status();
   EXPECT_THAT(std::string(response.status().message()), HasSubstr("region 'shrinking'"));
-  EXPECT_THAT(std::string(response.status().message()), HasSubstr("faulted"));
+  // The CPU kernel's next access faulted (repaired by the guard). Against another backend
+  // (ATTENTION_E2E_EXTRA_FLAGS=--backend=cuda) a pinned region is copied by DMA, which does not
+  // fault: the object's size, checked at the answer, fails the request there.
+  if (std::getenv("ATTENTION_E2E_EXTRA_FLAGS") == nullptr) {
+    EXPECT_THAT(std::string(response.status().message()), HasSubstr("faulted"));
+  }
   // Alive and serving; the region is refused, and unregisters.
   absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(
       {.batch = 1, .heads_q = 1, .seqlen_q = 8, .seqlen_k = 8, .head_dim = 16}, rng);
