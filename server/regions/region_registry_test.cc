@@ -209,9 +209,10 @@ TEST(RegionRegistryTest, AnAccessPastAShrunkObjectsEndReadsZerosAndFailsItsReque
   EXPECT_TRUE(registry.Unregister("me", "other", absl::Now()).ok());
 }
 
-// A fault outside every region still kills the process (the guard hides no real crash).
+// A fault outside every region still kills the process (the guard hides no real crash). The
+// death tests fork without re-running the test (gtest's "fast" style; this binary starts no
+// threads), so the child uses the parent's objects, which the parent unlinks.
 TEST(RegionRegistryDeathTest, AFaultOutsideEveryRegionStillKills) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
   ShmObject object(4096);
   RegionRegistry registry({}, {});
   ASSERT_TRUE(registry.RegisterSystem("me", "r", object.key(), 0, 4096).ok());  // guard on
@@ -229,7 +230,6 @@ TEST(RegionRegistryDeathTest, AFaultOutsideEveryRegionStillKills) {
 
 // (Under ASan, its own handler, chained, reports it and aborts.)
 TEST(RegionRegistryDeathTest, ASentSigbusStillKills) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
   ShmObject object(4096);
   RegionRegistry registry({}, {});
   ASSERT_TRUE(registry.RegisterSystem("me", "r", object.key(), 0, 4096).ok());
