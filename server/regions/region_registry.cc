@@ -6,25 +6,59 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/quote.h"
+#include "server/regions/shrink_guard.h"
 
 namespace attention::server {
 
 // One registered region. `uses`, `closing` and `removed` are guarded by the registry's mu_; the
-// rest is fixed once inserted.
+// rest is fixed once inserted, but `shrunk`.
 struct RegionRegistry::Use::Region {
   RegionDescription description;
   void* map_base = nullptr;  // system: the mapping (page-aligned); cuda: the IPC base pointer
   size_t map_bytes = 0;      // system: the mapping's length
   char* data = nullptr;      // the region's first byte
+  int fd = -1;               // system: the object, open while mapped (its size is checked)
+  int guard = -1;            // system: the mapping's slot in shrink_guard
+  // System: the object was seen smaller than the region, or an access to the mapping faulted
+  // (shrink_guard put zero pages there). The mapping no longer holds the object's bytes (and a
+  // pinned one's pages may be the object's old ones): no request may use it from then on.
+  std::atomic<bool> shrunk{false};
   int uses = 0;
   int closing = 0;       // Unregister calls waiting: no new Use while any is
   bool removed = false;  // taken out of the registry (by one of them)
+
+  absl::Status Intact(absl::string_view field);
 };
+
+// OK while a system region's mapping still holds its object's bytes; else FAILED_PRECONDITION
+// for `field` (a reference, or the request that used the region), naming the region, the
+// object's size now and the bytes of it the region was registered as. Sets `shrunk` once seen.
+absl::Status RegionRegistry::Use::Region::Intact(absl::string_view field) {
+  const RegionDescription& d = description;
+  if (d.kind != RegionKind::kSystem) return absl::OkStatus();
+  struct stat st;
+  const int64_t size = fstat(fd, &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+  const bool faulted = MappingShrunk(guard);
+  if (!faulted && size >= d.offset + d.byte_size && !shrunk.load()) {
+    return absl::OkStatus();
+  }
+  shrunk.store(true);
+  return absl::FailedPreconditionError(absl::StrCat(
+      field, ": region ", Quote(d.name), " was registered as bytes [", d.offset, ", ",
+      d.offset + d.byte_size, ") (", d.byte_size, " bytes) of ", Quote(d.key), ", which holds ",
+      size, " bytes now",
+      faulted ? " (an access past the object's end faulted: it shrank, or /dev/shm had no room "
+                "for a page)"
+              : "",
+      "; its client shrank it after registering, so the region serves no more requests: "
+      "unregister it and register it again"));
+}
 
 namespace {
 
@@ -164,10 +198,19 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(const std::stri
   void* base = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
                     static_cast<off_t>(map_offset));
   const int map_errno = errno;
-  close(fd);  // the mapping keeps the object
   if (base == MAP_FAILED) {
+    close(fd);
     return absl::ResourceExhaustedError(
         absl::StrCat("mmap of ", map_bytes, " bytes of ", Quote(key), ": ", strerror(map_errno)));
+  }
+  // Guarded before anything touches it (pinning does): a shrink from here on cannot kill us.
+  const int guard = GuardMapping(base, map_bytes);
+  if (guard < 0) {
+    munmap(base, map_bytes);
+    close(fd);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("system_key: the server guards at most ", kMaxGuardedMappings,
+                     " system regions at once (over every caller); unregister some first"));
   }
   auto region = std::make_shared<Region>();
   region->description = RegionDescription{.name = name,
@@ -178,6 +221,8 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(const std::stri
   region->map_base = base;
   region->map_bytes = map_bytes;
   region->data = static_cast<char*>(base) + (offset - map_offset);
+  region->fd = fd;  // kept: each reference checks the object's size
+  region->guard = guard;
   if (hooks_.pin_host) region->description.pinned = hooks_.pin_host(base, map_bytes);
   return Insert(owner, std::move(region));
 }
@@ -291,11 +336,14 @@ absl::StatusOr<RegionSpan> RegionRegistry::Resolve(const std::string& owner,
     }
     ++region->uses;
   }
+  // Held from here (so mapped, its fd open) while its object's size is checked, off the lock.
+  Use use(this, region);
+  if (absl::Status intact = region->Intact(field); !intact.ok()) return intact;
   RegionSpan span{.data = region->data + offset,
                   .size = byte_size,
                   .kind = region->description.kind,
                   .device = region->description.device};
-  uses->push_back(Use(this, std::move(region)));
+  uses->push_back(std::move(use));
   return span;
 }
 
@@ -312,10 +360,16 @@ void RegionRegistry::Release(Region* region) {
   released_.notify_all();
 }
 
+absl::Status RegionRegistry::Use::Intact() const {
+  return region_->Intact("the request's tensors by reference");
+}
+
 void RegionRegistry::Unmap(Region& region) {
   if (region.description.kind == RegionKind::kSystem) {
     if (region.description.pinned && hooks_.unpin_host) hooks_.unpin_host(region.map_base);
+    UnguardMapping(region.guard);  // before munmap: the address range may be reused
     munmap(region.map_base, region.map_bytes);
+    close(region.fd);
   } else if (hooks_.close_cuda) {
     hooks_.close_cuda(region.map_base, region.description.device);
   }

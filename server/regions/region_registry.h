@@ -14,10 +14,12 @@
 // so a mapping is never removed under a running request. Limits: regions per owner and the total
 // bytes mapped.
 //
-// Known limit (as for every mmap of memory another process owns): a client that shrinks its
-// shared-memory object (ftruncate) after registering it makes the server's next access beyond the
-// new end fault (SIGBUS). Run the server with --allow_shared_memory only for trusted local
-// clients.
+// A client may shrink its object (ftruncate) after registering it: each reference checks the
+// object's size (fstat of the fd kept open) and is refused once the object is smaller than the
+// region; an access that faults because it shrank while a request ran is repaired by
+// shrink_guard.h (zero pages over the rest of the mapping), and the request fails when it
+// answers (Use::Intact). Either way the region then serves no more requests: FAILED_PRECONDITION
+// until it is unregistered and registered again.
 #pragma once
 
 #include <condition_variable>
@@ -84,6 +86,12 @@ class RegionRegistry {
     Use& operator=(Use&&) = delete;
     ~Use();
 
+    // Checked when the request that holds it answers: OK while the region (a system one) still
+    // holds its object's bytes; FAILED_PRECONDITION once its object was seen shrunk below it or
+    // an access to it faulted (see shrink_guard.h): what the request read or wrote there is not
+    // the client's data, so it must fail.
+    absl::Status Intact() const;
+
    private:
     friend class RegionRegistry;
     struct Region;
@@ -117,7 +125,8 @@ class RegionRegistry {
 
   // Resolves bytes [offset, offset + byte_size) of the owner's region `region` for the request
   // field `field` (e.g. "q.ref"), the pointer aligned to `alignment`; adds a Use of the region to
-  // `uses`. NOT_FOUND for an unknown region (or another owner's), INVALID_ARGUMENT out of bounds.
+  // `uses`. NOT_FOUND for an unknown region (or another owner's), INVALID_ARGUMENT out of bounds,
+  // FAILED_PRECONDITION when its object shrank (see Use::Intact).
   absl::StatusOr<RegionSpan> Resolve(const std::string& owner, absl::string_view field,
                                      const std::string& region, int64_t offset, int64_t byte_size,
                                      int64_t alignment, std::vector<Use>* uses);

@@ -1,8 +1,10 @@
 // The region registry over real POSIX shared-memory objects: mapping, bounds, owners, limits, the
-// hooks, and Unregister waiting for the requests that hold a region.
+// hooks, Unregister waiting for the requests that hold a region, and objects their client shrinks
+// after registering them (refused references; faulting accesses repaired, not fatal).
 #include "server/regions/region_registry.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -38,6 +40,14 @@ class ShmObject {
   }
   const std::string& key() const { return key_; }
   unsigned char* data() const { return data_; }
+  // As its client may: ftruncate to `bytes`. This process's own mapping must not be touched past
+  // them from then on.
+  void Truncate(int64_t bytes) const {
+    const int fd = shm_open(key_.c_str(), O_RDWR, 0);
+    ASSERT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, bytes), 0);
+    close(fd);
+  }
 
  private:
   static inline int n_ = 0;
@@ -139,6 +149,91 @@ TEST(RegionRegistryTest, UnregisterWaitsForUsesAndConcurrentCallsAllSucceed) {
   for (auto& w : waiting) EXPECT_TRUE(w.get().ok());
   EXPECT_TRUE(registry.List("me").empty());
   EXPECT_EQ(registry.mapped_bytes(), 0);
+}
+
+TEST(RegionRegistryTest, RefusesEveryReferenceOnceItsObjectShrankBelowTheRegion) {
+  ShmObject object(3 * 4096);
+  RegionRegistry registry({}, {});
+  ASSERT_TRUE(registry.RegisterSystem("me", "r", object.key(), 4096, 8192).ok());
+  std::vector<RegionRegistry::Use> uses;
+  ASSERT_TRUE(registry.Resolve("me", "q.ref", "r", 0, 64, 1, &uses).ok());
+  object.Truncate(2 * 4096);
+  // Even bytes still inside the object: the region is not what was registered any more.
+  absl::StatusOr<RegionSpan> span = registry.Resolve("me", "k.ref", "r", 0, 64, 1, &uses);
+  ASSERT_EQ(span.status().code(), absl::StatusCode::kFailedPrecondition) << span.status();
+  const std::string message(span.status().message());
+  EXPECT_NE(message.find("k.ref: region 'r'"), std::string::npos) << message;
+  EXPECT_NE(message.find("[4096, 12288) (8192 bytes)"), std::string::npos) << message;
+  EXPECT_NE(message.find("holds 8192 bytes now"), std::string::npos) << message;
+  EXPECT_EQ(uses.size(), 1u);  // the refused reference holds nothing
+  EXPECT_EQ(uses[0].Intact().code(), absl::StatusCode::kFailedPrecondition);
+  // Grown back, it stays refused (a pinned mapping may hold the old pages): register it again.
+  object.Truncate(3 * 4096);
+  EXPECT_EQ(registry.Resolve("me", "q.ref", "r", 0, 64, 1, &uses).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  uses.clear();
+  ASSERT_TRUE(registry.Unregister("me", "r", absl::Now()).ok());
+  ASSERT_TRUE(registry.RegisterSystem("me", "r", object.key(), 4096, 8192).ok());
+  EXPECT_TRUE(registry.Resolve("me", "q.ref", "r", 0, 64, 1, &uses).ok());
+}
+
+TEST(RegionRegistryTest, AnAccessPastAShrunkObjectsEndReadsZerosAndFailsItsRequest) {
+  ShmObject object(4 * 4096);
+  ShmObject other(4096);
+  int unpinned = 0;
+  RegionRegistry registry({}, {.pin_host = [](void*, int64_t) { return true; },
+                               .unpin_host = [&unpinned](void*) { ++unpinned; }});
+  ASSERT_TRUE(registry.RegisterSystem("me", "r", object.key(), 0, 4 * 4096).ok());
+  ASSERT_TRUE(registry.RegisterSystem("me", "other", other.key(), 0, 4096).ok());
+  std::vector<RegionRegistry::Use> uses;
+  absl::StatusOr<RegionSpan> span = registry.Resolve("me", "v.ref", "r", 0, 4 * 4096, 1, &uses);
+  ASSERT_TRUE(span.ok()) << span.status();
+  EXPECT_EQ(static_cast<unsigned char>(span->data[3 * 4096 + 5]), (3 * 4096 + 5) % 251);
+  // The client shrinks it while the request runs: without the guard, the next line is SIGBUS.
+  object.Truncate(4096);
+  EXPECT_EQ(span->data[3 * 4096 + 5], 0);
+  span->data[2 * 4096] = 9;  // a write completes too (into zero pages of the server's own)
+  EXPECT_EQ(span->data[2 * 4096], 9);
+  EXPECT_EQ(static_cast<unsigned char>(span->data[100]), 100);  // bytes before the end stay
+  const absl::Status intact = uses[0].Intact();
+  EXPECT_EQ(intact.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(intact.message()).find("faulted"), std::string::npos) << intact;
+  EXPECT_EQ(registry.Resolve("me", "q.ref", "r", 0, 8, 1, &uses).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Other regions are untouched.
+  EXPECT_TRUE(registry.Resolve("me", "k.ref", "other", 0, 8, 1, &uses).ok());
+  EXPECT_TRUE(uses[1].Intact().ok());
+  uses.clear();
+  EXPECT_TRUE(registry.Unregister("me", "r", absl::Now()).ok());
+  EXPECT_EQ(unpinned, 1);
+  EXPECT_TRUE(registry.Unregister("me", "other", absl::Now()).ok());
+}
+
+// A fault outside every region still kills the process (the guard hides no real crash). The
+// death tests fork without re-running the test (gtest's "fast" style; this binary starts no
+// threads), so the child uses the parent's objects, which the parent unlinks.
+TEST(RegionRegistryDeathTest, AFaultOutsideEveryRegionStillKills) {
+  ShmObject object(4096);
+  RegionRegistry registry({}, {});
+  ASSERT_TRUE(registry.RegisterSystem("me", "r", object.key(), 0, 4096).ok());  // guard on
+  ShmObject unguarded(2 * 4096);
+  EXPECT_DEATH(
+      {
+        unguarded.Truncate(0);
+        volatile unsigned char* p = unguarded.data();
+        p[4096] = 1;
+      },
+      "");
+  std::vector<RegionRegistry::Use> uses;
+  EXPECT_TRUE(registry.Resolve("me", "q.ref", "r", 0, 8, 1, &uses).ok());
+}
+
+// (Under ASan, its own handler, chained, reports it and aborts.)
+TEST(RegionRegistryDeathTest, ASentSigbusStillKills) {
+  ShmObject object(4096);
+  RegionRegistry registry({}, {});
+  ASSERT_TRUE(registry.RegisterSystem("me", "r", object.key(), 0, 4096).ok());
+  EXPECT_DEATH(raise(SIGBUS), "");
 }
 
 }  // namespace

@@ -84,6 +84,7 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
   response->mutable_timing()->set_decode_us(absl::ToDoubleMicroseconds(absl::Now() - arrival));
   job.done = [this, response, flops = decoded->flops, tokens = decoded->query_tokens,
               refs = std::move(refs), answer = std::move(answer)](JobResult result) mutable {
+    if (result.status.ok()) result.status = refs->Intact();
     refs.reset();  // first: the regions may be unregistered once the caller has its answer
     if (result.status.ok()) {
       v1::ServerTiming* timing = response->mutable_timing();

@@ -41,7 +41,8 @@ absl::Status MissingSessionId() {
 
 double StageSumUs(const StageTimes& t) { return t.h2d_us + t.compute_us + t.d2h_us; }
 
-// `finish`, releasing `refs` (the regions a call references) before it answers.
+// `finish`, releasing `refs` (the regions a call references) before it answers. The call's `run`
+// checks them (RequestRegions::Intact) once it has read them.
 absl::AnyInvocable<void(absl::Status) &&> HoldingRegions(
     std::unique_ptr<RequestRegions> refs, absl::AnyInvocable<void(absl::Status) &&> finish) {
   return [refs = std::move(refs), finish = std::move(finish)](absl::Status status) mutable {
@@ -255,14 +256,19 @@ void SessionService::RunCreate(grpc::CallbackServerContext* context, const std::
   auto refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token);
   absl::StatusOr<DecodedCreate> decoded = DecodeCreate(request, limits_, refs.get());
   if (!decoded.ok()) return std::move(finish)(decoded.status());
+  const RequestRegions* regions = refs.get();  // held by `finish`, which runs after `run`
   finish = HoldingRegions(std::move(refs), std::move(finish));
   absl::StatusOr<int> device = store_->EmptiestDevice();
   if (!device.ok()) return std::move(finish)(device.status());
-  auto run = [this, owner, decoded = *decoded, device = *device, response]() -> absl::Status {
+  auto run = [this, owner, decoded = *decoded, device = *device, response,
+              regions]() -> absl::Status {
     absl::StatusOr<SessionStore::Lease> lease =
         store_->Create(owner, decoded.shape, decoded.rows.rows, device);
     if (!lease.ok()) return lease.status();
-    if (absl::Status status = store_->Append(*lease, decoded.rows); !status.ok()) {
+    absl::Status status = store_->Append(*lease, decoded.rows);
+    // Rows read from a region that shrank meanwhile are not the client's (Intact).
+    if (status.ok()) status = regions->Intact();
+    if (!status.ok()) {
       // The caller never learns the id: remove the session (its pages go when the lease does).
       store_->Drop(owner, lease->id()).IgnoreError();
       return status;
@@ -289,8 +295,10 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
                                              request.has_v() ? &request.v() : nullptr,
                                              request.layout(), place->shape, refs.get());
   if (!rows.ok()) return std::move(finish)(rows.status());
+  const RequestRegions* regions = refs.get();  // held by `finish`, which runs after `run`
   finish = HoldingRegions(std::move(refs), std::move(finish));
-  auto run = [this, owner, id = request.session_id(), rows = *rows, response]() -> absl::Status {
+  auto run = [this, owner, id = request.session_id(), rows = *rows, response,
+              regions]() -> absl::Status {
     absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
     if (!leases.ok()) return leases.status();
     SessionStore::Lease& lease = leases->front();
@@ -298,6 +306,8 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
     const int64_t new_rows[] = {rows.rows};
     RETURN_IF_ERROR(store_->Reserve(held, new_rows));
     RETURN_IF_ERROR(store_->Append(lease, rows));
+    // Rows read from a region that shrank meanwhile are not the client's.
+    RETURN_IF_ERROR(regions->Intact());
     FillInfo(store_->Snapshot(lease), response);
     return absl::OkStatus();
   };
@@ -472,6 +482,7 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
         last = --call->pending == 0;
       }
       if (!last) return;
+      if (call->status.ok()) call->status = call->refs->Intact();
       v1::StepResponse* response = call->response;
       if (call->status.ok()) {
         response->set_request_id(call->request->request_id());

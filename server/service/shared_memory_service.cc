@@ -60,6 +60,13 @@ absl::StatusOr<char*> RequestRegions::Resolve(absl::string_view field, const v1:
   return span->data;
 }
 
+absl::Status RequestRegions::Intact() const {
+  for (const RegionRegistry::Use& use : uses_) {
+    if (absl::Status intact = use.Intact(); !intact.ok()) return intact;
+  }
+  return absl::OkStatus();
+}
+
 SharedMemoryService::SharedMemoryService(RegionRegistry* registry, std::string auth_token,
                                          Metrics* metrics)
     : registry_(registry), auth_token_(std::move(auth_token)), metrics_(metrics) {}

@@ -43,6 +43,10 @@ class RequestRegions final : public TensorRefResolver {
   absl::StatusOr<char*> Resolve(absl::string_view field, const v1::TensorRef& ref,
                                 int64_t alignment) override;
 
+  // Checked before the request answers OK: FAILED_PRECONDITION when a region it used shrank
+  // while it ran (RegionRegistry::Use::Intact), so it fails instead of answering with zeros.
+  absl::Status Intact() const;
+
   // The GPU ordinal of the CUDA regions referenced, or -1 when none.
   int cuda_device() const { return cuda_device_; }
 
