@@ -49,6 +49,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/status_macros.h"
 #include "server/executors/executor.h"
+#include "server/executors/host_memory.h"
 #include "server/metrics/metrics.h"
 #include "server/options/server_options.h"
 #include "server/scheduling/scheduler.h"
@@ -271,7 +272,12 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // Declared after the scheduler, so it stops sampling the scheduler before the scheduler goes.
   const std::unique_ptr<Metrics::SchedulerWatch> watch = metrics.Watch(scheduler);
   DrainGate drain;
-  AttentionService service(options.service, &scheduler, &metrics, &drain);
+  // Where a request's tensors land (their one host copy) and its results are sent from: pinned
+  // for the GPUs' DMAs, freed blocks kept up to twice the message limit.
+  const std::unique_ptr<HostMemory> host_memory =
+      options.backend == "cuda" ? MakePinnedHostMemory(2 * options.service.max_message_bytes)
+                                : MakePageableHostMemory();
+  AttentionService service(options.service, &scheduler, &metrics, &drain, host_memory.get());
   std::unique_ptr<SessionStore> session_store;
   if (!kv_devices->empty()) {
     session_store = std::make_unique<SessionStore>(

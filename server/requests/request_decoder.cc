@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -47,6 +48,13 @@ absl::StatusOr<DType> ToDType(int dtype, absl::string_view field) {
 
 absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const Tensor& t, int rank,
                                     absl::string_view rank_meaning, size_t element_bytes) {
+  return CheckTensor(name, t, static_cast<int64_t>(t.data().size()), rank, rank_meaning,
+                     element_bytes);
+}
+
+absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const Tensor& t, int64_t data_bytes,
+                                    int rank, absl::string_view rank_meaning,
+                                    size_t element_bytes) {
   if (t.shape_size() != rank) {
     return absl::InvalidArgumentError(absl::StrCat(name, ".shape: expected rank ", rank, " (",
                                                    rank_meaning, "), got rank ", t.shape_size(),
@@ -63,10 +71,10 @@ absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const Tensor& t, int
           name, ".shape: expected a size that fits int64, got ", ShapeString(t), " (overflows)"));
     }
   }
-  if (static_cast<int64_t>(t.data().size()) != bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ".data: expected ", bytes, " bytes (shape ", ShapeString(t), " x ",
-                     element_bytes, " bytes), got ", t.data().size()));
+  if (data_bytes != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ".data: expected ", bytes,
+                                                   " bytes (shape ", ShapeString(t), " x ",
+                                                   element_bytes, " bytes), got ", data_bytes));
   }
   return bytes;
 }
@@ -106,6 +114,33 @@ absl::Status CheckCuSeqlens(absl::string_view name,
 absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                                              const DecodeOptions& options,
                                              v1::AttendResponse* response) {
+  ASSIGN_OR_RETURN(
+      DecodedRequest decoded,
+      DecodeRequest(request,
+                    InputTensors{.q_bytes = static_cast<int64_t>(request.q().data().size()),
+                                 .k_bytes = static_cast<int64_t>(request.k().data().size()),
+                                 .v_bytes = static_cast<int64_t>(request.v().data().size()),
+                                 .q = request.q().data().data(),
+                                 .k = request.k().data().data(),
+                                 .v = request.v().data().data()},
+                    options));
+  Tensor* o = response->mutable_o();
+  *o = decoded.o;
+  o->mutable_data()->resize(decoded.o_bytes);
+  decoded.params.o = o->mutable_data()->data();
+  if (request.return_lse()) {
+    Tensor* lse = response->mutable_lse();
+    *lse = decoded.lse;
+    lse->mutable_data()->resize(decoded.lse_bytes);
+    // std::string storage comes from operator new (or the inline buffer), aligned for float.
+    decoded.params.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+  }
+  return decoded;
+}
+
+absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
+                                             const InputTensors& inputs,
+                                             const DecodeOptions& options) {
   // Presence and dtypes first: every later message depends on them.
   for (const auto& [name, present] :
        {std::pair{"q", request.has_q()}, {"k", request.has_k()}, {"v", request.has_v()}}) {
@@ -141,10 +176,12 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
              : (bshd ? "[B, N, H, D] for LAYOUT_BSHD" : "[B, H, N, D] for LAYOUT_BHSD");
   const size_t element_bytes = DTypeSize(dtype);
   int64_t request_bytes = 0;
-  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q", &request.q()},
-                                {"k", &request.k()},
-                                {"v", &request.v()}}) {
-    ASSIGN_OR_RETURN(int64_t bytes, CheckTensor(name, *t, rank, rank_meaning, element_bytes));
+  for (const auto& [name, t, data_bytes] :
+       {std::tuple<const char*, const Tensor*, int64_t>{"q", &request.q(), inputs.q_bytes},
+        {"k", &request.k(), inputs.k_bytes},
+        {"v", &request.v(), inputs.v_bytes}}) {
+    ASSIGN_OR_RETURN(int64_t bytes,
+                     CheckTensor(name, *t, data_bytes, rank, rank_meaning, element_bytes));
     request_bytes += bytes;  // each fits in memory, so the sum cannot overflow
   }
   if (request_bytes > options.max_message_bytes) {
@@ -245,7 +282,7 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   }
 
   // The response: o like q, lse float32 [B, Hq, Nq] (varlen [Hq, total_q]).
-  const int64_t o_bytes = static_cast<int64_t>(q.data().size());
+  const int64_t o_bytes = inputs.q_bytes;
   const int64_t lse_rows = varlen ? p.total_q : p.batch * p.seqlen_q;
   const int64_t lse_bytes = request.return_lse() ? heads_q * lse_rows * int64_t{sizeof(float)} : 0;
   const int64_t response_bytes =
@@ -255,29 +292,24 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                                                      " bytes, over the message limit of ",
                                                      options.max_message_bytes, " bytes"));
   }
-  Tensor* o = response->mutable_o();
-  o->set_dtype(q.dtype());
-  o->mutable_shape()->CopyFrom(q.shape());
-  o->mutable_data()->resize(o_bytes);
-  p.o = o->mutable_data()->data();
+  decoded.o.set_dtype(q.dtype());
+  decoded.o.mutable_shape()->CopyFrom(q.shape());
+  decoded.o_bytes = o_bytes;
   if (request.return_lse()) {
-    Tensor* lse = response->mutable_lse();
-    lse->set_dtype(v1::DTYPE_FLOAT32);
+    decoded.lse.set_dtype(v1::DTYPE_FLOAT32);
     if (varlen) {
-      lse->add_shape(heads_q);
-      lse->add_shape(p.total_q);
+      decoded.lse.add_shape(heads_q);
+      decoded.lse.add_shape(p.total_q);
     } else {
-      lse->add_shape(p.batch);
-      lse->add_shape(heads_q);
-      lse->add_shape(p.seqlen_q);
+      decoded.lse.add_shape(p.batch);
+      decoded.lse.add_shape(heads_q);
+      decoded.lse.add_shape(p.seqlen_q);
     }
-    lse->mutable_data()->resize(lse_bytes);
-    // std::string storage comes from operator new (or the inline buffer), aligned for float.
-    p.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+    decoded.lse_bytes = lse_bytes;
   }
-  p.q = q.data().data();
-  p.k = k.data().data();
-  p.v = v.data().data();
+  p.q = inputs.q;
+  p.k = inputs.k;
+  p.v = inputs.v;
   p.SetContiguousStrides(bshd ? Layout::kBSHD : Layout::kBHSD);
   decoded.params = p;
   return decoded;

@@ -29,10 +29,27 @@ struct DecodeOptions {
   double max_request_flops = 0;
 };
 
+// The bytes of q, k and v, wherever they lie: the request's own data fields, ranges of the bytes
+// gRPC received (wire_message.h), or elsewhere. The sizes are checked against the shapes; the
+// pointers (host memory holding the bytes, or null while only the checks run) go into the params.
+struct InputTensors {
+  int64_t q_bytes = 0, k_bytes = 0, v_bytes = 0;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+};
+
 // A validated request, ready for an executor.
 struct DecodedRequest {
-  // Host pointers into the request (q, k, v, cu_seqlens) and the response (o, lse).
+  // Host pointers into the request (q, k, v, cu_seqlens) and the response (o, lse). The
+  // InputTensors overload of DecodeRequest leaves o and lse null for the caller to place.
   AttentionParams params;
+  // The response's tensors without their data: o (dtype and shape of q), and when asked lse
+  // (float32 [B, Hq, Nq], varlen [Hq, total_q]); their sizes in bytes (lse_bytes 0 when not asked).
+  v1::Tensor o;
+  v1::Tensor lse;
+  int64_t o_bytes = 0;
+  int64_t lse_bytes = 0;
   // Attention FLOPs, 4 * Hq * D per (query row, visible key) pair, counted under the mask.
   double flops = 0;
   // Query rows computed: B * Nq, or total_q for varlen.
@@ -56,6 +73,9 @@ absl::StatusOr<DType> ToDType(int dtype, absl::string_view field);
 // Checks rank, dims (> 0, product fits int64) and byte size of tensor `name`; returns its bytes.
 absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const v1::Tensor& t, int rank,
                                     absl::string_view rank_meaning, size_t element_bytes);
+// The same with the tensor's bytes counted elsewhere: `data_bytes` stands for t.data().size().
+absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const v1::Tensor& t, int64_t data_bytes,
+                                    int rank, absl::string_view rank_meaning, size_t element_bytes);
 
 // The scale and bottom-right aligned window of a request with softmax_scale, window_left,
 // window_right and causal (AttendRequest, StepRequest), for head dim `head_dim`.
@@ -105,5 +125,12 @@ absl::StatusOr<MaskParams> DecodeMask(const Request& request, int64_t head_dim) 
 absl::StatusOr<DecodedRequest> DecodeRequest(const v1::AttendRequest& request,
                                              const DecodeOptions& options,
                                              v1::AttendResponse* response);
+
+// The same checks over `request`'s fields but the tensors' data, whose bytes `inputs` gives; o and
+// lse are described in the result (o, lse, o_bytes, lse_bytes) and left for the caller to place.
+// `request` and the inputs' memory must outlive the result.
+absl::StatusOr<DecodedRequest> DecodeRequest(const v1::AttendRequest& request,
+                                             const InputTensors& inputs,
+                                             const DecodeOptions& options);
 
 }  // namespace attention::server

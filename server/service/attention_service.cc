@@ -4,12 +4,16 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kernels/quote.h"
+#include "kernels/status_macros.h"
 #include "server/service/security.h"
+#include "server/service/wire_buffers.h"
 
 namespace attention::server {
 
@@ -22,28 +26,84 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 AttentionService::AttentionService(const ServiceOptions& options, Scheduler* scheduler,
-                                   Metrics* metrics, DrainGate* drain)
+                                   Metrics* metrics, DrainGate* drain, HostMemory* memory)
     : options_(options),
       decode_options_{.max_message_bytes = options.max_message_bytes,
                       .max_head_dim = options.max_head_dim,
                       .max_request_flops = options.max_request_flops},
       scheduler_(scheduler),
       metrics_(metrics),
-      drain_(drain) {}
+      drain_(drain),
+      own_memory_(memory == nullptr ? MakePageableHostMemory() : nullptr),
+      memory_(memory == nullptr ? own_memory_.get() : memory) {}
+
+namespace {
+
+constexpr int64_t kAlignment = 256;
+int64_t Aligned(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+
+}  // namespace
+
+absl::Status AttentionService::Prepare(const grpc::ByteBuffer& request, Call* call) {
+  const ReceivedBytes received(request);
+  RETURN_IF_ERROR(ParseAttendRequest(received.wire, &call->request));
+  const WireAttendRequest& r = call->request;
+  // Sizes first: nothing is allocated for a request the checks refuse.
+  ASSIGN_OR_RETURN(
+      call->decoded,
+      DecodeRequest(r.header,
+                    InputTensors{.q_bytes = r.q.size, .k_bytes = r.k.size, .v_bytes = r.v.size},
+                    decode_options_));
+  DecodedRequest& d = call->decoded;
+  // One block: q | k | v | o | lse.
+  const int64_t k_offset = Aligned(r.q.size);
+  const int64_t v_offset = k_offset + Aligned(r.k.size);
+  call->o_offset = v_offset + Aligned(r.v.size);
+  call->lse_offset = call->o_offset + Aligned(d.o_bytes);
+  ASSIGN_OR_RETURN(call->memory, memory_->Allocate(call->lse_offset + Aligned(d.lse_bytes)));
+  char* base = call->memory.get();
+  // The one host copy of the tensors.
+  received.wire.CopyTo(r.q.begin, r.q.size, base);
+  received.wire.CopyTo(r.k.begin, r.k.size, base + k_offset);
+  received.wire.CopyTo(r.v.begin, r.v.size, base + v_offset);
+  d.params.q = base;
+  d.params.k = base + k_offset;
+  d.params.v = base + v_offset;
+  d.params.o = base + call->o_offset;
+  if (d.lse_bytes > 0) d.params.lse = reinterpret_cast<float*>(base + call->lse_offset);
+  return absl::OkStatus();
+}
+
+void AttentionService::WriteResponse(const Call& call, grpc::ByteBuffer* response) {
+  const DecodedRequest& d = call.decoded;
+  std::string head = call.response.SerializeAsString();
+  AppendTensorPrefix(AttendResponse::kOFieldNumber, d.o, d.o_bytes, &head);
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(head);
+  slices.push_back(SliceOver(call.memory.get() + call.o_offset, d.o_bytes, call.memory));
+  if (d.lse_bytes > 0) {
+    std::string lse_head;
+    AppendTensorPrefix(AttendResponse::kLseFieldNumber, d.lse, d.lse_bytes, &lse_head);
+    slices.emplace_back(lse_head);
+    slices.push_back(SliceOver(call.memory.get() + call.lse_offset, d.lse_bytes, call.memory));
+  }
+  *response = grpc::ByteBuffer(slices.data(), slices.size());
+}
 
 void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContext* context,
-                               const AttendRequest& request, AttendResponse* response,
+                               grpc::ByteBuffer* request, grpc::ByteBuffer* response, Call* call,
                                absl::AnyInvocable<void(absl::Status) &&> done) {
   const absl::Time arrival = absl::Now();
-  const int64_t request_bytes = static_cast<int64_t>(request.ByteSizeLong());
+  const int64_t request_bytes = static_cast<int64_t>(request->Length());
   metrics_->RequestStarted();
-  auto finish = [this, rpc, arrival, request_bytes, response,
+  auto finish = [this, rpc, arrival, request_bytes, response, call,
                  done = std::move(done)](absl::Status status) mutable {
     const absl::Duration elapsed = absl::Now() - arrival;
     int64_t response_bytes = 0;
     if (status.ok()) {
-      response->mutable_timing()->set_total_us(absl::ToDoubleMicroseconds(elapsed));
-      response_bytes = static_cast<int64_t>(response->ByteSizeLong());
+      call->response.mutable_timing()->set_total_us(absl::ToDoubleMicroseconds(elapsed));
+      WriteResponse(*call, response);
+      response_bytes = static_cast<int64_t>(response->Length());
     }
     metrics_->RequestFinished(rpc, status.code(), elapsed, request_bytes, response_bytes);
     std::move(done)(std::move(status));
@@ -63,23 +123,26 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
     std::move(finish)(std::move(status));
     drain_->Leave();
   };
-  absl::StatusOr<DecodedRequest> decoded = DecodeRequest(request, decode_options_, response);
-  if (!decoded.ok()) return answer(decoded.status());
-  response->set_request_id(request.request_id());
+  absl::Status prepared = Prepare(*request, call);
+  // The tensors are in call->memory now (or refused): give the received slices back, so a
+  // request does not hold twice its size while it waits and computes.
+  request->Clear();
+  if (!prepared.ok()) return answer(std::move(prepared));
+  call->response.set_request_id(call->request.header.request_id());
 
   Job job;
-  job.work = decoded->params;
+  job.work = call->decoded.params;
   job.deadline = absl::FromChrono(context->deadline());
   job.cancelled = [context] { return context->IsCancelled(); };
-  job.done = [this, response, flops = decoded->flops, tokens = decoded->query_tokens,
+  job.done = [this, call, flops = call->decoded.flops, tokens = call->decoded.query_tokens,
               answer = std::move(answer)](JobResult result) mutable {
     if (result.status.ok()) {
-      v1::ServerTiming* timing = response->mutable_timing();
+      v1::ServerTiming* timing = call->response.mutable_timing();
       timing->set_queue_us(absl::ToDoubleMicroseconds(result.queued));
       timing->set_h2d_us(result.stages.h2d_us);
       timing->set_compute_us(result.stages.compute_us);
       timing->set_d2h_us(result.stages.d2h_us);
-      response->set_device(result.device->name);
+      call->response.set_device(result.device->name);
       metrics_->StagesObserved(result.queued, result.stages);
       metrics_->Computed(result.device->name, flops, tokens,
                          result.leads_batch ? result.batch_size : 0);
@@ -90,11 +153,17 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
 }
 
 grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* context,
-                                                   const AttendRequest* request,
-                                                   AttendResponse* response) {
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  Process("Attend", context, *request, response,
-          [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
+  auto call = std::make_shared<Call>();
+  Call* c = call.get();
+  // The handler's own buffer of the received message, read by nothing after Process copies it:
+  // Process clears it to give its slices back early.
+  Process("Attend", context, const_cast<grpc::ByteBuffer*>(request), response, c,
+          [reactor, call = std::move(call)](absl::Status status) {
+            reactor->Finish(ToGrpcStatus(status));
+          });
   return reactor;
 }
 
@@ -104,7 +173,7 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
 // self_ until OnDone, and each request in flight holds a reference too, so a worker finishing the
 // last request can never touch a deleted reactor.
 class AttentionService::StreamReactor final
-    : public grpc::ServerBidiReactor<AttendRequest, AttendResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StreamReactor(AttentionService* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {}
@@ -132,7 +201,7 @@ class AttentionService::StreamReactor final
     }
     Exchange* e = exchange.get();
     service_->Process(
-        "AttendStream", context_, e->request, &e->response,
+        "AttendStream", context_, &e->request, &e->response, &e->call,
         [self = std::move(self), exchange = std::move(exchange)](absl::Status status) mutable {
           self->Processed(std::move(exchange), std::move(status));
         });
@@ -161,8 +230,9 @@ class AttentionService::StreamReactor final
 
  private:
   struct Exchange {
-    AttendRequest request;
-    AttendResponse response;
+    grpc::ByteBuffer request;
+    grpc::ByteBuffer response;
+    Call call;
   };
 
   void Processed(std::unique_ptr<Exchange> exchange, absl::Status status) {
@@ -172,8 +242,8 @@ class AttentionService::StreamReactor final
       ready_.push_back(std::move(exchange));
     } else if (status_.ok()) {
       status_ = absl::Status(
-          status.code(),
-          absl::StrCat("request ", Quote(exchange->request.request_id()), ": ", status.message()));
+          status.code(), absl::StrCat("request ", Quote(exchange->call.request.header.request_id()),
+                                      ": ", status.message()));
     }
     Advance();
   }
@@ -216,7 +286,7 @@ class AttentionService::StreamReactor final
   absl::Status status_;  // the first failure; ends the stream
 };
 
-grpc::ServerBidiReactor<AttendRequest, AttendResponse>* AttentionService::AttendStream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::AttendStream(
     grpc::CallbackServerContext* context) {
   auto reactor = std::make_shared<StreamReactor>(this, context);
   reactor->Start(reactor);
@@ -224,18 +294,23 @@ grpc::ServerBidiReactor<AttendRequest, AttendResponse>* AttentionService::Attend
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
-                                                          const v1::GetServerInfoRequest* request,
-                                                          v1::ServerInfo* response) {
+                                                          const grpc::ByteBuffer* raw_request,
+                                                          grpc::ByteBuffer* raw_response) {
   const absl::Time arrival = absl::Now();
   metrics_->RequestStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (absl::Status auth = CheckBearerToken(context->client_metadata(), options_.auth_token);
-      !auth.ok()) {
-    metrics_->RequestFinished("GetServerInfo", auth.code(), absl::Now() - arrival,
-                              static_cast<int64_t>(request->ByteSizeLong()), 0);
-    reactor->Finish(ToGrpcStatus(auth));
+  const int64_t request_bytes = static_cast<int64_t>(raw_request->Length());
+  absl::Status status = CheckBearerToken(context->client_metadata(), options_.auth_token);
+  v1::GetServerInfoRequest request;
+  if (status.ok()) status = ParseByteBuffer(*raw_request, &request);
+  if (!status.ok()) {
+    metrics_->RequestFinished("GetServerInfo", status.code(), absl::Now() - arrival, request_bytes,
+                              0);
+    reactor->Finish(ToGrpcStatus(status));
     return reactor;
   }
+  v1::ServerInfo info;
+  v1::ServerInfo* response = &info;
   response->set_version(options_.version);
   response->set_backend(options_.backend);
   for (const DeviceDescription* device : scheduler_->devices()) {
@@ -261,9 +336,9 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_max_batch(options_.max_batch);
   limits->set_max_head_dim(options_.max_head_dim);
   limits->set_max_request_flops(options_.max_request_flops);
+  SerializeToByteBuffer(info, raw_response);
   metrics_->RequestFinished("GetServerInfo", absl::StatusCode::kOk, absl::Now() - arrival,
-                            static_cast<int64_t>(request->ByteSizeLong()),
-                            static_cast<int64_t>(response->ByteSizeLong()));
+                            request_bytes, static_cast<int64_t>(raw_response->Length()));
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -1,6 +1,15 @@
 // The attention.v1.Attention gRPC service, on gRPC's callback API: no thread is held per call.
-// Each request is decoded into its own response (request_decoder), queued on the scheduler, and
-// answered from the worker that ran it. absl::Status becomes grpc::Status only here.
+// Its methods are raw (grpc::ByteBuffer in and out): each request is parsed from the slices gRPC
+// received (server/requests/wire_message.h; undecodable bytes get INVALID_ARGUMENT naming the
+// field), decoded (request_decoder), its tensors copied once into host memory of the kind the
+// backend reads (executors/host_memory.h), queued on the scheduler, and answered from the worker
+// that ran it with slices over that same memory. absl::Status becomes grpc::Status only here.
+//
+// Host copies of tensor data per request: 1, the wire's slices -> the host block (q, k, v; by 4
+// threads above 8 MiB). The CUDA runner DMAs from and into that pinned block directly, and the
+// response's o and lse are sent from it in place (gRPC writes the slices to the socket). Before
+// this path there were 4 on a GPU: protobuf's parse into the request's bytes fields, those into
+// pinned staging, staging into the response's bytes fields, and protobuf's serialization.
 #pragma once
 
 #include <condition_variable>
@@ -15,8 +24,10 @@
 #include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "server/executors/host_memory.h"
 #include "server/metrics/metrics.h"
 #include "server/requests/request_decoder.h"
+#include "server/requests/wire_message.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/drain_gate.h"
 
@@ -40,41 +51,64 @@ struct ServiceOptions {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
-class AttentionService final : public v1::Attention::CallbackService {
+// Every method raw: the bytes of a request are ours to parse.
+using AttentionRawService =
+    v1::Attention::WithRawCallbackMethod_Attend<v1::Attention::WithRawCallbackMethod_AttendStream<
+        v1::Attention::WithRawCallbackMethod_GetServerInfo<v1::Attention::Service>>>;
+
+class AttentionService final : public AttentionRawService {
  public:
-  // `scheduler`, `metrics` and `drain` must outlive the service. Once `drain` closes, every new
-  // request, and every new message on an open stream, is answered UNAVAILABLE; requests already
-  // accepted run to the end (their responses handed to gRPC) before it reads drained.
+  // `scheduler`, `metrics`, `drain` and `memory` must outlive the service; `memory` null: plain
+  // host memory. Once `drain` closes, every new request, and every new message on an open
+  // stream, is answered UNAVAILABLE; requests already accepted run to the end (their responses
+  // handed to gRPC) before it reads drained.
   AttentionService(const ServiceOptions& options, Scheduler* scheduler, Metrics* metrics,
-                   DrainGate* drain);
+                   DrainGate* drain, HostMemory* memory = nullptr);
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
   // Reads requests continuously and writes each response when its request finishes, possibly out
   // of order. A request that fails ends the stream with its status (the message names its
   // request_id) once the responses already computed are written.
-  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
-                                          const v1::GetServerInfoRequest* request,
-                                          v1::ServerInfo* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
 
  private:
   class StreamReactor;
 
-  // Runs one request: refuse while draining, decode into `response`, queue, execute, fill the
-  // timing and device, record metrics. Calls `done` exactly once, inline on early errors or from
-  // a worker; `request` and `response` must stay valid until then.
+  // One request on its way: what was parsed and decoded, the host block holding its tensors
+  // (q | k | v | o | lse, each 256-byte aligned) and the response's other fields.
+  struct Call {
+    WireAttendRequest request;
+    DecodedRequest decoded;
+    std::shared_ptr<char> memory;
+    int64_t o_offset = 0, lse_offset = 0;
+    v1::AttendResponse response;  // request_id, timing, device; o and lse are sent from memory
+  };
+
+  // Runs one request: refuse while draining, parse and decode it, copy its tensors into
+  // `call->memory` and give `request`'s slices back, queue, execute, fill the timing and device,
+  // write the response into `response`, record metrics. Calls `done` exactly once, inline on
+  // early errors or from a worker; `request`, `response` and `call` must stay valid until then.
   void Process(absl::string_view rpc, grpc::CallbackServerContext* context,
-               const v1::AttendRequest& request, v1::AttendResponse* response,
+               grpc::ByteBuffer* request, grpc::ByteBuffer* response, Call* call,
                absl::AnyInvocable<void(absl::Status) &&> done);
+  // Parses, decodes and copies `request` into `call` (the steps before the queue).
+  absl::Status Prepare(const grpc::ByteBuffer& request, Call* call);
+  // The response of a finished `call`: its fields, then o and lse as slices over call->memory.
+  static void WriteResponse(const Call& call, grpc::ByteBuffer* response);
 
   const ServiceOptions options_;
   const DecodeOptions decode_options_;
   Scheduler* const scheduler_;
   Metrics* const metrics_;
   DrainGate* const drain_;
+  std::unique_ptr<HostMemory> own_memory_;  // when none was given
+  HostMemory* const memory_;
 };
 
 }  // namespace attention::server

@@ -12,6 +12,7 @@
 #include "server/requests/request_decoder.h"
 #include "server/service/attention_service.h"
 #include "server/service/security.h"
+#include "server/service/wire_buffers.h"
 #include "server/sessions/step_plan.h"
 
 namespace attention::server {
@@ -101,27 +102,36 @@ void SessionService::SweeperLoop() {
   }
 }
 
-grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
-                                                grpc::CallbackServerContext* context,
-                                                const google::protobuf::Message& request,
-                                                const google::protobuf::Message* response,
-                                                Body body) {
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* SessionService::Serve(
+    absl::string_view rpc, grpc::CallbackServerContext* context,
+    const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response,
+    absl::AnyInvocable<void(const Request& request, Response* response, const std::string& owner,
+                            Finish finish) &&>
+        body) {
   const absl::Time arrival = absl::Now();
-  const int64_t request_bytes = static_cast<int64_t>(request.ByteSizeLong());
+  const int64_t request_bytes = static_cast<int64_t>(raw_request->Length());
   metrics_->RequestStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // The call's messages, kept by its finish until it answers.
+  auto messages = std::make_shared<std::pair<Request, Response>>();
   absl::Status status = CheckBearerToken(context->client_metadata(), options_.auth_token);
   const bool entered = status.ok() && drain_->Enter();
   const bool refused = status.ok() && !entered;
   if (refused) status = absl::UnavailableError("server is shutting down");
+  if (status.ok()) status = ParseByteBuffer(*raw_request, &messages->first);
   if (status.ok() && store_ == nullptr) {
     status = absl::UnimplementedError(
         "this server keeps no KV cache: its backend has no paged KV pool, or "
         "--kv_cache_fraction is 0");
   }
-  Finish finish = [this, rpc, arrival, request_bytes, response, reactor,
+  Finish finish = [this, rpc, arrival, request_bytes, messages, raw_response, reactor,
                    entered](absl::Status status) {
-    const int64_t response_bytes = status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0;
+    int64_t response_bytes = 0;
+    if (status.ok()) {
+      SerializeToByteBuffer(messages->second, raw_response);
+      response_bytes = static_cast<int64_t>(raw_response->Length());
+    }
     metrics_->RequestFinished(rpc, status.code(), absl::Now() - arrival, request_bytes,
                               response_bytes);
     reactor->Finish(ToGrpcStatus(status));
@@ -138,7 +148,7 @@ grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
     return reactor;
   }
   // Sessions belong to the caller's token (the one the check above accepted); "" without tokens.
-  std::move(body)(options_.auth_token, std::move(finish));
+  std::move(body)(messages->first, &messages->second, options_.auth_token, std::move(finish));
   return reactor;
 }
 
@@ -164,57 +174,66 @@ void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int 
 }
 
 grpc::ServerUnaryReactor* SessionService::CreateSession(grpc::CallbackServerContext* context,
-                                                        const v1::CreateSessionRequest* request,
-                                                        v1::SessionInfo* response) {
-  return Serve("CreateSession", context, *request, response,
-               [this, context, request, response](const std::string& owner, Finish finish) {
-                 RunCreate(context, owner, *request, response, std::move(finish));
-               });
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  return Serve<v1::CreateSessionRequest, v1::SessionInfo>(
+      "CreateSession", context, request, response,
+      [this, context](const v1::CreateSessionRequest& request, v1::SessionInfo* response,
+                      const std::string& owner, Finish finish) {
+        RunCreate(context, owner, request, response, std::move(finish));
+      });
 }
 
 grpc::ServerUnaryReactor* SessionService::AppendKv(grpc::CallbackServerContext* context,
-                                                   const v1::AppendKvRequest* request,
-                                                   v1::SessionInfo* response) {
-  return Serve("AppendKv", context, *request, response,
-               [this, context, request, response](const std::string& owner, Finish finish) {
-                 RunAppend(context, owner, *request, response, std::move(finish));
-               });
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  return Serve<v1::AppendKvRequest, v1::SessionInfo>(
+      "AppendKv", context, request, response,
+      [this, context](const v1::AppendKvRequest& request, v1::SessionInfo* response,
+                      const std::string& owner, Finish finish) {
+        RunAppend(context, owner, request, response, std::move(finish));
+      });
 }
 
 grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* context,
-                                               const v1::StepRequest* request,
-                                               v1::StepResponse* response) {
-  return Serve("Step", context, *request, response,
-               [this, context, request, response](const std::string& owner, Finish finish) {
-                 RunStep(context, owner, *request, response, std::move(finish));
-               });
+                                               const grpc::ByteBuffer* request,
+                                               grpc::ByteBuffer* response) {
+  return Serve<v1::StepRequest, v1::StepResponse>(
+      "Step", context, request, response,
+      [this, context](const v1::StepRequest& request, v1::StepResponse* response,
+                      const std::string& owner, Finish finish) {
+        RunStep(context, owner, request, response, std::move(finish));
+      });
 }
 
 grpc::ServerUnaryReactor* SessionService::DropSession(grpc::CallbackServerContext* context,
-                                                      const v1::DropSessionRequest* request,
-                                                      v1::DropSessionResponse* response) {
-  return Serve("DropSession", context, *request, response,
-               [this, request](const std::string& owner, Finish finish) {
-                 std::move(finish)(request->session_id().empty()
-                                       ? MissingSessionId()
-                                       : store_->Drop(owner, request->session_id()));
-               });
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* response) {
+  return Serve<v1::DropSessionRequest, v1::DropSessionResponse>(
+      "DropSession", context, request, response,
+      [this](const v1::DropSessionRequest& request, v1::DropSessionResponse*,
+             const std::string& owner, Finish finish) {
+        std::move(finish)(request.session_id().empty() ? MissingSessionId()
+                                                       : store_->Drop(owner, request.session_id()));
+      });
 }
 
 grpc::ServerUnaryReactor* SessionService::ListSessions(grpc::CallbackServerContext* context,
-                                                       const v1::ListSessionsRequest* request,
-                                                       v1::ListSessionsResponse* response) {
-  return Serve("ListSessions", context, *request, response,
-               [this, response](const std::string& owner, Finish finish) {
-                 for (const SessionSnapshot& s : store_->List(owner)) {
-                   FillInfo(s, response->add_sessions());
-                 }
-                 const CacheRoom room = store_->Room();
-                 response->set_page_bytes(room.page_bytes);
-                 response->set_pages_total(room.pages_total);
-                 response->set_pages_free(room.pages_free);
-                 std::move(finish)(absl::OkStatus());
-               });
+                                                       const grpc::ByteBuffer* request,
+                                                       grpc::ByteBuffer* response) {
+  return Serve<v1::ListSessionsRequest, v1::ListSessionsResponse>(
+      "ListSessions", context, request, response,
+      [this](const v1::ListSessionsRequest&, v1::ListSessionsResponse* response,
+             const std::string& owner, Finish finish) {
+        for (const SessionSnapshot& s : store_->List(owner)) {
+          FillInfo(s, response->add_sessions());
+        }
+        const CacheRoom room = store_->Room();
+        response->set_page_bytes(room.page_bytes);
+        response->set_pages_total(room.pages_total);
+        response->set_pages_free(room.pages_free);
+        std::move(finish)(absl::OkStatus());
+      });
 }
 
 void SessionService::RunCreate(grpc::CallbackServerContext* context, const std::string& owner,

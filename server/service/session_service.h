@@ -44,7 +44,13 @@ struct SessionServiceOptions {
   absl::Duration sweep_interval = absl::Seconds(1);
 };
 
-class SessionService final : public v1::Sessions::CallbackService {
+// Every method raw: the bytes of a request are ours to parse (wire_buffers.h says why).
+using SessionsRawService =
+    v1::Sessions::WithRawCallbackMethod_CreateSession<v1::Sessions::WithRawCallbackMethod_AppendKv<
+        v1::Sessions::WithRawCallbackMethod_Step<v1::Sessions::WithRawCallbackMethod_DropSession<
+            v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>;
+
+class SessionService final : public SessionsRawService {
  public:
   // `store` may be null: the server keeps no KV cache (its backend has no page pool), and every
   // call is answered UNIMPLEMENTED. The store's device d is the scheduler's executor d. `store`,
@@ -57,33 +63,37 @@ class SessionService final : public v1::Sessions::CallbackService {
   SessionService& operator=(const SessionService&) = delete;
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
-                                          const v1::CreateSessionRequest* request,
-                                          v1::SessionInfo* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* AppendKv(grpc::CallbackServerContext* context,
-                                     const v1::AppendKvRequest* request,
-                                     v1::SessionInfo* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
-                                 const v1::StepRequest* request,
-                                 v1::StepResponse* response) override;
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* DropSession(grpc::CallbackServerContext* context,
-                                        const v1::DropSessionRequest* request,
-                                        v1::DropSessionResponse* response) override;
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
-                                         const v1::ListSessionsRequest* request,
-                                         v1::ListSessionsResponse* response) override;
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
 
  private:
   struct StepCall;
   // How a call's body answers: `finish` once, from this thread or from a scheduler worker.
   using Finish = absl::AnyInvocable<void(absl::Status) &&>;
-  using Body = absl::AnyInvocable<void(const std::string& owner, Finish finish) &&>;
 
-  // Answers one call: checks the token, the drain and the store, then runs `body`, which answers
-  // through the `finish` it is given (recording metrics and leaving the drain gate). `body` gets
-  // the caller's owner key.
-  grpc::ServerUnaryReactor* Serve(absl::string_view rpc, grpc::CallbackServerContext* context,
-                                  const google::protobuf::Message& request,
-                                  const google::protobuf::Message* response, Body body);
+  // Answers one call: checks the token, the drain, that `raw_request` parsed as a `Request` and
+  // the store, then runs `body` over the parsed request and a response, which answers through
+  // the `finish` it is given (serializing the response into `raw_response`, recording metrics
+  // and leaving the drain gate). `body` gets the caller's owner key.
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* Serve(
+      absl::string_view rpc, grpc::CallbackServerContext* context,
+      const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response,
+      absl::AnyInvocable<void(const Request& request, Response* response, const std::string& owner,
+                              Finish finish) &&>
+          body);
   // Queues `run` as device work on `device` for the call of `context`, holding `sessions`.
   void SubmitDeviceWork(grpc::CallbackServerContext* context, int device,
                         std::vector<std::string> sessions,

@@ -1,0 +1,162 @@
+// Memory bounded for what is refused: a request over the message limit costs the server's resident
+// memory at most about the limit plus a few MiB however large it is, four at once at most four
+// times that, and a small gzip request that would inflate far over the limit is refused before it
+// is inflated. Measured on the real server (CPU backend) by polling its VmRSS while the requests
+// are in flight.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/e2e_test_util.h"
+#include "tests/reliability/reliability_util.h"
+
+namespace attention::reliability {
+namespace {
+
+using e2e::RunningServer;
+using e2e::StartServer;
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+constexpr int64_t kLimitMiB = 8;
+// Headroom a refusal may cost beyond the limit: read buffers, HTTP/2 frames, allocator slack.
+constexpr int64_t kSlackMiB = 8;
+
+// The server's resident set, polled every 2 ms while `run` runs; returns the peak over what it
+// held before.
+int64_t PeakGrowth(pid_t pid, const std::function<void()>& run) {
+  const int64_t before = ResidentBytes(pid).value_or(0);
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> peak{before};
+  std::thread poller([&] {
+    while (!done.load()) {
+      const int64_t now = ResidentBytes(pid).value_or(0);
+      peak.store(std::max(peak.load(), now));
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  run();
+  // Memory freed lazily still shows for a moment after the answers.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  done.store(true);
+  poller.join();
+  return peak.load() - before;
+}
+
+grpc::Status RawAttend(const std::shared_ptr<grpc::Channel>& channel, const std::string& bytes,
+                       bool gzip) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  if (gzip) context.set_compression_algorithm(GRPC_COMPRESS_GZIP);
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  stub.UnaryCall(&context, "/attention.v1.Attention/Attend", {}, &request, &response,
+                 [&](grpc::Status s) {
+                   std::lock_guard<std::mutex> lock(mu);
+                   status = std::move(s);
+                   done = true;
+                   cv.notify_one();
+                 });
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return done; });
+  return status;
+}
+
+// `mib` MiB that claim to be an AttendRequest: q's tag and length, then its bytes.
+std::string LargeRequest(int64_t mib) {
+  std::string bytes(mib * kMiB, '\x01');
+  const uint64_t length = bytes.size() - 6;
+  bytes[0] = '\x12';  // q, length-delimited; a 5-byte varint length follows
+  for (int i = 0; i < 5; ++i) bytes[1 + i] = static_cast<char>(((length >> (7 * i)) & 0x7f) | (i < 4 ? 0x80 : 0));
+  return bytes;
+}
+
+std::shared_ptr<grpc::Channel> UnlimitedChannel(const std::string& target) {
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(-1);
+  args.SetMaxReceiveMessageSize(-1);
+  // Not shared with other channels: each test call gets its own connection.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+class MemoryBoundTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<RunningServer> server = StartServer(
+        {"--backend=cpu", "--threads=1", absl::StrCat("--max_message_mb=", kLimitMiB),
+         "--kv_cache_fraction=0"});
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::make_unique<RunningServer>(std::move(*server));
+  }
+  void TearDown() override {
+    if (server_ != nullptr) EXPECT_TRUE(server_->Stop().ok());
+  }
+  std::unique_ptr<RunningServer> server_;
+};
+
+TEST_F(MemoryBoundTest, OverLimitRequestsCostAtMostTheLimit) {
+  const std::string big = LargeRequest(96);
+  const pid_t pid = server_->process->pid();
+  // One connection first, so the server's own start-up allocations are done.
+  std::shared_ptr<grpc::Channel> warm = UnlimitedChannel(server_->process->target());
+  EXPECT_EQ(RawAttend(warm, LargeRequest(1), false).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+
+  const int64_t one = PeakGrowth(pid, [&] {
+    const grpc::Status status = RawAttend(warm, big, false);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  });
+  EXPECT_LE(one, (kLimitMiB + kSlackMiB) * kMiB) << "one 96 MiB request grew the server by "
+                                                 << one / kMiB << " MiB";
+
+  constexpr int kAtOnce = 4;
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int i = 0; i < kAtOnce; ++i) channels.push_back(UnlimitedChannel(server_->process->target()));
+  const int64_t four = PeakGrowth(pid, [&] {
+    std::vector<std::thread> senders;
+    for (int i = 0; i < kAtOnce; ++i) {
+      senders.emplace_back([&, i] {
+        const grpc::Status status = RawAttend(channels[i], big, false);
+        EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+            << status.error_message();
+      });
+    }
+    for (std::thread& t : senders) t.join();
+  });
+  EXPECT_LE(four, kAtOnce * (kLimitMiB + kSlackMiB) * kMiB)
+      << kAtOnce << " 96 MiB requests at once grew the server by " << four / kMiB << " MiB";
+}
+
+TEST_F(MemoryBoundTest, CompressedRequestsAreRefusedBeforeInflating) {
+  // 128 MiB of zeros: ~130 KB in gzip.
+  const std::string zeros(128 * kMiB, '\0');
+  std::shared_ptr<grpc::Channel> channel = UnlimitedChannel(server_->process->target());
+  EXPECT_EQ(RawAttend(channel, LargeRequest(1), false).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  grpc::Status status;
+  const int64_t growth =
+      PeakGrowth(server_->process->pid(), [&] { status = RawAttend(channel, zeros, true); });
+  EXPECT_FALSE(status.ok());
+  EXPECT_LE(growth, (kLimitMiB + kSlackMiB) * kMiB)
+      << "a gzip request inflating to 128 MiB grew the server by " << growth / kMiB << " MiB ("
+      << status.error_code() << " " << status.error_message() << ")";
+}
+
+}  // namespace
+}  // namespace attention::reliability
