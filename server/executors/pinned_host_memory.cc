@@ -46,7 +46,8 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
       block = static_cast<char*>(fresh);
     }
     std::shared_ptr<PinnedPool> self = shared_from_this();
-    return std::shared_ptr<char>(block, [self, block_size](char* p) { self->Release(p, block_size); });
+    return std::shared_ptr<char>(block,
+                                 [self, block_size](char* p) { self->Release(p, block_size); });
   }
 
  private:

@@ -29,9 +29,8 @@ int WireBytes::PieceOf(int64_t pos) const {
       pos < starts_[last_] + static_cast<int64_t>(pieces_[last_].size())) {
     return last_;
   }
-  last_ = static_cast<int>(std::upper_bound(starts_.begin(), starts_.end(), pos) -
-                           starts_.begin()) -
-          1;
+  last_ =
+      static_cast<int>(std::upper_bound(starts_.begin(), starts_.end(), pos) - starts_.begin()) - 1;
   return last_;
 }
 
@@ -47,8 +46,8 @@ uint8_t WireBytes::At(int64_t pos) const {
 
 void WireBytes::CopySerial(int64_t begin, int64_t length, char* dst) const {
   if (length == 0) return;
-  const int first = static_cast<int>(
-      std::upper_bound(starts_.begin(), starts_.end(), begin) - starts_.begin() - 1);
+  const int first = static_cast<int>(std::upper_bound(starts_.begin(), starts_.end(), begin) -
+                                     starts_.begin() - 1);
   for (int i = first; length > 0; ++i) {
     const int64_t offset = begin - starts_[i];
     const int64_t n = std::min<int64_t>(length, static_cast<int64_t>(pieces_[i].size()) - offset);
@@ -98,7 +97,7 @@ enum WireType : int {
 };
 
 std::string WireTypeString(int wire_type) {
-  static constexpr const char* kNames[] = {"varint",    "64-bit",    "length-delimited",
+  static constexpr const char* kNames[] = {"varint",      "64-bit",    "length-delimited",
                                            "start-group", "end-group", "32-bit"};
   if (wire_type < 0 || wire_type > 5) return absl::StrCat(wire_type, " (invalid)");
   return absl::StrCat(wire_type, " (", kNames[wire_type], ")");
@@ -163,9 +162,9 @@ class Walker {
 
   // Checks the fields of [begin, end) as message `type` (nested messages of known fields too) and
   // calls `on_field` for each field of this level.
-  absl::Status Walk(int64_t begin, int64_t end, const Descriptor* type, absl::string_view path,
-                    absl::FunctionRef<absl::Status(const WireField&, const FieldDescriptor*)>
-                        on_field) const {
+  absl::Status Walk(
+      int64_t begin, int64_t end, const Descriptor* type, absl::string_view path,
+      absl::FunctionRef<absl::Status(const WireField&, const FieldDescriptor*)> on_field) const {
     int64_t pos = begin;
     while (pos < end) {
       WireField f;
@@ -175,9 +174,9 @@ class Walker {
       f.number = static_cast<int>(std::min<uint64_t>(tag >> 3, uint64_t{1} << 30));
       f.wire_type = static_cast<int>(tag & 7);
       if (f.number == 0 || f.number > FieldDescriptor::kMaxNumber) {
-        return Error(path, absl::StrCat("field number ", tag >> 3, " at byte ", f.begin,
-                                        " is invalid (expected 1..", FieldDescriptor::kMaxNumber,
-                                        ")"));
+        return Error(path,
+                     absl::StrCat("field number ", tag >> 3, " at byte ", f.begin,
+                                  " is invalid (expected 1..", FieldDescriptor::kMaxNumber, ")"));
       }
       const FieldDescriptor* field = type->FindFieldByNumber(f.number);
       const std::string name = FieldName(path, field, f.number);
@@ -335,20 +334,19 @@ absl::Status ParseAttendRequest(const WireBytes& wire, WireAttendRequest* reques
         WireRange* range = f.number == v1::AttendRequest::kQFieldNumber   ? &request->q
                            : f.number == v1::AttendRequest::kKFieldNumber ? &request->k
                                                                           : &request->v;
-        v1::Tensor* tensor_header =
-            static_cast<v1::Tensor*>(request->header.GetReflection()->MutableMessage(
-                &request->header, field));
+        v1::Tensor* tensor_header = static_cast<v1::Tensor*>(
+            request->header.GetReflection()->MutableMessage(&request->header, field));
         std::string tensor_bytes;
-        RETURN_IF_ERROR(walker.Walk(
-            f.value_begin, f.end, v1::Tensor::descriptor(), field->name(),
-            [&](const WireField& t, const FieldDescriptor*) {
-              if (t.number == v1::Tensor::kDataFieldNumber) {
-                *range = WireRange{.begin = t.value_begin, .size = t.end - t.value_begin};
-              } else {
-                tensor_bytes += wire.Substr(t.begin, t.end - t.begin);
-              }
-              return absl::OkStatus();
-            }));
+        RETURN_IF_ERROR(walker.Walk(f.value_begin, f.end, v1::Tensor::descriptor(), field->name(),
+                                    [&](const WireField& t, const FieldDescriptor*) {
+                                      if (t.number == v1::Tensor::kDataFieldNumber) {
+                                        *range = WireRange{.begin = t.value_begin,
+                                                           .size = t.end - t.value_begin};
+                                      } else {
+                                        tensor_bytes += wire.Substr(t.begin, t.end - t.begin);
+                                      }
+                                      return absl::OkStatus();
+                                    }));
         if (!tensor_header->MergeFromString(tensor_bytes)) {
           return Walker::Error(field->name(), "protobuf cannot parse its fields");
         }
@@ -372,8 +370,8 @@ absl::Status ParseMessage(const WireBytes& wire, google::protobuf::Message* mess
   return absl::OkStatus();
 }
 
-void AppendTensorPrefix(int field_number, const v1::Tensor& tensor_without_data,
-                        int64_t data_bytes, std::string* out) {
+void AppendTensorPrefix(int field_number, const v1::Tensor& tensor_without_data, int64_t data_bytes,
+                        std::string* out) {
   auto varint = [out](uint64_t value) {
     while (value >= 0x80) {
       out->push_back(static_cast<char>(value | 0x80));

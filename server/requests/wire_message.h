@@ -71,7 +71,7 @@ absl::Status ParseMessage(const WireBytes& wire, google::protobuf::Message* mess
 // The encoding of a Tensor whose data the caller sends as a separate piece: the field tag of
 // `field_number` in the outer message, the lengths, dtype and shape, and the data field's tag and
 // length; `data_bytes` of data follow it on the wire. Appends to `out`.
-void AppendTensorPrefix(int field_number, const v1::Tensor& tensor_without_data,
-                        int64_t data_bytes, std::string* out);
+void AppendTensorPrefix(int field_number, const v1::Tensor& tensor_without_data, int64_t data_bytes,
+                        std::string* out);
 
 }  // namespace attention::server

@@ -109,9 +109,9 @@ std::vector<Bad> BadRequests() {
   // q (field 2) as a varint.
   bad.push_back({"wrong wire type", std::string("\x10\x05", 2), {"q", "wire type"}});
   // request_id's length as an 11-byte varint.
-  bad.push_back(
-      {"overlong varint", std::string("\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 12),
-       {"request_id", "overlong varint"}});
+  bad.push_back({"overlong varint",
+                 std::string("\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 12),
+                 {"request_id", "overlong varint"}});
   bad.push_back({"invalid utf-8", std::string("\x0a\x02\xc3\x28", 4), {"request_id", "UTF-8"}});
   bad.push_back({"field number 0", std::string("\x02\x00", 2), {"field number 0"}});
   bad.push_back({"group", std::string("\x1b\x1c", 2), {"wire type 3"}});
