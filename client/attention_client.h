@@ -79,6 +79,14 @@ class Client {
   absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request,
                                             const CallOptions& call = {});
 
+  // Attend through Attention.AttendChunked: q, k and v sent in chunks of `chunk_bytes` from the
+  // request's own bytes (no copy: gRPC reads the slices in place), o and lse received in chunks.
+  // For tensors over 2 GiB (protobuf's message ceiling) or near the message limit, and for
+  // spreading one big call's bytes over HTTP/2 frames while other calls use other connections.
+  absl::StatusOr<v1::AttendResponse> AttendChunked(const v1::AttendRequest& request,
+                                                   int64_t chunk_bytes,
+                                                   const CallOptions& call = {});
+
   // Starts Attend without blocking; `done` runs once, on a gRPC thread, with the result. The
   // request is copied, so the caller may drop it at once; the call's own state is gone before
   // `done` runs, so the Client may be destroyed as soon as the result is in (not from `done`).

@@ -70,6 +70,9 @@ ABSL_FLAG(int, workers, 0,
           "Scheduler worker threads (batches run at once); 0 = --streams x GPUs for cuda, 2 for "
           "cpu.");
 ABSL_FLAG(int, max_message_mb, 1024, "Largest gRPC message received or sent, MiB (1..2047).");
+ABSL_FLAG(int64_t, max_chunked_request_mb, 8192,
+          "Largest q + k + v (and o + lse) of one AttendChunked request, MiB; its chunks are "
+          "messages under --max_message_mb.");
 ABSL_FLAG(int, receive_memory_mb, 0,
           "Memory gRPC may hold for requests being received, all connections together, MiB; "
           "beyond it the stream being filled is cancelled, so a request over the message limit "
@@ -463,6 +466,7 @@ int main(int argc, char** argv) {
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.service.version = ATTENTION_VERSION;
   options.service.max_message_bytes = int64_t{max_message_mb} << 20;
+  options.service.max_chunked_request_bytes = absl::GetFlag(FLAGS_max_chunked_request_mb) << 20;
   options.service.max_queue = options.scheduler.max_queue;
   options.service.max_batch = absl::GetFlag(FLAGS_max_batch);
 

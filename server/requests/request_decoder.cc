@@ -71,7 +71,7 @@ absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const Tensor& t, int
           name, ".shape: expected a size that fits int64, got ", ShapeString(t), " (overflows)"));
     }
   }
-  if (data_bytes != bytes) {
+  if (data_bytes >= 0 && data_bytes != bytes) {
     return absl::InvalidArgumentError(absl::StrCat(name, ".data: expected ", bytes,
                                                    " bytes (shape ", ShapeString(t), " x ",
                                                    element_bytes, " bytes), got ", data_bytes));
@@ -176,12 +176,15 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
              : (bshd ? "[B, N, H, D] for LAYOUT_BSHD" : "[B, H, N, D] for LAYOUT_BHSD");
   const size_t element_bytes = DTypeSize(dtype);
   int64_t request_bytes = 0;
+  int64_t tensor_bytes[3] = {0, 0, 0};
+  int tensor_index = 0;
   for (const auto& [name, t, data_bytes] :
        {std::tuple<const char*, const Tensor*, int64_t>{"q", &request.q(), inputs.q_bytes},
         {"k", &request.k(), inputs.k_bytes},
         {"v", &request.v(), inputs.v_bytes}}) {
     ASSIGN_OR_RETURN(int64_t bytes,
                      CheckTensor(name, *t, data_bytes, rank, rank_meaning, element_bytes));
+    tensor_bytes[tensor_index++] = bytes;
     request_bytes += bytes;  // each fits in memory, so the sum cannot overflow
   }
   if (request_bytes > options.max_message_bytes) {
@@ -282,7 +285,7 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   }
 
   // The response: o like q, lse float32 [B, Hq, Nq] (varlen [Hq, total_q]).
-  const int64_t o_bytes = inputs.q_bytes;
+  const int64_t o_bytes = tensor_bytes[0];
   const int64_t lse_rows = varlen ? p.total_q : p.batch * p.seqlen_q;
   const int64_t lse_bytes = request.return_lse() ? heads_q * lse_rows * int64_t{sizeof(float)} : 0;
   const int64_t response_bytes =
@@ -295,6 +298,9 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   decoded.o.set_dtype(q.dtype());
   decoded.o.mutable_shape()->CopyFrom(q.shape());
   decoded.o_bytes = o_bytes;
+  decoded.q_bytes = tensor_bytes[0];
+  decoded.k_bytes = tensor_bytes[1];
+  decoded.v_bytes = tensor_bytes[2];
   if (request.return_lse()) {
     decoded.lse.set_dtype(v1::DTYPE_FLOAT32);
     if (varlen) {

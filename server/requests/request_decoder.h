@@ -32,6 +32,7 @@ struct DecodeOptions {
 // The bytes of q, k and v, wherever they lie: the request's own data fields, ranges of the bytes
 // gRPC received (wire_message.h), or elsewhere. The sizes are checked against the shapes; the
 // pointers (host memory holding the bytes, or null while only the checks run) go into the params.
+// A size of -1: the bytes are still to come (AttendChunked), the shape alone decides.
 struct InputTensors {
   int64_t q_bytes = 0, k_bytes = 0, v_bytes = 0;
   const void* q = nullptr;
@@ -50,6 +51,8 @@ struct DecodedRequest {
   v1::Tensor lse;
   int64_t o_bytes = 0;
   int64_t lse_bytes = 0;
+  // The sizes of q, k and v as their shapes and dtype give them.
+  int64_t q_bytes = 0, k_bytes = 0, v_bytes = 0;
   // Attention FLOPs, 4 * Hq * D per (query row, visible key) pair, counted under the mask.
   double flops = 0;
   // Query rows computed: B * Nq, or total_q for varlen.
@@ -73,7 +76,8 @@ absl::StatusOr<DType> ToDType(int dtype, absl::string_view field);
 // Checks rank, dims (> 0, product fits int64) and byte size of tensor `name`; returns its bytes.
 absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const v1::Tensor& t, int rank,
                                     absl::string_view rank_meaning, size_t element_bytes);
-// The same with the tensor's bytes counted elsewhere: `data_bytes` stands for t.data().size().
+// The same with the tensor's bytes counted elsewhere: `data_bytes` stands for t.data().size()
+// (-1: not checked, the bytes are still to come).
 absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const v1::Tensor& t, int64_t data_bytes,
                                     int rank, absl::string_view rank_meaning, size_t element_bytes);
 

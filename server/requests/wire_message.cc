@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <thread>
 #include <utility>
 
@@ -318,46 +319,69 @@ class WireInputStream final : public google::protobuf::io::ZeroCopyInputStream {
 
 }  // namespace
 
-absl::Status ParseAttendRequest(const WireBytes& wire, WireAttendRequest* request) {
+absl::Status ParseWithRanges(const WireBytes& wire, google::protobuf::Message* message,
+                             absl::Span<const RangedField> ranged, std::vector<WireRange>* ranges) {
+  ranges->assign(ranged.size(), WireRange{});
   const Walker walker(wire);
-  std::string header_bytes;  // every field but q, k, v, as they came
-  const Descriptor* type = v1::AttendRequest::descriptor();
-  RETURN_IF_ERROR(walker.Walk(
-      0, wire.size(), type, "",
-      [&](const WireField& f, const FieldDescriptor* field) -> absl::Status {
-        const bool tensor = field != nullptr && field->message_type() == v1::Tensor::descriptor();
-        if (!tensor) {
-          header_bytes += wire.Substr(f.begin, f.end - f.begin);
-          return absl::OkStatus();
-        }
-        // A Tensor: its data as a range, its other fields to protobuf.
-        WireRange* range = f.number == v1::AttendRequest::kQFieldNumber   ? &request->q
-                           : f.number == v1::AttendRequest::kKFieldNumber ? &request->k
-                                                                          : &request->v;
-        v1::Tensor* tensor_header = static_cast<v1::Tensor*>(
-            request->header.GetReflection()->MutableMessage(&request->header, field));
-        std::string tensor_bytes;
-        RETURN_IF_ERROR(walker.Walk(f.value_begin, f.end, v1::Tensor::descriptor(), field->name(),
-                                    [&](const WireField& t, const FieldDescriptor*) {
-                                      if (t.number == v1::Tensor::kDataFieldNumber) {
-                                        *range = WireRange{.begin = t.value_begin,
-                                                           .size = t.end - t.value_begin};
-                                      } else {
-                                        tensor_bytes += wire.Substr(t.begin, t.end - t.begin);
-                                      }
-                                      return absl::OkStatus();
-                                    }));
-        if (!tensor_header->MergeFromString(tensor_bytes)) {
-          return Walker::Error(field->name(), "protobuf cannot parse its fields");
-        }
-        return absl::OkStatus();
-      }));
-  v1::AttendRequest fields;
-  if (!fields.ParseFromString(header_bytes)) {
-    return Walker::Error("", "protobuf cannot parse its fields");
-  }
-  // Tensors parsed above stay; the rest merges in.
-  request->header.MergeFrom(fields);
+  // Walks [begin, end) as `m`, at `depth` of the paths in `active` (those whose first `depth`
+  // numbers led here): a field ending one is recorded, one leading further is descended into;
+  // every other field's bytes go to protobuf as they came.
+  std::function<absl::Status(int64_t, int64_t, google::protobuf::Message*, int,
+                             const std::vector<size_t>&, absl::string_view)>
+      walk = [&](int64_t begin, int64_t end, google::protobuf::Message* m, int depth,
+                 const std::vector<size_t>& active, absl::string_view path) -> absl::Status {
+    std::string plain;
+    RETURN_IF_ERROR(walker.Walk(
+        begin, end, m->GetDescriptor(), path,
+        [&](const WireField& f, const FieldDescriptor* field) -> absl::Status {
+          std::vector<size_t> further;
+          for (size_t i : active) {
+            const std::vector<int>& p = ranged[i].path;
+            if (field == nullptr || p[depth] != f.number) continue;
+            if (static_cast<int>(p.size()) == depth + 1) {
+              (*ranges)[i] = WireRange{.begin = f.value_begin, .size = f.end - f.value_begin};
+              return absl::OkStatus();
+            }
+            if (field->type() == FieldDescriptor::TYPE_MESSAGE && !field->is_repeated()) {
+              further.push_back(i);
+            }
+          }
+          if (further.empty()) {
+            plain += wire.Substr(f.begin, f.end - f.begin);
+            return absl::OkStatus();
+          }
+          return walk(f.value_begin, f.end, m->GetReflection()->MutableMessage(m, field), depth + 1,
+                      further, Walker::FieldName(path, field, f.number));
+        }));
+    if (!m->MergeFromString(plain)) {
+      return Walker::Error(path, "protobuf cannot parse its fields");
+    }
+    return absl::OkStatus();
+  };
+  std::vector<size_t> all(ranged.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  return walk(0, wire.size(), message, 0, all, "");
+}
+
+absl::Status ParseAttendRequest(const WireBytes& wire, WireAttendRequest* request) {
+  static const std::vector<RangedField>* const kTensorData = new std::vector<RangedField>{
+      {{v1::AttendRequest::kQFieldNumber, v1::Tensor::kDataFieldNumber}},
+      {{v1::AttendRequest::kKFieldNumber, v1::Tensor::kDataFieldNumber}},
+      {{v1::AttendRequest::kVFieldNumber, v1::Tensor::kDataFieldNumber}}};
+  std::vector<WireRange> ranges;
+  RETURN_IF_ERROR(ParseWithRanges(wire, &request->header, *kTensorData, &ranges));
+  request->q = ranges[0];
+  request->k = ranges[1];
+  request->v = ranges[2];
+  return absl::OkStatus();
+}
+
+absl::Status ParseAttendChunk(const WireBytes& wire, WireAttendChunk* chunk) {
+  static const std::vector<RangedField>* const kChunkData = new std::vector<RangedField>{
+      {{v1::AttendChunk::kChunkFieldNumber, v1::TensorChunk::kDataFieldNumber}}};
+  std::vector<WireRange> ranges;
+  RETURN_IF_ERROR(ParseWithRanges(wire, &chunk->header, *kChunkData, &ranges));
+  chunk->data = ranges[0];
   return absl::OkStatus();
 }
 
@@ -370,8 +394,8 @@ absl::Status ParseMessage(const WireBytes& wire, google::protobuf::Message* mess
   return absl::OkStatus();
 }
 
-void AppendTensorPrefix(int field_number, const v1::Tensor& tensor_without_data, int64_t data_bytes,
-                        std::string* out) {
+void AppendSubmessagePrefix(int field_number, const google::protobuf::Message& fields_message,
+                            int data_field_number, int64_t data_bytes, std::string* out) {
   auto varint = [out](uint64_t value) {
     while (value >= 0x80) {
       out->push_back(static_cast<char>(value | 0x80));
@@ -379,11 +403,11 @@ void AppendTensorPrefix(int field_number, const v1::Tensor& tensor_without_data,
     }
     out->push_back(static_cast<char>(value));
   };
-  const std::string fields = tensor_without_data.SerializeAsString();
+  const std::string fields = fields_message.SerializeAsString();
   // The data field's tag and length, then (outside `out`) its bytes.
   std::string data_prefix;
   std::swap(*out, data_prefix);
-  varint(uint64_t{v1::Tensor::kDataFieldNumber} << 3 | kLengthDelimited);
+  varint(static_cast<uint64_t>(data_field_number) << 3 | kLengthDelimited);
   varint(static_cast<uint64_t>(data_bytes));
   std::swap(*out, data_prefix);
   varint(static_cast<uint64_t>(field_number) << 3 | kLengthDelimited);

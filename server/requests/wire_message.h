@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "attention/v1/attention.pb.h"
 #include "google/protobuf/message.h"
 
@@ -64,14 +65,34 @@ struct WireAttendRequest {
 // Parses `wire` as an AttendRequest (INVALID_ARGUMENT naming the field and the problem).
 absl::Status ParseAttendRequest(const WireBytes& wire, WireAttendRequest* request);
 
+// One message of an AttendChunked call: `header` holds every field but a chunk's data, which
+// lies at `data` in the wire bytes (size 0 for the request message, or an empty chunk).
+struct WireAttendChunk {
+  v1::AttendChunk header;
+  WireRange data;
+};
+absl::Status ParseAttendChunk(const WireBytes& wire, WireAttendChunk* chunk);
+
+// A bytes field kept as a range: its path of field numbers from the top message ({2, 3}: q.data
+// of an AttendRequest), through singular message fields.
+struct RangedField {
+  std::vector<int> path;
+};
+// Parses `wire` as `message` (INVALID_ARGUMENT naming the field and the problem), except the
+// fields `ranged` names: those stay empty in `message`, and ranges[i] says where ranged[i]'s
+// bytes lie (size 0 when absent). Every other field goes to protobuf as it came.
+absl::Status ParseWithRanges(const WireBytes& wire, google::protobuf::Message* message,
+                             absl::Span<const RangedField> ranged, std::vector<WireRange>* ranges);
+
 // Parses `wire` as `message`, any message of attention.v1 (INVALID_ARGUMENT naming the field and
 // the problem). Here protobuf copies every byte, tensors included (the Sessions messages).
 absl::Status ParseMessage(const WireBytes& wire, google::protobuf::Message* message);
 
-// The encoding of a Tensor whose data the caller sends as a separate piece: the field tag of
-// `field_number` in the outer message, the lengths, dtype and shape, and the data field's tag and
-// length; `data_bytes` of data follow it on the wire. Appends to `out`.
-void AppendTensorPrefix(int field_number, const v1::Tensor& tensor_without_data, int64_t data_bytes,
-                        std::string* out);
+// The encoding of a message field whose bytes field the caller sends as a separate piece: the tag
+// of `field_number` in the outer message and its length, `fields` (the submessage without its
+// data: a Tensor's dtype and shape, a TensorChunk's tensor and offset), and the tag and length of
+// its field `data_field_number`; `data_bytes` of data follow on the wire. Appends to `out`.
+void AppendSubmessagePrefix(int field_number, const google::protobuf::Message& fields,
+                            int data_field_number, int64_t data_bytes, std::string* out);
 
 }  // namespace attention::server

@@ -186,7 +186,8 @@ TEST(WireMessageTest, TensorPrefixAndDataParseAsTheTensor) {
   v1::AttendResponse head;
   head.set_request_id("r");
   std::string bytes = head.SerializeAsString();
-  AppendTensorPrefix(v1::AttendResponse::kOFieldNumber, header, data.size(), &bytes);
+  AppendSubmessagePrefix(v1::AttendResponse::kOFieldNumber, header, v1::Tensor::kDataFieldNumber,
+                         data.size(), &bytes);
   bytes += data;
   v1::AttendResponse parsed;
   ASSERT_TRUE(parsed.ParseFromString(bytes));

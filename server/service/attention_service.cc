@@ -31,18 +31,14 @@ AttentionService::AttentionService(const ServiceOptions& options, Scheduler* sch
       decode_options_{.max_message_bytes = options.max_message_bytes,
                       .max_head_dim = options.max_head_dim,
                       .max_request_flops = options.max_request_flops},
+      chunked_decode_options_{.max_message_bytes = options.max_chunked_request_bytes,
+                              .max_head_dim = options.max_head_dim,
+                              .max_request_flops = options.max_request_flops},
       scheduler_(scheduler),
       metrics_(metrics),
       drain_(drain),
       own_memory_(memory == nullptr ? MakePageableHostMemory() : nullptr),
       memory_(memory == nullptr ? own_memory_.get() : memory) {}
-
-namespace {
-
-constexpr int64_t kAlignment = 256;
-int64_t Aligned(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
-
-}  // namespace
 
 absl::Status AttentionService::Prepare(const grpc::ByteBuffer& request, Call* call) {
   const ReceivedBytes received(request);
@@ -54,18 +50,26 @@ absl::Status AttentionService::Prepare(const grpc::ByteBuffer& request, Call* ca
       DecodeRequest(r.header,
                     InputTensors{.q_bytes = r.q.size, .k_bytes = r.k.size, .v_bytes = r.v.size},
                     decode_options_));
+  RETURN_IF_ERROR(Place(call));
+  // The one host copy of the tensors.
+  const AttentionParams& p = call->decoded.params;
+  received.wire.CopyTo(r.q.begin, r.q.size, static_cast<char*>(const_cast<void*>(p.q)));
+  received.wire.CopyTo(r.k.begin, r.k.size, static_cast<char*>(const_cast<void*>(p.k)));
+  received.wire.CopyTo(r.v.begin, r.v.size, static_cast<char*>(const_cast<void*>(p.v)));
+  return absl::OkStatus();
+}
+
+absl::Status AttentionService::Place(Call* call) {
+  constexpr int64_t kAlignment = 256;
+  auto aligned = [](int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; };
   DecodedRequest& d = call->decoded;
   // One block: q | k | v | o | lse.
-  const int64_t k_offset = Aligned(r.q.size);
-  const int64_t v_offset = k_offset + Aligned(r.k.size);
-  call->o_offset = v_offset + Aligned(r.v.size);
-  call->lse_offset = call->o_offset + Aligned(d.o_bytes);
-  ASSIGN_OR_RETURN(call->memory, memory_->Allocate(call->lse_offset + Aligned(d.lse_bytes)));
+  const int64_t k_offset = aligned(d.q_bytes);
+  const int64_t v_offset = k_offset + aligned(d.k_bytes);
+  call->o_offset = v_offset + aligned(d.v_bytes);
+  call->lse_offset = call->o_offset + aligned(d.o_bytes);
+  ASSIGN_OR_RETURN(call->memory, memory_->Allocate(call->lse_offset + aligned(d.lse_bytes)));
   char* base = call->memory.get();
-  // The one host copy of the tensors.
-  received.wire.CopyTo(r.q.begin, r.q.size, base);
-  received.wire.CopyTo(r.k.begin, r.k.size, base + k_offset);
-  received.wire.CopyTo(r.v.begin, r.v.size, base + v_offset);
   d.params.q = base;
   d.params.k = base + k_offset;
   d.params.v = base + v_offset;
@@ -77,13 +81,15 @@ absl::Status AttentionService::Prepare(const grpc::ByteBuffer& request, Call* ca
 void AttentionService::WriteResponse(const Call& call, grpc::ByteBuffer* response) {
   const DecodedRequest& d = call.decoded;
   std::string head = call.response.SerializeAsString();
-  AppendTensorPrefix(AttendResponse::kOFieldNumber, d.o, d.o_bytes, &head);
+  AppendSubmessagePrefix(AttendResponse::kOFieldNumber, d.o, v1::Tensor::kDataFieldNumber,
+                         d.o_bytes, &head);
   std::vector<grpc::Slice> slices;
   slices.emplace_back(head);
   slices.push_back(SliceOver(call.memory.get() + call.o_offset, d.o_bytes, call.memory));
   if (d.lse_bytes > 0) {
     std::string lse_head;
-    AppendTensorPrefix(AttendResponse::kLseFieldNumber, d.lse, d.lse_bytes, &lse_head);
+    AppendSubmessagePrefix(AttendResponse::kLseFieldNumber, d.lse, v1::Tensor::kDataFieldNumber,
+                           d.lse_bytes, &lse_head);
     slices.emplace_back(lse_head);
     slices.push_back(SliceOver(call.memory.get() + call.lse_offset, d.lse_bytes, call.memory));
   }
@@ -93,17 +99,35 @@ void AttentionService::WriteResponse(const Call& call, grpc::ByteBuffer* respons
 void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContext* context,
                                grpc::ByteBuffer* request, grpc::ByteBuffer* response, Call* call,
                                absl::AnyInvocable<void(absl::Status) &&> done) {
-  const absl::Time arrival = absl::Now();
-  const int64_t request_bytes = static_cast<int64_t>(request->Length());
+  Run(
+      rpc, context, absl::Now(), static_cast<int64_t>(request->Length()),
+      [this, request, call] {
+        absl::Status prepared = Prepare(*request, call);
+        // The tensors are in call->memory now (or refused): give the received slices back, so
+        // a request does not hold twice its size while it waits and computes.
+        request->Clear();
+        return prepared;
+      },
+      [call, response] {
+        WriteResponse(*call, response);
+        return static_cast<int64_t>(response->Length());
+      },
+      call, std::move(done));
+}
+
+void AttentionService::Run(absl::string_view rpc, grpc::CallbackServerContext* context,
+                           absl::Time arrival, int64_t request_bytes,
+                           absl::AnyInvocable<absl::Status() &&> prepare,
+                           absl::AnyInvocable<int64_t() &&> respond, Call* call,
+                           absl::AnyInvocable<void(absl::Status) &&> done) {
   metrics_->RequestStarted();
-  auto finish = [this, rpc, arrival, request_bytes, response, call,
+  auto finish = [this, rpc, arrival, request_bytes, call, respond = std::move(respond),
                  done = std::move(done)](absl::Status status) mutable {
     const absl::Duration elapsed = absl::Now() - arrival;
     int64_t response_bytes = 0;
     if (status.ok()) {
       call->response.mutable_timing()->set_total_us(absl::ToDoubleMicroseconds(elapsed));
-      WriteResponse(*call, response);
-      response_bytes = static_cast<int64_t>(response->Length());
+      response_bytes = std::move(respond)();
     }
     metrics_->RequestFinished(rpc, status.code(), elapsed, request_bytes, response_bytes);
     std::move(done)(std::move(status));
@@ -123,11 +147,9 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
     std::move(finish)(std::move(status));
     drain_->Leave();
   };
-  absl::Status prepared = Prepare(*request, call);
-  // The tensors are in call->memory now (or refused): give the received slices back, so a
-  // request does not hold twice its size while it waits and computes.
-  request->Clear();
-  if (!prepared.ok()) return answer(std::move(prepared));
+  if (absl::Status prepared = std::move(prepare)(); !prepared.ok()) {
+    return answer(std::move(prepared));
+  }
   call->response.set_request_id(call->request.header.request_id());
 
   Job job;
@@ -336,6 +358,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_max_batch(options_.max_batch);
   limits->set_max_head_dim(options_.max_head_dim);
   limits->set_max_request_flops(options_.max_request_flops);
+  limits->set_max_chunked_request_bytes(options_.max_chunked_request_bytes);
   SerializeToByteBuffer(info, raw_response);
   metrics_->RequestFinished("GetServerInfo", absl::StatusCode::kOk, absl::Now() - arrival,
                             request_bytes, static_cast<int64_t>(raw_response->Length()));

@@ -37,6 +37,9 @@ struct ServiceOptions {
   std::string version;
   std::string backend = "cpu";  // "cpu" or "cuda"
   int64_t max_message_bytes = int64_t{1024} << 20;
+  // Largest q + k + v (and o + lse) of one AttendChunked request; its chunks are messages, each
+  // under max_message_bytes.
+  int64_t max_chunked_request_bytes = int64_t{8} << 30;
   int max_queue = 256;
   int max_batch = 1;
   int max_head_dim = 256;
@@ -54,7 +57,8 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 // Every method raw: the bytes of a request are ours to parse.
 using AttentionRawService =
     v1::Attention::WithRawCallbackMethod_Attend<v1::Attention::WithRawCallbackMethod_AttendStream<
-        v1::Attention::WithRawCallbackMethod_GetServerInfo<v1::Attention::Service>>>;
+        v1::Attention::WithRawCallbackMethod_GetServerInfo<
+            v1::Attention::WithRawCallbackMethod_AttendChunked<v1::Attention::Service>>>>;
 
 class AttentionService final : public AttentionRawService {
  public:
@@ -76,9 +80,16 @@ class AttentionService final : public AttentionRawService {
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* response) override;
+  // One request in chunks (attend_chunked.cc): the header is checked and the host block sized
+  // before any chunk is taken; each chunk is copied once into its place; the request runs when
+  // every byte of q, k and v has come exactly once; o and lse go back in chunks as large as the
+  // largest the client sent.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendChunked(
+      grpc::CallbackServerContext* context) override;
 
  private:
   class StreamReactor;
+  class ChunkedReactor;
 
   // One request on its way: what was parsed and decoded, the host block holding its tensors
   // (q | k | v | o | lse, each 256-byte aligned) and the response's other fields.
@@ -97,6 +108,15 @@ class AttentionService final : public AttentionRawService {
   void Process(absl::string_view rpc, grpc::CallbackServerContext* context,
                grpc::ByteBuffer* request, grpc::ByteBuffer* response, Call* call,
                absl::AnyInvocable<void(absl::Status) &&> done);
+  // Process's steps for any request: refuse while draining, `prepare` (the call's tensors into
+  // call->memory), queue, execute, `respond` (writes the response, returns its bytes), record
+  // metrics from `arrival` with `request_bytes` received. Calls `done` exactly once.
+  void Run(absl::string_view rpc, grpc::CallbackServerContext* context, absl::Time arrival,
+           int64_t request_bytes, absl::AnyInvocable<absl::Status() &&> prepare,
+           absl::AnyInvocable<int64_t() &&> respond, Call* call,
+           absl::AnyInvocable<void(absl::Status) &&> done);
+  // Allocates call->memory for the decoded call and points its params into it.
+  absl::Status Place(Call* call);
   // Parses, decodes and copies `request` into `call` (the steps before the queue).
   absl::Status Prepare(const grpc::ByteBuffer& request, Call* call);
   // The response of a finished `call`: its fields, then o and lse as slices over call->memory.
@@ -104,6 +124,7 @@ class AttentionService final : public AttentionRawService {
 
   const ServiceOptions options_;
   const DecodeOptions decode_options_;
+  const DecodeOptions chunked_decode_options_;
   Scheduler* const scheduler_;
   Metrics* const metrics_;
   DrainGate* const drain_;
