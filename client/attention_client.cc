@@ -121,6 +121,11 @@ std::unique_ptr<grpc::ClientContext> Client::NewContext(const CallOptions& call)
 
 absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& request,
                                                   const CallOptions& call) {
+  const int64_t tensor_bytes = static_cast<int64_t>(
+      request.q().data().size() + request.k().data().size() + request.v().data().size());
+  if (options_.chunked_above_bytes > 0 && tensor_bytes > options_.chunked_above_bytes) {
+    return AttendChunked(request, options_.chunk_bytes, call);
+  }
   std::unique_ptr<grpc::ClientContext> context = NewContext(call);
   v1::AttendResponse response;
   grpc::Status status = stub_->Attend(context.get(), request, &response);

@@ -32,6 +32,11 @@ struct ClientOptions {
   // Largest message sent or received; attention payloads are large (bf16 B=4, H=16, N=4096,
   // D=128 is 64 MiB per tensor).
   int max_message_bytes = 1 << 30;
+  // Attend sends a request whose q, k and v together exceed this through AttendChunked, in
+  // chunks of chunk_bytes (needed above 2 GiB, protobuf's ceiling, or above the server's message
+  // limit); 0: always unary.
+  int64_t chunked_above_bytes = int64_t{512} << 20;
+  int64_t chunk_bytes = int64_t{16} << 20;
   // HTTP/2 keepalive pings while calls are open, so a dead server or a dropped connection is
   // noticed during a long call; zero turns them off. gRPC servers by default answer pings more
   // frequent than every 5 minutes (when no data flows) with GOAWAY, so go lower only against a
@@ -75,7 +80,8 @@ class Client {
   // Uses an existing channel (tests, custom credentials); options.target is ignored.
   Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
 
-  // One forward pass; blocks until the response or an error arrives.
+  // One forward pass; blocks until the response or an error arrives. Requests whose tensors are
+  // over options.chunked_above_bytes go through AttendChunked.
   absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request,
                                             const CallOptions& call = {});
 

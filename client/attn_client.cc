@@ -55,6 +55,10 @@ ABSL_FLAG(std::optional<std::string>, dtype, std::nullopt,
 ABSL_FLAG(int, max_message_mb, 1024,
           "largest gRPC message sent or received, MiB (1..2047); a larger request is refused "
           "before it is built (the server has its own limit: --info)");
+ABSL_FLAG(double, chunk_mb, 16, "AttendChunked: MiB per chunk");
+ABSL_FLAG(double, chunked_above_mb, 512,
+          "send requests whose q + k + v exceed this many MiB through AttendChunked (needed over "
+          "2 GiB or the server's message limit); 0: always Attend");
 ABSL_FLAG(std::string, layout, "bhsd", "bhsd ([B, H, N, D]) | bshd ([B, N, H, D])");
 ABSL_FLAG(bool, causal, false, "causal mask (bottom-right aligned)");
 ABSL_FLAG(std::optional<float>, scale, std::nullopt, "softmax scale (default: 1/sqrt(D))");
@@ -243,10 +247,12 @@ int RunAttend(Client& client, int64_t max_message_bytes) {
     std::fprintf(stderr, "%s\n", spec.status().ToString().c_str());
     return kExitUsage;
   }
-  if (const int64_t bytes = EstimateRequestBytes(*spec); bytes > max_message_bytes) {
+  const int64_t chunked_above = client.options().chunked_above_bytes;
+  if (const int64_t bytes = EstimateRequestBytes(*spec);
+      bytes > max_message_bytes && !(chunked_above > 0 && bytes > chunked_above)) {
     std::fprintf(stderr,
                  "the request would be %.1f MiB, over --max_message_mb=%lld; raise it (the "
-                 "server's limit is in --info) or send less\n",
+                 "server's limit is in --info), send it chunked (--chunked_above_mb) or send less\n",
                  static_cast<double>(bytes) / (1 << 20),
                  static_cast<long long>(max_message_bytes >> 20));
     return kExitUsage;
@@ -371,6 +377,13 @@ int main(int argc, char** argv) {
     return attention::client::kExitUsage;
   }
   options.max_message_bytes = max_message_mb << 20;
+  options.chunk_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_chunk_mb) * (1 << 20));
+  options.chunked_above_bytes =
+      static_cast<int64_t>(absl::GetFlag(FLAGS_chunked_above_mb) * (1 << 20));
+  if (options.chunk_bytes < 1 || options.chunked_above_bytes < 0) {
+    std::cerr << "attn_client: --chunk_mb must be > 0 and --chunked_above_mb >= 0\n";
+    return attention::client::kExitUsage;
+  }
   if (absl::Status status = attention::client::ApplySecurityFlags(options); !status.ok()) {
     std::cerr << "attn_client: " << status << "\n";
     return attention::client::kExitUsage;
