@@ -636,10 +636,9 @@ std::string ConfigJson(const ProblemSpec& spec, const LoadSettings& load) {
       "\"causal\":%s,\"lse\":%s,\"concurrency\":%d,\"rate\":%s,\"duration_s\":%.6g,"
       "\"requests\":%d,\"warmup_s\":%.6g,\"connections\":%d}",
       absl::GetFlag(FLAGS_target), absl::GetFlag(FLAGS_echo_target), absl::GetFlag(FLAGS_mode),
-      load.rpc.c_str(), spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim,
-      spec.heads_kv, spec.seqlen_k, DTypeName(spec.dtype),
-      spec.layout == v1::LAYOUT_BSHD ? "bshd" : "bhsd", spec.causal ? "true" : "false",
-      spec.return_lse ? "true" : "false", load.concurrency,
+      load.rpc.c_str(), spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim, spec.heads_kv,
+      spec.seqlen_k, DTypeName(spec.dtype), spec.layout == v1::LAYOUT_BSHD ? "bshd" : "bhsd",
+      spec.causal ? "true" : "false", spec.return_lse ? "true" : "false", load.concurrency,
       load.rate ? absl::StrCat(*load.rate) : "null", load.duration_s, load.requests, load.warmup_s,
       load.connections);
 }
@@ -886,8 +885,8 @@ int Main() {
     return 2;
   }
   if (!spec.ok() || (rpc != "unary" && rpc != "stream" && rpc != "chunked") ||
-      (mode != "attend" && mode != "decode") ||
-      concurrencies.empty() || *std::min_element(concurrencies.begin(), concurrencies.end()) < 1 ||
+      (mode != "attend" && mode != "decode") || concurrencies.empty() ||
+      *std::min_element(concurrencies.begin(), concurrencies.end()) < 1 ||
       (load.rate && *load.rate <= 0)) {
     std::fprintf(stderr, "attn_bench: %s\n",
                  !spec.ok() ? std::string(spec.status().message()).c_str()

@@ -250,11 +250,11 @@ int RunAttend(Client& client, int64_t max_message_bytes) {
   const int64_t chunked_above = client.options().chunked_above_bytes;
   if (const int64_t bytes = EstimateRequestBytes(*spec);
       bytes > max_message_bytes && !(chunked_above > 0 && bytes > chunked_above)) {
-    std::fprintf(stderr,
-                 "the request would be %.1f MiB, over --max_message_mb=%lld; raise it (the "
-                 "server's limit is in --info), send it chunked (--chunked_above_mb) or send less\n",
-                 static_cast<double>(bytes) / (1 << 20),
-                 static_cast<long long>(max_message_bytes >> 20));
+    std::fprintf(
+        stderr,
+        "the request would be %.1f MiB, over --max_message_mb=%lld; raise it (the "
+        "server's limit is in --info), send it chunked (--chunked_above_mb) or send less\n",
+        static_cast<double>(bytes) / (1 << 20), static_cast<long long>(max_message_bytes >> 20));
     return kExitUsage;
   }
   absl::StatusOr<v1::AttendRequest> request = BuildRequest(*spec, *files);

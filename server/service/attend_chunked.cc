@@ -119,24 +119,22 @@ class AttentionService::ChunkedReactor final
                          header.has_chunk() ? "a chunk" : "none"));
       }
       // The token before anything is allocated for the caller.
-      RETURN_IF_ERROR(
-          CheckBearerToken(context_->client_metadata(), service_->options_.auth_token));
+      RETURN_IF_ERROR(CheckBearerToken(context_->client_metadata(), service_->options_.auth_token));
       call_.request.header = header.request();
       for (const auto& [name, t] :
            {std::pair<const char*, const v1::Tensor*>{"q", &call_.request.header.q()},
             {"k", &call_.request.header.k()},
             {"v", &call_.request.header.v()}}) {
         if (!t->data().empty()) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("request.", name, ".data: expected empty (the bytes come in chunks), got ",
-                           t->data().size(), " bytes"));
+          return absl::InvalidArgumentError(absl::StrCat(
+              "request.", name, ".data: expected empty (the bytes come in chunks), got ",
+              t->data().size(), " bytes"));
         }
       }
-      ASSIGN_OR_RETURN(call_.decoded, DecodeRequest(call_.request.header,
-                                                    InputTensors{.q_bytes = -1,
-                                                                 .k_bytes = -1,
-                                                                 .v_bytes = -1},
-                                                    service_->chunked_decode_options_));
+      ASSIGN_OR_RETURN(call_.decoded,
+                       DecodeRequest(call_.request.header,
+                                     InputTensors{.q_bytes = -1, .k_bytes = -1, .v_bytes = -1},
+                                     service_->chunked_decode_options_));
       RETURN_IF_ERROR(service_->Place(&call_));
       have_header_ = true;
       return absl::OkStatus();
@@ -195,10 +193,10 @@ class AttentionService::ChunkedReactor final
       return absl::InvalidArgumentError("the call ended before its first message (the request)");
     }
     const DecodedRequest& d = call_.decoded;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the call ended before every byte came: q ", coverage_[0].received(), " of ", d.q_bytes,
-        ", k ", coverage_[1].received(), " of ", d.k_bytes, ", v ", coverage_[2].received(),
-        " of ", d.v_bytes, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the call ended before every byte came: q ", coverage_[0].received(), " of ",
+                     d.q_bytes, ", k ", coverage_[1].received(), " of ", d.k_bytes, ", v ",
+                     coverage_[2].received(), " of ", d.v_bytes, " bytes"));
   }
 
   // Hands the request, or the reason it cannot run, to the one request path; no more reads.
@@ -277,7 +275,7 @@ class AttentionService::ChunkedReactor final
   int64_t request_bytes_ = 0;
   int64_t largest_chunk_ = 0;
 
-  std::mutex mu_;  // guards the rest
+  std::mutex mu_;                          // guards the rest
   std::deque<grpc::ByteBuffer> outgoing_;  // the answer's messages; the front is being written
   bool writing_ = false;
   bool done_ = false;  // the answer is known (status_, outgoing_)

@@ -120,14 +120,14 @@ RawAnswer RawChunked(const std::shared_ptr<grpc::Channel>& channel,
 std::vector<v1::AttendChunk> Chunks(const v1::AttendRequest& request, size_t chunk) {
   std::vector<v1::AttendChunk> out(1);
   *out[0].mutable_request() = request;
-  for (v1::Tensor* t : {out[0].mutable_request()->mutable_q(),
-                        out[0].mutable_request()->mutable_k(),
-                        out[0].mutable_request()->mutable_v()}) {
+  for (v1::Tensor* t :
+       {out[0].mutable_request()->mutable_q(), out[0].mutable_request()->mutable_k(),
+        out[0].mutable_request()->mutable_v()}) {
     t->clear_data();
   }
-  for (const auto& [tensor, t] :
-       {std::pair{v1::CHUNK_TENSOR_Q, &request.q()}, {v1::CHUNK_TENSOR_K, &request.k()},
-        {v1::CHUNK_TENSOR_V, &request.v()}}) {
+  for (const auto& [tensor, t] : {std::pair{v1::CHUNK_TENSOR_Q, &request.q()},
+                                  {v1::CHUNK_TENSOR_K, &request.k()},
+                                  {v1::CHUNK_TENSOR_V, &request.v()}}) {
     for (size_t at = 0; at < t->data().size(); at += chunk) {
       v1::AttendChunk m;
       m.mutable_chunk()->set_tensor(tensor);

@@ -167,8 +167,14 @@ class Client:
     """
 
     def __init__(self, target="localhost:50051", *, timeout=60.0, max_message_bytes=1 << 30,
-                 max_attempts=1, credentials=None, options=(), metadata=None):
+                 max_attempts=1, credentials=None, options=(), metadata=None,
+                 chunked_above_bytes=512 << 20, chunk_bytes=16 << 20):
         self.timeout = timeout
+        # attend() sends requests whose q, k and v exceed chunked_above_bytes through
+        # AttendChunked, in chunks of chunk_bytes (over 2 GiB, or over the server's message
+        # limit); 0: always Attend.
+        self.chunked_above_bytes = chunked_above_bytes
+        self.chunk_bytes = chunk_bytes
         self.metadata = metadata
         self._credentials = credentials
         self._several = ("," in target and "://" not in target
@@ -250,13 +256,56 @@ class Client:
             request.cu_seqlens_q.extend(int(x) for x in cu_seqlens_q)
             request.cu_seqlens_k.extend(
                 int(x) for x in (cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k))
-        response = self._call(self._stub.Attend, request, timeout, metadata)
+        size = len(tq.data) + len(tk.data) + len(tv.data)
+        if self.chunked_above_bytes and size > self.chunked_above_bytes:
+            response = self._attend_chunked(request, timeout, metadata)
+        else:
+            response = self._call(self._stub.Attend, request, timeout, metadata)
         o = _from_tensor(response.o, kind)
         lse = _lse_from_tensor(response.lse, kind) if return_lse else None
         if return_info:
             return AttendResult(o, lse, ServerTiming._from_pb(response.timing), response.device,
                                 response.request_id)
         return (o, lse) if return_lse else o
+
+    def _attend_chunked(self, request, timeout, metadata):
+        """Attention.AttendChunked: the request without its tensors' data, then chunks of q, k and
+        v; the answer likewise. Returns the AttendResponse with o and lse filled in."""
+        head = pb.AttendRequest()
+        head.CopyFrom(request)
+        for t in (head.q, head.k, head.v):
+            t.ClearField("data")
+        chunk = self.chunk_bytes
+
+        def messages():
+            yield pb.AttendChunk(request=head)
+            for which, t in ((pb.CHUNK_TENSOR_Q, request.q), (pb.CHUNK_TENSOR_K, request.k),
+                             (pb.CHUNK_TENSOR_V, request.v)):
+                data = memoryview(t.data)
+                for at in range(0, len(data), chunk):
+                    yield pb.AttendChunk(chunk=pb.TensorChunk(
+                        tensor=which, offset=at, data=bytes(data[at:at + chunk])))
+
+        try:
+            answer = self._stub.AttendChunked(
+                messages(), timeout=self.timeout if timeout is None else timeout,
+                metadata=self.metadata if metadata is None else metadata)
+            response, buffers = None, {}
+            for part in answer:
+                if part.HasField("response"):
+                    response = part.response
+                    buffers[pb.CHUNK_TENSOR_O] = bytearray(len(request.q.data))
+                    if response.HasField("lse"):
+                        buffers[pb.CHUNK_TENSOR_LSE] = bytearray(4 * int(np.prod(response.lse.shape)))
+                    continue
+                c = part.chunk
+                buffers[c.tensor][c.offset:c.offset + len(c.data)] = c.data
+        except grpc.RpcError as e:
+            raise AttentionError(e.code(), e.details()) from None
+        response.o.data = bytes(buffers[pb.CHUNK_TENSOR_O])
+        if pb.CHUNK_TENSOR_LSE in buffers:
+            response.lse.data = bytes(buffers[pb.CHUNK_TENSOR_LSE])
+        return response
 
     def health(self, service="", *, timeout=None):
         """The grpc.health.v1 status of service ("" = the server as a whole;
