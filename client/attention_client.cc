@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <future>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -127,9 +128,18 @@ absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& reque
     return AttendChunked(request, options_.chunk_bytes, call);
   }
   std::unique_ptr<grpc::ClientContext> context = NewContext(call);
-  v1::AttendResponse response;
-  grpc::Status status = stub_->Attend(context.get(), request, &response);
+  // Sent from the request's own bytes (EncodeInPlace): no serialization copy of the tensors.
+  grpc::ByteBuffer out = EncodeInPlace(request);
+  grpc::ByteBuffer in;
+  std::promise<grpc::Status> done;
+  grpc::GenericStub(channel_).UnaryCall(context.get(), "/attention.v1.Attention/Attend", {}, &out,
+                                        &in, [&done](grpc::Status s) { done.set_value(s); });
+  grpc::Status status = done.get_future().get();
   if (!status.ok()) return ToAbslStatus(status);
+  v1::AttendResponse response;
+  if (!grpc::SerializationTraits<v1::AttendResponse>::Deserialize(&in, &response).ok()) {
+    return absl::InternalError("Attend: the response does not parse");
+  }
   return response;
 }
 
@@ -142,6 +152,8 @@ v1::AttendRequest WithoutData(const v1::AttendRequest& request) {
   for (int i = 0; i < type->field_count(); ++i) {
     const google::protobuf::FieldDescriptor* field = type->field(i);
     if (field->message_type() == v1::Tensor::descriptor()) {
+      // Only a tensor the request has: a mask path would create an absent one.
+      if (!request.GetReflection()->HasField(request, field)) continue;
       for (const char* part : {".dtype", ".shape"}) mask.add_paths(field->name() + part);
     } else {
       mask.add_paths(field->name());
@@ -152,6 +164,25 @@ v1::AttendRequest WithoutData(const v1::AttendRequest& request) {
   return header;
 }
 
+// `size` bytes at `data`, referenced in place (the caller keeps them alive during the call).
+grpc::Slice InPlace(const char* data, size_t size) {
+  return grpc::Slice(data, size, grpc::Slice::STATIC_SLICE);
+}
+
+// The tag and length of a length-delimited field `field_number` of `length` bytes.
+std::string LengthPrefix(int field_number, uint64_t length) {
+  using google::protobuf::internal::WireFormatLite;
+  std::string prefix;
+  {
+    google::protobuf::io::StringOutputStream out(&prefix);
+    google::protobuf::io::CodedOutputStream coded(&out);
+    coded.WriteTag(
+        WireFormatLite::MakeTag(field_number, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+    coded.WriteVarint64(length);
+  }  // the stream's destructor trims `prefix` to what was written
+  return prefix;
+}
+
 // An AttendChunk holding one chunk whose `size` data bytes at `data` the message references
 // in place: the encoded fields, then a slice over the caller's bytes.
 grpc::ByteBuffer ChunkMessage(v1::ChunkTensor tensor, int64_t offset, const char* data,
@@ -160,29 +191,31 @@ grpc::ByteBuffer ChunkMessage(v1::ChunkTensor tensor, int64_t offset, const char
   fields.set_tensor(tensor);
   fields.set_offset(offset);
   const std::string encoded = fields.SerializeAsString();
-  using google::protobuf::internal::WireFormatLite;
-  const uint32_t data_tag = WireFormatLite::MakeTag(v1::TensorChunk::kDataFieldNumber,
-                                                    WireFormatLite::WIRETYPE_LENGTH_DELIMITED);
-  const uint64_t chunk_size = encoded.size() +
-                              google::protobuf::io::CodedOutputStream::VarintSize32(data_tag) +
-                              google::protobuf::io::CodedOutputStream::VarintSize64(size) + size;
-  std::string prefix;
-  {
-    google::protobuf::io::StringOutputStream out(&prefix);
-    google::protobuf::io::CodedOutputStream coded(&out);
-    coded.WriteTag(WireFormatLite::MakeTag(v1::AttendChunk::kChunkFieldNumber,
-                                           WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
-    coded.WriteVarint64(chunk_size);
-    coded.WriteRaw(encoded.data(), static_cast<int>(encoded.size()));
-    coded.WriteTag(data_tag);
-    coded.WriteVarint64(static_cast<uint64_t>(size));
-  }
-  grpc::Slice slices[2] = {grpc::Slice(prefix),
-                           grpc::Slice(data, static_cast<size_t>(size), grpc::Slice::STATIC_SLICE)};
+  const uint64_t chunk_size =
+      encoded.size() + LengthPrefix(v1::TensorChunk::kDataFieldNumber, size).size() + size;
+  const std::string prefix = LengthPrefix(v1::AttendChunk::kChunkFieldNumber, chunk_size) +
+                             encoded + LengthPrefix(v1::TensorChunk::kDataFieldNumber, size);
+  grpc::Slice slices[2] = {grpc::Slice(prefix), InPlace(data, static_cast<size_t>(size))};
   return grpc::ByteBuffer(slices, 2);
 }
 
 }  // namespace
+
+grpc::ByteBuffer EncodeInPlace(const v1::AttendRequest& request) {
+  // The fields but the tensors' data, then each tensor's data field as a prefix and a slice over
+  // the request's bytes: a message protobuf parses as `request` (field order is free).
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(WithoutData(request).SerializeAsString());
+  for (const auto& [number, t] : {std::pair{v1::AttendRequest::kQFieldNumber, &request.q()},
+                                  {v1::AttendRequest::kKFieldNumber, &request.k()},
+                                  {v1::AttendRequest::kVFieldNumber, &request.v()}}) {
+    if (t->data().empty()) continue;
+    const std::string data_prefix = LengthPrefix(v1::Tensor::kDataFieldNumber, t->data().size());
+    slices.emplace_back(LengthPrefix(number, data_prefix.size() + t->data().size()) + data_prefix);
+    slices.push_back(InPlace(t->data().data(), t->data().size()));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
 
 absl::StatusOr<v1::AttendResponse> Client::AttendChunked(const v1::AttendRequest& request,
                                                          int64_t chunk_bytes,

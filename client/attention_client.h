@@ -147,6 +147,10 @@ std::string ChannelTarget(const std::string& target);
 // Empty when neither applies.
 std::string ServiceConfigJson(const ClientOptions& options);
 
+// `request` encoded as an AttendRequest message whose tensor bytes are slices over the request's
+// own data (no copy): `request` must outlive the call that sends it.
+grpc::ByteBuffer EncodeInPlace(const v1::AttendRequest& request);
+
 // A grpc::Status as an absl::Status: same code, same message.
 absl::Status ToAbslStatus(const grpc::Status& status);
 

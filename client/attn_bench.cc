@@ -60,6 +60,8 @@
 #include "client/session.h"
 #include "client/tensors.h"
 #include "client/tool_flags.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
 
 ABSL_FLAG(std::string, mode, "attend",
           "attend (Attend calls) | decode (Step calls on KV-resident sessions)");
@@ -992,9 +994,26 @@ int Main() {
       clients.push_back(std::make_unique<Client>(channel, options));
       v1::Attention::Stub* stub = stubs.emplace_back(v1::Attention::NewStub(channel)).get();
       Rpcs<v1::AttendRequest, v1::AttendResponse>& r = per_connection[i];
-      r.unary = [stub](grpc::ClientContext* c, const v1::AttendRequest* q, v1::AttendResponse* a,
-                       std::function<void(grpc::Status)> f) {
-        stub->async()->Attend(c, q, a, std::move(f));
+      // Sent from the request's own bytes (EncodeInPlace: no serialization copy of the tensors)
+      // through the generic stub; the response parsed by protobuf.
+      auto generic = std::make_shared<grpc::GenericStub>(channel);
+      r.unary = [generic](grpc::ClientContext* c, const v1::AttendRequest* q, v1::AttendResponse* a,
+                          std::function<void(grpc::Status)> f) {
+        struct Buffers {
+          grpc::ByteBuffer out, in;
+        };
+        auto buffers = std::make_shared<Buffers>();
+        buffers->out = EncodeInPlace(*q);
+        generic->UnaryCall(
+            c, "/attention.v1.Attention/Attend", {}, &buffers->out, &buffers->in,
+            [buffers, a, f = std::move(f)](grpc::Status s) {
+              if (s.ok() &&
+                  !grpc::SerializationTraits<v1::AttendResponse>::Deserialize(&buffers->in, a)
+                       .ok()) {
+                s = grpc::Status(grpc::StatusCode::INTERNAL, "the response does not parse");
+              }
+              f(std::move(s));
+            });
       };
       r.stream = [stub](grpc::ClientContext* c,
                         grpc::ClientBidiReactor<v1::AttendRequest, v1::AttendResponse>* a) {

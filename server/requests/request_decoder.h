@@ -1,10 +1,9 @@
 // Validation and decoding of an AttendRequest into the kernel interface (AttentionParams).
 //
-// Decoding copies no tensor data: q, k, v point straight into the request's bytes fields, and o
-// (and lse) point into the response's Tensor data, sized once here and written in place by the
-// executor. Host copies per request on the CPU path are therefore two, both made by gRPC and
-// protobuf themselves: wire -> request bytes (parsing) and response bytes -> wire (serializing).
-// Sizing the response zero-fills it once (std::string::resize), which writes but copies nothing.
+// Decoding copies no tensor data: q, k, v point wherever their bytes lie (the request's bytes
+// fields, or the host block the service copied them into from the wire: InputTensors), and o (and
+// lse) into the response's Tensor data, or wherever the caller places them. The server's own
+// path (server/service) makes one host copy per request: the wire's slices into its host block.
 #pragma once
 
 #include <cmath>

