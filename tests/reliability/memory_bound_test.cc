@@ -17,7 +17,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/request_builder.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_test_util.h"
@@ -30,6 +29,7 @@ using e2e::RunningServer;
 using e2e::StartServer;
 
 constexpr int64_t kMiB = int64_t{1} << 20;
+constexpr char kAttend[] = "/attention.v1.Attention/Attend";
 constexpr int64_t kLimitMiB = 8;
 // What gRPC may hold for requests in reception (--receive_memory_mb): the limit and 8 MiB.
 constexpr int64_t kReceiveMiB = kLimitMiB + 8;
@@ -55,31 +55,6 @@ int64_t PeakGrowth(pid_t pid, const std::function<void()>& run) {
   done.store(true);
   poller.join();
   return peak.load() - before;
-}
-
-grpc::Status RawAttend(const std::shared_ptr<grpc::Channel>& channel, const std::string& bytes,
-                       bool gzip) {
-  grpc::GenericStub stub(channel);
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  if (gzip) context.set_compression_algorithm(GRPC_COMPRESS_GZIP);
-  grpc::Slice slice(bytes);
-  grpc::ByteBuffer request(&slice, 1);
-  grpc::ByteBuffer response;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  grpc::Status status;
-  stub.UnaryCall(&context, "/attention.v1.Attention/Attend", {}, &request, &response,
-                 [&](grpc::Status s) {
-                   std::lock_guard<std::mutex> lock(mu);
-                   status = std::move(s);
-                   done = true;
-                   cv.notify_one();
-                 });
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return done; });
-  return status;
 }
 
 // `mib` MiB that claim to be an AttendRequest: q's tag and length, then its bytes.
@@ -121,11 +96,11 @@ TEST_F(MemoryBoundTest, OverLimitRequestsCostAtMostTheLimit) {
   const pid_t pid = server_->process->pid();
   // One connection first, so the server's own start-up allocations are done.
   std::shared_ptr<grpc::Channel> warm = UnlimitedChannel(server_->process->target());
-  EXPECT_EQ(RawAttend(warm, LargeRequest(1), false).error_code(),
+  EXPECT_EQ(RawUnaryCall(warm, kAttend, LargeRequest(1), false).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
 
   const int64_t one = PeakGrowth(pid, [&] {
-    const grpc::Status status = RawAttend(warm, big, false);
+    const grpc::Status status = RawUnaryCall(warm, kAttend, big, false);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
   });
   EXPECT_LE(one, (kReceiveMiB + kSlackMiB) * kMiB)
@@ -140,7 +115,7 @@ TEST_F(MemoryBoundTest, OverLimitRequestsCostAtMostTheLimit) {
     for (int i = 0; i < kAtOnce; ++i) {
       senders.emplace_back([&, i] {
         // Over the shared quota gRPC may close a connection rather than cancel one stream.
-        const grpc::Status status = RawAttend(channels[i], big, false);
+        const grpc::Status status = RawUnaryCall(channels[i], kAttend, big, false);
         EXPECT_TRUE(status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ||
                     status.error_code() == grpc::StatusCode::UNAVAILABLE)
             << status.error_code() << " " << status.error_message();
@@ -171,11 +146,11 @@ TEST_F(MemoryBoundTest, CompressedRequestsAreRefusedBeforeInflating) {
   // 128 MiB of zeros: ~130 KB in gzip.
   const std::string zeros(128 * kMiB, '\0');
   std::shared_ptr<grpc::Channel> channel = UnlimitedChannel(server_->process->target());
-  EXPECT_EQ(RawAttend(channel, LargeRequest(1), false).error_code(),
+  EXPECT_EQ(RawUnaryCall(channel, kAttend, LargeRequest(1), false).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
   grpc::Status status;
-  const int64_t growth =
-      PeakGrowth(server_->process->pid(), [&] { status = RawAttend(channel, zeros, true); });
+  const int64_t growth = PeakGrowth(server_->process->pid(),
+                                    [&] { status = RawUnaryCall(channel, kAttend, zeros, true); });
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << status.error_message();
   EXPECT_LE(growth, (kReceiveMiB + kSlackMiB) * kMiB)
       << "a gzip request inflating to 128 MiB grew the server by " << growth / kMiB << " MiB ("
