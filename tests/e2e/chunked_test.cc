@@ -208,6 +208,25 @@ TEST_F(ChunkedTest, ChunksInAnyOrderAndEveryMalformedSequenceIsRefused) {
   ExpectCorrect(*request, client().AttendChunked(*request, 777));
 }
 
+TEST_F(ChunkedTest, DeadlinesApplyAndTheServerServesOn) {
+  // 24 MiB in 256 KiB chunks and 3e10 FLOPs of CPU work (q, k, v [1, 8, 4000, 64] float32):
+  // seconds on the CPU backend, far over the 100 ms deadline.
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  absl::StatusOr<v1::AttendRequest> slow = client::MakeRandomRequest(
+      {.heads_q = 8, .heads_kv = 8, .seqlen_q = 4000, .seqlen_k = 4000, .head_dim = 64}, rng);
+  ASSERT_TRUE(slow.ok()) << slow.status();
+  EXPECT_EQ(client()
+                .AttendChunked(*slow, 256 * 1024, {.deadline = absl::Milliseconds(100)})
+                .status()
+                .code(),
+            absl::StatusCode::kDeadlineExceeded);
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(LargeProblems()[0], rng);
+  ASSERT_TRUE(request.ok()) << request.status();
+  ExpectCorrect(*request, client().AttendChunked(*request, 64 * 1024));
+}
+
 TEST_F(ChunkedTest, OverTheChunkedLimitIsResourceExhaustedBeforeAnyChunk) {
   // q, k, v [1, 1, 4M, 8] float32: 3 x 128 MiB claimed, over the 64 MiB limit; no chunk sent.
   v1::AttendChunk head;
