@@ -79,6 +79,11 @@ std::shared_ptr<grpc::Channel> UnlimitedChannel(const std::string& target) {
 class MemoryBoundTest : public ::testing::Test {
  protected:
   void SetUp() override {
+#if defined(__SANITIZE_ADDRESS__)
+    // The server here is the sanitized build: AddressSanitizer keeps freed memory in its
+    // quarantine (256 MiB by default), so the resident set no longer says what is held.
+    GTEST_SKIP() << "resident memory is not measurable under AddressSanitizer";
+#endif
     absl::StatusOr<RunningServer> server =
         StartServer({"--backend=cpu", "--threads=1", absl::StrCat("--max_message_mb=", kLimitMiB),
                      absl::StrCat("--receive_memory_mb=", kReceiveMiB), "--kv_cache_fraction=0"});
