@@ -107,14 +107,14 @@ void AttentionService::WriteResponse(const Call& call, grpc::ByteBuffer* respons
   } else {
     head = call.response.SerializeAsString();
   }
-  std::vector<grpc::Slice> slices;
   if (!h.has_o_ref()) {
     AppendSubmessagePrefix(AttendResponse::kOFieldNumber, d.o, v1::Tensor::kDataFieldNumber,
                            d.o_bytes, &head);
-    slices.emplace_back(head);
+  }
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(head);
+  if (!h.has_o_ref()) {
     slices.push_back(SliceOver(call.memory.get() + call.o_offset, d.o_bytes, call.memory));
-  } else {
-    slices.emplace_back(head);
   }
   if (d.lse_bytes > 0) {
     std::string lse_head;
@@ -153,6 +153,8 @@ void AttentionService::Run(absl::string_view rpc, grpc::CallbackServerContext* c
   metrics_->RequestStarted();
   auto finish = [this, rpc, arrival, request_bytes, call, respond = std::move(respond),
                  done = std::move(done)](absl::Status status) mutable {
+    // First, on every path: the regions may be unregistered once the caller has its answer.
+    call->refs.reset();
     const absl::Duration elapsed = absl::Now() - arrival;
     int64_t response_bytes = 0;
     if (status.ok()) {
@@ -195,8 +197,6 @@ void AttentionService::Run(absl::string_view rpc, grpc::CallbackServerContext* c
   call->response.mutable_timing()->set_decode_us(absl::ToDoubleMicroseconds(absl::Now() - arrival));
   job.done = [this, call, flops = call->decoded.flops, tokens = call->decoded.query_tokens,
               answer = std::move(answer)](JobResult result) mutable {
-    // First: the regions may be unregistered once the caller has its answer.
-    call->refs.reset();
     if (result.status.ok()) {
       v1::ServerTiming* timing = call->response.mutable_timing();
       timing->set_queue_us(absl::ToDoubleMicroseconds(result.queued));
