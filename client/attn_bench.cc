@@ -913,6 +913,11 @@ int Main() {
     std::fprintf(stderr, "attn_bench: --connections and --chunk_mb must be > 0\n");
     return 2;
   }
+  if (mode == "decode" && (rpc == "chunked" || connections != 1)) {
+    std::fprintf(stderr,
+                 "attn_bench: --mode=decode takes --rpc unary or stream on one connection\n");
+    return 2;
+  }
   if (absl::GetFlag(FLAGS_shm) && (connections != 1 || rpc == "chunked")) {
     // Regions belong to the connection that registered them; chunked calls carry bytes.
     std::fprintf(stderr, "attn_bench: --shm needs --connections=1 and --rpc unary or stream\n");
