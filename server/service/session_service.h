@@ -10,6 +10,11 @@
 // (dtype, kv heads, head dim, query heads, mask, lse) are one decode job, which the scheduler may
 // run in one launch with other Steps' jobs (--max_batch > 1). Entries of other devices or keys
 // are further jobs of the same call, queued together or not at all.
+//
+// Every method is raw (grpc::ByteBuffer in and out), StepStream's messages too: each request is
+// parsed by ParseByteBuffer (wire_buffers.h: INVALID_ARGUMENT naming the field when its bytes do
+// not decode; protobuf copies the tensors once, tensors by reference stay in their regions) and
+// each response serialized by protobuf.
 #pragma once
 
 #include <atomic>
