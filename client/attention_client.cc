@@ -1,6 +1,8 @@
 #include "client/attention_client.h"
 
 #include <algorithm>
+#include <cstring>
+#include <future>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -10,6 +12,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "google/protobuf/field_mask.pb.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/util/field_mask_util.h"
+#include "google/protobuf/wire_format_lite.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
 
 namespace attention::client {
 
@@ -113,10 +122,218 @@ std::unique_ptr<grpc::ClientContext> Client::NewContext(const CallOptions& call)
 
 absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& request,
                                                   const CallOptions& call) {
+  const int64_t tensor_bytes = static_cast<int64_t>(
+      request.q().data().size() + request.k().data().size() + request.v().data().size());
+  // Tensors by reference and outputs into a region go through Attend (chunks carry bytes).
+  const bool by_reference = request.q().has_ref() || request.k().has_ref() ||
+                            request.v().has_ref() || request.has_o_ref() || request.has_lse_ref();
+  if (options_.chunked_above_bytes > 0 && tensor_bytes > options_.chunked_above_bytes &&
+      !by_reference) {
+    return AttendChunked(request, options_.chunk_bytes, call);
+  }
   std::unique_ptr<grpc::ClientContext> context = NewContext(call);
-  v1::AttendResponse response;
-  grpc::Status status = stub_->Attend(context.get(), request, &response);
+  // Sent from the request's own bytes (EncodeInPlace): no serialization copy of the tensors.
+  grpc::ByteBuffer out = EncodeInPlace(request);
+  grpc::ByteBuffer in;
+  std::promise<grpc::Status> done;
+  grpc::GenericStub(channel_).UnaryCall(context.get(), "/attention.v1.Attention/Attend", {}, &out,
+                                        &in, [&done](grpc::Status s) { done.set_value(s); });
+  grpc::Status status = done.get_future().get();
   if (!status.ok()) return ToAbslStatus(status);
+  v1::AttendResponse response;
+  if (!grpc::SerializationTraits<v1::AttendResponse>::Deserialize(&in, &response).ok()) {
+    return absl::InternalError("Attend: the response does not parse");
+  }
+  return response;
+}
+
+namespace {
+
+// The request's fields but the tensors' data (shapes, dtypes, options, fields added later too).
+v1::AttendRequest WithoutData(const v1::AttendRequest& request) {
+  google::protobuf::FieldMask mask;
+  const google::protobuf::Descriptor* type = v1::AttendRequest::descriptor();
+  for (int i = 0; i < type->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* field = type->field(i);
+    if (field->message_type() == v1::Tensor::descriptor()) {
+      // Only a tensor the request has: a mask path would create an absent one.
+      if (!request.GetReflection()->HasField(request, field)) continue;
+      // Every field of the tensor but its data (dtype, shape, a ref into shared memory, ...);
+      // again only the submessages it has.
+      const google::protobuf::Message& tensor = request.GetReflection()->GetMessage(request, field);
+      const google::protobuf::Descriptor* tensor_type = v1::Tensor::descriptor();
+      for (int j = 0; j < tensor_type->field_count(); ++j) {
+        const google::protobuf::FieldDescriptor* part = tensor_type->field(j);
+        if (part->number() == v1::Tensor::kDataFieldNumber) continue;
+        if (part->message_type() != nullptr && !part->is_repeated() &&
+            !tensor.GetReflection()->HasField(tensor, part)) {
+          continue;
+        }
+        mask.add_paths(field->name() + "." + part->name());
+      }
+    } else {
+      mask.add_paths(field->name());
+    }
+  }
+  v1::AttendRequest header;
+  google::protobuf::util::FieldMaskUtil::MergeMessageTo(request, mask, {}, &header);
+  return header;
+}
+
+// `size` bytes at `data`, referenced in place (the caller keeps them alive during the call).
+grpc::Slice InPlace(const char* data, size_t size) {
+  return grpc::Slice(data, size, grpc::Slice::STATIC_SLICE);
+}
+
+// The tag and length of a length-delimited field `field_number` of `length` bytes.
+std::string LengthPrefix(int field_number, uint64_t length) {
+  using google::protobuf::internal::WireFormatLite;
+  std::string prefix;
+  {
+    google::protobuf::io::StringOutputStream out(&prefix);
+    google::protobuf::io::CodedOutputStream coded(&out);
+    coded.WriteTag(
+        WireFormatLite::MakeTag(field_number, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+    coded.WriteVarint64(length);
+  }  // the stream's destructor trims `prefix` to what was written
+  return prefix;
+}
+
+// An AttendChunk holding one chunk whose `size` data bytes at `data` the message references
+// in place: the encoded fields, then a slice over the caller's bytes.
+grpc::ByteBuffer ChunkMessage(v1::ChunkTensor tensor, int64_t offset, const char* data,
+                              int64_t size) {
+  v1::TensorChunk fields;
+  fields.set_tensor(tensor);
+  fields.set_offset(offset);
+  const std::string encoded = fields.SerializeAsString();
+  const uint64_t chunk_size =
+      encoded.size() + LengthPrefix(v1::TensorChunk::kDataFieldNumber, size).size() + size;
+  const std::string prefix = LengthPrefix(v1::AttendChunk::kChunkFieldNumber, chunk_size) +
+                             encoded + LengthPrefix(v1::TensorChunk::kDataFieldNumber, size);
+  grpc::Slice slices[2] = {grpc::Slice(prefix), InPlace(data, static_cast<size_t>(size))};
+  return grpc::ByteBuffer(slices, 2);
+}
+
+}  // namespace
+
+grpc::ByteBuffer EncodeInPlace(const v1::AttendRequest& request) {
+  // The fields but the tensors' data, then each tensor's data field as a prefix and a slice over
+  // the request's bytes: a message protobuf parses as `request` (field order is free).
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(WithoutData(request).SerializeAsString());
+  for (const auto& [number, t] : {std::pair{v1::AttendRequest::kQFieldNumber, &request.q()},
+                                  {v1::AttendRequest::kKFieldNumber, &request.k()},
+                                  {v1::AttendRequest::kVFieldNumber, &request.v()}}) {
+    if (t->data().empty()) continue;
+    const std::string data_prefix = LengthPrefix(v1::Tensor::kDataFieldNumber, t->data().size());
+    slices.emplace_back(LengthPrefix(number, data_prefix.size() + t->data().size()) + data_prefix);
+    slices.push_back(InPlace(t->data().data(), t->data().size()));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+absl::StatusOr<v1::AttendResponse> Client::AttendChunked(const v1::AttendRequest& request,
+                                                         int64_t chunk_bytes,
+                                                         const CallOptions& call) {
+  if (chunk_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("chunk_bytes: expected > 0, got ", chunk_bytes));
+  }
+  std::unique_ptr<grpc::ClientContext> context = NewContext(call);
+  grpc::CompletionQueue cq;
+  grpc::GenericStub stub(channel_);
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> rw =
+      stub.PrepareCall(context.get(), "/attention.v1.Attention/AttendChunked", &cq);
+  // One operation at a time, each awaited: a blocking call over the async API (the generic
+  // stub's, which takes our slices as they are).
+  auto await = [&cq] {
+    void* tag = nullptr;
+    bool ok = false;
+    return cq.Next(&tag, &ok) && ok;
+  };
+  auto finish = [&]() -> absl::Status {
+    grpc::Status status;
+    rw->Finish(&status, nullptr);
+    await();
+    return ToAbslStatus(status);
+  };
+  rw->StartCall(nullptr);
+  bool ok = await();
+  if (ok) {
+    v1::AttendChunk head;
+    *head.mutable_request() = WithoutData(request);
+    grpc::ByteBuffer message;
+    bool own = false;
+    ok = grpc::SerializationTraits<v1::AttendChunk>::Serialize(head, &message, &own).ok();
+    if (ok) rw->Write(message, nullptr);
+    ok = ok && await();
+  }
+  for (const auto& [tensor, t] : {std::pair{v1::CHUNK_TENSOR_Q, &request.q()},
+                                  {v1::CHUNK_TENSOR_K, &request.k()},
+                                  {v1::CHUNK_TENSOR_V, &request.v()}}) {
+    const int64_t size = static_cast<int64_t>(t->data().size());
+    for (int64_t at = 0; ok && at < size; at += chunk_bytes) {
+      rw->Write(ChunkMessage(tensor, at, t->data().data() + at, std::min(chunk_bytes, size - at)),
+                nullptr);
+      ok = await();
+    }
+  }
+  if (ok) {
+    rw->WritesDone(nullptr);
+    ok = await();
+  }
+  // The answer: the response, then chunks of o and lse. (After a failed write the status says
+  // why; reading first drains what the server sent.)
+  v1::AttendResponse response;
+  bool have_response = false;
+  int64_t received[2] = {0, 0};  // o, lse
+  absl::Status problem;
+  for (;;) {
+    grpc::ByteBuffer message;
+    rw->Read(&message, nullptr);
+    if (!await()) break;
+    v1::AttendChunk part;
+    if (!grpc::SerializationTraits<v1::AttendChunk>::Deserialize(&message, &part).ok()) {
+      problem = absl::InternalError("AttendChunked: a response message does not parse");
+      break;
+    }
+    if (part.has_response()) {
+      response = std::move(*part.mutable_response());
+      have_response = true;
+      // o like q; lse float32 of its shape.
+      response.mutable_o()->mutable_data()->resize(request.q().data().size());
+      if (response.has_lse()) {
+        int64_t elements = 1;
+        for (int64_t d : response.lse().shape()) elements *= d;
+        response.mutable_lse()->mutable_data()->resize(elements * sizeof(float));
+      }
+      continue;
+    }
+    const v1::TensorChunk& chunk = part.chunk();
+    const bool is_o = chunk.tensor() == v1::CHUNK_TENSOR_O;
+    std::string* data =
+        is_o ? response.mutable_o()->mutable_data() : response.mutable_lse()->mutable_data();
+    if (!have_response || (!is_o && chunk.tensor() != v1::CHUNK_TENSOR_LSE) || chunk.offset() < 0 ||
+        chunk.offset() + static_cast<int64_t>(chunk.data().size()) >
+            static_cast<int64_t>(data->size())) {
+      problem = absl::InternalError("AttendChunked: a response chunk outside its tensor");
+      break;
+    }
+    std::memcpy(data->data() + chunk.offset(), chunk.data().data(), chunk.data().size());
+    received[is_o ? 0 : 1] += static_cast<int64_t>(chunk.data().size());
+  }
+  if (!problem.ok()) {
+    context->TryCancel();
+    finish().IgnoreError();
+    return problem;
+  }
+  if (absl::Status status = finish(); !status.ok()) return status;
+  if (!have_response || received[0] != static_cast<int64_t>(response.o().data().size()) ||
+      received[1] != static_cast<int64_t>(response.lse().data().size())) {
+    return absl::InternalError(absl::StrCat(
+        "AttendChunked: the answer ended with o ", received[0], " of ", response.o().data().size(),
+        " and lse ", received[1], " of ", response.lse().data().size(), " bytes"));
+  }
   return response;
 }
 

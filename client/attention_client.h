@@ -32,6 +32,11 @@ struct ClientOptions {
   // Largest message sent or received; attention payloads are large (bf16 B=4, H=16, N=4096,
   // D=128 is 64 MiB per tensor).
   int max_message_bytes = 1 << 30;
+  // Attend sends a request whose q, k and v together exceed this through AttendChunked, in
+  // chunks of chunk_bytes (needed above 2 GiB, protobuf's ceiling, or above the server's message
+  // limit); 0: always unary.
+  int64_t chunked_above_bytes = int64_t{512} << 20;
+  int64_t chunk_bytes = int64_t{16} << 20;
   // HTTP/2 keepalive pings while calls are open, so a dead server or a dropped connection is
   // noticed during a long call; zero turns them off. gRPC servers by default answer pings more
   // frequent than every 5 minutes (when no data flows) with GOAWAY, so go lower only against a
@@ -75,9 +80,19 @@ class Client {
   // Uses an existing channel (tests, custom credentials); options.target is ignored.
   Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
 
-  // One forward pass; blocks until the response or an error arrives.
+  // One forward pass; blocks until the response or an error arrives. Requests whose tensors are
+  // over options.chunked_above_bytes go through AttendChunked, unless they refer to shared memory
+  // (Tensor.ref, o_ref, lse_ref).
   absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request,
                                             const CallOptions& call = {});
+
+  // Attend through Attention.AttendChunked: q, k and v sent in chunks of `chunk_bytes` from the
+  // request's own bytes (no copy: gRPC reads the slices in place), o and lse received in chunks.
+  // For tensors over 2 GiB (protobuf's message ceiling) or near the message limit, and for
+  // spreading one big call's bytes over HTTP/2 frames while other calls use other connections.
+  absl::StatusOr<v1::AttendResponse> AttendChunked(const v1::AttendRequest& request,
+                                                   int64_t chunk_bytes,
+                                                   const CallOptions& call = {});
 
   // Starts Attend without blocking; `done` runs once, on a gRPC thread, with the result. The
   // request is copied, so the caller may drop it at once; the call's own state is gone before
@@ -132,6 +147,10 @@ std::string ChannelTarget(const std::string& target);
 // retryPolicy for UNAVAILABLE on every method of attention.v1.Attention and grpc.health.v1.Health.
 // Empty when neither applies.
 std::string ServiceConfigJson(const ClientOptions& options);
+
+// `request` encoded as an AttendRequest message whose tensor bytes are slices over the request's
+// own data (no copy): `request` must outlive the call that sends it.
+grpc::ByteBuffer EncodeInPlace(const v1::AttendRequest& request);
 
 // A grpc::Status as an absl::Status: same code, same message.
 absl::Status ToAbslStatus(const grpc::Status& status);

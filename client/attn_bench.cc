@@ -68,6 +68,8 @@
 #include "client/shared_memory.h"
 #include "client/tensors.h"
 #include "client/tool_flags.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
 
 ABSL_FLAG(std::string, mode, "attend",
           "attend (Attend calls) | decode (Step calls on KV-resident sessions)");
@@ -101,10 +103,14 @@ ABSL_FLAG(bool, causal, false, "causal mask (bottom-right aligned)");
 ABSL_FLAG(bool, lse, false, "ask for the log-sum-exp too");
 ABSL_FLAG(std::string, rpc, "unary",
           "unary (one call per request) | stream (AttendStream; decode: StepStream), one stream "
-          "per concurrency slot");
+          "per concurrency slot; chunked (AttendChunked, --chunk_mb chunks sent from the request's "
+          "bytes)");
 ABSL_FLAG(bool, shm, false,
           "attend: q, k, v and o in a POSIX shared-memory object registered with the server "
           "(which needs --allow_shared_memory; one --target), sent by reference");
+ABSL_FLAG(int, connections, 1,
+          "channels (TCP connections) to the target; the concurrent slots are spread over them");
+ABSL_FLAG(double, chunk_mb, 4, "--rpc=chunked: MiB per chunk");
 ABSL_FLAG(double, deadline_s, 60, "deadline per unary call, seconds");
 ABSL_FLAG(int, max_attempts, 1, "attempts per call on UNAVAILABLE (gRPC retry policy)");
 ABSL_FLAG(int, max_message_mb, 1024,
@@ -128,6 +134,8 @@ struct LoadSettings {
   int64_t requests = 0;
   double warmup_s = 1;
   bool stream = false;
+  std::string rpc = "unary";  // unary, stream or chunked
+  int connections = 1;
   absl::Duration deadline = absl::Seconds(60);
   bool progress = true;
 };
@@ -280,6 +288,48 @@ class UnarySlot final : public Slot {
   const Rpcs<Req, Resp>& rpcs_;
   const absl::Duration deadline_;
   DoneFn done_;
+};
+
+// One AttendChunked call at a time, on a thread of its own (Client::AttendChunked blocks).
+class ChunkedSlot final : public Slot {
+ public:
+  ChunkedSlot(const v1::AttendRequest& request, Client* client, int64_t chunk_bytes,
+              absl::Duration deadline, double flops, DoneFn done)
+      : request_(request),
+        client_(client),
+        chunk_bytes_(chunk_bytes),
+        deadline_(deadline),
+        flops_(flops),
+        done_(std::move(done)) {}
+  ~ChunkedSlot() override {
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void Send(Clock::time_point start) override {
+    if (thread_.joinable()) thread_.join();  // the previous call is done: its `done` ran
+    thread_ = std::thread([this, start] {
+      absl::StatusOr<v1::AttendResponse> r =
+          client_->AttendChunked(request_, chunk_bytes_, CallOptions{.deadline = deadline_});
+      Completion c{start, r.ok() ? grpc::Status::OK
+                                 : grpc::Status(static_cast<grpc::StatusCode>(r.status().code()),
+                                                std::string(r.status().message()))};
+      if (r.ok()) {
+        c.response_bytes = static_cast<int64_t>(r->o().data().size() + r->lse().data().size());
+        c.timing = r->timing();
+        c.flops = flops_;
+      }
+      done_(this, c, /*retire=*/false);
+    });
+  }
+
+ private:
+  const v1::AttendRequest& request_;
+  Client* const client_;
+  const int64_t chunk_bytes_;
+  const absl::Duration deadline_;
+  const double flops_;
+  DoneFn done_;
+  std::thread thread_;
 };
 
 // A stream carrying one request at a time, `requests` in turn: write, read its response, repeat.
@@ -603,13 +653,13 @@ std::string ConfigJson(const ProblemSpec& spec, const LoadSettings& load) {
       "\"config\":{\"target\":\"%s\",\"echo_target\":\"%s\",\"mode\":\"%s\",\"rpc\":\"%s\","
       "\"shape\":[%d,%d,%d,%d],\"kv_heads\":%d,\"nk\":%d,\"dtype\":\"%s\",\"layout\":\"%s\","
       "\"causal\":%s,\"lse\":%s,\"concurrency\":%d,\"rate\":%s,\"duration_s\":%.6g,"
-      "\"requests\":%d,\"warmup_s\":%.6g}",
+      "\"requests\":%d,\"warmup_s\":%.6g,\"connections\":%d}",
       absl::GetFlag(FLAGS_target), absl::GetFlag(FLAGS_echo_target), absl::GetFlag(FLAGS_mode),
-      load.stream ? "stream" : "unary", spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim,
-      spec.heads_kv, spec.seqlen_k, DTypeName(spec.dtype),
-      spec.layout == v1::LAYOUT_BSHD ? "bshd" : "bhsd", spec.causal ? "true" : "false",
-      spec.return_lse ? "true" : "false", load.concurrency,
-      load.rate ? absl::StrCat(*load.rate) : "null", load.duration_s, load.requests, load.warmup_s);
+      load.rpc.c_str(), spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim, spec.heads_kv,
+      spec.seqlen_k, DTypeName(spec.dtype), spec.layout == v1::LAYOUT_BSHD ? "bshd" : "bhsd",
+      spec.causal ? "true" : "false", spec.return_lse ? "true" : "false", load.concurrency,
+      load.rate ? absl::StrCat(*load.rate) : "null", load.duration_s, load.requests, load.warmup_s,
+      load.connections);
 }
 
 // The results of every run (one per --concurrency value), printed together at the end so that
@@ -628,7 +678,7 @@ class Outputs {
         absl::GetFlag(FLAGS_mode), r.name,
         absl::StrJoin(absl::StrSplit(absl::GetFlag(FLAGS_target), ','), ";"), spec.batch,
         spec.heads_q, spec.seqlen_q, spec.head_dim, spec.heads_kv, spec.seqlen_k,
-        DTypeName(spec.dtype), load.stream ? "stream" : "unary", r.concurrency,
+        DTypeName(spec.dtype), load.rpc.c_str(), r.concurrency,
         load.rate ? absl::StrCat(*load.rate) : "", r.ok, errors, r.elapsed_s, r.requests_per_s,
         r.payload_gb_per_s, r.tflop_per_s, r.p50, r.p90, r.p95, r.p99, r.p999, r.max,
         r.compute_us_p50, r.server_us_p50));
@@ -853,14 +903,33 @@ int Main() {
   load.requests = absl::GetFlag(FLAGS_requests);
   load.warmup_s = absl::GetFlag(FLAGS_warmup_s);
   load.stream = rpc == "stream";
+  load.rpc = rpc;
+  load.connections = absl::GetFlag(FLAGS_connections);
   load.deadline = absl::Seconds(absl::GetFlag(FLAGS_deadline_s));
   load.progress = absl::GetFlag(FLAGS_progress);
-  if (!spec.ok() || (rpc != "unary" && rpc != "stream") || (mode != "attend" && mode != "decode") ||
-      concurrencies.empty() || *std::min_element(concurrencies.begin(), concurrencies.end()) < 1 ||
+  const int connections = absl::GetFlag(FLAGS_connections);
+  const int64_t chunk_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_chunk_mb) * (1 << 20));
+  if (connections < 1 || chunk_bytes < 1) {
+    std::fprintf(stderr, "attn_bench: --connections and --chunk_mb must be > 0\n");
+    return 2;
+  }
+  if (mode == "decode" && (rpc == "chunked" || connections != 1)) {
+    std::fprintf(stderr,
+                 "attn_bench: --mode=decode takes --rpc unary or stream on one connection\n");
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_shm) && (connections != 1 || rpc == "chunked")) {
+    // Regions belong to the connection that registered them; chunked calls carry bytes.
+    std::fprintf(stderr, "attn_bench: --shm needs --connections=1 and --rpc unary or stream\n");
+    return 2;
+  }
+  if (!spec.ok() || (rpc != "unary" && rpc != "stream" && rpc != "chunked") ||
+      (mode != "attend" && mode != "decode") || concurrencies.empty() ||
+      *std::min_element(concurrencies.begin(), concurrencies.end()) < 1 ||
       (load.rate && *load.rate <= 0)) {
     std::fprintf(stderr, "attn_bench: %s\n",
                  !spec.ok() ? std::string(spec.status().message()).c_str()
-                            : "--rpc must be unary or stream, --mode attend or decode, "
+                            : "--rpc must be unary, stream or chunked, --mode attend or decode, "
                               "--concurrency integers >= 1, --rate > 0");
     return 2;
   }
@@ -892,9 +961,6 @@ int Main() {
               load.rate ? absl::StrCat("rate ", *load.rate, "/s").c_str() : "closed loop",
               static_cast<double>(request_bytes) / (1 << 20));
 
-  // The attention service.
-  Rpcs<v1::AttendRequest, v1::AttendResponse> attention_rpcs;
-  std::unique_ptr<v1::Attention::Stub> attention_stub;
   // The echo service, fed the same bytes.
   bench::EchoRequest echo_request;
   echo_request.set_q(request->q().data());
@@ -905,16 +971,29 @@ int Main() {
 
   auto channel_for = [&](const std::string& target) {
     options.target = target;
+    grpc::ChannelArguments args = MakeChannelArguments(options);
+    // A connection of its own: channels with equal arguments would share one subchannel.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     return grpc::CreateCustomChannel(ChannelTarget(target), grpc::InsecureChannelCredentials(),
-                                     MakeChannelArguments(options));
+                                     args);
   };
+  // --connections channels to the attention target; slot i uses channel i % connections.
+  std::vector<std::unique_ptr<Client>> clients;
+  std::vector<Rpcs<v1::AttendRequest, v1::AttendResponse>> per_connection(connections);
+  std::vector<std::unique_ptr<v1::Attention::Stub>> stubs;
+  int next_connection = 0;
   auto attention_slot = [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
+    const int c = next_connection++ % connections;
+    if (rpc == "chunked") {
+      return std::make_unique<ChunkedSlot>(*request, clients[c].get(), chunk_bytes, load.deadline,
+                                           flops, std::move(done));
+    }
     if (load.stream) {
       return std::make_unique<StreamSlot<v1::AttendRequest, v1::AttendResponse>>(
-          absl::MakeConstSpan(&*request, 1), attention_rpcs, std::move(done));
+          absl::MakeConstSpan(&*request, 1), per_connection[c], std::move(done));
     }
     return std::make_unique<UnarySlot<v1::AttendRequest, v1::AttendResponse>>(
-        absl::MakeConstSpan(&*request, 1), attention_rpcs, load.deadline, std::move(done));
+        absl::MakeConstSpan(&*request, 1), per_connection[c], load.deadline, std::move(done));
   };
   auto echo_slot = [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
     if (load.stream) {
@@ -946,15 +1025,49 @@ int Main() {
     echo_rpcs.flops = [flops](const bench::EchoReply&) { return flops; };
   }
 
-  // --shm: the tensors go into a shared-memory object registered over the attention channel
-  // (regions belong to the connection), and the request refers to them; o is written there.
-  std::unique_ptr<Client> shm_client;
+  // --shm: the tensors go into a shared-memory object registered over the attention channel (the
+  // only one: regions belong to the connection), and the request refers to them; o is written
+  // there.
   std::unique_ptr<SharedMemoryClient> regions;
   std::unique_ptr<SharedMemoryObject> object;
   int64_t o_in_region = 0;
   if (!echo_only) {
-    std::shared_ptr<grpc::Channel> attention_channel = channel_for(absl::GetFlag(FLAGS_target));
-    attention_stub = v1::Attention::NewStub(attention_channel);
+    for (int i = 0; i < connections; ++i) {
+      std::shared_ptr<grpc::Channel> channel = channel_for(absl::GetFlag(FLAGS_target));
+      clients.push_back(std::make_unique<Client>(channel, options));
+      v1::Attention::Stub* stub = stubs.emplace_back(v1::Attention::NewStub(channel)).get();
+      Rpcs<v1::AttendRequest, v1::AttendResponse>& r = per_connection[i];
+      // Sent from the request's own bytes (EncodeInPlace: no serialization copy of the tensors)
+      // through the generic stub; the response parsed by protobuf.
+      auto generic = std::make_shared<grpc::GenericStub>(channel);
+      r.unary = [generic](grpc::ClientContext* c, const v1::AttendRequest* q, v1::AttendResponse* a,
+                          std::function<void(grpc::Status)> f) {
+        struct Buffers {
+          grpc::ByteBuffer out, in;
+        };
+        auto buffers = std::make_shared<Buffers>();
+        buffers->out = EncodeInPlace(*q);
+        generic->UnaryCall(
+            c, "/attention.v1.Attention/Attend", {}, &buffers->out, &buffers->in,
+            [buffers, a, f = std::move(f)](grpc::Status s) {
+              if (s.ok() &&
+                  !grpc::SerializationTraits<v1::AttendResponse>::Deserialize(&buffers->in, a)
+                       .ok()) {
+                s = grpc::Status(grpc::StatusCode::INTERNAL, "the response does not parse");
+              }
+              f(std::move(s));
+            });
+      };
+      r.stream = [stub](grpc::ClientContext* c,
+                        grpc::ClientBidiReactor<v1::AttendRequest, v1::AttendResponse>* a) {
+        stub->async()->AttendStream(c, a);
+      };
+      r.response_bytes = [](const v1::AttendResponse& a) {
+        return static_cast<int64_t>(a.o().data().size() + a.lse().data().size());
+      };
+      r.timing = [](const v1::AttendResponse& a) { return a.timing(); };
+      r.flops = [flops](const v1::AttendResponse&) { return flops; };
+    }
     if (absl::GetFlag(FLAGS_shm)) {
       o_in_region = static_cast<int64_t>(request->q().data().size());
       absl::StatusOr<std::unique_ptr<SharedMemoryObject>> created = SharedMemoryObject::Create(
@@ -964,8 +1077,7 @@ int Main() {
         return 1;
       }
       object = *std::move(created);
-      shm_client = std::make_unique<Client>(attention_channel, options);
-      regions = std::make_unique<SharedMemoryClient>(*shm_client);
+      regions = std::make_unique<SharedMemoryClient>(*clients[0]);
       if (absl::StatusOr<v1::RegionInfo> info = regions->Register("attn-bench", *object);
           !info.ok()) {
         std::fprintf(stderr, "attn_bench: --shm: %s\n", info.status().ToString().c_str());
@@ -980,19 +1092,6 @@ int Main() {
       }
       *request->mutable_o_ref() = MakeRef("attn-bench", at, o_in_region);
     }
-    attention_rpcs.unary = [&](grpc::ClientContext* c, const v1::AttendRequest* q,
-                               v1::AttendResponse* r, std::function<void(grpc::Status)> f) {
-      attention_stub->async()->Attend(c, q, r, std::move(f));
-    };
-    attention_rpcs.stream = [&](grpc::ClientContext* c,
-                                grpc::ClientBidiReactor<v1::AttendRequest, v1::AttendResponse>* r) {
-      attention_stub->async()->AttendStream(c, r);
-    };
-    attention_rpcs.response_bytes = [o_in_region](const v1::AttendResponse& r) {
-      return static_cast<int64_t>(r.o().data().size() + r.lse().data().size()) + o_in_region;
-    };
-    attention_rpcs.timing = [](const v1::AttendResponse& r) { return r.timing(); };
-    attention_rpcs.flops = [flops](const v1::AttendResponse&) { return flops; };
   }
 
   Outputs outputs;

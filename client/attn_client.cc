@@ -55,6 +55,13 @@ ABSL_FLAG(std::optional<std::string>, dtype, std::nullopt,
 ABSL_FLAG(int, max_message_mb, 1024,
           "largest gRPC message sent or received, MiB (1..2047); a larger request is refused "
           "before it is built (the server has its own limit: --info)");
+ABSL_FLAG(double, chunk_mb, 16, "AttendChunked: MiB per chunk");
+ABSL_FLAG(double, max_chunked_mb, 8192,
+          "largest request sent through AttendChunked, MiB (the server's own limit is "
+          "--max_chunked_request_mb, in --info); larger ones are refused before they are built");
+ABSL_FLAG(double, chunked_above_mb, 512,
+          "send requests whose q + k + v exceed this many MiB through AttendChunked (needed over "
+          "2 GiB or the server's message limit); 0: always Attend");
 ABSL_FLAG(std::string, layout, "bhsd", "bhsd ([B, H, N, D]) | bshd ([B, N, H, D])");
 ABSL_FLAG(bool, causal, false, "causal mask (aligned as --mask_alignment says)");
 ABSL_FLAG(std::string, mask_alignment, "bottom_right",
@@ -253,12 +260,20 @@ int RunAttend(Client& client, int64_t max_message_bytes) {
     std::fprintf(stderr, "%s\n", spec.status().ToString().c_str());
     return kExitUsage;
   }
-  if (const int64_t bytes = EstimateRequestBytes(*spec); bytes > max_message_bytes) {
-    std::fprintf(stderr,
-                 "the request would be %.1f MiB, over --max_message_mb=%lld; raise it (the "
-                 "server's limit is in --info) or send less\n",
-                 static_cast<double>(bytes) / (1 << 20),
-                 static_cast<long long>(max_message_bytes >> 20));
+  // Unary up to the message limit; chunked above --chunked_above_mb, up to --max_chunked_mb.
+  const int64_t chunked_above = client.options().chunked_above_bytes;
+  const int64_t max_chunked = static_cast<int64_t>(absl::GetFlag(FLAGS_max_chunked_mb) * (1 << 20));
+  const int64_t bytes = EstimateRequestBytes(*spec);
+  const bool chunked = chunked_above > 0 && bytes > chunked_above;
+  if ((!chunked && bytes > max_message_bytes) || (chunked && bytes > max_chunked)) {
+    std::fprintf(
+        stderr,
+        "the request would be %.1f MiB, over --max_message_mb=%lld%s; raise it (the "
+        "server's limits are in --info) or send less\n",
+        static_cast<double>(bytes) / (1 << 20), static_cast<long long>(max_message_bytes >> 20),
+        chunked
+            ? absl::StrCat(" and, sent chunked, over --max_chunked_mb=", max_chunked >> 20).c_str()
+            : "");
     return kExitUsage;
   }
   absl::StatusOr<v1::AttendRequest> request = BuildRequest(*spec, *files);
@@ -381,6 +396,13 @@ int main(int argc, char** argv) {
     return attention::client::kExitUsage;
   }
   options.max_message_bytes = max_message_mb << 20;
+  options.chunk_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_chunk_mb) * (1 << 20));
+  options.chunked_above_bytes =
+      static_cast<int64_t>(absl::GetFlag(FLAGS_chunked_above_mb) * (1 << 20));
+  if (options.chunk_bytes < 1 || options.chunked_above_bytes < 0) {
+    std::cerr << "attn_client: --chunk_mb must be > 0 and --chunked_above_mb >= 0\n";
+    return attention::client::kExitUsage;
+  }
   if (absl::Status status = attention::client::ApplySecurityFlags(options); !status.ok()) {
     std::cerr << "attn_client: " << status << "\n";
     return attention::client::kExitUsage;

@@ -2,8 +2,12 @@
 // them: protobuf parsing, validation and decoding of the requests that carry tensors.
 //
 // The first input byte picks the message (its value modulo 4):
-//   0  AttendRequest (server/requests/request_decoder), and, for what the decoder accepts, the
-//      CPU kernel itself;
+//   0  AttendRequest as the server reads it: the wire parser (server/requests/wire_message) over
+//      the bytes split into pieces as gRPC's slices split them, checked against protobuf's own
+//      parse (whatever it accepts protobuf accepts, with the same fields and tensor bytes), then
+//      the decoder over the tensors copied into their own buffer (as the service copies them)
+//      and, for what it accepts, the CPU kernel itself; the same bytes also as an AttendChunk
+//      (ParseAttendChunk);
 //   1  CreateSessionRequest (DecodeCreate);
 //   2  AppendKvRequest (DecodeKvRows) against a session whose shape and length come from the
 //      next 4 bytes (SessionFromBytes);
@@ -24,6 +28,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -34,6 +41,7 @@
 #include "kernels/paged_kv.h"
 #include "server/requests/request_decoder.h"
 #include "server/requests/session_request.h"
+#include "server/requests/wire_message.h"
 
 namespace {
 
@@ -46,9 +54,7 @@ void Fail(const char* what) {
   std::abort();
 }
 
-void CheckDecoded(const attention::v1::AttendRequest& request,
-                  const attention::v1::AttendResponse& response,
-                  const attention::server::DecodedRequest& decoded, int max_head_dim) {
+void CheckDecoded(const attention::server::DecodedRequest& decoded, int max_head_dim) {
   const attention::AttentionParams& p = decoded.params;
   if (p.batch < 1 || p.heads_q < 1 || p.heads_kv < 1 || p.seqlen_q < 1 || p.seqlen_k < 1) {
     Fail("a decoded dimension is not positive");
@@ -58,37 +64,101 @@ void CheckDecoded(const attention::v1::AttendRequest& request,
   if (p.window_left < attention::kUnboundedWindow || p.window_right < attention::kUnboundedWindow) {
     Fail("negative window");
   }
-  // o: same dtype, shape and byte size as q, and p.o points at it.
-  if (response.o().dtype() != request.q().dtype() ||
-      response.o().data().size() != request.q().data().size() ||
-      p.o != response.o().data().data() || p.q != request.q().data().data()) {
-    Fail("o does not mirror q");
-  }
-  if (request.return_lse() != (p.lse != nullptr)) Fail("lse presence differs from return_lse");
   if (!attention::CheckParams(p).ok()) Fail("decoded parameters fail the kernel's own check");
   if (decoded.flops < 0 || decoded.query_tokens < 1) Fail("negative work counts");
 }
 
+// The bytes in pieces of 1..16 bytes whose sizes come from the bytes themselves, so that every
+// kind of boundary (inside a tag, a length, a tensor's data) is met.
+attention::server::WireBytes Pieces(const uint8_t* data, size_t size) {
+  std::vector<absl::string_view> pieces;
+  for (size_t pos = 0; pos < size;) {
+    const size_t n = std::min<size_t>(1 + (data[pos] + pos) % 16, size - pos);
+    pieces.emplace_back(reinterpret_cast<const char*>(data) + pos, n);
+    pos += n;
+  }
+  return attention::server::WireBytes(std::move(pieces));
+}
+
+void CheckRefusal(const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kInvalidArgument &&
+      status.code() != absl::StatusCode::kResourceExhausted) {
+    Fail("a refusal that is neither INVALID_ARGUMENT nor RESOURCE_EXHAUSTED");
+  }
+  if (status.message().empty()) Fail("a refusal without a message");
+}
+
 void FuzzAttend(const uint8_t* data, size_t size) {
+  const attention::server::WireBytes wire = Pieces(data, size);
+  attention::server::WireAttendChunk chunk;
+  if (absl::Status s = attention::server::ParseAttendChunk(wire, &chunk); !s.ok()) {
+    CheckRefusal(s);
+  } else if (chunk.data.begin < 0 || chunk.data.size < 0 ||
+             chunk.data.begin + chunk.data.size > wire.size()) {
+    Fail("a chunk's data range outside the message");
+  }
+
+  attention::server::WireAttendRequest parsed;
   attention::v1::AttendRequest request;
-  if (!request.ParseFromArray(data, static_cast<int>(size))) return;
+  const bool protobuf_parses = request.ParseFromArray(data, static_cast<int>(size));
+  if (absl::Status s = attention::server::ParseAttendRequest(wire, &parsed); !s.ok()) {
+    if (s.code() != absl::StatusCode::kInvalidArgument) Fail("a parse error not INVALID_ARGUMENT");
+    if (s.message().empty()) Fail("a parse error without a message");
+    return;
+  }
+  if (!protobuf_parses) Fail("the wire parser accepted bytes protobuf refuses");
+  // The same fields and tensor bytes as protobuf's parse.
+  std::string tensor_data[3];
+  int i = 0;
+  for (const auto& [range, t] :
+       {std::pair{parsed.q, request.q()}, {parsed.k, request.k()}, {parsed.v, request.v()}}) {
+    if (range.begin < 0 || range.size < 0 || range.begin + range.size > wire.size()) {
+      Fail("a tensor's data range outside the message");
+    }
+    tensor_data[i].resize(range.size);
+    wire.CopyTo(range.begin, range.size, tensor_data[i].data());
+    if (tensor_data[i] != t.data()) Fail("tensor bytes differ from protobuf's parse");
+    ++i;
+  }
+  attention::v1::AttendRequest expected = request;
+  // (Only tensors that are present: mutable_q() would add an absent one.)
+  if (expected.has_q()) expected.mutable_q()->clear_data();
+  if (expected.has_k()) expected.mutable_k()->clear_data();
+  if (expected.has_v()) expected.mutable_v()->clear_data();
+  expected.DiscardUnknownFields();
+  attention::v1::AttendRequest header = parsed.header;
+  header.DiscardUnknownFields();
+  // Compared as their serialized bytes (canonical field order; a NaN scale equals itself there).
+  if (header.SerializeAsString() != expected.SerializeAsString()) {
+    Fail("the parsed fields differ from protobuf's parse");
+  }
 
   // Odd-sized inputs get a tiny message limit, so the RESOURCE_EXHAUSTED paths are reached too.
   const attention::server::DecodeOptions options{
       .max_message_bytes = size % 2 == 1 ? 512 : int64_t{64} << 20, .max_head_dim = 256};
-  attention::v1::AttendResponse response;
   absl::StatusOr<attention::server::DecodedRequest> decoded =
-      attention::server::DecodeRequest(request, options, &response);
-  if (!decoded.ok()) {
-    const absl::StatusCode code = decoded.status().code();
-    if (code != absl::StatusCode::kInvalidArgument &&
-        code != absl::StatusCode::kResourceExhausted) {
-      Fail("a refusal that is neither INVALID_ARGUMENT nor RESOURCE_EXHAUSTED");
-    }
-    if (decoded.status().message().empty()) Fail("a refusal without a message");
-    return;
+      attention::server::DecodeRequest(parsed.header,
+                                       attention::server::InputTensors{.q_bytes = parsed.q.size,
+                                                                       .k_bytes = parsed.k.size,
+                                                                       .v_bytes = parsed.v.size,
+                                                                       .q = tensor_data[0].data(),
+                                                                       .k = tensor_data[1].data(),
+                                                                       .v = tensor_data[2].data()},
+                                       options);
+  if (!decoded.ok()) return CheckRefusal(decoded.status());
+  // o and lse placed as the service places them: buffers of the sizes the decoder gives.
+  std::vector<char> o(decoded->o_bytes);
+  std::vector<float> lse(decoded->lse_bytes / sizeof(float));
+  decoded->params.o = o.data();
+  if (decoded->lse_bytes > 0) decoded->params.lse = lse.data();
+  if (decoded->o_bytes != static_cast<int64_t>(request.q().data().size()) ||
+      decoded->o.dtype() != request.q().dtype()) {
+    Fail("o does not mirror q");
   }
-  CheckDecoded(request, response, *decoded, options.max_head_dim);
+  if (request.return_lse() != (decoded->params.lse != nullptr)) {
+    Fail("lse presence differs from return_lse");
+  }
+  CheckDecoded(*decoded, options.max_head_dim);
 
   if (decoded->flops <= kMaxKernelFlops) {
     static attention::cpu::CpuBackend* backend = new attention::cpu::CpuBackend({.threads = 1});

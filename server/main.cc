@@ -47,8 +47,10 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "kernels/status_macros.h"
 #include "server/executors/executor.h"
+#include "server/executors/host_memory.h"
 #include "server/executors/region_hooks.h"
 #include "server/metrics/metrics.h"
 #include "server/options/server_options.h"
@@ -70,6 +72,13 @@ ABSL_FLAG(int, workers, 0,
           "Scheduler worker threads (batches run at once); 0 = --streams x GPUs for cuda, 2 for "
           "cpu.");
 ABSL_FLAG(int, max_message_mb, 1024, "Largest gRPC message received or sent, MiB (1..2047).");
+ABSL_FLAG(int64_t, max_chunked_request_mb, 8192,
+          "Largest q + k + v (and o + lse) of one AttendChunked request, MiB; its chunks are "
+          "messages under --max_message_mb.");
+ABSL_FLAG(int, receive_memory_mb, 0,
+          "Memory gRPC may hold for requests being received, all connections together, MiB; "
+          "beyond it the stream being filled is cancelled, so a request over the message limit "
+          "costs at most this. 0 = --max_message_mb + 64.");
 ABSL_FLAG(int, max_queue, 256, "Requests that may wait for a device; more are refused.");
 ABSL_FLAG(int, max_batch, 1,
           "Requests per kernel launch at most (dynamic batching; reported in ServerInfo).");
@@ -285,8 +294,14 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
     regions = std::make_unique<RegionRegistry>(options.shared_memory.limits,
                                                MakeRegionHooks(options.backend));
   }
-  AttentionService service(options.service, &scheduler, &metrics, &drain, regions.get());
   SharedMemoryService shared_memory(regions.get(), options.service.auth_token, &metrics);
+  // Where a request's tensors land (their one host copy) and its results are sent from: pinned
+  // for the GPUs' DMAs, freed blocks kept up to twice the message limit.
+  const std::unique_ptr<HostMemory> host_memory =
+      options.backend == "cuda" ? MakePinnedHostMemory(2 * options.service.max_message_bytes)
+                                : MakePageableHostMemory();
+  AttentionService service(options.service, &scheduler, &metrics, &drain, host_memory.get(),
+                           regions.get());
   std::unique_ptr<SessionStore> session_store;
   if (!kv_devices->empty()) {
     session_store = std::make_unique<SessionStore>(
@@ -310,6 +325,20 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   const int max_message = static_cast<int>(options.service.max_message_bytes);
   builder.SetMaxReceiveMessageSize(max_message);
   builder.SetMaxSendMessageSize(max_message);
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
+  // Memory for what is refused stays bounded. gRPC 1.51 receives a whole message before its
+  // size limit refuses it (the HTTP/2 window opens to the size the message announces), so an
+  // over-limit request would otherwise cost its full size: the resource quota caps what gRPC
+  // holds for messages in reception, all connections together, and beyond it gRPC cancels the
+  // stream it is filling. Compressed requests are refused (UNIMPLEMENTED, naming the algorithm)
+  // before anything is inflated: gRPC would inflate a message whole before checking its size,
+  // and tensors of floats barely compress, so nothing is lost.
+  grpc::ResourceQuota quota("attention_server");
+  quota.Resize(static_cast<size_t>(options.receive_memory_bytes > 0
+                                       ? options.receive_memory_bytes
+                                       : options.service.max_message_bytes + (int64_t{64} << 20)));
+  builder.SetResourceQuota(quota);
   if (options.max_connection_age_s > 0) {
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, options.max_connection_age_s * 1000);
     if (options.max_connection_age_grace_s > 0) {
@@ -454,9 +483,11 @@ int main(int argc, char** argv) {
   options.shared_memory.limits.max_regions_per_owner =
       absl::GetFlag(FLAGS_max_shared_memory_regions);
   options.shared_memory.limits.max_mapped_bytes = absl::GetFlag(FLAGS_max_shared_memory_bytes);
+  options.receive_memory_bytes = int64_t{absl::GetFlag(FLAGS_receive_memory_mb)} << 20;
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.service.version = ATTENTION_VERSION;
   options.service.max_message_bytes = int64_t{max_message_mb} << 20;
+  options.service.max_chunked_request_bytes = absl::GetFlag(FLAGS_max_chunked_request_mb) << 20;
   options.service.max_queue = options.scheduler.max_queue;
   options.service.max_batch = absl::GetFlag(FLAGS_max_batch);
 

@@ -77,7 +77,9 @@ void ParallelCopy(void* dst, const void* src, size_t bytes) {
     std::memcpy(dst, src, bytes);
     return;
   }
-  const size_t part = (bytes / kThreads + 63) / 64 * 64;
+  // Rounded up: the parts cover every byte (bytes / kThreads rounded down could leave up to
+  // kThreads - 1 bytes at the end uncopied).
+  const size_t part = ((bytes + kThreads - 1) / kThreads + 63) / 64 * 64;
   auto copy = [&](int t) {
     const size_t begin = std::min(bytes, t * part), end = std::min(bytes, begin + part);
     std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,

@@ -9,9 +9,12 @@
 // leaves the device unusable until the process restarts: Health probes the context after a failed
 // run and keeps answering that error, so the scheduler sends no more work here.
 //
-// Host copies of tensor data per request through gRPC: 4. wire -> request bytes (protobuf parse),
-// request bytes -> pinned staging (memcpy), pinned staging -> response bytes (memcpy), response
-// bytes -> wire (serialisation). The DMAs read and write pinned memory only.
+// Host copies of tensor data per request through gRPC: 1, the received slices -> the request's
+// pinned host block (server/service/attention_service.h; the block comes from
+// MakePinnedHostMemory, host_memory.h). The runner DMAs q, k, v from that block and o into it
+// directly (pinned: no staging memcpy), and gRPC sends o from it. (Before the wire path: 4, wire
+// -> request bytes, request bytes -> pinned staging, staging -> response bytes, response bytes
+// -> wire.) A caller of Run with pageable memory still gets the staging memcpy each way.
 #include <cuda_runtime_api.h>
 
 #include <memory>

@@ -1,6 +1,7 @@
 // CUDA entry points for builds without the CUDA toolkit: no devices, and a clear error when one is
 // asked for anyway.
 #include "server/executors/executor.h"
+#include "server/executors/host_memory.h"
 
 namespace attention::server {
 
@@ -14,5 +15,9 @@ absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal,
 }
 
 int CudaDeviceCount() { return 0; }
+
+std::unique_ptr<HostMemory> MakePinnedHostMemory(int64_t /*cache_bytes*/) {
+  return MakePageableHostMemory();
+}
 
 }  // namespace attention::server

@@ -18,6 +18,11 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_message_mb: expected 1..2047, got ", max_message_mb));
   }
+  if (o.receive_memory_bytes != 0 && o.receive_memory_bytes < (int64_t{max_message_mb} << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--receive_memory_mb: expected 0 or at least --max_message_mb (",
+                     max_message_mb, "), got ", o.receive_memory_bytes >> 20));
+  }
   for (const auto& [name, value] : {std::pair{"--max_queue", o.scheduler.max_queue},
                                     {"--max_batch", o.scheduler.max_batch},
                                     {"--streams", o.cuda.streams}}) {

@@ -48,6 +48,9 @@ struct ServerOptions {
   // Work one request may ask for (--max_request_flops); 0: the backend's default
   // (DefaultMaxRequestFlops).
   double max_request_flops = 0;
+  // Bytes gRPC may hold for requests it is still receiving, every connection together
+  // (--receive_memory_mb, its resource quota); 0: the message limit plus 64 MiB.
+  int64_t receive_memory_bytes = 0;
 };
 
 // The per-request work limit when --max_request_flops is 0, for a resolved backend ("cpu" or

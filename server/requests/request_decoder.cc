@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -47,6 +48,13 @@ absl::StatusOr<DType> ToDType(int dtype, absl::string_view field) {
 
 absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const Tensor& t, int rank,
                                     absl::string_view rank_meaning, size_t element_bytes) {
+  return CheckTensor(name, t, static_cast<int64_t>(t.data().size()), rank, rank_meaning,
+                     element_bytes);
+}
+
+absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const Tensor& t, int64_t data_bytes,
+                                    int rank, absl::string_view rank_meaning,
+                                    size_t element_bytes) {
   if (t.shape_size() != rank) {
     return absl::InvalidArgumentError(absl::StrCat(name, ".shape: expected rank ", rank, " (",
                                                    rank_meaning, "), got rank ", t.shape_size(),
@@ -65,9 +73,9 @@ absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const Tensor& t, int
   }
   if (t.has_ref()) {
     // The bytes are in a region (tensor_refs.h resolves and bounds-checks them).
-    if (!t.data().empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ".data: expected no bytes beside ", name,
-                                                     ".ref, got ", t.data().size()));
+    if (data_bytes > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".data: expected no bytes beside ", name, ".ref, got ", data_bytes));
     }
     if (t.ref().byte_size() != bytes) {
       return absl::InvalidArgumentError(
@@ -76,10 +84,10 @@ absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const Tensor& t, int
     }
     return bytes;
   }
-  if (static_cast<int64_t>(t.data().size()) != bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ".data: expected ", bytes, " bytes (shape ", ShapeString(t), " x ",
-                     element_bytes, " bytes), got ", t.data().size()));
+  if (data_bytes >= 0 && data_bytes != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ".data: expected ", bytes,
+                                                   " bytes (shape ", ShapeString(t), " x ",
+                                                   element_bytes, " bytes), got ", data_bytes));
   }
   return bytes;
 }
@@ -119,6 +127,38 @@ absl::Status CheckCuSeqlens(absl::string_view name,
 absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                                              const DecodeOptions& options,
                                              v1::AttendResponse* response,
+                                             TensorRefResolver* refs) {
+  ASSIGN_OR_RETURN(
+      DecodedRequest decoded,
+      DecodeRequest(request,
+                    InputTensors{.q_bytes = static_cast<int64_t>(request.q().data().size()),
+                                 .k_bytes = static_cast<int64_t>(request.k().data().size()),
+                                 .v_bytes = static_cast<int64_t>(request.v().data().size()),
+                                 .q = request.q().data().data(),
+                                 .k = request.k().data().data(),
+                                 .v = request.v().data().data()},
+                    options, refs));
+  Tensor* o = response->mutable_o();
+  *o = decoded.o;
+  if (decoded.params.o == nullptr) {  // else it goes into a region (o_ref)
+    o->mutable_data()->resize(decoded.o_bytes);
+    decoded.params.o = o->mutable_data()->data();
+  }
+  if (request.return_lse()) {
+    Tensor* lse = response->mutable_lse();
+    *lse = decoded.lse;
+    if (decoded.params.lse == nullptr) {  // else lse_ref
+      lse->mutable_data()->resize(decoded.lse_bytes);
+      // std::string storage comes from operator new (or the inline buffer), aligned for float.
+      decoded.params.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+    }
+  }
+  return decoded;
+}
+
+absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
+                                             const InputTensors& inputs,
+                                             const DecodeOptions& options,
                                              TensorRefResolver* refs) {
   // Presence and dtypes first: every later message depends on them.
   for (const auto& [name, present] :
@@ -160,12 +200,15 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
              : (bshd ? "[B, N, H, D] for LAYOUT_BSHD" : "[B, H, N, D] for LAYOUT_BHSD");
   const size_t element_bytes = DTypeSize(dtype);
   int64_t request_bytes = 0;
-  int64_t q_bytes = 0;  // o's size too
-  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q", &request.q()},
-                                {"k", &request.k()},
-                                {"v", &request.v()}}) {
-    ASSIGN_OR_RETURN(int64_t bytes, CheckTensor(name, *t, rank, rank_meaning, element_bytes));
-    if (t == &request.q()) q_bytes = bytes;
+  int64_t tensor_bytes[3] = {0, 0, 0};
+  int tensor_index = 0;
+  for (const auto& [name, t, data_bytes] :
+       {std::tuple<const char*, const Tensor*, int64_t>{"q", &request.q(), inputs.q_bytes},
+        {"k", &request.k(), inputs.k_bytes},
+        {"v", &request.v(), inputs.v_bytes}}) {
+    ASSIGN_OR_RETURN(int64_t bytes,
+                     CheckTensor(name, *t, data_bytes, rank, rank_meaning, element_bytes));
+    tensor_bytes[tensor_index++] = bytes;
     // Bytes in a region do not cross gRPC. Each fits in memory, so the sum cannot overflow.
     if (!t->has_ref()) request_bytes += bytes;
   }
@@ -270,7 +313,7 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   }
 
   // The response: o like q, lse float32 [B, Hq, Nq] (varlen [Hq, total_q]).
-  const int64_t o_bytes = q_bytes;
+  const int64_t o_bytes = tensor_bytes[0];
   const int64_t lse_rows = varlen ? p.total_q : p.batch * p.seqlen_q;
   const int64_t lse_bytes = request.return_lse() ? heads_q * lse_rows * int64_t{sizeof(float)} : 0;
   if (request.has_lse_ref() && !request.return_lse()) {
@@ -285,41 +328,45 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                                                      " bytes, over the message limit of ",
                                                      options.max_message_bytes, " bytes"));
   }
-  Tensor* o = response->mutable_o();
-  o->set_dtype(q.dtype());
-  o->mutable_shape()->CopyFrom(q.shape());
+  decoded.o.set_dtype(q.dtype());
+  decoded.o.mutable_shape()->CopyFrom(q.shape());
+  // Tensors in a region have their params pointing there and no bytes to carry.
   if (request.has_o_ref()) {
     ASSIGN_OR_RETURN(p.o, OutputRef("o_ref", request.o_ref(), o_bytes,
                                     static_cast<int64_t>(element_bytes), refs));
   } else {
-    o->mutable_data()->resize(o_bytes);
-    p.o = o->mutable_data()->data();
+    decoded.o_bytes = o_bytes;
   }
+  decoded.q_bytes = q.has_ref() ? 0 : tensor_bytes[0];
+  decoded.k_bytes = k.has_ref() ? 0 : tensor_bytes[1];
+  decoded.v_bytes = v.has_ref() ? 0 : tensor_bytes[2];
   if (request.return_lse()) {
-    Tensor* lse = response->mutable_lse();
-    lse->set_dtype(v1::DTYPE_FLOAT32);
+    decoded.lse.set_dtype(v1::DTYPE_FLOAT32);
     if (varlen) {
-      lse->add_shape(heads_q);
-      lse->add_shape(p.total_q);
+      decoded.lse.add_shape(heads_q);
+      decoded.lse.add_shape(p.total_q);
     } else {
-      lse->add_shape(p.batch);
-      lse->add_shape(heads_q);
-      lse->add_shape(p.seqlen_q);
+      decoded.lse.add_shape(p.batch);
+      decoded.lse.add_shape(heads_q);
+      decoded.lse.add_shape(p.seqlen_q);
     }
     if (request.has_lse_ref()) {
       ASSIGN_OR_RETURN(char* lse_data, OutputRef("lse_ref", request.lse_ref(), lse_bytes,
                                                  int64_t{sizeof(float)}, refs));
       p.lse = reinterpret_cast<float*>(lse_data);
     } else {
-      lse->mutable_data()->resize(lse_bytes);
-      // std::string storage comes from operator new (or the inline buffer), aligned for float.
-      p.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+      decoded.lse_bytes = lse_bytes;
     }
   }
   const int64_t alignment = static_cast<int64_t>(element_bytes);
-  ASSIGN_OR_RETURN(p.q, TensorData("q", q, alignment, refs));
-  ASSIGN_OR_RETURN(p.k, TensorData("k", k, alignment, refs));
-  ASSIGN_OR_RETURN(p.v, TensorData("v", v, alignment, refs));
+  auto input = [&](const char* name, const Tensor& t,
+                   const void* bytes) -> absl::StatusOr<const void*> {
+    if (!t.has_ref()) return bytes;
+    return TensorData(name, t, alignment, refs);
+  };
+  ASSIGN_OR_RETURN(p.q, input("q", q, inputs.q));
+  ASSIGN_OR_RETURN(p.k, input("k", k, inputs.k));
+  ASSIGN_OR_RETURN(p.v, input("v", v, inputs.v));
   p.SetContiguousStrides(bshd ? Layout::kBSHD : Layout::kBHSD);
   decoded.params = p;
   return decoded;

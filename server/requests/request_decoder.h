@@ -1,10 +1,10 @@
 // Validation and decoding of an AttendRequest into the kernel interface (AttentionParams).
 //
-// Decoding copies no tensor data: q, k, v point straight into the request's bytes fields, and o
-// (and lse) point into the response's Tensor data, sized once here and written in place by the
-// executor. Host copies per request on the CPU path are therefore two, both made by gRPC and
-// protobuf themselves: wire -> request bytes (parsing) and response bytes -> wire (serializing).
-// Sizing the response zero-fills it once (std::string::resize), which writes but copies nothing.
+// Decoding copies no tensor data: q, k, v point wherever their bytes lie (the request's bytes
+// fields, the host block the service copied them into from the wire: InputTensors, or a
+// shared-memory region for a tensor by reference), and o (and lse) into the response's Tensor
+// data, a region (o_ref, lse_ref), or wherever the caller places them. The server's own
+// path (server/service) makes one host copy per request: the wire's slices into its host block.
 #pragma once
 
 #include <cmath>
@@ -30,10 +30,33 @@ struct DecodeOptions {
   double max_request_flops = 0;
 };
 
+// The bytes of q, k and v, wherever they lie: the request's own data fields, ranges of the bytes
+// gRPC received (wire_message.h), or elsewhere. The sizes are checked against the shapes; the
+// pointers (host memory holding the bytes, or null while only the checks run) go into the params.
+// A size of -1: the bytes are still to come (AttendChunked), the shape alone decides.
+struct InputTensors {
+  int64_t q_bytes = 0, k_bytes = 0, v_bytes = 0;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+};
+
 // A validated request, ready for an executor.
 struct DecodedRequest {
-  // Host pointers into the request (q, k, v, cu_seqlens) and the response (o, lse).
+  // Host pointers into the request (q, k, v, cu_seqlens) and the response (o, lse), or into the
+  // regions of tensors by reference. The InputTensors overload of DecodeRequest leaves o and lse
+  // null for the caller to place, unless they go into a region (o_ref, lse_ref).
   AttentionParams params;
+  // The response's tensors without their data: o (dtype and shape of q), and when asked lse
+  // (float32 [B, Hq, Nq], varlen [Hq, total_q]); the bytes the response carries for them (0 when
+  // not asked, or written into a region).
+  v1::Tensor o;
+  v1::Tensor lse;
+  int64_t o_bytes = 0;
+  int64_t lse_bytes = 0;
+  // The bytes of q, k and v the request carries, as their shapes and dtype give them (0 for a
+  // tensor by reference, whose params already point into its region).
+  int64_t q_bytes = 0, k_bytes = 0, v_bytes = 0;
   // Attention FLOPs, 4 * Hq * D per (query row, visible key) pair, counted under the mask.
   double flops = 0;
   // Query rows computed: B * Nq, or total_q for varlen.
@@ -57,6 +80,10 @@ absl::StatusOr<DType> ToDType(int dtype, absl::string_view field);
 // Checks rank, dims (> 0, product fits int64) and byte size of tensor `name`; returns its bytes.
 absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const v1::Tensor& t, int rank,
                                     absl::string_view rank_meaning, size_t element_bytes);
+// The same with the tensor's bytes counted elsewhere: `data_bytes` stands for t.data().size()
+// (-1: not checked, the bytes are still to come).
+absl::StatusOr<int64_t> CheckTensor(absl::string_view name, const v1::Tensor& t, int64_t data_bytes,
+                                    int rank, absl::string_view rank_meaning, size_t element_bytes);
 
 // The scale and window of a request with softmax_scale, window_left, window_right and causal
 // (AttendRequest, StepRequest), for head dim `head_dim`; AttendRequest's mask_alignment is decoded
@@ -110,6 +137,15 @@ absl::StatusOr<MaskParams> DecodeMask(const Request& request, int64_t head_dim) 
 absl::StatusOr<DecodedRequest> DecodeRequest(const v1::AttendRequest& request,
                                              const DecodeOptions& options,
                                              v1::AttendResponse* response,
+                                             TensorRefResolver* refs = nullptr);
+
+// The same checks over `request`'s fields but the tensors' data, whose bytes `inputs` gives (its
+// pointers unused for tensors by reference); o and lse are described in the result (o, lse,
+// o_bytes, lse_bytes) and, unless in a region, left for the caller to place.
+// `request` and the inputs' memory must outlive the result.
+absl::StatusOr<DecodedRequest> DecodeRequest(const v1::AttendRequest& request,
+                                             const InputTensors& inputs,
+                                             const DecodeOptions& options,
                                              TensorRefResolver* refs = nullptr);
 
 }  // namespace attention::server

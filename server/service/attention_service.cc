@@ -3,12 +3,17 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/quote.h"
+#include "kernels/status_macros.h"
 #include "server/service/security.h"
 #include "server/service/shared_memory_service.h"
+#include "server/service/wire_buffers.h"
 
 namespace attention::server {
 
@@ -21,29 +26,140 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 AttentionService::AttentionService(const ServiceOptions& options, Scheduler* scheduler,
-                                   Metrics* metrics, DrainGate* drain, RegionRegistry* regions)
+                                   Metrics* metrics, DrainGate* drain, HostMemory* memory,
+                                   RegionRegistry* regions)
     : options_(options),
       decode_options_{.max_message_bytes = options.max_message_bytes,
                       .max_head_dim = options.max_head_dim,
                       .max_request_flops = options.max_request_flops},
+      chunked_decode_options_{.max_message_bytes = options.max_chunked_request_bytes,
+                              .max_head_dim = options.max_head_dim,
+                              .max_request_flops = options.max_request_flops},
       scheduler_(scheduler),
       metrics_(metrics),
       drain_(drain),
+      own_memory_(memory == nullptr ? MakePageableHostMemory() : nullptr),
+      memory_(memory == nullptr ? own_memory_.get() : memory),
       regions_(regions) {}
 
+absl::Status AttentionService::Prepare(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer& request, Call* call) {
+  const ReceivedBytes received(request);
+  RETURN_IF_ERROR(ParseAttendRequest(received.wire, &call->request));
+  const WireAttendRequest& r = call->request;
+  // The regions the request references stay held until it is answered.
+  call->refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token,
+                                                /*cuda_inputs=*/true);
+  // Sizes first: nothing is allocated for a request the checks refuse.
+  ASSIGN_OR_RETURN(
+      call->decoded,
+      DecodeRequest(r.header,
+                    InputTensors{.q_bytes = r.q.size, .k_bytes = r.k.size, .v_bytes = r.v.size},
+                    decode_options_, call->refs.get()));
+  RETURN_IF_ERROR(Place(call));
+  // The one host copy of the tensors that came on the wire (those by reference stay in their
+  // region: the decoder checked they carry no bytes).
+  const AttentionParams& p = call->decoded.params;
+  const v1::AttendRequest& h = r.header;
+  if (!h.q().has_ref()) {
+    received.wire.CopyTo(r.q.begin, r.q.size, static_cast<char*>(const_cast<void*>(p.q)));
+  }
+  if (!h.k().has_ref()) {
+    received.wire.CopyTo(r.k.begin, r.k.size, static_cast<char*>(const_cast<void*>(p.k)));
+  }
+  if (!h.v().has_ref()) {
+    received.wire.CopyTo(r.v.begin, r.v.size, static_cast<char*>(const_cast<void*>(p.v)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionService::Place(Call* call) {
+  constexpr int64_t kAlignment = 256;
+  auto aligned = [](int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; };
+  DecodedRequest& d = call->decoded;
+  // One block: q | k | v | o | lse, each of size 0 when in a region (its params point there).
+  const int64_t k_offset = aligned(d.q_bytes);
+  const int64_t v_offset = k_offset + aligned(d.k_bytes);
+  call->o_offset = v_offset + aligned(d.v_bytes);
+  call->lse_offset = call->o_offset + aligned(d.o_bytes);
+  const int64_t block_bytes = call->lse_offset + aligned(d.lse_bytes);
+  if (block_bytes == 0) return absl::OkStatus();  // everything in regions
+  ASSIGN_OR_RETURN(call->memory, memory_->Allocate(block_bytes));
+  char* base = call->memory.get();
+  if (d.params.q == nullptr) d.params.q = base;
+  if (d.params.k == nullptr) d.params.k = base + k_offset;
+  if (d.params.v == nullptr) d.params.v = base + v_offset;
+  if (d.params.o == nullptr) d.params.o = base + call->o_offset;
+  if (d.lse_bytes > 0) d.params.lse = reinterpret_cast<float*>(base + call->lse_offset);
+  return absl::OkStatus();
+}
+
+void AttentionService::WriteResponse(const Call& call, grpc::ByteBuffer* response) {
+  const DecodedRequest& d = call.decoded;
+  const v1::AttendRequest& h = call.request.header;
+  std::string head;
+  if (h.has_o_ref() || h.has_lse_ref()) {
+    // o and lse written into a region (o_ref, lse_ref) go with their dtype and shape, no data.
+    v1::AttendResponse fields = call.response;
+    if (h.has_o_ref()) *fields.mutable_o() = d.o;
+    if (h.has_lse_ref()) *fields.mutable_lse() = d.lse;
+    head = fields.SerializeAsString();
+  } else {
+    head = call.response.SerializeAsString();
+  }
+  if (!h.has_o_ref()) {
+    AppendSubmessagePrefix(AttendResponse::kOFieldNumber, d.o, v1::Tensor::kDataFieldNumber,
+                           d.o_bytes, &head);
+  }
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(head);
+  if (!h.has_o_ref()) {
+    slices.push_back(SliceOver(call.memory.get() + call.o_offset, d.o_bytes, call.memory));
+  }
+  if (d.lse_bytes > 0) {
+    std::string lse_head;
+    AppendSubmessagePrefix(AttendResponse::kLseFieldNumber, d.lse, v1::Tensor::kDataFieldNumber,
+                           d.lse_bytes, &lse_head);
+    slices.emplace_back(lse_head);
+    slices.push_back(SliceOver(call.memory.get() + call.lse_offset, d.lse_bytes, call.memory));
+  }
+  *response = grpc::ByteBuffer(slices.data(), slices.size());
+}
+
 void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContext* context,
-                               const AttendRequest& request, AttendResponse* response,
+                               grpc::ByteBuffer* request, grpc::ByteBuffer* response, Call* call,
                                absl::AnyInvocable<void(absl::Status) &&> done) {
-  const absl::Time arrival = absl::Now();
-  const int64_t request_bytes = static_cast<int64_t>(request.ByteSizeLong());
+  Run(
+      rpc, context, absl::Now(), static_cast<int64_t>(request->Length()),
+      [this, context, request, call] {
+        absl::Status prepared = Prepare(context, *request, call);
+        // The tensors are in call->memory now (or refused): give the received slices back, so
+        // a request does not hold twice its size while it waits and computes.
+        request->Clear();
+        return prepared;
+      },
+      [call, response] {
+        WriteResponse(*call, response);
+        return static_cast<int64_t>(response->Length());
+      },
+      call, std::move(done));
+}
+
+void AttentionService::Run(absl::string_view rpc, grpc::CallbackServerContext* context,
+                           absl::Time arrival, int64_t request_bytes,
+                           absl::AnyInvocable<absl::Status() &&> prepare,
+                           absl::AnyInvocable<int64_t() &&> respond, Call* call,
+                           absl::AnyInvocable<void(absl::Status) &&> done) {
   metrics_->RequestStarted();
-  auto finish = [this, rpc, arrival, request_bytes, response,
+  auto finish = [this, rpc, arrival, request_bytes, call, respond = std::move(respond),
                  done = std::move(done)](absl::Status status) mutable {
+    // First, on every path: the regions may be unregistered once the caller has its answer.
+    call->refs.reset();
     const absl::Duration elapsed = absl::Now() - arrival;
     int64_t response_bytes = 0;
     if (status.ok()) {
-      response->mutable_timing()->set_total_us(absl::ToDoubleMicroseconds(elapsed));
-      response_bytes = static_cast<int64_t>(response->ByteSizeLong());
+      call->response.mutable_timing()->set_total_us(absl::ToDoubleMicroseconds(elapsed));
+      response_bytes = std::move(respond)();
     }
     metrics_->RequestFinished(rpc, status.code(), elapsed, request_bytes, response_bytes);
     std::move(done)(std::move(status));
@@ -63,36 +179,33 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
     std::move(finish)(std::move(status));
     drain_->Leave();
   };
-  // The regions the request references stay held until it is answered.
-  auto refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token,
-                                               /*cuda_inputs=*/true);
-  absl::StatusOr<DecodedRequest> decoded =
-      DecodeRequest(request, decode_options_, response, refs.get());
-  if (!decoded.ok()) return answer(decoded.status());
-  response->set_request_id(request.request_id());
+  if (absl::Status prepared = std::move(prepare)(); !prepared.ok()) {
+    return answer(std::move(prepared));
+  }
+  call->response.set_request_id(call->request.header.request_id());
 
   Job job;
-  if (refs->cuda_device() >= 0) {
+  if (call->refs != nullptr && call->refs->cuda_device() >= 0) {
     // CUDA regions are read and written in place on their GPU: the request runs there.
-    absl::StatusOr<int> device = CudaRegionDevice(*refs, decoded->params);
+    absl::StatusOr<int> device = CudaRegionDevice(*call->refs, call->decoded.params);
     if (!device.ok()) return answer(device.status());
     job.device = *device;
   }
-  job.work = decoded->params;
+  job.work = call->decoded.params;
   job.deadline = absl::FromChrono(context->deadline());
   job.cancelled = [context] { return context->IsCancelled(); };
-  response->mutable_timing()->set_decode_us(absl::ToDoubleMicroseconds(absl::Now() - arrival));
-  job.done = [this, response, flops = decoded->flops, tokens = decoded->query_tokens,
-              refs = std::move(refs), answer = std::move(answer)](JobResult result) mutable {
-    if (result.status.ok()) result.status = refs->Intact();
-    refs.reset();  // first: the regions may be unregistered once the caller has its answer
+  call->response.mutable_timing()->set_decode_us(absl::ToDoubleMicroseconds(absl::Now() - arrival));
+  job.done = [this, call, flops = call->decoded.flops, tokens = call->decoded.query_tokens,
+              answer = std::move(answer)](JobResult result) mutable {
+    // A region that shrank while the request ran fails it (its bytes were zeros past the end).
+    if (result.status.ok() && call->refs != nullptr) result.status = call->refs->Intact();
     if (result.status.ok()) {
-      v1::ServerTiming* timing = response->mutable_timing();
+      v1::ServerTiming* timing = call->response.mutable_timing();
       timing->set_queue_us(absl::ToDoubleMicroseconds(result.queued));
       timing->set_h2d_us(result.stages.h2d_us);
       timing->set_compute_us(result.stages.compute_us);
       timing->set_d2h_us(result.stages.d2h_us);
-      response->set_device(result.device->name);
+      call->response.set_device(result.device->name);
       metrics_->StagesObserved(result.queued, result.stages);
       metrics_->Computed(result.device->name, flops, tokens,
                          result.leads_batch ? result.batch_size : 0);
@@ -100,6 +213,30 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
     std::move(answer)(std::move(result.status));
   };
   scheduler_->Submit(std::move(job));
+}
+
+grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto call = std::make_shared<Call>();
+  Call* c = call.get();
+  // The handler's own buffer of the received message, read by nothing after Process copies it:
+  // Process clears it to give its slices back early.
+  Process("Attend", context, const_cast<grpc::ByteBuffer*>(request), response, c,
+          [reactor, call = std::move(call)](absl::Status status) {
+            reactor->Finish(ToGrpcStatus(status));
+          });
+  return reactor;
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::AttendStream(
+    grpc::CallbackServerContext* context) {
+  return StreamReactor<Call>::Begin(
+      options_.stream_window, [this, context](grpc::ByteBuffer* request, grpc::ByteBuffer* response,
+                                              Call* call, StreamReactor<Call>::Done done) {
+        Process("AttendStream", context, request, response, call, std::move(done));
+      });
 }
 
 absl::StatusOr<int> AttentionService::CudaRegionDevice(const RequestRegions& refs,
@@ -120,38 +257,24 @@ absl::StatusOr<int> AttentionService::CudaRegionDevice(const RequestRegions& ref
                                                     ", which this server does not serve"));
 }
 
-grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* context,
-                                                   const AttendRequest* request,
-                                                   AttendResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  Process("Attend", context, *request, response,
-          [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
-  return reactor;
-}
-
-grpc::ServerBidiReactor<AttendRequest, AttendResponse>* AttentionService::AttendStream(
-    grpc::CallbackServerContext* context) {
-  return StreamReactor<AttendRequest, AttendResponse>::Begin(
-      options_.stream_window,
-      [this, context](const AttendRequest& request, AttendResponse* response,
-                      absl::AnyInvocable<void(absl::Status) &&> done) {
-        Process("AttendStream", context, request, response, std::move(done));
-      });
-}
-
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
-                                                          const v1::GetServerInfoRequest* request,
-                                                          v1::ServerInfo* response) {
+                                                          const grpc::ByteBuffer* raw_request,
+                                                          grpc::ByteBuffer* raw_response) {
   const absl::Time arrival = absl::Now();
   metrics_->RequestStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (absl::Status auth = CheckBearerToken(context->client_metadata(), options_.auth_token);
-      !auth.ok()) {
-    metrics_->RequestFinished("GetServerInfo", auth.code(), absl::Now() - arrival,
-                              static_cast<int64_t>(request->ByteSizeLong()), 0);
-    reactor->Finish(ToGrpcStatus(auth));
+  const int64_t request_bytes = static_cast<int64_t>(raw_request->Length());
+  absl::Status status = CheckBearerToken(context->client_metadata(), options_.auth_token);
+  v1::GetServerInfoRequest request;
+  if (status.ok()) status = ParseByteBuffer(*raw_request, &request);
+  if (!status.ok()) {
+    metrics_->RequestFinished("GetServerInfo", status.code(), absl::Now() - arrival, request_bytes,
+                              0);
+    reactor->Finish(ToGrpcStatus(status));
     return reactor;
   }
+  v1::ServerInfo info;
+  v1::ServerInfo* response = &info;
   response->set_version(options_.version);
   response->set_backend(options_.backend);
   for (const DeviceDescription* device : scheduler_->devices()) {
@@ -177,9 +300,10 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_max_batch(options_.max_batch);
   limits->set_max_head_dim(options_.max_head_dim);
   limits->set_max_request_flops(options_.max_request_flops);
+  limits->set_max_chunked_request_bytes(options_.max_chunked_request_bytes);
+  SerializeToByteBuffer(info, raw_response);
   metrics_->RequestFinished("GetServerInfo", absl::StatusCode::kOk, absl::Now() - arrival,
-                            static_cast<int64_t>(request->ByteSizeLong()),
-                            static_cast<int64_t>(response->ByteSizeLong()));
+                            request_bytes, static_cast<int64_t>(raw_response->Length()));
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -1,10 +1,23 @@
 // The attention.v1.Attention gRPC service, on gRPC's callback API: no thread is held per call.
-// Each request is decoded into its own response (request_decoder), queued on the scheduler, and
-// answered from the worker that ran it. absl::Status becomes grpc::Status only here.
+// Its methods are raw (grpc::ByteBuffer in and out): each request is parsed from the slices gRPC
+// received (server/requests/wire_message.h; undecodable bytes get INVALID_ARGUMENT naming the
+// field), decoded (request_decoder), its tensors copied once into host memory of the kind the
+// backend reads (executors/host_memory.h), queued on the scheduler, and answered from the worker
+// that ran it with slices over that same memory. absl::Status becomes grpc::Status only here.
+//
+// Host copies of tensor data per request: 1, the wire's slices -> the host block (q, k, v; by 4
+// threads above 8 MiB); none for a tensor by reference (Tensor.ref, o_ref, lse_ref): its params
+// point into its shared-memory region, which holds it for the request until it is answered
+// (RequestRegions), and CUDA regions are read and written in place on their GPU. The CUDA runner
+// DMAs from and into that pinned block directly, and the response's o and lse are sent from it in
+// place (gRPC writes the slices to the socket). Before this path there were 4 on a GPU: protobuf's
+// parse into the request's bytes fields, those into pinned staging, staging into the response's
+// bytes fields, and protobuf's serialization.
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -15,9 +28,11 @@
 #include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "server/executors/host_memory.h"
 #include "server/metrics/metrics.h"
 #include "server/regions/region_registry.h"
 #include "server/requests/request_decoder.h"
+#include "server/requests/wire_message.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/drain_gate.h"
 #include "server/service/shared_memory_service.h"
@@ -29,6 +44,9 @@ struct ServiceOptions {
   std::string version;
   std::string backend = "cpu";  // "cpu" or "cuda"
   int64_t max_message_bytes = int64_t{1024} << 20;
+  // Largest q + k + v (and o + lse) of one AttendChunked request; its chunks are messages, each
+  // under max_message_bytes.
+  int64_t max_chunked_request_bytes = int64_t{8} << 30;
   int max_queue = 256;
   int max_batch = 1;
   int max_head_dim = 256;
@@ -41,44 +59,93 @@ struct ServiceOptions {
   std::string auth_token;
 };
 
-class AttentionService final : public v1::Attention::CallbackService {
+// Every method raw: the bytes of a request are ours to parse.
+using AttentionRawService =
+    v1::Attention::WithRawCallbackMethod_Attend<v1::Attention::WithRawCallbackMethod_AttendStream<
+        v1::Attention::WithRawCallbackMethod_GetServerInfo<
+            v1::Attention::WithRawCallbackMethod_AttendChunked<v1::Attention::Service>>>>;
+
+class AttentionService final : public AttentionRawService {
  public:
-  // `scheduler`, `metrics` and `drain` must outlive the service. Once `drain` closes, every new
-  // request, and every new message on an open stream, is answered UNAVAILABLE; requests already
-  // accepted run to the end (their responses handed to gRPC) before it reads drained.
-  // `regions`: the shared-memory regions requests may reference; null: shared memory is off.
+  // `scheduler`, `metrics`, `drain`, `memory` and `regions` must outlive the service; `memory`
+  // null: plain host memory. `regions`: the shared-memory regions requests may reference; null:
+  // shared memory is off. Once `drain` closes, every new request, and every new message on an open
+  // stream, is answered UNAVAILABLE; requests already accepted run to the end (their responses
+  // handed to gRPC) before it reads drained.
   AttentionService(const ServiceOptions& options, Scheduler* scheduler, Metrics* metrics,
-                   DrainGate* drain, RegionRegistry* regions = nullptr);
+                   DrainGate* drain, HostMemory* memory = nullptr,
+                   RegionRegistry* regions = nullptr);
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
   // Reads requests continuously and writes each response when its request finishes, possibly out
   // of order. A request that fails ends the stream with its status (the message names its
   // request_id) once the responses already computed are written.
-  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
-                                          const v1::GetServerInfoRequest* request,
-                                          v1::ServerInfo* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  // One request in chunks (attend_chunked.cc): the header is checked and the host block sized
+  // before any chunk is taken; each chunk is copied once into its place; the request runs when
+  // every byte of q, k and v has come exactly once; o and lse go back in chunks as large as the
+  // largest the client sent.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendChunked(
+      grpc::CallbackServerContext* context) override;
 
  private:
-  // Runs one request: refuse while draining, decode into `response`, queue, execute, fill the
-  // timing and device, record metrics. Calls `done` exactly once, inline on early errors or from
-  // a worker; `request` and `response` must stay valid until then.
-  void Process(absl::string_view rpc, grpc::CallbackServerContext* context,
-               const v1::AttendRequest& request, v1::AttendResponse* response,
-               absl::AnyInvocable<void(absl::Status) &&> done);
+  class ChunkedReactor;
 
+  // One request on its way: what was parsed and decoded, the host block holding its tensors
+  // (q | k | v | o | lse, each 256-byte aligned) and the response's other fields.
+  struct Call {
+    WireAttendRequest request;
+    DecodedRequest decoded;
+    std::shared_ptr<char> memory;
+    int64_t o_offset = 0, lse_offset = 0;
+    v1::AttendResponse response;  // request_id, timing, device; o and lse are sent from memory
+    // The regions the request references (tensors by reference), held until it is answered.
+    std::unique_ptr<RequestRegions> refs;
+    // For StreamReactor's error messages.
+    const std::string& request_id() const { return request.header.request_id(); }
+  };
+
+  // Runs one request: refuse while draining, parse and decode it, copy its tensors into
+  // `call->memory` and give `request`'s slices back, queue, execute, fill the timing and device,
+  // write the response into `response`, record metrics. Calls `done` exactly once, inline on
+  // early errors or from a worker; `request`, `response` and `call` must stay valid until then.
+  void Process(absl::string_view rpc, grpc::CallbackServerContext* context,
+               grpc::ByteBuffer* request, grpc::ByteBuffer* response, Call* call,
+               absl::AnyInvocable<void(absl::Status) &&> done);
+  // Process's steps for any request: refuse while draining, `prepare` (the call's tensors into
+  // call->memory), queue, execute, `respond` (writes the response, returns its bytes), record
+  // metrics from `arrival` with `request_bytes` received. Calls `done` exactly once.
+  void Run(absl::string_view rpc, grpc::CallbackServerContext* context, absl::Time arrival,
+           int64_t request_bytes, absl::AnyInvocable<absl::Status() &&> prepare,
+           absl::AnyInvocable<int64_t() &&> respond, Call* call,
+           absl::AnyInvocable<void(absl::Status) &&> done);
+  // Allocates call->memory for the decoded call and points its params into it (those not in a
+  // region).
+  absl::Status Place(Call* call);
+  // Parses, decodes and copies `request` into `call` (the steps before the queue), resolving its
+  // tensors by reference through `context`'s regions.
+  absl::Status Prepare(grpc::CallbackServerContext* context, const grpc::ByteBuffer& request,
+                       Call* call);
   // The scheduler's index of the GPU holding the request's CUDA regions, or why it cannot run.
   absl::StatusOr<int> CudaRegionDevice(const RequestRegions& refs,
                                        const AttentionParams& params) const;
+  // The response of a finished `call`: its fields, then o and lse as slices over call->memory.
+  static void WriteResponse(const Call& call, grpc::ByteBuffer* response);
 
   const ServiceOptions options_;
   const DecodeOptions decode_options_;
+  const DecodeOptions chunked_decode_options_;
   Scheduler* const scheduler_;
   Metrics* const metrics_;
   DrainGate* const drain_;
+  std::unique_ptr<HostMemory> own_memory_;  // when none was given
+  HostMemory* const memory_;
   RegionRegistry* const regions_;
 };
 

@@ -13,6 +13,7 @@
 #include "server/service/attention_service.h"
 #include "server/service/security.h"
 #include "server/service/shared_memory_service.h"
+#include "server/service/wire_buffers.h"
 #include "server/sessions/step_plan.h"
 
 namespace attention::server {
@@ -116,35 +117,49 @@ void SessionService::SweeperLoop() {
   }
 }
 
-grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
-                                                grpc::CallbackServerContext* context,
-                                                const google::protobuf::Message& request,
-                                                const google::protobuf::Message* response,
-                                                Body body) {
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* SessionService::Serve(
+    absl::string_view rpc, grpc::CallbackServerContext* context,
+    const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response,
+    absl::AnyInvocable<void(const Request& request, Response* response, const std::string& owner,
+                            Finish finish) &&>
+        body) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  Admit(rpc, context, request, response, std::move(body),
-        [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
+  // The call's messages, kept by its answer until it is given.
+  auto messages = std::make_shared<std::pair<Request, Response>>();
+  Admit(
+      rpc, context, *raw_request, &messages->first, &messages->second, raw_response,
+      [messages, body = std::move(body)](const std::string& owner, Finish finish) mutable {
+        std::move(body)(messages->first, &messages->second, owner, std::move(finish));
+      },
+      [reactor, messages](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
 }
 
 void SessionService::Admit(absl::string_view rpc, grpc::CallbackServerContext* context,
-                           const google::protobuf::Message& request,
-                           const google::protobuf::Message* response, Body body, Finish answer) {
+                           const grpc::ByteBuffer& raw_request, google::protobuf::Message* request,
+                           const google::protobuf::Message* response,
+                           grpc::ByteBuffer* raw_response, Body body, Finish answer) {
   const absl::Time arrival = absl::Now();
-  const int64_t request_bytes = static_cast<int64_t>(request.ByteSizeLong());
+  const int64_t request_bytes = static_cast<int64_t>(raw_request.Length());
   metrics_->RequestStarted();
   absl::Status status = CheckBearerToken(context->client_metadata(), options_.auth_token);
   const bool entered = status.ok() && drain_->Enter();
   const bool refused = status.ok() && !entered;
   if (refused) status = absl::UnavailableError("server is shutting down");
+  if (status.ok()) status = ParseByteBuffer(raw_request, request);
   if (status.ok() && store_ == nullptr) {
     status = absl::UnimplementedError(
         "this server keeps no KV cache: its backend has no paged KV pool, or "
         "--kv_cache_fraction is 0");
   }
-  Finish finish = [this, rpc, arrival, request_bytes, response, entered,
+  Finish finish = [this, rpc, arrival, request_bytes, response, raw_response, entered,
                    answer = std::move(answer)](absl::Status status) mutable {
-    const int64_t response_bytes = status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0;
+    int64_t response_bytes = 0;
+    if (status.ok()) {
+      SerializeToByteBuffer(*response, raw_response);
+      response_bytes = static_cast<int64_t>(raw_response->Length());
+    }
     metrics_->RequestFinished(rpc, status.code(), absl::Now() - arrival, request_bytes,
                               response_bytes);
     std::move(answer)(std::move(status));
@@ -183,71 +198,82 @@ void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int 
 }
 
 grpc::ServerUnaryReactor* SessionService::CreateSession(grpc::CallbackServerContext* context,
-                                                        const v1::CreateSessionRequest* request,
-                                                        v1::SessionInfo* response) {
-  return Serve("CreateSession", context, *request, response,
-               [this, context, request, response](const std::string& owner, Finish finish) {
-                 RunCreate(context, owner, *request, response, std::move(finish));
-               });
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  return Serve<v1::CreateSessionRequest, v1::SessionInfo>(
+      "CreateSession", context, request, response,
+      [this, context](const v1::CreateSessionRequest& request, v1::SessionInfo* response,
+                      const std::string& owner, Finish finish) {
+        RunCreate(context, owner, request, response, std::move(finish));
+      });
 }
 
 grpc::ServerUnaryReactor* SessionService::AppendKv(grpc::CallbackServerContext* context,
-                                                   const v1::AppendKvRequest* request,
-                                                   v1::SessionInfo* response) {
-  return Serve("AppendKv", context, *request, response,
-               [this, context, request, response](const std::string& owner, Finish finish) {
-                 RunAppend(context, owner, *request, response, std::move(finish));
-               });
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  return Serve<v1::AppendKvRequest, v1::SessionInfo>(
+      "AppendKv", context, request, response,
+      [this, context](const v1::AppendKvRequest& request, v1::SessionInfo* response,
+                      const std::string& owner, Finish finish) {
+        RunAppend(context, owner, request, response, std::move(finish));
+      });
 }
 
 grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* context,
-                                               const v1::StepRequest* request,
-                                               v1::StepResponse* response) {
-  return Serve("Step", context, *request, response,
-               [this, context, request, response](const std::string& owner, Finish finish) {
-                 RunStep(context, owner, *request, response, std::move(finish));
-               });
+                                               const grpc::ByteBuffer* request,
+                                               grpc::ByteBuffer* response) {
+  return Serve<v1::StepRequest, v1::StepResponse>(
+      "Step", context, request, response,
+      [this, context](const v1::StepRequest& request, v1::StepResponse* response,
+                      const std::string& owner, Finish finish) {
+        RunStep(context, owner, request, response, std::move(finish));
+      });
 }
 
-grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* SessionService::StepStream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* SessionService::StepStream(
     grpc::CallbackServerContext* context) {
-  return StreamReactor<v1::StepRequest, v1::StepResponse>::Begin(
-      options_.stream_window,
-      [this, context](const v1::StepRequest& request, v1::StepResponse* response, Finish done) {
+  return StreamReactor<StepMessages>::Begin(
+      options_.stream_window, [this, context](grpc::ByteBuffer* request, grpc::ByteBuffer* response,
+                                              StepMessages* step, Finish done) {
         Admit(
-            "StepStream", context, request, response,
-            [this, context, &request, response](const std::string& owner, Finish finish) {
-              RunStep(context, owner, request, response, std::move(finish));
+            "StepStream", context, *request, &step->request, &step->response, response,
+            [this, context, request, step](const std::string& owner, Finish finish) {
+              // Parsed (protobuf copied the bytes): give the received slices back.
+              request->Clear();
+              RunStep(context, owner, step->request, &step->response, std::move(finish));
             },
             std::move(done));
       });
 }
 
 grpc::ServerUnaryReactor* SessionService::DropSession(grpc::CallbackServerContext* context,
-                                                      const v1::DropSessionRequest* request,
-                                                      v1::DropSessionResponse* response) {
-  return Serve("DropSession", context, *request, response,
-               [this, request](const std::string& owner, Finish finish) {
-                 std::move(finish)(request->session_id().empty()
-                                       ? MissingSessionId()
-                                       : store_->Drop(owner, request->session_id()));
-               });
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* response) {
+  return Serve<v1::DropSessionRequest, v1::DropSessionResponse>(
+      "DropSession", context, request, response,
+      [this](const v1::DropSessionRequest& request, v1::DropSessionResponse*,
+             const std::string& owner, Finish finish) {
+        std::move(finish)(request.session_id().empty() ? MissingSessionId()
+                                                       : store_->Drop(owner, request.session_id()));
+      });
 }
 
 grpc::ServerUnaryReactor* SessionService::ListSessions(grpc::CallbackServerContext* context,
-                                                       const v1::ListSessionsRequest* request,
-                                                       v1::ListSessionsResponse* response) {
-  return Serve("ListSessions", context, *request, response,
-               [this, response](const std::string& owner, Finish finish) {
-                 for (const SessionSnapshot& s : store_->List(owner)) {
-                   FillInfo(s, response->add_sessions());
-                 }
-                 const CacheRoom room = store_->Room();
-                 response->set_page_bytes(room.page_bytes);
-                 response->set_pages_total(room.pages_total);
-                 response->set_pages_free(room.pages_free);
-                 std::move(finish)(absl::OkStatus());
-               });
+                                                       const grpc::ByteBuffer* request,
+                                                       grpc::ByteBuffer* response) {
+  return Serve<v1::ListSessionsRequest, v1::ListSessionsResponse>(
+      "ListSessions", context, request, response,
+      [this](const v1::ListSessionsRequest&, v1::ListSessionsResponse* response,
+             const std::string& owner, Finish finish) {
+        for (const SessionSnapshot& s : store_->List(owner)) {
+          FillInfo(s, response->add_sessions());
+        }
+        const CacheRoom room = store_->Room();
+        response->set_page_bytes(room.page_bytes);
+        response->set_pages_total(room.pages_total);
+        response->set_pages_free(room.pages_free);
+        std::move(finish)(absl::OkStatus());
+      });
 }
 
 void SessionService::RunCreate(grpc::CallbackServerContext* context, const std::string& owner,

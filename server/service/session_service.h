@@ -10,6 +10,11 @@
 // (dtype, kv heads, head dim, query heads, mask, lse) are one decode job, which the scheduler may
 // run in one launch with other Steps' jobs (--max_batch > 1). Entries of other devices or keys
 // are further jobs of the same call, queued together or not at all.
+//
+// Every method is raw (grpc::ByteBuffer in and out), StepStream's messages too: each request is
+// parsed by ParseByteBuffer (wire_buffers.h: INVALID_ARGUMENT naming the field when its bytes do
+// not decode; protobuf copies the tensors once, tensors by reference stay in their regions) and
+// each response serialized by protobuf.
 #pragma once
 
 #include <atomic>
@@ -48,7 +53,14 @@ struct SessionServiceOptions {
   absl::Duration sweep_interval = absl::Seconds(1);
 };
 
-class SessionService final : public v1::Sessions::CallbackService {
+// Every method raw: the bytes of a request are ours to parse (wire_buffers.h says why).
+using SessionsRawService =
+    v1::Sessions::WithRawCallbackMethod_CreateSession<v1::Sessions::WithRawCallbackMethod_AppendKv<
+        v1::Sessions::WithRawCallbackMethod_Step<v1::Sessions::WithRawCallbackMethod_StepStream<
+            v1::Sessions::WithRawCallbackMethod_DropSession<
+                v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>;
+
+class SessionService final : public SessionsRawService {
  public:
   // `store` may be null: the server keeps no KV cache (its backend has no page pool), and every
   // call is answered UNIMPLEMENTED. The store's device d is the scheduler's executor d. `store`,
@@ -62,26 +74,26 @@ class SessionService final : public v1::Sessions::CallbackService {
   SessionService& operator=(const SessionService&) = delete;
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
-                                          const v1::CreateSessionRequest* request,
-                                          v1::SessionInfo* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* AppendKv(grpc::CallbackServerContext* context,
-                                     const v1::AppendKvRequest* request,
-                                     v1::SessionInfo* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
-                                 const v1::StepRequest* request,
-                                 v1::StepResponse* response) override;
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
   // Steps on one stream, each answered as it finishes (its response carries its request_id), with
   // the unary Step's checks, queue, metrics (rpc "StepStream") and drain per Step; at most
   // `stream_window` Steps of one stream are held at once. A failed Step ends the stream with its
   // status, naming its request_id.
-  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* StepStream(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StepStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* DropSession(grpc::CallbackServerContext* context,
-                                        const v1::DropSessionRequest* request,
-                                        v1::DropSessionResponse* response) override;
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
-                                         const v1::ListSessionsRequest* request,
-                                         v1::ListSessionsResponse* response) override;
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
 
  private:
   struct StepCall;
@@ -89,17 +101,32 @@ class SessionService final : public v1::Sessions::CallbackService {
   using Finish = absl::AnyInvocable<void(absl::Status) &&>;
   using Body = absl::AnyInvocable<void(const std::string& owner, Finish finish) &&>;
 
-  // Answers one unary call through Admit and its default reactor.
-  grpc::ServerUnaryReactor* Serve(absl::string_view rpc, grpc::CallbackServerContext* context,
-                                  const google::protobuf::Message& request,
-                                  const google::protobuf::Message* response, Body body);
-  // Admits one request (a unary call or one message of a stream): checks the token, the drain
-  // and the store, then runs `body`, which answers through the `finish` it is given (recording
-  // metrics under `rpc`, calling `answer`, leaving the drain gate). `body` gets the caller's
-  // owner key.
+  // One StepStream message's parsed request and its response.
+  struct StepMessages {
+    v1::StepRequest request;
+    v1::StepResponse response;
+    const std::string& request_id() const { return request.request_id(); }
+  };
+
+  // Answers one unary call through Admit and its default reactor: `body` runs over the parsed
+  // request and a response, which Admit serializes into `raw_response`.
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* Serve(
+      absl::string_view rpc, grpc::CallbackServerContext* context,
+      const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response,
+      absl::AnyInvocable<void(const Request& request, Response* response, const std::string& owner,
+                              Finish finish) &&>
+          body);
+  // Admits one request (a unary call or one message of a stream): checks the token, the drain,
+  // that `raw_request` parses as `request` (INVALID_ARGUMENT naming the field otherwise) and the
+  // store, then runs `body`, which answers through the `finish` it is given (serializing
+  // `response` into `raw_response` when ok, recording metrics under `rpc`, calling `answer`,
+  // leaving the drain gate). `body` gets the caller's owner key. `request`, `response` and
+  // `raw_response` must stay valid until `answer` runs.
   void Admit(absl::string_view rpc, grpc::CallbackServerContext* context,
-             const google::protobuf::Message& request, const google::protobuf::Message* response,
-             Body body, Finish answer);
+             const grpc::ByteBuffer& raw_request, google::protobuf::Message* request,
+             const google::protobuf::Message* response, grpc::ByteBuffer* raw_response, Body body,
+             Finish answer);
   // Queues `run` as device work on `device` for the call of `context`, holding `sessions`.
   void SubmitDeviceWork(grpc::CallbackServerContext* context, int device,
                         std::vector<std::string> sessions,

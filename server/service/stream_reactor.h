@@ -1,6 +1,8 @@
 // One bidirectional stream of requests (AttendStream, StepStream): reads continuously, hands each
 // request to the service's processing as soon as it is read, and writes each response when its
-// request finishes, possibly out of order. A request that fails ends the stream with its status
+// request finishes, possibly out of order. Messages are raw (grpc::ByteBuffer both ways): the
+// service parses each request itself (wire_buffers.h says why) and keeps what it needs for it
+// in a `State` of its own, one per message. A request that fails ends the stream with its status
 // (the message names its request_id) once the responses already computed are written.
 //
 // Every gRPC operation (StartRead, StartWrite, Finish) is started with mu_ held, so the state
@@ -30,20 +32,25 @@ namespace attention::server {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
-template <typename Request, typename Response>
-class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
+// `State`: default-constructible, with `request_id()` (the parsed request's, "" when it did not
+// parse) naming a failed request in the stream's status.
+template <typename State>
+class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   using Done = absl::AnyInvocable<void(absl::Status) &&>;
   // Runs one request read from the stream, filling `response`; calls `done` exactly once, inline
-  // or from another thread. `request` and `response` stay valid until then.
-  using Process = absl::AnyInvocable<void(const Request& request, Response* response, Done done)>;
+  // or from another thread. `request` (which it may clear once parsed), `response` and `state`
+  // stay valid until then.
+  using Process = absl::AnyInvocable<void(grpc::ByteBuffer* request, grpc::ByteBuffer* response,
+                                          State* state, Done done)>;
 
   // `window`: requests the stream may have running or waiting to be written; further reads wait,
   // so a fast sender is slowed by gRPC flow control instead of filling the queue.
   StreamReactor(int window, Process process) : window_(window), process_(std::move(process)) {}
 
   // Starts a stream: the reactor owns itself until gRPC is done with it.
-  static grpc::ServerBidiReactor<Request, Response>* Begin(int window, Process process) {
+  static grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Begin(int window,
+                                                                            Process process) {
     auto reactor = std::make_shared<StreamReactor>(window, std::move(process));
     std::lock_guard<std::mutex> lock(reactor->mu_);
     reactor->self_ = reactor;
@@ -67,7 +74,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
       Advance();  // the next read, if the window has room, while this one is processed
     }
     Exchange* e = exchange.get();
-    process_(e->request, &e->response,
+    process_(&e->request, &e->response, &e->state,
              [self = std::move(self), exchange = std::move(exchange)](absl::Status status) mutable {
                self->Processed(std::move(exchange), std::move(status));
              });
@@ -94,8 +101,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
 
  private:
   struct Exchange {
-    Request request;
-    Response response;
+    grpc::ByteBuffer request;
+    grpc::ByteBuffer response;
+    State state;
   };
 
   void Processed(std::unique_ptr<Exchange> exchange, absl::Status status) {
@@ -106,7 +114,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
     } else if (status_.ok()) {
       status_ = absl::Status(
           status.code(),
-          absl::StrCat("request ", Quote(exchange->request.request_id()), ": ", status.message()));
+          absl::StrCat("request ", Quote(exchange->state.request_id()), ": ", status.message()));
     }
     Advance();
   }

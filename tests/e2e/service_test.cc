@@ -114,7 +114,8 @@ TEST_F(ServiceTest, ReflectionListsAndDescribesTheService) {
       found = true;
       std::vector<std::string> methods;
       for (const auto& m : service.method()) methods.push_back(m.name());
-      EXPECT_EQ(methods, (std::vector<std::string>{"Attend", "AttendStream", "GetServerInfo"}));
+      EXPECT_EQ(methods, (std::vector<std::string>{"Attend", "AttendStream", "GetServerInfo",
+                                                   "AttendChunked"}));
     }
   }
   EXPECT_TRUE(found) << "no descriptor for attention.v1.Attention";

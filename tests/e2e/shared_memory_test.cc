@@ -187,6 +187,24 @@ TEST_F(SharedMemoryE2E, AttendWithTensorsInSharedMemoryMatchesTheReference) {
   mixed.clear_o_ref();
   mixed.clear_lse_ref();
   ExpectCorrect(*request, client().Attend(mixed));
+  {
+    // The same on one AttendStream, beside a request whose tensors all come inline.
+    v1::AttendRequest by_ref_on_stream = mixed;
+    by_ref_on_stream.set_request_id("by-ref");
+    v1::AttendRequest inline_on_stream = *request;
+    inline_on_stream.set_request_id("inline");
+    absl::StatusOr<std::vector<v1::AttendResponse>> answers =
+        client().AttendStream({by_ref_on_stream, inline_on_stream});
+    ASSERT_TRUE(answers.ok()) << answers.status();
+    ASSERT_EQ(answers->size(), 2u);
+    EXPECT_NE((*answers)[0].request_id(), (*answers)[1].request_id());
+    for (const v1::AttendResponse& answer : *answers) {
+      EXPECT_THAT(answer.request_id(), testing::AnyOf("by-ref", "inline"));
+      v1::AttendRequest expected = *request;
+      expected.set_request_id(answer.request_id());
+      ExpectCorrect(expected, answer);
+    }
+  }
   v1::AttendRequest out_only = *request;
   *out_only.mutable_o_ref() = mixed.q().ref();  // q's bytes are o's size: overwrite them
   out_only.set_return_lse(false);

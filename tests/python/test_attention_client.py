@@ -147,6 +147,15 @@ class Float32Test(ServerTest):
         self.assertWithin(rel_error(o, ref_o), F32_BOUND, "o")
         self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, "lse")
 
+    def test_chunked_above_the_threshold(self):
+        q, k, v = self.qkv(nk=300)
+        with Client(f"127.0.0.1:{self.port}", chunked_above_bytes=1000,
+                    chunk_bytes=7777) as client:
+            o, lse = client.attend(q, k, v, return_lse=True, causal=True)
+        ref_o, ref_lse = reference(q, k, v, causal=True)
+        self.assertWithin(rel_error(o, ref_o), F32_BOUND, "o")
+        self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, "lse")
+
     def test_causal_nq_greater_than_nk_has_empty_rows(self):
         # Bottom-right alignment: with Nq > Nk the first Nq - Nk rows see no key.
         q, k, v = self.qkv(b=1, hq=2, hkv=2, nq=40, nk=24, d=32)

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <ostream>
 #include <random>
@@ -28,6 +30,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_test_util.h"
+#include "tests/e2e/metrics_scrape.h"
 #include "tests/reliability/reliability_util.h"
 
 namespace attention::reliability {
@@ -354,35 +357,105 @@ TEST(BadInputTableTest, HasAtLeastThirtyDistinctRows) {
   for (const BadInput& row : rows) EXPECT_TRUE(names.insert(row.name).second) << row.name;
 }
 
-// Bytes that are no AttendRequest at all: gRPC's parser refuses them before the service sees
-// them, and the server keeps serving.
-TEST(GarbageBytesTest, UnparseableMessageIsRefusedAndServerKeepsServing) {
+// The status a stream (`method`: AttendStream, StepStream) ends with after one message carrying
+// `bytes`.
+grpc::Status RawStreamCall(grpc::GenericStub& stub, const std::string& method,
+                           const std::string& bytes) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  grpc::CompletionQueue cq;
+  auto next = [&cq] {
+    void* tag = nullptr;
+    bool ok = false;
+    cq.Next(&tag, &ok);
+    return ok;
+  };
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+      stub.PrepareCall(&context, "/attention.v1." + method, &cq);
+  call->StartCall(nullptr);
+  next();
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer message(&slice, 1);
+  call->Write(message, nullptr);
+  next();
+  call->WritesDone(nullptr);
+  next();
+  grpc::ByteBuffer response;
+  call->Read(&response, nullptr);
+  next();
+  grpc::Status status;
+  call->Finish(&status, nullptr);
+  next();
+  return status;
+}
+
+// Bytes that do not decode, of each kind, on every Attention and Sessions method: each is
+// INVALID_ARGUMENT naming the field and the problem (gRPC's own parser would answer UNIMPLEMENTED
+// with no message, before the service could count it), counted in attention_requests_total, and
+// the server keeps serving.
+TEST(GarbageBytesTest, UndecodableBytesAreInvalidArgumentOnEveryMethod) {
   absl::StatusOr<RunningServer> server = StartServer({"--backend=cpu"});
   ASSERT_TRUE(server.ok()) << server.status();
   grpc::GenericStub stub(server->client->channel());
-  // Field 2 (q) announced as 100 bytes long, then 3 bytes: a truncated message.
-  const std::string garbage = "\x12\x64\x01\x02\x03";
-  for (const char* method :
-       {"/attention.v1.Attention/Attend", "/attention.v1.Attention/GetServerInfo"}) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    grpc::Slice slice(garbage);
-    grpc::ByteBuffer request(&slice, 1);
-    grpc::ByteBuffer response;
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    grpc::Status status;
-    stub.UnaryCall(&context, method, {}, &request, &response, [&](grpc::Status s) {
-      std::lock_guard<std::mutex> lock(mu);
-      status = std::move(s);
-      done = true;
-      cv.notify_one();
-    });
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return done; });
-    EXPECT_FALSE(status.ok()) << method;
-    EXPECT_NE(status.error_code(), grpc::StatusCode::OK) << method;
+  struct Garbage {
+    const char* kind;
+    std::string bytes;
+    const char* says;
+  };
+  std::mt19937 rng(FreshSeed());
+  std::string random_bytes(64, '\0');
+  // A random tag whose field number is 0 or whose wire type is 6 or 7 never decodes.
+  for (char& c : random_bytes) c = static_cast<char>(rng());
+  random_bytes[0] = static_cast<char>(0x06 | (rng() & 0x01));  // field 0, wire type 6 or 7
+  // Field 1000 (unknown to every message: its bytes must still be whole) announced as 100
+  // bytes long, then 3 bytes; and with its length as an 11-byte varint.
+  const std::string unknown_field("\xc2\x3e", 2);
+  const std::vector<Garbage> kinds = {
+      {"truncated", unknown_field + std::string("\x64\x01\x02\x03", 4), "truncated"},
+      {"overlong varint",
+       unknown_field + std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 11),
+       "overlong varint"},
+      {"random bytes", random_bytes, "undecodable bytes"},
+      // Field 1 as a 32-bit value (a string or an enum in the messages that have it).
+      {"wrong wire type", std::string("\x0d\x01\x02\x03\x04", 5), "expected wire type"},
+      // Field 1 (request_id or session_id) holding bytes that are not UTF-8.
+      {"invalid utf-8", std::string("\x0a\x02\xc3\x28", 4), "not valid UTF-8"},
+  };
+  const std::vector<std::string> methods = {
+      "Attention/Attend", "Attention/GetServerInfo", "Sessions/CreateSession", "Sessions/AppendKv",
+      "Sessions/Step",    "Sessions/DropSession",    "Sessions/ListSessions"};
+  // Messages without a field 1 (nothing to mistype), or whose field 1 is no string.
+  const std::set<std::string> no_field_1 = {"Attention/GetServerInfo", "Sessions/ListSessions"};
+  const std::set<std::string> no_string_1 = {"Attention/GetServerInfo", "Sessions/ListSessions",
+                                             "Sessions/CreateSession"};
+  std::map<std::string, int> expected;  // rpc -> INVALID_ARGUMENT answers
+  for (const Garbage& g : kinds) {
+    for (const std::string& method : methods) {
+      if ((g.kind == std::string("wrong wire type") && no_field_1.count(method) > 0) ||
+          (g.kind == std::string("invalid utf-8") && no_string_1.count(method) > 0)) {
+        continue;
+      }
+      SCOPED_TRACE(absl::StrCat(g.kind, " on ", method));
+      const grpc::Status status =
+          RawUnaryCall(server->client->channel(), "/attention.v1." + method, g.bytes);
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+      EXPECT_THAT(status.error_message(), HasSubstr(g.says));
+      ++expected[method.substr(method.find('/') + 1)];
+    }
+    for (const char* method : {"Attention/AttendStream", "Sessions/StepStream"}) {
+      SCOPED_TRACE(absl::StrCat(g.kind, " on ", method));
+      const grpc::Status status = RawStreamCall(stub, method, g.bytes);
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+      EXPECT_THAT(status.error_message(), HasSubstr(g.says));
+      ++expected[std::string(method).substr(std::string(method).find('/') + 1)];
+    }
+  }
+  for (const auto& [rpc, count] : expected) {
+    EXPECT_EQ(e2e::ScrapeMetric(server->process->metrics_port(), "attention_requests_total",
+                                {{"rpc", rpc}, {"code", "INVALID_ARGUMENT"}})
+                  .value_or(-1),
+              count)
+        << rpc;
   }
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
@@ -410,8 +483,8 @@ absl::Status CallSessions(grpc::Status (v1::Sessions::Stub::*method)(grpc::Clien
 TEST(LongClientStringTest, ErrorsQuoteAShortEscapedPrefix) {
   absl::StatusOr<RunningServer> server = StartServer({"--backend=cpu"});
   ASSERT_TRUE(server.ok()) << server.status();
-  // 1 MiB, starting with characters that are not printable ASCII. (Bytes that are not UTF-8 do
-  // not reach the service: proto3 string fields must be UTF-8, so gRPC refuses the message.)
+  // 1 MiB, starting with characters that are not printable ASCII. (Bytes that are not UTF-8 are
+  // refused before: proto3 string fields must be UTF-8, see GarbageBytesTest.)
   std::string id = "\t\x01\xc3\xa9";  // tab, SOH, e acute
   id.resize(1 << 20, 'x');
   const auto expect_short = [](const absl::Status& status, absl::StatusCode code) {

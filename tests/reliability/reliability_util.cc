@@ -1,14 +1,17 @@
 #include "tests/reliability/reliability_util.h"
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <iterator>
 #include <sstream>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "grpcpp/generic/generic_stub.h"
 
 namespace attention::reliability {
 namespace {
@@ -92,6 +95,21 @@ std::shared_ptr<grpc::Channel> TlsChannel(const std::string& target, const std::
   ssl.pem_private_key = client_key_pem;
   return grpc::CreateCustomChannel(target, grpc::SslCredentials(ssl),
                                    client::MakeChannelArguments({}));
+}
+
+grpc::Status RawUnaryCall(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                          const std::string& bytes, bool gzip) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  if (gzip) context.set_compression_algorithm(GRPC_COMPRESS_GZIP);
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, method, {}, &request, &response,
+                 [&done](grpc::Status s) { done.set_value(std::move(s)); });
+  return done.get_future().get();
 }
 
 absl::StatusOr<int64_t> ResidentBytes(pid_t pid) {

@@ -50,6 +50,11 @@ std::shared_ptr<grpc::Channel> TlsChannel(const std::string& target, const std::
                                           const std::string& client_cert_pem = "",
                                           const std::string& client_key_pem = "");
 
+// The status of one unary call of `method` ("/attention.v1.Attention/Attend") on `channel`
+// carrying `bytes` as they are (any bytes: the server parses them), gzip-compressed when asked.
+grpc::Status RawUnaryCall(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                          const std::string& bytes, bool gzip = false);
+
 // Resident set size of process `pid` in bytes (VmRSS), or an error.
 absl::StatusOr<int64_t> ResidentBytes(pid_t pid);
 

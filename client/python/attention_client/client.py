@@ -218,8 +218,14 @@ class Client:
     """
 
     def __init__(self, target="localhost:50051", *, timeout=60.0, max_message_bytes=1 << 30,
-                 max_attempts=1, credentials=None, options=(), metadata=None):
+                 max_attempts=1, credentials=None, options=(), metadata=None,
+                 chunked_above_bytes=512 << 20, chunk_bytes=16 << 20):
         self.timeout = timeout
+        # attend() sends requests whose q, k and v exceed chunked_above_bytes through
+        # AttendChunked, in chunks of chunk_bytes (over 2 GiB, or over the server's message
+        # limit); 0: always Attend.
+        self.chunked_above_bytes = chunked_above_bytes
+        self.chunk_bytes = chunk_bytes
         self.metadata = metadata
         self._credentials = credentials
         self._several = ("," in target and "://" not in target
@@ -314,8 +320,55 @@ class Client:
             request.o_ref.CopyFrom(out_ref(self, out, "out"))
         if lse_out is not None:
             request.lse_ref.CopyFrom(out_ref(self, lse_out, "lse_out"))
-        response = self._call(self._stub.Attend, request, timeout, metadata)
+        # Chunked above the threshold, for requests whose bytes all travel (tensors by reference
+        # and outputs into a region go through Attend).
+        by_reference = (out is not None or lse_out is not None
+                        or any(t.HasField("ref") for t in (request.q, request.k, request.v)))
+        size = len(request.q.data) + len(request.k.data) + len(request.v.data)
+        if self.chunked_above_bytes and size > self.chunked_above_bytes and not by_reference:
+            response = self._attend_chunked(request, timeout, metadata)
+        else:
+            response = self._call(self._stub.Attend, request, timeout, metadata)
         return _attend_output(response, kind, return_lse, return_info, out=out, lse_out=lse_out)
+
+    def _attend_chunked(self, request, timeout, metadata):
+        """Attention.AttendChunked: the request without its tensors' data, then chunks of q, k and
+        v; the answer likewise. Returns the AttendResponse with o and lse filled in."""
+        head = pb.AttendRequest()
+        head.CopyFrom(request)
+        for t in (head.q, head.k, head.v):
+            t.ClearField("data")
+        chunk = self.chunk_bytes
+
+        def messages():
+            yield pb.AttendChunk(request=head)
+            for which, t in ((pb.CHUNK_TENSOR_Q, request.q), (pb.CHUNK_TENSOR_K, request.k),
+                             (pb.CHUNK_TENSOR_V, request.v)):
+                data = memoryview(t.data)
+                for at in range(0, len(data), chunk):
+                    yield pb.AttendChunk(chunk=pb.TensorChunk(
+                        tensor=which, offset=at, data=bytes(data[at:at + chunk])))
+
+        try:
+            answer = self._stub.AttendChunked(
+                messages(), timeout=self.timeout if timeout is None else timeout,
+                metadata=self.metadata if metadata is None else metadata)
+            response, buffers = None, {}
+            for part in answer:
+                if part.HasField("response"):
+                    response = part.response
+                    buffers[pb.CHUNK_TENSOR_O] = bytearray(len(request.q.data))
+                    if response.HasField("lse"):
+                        buffers[pb.CHUNK_TENSOR_LSE] = bytearray(4 * int(np.prod(response.lse.shape)))
+                    continue
+                c = part.chunk
+                buffers[c.tensor][c.offset:c.offset + len(c.data)] = c.data
+        except grpc.RpcError as e:
+            raise AttentionError(e.code(), e.details()) from None
+        response.o.data = bytes(buffers[pb.CHUNK_TENSOR_O])
+        if pb.CHUNK_TENSOR_LSE in buffers:
+            response.lse.data = bytes(buffers[pb.CHUNK_TENSOR_LSE])
+        return response
 
     def health(self, service="", *, timeout=None):
         """The grpc.health.v1 status of service ("" = the server as a whole;

@@ -1,0 +1,304 @@
+// Attention.AttendChunked: one request whose tensors come in chunks on one bidi call, so that a
+// request may exceed protobuf's 2 GiB message ceiling and a client may keep several calls in
+// flight on several connections.
+//
+// The client's first message carries the AttendRequest (shapes and options, tensors without
+// data). It is checked as Attend checks a request (its size against --max_chunked_request_mb
+// instead of the message limit), the token first, and the host block for q | k | v | o | lse is
+// allocated before any chunk is read. Each chunk (tensor, byte offset, bytes) is copied once from
+// the received slices into its place; chunks may come in any order, each byte exactly once (an
+// overlap, or a byte outside its tensor, is INVALID_ARGUMENT). When every byte of q, k and v has
+// come, the request takes the one path every computing RPC takes (Run: drain, queue, device,
+// metrics). The answer: one AttendChunk with the response (o and lse without data, timing,
+// device), then o and lse in chunks as large as the largest the client sent, each a slice over the
+// host block (no copy), then OK. A client that ends its side early gets INVALID_ARGUMENT naming
+// what is missing.
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kernels/status_macros.h"
+#include "server/service/attention_service.h"
+#include "server/service/security.h"
+#include "server/service/wire_buffers.h"
+
+namespace attention::server {
+namespace {
+
+// The byte ranges of one tensor received so far, none overlapping.
+class Coverage {
+ public:
+  // Adds [begin, begin + size); an error naming `name` when it overlaps what came before.
+  absl::Status Add(absl::string_view name, int64_t begin, int64_t size) {
+    const int64_t end = begin + size;
+    auto next = ranges_.upper_bound(begin);
+    if (next != ranges_.end() && next->first < end) return Overlap(name, begin, end, *next);
+    if (next != ranges_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->second > begin) return Overlap(name, begin, end, *prev);
+    }
+    ranges_.emplace(begin, end);
+    received_ += size;
+    return absl::OkStatus();
+  }
+  int64_t received() const { return received_; }
+
+ private:
+  static absl::Status Overlap(absl::string_view name, int64_t begin, int64_t end,
+                              const std::pair<const int64_t, int64_t>& old) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk of ", name, ": bytes [", begin, ", ", end, ") overlap bytes [", old.first, ", ",
+        old.second, ") already received (each byte comes exactly once)"));
+  }
+
+  std::map<int64_t, int64_t> ranges_;  // begin -> end
+  int64_t received_ = 0;
+};
+
+constexpr int64_t kMinResponseChunk = int64_t{64} << 10;
+// Room a chunk message needs besides its data: tags, tensor, offset, lengths.
+constexpr int64_t kChunkOverhead = 64;
+
+}  // namespace
+
+class AttentionService::ChunkedReactor final
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  ChunkedReactor(AttentionService* service, grpc::CallbackServerContext* context)
+      : service_(service), context_(context), arrival_(absl::Now()) {
+    StartRead(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      // The client ended its side (or the call broke) before the request was whole.
+      return Submit(context_->IsCancelled() ? absl::CancelledError("the call was cancelled")
+                                            : Missing());
+    }
+    absl::Status status = Take();
+    in_.Clear();
+    if (!status.ok()) return Submit(std::move(status));
+    if (have_header_ && Whole()) return Submit(absl::OkStatus());
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    outgoing_.pop_front();
+    if (!ok) outgoing_.clear();  // the call broke: nothing more can be written
+    WriteNext();
+  }
+
+  void OnDone() override {
+    // The thread that called Finish may still be leaving mu_.
+    { std::lock_guard<std::mutex> lock(mu_); }
+    delete this;
+  }
+
+ private:
+  // Takes the message in in_: the header first, then chunks.
+  absl::Status Take() {
+    const ReceivedBytes received(in_);
+    request_bytes_ += static_cast<int64_t>(in_.Length());
+    WireAttendChunk message;
+    RETURN_IF_ERROR(ParseAttendChunk(received.wire, &message));
+    const v1::AttendChunk& header = message.header;
+    if (!have_header_) {
+      if (!header.has_request()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("first message: expected an AttendChunk with the request, got ",
+                         header.has_chunk() ? "a chunk" : "none"));
+      }
+      // The token before anything is allocated for the caller.
+      RETURN_IF_ERROR(CheckBearerToken(context_->client_metadata(), service_->options_.auth_token));
+      call_.request.header = header.request();
+      for (const auto& [name, t] :
+           {std::pair<const char*, const v1::Tensor*>{"q", &call_.request.header.q()},
+            {"k", &call_.request.header.k()},
+            {"v", &call_.request.header.v()}}) {
+        if (!t->data().empty()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "request.", name, ".data: expected empty (the bytes come in chunks), got ",
+              t->data().size(), " bytes"));
+        }
+        if (t->has_ref()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("request.", name, ".ref: expected none (AttendChunked carries the ",
+                           "bytes in chunks; tensors by reference go through Attend), got one"));
+        }
+      }
+      for (const auto& [name, present] : {std::pair{"o_ref", call_.request.header.has_o_ref()},
+                                          {"lse_ref", call_.request.header.has_lse_ref()}}) {
+        if (present) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "request.", name, ": expected none (AttendChunked answers in chunks; outputs ",
+              "into a region go through Attend), got one"));
+        }
+      }
+      ASSIGN_OR_RETURN(call_.decoded,
+                       DecodeRequest(call_.request.header,
+                                     InputTensors{.q_bytes = -1, .k_bytes = -1, .v_bytes = -1},
+                                     service_->chunked_decode_options_));
+      RETURN_IF_ERROR(service_->Place(&call_));
+      have_header_ = true;
+      return absl::OkStatus();
+    }
+    if (!header.has_chunk()) {
+      return absl::InvalidArgumentError("message after the request: expected a chunk, got none");
+    }
+    const v1::TensorChunk& chunk = header.chunk();
+    const DecodedRequest& d = call_.decoded;
+    struct Target {
+      const char* name;
+      int64_t size;
+      const void* data;
+      Coverage* coverage;
+    };
+    Target target;
+    switch (chunk.tensor()) {
+      case v1::CHUNK_TENSOR_Q:
+        target = {"q", d.q_bytes, d.params.q, &coverage_[0]};
+        break;
+      case v1::CHUNK_TENSOR_K:
+        target = {"k", d.k_bytes, d.params.k, &coverage_[1]};
+        break;
+      case v1::CHUNK_TENSOR_V:
+        target = {"v", d.v_bytes, d.params.v, &coverage_[2]};
+        break;
+      default:
+        return absl::InvalidArgumentError(absl::StrCat(
+            "chunk.tensor: expected CHUNK_TENSOR_Q, CHUNK_TENSOR_K or CHUNK_TENSOR_V, got ",
+            v1::ChunkTensor_Name(chunk.tensor()).empty()
+                ? absl::StrCat(static_cast<int>(chunk.tensor()))
+                : v1::ChunkTensor_Name(chunk.tensor())));
+    }
+    const int64_t size = message.data.size;
+    if (size == 0 || chunk.offset() < 0 || chunk.offset() > target.size - size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk of ", target.name, ": expected bytes within [0, ", target.size,
+                       "), got [", chunk.offset(), ", ", chunk.offset() + size, ")"));
+    }
+    RETURN_IF_ERROR(target.coverage->Add(target.name, chunk.offset(), size));
+    // The one host copy of these bytes.
+    received.wire.CopyTo(message.data.begin, size,
+                         static_cast<char*>(const_cast<void*>(target.data)) + chunk.offset());
+    largest_chunk_ = std::max(largest_chunk_, size);
+    return absl::OkStatus();
+  }
+
+  bool Whole() const {
+    const DecodedRequest& d = call_.decoded;
+    return coverage_[0].received() == d.q_bytes && coverage_[1].received() == d.k_bytes &&
+           coverage_[2].received() == d.v_bytes;
+  }
+
+  absl::Status Missing() const {
+    if (!have_header_) {
+      return absl::InvalidArgumentError("the call ended before its first message (the request)");
+    }
+    const DecodedRequest& d = call_.decoded;
+    return absl::InvalidArgumentError(
+        absl::StrCat("the call ended before every byte came: q ", coverage_[0].received(), " of ",
+                     d.q_bytes, ", k ", coverage_[1].received(), " of ", d.k_bytes, ", v ",
+                     coverage_[2].received(), " of ", d.v_bytes, " bytes"));
+  }
+
+  // Hands the request, or the reason it cannot run, to the one request path; no more reads.
+  void Submit(absl::Status received) {
+    call_.response.set_request_id(call_.request.header.request_id());
+    service_->Run(
+        "AttendChunked", context_, arrival_, request_bytes_,
+        [received = std::move(received)]() mutable { return std::move(received); },
+        [this] { return Respond(); }, &call_,
+        [this](absl::Status status) {
+          std::lock_guard<std::mutex> lock(mu_);
+          status_ = ToGrpcStatus(status);
+          if (!status.ok()) outgoing_.clear();
+          done_ = true;
+          WriteNext();
+        });
+  }
+
+  // Queues the response: its header, then o and lse in chunks. Returns the bytes queued.
+  int64_t Respond() {
+    std::lock_guard<std::mutex> lock(mu_);
+    const DecodedRequest& d = call_.decoded;
+    v1::AttendChunk head;
+    *head.mutable_response() = call_.response;
+    *head.mutable_response()->mutable_o() = d.o;
+    if (d.lse_bytes > 0) *head.mutable_response()->mutable_lse() = d.lse;
+    int64_t bytes = 0;
+    outgoing_.emplace_back();
+    SerializeToByteBuffer(head, &outgoing_.back());
+    bytes += static_cast<int64_t>(outgoing_.back().Length());
+    const int64_t chunk_bytes =
+        std::max(kMinResponseChunk,
+                 std::min(largest_chunk_, service_->options_.max_message_bytes - kChunkOverhead));
+    for (const auto& [tensor, offset, size] :
+         {std::tuple{v1::CHUNK_TENSOR_O, call_.o_offset, d.o_bytes},
+          {v1::CHUNK_TENSOR_LSE, call_.lse_offset, d.lse_bytes}}) {
+      for (int64_t at = 0; at < size; at += chunk_bytes) {
+        const int64_t n = std::min(chunk_bytes, size - at);
+        v1::TensorChunk fields;
+        fields.set_tensor(tensor);
+        fields.set_offset(at);
+        std::string prefix;
+        AppendSubmessagePrefix(v1::AttendChunk::kChunkFieldNumber, fields,
+                               v1::TensorChunk::kDataFieldNumber, n, &prefix);
+        grpc::Slice slices[2] = {
+            grpc::Slice(prefix),
+            SliceOver(call_.memory.get() + offset + at, static_cast<size_t>(n), call_.memory)};
+        outgoing_.emplace_back(slices, 2);
+        bytes += static_cast<int64_t>(outgoing_.back().Length());
+      }
+    }
+    return bytes;
+  }
+
+  // Writes the next queued message, or finishes once the answer is known and all are written.
+  // Needs mu_.
+  void WriteNext() {
+    if (finished_ || writing_ || !done_) return;
+    if (!outgoing_.empty()) {
+      writing_ = true;
+      StartWrite(&outgoing_.front());
+      return;
+    }
+    finished_ = true;
+    Finish(status_);
+  }
+
+  AttentionService* const service_;
+  grpc::CallbackServerContext* const context_;
+  const absl::Time arrival_;
+  // Touched by the reads only (one at a time), until Submit.
+  grpc::ByteBuffer in_;
+  Call call_;
+  bool have_header_ = false;
+  Coverage coverage_[3];  // q, k, v
+  int64_t request_bytes_ = 0;
+  int64_t largest_chunk_ = 0;
+
+  std::mutex mu_;                          // guards the rest
+  std::deque<grpc::ByteBuffer> outgoing_;  // the answer's messages; the front is being written
+  bool writing_ = false;
+  bool done_ = false;  // the answer is known (status_, outgoing_)
+  bool finished_ = false;
+  grpc::Status status_;
+};
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::AttendChunked(
+    grpc::CallbackServerContext* context) {
+  return new ChunkedReactor(this, context);
+}
+
+}  // namespace attention::server

@@ -1,0 +1,257 @@
+// Attention.AttendChunked against the real server: requests larger than the message limit (the
+// limit lowered to 1 MiB, so the logic that carries tensors over 2 GiB runs here in milliseconds)
+// sent in small ragged chunks come back equal to the float64 reference; chunks out of order work;
+// overlaps, bytes outside a tensor, missing bytes and a missing header are INVALID_ARGUMENT; every
+// call is counted in the metrics.
+#include <chrono>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/request_builder.h"
+#include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/e2e_test_util.h"
+#include "tests/e2e/metrics_scrape.h"
+
+namespace attention::e2e {
+namespace {
+
+using ::testing::HasSubstr;
+
+class ChunkedTest : public SharedServerTest<ChunkedTest> {
+ public:
+  static std::vector<std::string> ServerFlags() {
+    return {"--backend=cpu", "--max_message_mb=1", "--max_chunked_request_mb=64"};
+  }
+};
+
+// Over the 1 MiB message limit: float32 q [1, 4, 300, 64], k and v [1, 2, 1500, 64] (~1.8 MiB),
+// GQA, causal, with LSE; and bfloat16 BSHD with a window.
+std::vector<client::ProblemSpec> LargeProblems() {
+  return {{.batch = 1,
+           .heads_q = 4,
+           .heads_kv = 2,
+           .seqlen_q = 300,
+           .seqlen_k = 1500,
+           .head_dim = 64,
+           .causal = true,
+           .return_lse = true},
+          {.batch = 2,
+           .heads_q = 4,
+           .heads_kv = 4,
+           .seqlen_q = 257,
+           .seqlen_k = 1201,
+           .head_dim = 128,
+           .dtype = v1::DTYPE_BFLOAT16,
+           .layout = v1::LAYOUT_BSHD,
+           .window_left = 100,
+           .return_lse = true}};
+}
+
+TEST_F(ChunkedTest, OverTheMessageLimitMatchesTheReference) {
+  for (const client::ProblemSpec& spec : LargeProblems()) {
+    const uint64_t seed = FreshSeed();
+    SCOPED_TRACE(absl::StrCat("seed ", seed));
+    std::mt19937_64 rng(seed);
+    absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(spec, rng);
+    ASSERT_TRUE(request.ok()) << request.status();
+    request->set_request_id(absl::StrCat("chunked-", seed));
+    ASSERT_GT(request->ByteSizeLong(), size_t{1} << 20);
+    // The unary call is refused by size; the chunked one carries it.
+    EXPECT_EQ(client().Attend(*request).status().code(), absl::StatusCode::kResourceExhausted);
+    // Ragged chunks: no tensor is a multiple of them.
+    ExpectCorrect(*request, client().AttendChunked(*request, 96 * 1024 + 7));
+  }
+  EXPECT_GE(ScrapeMetric(process().metrics_port(), "attention_requests_total",
+                         {{"rpc", "AttendChunked"}, {"code", "OK"}})
+                .value_or(0),
+            2);
+}
+
+// A raw AttendChunked call sending `messages` as they are, then reading the answer.
+struct RawAnswer {
+  grpc::Status status;
+  int messages = 0;
+};
+RawAnswer RawChunked(const std::shared_ptr<grpc::Channel>& channel,
+                     const std::vector<v1::AttendChunk>& messages) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  grpc::CompletionQueue cq;
+  auto await = [&cq] {
+    void* tag = nullptr;
+    bool ok = false;
+    return cq.Next(&tag, &ok) && ok;
+  };
+  auto call = stub.PrepareCall(&context, "/attention.v1.Attention/AttendChunked", &cq);
+  call->StartCall(nullptr);
+  bool ok = await();
+  for (const v1::AttendChunk& m : messages) {
+    if (!ok) break;
+    grpc::ByteBuffer buffer;
+    bool own = false;
+    grpc::SerializationTraits<v1::AttendChunk>::Serialize(m, &buffer, &own).IgnoreError();
+    call->Write(buffer, nullptr);
+    ok = await();
+  }
+  if (ok) {
+    call->WritesDone(nullptr);
+    await();
+  }
+  RawAnswer answer;
+  for (;;) {
+    grpc::ByteBuffer buffer;
+    call->Read(&buffer, nullptr);
+    if (!await()) break;
+    ++answer.messages;
+  }
+  call->Finish(&answer.status, nullptr);
+  await();
+  return answer;
+}
+
+// The messages of `request` in chunks of `chunk` bytes, in order.
+std::vector<v1::AttendChunk> Chunks(const v1::AttendRequest& request, size_t chunk) {
+  std::vector<v1::AttendChunk> out(1);
+  *out[0].mutable_request() = request;
+  for (v1::Tensor* t :
+       {out[0].mutable_request()->mutable_q(), out[0].mutable_request()->mutable_k(),
+        out[0].mutable_request()->mutable_v()}) {
+    t->clear_data();
+  }
+  for (const auto& [tensor, t] : {std::pair{v1::CHUNK_TENSOR_Q, &request.q()},
+                                  {v1::CHUNK_TENSOR_K, &request.k()},
+                                  {v1::CHUNK_TENSOR_V, &request.v()}}) {
+    for (size_t at = 0; at < t->data().size(); at += chunk) {
+      v1::AttendChunk m;
+      m.mutable_chunk()->set_tensor(tensor);
+      m.mutable_chunk()->set_offset(static_cast<int64_t>(at));
+      m.mutable_chunk()->set_data(t->data().substr(at, chunk));
+      out.push_back(std::move(m));
+    }
+  }
+  return out;
+}
+
+TEST_F(ChunkedTest, ChunksInAnyOrderAndEveryMalformedSequenceIsRefused) {
+  const client::ProblemSpec spec{
+      .batch = 1, .heads_q = 2, .heads_kv = 2, .seqlen_q = 20, .seqlen_k = 33, .head_dim = 16};
+  std::mt19937_64 rng(FreshSeed());
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(spec, rng);
+  ASSERT_TRUE(request.ok()) << request.status();
+  std::vector<v1::AttendChunk> messages = Chunks(*request, 1000);
+  ASSERT_GT(messages.size(), 4u);
+
+  // Out of order: the header first, then the chunks reversed and shuffled.
+  std::vector<v1::AttendChunk> shuffled = messages;
+  std::shuffle(shuffled.begin() + 1, shuffled.end(), rng);
+  const RawAnswer ok = RawChunked(client().channel(), shuffled);
+  EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
+  EXPECT_GE(ok.messages, 2);  // the response and at least one chunk of o
+
+  struct Case {
+    const char* name;
+    std::vector<v1::AttendChunk> messages;
+    const char* says;
+  };
+  std::vector<Case> cases;
+  {
+    std::vector<v1::AttendChunk> m = messages;
+    m.push_back(messages[1]);  // the first chunk again
+    m.erase(m.end() - 2);      // so that the byte count still matches without the last
+    cases.push_back({"overlap", m, "overlap"});
+  }
+  {
+    std::vector<v1::AttendChunk> m = messages;
+    m.pop_back();
+    cases.push_back({"missing bytes", m, "before every byte came"});
+  }
+  {
+    std::vector<v1::AttendChunk> m = messages;
+    m[1].mutable_chunk()->set_offset(1 << 20);
+    cases.push_back({"outside the tensor", m, "expected bytes within"});
+  }
+  {
+    std::vector<v1::AttendChunk> m = messages;
+    m[1].mutable_chunk()->set_tensor(v1::CHUNK_TENSOR_O);
+    cases.push_back({"a chunk of o", m, "chunk.tensor"});
+  }
+  {
+    std::vector<v1::AttendChunk> m(messages.begin() + 1, messages.end());
+    cases.push_back({"no header", m, "first message"});
+  }
+  {
+    std::vector<v1::AttendChunk> m = messages;
+    m[0].mutable_request()->mutable_q()->set_data("x");
+    cases.push_back({"data in the header", m, "request.q.data"});
+  }
+  {
+    std::vector<v1::AttendChunk> m = messages;
+    m[0].mutable_request()->mutable_k()->add_shape(3);
+    cases.push_back({"a bad shape", m, "k.shape"});
+  }
+  {
+    // Tensors by reference and outputs into a region go through Attend.
+    std::vector<v1::AttendChunk> m = messages;
+    v1::TensorRef* ref = m[0].mutable_request()->mutable_v()->mutable_ref();
+    ref->set_region("r");
+    ref->set_byte_size(static_cast<int64_t>(request->v().data().size()));
+    cases.push_back({"v by reference", m, "request.v.ref"});
+  }
+  {
+    std::vector<v1::AttendChunk> m = messages;
+    m[0].mutable_request()->mutable_o_ref()->set_region("r");
+    cases.push_back({"o into a region", m, "request.o_ref"});
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const RawAnswer answer = RawChunked(client().channel(), c.messages);
+    EXPECT_EQ(answer.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << answer.status.error_message();
+    EXPECT_THAT(answer.status.error_message(), HasSubstr(c.says));
+    EXPECT_EQ(answer.messages, 0);
+  }
+  // Then a good one still works.
+  ExpectCorrect(*request, client().AttendChunked(*request, 777));
+}
+
+TEST_F(ChunkedTest, DeadlinesApplyAndTheServerServesOn) {
+  // 24 MiB in 256 KiB chunks and 3e10 FLOPs of CPU work (q, k, v [1, 8, 4000, 64] float32):
+  // seconds on the CPU backend, far over the 100 ms deadline.
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  absl::StatusOr<v1::AttendRequest> slow = client::MakeRandomRequest(
+      {.heads_q = 8, .heads_kv = 8, .seqlen_q = 4000, .seqlen_k = 4000, .head_dim = 64}, rng);
+  ASSERT_TRUE(slow.ok()) << slow.status();
+  EXPECT_EQ(client()
+                .AttendChunked(*slow, 256 * 1024, {.deadline = absl::Milliseconds(100)})
+                .status()
+                .code(),
+            absl::StatusCode::kDeadlineExceeded);
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(LargeProblems()[0], rng);
+  ASSERT_TRUE(request.ok()) << request.status();
+  ExpectCorrect(*request, client().AttendChunked(*request, 64 * 1024));
+}
+
+TEST_F(ChunkedTest, OverTheChunkedLimitIsResourceExhaustedBeforeAnyChunk) {
+  // q, k, v [1, 1, 4M, 8] float32: 3 x 128 MiB claimed, over the 64 MiB limit; no chunk sent.
+  v1::AttendChunk head;
+  for (v1::Tensor* t : {head.mutable_request()->mutable_q(), head.mutable_request()->mutable_k(),
+                        head.mutable_request()->mutable_v()}) {
+    t->set_dtype(v1::DTYPE_FLOAT32);
+    for (int64_t d : {int64_t{1}, int64_t{1}, int64_t{4} << 20, int64_t{8}}) t->add_shape(d);
+  }
+  const RawAnswer answer = RawChunked(client().channel(), {head});
+  EXPECT_EQ(answer.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << answer.status.error_message();
+}
+
+}  // namespace
+}  // namespace attention::e2e
