@@ -99,13 +99,29 @@ std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const ClientOptions
 Client::Client(const ClientOptions& options)
     : Client(grpc::CreateCustomChannel(ChannelTarget(options.target), ChannelCredentials(options),
                                        MakeChannelArguments(options)),
-             options) {}
+             options) {
+  for (int i = 1; i < options.connections; ++i) {
+    // A channel of its own subchannel pool opens its own connection; channels of equal
+    // arguments would otherwise share one.
+    grpc::ChannelArguments args = MakeChannelArguments(options);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    attend_channels_.push_back(grpc::CreateCustomChannel(ChannelTarget(options.target),
+                                                         ChannelCredentials(options), args));
+  }
+}
 
 Client::Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
     : options_(options),
       channel_(std::move(channel)),
       stub_(v1::Attention::NewStub(channel_)),
-      health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
+      health_stub_(grpc::health::v1::Health::NewStub(channel_)),
+      attend_channels_{channel_} {}
+
+const std::shared_ptr<grpc::Channel>& Client::AttendChannel(bool by_reference) {
+  if (by_reference || attend_channels_.size() == 1) return channel_;
+  return attend_channels_[next_attend_channel_.fetch_add(1, std::memory_order_relaxed) %
+                          attend_channels_.size()];
+}
 
 std::unique_ptr<grpc::ClientContext> Client::NewContext(const CallOptions& call) const {
   auto context = std::make_unique<grpc::ClientContext>();
@@ -136,8 +152,9 @@ absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& reque
   grpc::ByteBuffer out = EncodeInPlace(request);
   grpc::ByteBuffer in;
   std::promise<grpc::Status> done;
-  grpc::GenericStub(channel_).UnaryCall(context.get(), "/attention.v1.Attention/Attend", {}, &out,
-                                        &in, [&done](grpc::Status s) { done.set_value(s); });
+  grpc::GenericStub(AttendChannel(by_reference))
+      .UnaryCall(context.get(), "/attention.v1.Attention/Attend", {}, &out, &in,
+                 [&done](grpc::Status s) { done.set_value(s); });
   grpc::Status status = done.get_future().get();
   if (!status.ok()) return ToAbslStatus(status);
   v1::AttendResponse response;
@@ -241,7 +258,8 @@ absl::StatusOr<v1::AttendResponse> Client::AttendChunked(const v1::AttendRequest
   }
   std::unique_ptr<grpc::ClientContext> context = NewContext(call);
   grpc::CompletionQueue cq;
-  grpc::GenericStub stub(channel_);
+  // AttendChunked refuses references, so any channel serves it.
+  grpc::GenericStub stub(AttendChannel(/*by_reference=*/false));
   std::unique_ptr<grpc::GenericClientAsyncReaderWriter> rw =
       stub.PrepareCall(context.get(), "/attention.v1.Attention/AttendChunked", &cq);
   // One operation at a time, each awaited: a blocking call over the async API (the generic

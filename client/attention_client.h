@@ -8,6 +8,8 @@
 // returns the server's gRPC status as an absl::Status with the same code and message.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <future>
 #include <memory>
@@ -37,6 +39,13 @@ struct ClientOptions {
   // limit); 0: always unary.
   int64_t chunked_above_bytes = int64_t{512} << 20;
   int64_t chunk_bytes = int64_t{16} << 20;
+  // Channels, each its own TCP connection (a local subchannel pool), over which Attend and
+  // AttendChunked calls without shared-memory references are spread round-robin, so that large
+  // calls in flight at once do not share one connection's HTTP/2 flow control and one socket.
+  // Everything else (sessions, regions, which belong to the connection that registered them,
+  // streams, AttendAsync) uses the first. Below 1 counts as 1; ignored by the constructor that
+  // takes a channel.
+  int connections = 1;
   // HTTP/2 keepalive pings while calls are open, so a dead server or a dropped connection is
   // noticed during a long call; zero turns them off. gRPC servers by default answer pings more
   // frequent than every 5 minutes (when no data flows) with GOAWAY, so go lower only against a
@@ -117,6 +126,10 @@ class Client {
                                            const CallOptions& call = {});
 
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+  // Every channel Attend may use: channel() first, then the other connections.
+  const std::vector<std::shared_ptr<grpc::Channel>>& attend_channels() const {
+    return attend_channels_;
+  }
   const ClientOptions& options() const { return options_; }
 
   // A context whose deadline is `call`'s, or the client's default, carrying the bearer token;
@@ -128,6 +141,13 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+  // channel_ and options.connections - 1 more; the next Attend without references takes
+  // attend_channels_[next_attend_channel_++ % size].
+  std::vector<std::shared_ptr<grpc::Channel>> attend_channels_;
+  std::atomic<uint64_t> next_attend_channel_{0};
+
+  // The channel for an Attend or AttendChunked call.
+  const std::shared_ptr<grpc::Channel>& AttendChannel(bool by_reference);
 };
 
 // Channel credentials for `options`: TLS (or mutual TLS) when options.tls is set, else plaintext.

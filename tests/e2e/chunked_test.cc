@@ -73,6 +73,32 @@ TEST_F(ChunkedTest, OverTheMessageLimitMatchesTheReference) {
             2);
 }
 
+// ClientOptions::connections = 3: calls spread round-robin over three channels (idle before, all
+// READY once each carried a call), every answer equal to the reference, unary and chunked.
+TEST_F(ChunkedTest, CallsSpreadOverSeveralConnectionsMatchTheReference) {
+  client::Client spread({.target = process().target(), .connections = 3});
+  ASSERT_EQ(spread.attend_channels().size(), 3u);
+  for (const auto& channel : spread.attend_channels()) {
+    EXPECT_EQ(channel->GetState(/*try_to_connect=*/false), GRPC_CHANNEL_IDLE);
+  }
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(
+        {.batch = 1, .heads_q = 4, .heads_kv = 2, .seqlen_q = 33, .seqlen_k = 70, .head_dim = 64},
+        rng);
+    ASSERT_TRUE(small.ok()) << small.status();
+    ExpectCorrect(*small, spread.Attend(*small));
+  }
+  for (const auto& channel : spread.attend_channels()) {
+    EXPECT_EQ(channel->GetState(/*try_to_connect=*/false), GRPC_CHANNEL_READY);
+  }
+  absl::StatusOr<v1::AttendRequest> large = client::MakeRandomRequest(LargeProblems()[0], rng);
+  ASSERT_TRUE(large.ok()) << large.status();
+  ExpectCorrect(*large, spread.AttendChunked(*large, 64 * 1024));
+}
+
 // A raw AttendChunked call sending `messages` as they are, then reading the answer.
 struct RawAnswer {
   grpc::Status status;

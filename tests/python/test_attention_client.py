@@ -156,6 +156,24 @@ class Float32Test(ServerTest):
         self.assertWithin(rel_error(o, ref_o), F32_BOUND, "o")
         self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, "lse")
 
+    def test_several_connections(self):
+        # Calls spread round-robin over three channels (every one READY once it carried a
+        # call), chunked and unary, each equal to the reference.
+        q, k, v = self.qkv(nk=300)
+        ref_o, _ = reference(q, k, v, causal=True)
+        with Client(f"127.0.0.1:{self.port}", connections=3, chunked_above_bytes=50000,
+                    chunk_bytes=7777) as client:
+            self.assertEqual(len(client._attend_stubs), 3)
+            for _ in range(3):
+                self.assertWithin(rel_error(client.attend(q, k, v, causal=True), ref_o),
+                                  F32_BOUND, "o")
+            small = [x[:, :, :20] for x in (q, k, v)]
+            o = client.attend(*small)
+            self.assertWithin(rel_error(o, reference(*small)[0]), F32_BOUND, "o small")
+            for channel in [client._channel] + client._more_channels:
+                self.assertEqual(channel._channel.check_connectivity_state(False), 2,
+                                 "a channel never connected (2 = READY)")
+
     def test_causal_nq_greater_than_nk_has_empty_rows(self):
         # Bottom-right alignment: with Nq > Nk the first Nq - Nk rows see no key.
         q, k, v = self.qkv(b=1, hq=2, hkv=2, nq=40, nk=24, d=32)

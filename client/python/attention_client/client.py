@@ -3,6 +3,7 @@
 torch is imported only when a torch tensor or dtype is handed in: importing it takes seconds,
 and a broken install raises on import (not only ImportError), which must not break numpy use.
 """
+import itertools
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -214,12 +215,13 @@ class Client:
     target: "host:port", or several "h1:p1,h2:p2" (calls spread round-robin over them).
     timeout: default deadline per call, seconds. max_attempts > 1 retries UNAVAILABLE Attend
     calls (session calls are never retried). metadata: sent on every call that names none, e.g.
-    [("authorization", "Bearer TOKEN")].
+    [("authorization", "Bearer TOKEN")]. connections > 1: attend() calls spread round-robin over
+    that many TCP connections (tensors by reference stay on the first, which holds the regions).
     """
 
     def __init__(self, target="localhost:50051", *, timeout=60.0, max_message_bytes=1 << 30,
                  max_attempts=1, credentials=None, options=(), metadata=None,
-                 chunked_above_bytes=512 << 20, chunk_bytes=16 << 20):
+                 chunked_above_bytes=512 << 20, chunk_bytes=16 << 20, connections=1):
         self.timeout = timeout
         # attend() sends requests whose q, k and v exceed chunked_above_bytes through
         # AttendChunked, in chunks of chunk_bytes (over 2 GiB, or over the server's message
@@ -253,6 +255,15 @@ class Client:
             opts.append(("grpc.per_rpc_retry_buffer_size", max_message_bytes))
         self._channel = self._open_channel(opts)
         self._stub = pb_grpc.AttentionStub(self._channel)
+        # connections > 1: attend() calls without shared-memory references are spread
+        # round-robin over that many channels, each its own TCP connection (a local subchannel
+        # pool; channels of equal options would share one), so large calls in flight at once do
+        # not share one connection's flow control. Everything else uses the first.
+        self._more_channels = [
+            self._open_channel(opts + [("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(max(1, connections) - 1)]
+        self._attend_stubs = [self._stub] + [pb_grpc.AttentionStub(c) for c in self._more_channels]
+        self._next_attend = itertools.count()
         # A session lives on one server: over several addresses, sessions take a pick_first
         # channel of their own, so every call of a session reaches the server holding it.
         self._sessions_channel = self._open_channel(self._base_options) if self._several else None
@@ -280,6 +291,8 @@ class Client:
         if self._step_stream is not None:
             self._step_stream.close()
         self._channel.close()
+        for channel in self._more_channels:
+            channel.close()
         if self._sessions_channel is not None:
             self._sessions_channel.close()
 
@@ -325,13 +338,16 @@ class Client:
         by_reference = (out is not None or lse_out is not None
                         or any(t.HasField("ref") for t in (request.q, request.k, request.v)))
         size = len(request.q.data) + len(request.k.data) + len(request.v.data)
+        # Regions belong to the connection that registered them: references take the first.
+        stub = self._stub if by_reference else self._attend_stubs[
+            next(self._next_attend) % len(self._attend_stubs)]
         if self.chunked_above_bytes and size > self.chunked_above_bytes and not by_reference:
-            response = self._attend_chunked(request, timeout, metadata)
+            response = self._attend_chunked(stub, request, timeout, metadata)
         else:
-            response = self._call(self._stub.Attend, request, timeout, metadata)
+            response = self._call(stub.Attend, request, timeout, metadata)
         return _attend_output(response, kind, return_lse, return_info, out=out, lse_out=lse_out)
 
-    def _attend_chunked(self, request, timeout, metadata):
+    def _attend_chunked(self, stub, request, timeout, metadata):
         """Attention.AttendChunked: the request without its tensors' data, then chunks of q, k and
         v; the answer likewise. Returns the AttendResponse with o and lse filled in."""
         head = pb.AttendRequest()
@@ -350,7 +366,7 @@ class Client:
                         tensor=which, offset=at, data=bytes(data[at:at + chunk])))
 
         try:
-            answer = self._stub.AttendChunked(
+            answer = stub.AttendChunked(
                 messages(), timeout=self.timeout if timeout is None else timeout,
                 metadata=self.metadata if metadata is None else metadata)
             response, buffers = None, {}
