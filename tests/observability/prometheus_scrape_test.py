@@ -52,8 +52,10 @@ SCRAPE_INTERVAL_S = 1
 # 100 rows for the load's length, stepping 4 of them per Step (each step appends a row) at 40
 # Steps/s, then drops them. A second attn_bench steps one session once and waits twice the
 # server's --session_ttl_s (its --rate) before dropping it, so the session expires and the drop
-# gets NOT_FOUND.
-SESSION_TTL_S = 2
+# gets NOT_FOUND. The TTL leaves the decode sessions room to be made: all eight are created
+# before the first Step, and under ASan on two busy cores that took 2.2 s once (their creation
+# waits behind the Attend rounds), so a 2 s TTL expired the first one before its first Step.
+SESSION_TTL_S = 5
 KV_PAGE_BYTES = 65536
 DECODE_SESSIONS = 8
 DECODE_ARGS = ["--nk=100", "--shape=4,8,1,64", "--kv_heads=2", "--dtype=float16", "--causal",
