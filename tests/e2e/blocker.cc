@@ -4,6 +4,7 @@
 #include <cmath>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "client/request_builder.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/metrics_scrape.h"
@@ -33,6 +34,7 @@ absl::StatusOr<Blocker> CalibratedBlocker(client::Client& client, absl::Duration
                                                          flops_per_us / flops_per_token_pair)),
                           512, 4096);
   blocker.flops = flops_per_token_pair * static_cast<double>(blocker.seqlen * blocker.seqlen);
+  blocker.busy = absl::Microseconds(blocker.flops / flops_per_us);
   absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest({.batch = 1,
                                                                          .heads_q = 16,
                                                                          .heads_kv = 16,
@@ -43,6 +45,13 @@ absl::StatusOr<Blocker> CalibratedBlocker(client::Client& client, absl::Duration
   if (!request.ok()) return request.status();
   blocker.request = *std::move(request);
   return blocker;
+}
+
+std::string WhyTooFast(const Blocker& blocker, absl::Duration needed) {
+  if (blocker.busy >= needed) return "";
+  return absl::StrCat("the backend computes the largest blocker in ",
+                      absl::FormatDuration(blocker.busy), ", too fast to hold the queue for ",
+                      absl::FormatDuration(needed));
 }
 
 void ExpectBlockerAnswered(const Blocker& blocker,

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <random>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -20,14 +21,22 @@ struct Blocker {
   v1::AttendRequest request;
   int64_t seqlen = 0;
   double flops = 0;  // 4 * 16 * 64 * seqlen^2
+  // How long it should keep the worker busy at the calibrated speed: less than asked for when
+  // seqlen hit its ceiling (a GPU computes the largest blocker in milliseconds).
+  absl::Duration busy;
 };
 
 // A blocker that keeps one CPU worker busy for about `busy` whatever the build (a sanitizer slows
 // the kernel up to fifty-fold, a loaded machine more): `client`'s server first answers a
 // calibration request, q, k, v [1, 4, 1024, 16] (0.27 GFLOP), and the blocker is sized from the
-// speed it measured.
+// speed it measured. Tests whose point needs the queue held check `busy` and skip where the
+// backend is too fast for any blocker (WhyTooFast).
 absl::StatusOr<Blocker> CalibratedBlocker(client::Client& client, absl::Duration busy,
                                           std::mt19937_64& rng);
+
+// Why `blocker` cannot hold its worker for `needed` (empty when it can): tests that need the
+// queue held that long skip with this message.
+std::string WhyTooFast(const Blocker& blocker, absl::Duration needed);
 
 // Expects `response` to be the blocker's answer: OK, its request_id, an o as large as its q.
 void ExpectBlockerAnswered(const Blocker& blocker,

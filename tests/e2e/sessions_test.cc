@@ -1014,6 +1014,9 @@ TEST(StepAdmissionE2E, AFullQueueRefusesStepsAtOnce) {
   }
   absl::StatusOr<Blocker> blocker = CalibratedBlocker(*server->client, absl::Seconds(2), rng);
   ASSERT_TRUE(blocker.ok()) << blocker.status();
+  if (const std::string why = WhyTooFast(*blocker, absl::Milliseconds(500)); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
   const int port = server->process->metrics_port();
   auto metric = [port, &device](const std::string& name, bool per_device) {
     absl::StatusOr<double> value =
@@ -1107,6 +1110,9 @@ TEST(StepAdmissionE2E, CompatibleStepsOfDifferentCallsShareOneLaunch) {
   }
   absl::StatusOr<Blocker> blocker = CalibratedBlocker(*server->client, absl::Seconds(1), rng);
   ASSERT_TRUE(blocker.ok()) << blocker.status();
+  if (const std::string why = WhyTooFast(*blocker, absl::Milliseconds(500)); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
   const int port = server->process->metrics_port();
   const std::map<std::string, std::string> on_device = {{"device", device}};
   const double launches_before =
