@@ -207,9 +207,11 @@ TEST(AttentionServiceTest, InvalidRequestsGetInvalidArgument) {
 
 TEST(AttentionServiceTest, StreamAnswersEveryRequestOutOfOrder) {
   SCOPED_TRACE(SeedTrace());
-  // Request i has 8 - i rows and sleeps that many * 5 ms: later ones finish first.
-  TestServer server(std::make_unique<CopyExecutor>(absl::Milliseconds(5)),
-                    {.workers = 8, .max_queue = 16});
+  // Request i has 8 - i rows and sleeps that many * 20 ms once all eight run: later ones finish
+  // first. (Ungated, a slow machine let s0 finish before the others had even arrived.)
+  auto owned = std::make_unique<CopyExecutor>(absl::Milliseconds(20), /*gated=*/true);
+  CopyExecutor* executor = owned.get();
+  TestServer server(std::move(owned), {.workers = 8, .max_queue = 16});
   grpc::ClientContext context;
   auto stream = server.stub().AttendStream(&context);
   std::map<std::string, std::string> sent;  // request_id -> q bytes
@@ -219,6 +221,8 @@ TEST(AttentionServiceTest, StreamAnswersEveryRequestOutOfOrder) {
     ASSERT_TRUE(stream->Write(request));
   }
   stream->WritesDone();
+  executor->AwaitStarted(8);
+  executor->Release();
   std::vector<std::string> order;
   AttendResponse response;
   while (stream->Read(&response)) {
