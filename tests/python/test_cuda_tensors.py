@@ -48,21 +48,21 @@ class FakeTensor:
 
 
 class FakeDriver:
-    """Segments as the CUDA driver would report them: (base, size, handle) of the allocation
-    holding an address; `segments` is a list of (device, base, size, handle) to change at will."""
+    """Segments as the CUDA driver would report them: (base, size, buffer id) of the allocation
+    holding an address; `segments` is a list of (device, base, size, buffer id) to change at
+    will (a new allocation: a new buffer id)."""
 
     def __init__(self, segments):
         self.segments = segments
 
     def segment(self, ptr, device):
-        for d, base, size, handle in self.segments:
+        for d, base, size, buffer_id in self.segments:
             if d == device and base <= ptr < base + size:
-                return base, size, handle
+                return base, size, buffer_id
         raise CudaRegionsUnavailable(f"no allocation holds {ptr:#x}")
 
-
-def handle(n):
-    return bytes([n]) * 64
+    def ipc_handle(self, base, device):
+        return bytes([base % 251]) * 64
 
 
 class RecordingClient:
@@ -100,8 +100,8 @@ class RecordingClient:
 class SegmentCacheTest(unittest.TestCase):
     def test_each_segment_is_registered_once(self):
         client = RecordingClient()
-        cache = SegmentRegions(client, driver=FakeDriver([(0, 0x1000, 0x1000, handle(1)),
-                                                          (0, 0x4000, 0x800, handle(2))]))
+        cache = SegmentRegions(client, driver=FakeDriver([(0, 0x1000, 0x1000, 1),
+                                                          (0, 0x4000, 0x800, 2)]))
         for _ in range(5):
             cache.ensure([FakeTensor(0x1000), FakeTensor(0x1400), FakeTensor(0x4100)])
         self.assertEqual(cache.registrations, 2)
@@ -115,17 +115,17 @@ class SegmentCacheTest(unittest.TestCase):
 
     def test_a_freed_segment_is_unregistered_when_its_addresses_are_reused(self):
         client = RecordingClient()
-        driver = FakeDriver([(0, 0x1000, 0x1000, handle(1)), (1, 0x1000, 0x1000, handle(3))])
+        driver = FakeDriver([(0, 0x1000, 0x1000, 1), (1, 0x1000, 0x1000, 3)])
         cache = SegmentRegions(client, driver=driver)
         cache.ensure([FakeTensor(0x1800), FakeTensor(0x1800, device=1)])
         first, other_device = client.registered()
         # torch freed the segment; a larger one now starts below it (overlapping addresses).
-        driver.segments[0] = (0, 0x800, 0x2000, handle(2))
+        driver.segments[0] = (0, 0x800, 0x2000, 2)
         cache.ensure([FakeTensor(0x1800)])
         self.assertEqual(client.unregistered(), [first])  # the other device's stays
         self.assertEqual(cache.registrations, 3)
-        # The same base and size with another handle: a new allocation too.
-        driver.segments[0] = (0, 0x800, 0x2000, handle(4))
+        # The same base and size with another buffer id: a new allocation too.
+        driver.segments[0] = (0, 0x800, 0x2000, 4)
         cache.ensure([FakeTensor(0x900)])
         self.assertEqual(len(client.unregistered()), 2)
         self.assertEqual(len(client._regions), 2)
@@ -133,7 +133,7 @@ class SegmentCacheTest(unittest.TestCase):
 
     def test_capacity_evicts_the_least_recently_used_but_not_one_the_call_uses(self):
         client = RecordingClient()
-        driver = FakeDriver([(0, 0x10000 * (i + 1), 0x1000, handle(i)) for i in range(6)])
+        driver = FakeDriver([(0, 0x10000 * (i + 1), 0x1000, i) for i in range(6)])
         cache = SegmentRegions(client, capacity=3, driver=driver)
         seg = [FakeTensor(0x10000 * (i + 1)) for i in range(6)]
         cache.ensure([seg[0]])
@@ -176,7 +176,7 @@ class RefusingServerTest(ServerTest):
     def test_cpu_backend_refusal_is_remembered(self):
         with Client(f"127.0.0.1:{self.port}") as client:
             cache = client._cuda_segments
-            cache._driver = FakeDriver([(0, 0x1000, 0x1000, handle(7))])
+            cache._driver = FakeDriver([(0, 0x1000, 0x1000, 7)])
             with self.assertRaises(CudaRegionsUnavailable) as refused:
                 cache.ensure([FakeTensor(0x1000)])
             self.assertIn("UNIMPLEMENTED", str(refused.exception))
@@ -185,7 +185,7 @@ class RefusingServerTest(ServerTest):
 
     def test_on_mode_raises_the_refusal(self):
         with Client(f"127.0.0.1:{self.port}", cuda_regions="on") as client:
-            client._cuda_segments._driver = FakeDriver([(0, 0x1000, 0x1000, handle(7))])
+            client._cuda_segments._driver = FakeDriver([(0, 0x1000, 0x1000, 7)])
             with self.assertRaises(CudaRegionsUnavailable):
                 client._cuda_segments.ensure([FakeTensor(0x1000)])
             self.assertTrue(client._cuda_segments.usable)
@@ -201,7 +201,7 @@ class NoSharedMemoryServerTest(ServerTest):
     def test_refusal_is_remembered(self):
         with Client(f"127.0.0.1:{self.port}") as client:
             cache = client._cuda_segments
-            cache._driver = FakeDriver([(0, 0x1000, 0x1000, handle(7))])
+            cache._driver = FakeDriver([(0, 0x1000, 0x1000, 7)])
             with self.assertRaises(CudaRegionsUnavailable) as refused:
                 cache.ensure([FakeTensor(0x1000)])
             self.assertIn("FAILED_PRECONDITION", str(refused.exception))
@@ -209,7 +209,7 @@ class NoSharedMemoryServerTest(ServerTest):
         # Other errors are the caller's: an unreachable server is not a refusal to remember.
         with Client("127.0.0.1:1", timeout=2) as client:
             cache = client._cuda_segments
-            cache._driver = FakeDriver([(0, 0x1000, 0x1000, handle(7))])
+            cache._driver = FakeDriver([(0, 0x1000, 0x1000, 7)])
             with self.assertRaises(AttentionError) as failed:
                 cache.ensure([FakeTensor(0x1000)])
             self.assertEqual(failed.exception.code, grpc.StatusCode.UNAVAILABLE)

@@ -10,14 +10,15 @@ computes on the tensors where they are (the cuda backend, --allow_shared_memory)
     o = client.attend(q, k, v, causal=True)                     # q, k, v on cuda: by reference
 
 What is registered: the caching allocator's segment (one cudaMalloc) holding each tensor, found
-with the CUDA driver (cuMemGetAddressRange, cuIpcGetMemHandle through ctypes on libcuda.so.1; torch's
-own storage._share_cuda_() would tie every shared block to a reference count that only a torch
-consumer returns, so torch would never free those blocks). Segments are registered once and
-cached per Client, keyed by device, base address, size and IPC handle, so repeated calls with the
-allocator's reused blocks register nothing:
+with the CUDA driver (cuMemGetAddressRange, cuPointerGetAttribute, cuIpcGetMemHandle through ctypes
+on libcuda.so.1; torch's own storage._share_cuda_() would tie every shared block to a reference
+count that only a torch consumer returns, so torch would never free those blocks). Segments are
+registered once and cached per Client, keyed by device and the driver's buffer id (unique to an
+allocation for the process's life), so repeated calls with the allocator's reused blocks register
+nothing:
 - a segment the allocator freed (torch.cuda.empty_cache, an out-of-memory retry) and whose
   addresses a new segment reuses is recognised by the overlap (live allocations never overlap)
-  or its new handle, and unregistered before the new one is registered;
+  and unregistered before the new one is registered;
 - at most `capacity` segments (default 32, within the server's 64 regions per caller) stay
   registered; the least recently used one is unregistered for a new one;
 - every segment is unregistered by Client.close().
@@ -68,6 +69,7 @@ class CudaDriver:
     driver, present wherever a GPU is), in the device's primary context (the one torch uses)."""
 
     _HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
+    _BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID
 
     def __init__(self):
         try:
@@ -96,27 +98,43 @@ class CudaDriver:
                 self._contexts[device] = ctx
             return self._contexts[device]
 
-    def segment(self, ptr, device):
-        """(base, size, handle bytes) of the allocation holding device address `ptr`."""
+    def _in_context(self, device, fn):
         self._check(self._cuda.cuCtxPushCurrent_v2(self._context(device)), "cuCtxPushCurrent")
         try:
-            base, size = ctypes.c_uint64(), ctypes.c_size_t()
-            self._check(self._cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                                           ctypes.c_uint64(ptr)),
-                        "cuMemGetAddressRange")
-            handle = ctypes.create_string_buffer(self._HANDLE_BYTES)
-            self._check(self._cuda.cuIpcGetMemHandle(handle, base), "cuIpcGetMemHandle")
-            return base.value, size.value, handle.raw
+            return fn()
         finally:
             self._cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
+    def segment(self, ptr, device):
+        """(base, size, buffer id) of the allocation holding device address `ptr`; the buffer id
+        is unique to the allocation for the process's life (CU_POINTER_ATTRIBUTE_BUFFER_ID)."""
+        def query():
+            base, size, buffer_id = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_uint64()
+            self._check(self._cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                           ctypes.c_uint64(ptr)),
+                        "cuMemGetAddressRange")
+            self._check(self._cuda.cuPointerGetAttribute(ctypes.byref(buffer_id),
+                                                         self._BUFFER_ID, ctypes.c_uint64(ptr)),
+                        "cuPointerGetAttribute(BUFFER_ID)")
+            return base.value, size.value, buffer_id.value
+        return self._in_context(device, query)
+
+    def ipc_handle(self, base, device):
+        """The 64 bytes of the CUDA IPC handle of the allocation starting at `base`."""
+        def query():
+            handle = ctypes.create_string_buffer(self._HANDLE_BYTES)
+            self._check(self._cuda.cuIpcGetMemHandle(handle, ctypes.c_uint64(base)),
+                        "cuIpcGetMemHandle")
+            return handle.raw
+        return self._in_context(device, query)
+
 
 class _Segment:
-    __slots__ = ("device", "base", "size", "handle", "region")
+    __slots__ = ("device", "base", "size", "buffer_id", "region")
 
-    def __init__(self, device, base, size, handle, region):
-        self.device, self.base, self.size, self.handle, self.region = (device, base, size,
-                                                                       handle, region)
+    def __init__(self, device, base, size, buffer_id, region):
+        self.device, self.base, self.size, self.buffer_id, self.region = (device, base, size,
+                                                                          buffer_id, region)
 
 
 class SegmentRegions:
@@ -131,7 +149,7 @@ class SegmentRegions:
         self.mode = mode
         self.capacity = capacity
         self._driver = driver
-        self._segments = OrderedDict()  # (device, base) -> _Segment, least recently used first
+        self._segments = OrderedDict()  # (device, buffer id) -> _Segment, least recently used first
         self._lock = threading.Lock()
         self.registrations = 0  # Register calls made, for tests and diagnostics
         self._names = itertools.count()
@@ -165,14 +183,14 @@ class SegmentRegions:
 
     def _ensure_one(self, t, used):
         device = t.device.index if t.device.index is not None else 0
-        base, size, handle = self._driver.segment(t.data_ptr(), device)
-        key = (device, base)
+        base, size, buffer_id = self._driver.segment(t.data_ptr(), device)
+        key = (device, buffer_id)
         known = self._segments.get(key)
-        if known is not None and known.size == size and known.handle == handle:
+        if known is not None:
             self._segments.move_to_end(key)
             return key
-        # Segments torch freed: a new allocation overlaps their addresses (or has their base with
-        # another size or handle). Their registrations go first.
+        # Segments torch freed: this new allocation (a buffer id not seen) overlaps their
+        # addresses. Their registrations go first.
         for k, s in list(self._segments.items()):
             if s.device == device and s.base < base + size and base < s.base + s.size:
                 del self._segments[k]
@@ -184,8 +202,9 @@ class SegmentRegions:
             self._unregister(self._segments.pop(victim))
         from attention_client.shared_memory import Region
         name = f"torch-{os.getpid()}-cuda{device}-{base:x}-{next(self._names)}"
-        request = pb.RegisterRegionRequest(name=name, cuda_ipc_handle=handle, device=device,
-                                           offset=0, byte_size=size)
+        request = pb.RegisterRegionRequest(name=name,
+                                           cuda_ipc_handle=self._driver.ipc_handle(base, device),
+                                           device=device, offset=0, byte_size=size)
         try:
             info = self._client._call(self._client._shm_stub.Register, request, None, None)
         except AttentionError as e:
@@ -195,7 +214,7 @@ class SegmentRegions:
         region = Region(self._client, info, None, self._client.metadata, cuda_base=base)
         self._client._regions.append(region)
         self.registrations += 1
-        self._segments[key] = _Segment(device, base, size, handle, region)
+        self._segments[key] = _Segment(device, base, size, buffer_id, region)
         return key
 
     def close(self):
