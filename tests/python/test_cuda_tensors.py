@@ -4,7 +4,7 @@ cache and the choice between CUDA regions and the host path.
 - Against the real attention_server (CPU backend): a CUDA region is refused (UNIMPLEMENTED on the
   cpu backend, FAILED_PRECONDITION without --allow_shared_memory); Client(cuda_regions="auto")
   remembers it (usable turns False: every later call takes the host path), "on" raises, "off"
-  never tries. The CUDA driver cannot run here, so a stand-in gives each tensor's segment.
+  never tries, nor does "auto" over several addresses. The CUDA driver cannot run here, so a stand-in gives each tensor's segment.
 - The cache's bookkeeping over a recording SharedMemory stand-in (registering a CUDA region needs
   a GPU): one registration per segment however often it is used, a segment whose addresses a
   new allocation overlaps (torch freed it) unregistered before the new one is registered, the
@@ -193,6 +193,13 @@ class RefusingServerTest(ServerTest):
     def test_unknown_mode_is_refused(self):
         with self.assertRaises(ValueError):
             Client(f"127.0.0.1:{self.port}", cuda_regions="yes")
+
+    def test_several_addresses_do_not_try(self):
+        # Regions would be on one server while the calls spread over all of them.
+        with Client(f"127.0.0.1:{self.port},127.0.0.1:{self.port}") as client:
+            self.assertFalse(client._cuda_segments.usable)
+        with Client(f"127.0.0.1:{self.port}") as client:
+            self.assertTrue(client._cuda_segments.usable)
 
 
 class NoSharedMemoryServerTest(ServerTest):

@@ -279,7 +279,10 @@ class Client:
         self._regions = []
         self._step_stream = None  # opened by the first session.step(..., stream=True)
         from attention_client.cuda_tensors import SegmentRegions
-        self._cuda_segments = SegmentRegions(self, cuda_regions)  # registers nothing until used
+        # Registers nothing until used. Over several addresses "auto" is "off": the regions would
+        # be on one server, the calls spread over all.
+        self._cuda_segments = SegmentRegions(
+            self, "off" if self._several and cuda_regions == "auto" else cuda_regions)
 
     def _open_channel(self, opts):
         opts = list(opts) + self._extra_options

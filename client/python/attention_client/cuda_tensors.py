@@ -37,9 +37,12 @@ INVALID_ARGUMENT) or the driver cannot export the memory (no libcuda, memory fro
 expandable_segments), the Client remembers it and sends every later call through the host (the
 tensors copied to the host, the result copied back), as it would without this module. A call the
 server refuses with FAILED_PRECONDITION or UNIMPLEMENTED (e.g. a device it does not serve) goes
-through the host too, that call only. "on": never fall back (errors raise AttentionError or
+through the host too, that call only; one refused NOT_FOUND (the server restarted, or the
+client's connection changed: regions belong to the connection without a bearer token) registers
+its segments again and is sent once more. "on": never fall back (errors raise AttentionError or
 CudaRegionsUnavailable); "off": always the host path. Device ordinals must name the same GPUs in
-the client and the server (the same CUDA_VISIBLE_DEVICES).
+the client and the server (the same CUDA_VISIBLE_DEVICES). A Client over several addresses does
+not try ("auto" is "off" there): its regions would be on one server, its calls spread over all.
 """
 import ctypes
 import itertools
@@ -233,7 +236,7 @@ def _lse_shape(q, layout, cu_seqlens_q):
     return tuple(q.shape[:3])  # [B, Hq, Nq]
 
 
-def attend_on_device(client, q, k, v, options):
+def attend_on_device(client, q, k, v, options, _retried=False):
     """Client.attend of torch CUDA tensors q, k, v through CUDA regions: (True, its result), or
     (False, None) when the host path must answer instead (see the module comment). options:
     Client.attend's keyword arguments but out and lse_out."""
@@ -262,6 +265,11 @@ def attend_on_device(client, q, k, v, options):
     try:
         return True, client.attend(q, k, v, out=o, lse_out=lse, **options)
     except AttentionError as e:
+        if e.code == grpc.StatusCode.NOT_FOUND and not _retried:
+            # The server lost the regions (a restart) or no longer counts them as this caller's
+            # (a new connection, without a bearer token): register them again, once.
+            regions.close()
+            return attend_on_device(client, q, k, v, options, _retried=True)
         if regions.mode == "auto" and e.code in _CALL_REFUSED:
             return False, None
         raise
