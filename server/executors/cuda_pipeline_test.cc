@@ -293,6 +293,14 @@ namespace {
 // lengths.
 enum class Companions { kNone, kSameShape, kOtherLengths };
 
+const char* CompanionsName(Companions c) {
+  return c == Companions::kNone        ? "alone"
+         : c == Companions::kSameShape ? "same_shape"
+                                       : "other_lengths";
+}
+// gtest prints the parameter with this instead of its raw bytes.
+void PrintTo(Companions c, std::ostream* os) { *os << CompanionsName(c); }
+
 // Runs `p` (host pointers) beside its companions, fresh ones of the same shapes each call.
 absl::Status RunWith(const AttentionParams& p, Companions companions) {
   if (companions == Companions::kNone) return Runner().Run(p).status();
@@ -386,11 +394,8 @@ INSTANTIATE_TEST_SUITE_P(
                      testing::Values(Companions::kNone, Companions::kSameShape,
                                      Companions::kOtherLengths)),
     [](const testing::TestParamInfo<MaskedParam>& info) {
-      const Companions companions = std::get<2>(info.param);
       return absl::StrCat(kernel_test::CaseName(std::get<0>(info.param), std::get<1>(info.param)),
-                          companions == Companions::kNone        ? "_alone"
-                          : companions == Companions::kSameShape ? "_same_shape"
-                                                                 : "_other_lengths");
+                          "_", CompanionsName(std::get<2>(info.param)));
     });
 
 }  // namespace
