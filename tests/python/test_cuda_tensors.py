@@ -4,7 +4,8 @@ cache and the choice between CUDA regions and the host path.
 - Against the real attention_server (CPU backend): a CUDA region is refused (UNIMPLEMENTED on the
   cpu backend, FAILED_PRECONDITION without --allow_shared_memory); Client(cuda_regions="auto")
   remembers it (usable turns False: every later call takes the host path), "on" raises, "off"
-  never tries, nor does "auto" over several addresses. The CUDA driver cannot run here, so a stand-in gives each tensor's segment.
+  never tries, nor does "auto" over several addresses. The CUDA driver cannot run here, so a
+  stand-in gives each tensor's segment.
 - The cache's bookkeeping over a recording SharedMemory stand-in (registering a CUDA region needs
   a GPU): one registration per segment however often it is used, a segment whose addresses a
   new allocation overlaps (torch freed it) unregistered before the new one is registered, the

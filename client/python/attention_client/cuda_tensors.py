@@ -68,7 +68,7 @@ class CudaRegionsUnavailable(Exception):
 
 
 class CudaDriver:
-    """The three CUDA driver calls the registration needs, through ctypes on libcuda.so.1 (the
+    """The few CUDA driver calls the registration needs, through ctypes on libcuda.so.1 (the
     driver, present wherever a GPU is), in the device's primary context (the one torch uses)."""
 
     _HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
@@ -78,7 +78,8 @@ class CudaDriver:
         try:
             self._cuda = ctypes.CDLL("libcuda.so.1")
         except OSError as e:
-            raise CudaRegionsUnavailable(f"the CUDA driver (libcuda.so.1) cannot be loaded: {e}")
+            raise CudaRegionsUnavailable(
+                f"the CUDA driver (libcuda.so.1) cannot be loaded: {e}") from None
         self._contexts = {}
         self._lock = threading.Lock()
         self._check(self._cuda.cuInit(0), "cuInit")
@@ -247,6 +248,8 @@ def attend_on_device(client, q, k, v, options, _retried=False):
     if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.device == q.device
                for t in (k, v)):
         return False, None  # mixed devices: the host path copies them as it always did
+    if min(t.numel() for t in (q, k, v)) == 0:
+        return False, None  # no memory to share; the server's answer for empty tensors
     q, k, v = (t.detach().contiguous() for t in (q, k, v))
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = (torch.empty(_lse_shape(q, options.get("layout", "bhsd"), options.get("cu_seqlens_q")),
