@@ -169,27 +169,33 @@ class SegmentCacheTest(unittest.TestCase):
             SegmentRegions(client, mode="sometimes")
 
 
+def register_one_segment(test, target, **client_args):
+    """A Client for `target` whose cache registers one stand-in segment: (client, the
+    exception ensure() raised)."""
+    client = Client(target, **client_args)
+    test.addCleanup(client.close)
+    client._cuda_segments._driver = FakeDriver([(0, 0x1000, 0x1000, 7)])
+    with test.assertRaises((CudaRegionsUnavailable, AttentionError)) as raised:
+        client._cuda_segments.ensure([FakeTensor(0x1000)])
+    return client, raised.exception
+
+
 class RefusingServerTest(ServerTest):
     """The real server (CPU backend) refuses CUDA regions: the Client remembers it."""
 
     SERVER_FLAGS = ["--allow_shared_memory"]
 
     def test_cpu_backend_refusal_is_remembered(self):
-        with Client(f"127.0.0.1:{self.port}") as client:
-            cache = client._cuda_segments
-            cache._driver = FakeDriver([(0, 0x1000, 0x1000, 7)])
-            with self.assertRaises(CudaRegionsUnavailable) as refused:
-                cache.ensure([FakeTensor(0x1000)])
-            self.assertIn("UNIMPLEMENTED", str(refused.exception))
-            self.assertFalse(cache.usable)
-            self.assertEqual(len(client.list_shared_memory()), 0)
+        client, refused = register_one_segment(self, f"127.0.0.1:{self.port}")
+        self.assertIsInstance(refused, CudaRegionsUnavailable)
+        self.assertIn("UNIMPLEMENTED", str(refused))
+        self.assertFalse(client._cuda_segments.usable)
+        self.assertEqual(len(client.list_shared_memory()), 0)
 
     def test_on_mode_raises_the_refusal(self):
-        with Client(f"127.0.0.1:{self.port}", cuda_regions="on") as client:
-            client._cuda_segments._driver = FakeDriver([(0, 0x1000, 0x1000, 7)])
-            with self.assertRaises(CudaRegionsUnavailable):
-                client._cuda_segments.ensure([FakeTensor(0x1000)])
-            self.assertTrue(client._cuda_segments.usable)
+        client, refused = register_one_segment(self, f"127.0.0.1:{self.port}", cuda_regions="on")
+        self.assertIsInstance(refused, CudaRegionsUnavailable)
+        self.assertTrue(client._cuda_segments.usable)
 
     def test_unknown_mode_is_refused(self):
         with self.assertRaises(ValueError):
@@ -207,21 +213,15 @@ class NoSharedMemoryServerTest(ServerTest):
     """A server without --allow_shared_memory: FAILED_PRECONDITION, remembered."""
 
     def test_refusal_is_remembered(self):
-        with Client(f"127.0.0.1:{self.port}") as client:
-            cache = client._cuda_segments
-            cache._driver = FakeDriver([(0, 0x1000, 0x1000, 7)])
-            with self.assertRaises(CudaRegionsUnavailable) as refused:
-                cache.ensure([FakeTensor(0x1000)])
-            self.assertIn("FAILED_PRECONDITION", str(refused.exception))
-            self.assertFalse(cache.usable)
+        client, refused = register_one_segment(self, f"127.0.0.1:{self.port}")
+        self.assertIsInstance(refused, CudaRegionsUnavailable)
+        self.assertIn("FAILED_PRECONDITION", str(refused))
+        self.assertFalse(client._cuda_segments.usable)
         # Other errors are the caller's: an unreachable server is not a refusal to remember.
-        with Client("127.0.0.1:1", timeout=2) as client:
-            cache = client._cuda_segments
-            cache._driver = FakeDriver([(0, 0x1000, 0x1000, 7)])
-            with self.assertRaises(AttentionError) as failed:
-                cache.ensure([FakeTensor(0x1000)])
-            self.assertEqual(failed.exception.code, grpc.StatusCode.UNAVAILABLE)
-            self.assertTrue(cache.usable)
+        client, failed = register_one_segment(self, "127.0.0.1:1", timeout=2)
+        self.assertIsInstance(failed, AttentionError)
+        self.assertEqual(failed.code, grpc.StatusCode.UNAVAILABLE)
+        self.assertTrue(client._cuda_segments.usable)
 
 
 if __name__ == "__main__":
