@@ -38,14 +38,18 @@ class FakeDevice:
 
 
 class FakeTensor:
-    """What SegmentRegions reads of a torch CUDA tensor: its device and address."""
+    """What SegmentRegions reads of a torch CUDA tensor: its device, address and storage."""
 
     def __init__(self, ptr, device=0):
         self.device = FakeDevice(device)
         self._ptr = ptr
+        self.storage = object()
 
     def data_ptr(self):
         return self._ptr
+
+    def untyped_storage(self):
+        return self.storage
 
 
 class FakeDriver:
@@ -110,9 +114,14 @@ class SegmentCacheTest(unittest.TestCase):
         self.assertEqual(sorted(e[3] for e in client.log), [0x800, 0x1000])  # whole segments
         # Their regions locate the tensors (what Client.attend sends by reference).
         self.assertEqual(client._regions[0]._cuda_base, 0x1000)
+        # Each registered segment holds the storage of the tensor that brought it (torch cannot
+        # free the segment under the server) until it is unregistered.
+        segments = list(cache._segments.values())
+        self.assertTrue(all(s.keep is not None for s in segments))
         cache.close()
         self.assertEqual(sorted(client.unregistered()), sorted(client.registered()))
         self.assertEqual(client._regions, [])
+        self.assertTrue(all(s.keep is None for s in segments))
 
     def test_a_freed_segment_is_unregistered_when_its_addresses_are_reused(self):
         client = RecordingClient()

@@ -16,15 +16,18 @@ count that only a torch consumer returns, so torch would never free those blocks
 registered once and cached per Client, keyed by device and the driver's buffer id (unique to an
 allocation for the process's life), so repeated calls with the allocator's reused blocks register
 nothing:
-- a segment the allocator freed (torch.cuda.empty_cache, an out-of-memory retry) and whose
-  addresses a new segment reuses is recognised by the overlap (live allocations never overlap)
-  and unregistered before the new one is registered;
 - at most `capacity` segments (default 32, within the server's 64 regions per caller) stay
   registered; the least recently used one is unregistered for a new one;
 - every segment is unregistered by Client.close().
-The server holds a segment's memory open while it is registered, so a segment torch freed stays
-allocated on the GPU until its registration goes (at the latest: the next overlapping
-registration, eviction or close).
+CUDA leaves undefined what happens when the exporting process frees memory another process still
+has open, and torch frees cached segments (torch.cuda.empty_cache, an allocation that failed and
+releases the cache). So while a segment is registered the cache holds the storage of the tensor
+that brought it (one block of it): torch never frees a segment with a block in use, and the
+reference goes only after the server has closed the handle (Unregister answered). That block's
+memory stays allocated meanwhile (bounded by `capacity` blocks). A segment that is freed anyway
+(memory from outside torch's allocator) and whose addresses a new allocation reuses is recognised
+by the overlap (live allocations never overlap) and unregistered before the new one is
+registered.
 
 Synchronisation: before each call the tensors' device's current stream is synchronised, so the
 server reads what the queued kernels wrote; the server has written o and lse before it answers.
@@ -134,11 +137,12 @@ class CudaDriver:
 
 
 class _Segment:
-    __slots__ = ("device", "base", "size", "buffer_id", "region")
+    __slots__ = ("device", "base", "size", "buffer_id", "region", "keep")
 
-    def __init__(self, device, base, size, buffer_id, region):
-        self.device, self.base, self.size, self.buffer_id, self.region = (device, base, size,
-                                                                          buffer_id, region)
+    def __init__(self, device, base, size, buffer_id, region, keep):
+        self.device, self.base, self.size, self.buffer_id = device, base, size, buffer_id
+        self.region = region
+        self.keep = keep  # a storage in the segment: torch cannot free it while registered
 
 
 class SegmentRegions:
@@ -168,6 +172,7 @@ class SegmentRegions:
             segment.region.unregister()
         except AttentionError:
             pass  # gone already (the connection closed, the server restarted)
+        segment.keep = None  # the server has closed the handle: torch may free the segment now
 
     def ensure(self, tensors):
         """Registers the segments of `tensors` (torch CUDA tensors, contiguous) that are not yet;
@@ -218,7 +223,8 @@ class SegmentRegions:
         region = Region(self._client, info, None, self._client.metadata, cuda_base=base)
         self._client._regions.append(region)
         self.registrations += 1
-        self._segments[key] = _Segment(device, base, size, buffer_id, region)
+        keep = t.untyped_storage() if hasattr(t, "untyped_storage") else None
+        self._segments[key] = _Segment(device, base, size, buffer_id, region, keep)
         return key
 
     def close(self):
