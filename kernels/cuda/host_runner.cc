@@ -523,10 +523,15 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     launch.SetContiguousStrides(IsBshd(first) ? Layout::kBSHD : Layout::kBHSD);
   }
   // One dense request whose q, k, v and o are all in this device's memory (a client's CUDA IPC
-  // region) with no padding to D8: the kernel reads and writes them where they are, no copy.
+  // region) with no padding to D8: the kernel reads and writes them where they are, no copy. The
+  // kernel moves 16-byte chunks, so each must start on 16 bytes (a region reference is only
+  // checked against its element size); others are copied (cudaMemcpy takes any alignment).
+  auto in_place_ok = [&](const void* p) {
+    return reinterpret_cast<uintptr_t>(p) % 16 == 0 && OnDevice(p, options_.device);
+  };
   const bool in_place = items.size() == 1 && d8 == d && !dev_pack.varlen && !first.is_varlen() &&
-                        OnDevice(first.q, options_.device) && OnDevice(first.k, options_.device) &&
-                        OnDevice(first.v, options_.device) && OnDevice(first.o, options_.device);
+                        in_place_ok(first.q) && in_place_ok(first.k) && in_place_ok(first.v) &&
+                        in_place_ok(first.o);
   // lse in this device's memory too: written there by the kernel (in place) or copied device to
   // device from the packed lse; lse_to_host: some item's lse is on the host.
   std::vector<bool> lse_on_device(items.size(), false);

@@ -15,10 +15,10 @@
 // in one DMA. A tensor whose host memory is already pinned (cudaHostAlloc or cudaHostRegister)
 // skips its staging memcpy and is DMA'd directly (0 host copies); so does q, k, v, o or lse in
 // this device's own memory (a client's CUDA IPC region), copied device to device, and a lone dense
-// request with q, k, v and o there (and D a multiple of 8) is read and written in place, no copy
-// (its lse too when it is there; then h2d_us and d2h_us are 0). Registering pageable memory per
-// call (cudaHostRegister) would remove the memcpy too, but pins page by page and costs more than
-// the memcpy it saves.
+// request with q, k, v and o there (each on 16 bytes, D a multiple of 8) is read and written in
+// place, no copy (its lse too when it is there; then h2d_us and d2h_us are 0). Registering pageable
+// memory per call (cudaHostRegister) would remove the memcpy too, but pins page by page and costs
+// more than the memcpy it saves.
 //
 // Memory: the device buffers of all streams together stay within options.memory_budget_bytes. A
 // call needing more than the whole budget is refused (RESOURCE_EXHAUSTED, needed vs budget bytes)

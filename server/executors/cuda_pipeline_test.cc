@@ -282,6 +282,55 @@ TEST(CudaPipelineTest, RequestsInDeviceMemoryEqualTheSameFromHostMemory) {
   }
 }
 
+// q, k, v and o in device memory at addresses that are element-aligned but not 16-byte aligned
+// (a region reference is checked against the element size only): copied device to device rather
+// than read in place by the kernel's 16-byte loads, so no misaligned access (which would take the
+// device out of service), and the answer equals the same request from host memory.
+TEST(CudaPipelineTest, DeviceTensorsOffSixteenBytesAreCopiedAndEqualTheHostRequest) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_real_distribution<float> uniform(-2, 2);
+  AttentionParams p;
+  p.dtype = DType::kBFloat16;
+  p.batch = 1;
+  p.heads_q = p.heads_kv = 2;
+  p.seqlen_q = 33;
+  p.seqlen_k = 70;
+  p.head_dim = 64;
+  p.window_right = 0;  // causal: the device scan of V too
+  p.SetContiguousStrides(Layout::kBHSD);
+  const int64_t q_elems = p.heads_q * p.seqlen_q * 64, kv_elems = p.heads_kv * p.seqlen_k * 64;
+  std::vector<uint16_t> q(q_elems), k(kv_elems), v(kv_elems), o_host(q_elems), o_dev(q_elems);
+  for (auto* t : {&q, &k, &v}) {
+    for (uint16_t& x : *t) x = FloatToBFloat16(uniform(rng));
+  }
+  AttentionParams host = p;
+  host.q = q.data();
+  host.k = k.data();
+  host.v = v.data();
+  host.o = o_host.data();
+  ASSERT_TRUE(Runner().Run(host).ok());
+  const size_t qb = q_elems * 2, kvb = kv_elems * 2;
+  void* allocation = nullptr;
+  ASSERT_EQ(cudaMalloc(&allocation, 2 * qb + 2 * kvb + 64), cudaSuccess);
+  char* dev = static_cast<char*>(allocation) + 2;  // 2 bytes past a 256-byte boundary
+  ASSERT_EQ(cudaMemcpy(dev, q.data(), qb, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dev + qb, k.data(), kvb, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dev + qb + kvb, v.data(), kvb, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dev + qb + 2 * kvb, 0xff, qb), cudaSuccess);
+  AttentionParams on_device = p;
+  on_device.q = dev;
+  on_device.k = dev + qb;
+  on_device.v = dev + qb + kvb;
+  on_device.o = dev + qb + 2 * kvb;
+  const absl::StatusOr<cuda::HostRunTimes> run = Runner().Run(on_device);
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(cudaMemcpy(o_dev.data(), on_device.o, qb, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(o_dev, o_host);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaFree(allocation);
+}
+
 }  // namespace
 }  // namespace attention::server
 
