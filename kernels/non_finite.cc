@@ -10,9 +10,7 @@ namespace {
 // A value is Inf or NaN iff its exponent field is all ones: adding the exponent's lowest bit to
 // the masked exponent then carries into the (masked-off) sign bit. Every element of a 64-bit word
 // is tested at once (no carry crosses elements: the sum stays within each element's width).
-struct Bits {
-  uint64_t exponent, low, sign;
-};
+using Bits = NonFiniteBits;
 constexpr Bits kF32{0x7f8000007f800000u, 0x0080000000800000u, 0x8000000080000000u};
 constexpr Bits kF16{0x7c007c007c007c00u, 0x0400040004000400u, 0x8000800080008000u};
 constexpr Bits kBf16{0x7f807f807f807f80u, 0x0080008000800080u, 0x8000800080008000u};
@@ -37,9 +35,13 @@ bool WordsHoldNonFinite(const unsigned char* data, size_t words, const Bits& b) 
 
 }  // namespace
 
+NonFiniteBits NonFiniteBitsOf(DType dtype) {
+  return dtype == DType::kFloat32 ? kF32 : dtype == DType::kFloat16 ? kF16 : kBf16;
+}
+
 bool HoldsNonFinite(DType dtype, const void* data, int64_t elements) {
   if (elements <= 0) return false;
-  const Bits& b = dtype == DType::kFloat32 ? kF32 : dtype == DType::kFloat16 ? kF16 : kBf16;
+  const Bits b = NonFiniteBitsOf(dtype);
   const size_t bytes = static_cast<size_t>(elements) * DTypeSize(dtype);
   const auto* p = static_cast<const unsigned char*>(data);
   if (WordsHoldNonFinite(p, bytes / 8, b)) return true;

@@ -4,8 +4,9 @@
 # cuda_paged_kv_tests, cuda_pipeline_tests, cuda_device_loss_tests, sessions_tests,
 # client_session_tests): tests,
 # compute-sanitizer memcheck and racecheck on a small filter, the session end-to-end suites against
-# --backend=cuda, the server checked with the client, then the benchmark beside torch (table
-# last). Logs and plots go to $OUT.
+# --backend=cuda, torch CUDA tensors through CUDA regions (bench/torch/cuda_regions_check.py, with
+# the Python stubs in GEN, default build/tests/python/gen), the server checked with the client,
+# then the benchmark beside torch (table last). Logs and plots go to $OUT.
 #   bench/cuda/device_run.sh [tests|bench|all]
 # VARIANT=NAME forces the benchmark's forward kernel variant (run_bench.py --variant).
 set -uo pipefail
@@ -41,6 +42,13 @@ if [[ $what == tests || $what == all ]]; then
     summary+=("$t on --backend=cuda: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/$t.log" | tr '\n' ' ')")
     grep -E "^\[  FAILED|Failure|seed" "$out/$t.log" | head -20
   done
+  # torch CUDA tensors through CUDA regions (no host round trip) against a --backend=cuda server:
+  # attention_client.torch beside torch's SDPA and the host path (needs torch and the stubs).
+  if [[ -x $bin/attention_server && -d ${GEN:-build/tests/python/gen} ]] && python3 -c "import torch" 2>/dev/null; then
+    OUT=$out python3 bench/torch/cuda_regions_check.py "$bin" >"$out/cuda_regions_check.log" 2>&1
+    summary+=("cuda_regions_check.py: rc=$? $(tail -1 "$out/cuda_regions_check.log")")
+    grep -E "^FAIL|^seed" "$out/cuda_regions_check.log" | head -20
+  fi
   if [[ -x $bin/attention_server && -x $bin/attn_client ]]; then
     rm -f /tmp/ports
     "$bin/attention_server" --backend=cuda --port=0 --metrics_port=0 --port_file=/tmp/ports \

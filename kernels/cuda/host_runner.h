@@ -13,12 +13,12 @@
 // over 4 threads above 8 MiB: one thread copies at 5-6 GB/s on the H200 host) -> DMA; for o and
 // lse: DMA -> pinned staging -> host memory (one memcpy). Consecutive staged items of a batch go
 // in one DMA. A tensor whose host memory is already pinned (cudaHostAlloc or cudaHostRegister)
-// skips its staging memcpy and is DMA'd directly (0 host copies); so does q, k, v or o in this
-// device's own memory (a client's CUDA IPC region), copied device to device, and a lone dense
-// request with all four there (and D a multiple of 8) is read and written in place, no copy. lse is
-// always unstaged on the host, and the exact path (masked, non-finite V) scans V on the host:
-// callers give host memory for those. Registering pageable memory per call (cudaHostRegister) would
-// remove the memcpy too, but pins page by page and costs more than the memcpy it saves.
+// skips its staging memcpy and is DMA'd directly (0 host copies); so does q, k, v, o or lse in
+// this device's own memory (a client's CUDA IPC region), copied device to device, and a lone dense
+// request with q, k, v and o there (each on 16 bytes, D a multiple of 8) is read and written in
+// place, no copy (its lse too when it is there; then h2d_us and d2h_us are 0). Registering pageable
+// memory per call (cudaHostRegister) would remove the memcpy too, but pins page by page and costs
+// more than the memcpy it saves.
 //
 // Memory: the device buffers of all streams together stay within options.memory_budget_bytes. A
 // call needing more than the whole budget is refused (RESOURCE_EXHAUSTED, needed vs budget bytes)
@@ -38,10 +38,14 @@
 // tensor), and the tensor-core kernel cannot compute them exactly: its P V multiplies a masked
 // key's P = 0 by V (0 * NaN = NaN) for every row of a tile, while the reference keeps a key a row
 // cannot see out of that row. So they are slower here but exact. Before each masked call the
-// runner scans V's exponent bits on the host (HoldsNonFinite, kernels/non_finite.h: ~2.5-3 ms for
-// a 64 MiB bfloat16 V on one core of the dev machine); unmasked calls skip the scan (their only
+// runner scans V's exponent bits where V is: on the host (HoldsNonFinite, kernels/non_finite.h:
+// ~2.5-3 ms for a 64 MiB bfloat16 V on one core of the dev machine), or, for V in this device's
+// memory, on the device with the same bit test (kernels/cuda/non_finite_scan.h), so a request from
+// device memory takes the path the same request from the host takes. One that falls back copies
+// its device tensors to host buffers, runs the CPU kernel on them and copies o and lse back:
+// the same bytes in, the same answer out, bit for bit. Unmasked calls skip the scan (their only
 // unseen keys, past Nk, are zero-filled on the device). The times of a fallen-back call count the
-// CPU run as compute_us.
+// CPU run (and its copies) as compute_us.
 //
 // Head dims that are not a multiple of 8 are served by padding: each D-element line of q, k, v
 // lands in a zeroed line of D8 = roundup(D, 8) elements (cudaMemcpy2D), the kernel runs with
@@ -125,6 +129,15 @@ class HostRunner {
   absl::Status ReserveDevice(Stream* stream, int64_t bytes);
   // Grows `stream`'s pinned staging buffer to `bytes`.
   absl::Status ReserveStaging(Stream* stream, int64_t bytes);
+  // RunBatch on a held stream: the exact path's items on the CPU, the rest in one launch (RunOn).
+  absl::StatusOr<HostRunTimes> RunHeld(Stream* stream, absl::Span<const AttentionParams> items);
+  // Per item of a masked batch: whether it takes the exact path (its V holds Inf or NaN), V
+  // scanned where it is: on the host, or on the device (NonFiniteScan) when in its memory.
+  absl::StatusOr<std::vector<bool>> NeedsExactPath(Stream* stream,
+                                                   absl::Span<const AttentionParams> items);
+  // The exact CPU kernel on `item`; tensors in device memory are copied to the host for it and o
+  // and lse back.
+  absl::Status RunExact(Stream* stream, const AttentionParams& item);
   absl::StatusOr<HostRunTimes> RunOn(Stream* stream, absl::Span<const AttentionParams> items);
   // The exact CPU kernel of the calls that fall back (file comment), created at first use.
   cpu::CpuBackend& ExactBackend();

@@ -282,5 +282,170 @@ TEST(CudaPipelineTest, RequestsInDeviceMemoryEqualTheSameFromHostMemory) {
   }
 }
 
+// q, k, v and o in device memory at addresses that are element-aligned but not 16-byte aligned
+// (a region reference is checked against the element size only): copied device to device rather
+// than read in place by the kernel's 16-byte loads, so no misaligned access (which would take the
+// device out of service), and the answer equals the same request from host memory.
+TEST(CudaPipelineTest, DeviceTensorsOffSixteenBytesAreCopiedAndEqualTheHostRequest) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_real_distribution<float> uniform(-2, 2);
+  AttentionParams p;
+  p.dtype = DType::kBFloat16;
+  p.batch = 1;
+  p.heads_q = p.heads_kv = 2;
+  p.seqlen_q = 33;
+  p.seqlen_k = 70;
+  p.head_dim = 64;
+  p.window_right = 0;  // causal: the device scan of V too
+  p.SetContiguousStrides(Layout::kBHSD);
+  const int64_t q_elems = p.heads_q * p.seqlen_q * 64, kv_elems = p.heads_kv * p.seqlen_k * 64;
+  std::vector<uint16_t> q(q_elems), k(kv_elems), v(kv_elems), o_host(q_elems), o_dev(q_elems);
+  for (auto* t : {&q, &k, &v}) {
+    for (uint16_t& x : *t) x = FloatToBFloat16(uniform(rng));
+  }
+  AttentionParams host = p;
+  host.q = q.data();
+  host.k = k.data();
+  host.v = v.data();
+  host.o = o_host.data();
+  ASSERT_TRUE(Runner().Run(host).ok());
+  const size_t qb = q_elems * 2, kvb = kv_elems * 2;
+  void* allocation = nullptr;
+  ASSERT_EQ(cudaMalloc(&allocation, 2 * qb + 2 * kvb + 64), cudaSuccess);
+  char* dev = static_cast<char*>(allocation) + 2;  // 2 bytes past a 256-byte boundary
+  ASSERT_EQ(cudaMemcpy(dev, q.data(), qb, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dev + qb, k.data(), kvb, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dev + qb + kvb, v.data(), kvb, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dev + qb + 2 * kvb, 0xff, qb), cudaSuccess);
+  AttentionParams on_device = p;
+  on_device.q = dev;
+  on_device.k = dev + qb;
+  on_device.v = dev + qb + kvb;
+  on_device.o = dev + qb + 2 * kvb;
+  const absl::StatusOr<cuda::HostRunTimes> run = Runner().Run(on_device);
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(cudaMemcpy(o_dev.data(), on_device.o, qb, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(o_dev, o_host);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaFree(allocation);
+}
+
+}  // namespace
+}  // namespace attention::server
+
+namespace attention::server {
+namespace {
+
+// How the request under test shares its launch: alone (in place when dense with D % 8 == 0),
+// beside a request of its shape (concatenated along B), or packed as varlen beside one of other
+// lengths.
+enum class Companions { kNone, kSameShape, kOtherLengths };
+
+const char* CompanionsName(Companions c) {
+  return c == Companions::kNone        ? "alone"
+         : c == Companions::kSameShape ? "same_shape"
+                                       : "other_lengths";
+}
+// gtest prints the parameter with this instead of its raw bytes.
+void PrintTo(Companions c, std::ostream* os) { *os << CompanionsName(c); }
+
+// Runs `p` (host pointers) beside its companions, fresh ones of the same shapes each call.
+absl::Status RunWith(const AttentionParams& p, Companions companions) {
+  if (companions == Companions::kNone) return Runner().Run(p).status();
+  Companion other(p, companions == Companions::kSameShape ? 0 : p.seqlen_q + 7,
+                  companions == Companions::kSameShape ? 0 : p.seqlen_k + 29);
+  if (!cuda::CanShareLaunch(p, other.params)) {
+    return absl::InternalError("the companion cannot share the launch");
+  }
+  const AttentionParams items[] = {other.params, p};
+  return Runner().RunBatch(items).status();
+}
+
+using MaskedParam = std::tuple<AttentionCase, DType, Companions>;
+
+class DeviceMemoryMaskedTest : public testing::TestWithParam<MaskedParam> {};
+
+// Masked requests (causal, windows, both alignments) whose q, k, v, o and lse are in this device's
+// memory (what a client's CUDA IPC region resolves to), V with NaN or Inf at keys outside some
+// rows' windows included: the answer equals the same request from host memory bit for bit (the V
+// scan on the device sends exactly the requests the host scan sends to the exact CPU kernel), and
+// matches the float64 reference (CheckCase, on the device run's results).
+TEST_P(DeviceMemoryMaskedTest, EqualsTheSameRequestFromHostMemory) {
+  SKIP_WITHOUT_GPU();
+  const auto& [c, dtype, companions] = GetParam();
+  if (companions == Companions::kOtherLengths && !c.is_varlen() && c.layout != Layout::kBSHD &&
+      c.heads_q > 1) {
+    GTEST_SKIP() << "BHSD requests of different lengths do not share a launch";
+  }
+  kernel_test::CheckCase(
+      c, dtype,
+      [companions = companions](const AttentionParams& p) -> absl::Status {
+        const kernel_test::HostBufferBytes bytes = kernel_test::BufferBytes(p);
+        // The host path first, into p's (poisoned) o and lse; kept, then p's o and lse get the
+        // device run's results for CheckCase.
+        if (absl::Status s = RunWith(p, companions); !s.ok()) return s;
+        const std::vector<char> o_host(static_cast<const char*>(p.o),
+                                       static_cast<const char*>(p.o) + bytes.o);
+        const std::vector<char> lse_host(reinterpret_cast<const char*>(p.lse),
+                                         reinterpret_cast<const char*>(p.lse) + bytes.lse);
+        void* allocation = nullptr;
+        const size_t total = bytes.q + bytes.k + bytes.v + bytes.o + bytes.lse;
+        if (cudaMalloc(&allocation, total) != cudaSuccess) {
+          return absl::InternalError("cudaMalloc");
+        }
+        std::unique_ptr<void, decltype(&cudaFree)> owned(allocation, cudaFree);
+        char* q = static_cast<char*>(allocation);
+        char* k = q + bytes.q;
+        char* v = k + bytes.k;
+        char* o = v + bytes.v;
+        char* lse = o + bytes.o;
+        if (cudaMemcpy(q, p.q, bytes.q, cudaMemcpyHostToDevice) != cudaSuccess ||
+            cudaMemcpy(k, p.k, bytes.k, cudaMemcpyHostToDevice) != cudaSuccess ||
+            cudaMemcpy(v, p.v, bytes.v, cudaMemcpyHostToDevice) != cudaSuccess ||
+            cudaMemset(o, 0xff, bytes.o + bytes.lse) != cudaSuccess) {  // NaN: unwritten shows
+          return absl::InternalError("copy the inputs to the device");
+        }
+        AttentionParams on_device = p;
+        on_device.q = q;
+        on_device.k = k;
+        on_device.v = v;
+        on_device.o = o;
+        on_device.lse = p.lse != nullptr ? reinterpret_cast<float*>(lse) : nullptr;
+        if (absl::Status s = RunWith(on_device, companions); !s.ok()) return s;
+        if (cudaMemcpy(p.o, o, bytes.o, cudaMemcpyDeviceToHost) != cudaSuccess ||
+            (bytes.lse > 0 &&
+             cudaMemcpy(p.lse, lse, bytes.lse, cudaMemcpyDeviceToHost) != cudaSuccess)) {
+          return absl::InternalError("copy the outputs to the host");
+        }
+        EXPECT_EQ(std::memcmp(o_host.data(), p.o, bytes.o), 0) << "o differs from the host path's";
+        EXPECT_EQ(std::memcmp(lse_host.data(), p.lse, bytes.lse), 0)
+            << "lse differs from the host path's";
+        return absl::OkStatus();
+      },
+      kernel_test::DefaultTolerance(dtype));
+}
+
+std::vector<AttentionCase> MaskedCases() {
+  std::vector<AttentionCase> cases;
+  for (AttentionCase c : kernel_test::StandardGrid()) {
+    if (c.window_left == kUnboundedWindow && c.window_right == kUnboundedWindow) continue;
+    c.return_lse = true;  // lse in device memory too
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Grid, DeviceMemoryMaskedTest,
+    testing::Combine(testing::ValuesIn(MaskedCases()),
+                     testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                     testing::Values(Companions::kNone, Companions::kSameShape,
+                                     Companions::kOtherLengths)),
+    [](const testing::TestParamInfo<MaskedParam>& info) {
+      return absl::StrCat(kernel_test::CaseName(std::get<0>(info.param), std::get<1>(info.param)),
+                          "_", CompanionsName(std::get<2>(info.param)));
+    });
+
 }  // namespace
 }  // namespace attention::server

@@ -186,8 +186,10 @@ void AttentionService::Run(absl::string_view rpc, grpc::CallbackServerContext* c
 
   Job job;
   if (call->refs != nullptr && call->refs->cuda_device() >= 0) {
-    // CUDA regions are read and written in place on their GPU: the request runs there.
-    absl::StatusOr<int> device = CudaRegionDevice(*call->refs, call->decoded.params);
+    // CUDA regions are read and written in place on their GPU: the request runs there. Masked
+    // ones too: the CUDA runner scans a V in device memory for Inf/NaN on the device and runs one
+    // holding any on the exact CPU kernel over host copies, as from the host (host_runner.h).
+    absl::StatusOr<int> device = CudaRegionDevice(*call->refs);
     if (!device.ok()) return answer(device.status());
     job.device = *device;
   }
@@ -239,15 +241,7 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::A
       });
 }
 
-absl::StatusOr<int> AttentionService::CudaRegionDevice(const RequestRegions& refs,
-                                                       const AttentionParams& params) const {
-  if (params.window_left != kUnboundedWindow || params.window_right != kUnboundedWindow) {
-    // Masked requests check V for Inf/NaN on the host before they run, and those holding any
-    // run on the CPU kernel (the exact path), which reads q, k, v and o on the host.
-    return absl::UnimplementedError(
-        "masked requests (causal, windows) need q, k, v and o in host or system shared memory; "
-        "this one has tensors in a CUDA region");
-  }
+absl::StatusOr<int> AttentionService::CudaRegionDevice(const RequestRegions& refs) const {
   const std::string name = absl::StrCat("cuda:", refs.cuda_device());
   const std::vector<const DeviceDescription*> devices = scheduler_->devices();
   for (size_t i = 0; i < devices.size(); ++i) {

@@ -133,8 +133,7 @@ class AttentionService final : public AttentionRawService {
   absl::Status Prepare(grpc::CallbackServerContext* context, const grpc::ByteBuffer& request,
                        Call* call);
   // The scheduler's index of the GPU holding the request's CUDA regions, or why it cannot run.
-  absl::StatusOr<int> CudaRegionDevice(const RequestRegions& refs,
-                                       const AttentionParams& params) const;
+  absl::StatusOr<int> CudaRegionDevice(const RequestRegions& refs) const;
   // The response of a finished `call`: its fields, then o and lse as slices over call->memory.
   static void WriteResponse(const Call& call, grpc::ByteBuffer* response);
 

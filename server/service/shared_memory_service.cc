@@ -44,11 +44,12 @@ absl::StatusOr<char*> RequestRegions::Resolve(absl::string_view field, const v1:
   if (!span.ok()) return span.status();
   if (span->kind == RegionKind::kCuda) {
     const bool served = cuda_inputs_ && (field == "q.ref" || field == "k.ref" || field == "v.ref" ||
-                                         field == "o_ref");
+                                         field == "o_ref" || field == "lse_ref");
     if (!served) {
       return absl::UnimplementedError(absl::StrCat(
           field, ": region ", ref.region(),
-          " is CUDA memory, served for Attend's q, k, v and o only; use a system region here"));
+          " is CUDA memory, served for Attend's q, k, v, o and lse only; use a system region "
+          "here"));
     }
     if (cuda_device_ >= 0 && span->device != cuda_device_) {
       return absl::InvalidArgumentError(

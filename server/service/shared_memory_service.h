@@ -28,10 +28,9 @@ std::string RegionOwner(const grpc::CallbackServerContext& context, const std::s
 
 // The TensorRefs of one request of `context`'s caller, resolved in `registry`; the regions stay
 // held until this is destroyed. `registry` null: shared memory is off (FAILED_PRECONDITION).
-// Costs nothing for a request without references. CUDA regions are served for q, k, v and o of
-// Attend (`cuda_inputs`), all on one GPU, which the request then runs on; elsewhere (lse, the
-// Sessions calls, and masked requests: the service refuses those) they are UNIMPLEMENTED: those
-// bytes are read or written on the host.
+// Costs nothing for a request without references. CUDA regions are served for q, k, v, o and lse
+// of Attend (`cuda_inputs`), all on one GPU, which the request then runs on; elsewhere (the
+// Sessions calls) they are UNIMPLEMENTED: those bytes are read or written on the host.
 class RequestRegions final : public TensorRefResolver {
  public:
   RequestRegions(RegionRegistry* registry, const grpc::CallbackServerContext* context,

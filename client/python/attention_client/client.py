@@ -217,11 +217,16 @@ class Client:
     calls (session calls are never retried). metadata: sent on every call that names none, e.g.
     [("authorization", "Bearer TOKEN")]. connections > 1: attend() calls spread round-robin over
     that many TCP connections (tensors by reference stay on the first, which holds the regions).
+    cuda_regions: torch CUDA tensors handed to attend() go by reference through CUDA regions, no
+    host round trip, where the server shares the host and GPU: "auto" (try, and remember when the
+    server cannot), "on" (never fall back to the host path) or "off" (see
+    attention_client.cuda_tensors).
     """
 
     def __init__(self, target="localhost:50051", *, timeout=60.0, max_message_bytes=1 << 30,
                  max_attempts=1, credentials=None, options=(), metadata=None,
-                 chunked_above_bytes=512 << 20, chunk_bytes=16 << 20, connections=1):
+                 chunked_above_bytes=512 << 20, chunk_bytes=16 << 20, connections=1,
+                 cuda_regions="auto"):
         self.timeout = timeout
         # attend() sends requests whose q, k and v exceed chunked_above_bytes through
         # AttendChunked, in chunks of chunk_bytes (over 2 GiB, or over the server's message
@@ -273,6 +278,11 @@ class Client:
         self._shm_stub = pb_grpc.SharedMemoryStub(self._sessions_channel or self._channel)
         self._regions = []
         self._step_stream = None  # opened by the first session.step(..., stream=True)
+        from attention_client.cuda_tensors import SegmentRegions
+        # Registers nothing until used. Over several addresses "auto" is "off": the regions would
+        # be on one server, the calls spread over all.
+        self._cuda_segments = SegmentRegions(
+            self, "off" if self._several and cuda_regions == "auto" else cuda_regions)
 
     def _open_channel(self, opts):
         opts = list(opts) + self._extra_options
@@ -288,6 +298,7 @@ class Client:
             raise AttentionError(e.code(), e.details()) from None
 
     def close(self):
+        self._cuda_segments.close()
         if self._step_stream is not None:
             self._step_stream.close()
         self._channel.close()
@@ -320,8 +331,21 @@ class Client:
 
         Shared memory (register_shared_memory): numpy arrays inside a registered region travel
         by reference; out (and lse_out, with return_lse) must be arrays inside a region, and
-        the server writes O (LSE) there: they are what is returned.
+        the server writes O (LSE) there: they are what is returned. torch CUDA tensors (without
+        out and lse_out) go through CUDA regions where the server can take them (cuda_regions,
+        attention_client.cuda_tensors): o and lse come back as new tensors on q's device.
         """
+        if (out is None and lse_out is None and _is_torch(q) and getattr(q, "is_cuda", False)
+                and self._cuda_segments.usable):
+            from attention_client.cuda_tensors import attend_on_device
+            done, result = attend_on_device(self, q, k, v, dict(
+                causal=causal, softmax_scale=softmax_scale, window_left=window_left,
+                window_right=window_right, layout=layout, return_lse=return_lse,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, timeout=timeout,
+                request_id=request_id, metadata=metadata, return_info=return_info,
+                mask_alignment=mask_alignment))
+            if done:
+                return result
         from attention_client.shared_memory import out_ref
         request, kind = _attend_request(
             q, k, v, causal=causal, softmax_scale=softmax_scale, window_left=window_left,

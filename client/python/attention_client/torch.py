@@ -12,6 +12,13 @@ masks aligned bottom-right, natural-log LSE). Outputs come back in the inputs' d
 device. Only the forward pass: inputs that require grad are refused, as are dropout and the masks
 the service does not compute, each with an error that says what is supported. client=None uses
 one shared Client for $ATTENTION_SERVICE (default localhost:50051).
+
+CUDA tensors make no host round trip when the server shares their host and GPU (--backend=cuda
+--allow_shared_memory): the Client registers the CUDA memory they live in as CUDA regions (once
+per allocator segment), sends q, k, v by reference and has the server write o and lse into tensors
+allocated on their device (attention_client.cuda_tensors; Client(cuda_regions="auto") falls back
+to the host path, and remembers, where the server cannot take them). Elsewhere, and for
+flash_attn_with_kvcache over a SessionKVCache, CUDA tensors are copied to the host and back.
 """
 import math
 import os

@@ -1,0 +1,284 @@
+"""torch CUDA tensors without a host round trip, for a server on the same host and GPU.
+
+Client.attend (and so every attention_client.torch function that calls it) given torch CUDA
+tensors registers the CUDA memory they live in as CUDA regions (attention.v1.SharedMemory, by
+CUDA IPC handle), sends q, k and v by reference, and has the server write o (and lse) into a
+tensor it allocates on the same device: no byte crosses the socket or the PCIe bus, and the server
+computes on the tensors where they are (the cuda backend, --allow_shared_memory).
+
+    client = attention_client.Client("localhost:50051")          # cuda_regions="auto"
+    o = client.attend(q, k, v, causal=True)                     # q, k, v on cuda: by reference
+
+What is registered: the caching allocator's segment (one cudaMalloc) holding each tensor, found
+with the CUDA driver (cuMemGetAddressRange, cuPointerGetAttribute, cuIpcGetMemHandle through ctypes
+on libcuda.so.1; torch's own storage._share_cuda_() would tie every shared block to a reference
+count that only a torch consumer returns, so torch would never free those blocks). Segments are
+registered once and cached per Client, keyed by device and the driver's buffer id (unique to an
+allocation for the process's life), so repeated calls with the allocator's reused blocks register
+nothing:
+- at most `capacity` segments (default 32, within the server's 64 regions per caller) stay
+  registered; the least recently used one is unregistered for a new one;
+- every segment is unregistered by Client.close().
+CUDA leaves undefined what happens when the exporting process frees memory another process still
+has open, and torch frees cached segments (torch.cuda.empty_cache, an allocation that failed and
+releases the cache). So while a segment is registered the cache holds the storage of the tensor
+that brought it (one block of it): torch never frees a segment with a block in use, and the
+reference goes only after the server has closed the handle (Unregister answered). That block's
+memory stays allocated meanwhile (bounded by `capacity` blocks). A segment that is freed anyway
+(memory from outside torch's allocator) and whose addresses a new allocation reuses is recognised
+by the overlap (live allocations never overlap) and unregistered before the new one is
+registered.
+
+Synchronisation: before each call the tensors' device's current stream is synchronised, so the
+server reads what the queued kernels wrote; the server has written o and lse before it answers.
+Tensors made on another stream must be synchronised by the caller, as for any CUDA consumer.
+
+Fallback (Client(cuda_regions=...)): "auto" (default) tries the first call on a device this way;
+when registration is refused (a server without --allow_shared_memory: FAILED_PRECONDITION; the cpu
+backend: UNIMPLEMENTED; a server on another host or one that cannot open the handle:
+INVALID_ARGUMENT) or the driver cannot export the memory (no libcuda, memory from
+expandable_segments), the Client remembers it and sends every later call through the host (the
+tensors copied to the host, the result copied back), as it would without this module. A call the
+server refuses with FAILED_PRECONDITION or UNIMPLEMENTED (e.g. a device it does not serve) goes
+through the host too, that call only; one refused NOT_FOUND (the server restarted, or the
+client's connection changed: regions belong to the connection without a bearer token) registers
+its segments again and is sent once more. "on": never fall back (errors raise AttentionError or
+CudaRegionsUnavailable); "off": always the host path. Device ordinals must name the same GPUs in
+the client and the server (the same CUDA_VISIBLE_DEVICES). A Client over several addresses does
+not try ("auto" is "off" there): its regions would be on one server, its calls spread over all.
+"""
+import ctypes
+import itertools
+import os
+import threading
+from collections import OrderedDict
+
+import grpc
+
+from attention_client.client import AttentionError
+from attention_client._stubs import attention_pb2 as pb
+
+MODES = ("auto", "on", "off")
+# Registration refusals that say this server cannot take this client's CUDA memory at all.
+_SERVER_CANNOT = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED,
+                  grpc.StatusCode.INVALID_ARGUMENT)
+# Call refusals that the host path answers instead (that call only).
+_CALL_REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+
+
+class CudaRegionsUnavailable(Exception):
+    """This client's CUDA memory cannot be shared with the server (the reason in the message)."""
+
+
+class CudaDriver:
+    """The few CUDA driver calls the registration needs, through ctypes on libcuda.so.1 (the
+    driver, present wherever a GPU is), in the device's primary context (the one torch uses)."""
+
+    _HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
+    _BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID
+
+    def __init__(self):
+        try:
+            self._cuda = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise CudaRegionsUnavailable(
+                f"the CUDA driver (libcuda.so.1) cannot be loaded: {e}") from None
+        self._contexts = {}
+        self._lock = threading.Lock()
+        self._check(self._cuda.cuInit(0), "cuInit")
+
+    def _check(self, result, what):
+        if result != 0:
+            name = ctypes.c_char_p()
+            self._cuda.cuGetErrorName(result, ctypes.byref(name))
+            raise CudaRegionsUnavailable(
+                f"{what} failed: {name.value.decode() if name.value else result}")
+
+    def _context(self, device):
+        with self._lock:
+            if device not in self._contexts:
+                dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+                self._check(self._cuda.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+                # Retained for the process's life: torch keeps the same primary context.
+                self._check(self._cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev),
+                            "cuDevicePrimaryCtxRetain")
+                self._contexts[device] = ctx
+            return self._contexts[device]
+
+    def _in_context(self, device, fn):
+        self._check(self._cuda.cuCtxPushCurrent_v2(self._context(device)), "cuCtxPushCurrent")
+        try:
+            return fn()
+        finally:
+            self._cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    def segment(self, ptr, device):
+        """(base, size, buffer id) of the allocation holding device address `ptr`; the buffer id
+        is unique to the allocation for the process's life (CU_POINTER_ATTRIBUTE_BUFFER_ID)."""
+        def query():
+            base, size, buffer_id = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_uint64()
+            self._check(self._cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                           ctypes.c_uint64(ptr)),
+                        "cuMemGetAddressRange")
+            self._check(self._cuda.cuPointerGetAttribute(ctypes.byref(buffer_id),
+                                                         self._BUFFER_ID, ctypes.c_uint64(ptr)),
+                        "cuPointerGetAttribute(BUFFER_ID)")
+            return base.value, size.value, buffer_id.value
+        return self._in_context(device, query)
+
+    def ipc_handle(self, base, device):
+        """The 64 bytes of the CUDA IPC handle of the allocation starting at `base`."""
+        def query():
+            handle = ctypes.create_string_buffer(self._HANDLE_BYTES)
+            self._check(self._cuda.cuIpcGetMemHandle(handle, ctypes.c_uint64(base)),
+                        "cuIpcGetMemHandle")
+            return handle.raw
+        return self._in_context(device, query)
+
+
+class _Segment:
+    __slots__ = ("device", "base", "size", "buffer_id", "region", "keep")
+
+    def __init__(self, device, base, size, buffer_id, region, keep):
+        self.device, self.base, self.size, self.buffer_id = device, base, size, buffer_id
+        self.region = region
+        self.keep = keep  # a storage in the segment: torch cannot free it while registered
+
+
+class SegmentRegions:
+    """The CUDA regions of one Client: the allocator segments its tensors were in, registered
+    once each (see the module comment). Thread-safe. `driver` finds a tensor's segment (a
+    CudaDriver by default, made on first use)."""
+
+    def __init__(self, client, mode="auto", capacity=32, driver=None):
+        if mode not in MODES:
+            raise ValueError(f"cuda_regions must be one of {MODES}, got {mode!r}")
+        self._client = client
+        self.mode = mode
+        self.capacity = capacity
+        self._driver = driver
+        self._segments = OrderedDict()  # (device, buffer id) -> _Segment, least recently used first
+        self._lock = threading.Lock()
+        self.registrations = 0  # Register calls made, for tests and diagnostics
+        self._names = itertools.count()
+        self.unavailable = None  # the reason, once remembered (mode "auto")
+
+    @property
+    def usable(self):
+        return self.mode == "on" or (self.mode == "auto" and self.unavailable is None)
+
+    def _unregister(self, segment):
+        try:
+            segment.region.unregister()
+        except AttentionError:
+            pass  # gone already (the connection closed, the server restarted)
+        segment.keep = None  # the server has closed the handle: torch may free the segment now
+
+    def ensure(self, tensors):
+        """Registers the segments of `tensors` (torch CUDA tensors, contiguous) that are not yet;
+        raises CudaRegionsUnavailable (remembered in mode "auto") when the server or the driver
+        cannot share them."""
+        with self._lock:
+            try:
+                if self._driver is None:
+                    self._driver = CudaDriver()
+                used = set()
+                for t in tensors:
+                    used.add(self._ensure_one(t, used))
+            except CudaRegionsUnavailable as e:
+                if self.mode == "auto":
+                    self.unavailable = str(e)
+                raise
+
+    def _ensure_one(self, t, used):
+        device = t.device.index if t.device.index is not None else 0
+        base, size, buffer_id = self._driver.segment(t.data_ptr(), device)
+        key = (device, buffer_id)
+        known = self._segments.get(key)
+        if known is not None:
+            self._segments.move_to_end(key)
+            return key
+        # Segments torch freed: this new allocation (a buffer id not seen) overlaps their
+        # addresses. Their registrations go first.
+        for k, s in list(self._segments.items()):
+            if s.device == device and s.base < base + size and base < s.base + s.size:
+                del self._segments[k]
+                self._unregister(s)
+        while len(self._segments) >= self.capacity:
+            victim = next((k for k in self._segments if k not in used), None)
+            if victim is None:
+                break  # every one is in use by this call: over capacity for one call
+            self._unregister(self._segments.pop(victim))
+        from attention_client.shared_memory import Region
+        name = f"torch-{os.getpid()}-cuda{device}-{base:x}-{next(self._names)}"
+        request = pb.RegisterRegionRequest(name=name,
+                                           cuda_ipc_handle=self._driver.ipc_handle(base, device),
+                                           device=device, offset=0, byte_size=size)
+        try:
+            info = self._client._call(self._client._shm_stub.Register, request, None, None)
+        except AttentionError as e:
+            if e.code in _SERVER_CANNOT:
+                raise CudaRegionsUnavailable(f"the server refused the CUDA region: {e}") from None
+            raise
+        region = Region(self._client, info, None, self._client.metadata, cuda_base=base)
+        self._client._regions.append(region)
+        self.registrations += 1
+        keep = t.untyped_storage() if hasattr(t, "untyped_storage") else None
+        self._segments[key] = _Segment(device, base, size, buffer_id, region, keep)
+        return key
+
+    def close(self):
+        """Unregisters every segment (Client.close calls it)."""
+        with self._lock:
+            segments, self._segments = list(self._segments.values()), OrderedDict()
+        for s in segments:
+            self._unregister(s)
+
+
+def _lse_shape(q, layout, cu_seqlens_q):
+    if cu_seqlens_q is not None:
+        return (q.shape[1], q.shape[0])  # [Hq, total_q]
+    if layout == "bshd":
+        return (q.shape[0], q.shape[2], q.shape[1])
+    return tuple(q.shape[:3])  # [B, Hq, Nq]
+
+
+def attend_on_device(client, q, k, v, options, _retried=False):
+    """Client.attend of torch CUDA tensors q, k, v through CUDA regions: (True, its result), or
+    (False, None) when the host path must answer instead (see the module comment). options:
+    Client.attend's keyword arguments but out and lse_out."""
+    import torch
+    regions = client._cuda_segments
+    if not regions.usable:
+        return False, None
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.device == q.device
+               for t in (k, v)):
+        return False, None  # mixed devices: the host path copies them as it always did
+    if min(t.numel() for t in (q, k, v)) == 0:
+        return False, None  # no memory to share; the server's answer for empty tensors
+    q, k, v = (t.detach().contiguous() for t in (q, k, v))
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = (torch.empty(_lse_shape(q, options.get("layout", "bhsd"), options.get("cu_seqlens_q")),
+                       dtype=torch.float32, device=q.device)
+           if options.get("return_lse") else None)
+    try:
+        regions.ensure([t for t in (q, k, v, o, lse) if t is not None])
+    except (CudaRegionsUnavailable, AttentionError):
+        # Refusals that say the server cannot take CUDA memory are remembered (ensure); others
+        # (e.g. RESOURCE_EXHAUSTED: its region limits) send this call through the host.
+        if regions.mode == "on":
+            raise
+        return False, None
+    # The server reads q, k, v once the queued kernels that write them are done.
+    torch.cuda.current_stream(q.device).synchronize()
+    try:
+        return True, client.attend(q, k, v, out=o, lse_out=lse, **options)
+    except AttentionError as e:
+        if e.code == grpc.StatusCode.NOT_FOUND and not _retried:
+            # The server lost the regions (a restart) or no longer counts them as this caller's
+            # (a new connection, without a bearer token): register them again, once.
+            regions.close()
+            return attend_on_device(client, q, k, v, options, _retried=True)
+        if regions.mode == "auto" and e.code in _CALL_REFUSED:
+            return False, None
+        raise
