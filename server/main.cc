@@ -96,6 +96,10 @@ ABSL_FLAG(int, max_connection_age_s, 0,
           "re-resolve and rebalance; 0 = never.");
 ABSL_FLAG(int, max_connection_age_grace_s, 0,
           "Seconds calls in flight on an aged connection get before it is closed; 0 = unlimited.");
+ABSL_FLAG(std::string, unix_socket, "",
+          "When set, gRPC also listens on this Unix domain socket path (clients: unix:PATH): "
+          "co-located clients skip TCP's loopback stack. With --allow_shared_memory it needs "
+          "--auth_token_file (every client of a socket has the same peer name).");
 ABSL_FLAG(std::string, port_file, "",
           "If set, \"<grpc_port> <metrics_port>\\n\" is written here once both ports listen.");
 ABSL_FLAG(std::string, tls_cert, "",
@@ -253,6 +257,15 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
     }
     options.service.auth_token = *std::move(token);
   }
+  if (!options.unix_socket.empty() && options.shared_memory.allow &&
+      options.service.auth_token.empty()) {
+    // Regions belong to the peer without a token, and every client of a Unix socket has the
+    // same peer name ("unix:"): one could use another's regions.
+    std::fprintf(stderr,
+                 "attention_server: --unix_socket with --allow_shared_memory needs "
+                 "--auth_token_file: clients of a Unix socket cannot be told apart by their peer\n");
+    return 2;
+  }
   Metrics metrics(BuildInfo{.version = options.service.version,
                             .backend = options.backend,
                             .cuda = ATTENTION_CUDA_VERSION});
@@ -322,6 +335,10 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(HostPort(options.host, options.port), *credentials, &port);
+  if (!options.unix_socket.empty()) {
+    unlink(options.unix_socket.c_str());  // a socket file left by an earlier run
+    builder.AddListeningPort(absl::StrCat("unix:", options.unix_socket), *credentials);
+  }
   const int max_message = static_cast<int>(options.service.max_message_bytes);
   builder.SetMaxReceiveMessageSize(max_message);
   builder.SetMaxSendMessageSize(max_message);
@@ -376,8 +393,9 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
       return 1;
     }
   }
-  std::fprintf(stderr, "attention_server listening on %s (%s%s), metrics on :%d, backend %s\n",
-               HostPort(options.host, port).c_str(),
+  std::fprintf(stderr, "attention_server listening on %s%s%s (%s%s), metrics on :%d, backend %s\n",
+               HostPort(options.host, port).c_str(), options.unix_socket.empty() ? "" : " and unix:",
+               options.unix_socket.c_str(),
                options.security.tls_cert.empty()
                    ? "plaintext"
                    : (options.security.tls_client_ca.empty() ? "TLS" : "mutual TLS"),
@@ -454,6 +472,7 @@ int main(int argc, char** argv) {
   options.max_connection_age_s = absl::GetFlag(FLAGS_max_connection_age_s);
   options.max_connection_age_grace_s = absl::GetFlag(FLAGS_max_connection_age_grace_s);
   options.port_file = absl::GetFlag(FLAGS_port_file);
+  options.unix_socket = absl::GetFlag(FLAGS_unix_socket);
   options.security.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.security.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.security.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
