@@ -134,7 +134,8 @@ Packing Pack(absl::Span<const AttentionParams> items) {
 struct Regions {
   char* base;
   const int64_t* offsets;
-  char* at(int i) const { return base + offsets[i]; }
+  // Null while the stream has no buffer (a request run in place, without lse, takes none).
+  char* at(int i) const { return base == nullptr ? nullptr : base + offsets[i]; }
 };
 
 }  // namespace
@@ -342,8 +343,19 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   const bool with_lse = first.lse != nullptr;
 
   Packing dev_pack = Pack(items), host_pack = dev_pack;
-  RETURN_IF_ERROR(ReserveDevice(stream, dev_pack.Regions(d8, elem, with_lse)));
-  RETURN_IF_ERROR(ReserveStaging(stream, host_pack.Regions(d, elem, with_lse)));
+  const int64_t dev_bytes = dev_pack.Regions(d8, elem, with_lse);
+  const int64_t host_bytes = host_pack.Regions(d, elem, with_lse);
+  // One dense request whose q, k, v and o are all in this device's memory (a client's CUDA IPC
+  // region) with no padding to D8: the kernel reads and writes them where they are, no copy.
+  const bool in_place = items.size() == 1 && d8 == d && !dev_pack.varlen && !first.is_varlen() &&
+                        OnDevice(first.q, options_.device) && OnDevice(first.k, options_.device) &&
+                        OnDevice(first.v, options_.device) && OnDevice(first.o, options_.device);
+  // In place, the stream's buffers hold only lse (when asked for): q, k, v and o need none, so
+  // they are neither allocated nor grown for such requests.
+  if (!in_place || with_lse) {
+    RETURN_IF_ERROR(ReserveDevice(stream, dev_bytes));
+    RETURN_IF_ERROR(ReserveStaging(stream, host_bytes));
+  }
   const Regions dev{static_cast<char*>(stream->device), dev_pack.offsets};
   const Regions host{static_cast<char*>(stream->staging), host_pack.offsets};
   cudaStream_t cs = stream->stream;
@@ -389,11 +401,6 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     launch.cu_seqlens_q = launch.cu_seqlens_k = nullptr;
     launch.SetContiguousStrides(IsBshd(first) ? Layout::kBSHD : Layout::kBHSD);
   }
-  // One dense request whose q, k, v and o are all in this device's memory (a client's CUDA IPC
-  // region) with no padding to D8: the kernel reads and writes them where they are, no copy.
-  const bool in_place = items.size() == 1 && d8 == d && !dev_pack.varlen && !first.is_varlen() &&
-                        OnDevice(first.q, options_.device) && OnDevice(first.k, options_.device) &&
-                        OnDevice(first.v, options_.device) && OnDevice(first.o, options_.device);
   if (in_place) {
     launch.q = first.q;
     launch.k = first.k;
@@ -459,7 +466,8 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   const int64_t lse_bytes = with_lse ? dev_pack.lines_q * int64_t{sizeof(float)} : 0;
   if (options_.poison_outputs) {
     // All-ones bytes are NaN in float32, float16 and bfloat16.
-    RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.at(3), 0xff, o_dev_bytes, cs), "poison o");
+    // In place, o is the client's tensor the kernel writes (launch.o).
+    RETURN_IF_CUDA_ERROR(cudaMemsetAsync(launch.o, 0xff, o_dev_bytes, cs), "poison o");
     if (with_lse)
       RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.at(4), 0xff, lse_bytes, cs), "poison lse");
   }
