@@ -262,9 +262,10 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
       options.service.auth_token.empty()) {
     // Regions belong to the peer without a token, and every client of a Unix socket has the
     // same peer name ("unix:"): one could use another's regions.
-    std::fprintf(stderr,
-                 "attention_server: --unix_socket with --allow_shared_memory needs "
-                 "--auth_token_file: clients of a Unix socket cannot be told apart by their peer\n");
+    std::fprintf(
+        stderr,
+        "attention_server: --unix_socket with --allow_shared_memory needs "
+        "--auth_token_file: clients of a Unix socket cannot be told apart by their peer\n");
     return 2;
   }
   Metrics metrics(BuildInfo{.version = options.service.version,
@@ -395,8 +396,8 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
     }
   }
   std::fprintf(stderr, "attention_server listening on %s%s%s (%s%s), metrics on :%d, backend %s\n",
-               HostPort(options.host, port).c_str(), options.unix_socket.empty() ? "" : " and unix:",
-               options.unix_socket.c_str(),
+               HostPort(options.host, port).c_str(),
+               options.unix_socket.empty() ? "" : " and unix:", options.unix_socket.c_str(),
                options.security.tls_cert.empty()
                    ? "plaintext"
                    : (options.security.tls_client_ca.empty() ? "TLS" : "mutual TLS"),

@@ -18,9 +18,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "bench/echo/echo.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -31,8 +29,6 @@ ABSL_FLAG(std::string, port_file, "", "When set, the chosen port is written here
 ABSL_FLAG(int, max_message_mb, 1024, "Largest message received or sent, MiB.");
 ABSL_FLAG(std::string, unix_socket, "",
           "When set, also listen on this Unix domain socket path (clients: unix:PATH).");
-ABSL_FLAG(std::string, channel_args, "",
-          "Integer gRPC channel arguments to try, NAME=VALUE,... (e.g. grpc.http2.lookahead_bytes=1048576).");
 ABSL_FLAG(bool, sync, false, "Serve on gRPC's synchronous API instead of its callback API.");
 
 namespace attention::bench {
@@ -109,7 +105,7 @@ volatile std::sig_atomic_t g_stop = 0;
 }  // namespace attention::bench
 
 int main(int argc, char** argv) {
-  // As attention_server (server/main.cc says why), so the anchor's locks cost what the service's do.
+  // Lock-order checks off, as in attention_server (server/main.cc says why).
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage(
       "Serves attention.bench.Echo (the transport anchor of attn_bench) over gRPC.");
@@ -127,17 +123,6 @@ int main(int argc, char** argv) {
                            grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(max_bytes);
   builder.SetMaxSendMessageSize(max_bytes);
-  for (absl::string_view arg :
-       absl::StrSplit(absl::GetFlag(FLAGS_channel_args), ',', absl::SkipEmpty())) {
-    std::pair<std::string, std::string> kv = absl::StrSplit(arg, '=');
-    int value = 0;
-    if (!absl::SimpleAtoi(kv.second, &value)) {
-      std::fprintf(stderr, "attn_echo_server: --channel_args: expected NAME=INT, got %s\n",
-                   std::string(arg).c_str());
-      return 2;
-    }
-    builder.AddChannelArgument(kv.first, value);
-  }
   const std::string unix_socket = absl::GetFlag(FLAGS_unix_socket);
   if (!unix_socket.empty()) {
     unlink(unix_socket.c_str());  // a socket file left by an earlier run
@@ -155,8 +140,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::fprintf(stderr, "attn_echo_server: listening on %s:%d%s%s (%s API)\n",
-               absl::GetFlag(FLAGS_host).c_str(), port, unix_socket.empty() ? "" : " and unix:",
-               unix_socket.c_str(), absl::GetFlag(FLAGS_sync) ? "sync" : "callback");
+               absl::GetFlag(FLAGS_host).c_str(), port,
+               unix_socket.empty() ? "" : " and unix:", unix_socket.c_str(),
+               absl::GetFlag(FLAGS_sync) ? "sync" : "callback");
   if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
     std::ofstream(path) << port << "\n";
   }

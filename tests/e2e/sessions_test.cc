@@ -1188,7 +1188,8 @@ TEST(UnixSocketE2E, StepStreamOverAUnixSocketMatchesTheReference) {
       EXPECT_EQ(response.results(0).length(), s->seq.length());
       EXPECT_GT(response.timing().prepare_us(), 0);
       EXPECT_GE(response.timing().run_us(), response.timing().compute_us());
-      ExpectMatchesReference(ReferenceRequest(s->dtype, s->seq, q, 4, 1, mask), response.results(0));
+      ExpectMatchesReference(ReferenceRequest(s->dtype, s->seq, q, 4, 1, mask),
+                             response.results(0));
     }
     stream->WritesDone();
     EXPECT_TRUE(stream->Finish().ok());
