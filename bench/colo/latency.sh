@@ -24,7 +24,7 @@ out=${OUT:-/tmp/out}/latency
 backend=${BACKEND:-cuda}
 nk=${NK:-32768}
 shape=${SHAPE:-4,16,4096,128}
-dur=${DURATION_S:-3}
+dur=${DURATION_S:-2}
 mkdir -p "$out"
 dir=$(mktemp -d)
 here=$(dirname "$0")
@@ -47,7 +47,7 @@ for size in "step 65536 16384" "small 131072 131072"; do
       [[ $transport == unix ]] && t=unix:$dir/echo_$server.sock
       for api in callback sync; do
         keep "echo_${what}_${server}_${transport}_${api}" "$("$bin/attn_echo_client" --target="$t" \
-          --api="$api" --q_bytes="$q" --kv_bytes="$kv" --warmup_s=0.3 --duration_s=1.5 \
+          --api="$api" --q_bytes="$q" --kv_bytes="$kv" --warmup_s=0.3 --duration_s=1 \
           2>>"$out/echo_client.log")"
       done
     done
