@@ -1,4 +1,20 @@
 """Pieces of the co-located benches' tables (bench/colo/run.sh and bench/colo/latency.sh)."""
+import json
+
+
+def load(path):
+    """The results kept by lib.sh's `keep` (one JSON line each), by run name, and `ok(name)`: a
+    run's result when it is one that succeeded (a JSON object without "error"), else None."""
+    r = {}
+    for line in open(path):
+        d = json.loads(line)
+        r[d["run"]] = d["result"]
+
+    def ok(name):
+        x = r.get(name)
+        return x if isinstance(x, dict) and "error" not in x else None
+
+    return r, ok
 
 
 def breakdown(s):

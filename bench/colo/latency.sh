@@ -18,6 +18,8 @@
 #    not served on a Unix socket without a token (target e2e <= kernel + 100 us).
 # Logs and JSON lines under $OUT/latency (OUT defaults to /tmp/out); the table comes last.
 # A CPU try: BACKEND=cpu NK=256 SHAPE=1,4,256,64 DURATION_S=1 bench/colo/latency.sh BIN_DIR
+# NAME_target, NAME_metrics and NAME_pid are set by lib.sh's start_attention and start_echo.
+# shellcheck disable=SC2154
 set -uo pipefail
 bin=${1:-.device/bin}
 out=${OUT:-/tmp/out}/latency
@@ -25,13 +27,10 @@ backend=${BACKEND:-cuda}
 nk=${NK:-32768}
 shape=${SHAPE:-4,16,4096,128}
 dur=${DURATION_S:-2}
-mkdir -p "$out"
-dir=$(mktemp -d)
 here=$(dirname "$0")
 # shellcheck source=bench/colo/lib.sh
 source "$here/lib.sh"
-colo_libs
-trap colo_cleanup EXIT
+colo_setup
 results=$out/latency.jsonl
 : >"$results"
 
@@ -83,18 +82,11 @@ keep ipc "$("$bin/colo_bench" --target="$ipc_server_target" --mode=ipc --shape="
   --iters=20 2>"$out/ipc.log" | tail -1)"
 
 python3 - "$results" "$here" <<'PY'
-import json, sys
+import sys
 sys.path.insert(0, sys.argv[2])
-from colo_table import breakdown
+from colo_table import breakdown, load
 
-r = {}
-for line in open(sys.argv[1]):
-    d = json.loads(line)
-    r[d["run"]] = d["result"]
-
-def ok(name):
-    x = r.get(name)
-    return x if isinstance(x, dict) and "error" not in x else None
+r, ok = load(sys.argv[1])
 
 variants = [(t, a) for t in ("tcp", "unix") for a in ("callback", "sync")]
 head = ["TCP, callback client", "TCP, sync client", "Unix, callback client", "Unix, sync client"]
@@ -107,6 +99,9 @@ for what, size in (("step", "Step's bytes"), ("small", "small Attend's bytes")):
             cells.append(f"{x['p50_us']:.0f} us" if x else "error")
         api = "callback" if server == "cb" else "sync"
         rows.append([f"bare echo, {size}, {api} server: p50"] + cells + ["anchor", "-"])
+
+any_step = next((ok(f"step_{t}_{a}_c1") for t, a in variants if ok(f"step_{t}_{a}_c1")), {})
+steps = f"8 x {any_step.get('config', {}).get('nk', '?')}"
 
 def step_cells(c, fmt):
     cells, met = [], []
@@ -124,11 +119,11 @@ cells, met = step_cells("c1", lambda s: (
     f"{s['p50'] * 1e3:.3f} ms = kernel {s['compute_us_p50']:.0f} + "
     f"{s['p50'] * 1e6 - s['compute_us_p50']:.0f} us",
     s["p50"] * 1e6 - s["compute_us_p50"] <= 100))
-rows.append(["StepStream 8 x 32k, 1 in flight: p50"] + cells + ["<= kernel + 100 us", met])
+rows.append([f"StepStream {steps}, 1 in flight: p50"] + cells + ["<= kernel + 100 us", met])
 cells, met = step_cells("c4", lambda s: (
     f"{s['requests_per_s']:.0f} Steps/s ({s['requests_per_s'] / 3233:.2f}x)",
     s["requests_per_s"] >= 1.5 * 3233))
-rows.append(["StepStream 8 x 32k, 4 in flight"] + cells + [">= 1.5x 3,233 Steps/s", met])
+rows.append([f"StepStream {steps}, 4 in flight"] + cells + [">= 1.5x 3,233 Steps/s", met])
 cells, met = [], []
 for t, a in variants:
     s = ok(f"small_{t}_{a}")

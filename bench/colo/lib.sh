@@ -1,7 +1,17 @@
+# shellcheck shell=bash disable=SC2154
+# (bin, out, backend and results are the caller's.)
 # Pieces the co-located benches share (sourced by bench/colo/run.sh and bench/colo/latency.sh).
-# The caller sets bin (the binary dir), out (where logs go), dir (a scratch dir) and backend, and
-# calls colo_cleanup on exit (its trap).
+# The caller sets bin (the binary dir), out (where logs go) and backend, then calls colo_setup.
 colo_pids=()
+
+# Makes $out and the scratch dir $dir, finds the binaries' libraries, and stops the servers and
+# removes $dir on exit.
+colo_setup() {
+  mkdir -p "$out"
+  dir=$(mktemp -d)
+  colo_libs
+  trap colo_cleanup EXIT
+}
 
 # The binary dir's libraries (a bundle keeps them in ../lib).
 colo_libs() {

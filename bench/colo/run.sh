@@ -16,6 +16,8 @@
 #    stream (target p50 <= echo p50 + 50 us), and unary beside.
 # Logs and JSON lines under $OUT (default /tmp/out); the table comes last.
 # Small sizes for a CPU try: BACKEND=cpu SHAPE=1,4,256,64 NK=512 DURATION_S=1 bench/colo/run.sh DIR
+# NAME_target, NAME_metrics and NAME_pid are set by lib.sh's start_attention and start_echo.
+# shellcheck disable=SC2154
 set -uo pipefail
 bin=${1:-.device/bin}
 out=${OUT:-/tmp/out}
@@ -25,13 +27,10 @@ nk=${NK:-32768}
 seqs=${SEQS:-8}
 dur=${DURATION_S:-5}
 iters=${ITERS:-20}
-mkdir -p "$out"
-dir=$(mktemp -d)
 here=$(dirname "$0")
 # shellcheck source=bench/colo/lib.sh
 source "$here/lib.sh"
-colo_libs
-trap colo_cleanup EXIT
+colo_setup
 start_attention colo_server --allow_shared_memory --max_message_mb=2047
 start_echo colo_echo
 target=$colo_server_target
@@ -79,17 +78,11 @@ bench small_stream "${small[@]}" --rpc=stream
 bench small_unary "${small[@]}" --rpc=unary
 
 python3 - "$results" "$here" <<'PY'
-import json, sys
+import sys
 sys.path.insert(0, sys.argv[2])
-from colo_table import breakdown
-r = {}
-for line in open(sys.argv[1]):
-    d = json.loads(line)
-    r[d["run"]] = d["result"]
+from colo_table import breakdown, load
 
-def ok(name):
-    x = r.get(name)
-    return x if isinstance(x, dict) and "error" not in x else None
+r, ok = load(sys.argv[1])
 
 rows = []  # (what, ours, anchor, ratio or difference, target, verdict)
 def row(what, ours, anchor, measure, target, good):
