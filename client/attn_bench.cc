@@ -148,11 +148,14 @@ struct LoadSettings {
 
 // What one finished request tells the recorder.
 struct Completion {
-  Clock::time_point start;  // sent (closed loop) or scheduled (open loop)
+  Clock::time_point start;  // sent (closed loop) or scheduled (open loop); warmup or measured
   grpc::Status status;
   int64_t response_bytes = 0;
   v1::ServerTiming timing;  // the server's account of the request; empty from the echo server
   double flops = 0;         // attention FLOPs the request asked for
+  // When set, the latency counts from here instead of `start`: the write of a sync stream slot's
+  // thread (SyncStreamSlot), later by the bench's own wake-up of that thread.
+  std::optional<Clock::time_point> written;
 };
 
 // How many distinct failures (code and message) a phase prints; the rest are only counted.
@@ -170,7 +173,7 @@ class Recorder {
 
   void Add(const Completion& c) {
     const Clock::time_point now = Clock::now();
-    const double latency = Seconds(now - c.start);
+    const double latency = Seconds(now - c.written.value_or(c.start));
     std::lock_guard<std::mutex> lock(mu_);
     window_.push_back(latency);
     if (!c.status.ok()) {
@@ -415,9 +418,9 @@ class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> 
 // A stream on gRPC's synchronous API carrying one request at a time, `requests` in turn, on a
 // thread of its own: it writes the request and blocks reading its response, polling the
 // connection itself, so the response reaches it with no hop between gRPC's threads (the callback
-// API runs each reaction on one of gRPC's). In a closed loop (`restamp`) a request's time starts
-// when this thread writes it: the wake-up from Send is the bench's own hop, which a synchronous
-// caller does not have.
+// API runs each reaction on one of gRPC's). In a closed loop (`restamp`) a request's latency
+// counts from this thread's write (Completion::written): the wake-up from Send is the bench's own
+// hop, which a synchronous caller does not have. Its `start` still says warmup or measured.
 template <class Req, class Resp>
 class SyncStreamSlot final : public Slot {
  public:
@@ -458,22 +461,23 @@ class SyncStreamSlot final : public Slot {
         sending_ = false;
         start = start_;
       }
-      if (restamp_) start = Clock::now();
+      std::optional<Clock::time_point> written;
+      if (restamp_) written = Clock::now();
       const Req& request = requests_[next_];
       next_ = (next_ + 1) % requests_.size();
       if (!stream_->Write(request) || !stream_->Read(&response_)) {
         const grpc::Status status = stream_->Finish();
-        done_(this,
-              Completion{start, status.ok() ? grpc::Status(grpc::StatusCode::DATA_LOSS,
-                                                           "stream ended without a response")
-                                            : status},
-              /*retire=*/true);
+        Completion c{start, status.ok() ? grpc::Status(grpc::StatusCode::DATA_LOSS,
+                                                       "stream ended without a response")
+                                        : status};
+        c.written = written;
+        done_(this, c, /*retire=*/true);
         return;
       }
-      done_(this,
-            Completion{start, grpc::Status::OK, rpcs_.response_bytes(response_),
-                       rpcs_.timing(response_), rpcs_.flops(response_)},
-            /*retire=*/false);
+      Completion c{start, grpc::Status::OK, rpcs_.response_bytes(response_),
+                   rpcs_.timing(response_), rpcs_.flops(response_)};
+      c.written = written;
+      done_(this, c, /*retire=*/false);
     }
     stream_->WritesDone();
     stream_->Finish().ok();  // the server ends the stream OK once the client half-closes
