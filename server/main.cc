@@ -21,6 +21,7 @@
 // (attention_device_in_service turns 0); when none is left, health turns NOT_SERVING and calls get
 // UNAVAILABLE.
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -338,7 +339,12 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   int port = 0;
   builder.AddListeningPort(HostPort(options.host, options.port), *credentials, &port);
   if (!options.unix_socket.empty()) {
-    unlink(options.unix_socket.c_str());  // a socket file left by an earlier run
+    // A socket left by an earlier run would make the bind fail; anything else there is kept (and
+    // the bind fails, naming the path).
+    struct stat st;
+    if (lstat(options.unix_socket.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+      unlink(options.unix_socket.c_str());
+    }
     builder.AddListeningPort(absl::StrCat("unix:", options.unix_socket), *credentials);
   }
   const int max_message = static_cast<int>(options.service.max_message_bytes);
@@ -375,8 +381,9 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   builder.RegisterService(&reflection_v1);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    std::fprintf(stderr, "attention_server: cannot listen on %s\n",
-                 HostPort(options.host, options.port).c_str());
+    std::fprintf(stderr, "attention_server: cannot listen on %s%s%s\n",
+                 HostPort(options.host, options.port).c_str(),
+                 options.unix_socket.empty() ? "" : " or unix:", options.unix_socket.c_str());
     return 1;
   }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();

@@ -6,6 +6,7 @@
 //
 //   attn_echo_server --port=50061            # or --port=0 --port_file=/tmp/echo.port
 //   attn_echo_server --port=0 --unix_socket=/tmp/echo.sock --sync
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -125,7 +126,8 @@ int main(int argc, char** argv) {
   builder.SetMaxSendMessageSize(max_bytes);
   const std::string unix_socket = absl::GetFlag(FLAGS_unix_socket);
   if (!unix_socket.empty()) {
-    unlink(unix_socket.c_str());  // a socket file left by an earlier run
+    struct stat st;  // a socket left by an earlier run goes; anything else stays (the bind fails)
+    if (lstat(unix_socket.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) unlink(unix_socket.c_str());
     builder.AddListeningPort(absl::StrCat("unix:", unix_socket), grpc::InsecureServerCredentials());
   }
   if (absl::GetFlag(FLAGS_sync)) {
