@@ -150,12 +150,22 @@ absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& reque
   std::unique_ptr<grpc::ClientContext> context = NewContext(call);
   // Sent from the request's own bytes (EncodeInPlace): no serialization copy of the tensors.
   grpc::ByteBuffer out = EncodeInPlace(request);
+  // A blocking call over the async API on a queue of its own: this thread polls the connection
+  // while it waits, so the response reaches it with no hop between threads (on the callback API
+  // the completion ran on one of gRPC's threads, which then woke this one).
+  grpc::CompletionQueue cq;
+  grpc::GenericStub stub(AttendChannel(by_reference));
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> reader =
+      stub.PrepareUnaryCall(context.get(), "/attention.v1.Attention/Attend", out, &cq);
+  reader->StartCall();
   grpc::ByteBuffer in;
-  std::promise<grpc::Status> done;
-  grpc::GenericStub(AttendChannel(by_reference))
-      .UnaryCall(context.get(), "/attention.v1.Attention/Attend", {}, &out, &in,
-                 [&done](grpc::Status s) { done.set_value(s); });
-  grpc::Status status = done.get_future().get();
+  grpc::Status status;
+  reader->Finish(&in, &status, /*tag=*/nullptr);
+  void* tag = nullptr;
+  bool ok = false;
+  if (!cq.Next(&tag, &ok) || !ok) {
+    return absl::InternalError("Attend: the call's completion queue ended without its answer");
+  }
   if (!status.ok()) return ToAbslStatus(status);
   v1::AttendResponse response;
   if (!grpc::SerializationTraits<v1::AttendResponse>::Deserialize(&in, &response).ok()) {

@@ -61,6 +61,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "bench/echo/echo.grpc.pb.h"
 #include "client/attention_client.h"
 #include "client/request_builder.h"
@@ -105,6 +106,10 @@ ABSL_FLAG(std::string, rpc, "unary",
           "unary (one call per request) | stream (AttendStream; decode: StepStream), one stream "
           "per concurrency slot; chunked (AttendChunked, --chunk_mb chunks sent from the request's "
           "bytes)");
+ABSL_FLAG(std::string, stream_api, "callback",
+          "--rpc=stream on gRPC's callback API (reactions on gRPC's threads) | sync (a thread per "
+          "stream that writes each request and blocks reading its response, polling the "
+          "connection itself, as a synchronous model process calls)");
 ABSL_FLAG(bool, shm, false,
           "attend: q, k, v and o in a POSIX shared-memory object registered with the server "
           "(which needs --allow_shared_memory; one --target), sent by reference");
@@ -134,6 +139,7 @@ struct LoadSettings {
   int64_t requests = 0;
   double warmup_s = 1;
   bool stream = false;
+  bool sync_stream = false;   // --stream_api=sync
   std::string rpc = "unary";  // unary, stream or chunked
   int connections = 1;
   absl::Duration deadline = absl::Seconds(60);
@@ -142,11 +148,14 @@ struct LoadSettings {
 
 // What one finished request tells the recorder.
 struct Completion {
-  Clock::time_point start;  // sent (closed loop) or scheduled (open loop)
+  Clock::time_point start;  // sent (closed loop) or scheduled (open loop); warmup or measured
   grpc::Status status;
   int64_t response_bytes = 0;
   v1::ServerTiming timing;  // the server's account of the request; empty from the echo server
   double flops = 0;         // attention FLOPs the request asked for
+  // When set, the latency counts from here instead of `start`: the write of a sync stream slot's
+  // thread (SyncStreamSlot), later by the bench's own wake-up of that thread.
+  std::optional<Clock::time_point> written;
 };
 
 // How many distinct failures (code and message) a phase prints; the rest are only counted.
@@ -164,7 +173,7 @@ class Recorder {
 
   void Add(const Completion& c) {
     const Clock::time_point now = Clock::now();
-    const double latency = Seconds(now - c.start);
+    const double latency = Seconds(now - c.written.value_or(c.start));
     std::lock_guard<std::mutex> lock(mu_);
     window_.push_back(latency);
     if (!c.status.ok()) {
@@ -245,6 +254,8 @@ struct Rpcs {
   std::function<void(grpc::ClientContext*, const Req*, Resp*, std::function<void(grpc::Status)>)>
       unary;
   std::function<void(grpc::ClientContext*, grpc::ClientBidiReactor<Req, Resp>*)> stream;
+  std::function<std::unique_ptr<grpc::ClientReaderWriter<Req, Resp>>(grpc::ClientContext*)>
+      sync_stream;
   std::function<int64_t(const Resp&)> response_bytes;
   std::function<v1::ServerTiming(const Resp&)> timing;
   std::function<double(const Resp&)> flops;
@@ -404,6 +415,101 @@ class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> 
   std::promise<void> ended_;
 };
 
+// A stream on gRPC's synchronous API carrying one request at a time, `requests` in turn, on a
+// thread of its own: it writes the request and blocks reading its response, polling the
+// connection itself, so the response reaches it with no hop between gRPC's threads (the callback
+// API runs each reaction on one of gRPC's). In a closed loop (`restamp`) a request's latency
+// counts from this thread's write (Completion::written): the wake-up from Send is the bench's own
+// hop, which a synchronous caller does not have. Its `start` still says warmup or measured.
+template <class Req, class Resp>
+class SyncStreamSlot final : public Slot {
+ public:
+  SyncStreamSlot(absl::Span<const Req> requests, const Rpcs<Req, Resp>& rpcs, bool restamp,
+                 DoneFn done)
+      : requests_(requests), rpcs_(rpcs), restamp_(restamp), done_(std::move(done)) {
+    stream_ = rpcs_.sync_stream(&context_);
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~SyncStreamSlot() override { Close(); }
+
+  void Send(Clock::time_point start) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      start_ = start;
+      sending_ = true;
+    }
+    wake_.notify_one();
+  }
+
+  void Close() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closing_ = true;
+    }
+    wake_.notify_one();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Loop() {
+    while (true) {
+      Clock::time_point start;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [this] { return sending_ || closing_; });
+        if (!sending_) break;
+        sending_ = false;
+        start = start_;
+      }
+      std::optional<Clock::time_point> written;
+      if (restamp_) written = Clock::now();
+      const Req& request = requests_[next_];
+      next_ = (next_ + 1) % requests_.size();
+      if (!stream_->Write(request) || !stream_->Read(&response_)) {
+        const grpc::Status status = stream_->Finish();
+        Completion c{start, status.ok() ? grpc::Status(grpc::StatusCode::DATA_LOSS,
+                                                       "stream ended without a response")
+                                        : status};
+        c.written = written;
+        done_(this, c, /*retire=*/true);
+        return;
+      }
+      Completion c{start, grpc::Status::OK, rpcs_.response_bytes(response_),
+                   rpcs_.timing(response_), rpcs_.flops(response_)};
+      c.written = written;
+      done_(this, c, /*retire=*/false);
+    }
+    stream_->WritesDone();
+    stream_->Finish().ok();  // the server ends the stream OK once the client half-closes
+  }
+
+  const absl::Span<const Req> requests_;
+  size_t next_ = 0;  // used by the slot's thread only
+  const Rpcs<Req, Resp>& rpcs_;
+  const bool restamp_;
+  DoneFn done_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<Req, Resp>> stream_;
+  Resp response_;
+  std::mutex mu_;  // guards the three below
+  std::condition_variable wake_;
+  Clock::time_point start_;
+  bool sending_ = false;
+  bool closing_ = false;
+  std::thread thread_;  // last: started once the rest is set up
+};
+
+// A stream slot on the API --stream_api chose.
+template <class Req, class Resp>
+std::unique_ptr<Slot> MakeStreamSlot(absl::Span<const Req> requests, const Rpcs<Req, Resp>& rpcs,
+                                     const LoadSettings& load, Slot::DoneFn done) {
+  if (load.sync_stream) {
+    return std::make_unique<SyncStreamSlot<Req, Resp>>(requests, rpcs, !load.rate.has_value(),
+                                                       std::move(done));
+  }
+  return std::make_unique<StreamSlot<Req, Resp>>(requests, rpcs, std::move(done));
+}
+
 struct PhaseResult {
   std::string name;
   int64_t ok = 0;
@@ -416,7 +522,7 @@ struct PhaseResult {
   // p50 of each ServerTiming field over the requests: queue, h2d, compute, d2h and total (arrival
   // to response ready; p50 - total is what the transport and the client cost).
   double queue_us_p50 = 0, h2d_us_p50 = 0, compute_us_p50 = 0, d2h_us_p50 = 0, server_us_p50 = 0;
-  double decode_us_p50 = 0;
+  double decode_us_p50 = 0, prepare_us_p50 = 0, run_us_p50 = 0;
   std::map<grpc::StatusCode, int64_t> errors;
   // Decode mode: session-steps and new tokens per second (Step requests carry several sessions,
   // each several tokens).
@@ -603,6 +709,8 @@ PhaseResult RunPhase(const std::string& name, const LoadSettings& settings, int6
   r.d2h_us_p50 = p50(&v1::ServerTiming::d2h_us);
   r.server_us_p50 = p50(&v1::ServerTiming::total_us);
   r.decode_us_p50 = p50(&v1::ServerTiming::decode_us);
+  r.prepare_us_p50 = p50(&v1::ServerTiming::prepare_us);
+  r.run_us_p50 = p50(&v1::ServerTiming::run_us);
   r.errors = recorder.errors();
   return r;
 }
@@ -641,10 +749,11 @@ std::string ResultJson(const PhaseResult& r) {
       "\"tflop_per_s\":%.6g,\"p50\":%.6g,\"p90\":%.6g,\"p95\":%.6g,\"p99\":%.6g,\"p999\":%.6g,"
       "\"max\":%.6g,"
       "\"compute_us_p50\":%.6g,\"server_p50_us\":{\"queue\":%.6g,\"h2d\":%.6g,\"d2h\":%.6g,"
-      "\"total\":%.6g,\"decode\":%.6g},\"errors\":{%s}%s",
+      "\"total\":%.6g,\"decode\":%.6g,\"prepare\":%.6g,\"run\":%.6g},\"errors\":{%s}%s",
       r.ok, r.elapsed_s, r.requests_per_s, r.payload_gb_per_s, r.tflop_per_s, r.p50, r.p90, r.p95,
       r.p99, r.p999, r.max, r.compute_us_p50, r.queue_us_p50, r.h2d_us_p50, r.d2h_us_p50,
-      r.server_us_p50, r.decode_us_p50, absl::StrJoin(errors, ","), decode);
+      r.server_us_p50, r.decode_us_p50, r.prepare_us_p50, r.run_us_p50, absl::StrJoin(errors, ","),
+      decode);
 }
 
 // The run's configuration, in its JSON object: what was measured, beside the figures.
@@ -653,13 +762,13 @@ std::string ConfigJson(const ProblemSpec& spec, const LoadSettings& load) {
       "\"config\":{\"target\":\"%s\",\"echo_target\":\"%s\",\"mode\":\"%s\",\"rpc\":\"%s\","
       "\"shape\":[%d,%d,%d,%d],\"kv_heads\":%d,\"nk\":%d,\"dtype\":\"%s\",\"layout\":\"%s\","
       "\"causal\":%s,\"lse\":%s,\"concurrency\":%d,\"rate\":%s,\"duration_s\":%.6g,"
-      "\"requests\":%d,\"warmup_s\":%.6g,\"connections\":%d}",
+      "\"requests\":%d,\"warmup_s\":%.6g,\"connections\":%d,\"stream_api\":\"%s\"}",
       absl::GetFlag(FLAGS_target), absl::GetFlag(FLAGS_echo_target), absl::GetFlag(FLAGS_mode),
       load.rpc.c_str(), spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim, spec.heads_kv,
       spec.seqlen_k, DTypeName(spec.dtype), spec.layout == v1::LAYOUT_BSHD ? "bshd" : "bhsd",
       spec.causal ? "true" : "false", spec.return_lse ? "true" : "false", load.concurrency,
       load.rate ? absl::StrCat(*load.rate) : "null", load.duration_s, load.requests, load.warmup_s,
-      load.connections);
+      load.connections, load.sync_stream ? "sync" : "callback");
 }
 
 // The results of every run (one per --concurrency value), printed together at the end so that
@@ -803,6 +912,7 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
                     grpc::ClientBidiReactor<v1::StepRequest, v1::StepResponse>* r) {
     session_client.stub().async()->StepStream(c, r);
   };
+  rpcs.sync_stream = [&](grpc::ClientContext* c) { return session_client.stub().StepStream(c); };
   rpcs.response_bytes = [](const v1::StepResponse& r) {
     int64_t bytes = 0;
     for (const v1::StepResult& result : r.results()) {
@@ -867,8 +977,7 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
         RunPhase("decode", load, request_bytes, [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
           absl::Span<const v1::StepRequest> requests = slot_requests[next_slot++];
           if (load.stream) {
-            return std::make_unique<StreamSlot<v1::StepRequest, v1::StepResponse>>(requests, rpcs,
-                                                                                   std::move(done));
+            return MakeStreamSlot(requests, rpcs, load, std::move(done));
           }
           return std::make_unique<UnarySlot<v1::StepRequest, v1::StepResponse>>(
               requests, rpcs, load.deadline, std::move(done));
@@ -903,6 +1012,8 @@ int Main() {
   load.requests = absl::GetFlag(FLAGS_requests);
   load.warmup_s = absl::GetFlag(FLAGS_warmup_s);
   load.stream = rpc == "stream";
+  const std::string stream_api = absl::GetFlag(FLAGS_stream_api);
+  load.sync_stream = stream_api == "sync";
   load.rpc = rpc;
   load.connections = absl::GetFlag(FLAGS_connections);
   load.deadline = absl::Seconds(absl::GetFlag(FLAGS_deadline_s));
@@ -911,6 +1022,11 @@ int Main() {
   const int64_t chunk_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_chunk_mb) * (1 << 20));
   if (connections < 1 || chunk_bytes < 1) {
     std::fprintf(stderr, "attn_bench: --connections and --chunk_mb must be > 0\n");
+    return 2;
+  }
+  if (stream_api != "callback" && stream_api != "sync") {
+    std::fprintf(stderr, "attn_bench: --stream_api must be callback or sync, got %s\n",
+                 stream_api.c_str());
     return 2;
   }
   if (mode == "decode" && (rpc == "chunked" || connections != 1)) {
@@ -989,16 +1105,16 @@ int Main() {
                                            flops, std::move(done));
     }
     if (load.stream) {
-      return std::make_unique<StreamSlot<v1::AttendRequest, v1::AttendResponse>>(
-          absl::MakeConstSpan(&*request, 1), per_connection[c], std::move(done));
+      return MakeStreamSlot(absl::MakeConstSpan(&*request, 1), per_connection[c], load,
+                            std::move(done));
     }
     return std::make_unique<UnarySlot<v1::AttendRequest, v1::AttendResponse>>(
         absl::MakeConstSpan(&*request, 1), per_connection[c], load.deadline, std::move(done));
   };
   auto echo_slot = [&](Slot::DoneFn done) -> std::unique_ptr<Slot> {
     if (load.stream) {
-      return std::make_unique<StreamSlot<bench::EchoRequest, bench::EchoReply>>(
-          absl::MakeConstSpan(&echo_request, 1), echo_rpcs, std::move(done));
+      return MakeStreamSlot(absl::MakeConstSpan(&echo_request, 1), echo_rpcs, load,
+                            std::move(done));
     }
     return std::make_unique<UnarySlot<bench::EchoRequest, bench::EchoReply>>(
         absl::MakeConstSpan(&echo_request, 1), echo_rpcs, load.deadline, std::move(done));
@@ -1017,6 +1133,7 @@ int Main() {
                            grpc::ClientBidiReactor<bench::EchoRequest, bench::EchoReply>* r) {
       echo_stub->async()->EchoStream(c, r);
     };
+    echo_rpcs.sync_stream = [&](grpc::ClientContext* c) { return echo_stub->EchoStream(c); };
     echo_rpcs.response_bytes = [](const bench::EchoReply& r) {
       return static_cast<int64_t>(r.o().size());
     };
@@ -1062,6 +1179,7 @@ int Main() {
                         grpc::ClientBidiReactor<v1::AttendRequest, v1::AttendResponse>* a) {
         stub->async()->AttendStream(c, a);
       };
+      r.sync_stream = [stub](grpc::ClientContext* c) { return stub->AttendStream(c); };
       r.response_bytes = [](const v1::AttendResponse& a) {
         return static_cast<int64_t>(a.o().data().size() + a.lse().data().size());
       };
@@ -1132,6 +1250,9 @@ int Main() {
 }  // namespace attention::client
 
 int main(int argc, char** argv) {
+  // As attention_server (server/main.cc says why): the client's side of every call takes gRPC's
+  // locks too.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   attention::client::ParseToolFlags(
       argc, argv,
       "attn_bench --target=HOST:PORT[,HOST:PORT...] [--concurrency=N] [--rate=R] "

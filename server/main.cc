@@ -21,6 +21,7 @@
 // (attention_device_in_service turns 0); when none is left, health turns NOT_SERVING and calls get
 // UNAVAILABLE.
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -42,6 +43,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -96,6 +98,10 @@ ABSL_FLAG(int, max_connection_age_s, 0,
           "re-resolve and rebalance; 0 = never.");
 ABSL_FLAG(int, max_connection_age_grace_s, 0,
           "Seconds calls in flight on an aged connection get before it is closed; 0 = unlimited.");
+ABSL_FLAG(std::string, unix_socket, "",
+          "When set, gRPC also listens on this Unix domain socket path (clients: unix:PATH): "
+          "co-located clients skip TCP's loopback stack. With --allow_shared_memory it needs "
+          "--auth_token_file (every client of a socket has the same peer name).");
 ABSL_FLAG(std::string, port_file, "",
           "If set, \"<grpc_port> <metrics_port>\\n\" is written here once both ports listen.");
 ABSL_FLAG(std::string, tls_cert, "",
@@ -253,6 +259,16 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
     }
     options.service.auth_token = *std::move(token);
   }
+  if (!options.unix_socket.empty() && options.shared_memory.allow &&
+      options.service.auth_token.empty()) {
+    // Regions belong to the peer without a token, and every client of a Unix socket has the
+    // same peer name ("unix:"): one could use another's regions.
+    std::fprintf(
+        stderr,
+        "attention_server: --unix_socket with --allow_shared_memory needs "
+        "--auth_token_file: clients of a Unix socket cannot be told apart by their peer\n");
+    return 2;
+  }
   Metrics metrics(BuildInfo{.version = options.service.version,
                             .backend = options.backend,
                             .cuda = ATTENTION_CUDA_VERSION});
@@ -322,6 +338,15 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(HostPort(options.host, options.port), *credentials, &port);
+  if (!options.unix_socket.empty()) {
+    // A socket left by an earlier run would make the bind fail; anything else there is kept (and
+    // the bind fails, naming the path).
+    struct stat st;
+    if (lstat(options.unix_socket.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+      unlink(options.unix_socket.c_str());
+    }
+    builder.AddListeningPort(absl::StrCat("unix:", options.unix_socket), *credentials);
+  }
   const int max_message = static_cast<int>(options.service.max_message_bytes);
   builder.SetMaxReceiveMessageSize(max_message);
   builder.SetMaxSendMessageSize(max_message);
@@ -356,8 +381,9 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   builder.RegisterService(&reflection_v1);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    std::fprintf(stderr, "attention_server: cannot listen on %s\n",
-                 HostPort(options.host, options.port).c_str());
+    std::fprintf(stderr, "attention_server: cannot listen on %s%s%s\n",
+                 HostPort(options.host, options.port).c_str(),
+                 options.unix_socket.empty() ? "" : " or unix:", options.unix_socket.c_str());
     return 1;
   }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
@@ -376,8 +402,9 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
       return 1;
     }
   }
-  std::fprintf(stderr, "attention_server listening on %s (%s%s), metrics on :%d, backend %s\n",
+  std::fprintf(stderr, "attention_server listening on %s%s%s (%s%s), metrics on :%d, backend %s\n",
                HostPort(options.host, port).c_str(),
+               options.unix_socket.empty() ? "" : " and unix:", options.unix_socket.c_str(),
                options.security.tls_cert.empty()
                    ? "plaintext"
                    : (options.security.tls_client_ca.empty() ? "TLS" : "mutual TLS"),
@@ -437,6 +464,10 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
+  // This abseil build checks every absl::Mutex lock against a global lock-order graph (its debug
+  // mode, under one process-wide lock); gRPC takes many such locks per call. Off: a hot path's
+  // cost, not a check anything here relies on.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage("Serves attention.v1.Attention over gRPC.");
   // --help lists this file's flags (abseil's default looks for a file named like the program).
   const auto own_flags = [](absl::string_view file) { return file == __FILE__; };
@@ -454,6 +485,7 @@ int main(int argc, char** argv) {
   options.max_connection_age_s = absl::GetFlag(FLAGS_max_connection_age_s);
   options.max_connection_age_grace_s = absl::GetFlag(FLAGS_max_connection_age_grace_s);
   options.port_file = absl::GetFlag(FLAGS_port_file);
+  options.unix_socket = absl::GetFlag(FLAGS_unix_socket);
   options.security.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.security.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.security.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);

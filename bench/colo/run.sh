@@ -16,6 +16,8 @@
 #    stream (target p50 <= echo p50 + 50 us), and unary beside.
 # Logs and JSON lines under $OUT (default /tmp/out); the table comes last.
 # Small sizes for a CPU try: BACKEND=cpu SHAPE=1,4,256,64 NK=512 DURATION_S=1 bench/colo/run.sh DIR
+# NAME_target, NAME_metrics and NAME_pid are set by lib.sh's start_attention and start_echo.
+# shellcheck disable=SC2154
 set -uo pipefail
 bin=${1:-.device/bin}
 out=${OUT:-/tmp/out}
@@ -25,34 +27,18 @@ nk=${NK:-32768}
 seqs=${SEQS:-8}
 dur=${DURATION_S:-5}
 iters=${ITERS:-20}
-mkdir -p "$out"
-lib=$(cd "$bin/.." && pwd)/lib
-[[ -d $lib ]] && export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-dir=$(mktemp -d)
-"$bin/attention_server" --backend="$backend" --host=127.0.0.1 --port=0 --metrics_port=0 \
-  --port_file="$dir/server.port" --allow_shared_memory --max_message_mb=2047 \
-  >"$out/colo_server.log" 2>&1 &
-server_pid=$!
-"$bin/attn_echo_server" --port=0 --port_file="$dir/echo.port" >"$out/colo_echo.log" 2>&1 &
-echo_pid=$!
-trap 'kill $server_pid $echo_pid 2>/dev/null; wait $server_pid $echo_pid 2>/dev/null; rm -rf "$dir"' EXIT
-for _ in $(seq 300); do [[ -s $dir/server.port && -s $dir/echo.port ]] && break; sleep 0.1; done
-if [[ ! -s $dir/server.port ]]; then
-  echo "colo/run.sh: the server did not start:" >&2
-  cat "$out/colo_server.log" >&2
-  exit 1
-fi
-port=$(cut -d' ' -f1 "$dir/server.port")
-metrics_port=$(cut -d' ' -f2 "$dir/server.port")
-target=127.0.0.1:$port
-echo_target=127.0.0.1:$(cat "$dir/echo.port")
+here=$(dirname "$0")
+# shellcheck source=bench/colo/lib.sh
+source "$here/lib.sh"
+colo_setup
+start_attention colo_server --allow_shared_memory --max_message_mb=2047
+start_echo colo_echo
+target=$colo_server_target
+metrics_port=$colo_server_metrics
+echo_target=$colo_echo_target
 results=$out/colo.jsonl
 : >"$results"
 
-keep() {  # NAME JSON: one result line
-  echo "{\"run\": \"$1\", \"result\": ${2:-null}}" >>"$results"
-  echo "$1: ${2:-null}"
-}
 busy() {  # the device busy ratio now (over the time since the last scrape)
   python3 - "$metrics_port" <<'PY'
 import sys, urllib.request
@@ -91,16 +77,12 @@ small=(--shape=1,8,128,64 --dtype=float16 --concurrency=1 --warmup_s=1 --duratio
 bench small_stream "${small[@]}" --rpc=stream
 bench small_unary "${small[@]}" --rpc=unary
 
-python3 - "$results" <<'PY'
-import json, sys
-r = {}
-for line in open(sys.argv[1]):
-    d = json.loads(line)
-    r[d["run"]] = d["result"]
+python3 - "$results" "$here" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[2])
+from colo_table import breakdown, load
 
-def ok(name):
-    x = r.get(name)
-    return x if isinstance(x, dict) and "error" not in x else None
+r, ok = load(sys.argv[1])
 
 rows = []  # (what, ours, anchor, ratio or difference, target, verdict)
 def row(what, ours, anchor, measure, target, good):
@@ -152,13 +134,7 @@ def step_row(name, anchor_name, what):
         row(what + " p50", f"{s['p50'] * 1e3:.3f} ms",
             f"kernel {k:.0f} us; unary p50 {a['p50'] * 1e3:.3f} ms" if a else f"kernel {k:.0f} us",
             f"kernel + {extra:.0f} us", "<= kernel + 100 us", extra <= 100)
-        srv = s["server_p50_us"]
-        row("  where the time goes (p50, us)",
-            f"gRPC and client {s['p50'] * 1e6 - srv['total']:.0f}; server {srv['total']:.0f} ="
-            f" decode {srv.get('decode', 0):.0f} + queue and hop {srv['queue']:.0f} + append "
-            f"{srv['h2d']:.0f} + kernel {k:.0f} + d2h {srv['d2h']:.0f} + plan and answer "
-            f"{srv['total'] - srv.get('decode', 0) - srv['queue'] - srv['h2d'] - k - srv['d2h']:.0f}",
-            "", "", "", None)
+        row("  where the time goes (p50, us)", breakdown(s), "", "", "", None)
     else:
         row(what + " Steps/s", f"{s['requests_per_s']:.0f} Steps/s",
             f"3,233 (2026-12-01); unary now {a['requests_per_s']:.0f}" if a else "3,233",

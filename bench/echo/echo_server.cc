@@ -1,7 +1,14 @@
-// attn_echo_server: serves attention.bench.Echo (echo.proto) over gRPC's callback API with the
-// same message limits as the attention server, so attn_bench --echo measures the transport alone.
+// attn_echo_server: serves attention.bench.Echo (echo.proto) with the same message limits as the
+// attention server, so attn_bench --echo measures the transport alone. On gRPC's callback API (as
+// the attention server) or, with --sync, its synchronous API (a thread per stream that reads and
+// writes itself), and on TCP and, with --unix_socket, a Unix domain socket too: the transport
+// variants a co-located client can choose between (bench/echo/run_latency.sh compares them).
 //
 //   attn_echo_server --port=50061            # or --port=0 --port_file=/tmp/echo.port
+//   attn_echo_server --port=0 --unix_socket=/tmp/echo.sock --sync
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -13,6 +20,7 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "bench/echo/echo.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -20,6 +28,9 @@ ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on.");
 ABSL_FLAG(int, port, 50061, "Port; 0 picks a free one.");
 ABSL_FLAG(std::string, port_file, "", "When set, the chosen port is written here once listening.");
 ABSL_FLAG(int, max_message_mb, 1024, "Largest message received or sent, MiB.");
+ABSL_FLAG(std::string, unix_socket, "",
+          "When set, also listen on this Unix domain socket path (clients: unix:PATH).");
+ABSL_FLAG(bool, sync, false, "Serve on gRPC's synchronous API instead of its callback API.");
 
 namespace attention::bench {
 namespace {
@@ -66,12 +77,37 @@ class EchoService final : public Echo::CallbackService {
   }
 };
 
+// The same service on the synchronous API: gRPC's sync server runs each call on a thread of its
+// pool, which blocks in Read and Write (polling the connection itself).
+class SyncEchoService final : public Echo::Service {
+  grpc::Status Echo(grpc::ServerContext* /*context*/, const EchoRequest* request,
+                    EchoReply* reply) override {
+    reply->set_o(request->q());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status EchoStream(grpc::ServerContext* /*context*/,
+                          grpc::ServerReaderWriter<EchoReply, EchoRequest>* stream) override {
+    EchoRequest request;
+    EchoReply reply;
+    while (stream->Read(&request)) {
+      reply.set_o(request.q());
+      if (!stream->Write(reply)) {
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed");
+      }
+    }
+    return grpc::Status::OK;
+  }
+};
+
 volatile std::sig_atomic_t g_stop = 0;
 
 }  // namespace
 }  // namespace attention::bench
 
 int main(int argc, char** argv) {
+  // Lock-order checks off, as in attention_server (server/main.cc says why).
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage(
       "Serves attention.bench.Echo (the transport anchor of attn_bench) over gRPC.");
   // --help lists this file's flags (abseil's default looks for a file named like the program).
@@ -79,7 +115,8 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(
       {.contains_helpshort_flags = own_flags, .contains_help_flags = own_flags});
   absl::ParseCommandLine(argc, argv);
-  attention::bench::EchoService service;
+  attention::bench::EchoService callback_service;
+  attention::bench::SyncEchoService sync_service;
   const int max_bytes = absl::GetFlag(FLAGS_max_message_mb) * (1 << 20);
   int port = 0;
   grpc::ServerBuilder builder;
@@ -87,15 +124,27 @@ int main(int argc, char** argv) {
                            grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(max_bytes);
   builder.SetMaxSendMessageSize(max_bytes);
-  builder.RegisterService(&service);
+  const std::string unix_socket = absl::GetFlag(FLAGS_unix_socket);
+  if (!unix_socket.empty()) {
+    struct stat st;  // a socket left by an earlier run goes; anything else stays (the bind fails)
+    if (lstat(unix_socket.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) unlink(unix_socket.c_str());
+    builder.AddListeningPort(absl::StrCat("unix:", unix_socket), grpc::InsecureServerCredentials());
+  }
+  if (absl::GetFlag(FLAGS_sync)) {
+    builder.RegisterService(&sync_service);
+  } else {
+    builder.RegisterService(&callback_service);
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::fprintf(stderr, "attn_echo_server: cannot listen on %s:%d\n",
                  absl::GetFlag(FLAGS_host).c_str(), absl::GetFlag(FLAGS_port));
     return 1;
   }
-  std::fprintf(stderr, "attn_echo_server: listening on %s:%d\n", absl::GetFlag(FLAGS_host).c_str(),
-               port);
+  std::fprintf(stderr, "attn_echo_server: listening on %s:%d%s%s (%s API)\n",
+               absl::GetFlag(FLAGS_host).c_str(), port,
+               unix_socket.empty() ? "" : " and unix:", unix_socket.c_str(),
+               absl::GetFlag(FLAGS_sync) ? "sync" : "callback");
   if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
     std::ofstream(path) << port << "\n";
   }

@@ -10,6 +10,7 @@
 #include "kernels/cuda/flash_forward_kernel.cuh"
 #include "kernels/cuda/kernel_params.h"
 #include "kernels/cuda/limits.h"
+#include "kernels/cuda/smem_opt_in.h"
 
 namespace attention::cuda {
 
@@ -49,9 +50,11 @@ struct FlashTileFor<float, 256> {
 template <typename Tile>
 cudaError_t LaunchFlashTile(const KernelParams& p, cudaStream_t stream) {
   auto* kernel = FlashForwardKernel<Tile>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
-  if (err != cudaSuccess) return err;
+  static std::atomic<uint64_t> smem_set_on{0};
+  if (cudaError_t err = OptInSharedMemory(kernel, Tile::kSmemBytes, smem_set_on);
+      err != cudaSuccess) {
+    return err;
+  }
   const dim3 grid((p.seqlen_q + Tile::kBr - 1) / Tile::kBr, p.heads_q, p.batch);
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
   return cudaGetLastError();

@@ -131,7 +131,8 @@ Packing Pack(absl::Span<const AttentionParams> items) {
 struct Regions {
   char* base;
   const int64_t* offsets;
-  char* at(int i) const { return base + offsets[i]; }
+  // Null while the stream has no buffer (a request run in place, without lse, takes none).
+  char* at(int i) const { return base == nullptr ? nullptr : base + offsets[i]; }
 };
 
 // Where item i's lse lies in the launch's packed lse (region 4): calls
@@ -475,8 +476,33 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   const bool with_lse = first.lse != nullptr;
 
   Packing dev_pack = Pack(items), host_pack = dev_pack;
-  RETURN_IF_ERROR(ReserveDevice(stream, dev_pack.Regions(d8, elem, with_lse)));
-  RETURN_IF_ERROR(ReserveStaging(stream, host_pack.Regions(d, elem, with_lse)));
+  const int64_t dev_bytes = dev_pack.Regions(d8, elem, with_lse);
+  const int64_t host_bytes = host_pack.Regions(d, elem, with_lse);
+  // One dense request whose q, k, v and o are all in this device's memory (a client's CUDA IPC
+  // region) with no padding to D8: the kernel reads and writes them where they are, no copy. The
+  // kernel moves 16-byte chunks, so each must start on 16 bytes (a region reference is only
+  // checked against its element size); others are copied (cudaMemcpy takes any alignment).
+  auto in_place_ok = [&](const void* p) {
+    return reinterpret_cast<uintptr_t>(p) % 16 == 0 && OnDevice(p, options_.device);
+  };
+  const bool in_place = items.size() == 1 && d8 == d && !dev_pack.varlen && !first.is_varlen() &&
+                        in_place_ok(first.q) && in_place_ok(first.k) && in_place_ok(first.v) &&
+                        in_place_ok(first.o);
+  // lse in this device's memory too: written there by the kernel (in place) or copied device to
+  // device from the packed lse; lse_to_host: some item's lse is on the host.
+  std::vector<bool> lse_on_device(items.size(), false);
+  bool lse_to_host = false;
+  for (size_t i = 0; i < items.size() && with_lse; ++i) {
+    lse_on_device[i] = OnDevice(items[i].lse, options_.device);
+    lse_to_host = lse_to_host || !lse_on_device[i];
+  }
+  const bool lse_in_place = in_place && with_lse && lse_on_device[0];
+  // In place, the stream's buffers hold only an lse that goes to the host: q, k, v and o need
+  // none, so they are neither allocated nor grown for such requests.
+  if (!in_place || (with_lse && !lse_in_place)) {
+    RETURN_IF_ERROR(ReserveDevice(stream, dev_bytes));
+    RETURN_IF_ERROR(ReserveStaging(stream, host_bytes));
+  }
   const Regions dev{static_cast<char*>(stream->device), dev_pack.offsets};
   const Regions host{static_cast<char*>(stream->staging), host_pack.offsets};
   cudaStream_t cs = stream->stream;
@@ -522,25 +548,6 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     launch.cu_seqlens_q = launch.cu_seqlens_k = nullptr;
     launch.SetContiguousStrides(IsBshd(first) ? Layout::kBSHD : Layout::kBHSD);
   }
-  // One dense request whose q, k, v and o are all in this device's memory (a client's CUDA IPC
-  // region) with no padding to D8: the kernel reads and writes them where they are, no copy. The
-  // kernel moves 16-byte chunks, so each must start on 16 bytes (a region reference is only
-  // checked against its element size); others are copied (cudaMemcpy takes any alignment).
-  auto in_place_ok = [&](const void* p) {
-    return reinterpret_cast<uintptr_t>(p) % 16 == 0 && OnDevice(p, options_.device);
-  };
-  const bool in_place = items.size() == 1 && d8 == d && !dev_pack.varlen && !first.is_varlen() &&
-                        in_place_ok(first.q) && in_place_ok(first.k) && in_place_ok(first.v) &&
-                        in_place_ok(first.o);
-  // lse in this device's memory too: written there by the kernel (in place) or copied device to
-  // device from the packed lse; lse_to_host: some item's lse is on the host.
-  std::vector<bool> lse_on_device(items.size(), false);
-  bool lse_to_host = false;
-  for (size_t i = 0; i < items.size() && with_lse; ++i) {
-    lse_on_device[i] = OnDevice(items[i].lse, options_.device);
-    lse_to_host = lse_to_host || !lse_on_device[i];
-  }
-  const bool lse_in_place = in_place && with_lse && lse_on_device[0];
   if (in_place) {
     launch.q = first.q;
     launch.k = first.k;
@@ -608,9 +615,10 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   const int64_t lse_bytes = with_lse ? dev_pack.lines_q * int64_t{sizeof(float)} : 0;
   if (options_.poison_outputs) {
     // All-ones bytes are NaN in float32, float16 and bfloat16.
-    RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.at(3), 0xff, o_dev_bytes, cs), "poison o");
+    // In place, o is the client's tensor the kernel writes (launch.o).
+    RETURN_IF_CUDA_ERROR(cudaMemsetAsync(launch.o, 0xff, o_dev_bytes, cs), "poison o");
     if (with_lse)
-      RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.at(4), 0xff, lse_bytes, cs), "poison lse");
+      RETURN_IF_CUDA_ERROR(cudaMemsetAsync(launch.lse, 0xff, lse_bytes, cs), "poison lse");
   }
   RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[1], cs), "cudaEventRecord");
   RETURN_IF_ERROR(LaunchForward(forward, cs));

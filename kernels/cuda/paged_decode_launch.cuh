@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/paged_decode_kernel.cuh"
 #include "kernels/cuda/paged_decode_launchers.h"
+#include "kernels/cuda/smem_opt_in.h"
 
 namespace attention::cuda {
 
@@ -34,9 +35,11 @@ static_assert(PagedTileFor<__half, 128>::Tile::kResidentCtas == PagedCtasPerSm(1
 template <typename Tile>
 cudaError_t LaunchPagedTile(const PagedKernelParams& p, dim3 grid, cudaStream_t stream) {
   auto* kernel = PagedDecodeKernel<Tile>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
-  if (err != cudaSuccess) return err;
+  static std::atomic<uint64_t> smem_set_on{0};
+  if (cudaError_t err = OptInSharedMemory(kernel, Tile::kSmemBytes, smem_set_on);
+      err != cudaSuccess) {
+    return err;
+  }
   // p.cluster: the splits of a row block (grid x) form one cluster (MergeSplitsInCluster).
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;

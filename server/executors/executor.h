@@ -20,6 +20,9 @@ struct StageTimes {
   double h2d_us = 0;
   double compute_us = 0;
   double d2h_us = 0;
+  // Set by the scheduler around the executor (ServerTiming's prepare_us and run_us).
+  double prepare_us = 0;
+  double run_us = 0;
 };
 
 // What a device is, for GetServerInfo and metrics labels.

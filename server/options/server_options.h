@@ -42,6 +42,7 @@ struct ServerOptions {
   int max_connection_age_s = 0;        // 0: never
   int max_connection_age_grace_s = 0;  // 0: unlimited
   std::string port_file;
+  std::string unix_socket;  // also listen on this Unix domain socket path; empty: TCP only
   SchedulerOptions scheduler;
   KvCacheOptions kv_cache;
   SharedMemoryOptions shared_memory;

@@ -305,12 +305,19 @@ std::vector<absl::StatusOr<StageTimes>> Scheduler::RunForward(Executor& executor
     params.push_back(std::get<AttentionParams>(queued.first.work));
     params.back().stop = stop;
   }
-  return executor.RunBatch(params);
+  const absl::Time start = absl::Now();
+  std::vector<absl::StatusOr<StageTimes>> results = executor.RunBatch(params);
+  const double run_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  for (absl::StatusOr<StageTimes>& times : results) {
+    if (times.ok()) times->run_us = run_us;
+  }
+  return results;
 }
 
 std::vector<absl::StatusOr<StageTimes>> Scheduler::RunDecode(Executor& executor,
                                                              std::vector<Queued>& batch,
                                                              const std::atomic<bool>* stop) {
+  const absl::Time start = absl::Now();
   std::vector<absl::StatusOr<StageTimes>> results(batch.size());
   std::vector<DecodeSequence> seqs;
   std::vector<size_t> prepared;  // jobs whose sequences are in `seqs`
@@ -328,8 +335,13 @@ std::vector<absl::StatusOr<StageTimes>> Scheduler::RunDecode(Executor& executor,
   const DecodePlan plan(std::get<DecodeWork>(batch.front().first.work).key, std::move(seqs));
   PagedDecodeParams params = plan.params();
   params.stop = stop;
+  const absl::Time planned = absl::Now();
   absl::StatusOr<StageTimes> times = executor.RunDecode(params);
-  if (times.ok()) plan.Unpack();
+  if (times.ok()) {
+    plan.Unpack();
+    times->prepare_us = absl::ToDoubleMicroseconds(planned - start);
+    times->run_us = absl::ToDoubleMicroseconds(absl::Now() - planned);
+  }
   for (size_t i : prepared) results[i] = times;
   return results;
 }

@@ -207,6 +207,7 @@ void AttentionService::Run(absl::string_view rpc, grpc::CallbackServerContext* c
       timing->set_h2d_us(result.stages.h2d_us);
       timing->set_compute_us(result.stages.compute_us);
       timing->set_d2h_us(result.stages.d2h_us);
+      timing->set_run_us(result.stages.run_us);
       call->response.set_device(result.device->name);
       metrics_->StagesObserved(result.queued, result.stages);
       metrics_->Computed(result.device->name, flops, tokens,

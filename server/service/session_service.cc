@@ -500,6 +500,8 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
         call->stages.h2d_us += result.stages.h2d_us;
         call->stages.compute_us += result.stages.compute_us;
         call->stages.d2h_us += result.stages.d2h_us;
+        call->stages.prepare_us += result.stages.prepare_us;
+        call->stages.run_us += result.stages.run_us;
         call->queued = std::max(call->queued, result.queued);
         if (result.device != nullptr && std::find(call->devices.begin(), call->devices.end(),
                                                   result.device->name) == call->devices.end()) {
@@ -518,6 +520,8 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
         timing->set_h2d_us(call->stages.h2d_us);
         timing->set_compute_us(call->stages.compute_us);
         timing->set_d2h_us(call->stages.d2h_us);
+        timing->set_prepare_us(call->stages.prepare_us);
+        timing->set_run_us(call->stages.run_us);
         timing->set_total_us(absl::ToDoubleMicroseconds(absl::Now() - call->arrival));
       }
       call->refs.reset();  // first: the regions may be unregistered once the caller has its answer

@@ -1162,6 +1162,58 @@ TEST(SessionsOffE2E, WithoutACacheSessionsAreUnimplemented) {
   EXPECT_EQ(server->Stop(), absl::OkStatus());
 }
 
+// Co-located clients may connect over a Unix domain socket (--unix_socket) beside TCP: Steps on a
+// StepStream over it are answered as over TCP, with the worker's timing (prepare_us, run_us).
+TEST(UnixSocketE2E, StepStreamOverAUnixSocketMatchesTheReference) {
+  const std::string path = absl::StrCat("/tmp/attention-sessions-test-", getpid(), ".sock");
+  absl::StatusOr<RunningServer> server = StartServer(
+      {"--backend=cpu", "--threads=2", "--kv_page_bytes=16384", "--unix_socket=" + path});
+  ASSERT_TRUE(server.ok()) << server.status();
+  {
+    SessionsStub stub(
+        grpc::CreateChannel(absl::StrCat("unix:", path), grpc::InsecureChannelCredentials()));
+    const uint64_t seed = FreshSeed();
+    SCOPED_TRACE(absl::StrCat("seed ", seed));
+    std::mt19937_64 rng(seed);
+    absl::StatusOr<TestSession> s =
+        CreateSession(stub, v1::DTYPE_FLOAT32, 2, 64, 37, v1::LAYOUT_BHSD, rng);
+    ASSERT_TRUE(s.ok()) << s.status();
+    const MaskSpec mask{.causal = true};
+    grpc::ClientContext context;
+    auto stream = stub.StepStream(&context);
+    for (int i = 0; i < 8; ++i) {
+      v1::StepRequest r;
+      r.set_request_id(absl::StrCat("unix-", i));
+      SetMask(mask, &r);
+      const std::vector<float> q = AddEntry(*s, 4, 1, 1, rng, &r);
+      ASSERT_TRUE(stream->Write(r));
+      v1::StepResponse response;
+      ASSERT_TRUE(stream->Read(&response));
+      EXPECT_EQ(response.request_id(), r.request_id());
+      ASSERT_EQ(response.results_size(), 1);
+      EXPECT_EQ(response.results(0).length(), s->seq.length());
+      EXPECT_GT(response.timing().prepare_us(), 0);
+      EXPECT_GE(response.timing().run_us(), response.timing().compute_us());
+      ExpectMatchesReference(ReferenceRequest(s->dtype, s->seq, q, 4, 1, mask),
+                             response.results(0));
+    }
+    stream->WritesDone();
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  EXPECT_EQ(server->Stop(), absl::OkStatus());
+  std::filesystem::remove(path);
+}
+
+// Regions belong to the peer when there is no token, and every client of a Unix socket has the
+// same peer name: the server refuses to serve shared memory there without a token.
+TEST(UnixSocketE2E, SharedMemoryOnAUnixSocketNeedsAToken) {
+  const std::string path = absl::StrCat("/tmp/attention-sessions-test-shm-", getpid(), ".sock");
+  absl::StatusOr<RunningServer> server =
+      StartServer({"--backend=cpu", "--allow_shared_memory", "--unix_socket=" + path});
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("needs --auth_token_file"));
+}
+
 // A server with a bearer token, a cache of 8 pages of 4 KiB and a 2-second TTL.
 class SessionsLimitsE2E : public SharedServerTest<SessionsLimitsE2E> {
  public:

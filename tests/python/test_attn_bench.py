@@ -64,10 +64,10 @@ class AttnBenchTest(unittest.TestCase):
         self.assertLessEqual(result["p99"], result["max"])
 
     def test_unary_and_stream_with_echo(self):
-        for rpc in ("unary", "stream"):
+        for rpc, api in (("unary", "callback"), ("stream", "callback"), ("stream", "sync")):
             r = self.bench(f"--target=127.0.0.1:{self.port}",
                            f"--echo_target=127.0.0.1:{self.echo_port}", f"--rpc={rpc}",
-                           "--concurrency=4", "--requests=40")
+                           f"--stream_api={api}", "--concurrency=4", "--requests=40")
             self.check_phase(r, 40)
             self.check_phase(r["echo"], 40)
             self.assertGreater(r["payload_ratio_vs_echo"], 0)

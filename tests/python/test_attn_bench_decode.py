@@ -56,14 +56,19 @@ class AttnBenchDecodeTest(unittest.TestCase):
         self.assertIn("dropped 6 sessions, 0 failed", out)
 
     def test_decode_steps_over_step_streams(self):
-        out, r = self.bench("--sessions=4", "--nk=100", "--shape=2,4,1,32", "--kv_heads=2",
-                            "--dtype=bfloat16", "--causal", "--rpc=stream", "--concurrency=2",
-                            "--requests=30")
-        self.assertEqual(r["errors"], {})
-        self.assertEqual(r["requests"], 30)
-        self.assertEqual(r["config"]["rpc"], "stream")
-        self.assertGreater(r["compute_us_p50"], 0)
-        self.assertIn("dropped 4 sessions, 0 failed", out)
+        for api in ("callback", "sync"):
+            out, r = self.bench("--sessions=4", "--nk=100", "--shape=2,4,1,32", "--kv_heads=2",
+                                "--dtype=bfloat16", "--causal", "--rpc=stream", "--concurrency=2",
+                                f"--stream_api={api}", "--requests=30")
+            self.assertEqual(r["errors"], {})
+            self.assertEqual(r["requests"], 30)
+            self.assertEqual(r["config"]["rpc"], "stream")
+            self.assertEqual(r["config"]["stream_api"], api)
+            self.assertGreater(r["compute_us_p50"], 0)
+            # The worker's part of each Step: its leases and append, then the device run.
+            self.assertGreater(r["server_p50_us"]["prepare"], 0)
+            self.assertGreaterEqual(r["server_p50_us"]["run"], r["compute_us_p50"])
+            self.assertIn("dropped 4 sessions, 0 failed", out)
 
     def test_extend_steps_without_append(self):
         out, r = self.bench("--sessions=2", "--nk=64", "--shape=1,4,4,32", "--append_kv=false",

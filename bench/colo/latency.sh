@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Per-call latency of co-located clients on the GPU host, in one command (about 2 minutes), each
+# figure beside the bare transport's of the same run:
+#   bench/colo/latency.sh [BIN_DIR]   # BIN_DIR: attention_server, attn_bench, attn_echo_server,
+#                                     # attn_echo_client, colo_bench (default .device/bin; libs in
+#                                     # ../lib)
+# 1. The bare transport: attn_echo_client, one EchoStream message at a time, of a Step's bytes
+#    (64 KiB of q and 2 x 16 KiB of new K/V in, 64 KiB out) and of the small Attend's (3 x 128 KiB
+#    in, 128 KiB out), against attn_echo_server on gRPC's callback API and on its sync API, over
+#    TCP loopback and a Unix domain socket, from a client on the callback API and on the sync API.
+# 2. StepStream, 8 sessions x 32k rows, bf16, Hq 32, Hkv 8, D 128, one query each, causal, each
+#    Step appending its token, one Step in flight (target p50 <= kernel + 100 us) and four (target
+#    >= 1.5 x 3,233 Steps/s), over TCP and the Unix socket (--unix_socket), from attn_bench on
+#    either client API (--stream_api), with where the time goes (ServerTiming).
+# 3. Small Attend (1x8x128x64 fp16) on AttendStream, one in flight, against the echo server's
+#    EchoStream on the same transport and client API (target p50 <= echo p50 + 50 us).
+# 4. CUDA IPC Attend, bf16 B4 H16 N4096 D128 (colo_bench --mode=ipc), over TCP: shared memory is
+#    not served on a Unix socket without a token (target e2e <= kernel + 100 us).
+# Logs and JSON lines under $OUT/latency (OUT defaults to /tmp/out); the table comes last.
+# A CPU try: BACKEND=cpu NK=256 SHAPE=1,4,256,64 DURATION_S=1 bench/colo/latency.sh BIN_DIR
+# NAME_target, NAME_metrics and NAME_pid are set by lib.sh's start_attention and start_echo.
+# shellcheck disable=SC2154
+set -uo pipefail
+bin=${1:-.device/bin}
+out=${OUT:-/tmp/out}/latency
+backend=${BACKEND:-cuda}
+nk=${NK:-32768}
+shape=${SHAPE:-4,16,4096,128}
+dur=${DURATION_S:-2}
+here=$(dirname "$0")
+# shellcheck source=bench/colo/lib.sh
+source "$here/lib.sh"
+colo_setup
+results=$out/latency.jsonl
+: >"$results"
+
+# 1. The bare transport.
+start_echo echo_cb --unix_socket="$dir/echo_cb.sock"
+start_echo echo_sync --unix_socket="$dir/echo_sync.sock" --sync
+for size in "step 65536 16384" "small 131072 131072"; do
+  read -r what q kv <<<"$size"
+  for server in cb sync; do
+    tcp_var=echo_${server}_target
+    for transport in tcp unix; do
+      t=${!tcp_var}
+      [[ $transport == unix ]] && t=unix:$dir/echo_$server.sock
+      for api in callback sync; do
+        keep "echo_${what}_${server}_${transport}_${api}" "$("$bin/attn_echo_client" --target="$t" \
+          --api="$api" --q_bytes="$q" --kv_bytes="$kv" --warmup_s=0.3 --duration_s=1 \
+          2>>"$out/echo_client.log")"
+      done
+    done
+  done
+done
+
+# 2 and 3. The service, on TCP and a Unix socket, against the callback echo server.
+start_attention server --unix_socket="$dir/server.sock" --max_message_mb=2047
+decode=(--mode=decode --shape=8,32,1,128 --nk="$nk" --kv_heads=8 --dtype=bfloat16 --causal
+  --max_message_mb=2047 --warmup_s=1 --duration_s="$dur" --rpc=stream --concurrency=1,4
+  --sessions=32)
+small=(--shape=1,8,128,64 --dtype=float16 --concurrency=1 --warmup_s=0.5 --duration_s="$dur"
+  --rpc=stream)
+for transport in tcp unix; do
+  t=$server_target e=$echo_cb_target
+  [[ $transport == unix ]] && t=unix:$dir/server.sock e=unix:$dir/echo_cb.sock
+  for api in callback sync; do
+    # One line per concurrency, 1 then 4.
+    lines=$("$bin/attn_bench" --target="$t" --stream_api="$api" --progress=false --json \
+      "${decode[@]}" 2>"$out/step_${transport}_$api.log" | tail -2)
+    keep "step_${transport}_${api}_c1" "$(head -1 <<<"$lines")"
+    keep "step_${transport}_${api}_c4" "$(tail -1 <<<"$lines" | grep '"requests"')"
+    keep "small_${transport}_$api" "$("$bin/attn_bench" --target="$t" --echo_target="$e" \
+      --stream_api="$api" --progress=false --json "${small[@]}" \
+      2>"$out/small_${transport}_$api.log" | tail -1)"
+  done
+done
+stop_server "$server_pid"
+
+# 4. CUDA IPC Attend, on a server that serves shared memory (TCP only).
+start_attention ipc_server --allow_shared_memory --max_message_mb=2047
+keep ipc "$("$bin/colo_bench" --target="$ipc_server_target" --mode=ipc --shape="$shape" \
+  --iters=20 2>"$out/ipc.log" | tail -1)"
+
+python3 - "$results" "$here" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[2])
+from colo_table import breakdown, load
+
+r, ok = load(sys.argv[1])
+
+variants = [(t, a) for t in ("tcp", "unix") for a in ("callback", "sync")]
+head = ["TCP, callback client", "TCP, sync client", "Unix, callback client", "Unix, sync client"]
+rows = []
+for what, size in (("step", "Step's bytes"), ("small", "small Attend's bytes")):
+    for server in ("cb", "sync"):
+        cells = []
+        for t, a in variants:
+            x = ok(f"echo_{what}_{server}_{t}_{a}")
+            cells.append(f"{x['p50_us']:.0f} us" if x else "error")
+        api = "callback" if server == "cb" else "sync"
+        rows.append([f"bare echo, {size}, {api} server: p50"] + cells + ["anchor", "-"])
+
+any_step = next((ok(f"step_{t}_{a}_c1") for t, a in variants if ok(f"step_{t}_{a}_c1")), {})
+steps = f"8 x {any_step.get('config', {}).get('nk', '?')}"
+
+def step_cells(c, fmt):
+    cells, met = [], []
+    for t, a in variants:
+        s = ok(f"step_{t}_{a}_{c}")
+        if not s:
+            cells.append("error")
+            continue
+        text, g = fmt(s)
+        cells.append(text)
+        met.append(g)
+    return cells, ("yes" if any(met) else "NO") if met else "NO"
+
+cells, met = step_cells("c1", lambda s: (
+    f"{s['p50'] * 1e3:.3f} ms = kernel {s['compute_us_p50']:.0f} + "
+    f"{s['p50'] * 1e6 - s['compute_us_p50']:.0f} us",
+    s["p50"] * 1e6 - s["compute_us_p50"] <= 100))
+rows.append([f"StepStream {steps}, 1 in flight: p50"] + cells + ["<= kernel + 100 us", met])
+cells, met = step_cells("c4", lambda s: (
+    f"{s['requests_per_s']:.0f} Steps/s ({s['requests_per_s'] / 3233:.2f}x)",
+    s["requests_per_s"] >= 1.5 * 3233))
+rows.append([f"StepStream {steps}, 4 in flight"] + cells + [">= 1.5x 3,233 Steps/s", met])
+cells, met = [], []
+for t, a in variants:
+    s = ok(f"small_{t}_{a}")
+    if not s or "echo" not in s:
+        cells.append("error")
+        continue
+    d = s["p50_minus_echo_s"] * 1e6
+    cells.append(f"{s['p50'] * 1e3:.3f} ms = echo {s['echo']['p50'] * 1e3:.3f} ms + {d:.0f} us")
+    met.append(d <= 50)
+rows.append(["small Attend, AttendStream, 1 in flight: p50"] + cells +
+            ["<= echo + 50 us", ("yes" if any(met) else "NO") if met else "NO"])
+ipc = ok("ipc")
+if ipc:
+    extra = ipc["p50_ms"] * 1e3 - ipc["compute_us_p50"]
+    rows.append(["CUDA IPC Attend bf16 4x16x4096x128 (TCP): p50",
+                 f"{ipc['p50_ms']:.3f} ms = kernel {ipc['compute_us_p50']:.0f} + {extra:.0f} us",
+                 "", "", "", "<= kernel + 100 us", "yes" if extra <= 100 else "NO"])
+else:
+    rows.append(["CUDA IPC Attend (TCP)", str(r.get("ipc")), "", "", "", "<= kernel + 100 us",
+                 "NO"])
+
+print("\nWhere a Step's p50 goes (one in flight):")
+for t, a in variants:
+    s = ok(f"step_{t}_{a}_c1")
+    if s:
+        print(f"- {t}, {a} client: {breakdown(s)}")
+print("\n| measure | " + " | ".join(head) + " | target | met (best) |")
+print("|---" * (len(head) + 3) + "|")
+for x in rows:
+    print("| " + " | ".join(str(c) for c in x) + " |")
+PY
