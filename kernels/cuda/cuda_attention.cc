@@ -102,7 +102,7 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   k.seqlen_k = static_cast<int>(p.seqlen_k);
   k.kv_group = static_cast<int>(p.heads_q / p.heads_kv);
   k.head_dim = static_cast<int>(p.head_dim);
-  // The descales fold in exactly as the kernels see them: q_descale * k_descale into the logits'
+  // The descales fold in as float32 factors: q_descale * k_descale into the logits'
   // scale, v_descale into o's normalisation (kernel_params.h).
   const Log2Scale scale = ToLog2Scale(EffectiveSoftmaxScale(p));
   k.scale_log2 = scale.scale_log2;
