@@ -98,7 +98,8 @@ ABSL_FLAG(attention::client::Shape, shape, (attention::client::Shape{1, 8, 128, 
 ABSL_FLAG(std::optional<int64_t>, kv_heads, std::nullopt, "key/value heads (default: H)");
 ABSL_FLAG(std::optional<int64_t>, nk, std::nullopt,
           "key length (default: N); decode: each session's initial length");
-ABSL_FLAG(std::string, dtype, "float16", "float32 | float16 | bfloat16");
+ABSL_FLAG(std::string, dtype, "float16",
+          "float32 | float16 | bfloat16 | float8_e4m3 (o in bfloat16)");
 ABSL_FLAG(std::string, layout, "bhsd", "bhsd | bshd");
 ABSL_FLAG(bool, causal, false, "causal mask (bottom-right aligned)");
 ABSL_FLAG(bool, lse, false, "ask for the log-sum-exp too");

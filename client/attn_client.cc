@@ -51,7 +51,12 @@ ABSL_FLAG(std::optional<attention::client::Shape>, shape, std::nullopt,
 ABSL_FLAG(std::optional<int64_t>, kv_heads, std::nullopt, "key/value heads (default: H)");
 ABSL_FLAG(std::optional<int64_t>, nk, std::nullopt, "key length (default: N)");
 ABSL_FLAG(std::optional<std::string>, dtype, std::nullopt,
-          "float32 | float16 | bfloat16 (default: float16 for a '<f2' --q file, else float32)");
+          "float32 | float16 | bfloat16 | float8_e4m3 (default: float16 for a '<f2' --q file, "
+          "else float32); float8_e4m3 inputs get o in bfloat16");
+ABSL_FLAG(std::optional<float>, q_descale, std::nullopt,
+          "float8_e4m3: q's descale factor (the server computes with q * q_descale; default 1)");
+ABSL_FLAG(std::optional<float>, k_descale, std::nullopt, "float8_e4m3: k's descale factor");
+ABSL_FLAG(std::optional<float>, v_descale, std::nullopt, "float8_e4m3: v's descale factor");
 ABSL_FLAG(int, max_message_mb, 1024,
           "largest gRPC message sent or received, MiB (1..2047); a larger request is refused "
           "before it is built (the server has its own limit: --info)");
@@ -92,7 +97,7 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "file holding a bearer token, sent as 'authorization: Bearer <token>'");
 ABSL_FLAG(bool, check, false,
           "compare with the float64 reference; exit 1 when ||o-ref||/||ref|| exceeds the API "
-          "bound (float32 1e-5, float16/bfloat16 1e-2)");
+          "bound (float32 1e-5, float16/bfloat16/float8_e4m3 1e-2)");
 
 namespace attention::client {
 namespace {
@@ -174,6 +179,9 @@ absl::StatusOr<ProblemSpec> SpecFromFlags(const InputFiles& files) {
   spec.window_left = absl::GetFlag(FLAGS_window_left);
   spec.window_right = absl::GetFlag(FLAGS_window_right);
   spec.return_lse = absl::GetFlag(FLAGS_lse);
+  spec.q_descale = absl::GetFlag(FLAGS_q_descale);
+  spec.k_descale = absl::GetFlag(FLAGS_k_descale);
+  spec.v_descale = absl::GetFlag(FLAGS_v_descale);
   for (auto [flag, name, lengths] : {std::tuple{&FLAGS_varlen, "varlen", &spec.varlen_q},
                                      std::tuple{&FLAGS_varlen_k, "varlen_k", &spec.varlen_k}}) {
     absl::StatusOr<std::vector<int64_t>> values = ParseInts(absl::GetFlag(*flag), name);
@@ -248,7 +256,7 @@ void PrintLatencies(std::vector<double> ms) {
 
 // The request's size from its shapes, before any of it is built: q, k and v at the dtype's width.
 int64_t EstimateRequestBytes(const ProblemSpec& spec) {
-  const int64_t width = spec.dtype == v1::DTYPE_FLOAT32 ? 4 : 2;
+  const int64_t width = DTypeBytes(spec.dtype);
   return width * (NumElements(QueryShape(spec)) + 2 * NumElements(KeyValueShape(spec)));
 }
 

@@ -25,6 +25,8 @@ absl::StatusOr<DType> KernelDType(v1::DType dtype) {
       return DType::kFloat16;
     case v1::DTYPE_BFLOAT16:
       return DType::kBFloat16;
+    case v1::DTYPE_FLOAT8_E4M3:
+      return DType::kFloat8E4M3;
     default:
       return absl::InvalidArgumentError("request dtype is unspecified");
   }
@@ -72,7 +74,7 @@ absl::StatusOr<int> ParallelForward(const AttentionParams& p, std::vector<double
   if (lse != nullptr) {
     lse->assign(batch_extent * p.heads_q * rows, -std::numeric_limits<double>::infinity());
   }
-  const int64_t width = p.dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t width = static_cast<int64_t>(DTypeSize(p.dtype));
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t pairs = p.batch * p.heads_q;
   const int threads =
@@ -179,6 +181,10 @@ absl::StatusOr<CheckResult> CheckResponse(const v1::AttendRequest& request,
   if (request.causal()) p.window_right = 0;
   if (request.mask_alignment() == v1::MASK_ALIGN_TOP_LEFT)
     p.mask_alignment = MaskAlignment::kTopLeft;
+  // float8: the reference runs on the dequantised values (each element times its descale).
+  if (request.has_q_descale()) p.q_descale = request.q_descale();
+  if (request.has_k_descale()) p.k_descale = request.k_descale();
+  if (request.has_v_descale()) p.v_descale = request.v_descale();
 
   std::vector<double> ref_o, ref_lse;
   const int64_t lse_size = varlen ? p.heads_q * p.total_q : p.batch * p.heads_q * p.seqlen_q;
@@ -187,7 +193,9 @@ absl::StatusOr<CheckResult> CheckResponse(const v1::AttendRequest& request,
   if (!threads.ok()) return threads.status();
 
   const std::vector<int64_t> q_shape(q.shape().begin(), q.shape().end());
-  if (absl::Status s = ExpectShape("o", response.o(), q.dtype(), q_shape); !s.ok()) return s;
+  // o comes back in bfloat16 for float8 inputs, else in q's dtype.
+  const v1::DType o_dtype = q.dtype() == v1::DTYPE_FLOAT8_E4M3 ? v1::DTYPE_BFLOAT16 : q.dtype();
+  if (absl::Status s = ExpectShape("o", response.o(), o_dtype, q_shape); !s.ok()) return s;
   absl::StatusOr<std::vector<float>> o = TensorToFloat(response.o());
   if (!o.ok()) return o.status();
   ref_o.resize(o->size());

@@ -72,6 +72,9 @@ absl::StatusOr<v1::AttendRequest> MakeRequest(const ProblemSpec& spec, absl::Spa
   if (spec.window_left) request.set_window_left(*spec.window_left);
   if (spec.window_right) request.set_window_right(*spec.window_right);
   request.set_return_lse(spec.return_lse);
+  if (spec.q_descale) request.set_q_descale(*spec.q_descale);
+  if (spec.k_descale) request.set_k_descale(*spec.k_descale);
+  if (spec.v_descale) request.set_v_descale(*spec.v_descale);
   if (spec.is_varlen()) {
     for (int32_t c : CuSeqlens(spec.varlen_q)) request.add_cu_seqlens_q(c);
     for (int32_t c : CuSeqlens(KeyLengths(spec))) request.add_cu_seqlens_k(c);
@@ -111,6 +114,9 @@ std::string DescribeProblem(const ProblemSpec& spec) {
   if (spec.mask_alignment == v1::MASK_ALIGN_TOP_LEFT) absl::StrAppend(&out, " top_left");
   if (spec.softmax_scale) absl::StrAppend(&out, " scale=", *spec.softmax_scale);
   if (spec.return_lse) absl::StrAppend(&out, " lse");
+  if (spec.q_descale) absl::StrAppend(&out, " q_descale=", *spec.q_descale);
+  if (spec.k_descale) absl::StrAppend(&out, " k_descale=", *spec.k_descale);
+  if (spec.v_descale) absl::StrAppend(&out, " v_descale=", *spec.v_descale);
   return out;
 }
 

@@ -32,6 +32,11 @@ struct ProblemSpec {
   std::optional<int32_t> window_left;
   std::optional<int32_t> window_right;
   bool return_lse = false;
+  // float8_e4m3 only (AttendRequest.q_descale, k_descale, v_descale): the server computes with
+  // q * q_descale, ...; absent = 1. The values given to MakeRequest are the stored (raw) ones.
+  std::optional<float> q_descale;
+  std::optional<float> k_descale;
+  std::optional<float> v_descale;
   // Varlen when non-empty: one length per batch item (batch and seqlen_* are then ignored);
   // q, k and v are packed [total, H, D]. varlen_k empty means the same lengths as varlen_q.
   std::vector<int32_t> varlen_q;

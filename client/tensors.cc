@@ -16,6 +16,8 @@ attention::DType KernelDType(v1::DType dtype) {
       return attention::DType::kFloat16;
     case v1::DTYPE_BFLOAT16:
       return attention::DType::kBFloat16;
+    case v1::DTYPE_FLOAT8_E4M3:
+      return attention::DType::kFloat8E4M3;
     default:
       return attention::DType::kFloat32;
   }
@@ -30,6 +32,8 @@ int64_t DTypeBytes(v1::DType dtype) {
     case v1::DTYPE_FLOAT16:
     case v1::DTYPE_BFLOAT16:
       return 2;
+    case v1::DTYPE_FLOAT8_E4M3:
+      return 1;
     default:
       return 0;
   }
@@ -43,6 +47,8 @@ const char* DTypeName(v1::DType dtype) {
       return "float16";
     case v1::DTYPE_BFLOAT16:
       return "bfloat16";
+    case v1::DTYPE_FLOAT8_E4M3:
+      return "float8_e4m3";
     default:
       return "unspecified";
   }
@@ -52,8 +58,9 @@ absl::StatusOr<v1::DType> ParseDType(absl::string_view name) {
   if (name == "float32" || name == "fp32") return v1::DTYPE_FLOAT32;
   if (name == "float16" || name == "fp16") return v1::DTYPE_FLOAT16;
   if (name == "bfloat16" || name == "bf16") return v1::DTYPE_BFLOAT16;
+  if (name == "float8_e4m3" || name == "fp8_e4m3") return v1::DTYPE_FLOAT8_E4M3;
   return absl::InvalidArgumentError(
-      absl::StrCat("dtype must be float32, float16 or bfloat16, got '", name, "'"));
+      absl::StrCat("dtype must be float32, float16, bfloat16 or float8_e4m3, got '", name, "'"));
 }
 
 int64_t NumElements(absl::Span<const int64_t> shape) {

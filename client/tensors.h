@@ -1,5 +1,6 @@
 // Building attention.v1 Tensors from float values and reading them back, in any of the API's
-// dtypes. The 16-bit conversions are kernels/dtype_convert.h's (round to nearest even).
+// dtypes. The 16- and 8-bit conversions are kernels/dtype_convert.h's (round to nearest even;
+// float8 e4m3 turns what rounds past 448 into NaN).
 #pragma once
 
 #include <cstdint>
@@ -14,10 +15,11 @@ namespace attention::client {
 // Bytes per element of `dtype`; 0 for DTYPE_UNSPECIFIED.
 int64_t DTypeBytes(v1::DType dtype);
 
-// Lower-case name as the CLI and logs spell it: "float32", "float16", "bfloat16".
+// Lower-case name as the CLI and logs spell it: "float32", "float16", "bfloat16", "float8_e4m3".
 const char* DTypeName(v1::DType dtype);
 
-// Parses "float32" | "float16" | "bfloat16" (also "fp32", "fp16", "bf16").
+// Parses "float32" | "float16" | "bfloat16" | "float8_e4m3" (also "fp32", "fp16", "bf16",
+// "fp8_e4m3").
 absl::StatusOr<v1::DType> ParseDType(absl::string_view name);
 
 // Product of `shape`.

@@ -1,12 +1,25 @@
 #include "kernels/attention_params.h"
 
 #include <algorithm>
+#include <cmath>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
 namespace attention {
 
-size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+    case DType::kFloat8E4M3:
+      return 1;
+  }
+  return 0;
+}
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
@@ -16,6 +29,8 @@ const char* DTypeName(DType dtype) {
       return "float16";
     case DType::kBFloat16:
       return "bfloat16";
+    case DType::kFloat8E4M3:
+      return "float8_e4m3";
   }
   return "unknown";
 }
@@ -67,6 +82,14 @@ absl::Status CheckParams(const AttentionParams& p) {
   if (p.window_left < kUnboundedWindow || p.window_right < kUnboundedWindow) {
     return absl::InvalidArgumentError(absl::StrCat("window bounds must be >= 0 or unbounded, got ",
                                                    p.window_left, ", ", p.window_right));
+  }
+  for (const auto& [name, descale] : {std::pair{"q_descale", p.q_descale},
+                                      {"k_descale", p.k_descale},
+                                      {"v_descale", p.v_descale}}) {
+    if (!(std::isfinite(descale) && descale > 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " must be finite and > 0, got ", descale));
+    }
   }
   return absl::OkStatus();
 }

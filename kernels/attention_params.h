@@ -15,7 +15,8 @@
 
 namespace attention {
 
-enum class DType { kFloat32, kFloat16, kBFloat16 };
+// kFloat8E4M3: OCP FP8 E4M3FN inputs (kernels/float8.h), whose output is bfloat16 (OutputDType).
+enum class DType { kFloat32, kFloat16, kBFloat16, kFloat8E4M3 };
 enum class Layout { kBHSD, kBSHD };
 // Which corner the mask's diagonal starts from: bottom-right (FlashAttention's convention, the
 // default) puts query i on key i + Nk - Nq, top-left (torch SDPA's) on key i.
@@ -24,6 +25,11 @@ enum class MaskAlignment { kBottomRight, kTopLeft };
 // Bytes per element of `dtype`.
 size_t DTypeSize(DType dtype);
 const char* DTypeName(DType dtype);
+// The dtype o is written in for inputs of `dtype`: the same, but bfloat16 for float8 (a float8 o
+// would lose most of the accuracy the float32 accumulation buys).
+inline DType OutputDType(DType dtype) {
+  return dtype == DType::kFloat8E4M3 ? DType::kBFloat16 : dtype;
+}
 
 // A window bound that is absent: the row sees every key on that side.
 inline constexpr int64_t kUnboundedWindow = -1;
@@ -31,7 +37,8 @@ inline constexpr int64_t kUnboundedWindow = -1;
 struct AttentionParams {
   DType dtype = DType::kFloat32;
 
-  // q: [.., Hq, Nq, D], k and v: [.., Hkv, Nk, D], o like q; all of `dtype`.
+  // q: [.., Hq, Nq, D], k and v: [.., Hkv, Nk, D], all of `dtype`; o like q, of
+  // OutputDType(dtype).
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
@@ -56,6 +63,11 @@ struct AttentionParams {
   int64_t lse_batch_stride = 0, lse_head_stride = 0;
 
   float softmax_scale = 1.0f;
+  // Per-tensor factors (finite, > 0): attention runs on q * q_descale, k * k_descale and
+  // v * v_descale. The server sets them only for float8 inputs (1 otherwise); backends apply them
+  // to any dtype, folded in: softmax_scale * q_descale * k_descale scales the logits of the raw
+  // values (EffectiveSoftmaxScale) and v_descale multiplies o.
+  float q_descale = 1.0f, k_descale = 1.0f, v_descale = 1.0f;
 
   // Mask: query i sees key j iff
   //   i + diag - window_left <= j <= i + diag + window_right,
@@ -85,6 +97,11 @@ struct AttentionParams {
   // [total, H, D] when cu_seqlens are set, whatever `layout` says).
   void SetContiguousStrides(Layout layout);
 };
+
+// The scale of the raw q.k products: softmax_scale * q_descale * k_descale, rounded to float once.
+inline float EffectiveSoftmaxScale(const AttentionParams& p) {
+  return static_cast<float>(static_cast<double>(p.softmax_scale) * p.q_descale * p.k_descale);
+}
 
 // Checks the fields a backend relies on (non-null pointers, positive shapes, Hq % Hkv == 0).
 // Requests are validated with clearer messages in the server; this guards direct callers.

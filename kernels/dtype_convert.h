@@ -1,7 +1,8 @@
-// float16 / bfloat16 <-> float32 conversions for host code (the reference, the CPU backend, the
-// server and client). Bit manipulation only, so results are the same on every x86-64 and need no
-// F16C: float -> 16-bit rounds to nearest even, NaN stays NaN, overflow becomes inf, subnormals
-// are kept.
+// float16 / bfloat16 / float8 e4m3 <-> float32 conversions for host code (the reference, the CPU
+// backend, the server and client). Bit manipulation only, so results are the same on every x86-64
+// and need no F16C: float -> 16-bit rounds to nearest even, NaN stays NaN, overflow becomes inf,
+// subnormals are kept. float8 e4m3 (kernels/float8.h, shared with device code) has no inf: what
+// rounds past 448 becomes NaN.
 #pragma once
 
 #include <bit>
@@ -9,6 +10,7 @@
 #include <cstring>
 
 #include "kernels/attention_params.h"
+#include "kernels/float8.h"
 
 namespace attention {
 
@@ -70,6 +72,8 @@ inline float LoadAsFloat(const void* base, int64_t i, DType dtype) {
       return HalfToFloat(static_cast<const uint16_t*>(base)[i]);
     case DType::kBFloat16:
       return BFloat16ToFloat(static_cast<const uint16_t*>(base)[i]);
+    case DType::kFloat8E4M3:
+      return Float8E4m3ToFloat(static_cast<const uint8_t*>(base)[i]);
   }
   return 0.0f;
 }
@@ -85,6 +89,9 @@ inline void StoreFromFloat(void* base, int64_t i, DType dtype, float x) {
       return;
     case DType::kBFloat16:
       static_cast<uint16_t*>(base)[i] = FloatToBFloat16(x);
+      return;
+    case DType::kFloat8E4M3:
+      static_cast<uint8_t*>(base)[i] = FloatToFloat8E4m3(x);
       return;
   }
 }
@@ -111,6 +118,11 @@ inline void ConvertRow(DType dtype, const void* src, int64_t n, float scale, flo
       for (int64_t x = 0; x < n; ++x) dst[x] = BFloat16ToFloat(s[x]) * scale;
       return;
     }
+    case DType::kFloat8E4M3: {
+      const auto* s = static_cast<const uint8_t*>(src);
+      for (int64_t x = 0; x < n; ++x) dst[x] = Float8E4m3ToFloat(s[x]) * scale;
+      return;
+    }
   }
 }
 
@@ -134,6 +146,11 @@ inline void StoreRow(const float* src, int64_t n, float scale, DType dtype, void
     case DType::kBFloat16: {
       auto* d = static_cast<uint16_t*>(dst);
       for (int64_t x = 0; x < n; ++x) d[x] = FloatToBFloat16(src[x] * scale);
+      return;
+    }
+    case DType::kFloat8E4M3: {
+      auto* d = static_cast<uint8_t*>(dst);
+      for (int64_t x = 0; x < n; ++x) d[x] = FloatToFloat8E4m3(src[x] * scale);
       return;
     }
   }

@@ -7,13 +7,17 @@
 namespace attention {
 namespace {
 
-// A value is Inf or NaN iff its exponent field is all ones: adding the exponent's lowest bit to
-// the masked exponent then carries into the (masked-off) sign bit. Every element of a 64-bit word
-// is tested at once (no carry crosses elements: the sum stays within each element's width).
+// A value is Inf or NaN iff its exponent field is all ones (float8: see kE4m3): adding the
+// exponent's lowest bit to the masked exponent then carries into the (masked-off) sign bit. Every
+// element of a 64-bit word is tested at once (no carry crosses elements: the sum stays within each
+// element's width).
 using Bits = NonFiniteBits;
 constexpr Bits kF32{0x7f8000007f800000u, 0x0080000000800000u, 0x8000000080000000u};
 constexpr Bits kF16{0x7c007c007c007c00u, 0x0400040004000400u, 0x8000800080008000u};
 constexpr Bits kBf16{0x7f807f807f807f80u, 0x0080008000800080u, 0x8000800080008000u};
+// float8 e4m3 has no inf, and NaN is exponent and mantissa all ones (S.1111.111): the same test
+// over the 7 bits below the sign.
+constexpr Bits kE4m3{0x7f7f7f7f7f7f7f7fu, 0x0101010101010101u, 0x8080808080808080u};
 
 // 4 KiB per block: a block's words are reduced with no branch (the compiler vectorises the loop),
 // and the scan stops after the first block that holds a non-finite value.
@@ -36,7 +40,10 @@ bool WordsHoldNonFinite(const unsigned char* data, size_t words, const Bits& b) 
 }  // namespace
 
 NonFiniteBits NonFiniteBitsOf(DType dtype) {
-  return dtype == DType::kFloat32 ? kF32 : dtype == DType::kFloat16 ? kF16 : kBf16;
+  return dtype == DType::kFloat32      ? kF32
+         : dtype == DType::kFloat16    ? kF16
+         : dtype == DType::kFloat8E4M3 ? kE4m3
+                                       : kBf16;
 }
 
 bool HoldsNonFinite(DType dtype, const void* data, int64_t elements) {

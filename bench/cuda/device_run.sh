@@ -59,7 +59,9 @@ if [[ $what == tests || $what == all ]]; then
     for args in "--dtype=float32 --shape=2,4,300,64" "--dtype=float16 --shape=2,8,1000,128 --causal --lse" \
                 "--dtype=bfloat16 --shape=1,8,777,256 --kv_heads=2 --layout=bshd" \
                 "--dtype=float16 --shape=1,4,129,40 --nk=300 --window_left=20 --window_right=0 --lse" \
-                "--dtype=bfloat16 --shape=2,8,200,128 --nk=500 --kv_heads=2 --causal --mask_alignment=top_left --lse"; do
+                "--dtype=bfloat16 --shape=2,8,200,128 --nk=500 --kv_heads=2 --causal --mask_alignment=top_left --lse" \
+                "--dtype=float8_e4m3 --shape=2,8,300,128 --nk=500 --kv_heads=2 --causal --lse --q_descale=0.37 --k_descale=1.7 --v_descale=0.011" \
+                "--dtype=float8_e4m3 --shape=1,4,129,40 --nk=300 --window_left=20 --window_right=0 --lse --v_descale=3.3"; do
       if "$bin/attn_client" --target=localhost:$port --check $args >>"$out/client.log" 2>&1; then r=pass; else r=FAIL; fi
       summary+=("attn_client --check $args: $r")
     done

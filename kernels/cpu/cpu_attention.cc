@@ -1,15 +1,16 @@
 // The CPU backend: FlashAttention's tiled online softmax, float32 accumulation.
 //
 // One work item is (batch item, query head, block of kBlockM = 96 query rows). It converts its Q
-// block once to float32 with softmax_scale * log2(e) folded in (so the softmax runs on exp2) and
-// transposes it 8x8 in registers, then streams K/V tiles of kBlockN = 64 keys, limited to the keys
-// some row of the block can see (causal and windowed blocks skip fully masked tiles; only tiles
-// crossing a window edge are masked element-wise). A key a row cannot see never reaches it, even
-// when its K or V is Inf or NaN: masked logits are overwritten with -inf, and a tile on a window
-// edge whose V holds a non-finite value (checked on those tiles only) takes P V row by row over
-// each row's own keys instead of the register-blocked product, where 0 * NaN = NaN. Scores are kept
-// transposed, keys x rows, so that both products are "broadcast an element of A, FMA a row of B"
-// and the softmax statistics are vectors over rows:
+// block once to float32 with softmax_scale * log2(e) folded in (so the softmax runs on exp2; for
+// float8 also q_descale * k_descale, and v_descale into the final 1 / l: float32 roundings only)
+// and transposes it 8x8 in registers, then streams K/V tiles of kBlockN = 64 keys, limited to the
+// keys some row of the block can see (causal and windowed blocks skip fully masked tiles; only
+// tiles crossing a window edge are masked element-wise). A key a row cannot see never reaches it,
+// even when its K or V is Inf or NaN: masked logits are overwritten with -inf, and a tile on a
+// window edge whose V holds a non-finite value (checked on those tiles only) takes P V row by row
+// over each row's own keys instead of the register-blocked product, where 0 * NaN = NaN. Scores are
+// kept transposed, keys x rows, so that both products are "broadcast an element of A, FMA a row of
+// B" and the softmax statistics are vectors over rows:
 //   S^T = K Q^T                 [keys, rows], register-blocked 6 keys x 16 rows over D; a last
 //                               block of 8 rows (all rows when N <= 8) 12 keys x 8 rows
 //   m_new = max(m, colmax(S^T)); P^T = exp2(S^T - m_new); l = l exp2(m - m_new) + colsum(P^T)
@@ -315,7 +316,7 @@ ATTENTION_INLINE void LoadQTransposed(const AttentionParams& p, const ItemExtent
       const int64_t at = item.batch * p.q_batch_stride +
                          (e.q_offset + item.row0 + i) * p.q_row_stride +
                          item.head * p.q_head_stride;
-      LoadRow(p.dtype, q_base + at * elem, d, p.softmax_scale * kLog2e, rows8 + r * d_pad);
+      LoadRow(p.dtype, q_base + at * elem, d, EffectiveSoftmaxScale(p) * kLog2e, rows8 + r * d_pad);
     }
     int64_t x0 = 0;
     for (; x0 + kLanes <= d; x0 += kLanes) {
@@ -521,14 +522,16 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(const AttentionParams& p, const WorkI
     }
   }
 
-  // o = O / l in the output dtype; rows that saw no key get o = 0, lse = -inf.
+  // o = O v_descale / l in the output dtype; rows that saw no key get o = 0, lse = -inf.
+  const DType o_dtype = OutputDType(p.dtype);
+  const size_t o_elem = DTypeSize(o_dtype);
   auto* o_base = static_cast<unsigned char*>(p.o);
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t row = e.q_offset + item.row0 + i;
-    void* const dst =
-        o_base +
-        (item.batch * p.o_batch_stride + row * p.o_row_stride + item.head * p.o_head_stride) * elem;
-    StoreOutputRow(o + i * d_pad, d, l[i] > 0.0f ? 1.0f / l[i] : 0.0f, p.dtype, dst);
+    void* const dst = o_base + (item.batch * p.o_batch_stride + row * p.o_row_stride +
+                                item.head * p.o_head_stride) *
+                                   o_elem;
+    StoreOutputRow(o + i * d_pad, d, l[i] > 0.0f ? p.v_descale / l[i] : 0.0f, o_dtype, dst);
     if (p.lse != nullptr) {
       p.lse[item.batch * p.lse_batch_stride + item.head * p.lse_head_stride + row] =
           l[i] > 0.0f ? (m[i] + std::log2(l[i])) * kLn2 : kNegInf;

@@ -27,8 +27,10 @@ cudaError_t LaunchMmaSm80(DType dtype, const KernelParams& k, cudaStream_t strea
       return LaunchFlashForwardBF16(k, stream);
     case DType::kFloat32:
       return LaunchForwardF32(k, stream);
+    case DType::kFloat8E4M3:
+      break;  // not reached: the plan refuses float8 (HostRunner dequantises it first)
   }
-  return cudaErrorInvalidValue;  // not reached: every dtype has a case
+  return cudaErrorInvalidValue;
 }
 
 // The launcher of each variant.
@@ -100,9 +102,12 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   k.seqlen_k = static_cast<int>(p.seqlen_k);
   k.kv_group = static_cast<int>(p.heads_q / p.heads_kv);
   k.head_dim = static_cast<int>(p.head_dim);
-  const Log2Scale scale = ToLog2Scale(p.softmax_scale);
+  // The descales fold in as float32 factors: q_descale * k_descale into the logits'
+  // scale, v_descale into o's normalisation (kernel_params.h).
+  const Log2Scale scale = ToLog2Scale(EffectiveSoftmaxScale(p));
   k.scale_log2 = scale.scale_log2;
   k.negate_q = scale.negate_q;
+  k.o_scale = p.v_descale;
   k.mask_top_left = p.mask_alignment == MaskAlignment::kTopLeft;
   k.window_left = ClampWindow(p.window_left, k.mask_top_left ? p.seqlen_q : p.seqlen_k);
   k.window_right = ClampWindow(p.window_right, k.mask_top_left ? p.seqlen_k : p.seqlen_q);

@@ -440,14 +440,14 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
     CpAsyncWait<0>();
   }
 
-  // Epilogue: O = acc / l (0 for rows that saw no key), staged through this warp's own rows of
-  // the Q tile (no other warp reads them) so global stores are whole 16-byte chunks.
+  // Epilogue: O = acc * o_scale / l (0 for rows that saw no key), staged through this warp's own
+  // rows of the Q tile (no other warp reads them) so global stores are whole 16-byte chunks.
 #pragma unroll
   for (int ms = 0; ms < kMSteps; ++ms) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float l = QuadSum(row_sum[ms][half]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float inv = l > 0.f ? p.o_scale / l : 0.f;
       const int r = block_row(ms) + g + half * 8;  // row within the tile
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {

@@ -45,6 +45,11 @@ absl::StatusOr<ForwardPlan> PlanMmaSm80(const AttentionParams& p, const DeviceCa
     case DType::kFloat32:
       plan.smem_bytes = FlashForwardSmemBytesF32(head_dim);
       break;
+    case DType::kFloat8E4M3:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "forward variant ", name,
+          " takes float32, float16 and bfloat16; float8_e4m3 inputs are dequantised to bfloat16 "
+          "before it (HostRunner)"));
   }
   if (plan.smem_bytes > caps.smem_per_block_optin) {
     return absl::FailedPreconditionError(

@@ -13,6 +13,7 @@
 #include "kernels/cpu/cpu_attention.h"
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dequantise.h"
 #include "kernels/cuda/non_finite_scan.h"
 #include "kernels/non_finite.h"
 #include "kernels/status_macros.h"
@@ -42,6 +43,12 @@ bool Masked(const AttentionParams& p) {
 
 // V's elements: [rows_k, Hkv, D] (BSHD, varlen) or [B, Hkv, Nk, D] (BHSD), contiguous.
 int64_t ElementsV(const AttentionParams& p) { return RowsK(p) * p.heads_kv * p.head_dim; }
+
+// Bytes per element of the kernel's copies of q, k, v when the inputs are dequantised first
+// (float8 -> bfloat16, dequantise.h); 0 when the kernel reads them as they come.
+size_t DequantisedSize(DType dtype) {
+  return dtype == DType::kFloat8E4M3 ? DTypeSize(DType::kBFloat16) : 0;
+}
 
 // Whether `ptr` is memory of `device` itself.
 bool OnDevice(const void* ptr, int device) {
@@ -88,9 +95,11 @@ void ParallelCopy(void* dst, const void* src, size_t bytes) {
   for (std::thread& h : helpers) h.join();
 }
 
-// Where each tensor of a launch lives, in one buffer laid out q | k | v | o | lse | cu_q | cu_k
-// (each region 256-byte aligned). The device buffer has lines of D8 elements, the pinned staging
-// buffer lines of D: items are packed one after another in both.
+// Where each tensor of a launch lives, in one buffer laid out
+// q | k | v | o | lse | cu_q | cu_k | q16 | k16 | v16 (each region 256-byte aligned); q16, k16 and
+// v16 are the bfloat16 copies of float8 inputs that the kernel reads (device buffer only, empty
+// otherwise). The device buffer has lines of D8 elements, the pinned staging buffer lines of D:
+// items are packed one after another in both.
 struct Packing {
   bool varlen = false;  // packed as varlen [total, H, D] (else concatenated along B)
   int64_t lines_q = 0;  // rows * heads, all items
@@ -98,15 +107,21 @@ struct Packing {
   int64_t rows_q = 0;     // query rows, all items (the lse's inner extent when varlen)
   int64_t sequences = 0;  // batch items after packing
   std::vector<int64_t> line_q, line_k, row_q;  // per item: first q line, k line and q row
-  int64_t offsets[8] = {0};                    // region starts; offsets[7] is the total
+  int64_t offsets[11] = {0};                   // region starts; offsets[10] is the total
 
-  int64_t Regions(int64_t line_elems, size_t elem, bool lse) {
-    const int64_t q = lines_q * line_elems * elem, k = lines_k * line_elems * elem;
+  // Sizes the regions for elements of in_elem bytes (q, k, v), out_elem (o) and, when
+  // dequantised_elem > 0, the kernel's copies of q, k, v; returns the total.
+  int64_t Regions(int64_t line_elems, size_t in_elem, size_t out_elem, bool lse,
+                  size_t dequantised_elem = 0) {
+    const int64_t q = lines_q * line_elems * in_elem, k = lines_k * line_elems * in_elem;
+    const int64_t o = lines_q * line_elems * out_elem;
+    const int64_t q16 = lines_q * line_elems * dequantised_elem;
+    const int64_t k16 = lines_k * line_elems * dequantised_elem;
     const int64_t lse_bytes = lse ? lines_q * int64_t{sizeof(float)} : 0;
     const int64_t cu = varlen ? (sequences + 1) * int64_t{sizeof(int32_t)} : 0;
-    const int64_t sizes[7] = {q, k, k, q, lse_bytes, cu, cu};
-    for (int i = 0; i < 7; ++i) offsets[i + 1] = offsets[i] + RoundUp(sizes[i], kAlign);
-    return offsets[7];
+    const int64_t sizes[10] = {q, k, k, o, lse_bytes, cu, cu, q16, k16, k16};
+    for (int i = 0; i < 10; ++i) offsets[i + 1] = offsets[i] + RoundUp(sizes[i], kAlign);
+    return offsets[10];
   }
 };
 
@@ -160,6 +175,7 @@ void ForEachLsePiece(const AttentionParams& item, const Packing& pack, size_t i,
 bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) {
   if (a.dtype != b.dtype || a.heads_q != b.heads_q || a.heads_kv != b.heads_kv ||
       a.head_dim != b.head_dim || a.softmax_scale != b.softmax_scale ||
+      a.q_descale != b.q_descale || a.k_descale != b.k_descale || a.v_descale != b.v_descale ||
       a.window_left != b.window_left || a.window_right != b.window_right ||
       a.mask_alignment != b.mask_alignment || (a.lse == nullptr) != (b.lse == nullptr)) {
     return false;
@@ -301,7 +317,8 @@ int64_t HostRunner::DeviceBytes(absl::Span<const AttentionParams> items) {
   const AttentionParams& first = items[0];
   Packing packing = Pack(items);
   return packing.Regions((first.head_dim + 7) / 8 * 8, DTypeSize(first.dtype),
-                         first.lse != nullptr);
+                         DTypeSize(OutputDType(first.dtype)), first.lse != nullptr,
+                         DequantisedSize(first.dtype));
 }
 
 absl::StatusOr<HostRunTimes> HostRunner::Run(const AttentionParams& host) {
@@ -423,6 +440,9 @@ absl::Status HostRunner::RunExact(Stream* stream, const AttentionParams& item) {
   const size_t elem = DTypeSize(item.dtype);
   const int64_t q_bytes = RowsQ(item) * item.heads_q * item.head_dim * elem;
   const int64_t kv_bytes = ElementsV(item) * elem;
+  // o [rows, Hq, D] in the output dtype (bfloat16 for float8 inputs).
+  const int64_t o_bytes = RowsQ(item) * item.heads_q * item.head_dim *
+                          static_cast<int64_t>(DTypeSize(OutputDType(item.dtype)));
   const int64_t lse_bytes = RowsQ(item) * item.heads_q * int64_t{sizeof(float)};
   std::vector<char> q, k, v, o, lse;
   AttentionParams host = item;
@@ -445,7 +465,7 @@ absl::Status HostRunner::RunExact(Stream* stream, const AttentionParams& item) {
     host.v = v.data();
   }
   if (o_dev) {
-    o.resize(q_bytes);
+    o.resize(o_bytes);
     host.o = o.data();
   }
   if (lse_dev) {
@@ -455,7 +475,7 @@ absl::Status HostRunner::RunExact(Stream* stream, const AttentionParams& item) {
   RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(cs), "copy q, k, v to the host");
   RETURN_IF_ERROR(ExactBackend().Forward(host));
   if (o_dev) {
-    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(item.o, o.data(), q_bytes, cudaMemcpyHostToDevice, cs),
+    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(item.o, o.data(), o_bytes, cudaMemcpyHostToDevice, cs),
                          "copy o to the device");
   }
   if (lse_dev) {
@@ -471,13 +491,16 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
                                                absl::Span<const AttentionParams> items) {
   RETURN_IF_CUDA_ERROR(cudaSetDevice(options_.device), "cudaSetDevice");
   const AttentionParams& first = items[0];
-  const size_t elem = DTypeSize(first.dtype);
+  const size_t elem = DTypeSize(first.dtype);                 // q, k, v as they come
+  const size_t o_elem = DTypeSize(OutputDType(first.dtype));  // o
   const int64_t d = first.head_dim, d8 = (d + 7) / 8 * 8;
   const bool with_lse = first.lse != nullptr;
+  const bool dequantise = DequantisedSize(first.dtype) > 0;
 
   Packing dev_pack = Pack(items), host_pack = dev_pack;
-  const int64_t dev_bytes = dev_pack.Regions(d8, elem, with_lse);
-  const int64_t host_bytes = host_pack.Regions(d, elem, with_lse);
+  const int64_t dev_bytes =
+      dev_pack.Regions(d8, elem, o_elem, with_lse, DequantisedSize(first.dtype));
+  const int64_t host_bytes = host_pack.Regions(d, elem, o_elem, with_lse);
   // One dense request whose q, k, v and o are all in this device's memory (a client's CUDA IPC
   // region) with no padding to D8: the kernel reads and writes them where they are, no copy. The
   // kernel moves 16-byte chunks, so each must start on 16 bytes (a region reference is only
@@ -497,9 +520,9 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     lse_to_host = lse_to_host || !lse_on_device[i];
   }
   const bool lse_in_place = in_place && with_lse && lse_on_device[0];
-  // In place, the stream's buffers hold only an lse that goes to the host: q, k, v and o need
-  // none, so they are neither allocated nor grown for such requests.
-  if (!in_place || (with_lse && !lse_in_place)) {
+  // In place, the stream's buffers hold only float8's bfloat16 copies and an lse that goes to the
+  // host: q, k, v and o need none, so without those they are neither allocated nor grown.
+  if (!in_place || dequantise || (with_lse && !lse_in_place)) {
     RETURN_IF_ERROR(ReserveDevice(stream, dev_bytes));
     RETURN_IF_ERROR(ReserveStaging(stream, host_bytes));
   }
@@ -556,6 +579,15 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     // A lone dense request's lse [B, H, N] is the launch's.
     if (lse_in_place) launch.lse = first.lse;
   }
+  // float8: q, k, v (copied in, or in place) are dequantised into q16, k16, v16, which the
+  // bfloat16 kernel reads; the descales stay in `launch` for the kernel to fold in (dequantise.h).
+  const void* const quantised[3] = {launch.q, launch.k, launch.v};
+  if (dequantise) {
+    launch.dtype = DType::kBFloat16;
+    launch.q = dev.at(7);
+    launch.k = dev.at(8);
+    launch.v = dev.at(9);
+  }
   // The kernel's own checks (sizes that fit the grid, ...) and its plan before any copy is
   // enqueued.
   ASSIGN_OR_RETURN(const ForwardLaunch forward, PrepareForward(launch, options_.forward_variant));
@@ -611,7 +643,7 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
         cudaMemcpyAsync(dev.at(6), host.at(6), cu_bytes, cudaMemcpyHostToDevice, cs),
         "copy cu_seqlens_k to the device");
   }
-  const int64_t o_dev_bytes = dev_pack.lines_q * d8 * elem;
+  const int64_t o_dev_bytes = dev_pack.lines_q * d8 * o_elem;
   const int64_t lse_bytes = with_lse ? dev_pack.lines_q * int64_t{sizeof(float)} : 0;
   if (options_.poison_outputs) {
     // All-ones bytes are NaN in float32, float16 and bfloat16.
@@ -621,15 +653,23 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
       RETURN_IF_CUDA_ERROR(cudaMemsetAsync(launch.lse, 0xff, lse_bytes, cs), "poison lse");
   }
   RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[1], cs), "cudaEventRecord");
+  if (dequantise) {
+    const int64_t lines[3] = {dev_pack.lines_q, dev_pack.lines_k, dev_pack.lines_k};
+    for (int t = 0; t < 3; ++t) {
+      RETURN_IF_CUDA_ERROR(
+          LaunchDequantiseE4m3ToBf16(quantised[t], dev.at(7 + t), lines[t] * d8, cs),
+          "dequantise float8 q, k, v");
+    }
+  }
   RETURN_IF_ERROR(LaunchForward(forward, cs));
   RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[2], cs), "cudaEventRecord");
 
   // Outputs: o straight into a pinned destination, else into staging (consecutive staged items
   // in one DMA); lse always into staging (its packed layout differs from the items' when varlen).
   auto dma_out = [&](char* dst, int64_t line, int64_t lines) -> cudaError_t {
-    const char* src = dev.at(3) + line * d8 * elem;
-    return d8 == d ? cudaMemcpyAsync(dst, src, lines * d * elem, cudaMemcpyDefault, cs)
-                   : cudaMemcpy2DAsync(dst, d * elem, src, d8 * elem, d * elem, lines,
+    const char* src = dev.at(3) + line * d8 * o_elem;
+    return d8 == d ? cudaMemcpyAsync(dst, src, lines * d * o_elem, cudaMemcpyDefault, cs)
+                   : cudaMemcpy2DAsync(dst, d * o_elem, src, d8 * o_elem, d * o_elem, lines,
                                        cudaMemcpyDefault, cs);
   };
   std::vector<bool> o_staged(items.size());
@@ -640,7 +680,7 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
       if (i < items.size()) o_staged[i] = staged;
       if (!staged && run_end > run_start) {
         RETURN_IF_CUDA_ERROR(
-            dma_out(host.at(3) + run_start * d * elem, run_start, run_end - run_start),
+            dma_out(host.at(3) + run_start * d * o_elem, run_start, run_end - run_start),
             "copy o to the host");
         run_start = run_end;
       }
@@ -684,7 +724,7 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     const AttentionParams& item = items[i];
     const int64_t lines = RowsQ(item) * item.heads_q;
     if (o_staged[i]) {
-      ParallelCopy(item.o, host.at(3) + dev_pack.line_q[i] * d * elem, lines * d * elem);
+      ParallelCopy(item.o, host.at(3) + dev_pack.line_q[i] * d * o_elem, lines * d * o_elem);
     }
     if (!with_lse || lse_on_device[i]) continue;
     ForEachLsePiece(item, dev_pack, i,

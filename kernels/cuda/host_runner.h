@@ -47,6 +47,11 @@
 // unseen keys, past Nk, are zero-filled on the device). The times of a fallen-back call count the
 // CPU run (and its copies) as compute_us.
 //
+// float8 e4m3 inputs are served by conversion: q, k and v are copied to the device as they come
+// (1 byte an element), dequantised there into bfloat16 copies (dequantise.h; exact), and the
+// bfloat16 kernel runs on those with the descales folded into its logit scale and its output
+// normalisation; o comes out in bfloat16. No Hopper-native float8 kernel is built.
+//
 // Head dims that are not a multiple of 8 are served by padding: each D-element line of q, k, v
 // lands in a zeroed line of D8 = roundup(D, 8) elements (cudaMemcpy2D), the kernel runs with
 // head dim D8 (zero columns add nothing to q.k; the scale stays the caller's), and o's first D
@@ -93,9 +98,10 @@ struct HostRunTimes {
   double h2d_us = 0, compute_us = 0, d2h_us = 0;
 };
 
-// Whether requests `a` and `b` can share one launch: same dtype, heads, head dim, scale, window
-// and lse request, and either both dense in the same layout with equal lengths (concatenated along
-// B) or both BSHD-or-varlen (packed as varlen). Host-side and cheap; the scheduler groups by it.
+// Whether requests `a` and `b` can share one launch: same dtype, heads, head dim, scale, descales,
+// window and lse request, and either both dense in the same layout with equal lengths (concatenated
+// along B) or both BSHD-or-varlen (packed as varlen). Host-side and cheap; the scheduler groups by
+// it.
 bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b);
 
 class HostRunner {

@@ -36,6 +36,9 @@ struct KernelParams {
   // instead of becoming NaN); negate_q flips Q's sign for a negative scale.
   float scale_log2;
   bool negate_q;
+  // o = acc * o_scale / l: AttentionParams::v_descale folded into the normalisation (1 for
+  // unscaled inputs), so that float8 V reaches the kernel as its exact bfloat16 values.
+  float o_scale;
   // Window bounds, -1 = unbounded; the launcher turns bounds that exclude nothing into -1.
   int window_left, window_right;
   // The mask's diagonal: false = bottom-right (query i on key i + nk - nq), true = top-left (on
@@ -49,6 +52,9 @@ struct KernelParams {
 struct Log2Scale {
   float scale_log2;
   bool negate_q;
+  // o = acc * o_scale / l: AttentionParams::v_descale folded into the normalisation (1 for
+  // unscaled inputs), so that float8 V reaches the kernel as its exact bfloat16 values.
+  float o_scale;
 };
 inline Log2Scale ToLog2Scale(float softmax_scale) {
   return {std::max(std::fabs(softmax_scale) * kLog2e, std::numeric_limits<float>::min()),

@@ -25,6 +25,8 @@ absl::Status Forward(const AttentionParams& p, std::vector<double>* o, std::vect
   }
   const int64_t d = p.head_dim;
   const int64_t group = p.heads_q / p.heads_kv;
+  // The dequantised inputs (float8: each element times its tensor's descale), in float64.
+  const double q_descale = p.q_descale, k_descale = p.k_descale, v_descale = p.v_descale;
   const bool varlen = p.is_varlen();
   const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
   o->assign(Extent(p.o_batch_stride, p.o_head_stride, p.o_row_stride, varlen ? 1 : p.batch,
@@ -59,8 +61,8 @@ absl::Status Forward(const AttentionParams& p, std::vector<double>* o, std::vect
               b * p.k_batch_stride + (k0 + j) * p.k_row_stride + hk * p.k_head_stride;
           double dot = 0;
           for (int64_t x = 0; x < d; ++x) {
-            dot += static_cast<double>(LoadAsFloat(p.q, q_base + x, p.dtype)) *
-                   static_cast<double>(LoadAsFloat(p.k, k_base + x, p.dtype));
+            dot += (static_cast<double>(LoadAsFloat(p.q, q_base + x, p.dtype)) * q_descale) *
+                   (static_cast<double>(LoadAsFloat(p.k, k_base + x, p.dtype)) * k_descale);
           }
           scores[j] = dot * static_cast<double>(p.softmax_scale);
           max_score = std::max(max_score, scores[j]);
@@ -77,7 +79,7 @@ absl::Status Forward(const AttentionParams& p, std::vector<double>* o, std::vect
           const int64_t v_base =
               b * p.v_batch_stride + (k0 + j) * p.v_row_stride + hk * p.v_head_stride;
           for (int64_t x = 0; x < d; ++x) {
-            acc[x] += w * static_cast<double>(LoadAsFloat(p.v, v_base + x, p.dtype));
+            acc[x] += w * (static_cast<double>(LoadAsFloat(p.v, v_base + x, p.dtype)) * v_descale);
           }
         }
         for (int64_t x = 0; x < d; ++x) (*o)[o_base + x] = acc[x] / sum;

@@ -8,7 +8,8 @@
 
 namespace attention::reference {
 
-// Computes attention of p (host pointers; p.o and p.lse are ignored) in float64.
+// Computes attention of p (host pointers; p.o and p.lse are ignored) in float64, on the inputs
+// as values (float8: each element times its tensor's descale, in float64).
 // o gets the output in the same element positions p.o would use (sized to hold them);
 // lse, when not null, gets [B, Hq, Nq] (varlen: [Hq, total_q]) in the positions p.lse would use.
 // Rows that see no key get o = 0 and lse = -inf.

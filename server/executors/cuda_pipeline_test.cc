@@ -144,10 +144,30 @@ TEST(CanShareLaunchTest, MaskAlignmentsDoNotMix) {
   EXPECT_TRUE(cuda::CanShareLaunch(a, b));
 }
 
+// Host-side only: the descales fold into the launch's scale, so float8 requests with other
+// descales never share a launch.
+TEST(CanShareLaunchTest, DescalesDoNotMix) {
+  AttentionParams a;
+  a.dtype = DType::kFloat8E4M3;
+  a.batch = 1;
+  a.heads_q = a.heads_kv = 2;
+  a.seqlen_q = a.seqlen_k = 9;
+  a.head_dim = 16;
+  a.SetContiguousStrides(Layout::kBHSD);
+  AttentionParams b = a;
+  EXPECT_TRUE(cuda::CanShareLaunch(a, b));
+  for (float AttentionParams::*descale :
+       {&AttentionParams::q_descale, &AttentionParams::k_descale, &AttentionParams::v_descale}) {
+    b = a;
+    b.*descale = 0.5f;
+    EXPECT_FALSE(cuda::CanShareLaunch(a, b));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Grid, BatchedLaunchTest,
                          testing::Combine(testing::ValuesIn(BatchCases()),
                                           testing::Values(DType::kFloat32, DType::kFloat16,
-                                                          DType::kBFloat16)),
+                                                          DType::kBFloat16, DType::kFloat8E4M3)),
                          [](const testing::TestParamInfo<Param>& info) {
                            return kernel_test::CaseName(std::get<0>(info.param),
                                                         std::get<1>(info.param));

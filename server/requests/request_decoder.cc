@@ -39,10 +39,13 @@ absl::StatusOr<DType> ToDType(int dtype, absl::string_view field) {
       return DType::kFloat16;
     case v1::DTYPE_BFLOAT16:
       return DType::kBFloat16;
+    case v1::DTYPE_FLOAT8_E4M3:
+      return DType::kFloat8E4M3;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16, got ",
-                       DTypeString(dtype)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field,
+          ": expected DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16 or DTYPE_FLOAT8_E4M3, got ",
+          DTypeString(dtype)));
   }
 }
 
@@ -123,6 +126,38 @@ absl::Status CheckCuSeqlens(absl::string_view name,
 }
 
 }  // namespace
+
+absl::StatusOr<Descales> DecodeDescales(const AttendRequest& request, DType dtype,
+                                        float softmax_scale) {
+  Descales descales;
+  for (const auto& [name, present, value, out] :
+       {std::tuple{"q_descale", request.has_q_descale(), request.q_descale(), &descales.q},
+        {"k_descale", request.has_k_descale(), request.k_descale(), &descales.k},
+        {"v_descale", request.has_v_descale(), request.v_descale(), &descales.v}}) {
+    if (!present) continue;
+    if (dtype != DType::kFloat8E4M3) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected only with DTYPE_FLOAT8_E4M3 inputs, got ", value, " with ",
+                       DTypeString(request.q().dtype())));
+    }
+    if (!(std::isfinite(value) && value > 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected a finite value > 0, got ", value));
+    }
+    *out = value;
+  }
+  // The kernels scale the raw q.k products by this one factor (EffectiveSoftmaxScale), so it is
+  // held to softmax_scale's limit.
+  const double logit_scale = static_cast<double>(softmax_scale) * descales.q * descales.k;
+  if (logit_scale > kMaxSoftmaxScale) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("q_descale * k_descale * softmax_scale: expected at most ", kMaxSoftmaxScale,
+                     " (the scale of the raw logits; larger cannot be computed accurately), got ",
+                     logit_scale, " (q_descale ", descales.q, ", k_descale ", descales.k,
+                     ", softmax_scale ", softmax_scale, ")"));
+  }
+  return descales;
+}
 
 absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                                              const DecodeOptions& options,
@@ -253,6 +288,7 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   }
 
   ASSIGN_OR_RETURN(MaskParams mask, DecodeMask(request, head_dim));
+  ASSIGN_OR_RETURN(const Descales descales, DecodeDescales(request, dtype, mask.softmax_scale));
 
   AttentionParams p;
   p.dtype = dtype;
@@ -260,6 +296,9 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   p.heads_kv = heads_kv;
   p.head_dim = head_dim;
   p.softmax_scale = mask.softmax_scale;
+  p.q_descale = descales.q;
+  p.k_descale = descales.k;
+  p.v_descale = descales.v;
   p.window_left = mask.window_left;
   p.window_right = mask.window_right;
   p.mask_alignment = request.mask_alignment() == v1::MASK_ALIGN_TOP_LEFT
@@ -312,8 +351,11 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                      " per request (--max_request_flops); split it over several calls"));
   }
 
-  // The response: o like q, lse float32 [B, Hq, Nq] (varlen [Hq, total_q]).
-  const int64_t o_bytes = tensor_bytes[0];
+  // The response: o shaped like q in OutputDType (bfloat16 for float8), lse float32 [B, Hq, Nq]
+  // (varlen [Hq, total_q]).
+  const DType o_dtype = OutputDType(dtype);
+  const int64_t o_element_bytes = static_cast<int64_t>(DTypeSize(o_dtype));
+  const int64_t o_bytes = tensor_bytes[0] / static_cast<int64_t>(element_bytes) * o_element_bytes;
   const int64_t lse_rows = varlen ? p.total_q : p.batch * p.seqlen_q;
   const int64_t lse_bytes = request.return_lse() ? heads_q * lse_rows * int64_t{sizeof(float)} : 0;
   if (request.has_lse_ref() && !request.return_lse()) {
@@ -328,12 +370,11 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                                                      " bytes, over the message limit of ",
                                                      options.max_message_bytes, " bytes"));
   }
-  decoded.o.set_dtype(q.dtype());
+  decoded.o.set_dtype(o_dtype == dtype ? q.dtype() : v1::DTYPE_BFLOAT16);
   decoded.o.mutable_shape()->CopyFrom(q.shape());
   // Tensors in a region have their params pointing there and no bytes to carry.
   if (request.has_o_ref()) {
-    ASSIGN_OR_RETURN(p.o, OutputRef("o_ref", request.o_ref(), o_bytes,
-                                    static_cast<int64_t>(element_bytes), refs));
+    ASSIGN_OR_RETURN(p.o, OutputRef("o_ref", request.o_ref(), o_bytes, o_element_bytes, refs));
   } else {
     decoded.o_bytes = o_bytes;
   }

@@ -47,7 +47,8 @@ struct DecodedRequest {
   // regions of tensors by reference. The InputTensors overload of DecodeRequest leaves o and lse
   // null for the caller to place, unless they go into a region (o_ref, lse_ref).
   AttentionParams params;
-  // The response's tensors without their data: o (dtype and shape of q), and when asked lse
+  // The response's tensors without their data: o (shape of q, dtype OutputDType of q's:
+  // bfloat16 for float8), and when asked lse
   // (float32 [B, Hq, Nq], varlen [Hq, total_q]); the bytes the response carries for them (0 when
   // not asked, or written into a region).
   v1::Tensor o;
@@ -65,11 +66,10 @@ struct DecodedRequest {
 
 // Validates `request` (INVALID_ARGUMENT naming the field, the expected and the actual value;
 // RESOURCE_EXHAUSTED when the tensors exceed options.max_message_bytes) and decodes it. Sets the
-// response's o (dtype and shape of q) and, when asked, lse (float32 [B, Hq, Nq], varlen
-// [Hq, total_q]) to their final sizes; `request` and `response` must outlive the result and not
-// be modified while it is in use.
-// Checks shared with the Sessions service (server/session_request.h). Messages name the field,
-// the expected and the actual value.
+// response's o (shape of q, bfloat16 for float8 inputs, else q's dtype) and, when asked, lse
+// (float32 [B, Hq, Nq], varlen [Hq, total_q]) to their final sizes; `request` and `response` must
+// outlive the result and not be modified while it is in use. Checks shared with the Sessions
+// service (server/session_request.h). Messages name the field, the expected and the actual value.
 
 // "[2, 4, 16, 32]".
 std::string ShapeString(const v1::Tensor& t);
@@ -130,6 +130,15 @@ absl::StatusOr<MaskParams> DecodeMask(const Request& request, int64_t head_dim) 
   if (request.causal()) mask.window_right = 0;  // any given right bound is >= 0, so causal wins
   return mask;
 }
+
+// The descale factors of an AttendRequest whose q, k, v are of `dtype` (1 where absent): only
+// float8 inputs take them, each finite and > 0, and softmax_scale * q_descale * k_descale (the
+// scale of the raw logits) at most kMaxSoftmaxScale; INVALID_ARGUMENT naming the field otherwise.
+struct Descales {
+  float q = 1.0f, k = 1.0f, v = 1.0f;
+};
+absl::StatusOr<Descales> DecodeDescales(const v1::AttendRequest& request, DType dtype,
+                                        float softmax_scale);
 
 // Tensors given by reference (Tensor.ref, o_ref, lse_ref) are resolved through `refs` (null:
 // shared memory is off, and such requests get FAILED_PRECONDITION); o and lse written into a

@@ -35,7 +35,9 @@ class Random {
   std::mt19937 gen_;
 };
 
-size_t Bytes(v1::DType dtype) { return dtype == v1::DTYPE_FLOAT32 ? 4 : 2; }
+size_t Bytes(v1::DType dtype) {
+  return dtype == v1::DTYPE_FLOAT32 ? 4 : dtype == v1::DTYPE_FLOAT8_E4M3 ? 1 : 2;
+}
 
 void SetTensor(v1::Tensor* t, v1::DType dtype, std::vector<int64_t> shape, Random& random) {
   t->set_dtype(dtype);
@@ -56,6 +58,13 @@ AttendRequest DenseRequest(Random& random) {
   SetTensor(r.mutable_k(), v1::DTYPE_FLOAT32, {2, 2, 7, 8}, random);
   SetTensor(r.mutable_v(), v1::DTYPE_FLOAT32, {2, 2, 7, 8}, random);
   return r;
+}
+
+// DenseRequest's shapes in float8 e4m3.
+void MakeFloat8(AttendRequest& r, Random& random) {
+  SetTensor(r.mutable_q(), v1::DTYPE_FLOAT8_E4M3, {2, 4, 5, 8}, random);
+  SetTensor(r.mutable_k(), v1::DTYPE_FLOAT8_E4M3, {2, 2, 7, 8}, random);
+  SetTensor(r.mutable_v(), v1::DTYPE_FLOAT8_E4M3, {2, 2, 7, 8}, random);
 }
 
 // Two items: q rows 3 + 4, k rows 5 + 4; q [7, 4, 8], k and v [9, 2, 8].
@@ -87,7 +96,8 @@ TEST(RequestDecoderTest, RejectsMalformedRequestsNamingTheField) {
        "v: expected a tensor, got none"},
       {"dtype unspecified", false,
        [](auto& r, auto&) { r.mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); }, kInvalid,
-       "q.dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16, got DTYPE_UNSPECIFIED"},
+       "q.dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16 or DTYPE_FLOAT8_E4M3, got "
+       "DTYPE_UNSPECIFIED"},
       {"dtype unknown", false,
        [](auto& r, auto&) { r.mutable_q()->set_dtype(static_cast<v1::DType>(9)); }, kInvalid,
        "got unknown dtype 9"},
@@ -170,6 +180,55 @@ TEST(RequestDecoderTest, RejectsMalformedRequestsNamingTheField) {
       {"scale above the bound", false, [](auto& r, auto&) { r.set_softmax_scale(1e7f); }, kInvalid,
        "softmax_scale: expected at most 1e+06 (larger scales cannot be computed accurately), got "
        "1e+07"},
+      {"descale without float8", false, [](auto& r, auto&) { r.set_k_descale(0.5f); }, kInvalid,
+       "k_descale: expected only with DTYPE_FLOAT8_E4M3 inputs, got 0.5 with DTYPE_FLOAT32"},
+      {"float8 and bfloat16", false,
+       [](auto& r, auto& g) {
+         MakeFloat8(r, g);
+         SetTensor(r.mutable_v(), v1::DTYPE_BFLOAT16, {2, 2, 7, 8}, g);
+       },
+       kInvalid, "v.dtype: expected DTYPE_FLOAT8_E4M3 (as q), got DTYPE_BFLOAT16"},
+      {"float8 byte size", false,
+       [](auto& r, auto& g) {
+         MakeFloat8(r, g);
+         r.mutable_k()->mutable_data()->pop_back();
+       },
+       kInvalid, "k.data: expected 224 bytes (shape [2, 2, 7, 8] x 1 bytes), got 223"},
+      {"nan q_descale", false,
+       [](auto& r, auto& g) {
+         MakeFloat8(r, g);
+         r.set_q_descale(std::numeric_limits<float>::quiet_NaN());
+       },
+       kInvalid, "q_descale: expected a finite value > 0, got nan"},
+      {"infinite k_descale", false,
+       [](auto& r, auto& g) {
+         MakeFloat8(r, g);
+         r.set_k_descale(std::numeric_limits<float>::infinity());
+       },
+       kInvalid, "k_descale: expected a finite value > 0, got inf"},
+      {"zero v_descale", false,
+       [](auto& r, auto& g) {
+         MakeFloat8(r, g);
+         r.set_v_descale(0);
+       },
+       kInvalid, "v_descale: expected a finite value > 0, got 0"},
+      {"negative v_descale", false,
+       [](auto& r, auto& g) {
+         MakeFloat8(r, g);
+         r.set_v_descale(-2);
+       },
+       kInvalid, "v_descale: expected a finite value > 0, got -2"},
+      {"descaled logits above the bound", false,
+       [](auto& r, auto& g) {
+         MakeFloat8(r, g);
+         r.set_softmax_scale(0.5f);
+         r.set_q_descale(4e3f);
+         r.set_k_descale(1e3f);
+       },
+       kInvalid,
+       "q_descale * k_descale * softmax_scale: expected at most 1e+06 (the scale of the raw "
+       "logits; larger cannot be computed accurately), got 2e+06 (q_descale 4000, k_descale 1000, "
+       "softmax_scale 0.5)"},
       {"negative window_left", false, [](auto& r, auto&) { r.set_window_left(-1); }, kInvalid,
        "window_left: expected >= 0 (absent = unbounded), got -1"},
       {"negative window_right", false, [](auto& r, auto&) { r.set_window_right(-4); }, kInvalid,
@@ -283,6 +342,38 @@ TEST(RequestDecoderTest, BhsdPointsIntoRequestAndResponse) {
   // Unmasked: every query row sees every key.
   EXPECT_DOUBLE_EQ(decoded->flops, 4.0 * 2 * 4 * 5 * 7 * 8);
   EXPECT_EQ(decoded->query_tokens, 2 * 5);
+}
+
+TEST(RequestDecoderTest, Float8TakesDescalesAndAnswersBfloat16) {
+  Random random;
+  SCOPED_TRACE("seed " + std::to_string(random.seed()));
+  AttendRequest request = DenseRequest(random);  // q [2, 4, 5, 8], k [2, 2, 7, 8]
+  MakeFloat8(request, random);
+  AttendResponse response;
+  absl::StatusOr<DecodedRequest> decoded = DecodeRequest(request, {}, &response);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->params.dtype, DType::kFloat8E4M3);
+  EXPECT_EQ(decoded->params.q_descale, 1.0f);  // absent: 1
+  EXPECT_EQ(decoded->params.k_descale, 1.0f);
+  EXPECT_EQ(decoded->params.v_descale, 1.0f);
+  EXPECT_EQ(decoded->q_bytes, 2 * 4 * 5 * 8);
+  // o: q's shape in bfloat16, two bytes an element.
+  EXPECT_EQ(response.o().dtype(), v1::DTYPE_BFLOAT16);
+  EXPECT_THAT(response.o().shape(), ::testing::ElementsAre(2, 4, 5, 8));
+  EXPECT_EQ(response.o().data().size(), 2 * 4 * 5 * 8 * 2);
+  EXPECT_EQ(decoded->params.o, response.o().data().data());
+
+  request.set_q_descale(0.25f);
+  request.set_k_descale(3.0f);
+  request.set_v_descale(1e-3f);
+  request.set_softmax_scale(0.7f);
+  decoded = DecodeRequest(request, {}, &response);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->params.q_descale, 0.25f);
+  EXPECT_EQ(decoded->params.k_descale, 3.0f);
+  EXPECT_EQ(decoded->params.v_descale, 1e-3f);
+  EXPECT_EQ(decoded->params.softmax_scale, 0.7f);  // the descales are the kernels' to fold
+  EXPECT_FLOAT_EQ(EffectiveSoftmaxScale(decoded->params), 0.7f * 0.25f * 3.0f);
 }
 
 TEST(RequestDecoderTest, BshdStrides) {

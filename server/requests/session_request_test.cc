@@ -46,8 +46,14 @@ TEST(DecodeCreateTest, ChecksDtypeHeadsAndHeadDim) {
   v1::CreateSessionRequest bad = request;
   bad.set_dtype(v1::DTYPE_UNSPECIFIED);
   ExpectInvalid(DecodeCreate(bad, {}).status(),
-                "dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16 or "
-                "DTYPE_BFLOAT16, got DTYPE_UNSPECIFIED");
+                "dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16 or "
+                "DTYPE_FLOAT8_E4M3, got DTYPE_UNSPECIFIED");
+  // float8 is an Attend dtype: no session holds float8 rows.
+  bad = request;
+  bad.set_dtype(v1::DTYPE_FLOAT8_E4M3);
+  const absl::Status fp8 = DecodeCreate(bad, {}).status();
+  EXPECT_EQ(fp8.code(), absl::StatusCode::kUnimplemented) << fp8;
+  EXPECT_THAT(fp8.message(), HasSubstr("DTYPE_FLOAT8_E4M3 sessions are not implemented"));
   bad = request;
   bad.set_kv_heads(0);
   ExpectInvalid(DecodeCreate(bad, {}).status(), "kv_heads: expected >= 1, got 0");

@@ -280,7 +280,8 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
     info->set_multiprocessors(device->multiprocessors);
     info->set_compute_capability(device->compute_capability);
   }
-  for (v1::DType dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
+  for (v1::DType dtype :
+       {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16, v1::DTYPE_FLOAT8_E4M3}) {
     response->add_dtypes(dtype);
   }
   // The fast ones, as the devices' kernels specialise them; all of 1..max_head_dim work.

@@ -374,8 +374,8 @@ TEST(AttentionServiceTest, ServerInfoDescribesDevicesAndLimits) {
   EXPECT_GT(info.devices(0).memory_bytes(), 0);
   EXPECT_GT(info.devices(0).multiprocessors(), 0);
   EXPECT_FALSE(info.devices(0).description().empty());
-  EXPECT_THAT(info.dtypes(),
-              ::testing::ElementsAre(v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16));
+  EXPECT_THAT(info.dtypes(), ::testing::ElementsAre(v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16,
+                                                    v1::DTYPE_BFLOAT16, v1::DTYPE_FLOAT8_E4M3));
   EXPECT_EQ(info.limits().max_message_bytes(), 1 << 20);
   EXPECT_EQ(info.limits().max_queue(), 7);
   EXPECT_EQ(info.limits().max_batch(), 1);

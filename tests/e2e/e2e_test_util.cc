@@ -125,6 +125,18 @@ std::vector<ProblemSpec> CorrectnessGrid() {
       grid.push_back(spec);
     }
   }
+  // float8 e4m3 (o in bfloat16): every shape, descales absent on the first (all 1) and set, none
+  // a power of two, on the others.
+  for (size_t i = 0; i < base.size(); ++i) {
+    ProblemSpec spec = base[i];
+    spec.dtype = v1::DTYPE_FLOAT8_E4M3;
+    if (i > 0) {
+      spec.q_descale = 0.3f + 0.1f * static_cast<float>(i);
+      spec.k_descale = 1.7f;
+      spec.v_descale = 0.013f * static_cast<float>(i);
+    }
+    grid.push_back(spec);
+  }
   return grid;
 }
 

@@ -567,6 +567,20 @@ TEST_F(SessionsE2E, UnknownAndDroppedSessionsAreNotFound) {
   }
 }
 
+// float8 is an Attend dtype: no session holds float8 rows, so CreateSession refuses it (and with
+// it every Step of float8 tensors, which must be of their session's dtype).
+TEST_F(SessionsE2E, Float8SessionsAreUnimplemented) {
+  SessionsStub stub = Stub();
+  v1::CreateSessionRequest r;
+  r.set_dtype(v1::DTYPE_FLOAT8_E4M3);
+  r.set_kv_heads(2);
+  r.set_head_dim(64);
+  const absl::StatusOr<v1::SessionInfo> info = stub.Create(r);
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kUnimplemented) << info.status();
+  EXPECT_THAT(std::string(info.status().message()),
+              HasSubstr("DTYPE_FLOAT8_E4M3 sessions are not implemented"));
+}
+
 TEST_F(SessionsE2E, InvalidEntriesAreRefusedBeforeAnythingIsAppended) {
   std::mt19937_64 rng(FreshSeed());
   SessionsStub stub = Stub();

@@ -100,7 +100,9 @@ v1::AttendRequest ByReference(const v1::AttendRequest& request, const GuardedReg
     at += RoundUp(static_cast<int64_t>(from->data().size()));
   }
   *o_offset = at;
-  const int64_t o_bytes = static_cast<int64_t>(request.q().data().size());
+  // o is q's size, but bfloat16 (2 bytes an element) for float8 q.
+  const int64_t o_bytes = static_cast<int64_t>(request.q().data().size()) *
+                          (request.q().dtype() == v1::DTYPE_FLOAT8_E4M3 ? 2 : 1);
   *r.mutable_o_ref() = MakeRef(region.name, at, o_bytes);
   at += RoundUp(o_bytes);
   *lse_offset = at;
@@ -154,7 +156,19 @@ TEST_F(SharedMemoryE2E, AttendWithTensorsInSharedMemoryMatchesTheReference) {
                                                    .seqlen_k = 129,
                                                    .head_dim = 40,
                                                    .dtype = v1::DTYPE_FLOAT16,
-                                                   .window_left = 16}};
+                                                   .window_left = 16},
+                                                  {.batch = 1,
+                                                   .heads_q = 4,
+                                                   .heads_kv = 2,
+                                                   .seqlen_q = 33,
+                                                   .seqlen_k = 65,
+                                                   .head_dim = 24,
+                                                   .dtype = v1::DTYPE_FLOAT8_E4M3,
+                                                   .causal = true,
+                                                   .return_lse = true,
+                                                   .q_descale = 0.6f,
+                                                   .k_descale = 1.3f,
+                                                   .v_descale = 0.07f}};
   absl::StatusOr<GuardedRegion> region = MakeRegion(regions, "attend", 4 << 20);
   ASSERT_TRUE(region.ok()) << region.status();
   for (const client::ProblemSpec& spec : specs) {
@@ -170,7 +184,7 @@ TEST_F(SharedMemoryE2E, AttendWithTensorsInSharedMemoryMatchesTheReference) {
     EXPECT_EQ(response->o().shape_size(), request->q().shape_size());
     // The answer as if it had come inline, from the region's bytes.
     v1::AttendResponse inline_answer = *response;
-    inline_answer.mutable_o()->set_data(region->data() + o_offset, request->q().data().size());
+    inline_answer.mutable_o()->set_data(region->data() + o_offset, by_ref.o_ref().byte_size());
     if (spec.return_lse) {
       const int64_t lse_bytes = by_ref.lse_ref().byte_size();
       EXPECT_TRUE(response->lse().data().empty());

@@ -363,14 +363,37 @@ std::vector<AttentionCase> StandardGrid() {
   return grid;
 }
 
-double DefaultTolerance(DType dtype) { return dtype == DType::kFloat32 ? 1e-5 : 1e-2; }
+double DefaultTolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 1e-5;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 1e-2;
+    case DType::kFloat8E4M3:
+      // The reference runs on the dequantised inputs, which every backend also computes on
+      // exactly (e4m3 values are exact in float32 and bfloat16; the descales fold into float32
+      // factors), so the error comes from the bfloat16 roundings after the inputs. bfloat16 keeps
+      // 8 significant bits: rounding to nearest moves a value by at most 2^-8 of itself. o's
+      // rounding is one such (at most 2^-8 of ||o||); on tensor cores P's before P V is the other:
+      // it moves o_x by at most 2^-8 sum_j P_j |v_jx| / l, which for the zero-mean inputs here is
+      // of the order of |o_x| (the rounding errors of independent P_j add in quadrature, as the
+      // P_j v_jx do). Two roundings of 2^-8: 2^-7. Measured on the CPU backend (o's rounding
+      // only): 1.1e-3 to 1.9e-3, as a uniform rounding error gives (rms ~1.6e-3). A kernel
+      // that rounds P to float8 (FlashAttention-3's fp8 path: 2^-4 per probability) needs a
+      // bound of its own.
+      return 1.0 / 128;
+  }
+  return 0;
+}
 
 HostBufferBytes BufferBytes(const AttentionParams& p) {
   const size_t elem = DTypeSize(p.dtype);
   const int64_t rows_q = p.is_varlen() ? p.total_q : p.batch * p.seqlen_q;
   const int64_t rows_k = p.is_varlen() ? p.total_k : p.batch * p.seqlen_k;
   HostBufferBytes bytes;
-  bytes.q = bytes.o = rows_q * p.heads_q * p.head_dim * elem;
+  bytes.q = rows_q * p.heads_q * p.head_dim * elem;
+  bytes.o = rows_q * p.heads_q * p.head_dim * DTypeSize(OutputDType(p.dtype));
   bytes.k = bytes.v = rows_k * p.heads_kv * p.head_dim * elem;
   bytes.lse = p.lse == nullptr ? 0 : rows_q * p.heads_q * sizeof(float);
   return bytes;
@@ -395,6 +418,16 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
   p.window_right = c.window_right;
   p.mask_alignment = c.mask_alignment;
   p.softmax_scale = c.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
+  if (dtype == DType::kFloat8E4M3) {
+    // Fresh descales, log-uniform and almost never powers of two (so no backend gets them free):
+    // q's and k's near 1 (they scale the logits, which the large-magnitude cases already push),
+    // v's over a wider range (it only scales o).
+    std::uniform_real_distribution<float> log2_qk(-1.0f, 1.0f), log2_v(-4.0f, 4.0f);
+    p.q_descale = std::exp2(log2_qk(rng));
+    p.k_descale = std::exp2(log2_qk(rng));
+    p.v_descale = std::exp2(log2_v(rng));
+  }
+  SCOPED_TRACE(absl::StrCat("descales q ", p.q_descale, " k ", p.k_descale, " v ", p.v_descale));
   std::vector<int32_t> cu_q, cu_k;
   if (c.is_varlen()) {
     ASSERT_EQ(c.varlen_q.size(), c.varlen_k.size());
@@ -424,7 +457,7 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
   const int64_t kv_elements = rows_k * p.heads_kv * p.head_dim;
   const int64_t lse_elements = rows_q * p.heads_q;
   HostArray q(dtype, q_elements), k(dtype, kv_elements), v(dtype, kv_elements),
-      o(dtype, q_elements);
+      o(OutputDType(dtype), q_elements);
   for (int64_t i = 0; i < q_elements; ++i) q.Set(i, normal(rng));
   for (int64_t i = 0; i < kv_elements; ++i) k.Set(i, normal(rng));
   for (int64_t i = 0; i < kv_elements; ++i) v.Set(i, normal(rng));
@@ -480,8 +513,13 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
   const absl::Status status = forward(p);
   ASSERT_TRUE(status.ok()) << status;
 
+  // float8 gets its bfloat16 roundings (DefaultTolerance) plus the float32 arithmetic's own error,
+  // which the conditioning of large-magnitude cases raises (float32_tolerance_factor).
   const double bound =
-      dtype == DType::kFloat32 ? tolerance * c.float32_tolerance_factor : tolerance;
+      dtype == DType::kFloat32 ? tolerance * c.float32_tolerance_factor
+      : dtype == DType::kFloat8E4M3
+          ? tolerance + DefaultTolerance(DType::kFloat32) * c.float32_tolerance_factor
+          : tolerance;
   // Rows compared, by their lse position [B, Hq, Nq] (varlen [Hq, total_q]), and the o element
   // offset of each compared element (o rows are found through the o strides).
   std::vector<char> compared(lse_elements, 0);

@@ -29,7 +29,7 @@ TEST_P(CpuAttentionTest, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(StandardGrid, CpuAttentionTest,
                          testing::Combine(testing::ValuesIn(StandardGrid()),
                                           testing::Values(DType::kFloat32, DType::kFloat16,
-                                                          DType::kBFloat16)),
+                                                          DType::kBFloat16, DType::kFloat8E4M3)),
                          [](const testing::TestParamInfo<std::tuple<AttentionCase, DType>>& info) {
                            return CaseName(std::get<0>(info.param), std::get<1>(info.param));
                          });

@@ -1,5 +1,5 @@
-// HoldsNonFinite against std::isfinite on every float16 and bfloat16 pattern and on float32
-// specials, at every position of short tensors (the word-at-a-time body and the tail).
+// HoldsNonFinite against std::isfinite on every float16, bfloat16 and float8 e4m3 pattern and on
+// float32 specials, at every position of short tensors (the word-at-a-time body and the tail).
 #include "kernels/non_finite.h"
 
 #include <bit>
@@ -52,6 +52,22 @@ TEST(NonFiniteTest, Float32AtEveryPosition) {
                                      std::numeric_limits<float>::denorm_min(), -0.0f, 0.0f};
   EXPECT_FALSE(HoldsNonFinite(DType::kFloat32, finite.data(), finite.size()));
   EXPECT_FALSE(HoldsNonFinite(DType::kFloat32, nullptr, 0));
+}
+
+TEST(NonFiniteTest, EveryFloat8Pattern) {
+  for (uint32_t b = 0; b < 256; ++b) {
+    const auto bits = static_cast<uint8_t>(b);
+    const bool expected = !std::isfinite(Float8E4m3ToFloat(bits));  // 0x7f and 0xff only
+    // Alone (tail only), at 13 of 16 (the second word) and at 5 of 7 (the tail after none).
+    std::vector<uint8_t> x(16, 0x7e);  // 448, the largest finite value
+    x[13] = bits;
+    ASSERT_EQ(HoldsNonFinite(DType::kFloat8E4M3, &bits, 1), expected) << std::hex << b;
+    ASSERT_EQ(HoldsNonFinite(DType::kFloat8E4M3, x.data(), 16), expected) << std::hex << b;
+    x[13] = 0x7e;
+    x[5] = bits;
+    ASSERT_EQ(HoldsNonFinite(DType::kFloat8E4M3, x.data(), 7), expected) << std::hex << b;
+    ASSERT_FALSE(HoldsNonFinite(DType::kFloat8E4M3, x.data(), 5));
+  }
 }
 
 }  // namespace

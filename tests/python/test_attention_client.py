@@ -274,6 +274,48 @@ class HalfPrecisionTest(ServerTest):
             self.assertWithin(rel_error(o.float().numpy(), ref_o), F16_BOUND, f"o {dtype}")
             self.assertWithin(lse_error(lse.numpy(), ref_lse), F16_BOUND, f"lse {dtype}")
 
+    def test_float8_bits_with_descales(self):
+        # Without ml_dtypes or torch: uint8 e4m3 bits in, uint16 bfloat16 bits out; attention on
+        # the dequantised inputs (bits' values times their descales).
+        q, k, v = (attention_client.float32_to_float8_e4m3_bits(x) for x in self.qkv())
+        descales = dict(q_descale=0.37, k_descale=1.7, v_descale=0.011)
+        o, lse = self.client.attend(q, k, v, causal=True, return_lse=True, float8_bits=True,
+                                    **descales)
+        self.assertEqual(o.dtype, np.uint16)
+        self.assertEqual(o.shape, q.shape)
+        values = [attention_client.float8_e4m3_bits_to_float32(x) * np.float32(descales[n])
+                  for x, n in ((q, "q_descale"), (k, "k_descale"), (v, "v_descale"))]
+        ref_o, ref_lse = reference(*values, causal=True)
+        self.assertWithin(rel_error(attention_client.bfloat16_bits_to_float32(o), ref_o),
+                          F16_BOUND, "o")
+        self.assertWithin(lse_error(lse, ref_lse), F16_BOUND, "lse")
+        with self.assertRaises(AttentionError) as e:  # descales are for float8 inputs only
+            self.client.attend(*self.qkv(), v_descale=2.0)
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("v_descale: expected only with DTYPE_FLOAT8_E4M3", e.exception.details)
+
+    @unittest.skipIf(torch is None or not hasattr(torch, "float8_e4m3fn"),
+                     "torch with float8_e4m3fn is not installed")
+    def test_torch_float8(self):
+        q, k, v = (torch.from_numpy(x).to(torch.float8_e4m3fn) for x in self.qkv())
+        o = self.client.attend(q, k, v, k_descale=0.5)
+        self.assertEqual(o.dtype, torch.bfloat16)
+        ref_o, _ = reference(q.float().numpy(), k.float().numpy() * 0.5, v.float().numpy())
+        self.assertWithin(rel_error(o.float().numpy(), ref_o), F16_BOUND, "o")
+
+    def test_float8_rounding_matches_nearest_even(self):
+        x = np.array([1.0625, 1.1875, 448.0, 464.0, 465.0, -3.0 / 1024, 1.0 / 1024, np.inf],
+                     dtype=np.float32)
+        bits = attention_client.float32_to_float8_e4m3_bits(x)
+        # 1 + 2^-4 is a tie and rounds to even (1.0), 1 + 3 * 2^-4 up to 1.25; 464 is 448's tie
+        # with the next step and rounds to 448, anything above becomes NaN (no inf); -3 * 2^-10
+        # ties to -2^-8 (the even subnormal), 2^-10 to 0.
+        np.testing.assert_array_equal(bits, np.array([0x38, 0x3A, 0x7E, 0x7E, 0x7F, 0x82, 0x00,
+                                                      0x7F], dtype=np.uint8))
+        self.assertTrue(np.isnan(attention_client.float8_e4m3_bits_to_float32(bits[4])))
+        np.testing.assert_array_equal(attention_client.float8_e4m3_bits_to_float32(bits[[0, 1, 2, 5]]),
+                                      np.array([1.0, 1.25, 448.0, -1.0 / 256], dtype=np.float32))
+
     def test_bfloat16_rounding_matches_nearest_even(self):
         x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38], dtype=np.float32)
         bits = attention_client.float32_to_bfloat16_bits(x)

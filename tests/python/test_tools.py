@@ -7,7 +7,8 @@ attn_bench, run as real binaries.
 - attn_bench: failed calls exit 1 and print their messages, a dead target is backed off, p95,
   --csv, a --concurrency sweep, the configuration in the JSON, an ETA in the progress lines.
 - attn_client: .npy inputs give the shape and dtype, a request over --max_message_mb is refused
-  before it is built, --check says it computes the reference and on how many threads.
+  before it is built, --check says it computes the reference and on how many threads, and checks
+  float8_e4m3 (with descales) against the reference on the dequantised inputs.
 
 Run by ctest (label "python"), which sets ATTENTION_SERVER_BINARY, ATTN_ECHO_SERVER_BINARY,
 ATTN_CLIENT_BINARY and ATTN_BENCH_BINARY. Needs only the standard library.
@@ -182,6 +183,23 @@ class ClientTest(ServerTest):
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertIn("computing the float64 reference", p.stderr)
         self.assertRegex(p.stdout, r"every row, reference on \d+ threads\): PASS")
+
+    def test_float8_check_against_the_dequantised_reference(self):
+        # e4m3 inputs with descales (none a power of two), GQA, Nq != Nk, causal, LSE: o comes
+        # back in bfloat16 and --check compares it with the reference on q * q_descale, ...
+        p = run("attn_client", self.target, "--shape=2,4,33,64", "--kv_heads=2", "--nk=70",
+                "--causal", "--lse", "--dtype=float8_e4m3", "--q_descale=0.37",
+                "--k_descale=1.7", "--v_descale=0.011", "--check")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("float8_e4m3", p.stdout)
+        self.assertIn("q_descale=0.37", p.stdout)
+        self.assertIn("o: bfloat16 [2, 4, 33, 64]", p.stdout)
+        self.assertRegex(p.stdout, r"\): PASS")
+        # A descale with other inputs is the server's INVALID_ARGUMENT, naming the field.
+        p = run("attn_client", self.target, "--shape=1,2,8,32", "--dtype=bfloat16",
+                "--v_descale=2")
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn("v_descale: expected only with DTYPE_FLOAT8_E4M3 inputs", p.stderr)
 
     def test_top_left_mask_alignment(self):
         for nk in (70, 25):  # Nq < Nk and Nq > Nk: the two alignments differ

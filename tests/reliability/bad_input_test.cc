@@ -111,8 +111,8 @@ std::vector<BadInput> BadInputs() {
          r->mutable_v()->Clear();
        },
        kInvalid,
-       "q.dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16, got "
-       "DTYPE_UNSPECIFIED"},
+       "q.dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16 or DTYPE_FLOAT8_E4M3, "
+       "got DTYPE_UNSPECIFIED"},
       // Dims.
       {"ZeroSeqlenK", &kDense, [](R r) { r->mutable_k()->set_shape(2, 0); }, kInvalid,
        "k.shape[2]: expected > 0, got 0"},
@@ -172,8 +172,8 @@ std::vector<BadInput> BadInputs() {
       // DTypes.
       {"DTypeUnspecified", &kDense, [](R r) { r->mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); },
        kInvalid,
-       "q.dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16, got "
-       "DTYPE_UNSPECIFIED"},
+       "q.dtype: expected DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16 or DTYPE_FLOAT8_E4M3, "
+       "got DTYPE_UNSPECIFIED"},
       {"DTypeUnknown", &kDense, [](R r) { r->mutable_q()->set_dtype(static_cast<v1::DType>(42)); },
        kInvalid, "got unknown dtype 42"},
       {"DTypeMismatchK", &kDense, [](R r) { r->mutable_k()->set_dtype(v1::DTYPE_BFLOAT16); },

@@ -15,8 +15,10 @@
 
 float32 and float16 arrays travel as they are; bfloat16 as ml_dtypes.bfloat16 arrays or torch
 bfloat16 tensors, or, without either, as uint16 arrays of bfloat16 bits with bfloat16_bits=True
-(see float32_to_bfloat16_bits / bfloat16_bits_to_float32). torch is imported only when a
-torch tensor is handed in.
+(see float32_to_bfloat16_bits / bfloat16_bits_to_float32). float8 e4m3 inputs (o in bfloat16,
+with q_descale / k_descale / v_descale) as torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn, or uint8
+bits with float8_bits=True (float32_to_float8_e4m3_bits / float8_e4m3_bits_to_float32). torch is
+imported only when a torch tensor is handed in.
 
 attention_client.torch (torch SDPA and flash_attn drop-ins), attention_client.transformers
 (transformers models with their KV cache on the server) and attention_client.aio (an asyncio
@@ -25,13 +27,14 @@ client) are imported on first use, so `import attention_client` stays free of to
 import importlib
 from attention_client.client import (AttendResult, AttentionError, Client, ServerTiming,
                                      StepResult, attend, bfloat16_bits_to_float32,
-                                     float32_to_bfloat16_bits)
+                                     float8_e4m3_bits_to_float32, float32_to_bfloat16_bits,
+                                     float32_to_float8_e4m3_bits)
 from attention_client.session import Session, StepStream
 from attention_client.shared_memory import Region
 
 __all__ = ["AttendResult", "AttentionError", "Client", "ServerTiming", "StepResult", "attend",
-           "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "Region", "Session",
-           "StepStream"]
+           "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "float8_e4m3_bits_to_float32",
+           "float32_to_float8_e4m3_bits", "Region", "Session", "StepStream"]
 
 _SUBMODULES = ("aio", "torch", "transformers")
 

@@ -52,13 +52,15 @@ class AsyncClient:
     async def attend(self, q, k, v, *, causal=False, softmax_scale=None, window_left=None,
                      window_right=None, layout="bhsd", return_lse=False, cu_seqlens_q=None,
                      cu_seqlens_k=None, bfloat16_bits=False, timeout=None, request_id="",
-                     metadata=None, return_info=False, mask_alignment="bottom_right"):
+                     metadata=None, return_info=False, mask_alignment="bottom_right",
+                     float8_bits=False, q_descale=None, k_descale=None, v_descale=None):
         """Client.attend, awaited: o, (o, lse) with return_lse, or an AttendResult."""
         request, kind = _attend_request(
             q, k, v, causal=causal, softmax_scale=softmax_scale, window_left=window_left,
             window_right=window_right, layout=layout, return_lse=return_lse,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, bfloat16_bits=bfloat16_bits,
-            request_id=request_id, mask_alignment=mask_alignment)
+            request_id=request_id, mask_alignment=mask_alignment, float8_bits=float8_bits,
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         response = await self._call(self._stub.Attend, request, timeout, metadata)
         return _attend_output(response, kind, return_lse, return_info)
 

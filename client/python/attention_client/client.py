@@ -13,11 +13,12 @@ import numpy as np
 from attention_client._stubs import attention_pb2 as pb
 from attention_client._stubs import attention_pb2_grpc as pb_grpc
 
-try:  # optional: numpy's bfloat16
+try:  # optional: numpy's bfloat16 and float8 e4m3
     import ml_dtypes
     _ML_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+    _ML_FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 except ImportError:
-    _ML_BFLOAT16 = None
+    _ML_BFLOAT16 = _ML_FLOAT8_E4M3 = None
 
 _NUMPY_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.float16): pb.DTYPE_FLOAT16}
 _LAYOUTS = {"bhsd": pb.LAYOUT_BHSD, "bshd": pb.LAYOUT_BSHD}
@@ -99,28 +100,62 @@ def bfloat16_bits_to_float32(bits):
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-def _to_tensor(x, name, bfloat16_bits):
+# The 127 non-negative finite float8 e4m3 values, ascending (bytes 0x00..0x7e), and the midpoints
+# between neighbours: OCP FP8 E4M3FN, 3 mantissa bits, exponent bias 7, subnormals m * 2^-9.
+_E4M3_VALUES = np.array([(m / 8.0) * 2.0**-6 if e == 0 else (1 + m / 8.0) * 2.0**(e - 7)
+                         for e in range(16) for m in range(8)][:127], dtype=np.float64)
+_E4M3_MIDPOINTS = (_E4M3_VALUES[:-1] + _E4M3_VALUES[1:]) / 2
+
+
+def float32_to_float8_e4m3_bits(x):
+    """Values -> uint8 float8 e4m3 bits, rounded to nearest even; NaN, inf and magnitudes past
+    464 (which round beyond the largest value, 448) become NaN (0x7f | sign), as the server's."""
+    x = np.asarray(x, dtype=np.float32)
+    a = np.abs(x).astype(np.float64)
+    i = np.searchsorted(_E4M3_MIDPOINTS, a, side="left")  # the nearer of bytes i and i + 1
+    tie = (i < len(_E4M3_MIDPOINTS)) & (a == _E4M3_MIDPOINTS[np.minimum(i, 125)])
+    i = i + (tie & (i % 2 == 1))  # a tie goes to the even byte
+    bits = np.where(np.isnan(a) | (a > 464), 0x7F, i).astype(np.uint8)
+    return bits | np.where(np.signbit(x), 0x80, 0).astype(np.uint8)
+
+
+def float8_e4m3_bits_to_float32(bits):
+    """uint8 float8 e4m3 bits -> float32 values (exact; 0x7f and 0xff are NaN)."""
+    b = np.asarray(bits, dtype=np.uint8)
+    magnitude = np.append(_E4M3_VALUES, np.nan).astype(np.float32)[b & 0x7F]
+    return np.where(b & 0x80, -magnitude, magnitude).astype(np.float32)
+
+
+def _to_tensor(x, name, bfloat16_bits, float8_bits=False):
     """One input as (pb.Tensor, kind) where kind says how to return the output."""
     if _is_torch(x):
         import torch
         t = x.detach().contiguous().cpu()
         if t.dtype == torch.bfloat16:
             return _tensor(pb.DTYPE_BFLOAT16, t.shape, t.view(torch.int16).numpy()), ("torch", x)
+        if t.dtype == getattr(torch, "float8_e4m3fn", None):  # o comes back as torch.bfloat16
+            return _tensor(pb.DTYPE_FLOAT8_E4M3, t.shape, t.view(torch.uint8).numpy()), ("torch", x)
         if t.dtype not in (torch.float32, torch.float16):
-            raise TypeError(f"{name}: torch dtype {t.dtype} is not float32, float16 or bfloat16")
+            raise TypeError(f"{name}: torch dtype {t.dtype} is not float32, float16, bfloat16 "
+                            "or float8_e4m3fn")
         return _tensor(_NUMPY_DTYPES[np.dtype(t.numpy().dtype)], t.shape, t.numpy()), ("torch", x)
     a = np.asarray(x)
     if _ML_BFLOAT16 is not None and a.dtype == _ML_BFLOAT16:
         return _tensor(pb.DTYPE_BFLOAT16, a.shape, a.view(np.uint16)), ("ml_bfloat16", None)
+    if _ML_FLOAT8_E4M3 is not None and a.dtype == _ML_FLOAT8_E4M3:
+        return _tensor(pb.DTYPE_FLOAT8_E4M3, a.shape, a.view(np.uint8)), ("ml_bfloat16", None)
     if a.dtype == np.uint16 and bfloat16_bits:
         return _tensor(pb.DTYPE_BFLOAT16, a.shape, a), ("bits", None)
+    if a.dtype == np.uint8 and float8_bits:  # o comes back as uint16 bfloat16 bits
+        return _tensor(pb.DTYPE_FLOAT8_E4M3, a.shape, a), ("bits", None)
     if a.dtype not in _NUMPY_DTYPES:
-        raise TypeError(f"{name}: dtype {a.dtype} is not float32, float16 or bfloat16 (ml_dtypes, "
-                        "torch, or uint16 bits with bfloat16_bits=True)")
+        raise TypeError(f"{name}: dtype {a.dtype} is not float32, float16, bfloat16 or "
+                        "float8_e4m3 (ml_dtypes, torch, uint16 bits with bfloat16_bits=True, or "
+                        "uint8 bits with float8_bits=True)")
     return _tensor(_NUMPY_DTYPES[a.dtype], a.shape, a), ("numpy", None)
 
 
-def _to_tensor_or_ref(client, x, name, bfloat16_bits):
+def _to_tensor_or_ref(client, x, name, bfloat16_bits, float8_bits=False):
     """As _to_tensor, but a numpy array inside one of the client's regions goes by reference."""
     if client._regions:
         from attention_client.shared_memory import as_ref
@@ -129,7 +164,7 @@ def _to_tensor_or_ref(client, x, name, bfloat16_bits):
             if _is_torch(x):
                 return t, ("torch", x)
             return t, ("ml_bfloat16" if t.dtype == pb.DTYPE_BFLOAT16 else "numpy", None)
-    return _to_tensor(x, name, bfloat16_bits)
+    return _to_tensor(x, name, bfloat16_bits, float8_bits)
 
 
 def _tensor(dtype, shape, array):
@@ -173,14 +208,15 @@ def _lse_from_tensor(t, kind):
 
 def _attend_request(q, k, v, *, causal, softmax_scale, window_left, window_right, layout,
                     return_lse, cu_seqlens_q, cu_seqlens_k, bfloat16_bits, request_id,
-                    mask_alignment, to_tensor=_to_tensor):
+                    mask_alignment, to_tensor=_to_tensor, float8_bits=False, q_descale=None,
+                    k_descale=None, v_descale=None):
     """The AttendRequest of Client.attend's arguments, and the kind of output to return.
 
-    to_tensor(x, name, bfloat16_bits) -> (pb.Tensor, kind): Client.attend's also places arrays
-    inside registered shared memory by reference."""
-    tq, kind = to_tensor(q, "q", bfloat16_bits)
-    tk, _ = to_tensor(k, "k", bfloat16_bits)
-    tv, _ = to_tensor(v, "v", bfloat16_bits)
+    to_tensor(x, name, bfloat16_bits, float8_bits) -> (pb.Tensor, kind): Client.attend's also
+    places arrays inside registered shared memory by reference."""
+    tq, kind = to_tensor(q, "q", bfloat16_bits, float8_bits)
+    tk, _ = to_tensor(k, "k", bfloat16_bits, float8_bits)
+    tv, _ = to_tensor(v, "v", bfloat16_bits, float8_bits)
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
     request = pb.AttendRequest(request_id=request_id, q=tq, k=tk, v=tv, layout=_LAYOUTS[layout])
@@ -189,6 +225,10 @@ def _attend_request(q, k, v, *, causal, softmax_scale, window_left, window_right
         raise ValueError(f"mask_alignment must be one of {sorted(_MASK_ALIGNMENTS)}, got "
                          f"{mask_alignment!r}")
     request.mask_alignment = _MASK_ALIGNMENTS[mask_alignment]
+    for field, value in (("q_descale", q_descale), ("k_descale", k_descale),
+                         ("v_descale", v_descale)):
+        if value is not None:  # float8 inputs only; the server checks
+            setattr(request, field, value)
     if cu_seqlens_q is not None:
         request.cu_seqlens_q.extend(int(x) for x in cu_seqlens_q)
         request.cu_seqlens_k.extend(
@@ -317,7 +357,7 @@ class Client:
                window_right=None, layout="bhsd", return_lse=False, cu_seqlens_q=None,
                cu_seqlens_k=None, bfloat16_bits=False, timeout=None, request_id="",
                metadata=None, return_info=False, mask_alignment="bottom_right", out=None,
-               lse_out=None):
+               lse_out=None, float8_bits=False, q_descale=None, k_descale=None, v_descale=None):
         """O = softmax(scale * Q Kᵀ + mask) V on the server.
 
         q: [B, Hq, Nq, D] (layout "bhsd") or [B, Nq, Hq, D] ("bshd"); k, v: [B, Hkv, Nk, D]
@@ -328,6 +368,9 @@ class Client:
         Returns o (same kind, dtype and shape as q), or (o, lse) with return_lse: lse float32
         [B, Hq, Nq] (varlen [Hq, total_q]); with return_info an AttendResult (o, lse, timing,
         device, request_id). Raises AttentionError with the gRPC status code.
+        float8 e4m3 inputs (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn, or uint8 bits with
+        float8_bits=True) give o in bfloat16 (torch.bfloat16, ml_dtypes.bfloat16, uint16 bits);
+        q_descale, k_descale, v_descale (float8 only): the server computes with q * q_descale...
 
         Shared memory (register_shared_memory): numpy arrays inside a registered region travel
         by reference; out (and lse_out, with return_lse) must be arrays inside a region, and
@@ -352,7 +395,9 @@ class Client:
             window_right=window_right, layout=layout, return_lse=return_lse,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, bfloat16_bits=bfloat16_bits,
             request_id=request_id, mask_alignment=mask_alignment,
-            to_tensor=lambda x, name, bits: _to_tensor_or_ref(self, x, name, bits))
+            to_tensor=lambda x, name, *bits: _to_tensor_or_ref(self, x, name, *bits),
+            float8_bits=float8_bits, q_descale=q_descale, k_descale=k_descale,
+            v_descale=v_descale)
         if out is not None:
             request.o_ref.CopyFrom(out_ref(self, out, "out"))
         if lse_out is not None:

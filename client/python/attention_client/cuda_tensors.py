@@ -256,6 +256,8 @@ def attend_on_device(client, q, k, v, options, _retried=False):
         return False, None  # mixed devices: the host path copies them as it always did
     if min(t.numel() for t in (q, k, v)) == 0:
         return False, None  # no memory to share; the server's answer for empty tensors
+    if q.dtype == getattr(torch, "float8_e4m3fn", None):
+        return False, None  # float8 (o in bfloat16, descales) takes the host path
     q, k, v = (t.detach().contiguous() for t in (q, k, v))
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = (torch.empty(_lse_shape(q, options.get("layout", "bhsd"), options.get("cu_seqlens_q")),
