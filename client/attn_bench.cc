@@ -937,11 +937,17 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
   Outputs outputs;
   for (const int concurrency : concurrencies) {
     load.concurrency = concurrency;
-    // Slot i steps its own sessions (those j with j % concurrency == i), B at a time, in turn.
+    // Slot i steps its own sessions, a run of consecutive ones (at least B: --sessions >= B *
+    // concurrency), B at a time, in turn. The server places each new session on the device with
+    // the most free pages, so consecutive sessions alternate over equal devices and each Step
+    // spans all of them.
     std::vector<std::vector<v1::StepRequest>> slot_requests(load.concurrency);
     for (int i = 0; i < load.concurrency; ++i) {
       std::vector<const Session*> own;
-      for (int64_t j = i; j < session_count; j += load.concurrency) own.push_back(&sessions[j]);
+      for (int64_t j = i * session_count / load.concurrency;
+           j < (i + 1) * session_count / load.concurrency; ++j) {
+        own.push_back(&sessions[j]);
+      }
       const int64_t owned = static_cast<int64_t>(own.size());
       for (int64_t r = 0; r < owned / std::gcd(owned, per_step); ++r) {
         v1::StepRequest& request = slot_requests[i].emplace_back();

@@ -87,7 +87,8 @@ ABSL_FLAG(int, max_batch, 1,
 ABSL_FLAG(int, max_queue_delay_us, 0,
           "How long the oldest queued request waits for others to join its batch, microseconds.");
 ABSL_FLAG(std::string, devices, "",
-          "cuda: comma-separated GPU ordinals to serve on; empty = every visible GPU.");
+          "cuda: comma-separated GPU ordinals to serve on; empty = every visible GPU. cpu: one "
+          "device per entry (cpu:N, sharing the cores); empty = one.");
 ABSL_FLAG(int, streams, 4, "cuda: CUDA streams per GPU (requests in flight on each).");
 ABSL_FLAG(double, device_memory_fraction, 0.65,
           "cuda: share of each GPU's memory the request buffers may hold; larger requests are "
@@ -198,8 +199,17 @@ absl::StatusOr<std::vector<std::unique_ptr<Executor>>> MakeExecutors(ServerOptio
   if (o->backend == "auto") o->backend = gpus > 0 ? "cuda" : "cpu";
   std::vector<std::unique_ptr<Executor>> executors;
   if (o->backend == "cpu") {
-    executors.push_back(MakeCpuExecutor(o->threads));
-    if (o->scheduler.workers == 0) o->scheduler.workers = 2;
+    // One device, or with --devices one per entry (cpu:N), all sharing the host's cores: the
+    // placement over several devices, without GPUs.
+    for (int ordinal : o->devices) {
+      if (ordinal < 0 || std::count(o->devices.begin(), o->devices.end(), ordinal) > 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--devices: expected distinct non-negative CPU device numbers, got ", ordinal));
+      }
+      executors.push_back(MakeCpuExecutor(o->threads, absl::StrCat("cpu:", ordinal)));
+    }
+    if (executors.empty()) executors.push_back(MakeCpuExecutor(o->threads));
+    if (o->scheduler.workers == 0) o->scheduler.workers = 2 * static_cast<int>(executors.size());
     return executors;
   }
   if (gpus == 0) {

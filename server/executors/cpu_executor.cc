@@ -6,6 +6,7 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
@@ -32,9 +33,9 @@ std::string ProcField(const char* path, absl::string_view key, char sep) {
   return "";
 }
 
-DeviceDescription DescribeHost() {
+DeviceDescription DescribeHost(std::string name) {
   DeviceDescription device;
-  device.name = "cpu";
+  device.name = std::move(name);
   device.description = ProcField("/proc/cpuinfo", "model name", ':');
   if (device.description.empty()) device.description = "unknown CPU";
   device.multiprocessors = static_cast<int>(std::thread::hardware_concurrency());
@@ -50,8 +51,8 @@ DeviceDescription DescribeHost() {
 
 class CpuExecutor final : public Executor {
  public:
-  explicit CpuExecutor(int threads)
-      : device_(DescribeHost()),
+  CpuExecutor(int threads, std::string name)
+      : device_(DescribeHost(std::move(name))),
         threads_(threads),
         backend_(cpu::CpuBackendOptions{.threads = threads}) {}
 
@@ -90,8 +91,8 @@ class CpuExecutor final : public Executor {
 
 }  // namespace
 
-std::unique_ptr<Executor> MakeCpuExecutor(int threads) {
-  return std::make_unique<CpuExecutor>(threads);
+std::unique_ptr<Executor> MakeCpuExecutor(int threads, std::string name) {
+  return std::make_unique<CpuExecutor>(threads, std::move(name));
 }
 
 }  // namespace attention::server

@@ -1,12 +1,19 @@
 // A GPU whose context a fault corrupts (a sticky CUDA error) leaves rotation: the executor's
 // health check names the error, the scheduler stops sending it work and, with no device left,
-// answers UNAVAILABLE at once. Its own binary: the process cannot use the GPU afterwards. Skips,
-// with a message, where no GPU is visible.
+// answers UNAVAILABLE at once; with two GPUs, the other keeps serving. Its own binary: the process
+// cannot use the GPU afterwards. Skips, with a message, where no GPU is visible.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <cstdio>
 #include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/executors/executor.h"
@@ -79,6 +86,84 @@ TEST(CudaDeviceLossTest, AStickyErrorTakesTheDeviceOutOfService) {
   EXPECT_THAT(refused.status.message(), HasSubstr("cuda:0"));
   EXPECT_EQ(refused.device, nullptr);
   EXPECT_EQ(lost_calls, 1);
+}
+
+// Two GPUs under load from several clients; a fault corrupts GPU 0's context mid-load. The jobs
+// that fail are those GPU 0 ran, GPU 0 leaves rotation, and GPU 1 serves every job from then on.
+// Run it alone (ctest does): it needs device 0's context intact at the start.
+TEST(CudaDeviceLossTest, WithTwoDevicesTheOtherKeepsServing) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 2) {
+    GTEST_SKIP() << "fewer than two CUDA devices visible (" << count << "): GPU test skipped";
+  }
+  std::vector<std::unique_ptr<Executor>> executors;
+  for (int ordinal : {0, 1}) {
+    absl::StatusOr<std::unique_ptr<Executor>> made =
+        MakeCudaExecutor(ordinal, CudaExecutorOptions{.streams = 2});
+    ASSERT_TRUE(made.ok()) << made.status();
+    executors.push_back(*std::move(made));
+  }
+  const std::string lost_name = executors[0]->device().name;
+  const std::string kept_name = executors[1]->device().name;
+  std::atomic<int> lost_calls{0};
+  Scheduler scheduler(
+      std::move(executors),
+      {.workers = 4,
+       .on_device_lost = [&](const DeviceDescription& device, const absl::Status&, int in_service) {
+         ++lost_calls;
+         EXPECT_EQ(device.name, lost_name);
+         EXPECT_EQ(in_service, 1);
+       }});
+  // Each client sends jobs one after another until told to stop, counting its results by where
+  // they ran; a failure anywhere but the lost device is recorded with its status.
+  constexpr int kClients = 4;
+  std::atomic<bool> corrupted{false}, stop{false};
+  std::atomic<int> ok_before{0}, ok_after{0}, failed_on_lost{0}, after_on_kept{0};
+  std::mutex mu;
+  std::vector<std::string> bad;  // guarded by mu
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&] {
+      SmallRequest request;
+      while (!stop) {
+        const bool after = corrupted;
+        JobResult result = RunJob(scheduler, request.params);
+        const std::string where = result.device != nullptr ? result.device->name : "none";
+        if (result.status.ok()) {
+          ++(after ? ok_after : ok_before);
+          if (after && where == kept_name) ++after_on_kept;
+        } else if (where == lost_name) {
+          ++failed_on_lost;
+        } else {
+          std::lock_guard<std::mutex> lock(mu);
+          bad.push_back(absl::StrCat(where, ": ", result.status.ToString()));
+        }
+      }
+    });
+  }
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (ok_before < 200 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(CorruptContextForTests(0), cudaErrorIllegalAddress);
+  corrupted = true;
+  while ((scheduler.devices_in_service() > 1 || ok_after < 500) && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  stop = true;
+  for (std::thread& client : clients) client.join();
+  std::printf("two devices: %d ok before the fault, %d ok after (%d on %s), %d failed on %s\n",
+              ok_before.load(), ok_after.load(), after_on_kept.load(), kept_name.c_str(),
+              failed_on_lost.load(), lost_name.c_str());
+  EXPECT_THAT(bad, ::testing::IsEmpty()) << "failed requests beyond the lost device's";
+  EXPECT_EQ(scheduler.devices_in_service(), 1);
+  EXPECT_EQ(lost_calls, 1);
+  EXPECT_GE(ok_after, 500);
+  EXPECT_FALSE(scheduler.device_loads()[0].lost.ok());
+  EXPECT_TRUE(scheduler.device_loads()[1].lost.ok());
+  // A job from now on runs on the device left.
+  SmallRequest request;
+  JobResult last = RunJob(scheduler, request.params);
+  ASSERT_TRUE(last.status.ok()) << last.status;
+  EXPECT_EQ(last.device->name, kept_name);
 }
 
 }  // namespace

@@ -102,8 +102,8 @@ class Executor {
   std::unique_ptr<KvPagePool> kv_pool_;
 };
 
-// The CPU backend's executor, `threads` compute threads (0 = all cores).
-std::unique_ptr<Executor> MakeCpuExecutor(int threads);
+// The CPU backend's executor, `threads` compute threads (0 = all cores), its device called `name`.
+std::unique_ptr<Executor> MakeCpuExecutor(int threads, std::string name = "cpu");
 
 // The CUDA executor for device `ordinal`; an error when the device cannot be used. Defined only
 // in builds with CUDA (ATTENTION_HAVE_CUDA).

@@ -1,6 +1,9 @@
 #include "server/scheduling/scheduler.h"
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -90,6 +93,7 @@ class GatedExecutor final : public Executor {
       int64_t num_pages() const override { return 1; }
       absl::Status Write(absl::Span<const KvWrite>) override { return absl::OkStatus(); }
       absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& p) override {
+        if (executor_->on_decode_) executor_->on_decode_();
         std::lock_guard<std::mutex> lock(executor_->mu_);
         executor_->decode_launches_.push_back(static_cast<int>(p.num_seqs));
         return KvStepTimes{.compute_us = 2};
@@ -102,6 +106,8 @@ class GatedExecutor final : public Executor {
   }
 
  public:
+  // Called at the start of each decode launch, outside the executor's lock. Set before any runs.
+  void OnDecode(std::function<void()> hook) { on_decode_ = std::move(hook); }
   // The sequence counts of the decode launches so far.
   std::vector<int> decode_launches() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -110,6 +116,7 @@ class GatedExecutor final : public Executor {
 
  private:
   std::vector<int> decode_launches_;  // guarded by mu_
+  std::function<void()> on_decode_;
 };
 
 // Collects one job's result.
@@ -447,6 +454,41 @@ TEST(SchedulerTest, DecodeStepsWithEqualKeysAndOtherSessionsShareOneLaunch) {
   EXPECT_FALSE(s2.result.leads_batch);
   EXPECT_EQ(s1.result.stages.compute_us, 2);
   EXPECT_EQ(s1_again.result.batch_size, 1);
+}
+
+// A Step whose sessions live on two devices is one decode job per device, queued together
+// (SubmitAll): the two launches run at the same time, each on its own device, not one after the
+// other. Each launch waits (up to 10 s) until the other has started too.
+TEST(SchedulerTest, ADecodeStepOverTwoDevicesRunsOnBothAtOnce) {
+  Fixture f(2, {.workers = 2, .max_queue = 16, .max_batch = 8});
+  std::mutex mu;
+  std::condition_variable entered_cv;
+  int entered = 0;
+  std::atomic<int> saw_both{0};
+  auto meet = [&] {
+    std::unique_lock<std::mutex> lock(mu);
+    ++entered;
+    entered_cv.notify_all();
+    if (entered_cv.wait_for(lock, std::chrono::seconds(10), [&] { return entered >= 2; })) {
+      ++saw_both;
+    }
+  };
+  for (GatedExecutor* gate : f.gates) gate->OnDecode(meet);
+  DecodeOutcome on0, on1;
+  std::vector<Job> step;
+  step.push_back(on0.MakeDecodeJob("a", TinyKey(1)));
+  step.push_back(on1.MakeDecodeJob("b", TinyKey(1)));
+  step.back().device = 1;
+  f.scheduler->SubmitAll(std::move(step));
+  for (DecodeOutcome* o : {&on0, &on1}) {
+    o->done.WaitForNotification();
+    EXPECT_TRUE(o->result.status.ok()) << o->result.status;
+  }
+  EXPECT_EQ(saw_both, 2) << "the two devices' launches ran one after the other";
+  EXPECT_EQ(on0.result.device->name, "dev0");
+  EXPECT_EQ(on1.result.device->name, "dev1");
+  EXPECT_EQ(f.gates[0]->decode_launches(), (std::vector<int>{1}));
+  EXPECT_EQ(f.gates[1]->decode_launches(), (std::vector<int>{1}));
 }
 
 TEST(SchedulerTest, JobsOnOneSessionRunOneAtATimeWhileOthersPass) {

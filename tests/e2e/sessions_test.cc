@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
@@ -218,12 +219,14 @@ struct TestSession {
   std::string id;
   v1::DType dtype;
   Sequence seq;
+  std::string device;  // where the server placed it
 };
 
-// Creates a session of `initial` random rows (none when 0), sent in `layout`.
+// Creates a session of `initial` random rows (none when 0), sent in `layout`; expects it on the
+// server's first device unless `any_device`.
 absl::StatusOr<TestSession> CreateSession(SessionsStub& stub, v1::DType dtype, int64_t hkv,
                                           int64_t d, int64_t initial, v1::Layout layout,
-                                          std::mt19937_64& rng) {
+                                          std::mt19937_64& rng, bool any_device = false) {
   TestSession s{.dtype = dtype, .seq = Sequence(hkv, d)};
   v1::CreateSessionRequest r;
   r.set_dtype(dtype);
@@ -242,8 +245,9 @@ absl::StatusOr<TestSession> CreateSession(SessionsStub& stub, v1::DType dtype, i
   if (!info.ok()) return info.status();
   EXPECT_EQ(info->session_id().size(), 32u);
   EXPECT_EQ(info->length(), initial);
-  EXPECT_EQ(info->device(), stub.ServerDevice());
+  if (!any_device) EXPECT_EQ(info->device(), stub.ServerDevice());
   s.id = info->session_id();
+  s.device = info->device();
   return s;
 }
 
@@ -1159,6 +1163,55 @@ TEST(StepAdmissionE2E, CompatibleStepsOfDifferentCallsShareOneLaunch) {
       2);
   EXPECT_EQ(ScrapeMetric(port, "attention_batch_size_sum", on_device).value_or(-1) - batched_before,
             1 + kSteps);
+  EXPECT_EQ(server->Stop(), absl::OkStatus());
+}
+
+// A server with two CPU devices: new sessions alternate over them (each goes to the device with
+// the most free pages), and one Step over sessions on both devices (one launch per device) answers
+// every entry, in entry order, against the reference.
+TEST(TwoDeviceSessionsE2E, AStepOverSessionsOnBothDevicesMatchesTheReference) {
+  constexpr int kSessions = 6;
+  constexpr int64_t kHq = 4, kHkv = 2, kD = 64;
+  absl::StatusOr<RunningServer> server = StartServer(
+      {"--backend=cpu", "--devices=0,1", "--threads=1", "--max_batch=8", "--kv_page_bytes=16384"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub(server->client->channel());
+  std::vector<TestSession> sessions;
+  for (int i = 0; i < kSessions; ++i) {
+    // Equal lengths keep the pools level, so the placement alternates.
+    absl::StatusOr<TestSession> s =
+        CreateSession(stub, v1::DTYPE_FLOAT32, kHkv, kD, 40, v1::LAYOUT_BHSD, rng, true);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->device, absl::StrCat("cpu:", i % 2));
+    sessions.push_back(*std::move(s));
+  }
+  const MaskSpec mask{.causal = true, .return_lse = true};
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    v1::StepRequest r;
+    SetMask(mask, &r);
+    std::vector<std::vector<float>> queries;
+    // Ragged: entry i appends 1 + i % 3 rows with as many queries.
+    for (int i = 0; i < kSessions; ++i) {
+      queries.push_back(AddEntry(sessions[i], kHq, 1 + i % 3, 1 + i % 3, rng, &r));
+    }
+    absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+    ASSERT_TRUE(out.ok()) << out.status();
+    std::vector<std::string> devices = absl::StrSplit(out->device(), ',');
+    std::sort(devices.begin(), devices.end());
+    EXPECT_EQ(devices, (std::vector<std::string>{"cpu:0", "cpu:1"})) << out->device();
+    ASSERT_EQ(out->results_size(), kSessions);
+    for (int i = 0; i < kSessions; ++i) {
+      const TestSession& s = sessions[i];
+      EXPECT_EQ(out->results(i).session_id(), s.id);
+      EXPECT_EQ(out->results(i).length(), s.seq.length());
+      ExpectMatchesReference(ReferenceRequest(s.dtype, s.seq, queries[i], kHq, 1 + i % 3, mask),
+                             out->results(i));
+    }
+  }
   EXPECT_EQ(server->Stop(), absl::OkStatus());
 }
 
