@@ -495,11 +495,11 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   const size_t o_elem = DTypeSize(OutputDType(first.dtype));  // o
   const int64_t d = first.head_dim, d8 = (d + 7) / 8 * 8;
   const bool with_lse = first.lse != nullptr;
-  const bool dequantise = DequantisedSize(first.dtype) > 0;
+  const size_t dequantised_elem = DequantisedSize(first.dtype);  // 0: no bfloat16 copies
+  const bool dequantise = dequantised_elem > 0;
 
   Packing dev_pack = Pack(items), host_pack = dev_pack;
-  const int64_t dev_bytes =
-      dev_pack.Regions(d8, elem, o_elem, with_lse, DequantisedSize(first.dtype));
+  const int64_t dev_bytes = dev_pack.Regions(d8, elem, o_elem, with_lse, dequantised_elem);
   const int64_t host_bytes = host_pack.Regions(d, elem, o_elem, with_lse);
   // One dense request whose q, k, v and o are all in this device's memory (a client's CUDA IPC
   // region) with no padding to D8: the kernel reads and writes them where they are, no copy. The

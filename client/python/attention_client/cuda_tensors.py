@@ -56,7 +56,6 @@ from collections import OrderedDict
 import grpc
 
 from attention_client.client import AttentionError
-from attention_client._stubs import attention_pb2 as pb
 
 MODES = ("auto", "on", "off")
 # Registration refusals that say this server cannot take this client's CUDA memory at all.
@@ -209,19 +208,16 @@ class SegmentRegions:
             if victim is None:
                 break  # every one is in use by this call: over capacity for one call
             self._unregister(self._segments.pop(victim))
-        from attention_client.shared_memory import Region
+        from attention_client.shared_memory import register_cuda_memory
         name = f"torch-{os.getpid()}-cuda{device}-{base:x}-{next(self._names)}"
-        request = pb.RegisterRegionRequest(name=name,
-                                           cuda_ipc_handle=self._driver.ipc_handle(base, device),
-                                           device=device, offset=0, byte_size=size)
         try:
-            info = self._client._call(self._client._shm_stub.Register, request, None, None)
+            region = register_cuda_memory(self._client, name,
+                                          self._driver.ipc_handle(base, device), device, 0, size,
+                                          base)
         except AttentionError as e:
             if e.code in _SERVER_CANNOT:
                 raise CudaRegionsUnavailable(f"the server refused the CUDA region: {e}") from None
             raise
-        region = Region(self._client, info, None, self._client.metadata, cuda_base=base)
-        self._client._regions.append(region)
         self.registrations += 1
         keep = t.untyped_storage() if hasattr(t, "untyped_storage") else None
         self._segments[key] = _Segment(device, base, size, buffer_id, region, keep)

@@ -123,12 +123,20 @@ def register_cuda_tensor(client, name, tensor, *, timeout=None, metadata=None):
     shared = storage._share_cuda_()
     device, handle, size_bytes, offset_bytes = shared[0], shared[1], shared[2], shared[3]
     start = offset_bytes + tensor.storage_offset() * tensor.element_size()
-    request = pb.RegisterRegionRequest(name=name, cuda_ipc_handle=bytes(handle), device=device,
-                                       offset=start,
-                                       byte_size=size_bytes - tensor.storage_offset() *
-                                       tensor.element_size())
+    return register_cuda_memory(client, name, bytes(handle), device, start,
+                                size_bytes - tensor.storage_offset() * tensor.element_size(),
+                                tensor.data_ptr(), timeout=timeout, metadata=metadata)
+
+
+def register_cuda_memory(client, name, ipc_handle, device, offset, size, cuda_base, *,
+                         timeout=None, metadata=None):
+    """Registers `size` bytes at `offset` into the allocation a CUDA IPC handle names, on GPU
+    `device`, as a CUDA region; `cuda_base` is the device address of the region's first byte (what
+    Region.ref locates tensors against). Returns a Region."""
+    request = pb.RegisterRegionRequest(name=name, cuda_ipc_handle=ipc_handle, device=device,
+                                       offset=offset, byte_size=size)
     info = client._call(client._shm_stub.Register, request, timeout, metadata)
-    region = Region(client, info, None, metadata, cuda_base=tensor.data_ptr())
+    region = Region(client, info, None, metadata, cuda_base=cuda_base)
     client._regions.append(region)
     return region
 
