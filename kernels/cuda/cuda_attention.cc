@@ -33,9 +33,25 @@ cudaError_t LaunchMmaSm80(DType dtype, const KernelParams& k, cudaStream_t strea
   return cudaErrorInvalidValue;
 }
 
+// ForwardVariant::kWgmmaSm90: the Hopper kernel of the dtype (the plan takes 16-bit types only).
+cudaError_t LaunchWgmmaSm90(DType dtype, const KernelParams& k, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return LaunchFlashForwardSm90F16(k, stream);
+    case DType::kBFloat16:
+      return LaunchFlashForwardSm90BF16(k, stream);
+    case DType::kFloat32:
+    case DType::kFloat8E4M3:
+      break;  // not reached: the plan sends them to mma_sm80
+  }
+  return cudaErrorInvalidValue;
+}
+
 // The launcher of each variant.
 cudaError_t LaunchVariant(const ForwardPlan& plan, const KernelParams& k, cudaStream_t stream) {
   switch (plan.variant) {
+    case ForwardVariant::kWgmmaSm90:
+      return LaunchWgmmaSm90(plan.dtype, k, stream);
     case ForwardVariant::kMmaSm80:
       return LaunchMmaSm80(plan.dtype, k, stream);
   }
@@ -100,6 +116,8 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   k.heads_q = static_cast<int>(p.heads_q);
   k.seqlen_q = static_cast<int>(p.seqlen_q);
   k.seqlen_k = static_cast<int>(p.seqlen_k);
+  k.total_q = static_cast<int>(p.is_varlen() ? p.total_q : p.seqlen_q);
+  k.total_k = static_cast<int>(p.is_varlen() ? p.total_k : p.seqlen_k);
   k.kv_group = static_cast<int>(p.heads_q / p.heads_kv);
   k.head_dim = static_cast<int>(p.head_dim);
   // The descales fold in as float32 factors: q_descale * k_descale into the logits'

@@ -6,6 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/limits.h"
+#include "kernels/status_macros.h"
 
 namespace attention::cuda {
 namespace {
@@ -18,6 +19,17 @@ std::string CapabilityString(int compute_capability) {
   return absl::StrCat(compute_capability / 10, ".", compute_capability % 10);
 }
 
+// Both variants take head dims that are multiples of 8 up to kMaxHeadDim (specialised for
+// kSpecialisedHeadDims, smaller ones zero-filled).
+absl::Status CheckHeadDim(absl::string_view name, const AttentionParams& p) {
+  if (p.head_dim <= 0 || p.head_dim % 8 != 0 || p.head_dim > kMaxHeadDim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("forward variant ", name, " takes head dims that are multiples of 8 up to ",
+                     kMaxHeadDim, "; got ", p.head_dim));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ForwardPlan> PlanMmaSm80(const AttentionParams& p, const DeviceCaps& caps) {
   const absl::string_view name = ForwardVariantName(ForwardVariant::kMmaSm80);
   if (caps.compute_capability < kMmaSm80MinCapability) {
@@ -26,11 +38,7 @@ absl::StatusOr<ForwardPlan> PlanMmaSm80(const AttentionParams& p, const DeviceCa
                      CapabilityString(kMmaSm80MinCapability), " or later; the device has ",
                      CapabilityString(caps.compute_capability)));
   }
-  if (p.head_dim <= 0 || p.head_dim % 8 != 0 || p.head_dim > kMaxHeadDim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("forward variant ", name, " takes head dims that are multiples of 8 up to ",
-                     kMaxHeadDim, "; got ", p.head_dim));
-  }
+  RETURN_IF_ERROR(CheckHeadDim(name, p));
   ForwardPlan plan{.variant = ForwardVariant::kMmaSm80,
                    .dtype = p.dtype,
                    .kernel_head_dim = SpecialisationFor(kSpecialisedHeadDims, p.head_dim)};
@@ -60,10 +68,43 @@ absl::StatusOr<ForwardPlan> PlanMmaSm80(const AttentionParams& p, const DeviceCa
   return plan;
 }
 
+// wgmma, setmaxnreg and TMA as built (sm_90a): compute capability 9.0 and nothing else.
+constexpr int kWgmmaSm90Capability = 90;
+
+absl::StatusOr<ForwardPlan> PlanWgmmaSm90(const AttentionParams& p, const DeviceCaps& caps) {
+  const absl::string_view name = ForwardVariantName(ForwardVariant::kWgmmaSm90);
+  if (caps.compute_capability != kWgmmaSm90Capability) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("forward variant ", name, " needs compute capability ",
+                     CapabilityString(kWgmmaSm90Capability), " (sm_90a code); the device has ",
+                     CapabilityString(caps.compute_capability)));
+  }
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat("forward variant ", name,
+                                                   " takes float16 and bfloat16; got ",
+                                                   DTypeName(p.dtype)));
+  }
+  RETURN_IF_ERROR(CheckHeadDim(name, p));
+  const int head_dim = static_cast<int>(p.head_dim);
+  ForwardPlan plan{.variant = ForwardVariant::kWgmmaSm90,
+                   .dtype = p.dtype,
+                   .kernel_head_dim = SpecialisationFor(kSpecialisedHeadDims, p.head_dim),
+                   .smem_bytes = FlashForwardSm90SmemBytes(head_dim)};
+  if (plan.smem_bytes > caps.smem_per_block_optin) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("forward variant ", name, " needs ", plan.smem_bytes,
+                     " bytes of shared memory per block at head_dim ", p.head_dim,
+                     "; the device allows ", caps.smem_per_block_optin));
+  }
+  return plan;
+}
+
 // The planning rule of each variant: its plan for p on caps, or why it cannot run it.
 absl::StatusOr<ForwardPlan> PlanVariant(ForwardVariant variant, const AttentionParams& p,
                                         const DeviceCaps& caps) {
   switch (variant) {
+    case ForwardVariant::kWgmmaSm90:
+      return PlanWgmmaSm90(p, caps);
     case ForwardVariant::kMmaSm80:
       return PlanMmaSm80(p, caps);
   }
@@ -75,6 +116,8 @@ absl::StatusOr<ForwardPlan> PlanVariant(ForwardVariant variant, const AttentionP
 
 absl::string_view ForwardVariantName(ForwardVariant variant) {
   switch (variant) {
+    case ForwardVariant::kWgmmaSm90:
+      return "wgmma_sm90";
     case ForwardVariant::kMmaSm80:
       return "mma_sm80";
   }
@@ -95,14 +138,16 @@ absl::StatusOr<ForwardVariant> ParseForwardVariant(absl::string_view name) {
 absl::StatusOr<ForwardPlan> PlanFlashForward(const AttentionParams& p, const DeviceCaps& caps,
                                              std::optional<ForwardVariant> forced) {
   if (forced.has_value()) return PlanVariant(*forced, p, caps);
-  absl::Status first_error;
+  std::string reasons;
+  absl::StatusCode code = absl::StatusCode::kInternal;
   for (ForwardVariant v : kForwardVariants) {
     absl::StatusOr<ForwardPlan> plan = PlanVariant(v, p, caps);
     if (plan.ok()) return plan;
-    if (first_error.ok()) first_error = plan.status();
+    absl::StrAppend(&reasons, reasons.empty() ? "" : "; ", plan.status().message());
+    code = plan.status().code();
   }
-  // No variant can run it: the reason of the preferred one.
-  return first_error;
+  // No variant can run it: every variant's reason, with the code of the last (the most general).
+  return absl::Status(code, reasons);
 }
 
 }  // namespace attention::cuda

@@ -18,13 +18,17 @@ namespace attention::cuda {
 
 // The forward kernels.
 enum class ForwardVariant {
+  // "wgmma_sm90": TMA, wgmma and producer/consumer warpgroups (flash_forward_sm90_kernel.cuh),
+  // float16 and bfloat16. Compute capability 9.0 exactly (sm_90a code).
+  kWgmmaSm90,
   // "mma_sm80": FlashAttention-2 on mma.sync m16n8k16 (float16, bfloat16) and 3xTF32 m16n8k8
   // (float32) with cp.async double buffering (flash_forward_kernel.cuh). Compute capability >= 8.0.
   kMmaSm80,
 };
 
 // Every variant, in the planner's order of preference: unforced, the first that can run is chosen.
-inline constexpr ForwardVariant kForwardVariants[] = {ForwardVariant::kMmaSm80};
+inline constexpr ForwardVariant kForwardVariants[] = {ForwardVariant::kWgmmaSm90,
+                                                     ForwardVariant::kMmaSm80};
 
 // The variant's name ([a-z0-9_], usable in test names, flags and JSON), e.g. "mma_sm80"; "unknown"
 // for a value outside the enum.
@@ -40,9 +44,11 @@ struct ForwardPlan {
 };
 
 // Plans a forward pass of p (its dtype and head dim; checked by ToKernelParams) on a device with
-// `caps`: the forced variant, or the first of kForwardVariants that can run it. Errors name the
+// `caps`: the forced variant, or the first of kForwardVariants that can run it (so on Hopper
+// float16 and bfloat16 run on wgmma_sm90, float32 falls back to mma_sm80). Errors name the
 // variant and the reason: INVALID_ARGUMENT for an unknown variant or params the variant does not
-// take, FAILED_PRECONDITION for a device it cannot run on. Makes no CUDA call.
+// take, FAILED_PRECONDITION for a device it cannot run on; unforced, when no variant can run it,
+// every variant's reason with the last one's code. Makes no CUDA call.
 absl::StatusOr<ForwardPlan> PlanFlashForward(const AttentionParams& p, const DeviceCaps& caps,
                                              std::optional<ForwardVariant> forced = std::nullopt);
 

@@ -28,6 +28,7 @@ struct KernelParams {
   int64_t lse_batch_stride, lse_head_stride;
   int batch, heads_q;      // the grid's y and z extents
   int seqlen_q, seqlen_k;  // varlen: the largest item's
+  int total_q, total_k;    // rows of the q and k tensors: varlen, the packed rows; else seqlen
   int kv_group;            // heads_q / heads_kv
   int head_dim;            // the real D; kernels specialised for a larger D zero-fill the rest
   // The kernel computes exp2(scale_log2 * (q.k - rowmax(q.k))) with scale_log2 > 0, so that the

@@ -19,10 +19,10 @@ __device__ __forceinline__ float FastExp2(float x) {
   return y;
 }
 
-// Combines x[0..kN) with op as a balanced tree (kN a power of two); x is clobbered.
+// Combines x[0..kN) with op as a balanced tree (ceil(log2 kN) levels; an element without a
+// partner at a level passes up unchanged); x is clobbered.
 template <int kN, typename Op>
 __device__ __forceinline__ float TreeReduce(float (&x)[kN], Op op) {
-  static_assert((kN & (kN - 1)) == 0, "power of two");
 #pragma unroll
   for (int stride = 1; stride < kN; stride *= 2)
 #pragma unroll

@@ -62,13 +62,47 @@ TEST(PlanFlashForwardTest, PicksTheSpecialisationAndItsSharedMemory) {
     ASSERT_TRUE(plan.ok()) << plan.status();
     EXPECT_EQ(plan->variant, v);
   }
-  const absl::StatusOr<ForwardPlan> plan = PlanFlashForward(Params(DType::kBFloat16, 96), kH200);
+  // Off Hopper: the mma.sync kernel, Q tile of 128 rows + 2 K and 2 V tiles of 64 rows, 128
+  // bfloat16 each.
+  const absl::StatusOr<ForwardPlan> plan = PlanFlashForward(Params(DType::kBFloat16, 96), kSm86);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->variant, ForwardVariant::kMmaSm80);
   EXPECT_EQ(plan->dtype, DType::kBFloat16);
   EXPECT_EQ(plan->kernel_head_dim, 128);
-  // Q tile of 128 rows + 2 K and 2 V tiles of 64 rows, 128 bfloat16 each.
   EXPECT_EQ(plan->smem_bytes, (128 + 4 * 64) * 128 * 2);
+  // On Hopper: the wgmma kernel, Q tile of 128 rows + 2 stages of K and V tiles of 128 rows,
+  // 128 bfloat16 each, 1 KiB of alignment slack and 9 mbarriers.
+  const absl::StatusOr<ForwardPlan> hopper =
+      PlanFlashForward(Params(DType::kBFloat16, 96), kH200);
+  ASSERT_TRUE(hopper.ok()) << hopper.status();
+  EXPECT_EQ(hopper->variant, ForwardVariant::kWgmmaSm90);
+  EXPECT_EQ(hopper->kernel_head_dim, 128);
+  EXPECT_EQ(hopper->smem_bytes, 1024 + (128 + 4 * 128) * 128 * 2 + 9 * 8);
+}
+
+TEST(PlanFlashForwardTest, OnHopperFloat32FallsBackToTheMmaKernel) {
+  const absl::StatusOr<ForwardPlan> plan = PlanFlashForward(Params(DType::kFloat32, 64), kH200);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->variant, ForwardVariant::kMmaSm80);
+  const absl::StatusOr<ForwardPlan> forced =
+      PlanFlashForward(Params(DType::kFloat32, 64), kH200, ForwardVariant::kWgmmaSm90);
+  EXPECT_EQ(forced.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Mentions(forced.status(), "wgmma_sm90")) << forced.status();
+  EXPECT_TRUE(Mentions(forced.status(), "float32")) << forced.status();
+}
+
+TEST(PlanFlashForwardTest, TheWgmmaKernelRunsOnComputeCapability90Only) {
+  const absl::StatusOr<ForwardPlan> plan =
+      PlanFlashForward(Params(DType::kFloat16, 64), kSm86, ForwardVariant::kWgmmaSm90);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Mentions(plan.status(), "9.0")) << plan.status();
+  EXPECT_TRUE(Mentions(plan.status(), "8.6")) << plan.status();
+  // Every head dim the API takes fits Hopper's shared memory (D = 256: 80-key tiles).
+  for (int64_t head_dim : {8, 64, 120, 128, 200, 256}) {
+    const absl::StatusOr<ForwardPlan> fits =
+        PlanFlashForward(Params(DType::kBFloat16, head_dim), kH200, ForwardVariant::kWgmmaSm90);
+    EXPECT_TRUE(fits.ok()) << head_dim << ": " << fits.status();
+  }
 }
 
 TEST(PlanFlashForwardTest, DeviceTooOldIsFailedPreconditionNamingTheVariant) {

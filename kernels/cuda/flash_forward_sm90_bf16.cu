@@ -1,0 +1,17 @@
+// bfloat16 instantiations of the Hopper forward kernel (flash_forward_sm90_kernel.cuh has the
+// design notes).
+#include "kernels/cuda/flash_forward_sm90_launch.cuh"
+#include "kernels/cuda/launchers.h"
+
+namespace attention::cuda {
+
+cudaError_t LaunchFlashForwardSm90BF16(const KernelParams& p, cudaStream_t stream) {
+  return LaunchFlashForwardSm90<__nv_bfloat16>(p, stream);
+}
+
+int FlashForwardSm90SmemBytes(int head_dim) {
+  return WithSm90Tile<__nv_bfloat16>(head_dim,
+                                     [](auto tile) { return decltype(tile)::kSmemBytes; });
+}
+
+}  // namespace attention::cuda

@@ -1,0 +1,123 @@
+// Host side of the Hopper forward kernel (flash_forward_sm90_kernel.cuh): its tile per head dim,
+// the TMA tensor maps of Q, K and V made per launch, and the launch.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/flash_forward_sm90_kernel.cuh"
+#include "kernels/cuda/kernel_params.h"
+#include "kernels/cuda/limits.h"
+#include "kernels/cuda/smem_opt_in.h"
+
+namespace attention::cuda {
+
+// Tiles per head dim (the kernel's opening comment has their speed): kBc keys per stage, two
+// stages. D = 256 takes 80 keys so that Q (64 KiB) and two K/V stages fit in 227 KiB.
+template <typename T, int kD>
+struct Sm90TileFor;
+template <typename T>
+struct Sm90TileFor<T, 64> {
+  using Tile = Sm90Tile<T, 64, 128, 2>;
+};
+template <typename T>
+struct Sm90TileFor<T, 128> {
+  using Tile = Sm90Tile<T, 128, 128, 2>;
+};
+template <typename T>
+struct Sm90TileFor<T, 256> {
+  using Tile = Sm90Tile<T, 256, 80, 2>;
+};
+
+// The driver's tensor-map encoder, looked up once through the runtime (so nothing links
+// libcuda, and machines without a driver still load the library); nullptr where the driver
+// lacks it.
+inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// A 4-D map (head_dim, rows, heads, items) of 16-bit elements with element strides, read in
+// boxes of 64 columns x box_rows rows into the 128-byte swizzle. A dimension of extent 1 gets a
+// stride TMA accepts whatever the caller's is (it is never stepped over).
+template <typename T>
+bool EncodeTileMap(CUtensorMap* map, const void* base, int head_dim, int rows, int heads,
+                   int items, int64_t row_stride, int64_t head_stride, int64_t item_stride,
+                   int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return false;
+  constexpr int64_t kBytes = sizeof(T);
+  const int64_t rows_bytes = row_stride * kBytes * rows;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(items)};
+  const cuuint64_t strides[3] = {
+      static_cast<cuuint64_t>(row_stride * kBytes),
+      static_cast<cuuint64_t>(heads > 1 ? head_stride * kBytes : rows_bytes),
+      static_cast<cuuint64_t>(items > 1 ? item_stride * kBytes : rows_bytes)};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type = std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return encode(map, type, 4, const_cast<void*>(base), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename Tile>
+cudaError_t LaunchSm90Tile(const KernelParams& p, cudaStream_t stream) {
+  using T = typename Tile::Element;
+  Sm90Params sp{};
+  sp.p = p;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int items = varlen ? 1 : p.batch;
+  const int heads_kv = p.heads_q / p.kv_group;
+  if (!EncodeTileMap<T>(&sp.q, p.q, p.head_dim, p.total_q, p.heads_q, items, p.q_row_stride,
+                        p.q_head_stride, p.q_batch_stride, Tile::kBr) ||
+      !EncodeTileMap<T>(&sp.k, p.k, p.head_dim, p.total_k, heads_kv, items, p.k_row_stride,
+                        p.k_head_stride, p.k_batch_stride, Tile::kBc) ||
+      !EncodeTileMap<T>(&sp.v, p.v, p.head_dim, p.total_k, heads_kv, items, p.v_row_stride,
+                        p.v_head_stride, p.v_batch_stride, Tile::kBc)) {
+    return cudaErrorInvalidValue;
+  }
+  auto* kernel = FlashForwardSm90Kernel<Tile>;
+  static std::atomic<uint64_t> smem_set_on{0};
+  if (cudaError_t err = OptInSharedMemory(kernel, Tile::kSmemBytes, smem_set_on);
+      err != cudaSuccess) {
+    return err;
+  }
+  const dim3 grid((p.seqlen_q + Tile::kBr - 1) / Tile::kBr, p.heads_q, p.batch);
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(sp);
+  return cudaGetLastError();
+}
+
+template <typename T, size_t kI = 0, typename F>
+auto WithSm90Tile(int head_dim, F&& f) {
+  constexpr int kD = kSpecialisedHeadDims[kI];
+  if constexpr (kI + 1 < std::size(kSpecialisedHeadDims)) {
+    if (head_dim > kD) return WithSm90Tile<T, kI + 1>(head_dim, f);
+  }
+  return f(typename Sm90TileFor<T, kD>::Tile());
+}
+
+template <typename T>
+cudaError_t LaunchFlashForwardSm90(const KernelParams& p, cudaStream_t stream) {
+  return WithSm90Tile<T>(p.head_dim,
+                         [&](auto tile) { return LaunchSm90Tile<decltype(tile)>(p, stream); });
+}
+
+}  // namespace attention::cuda
