@@ -83,10 +83,14 @@ using Runner = std::function<absl::StatusOr<ForwardVariant>(const AttentionParam
 
 // attention::cuda::Forward, forcing `variant` when set.
 Runner ForwardRunner(std::optional<ForwardVariant> variant) {
+  // The default stream's scratch: every launch here runs on it (kept for the whole process).
+  static const absl::StatusOr<attention::cuda::ForwardScratch> scratch =
+      attention::cuda::AllocateForwardScratch();
   return [variant](const AttentionParams& p) -> absl::StatusOr<ForwardVariant> {
+    RETURN_IF_ERROR(scratch.status());
     ASSIGN_OR_RETURN(const attention::cuda::ForwardLaunch launch,
                      attention::cuda::PrepareForward(p, variant));
-    RETURN_IF_ERROR(attention::cuda::LaunchForward(launch, nullptr));
+    RETURN_IF_ERROR(attention::cuda::LaunchForward(launch, nullptr, *scratch));
     return launch.plan.variant;
   };
 }

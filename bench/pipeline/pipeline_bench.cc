@@ -121,13 +121,18 @@ double KernelMs(AttentionParams p, size_t q_bytes, size_t kv_bytes) {
   p.k = k;
   p.v = v;
   p.o = o;
+  absl::StatusOr<cuda::ForwardScratch> scratch = cuda::AllocateForwardScratch();
+  if (!scratch.ok()) {
+    std::fprintf(stderr, "AllocateForwardScratch: %s\n", scratch.status().ToString().c_str());
+    std::exit(1);
+  }
   cudaEvent_t a, b;
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
   std::vector<double> ms;
   for (int i = 0; i < 23; ++i) {
     CHECK_CUDA(cudaEventRecord(a));
-    if (absl::Status s = cuda::Forward(p, nullptr); !s.ok()) {
+    if (absl::Status s = cuda::Forward(p, nullptr, *scratch); !s.ok()) {
       std::fprintf(stderr, "Forward: %s\n", s.ToString().c_str());
       std::exit(1);
     }
@@ -140,6 +145,7 @@ double KernelMs(AttentionParams p, size_t q_bytes, size_t kv_bytes) {
   cudaEventDestroy(a);
   cudaEventDestroy(b);
   for (void* ptr : {q, k, v, o}) cudaFree(ptr);
+  cuda::FreeForwardScratch(*scratch);
   return Median(ms);
 }
 

@@ -142,18 +142,44 @@ absl::StatusOr<ForwardLaunch> PrepareForward(const AttentionParams& p,
   return ForwardLaunch{k, plan};
 }
 
-absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream) {
-  if (const cudaError_t err = LaunchVariant(launch.plan, launch.params, stream);
+absl::StatusOr<ForwardScratch> AllocateForwardScratch() {
+  ForwardScratch scratch;
+  constexpr size_t kBytes = 2 * sizeof(int32_t);
+  RETURN_IF_ERROR(CudaStatus(cudaMalloc(reinterpret_cast<void**>(&scratch.tile_counters), kBytes),
+                             "allocate the forward kernel's tile counters"));
+  if (const absl::Status zeroed =
+          CudaStatus(cudaMemset(scratch.tile_counters, 0, kBytes), "zero the tile counters");
+      !zeroed.ok()) {
+    FreeForwardScratch(scratch);
+    return zeroed;
+  }
+  return scratch;
+}
+
+void FreeForwardScratch(ForwardScratch& scratch) {
+  if (scratch.tile_counters != nullptr) cudaFree(scratch.tile_counters);
+  scratch.tile_counters = nullptr;
+}
+
+absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream,
+                           const ForwardScratch& scratch) {
+  KernelParams params = launch.params;
+  params.tile_counters = scratch.tile_counters;
+  if (launch.plan.variant == ForwardVariant::kWgmmaSm90 && params.tile_counters == nullptr) {
+    return absl::InternalError(
+        "forward kernel wgmma_sm90 launched without a ForwardScratch (tile counters)");
+  }
+  if (const cudaError_t err = LaunchVariant(launch.plan, params, stream);
       err != cudaSuccess) {
     return CudaError(err, absl::StrCat("forward kernel ", ForwardVariantName(launch.plan.variant)));
   }
   return absl::OkStatus();
 }
 
-absl::Status Forward(const AttentionParams& p, cudaStream_t stream,
+absl::Status Forward(const AttentionParams& p, cudaStream_t stream, const ForwardScratch& scratch,
                      std::optional<ForwardVariant> variant) {
   ASSIGN_OR_RETURN(const ForwardLaunch launch, PrepareForward(p, variant));
-  return LaunchForward(launch, stream);
+  return LaunchForward(launch, stream, scratch);
 }
 
 }  // namespace attention::cuda

@@ -1,10 +1,12 @@
 // The CUDA backend's forward pass: checks, converts, plans (forward_plan.h: which kernel variant,
-// from the current device's caps or forced) and launches. See flash_forward_kernel.cuh for the
-// kernel and flash_forward_launch.cuh for its tiles and measured speed.
+// from the current device's caps or forced) and launches. See flash_forward_sm90_kernel.cuh
+// (Hopper) and flash_forward_kernel.cuh (the mma.sync kernel) for the kernels, their tiles and
+// measured speed.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <optional>
 
 #include "absl/status/status.h"
@@ -15,13 +17,26 @@
 
 namespace attention::cuda {
 
+// Device memory that the forward launches on one stream share (they run one after another): the
+// wgmma kernel's tile-scheduler counters, zero between launches (each launch leaves them zero).
+// One per stream; default-constructed (null) it serves no launch that needs it.
+struct ForwardScratch {
+  int32_t* tile_counters = nullptr;  // 2 entries
+};
+// A zeroed ForwardScratch on the current device (waits for the zeroing), or the CUDA error.
+absl::StatusOr<ForwardScratch> AllocateForwardScratch();
+// Frees what AllocateForwardScratch allocated (the device it was allocated on must be current,
+// and no launch using it may still run); null members are skipped.
+void FreeForwardScratch(ForwardScratch& scratch);
+
 // Enqueues attention on `stream` on the current device. q, k, v, o, lse and cu_seqlens_* are
 // device pointers. Returns at once; the result is ready when the stream reaches this point. Every
 // CUDA error becomes a Status naming it. variant: run this kernel variant instead of the
 // planner's choice (tests, benchmarks), or fail saying why it cannot run. An Inf or NaN in V at a
 // key the mask hides from some rows reaches those rows here (the tensor-core P V multiplies their
 // P = 0 by it); HostRunner sends such calls to the exact CPU kernel instead (host_runner.h).
-absl::Status Forward(const AttentionParams& p, cudaStream_t stream,
+// `scratch` is this stream's (ForwardScratch).
+absl::Status Forward(const AttentionParams& p, cudaStream_t stream, const ForwardScratch& scratch,
                      std::optional<ForwardVariant> variant = std::nullopt);
 
 // A checked, converted and planned forward pass, ready to launch.
@@ -34,7 +49,8 @@ struct ForwardLaunch {
 absl::StatusOr<ForwardLaunch> PrepareForward(const AttentionParams& p,
                                              std::optional<ForwardVariant> variant = std::nullopt);
 // Enqueues a prepared launch on `stream` (the device it was prepared on must be current).
-absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream);
+absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream,
+                           const ForwardScratch& scratch);
 
 // The checks and the conversion Forward does before it launches: the kernels' view of `p`, or the
 // error Forward would return. (The tile sweep in bench/cuda launches other tiles with it.)

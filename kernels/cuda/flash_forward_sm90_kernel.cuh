@@ -3,19 +3,23 @@
 // specialisation (one producer warpgroup, two consumer warpgroups, registers moved from the first
 // to the others with setmaxnreg). float16 and bfloat16, float32 accumulation.
 //
-// Per CTA = (query tile of kBr = 128 rows, query head, batch item); 384 threads:
+// Per CTA = (query tile of kBr = 64 x kConsumers rows, query head, batch item), 128 x (1 +
+// kConsumers) threads:
 //   warpgroup 0 (producer): one thread issues the TMA loads: the Q tile once (kD/64 boxes of
 //     128 rows x 64 columns), then K and V tiles of kBc keys into kStages stages, each stage
 //     guarded by a "full" barrier (TMA transaction bytes) and an "empty" one (one arrival per
 //     consumer warp). The rest of the warpgroup idles on 24 registers.
-//   warpgroups 1 and 2 (consumers, 240 registers): rows 64 wg .. 64 wg + 63 of the tile each.
+//   warpgroups 1 .. kConsumers (consumers, the rest of the registers): rows 64 wg .. 64 wg + 63
+//     of the tile each.
 //     Per key tile: S = Q K^T as kD/16 wgmma m64n{kBc}k16 with both operands in shared memory
 //     (K-major; the 16-element k-step advances the descriptor by 32 bytes inside the swizzled
 //     128-byte row, the next 64 columns are the next TMA box); the element mask (masks.cuh) only
 //     on tiles that need it; the online softmax of the mma.sync kernel (online_softmax.cuh: the
 //     wgmma accumulator of a warp is the accumulator of kBc/8 m16n8 tiles, so the same helpers
 //     run on it); P rounded to T and kept in registers as the A operand of kBc/16 wgmma
-//     m64n{kD}k16 for O += P V, V read MN-major (rows of keys, as TMA stores them).
+//     m64n{kD}k16 for O += P V, V read MN-major (rows of keys, as TMA stores them). Inside a
+//     consumer the tiles are software-pipelined: S_i = Q K_i^T is issued before O += P_{i-1}
+//     V_{i-1}, so the softmax of tile i overlaps the P V of tile i-1 on the tensor cores.
 //   Key tiles are visited last to first (the masked diagonal and ragged tiles first), tiles
 //   outside every row's window never loaded: the range of VisibleKeys for the CTA's rows.
 // Any Nq, Nk (TMA reads zeros past a tensor's end, the mask drops keys past Nk, rows past Nq are
@@ -54,28 +58,91 @@ struct Sm90Params {
   CUtensorMap q, k, v;  // 64-byte aligned types
 };
 
-template <typename T, int kD_, int kBc_, int kStages_>
+template <typename T, int kD_, int kBc_, int kStages_, int kConsumers_>
 struct Sm90Tile {
   using Element = T;
   static constexpr int kD = kD_;
   static constexpr int kBc = kBc_;
   static constexpr int kStages = kStages_;
-  static constexpr int kBr = 128;       // two consumer warpgroups of 64 rows
-  static constexpr int kThreads = 384;  // producer + 2 consumers
-  static constexpr int kBoxCols = 64;   // one 128-byte swizzled row of 16-bit elements
+  static constexpr int kConsumers = kConsumers_;      // consumer warpgroups of 64 rows each
+  static constexpr int kBr = 64 * kConsumers;         // query rows per CTA
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kBoxCols = 64;  // one 128-byte swizzled row of 16-bit elements
   static constexpr int kDBlocks = kD / kBoxCols;
   static constexpr int kQBytes = kBr * kD * 2;
   static constexpr int kKvBytes = kBc * kD * 2;  // one K (or V) stage
-  static constexpr int kBarriers = 1 + 4 * kStages;
-  // 1024 bytes of slack to align the tiles to the swizzle's 1024-byte groups.
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKvBytes + 8 * kBarriers;
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kBarriers = 2 + 4 * kStages;
+  // 1024 bytes of slack to align the tiles to the swizzle's 1024-byte groups, the barriers,
+  // and the current work tile's position (an int after the barriers).
+  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKvBytes + 8 * kBarriers + 8;
+  // setmaxnreg: the producer keeps 24 registers (32 beside three consumers, which need fewer
+  // each); the consumers share the rest of the 64K-register file (multiples of 8).
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
 
   static_assert(sizeof(T) == 2, "16-bit elements");
   static_assert(kD % kBoxCols == 0 && kD <= 256);
   static_assert(kBc % 16 == 0 && kBc <= 256 && (kBc * 128) % 1024 == 0);
+  static_assert(kConsumers == 2 || kConsumers == 3);
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536);
 };
 
+// One work tile: a query tile of one head of one batch item, and the key tiles it visits
+// (n_block_max - 1 down to n_block_min; none when no row sees a key or the item is shorter).
+struct Sm90WorkTile {
+  int m0, h, b;
+  ItemExtent e;
+  int n_block_min, n_block_max;
+  __device__ int n_tiles() const { return n_block_max - n_block_min; }
+};
+
+// The work tiles in launch order. CTAs take them dynamically (each CTA's first is its
+// blockIdx.x, every next one an atomicAdd on KernelParams::tile_counters), so a CTA that drew
+// light tiles takes more of them (a static round-robin left one CTA with 1.7x the average work
+// under some causal shapes: 0.39 instead of 0.56 PFLOP/s at D = 128, N = 4096). Order: groups of
+// `group` (head, item) pairs; within a group the query tiles heaviest first (most keys under a
+// causal mask), the group's pairs interleaved, so the CTAs running at once work on a few heads
+// and share their K and V in L2 (ordered by query tile across all heads, each CTA streamed its
+// own head's K and V from memory: 0.60 instead of 0.66 PFLOP/s at D = 128, N = 4096). Masked
+// launches take groups of 8 pairs; unmasked ones 1 (every tile costs the same there).
+struct Sm90Schedule {
+  int m_blocks, pairs, group, work_tiles;
+
+  __device__ Sm90Schedule(const KernelParams& p, int br) {
+    m_blocks = (p.seqlen_q + br - 1) / br;
+    pairs = p.heads_q * p.batch;
+    const bool masked = p.window_left >= 0 || p.window_right >= 0;
+    group = min(masked ? 8 : 1, pairs);
+    work_tiles = m_blocks * pairs;
+  }
+};
+
+template <int kBr, int kBc>
+__device__ __forceinline__ Sm90WorkTile GetWorkTile(const KernelParams& p, const Sm90Schedule& sc,
+                                                    int pos) {
+  Sm90WorkTile wt;
+  const int group_tiles = sc.group * sc.m_blocks;
+  const int first_pair = pos / group_tiles * sc.group;
+  const int in_group = min(sc.group, sc.pairs - first_pair);  // the last group may be short
+  const int r = pos - first_pair * sc.m_blocks;
+  const int m_block = sc.m_blocks - 1 - r / in_group;
+  const int pair = first_pair + r % in_group;
+  wt.h = pair % p.heads_q;
+  wt.b = pair / p.heads_q;
+  wt.e = GetItemExtent(p, wt.b);
+  wt.m0 = m_block * kBr;
+  wt.n_block_min = wt.n_block_max = 0;
+  if (wt.m0 >= wt.e.nq) return wt;  // varlen: this item is shorter than the grid
+  const int row_last = min(wt.m0 + kBr, wt.e.nq) - 1;
+  const KeyRange keys = VisibleKeys(p, wt.e.nq, wt.e.nk, wt.m0, row_last);
+  wt.n_block_min = max(keys.lo, 0) / kBc;
+  wt.n_block_max = keys.hi > keys.lo ? (keys.hi + kBc - 1) / kBc : wt.n_block_min;
+  return wt;
+}
+
+// A persistent kernel: gridDim.x CTAs (at most one per SM) loop over the work tiles. The producer
+// runs ahead across tiles (the next tile's Q as soon as the consumers have issued their last
+// Q K^T, its K and V as stages free up), so a tile's epilogue overlaps the next tile's loads.
 template <typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     FlashForwardSm90Kernel(const __grid_constant__ Sm90Params sp) {
@@ -86,6 +153,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   constexpr int kNTiles = kBc / 8;  // 8-key column tiles of S
   constexpr int kDTiles = kD / 8;   // 8-wide column tiles of O
   constexpr uint32_t kRowBytes = 128;
+  constexpr int kConsumerWarps = 4 * Tile::kConsumers;
   const KernelParams& p = sp.p;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -93,35 +161,30 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const uint32_t s_k = s_q + Tile::kQBytes;                       // [kStages][kDBlocks][kBc][64]
   const uint32_t s_v = s_k + kStages * kKvBytes;                  // [kStages][kDBlocks][kBc][64]
   const uint32_t bars = s_v + kStages * kKvBytes;
-  const uint32_t q_full = bars;
-  auto k_full = [&](int s) { return bars + 8u * (1 + s); };
-  auto v_full = [&](int s) { return bars + 8u * (1 + kStages + s); };
-  auto k_empty = [&](int s) { return bars + 8u * (1 + 2 * kStages + s); };
-  auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
+  const uint32_t q_full = bars, q_empty = bars + 8;
+  const uint32_t tile_pos = bars + 8 * Tile::kBarriers;  // the current work tile's position
+  auto k_full = [&](int s) { return bars + 8u * (2 + s); };
+  auto v_full = [&](int s) { return bars + 8u * (2 + kStages + s); };
+  auto k_empty = [&](int s) { return bars + 8u * (2 + 2 * kStages + s); };
+  auto v_empty = [&](int s) { return bars + 8u * (2 + 3 * kStages + s); };
+  // Key tile `it` of the CTA's whole run (counted across work tiles): its stage and the parity of
+  // the stage's barriers.
+  auto stage = [&](int it) { return it % kStages; };
+  auto parity = [&](int it) { return static_cast<uint32_t>((it / kStages) & 1); };
 
-  // Heaviest query tiles (most keys under a causal mask) start first.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const ItemExtent e = GetItemExtent(p, b);
-  const int m0 = m_block * kBr;
-  if (m0 >= e.nq) return;  // varlen: this item is shorter than the grid
-  const int row_last = min(m0 + kBr, e.nq) - 1;
-  const KeyRange keys = VisibleKeys(p, e.nq, e.nk, m0, row_last);
-  const int n_block_min = max(keys.lo, 0) / kBc;
-  const int n_block_max = keys.hi > keys.lo ? (keys.hi + kBc - 1) / kBc : n_block_min;
-  const int n_tiles = n_block_max - n_block_min;
-  // Tensor-map coordinates of this item: varlen maps hold one item of packed rows.
-  const int map_b = p.cu_seqlens_q == nullptr ? b : 0;
-  const int hk = h / p.kv_group;
+  const Sm90Schedule schedule(p, kBr);
+  // Tensor-map item coordinate: varlen maps hold one item of packed rows.
+  const bool varlen = p.cu_seqlens_q != nullptr;
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     MbarInit(q_full, 1);
+    MbarInit(q_empty, kConsumerWarps);  // one arrival per consumer warp
     for (int s = 0; s < kStages; ++s) {
       MbarInit(k_full(s), 1);
       MbarInit(v_full(s), 1);
-      MbarInit(k_empty(s), 8);  // one arrival per consumer warp
-      MbarInit(v_empty(s), 8);
+      MbarInit(k_empty(s), kConsumerWarps);
+      MbarInit(v_empty(s), kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -129,165 +192,257 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 
   if (warpgroup == 0) {
     WarpgroupRegistersDown<Tile::kProducerRegs>();
-    if (threadIdx.x == 0 && n_tiles > 0) {
-      MbarArriveExpectTx(q_full, Tile::kQBytes);
-#pragma unroll
-      for (int c = 0; c < kDBlocks; ++c) {
-        TmaLoad4d(s_q + c * kBr * kRowBytes, &sp.q, q_full, c * 64, e.q_start + m0, h, map_b);
+    if (threadIdx.x != 0) return;  // the consumers wait for every load, so the CTA outlives them
+    // Per work tile (a "round"): wait until the consumers are done with Q, publish the tile's
+    // position in tile_pos (>= work_tiles: no more work), arrive on q_full (with Q's bytes when
+    // the tile has keys), then stream its K and V tiles.
+    int it = 0;  // key tiles so far
+    int pos = blockIdx.x;
+    for (int round = 0;; ++round) {
+      MbarWait(q_empty, (round & 1) ^ 1);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile_pos), "r"(pos) : "memory");
+      if (pos >= schedule.work_tiles) {
+        MbarArrive(q_full);
+        break;
       }
-      for (int i = 0; i < n_tiles; ++i) {
-        const int s = i % kStages;
-        const uint32_t phase = (i / kStages) & 1;
-        const int row = e.k_start + (n_block_max - 1 - i) * kBc;
-        MbarWait(k_empty(s), phase ^ 1);
-        MbarArriveExpectTx(k_full(s), kKvBytes);
+      const Sm90WorkTile wt = GetWorkTile<kBr, kBc>(p, schedule, pos);
+      if (wt.n_tiles() == 0) {
+        MbarArrive(q_full);
+      } else {
+        const int map_b = varlen ? 0 : wt.b, hk = wt.h / p.kv_group;
+        MbarArriveExpectTx(q_full, Tile::kQBytes);
 #pragma unroll
         for (int c = 0; c < kDBlocks; ++c) {
-          TmaLoad4d(s_k + s * kKvBytes + c * kBc * kRowBytes, &sp.k, k_full(s), c * 64, row, hk,
-                    map_b);
+          TmaLoad4d(s_q + c * kBr * kRowBytes, &sp.q, q_full, c * 64, wt.e.q_start + wt.m0,
+                    wt.h, map_b);
         }
-        MbarWait(v_empty(s), phase ^ 1);
-        MbarArriveExpectTx(v_full(s), kKvBytes);
+        for (int i = 0; i < wt.n_tiles(); ++i, ++it) {
+          const int s = stage(it);
+          const int row = wt.e.k_start + (wt.n_block_max - 1 - i) * kBc;
+          MbarWait(k_empty(s), parity(it) ^ 1);
+          MbarArriveExpectTx(k_full(s), kKvBytes);
 #pragma unroll
-        for (int c = 0; c < kDBlocks; ++c) {
-          TmaLoad4d(s_v + s * kKvBytes + c * kBc * kRowBytes, &sp.v, v_full(s), c * 64, row, hk,
-                    map_b);
+          for (int c = 0; c < kDBlocks; ++c) {
+            TmaLoad4d(s_k + s * kKvBytes + c * kBc * kRowBytes, &sp.k, k_full(s), c * 64, row,
+                      hk, map_b);
+          }
+          MbarWait(v_empty(s), parity(it) ^ 1);
+          MbarArriveExpectTx(v_full(s), kKvBytes);
+#pragma unroll
+          for (int c = 0; c < kDBlocks; ++c) {
+            TmaLoad4d(s_v + s * kKvBytes + c * kBc * kRowBytes, &sp.v, v_full(s), c * 64, row,
+                      hk, map_b);
+          }
         }
       }
+      pos = gridDim.x + atomicAdd(&p.tile_counters[0], 1);
     }
-    return;  // the consumers wait for every load, so the CTA outlives them
+    // Every CTA has drawn its last position once all have counted themselves out here: the last
+    // one leaves the counters zero for the next launch on the stream (the fences order each
+    // CTA's last draw before its count, and the counts before the reset).
+    __threadfence();
+    if (atomicAdd(&p.tile_counters[1], 1) == static_cast<int>(gridDim.x) - 1) {
+      __threadfence();
+      atomicExch(&p.tile_counters[0], 0);
+      atomicExch(&p.tile_counters[1], 0);
+    }
+    return;
   }
 
   WarpgroupRegistersUp<Tile::kConsumerRegs>();
   const int wg = warpgroup - 1;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int wg_row0 = m0 + wg * 64;  // this warpgroup's first row in the item
-  const int wg_row_last = min(wg_row0 + 63, e.nq - 1);
+  const uint32_t s_qw = s_q + wg * 64 * kRowBytes;  // this warpgroup's rows of each Q box
+  int it = 0;  // key tiles so far
+  for (int round = 0;; ++round) {
+    MbarWait(q_full, round & 1);
+    int pos;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pos) : "r"(tile_pos) : "memory");
+    if (pos >= schedule.work_tiles) break;
+    const Sm90WorkTile wt = GetWorkTile<kBr, kBc>(p, schedule, pos);
+    const ItemExtent& e = wt.e;
+    const int n_tiles = wt.n_tiles();
+    const int wg_row0 = wt.m0 + wg * 64;  // this warpgroup's first row in the item
+    const int wg_row_last = min(wg_row0 + 63, e.nq - 1);
+    auto first_key = [&](int i) { return (wt.n_block_max - 1 - i) * kBc; };
 
-  float acc_o[kDTiles][4];
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    float acc_o[kDTiles][4];
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 #pragma unroll
-  for (int dt = 0; dt < kDTiles; ++dt)
+    for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc_o[dt][i] = 0.f;
-  float(&o_flat)[kD / 2] = reinterpret_cast<float(&)[kD / 2]>(acc_o);
+      for (int j = 0; j < 4; ++j) acc_o[dt][j] = 0.f;
+    float(&o_flat)[kD / 2] = reinterpret_cast<float(&)[kD / 2]>(acc_o);
 
-  if (n_tiles > 0) {
-    MbarWait(q_full, 0);
-    if (p.negate_q) {
-      // A negative scale runs as |scale| on -Q (KernelParams): flip the sign bits of this
-      // warpgroup's 64 rows, then make the generic-proxy stores visible to wgmma.
-      const int tid = threadIdx.x % 128;
+    if (n_tiles == 0 && lane == 0) MbarArrive(q_empty);  // nothing to read from Q
+    if (n_tiles > 0) {
+      if (p.negate_q) {
+        // A negative scale runs as |scale| on -Q (KernelParams): flip the sign bits of this
+        // warpgroup's 64 rows, then make the generic-proxy stores visible to wgmma.
+        const int tid = threadIdx.x % 128;
 #pragma unroll
-      for (int c = 0; c < kDBlocks; ++c) {
-        const uint32_t base = s_q + c * kBr * kRowBytes + wg * 64 * kRowBytes;
+        for (int c = 0; c < kDBlocks; ++c) {
+          const uint32_t base = s_qw + c * kBr * kRowBytes;
 #pragma unroll
-        for (int j = 0; j < 64 * kRowBytes / 16 / 128; ++j) {
-          const uint32_t addr = base + (tid + j * 128) * 16;
-          uint4 x;
-          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                       : "r"(addr));
-          constexpr uint32_t kSigns = 0x80008000u;
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x.x ^ kSigns),
-                       "r"(x.y ^ kSigns), "r"(x.z ^ kSigns), "r"(x.w ^ kSigns));
+          for (int j = 0; j < 64 * kRowBytes / 16 / 128; ++j) {
+            const uint32_t addr = base + (tid + j * 128) * 16;
+            uint4 x;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                         : "r"(addr));
+            constexpr uint32_t kSigns = 0x80008000u;
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                         "r"(x.x ^ kSigns), "r"(x.y ^ kSigns), "r"(x.z ^ kSigns),
+                         "r"(x.w ^ kSigns));
+          }
         }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        WarpgroupSync(1 + wg);
       }
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      WarpgroupSync(1 + wg);
-    }
-    const uint32_t s_qw = s_q + wg * 64 * kRowBytes;  // this warpgroup's rows of each Q box
 
-    for (int i = 0; i < n_tiles; ++i) {
-      const int s = i % kStages;
-      const uint32_t phase = (i / kStages) & 1;
-      const int n0 = (n_block_max - 1 - i) * kBc;
-      const uint32_t s_ks = s_k + s * kKvBytes, s_vs = s_v + s * kKvBytes;
-
-      // S = Q K^T (raw logits): acc_s[nt] is the 16x8 block of this warp's rows, keys n0 + 8 nt.
-      float acc_s[kNTiles][4];
-      float(&s_flat)[kBc / 2] = reinterpret_cast<float(&)[kBc / 2]>(acc_s);
-      MbarWait(k_full(s), phase);
-      WgmmaFence();
+      // S = Q K^T of key tile i of this work tile (the CTA's key tile it0 + i) issued and
+      // committed: acc_s[nt] is the 16x8 block of this warp's rows, keys first_key(i) + 8 nt.
+      const int it0 = it;
+      auto issue_qk = [&](int i, float(&acc_s)[kNTiles][4]) {
+        const uint32_t s_ks = s_k + stage(it0 + i) * kKvBytes;
+        MbarWait(k_full(stage(it0 + i)), parity(it0 + i));
+        WgmmaFence();
 #pragma unroll
-      for (int ks = 0; ks < kD / 16; ++ks) {
-        const uint32_t col = (ks / 4), sub = (ks % 4) * 32;
-        const uint64_t da = SmemDesc128B(s_qw + col * kBr * kRowBytes + sub, 16, 1024);
-        const uint64_t db = SmemDesc128B(s_ks + col * kBc * kRowBytes + sub, 16, 1024);
-        WgmmaSS(WgmmaTag<T, kBc>(), s_flat, da, db, ks > 0);
-      }
-      WgmmaCommit();
-      WgmmaWait<0>();
-      FenceRegisters(s_flat);
-      if (lane == 0) MbarArrive(k_empty(s));  // this warp is done with K_s
-
-      if (TileNeedsMask(p, e, wg_row0, wg_row_last, n0, kBc)) {
+        for (int ks = 0; ks < kD / 16; ++ks) {
+          const uint32_t col = (ks / 4), sub = (ks % 4) * 32;
+          const uint64_t da = SmemDesc128B(s_qw + col * kBr * kRowBytes + sub, 16, 1024);
+          const uint64_t db = SmemDesc128B(s_ks + col * kBc * kRowBytes + sub, 16, 1024);
+          WgmmaSS(WgmmaTag<T, kBc>(), reinterpret_cast<float(&)[kBc / 2]>(acc_s), da, db,
+                  ks > 0);
+        }
+        WgmmaCommit();
+      };
+      // O += P V of key tile i issued and committed: keys 16 kk.. of V are rows 16 kk.. of each
+      // 64-column box (MN-major: the next 8 keys 1024 bytes on, the next 64 columns one box,
+      // kBc rows, on).
+      auto issue_pv = [&](int i, const uint32_t(&p_frag)[kBc / 16][4]) {
+        const uint32_t s_vs = s_v + stage(it0 + i) * kKvBytes;
+        MbarWait(v_full(stage(it0 + i)), parity(it0 + i));
+        FenceRegisters(o_flat);
+        WgmmaFence();
+#pragma unroll
+        for (int kk = 0; kk < kBc / 16; ++kk) {
+          const uint64_t db = SmemDesc128B(s_vs + kk * 16 * kRowBytes, kBc * kRowBytes, 1024);
+          WgmmaRS(WgmmaTag<T, kD>(), o_flat, p_frag[kk], db, 1);
+        }
+        WgmmaCommit();
+      };
+      // Once S of key tile i has landed: the stage's K is free and, after the last key tile,
+      // so is Q (the producer may load the next work tile's).
+      auto release_k = [&](int i) {
+        if (lane != 0) return;
+        MbarArrive(k_empty(stage(it0 + i)));
+        if (i == n_tiles - 1) MbarArrive(q_empty);
+      };
+      // Mask (on tiles that need it) and online softmax of key tile i's logits, in place; per
+      // row the rescale of the earlier terms.
+      auto softmax = [&](int i, float(&acc_s)[kNTiles][4], float(&rescale)[2]) {
+        const int n0 = first_key(i);
+        if (TileNeedsMask(p, e, wg_row0, wg_row_last, n0, kBc)) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = wg_row0 + warp * 16 + g + half * 8;
+            MaskRow(acc_s, half, VisibleKeys(p, e.nq, e.nk, row, row), n0, t);
+          }
+        }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int row = wg_row0 + warp * 16 + g + half * 8;
-          MaskRow(acc_s, half, VisibleKeys(p, e.nq, e.nk, row, row), n0, t);
+          rescale[half] =
+              OnlineSoftmaxRow(acc_s, half, row_max[half], row_sum[half], p.scale_log2);
         }
-      }
+      };
+      // P as A fragments: keys 16 kk .. 16 kk + 15 are S column tiles 2 kk and 2 kk + 1.
+      auto to_p = [&](const float(&acc_s)[kNTiles][4], uint32_t(&p_frag)[kBc / 16][4]) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float rescale =
-            OnlineSoftmaxRow(acc_s, half, row_max[half], row_sum[half], p.scale_log2);
+        for (int kk = 0; kk < kBc / 16; ++kk) {
+          p_frag[kk][0] = PackPair<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+          p_frag[kk][1] = PackPair<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+          p_frag[kk][2] = PackPair<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+          p_frag[kk][3] = PackPair<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+        }
+      };
+      // Keeps P alive in its registers (an asynchronous wgmma reads them) until the wait.
+      auto fence_p = [&](uint32_t(&p_frag)[kBc / 16][4]) {
+#pragma unroll
+        for (int kk = 0; kk < kBc / 16; ++kk)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(p_frag[kk][j])::"memory");
+      };
+
+      // Software pipeline inside the warpgroup: S_i = Q K_i^T is issued before O += P_{i-1}
+      // V_{i-1}, and the softmax of S_i runs while that P V is on the tensor cores; O takes the
+      // rescale of step i only after the P V that used step i-1's max has landed.
+      uint32_t p_frag[kBc / 16][4];
+      {
+        float acc_s[kNTiles][4];
+        issue_qk(0, acc_s);
+        WgmmaWait<0>();
+        FenceRegisters(reinterpret_cast<float(&)[kBc / 2]>(acc_s));
+        release_k(0);
+        float rescale[2];
+        softmax(0, acc_s, rescale);  // O is still zero: nothing to rescale
+        to_p(acc_s, p_frag);
+      }
+      for (int i = 1; i < n_tiles; ++i) {
+        float acc_s[kNTiles][4];
+        issue_qk(i, acc_s);
+        issue_pv(i - 1, p_frag);
+        WgmmaWait<1>();  // S_i has landed; P_{i-1} V_{i-1} may still run
+        FenceRegisters(reinterpret_cast<float(&)[kBc / 2]>(acc_s));
+        release_k(i);
+        float rescale[2];
+        softmax(i, acc_s, rescale);
+        WgmmaWait<0>();
+        fence_p(p_frag);
+        FenceRegisters(o_flat);
+        if (lane == 0) MbarArrive(v_empty(stage(it0 + i - 1)));
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
-          acc_o[dt][half * 2] *= rescale;
-          acc_o[dt][half * 2 + 1] *= rescale;
+          acc_o[dt][0] *= rescale[0];
+          acc_o[dt][1] *= rescale[0];
+          acc_o[dt][2] *= rescale[1];
+          acc_o[dt][3] *= rescale[1];
         }
+        to_p(acc_s, p_frag);
       }
-      // P as A fragments: keys 16 kk .. 16 kk + 15 are S column tiles 2 kk and 2 kk + 1.
-      uint32_t p_frag[kBc / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < kBc / 16; ++kk) {
-        p_frag[kk][0] = PackPair<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-        p_frag[kk][1] = PackPair<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-        p_frag[kk][2] = PackPair<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-        p_frag[kk][3] = PackPair<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
-      }
-
-      // O += P V: keys 16 kk.. of V_s are rows 16 kk.. of each 64-column box (MN-major: the
-      // next 8 keys 1024 bytes on, the next 64 columns one box, kBc rows, on).
-      MbarWait(v_full(s), phase);
-      FenceRegisters(o_flat);
-      WgmmaFence();
-#pragma unroll
-      for (int kk = 0; kk < kBc / 16; ++kk) {
-        const uint64_t db = SmemDesc128B(s_vs + kk * 16 * kRowBytes, kBc * kRowBytes, 1024);
-        WgmmaRS(WgmmaTag<T, kD>(), o_flat, p_frag[kk], db, 1);
-      }
-      WgmmaCommit();
+      issue_pv(n_tiles - 1, p_frag);
       WgmmaWait<0>();
+      fence_p(p_frag);
       FenceRegisters(o_flat);
-      if (lane == 0) MbarArrive(v_empty(s));
+      if (lane == 0) MbarArrive(v_empty(stage(it0 + n_tiles - 1)));
+      it += n_tiles;
     }
-  }
 
-  // Epilogue: O = acc * o_scale / l (0 for rows that saw no key), straight from the accumulators:
-  // each quad writes 16 contiguous bytes of a row per 8-column tile.
-  T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+    // Epilogue: O = acc * o_scale / l (0 for rows that saw no key), straight from the
+    // accumulators: each quad writes 16 contiguous bytes of a row per 8-column tile.
+    T* o = static_cast<T*>(p.o) + wt.b * p.o_batch_stride + wt.h * p.o_head_stride;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float l = QuadSum(row_sum[half]);
-    const float inv = l > 0.f ? p.o_scale / l : 0.f;
-    const int row = wg_row0 + warp * 16 + g + half * 8;  // within the item
-    if (row < e.nq) {
-      T* o_row = o + static_cast<int64_t>(e.q_start + row) * p.o_row_stride;
+    for (int half = 0; half < 2; ++half) {
+      const float l = QuadSum(row_sum[half]);
+      const float inv = l > 0.f ? p.o_scale / l : 0.f;
+      const int row = wg_row0 + warp * 16 + g + half * 8;  // within the item
+      if (row < e.nq) {
+        T* o_row = o + static_cast<int64_t>(e.q_start + row) * p.o_row_stride;
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        const int col = dt * 8 + 2 * t;
-        if (col < p.head_dim) {
-          *reinterpret_cast<uint32_t*>(o_row + col) =
-              PackPair<T>(acc_o[dt][half * 2] * inv, acc_o[dt][half * 2 + 1] * inv);
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          const int col = dt * 8 + 2 * t;
+          if (col < p.head_dim) {
+            *reinterpret_cast<uint32_t*>(o_row + col) =
+                PackPair<T>(acc_o[dt][half * 2] * inv, acc_o[dt][half * 2 + 1] * inv);
+          }
         }
-      }
-      if (p.lse != nullptr && t == 0) {
-        // Natural-log LSE: scale_log2 * row_max is max(scale * s) * log2(e).
-        const float lse = l > 0.f ? (row_max[half] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
-        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + e.q_start + row] = lse;
+        if (p.lse != nullptr && t == 0) {
+          // Natural-log LSE: scale_log2 * row_max is max(scale * s) * log2(e).
+          const float lse =
+              l > 0.f ? (row_max[half] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+          p.lse[wt.b * p.lse_batch_stride + wt.h * p.lse_head_stride + e.q_start + row] = lse;
+        }
       }
     }
   }

@@ -6,6 +6,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <type_traits>
@@ -17,21 +18,23 @@
 
 namespace attention::cuda {
 
-// Tiles per head dim (the kernel's opening comment has their speed): kBc keys per stage, two
-// stages. D = 256 takes 80 keys so that Q (64 KiB) and two K/V stages fit in 227 KiB.
+// Tiles per head dim (the kernel's opening comment has their speed): kBc keys per stage, stages,
+// consumer warpgroups. D = 64 runs three consumers (192 query rows: S, P and O of a warpgroup
+// fit 160 registers) on three stages; D = 256 takes 80 keys so that Q (64 KiB) and two K/V
+// stages fit in 227 KiB.
 template <typename T, int kD>
 struct Sm90TileFor;
 template <typename T>
 struct Sm90TileFor<T, 64> {
-  using Tile = Sm90Tile<T, 64, 128, 2>;
+  using Tile = Sm90Tile<T, 64, 128, 3, 3>;
 };
 template <typename T>
 struct Sm90TileFor<T, 128> {
-  using Tile = Sm90Tile<T, 128, 128, 2>;
+  using Tile = Sm90Tile<T, 128, 128, 2, 2>;
 };
 template <typename T>
 struct Sm90TileFor<T, 256> {
-  using Tile = Sm90Tile<T, 256, 80, 2>;
+  using Tile = Sm90Tile<T, 256, 80, 2, 2>;
 };
 
 // The driver's tensor-map encoder, looked up once through the runtime (so nothing links
@@ -81,6 +84,7 @@ bool EncodeTileMap(CUtensorMap* map, const void* base, int head_dim, int rows, i
 template <typename Tile>
 cudaError_t LaunchSm90Tile(const KernelParams& p, cudaStream_t stream) {
   using T = typename Tile::Element;
+  if (p.tile_counters == nullptr) return cudaErrorInvalidValue;  // ForwardScratch missing
   Sm90Params sp{};
   sp.p = p;
   const bool varlen = p.cu_seqlens_q != nullptr;
@@ -100,8 +104,17 @@ cudaError_t LaunchSm90Tile(const KernelParams& p, cudaStream_t stream) {
       err != cudaSuccess) {
     return err;
   }
-  const dim3 grid((p.seqlen_q + Tile::kBr - 1) / Tile::kBr, p.heads_q, p.batch);
-  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(sp);
+  // Persistent: one CTA per SM at most, each looping over the work tiles.
+  int device = 0, sms = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      err != cudaSuccess) {
+    return err;
+  }
+  const int64_t work_tiles =
+      int64_t{(p.seqlen_q + Tile::kBr - 1) / Tile::kBr} * p.heads_q * p.batch;
+  const int ctas = static_cast<int>(std::min<int64_t>(work_tiles, sms));
+  kernel<<<ctas, Tile::kThreads, Tile::kSmemBytes, stream>>>(sp);
   return cudaGetLastError();
 }
 

@@ -198,6 +198,7 @@ struct HostRunner::Stream {
   unsigned int* scan_flags = nullptr;
   unsigned int* scan_flags_host = nullptr;
   int64_t scan_capacity = 0;
+  ForwardScratch forward_scratch;  // this stream's forward launches'
 };
 
 absl::StatusOr<std::unique_ptr<HostRunner>> HostRunner::Create(const HostRunnerOptions& options) {
@@ -218,6 +219,7 @@ absl::StatusOr<std::unique_ptr<HostRunner>> HostRunner::Create(const HostRunnerO
                          "cudaStreamCreate");
     for (cudaEvent_t& e : stream->events)
       RETURN_IF_CUDA_ERROR(cudaEventCreate(&e), "cudaEventCreate");
+    ASSIGN_OR_RETURN(stream->forward_scratch, AllocateForwardScratch());
     runner->free_.push_back(stream);
   }
   return runner;
@@ -239,6 +241,7 @@ HostRunner::~HostRunner() {
     cudaFreeHost(s->staging);
     cudaFree(s->scan_flags);
     cudaFreeHost(s->scan_flags_host);
+    FreeForwardScratch(s->forward_scratch);
     for (cudaEvent_t e : s->events) {
       if (e) cudaEventDestroy(e);
     }
@@ -661,7 +664,7 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
           "dequantise float8 q, k, v");
     }
   }
-  RETURN_IF_ERROR(LaunchForward(forward, cs));
+  RETURN_IF_ERROR(LaunchForward(forward, cs, stream->forward_scratch));
   RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[2], cs), "cudaEventRecord");
 
   // Outputs: o straight into a pinned destination, else into staging (consecutive staged items

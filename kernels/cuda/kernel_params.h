@@ -47,6 +47,9 @@ struct KernelParams {
   bool mask_top_left;
   const int32_t* cu_seqlens_q;  // device, batch + 1 entries; nullptr when not varlen
   const int32_t* cu_seqlens_k;
+  // Device, 2 entries, zero at launch and left zero: the wgmma kernel's dynamic tile scheduler
+  // (ForwardScratch, cuda_attention.h); the mma.sync kernels ignore it.
+  int32_t* tile_counters;
 };
 
 // The kernels' form of a softmax scale (KernelParams::scale_log2 and negate_q).

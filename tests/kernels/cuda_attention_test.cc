@@ -162,27 +162,27 @@ AttentionParams FakeParams(DType dtype, int64_t head_dim) {
 }
 
 TEST(CudaAttentionErrorsTest, HeadDimNotMultipleOf8IsUnimplemented) {
-  const absl::Status s = cuda::Forward(FakeParams(DType::kFloat16, 12), nullptr);
+  const absl::Status s = cuda::Forward(FakeParams(DType::kFloat16, 12), nullptr, {});
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
   EXPECT_NE(s.message().find("cuda backend"), std::string::npos) << s;
 }
 
 TEST(CudaAttentionErrorsTest, HeadDimAbove256IsUnimplemented) {
-  EXPECT_EQ(cuda::Forward(FakeParams(DType::kBFloat16, 264), nullptr).code(),
+  EXPECT_EQ(cuda::Forward(FakeParams(DType::kBFloat16, 264), nullptr, {}).code(),
             absl::StatusCode::kUnimplemented);
 }
 
 TEST(CudaAttentionErrorsTest, MisalignedPointerIsUnimplemented) {
   AttentionParams p = FakeParams(DType::kFloat32, 64);
   p.k = static_cast<const char*>(p.k) + 4;
-  const absl::Status s = cuda::Forward(p, nullptr);
+  const absl::Status s = cuda::Forward(p, nullptr, {});
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
   EXPECT_NE(s.message().find("aligned"), std::string::npos) << s;
 }
 
 TEST(CudaAttentionErrorsTest, BadParamsAreInvalidArgument) {
   AttentionParams p;  // null pointers, zero shapes
-  EXPECT_EQ(cuda::Forward(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::Forward(p, nullptr, {}).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
