@@ -10,8 +10,7 @@ cudaError_t LaunchFlashForwardSm90BF16(const KernelParams& p, cudaStream_t strea
 }
 
 int FlashForwardSm90SmemBytes(int head_dim) {
-  return WithSm90Tile<__nv_bfloat16>(head_dim,
-                                     [](auto tile) { return decltype(tile)::kSmemBytes; });
+  return FlashForwardSm90MaxSmemBytes<__nv_bfloat16>(head_dim);
 }
 
 }  // namespace attention::cuda

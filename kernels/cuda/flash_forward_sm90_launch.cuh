@@ -18,23 +18,35 @@
 
 namespace attention::cuda {
 
-// Tiles per head dim (the kernel's opening comment has their speed): kBc keys per stage, stages,
-// consumer warpgroups. D = 64 runs three consumers (192 query rows: S, P and O of a warpgroup
-// fit 160 registers) on three stages; D = 256 takes 80 keys so that Q (64 KiB) and two K/V
-// stages fit in 227 KiB.
+// Tiles per head dim (the kernel's opening comment has their speed): Sm90Tile<T, kD, keys per
+// stage, stages, consumer warpgroups>, and an alternative that calls with TakeAlt(p) run.
+// D = 64: three consumers (192 query rows; S, P and O of a warpgroup fit 160 registers) on three
+// stages; masked calls of up to 2048 query rows two (128 rows), where a causal 1024 x 1024 ran
+// 0.30 instead of 0.26 PFLOP/s (unmasked ones 0.40 instead of 0.42: three keep the tensor cores
+// busier). D = 128: 128-key tiles (176, as FlashAttention-3 takes unmasked, ran 0.52 instead of
+// 0.54-0.56 PFLOP/s at N = 1024 and no faster at 4096 or 16384). D = 256: 80 keys, so that Q
+// (64 KiB) and two K/V stages fit in 227 KiB.
 template <typename T, int kD>
 struct Sm90TileFor;
 template <typename T>
 struct Sm90TileFor<T, 64> {
   using Tile = Sm90Tile<T, 64, 128, 3, 3>;
+  using Alt = Sm90Tile<T, 64, 128, 3, 2>;
+  static bool TakeAlt(const KernelParams& p) {
+    return (p.window_left >= 0 || p.window_right >= 0) && p.seqlen_q <= 2048;
+  }
 };
 template <typename T>
 struct Sm90TileFor<T, 128> {
   using Tile = Sm90Tile<T, 128, 128, 2, 2>;
+  using Alt = Tile;
+  static bool TakeAlt(const KernelParams&) { return false; }
 };
 template <typename T>
 struct Sm90TileFor<T, 256> {
   using Tile = Sm90Tile<T, 256, 80, 2, 2>;
+  using Alt = Tile;
+  static bool TakeAlt(const KernelParams&) { return false; }
 };
 
 // The driver's tensor-map encoder, looked up once through the runtime (so nothing links
@@ -118,19 +130,32 @@ cudaError_t LaunchSm90Tile(const KernelParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// f(Sm90TileFor<T, kD>()) for the specialised head dim kD that serves head_dim.
 template <typename T, size_t kI = 0, typename F>
-auto WithSm90Tile(int head_dim, F&& f) {
+auto WithSm90Tiles(int head_dim, F&& f) {
   constexpr int kD = kSpecialisedHeadDims[kI];
   if constexpr (kI + 1 < std::size(kSpecialisedHeadDims)) {
-    if (head_dim > kD) return WithSm90Tile<T, kI + 1>(head_dim, f);
+    if (head_dim > kD) return WithSm90Tiles<T, kI + 1>(head_dim, f);
   }
-  return f(typename Sm90TileFor<T, kD>::Tile());
+  return f(Sm90TileFor<T, kD>());
 }
 
 template <typename T>
 cudaError_t LaunchFlashForwardSm90(const KernelParams& p, cudaStream_t stream) {
-  return WithSm90Tile<T>(p.head_dim,
-                         [&](auto tile) { return LaunchSm90Tile<decltype(tile)>(p, stream); });
+  return WithSm90Tiles<T>(p.head_dim, [&](auto tiles) {
+    using Tiles = decltype(tiles);
+    return Tiles::TakeAlt(p) ? LaunchSm90Tile<typename Tiles::Alt>(p, stream)
+                             : LaunchSm90Tile<typename Tiles::Tile>(p, stream);
+  });
+}
+
+// The most dynamic shared memory a call at head_dim may take (the plan checks it).
+template <typename T>
+int FlashForwardSm90MaxSmemBytes(int head_dim) {
+  return WithSm90Tiles<T>(head_dim, [](auto tiles) {
+    using Tiles = decltype(tiles);
+    return std::max(Tiles::Tile::kSmemBytes, Tiles::Alt::kSmemBytes);
+  });
 }
 
 }  // namespace attention::cuda

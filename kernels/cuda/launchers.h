@@ -25,6 +25,6 @@ cudaError_t LaunchFlashForwardSm90BF16(const KernelParams& p, cudaStream_t strea
 int FlashForwardSmemBytesF16(int head_dim);
 int FlashForwardSmemBytesBF16(int head_dim);
 int FlashForwardSmemBytesF32(int head_dim);
-int FlashForwardSm90SmemBytes(int head_dim);  // float16 and bfloat16 alike
+int FlashForwardSm90SmemBytes(int head_dim);  // float16 and bfloat16 alike; the largest tile's
 
 }  // namespace attention::cuda

@@ -109,6 +109,11 @@ std::vector<AttentionCase> LargeCases() {
   cases.push_back(square("n1000_d64_causal", 1000, 64, true));
   cases.push_back(square("n4097_d64_causal", 4097, 64, true));
   cases.push_back(square("n1000_d128", 1000, 128, false));
+  // Past 2048 query rows the Hopper kernel's D = 64 tile has three consumer warpgroups.
+  AttentionCase gqa64 = square("n2100_d64_gqa", 2100, 64, false);
+  gqa64.heads_q = 4;
+  gqa64.heads_kv = 2;
+  cases.push_back(gqa64);
   cases.push_back(square("n1000_d256_causal", 1000, 256, true));
   cases.push_back(square("n777_d200_causal", 777, 200, true));
   AttentionCase c = square("nq1000_nk4097_d128_causal_bshd_gqa", 0, 128, true);
