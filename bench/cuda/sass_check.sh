@@ -5,7 +5,8 @@
 # build/kernels/cuda/libattention_cuda.a), every kernel function of its sm_90a cubins with its
 # counts of HGMMA (wgmma on 16-bit inputs), QGMMA (wgmma on fp8), HMMA (mma.sync), UTMALDG and
 # UTMASTG (TMA tile loads and stores); names demangled and shortened (no namespaces, no return type
-# or parameters). A FILE without sm_90a code is said so.
+# or parameters). A FILE without sm_90a code is said so. Then one line "sm_90a kernels: ..." with
+# how many kernels of all FILEs have each instruction.
 # --require-hgmma PATTERN: exit 1 unless at least one kernel's name contains PATTERN and every
 # such kernel has HGMMA and UTMALDG (the Hopper forward kernel's point); --require-qgmma likewise
 # with QGMMA (its fp8 kernels). Either may be given several times.
@@ -116,6 +117,8 @@ for i, f in enumerate(files):
         print(f"| {name} | " + " | ".join(str(k["counts"][c]) for c in COUNTED) + " |")
         kernels.append((f, name, k["counts"]))
 
+print(f"sm_90a kernels: {len(kernels)}; with " +
+      ", ".join(f"{c} {sum(1 for k in kernels if k[2][c] > 0)}" for c in COUNTED))
 failed = False
 for kind, pattern in requires:
     gemm = kind.upper()  # HGMMA or QGMMA
