@@ -25,7 +25,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 if [[ ${#files[@]} -eq 0 ]]; then
-  echo "usage: bench/cuda/sass_check.sh [--require-hgmma PATTERN]... [--require-qgmma PATTERN]... FILE..." >&2
+  echo "usage: bench/cuda/sass_check.sh [--require-hgmma PATTERN]... [--require-qgmma PATTERN]..." \
+    "FILE..." >&2
   exit 2
 fi
 
@@ -79,7 +80,8 @@ def demangle(names):
 
 
 def shorten(name):
-    """'void attention::cuda::K<attention::cuda::T<__half, 64> >(attention::cuda::P)' -> 'K<T<__half, 64>>'"""
+    """'void attention::cuda::K<attention::cuda::T<__half, 64> >(attention::cuda::P)'
+    -> 'K<T<__half, 64>>'"""
     name = re.sub(r"^void ", "", name)
     depth = 0
     for i, c in enumerate(name):  # drop the parameter list: the first '(' outside < >
