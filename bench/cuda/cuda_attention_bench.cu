@@ -1,14 +1,24 @@
 // Times attention::cuda::Forward on device-resident inputs and prints one JSON line per shape:
-//   cuda_attention_bench [--variant NAME] grid   the FlashAttention grid: float16 and bfloat16,
-//                               D in {64,128,256}, N in {512..16384}, B = 16384/N, H = 2048/D,
-//                               causal and not
-//   cuda_attention_bench [--variant NAME] fp32   float32, B=16, H=12, D=64, N in {1024, 4096}
-//   cuda_attention_bench [--variant NAME] one DTYPE D N CAUSAL   one shape of the grid
+//   cuda_attention_bench [--variant NAME] [--list] grid   the FlashAttention grid: float16 and
+//                               bfloat16, D in {64,128,256}, N in {512..16384}, B = 16384/N,
+//                               H = 2048/D, causal and not
+//   cuda_attention_bench [--variant NAME] [--list] fp8    float8 e4m3 inputs (o in bfloat16),
+//                               descales 1, D in {128, 256}, N in {1024, 4096, 16384}, B and H
+//                               as the grid, causal and not
+//   cuda_attention_bench [--variant NAME] [--list] fp32   float32, B=16, H=12, D=64, N in
+//                               {1024, 4096}
+//   cuda_attention_bench [--variant NAME] one DTYPE D N CAUSAL   one shape of the grid (DTYPE
+//                               float16, bfloat16 or float8_e4m3)
 // --variant forces a forward kernel variant (ForwardVariantName, e.g. mma_sm80) instead of the
-// planner's choice; each JSON line names the variant that ran ("variant").
+// planner's choice; each JSON line names the variant that ran ("variant"). --list prints the
+// shapes (dtype, d, N, B, H, causal) without running anything, so no GPU is needed.
 // Each shape: random normal inputs (BHSD), 3 warm-up runs, then the median of 30 runs each timed
-// with CUDA events. One input set is 3 x 200 MB for the grid (4x the 50 MB L2), so repeated runs
-// do not run from the cache. run_bench.py times torch's SDPA on the same shapes beside it.
+// with CUDA events. One input set is 3 x 67 MB for the 16-bit grid (together 4x the 50 MB L2;
+// float8: 3 x 34 MB), so repeated runs do not run from the cache. run_bench.py times torch's SDPA
+// and FlashAttention-3 on the same shapes beside it. float8 inputs run as the CUDA backend serves
+// them: natively when the forward variant takes float8, else (the plan refuses them) converted to
+// bfloat16 copies on the device first (dequantise.h), the conversion inside the timed region, and
+// the variant reported as "dequant+NAME".
 //
 // Built as cuda_tile_sweep (ATTENTION_TILE_SWEEP; not part of the default build) the same program
 // times candidate tile shapes of the bfloat16 kernel instead, one JSON line per (shape, tile):
@@ -19,12 +29,14 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -32,7 +44,9 @@
 #include "bench/cuda/check_cuda.h"
 #include "kernels/attention_params.h"
 #include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/dequantise.h"
 #include "kernels/cuda/forward_plan.h"
+#include "kernels/float8.h"
 #include "kernels/status_macros.h"
 #ifdef ATTENTION_TILE_SWEEP
 #include "kernels/cuda/cuda_status.h"
@@ -53,19 +67,27 @@ __device__ uint32_t Hash(uint64_t x) {
   return static_cast<uint32_t>(x);
 }
 
-// Standard normal values (Box-Muller on a hash of the index) as float, half or bfloat16 bits.
-__global__ void FillNormal(void* out, int64_t n, int elem_bytes, int kind, uint64_t seed) {
+// Standard normal values (Box-Muller on a hash of the index) as float, half, bfloat16 or e4m3
+// bits (rounded to nearest even; |x| < 448 always, so no NaN).
+__global__ void FillNormal(void* out, int64_t n, DType dtype, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const float u1 = (Hash(seed ^ (2 * i)) + 1.0f) * 2.3283064e-10f;
     const float u2 = Hash(seed ^ (2 * i + 1)) * 2.3283064e-10f;
     const float x = sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
-    if (elem_bytes == 4) {
-      static_cast<float*>(out)[i] = x;
-    } else if (kind == 1) {
-      static_cast<__half*>(out)[i] = __float2half_rn(x);
-    } else {
-      static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(x);
+    switch (dtype) {
+      case DType::kFloat32:
+        static_cast<float*>(out)[i] = x;
+        break;
+      case DType::kFloat16:
+        static_cast<__half*>(out)[i] = __float2half_rn(x);
+        break;
+      case DType::kBFloat16:
+        static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(x);
+        break;
+      case DType::kFloat8E4M3:
+        static_cast<uint8_t*>(out)[i] = attention::FloatToFloat8E4m3(x);
+        break;
     }
   }
 }
@@ -76,22 +98,99 @@ struct Shape {
   bool causal;
 };
 
+// The shape's JSON fields: "dtype", "d", "N", "B", "H", "causal".
+std::string ShapeFields(const Shape& s) {
+  char buf[160];
+  std::snprintf(buf, sizeof(buf),
+                "\"dtype\": \"%s\", \"d\": %lld, \"N\": %lld, \"B\": %lld, \"H\": %lld, "
+                "\"causal\": %s",
+                attention::DTypeName(s.dtype), (long long)s.d, (long long)s.n, (long long)s.b,
+                (long long)s.h, s.causal ? "true" : "false");
+  return buf;
+}
+
 using attention::cuda::ForwardVariant;
 
-// Runs one forward pass and returns the kernel variant that ran it.
-using Runner = std::function<absl::StatusOr<ForwardVariant>(const AttentionParams&)>;
+// Runs one forward pass and returns the name of what ran it (the variant's name, see TimeShape).
+using Runner = std::function<absl::StatusOr<std::string>(const AttentionParams&)>;
 
-// attention::cuda::Forward, forcing `variant` when set.
+std::string VariantName(ForwardVariant variant) {
+  return std::string(attention::cuda::ForwardVariantName(variant));
+}
+
+// bfloat16 copies of float8 q, k, v ([B, H, N, D] each) on the device, kept across runs and
+// shapes (reallocated only when a shape needs more).
+class Bf16Copies {
+ public:
+  Bf16Copies() = default;
+  Bf16Copies(const Bf16Copies&) = delete;
+  Bf16Copies& operator=(const Bf16Copies&) = delete;
+  ~Bf16Copies() {
+    for (void* b : buf_) cudaFree(b);
+  }
+  // Three buffers of `bytes` each.
+  absl::StatusOr<std::array<void*, 3>> Get(size_t bytes) {
+    if (bytes > bytes_) {
+      for (void*& b : buf_) {
+        cudaFree(b);
+        b = nullptr;
+      }
+      bytes_ = 0;
+      for (void*& b : buf_) {
+        if (cudaMalloc(&b, bytes) != cudaSuccess) {
+          cudaGetLastError();
+          return absl::ResourceExhaustedError("cudaMalloc of the bfloat16 copies of q, k, v");
+        }
+      }
+      bytes_ = bytes;
+    }
+    return buf_;
+  }
+
+ private:
+  std::array<void*, 3> buf_ = {nullptr, nullptr, nullptr};
+  size_t bytes_ = 0;
+};
+
+// attention::cuda::Forward, forcing `variant` when set. float8 inputs the plan refuses
+// (INVALID_ARGUMENT: the variant takes no float8) are served as HostRunner serves them: converted
+// to bfloat16 copies first (exact), the descales left in the params for the kernel to fold in;
+// the name is then "dequant+" and the variant's.
 Runner ForwardRunner(std::optional<ForwardVariant> variant) {
   // The default stream's scratch: every launch here runs on it (kept for the whole process).
   static const absl::StatusOr<attention::cuda::ForwardScratch> scratch =
       attention::cuda::AllocateForwardScratch();
-  return [variant](const AttentionParams& p) -> absl::StatusOr<ForwardVariant> {
+  auto copies = std::make_shared<Bf16Copies>();
+  return [variant, copies](const AttentionParams& p) -> absl::StatusOr<std::string> {
     RETURN_IF_ERROR(scratch.status());
-    ASSIGN_OR_RETURN(const attention::cuda::ForwardLaunch launch,
-                     attention::cuda::PrepareForward(p, variant));
-    RETURN_IF_ERROR(attention::cuda::LaunchForward(launch, nullptr, *scratch));
-    return launch.plan.variant;
+    absl::StatusOr<attention::cuda::ForwardLaunch> launch =
+        attention::cuda::PrepareForward(p, variant);
+    if (launch.ok()) {
+      RETURN_IF_ERROR(attention::cuda::LaunchForward(*launch, nullptr, *scratch));
+      return VariantName(launch->plan.variant);
+    }
+    if (p.dtype != DType::kFloat8E4M3 || !absl::IsInvalidArgument(launch.status())) {
+      return launch.status();
+    }
+    // Dense contiguous inputs (TimeShape's): q, k and v hold B * H * N * D elements each.
+    const int64_t elems = p.batch * p.heads_q * p.seqlen_q * p.head_dim;
+    ASSIGN_OR_RETURN(const auto buf, copies->Get(elems * attention::DTypeSize(DType::kBFloat16)));
+    AttentionParams converted = p;
+    converted.dtype = DType::kBFloat16;
+    converted.q = buf[0];
+    converted.k = buf[1];
+    converted.v = buf[2];
+    ASSIGN_OR_RETURN(const attention::cuda::ForwardLaunch bf16,
+                     attention::cuda::PrepareForward(converted, variant));
+    const void* const quantised[3] = {p.q, p.k, p.v};
+    for (int t = 0; t < 3; ++t) {
+      if (attention::cuda::LaunchDequantiseE4m3ToBf16(quantised[t], buf[t], elems, nullptr) !=
+          cudaSuccess) {
+        return absl::InternalError("dequantise float8 q, k, v");
+      }
+    }
+    RETURN_IF_ERROR(attention::cuda::LaunchForward(bf16, nullptr, *scratch));
+    return "dequant+" + VariantName(bf16.plan.variant);
   };
 }
 
@@ -109,11 +208,9 @@ bool TimeShape(const Shape& s, const Runner& run, const std::string& label = "")
   const int64_t elems = s.b * s.h * s.n * s.d;
   const size_t bytes = elems * attention::DTypeSize(s.dtype);
   void* buf[4];
-  for (void*& b : buf) CHECK_CUDA(cudaMalloc(&b, bytes));
-  const int kind = s.dtype == DType::kFloat16 ? 1 : 2;
-  for (int i = 0; i < 3; ++i) {
-    FillNormal<<<1024, 256>>>(buf[i], elems, attention::DTypeSize(s.dtype), kind, 1234 + i);
-  }
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaMalloc(&buf[i], bytes));
+  CHECK_CUDA(cudaMalloc(&buf[3], elems * attention::DTypeSize(attention::OutputDType(s.dtype))));
+  for (int i = 0; i < 3; ++i) FillNormal<<<1024, 256>>>(buf[i], elems, s.dtype, 1234 + i);
   CHECK_CUDA(cudaGetLastError());
   p.q = buf[0];
   p.k = buf[1];
@@ -125,10 +222,10 @@ bool TimeShape(const Shape& s, const Runner& run, const std::string& label = "")
   CHECK_CUDA(cudaEventCreate(&stop));
   std::vector<float> ms;
   bool ok = true;
-  ForwardVariant variant = ForwardVariant::kMmaSm80;
+  std::string variant;
   for (int rep = 0; rep < 33 && ok; ++rep) {
     cudaEventRecord(start);
-    absl::StatusOr<ForwardVariant> ran = run(p);
+    absl::StatusOr<std::string> ran = run(p);
     cudaEventRecord(stop);
     if (!ran.ok()) {
       std::fprintf(stderr, "Forward: %s\n", std::string(ran.status().message()).c_str());
@@ -146,14 +243,10 @@ bool TimeShape(const Shape& s, const Runner& run, const std::string& label = "")
     const double median = ms[ms.size() / 2];
     double flops = 4.0 * s.b * s.h * s.n * s.n * s.d;
     if (s.causal) flops /= 2;
-    std::printf(
-        "{\"dtype\": \"%s\", \"d\": %lld, \"N\": %lld, \"B\": %lld, \"H\": %lld, \"causal\": %s, "
-        "\"variant\": \"%s\", %s\"ms\": %.4f, \"TFLOPs\": %.1f}\n",
-        attention::DTypeName(s.dtype), (long long)s.d, (long long)s.n, (long long)s.b,
-        (long long)s.h, s.causal ? "true" : "false",
-        std::string(attention::cuda::ForwardVariantName(variant)).c_str(),
-        label.empty() ? "" : ("\"tile\": \"" + label + "\", ").c_str(), median,
-        flops / median / 1e9);
+    std::printf("{%s, \"variant\": \"%s\", %s\"ms\": %.4f, \"TFLOPs\": %.1f}\n",
+                ShapeFields(s).c_str(), variant.c_str(),
+                label.empty() ? "" : ("\"tile\": \"" + label + "\", ").c_str(), median,
+                flops / median / 1e9);
     std::fflush(stdout);
   }
   cudaEventDestroy(start);
@@ -166,10 +259,10 @@ bool TimeShape(const Shape& s, const Runner& run, const std::string& label = "")
 // The tiles are the mma.sync kernel's (ForwardVariant::kMmaSm80).
 template <typename Tile>
 Runner TileRunner() {
-  return [](const AttentionParams& p) -> absl::StatusOr<ForwardVariant> {
+  return [](const AttentionParams& p) -> absl::StatusOr<std::string> {
     ASSIGN_OR_RETURN(const attention::cuda::KernelParams kp, attention::cuda::ToKernelParams(p));
     RETURN_IF_CUDA_ERROR(attention::cuda::LaunchFlashTile<Tile>(kp, nullptr), "candidate tile");
-    return ForwardVariant::kMmaSm80;
+    return VariantName(ForwardVariant::kMmaSm80);
   };
 }
 
@@ -219,15 +312,24 @@ int main(int argc, char** argv) {
 #endif
   const char* program = argv[0];
   std::optional<ForwardVariant> variant;
-  if (argc > 2 && std::strcmp(argv[1], "--variant") == 0) {
-    const absl::StatusOr<ForwardVariant> parsed = attention::cuda::ParseForwardVariant(argv[2]);
-    if (!parsed.ok()) {
-      std::fprintf(stderr, "--variant: %s\n", std::string(parsed.status().message()).c_str());
-      return 2;
+  bool list = false;
+  while (argc > 1 && std::strncmp(argv[1], "--", 2) == 0) {
+    if (std::strcmp(argv[1], "--list") == 0) {
+      list = true;
+      argc -= 1;
+      argv += 1;
+    } else if (argc > 2 && std::strcmp(argv[1], "--variant") == 0) {
+      const absl::StatusOr<ForwardVariant> parsed = attention::cuda::ParseForwardVariant(argv[2]);
+      if (!parsed.ok()) {
+        std::fprintf(stderr, "--variant: %s\n", std::string(parsed.status().message()).c_str());
+        return 2;
+      }
+      variant = *parsed;
+      argc -= 2;
+      argv += 2;
+    } else {
+      break;
     }
-    variant = *parsed;
-    argc -= 2;
-    argv += 2;
   }
   const char* which = argc > 1 ? argv[1] : "grid";
   std::vector<Shape> shapes;
@@ -239,16 +341,39 @@ int main(int argc, char** argv) {
         for (int64_t n : {512, 1024, 2048, 4096, 8192, 16384})
           for (bool causal : {false, true})
             shapes.push_back({dt, 16384 / n, 2048 / d, n, d, causal});
+  } else if (std::strcmp(which, "fp8") == 0) {
+    // FlashAttention-3's fp8 shapes: its float8 kernels cover D 64..256; 128 and 256 are the
+    // head dims its fp8 numbers are quoted at.
+    for (int64_t d : {128, 256})
+      for (int64_t n : {1024, 4096, 16384})
+        for (bool causal : {false, true})
+          shapes.push_back({DType::kFloat8E4M3, 16384 / n, 2048 / d, n, d, causal});
   } else if (std::strcmp(which, "one") == 0 && argc == 6) {
     // one DTYPE D N CAUSAL: a single shape of the grid (B = 16384/N, H = 2048/D), for re-runs.
-    const DType dt = std::strcmp(argv[2], "float16") == 0 ? DType::kFloat16 : DType::kBFloat16;
+    DType dt;
+    if (std::strcmp(argv[2], "float16") == 0) {
+      dt = DType::kFloat16;
+    } else if (std::strcmp(argv[2], "bfloat16") == 0) {
+      dt = DType::kBFloat16;
+    } else if (std::strcmp(argv[2], "float8_e4m3") == 0) {
+      dt = DType::kFloat8E4M3;
+    } else {
+      std::fprintf(stderr, "one: dtype must be float16, bfloat16 or float8_e4m3; got %s\n",
+                   argv[2]);
+      return 2;
+    }
     const int64_t d = std::atoll(argv[3]), n = std::atoll(argv[4]);
     shapes.push_back({dt, 16384 / n, 2048 / d, n, d, std::strcmp(argv[5], "true") == 0});
   } else {
     std::fprintf(stderr,
-                 "usage: %s [--variant NAME] grid|fp32|one {float16|bfloat16} D N {true|false}\n",
+                 "usage: %s [--variant NAME] [--list] grid|fp8|fp32|one "
+                 "{float16|bfloat16|float8_e4m3} D N {true|false}\n",
                  program);
     return 2;
+  }
+  if (list) {
+    for (const Shape& s : shapes) std::printf("{%s}\n", ShapeFields(s).c_str());
+    return 0;
   }
   const Runner run = ForwardRunner(variant);
   for (const Shape& s : shapes) {

@@ -6,9 +6,15 @@
 # compute-sanitizer memcheck and racecheck on a small filter, the session end-to-end suites against
 # --backend=cuda, torch CUDA tensors through CUDA regions (bench/torch/cuda_regions_check.py, with
 # the Python stubs in GEN, default build/tests/python/gen), the server checked with the client,
-# then the benchmark beside torch (table last). Logs and plots go to $OUT.
+# then the benchmark beside torch SDPA and FlashAttention-3 (tables last), and with either part the
+# SASS check of the sm_90a kernels (sass_check.sh, sass.log). Logs and plots go to $OUT.
 #   bench/cuda/device_run.sh [tests|bench|all]
-# VARIANT=NAME forces the benchmark's forward kernel variant (run_bench.py --variant).
+# VARIANT=NAME forces the benchmark's forward kernel variant (run_bench.py --variant);
+# BENCH_WHAT=grid|fp8|all (default all) limits the benchmark's rows (run_bench.py --what);
+# CONFIRM=K re-times close rows K times (default 5; 0 skips it); SASS_REQUIRE=PATTERN makes the
+# SASS check fail when a kernel named PATTERN lacks HGMMA or UTMALDG.
+# FlashAttention-3 comes from the fa3-fwd wheel in .whl/ (../shared/device/README.md: carry .whl
+# with .device); without it the FA3 columns are NaN.
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-/tmp/out}
@@ -71,9 +77,28 @@ if [[ $what == tests || $what == all ]]; then
 fi
 
 if [[ $what == bench || $what == all ]]; then
-  PYTHONUNBUFFERED=1 python3 bench/cuda/run_bench.py "$bin/cuda_attention_bench" --out "$out" --confirm 5 \
-    ${VARIANT:+--variant "$VARIANT"} >"$out/bench.log" 2>&1
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    if python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl \
+        >"$out/fa3_install.log" 2>&1; then
+      export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    else
+      summary+=("FA3 wheel: install failed, FA3 columns NaN (fa3_install.log)")
+    fi
+  else
+    summary+=("FA3 wheel: no .whl/*.whl, FA3 columns NaN")
+  fi
+  PYTHONUNBUFFERED=1 python3 bench/cuda/run_bench.py "$bin/cuda_attention_bench" --out "$out" \
+    --what "${BENCH_WHAT:-all}" --confirm "${CONFIRM:-5}" ${VARIANT:+--variant "$VARIANT"} \
+    >"$out/bench.log" 2>&1
   summary+=("bench: rc=$?")
+fi
+
+# The instructions the sm_90a kernels were built with (the benchmark's binary holds every forward
+# kernel of the library), whatever part ran.
+if [[ -x $bin/cuda_attention_bench ]]; then
+  bench/cuda/sass_check.sh ${SASS_REQUIRE:+--require-hgmma "$SASS_REQUIRE"} \
+    "$bin/cuda_attention_bench" >"$out/sass.log" 2>&1
+  summary+=("sass_check.sh cuda_attention_bench: rc=$? $(grep -E '^(sm_90a kernels|require)' "$out/sass.log" | tr '\n' ' ')")
 fi
 
 printf '%s\n' "${summary[@]}"
