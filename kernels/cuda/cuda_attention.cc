@@ -169,8 +169,7 @@ absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream,
     return absl::InternalError(
         "forward kernel wgmma_sm90 launched without a ForwardScratch (tile counters)");
   }
-  if (const cudaError_t err = LaunchVariant(launch.plan, params, stream);
-      err != cudaSuccess) {
+  if (const cudaError_t err = LaunchVariant(launch.plan, params, stream); err != cudaSuccess) {
     return CudaError(err, absl::StrCat("forward kernel ", ForwardVariantName(launch.plan.variant)));
   }
   return absl::OkStatus();

@@ -1,25 +1,30 @@
 // FlashAttention forward for Hopper (ForwardVariant::kWgmmaSm90, sm_90a only): TMA tile loads
 // into 128-byte-swizzled shared memory on an mbarrier pipeline, wgmma for Q K^T and P V, and warp
-// specialisation (one producer warpgroup, two consumer warpgroups, registers moved from the first
-// to the others with setmaxnreg). float16 and bfloat16, float32 accumulation.
+// specialisation (one producer warpgroup, two or three consumer warpgroups, registers moved from
+// the first to the others with setmaxnreg), persistent CTAs fed by a dynamic tile scheduler.
+// float16 and bfloat16, float32 accumulation.
 //
-// Per CTA = (query tile of kBr = 64 x kConsumers rows, query head, batch item), 128 x (1 +
-// kConsumers) threads:
-//   warpgroup 0 (producer): one thread issues the TMA loads: the Q tile once (kD/64 boxes of
-//     128 rows x 64 columns), then K and V tiles of kBc keys into kStages stages, each stage
-//     guarded by a "full" barrier (TMA transaction bytes) and an "empty" one (one arrival per
-//     consumer warp). The rest of the warpgroup idles on 24 registers.
+// A CTA (at most one per SM, 128 x (1 + kConsumers) threads) loops over work tiles = (query tile
+// of kBr = 64 x kConsumers rows, query head, batch item), taken in the order and the way
+// Sm90Schedule describes:
+//   warpgroup 0 (producer): one thread publishes each work tile and issues its TMA loads: the Q
+//     tile (kD/64 boxes of kBr rows x 64 columns) once the consumers have issued their last
+//     Q K^T of the previous one, then K and V tiles of kBc keys into kStages stages (counted
+//     across work tiles), each stage guarded by a "full" barrier (TMA transaction bytes) and an
+//     "empty" one (one arrival per consumer warp). The rest of the warpgroup idles on 24
+//     registers.
 //   warpgroups 1 .. kConsumers (consumers, the rest of the registers): rows 64 wg .. 64 wg + 63
-//     of the tile each.
-//     Per key tile: S = Q K^T as kD/16 wgmma m64n{kBc}k16 with both operands in shared memory
-//     (K-major; the 16-element k-step advances the descriptor by 32 bytes inside the swizzled
-//     128-byte row, the next 64 columns are the next TMA box); the element mask (masks.cuh) only
-//     on tiles that need it; the online softmax of the mma.sync kernel (online_softmax.cuh: the
-//     wgmma accumulator of a warp is the accumulator of kBc/8 m16n8 tiles, so the same helpers
-//     run on it); P rounded to T and kept in registers as the A operand of kBc/16 wgmma
-//     m64n{kD}k16 for O += P V, V read MN-major (rows of keys, as TMA stores them). Inside a
-//     consumer the tiles are software-pipelined: S_i = Q K_i^T is issued before O += P_{i-1}
-//     V_{i-1}, so the softmax of tile i overlaps the P V of tile i-1 on the tensor cores.
+//     of the tile each. Per key tile: S = Q K^T as kD/16 wgmma m64n{kBc}k16 with both operands
+//     in shared memory (K-major; the 16-element k-step advances the descriptor by 32 bytes inside
+//     the swizzled 128-byte row, the next 64 columns are the next TMA box); the element mask
+//     (masks.cuh) only on tiles that need it; the online softmax of the mma.sync kernel
+//     (online_softmax.cuh: the wgmma accumulator of a warp is the accumulator of kBc/8 m16n8
+//     tiles, so the same helpers run on it); P rounded to T and kept in registers as the A
+//     operand of kBc/16 wgmma m64n{kD}k16 for O += P V, V read MN-major (rows of keys, as TMA
+//     stores them). Inside a consumer the key tiles are software-pipelined: S_i = Q K_i^T is
+//     issued before O += P_{i-1} V_{i-1}, so the softmax of tile i overlaps the P V of tile i-1
+//     on the tensor cores. The epilogue (O = acc * o_scale / l, LSE) stores from registers while
+//     the producer already loads the next work tile.
 //   Key tiles are visited last to first (the masked diagonal and ragged tiles first), tiles
 //   outside every row's window never loaded: the range of VisibleKeys for the CTA's rows.
 // Any Nq, Nk (TMA reads zeros past a tensor's end, the mask drops keys past Nk, rows past Nq are
@@ -30,10 +35,26 @@
 // multiples of 8 up to 256 (columns past head_dim read as zeros and are not stored).
 // Falls back to mma_sm80 (the plan's rule, forward_plan.cc): float32, and devices other than
 // compute capability 9.0. float8 e4m3 runs here after HostRunner's dequantisation to bfloat16.
+// Tiles per head dim: Sm90TileFor (flash_forward_sm90_launch.cuh).
 //
-// Versions (H200, TFLOP/s; bench/README.md has the grid and the command):
-//   v1 2026-12-01  TMA + wgmma + producer/consumer warpgroups, no overlap inside a consumer (each
-//                  wgmma waited for before the softmax), O stored from registers.
+// Versions (H200, bfloat16 TFLOP/s; cuDNN 618 / 522 and FlashAttention-3 658 / 604 at D = 128,
+// N = 4096, non-causal / causal; bench/README.md has the grid and the command):
+//   v1 2026-12-01  TMA + wgmma + producer/consumer warpgroups, one CTA per query tile, each wgmma
+//                  waited for before the softmax: D = 128, N = 4096 555 / 487; D = 64 394,
+//                  D = 256 640 (N = 4096, non-causal).
+//   v2 2026-12-01  softmax overlapped with the previous tile's P V; D = 64 on three consumers
+//                  (192 rows): D = 128 629 / 541, D = 64 475, D = 256 657.
+//   v3 2026-12-01  persistent CTAs, work tiles of a few heads at once (L2 reuse of K and V),
+//                  taken dynamically (ForwardScratch's counters): D = 128 648 / 606, D = 256
+//                  718 / 643 (N = 4096), 16384 causal: D = 128 628, D = 256 737.
+//   v4 2026-12-01  D = 64 masked calls of up to 2048 rows on two consumers (128 rows): causal
+//                  N = 1024 258 -> 300. The grid, each shape timed just before its anchors:
+//                  ours/cuDNN 0.89-1.20 (45 of 60 rows with N >= 1024 at >= 1.0; the misses are
+//                  N = 1024 and three N = 2048-4096 rows), ours/FA3 0.89-1.05 (29 of 30 bfloat16
+//                  rows at >= 0.9).
+//   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
+//   barriers), 3-10% slower; 176-key tiles at D = 128 unmasked, slower at N = 1024, no faster
+//   beyond.
 #pragma once
 
 #include <cuda.h>
@@ -64,8 +85,8 @@ struct Sm90Tile {
   static constexpr int kD = kD_;
   static constexpr int kBc = kBc_;
   static constexpr int kStages = kStages_;
-  static constexpr int kConsumers = kConsumers_;      // consumer warpgroups of 64 rows each
-  static constexpr int kBr = 64 * kConsumers;         // query rows per CTA
+  static constexpr int kConsumers = kConsumers_;  // consumer warpgroups of 64 rows each
+  static constexpr int kBr = 64 * kConsumers;     // query rows per CTA
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kBoxCols = 64;  // one 128-byte swizzled row of 16-bit elements
   static constexpr int kDBlocks = kD / kBoxCols;
@@ -213,8 +234,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         MbarArriveExpectTx(q_full, Tile::kQBytes);
 #pragma unroll
         for (int c = 0; c < kDBlocks; ++c) {
-          TmaLoad4d(s_q + c * kBr * kRowBytes, &sp.q, q_full, c * 64, wt.e.q_start + wt.m0,
-                    wt.h, map_b);
+          TmaLoad4d(s_q + c * kBr * kRowBytes, &sp.q, q_full, c * 64, wt.e.q_start + wt.m0, wt.h,
+                    map_b);
         }
         for (int i = 0; i < wt.n_tiles(); ++i, ++it) {
           const int s = stage(it);
@@ -223,15 +244,15 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           MbarArriveExpectTx(k_full(s), kKvBytes);
 #pragma unroll
           for (int c = 0; c < kDBlocks; ++c) {
-            TmaLoad4d(s_k + s * kKvBytes + c * kBc * kRowBytes, &sp.k, k_full(s), c * 64, row,
-                      hk, map_b);
+            TmaLoad4d(s_k + s * kKvBytes + c * kBc * kRowBytes, &sp.k, k_full(s), c * 64, row, hk,
+                      map_b);
           }
           MbarWait(v_empty(s), parity(it) ^ 1);
           MbarArriveExpectTx(v_full(s), kKvBytes);
 #pragma unroll
           for (int c = 0; c < kDBlocks; ++c) {
-            TmaLoad4d(s_v + s * kKvBytes + c * kBc * kRowBytes, &sp.v, v_full(s), c * 64, row,
-                      hk, map_b);
+            TmaLoad4d(s_v + s * kKvBytes + c * kBc * kRowBytes, &sp.v, v_full(s), c * 64, row, hk,
+                      map_b);
           }
         }
       }
@@ -254,7 +275,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const uint32_t s_qw = s_q + wg * 64 * kRowBytes;  // this warpgroup's rows of each Q box
-  int it = 0;  // key tiles so far
+  int it = 0;                                       // key tiles so far
   for (int round = 0;; ++round) {
     MbarWait(q_full, round & 1);
     int pos;
@@ -313,8 +334,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           const uint32_t col = (ks / 4), sub = (ks % 4) * 32;
           const uint64_t da = SmemDesc128B(s_qw + col * kBr * kRowBytes + sub, 16, 1024);
           const uint64_t db = SmemDesc128B(s_ks + col * kBc * kRowBytes + sub, 16, 1024);
-          WgmmaSS(WgmmaTag<T, kBc>(), reinterpret_cast<float(&)[kBc / 2]>(acc_s), da, db,
-                  ks > 0);
+          WgmmaSS(WgmmaTag<T, kBc>(), reinterpret_cast<float(&)[kBc / 2]>(acc_s), da, db, ks > 0);
         }
         WgmmaCommit();
       };
@@ -353,8 +373,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          rescale[half] =
-              OnlineSoftmaxRow(acc_s, half, row_max[half], row_sum[half], p.scale_log2);
+          rescale[half] = OnlineSoftmaxRow(acc_s, half, row_max[half], row_sum[half], p.scale_log2);
         }
       };
       // P as A fragments: keys 16 kk .. 16 kk + 15 are S column tiles 2 kk and 2 kk + 1.
@@ -439,8 +458,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         }
         if (p.lse != nullptr && t == 0) {
           // Natural-log LSE: scale_log2 * row_max is max(scale * s) * log2(e).
-          const float lse =
-              l > 0.f ? (row_max[half] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+          const float lse = l > 0.f ? (row_max[half] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
           p.lse[wt.b * p.lse_batch_stride + wt.h * p.lse_head_stride + e.q_start + row] = lse;
         }
       }

@@ -70,9 +70,8 @@ inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
 // boxes of 64 columns x box_rows rows into the 128-byte swizzle. A dimension of extent 1 gets a
 // stride TMA accepts whatever the caller's is (it is never stepped over).
 template <typename T>
-bool EncodeTileMap(CUtensorMap* map, const void* base, int head_dim, int rows, int heads,
-                   int items, int64_t row_stride, int64_t head_stride, int64_t item_stride,
-                   int box_rows) {
+bool EncodeTileMap(CUtensorMap* map, const void* base, int head_dim, int rows, int heads, int items,
+                   int64_t row_stride, int64_t head_stride, int64_t item_stride, int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
   if (encode == nullptr) return false;
   constexpr int64_t kBytes = sizeof(T);

@@ -80,9 +80,8 @@ absl::StatusOr<ForwardPlan> PlanWgmmaSm90(const AttentionParams& p, const Device
                      CapabilityString(caps.compute_capability)));
   }
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
-    return absl::InvalidArgumentError(absl::StrCat("forward variant ", name,
-                                                   " takes float16 and bfloat16; got ",
-                                                   DTypeName(p.dtype)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "forward variant ", name, " takes float16 and bfloat16; got ", DTypeName(p.dtype)));
   }
   RETURN_IF_ERROR(CheckHeadDim(name, p));
   const int head_dim = static_cast<int>(p.head_dim);

@@ -28,7 +28,7 @@ enum class ForwardVariant {
 
 // Every variant, in the planner's order of preference: unforced, the first that can run is chosen.
 inline constexpr ForwardVariant kForwardVariants[] = {ForwardVariant::kWgmmaSm90,
-                                                     ForwardVariant::kMmaSm80};
+                                                      ForwardVariant::kMmaSm80};
 
 // The variant's name ([a-z0-9_], usable in test names, flags and JSON), e.g. "mma_sm80"; "unknown"
 // for a value outside the enum.

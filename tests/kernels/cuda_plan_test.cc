@@ -72,8 +72,7 @@ TEST(PlanFlashForwardTest, PicksTheSpecialisationAndItsSharedMemory) {
   EXPECT_EQ(plan->smem_bytes, (128 + 4 * 64) * 128 * 2);
   // On Hopper: the wgmma kernel, a Q tile of 128 rows + 2 stages of K and V tiles of 128 rows,
   // 128 bfloat16 each, 1 KiB of alignment slack, 10 mbarriers and the tile position.
-  const absl::StatusOr<ForwardPlan> hopper =
-      PlanFlashForward(Params(DType::kBFloat16, 96), kH200);
+  const absl::StatusOr<ForwardPlan> hopper = PlanFlashForward(Params(DType::kBFloat16, 96), kH200);
   ASSERT_TRUE(hopper.ok()) << hopper.status();
   EXPECT_EQ(hopper->variant, ForwardVariant::kWgmmaSm90);
   EXPECT_EQ(hopper->kernel_head_dim, 128);
