@@ -60,16 +60,12 @@ cudaError_t LaunchFlashTile(const KernelParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// f(Tile()) for the tile of the smallest specialised head dim >= head_dim (kSpecialisedHeadDims,
-// ascending; head_dim <= kMaxHeadDim): the one dispatch of the launch and of the planner's shared
-// memory query.
-template <typename T, size_t kI = 0, typename F>
+// f(Tile()) for the tile of the specialised head dim that serves head_dim (WithSpecialisedHeadDim):
+// the launch and the planner's shared memory query.
+template <typename T, typename F>
 auto WithFlashTile(int head_dim, F&& f) {
-  constexpr int kD = kSpecialisedHeadDims[kI];
-  if constexpr (kI + 1 < std::size(kSpecialisedHeadDims)) {
-    if (head_dim > kD) return WithFlashTile<T, kI + 1>(head_dim, f);
-  }
-  return f(typename FlashTileFor<T, kD>::Tile());
+  return WithSpecialisedHeadDim(
+      head_dim, [&](auto d) { return f(typename FlashTileFor<T, decltype(d)::value>::Tile()); });
 }
 
 template <typename T>

@@ -237,23 +237,22 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           TmaLoad4d(s_q + c * kBr * kRowBytes, &sp.q, q_full, c * 64, wt.e.q_start + wt.m0, wt.h,
                     map_b);
         }
+        // Key tile `row` of `map` into stage s of `tiles` once the consumers have freed it.
+        auto load_stage = [&](const CUtensorMap& map, uint32_t tiles, uint32_t empty, uint32_t full,
+                              int s, uint32_t phase, int row) {
+          MbarWait(empty, phase ^ 1);
+          MbarArriveExpectTx(full, kKvBytes);
+#pragma unroll
+          for (int c = 0; c < kDBlocks; ++c) {
+            TmaLoad4d(tiles + s * kKvBytes + c * kBc * kRowBytes, &map, full, c * 64, row, hk,
+                      map_b);
+          }
+        };
         for (int i = 0; i < wt.n_tiles(); ++i, ++it) {
           const int s = stage(it);
           const int row = wt.e.k_start + (wt.n_block_max - 1 - i) * kBc;
-          MbarWait(k_empty(s), parity(it) ^ 1);
-          MbarArriveExpectTx(k_full(s), kKvBytes);
-#pragma unroll
-          for (int c = 0; c < kDBlocks; ++c) {
-            TmaLoad4d(s_k + s * kKvBytes + c * kBc * kRowBytes, &sp.k, k_full(s), c * 64, row, hk,
-                      map_b);
-          }
-          MbarWait(v_empty(s), parity(it) ^ 1);
-          MbarArriveExpectTx(v_full(s), kKvBytes);
-#pragma unroll
-          for (int c = 0; c < kDBlocks; ++c) {
-            TmaLoad4d(s_v + s * kKvBytes + c * kBc * kRowBytes, &sp.v, v_full(s), c * 64, row, hk,
-                      map_b);
-          }
+          load_stage(sp.k, s_k, k_empty(s), k_full(s), s, parity(it), row);
+          load_stage(sp.v, s_v, v_empty(s), v_full(s), s, parity(it), row);
         }
       }
       pos = gridDim.x + atomicAdd(&p.tile_counters[0], 1);

@@ -130,13 +130,10 @@ cudaError_t LaunchSm90Tile(const KernelParams& p, cudaStream_t stream) {
 }
 
 // f(Sm90TileFor<T, kD>()) for the specialised head dim kD that serves head_dim.
-template <typename T, size_t kI = 0, typename F>
+template <typename T, typename F>
 auto WithSm90Tiles(int head_dim, F&& f) {
-  constexpr int kD = kSpecialisedHeadDims[kI];
-  if constexpr (kI + 1 < std::size(kSpecialisedHeadDims)) {
-    if (head_dim > kD) return WithSm90Tiles<T, kI + 1>(head_dim, f);
-  }
-  return f(Sm90TileFor<T, kD>());
+  return WithSpecialisedHeadDim(head_dim,
+                                [&](auto d) { return f(Sm90TileFor<T, decltype(d)::value>()); });
 }
 
 template <typename T>

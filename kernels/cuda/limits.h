@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <type_traits>
 #include <vector>
 
 namespace attention::cuda {
@@ -33,6 +34,18 @@ constexpr int SpecialisationFor(const int (&dims)[kN], int64_t head_dim) {
 
 // The forward kernels' specialised head dims (kSpecialisedHeadDims), for a server's list of the
 // head dims that run fastest.
+// f(std::integral_constant<int, kD>()) for the smallest specialised head dim kD >= head_dim
+// (kSpecialisedHeadDims, ascending; the largest past them): the one head-dim dispatch of the
+// forward kernels' launchers and of the planner's shared-memory queries.
+template <size_t kI = 0, typename F>
+auto WithSpecialisedHeadDim(int64_t head_dim, F&& f) {
+  constexpr int kD = kSpecialisedHeadDims[kI];
+  if constexpr (kI + 1 < std::size(kSpecialisedHeadDims)) {
+    if (head_dim > kD) return WithSpecialisedHeadDim<kI + 1>(head_dim, f);
+  }
+  return f(std::integral_constant<int, kD>());
+}
+
 inline std::vector<int> SpecialisedHeadDims() {
   return {std::begin(kSpecialisedHeadDims), std::end(kSpecialisedHeadDims)};
 }
