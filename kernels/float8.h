@@ -12,11 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define ATTENTION_HOST_DEVICE __host__ __device__
-#else
-#define ATTENTION_HOST_DEVICE
-#endif
+#include "kernels/host_device.h"
 
 namespace attention {
 

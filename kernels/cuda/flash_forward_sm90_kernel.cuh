@@ -6,7 +6,7 @@
 //
 // A CTA (at most one per SM, 128 x (1 + kConsumers) threads) loops over work tiles = (query tile
 // of kBr = 64 x kConsumers rows, query head, batch item), taken in the order and the way
-// Sm90Schedule describes:
+// sm90_schedule.h describes:
 //   warpgroup 0 (producer): one thread publishes each work tile and issues its TMA loads: the Q
 //     tile (kD/64 boxes of kBr rows x 64 columns) once the consumers have issued their last
 //     Q K^T of the previous one, then K and V tiles of kBc keys into kStages stages (counted
@@ -68,6 +68,7 @@
 #include "kernels/cuda/masks.cuh"
 #include "kernels/cuda/mma_ops.cuh"
 #include "kernels/cuda/online_softmax.cuh"
+#include "kernels/cuda/sm90_schedule.h"
 #include "kernels/cuda/wgmma_ops.cuh"
 
 namespace attention::cuda {
@@ -117,41 +118,15 @@ struct Sm90WorkTile {
   __device__ int n_tiles() const { return n_block_max - n_block_min; }
 };
 
-// The work tiles in launch order. CTAs take them dynamically (each CTA's first is its
-// blockIdx.x, every next one an atomicAdd on KernelParams::tile_counters), so a CTA that drew
-// light tiles takes more of them (a static round-robin left one CTA with 1.7x the average work
-// under some causal shapes: 0.39 instead of 0.56 PFLOP/s at D = 128, N = 4096). Order: groups of
-// `group` (head, item) pairs; within a group the query tiles heaviest first (most keys under a
-// causal mask), the group's pairs interleaved, so the CTAs running at once work on a few heads
-// and share their K and V in L2 (ordered by query tile across all heads, each CTA streamed its
-// own head's K and V from memory: 0.60 instead of 0.66 PFLOP/s at D = 128, N = 4096). Masked
-// launches take groups of 8 pairs; unmasked ones 1 (every tile costs the same there).
-struct Sm90Schedule {
-  int m_blocks, pairs, group, work_tiles;
-
-  __device__ Sm90Schedule(const KernelParams& p, int br) {
-    m_blocks = (p.seqlen_q + br - 1) / br;
-    pairs = p.heads_q * p.batch;
-    const bool masked = p.window_left >= 0 || p.window_right >= 0;
-    group = min(masked ? 8 : 1, pairs);
-    work_tiles = m_blocks * pairs;
-  }
-};
-
 template <int kBr, int kBc>
 __device__ __forceinline__ Sm90WorkTile GetWorkTile(const KernelParams& p, const Sm90Schedule& sc,
                                                     int pos) {
   Sm90WorkTile wt;
-  const int group_tiles = sc.group * sc.m_blocks;
-  const int first_pair = pos / group_tiles * sc.group;
-  const int in_group = min(sc.group, sc.pairs - first_pair);  // the last group may be short
-  const int r = pos - first_pair * sc.m_blocks;
-  const int m_block = sc.m_blocks - 1 - r / in_group;
-  const int pair = first_pair + r % in_group;
-  wt.h = pair % p.heads_q;
-  wt.b = pair / p.heads_q;
+  const Sm90TileCoords at = Sm90TileAt(sc, pos);
+  wt.h = at.pair % p.heads_q;
+  wt.b = at.pair / p.heads_q;
   wt.e = GetItemExtent(p, wt.b);
-  wt.m0 = m_block * kBr;
+  wt.m0 = at.m_block * kBr;
   wt.n_block_min = wt.n_block_max = 0;
   if (wt.m0 >= wt.e.nq) return wt;  // varlen: this item is shorter than the grid
   const int row_last = min(wt.m0 + kBr, wt.e.nq) - 1;
@@ -193,7 +168,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   auto stage = [&](int it) { return it % kStages; };
   auto parity = [&](int it) { return static_cast<uint32_t>((it / kStages) & 1); };
 
-  const Sm90Schedule schedule(p, kBr);
+  const Sm90Schedule schedule = MakeSm90Schedule(p.seqlen_q, kBr, p.heads_q, p.batch,
+                                                 p.window_left >= 0 || p.window_right >= 0);
   // Tensor-map item coordinate: varlen maps hold one item of packed rows.
   const bool varlen = p.cu_seqlens_q != nullptr;
 

@@ -11,6 +11,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/forward_plan.h"
 #include "kernels/cuda/limits.h"
+#include "kernels/cuda/sm90_schedule.h"
 
 namespace attention::cuda {
 namespace {
@@ -151,6 +152,41 @@ TEST(CudaStatusTest, AllocationFailureIsResourceExhaustedOthersInternal) {
   EXPECT_TRUE(Mentions(launch, "cudaErrorLaunchFailure")) << launch;
   EXPECT_TRUE(CudaStatus(cudaSuccess, "nothing").ok());
   EXPECT_EQ(CudaStatus(cudaErrorInvalidValue, "x").code(), absl::StatusCode::kInternal);
+}
+
+// Every position of a launch names a distinct work tile and every tile has one: a tile mapped
+// twice would be computed twice and one never mapped left unwritten, so this is the Hopper
+// kernel's coverage of O. Within a group of pairs the query tiles come heaviest first.
+TEST(Sm90ScheduleTest, PositionsCoverEveryWorkTileOnceHeaviestFirstInAGroup) {
+  struct Launch {
+    int seqlen_q, tile_rows, heads_q, batch;
+    bool masked;
+  };
+  for (const Launch& l : {Launch{1024, 128, 16, 16, true}, Launch{4096, 192, 32, 4, true},
+                          Launch{1000, 128, 3, 7, true}, Launch{129, 128, 5, 1, true},
+                          Launch{4096, 128, 16, 4, false}, Launch{1, 128, 1, 1, true}}) {
+    const Sm90Schedule sc = MakeSm90Schedule(l.seqlen_q, l.tile_rows, l.heads_q, l.batch, l.masked);
+    SCOPED_TRACE(::testing::Message() << "seqlen_q " << l.seqlen_q << " heads " << l.heads_q
+                                      << " batch " << l.batch << " masked " << l.masked);
+    ASSERT_EQ(sc.m_blocks, (l.seqlen_q + l.tile_rows - 1) / l.tile_rows);
+    ASSERT_EQ(sc.work_tiles, sc.m_blocks * l.heads_q * l.batch);
+    EXPECT_EQ(sc.group, std::min(l.masked ? 8 : 1, l.heads_q * l.batch));
+    std::vector<int> seen(sc.work_tiles, 0);
+    int last_group = -1, last_m_block = 0;
+    for (int pos = 0; pos < sc.work_tiles; ++pos) {
+      const Sm90TileCoords at = Sm90TileAt(sc, pos);
+      ASSERT_GE(at.m_block, 0);
+      ASSERT_LT(at.m_block, sc.m_blocks);
+      ASSERT_GE(at.pair, 0);
+      ASSERT_LT(at.pair, sc.pairs);
+      ++seen[at.pair * sc.m_blocks + at.m_block];
+      const int group = at.pair / sc.group;
+      if (group == last_group) EXPECT_LE(at.m_block, last_m_block) << "position " << pos;
+      last_group = group;
+      last_m_block = at.m_block;
+    }
+    for (int tile = 0; tile < sc.work_tiles; ++tile) EXPECT_EQ(seen[tile], 1) << "tile " << tile;
+  }
 }
 
 TEST(SpecialisedHeadDimsTest, AscendingEndingAtTheLimits) {
