@@ -73,6 +73,11 @@ constexpr int kWgmmaSm90Capability = 90;
 
 absl::StatusOr<ForwardPlan> PlanWgmmaSm90(const AttentionParams& p, const DeviceCaps& caps) {
   const absl::string_view name = ForwardVariantName(ForwardVariant::kWgmmaSm90);
+  if (!WgmmaSm90InBuild()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "forward variant ", name,
+        " is not in this build (its CUDA architectures make no sm_90a code; build with 90a)"));
+  }
   if (caps.compute_capability != kWgmmaSm90Capability) {
     return absl::FailedPreconditionError(
         absl::StrCat("forward variant ", name, " needs compute capability ",
@@ -112,6 +117,14 @@ absl::StatusOr<ForwardPlan> PlanVariant(ForwardVariant variant, const AttentionP
 }
 
 }  // namespace
+
+bool WgmmaSm90InBuild() {
+#if defined(ATTENTION_BUILT_SM90A)
+  return true;
+#else
+  return false;
+#endif
+}
 
 absl::string_view ForwardVariantName(ForwardVariant variant) {
   switch (variant) {

@@ -36,6 +36,10 @@ absl::string_view ForwardVariantName(ForwardVariant variant);
 // The variant named `name` (ForwardVariantName), or INVALID_ARGUMENT listing the names.
 absl::StatusOr<ForwardVariant> ParseForwardVariant(absl::string_view name);
 
+// Whether this build holds the wgmma_sm90 kernel (CUDA architectures with 90a; its body is
+// sm_90a code only, empty in any other).
+bool WgmmaSm90InBuild();
+
 struct ForwardPlan {
   ForwardVariant variant = ForwardVariant::kMmaSm80;
   DType dtype = DType::kFloat32;

@@ -26,8 +26,8 @@ struct Sm90Schedule {
 
 // The schedule of a launch of seqlen_q query rows (varlen: the longest item's) in tiles of
 // `tile_rows`, heads_q x batch pairs, with or without a mask.
-ATTENTION_HOST_DEVICE inline Sm90Schedule MakeSm90Schedule(int seqlen_q, int tile_rows,
-                                                           int heads_q, int batch, bool masked) {
+ATTENTION_HOST_DEVICE inline Sm90Schedule MakeSm90Schedule(int seqlen_q, int tile_rows, int heads_q,
+                                                           int batch, bool masked) {
   Sm90Schedule sc;
   sc.m_blocks = (seqlen_q + tile_rows - 1) / tile_rows;
   sc.pairs = heads_q * batch;

@@ -56,7 +56,24 @@ TEST(ForwardVariantTest, UnknownNameIsInvalidArgumentListingTheNames) {
   EXPECT_TRUE(Mentions(parsed.status(), "mma_sm80")) << parsed.status();
 }
 
+// The wgmma kernel is planned only where the build made sm_90a code (CI's default, 80;90a).
+#define SKIP_WITHOUT_SM90A()                                     \
+  if (!WgmmaSm90InBuild())                                       \
+  GTEST_SKIP() << "this build makes no sm_90a code: wgmma_sm90 " \
+                  "is not offered"
+
+TEST(PlanFlashForwardTest, WithoutSm90aCodeTheWgmmaKernelIsNotOffered) {
+  if (WgmmaSm90InBuild()) GTEST_SKIP() << "this build holds the wgmma_sm90 kernel";
+  const absl::StatusOr<ForwardPlan> forced =
+      PlanFlashForward(Params(DType::kBFloat16, 64), kH200, ForwardVariant::kWgmmaSm90);
+  EXPECT_EQ(forced.status().code(), absl::StatusCode::kFailedPrecondition);
+  const absl::StatusOr<ForwardPlan> plan = PlanFlashForward(Params(DType::kBFloat16, 64), kH200);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->variant, ForwardVariant::kMmaSm80);
+}
+
 TEST(PlanFlashForwardTest, PicksTheSpecialisationAndItsSharedMemory) {
+  SKIP_WITHOUT_SM90A();
   for (ForwardVariant v : kForwardVariants) {
     const absl::StatusOr<ForwardPlan> plan =
         PlanFlashForward(Params(DType::kBFloat16, 96), kH200, v);
@@ -81,6 +98,7 @@ TEST(PlanFlashForwardTest, PicksTheSpecialisationAndItsSharedMemory) {
 }
 
 TEST(PlanFlashForwardTest, OnHopperFloat32FallsBackToTheMmaKernel) {
+  SKIP_WITHOUT_SM90A();
   const absl::StatusOr<ForwardPlan> plan = PlanFlashForward(Params(DType::kFloat32, 64), kH200);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->variant, ForwardVariant::kMmaSm80);
@@ -92,6 +110,7 @@ TEST(PlanFlashForwardTest, OnHopperFloat32FallsBackToTheMmaKernel) {
 }
 
 TEST(PlanFlashForwardTest, TheWgmmaKernelRunsOnComputeCapability90Only) {
+  SKIP_WITHOUT_SM90A();
   const absl::StatusOr<ForwardPlan> plan =
       PlanFlashForward(Params(DType::kFloat16, 64), kSm86, ForwardVariant::kWgmmaSm90);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
