@@ -46,14 +46,14 @@
 //                  (192 rows): D = 128 629 / 541, D = 64 475, D = 256 657.
 //   v3 2026-12-01  persistent CTAs, work tiles of a few heads at once (L2 reuse of K and V),
 //                  taken dynamically (ForwardScratch's counters): D = 128 648 / 606, D = 256
-//                  718 / 643 (N = 4096), 16384 causal: D = 128 628, D = 256 737.
+//                  causal 643 (N = 4096), 16384 causal: D = 128 628, D = 256 737.
 //   v4 2026-12-01  D = 64 masked calls of up to 2048 rows on two consumers (128 rows): causal
 //                  N = 1024 258 -> 300. The grid, each shape timed just before its anchors:
 //                  ours/cuDNN 0.89-1.20 (45 of 60 rows with N >= 1024 at >= 1.0; the misses are
 //                  N = 1024 and three N = 2048-4096 rows), ours/FA3 0.89-1.05 (29 of 30 bfloat16
 //                  rows at >= 0.9).
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
-//   barriers), 3-10% slower; 176-key tiles at D = 128 unmasked, slower at N = 1024, no faster
+//   barriers), 2-10% slower; 176-key tiles at D = 128 unmasked, slower at N = 1024, no faster
 //   beyond.
 #pragma once
 

@@ -243,13 +243,63 @@ TEST(CudaPipelineTest, CudaErrorFailsOnlyTheRequestThatMetIt) {
 namespace attention::server {
 namespace {
 
+// A bfloat16 request of p's shape (contiguous) on random q, k, v in host memory, its answer from
+// host memory, and the same tensors copied into device memory at `dev` (laid out q | k | v | o, o
+// poisoned): what a client's CUDA IPC region resolves to.
+struct HostAndDeviceRequest {
+  std::vector<uint16_t> q, k, v, o_host;
+  AttentionParams host, on_device;
+  size_t q_bytes = 0, kv_bytes = 0;
+
+  HostAndDeviceRequest(const AttentionParams& p, std::mt19937_64& rng) : host(p), on_device(p) {
+    std::uniform_real_distribution<float> uniform(-2, 2);
+    const int64_t q_elems = p.batch * p.heads_q * p.seqlen_q * p.head_dim;
+    const int64_t kv_elems = p.batch * p.heads_kv * p.seqlen_k * p.head_dim;
+    q.resize(q_elems);
+    k.resize(kv_elems);
+    v.resize(kv_elems);
+    o_host.resize(q_elems);
+    for (auto* t : {&q, &k, &v}) {
+      for (uint16_t& x : *t) x = FloatToBFloat16(uniform(rng));
+    }
+    host.q = q.data();
+    host.k = k.data();
+    host.v = v.data();
+    host.o = o_host.data();
+    q_bytes = q_elems * 2;
+    kv_bytes = kv_elems * 2;
+  }
+  // Device bytes the tensors take at `dev`.
+  size_t DeviceBytes() const { return 2 * q_bytes + 2 * kv_bytes; }
+  // Copies q, k, v to dev, poisons o there and points on_device at them.
+  void CopyTo(char* dev) {
+    ASSERT_EQ(cudaMemcpy(dev, q.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dev + q_bytes, k.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dev + q_bytes + kv_bytes, v.data(), kv_bytes, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    on_device.q = dev;
+    on_device.k = dev + q_bytes;
+    on_device.v = dev + q_bytes + kv_bytes;
+    on_device.o = dev + q_bytes + 2 * kv_bytes;
+    PoisonDeviceO();
+  }
+  void PoisonDeviceO() {
+    ASSERT_EQ(cudaMemset(const_cast<void*>(on_device.o), 0xff, q_bytes), cudaSuccess);
+  }
+  // o as the device request left it.
+  std::vector<uint16_t> DeviceO() const {
+    std::vector<uint16_t> o(o_host.size());
+    EXPECT_EQ(cudaMemcpy(o.data(), on_device.o, q_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    return o;
+  }
+};
+
 // q, k, v and o in this device's memory (what a client's CUDA IPC region resolves to): a lone
 // dense request is computed in place, D not a multiple of 8 and one beside another request are
 // copied device to device; every answer equals the same request from host memory, bit for bit.
 TEST(CudaPipelineTest, RequestsInDeviceMemoryEqualTheSameFromHostMemory) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(std::random_device{}());
-  std::uniform_real_distribution<float> uniform(-2, 2);
   for (int64_t d : {128, 36}) {
     SCOPED_TRACE(absl::StrCat("D ", d));
     AttentionParams p;
@@ -262,43 +312,21 @@ TEST(CudaPipelineTest, RequestsInDeviceMemoryEqualTheSameFromHostMemory) {
     p.head_dim = d;
     p.softmax_scale = 0.1f;
     p.SetContiguousStrides(Layout::kBHSD);
-    const int64_t q_elems = p.batch * p.heads_q * p.seqlen_q * d;
-    const int64_t kv_elems = p.batch * p.heads_kv * p.seqlen_k * d;
-    std::vector<uint16_t> q(q_elems), k(kv_elems), v(kv_elems), o_host(q_elems), o_dev(q_elems);
-    for (auto* t : {&q, &k, &v}) {
-      for (uint16_t& x : *t) x = FloatToBFloat16(uniform(rng));
-    }
-    AttentionParams host = p;
-    host.q = q.data();
-    host.k = k.data();
-    host.v = v.data();
-    host.o = o_host.data();
-    ASSERT_TRUE(Runner().Run(host).ok());
-    const size_t qb = q_elems * 2, kvb = kv_elems * 2;
+    HostAndDeviceRequest r(p, rng);
+    ASSERT_TRUE(Runner().Run(r.host).ok());
     void* allocation = nullptr;
-    ASSERT_EQ(cudaMalloc(&allocation, 2 * qb + 2 * kvb), cudaSuccess);
-    char* dev = static_cast<char*>(allocation);
-    ASSERT_EQ(cudaMemcpy(dev, q.data(), qb, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(dev + qb, k.data(), kvb, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(dev + qb + kvb, v.data(), kvb, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemset(dev + qb + 2 * kvb, 0xff, qb), cudaSuccess);
-    AttentionParams on_device = p;
-    on_device.q = dev;
-    on_device.k = dev + qb;
-    on_device.v = dev + qb + kvb;
-    on_device.o = dev + qb + 2 * kvb;
-    ASSERT_TRUE(Runner().Run(on_device).ok());
-    ASSERT_EQ(cudaMemcpy(o_dev.data(), on_device.o, qb, cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_EQ(o_dev, o_host) << "alone";
+    ASSERT_EQ(cudaMalloc(&allocation, r.DeviceBytes()), cudaSuccess);
+    ASSERT_NO_FATAL_FAILURE(r.CopyTo(static_cast<char*>(allocation)));
+    ASSERT_TRUE(Runner().Run(r.on_device).ok());
+    EXPECT_EQ(r.DeviceO(), r.o_host) << "alone";
     // Beside a host request of its shape: one launch, its o copied back device to device.
-    ASSERT_EQ(cudaMemset(dev + qb + 2 * kvb, 0xff, qb), cudaSuccess);
-    Companion companion(host, 0, 0);
-    const AttentionParams both[] = {on_device, companion.params};
+    ASSERT_NO_FATAL_FAILURE(r.PoisonDeviceO());
+    Companion companion(r.host, 0, 0);
+    const AttentionParams both[] = {r.on_device, companion.params};
     const absl::StatusOr<cuda::HostRunTimes> batched = Runner().RunBatch(both);
     ASSERT_TRUE(batched.ok()) << batched.status();
-    ASSERT_EQ(cudaMemcpy(o_dev.data(), on_device.o, qb, cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_EQ(o_dev, o_host) << "batched";
-    cudaFree(dev);
+    EXPECT_EQ(r.DeviceO(), r.o_host) << "batched";
+    cudaFree(allocation);
   }
 }
 
@@ -309,7 +337,6 @@ TEST(CudaPipelineTest, RequestsInDeviceMemoryEqualTheSameFromHostMemory) {
 TEST(CudaPipelineTest, DeviceTensorsOffSixteenBytesAreCopiedAndEqualTheHostRequest) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(std::random_device{}());
-  std::uniform_real_distribution<float> uniform(-2, 2);
   AttentionParams p;
   p.dtype = DType::kBFloat16;
   p.batch = 1;
@@ -319,34 +346,15 @@ TEST(CudaPipelineTest, DeviceTensorsOffSixteenBytesAreCopiedAndEqualTheHostReque
   p.head_dim = 64;
   p.window_right = 0;  // causal: the device scan of V too
   p.SetContiguousStrides(Layout::kBHSD);
-  const int64_t q_elems = p.heads_q * p.seqlen_q * 64, kv_elems = p.heads_kv * p.seqlen_k * 64;
-  std::vector<uint16_t> q(q_elems), k(kv_elems), v(kv_elems), o_host(q_elems), o_dev(q_elems);
-  for (auto* t : {&q, &k, &v}) {
-    for (uint16_t& x : *t) x = FloatToBFloat16(uniform(rng));
-  }
-  AttentionParams host = p;
-  host.q = q.data();
-  host.k = k.data();
-  host.v = v.data();
-  host.o = o_host.data();
-  ASSERT_TRUE(Runner().Run(host).ok());
-  const size_t qb = q_elems * 2, kvb = kv_elems * 2;
+  HostAndDeviceRequest r(p, rng);
+  ASSERT_TRUE(Runner().Run(r.host).ok());
   void* allocation = nullptr;
-  ASSERT_EQ(cudaMalloc(&allocation, 2 * qb + 2 * kvb + 64), cudaSuccess);
-  char* dev = static_cast<char*>(allocation) + 2;  // 2 bytes past a 256-byte boundary
-  ASSERT_EQ(cudaMemcpy(dev, q.data(), qb, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dev + qb, k.data(), kvb, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dev + qb + kvb, v.data(), kvb, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemset(dev + qb + 2 * kvb, 0xff, qb), cudaSuccess);
-  AttentionParams on_device = p;
-  on_device.q = dev;
-  on_device.k = dev + qb;
-  on_device.v = dev + qb + kvb;
-  on_device.o = dev + qb + 2 * kvb;
-  const absl::StatusOr<cuda::HostRunTimes> run = Runner().Run(on_device);
+  ASSERT_EQ(cudaMalloc(&allocation, r.DeviceBytes() + 64), cudaSuccess);
+  // 2 bytes past a 256-byte boundary.
+  ASSERT_NO_FATAL_FAILURE(r.CopyTo(static_cast<char*>(allocation) + 2));
+  const absl::StatusOr<cuda::HostRunTimes> run = Runner().Run(r.on_device);
   ASSERT_TRUE(run.ok()) << run.status();
-  ASSERT_EQ(cudaMemcpy(o_dev.data(), on_device.o, qb, cudaMemcpyDeviceToHost), cudaSuccess);
-  EXPECT_EQ(o_dev, o_host);
+  EXPECT_EQ(r.DeviceO(), r.o_host);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   cudaFree(allocation);
 }

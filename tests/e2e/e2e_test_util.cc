@@ -17,8 +17,9 @@ uint64_t FreshSeed() {
 }
 
 absl::StatusOr<RunningServer> StartServer(const std::vector<std::string>& flags,
-                                          client::ClientOptions options) {
-  absl::StatusOr<std::unique_ptr<ServerProcess>> process = ServerProcess::Start({.flags = flags});
+                                          client::ClientOptions options, bool environment_flags) {
+  absl::StatusOr<std::unique_ptr<ServerProcess>> process =
+      ServerProcess::Start({.flags = flags, .environment_flags = environment_flags});
   if (!process.ok()) return process.status();
   RunningServer server;
   server.process = *std::move(process);

@@ -29,9 +29,11 @@ struct RunningServer {
   absl::Status Stop();
 };
 
-// Starts attention_server with `flags` and connects a client to it.
+// Starts attention_server with `flags` (and ATTENTION_E2E_EXTRA_FLAGS unless environment_flags is
+// false: ServerProcessOptions) and connects a client to it.
 absl::StatusOr<RunningServer> StartServer(const std::vector<std::string>& flags,
-                                          client::ClientOptions options = {});
+                                          client::ClientOptions options = {},
+                                          bool environment_flags = true);
 
 // A test suite whose tests share one server (a server per test would multiply start and drain
 // time). `Suite` names its flags: `static std::vector<std::string> ServerFlags();`.

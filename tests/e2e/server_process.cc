@@ -56,7 +56,8 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
                                    "--host=127.0.0.1", "--port=0", "--metrics_port=0",
                                    "--port_file=" + port_file};
   args.insert(args.end(), options.flags.begin(), options.flags.end());
-  if (const char* extra = std::getenv("ATTENTION_E2E_EXTRA_FLAGS"); extra != nullptr) {
+  if (const char* extra = std::getenv("ATTENTION_E2E_EXTRA_FLAGS");
+      extra != nullptr && options.environment_flags) {
     for (absl::string_view flag : absl::StrSplit(extra, ' ', absl::SkipEmpty())) {
       args.emplace_back(flag);
     }

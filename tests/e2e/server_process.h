@@ -21,6 +21,9 @@ struct ServerProcessOptions {
   std::string binary = ATTENTION_SERVER_BINARY;
   // Extra flags, e.g. {"--backend=cpu", "--max_queue=1"}.
   std::vector<std::string> flags;
+  // Append ATTENTION_E2E_EXTRA_FLAGS (server_process.cc); off for a server whose own flags must
+  // stand, e.g. a test of the CPU backend's several devices under a suite pointed at a GPU.
+  bool environment_flags = true;
   // How long the server may take to write its port file.
   absl::Duration start_timeout = absl::Seconds(30);
 };
