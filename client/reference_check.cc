@@ -120,7 +120,16 @@ absl::StatusOr<int> ParallelForward(const AttentionParams& p, std::vector<double
 
 }  // namespace
 
-double ErrorBound(v1::DType dtype) { return dtype == v1::DTYPE_FLOAT32 ? 1e-5 : 1e-2; }
+double ErrorBound(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+      return 1e-5;
+    case v1::DTYPE_FLOAT8_E4M3:
+      return 4e-2;
+    default:
+      return 1e-2;
+  }
+}
 
 bool WithinBound(const CheckResult& result, v1::DType dtype) {
   const double bound = ErrorBound(dtype);

@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "bench/cuda/check_cuda.h"
 #include "kernels/attention_params.h"
 #include "kernels/cuda/cuda_attention.h"
@@ -118,18 +119,19 @@ std::string VariantName(ForwardVariant variant) {
   return std::string(attention::cuda::ForwardVariantName(variant));
 }
 
-// bfloat16 copies of float8 q, k, v ([B, H, N, D] each) on the device, kept across runs and
-// shapes (reallocated only when a shape needs more).
-class Bf16Copies {
+// kCount device buffers of equal size, kept across runs and shapes (reallocated only when a shape
+// needs more): the bfloat16 copies of float8 q, k, v ([B, H, N, D] each), or a launch's workspace.
+template <int kCount>
+class DeviceBuffers {
  public:
-  Bf16Copies() = default;
-  Bf16Copies(const Bf16Copies&) = delete;
-  Bf16Copies& operator=(const Bf16Copies&) = delete;
-  ~Bf16Copies() {
+  DeviceBuffers() = default;
+  DeviceBuffers(const DeviceBuffers&) = delete;
+  DeviceBuffers& operator=(const DeviceBuffers&) = delete;
+  ~DeviceBuffers() {
     for (void* b : buf_) cudaFree(b);
   }
-  // Three buffers of `bytes` each.
-  absl::StatusOr<std::array<void*, 3>> Get(size_t bytes) {
+  // kCount buffers of `bytes` each.
+  absl::StatusOr<std::array<void*, kCount>> Get(size_t bytes) {
     if (bytes > bytes_) {
       for (void*& b : buf_) {
         cudaFree(b);
@@ -139,7 +141,7 @@ class Bf16Copies {
       for (void*& b : buf_) {
         if (cudaMalloc(&b, bytes) != cudaSuccess) {
           cudaGetLastError();
-          return absl::ResourceExhaustedError("cudaMalloc of the bfloat16 copies of q, k, v");
+          return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc of ", bytes, " bytes"));
         }
       }
       bytes_ = bytes;
@@ -148,25 +150,32 @@ class Bf16Copies {
   }
 
  private:
-  std::array<void*, 3> buf_ = {nullptr, nullptr, nullptr};
+  std::array<void*, kCount> buf_ = {};
   size_t bytes_ = 0;
 };
 
-// attention::cuda::Forward, forcing `variant` when set. float8 inputs the plan refuses
-// (INVALID_ARGUMENT: the variant takes no float8) are served as HostRunner serves them: converted
-// to bfloat16 copies first (exact), the descales left in the params for the kernel to fold in;
-// the name is then "dequant+" and the variant's.
+// attention::cuda::Forward, forcing `variant` when set, with the workspace its plan asks for
+// (float8 on wgmma_sm90: V transposed, timed with the kernel). float8 inputs the plan refuses
+// (INVALID_ARGUMENT: the variant takes no float8 for them) are served as HostRunner serves them:
+// converted to bfloat16 copies first (exact), the descales left in the params for the kernel to
+// fold in; the name is then "dequant+" and the variant's.
 Runner ForwardRunner(std::optional<ForwardVariant> variant) {
   // The default stream's scratch: every launch here runs on it (kept for the whole process).
   static const absl::StatusOr<attention::cuda::ForwardScratch> scratch =
       attention::cuda::AllocateForwardScratch();
-  auto copies = std::make_shared<Bf16Copies>();
-  return [variant, copies](const AttentionParams& p) -> absl::StatusOr<std::string> {
+  auto copies = std::make_shared<DeviceBuffers<3>>();
+  auto workspace = std::make_shared<DeviceBuffers<1>>();
+  return [variant, copies, workspace](const AttentionParams& p) -> absl::StatusOr<std::string> {
     RETURN_IF_ERROR(scratch.status());
     absl::StatusOr<attention::cuda::ForwardLaunch> launch =
         attention::cuda::PrepareForward(p, variant);
     if (launch.ok()) {
-      RETURN_IF_ERROR(attention::cuda::LaunchForward(*launch, nullptr, *scratch));
+      void* space = nullptr;
+      if (launch->plan.workspace_bytes > 0) {
+        ASSIGN_OR_RETURN(const auto buf, workspace->Get(launch->plan.workspace_bytes));
+        space = buf[0];
+      }
+      RETURN_IF_ERROR(attention::cuda::LaunchForward(*launch, nullptr, *scratch, space));
       return VariantName(launch->plan.variant);
     }
     if (p.dtype != DType::kFloat8E4M3 || !absl::IsInvalidArgument(launch.status())) {
@@ -189,7 +198,7 @@ Runner ForwardRunner(std::optional<ForwardVariant> variant) {
         return absl::InternalError("dequantise float8 q, k, v");
       }
     }
-    RETURN_IF_ERROR(attention::cuda::LaunchForward(bf16, nullptr, *scratch));
+    RETURN_IF_ERROR(attention::cuda::LaunchForward(bf16, nullptr, *scratch, nullptr));
     return "dequant+" + VariantName(bf16.plan.variant);
   };
 }

@@ -33,16 +33,17 @@ cudaError_t LaunchMmaSm80(DType dtype, const KernelParams& k, cudaStream_t strea
   return cudaErrorInvalidValue;
 }
 
-// ForwardVariant::kWgmmaSm90: the Hopper kernel of the dtype (the plan takes 16-bit types only).
+// ForwardVariant::kWgmmaSm90: the Hopper kernel of the dtype.
 cudaError_t LaunchWgmmaSm90(DType dtype, const KernelParams& k, cudaStream_t stream) {
   switch (dtype) {
     case DType::kFloat16:
       return LaunchFlashForwardSm90F16(k, stream);
     case DType::kBFloat16:
       return LaunchFlashForwardSm90BF16(k, stream);
-    case DType::kFloat32:
     case DType::kFloat8E4M3:
-      break;  // not reached: the plan sends them to mma_sm80
+      return LaunchFlashForwardSm90F8(k, stream);
+    case DType::kFloat32:
+      break;  // not reached: the plan sends it to mma_sm80
   }
   return cudaErrorInvalidValue;
 }
@@ -162,12 +163,18 @@ void FreeForwardScratch(ForwardScratch& scratch) {
 }
 
 absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream,
-                           const ForwardScratch& scratch) {
+                           const ForwardScratch& scratch, void* workspace) {
   KernelParams params = launch.params;
   params.tile_counters = scratch.tile_counters;
+  params.v_transposed = workspace;
   if (launch.plan.variant == ForwardVariant::kWgmmaSm90 && params.tile_counters == nullptr) {
     return absl::InternalError(
         "forward kernel wgmma_sm90 launched without a ForwardScratch (tile counters)");
+  }
+  if (launch.plan.workspace_bytes > 0 && workspace == nullptr) {
+    return absl::InternalError(absl::StrCat("forward kernel ",
+                                            ForwardVariantName(launch.plan.variant), " needs ",
+                                            launch.plan.workspace_bytes, " bytes of workspace"));
   }
   if (const cudaError_t err = LaunchVariant(launch.plan, params, stream); err != cudaSuccess) {
     return CudaError(err, absl::StrCat("forward kernel ", ForwardVariantName(launch.plan.variant)));
@@ -178,7 +185,14 @@ absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream,
 absl::Status Forward(const AttentionParams& p, cudaStream_t stream, const ForwardScratch& scratch,
                      std::optional<ForwardVariant> variant) {
   ASSIGN_OR_RETURN(const ForwardLaunch launch, PrepareForward(p, variant));
-  return LaunchForward(launch, stream, scratch);
+  if (launch.plan.workspace_bytes > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "forward kernel ", ForwardVariantName(launch.plan.variant), " needs ",
+        launch.plan.workspace_bytes,
+        " bytes of workspace for this call (float8 V transposed): use PrepareForward and "
+        "LaunchForward with a workspace"));
+  }
+  return LaunchForward(launch, stream, scratch, nullptr);
 }
 
 }  // namespace attention::cuda

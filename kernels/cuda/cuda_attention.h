@@ -35,7 +35,8 @@ void FreeForwardScratch(ForwardScratch& scratch);
 // planner's choice (tests, benchmarks), or fail saying why it cannot run. An Inf or NaN in V at a
 // key the mask hides from some rows reaches those rows here (the tensor-core P V multiplies their
 // P = 0 by it); HostRunner sends such calls to the exact CPU kernel instead (host_runner.h).
-// `scratch` is this stream's (ForwardScratch).
+// `scratch` is this stream's (ForwardScratch). Calls whose plan needs a workspace (float8 on
+// wgmma_sm90) get INVALID_ARGUMENT here: they go through PrepareForward and LaunchForward.
 absl::Status Forward(const AttentionParams& p, cudaStream_t stream, const ForwardScratch& scratch,
                      std::optional<ForwardVariant> variant = std::nullopt);
 
@@ -49,8 +50,10 @@ struct ForwardLaunch {
 absl::StatusOr<ForwardLaunch> PrepareForward(const AttentionParams& p,
                                              std::optional<ForwardVariant> variant = std::nullopt);
 // Enqueues a prepared launch on `stream` (the device it was prepared on must be current).
+// `workspace`: device memory of at least launch.plan.workspace_bytes that no other work uses
+// until the launch has run (nullptr when that is 0).
 absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream,
-                           const ForwardScratch& scratch);
+                           const ForwardScratch& scratch, void* workspace);
 
 // The checks and the conversion Forward does before it launches: the kernels' view of `p`, or the
 // error Forward would return. (The tile sweep in bench/cuda launches other tiles with it.)

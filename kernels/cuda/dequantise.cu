@@ -1,6 +1,6 @@
-// The float8 e4m3 -> bfloat16 conversion of dequantise.h: one thread per 8 elements (an 8-byte
-// load, a 16-byte store) where both pointers allow it, one per element otherwise. Memory-bound:
-// 3 bytes moved per element.
+// dequantise.h's float8 preparations. The e4m3 -> bfloat16 conversion: one thread per 8 elements
+// (an 8-byte load, a 16-byte store) where both pointers allow it, one per element otherwise;
+// 3 bytes moved per element. The transposition of V: 2 bytes per element. Both memory-bound.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -48,6 +48,39 @@ __global__ void DequantiseScalar(const uint8_t* __restrict__ src, __nv_bfloat16*
   }
 }
 
+// LaunchTransposeE4m3V: a block per (64 keys, head, item), thread tid takes the 16 keys of group
+// tid / 64 at head dims tid % 64 + 64 i (loads coalesced along D, one 16-byte store per group).
+constexpr int kTransposeKeys = 64;
+
+__global__ void TransposeE4m3V(const uint8_t* __restrict__ v, int64_t item_stride,
+                               int64_t head_stride, int64_t row_stride, int keys, int head_dim,
+                               int64_t keys16, uint8_t* __restrict__ dst) {
+  const int key0 = blockIdx.x * kTransposeKeys + (threadIdx.x / 64) * 16;
+  if (key0 >= keys16) return;
+  const int head = blockIdx.y, item = blockIdx.z;
+  const uint8_t* src = v + item * item_stride + head * head_stride;
+  uint8_t* out = dst + (static_cast<int64_t>(item) * gridDim.y + head) * head_dim * keys16 + key0;
+  for (int d = threadIdx.x % 64; d < head_dim; d += 64) {
+    uint8_t b[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int key = key0 + j;
+      b[j] = key < keys ? src[key * row_stride + d] : uint8_t{0};
+    }
+    uint32_t w[4];
+#pragma unroll
+    for (int word = 0; word < 4; ++word) {
+      w[word] = 0;
+#pragma unroll
+      for (int byte = 0; byte < 4; ++byte) {
+        const int q = word * 4 + byte;
+        w[word] |= uint32_t{b[2 * (q / 4) + q % 2 + 8 * ((q / 2) % 2)]} << (8 * byte);
+      }
+    }
+    *reinterpret_cast<uint4*>(out + d * keys16) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 int Blocks(int64_t work) {
   return static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, kMaxBlocks));
 }
@@ -69,6 +102,19 @@ cudaError_t LaunchDequantiseE4m3ToBf16(const void* src, void* dst, int64_t n, cu
   }
   if (done < n)
     DequantiseScalar<<<Blocks(n - done), kThreads, 0, stream>>>(s + done, d + done, n - done);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchTransposeE4m3V(const void* v, int64_t item_stride, int64_t head_stride,
+                                 int64_t row_stride, int items, int heads, int keys, int head_dim,
+                                 void* dst, cudaStream_t stream) {
+  if (items <= 0 || heads <= 0 || keys <= 0 || head_dim <= 0) return cudaSuccess;
+  const int64_t keys16 = TransposedVKeys(keys);
+  const dim3 grid(static_cast<unsigned>((keys16 + kTransposeKeys - 1) / kTransposeKeys), heads,
+                  items);
+  TransposeE4m3V<<<grid, 256, 0, stream>>>(static_cast<const uint8_t*>(v), item_stride, head_stride,
+                                           row_stride, keys, head_dim, keys16,
+                                           static_cast<uint8_t*>(dst));
   return cudaGetLastError();
 }
 

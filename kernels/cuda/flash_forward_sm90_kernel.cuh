@@ -60,9 +60,11 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/kernel_params.h"
 #include "kernels/cuda/masks.cuh"
@@ -77,22 +79,33 @@ namespace attention::cuda {
 // rows, heads, batch items; varlen: one item of total rows), made per launch on the host.
 struct Sm90Params {
   KernelParams p;
-  CUtensorMap q, k, v;  // 64-byte aligned types
+  CUtensorMap q, k, v;  // 64-byte aligned types; float8: v maps KernelParams::v_transposed
 };
 
 template <typename T, int kD_, int kBc_, int kStages_, int kConsumers_>
 struct Sm90Tile {
   using Element = T;
+  // float8 e4m3: Q and K as they come, V transposed (KernelParams::v_transposed), P rounded to
+  // e4m3 for P V, o in bfloat16.
+  static constexpr bool kFloat8 = sizeof(T) == 1;
+  using Output = std::conditional_t<kFloat8, __nv_bfloat16, T>;
   static constexpr int kD = kD_;
   static constexpr int kBc = kBc_;
   static constexpr int kStages = kStages_;
   static constexpr int kConsumers = kConsumers_;  // consumer warpgroups of 64 rows each
   static constexpr int kBr = 64 * kConsumers;     // query rows per CTA
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kBoxCols = 64;  // one 128-byte swizzled row of 16-bit elements
+  static constexpr int kBoxCols = 128 / sizeof(T);  // elements in one 128-byte swizzled row
   static constexpr int kDBlocks = kD / kBoxCols;
-  static constexpr int kQBytes = kBr * kD * 2;
-  static constexpr int kKvBytes = kBc * kD * 2;  // one K (or V) stage
+  static constexpr int kQBytes = kBr * kD * sizeof(T);
+  static constexpr int kKvBytes = kBc * kD * sizeof(T);  // one K (or V) stage
+  // wgmma k-steps (32 bytes: k16 of 16-bit types, k32 of e4m3) of Q K^T over D, of P V over keys.
+  static constexpr int kQkSteps = kD * sizeof(T) / 32;
+  static constexpr int kPvSteps = kBc * sizeof(T) / 32;
+  // float8 P is exp2(s - max + 8), in [0, 256], so that small probabilities stay e4m3 normals
+  // (down to 2^-6 * 2^-8 of the row's largest instead of 2^-6); l carries the same factor, so o
+  // is unchanged and the LSE subtracts it.
+  static constexpr float kPLog2Gain = kFloat8 ? 8.f : 0.f;
   static constexpr int kBarriers = 2 + 4 * kStages;
   // 1024 bytes of slack to align the tiles to the swizzle's 1024-byte groups, the barriers,
   // and the current work tile's position (an int after the barriers).
@@ -102,9 +115,11 @@ struct Sm90Tile {
   static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
 
-  static_assert(sizeof(T) == 2, "16-bit elements");
+  static_assert(sizeof(T) == 2 || sizeof(T) == 1, "16-bit or e4m3 elements");
   static_assert(kD % kBoxCols == 0 && kD <= 256);
   static_assert(kBc % 16 == 0 && kBc <= 256 && (kBc * 128) % 1024 == 0);
+  // float8 V^T stages are boxes of 128 keys (one swizzled row) by kD rows.
+  static_assert(!kFloat8 || kBc % 128 == 0);
   static_assert(kConsumers == 2 || kConsumers == 3);
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536);
 };
@@ -144,6 +159,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     FlashForwardSm90Kernel(const __grid_constant__ Sm90Params sp) {
 #if ATTENTION_SM90A
   using T = typename Tile::Element;
+  using OutT = typename Tile::Output;
+  constexpr bool kFloat8 = Tile::kFloat8;
+  constexpr int kBoxCols = Tile::kBoxCols, kPvSteps = Tile::kPvSteps;
   constexpr int kD = Tile::kD, kBr = Tile::kBr, kBc = Tile::kBc, kStages = Tile::kStages;
   constexpr int kDBlocks = Tile::kDBlocks, kKvBytes = Tile::kKvBytes;
   constexpr int kNTiles = kBc / 8;  // 8-key column tiles of S
@@ -153,9 +171,11 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const KernelParams& p = sp.p;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const uint32_t s_q = (SmemAddress(smem_raw) + 1023u) & ~1023u;  // [kDBlocks][kBr][64]
-  const uint32_t s_k = s_q + Tile::kQBytes;                       // [kStages][kDBlocks][kBc][64]
-  const uint32_t s_v = s_k + kStages * kKvBytes;                  // [kStages][kDBlocks][kBc][64]
+  // Tiles of 128-byte rows (kBoxCols elements): Q [kDBlocks][kBr], K [kStages][kDBlocks][kBc],
+  // V [kStages][kDBlocks][kBc] (rows of keys), float8 V^T [kStages][kBc / 128][kD] (rows of D).
+  const uint32_t s_q = (SmemAddress(smem_raw) + 1023u) & ~1023u;
+  const uint32_t s_k = s_q + Tile::kQBytes;
+  const uint32_t s_v = s_k + kStages * kKvBytes;
   const uint32_t bars = s_v + kStages * kKvBytes;
   const uint32_t q_full = bars, q_empty = bars + 8;
   const uint32_t tile_pos = bars + 8 * Tile::kBarriers;  // the current work tile's position
@@ -210,25 +230,41 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         MbarArriveExpectTx(q_full, Tile::kQBytes);
 #pragma unroll
         for (int c = 0; c < kDBlocks; ++c) {
-          TmaLoad4d(s_q + c * kBr * kRowBytes, &sp.q, q_full, c * 64, wt.e.q_start + wt.m0, wt.h,
-                    map_b);
+          TmaLoad4d(s_q + c * kBr * kRowBytes, &sp.q, q_full, c * kBoxCols, wt.e.q_start + wt.m0,
+                    wt.h, map_b);
         }
-        // Key tile `row` of `map` into stage s of `tiles` once the consumers have freed it.
-        auto load_stage = [&](const CUtensorMap& map, uint32_t tiles, uint32_t empty, uint32_t full,
-                              int s, uint32_t phase, int row) {
-          MbarWait(empty, phase ^ 1);
-          MbarArriveExpectTx(full, kKvBytes);
+        // The K and V tiles of keys `row` .. into stage s once the consumers have freed it.
+        auto load_k = [&](int s, uint32_t phase, int row) {
+          MbarWait(k_empty(s), phase ^ 1);
+          MbarArriveExpectTx(k_full(s), kKvBytes);
 #pragma unroll
           for (int c = 0; c < kDBlocks; ++c) {
-            TmaLoad4d(tiles + s * kKvBytes + c * kBc * kRowBytes, &map, full, c * 64, row, hk,
-                      map_b);
+            TmaLoad4d(s_k + s * kKvBytes + c * kBc * kRowBytes, &sp.k, k_full(s), c * kBoxCols, row,
+                      hk, map_b);
+          }
+        };
+        auto load_v = [&](int s, uint32_t phase, int row) {
+          MbarWait(v_empty(s), phase ^ 1);
+          MbarArriveExpectTx(v_full(s), kKvBytes);
+          if constexpr (kFloat8) {
+            // V^T: boxes of 128 keys by kD rows (rows past head_dim read as zeros).
+#pragma unroll
+            for (int c = 0; c < kBc / 128; ++c) {
+              TmaLoad4d(s_v + s * kKvBytes + c * kD * kRowBytes, &sp.v, v_full(s), row + c * 128, 0,
+                        hk, map_b);
+            }
+          } else {
+#pragma unroll
+            for (int c = 0; c < kDBlocks; ++c) {
+              TmaLoad4d(s_v + s * kKvBytes + c * kBc * kRowBytes, &sp.v, v_full(s), c * kBoxCols,
+                        row, hk, map_b);
+            }
           }
         };
         for (int i = 0; i < wt.n_tiles(); ++i, ++it) {
-          const int s = stage(it);
           const int row = wt.e.k_start + (wt.n_block_max - 1 - i) * kBc;
-          load_stage(sp.k, s_k, k_empty(s), k_full(s), s, parity(it), row);
-          load_stage(sp.v, s_v, v_empty(s), v_full(s), s, parity(it), row);
+          load_k(stage(it), parity(it), row);
+          load_v(stage(it), parity(it), row);
         }
       }
       pos = gridDim.x + atomicAdd(&p.tile_counters[0], 1);
@@ -287,7 +323,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
             asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                          : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
                          : "r"(addr));
-            constexpr uint32_t kSigns = 0x80008000u;
+            constexpr uint32_t kSigns = kFloat8 ? 0x80808080u : 0x80008000u;
             asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
                          "r"(x.x ^ kSigns), "r"(x.y ^ kSigns), "r"(x.z ^ kSigns),
                          "r"(x.w ^ kSigns));
@@ -298,14 +334,15 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       }
 
       // S = Q K^T of key tile i of this work tile (the CTA's key tile it0 + i) issued and
-      // committed: acc_s[nt] is the 16x8 block of this warp's rows, keys first_key(i) + 8 nt.
+      // committed: acc_s[nt] is the 16x8 block of this warp's rows, keys first_key(i) + 8 nt. The
+      // 32-byte k-step advances the descriptors by 32 bytes inside the swizzled 128-byte row.
       const int it0 = it;
       auto issue_qk = [&](int i, float(&acc_s)[kNTiles][4]) {
         const uint32_t s_ks = s_k + stage(it0 + i) * kKvBytes;
         MbarWait(k_full(stage(it0 + i)), parity(it0 + i));
         WgmmaFence();
 #pragma unroll
-        for (int ks = 0; ks < kD / 16; ++ks) {
+        for (int ks = 0; ks < Tile::kQkSteps; ++ks) {
           const uint32_t col = (ks / 4), sub = (ks % 4) * 32;
           const uint64_t da = SmemDesc128B(s_qw + col * kBr * kRowBytes + sub, 16, 1024);
           const uint64_t db = SmemDesc128B(s_ks + col * kBc * kRowBytes + sub, 16, 1024);
@@ -313,17 +350,20 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         }
         WgmmaCommit();
       };
-      // O += P V of key tile i issued and committed: keys 16 kk.. of V are rows 16 kk.. of each
-      // 64-column box (MN-major: the next 8 keys 1024 bytes on, the next 64 columns one box,
-      // kBc rows, on).
-      auto issue_pv = [&](int i, const uint32_t(&p_frag)[kBc / 16][4]) {
+      // O += P V of key tile i issued and committed. 16-bit: keys 16 kk.. of V are rows 16 kk..
+      // of each 64-column box (MN-major: the next 8 keys 1024 bytes on, the next 64 columns one
+      // box, kBc rows, on). float8: V^T is K-major like K in Q K^T, keys 32 kk.. 32 bytes on in
+      // the 128-byte rows of box kk / 4.
+      auto issue_pv = [&](int i, const uint32_t(&p_frag)[kPvSteps][4]) {
         const uint32_t s_vs = s_v + stage(it0 + i) * kKvBytes;
         MbarWait(v_full(stage(it0 + i)), parity(it0 + i));
         FenceRegisters(o_flat);
         WgmmaFence();
 #pragma unroll
-        for (int kk = 0; kk < kBc / 16; ++kk) {
-          const uint64_t db = SmemDesc128B(s_vs + kk * 16 * kRowBytes, kBc * kRowBytes, 1024);
+        for (int kk = 0; kk < kPvSteps; ++kk) {
+          const uint64_t db =
+              kFloat8 ? SmemDesc128B(s_vs + (kk / 4) * kD * kRowBytes + (kk % 4) * 32, 16, 1024)
+                      : SmemDesc128B(s_vs + kk * 16 * kRowBytes, kBc * kRowBytes, 1024);
           WgmmaRS(WgmmaTag<T, kD>(), o_flat, p_frag[kk], db, 1);
         }
         WgmmaCommit();
@@ -348,23 +388,41 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          rescale[half] = OnlineSoftmaxRow(acc_s, half, row_max[half], row_sum[half], p.scale_log2);
+          rescale[half] = OnlineSoftmaxRow(acc_s, half, row_max[half], row_sum[half], p.scale_log2,
+                                           Tile::kPLog2Gain);
         }
       };
-      // P as A fragments: keys 16 kk .. 16 kk + 15 are S column tiles 2 kk and 2 kk + 1.
-      auto to_p = [&](const float(&acc_s)[kNTiles][4], uint32_t(&p_frag)[kBc / 16][4]) {
+      // P as A fragments. 16-bit: keys 16 kk .. 16 kk + 15 are S column tiles 2 kk and 2 kk + 1.
+      // float8: the k-step of keys 32 kk .. 32 kk + 31 takes S column tiles 4 kk .. 4 kk + 3 as
+      // they lie, each register 4 of a row's probabilities (wgmma_ops.cuh: k = 4 t + {0..3} from
+      // keys 2 t, 2 t + 1, 8 + 2 t, 9 + 2 t of a 16-key group). So k-position q of a group holds
+      // key 2 (q / 4) + q % 2 + 8 ((q / 2) % 2), and V^T stores each 16-key group in that order
+      // (LaunchTransposeE4m3V), which costs no shuffle here.
+      auto to_p = [&](const float(&acc_s)[kNTiles][4], uint32_t(&p_frag)[kPvSteps][4]) {
 #pragma unroll
-        for (int kk = 0; kk < kBc / 16; ++kk) {
-          p_frag[kk][0] = PackPair<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-          p_frag[kk][1] = PackPair<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-          p_frag[kk][2] = PackPair<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-          p_frag[kk][3] = PackPair<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+        for (int kk = 0; kk < kPvSteps; ++kk) {
+          if constexpr (kFloat8) {
+            const int nt = 4 * kk;
+            p_frag[kk][0] =
+                PackE4m3x4(acc_s[nt][0], acc_s[nt][1], acc_s[nt + 1][0], acc_s[nt + 1][1]);
+            p_frag[kk][1] =
+                PackE4m3x4(acc_s[nt][2], acc_s[nt][3], acc_s[nt + 1][2], acc_s[nt + 1][3]);
+            p_frag[kk][2] =
+                PackE4m3x4(acc_s[nt + 2][0], acc_s[nt + 2][1], acc_s[nt + 3][0], acc_s[nt + 3][1]);
+            p_frag[kk][3] =
+                PackE4m3x4(acc_s[nt + 2][2], acc_s[nt + 2][3], acc_s[nt + 3][2], acc_s[nt + 3][3]);
+          } else {
+            p_frag[kk][0] = PackPair<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+            p_frag[kk][1] = PackPair<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+            p_frag[kk][2] = PackPair<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+            p_frag[kk][3] = PackPair<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+          }
         }
       };
       // Keeps P alive in its registers (an asynchronous wgmma reads them) until the wait.
-      auto fence_p = [&](uint32_t(&p_frag)[kBc / 16][4]) {
+      auto fence_p = [&](uint32_t(&p_frag)[kPvSteps][4]) {
 #pragma unroll
-        for (int kk = 0; kk < kBc / 16; ++kk)
+        for (int kk = 0; kk < kPvSteps; ++kk)
 #pragma unroll
           for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(p_frag[kk][j])::"memory");
       };
@@ -372,7 +430,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       // Software pipeline inside the warpgroup: S_i = Q K_i^T is issued before O += P_{i-1}
       // V_{i-1}, and the softmax of S_i runs while that P V is on the tensor cores; O takes the
       // rescale of step i only after the P V that used step i-1's max has landed.
-      uint32_t p_frag[kBc / 16][4];
+      uint32_t p_frag[kPvSteps][4];
       {
         float acc_s[kNTiles][4];
         issue_qk(0, acc_s);
@@ -415,25 +473,27 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 
     // Epilogue: O = acc * o_scale / l (0 for rows that saw no key), straight from the
     // accumulators: each quad writes 16 contiguous bytes of a row per 8-column tile.
-    T* o = static_cast<T*>(p.o) + wt.b * p.o_batch_stride + wt.h * p.o_head_stride;
+    OutT* o = static_cast<OutT*>(p.o) + wt.b * p.o_batch_stride + wt.h * p.o_head_stride;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float l = QuadSum(row_sum[half]);
       const float inv = l > 0.f ? p.o_scale / l : 0.f;
       const int row = wg_row0 + warp * 16 + g + half * 8;  // within the item
       if (row < e.nq) {
-        T* o_row = o + static_cast<int64_t>(e.q_start + row) * p.o_row_stride;
+        OutT* o_row = o + static_cast<int64_t>(e.q_start + row) * p.o_row_stride;
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
           const int col = dt * 8 + 2 * t;
           if (col < p.head_dim) {
             *reinterpret_cast<uint32_t*>(o_row + col) =
-                PackPair<T>(acc_o[dt][half * 2] * inv, acc_o[dt][half * 2 + 1] * inv);
+                PackPair<OutT>(acc_o[dt][half * 2] * inv, acc_o[dt][half * 2 + 1] * inv);
           }
         }
         if (p.lse != nullptr && t == 0) {
           // Natural-log LSE: scale_log2 * row_max is max(scale * s) * log2(e).
-          const float lse = l > 0.f ? (row_max[half] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+          const float lse =
+              l > 0.f ? (row_max[half] * p.scale_log2 + log2f(l) - Tile::kPLog2Gain) * kLn2
+                      : -INFINITY;
           p.lse[wt.b * p.lse_batch_stride + wt.h * p.lse_head_stride + e.q_start + row] = lse;
         }
       }

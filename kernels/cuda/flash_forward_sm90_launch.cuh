@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cuda/dequantise.h"
 #include "kernels/cuda/flash_forward_sm90_kernel.cuh"
 #include "kernels/cuda/kernel_params.h"
 #include "kernels/cuda/limits.h"
@@ -48,6 +49,20 @@ struct Sm90TileFor<T, 256> {
   using Alt = Tile;
   static bool TakeAlt(const KernelParams&) { return false; }
 };
+// float8 e4m3 at D = 128 and 256 (the plan's rule: other head dims are dequantised to bfloat16):
+// 128-key tiles, one 128-byte row of V^T per D.
+template <>
+struct Sm90TileFor<__nv_fp8_e4m3, 128> {
+  using Tile = Sm90Tile<__nv_fp8_e4m3, 128, 128, 3, 2>;
+  using Alt = Tile;
+  static bool TakeAlt(const KernelParams&) { return false; }
+};
+template <>
+struct Sm90TileFor<__nv_fp8_e4m3, 256> {
+  using Tile = Sm90Tile<__nv_fp8_e4m3, 256, 128, 2, 2>;
+  using Alt = Tile;
+  static bool TakeAlt(const KernelParams&) { return false; }
+};
 
 // The driver's tensor-map encoder, looked up once through the runtime (so nothing links
 // libcuda, and machines without a driver still load the library); nullptr where the driver
@@ -66,26 +81,29 @@ inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
   return encode;
 }
 
-// A 4-D map (head_dim, rows, heads, items) of 16-bit elements with element strides, read in
-// boxes of 64 columns x box_rows rows into the 128-byte swizzle. A dimension of extent 1 gets a
-// stride TMA accepts whatever the caller's is (it is never stepped over).
+// A 4-D map (cols, rows, heads, items) of elements T with element strides, read in boxes of one
+// 128-byte row of columns x box_rows rows into the 128-byte swizzle. Q, K, V: cols = head_dim,
+// rows = tokens; float8 V^T: cols = keys, rows = head_dim. A dimension of extent 1 gets a stride
+// TMA accepts whatever the caller's is (it is never stepped over).
 template <typename T>
-bool EncodeTileMap(CUtensorMap* map, const void* base, int head_dim, int rows, int heads, int items,
+bool EncodeTileMap(CUtensorMap* map, const void* base, int cols, int rows, int heads, int items,
                    int64_t row_stride, int64_t head_stride, int64_t item_stride, int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
   if (encode == nullptr) return false;
   constexpr int64_t kBytes = sizeof(T);
   const int64_t rows_bytes = row_stride * kBytes * rows;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(rows),
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(items)};
   const cuuint64_t strides[3] = {
       static_cast<cuuint64_t>(row_stride * kBytes),
       static_cast<cuuint64_t>(heads > 1 ? head_stride * kBytes : rows_bytes),
       static_cast<cuuint64_t>(items > 1 ? item_stride * kBytes : rows_bytes)};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t box[4] = {128 / kBytes, static_cast<cuuint32_t>(box_rows), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUtensorMapDataType type = std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+                                   : std::is_same_v<T, __nv_bfloat16>
+                                       ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_UINT8;
   return encode(map, type, 4, const_cast<void*>(base), dims, strides, box, element_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -104,9 +122,26 @@ cudaError_t LaunchSm90Tile(const KernelParams& p, cudaStream_t stream) {
   if (!EncodeTileMap<T>(&sp.q, p.q, p.head_dim, p.total_q, p.heads_q, items, p.q_row_stride,
                         p.q_head_stride, p.q_batch_stride, Tile::kBr) ||
       !EncodeTileMap<T>(&sp.k, p.k, p.head_dim, p.total_k, heads_kv, items, p.k_row_stride,
-                        p.k_head_stride, p.k_batch_stride, Tile::kBc) ||
-      !EncodeTileMap<T>(&sp.v, p.v, p.head_dim, p.total_k, heads_kv, items, p.v_row_stride,
-                        p.v_head_stride, p.v_batch_stride, Tile::kBc)) {
+                        p.k_head_stride, p.k_batch_stride, Tile::kBc)) {
+    return cudaErrorInvalidValue;
+  }
+  if constexpr (Tile::kFloat8) {
+    // V^T [items, Hkv, head_dim, keys16], written here first (the plan takes float8 only dense).
+    if (p.v_transposed == nullptr || varlen) return cudaErrorInvalidValue;
+    const int64_t keys16 = TransposedVKeys(p.total_k);
+    if (cudaError_t err =
+            LaunchTransposeE4m3V(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, p.batch,
+                                 heads_kv, p.total_k, p.head_dim, p.v_transposed, stream);
+        err != cudaSuccess) {
+      return err;
+    }
+    if (!EncodeTileMap<T>(&sp.v, p.v_transposed, static_cast<int>(keys16), p.head_dim, heads_kv,
+                          items, keys16, p.head_dim * keys16, heads_kv * p.head_dim * keys16,
+                          Tile::kD)) {
+      return cudaErrorInvalidValue;
+    }
+  } else if (!EncodeTileMap<T>(&sp.v, p.v, p.head_dim, p.total_k, heads_kv, items, p.v_row_stride,
+                               p.v_head_stride, p.v_batch_stride, Tile::kBc)) {
     return cudaErrorInvalidValue;
   }
   auto* kernel = FlashForwardSm90Kernel<Tile>;

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/cuda/dequantise.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/limits.h"
 #include "kernels/status_macros.h"
@@ -84,9 +85,9 @@ absl::StatusOr<ForwardPlan> PlanWgmmaSm90(const AttentionParams& p, const Device
                      CapabilityString(kWgmmaSm90Capability), " (sm_90a code); the device has ",
                      CapabilityString(caps.compute_capability)));
   }
-  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
+  if (p.dtype == DType::kFloat32) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "forward variant ", name, " takes float16 and bfloat16; got ", DTypeName(p.dtype)));
+        "forward variant ", name, " takes float16, bfloat16 and float8_e4m3; got float32"));
   }
   RETURN_IF_ERROR(CheckHeadDim(name, p));
   const int head_dim = static_cast<int>(p.head_dim);
@@ -94,6 +95,19 @@ absl::StatusOr<ForwardPlan> PlanWgmmaSm90(const AttentionParams& p, const Device
                    .dtype = p.dtype,
                    .kernel_head_dim = SpecialisationFor(kSpecialisedHeadDims, p.head_dim),
                    .smem_bytes = FlashForwardSm90SmemBytes(head_dim)};
+  if (p.dtype == DType::kFloat8E4M3) {
+    // e4m3 rows of 16-byte multiples (TMA), the 128-byte swizzled rows of D 128 and 256, and V^T
+    // per batch item (one map over dense items; varlen would need per-item padding).
+    if (p.is_varlen() || head_dim % 16 != 0 || plan.kernel_head_dim < 128) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "forward variant ", name,
+          " takes float8_e4m3 on dense calls at head dims that are multiples of 16 above 64; got ",
+          p.is_varlen() ? "a varlen call" : "a dense call", " at head_dim ", p.head_dim,
+          " (HostRunner dequantises such calls to bfloat16)"));
+    }
+    plan.smem_bytes = FlashForwardSm90F8SmemBytes(head_dim);
+    plan.workspace_bytes = p.batch * p.heads_kv * p.head_dim * TransposedVKeys(p.seqlen_k);
+  }
   if (plan.smem_bytes > caps.smem_per_block_optin) {
     return absl::FailedPreconditionError(
         absl::StrCat("forward variant ", name, " needs ", plan.smem_bytes,

@@ -7,6 +7,7 @@
 // counterpart is PlanPagedDecode (paged_decode.h).
 #pragma once
 
+#include <cstdint>
 #include <optional>
 
 #include "absl/status/statusor.h"
@@ -19,7 +20,8 @@ namespace attention::cuda {
 // The forward kernels.
 enum class ForwardVariant {
   // "wgmma_sm90": TMA, wgmma and producer/consumer warpgroups (flash_forward_sm90_kernel.cuh),
-  // float16 and bfloat16. Compute capability 9.0 exactly (sm_90a code).
+  // float16 and bfloat16, and float8 e4m3 on dense calls at head dims 128 and 256 (others are
+  // dequantised to bfloat16 first). Compute capability 9.0 exactly (sm_90a code).
   kWgmmaSm90,
   // "mma_sm80": FlashAttention-2 on mma.sync m16n8k16 (float16, bfloat16) and 3xTF32 m16n8k8
   // (float32) with cp.async double buffering (flash_forward_kernel.cuh). Compute capability >= 8.0.
@@ -45,11 +47,15 @@ struct ForwardPlan {
   DType dtype = DType::kFloat32;
   int kernel_head_dim = 0;  // the specialised head dim that runs (kSpecialisedHeadDims)
   int smem_bytes = 0;       // dynamic shared memory per CTA
+  // Device memory the launch needs beside the call's tensors (LaunchForward's workspace): float8
+  // V transposed on wgmma_sm90; 0 otherwise.
+  int64_t workspace_bytes = 0;
 };
 
 // Plans a forward pass of p (its dtype and head dim; checked by ToKernelParams) on a device with
 // `caps`: the forced variant, or the first of kForwardVariants that can run it (so on Hopper
-// float16 and bfloat16 run on wgmma_sm90, float32 falls back to mma_sm80). Errors name the
+// float16, bfloat16 and float8 at head dims 128 and 256 run on wgmma_sm90, float32 falls back to
+// mma_sm80). Errors name the
 // variant and the reason: INVALID_ARGUMENT for an unknown variant or params the variant does not
 // take, FAILED_PRECONDITION for a device it cannot run on; unforced, when no variant can run it,
 // every variant's reason with the last one's code. Makes no CUDA call.

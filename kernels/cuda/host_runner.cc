@@ -14,6 +14,7 @@
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/dequantise.h"
+#include "kernels/cuda/device_caps.h"
 #include "kernels/cuda/non_finite_scan.h"
 #include "kernels/non_finite.h"
 #include "kernels/status_macros.h"
@@ -44,11 +45,15 @@ bool Masked(const AttentionParams& p) {
 // V's elements: [rows_k, Hkv, D] (BSHD, varlen) or [B, Hkv, Nk, D] (BHSD), contiguous.
 int64_t ElementsV(const AttentionParams& p) { return RowsK(p) * p.heads_kv * p.head_dim; }
 
-// Bytes per element of the kernel's copies of q, k, v when the inputs are dequantised first
-// (float8 -> bfloat16, dequantise.h); 0 when the kernel reads them as they come.
-size_t DequantisedSize(DType dtype) {
-  return dtype == DType::kFloat8E4M3 ? DTypeSize(DType::kBFloat16) : 0;
-}
+// How a launch serves float8 inputs: the plan's kernel reads them as they are (wgmma_sm90 on dense
+// calls at head dims 128 and 256, with V transposed into a workspace), or they are dequantised to
+// bfloat16 copies first (dequantise.h) for the kernels that take no float8.
+struct Float8Path {
+  bool dequantise = false;
+  int64_t workspace_bytes = 0;  // the launch's workspace (ForwardPlan::workspace_bytes)
+  // Bytes per element of the kernel's copies of q, k, v: 0 when it reads them as they come.
+  size_t dequantised_elem() const { return dequantise ? DTypeSize(DType::kBFloat16) : 0; }
+};
 
 // Whether `ptr` is memory of `device` itself.
 bool OnDevice(const void* ptr, int device) {
@@ -96,10 +101,11 @@ void ParallelCopy(void* dst, const void* src, size_t bytes) {
 }
 
 // Where each tensor of a launch lives, in one buffer laid out
-// q | k | v | o | lse | cu_q | cu_k | q16 | k16 | v16 (each region 256-byte aligned); q16, k16 and
-// v16 are the bfloat16 copies of float8 inputs that the kernel reads (device buffer only, empty
-// otherwise). The device buffer has lines of D8 elements, the pinned staging buffer lines of D:
-// items are packed one after another in both.
+// q | k | v | o | lse | cu_q | cu_k | q16 | k16 | v16 | workspace (each region 256-byte aligned);
+// q16, k16 and v16 are the bfloat16 copies of float8 inputs that the kernel reads, workspace the
+// launch's own (float8 V transposed); both device buffer only, empty otherwise. The device buffer
+// has lines of D8 elements, the pinned staging buffer lines of D: items are packed one after
+// another in both.
 struct Packing {
   bool varlen = false;  // packed as varlen [total, H, D] (else concatenated along B)
   int64_t lines_q = 0;  // rows * heads, all items
@@ -107,21 +113,22 @@ struct Packing {
   int64_t rows_q = 0;     // query rows, all items (the lse's inner extent when varlen)
   int64_t sequences = 0;  // batch items after packing
   std::vector<int64_t> line_q, line_k, row_q;  // per item: first q line, k line and q row
-  int64_t offsets[11] = {0};                   // region starts; offsets[10] is the total
+  int64_t offsets[12] = {0};                   // region starts; offsets[11] is the total
 
-  // Sizes the regions for elements of in_elem bytes (q, k, v), out_elem (o) and, when
-  // dequantised_elem > 0, the kernel's copies of q, k, v; returns the total.
+  // Sizes the regions for elements of in_elem bytes (q, k, v), out_elem (o), float8's `path`
+  // (dequantised copies of q, k, v, or a workspace); returns the total.
   int64_t Regions(int64_t line_elems, size_t in_elem, size_t out_elem, bool lse,
-                  size_t dequantised_elem = 0) {
+                  const Float8Path& path = {}) {
+    const size_t dequantised_elem = path.dequantised_elem();
     const int64_t q = lines_q * line_elems * in_elem, k = lines_k * line_elems * in_elem;
     const int64_t o = lines_q * line_elems * out_elem;
     const int64_t q16 = lines_q * line_elems * dequantised_elem;
     const int64_t k16 = lines_k * line_elems * dequantised_elem;
     const int64_t lse_bytes = lse ? lines_q * int64_t{sizeof(float)} : 0;
     const int64_t cu = varlen ? (sequences + 1) * int64_t{sizeof(int32_t)} : 0;
-    const int64_t sizes[10] = {q, k, k, o, lse_bytes, cu, cu, q16, k16, k16};
-    for (int i = 0; i < 10; ++i) offsets[i + 1] = offsets[i] + RoundUp(sizes[i], kAlign);
-    return offsets[10];
+    const int64_t sizes[11] = {q, k, k, o, lse_bytes, cu, cu, q16, k16, k16, path.workspace_bytes};
+    for (int i = 0; i < 11; ++i) offsets[i + 1] = offsets[i] + RoundUp(sizes[i], kAlign);
+    return offsets[11];
   }
 };
 
@@ -319,10 +326,43 @@ absl::Status HostRunner::ReserveStaging(Stream* stream, int64_t bytes) {
 int64_t HostRunner::DeviceBytes(absl::Span<const AttentionParams> items) {
   const AttentionParams& first = items[0];
   Packing packing = Pack(items);
-  return packing.Regions((first.head_dim + 7) / 8 * 8, DTypeSize(first.dtype),
-                         DTypeSize(OutputDType(first.dtype)), first.lse != nullptr,
-                         DequantisedSize(first.dtype));
+  const int64_t d8 = (first.head_dim + 7) / 8 * 8;
+  auto bytes = [&](const Float8Path& path) {
+    return packing.Regions(d8, DTypeSize(first.dtype), DTypeSize(OutputDType(first.dtype)),
+                           first.lse != nullptr, path);
+  };
+  if (first.dtype != DType::kFloat8E4M3) return bytes({});
+  // Either float8 path, whichever the device's plan takes: the larger. The native one's
+  // workspace is V^T, [sequences, Hkv, D8, keys rounded up to 16] bytes (dense calls only).
+  const int64_t transposed_v =
+      packing.sequences * first.heads_kv * d8 * TransposedVKeys(first.seqlen_k);
+  return std::max(bytes({.dequantise = true}), bytes({.workspace_bytes = transposed_v}));
 }
+
+namespace {
+
+// The float8 path of RunOn's launch for `items` on `device`, as the forward plan decides it.
+absl::StatusOr<Float8Path> PlanFloat8(absl::Span<const AttentionParams> items, int device,
+                                      std::optional<ForwardVariant> variant) {
+  const AttentionParams& first = items[0];
+  if (first.dtype != DType::kFloat8E4M3) return Float8Path{};
+  // The launch RunOn makes, as far as the plan looks at it: dtype, head dim, batch, key length,
+  // heads and whether it is varlen (any cu_seqlens pointer says so; the plan reads none).
+  const Packing pack = Pack(items);
+  AttentionParams probe = first;
+  probe.head_dim = (first.head_dim + 7) / 8 * 8;
+  probe.batch = pack.sequences;
+  static constexpr int32_t kVarlen[1] = {0};
+  probe.cu_seqlens_q = probe.cu_seqlens_k = pack.varlen ? kVarlen : nullptr;
+  ASSIGN_OR_RETURN(const DeviceCaps caps, GetDeviceCaps(device));
+  const absl::StatusOr<ForwardPlan> plan = PlanFlashForward(probe, caps, variant);
+  if (plan.ok()) return Float8Path{.workspace_bytes = plan->workspace_bytes};
+  // INVALID_ARGUMENT: the variant takes no float8 for this call; bfloat16 copies it is.
+  if (absl::IsInvalidArgument(plan.status())) return Float8Path{.dequantise = true};
+  return plan.status();
+}
+
+}  // namespace
 
 absl::StatusOr<HostRunTimes> HostRunner::Run(const AttentionParams& host) {
   return RunBatch(absl::MakeConstSpan(&host, 1));
@@ -498,11 +538,12 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   const size_t o_elem = DTypeSize(OutputDType(first.dtype));  // o
   const int64_t d = first.head_dim, d8 = (d + 7) / 8 * 8;
   const bool with_lse = first.lse != nullptr;
-  const size_t dequantised_elem = DequantisedSize(first.dtype);  // 0: no bfloat16 copies
-  const bool dequantise = dequantised_elem > 0;
+  ASSIGN_OR_RETURN(const Float8Path float8,
+                   PlanFloat8(items, options_.device, options_.forward_variant));
+  const bool dequantise = float8.dequantise;
 
   Packing dev_pack = Pack(items), host_pack = dev_pack;
-  const int64_t dev_bytes = dev_pack.Regions(d8, elem, o_elem, with_lse, dequantised_elem);
+  const int64_t dev_bytes = dev_pack.Regions(d8, elem, o_elem, with_lse, float8);
   const int64_t host_bytes = host_pack.Regions(d, elem, o_elem, with_lse);
   // One dense request whose q, k, v and o are all in this device's memory (a client's CUDA IPC
   // region) with no padding to D8: the kernel reads and writes them where they are, no copy. The
@@ -523,9 +564,10 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     lse_to_host = lse_to_host || !lse_on_device[i];
   }
   const bool lse_in_place = in_place && with_lse && lse_on_device[0];
-  // In place, the stream's buffers hold only float8's bfloat16 copies and an lse that goes to the
-  // host: q, k, v and o need none, so without those they are neither allocated nor grown.
-  if (!in_place || dequantise || (with_lse && !lse_in_place)) {
+  // In place, the stream's buffers hold only float8's bfloat16 copies or workspace and an lse that
+  // goes to the host: q, k, v and o need none, so without those they are neither allocated nor
+  // grown.
+  if (!in_place || dequantise || float8.workspace_bytes > 0 || (with_lse && !lse_in_place)) {
     RETURN_IF_ERROR(ReserveDevice(stream, dev_bytes));
     RETURN_IF_ERROR(ReserveStaging(stream, host_bytes));
   }
@@ -592,8 +634,13 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     launch.v = dev.at(9);
   }
   // The kernel's own checks (sizes that fit the grid, ...) and its plan before any copy is
-  // enqueued.
+  // enqueued; its workspace is the one PlanFloat8 sized.
   ASSIGN_OR_RETURN(const ForwardLaunch forward, PrepareForward(launch, options_.forward_variant));
+  if (forward.plan.workspace_bytes > float8.workspace_bytes) {
+    return absl::InternalError(absl::StrCat("the forward plan needs ", forward.plan.workspace_bytes,
+                                            " bytes of workspace; ", float8.workspace_bytes,
+                                            " were reserved"));
+  }
 
   // Inputs: each item's lines go to its place in the device buffer, from its own memory when
   // that is pinned, else through the staging buffer, where consecutive staged items form one run
@@ -664,7 +711,8 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
           "dequantise float8 q, k, v");
     }
   }
-  RETURN_IF_ERROR(LaunchForward(forward, cs, stream->forward_scratch));
+  RETURN_IF_ERROR(LaunchForward(forward, cs, stream->forward_scratch,
+                                forward.plan.workspace_bytes > 0 ? dev.at(10) : nullptr));
   RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[2], cs), "cudaEventRecord");
 
   // Outputs: o straight into a pinned destination, else into staging (consecutive staged items

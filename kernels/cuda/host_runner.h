@@ -120,7 +120,9 @@ class HostRunner {
   // launch's, shared by every item. One error fails them all. Thread-safe.
   absl::StatusOr<HostRunTimes> RunBatch(absl::Span<const AttentionParams> items);
 
-  // Device bytes RunBatch(items) needs: q, k, v, o, lse and cu_seqlens, padded and aligned.
+  // Device bytes RunBatch(items) needs at most: q, k, v, o, lse and cu_seqlens, padded and
+  // aligned, and for float8 the larger of its two paths' extra buffers (bfloat16 copies of q, k,
+  // v, or V transposed).
   static int64_t DeviceBytes(absl::Span<const AttentionParams> items);
   int64_t memory_budget_bytes() const { return budget_; }
 

@@ -50,6 +50,9 @@ struct KernelParams {
   // Device, 2 entries, zero at launch and left zero: the wgmma kernel's dynamic tile scheduler
   // (ForwardScratch, cuda_attention.h); the mma.sync kernels ignore it.
   int32_t* tile_counters;
+  // float8 on the wgmma kernel: device memory for V transposed (LaunchTransposeE4m3V, the
+  // launch's workspace: ForwardPlan::workspace_bytes), written by the launcher before the kernel.
+  void* v_transposed;
 };
 
 // The kernels' form of a softmax scale (KernelParams::scale_log2 and negate_q).

@@ -20,11 +20,15 @@ cudaError_t LaunchForwardF32(const KernelParams& p, cudaStream_t stream);
 // bfloat16, head_dim % 8 == 0, <= 256; sm_90a only (elsewhere the kernel is empty).
 cudaError_t LaunchFlashForwardSm90F16(const KernelParams& p, cudaStream_t stream);
 cudaError_t LaunchFlashForwardSm90BF16(const KernelParams& p, cudaStream_t stream);
+// float8 e4m3 on the Hopper kernel: head_dim % 16 == 0 in (64, 256], dense (not varlen), and
+// p.v_transposed holding ForwardPlan::workspace_bytes (V transposed there first).
+cudaError_t LaunchFlashForwardSm90F8(const KernelParams& p, cudaStream_t stream);
 // The dynamic shared memory (bytes) each launcher's kernel takes at head_dim: the planner checks
 // it against the device's opt-in limit per block. No CUDA call.
 int FlashForwardSmemBytesF16(int head_dim);
 int FlashForwardSmemBytesBF16(int head_dim);
 int FlashForwardSmemBytesF32(int head_dim);
 int FlashForwardSm90SmemBytes(int head_dim);  // float16 and bfloat16 alike; the largest tile's
+int FlashForwardSm90F8SmemBytes(int head_dim);
 
 }  // namespace attention::cuda

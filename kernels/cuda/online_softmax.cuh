@@ -41,10 +41,13 @@ __device__ __forceinline__ float QuadSum(float x) {
 // the tile's max, turns the logits into p in place, and adds this lane's share of the tile's sum to
 // row_sum after rescaling it. Returns the rescale of the row's earlier terms, exp2(scale_log2 *
 // (old max - new max)), which the caller applies to its O accumulators. Max and sum are trees over
-// the column tiles (log2(kNTiles) dependent steps, not kNTiles).
+// the column tiles (log2(kNTiles) dependent steps, not kNTiles). log2_gain: p and row_sum are
+// 2^log2_gain times the probabilities (a constant factor that o's normalisation cancels; the
+// float8 kernel's way to keep small p inside e4m3's normal range).
 template <int kNTiles>
 __device__ __forceinline__ float OnlineSoftmaxRow(float (&s)[kNTiles][4], int half, float& row_max,
-                                                  float& row_sum, float scale_log2) {
+                                                  float& row_sum, float scale_log2,
+                                                  float log2_gain = 0.f) {
   float part[kNTiles];
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt) part[nt] = fmaxf(s[nt][half * 2], s[nt][half * 2 + 1]);
@@ -59,7 +62,7 @@ __device__ __forceinline__ float OnlineSoftmaxRow(float (&s)[kNTiles][4], int ha
   for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      s[nt][half * 2 + i] = FastExp2(fmaf(s[nt][half * 2 + i], scale_log2, -m_scaled));
+      s[nt][half * 2 + i] = FastExp2(fmaf(s[nt][half * 2 + i], scale_log2, log2_gain - m_scaled));
     }
     part[nt] = s[nt][half * 2] + s[nt][half * 2 + 1];
   }

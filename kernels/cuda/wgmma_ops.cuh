@@ -7,6 +7,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -96,6 +97,14 @@ __device__ __forceinline__ void FenceRegisters(float (&d)[kN]) {
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Four float32 values rounded to e4m3 (saturating at +-448) in one register, a in the lowest
+// byte: the layout of 4 consecutive k of an e4m3 wgmma A fragment.
+__device__ __forceinline__ uint32_t PackE4m3x4(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return lo | hi << 16;
+}
+
 // ---- warpgroup roles ----
 
 template <int kRegs>
@@ -112,13 +121,15 @@ __device__ __forceinline__ void WarpgroupSync(int id) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
 
-// wgmma.mma_async m64nNk16 with float32 accumulators d (64 x N over the warpgroup, the layout of
-// N/8 mma.sync m16n8 accumulators per warp: d[4j..4j+3] is column tile j), scale_d = 0 to
-// overwrite d. WgmmaSS: A (64 x 16, K-major) and B (N x 16, K-major) from shared memory.
-// WgmmaRS: A from registers (the m16n8k16 A fragment of this warp's 16 rows), B (16 x N) from
-// shared memory, MN-major (imm-trans-b = 1: V tiles as TMA stores them, rows of keys).
-// One overload per N the kernel uses, for __half and __nv_bfloat16 (the macro spells the
-// instruction once per N; only the type in its name differs).
+// wgmma.mma_async with float32 accumulators d (64 x N over the warpgroup, the layout of N/8
+// mma.sync m16n8 accumulators per warp: d[4j..4j+3] is column tile j), scale_d = 0 to overwrite d.
+// WgmmaSS: A (64 x K, K-major) and B (N x K, K-major) from shared memory. WgmmaRS: A from
+// registers, B (K x N) from shared memory. 16-bit types: k16, A the m16n8k16 A fragment of this
+// warp's 16 rows, B MN-major (imm-trans-b = 1: V tiles as TMA stores them, rows of keys).
+// float8 e4m3: k32, both operands K-major (the only layout wgmma takes for 8-bit types), A's
+// registers a[0..3] = rows g, g + 8, g, g + 8 of the warp's 16 (g = lane / 4), each 4 elements at
+// k = 4 (lane % 4) + {0..3} (a[0], a[1]) and 16 + 4 (lane % 4) + {0..3} (a[2], a[3]).
+// One overload per (type, N) the kernel uses (the macros spell each instruction once per N).
 template <typename T, int kN>
 struct WgmmaTag {};
 
@@ -129,115 +140,144 @@ struct WgmmaTag {};
 #define ATTENTION_WGMMA_ACC32(i)                                                      \
   ATTENTION_WGMMA_ACC8(i), ATTENTION_WGMMA_ACC8(i + 8), ATTENTION_WGMMA_ACC8(i + 16), \
       ATTENTION_WGMMA_ACC8(i + 24)
+// The accumulators' places in the instruction: {%0, .., %(n - 1)}.
+#define ATTENTION_WGMMA_D32                                                                      \
+  " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define ATTENTION_WGMMA_D40                                                                      \
+  " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "   \
+  "%38, %39}"
+#define ATTENTION_WGMMA_D64                                                                      \
+  " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "   \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "   \
+  "%56, %57, %58, %59, %60, %61, %62, %63}"
+#define ATTENTION_WGMMA_D128                                                                       \
+  " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "     \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "     \
+  "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "     \
+  "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "     \
+  "%92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, " \
+  "%109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "     \
+  "%124, %125, %126, %127}"
+// The 16-bit type's name in the instruction.
+#define ATTENTION_WGMMA_16BIT(T, INSTR)      \
+  if constexpr (std::is_same_v<T, __half>) { \
+    INSTR("f16");                            \
+  } else {                                   \
+    INSTR("bf16");                           \
+  }
 
 template <typename T>
 __device__ __forceinline__ void WgmmaSS(WgmmaTag<T, 80>, float (&d)[40], uint64_t desc_a,
                                         uint64_t desc_b, int scale_d) {
-#define ATTENTION_WGMMA_SS_80(TYPE)                                                                \
-  asm volatile(                                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"                                                 \
-      "wgmma.mma_async.sync.aligned.m64n80k16.f32." TYPE "." TYPE                                  \
-      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "    \
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, " \
-      "%37, %38, %39}, %40, %41, p, 1, 1, 0, 0;\n}\n"                                              \
-      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC8(32)                                         \
+#define ATTENTION_INSTR(TYPE)                                                         \
+  asm volatile(                                                                       \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"                                    \
+      "wgmma.mma_async.sync.aligned.m64n80k16.f32." TYPE "." TYPE ATTENTION_WGMMA_D40 \
+      ", %40, %41, p, 1, 1, 0, 0;\n}\n"                                               \
+      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC8(32)                            \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-  if constexpr (std::is_same_v<T, __half>) {
-    ATTENTION_WGMMA_SS_80("f16");
-  } else {
-    ATTENTION_WGMMA_SS_80("bf16");
-  }
-#undef ATTENTION_WGMMA_SS_80
+  ATTENTION_WGMMA_16BIT(T, ATTENTION_INSTR)
+#undef ATTENTION_INSTR
 }
 
 template <typename T>
 __device__ __forceinline__ void WgmmaSS(WgmmaTag<T, 128>, float (&d)[64], uint64_t desc_a,
                                         uint64_t desc_b, int scale_d) {
-#define ATTENTION_WGMMA_SS_128(TYPE)                                                               \
-  asm volatile(                                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                 \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE                                 \
-      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "    \
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, " \
-      "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, " \
-      "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"                \
-      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32)                                        \
+#define ATTENTION_INSTR(TYPE)                                                          \
+  asm volatile(                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                     \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE ATTENTION_WGMMA_D64 \
+      ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                \
+      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32)                            \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-  if constexpr (std::is_same_v<T, __half>) {
-    ATTENTION_WGMMA_SS_128("f16");
-  } else {
-    ATTENTION_WGMMA_SS_128("bf16");
-  }
-#undef ATTENTION_WGMMA_SS_128
+  ATTENTION_WGMMA_16BIT(T, ATTENTION_INSTR)
+#undef ATTENTION_INSTR
 }
 
 template <typename T>
 __device__ __forceinline__ void WgmmaRS(WgmmaTag<T, 64>, float (&d)[32], const uint32_t (&a)[4],
                                         uint64_t desc_b, int scale_d) {
-#define ATTENTION_WGMMA_RS_64(TYPE)                                                              \
-  asm volatile(                                                                                  \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                               \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                \
-      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, " \
-      "%36, p, 1, 1, 1;\n}\n"                                                                    \
-      : ATTENTION_WGMMA_ACC32(0)                                                                 \
+#define ATTENTION_INSTR(TYPE)                                                         \
+  asm volatile(                                                                       \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                    \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE ATTENTION_WGMMA_D32 \
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                 \
+      : ATTENTION_WGMMA_ACC32(0)                                                      \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
-  if constexpr (std::is_same_v<T, __half>) {
-    ATTENTION_WGMMA_RS_64("f16");
-  } else {
-    ATTENTION_WGMMA_RS_64("bf16");
-  }
-#undef ATTENTION_WGMMA_RS_64
+  ATTENTION_WGMMA_16BIT(T, ATTENTION_INSTR)
+#undef ATTENTION_INSTR
 }
 
 template <typename T>
 __device__ __forceinline__ void WgmmaRS(WgmmaTag<T, 128>, float (&d)[64], const uint32_t (&a)[4],
                                         uint64_t desc_b, int scale_d) {
-#define ATTENTION_WGMMA_RS_128(TYPE)                                                               \
-  asm volatile(                                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                 \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE                                 \
-      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "    \
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, " \
-      "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, " \
-      "%55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"  \
-      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32)                                        \
+#define ATTENTION_INSTR(TYPE)                                                          \
+  asm volatile(                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                     \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE ATTENTION_WGMMA_D64 \
+      ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                  \
+      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32)                            \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
-  if constexpr (std::is_same_v<T, __half>) {
-    ATTENTION_WGMMA_RS_128("f16");
-  } else {
-    ATTENTION_WGMMA_RS_128("bf16");
-  }
-#undef ATTENTION_WGMMA_RS_128
+  ATTENTION_WGMMA_16BIT(T, ATTENTION_INSTR)
+#undef ATTENTION_INSTR
 }
 
 template <typename T>
 __device__ __forceinline__ void WgmmaRS(WgmmaTag<T, 256>, float (&d)[128], const uint32_t (&a)[4],
-                                        uint64_t desc_b, int scale_d) {
-#define ATTENTION_WGMMA_RS_256(TYPE)                                                               \
-  asm volatile(                                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                                \
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE                                 \
-      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "    \
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, " \
-      "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, " \
-      "%55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, " \
-      "%73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, " \
-      "%91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, "    \
-      "%107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, " \
-      "%122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"      \
-      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32), ATTENTION_WGMMA_ACC32(64),            \
-        ATTENTION_WGMMA_ACC32(96)                                                                  \
+                                        uint64_t desc_b, int scale_d){
+#define ATTENTION_INSTR(TYPE)                                                           \
+  asm volatile(                                                                         \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                     \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE ATTENTION_WGMMA_D128 \
+      ", {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                              \
+      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32), ATTENTION_WGMMA_ACC32(64), \
+        ATTENTION_WGMMA_ACC32(96)                                                       \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
-  if constexpr (std::is_same_v<T, __half>) {
-    ATTENTION_WGMMA_RS_256("f16");
-  } else {
-    ATTENTION_WGMMA_RS_256("bf16");
-  }
-#undef ATTENTION_WGMMA_RS_256
+    ATTENTION_WGMMA_16BIT(T, ATTENTION_INSTR)
+#undef ATTENTION_INSTR
 }
 
+// float8 e4m3 (k32; no transpose operands: both K-major).
+__device__ __forceinline__ void WgmmaSS(WgmmaTag<__nv_fp8_e4m3, 128>, float (&d)[64],
+                                        uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" ATTENTION_WGMMA_D64
+      ", %64, %65, p, 1, 1;\n}\n"
+      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void WgmmaRS(WgmmaTag<__nv_fp8_e4m3, 128>, float (&d)[64],
+                                        const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" ATTENTION_WGMMA_D64
+      ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void WgmmaRS(WgmmaTag<__nv_fp8_e4m3, 256>, float (&d)[128],
+                                        const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3" ATTENTION_WGMMA_D128
+      ", {%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
+      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32), ATTENTION_WGMMA_ACC32(64),
+        ATTENTION_WGMMA_ACC32(96)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+#undef ATTENTION_WGMMA_16BIT
+#undef ATTENTION_WGMMA_D128
+#undef ATTENTION_WGMMA_D64
+#undef ATTENTION_WGMMA_D40
+#undef ATTENTION_WGMMA_D32
 #undef ATTENTION_WGMMA_ACC32
 #undef ATTENTION_WGMMA_ACC8
 

@@ -109,6 +109,38 @@ TEST(PlanFlashForwardTest, OnHopperFloat32FallsBackToTheMmaKernel) {
   EXPECT_TRUE(Mentions(forced.status(), "float32")) << forced.status();
 }
 
+// float8 runs natively on Hopper for dense calls at head dims 128 and 256 (multiples of 16), with
+// V^T's workspace; elsewhere the plan refuses it with INVALID_ARGUMENT, which HostRunner takes as
+// "dequantise to bfloat16 first".
+TEST(PlanFlashForwardTest, Float8RunsOnTheWgmmaKernelAtHeadDims128And256Dense) {
+  SKIP_WITHOUT_SM90A();
+  AttentionParams p = Params(DType::kFloat8E4M3, 128);
+  p.batch = 3;
+  p.heads_q = 8;
+  p.heads_kv = 2;
+  p.seqlen_q = 5;
+  p.seqlen_k = 1000;  // V^T rows: 1008 keys
+  const absl::StatusOr<ForwardPlan> plan = PlanFlashForward(p, kH200);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->variant, ForwardVariant::kWgmmaSm90);
+  EXPECT_EQ(plan->dtype, DType::kFloat8E4M3);
+  EXPECT_EQ(plan->workspace_bytes, 3 * 2 * 128 * 1008);
+  p.head_dim = 240;
+  EXPECT_EQ(PlanFlashForward(p, kH200)->kernel_head_dim, 256);
+  for (int64_t head_dim : {64, 120, 8}) {  // D 64's tile, a row not of 16 bytes
+    p.head_dim = head_dim;
+    const absl::StatusOr<ForwardPlan> refused = PlanFlashForward(p, kH200);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << head_dim;
+    EXPECT_TRUE(Mentions(refused.status(), "float8_e4m3")) << refused.status();
+  }
+  p.head_dim = 128;
+  const int32_t cu[2] = {0, 5};
+  p.cu_seqlens_q = p.cu_seqlens_k = cu;
+  EXPECT_TRUE(Mentions(PlanFlashForward(p, kH200).status(), "varlen"));
+  p.cu_seqlens_q = p.cu_seqlens_k = nullptr;
+  EXPECT_EQ(PlanFlashForward(p, kSm86).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(PlanFlashForwardTest, TheWgmmaKernelRunsOnComputeCapability90Only) {
   SKIP_WITHOUT_SM90A();
   const absl::StatusOr<ForwardPlan> plan =

@@ -2,7 +2,7 @@
 
 Each result is compared with a numpy float64 reference of the API's semantics (bottom-right
 aligned masks, GQA, LSE, varlen) by relative error ||o - ref|| / ||ref||, within the API's
-bounds: 1e-5 for float32, 1e-2 for float16 and bfloat16. Inputs are fresh random each run; the
+bounds: 1e-5 for float32, 1e-2 for float16 and bfloat16, 4e-2 for float8. Inputs are fresh random each run; the
 seed is printed, and a failure message repeats it.
 
 Run by ctest (label "python"), which sets PYTHONPATH (the package and its generated stubs) and
@@ -41,6 +41,7 @@ print(f"python_client: seed {SEED}", flush=True)
 
 F32_BOUND = 1e-5
 F16_BOUND = 1e-2
+F8_BOUND = 4e-2  # the API's float8 bound (P may be rounded to e4m3 on Hopper)
 
 
 def reference(q, k, v, causal=False, scale=None, window_left=None, window_right=None):
@@ -287,8 +288,8 @@ class HalfPrecisionTest(ServerTest):
                   for x, n in ((q, "q_descale"), (k, "k_descale"), (v, "v_descale"))]
         ref_o, ref_lse = reference(*values, causal=True)
         self.assertWithin(rel_error(attention_client.bfloat16_bits_to_float32(o), ref_o),
-                          F16_BOUND, "o")
-        self.assertWithin(lse_error(lse, ref_lse), F16_BOUND, "lse")
+                          F8_BOUND, "o")
+        self.assertWithin(lse_error(lse, ref_lse), F8_BOUND, "lse")
         with self.assertRaises(AttentionError) as e:  # descales are for float8 inputs only
             self.client.attend(*self.qkv(), v_descale=2.0)
         self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
@@ -301,7 +302,7 @@ class HalfPrecisionTest(ServerTest):
         o = self.client.attend(q, k, v, k_descale=0.5)
         self.assertEqual(o.dtype, torch.bfloat16)
         ref_o, _ = reference(q.float().numpy(), k.float().numpy() * 0.5, v.float().numpy())
-        self.assertWithin(rel_error(o.float().numpy(), ref_o), F16_BOUND, "o")
+        self.assertWithin(rel_error(o.float().numpy(), ref_o), F8_BOUND, "o")
 
     def test_float8_rounding_matches_nearest_even(self):
         x = np.array([1.0625, 1.1875, 448.0, 464.0, 465.0, -3.0 / 1024, 1.0 / 1024, np.inf],
