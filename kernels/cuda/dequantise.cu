@@ -48,36 +48,64 @@ __global__ void DequantiseScalar(const uint8_t* __restrict__ src, __nv_bfloat16*
   }
 }
 
-// LaunchTransposeE4m3V: a block per (64 keys, head, item), thread tid takes the 16 keys of group
-// tid / 64 at head dims tid % 64 + 64 i (loads coalesced along D, one 16-byte store per group).
+// LaunchTransposeE4m3V: a block per (64 keys, head, item) and 128 head dims at a time, staged in
+// shared memory [64 keys][128 bytes + 4] by 16-byte loads along D (a warp reads 4 rows of 128
+// bytes). Then each lane writes one 16-key group of a row of V^T (16 bytes), its 4 lanes the
+// row's 4 groups, so that a warp's store covers 8 rows x 64 contiguous bytes (whole 32-byte
+// sectors); it reads its 16 bytes down a column of the tile (the row padding leaves a 2-way bank
+// conflict between the groups 32 rows apart).
 constexpr int kTransposeKeys = 64;
+constexpr int kTransposeCols = 128;
+constexpr int kTransposePitch = kTransposeCols + 4;
+constexpr int kTransposeThreads = 256;
 
-__global__ void TransposeE4m3V(const uint8_t* __restrict__ v, int64_t item_stride,
-                               int64_t head_stride, int64_t row_stride, int keys, int head_dim,
-                               int64_t keys16, uint8_t* __restrict__ dst) {
-  const int key0 = blockIdx.x * kTransposeKeys + (threadIdx.x / 64) * 16;
-  if (key0 >= keys16) return;
+__device__ __forceinline__ int KeyOfPosition(int q) {
+  return 2 * (q / 4) + q % 2 + 8 * ((q / 2) % 2);
+}
+
+__global__ void __launch_bounds__(kTransposeThreads)
+    TransposeE4m3V(const uint8_t* __restrict__ v, int64_t item_stride, int64_t head_stride,
+                   int64_t row_stride, int keys, int head_dim, int64_t keys16,
+                   uint8_t* __restrict__ dst) {
+  __shared__ __align__(16) uint8_t tile[kTransposeKeys][kTransposePitch];
+  const int key0 = blockIdx.x * kTransposeKeys;
   const int head = blockIdx.y, item = blockIdx.z;
   const uint8_t* src = v + item * item_stride + head * head_stride;
-  uint8_t* out = dst + (static_cast<int64_t>(item) * gridDim.y + head) * head_dim * keys16 + key0;
-  for (int d = threadIdx.x % 64; d < head_dim; d += 64) {
-    uint8_t b[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int key = key0 + j;
-      b[j] = key < keys ? src[key * row_stride + d] : uint8_t{0};
-    }
-    uint32_t w[4];
-#pragma unroll
-    for (int word = 0; word < 4; ++word) {
-      w[word] = 0;
-#pragma unroll
-      for (int byte = 0; byte < 4; ++byte) {
-        const int q = word * 4 + byte;
-        w[word] |= uint32_t{b[2 * (q / 4) + q % 2 + 8 * ((q / 2) % 2)]} << (8 * byte);
+  uint8_t* out = dst + (static_cast<int64_t>(item) * gridDim.y + head) * head_dim * keys16;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane % 4;  // this lane's key group
+  for (int d0 = 0; d0 < head_dim; d0 += kTransposeCols) {
+    if (d0 > 0) __syncthreads();  // the previous columns' reads are done
+    for (int i = threadIdx.x; i < kTransposeKeys * kTransposeCols / 16; i += kTransposeThreads) {
+      const int row = i / (kTransposeCols / 16), col = (i % (kTransposeCols / 16)) * 16;
+      const int key = key0 + row;
+      uint4 x = make_uint4(0, 0, 0, 0);
+      // head_dim is a multiple of 16 here (the plan's rule), so a chunk is all in or all out.
+      if (key < keys && d0 + col < head_dim) {
+        x = *reinterpret_cast<const uint4*>(src + key * row_stride + d0 + col);
       }
+      uint32_t* t = reinterpret_cast<uint32_t*>(&tile[row][col]);  // 4-byte aligned rows
+      t[0] = x.x;
+      t[1] = x.y;
+      t[2] = x.z;
+      t[3] = x.w;
     }
-    *reinterpret_cast<uint4*>(out + d * keys16) = make_uint4(w[0], w[1], w[2], w[3]);
+    __syncthreads();
+    const int first = key0 + 16 * g;
+    for (int col = warp * 8 + lane / 4; col < kTransposeCols; col += kTransposeThreads / 4) {
+      const int d = d0 + col;
+      if (d >= head_dim || first >= keys16) continue;
+      uint32_t w[4];
+#pragma unroll
+      for (int word = 0; word < 4; ++word) {
+        w[word] = 0;
+#pragma unroll
+        for (int byte = 0; byte < 4; ++byte) {
+          w[word] |= uint32_t{tile[16 * g + KeyOfPosition(word * 4 + byte)][col]} << (8 * byte);
+        }
+      }
+      *reinterpret_cast<uint4*>(out + d * keys16 + first) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
   }
 }
 
@@ -112,9 +140,9 @@ cudaError_t LaunchTransposeE4m3V(const void* v, int64_t item_stride, int64_t hea
   const int64_t keys16 = TransposedVKeys(keys);
   const dim3 grid(static_cast<unsigned>((keys16 + kTransposeKeys - 1) / kTransposeKeys), heads,
                   items);
-  TransposeE4m3V<<<grid, 256, 0, stream>>>(static_cast<const uint8_t*>(v), item_stride, head_stride,
-                                           row_stride, keys, head_dim, keys16,
-                                           static_cast<uint8_t*>(dst));
+  TransposeE4m3V<<<grid, kTransposeThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(v), item_stride, head_stride, row_stride, keys, head_dim, keys16,
+      static_cast<uint8_t*>(dst));
   return cudaGetLastError();
 }
 

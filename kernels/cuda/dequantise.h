@@ -24,7 +24,8 @@ cudaError_t LaunchDequantiseE4m3ToBf16(const void* src, void* dst, int64_t n, cu
 inline int64_t TransposedVKeys(int64_t keys) { return (keys + 15) / 16 * 16; }
 
 // dst [items, heads, head_dim, TransposedVKeys(keys)] (contiguous, 16-byte aligned) = V [items,
-// heads, keys, head_dim] at element strides item_stride, head_stride, row_stride (any), transposed,
+// heads, keys, head_dim] at element strides item_stride, head_stride, row_stride, transposed
+// (v, its strides and head_dim multiples of 16, as the wgmma kernel's plan requires),
 // with each group of 16 keys in the order the wgmma kernel's P fragments take them: position q of
 // a group holds key 2 (q / 4) + q % 2 + 8 ((q / 2) % 2) (flash_forward_sm90_kernel.cuh, to_p).
 // Keys past `keys` are zero. One byte read and one written per element.
