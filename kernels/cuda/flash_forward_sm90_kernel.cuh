@@ -2,7 +2,7 @@
 // into 128-byte-swizzled shared memory on an mbarrier pipeline, wgmma for Q K^T and P V, and warp
 // specialisation (one producer warpgroup, two or three consumer warpgroups, registers moved from
 // the first to the others with setmaxnreg), persistent CTAs fed by a dynamic tile scheduler.
-// float16 and bfloat16, float32 accumulation.
+// float16 and bfloat16, and float8 e4m3 (o in bfloat16), float32 accumulation.
 //
 // A CTA (at most one per SM, 128 x (1 + kConsumers) threads) loops over work tiles = (query tile
 // of kBr = 64 x kConsumers rows, query head, batch item), taken in the order and the way
@@ -25,6 +25,13 @@
 //     issued before O += P_{i-1} V_{i-1}, so the softmax of tile i overlaps the P V of tile i-1
 //     on the tensor cores. The epilogue (O = acc * o_scale / l, LSE) stores from registers while
 //     the producer already loads the next work tile.
+//   float8 e4m3 (head dims 128 and 256): the same with 128-byte rows of 128 elements, k32 wgmma
+//     (QGMMA) for both products, P rounded to e4m3 as 2^(s - max + 8) (in [0, 256], so that
+//     probabilities down to 2^-14 stay e4m3 normals; l carries the factor, the LSE drops it).
+//     wgmma takes 8-bit operands K-major only, so P V reads V^T (KernelParams::v_transposed,
+//     [B, Hkv, D, keys rounded up to 16], written by LaunchTransposeE4m3V before the kernel, each
+//     16-key group in the order the P registers hold the keys: see to_p), by TMA boxes of 128
+//     keys x kD rows.
 //   Key tiles are visited last to first (the masked diagonal and ragged tiles first), tiles
 //   outside every row's window never loaded: the range of VisibleKeys for the CTA's rows.
 // Any Nq, Nk (TMA reads zeros past a tensor's end, the mask drops keys past Nk, rows past Nq are
@@ -34,7 +41,9 @@
 // non-finite V to the exact CPU path), windows and both mask alignments, LSE, head dims that are
 // multiples of 8 up to 256 (columns past head_dim read as zeros and are not stored).
 // Falls back to mma_sm80 (the plan's rule, forward_plan.cc): float32, and devices other than
-// compute capability 9.0. float8 e4m3 runs here after HostRunner's dequantisation to bfloat16.
+// compute capability 9.0. float8 e4m3 at head dim 64, at head dims whose padding to 8 is not a
+// multiple of 16, and varlen float8 calls run here (or on mma_sm80) after HostRunner's
+// dequantisation to bfloat16.
 // Tiles per head dim: Sm90TileFor (flash_forward_sm90_launch.cuh).
 //
 // Versions (H200, bfloat16 TFLOP/s; cuDNN 618 / 522 and FlashAttention-3 658 / 604 at D = 128,
@@ -52,6 +61,11 @@
 //                  ours/cuDNN 0.89-1.20 (45 of 60 rows with N >= 1024 at >= 1.0; the misses are
 //                  N = 1024 and three N = 2048-4096 rows), ours/FA3 0.89-1.05 (29 of 30 bfloat16
 //                  rows at >= 0.9).
+//   v5 2026-12-01  native float8 e4m3 (e4m3 wgmma, V transposed first), FlashAttention-3's fp8
+//                  forward in the same call: D = 128 N = 1024 / 4096 / 16384 590 / 778 / 840
+//                  (0.80 / 0.89 / 0.91 of it), D = 256 751 / 1115 / 1244 (0.87 / 0.96 / 1.10),
+//                  where converting to bfloat16 first ran 394 / 603 / 624 and 407 / 658 / 722.
+//                  The transposition is 24.5 us of a 186 us call at D = 256, N = 1024.
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
 //   barriers), 2-10% slower; 176-key tiles at D = 128 unmasked, slower at N = 1024, no faster
 //   beyond.
@@ -105,7 +119,7 @@ struct Sm90Tile {
   // float8 P is exp2(s - max + 8), in [0, 256], so that small probabilities stay e4m3 normals
   // (down to 2^-6 * 2^-8 of the row's largest instead of 2^-6); l carries the same factor, so o
   // is unchanged and the LSE subtracts it.
-  static constexpr float kPLog2Gain = kFloat8 ? 8.f : 0.f;
+  static constexpr int kPLog2Gain = kFloat8 ? 8 : 0;
   static constexpr int kBarriers = 2 + 4 * kStages;
   // 1024 bytes of slack to align the tiles to the swizzle's 1024-byte groups, the barriers,
   // and the current work tile's position (an int after the barriers).
@@ -388,8 +402,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          rescale[half] = OnlineSoftmaxRow(acc_s, half, row_max[half], row_sum[half], p.scale_log2,
-                                           Tile::kPLog2Gain);
+          rescale[half] = OnlineSoftmaxRow<kNTiles, Tile::kPLog2Gain>(acc_s, half, row_max[half],
+                                                                      row_sum[half], p.scale_log2);
         }
       };
       // P as A fragments. 16-bit: keys 16 kk .. 16 kk + 15 are S column tiles 2 kk and 2 kk + 1.

@@ -55,10 +55,10 @@ struct ForwardPlan {
 // Plans a forward pass of p (its dtype and head dim; checked by ToKernelParams) on a device with
 // `caps`: the forced variant, or the first of kForwardVariants that can run it (so on Hopper
 // float16, bfloat16 and float8 at head dims 128 and 256 run on wgmma_sm90, float32 falls back to
-// mma_sm80). Errors name the
-// variant and the reason: INVALID_ARGUMENT for an unknown variant or params the variant does not
-// take, FAILED_PRECONDITION for a device it cannot run on; unforced, when no variant can run it,
-// every variant's reason with the last one's code. Makes no CUDA call.
+// mma_sm80). Errors name the variant and the reason: INVALID_ARGUMENT for an unknown variant or
+// params the variant does not take (HostRunner dequantises float8 that none takes), and
+// FAILED_PRECONDITION for a device it cannot run on; unforced, when no variant can run it, every
+// variant's reason with the last one's code. Makes no CUDA call.
 absl::StatusOr<ForwardPlan> PlanFlashForward(const AttentionParams& p, const DeviceCaps& caps,
                                              std::optional<ForwardVariant> forced = std::nullopt);
 

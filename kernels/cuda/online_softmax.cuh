@@ -41,13 +41,12 @@ __device__ __forceinline__ float QuadSum(float x) {
 // the tile's max, turns the logits into p in place, and adds this lane's share of the tile's sum to
 // row_sum after rescaling it. Returns the rescale of the row's earlier terms, exp2(scale_log2 *
 // (old max - new max)), which the caller applies to its O accumulators. Max and sum are trees over
-// the column tiles (log2(kNTiles) dependent steps, not kNTiles). log2_gain: p and row_sum are
-// 2^log2_gain times the probabilities (a constant factor that o's normalisation cancels; the
-// float8 kernel's way to keep small p inside e4m3's normal range).
-template <int kNTiles>
+// the column tiles (log2(kNTiles) dependent steps, not kNTiles). kLog2Gain: p and row_sum are
+// 2^kLog2Gain times the probabilities (a constant factor that o's normalisation cancels; the
+// float8 kernel's way to keep small p inside e4m3's normal range); 0 adds no instruction.
+template <int kNTiles, int kLog2Gain = 0>
 __device__ __forceinline__ float OnlineSoftmaxRow(float (&s)[kNTiles][4], int half, float& row_max,
-                                                  float& row_sum, float scale_log2,
-                                                  float log2_gain = 0.f) {
+                                                  float& row_sum, float scale_log2) {
   float part[kNTiles];
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt) part[nt] = fmaxf(s[nt][half * 2], s[nt][half * 2 + 1]);
@@ -57,12 +56,13 @@ __device__ __forceinline__ float OnlineSoftmaxRow(float (&s)[kNTiles][4], int ha
   // A row that has seen no key yet keeps max -inf; subtract 0 then so exp2 gives 0, not NaN.
   const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
   const float rescale = FastExp2(row_max * scale_log2 - m_scaled);
+  const float offset = kLog2Gain == 0 ? -m_scaled : static_cast<float>(kLog2Gain) - m_scaled;
   row_max = mx;
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      s[nt][half * 2 + i] = FastExp2(fmaf(s[nt][half * 2 + i], scale_log2, log2_gain - m_scaled));
+      s[nt][half * 2 + i] = FastExp2(fmaf(s[nt][half * 2 + i], scale_log2, offset));
     }
     part[nt] = s[nt][half * 2] + s[nt][half * 2 + 1];
   }
