@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Profiles the forward kernel with Nsight Compute on a GPU host, one shape of the FlashAttention
 # grid at a time (B = 16384/N, H = 2048/D, as cuda_attention_bench `one` runs it): the kernel's
-# duration, SM throughput, tensor-pipe (wgmma) utilisation, issue-slot use and its five largest
-# warp stall reasons per issued instruction, a table row per shape. The default shapes are the
-# rows that missed 1.0x cuDNN on 2026-12-01 (bench/README.md) and two that met it, for contrast.
+# duration (at ncu's locked clocks, so longer than the bench's), SM throughput, tensor-pipe
+# utilisation (sm__pipe_tensor_op_hmma: on Hopper it counts wgmma too, HGMMA and QGMMA alike),
+# issue-slot use and its five largest warp stall reasons per issued instruction, a table row per
+# shape. The default shapes are rows that missed 1.0x cuDNN on 2026-12-01 (bench/README.md) and
+# two that met it, for contrast.
 # Raw ncu CSV per shape goes to $OUT. VARIANT=NAME forces the variant (default: the plan's).
 #   bench/cuda/profile_forward.sh BENCH_BINARY [dtype:D:N:causal ...]
 set -uo pipefail
@@ -20,7 +22,6 @@ mkdir -p "$out"
 command -v ncu >/dev/null || { echo "ncu not found"; exit 1; }
 metrics=gpu__time_duration.sum
 metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed
-metrics+=,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active
 metrics+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
 metrics+=,sm__inst_issued.avg.pct_of_peak_sustained_active
 metrics+=,dram__throughput.avg.pct_of_peak_sustained_elapsed
@@ -38,8 +39,8 @@ done
 python3 - "$out" "${shapes[@]}" <<'PY'
 import csv, io, os, sys
 out, shapes = sys.argv[1], sys.argv[2:]
-print("| shape | kernel | us | SM % | gmma pipe % | hmma pipe % | issue % | DRAM % | top stalls (warps per issue) |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| shape | kernel | us | SM % | tensor pipe % | issue % | DRAM % | top stalls (warps per issue) |")
+print("|---|---|---|---|---|---|---|---|")
 for shape in shapes:
     dtype, d, n, causal = shape.split(":")
     path = os.path.join(out, f"ncu_{dtype}_{d}_{n}_{causal}.csv")
@@ -53,7 +54,7 @@ for shape in shapes:
     rows = list(csv.reader(io.StringIO("\n".join(lines))))
     head, units, values = rows[0], rows[1], rows[2]
     m = dict(zip(head, values))
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(
         dict(zip(head, units)).get("gpu__time_duration.sum", ""), float("nan"))
     def num(key):
         try:
@@ -68,7 +69,6 @@ for shape in shapes:
     kernel = m.get("Kernel Name", "?").split("<")[0]
     print(f"| {shape} | {kernel} | {num('gpu__time_duration.sum') * scale:.1f} | "
           f"{num('sm__throughput.avg.pct_of_peak_sustained_elapsed'):.0f} | "
-          f"{num('sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active'):.0f} | "
           f"{num('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active'):.0f} | "
           f"{num('sm__inst_issued.avg.pct_of_peak_sustained_active'):.0f} | "
           f"{num('dram__throughput.avg.pct_of_peak_sustained_elapsed'):.0f} | {stall_text} |")
