@@ -129,7 +129,8 @@ __device__ __forceinline__ void WarpgroupSync(int id) {
 // float8 e4m3: k32, both operands K-major (the only layout wgmma takes for 8-bit types), A's
 // registers a[0..3] = rows g, g + 8, g, g + 8 of the warp's 16 (g = lane / 4), each 4 elements at
 // k = 4 (lane % 4) + {0..3} (a[0], a[1]) and 16 + 4 (lane % 4) + {0..3} (a[2], a[3]).
-// One overload per (type, N) the kernel uses (the macros spell each instruction once per N).
+// One overload per N the kernel uses, for __half, __nv_bfloat16 and __nv_fp8_e4m3 (the macros
+// spell each instruction once per N; the type's part comes from ATTENTION_WGMMA_TYPED).
 template <typename T, int kN>
 struct WgmmaTag {};
 
@@ -162,118 +163,92 @@ struct WgmmaTag {};
   "%92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, " \
   "%109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "     \
   "%124, %125, %126, %127}"
-// The 16-bit type's name in the instruction.
-#define ATTENTION_WGMMA_16BIT(T, INSTR)      \
-  if constexpr (std::is_same_v<T, __half>) { \
-    INSTR("f16");                            \
-  } else {                                   \
-    INSTR("bf16");                           \
+// INSTR(k and types, the operands after the descriptors) for element type T: 16-bit types k16
+// with the transpose immediates (SS: none; RS: B MN-major), e4m3 k32 without them.
+#define ATTENTION_WGMMA_TYPED(T, INSTR, TRANS_16BIT)               \
+  if constexpr (std::is_same_v<T, __half>) {                       \
+    INSTR("k16.f32.f16.f16", ", p, 1, 1" TRANS_16BIT);             \
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {         \
+    INSTR("k16.f32.bf16.bf16", ", p, 1, 1" TRANS_16BIT);           \
+  } else {                                                         \
+    static_assert(std::is_same_v<T, __nv_fp8_e4m3>, "wgmma type"); \
+    INSTR("k32.f32.e4m3.e4m3", ", p, 1, 1");                       \
   }
+#define ATTENTION_WGMMA_SS_TRANS ", 0, 0"  // A and B K-major
+#define ATTENTION_WGMMA_RS_TRANS ", 1"     // B MN-major
 
 template <typename T>
 __device__ __forceinline__ void WgmmaSS(WgmmaTag<T, 80>, float (&d)[40], uint64_t desc_a,
                                         uint64_t desc_b, int scale_d) {
-#define ATTENTION_INSTR(TYPE)                                                         \
-  asm volatile(                                                                       \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"                                    \
-      "wgmma.mma_async.sync.aligned.m64n80k16.f32." TYPE "." TYPE ATTENTION_WGMMA_D40 \
-      ", %40, %41, p, 1, 1, 0, 0;\n}\n"                                               \
-      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC8(32)                            \
+#define ATTENTION_INSTR(KTYPES, TAIL)                                                             \
+  asm volatile(                                                                                   \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"                                                \
+      "wgmma.mma_async.sync.aligned.m64n80" KTYPES ATTENTION_WGMMA_D40 ", %40, %41" TAIL ";\n}\n" \
+      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC8(32)                                        \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-  ATTENTION_WGMMA_16BIT(T, ATTENTION_INSTR)
+  ATTENTION_WGMMA_TYPED(T, ATTENTION_INSTR, ATTENTION_WGMMA_SS_TRANS);
 #undef ATTENTION_INSTR
 }
 
 template <typename T>
 __device__ __forceinline__ void WgmmaSS(WgmmaTag<T, 128>, float (&d)[64], uint64_t desc_a,
                                         uint64_t desc_b, int scale_d) {
-#define ATTENTION_INSTR(TYPE)                                                          \
-  asm volatile(                                                                        \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                     \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE ATTENTION_WGMMA_D64 \
-      ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                \
-      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32)                            \
+#define ATTENTION_INSTR(KTYPES, TAIL)                                                              \
+  asm volatile(                                                                                    \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                 \
+      "wgmma.mma_async.sync.aligned.m64n128" KTYPES ATTENTION_WGMMA_D64 ", %64, %65" TAIL ";\n}\n" \
+      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32)                                        \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-  ATTENTION_WGMMA_16BIT(T, ATTENTION_INSTR)
+  ATTENTION_WGMMA_TYPED(T, ATTENTION_INSTR, ATTENTION_WGMMA_SS_TRANS);
 #undef ATTENTION_INSTR
 }
 
 template <typename T>
 __device__ __forceinline__ void WgmmaRS(WgmmaTag<T, 64>, float (&d)[32], const uint32_t (&a)[4],
                                         uint64_t desc_b, int scale_d) {
-#define ATTENTION_INSTR(TYPE)                                                         \
-  asm volatile(                                                                       \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                    \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE ATTENTION_WGMMA_D32 \
-      ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                 \
-      : ATTENTION_WGMMA_ACC32(0)                                                      \
+#define ATTENTION_INSTR(KTYPES, TAIL)                                  \
+  asm volatile(                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                     \
+      "wgmma.mma_async.sync.aligned.m64n64" KTYPES ATTENTION_WGMMA_D32 \
+      ", {%32, %33, %34, %35}, %36" TAIL ";\n}\n"                      \
+      : ATTENTION_WGMMA_ACC32(0)                                       \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
-  ATTENTION_WGMMA_16BIT(T, ATTENTION_INSTR)
+  ATTENTION_WGMMA_TYPED(T, ATTENTION_INSTR, ATTENTION_WGMMA_RS_TRANS);
 #undef ATTENTION_INSTR
 }
 
 template <typename T>
 __device__ __forceinline__ void WgmmaRS(WgmmaTag<T, 128>, float (&d)[64], const uint32_t (&a)[4],
                                         uint64_t desc_b, int scale_d) {
-#define ATTENTION_INSTR(TYPE)                                                          \
-  asm volatile(                                                                        \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                     \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE ATTENTION_WGMMA_D64 \
-      ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                  \
-      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32)                            \
+#define ATTENTION_INSTR(KTYPES, TAIL)                                   \
+  asm volatile(                                                         \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                      \
+      "wgmma.mma_async.sync.aligned.m64n128" KTYPES ATTENTION_WGMMA_D64 \
+      ", {%64, %65, %66, %67}, %68" TAIL ";\n}\n"                       \
+      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32)             \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
-  ATTENTION_WGMMA_16BIT(T, ATTENTION_INSTR)
+  ATTENTION_WGMMA_TYPED(T, ATTENTION_INSTR, ATTENTION_WGMMA_RS_TRANS);
 #undef ATTENTION_INSTR
 }
 
 template <typename T>
 __device__ __forceinline__ void WgmmaRS(WgmmaTag<T, 256>, float (&d)[128], const uint32_t (&a)[4],
-                                        uint64_t desc_b, int scale_d){
-#define ATTENTION_INSTR(TYPE)                                                           \
+                                        uint64_t desc_b, int scale_d) {
+#define ATTENTION_INSTR(KTYPES, TAIL)                                                   \
   asm volatile(                                                                         \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                     \
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE ATTENTION_WGMMA_D128 \
-      ", {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                              \
+      "wgmma.mma_async.sync.aligned.m64n256" KTYPES ATTENTION_WGMMA_D128                \
+      ", {%128, %129, %130, %131}, %132" TAIL ";\n}\n"                                  \
       : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32), ATTENTION_WGMMA_ACC32(64), \
         ATTENTION_WGMMA_ACC32(96)                                                       \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
-    ATTENTION_WGMMA_16BIT(T, ATTENTION_INSTR)
+  ATTENTION_WGMMA_TYPED(T, ATTENTION_INSTR, ATTENTION_WGMMA_RS_TRANS);
 #undef ATTENTION_INSTR
 }
 
-// float8 e4m3 (k32; no transpose operands: both K-major).
-__device__ __forceinline__ void WgmmaSS(WgmmaTag<__nv_fp8_e4m3, 128>, float (&d)[64],
-                                        uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" ATTENTION_WGMMA_D64
-      ", %64, %65, p, 1, 1;\n}\n"
-      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32)
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-__device__ __forceinline__ void WgmmaRS(WgmmaTag<__nv_fp8_e4m3, 128>, float (&d)[64],
-                                        const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" ATTENTION_WGMMA_D64
-      ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
-
-__device__ __forceinline__ void WgmmaRS(WgmmaTag<__nv_fp8_e4m3, 256>, float (&d)[128],
-                                        const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3" ATTENTION_WGMMA_D128
-      ", {%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
-      : ATTENTION_WGMMA_ACC32(0), ATTENTION_WGMMA_ACC32(32), ATTENTION_WGMMA_ACC32(64),
-        ATTENTION_WGMMA_ACC32(96)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
-
-#undef ATTENTION_WGMMA_16BIT
+#undef ATTENTION_WGMMA_RS_TRANS
+#undef ATTENTION_WGMMA_SS_TRANS
+#undef ATTENTION_WGMMA_TYPED
 #undef ATTENTION_WGMMA_D128
 #undef ATTENTION_WGMMA_D64
 #undef ATTENTION_WGMMA_D40
