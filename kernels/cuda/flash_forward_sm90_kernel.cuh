@@ -68,7 +68,11 @@
 //                  The transposition is 24.5 us of a 186 us call at D = 256, N = 1024.
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
 //   barriers), 2-10% slower; 176-key tiles at D = 128 unmasked, slower at N = 1024, no faster
-//   beyond.
+//   beyond. Dropped at compile time: the next work tile's first Q K^T issued in the current
+//   tile's tail, so that it runs during the epilogue (an S accumulator carried from one work
+//   tile to the next): in every arrangement tried ptxas serialised the wgmma (C7512) and spilled
+//   (144 bytes at D = 128, ~1 KB at D = 64), and what it could hide is the epilogue's stores only,
+//   not the first softmax.
 #pragma once
 
 #include <cuda.h>
