@@ -24,9 +24,10 @@
 //   attn_bench --mode=decode --sessions=64 --nk=4096 --shape=8,32,1,128 --kv_heads=8
 //       --dtype=bfloat16 --causal --concurrency=8 --duration_s=10 --json
 //
-// --shm (attend mode, a server with --allow_shared_memory on this host): q, k, v and o live in a
-// POSIX shared-memory object registered with the server, and the requests refer to them, so no
-// tensor byte crosses the socket (payload GB/s still counts them).
+// --shm (a server with --allow_shared_memory on this host): q, k, v and o live in a POSIX
+// shared-memory object registered with the server, and the requests refer to them, so no tensor
+// byte crosses the socket (payload GB/s still counts them). In decode mode every Step entry refers
+// to the same q (and new K/V rows) and has a place of its own for o.
 //
 // Exit status: 0 every measured call succeeded; 1 a measured call failed (the first few distinct
 // errors are printed on stderr), or sessions could not be created; 2 bad flags.
@@ -112,8 +113,9 @@ ABSL_FLAG(std::string, stream_api, "callback",
           "stream that writes each request and blocks reading its response, polling the "
           "connection itself, as a synchronous model process calls)");
 ABSL_FLAG(bool, shm, false,
-          "attend: q, k, v and o in a POSIX shared-memory object registered with the server "
-          "(which needs --allow_shared_memory; one --target), sent by reference");
+          "q, k, v (decode: each entry's q and new K/V rows) and o in a POSIX shared-memory object "
+          "registered with the server (which needs --allow_shared_memory; one --target), sent by "
+          "reference");
 ABSL_FLAG(int, connections, 1,
           "channels (TCP connections) to the target; the concurrent slots are spread over them");
 ABSL_FLAG(double, chunk_mb, 4, "--rpc=chunked: MiB per chunk");
@@ -904,6 +906,38 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
   const v1::Tensor q = random_tensor({spec.heads_q, spec.seqlen_q, spec.head_dim});
   const v1::Tensor new_k = random_tensor({spec.heads_kv, spec.seqlen_q, spec.head_dim});
   const v1::Tensor new_v = random_tensor({spec.heads_kv, spec.seqlen_q, spec.head_dim});
+  // --shm: q, new_k and new_v once in a shared-memory object that every entry refers to, then one
+  // o place per (slot, entry): o place i * B + t for entry t of slot i's Steps, which the slot
+  // sends one at a time. o is shaped and typed like q (sessions hold no float8).
+  std::unique_ptr<SharedMemoryObject> object;
+  std::unique_ptr<SharedMemoryClient> regions;
+  v1::Tensor q_in, new_k_in, new_v_in;  // the entries' tensors: by reference, or the bytes
+  const int64_t o_bytes = static_cast<int64_t>(q.data().size());
+  int64_t o_base = 0;
+  if (absl::GetFlag(FLAGS_shm)) {
+    const int64_t q_bytes = o_bytes, kv_bytes = static_cast<int64_t>(new_k.data().size());
+    o_base = q_bytes + 2 * kv_bytes;
+    absl::StatusOr<std::unique_ptr<SharedMemoryObject>> created = SharedMemoryObject::Create(
+        absl::StrCat("/attn-bench-", getpid()), o_base + max_concurrency * per_step * o_bytes);
+    if (!created.ok()) {
+      std::fprintf(stderr, "attn_bench: --shm: %s\n", created.status().ToString().c_str());
+      return 1;
+    }
+    object = *std::move(created);
+    regions = std::make_unique<SharedMemoryClient>(client);
+    if (absl::StatusOr<v1::RegionInfo> info = regions->Register("attn-bench", *object);
+        !info.ok()) {
+      std::fprintf(stderr, "attn_bench: --shm: %s\n", info.status().ToString().c_str());
+      return 1;
+    }
+    PlaceTensor(q, "attn-bench", 0, object->data(), &q_in);
+    PlaceTensor(new_k, "attn-bench", q_bytes, object->data(), &new_k_in);
+    PlaceTensor(new_v, "attn-bench", q_bytes + kv_bytes, object->data(), &new_v_in);
+  } else {
+    q_in = q;
+    new_k_in = new_k;
+    new_v_in = new_v;
+  }
   Rpcs<v1::StepRequest, v1::StepResponse> rpcs;
   rpcs.unary = [&](grpc::ClientContext* c, const v1::StepRequest* request,
                    v1::StepResponse* response, std::function<void(grpc::Status)> f) {
@@ -954,10 +988,14 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
         for (int64_t t = 0; t < per_step; ++t) {
           v1::StepEntry* entry = request.add_entries();
           entry->set_session_id(own[(r * per_step + t) % owned]->id());
-          *entry->mutable_q() = q;
+          *entry->mutable_q() = q_in;
           if (append) {
-            *entry->mutable_k() = new_k;
-            *entry->mutable_v() = new_v;
+            *entry->mutable_k() = new_k_in;
+            *entry->mutable_v() = new_v_in;
+          }
+          if (object != nullptr) {
+            *entry->mutable_o_ref() =
+                MakeRef("attn-bench", o_base + (i * per_step + t) * o_bytes, o_bytes);
           }
         }
         request.set_causal(spec.causal);
@@ -970,14 +1008,14 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
     std::printf(
         "attn_bench: decode, %lld sessions, %lld per Step, Hq=%lld Hkv=%lld D=%lld %s, "
         "%lld new tokens per session-step%s%s, concurrency %d, %s, request payload %.2f "
-        "KiB\n",
+        "KiB%s\n",
         static_cast<long long>(session_count), static_cast<long long>(per_step),
         static_cast<long long>(spec.heads_q), static_cast<long long>(spec.heads_kv),
         static_cast<long long>(spec.head_dim), DTypeName(spec.dtype),
         static_cast<long long>(spec.seqlen_q), append ? " (K/V appended)" : "",
         spec.causal ? ", causal" : "", load.concurrency,
         load.rate ? absl::StrCat("rate ", *load.rate, "/s").c_str() : "closed loop",
-        static_cast<double>(request_bytes) / 1024);
+        static_cast<double>(request_bytes) / 1024, object != nullptr ? " (in shared memory)" : "");
 
     int next_slot = 0;
     PhaseResult result =

@@ -14,8 +14,11 @@
 #    either client API (--stream_api), with where the time goes (ServerTiming).
 # 3. Small Attend (1x8x128x64 fp16) on AttendStream, one in flight, against the echo server's
 #    EchoStream on the same transport and client API (target p50 <= echo p50 + 50 us).
-# 4. CUDA IPC Attend, bf16 B4 H16 N4096 D128 (colo_bench --mode=ipc), over TCP: shared memory is
-#    not served on a Unix socket without a token (target e2e <= kernel + 100 us).
+# 4. On a server that serves shared memory, over TCP (shared memory is not served on a Unix socket
+#    without a token): the one-in-flight StepStream of 2. with q, the new K/V rows and o by
+#    reference (attn_bench --shm: no tensor byte in the messages), beside the bare echo of a
+#    near-empty message; and CUDA IPC Attend, bf16 B4 H16 N4096 D128 (colo_bench --mode=ipc;
+#    target e2e <= kernel + 100 us).
 # Logs and JSON lines under $OUT/latency (OUT defaults to /tmp/out); the table comes last.
 # A CPU try: BACKEND=cpu NK=256 SHAPE=1,4,256,64 DURATION_S=1 bench/colo/latency.sh BIN_DIR
 # NAME_target, NAME_metrics and NAME_pid are set by lib.sh's start_attention and start_echo.
@@ -37,7 +40,7 @@ results=$out/latency.jsonl
 # 1. The bare transport.
 start_echo echo_cb --unix_socket="$dir/echo_cb.sock"
 start_echo echo_sync --unix_socket="$dir/echo_sync.sock" --sync
-for size in "step 65536 16384" "small 131072 131072"; do
+for size in "step 65536 16384" "small 131072 131072" "empty 64 64"; do
   read -r what q kv <<<"$size"
   for server in cb sync; do
     tcp_var=echo_${server}_target
@@ -76,8 +79,13 @@ for transport in tcp unix; do
 done
 stop_server "$server_pid"
 
-# 4. CUDA IPC Attend, on a server that serves shared memory (TCP only).
+# 4. StepStream by reference and CUDA IPC Attend, on a server that serves shared memory (TCP only).
 start_attention ipc_server --allow_shared_memory --max_message_mb=2047
+for api in callback sync; do
+  keep "step_shm_tcp_${api}_c1" "$("$bin/attn_bench" --target="$ipc_server_target" --shm \
+    --stream_api="$api" --progress=false --json "${decode[@]/--concurrency=1,4/--concurrency=1}" \
+    2>"$out/step_shm_tcp_$api.log" | tail -1)"
+done
 keep ipc "$("$bin/colo_bench" --target="$ipc_server_target" --mode=ipc --shape="$shape" \
   --iters=20 2>"$out/ipc.log" | tail -1)"
 
@@ -91,7 +99,8 @@ r, ok = load(sys.argv[1])
 variants = [(t, a) for t in ("tcp", "unix") for a in ("callback", "sync")]
 head = ["TCP, callback client", "TCP, sync client", "Unix, callback client", "Unix, sync client"]
 rows = []
-for what, size in (("step", "Step's bytes"), ("small", "small Attend's bytes")):
+for what, size in (("step", "Step's bytes"), ("small", "small Attend's bytes"),
+                   ("empty", "64-byte tensors")):
     for server in ("cb", "sync"):
         cells = []
         for t, a in variants:
@@ -120,6 +129,19 @@ cells, met = step_cells("c1", lambda s: (
     f"{s['p50'] * 1e6 - s['compute_us_p50']:.0f} us",
     s["p50"] * 1e6 - s["compute_us_p50"] <= 100))
 rows.append([f"StepStream {steps}, 1 in flight: p50"] + cells + ["<= kernel + 100 us", met])
+cells, met = [], []
+for t, a in variants:
+    s = ok(f"step_shm_{t}_{a}_c1")
+    if t != "tcp":
+        cells.append("-")  # shared memory is served over TCP here
+    elif not s:
+        cells.append("error")
+    else:
+        extra = s["p50"] * 1e6 - s["compute_us_p50"]
+        cells.append(f"{s['p50'] * 1e3:.3f} ms = kernel {s['compute_us_p50']:.0f} + {extra:.0f} us")
+        met.append(extra <= 100)
+rows.append([f"StepStream {steps}, 1 in flight, tensors by reference (--shm): p50"] + cells +
+            ["<= kernel + 100 us", ("yes" if any(met) else "NO") if met else "NO"])
 cells, met = step_cells("c4", lambda s: (
     f"{s['requests_per_s']:.0f} Steps/s ({s['requests_per_s'] / 3233:.2f}x)",
     s["requests_per_s"] >= 1.5 * 3233))
@@ -150,6 +172,9 @@ for t, a in variants:
     s = ok(f"step_{t}_{a}_c1")
     if s:
         print(f"- {t}, {a} client: {breakdown(s)}")
+    s = ok(f"step_shm_{t}_{a}_c1")
+    if s:
+        print(f"- {t}, {a} client, tensors by reference: {breakdown(s)}")
 print("\n| measure | " + " | ".join(head) + " | target | met (best) |")
 print("|---" * (len(head) + 3) + "|")
 for x in rows:

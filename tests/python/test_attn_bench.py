@@ -79,6 +79,14 @@ class AttnBenchTest(unittest.TestCase):
                            "--concurrency=2", "--requests=20")
             self.check_phase(r, 20)
 
+    def test_decode_steps_in_shared_memory(self):
+        # StepStream and unary Steps whose entries refer to q, the new K/V rows and o in a region.
+        for rpc in ("unary", "stream"):
+            r = self.bench(f"--target=127.0.0.1:{self.port}", "--mode=decode", "--shm",
+                           f"--rpc={rpc}", "--shape=2,4,1,64", "--nk=64", "--kv_heads=2",
+                           "--causal", "--concurrency=2", "--requests=20")
+            self.check_phase(r, 20)
+
     def test_round_robin_targets_and_rate(self):
         r = self.bench(f"--target=127.0.0.1:{self.port},localhost:{self.port}", "--rate=100",
                        "--concurrency=4", "--duration_s=0.5")
