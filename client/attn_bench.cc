@@ -854,6 +854,24 @@ absl::StatusOr<ProblemSpec> SpecFromFlags() {
   return spec;
 }
 
+// --shm: a POSIX shared-memory object of `bytes`, registered as "attn-bench" over `client`'s
+// channel (a region belongs to the connection that registered it, so requests must use it too).
+struct BenchRegion {
+  std::unique_ptr<SharedMemoryObject> object;
+  std::unique_ptr<SharedMemoryClient> regions;
+};
+absl::StatusOr<BenchRegion> MakeBenchRegion(const Client& client, int64_t bytes) {
+  absl::StatusOr<std::unique_ptr<SharedMemoryObject>> object =
+      SharedMemoryObject::Create(absl::StrCat("/attn-bench-", getpid()), bytes);
+  if (!object.ok()) return object.status();
+  BenchRegion r{*std::move(object), std::make_unique<SharedMemoryClient>(client)};
+  if (absl::StatusOr<v1::RegionInfo> info = r.regions->Register("attn-bench", *r.object);
+      !info.ok()) {
+    return info.status();
+  }
+  return r;
+}
+
 // Decode mode (see the file comment): `spec` gives the sessions' shape (Hkv, D, dtype, layout of
 // their first rows), their first length (seqlen_k), the sessions per Step (batch), the query
 // heads and the new tokens per session per step (seqlen_q).
@@ -909,30 +927,24 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
   // --shm: q, new_k and new_v once in a shared-memory object that every entry refers to, then one
   // o place per (slot, entry): o place i * B + t for entry t of slot i's Steps, which the slot
   // sends one at a time. o is shaped and typed like q (sessions hold no float8).
-  std::unique_ptr<SharedMemoryObject> object;
-  std::unique_ptr<SharedMemoryClient> regions;
+  BenchRegion region;
   v1::Tensor q_in, new_k_in, new_v_in;  // the entries' tensors: by reference, or the bytes
   const int64_t o_bytes = static_cast<int64_t>(q.data().size());
   int64_t o_base = 0;
   if (absl::GetFlag(FLAGS_shm)) {
     const int64_t q_bytes = o_bytes, kv_bytes = static_cast<int64_t>(new_k.data().size());
     o_base = q_bytes + 2 * kv_bytes;
-    absl::StatusOr<std::unique_ptr<SharedMemoryObject>> created = SharedMemoryObject::Create(
-        absl::StrCat("/attn-bench-", getpid()), o_base + max_concurrency * per_step * o_bytes);
-    if (!created.ok()) {
-      std::fprintf(stderr, "attn_bench: --shm: %s\n", created.status().ToString().c_str());
+    absl::StatusOr<BenchRegion> made =
+        MakeBenchRegion(client, o_base + max_concurrency * per_step * o_bytes);
+    if (!made.ok()) {
+      std::fprintf(stderr, "attn_bench: --shm: %s\n", made.status().ToString().c_str());
       return 1;
     }
-    object = *std::move(created);
-    regions = std::make_unique<SharedMemoryClient>(client);
-    if (absl::StatusOr<v1::RegionInfo> info = regions->Register("attn-bench", *object);
-        !info.ok()) {
-      std::fprintf(stderr, "attn_bench: --shm: %s\n", info.status().ToString().c_str());
-      return 1;
-    }
-    PlaceTensor(q, "attn-bench", 0, object->data(), &q_in);
-    PlaceTensor(new_k, "attn-bench", q_bytes, object->data(), &new_k_in);
-    PlaceTensor(new_v, "attn-bench", q_bytes + kv_bytes, object->data(), &new_v_in);
+    region = *std::move(made);
+    char* base = region.object->data();
+    PlaceTensor(q, "attn-bench", 0, base, &q_in);
+    PlaceTensor(new_k, "attn-bench", q_bytes, base, &new_k_in);
+    PlaceTensor(new_v, "attn-bench", q_bytes + kv_bytes, base, &new_v_in);
   } else {
     q_in = q;
     new_k_in = new_k;
@@ -993,7 +1005,7 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
             *entry->mutable_k() = new_k_in;
             *entry->mutable_v() = new_v_in;
           }
-          if (object != nullptr) {
+          if (region.object != nullptr) {
             *entry->mutable_o_ref() =
                 MakeRef("attn-bench", o_base + (i * per_step + t) * o_bytes, o_bytes);
           }
@@ -1015,7 +1027,8 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
         static_cast<long long>(spec.seqlen_q), append ? " (K/V appended)" : "",
         spec.causal ? ", causal" : "", load.concurrency,
         load.rate ? absl::StrCat("rate ", *load.rate, "/s").c_str() : "closed loop",
-        static_cast<double>(request_bytes) / 1024, object != nullptr ? " (in shared memory)" : "");
+        static_cast<double>(request_bytes) / 1024,
+        region.object != nullptr ? " (in shared memory)" : "");
 
     int next_slot = 0;
     PhaseResult result =
@@ -1039,6 +1052,7 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
   for (Session& session : sessions) drop_errors += session.Drop().ok() ? 0 : 1;
   std::printf("attn_bench: dropped %lld sessions, %lld failed\n",
               static_cast<long long>(session_count), static_cast<long long>(drop_errors));
+  if (region.regions != nullptr) region.regions->Unregister("attn-bench").IgnoreError();
   return outputs.Finish();
 }
 
@@ -1190,8 +1204,7 @@ int Main() {
   // --shm: the tensors go into a shared-memory object registered over the attention channel (the
   // only one: regions belong to the connection), and the request refers to them; o is written
   // there.
-  std::unique_ptr<SharedMemoryClient> regions;
-  std::unique_ptr<SharedMemoryObject> object;
+  BenchRegion region;
   int64_t o_in_region = 0;
   if (!echo_only) {
     for (int i = 0; i < connections; ++i) {
@@ -1233,24 +1246,17 @@ int Main() {
     }
     if (absl::GetFlag(FLAGS_shm)) {
       o_in_region = static_cast<int64_t>(request->q().data().size());
-      absl::StatusOr<std::unique_ptr<SharedMemoryObject>> created = SharedMemoryObject::Create(
-          absl::StrCat("/attn-bench-", getpid()), request_bytes + o_in_region);
-      if (!created.ok()) {
-        std::fprintf(stderr, "attn_bench: --shm: %s\n", created.status().ToString().c_str());
+      absl::StatusOr<BenchRegion> made = MakeBenchRegion(*clients[0], request_bytes + o_in_region);
+      if (!made.ok()) {
+        std::fprintf(stderr, "attn_bench: --shm: %s\n", made.status().ToString().c_str());
         return 1;
       }
-      object = *std::move(created);
-      regions = std::make_unique<SharedMemoryClient>(*clients[0]);
-      if (absl::StatusOr<v1::RegionInfo> info = regions->Register("attn-bench", *object);
-          !info.ok()) {
-        std::fprintf(stderr, "attn_bench: --shm: %s\n", info.status().ToString().c_str());
-        return 1;
-      }
+      region = *std::move(made);
       // q, k, v one after another, then o.
       int64_t at = 0;
       for (v1::Tensor* t : {request->mutable_q(), request->mutable_k(), request->mutable_v()}) {
         const int64_t bytes = static_cast<int64_t>(t->data().size());
-        PlaceTensor(v1::Tensor(*t), "attn-bench", at, object->data(), t);
+        PlaceTensor(v1::Tensor(*t), "attn-bench", at, region.object->data(), t);
         at += bytes;
       }
       *request->mutable_o_ref() = MakeRef("attn-bench", at, o_in_region);
@@ -1287,7 +1293,7 @@ int Main() {
     json.insert(json.size() - 1, absl::StrCat(",", ConfigJson(*spec, load)));
     outputs.AddRun(json);
   }
-  if (regions != nullptr) regions->Unregister("attn-bench").IgnoreError();
+  if (region.regions != nullptr) region.regions->Unregister("attn-bench").IgnoreError();
   return outputs.Finish();
 }
 
