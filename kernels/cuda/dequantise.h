@@ -22,6 +22,11 @@ cudaError_t LaunchDequantiseE4m3ToBf16(const void* src, void* dst, int64_t n, cu
 // Keys per row of V^T: the key count rounded up to 16, so that V^T's rows are 16-byte multiples
 // (TMA's rule for strides).
 inline int64_t TransposedVKeys(int64_t keys) { return (keys + 15) / 16 * 16; }
+// Bytes of V^T for `items` x `heads` of `keys` rows at head_dim: the wgmma kernel's float8
+// workspace (ForwardPlan::workspace_bytes).
+inline int64_t TransposedVBytes(int64_t items, int64_t heads, int64_t head_dim, int64_t keys) {
+  return items * heads * head_dim * TransposedVKeys(keys);
+}
 
 // dst [items, heads, head_dim, TransposedVKeys(keys)] (contiguous, 16-byte aligned) = V [items,
 // heads, keys, head_dim] at element strides item_stride, head_stride, row_stride, transposed

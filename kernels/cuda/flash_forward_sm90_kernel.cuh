@@ -65,7 +65,7 @@
 //                  forward in the same call: D = 128 N = 1024 / 4096 / 16384 590 / 778 / 840
 //                  (0.80 / 0.89 / 0.91 of it), D = 256 751 / 1115 / 1244 (0.87 / 0.96 / 1.10),
 //                  where converting to bfloat16 first ran 394 / 603 / 624 and 407 / 658 / 722.
-//                  The transposition is 24.5 us of a 186 us call at D = 256, N = 1024.
+//                  The transposition took 24.5 us at D = 128, N = 1024 (32 MiB of V, ncu).
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
 //   barriers), 2-10% slower; 176-key tiles at D = 128 unmasked, slower at N = 1024, no faster
 //   beyond. Dropped at compile time: the next work tile's first Q K^T issued in the current

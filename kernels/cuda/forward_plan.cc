@@ -106,7 +106,7 @@ absl::StatusOr<ForwardPlan> PlanWgmmaSm90(const AttentionParams& p, const Device
           " (HostRunner dequantises such calls to bfloat16)"));
     }
     plan.smem_bytes = FlashForwardSm90F8SmemBytes(head_dim);
-    plan.workspace_bytes = p.batch * p.heads_kv * p.head_dim * TransposedVKeys(p.seqlen_k);
+    plan.workspace_bytes = TransposedVBytes(p.batch, p.heads_kv, p.head_dim, p.seqlen_k);
   }
   if (plan.smem_bytes > caps.smem_per_block_optin) {
     return absl::FailedPreconditionError(

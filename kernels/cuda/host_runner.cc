@@ -335,20 +335,19 @@ int64_t HostRunner::DeviceBytes(absl::Span<const AttentionParams> items) {
   // Either float8 path, whichever the device's plan takes: the larger. The native one's
   // workspace is V^T, [sequences, Hkv, D8, keys rounded up to 16] bytes (dense calls only).
   const int64_t transposed_v =
-      packing.sequences * first.heads_kv * d8 * TransposedVKeys(first.seqlen_k);
+      TransposedVBytes(packing.sequences, first.heads_kv, d8, first.seqlen_k);
   return std::max(bytes({.dequantise = true}), bytes({.workspace_bytes = transposed_v}));
 }
 
 namespace {
 
-// The float8 path of RunOn's launch for `items` on `device`, as the forward plan decides it.
-absl::StatusOr<Float8Path> PlanFloat8(absl::Span<const AttentionParams> items, int device,
+// The float8 path of RunOn's launch of items packed as `pack` (first: the first item) on
+// `device`, as the forward plan decides it.
+absl::StatusOr<Float8Path> PlanFloat8(const AttentionParams& first, const Packing& pack, int device,
                                       std::optional<ForwardVariant> variant) {
-  const AttentionParams& first = items[0];
   if (first.dtype != DType::kFloat8E4M3) return Float8Path{};
   // The launch RunOn makes, as far as the plan looks at it: dtype, head dim, batch, key length,
   // heads and whether it is varlen (any cu_seqlens pointer says so; the plan reads none).
-  const Packing pack = Pack(items);
   AttentionParams probe = first;
   probe.head_dim = (first.head_dim + 7) / 8 * 8;
   probe.batch = pack.sequences;
@@ -538,11 +537,11 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   const size_t o_elem = DTypeSize(OutputDType(first.dtype));  // o
   const int64_t d = first.head_dim, d8 = (d + 7) / 8 * 8;
   const bool with_lse = first.lse != nullptr;
+  Packing dev_pack = Pack(items), host_pack = dev_pack;
   ASSIGN_OR_RETURN(const Float8Path float8,
-                   PlanFloat8(items, options_.device, options_.forward_variant));
+                   PlanFloat8(first, dev_pack, options_.device, options_.forward_variant));
   const bool dequantise = float8.dequantise;
 
-  Packing dev_pack = Pack(items), host_pack = dev_pack;
   const int64_t dev_bytes = dev_pack.Regions(d8, elem, o_elem, with_lse, float8);
   const int64_t host_bytes = host_pack.Regions(d, elem, o_elem, with_lse);
   // One dense request whose q, k, v and o are all in this device's memory (a client's CUDA IPC
