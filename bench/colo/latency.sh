@@ -19,6 +19,9 @@
 #    reference (attn_bench --shm: no tensor byte in the messages), beside the bare echo of a
 #    near-empty message; and CUDA IPC Attend, bf16 B4 H16 N4096 D128 (colo_bench --mode=ipc;
 #    target e2e <= kernel + 100 us).
+# 5. The one-in-flight StepStreams (tensors in the messages and by reference) and the CUDA IPC
+#    Attend again, on a server with --worker_spin_us=SPIN_US (default 1000): the queue's thread hop
+#    without a wake-up.
 # Logs and JSON lines under $OUT/latency (OUT defaults to /tmp/out); the table comes last.
 # A CPU try: BACKEND=cpu NK=256 SHAPE=1,4,256,64 DURATION_S=1 bench/colo/latency.sh BIN_DIR
 # NAME_target, NAME_metrics and NAME_pid are set by lib.sh's start_attention and start_echo.
@@ -56,6 +59,23 @@ for size in "step 65536 16384" "small 131072 131072" "empty 64 64"; do
   done
 done
 
+# 1b. The bare transport around a job of DELAY_US.
+delay_us=${DELAY_US:-250}
+start_echo echo_delay --unix_socket="$dir/echo_delay.sock" --reply_delay_us="$delay_us"
+for size in "step 65536 16384" "empty 64 64"; do
+  read -r what q kv <<<"$size"
+  for transport in tcp unix; do
+    t=$echo_delay_target
+    [[ $transport == unix ]] && t=unix:$dir/echo_delay.sock
+    for api in callback sync; do
+      keep "echo_${what}_delay_${transport}_${api}" "$("$bin/attn_echo_client" --target="$t" \
+        --api="$api" --q_bytes="$q" --kv_bytes="$kv" --warmup_s=0.3 --duration_s=1 \
+        2>>"$out/echo_client.log")"
+    done
+  done
+done
+stop_server "$echo_delay_pid"
+
 # 2 and 3. The service, on TCP and a Unix socket, against the callback echo server.
 start_attention server --unix_socket="$dir/server.sock" --max_message_mb=2047
 decode=(--mode=decode --shape=8,32,1,128 --nk="$nk" --kv_heads=8 --dtype=bfloat16 --causal
@@ -88,8 +108,25 @@ for api in callback sync; do
 done
 keep ipc "$("$bin/colo_bench" --target="$ipc_server_target" --mode=ipc --shape="$shape" \
   --iters=20 2>"$out/ipc.log" | tail -1)"
+stop_server "$ipc_server_pid"
 
-python3 - "$results" "$here" <<'PY'
+# 5. The one-in-flight StepStreams of 2. and 4. and CUDA IPC Attend again, on a server whose idle
+#    workers poll the queue for SPIN_US (default 1000) before they sleep (--worker_spin_us).
+spin_us=${SPIN_US:-1000}
+start_attention spin_server --allow_shared_memory --max_message_mb=2047 \
+  --worker_spin_us="$spin_us"
+for api in callback sync; do
+  keep "step_spin_tcp_${api}_c1" "$("$bin/attn_bench" --target="$spin_server_target" \
+    --stream_api="$api" --progress=false --json "${decode[@]/--concurrency=1,4/--concurrency=1}" \
+    2>"$out/step_spin_tcp_$api.log" | tail -1)"
+  keep "step_spin_shm_tcp_${api}_c1" "$("$bin/attn_bench" --target="$spin_server_target" --shm \
+    --stream_api="$api" --progress=false --json "${decode[@]/--concurrency=1,4/--concurrency=1}" \
+    2>"$out/step_spin_shm_tcp_$api.log" | tail -1)"
+done
+keep ipc_spin "$("$bin/colo_bench" --target="$spin_server_target" --mode=ipc --shape="$shape" \
+  --iters=20 2>"$out/ipc_spin.log" | tail -1)"
+
+python3 - "$results" "$here" "$delay_us" "$spin_us" <<'PY'
 import sys
 sys.path.insert(0, sys.argv[2])
 from colo_table import breakdown, load
@@ -108,6 +145,14 @@ for what, size in (("step", "Step's bytes"), ("small", "small Attend's bytes"),
             cells.append(f"{x['p50_us']:.0f} us" if x else "error")
         api = "callback" if server == "cb" else "sync"
         rows.append([f"bare echo, {size}, {api} server: p50"] + cells + ["anchor", "-"])
+    if what == "small":
+        continue
+    cells = []
+    for t, a in variants:
+        x = ok(f"echo_{what}_delay_{t}_{a}")
+        cells.append(f"{sys.argv[3]} + {x['p50_us'] - float(sys.argv[3]):.0f} us" if x else "error")
+    rows.append([f"bare echo, {size}, callback server replying {sys.argv[3]} us later: p50"] +
+                cells + ["anchor", "-"])
 
 any_step = next((ok(f"step_{t}_{a}_c1") for t, a in variants if ok(f"step_{t}_{a}_c1")), {})
 steps = f"8 x {any_step.get('config', {}).get('nk', '?')}"
@@ -142,6 +187,22 @@ for t, a in variants:
         met.append(extra <= 100)
 rows.append([f"StepStream {steps}, 1 in flight, tensors by reference (--shm): p50"] + cells +
             ["<= kernel + 100 us", ("yes" if any(met) else "NO") if met else "NO"])
+for key, what in (("step_spin", "tensors in the messages"),
+                  ("step_spin_shm", "tensors by reference")):
+    cells, met = [], []
+    for t, a in variants:
+        s = ok(f"{key}_{t}_{a}_c1")
+        if t != "tcp":
+            cells.append("-")  # measured over TCP only
+        elif not s:
+            cells.append("error")
+        else:
+            extra = s["p50"] * 1e6 - s["compute_us_p50"]
+            cells.append(
+                f"{s['p50'] * 1e3:.3f} ms = kernel {s['compute_us_p50']:.0f} + {extra:.0f} us")
+            met.append(extra <= 100)
+    rows.append([f"StepStream {steps}, 1 in flight, {what}, --worker_spin_us={sys.argv[4]}: p50"] +
+                cells + ["<= kernel + 100 us", ("yes" if any(met) else "NO") if met else "NO"])
 cells, met = step_cells("c4", lambda s: (
     f"{s['requests_per_s']:.0f} Steps/s ({s['requests_per_s'] / 3233:.2f}x)",
     s["requests_per_s"] >= 1.5 * 3233))
@@ -157,15 +218,17 @@ for t, a in variants:
     met.append(d <= 50)
 rows.append(["small Attend, AttendStream, 1 in flight: p50"] + cells +
             ["<= echo + 50 us", ("yes" if any(met) else "NO") if met else "NO"])
-ipc = ok("ipc")
-if ipc:
-    extra = ipc["p50_ms"] * 1e3 - ipc["compute_us_p50"]
-    rows.append(["CUDA IPC Attend bf16 4x16x4096x128 (TCP): p50",
-                 f"{ipc['p50_ms']:.3f} ms = kernel {ipc['compute_us_p50']:.0f} + {extra:.0f} us",
-                 "", "", "", "<= kernel + 100 us", "yes" if extra <= 100 else "NO"])
-else:
-    rows.append(["CUDA IPC Attend (TCP)", str(r.get("ipc")), "", "", "", "<= kernel + 100 us",
-                 "NO"])
+for key, server in (("ipc", ""), ("ipc_spin", f", --worker_spin_us={sys.argv[4]}")):
+    ipc = ok(key)
+    if ipc:
+        extra = ipc["p50_ms"] * 1e3 - ipc["compute_us_p50"]
+        rows.append([f"CUDA IPC Attend bf16 4x16x4096x128 (TCP{server}): p50",
+                     f"{ipc['p50_ms']:.3f} ms = kernel {ipc['compute_us_p50']:.0f} + {extra:.0f} us"
+                     f" (server {ipc['server_total_us_p50']:.0f} us)",
+                     "", "", "", "<= kernel + 100 us", "yes" if extra <= 100 else "NO"])
+    else:
+        rows.append([f"CUDA IPC Attend (TCP{server})", str(r.get(key)), "", "", "",
+                     "<= kernel + 100 us", "NO"])
 
 print("\nWhere a Step's p50 goes (one in flight):")
 for t, a in variants:
@@ -175,6 +238,10 @@ for t, a in variants:
     s = ok(f"step_shm_{t}_{a}_c1")
     if s:
         print(f"- {t}, {a} client, tensors by reference: {breakdown(s)}")
+    for key, what in (("step_spin", ""), ("step_spin_shm", ", tensors by reference")):
+        s = ok(f"{key}_{t}_{a}_c1")
+        if s:
+            print(f"- {t}, {a} client{what}, --worker_spin_us={sys.argv[4]}: {breakdown(s)}")
 print("\n| measure | " + " | ".join(head) + " | target | met (best) |")
 print("|---" * (len(head) + 3) + "|")
 for x in rows:

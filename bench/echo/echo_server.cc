@@ -6,14 +6,25 @@
 //
 //   attn_echo_server --port=50061            # or --port=0 --port_file=/tmp/echo.port
 //   attn_echo_server --port=0 --unix_socket=/tmp/echo.sock --sync
+//
+// --reply_delay_us=T (callback API, EchoStream): each reply is written T us after its request was
+// read, by another thread that holds (spinning) meanwhile, as the attention server's worker does
+// while a decode kernel runs: the transport around a job of T us, with the same one thread hop
+// and the same idle gRPC threads, and no GPU.
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
+#include <deque>
 #include <fstream>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -31,11 +42,67 @@ ABSL_FLAG(int, max_message_mb, 1024, "Largest message received or sent, MiB.");
 ABSL_FLAG(std::string, unix_socket, "",
           "When set, also listen on this Unix domain socket path (clients: unix:PATH).");
 ABSL_FLAG(bool, sync, false, "Serve on gRPC's synchronous API instead of its callback API.");
+ABSL_FLAG(int, reply_delay_us, 0,
+          "Callback API, EchoStream: write each reply this long after its request was read, from "
+          "a thread that spins meanwhile (a stand-in for a job run by a worker).");
 
 namespace attention::bench {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+// One thread that runs each reply `delay` after it was queued, spinning until then (the attention
+// server's worker spins in cudaEventSynchronize while its kernel runs).
+class DelayedReplies {
+ public:
+  explicit DelayedReplies(std::chrono::microseconds delay)
+      : delay_(delay), thread_([this] { Loop(); }) {}
+  ~DelayedReplies() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    wake_.notify_one();
+    thread_.join();
+  }
+  void Queue(std::function<void()> reply) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.emplace_back(Clock::now() + delay_, std::move(reply));
+    }
+    wake_.notify_one();
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      auto [at, reply] = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      while (Clock::now() < at) {
+      }
+      reply();
+      lock.lock();
+    }
+  }
+
+  const std::chrono::microseconds delay_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<std::pair<Clock::time_point, std::function<void()>>> queue_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: it starts once the rest is constructed
+};
+
 class EchoService final : public Echo::CallbackService {
+ public:
+  // `delayed`: where EchoStream's replies wait, or null to write them at once.
+  explicit EchoService(DelayedReplies* delayed) : delayed_(delayed) {}
+
+ private:
   grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* context, const EchoRequest* request,
                                  EchoReply* reply) override {
     reply->set_o(request->q());
@@ -47,7 +114,7 @@ class EchoService final : public Echo::CallbackService {
   // Read one request, write its reply, repeat until the client half-closes.
   class StreamReactor final : public grpc::ServerBidiReactor<EchoRequest, EchoReply> {
    public:
-    StreamReactor() { StartRead(&request_); }
+    explicit StreamReactor(DelayedReplies* delayed) : delayed_(delayed) { StartRead(&request_); }
 
    private:
     void OnReadDone(bool ok) override {
@@ -56,7 +123,11 @@ class EchoService final : public Echo::CallbackService {
         return;
       }
       reply_.set_o(request_.q());
-      StartWrite(&reply_);
+      if (delayed_ != nullptr) {
+        delayed_->Queue([this] { StartWrite(&reply_); });
+      } else {
+        StartWrite(&reply_);
+      }
     }
     void OnWriteDone(bool ok) override {
       if (!ok) {
@@ -67,14 +138,17 @@ class EchoService final : public Echo::CallbackService {
     }
     void OnDone() override { delete this; }
 
+    DelayedReplies* const delayed_;
     EchoRequest request_;
     EchoReply reply_;
   };
 
   grpc::ServerBidiReactor<EchoRequest, EchoReply>* EchoStream(
       grpc::CallbackServerContext* /*context*/) override {
-    return new StreamReactor();
+    return new StreamReactor(delayed_);
   }
+
+  DelayedReplies* const delayed_;
 };
 
 // The same service on the synchronous API: gRPC's sync server runs each call on a thread of its
@@ -115,7 +189,11 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(
       {.contains_helpshort_flags = own_flags, .contains_help_flags = own_flags});
   absl::ParseCommandLine(argc, argv);
-  attention::bench::EchoService callback_service;
+  std::unique_ptr<attention::bench::DelayedReplies> delayed;
+  if (const int us = absl::GetFlag(FLAGS_reply_delay_us); us > 0) {
+    delayed = std::make_unique<attention::bench::DelayedReplies>(std::chrono::microseconds(us));
+  }
+  attention::bench::EchoService callback_service(delayed.get());
   attention::bench::SyncEchoService sync_service;
   const int max_bytes = absl::GetFlag(FLAGS_max_message_mb) * (1 << 20);
   int port = 0;

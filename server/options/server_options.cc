@@ -31,10 +31,11 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
     }
   }
   if (o.threads < 0 || o.shutdown_grace_s < 0 || o.port < 0 || o.metrics_port < 0 ||
-      o.scheduler.workers < 0 || o.scheduler.max_queue_delay < absl::ZeroDuration()) {
+      o.scheduler.workers < 0 || o.scheduler.max_queue_delay < absl::ZeroDuration() ||
+      o.scheduler.worker_spin < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
-        "--threads, --workers, --max_queue_delay_us, --shutdown_grace_s, --port and "
-        "--metrics_port must be >= 0");
+        "--threads, --workers, --max_queue_delay_us, --worker_spin_us, --shutdown_grace_s, --port "
+        "and --metrics_port must be >= 0");
   }
   if (o.shared_memory.limits.max_regions_per_owner < 1 ||
       o.shared_memory.limits.max_mapped_bytes < 1) {

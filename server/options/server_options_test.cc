@@ -83,12 +83,15 @@ TEST(CheckOptionsTest, NonNegatives) {
       case 4:
         o.port = -1;
         break;
+      case 5:
+        o.scheduler.worker_spin = absl::Microseconds(-1);
+        break;
       default:
         o.metrics_port = -1;
         break;
     }
   };
-  for (int which = 0; which < 6; ++which) {
+  for (int which = 0; which < 7; ++which) {
     SCOPED_TRACE(which);
     ServerOptions o;
     negative(o, which);

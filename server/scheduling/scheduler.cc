@@ -1,6 +1,7 @@
 #include "server/scheduling/scheduler.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <mutex>
 #include <optional>
@@ -63,7 +64,10 @@ void Scheduler::SubmitAll(std::vector<Job> jobs) {
       const absl::Time now = absl::Now();
       for (Job& job : jobs) queue_.emplace_back(std::move(job), now);
       if (on_queue_depth_) on_queue_depth_(static_cast<int>(queue_.size()));
-      if (jobs.size() == 1) {
+      submissions_.fetch_add(1, std::memory_order_release);
+      if (spinning_ && jobs.size() == 1) {
+        // The spinning worker takes it: it checks the queue under mu_ before it could sleep.
+      } else if (jobs.size() == 1) {
         work_or_stopping_.notify_one();
       } else {
         work_or_stopping_.notify_all();
@@ -79,6 +83,7 @@ void Scheduler::Shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    submissions_.fetch_add(1, std::memory_order_release);  // ends a spin
   }
   work_or_stopping_.notify_all();
   arrivals_.notify_all();
@@ -449,12 +454,33 @@ void Scheduler::WatchdogLoop() {
   }
 }
 
+void Scheduler::Spin(std::unique_lock<std::mutex>& lock) {
+  if (options_.worker_spin <= absl::ZeroDuration() || spinning_ || stopping_ ||
+      (!collecting_ && AnyRunnableLocked())) {
+    return;
+  }
+  spinning_ = true;
+  const uint64_t seen = submissions_.load(std::memory_order_acquire);
+  lock.unlock();
+  const auto until =
+      std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(options_.worker_spin);
+  while (submissions_.load(std::memory_order_acquire) == seen &&
+         std::chrono::steady_clock::now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  lock.lock();
+  spinning_ = false;
+}
+
 void Scheduler::WorkerLoop() {
   while (true) {
     std::vector<Queued> batch;
     std::vector<std::pair<Queued, absl::Status>> dropped;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      Spin(lock);
       // Queued work is finished even when stopping: callers are still waiting for it.
       work_or_stopping_.wait(lock, [this] {
         return (!collecting_ && AnyRunnableLocked()) || (stopping_ && queue_.empty());

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -625,6 +626,30 @@ TEST(SchedulerStopTest, AbortStopsWhatRunsAndAnswersWhatWaits) {
   scheduler.Submit(later.MakeJob());
   ASSERT_TRUE(later.done.HasBeenNotified());
   EXPECT_EQ(later.result.status, absl::UnavailableError("grace period over"));
+}
+
+// With a spin far longer than the test, a job whose wake-up were lost (SubmitAll skips the
+// notify while a worker spins) would wait out the spin, and Shutdown would too: both must not.
+TEST(SchedulerTest, SpinningWorkersTakeEveryJobAndShutdownEndsTheSpin) {
+  const absl::Time start = absl::Now();
+  {
+    Fixture f(1, {.workers = 2, .max_queue = 64, .worker_spin = absl::Seconds(60)});
+    f.ReleaseAll();
+    for (int round = 0; round < 20; ++round) {
+      std::vector<Outcome> outcomes(round % 3 + 1);
+      std::vector<std::thread> senders;
+      for (Outcome& o : outcomes) {
+        senders.emplace_back([&f, &o] { f.scheduler->Submit(o.MakeJob()); });
+      }
+      for (std::thread& t : senders) t.join();
+      for (Outcome& o : outcomes) {
+        o.done.WaitForNotification();
+        EXPECT_TRUE(o.result.status.ok()) << o.result.status;
+      }
+      absl::SleepFor(absl::Microseconds(200 * (round % 4)));  // a worker spins meanwhile
+    }
+  }  // Shutdown
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
 }
 
 }  // namespace

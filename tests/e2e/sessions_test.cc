@@ -269,9 +269,11 @@ std::vector<float> AddEntry(TestSession& s, int64_t hq, int64_t nq, int64_t appe
 
 class SessionsE2E : public SharedServerTest<SessionsE2E> {
  public:
-  // 16 KiB pages: 16 rows of float32 with Hkv 2, D 64, so sequences span many pages.
+  // 16 KiB pages: 16 rows of float32 with Hkv 2, D 64, so sequences span many pages. Idle
+  // workers poll the queue for 200 us before they sleep (--worker_spin_us), as a co-located
+  // decode server's would: every call of the suite goes through the spinning path.
   static std::vector<std::string> ServerFlags() {
-    return {"--backend=cpu", "--threads=2", "--kv_page_bytes=16384"};
+    return {"--backend=cpu", "--threads=2", "--kv_page_bytes=16384", "--worker_spin_us=200"};
   }
 
  protected:
