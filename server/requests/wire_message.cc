@@ -135,19 +135,65 @@ struct WireField {
   int64_t end = 0;          // one past the value
 };
 
+// Where a problem lies, named only when there is one: building the dotted name of every field
+// read ("entries.q.ref.region") cost more than the rest of the walk on a Step of 8 entries by
+// reference (~200 fields). `number` 0 is the top (named `top`, "" for the request itself); else a
+// field of the message at `parent`.
+struct Place {
+  const Place* parent = nullptr;
+  absl::string_view top;
+  const FieldDescriptor* field = nullptr;
+  int number = 0;
+
+  std::string Name() const {
+    if (number == 0) return std::string(top);
+    const std::string own = field != nullptr ? field->name() : absl::StrCat("field ", number);
+    const std::string outer = parent->Name();
+    return outer.empty() ? own : absl::StrCat(outer, ".", own);
+  }
+};
+
 // Reads the fields of one message in place, checking the wire structure.
 class Walker {
  public:
   explicit Walker(const WireBytes& wire) : wire_(wire) {}
 
+  // Checks the fields of [begin, end) as message `type` named `path` (nested messages of known
+  // fields too) and calls `on_field` for each field of this level.
+  absl::Status Walk(
+      int64_t begin, int64_t end, const Descriptor* type, absl::string_view path,
+      absl::FunctionRef<absl::Status(const WireField&, const FieldDescriptor*)> on_field) const {
+    return Walk(begin, end, type, Place{.top = path}, on_field);
+  }
+
+  // Checks every level of [begin, end) as `type`.
+  absl::Status Check(int64_t begin, int64_t end, const Descriptor* type,
+                     absl::string_view path) const {
+    return Check(begin, end, type, Place{.top = path});
+  }
+
+  static absl::Status Error(absl::string_view name, absl::string_view problem) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name.empty() ? "request" : name, ": undecodable bytes: ", problem));
+  }
+  static absl::Status Error(const Place& place, absl::string_view problem) {
+    return Error(place.Name(), problem);
+  }
+
+  static std::string FieldName(absl::string_view path, const FieldDescriptor* field, int number) {
+    const Place top{.top = path};
+    return Place{.parent = &top, .field = field, .number = number}.Name();
+  }
+
+ private:
   // Reads a varint at *pos (< end) into *value and moves *pos past it.
-  absl::Status Varint(int64_t* pos, int64_t end, absl::string_view path, absl::string_view what,
+  absl::Status Varint(int64_t* pos, int64_t end, const Place& place, absl::string_view what,
                       uint64_t* value) const {
     uint64_t result = 0;
     for (int i = 0; i < 10; ++i) {
       if (*pos >= end) {
-        return Error(path, absl::StrCat(what, " is truncated at byte ", *pos,
-                                        " (a varint runs past the end of the message)"));
+        return Error(place, absl::StrCat(what, " is truncated at byte ", *pos,
+                                         " (a varint runs past the end of the message)"));
       }
       const uint8_t byte = wire_.At((*pos)++);
       if (i == 9 && byte > 1) break;  // a 10th byte holds only bit 63
@@ -157,39 +203,37 @@ class Walker {
         return absl::OkStatus();
       }
     }
-    return Error(path, absl::StrCat(what, " at byte ", *pos,
-                                    " is an overlong varint (over 10 bytes or 64 bits)"));
+    return Error(place, absl::StrCat(what, " at byte ", *pos,
+                                     " is an overlong varint (over 10 bytes or 64 bits)"));
   }
 
-  // Checks the fields of [begin, end) as message `type` (nested messages of known fields too) and
-  // calls `on_field` for each field of this level.
   absl::Status Walk(
-      int64_t begin, int64_t end, const Descriptor* type, absl::string_view path,
+      int64_t begin, int64_t end, const Descriptor* type, const Place& at,
       absl::FunctionRef<absl::Status(const WireField&, const FieldDescriptor*)> on_field) const {
     int64_t pos = begin;
     while (pos < end) {
       WireField f;
       f.begin = pos;
       uint64_t tag = 0;
-      RETURN_IF_ERROR(Varint(&pos, end, path, "a field's tag", &tag));
+      RETURN_IF_ERROR(Varint(&pos, end, at, "a field's tag", &tag));
       f.number = static_cast<int>(std::min<uint64_t>(tag >> 3, uint64_t{1} << 30));
       f.wire_type = static_cast<int>(tag & 7);
       if (f.number == 0 || f.number > FieldDescriptor::kMaxNumber) {
-        return Error(path,
+        return Error(at,
                      absl::StrCat("field number ", tag >> 3, " at byte ", f.begin,
                                   " is invalid (expected 1..", FieldDescriptor::kMaxNumber, ")"));
       }
       const FieldDescriptor* field = type->FindFieldByNumber(f.number);
-      const std::string name = FieldName(path, field, f.number);
+      const Place here{.parent = &at, .field = field, .number = f.number};
       if (f.wire_type == kStartGroup || f.wire_type == kEndGroup || f.wire_type > kFixed32) {
-        return Error(name, absl::StrCat("wire type ", WireTypeString(f.wire_type),
+        return Error(here, absl::StrCat("wire type ", WireTypeString(f.wire_type),
                                         " is not used by attention.v1"));
       }
       if (field != nullptr) {
         const int expected = WireTypeOf(field);
         const bool packed = field->is_packable() && f.wire_type == kLengthDelimited;
         if (f.wire_type != expected && !packed) {
-          return Error(name, absl::StrCat("expected wire type ", WireTypeString(expected),
+          return Error(here, absl::StrCat("expected wire type ", WireTypeString(expected),
                                           field->is_packable() ? " or 2 (packed)" : "", ", got ",
                                           WireTypeString(f.wire_type)));
         }
@@ -198,23 +242,23 @@ class Walker {
       switch (f.wire_type) {
         case kVarint:
           f.value_begin = pos;
-          RETURN_IF_ERROR(Varint(&pos, end, name, "the value", &value));
+          RETURN_IF_ERROR(Varint(&pos, end, here, "the value", &value));
           break;
         case kFixed64:
         case kFixed32: {
           const int64_t size = f.wire_type == kFixed64 ? 8 : 4;
           f.value_begin = pos;
           if (end - pos < size) {
-            return Error(name, absl::StrCat("truncated: a ", size, "-byte value at byte ", pos,
+            return Error(here, absl::StrCat("truncated: a ", size, "-byte value at byte ", pos,
                                             ", ", end - pos, " bytes left"));
           }
           pos += size;
           break;
         }
         case kLengthDelimited: {
-          RETURN_IF_ERROR(Varint(&pos, end, name, "the length", &value));
+          RETURN_IF_ERROR(Varint(&pos, end, here, "the length", &value));
           if (value > static_cast<uint64_t>(end - pos)) {
-            return Error(name, absl::StrCat("truncated: length ", value, " at byte ", pos,
+            return Error(here, absl::StrCat("truncated: length ", value, " at byte ", pos,
                                             " runs past the end of its message (", end - pos,
                                             " bytes left)"));
           }
@@ -224,49 +268,44 @@ class Walker {
         }
       }
       f.end = pos;
-      if (field != nullptr) RETURN_IF_ERROR(CheckValue(f, field, name));
+      if (field != nullptr) RETURN_IF_ERROR(CheckValue(f, field, here));
       RETURN_IF_ERROR(on_field(f, field));
     }
     return absl::OkStatus();
   }
 
-  // Checks every level of [begin, end) as `type`.
-  absl::Status Check(int64_t begin, int64_t end, const Descriptor* type,
-                     absl::string_view path) const {
-    return Walk(begin, end, type, path,
+  absl::Status Check(int64_t begin, int64_t end, const Descriptor* type, const Place& at) const {
+    return Walk(begin, end, type, at,
                 [](const WireField&, const FieldDescriptor*) { return absl::OkStatus(); });
   }
 
-  static absl::Status Error(absl::string_view name, absl::string_view problem) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name.empty() ? "request" : name, ": undecodable bytes: ", problem));
-  }
-
-  static std::string FieldName(absl::string_view path, const FieldDescriptor* field, int number) {
-    const std::string own = field != nullptr ? field->name() : absl::StrCat("field ", number);
-    return path.empty() ? own : absl::StrCat(path, ".", own);
-  }
-
- private:
   // Checks the value of known field `field`: strings are UTF-8, messages are walked, packed
   // repeated scalars hold whole values.
   absl::Status CheckValue(const WireField& f, const FieldDescriptor* field,
-                          absl::string_view name) const {
+                          const Place& here) const {
     if (f.wire_type != kLengthDelimited) return absl::OkStatus();
     const int64_t size = f.end - f.value_begin;
     switch (field->type()) {
       case FieldDescriptor::TYPE_STRING: {
-        const std::string text = wire_.Substr(f.value_begin, size);
+        // In place when the string lies in one piece of the wire (nearly always), else a copy.
+        absl::string_view text = wire_.PieceFrom(f.value_begin);
+        std::string joined;
+        if (static_cast<int64_t>(text.size()) >= size) {
+          text = text.substr(0, size);
+        } else {
+          joined = wire_.Substr(f.value_begin, size);
+          text = joined;
+        }
         if (!google::protobuf::internal::IsStructurallyValidUTF8(text.data(),
                                                                  static_cast<int>(text.size()))) {
-          return Error(name, "expected a UTF-8 string, got bytes that are not valid UTF-8");
+          return Error(here, "expected a UTF-8 string, got bytes that are not valid UTF-8");
         }
         return absl::OkStatus();
       }
       case FieldDescriptor::TYPE_BYTES:
         return absl::OkStatus();
       case FieldDescriptor::TYPE_MESSAGE:
-        return Check(f.value_begin, f.end, field->message_type(), name);
+        return Check(f.value_begin, f.end, field->message_type(), here);
       default:
         break;  // packed scalars
     }
@@ -274,14 +313,14 @@ class Walker {
     if (element == kFixed32 || element == kFixed64) {
       const int64_t width = element == kFixed32 ? 4 : 8;
       if (size % width != 0) {
-        return Error(name, absl::StrCat("packed ", width, "-byte values in ", size,
+        return Error(here, absl::StrCat("packed ", width, "-byte values in ", size,
                                         " bytes (not a multiple of ", width, ")"));
       }
       return absl::OkStatus();
     }
     for (int64_t pos = f.value_begin; pos < f.end;) {
       uint64_t value = 0;
-      RETURN_IF_ERROR(Varint(&pos, f.end, name, "a packed value", &value));
+      RETURN_IF_ERROR(Varint(&pos, f.end, here, "a packed value", &value));
     }
     return absl::OkStatus();
   }

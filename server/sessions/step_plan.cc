@@ -47,16 +47,16 @@ DecodePlan::DecodePlan(const DecodeKey& key, std::vector<DecodeSequence> seqs)
     return;
   }
   // Packed: sequence s's [Hq, Nq_s, D] rows start at row cu_seqlens_q[s] of [total_q].
-  q_packed_.resize(total_q * row_bytes_);
+  q_packed_ = std::make_unique_for_overwrite<char[]>(total_q * row_bytes_);
   for (int64_t s = 0; s < n; ++s) {
-    std::memcpy(q_packed_.data() + cu_seqlens_q_[s] * row_bytes_, seqs_[s].q,
+    std::memcpy(q_packed_.get() + cu_seqlens_q_[s] * row_bytes_, seqs_[s].q,
                 seqs_[s].rows_q * row_bytes_);
   }
-  o_packed_.resize(total_q * row_bytes_);
-  if (key_.lse) lse_packed_.resize(total_q * key_.heads_q);
-  p.q = q_packed_.data();
-  p.o = o_packed_.data();
-  p.lse = key_.lse ? lse_packed_.data() : nullptr;
+  o_packed_ = std::make_unique_for_overwrite<char[]>(total_q * row_bytes_);
+  if (key_.lse) lse_packed_ = std::make_unique_for_overwrite<float[]>(total_q * key_.heads_q);
+  p.q = q_packed_.get();
+  p.o = o_packed_.get();
+  p.lse = lse_packed_.get();
 }
 
 double DecodeFlops(const DecodeKey& key, const DecodeSequence& seq) {
@@ -69,9 +69,9 @@ void DecodePlan::Unpack() const {
   if (seqs_.size() == 1) return;  // written in place
   for (size_t s = 0; s < seqs_.size(); ++s) {
     const DecodeSequence& seq = seqs_[s];
-    std::memcpy(seq.o, o_packed_.data() + cu_seqlens_q_[s] * row_bytes_, seq.rows_q * row_bytes_);
+    std::memcpy(seq.o, o_packed_.get() + cu_seqlens_q_[s] * row_bytes_, seq.rows_q * row_bytes_);
     if (key_.lse) {
-      std::memcpy(seq.lse, lse_packed_.data() + cu_seqlens_q_[s] * key_.heads_q,
+      std::memcpy(seq.lse, lse_packed_.get() + cu_seqlens_q_[s] * key_.heads_q,
                   seq.rows_q * key_.heads_q * sizeof(float));
     }
   }

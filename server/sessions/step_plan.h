@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -60,12 +61,14 @@ class DecodePlan {
  private:
   const DecodeKey key_;
   const std::vector<DecodeSequence> seqs_;
-  int64_t row_bytes_ = 0;                  // one query row of all heads: Hq * D * dtype size
-  std::vector<int32_t> cu_seqlens_q_;      // [seqs + 1]
-  std::vector<int32_t> seqlens_k_;         // [seqs]
-  std::vector<int32_t> page_table_;        // [seqs, stride], unused pages 0
-  std::vector<char> q_packed_, o_packed_;  // [total_q, Hq, D] when packed
-  std::vector<float> lse_packed_;          // [total_q, Hq] when packed
+  int64_t row_bytes_ = 0;              // one query row of all heads: Hq * D * dtype size
+  std::vector<int32_t> cu_seqlens_q_;  // [seqs + 1]
+  std::vector<int32_t> seqlens_k_;     // [seqs]
+  std::vector<int32_t> page_table_;    // [seqs, stride], unused pages 0
+  // Allocated without being zeroed (every byte of q is copied in, o and lse are written by the
+  // launch): zero-filling o and q was a third of a Step's plan.
+  std::unique_ptr<char[]> q_packed_, o_packed_;  // [total_q, Hq, D] when packed
+  std::unique_ptr<float[]> lse_packed_;          // [total_q, Hq] when packed
   PagedDecodeParams params_;
 };
 
