@@ -183,15 +183,38 @@ void Metrics::RequestStarted() { inflight_.Increment(); }
 void Metrics::RequestFinished(absl::string_view rpc, absl::StatusCode code, absl::Duration elapsed,
                               int64_t request_bytes, int64_t response_bytes) {
   inflight_.Decrement();
-  const std::string rpc_label(rpc);
-  // absl's code names are gRPC's canonical names ("OK", "INVALID_ARGUMENT", ...).
-  requests_.Add({{"rpc", rpc_label}, {"code", absl::StatusCodeToString(code)}}).Increment();
-  request_duration_.Add({{"rpc", rpc_label}}, SecondsBuckets())
-      .Observe(absl::ToDoubleSeconds(elapsed));
-  request_bytes_.Add({{"rpc", rpc_label}}, BytesBuckets())
-      .Observe(static_cast<double>(request_bytes));
-  response_bytes_.Add({{"rpc", rpc_label}}, BytesBuckets())
-      .Observe(static_cast<double>(response_bytes));
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  RpcMetrics& m = ForRpc(rpc);
+  prometheus::Counter*& requests = m.requests[code];
+  if (requests == nullptr) {
+    // absl's code names are gRPC's canonical names ("OK", "INVALID_ARGUMENT", ...).
+    requests =
+        &requests_.Add({{"rpc", std::string(rpc)}, {"code", absl::StatusCodeToString(code)}});
+  }
+  requests->Increment();
+  m.duration->Observe(absl::ToDoubleSeconds(elapsed));
+  m.request_bytes->Observe(static_cast<double>(request_bytes));
+  m.response_bytes->Observe(static_cast<double>(response_bytes));
+}
+
+Metrics::RpcMetrics& Metrics::ForRpc(absl::string_view rpc) {
+  auto it = rpc_metrics_.find(rpc);
+  if (it != rpc_metrics_.end()) return it->second;
+  const prometheus::Labels labels = {{"rpc", std::string(rpc)}};
+  return rpc_metrics_
+      .emplace(rpc, RpcMetrics{.duration = &request_duration_.Add(labels, SecondsBuckets()),
+                               .request_bytes = &request_bytes_.Add(labels, BytesBuckets()),
+                               .response_bytes = &response_bytes_.Add(labels, BytesBuckets())})
+      .first->second;
+}
+
+Metrics::DeviceMetrics& Metrics::ForDevice(const std::string& device) {
+  auto it = device_metrics_.find(device);
+  if (it != device_metrics_.end()) return it->second;
+  const prometheus::Labels labels = {{"device", device}};
+  return device_metrics_
+      .emplace(device, DeviceMetrics{.flops = &flops_.Add(labels), .tokens = &tokens_.Add(labels)})
+      .first->second;
 }
 
 void Metrics::StagesObserved(absl::Duration queued, const StageTimes& stages) {
@@ -203,13 +226,17 @@ void Metrics::StagesObserved(absl::Duration queued, const StageTimes& stages) {
 
 void Metrics::Computed(const std::string& device, double flops, int64_t query_tokens,
                        int launch_size) {
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  DeviceMetrics& m = ForDevice(device);
   if (launch_size > 0) {
-    batch_size_
-        .Add({{"device", device}}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64})
-        .Observe(launch_size);
+    if (m.batch_size == nullptr) {
+      m.batch_size = &batch_size_.Add(
+          {{"device", device}}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64});
+    }
+    m.batch_size->Observe(launch_size);
   }
-  flops_.Add({{"device", device}}).Increment(flops);
-  tokens_.Add({{"device", device}}).Increment(static_cast<double>(query_tokens));
+  m.flops->Increment(flops);
+  m.tokens->Increment(static_cast<double>(query_tokens));
 }
 
 void Metrics::SetQueueDepth(int depth) { queue_depth_.Set(depth); }
@@ -230,8 +257,12 @@ void Metrics::SetKvCache(const std::string& device, int64_t sessions, int64_t re
 void Metrics::SessionsExpired(int count) { session_expirations_->Increment(count); }
 
 void Metrics::DecodeStepObserved(const std::string& device, absl::Duration elapsed) {
-  decode_step_duration_->Add({{"device", device}}, SecondsBuckets())
-      .Observe(absl::ToDoubleSeconds(elapsed));
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  prometheus::Histogram*& duration = ForDevice(device).decode_step_duration;
+  if (duration == nullptr) {
+    duration = &decode_step_duration_->Add({{"device", device}}, SecondsBuckets());
+  }
+  duration->Observe(absl::ToDoubleSeconds(elapsed));
 }
 
 std::unique_ptr<Metrics::SchedulerWatch> Metrics::Watch(const Scheduler& scheduler,
