@@ -65,6 +65,7 @@
 #include "absl/synchronization/mutex.h"
 #include "bench/echo/echo.grpc.pb.h"
 #include "client/attention_client.h"
+#include "client/polled_stream.h"
 #include "client/request_builder.h"
 #include "client/session.h"
 #include "client/shared_memory.h"
@@ -111,7 +112,9 @@ ABSL_FLAG(std::string, rpc, "unary",
 ABSL_FLAG(std::string, stream_api, "callback",
           "--rpc=stream on gRPC's callback API (reactions on gRPC's threads) | sync (a thread per "
           "stream that writes each request and blocks reading its response, polling the "
-          "connection itself, as a synchronous model process calls)");
+          "connection itself, as a synchronous model process calls) | poll (as sync, on the async "
+          "API: the thread polls its completion queue without sleeping, so no wake-up comes "
+          "between the response's arrival and its read; one busy core per stream)");
 ABSL_FLAG(bool, shm, false,
           "q, k, v (decode: each entry's q and new K/V rows) and o in a POSIX shared-memory object "
           "registered with the server (which needs --allow_shared_memory; one --target), sent by "
@@ -142,8 +145,8 @@ struct LoadSettings {
   int64_t requests = 0;
   double warmup_s = 1;
   bool stream = false;
-  bool sync_stream = false;   // --stream_api=sync
-  std::string rpc = "unary";  // unary, stream or chunked
+  std::string stream_api = "callback";  // --stream_api
+  std::string rpc = "unary";            // unary, stream or chunked
   int connections = 1;
   absl::Duration deadline = absl::Seconds(60);
   bool progress = true;
@@ -259,6 +262,10 @@ struct Rpcs {
   std::function<void(grpc::ClientContext*, grpc::ClientBidiReactor<Req, Resp>*)> stream;
   std::function<std::unique_ptr<grpc::ClientReaderWriter<Req, Resp>>(grpc::ClientContext*)>
       sync_stream;
+  // The stub's PrepareAsync call of the stream (--stream_api=poll).
+  std::function<std::unique_ptr<grpc::ClientAsyncReaderWriter<Req, Resp>>(grpc::ClientContext*,
+                                                                          grpc::CompletionQueue*)>
+      async_stream;
   std::function<int64_t(const Resp&)> response_bytes;
   std::function<v1::ServerTiming(const Resp&)> timing;
   std::function<double(const Resp&)> flops;
@@ -424,13 +431,19 @@ class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> 
 // API runs each reaction on one of gRPC's). In a closed loop (`restamp`) a request's latency
 // counts from this thread's write (Completion::written): the wake-up from Send is the bench's own
 // hop, which a synchronous caller does not have. Its `start` still says warmup or measured.
+// `poll`: the same on gRPC's async API, the thread polling its own completion queue instead of
+// sleeping until the response comes (client/polled_stream.h).
 template <class Req, class Resp>
 class SyncStreamSlot final : public Slot {
  public:
   SyncStreamSlot(absl::Span<const Req> requests, const Rpcs<Req, Resp>& rpcs, bool restamp,
-                 DoneFn done)
+                 bool poll, DoneFn done)
       : requests_(requests), rpcs_(rpcs), restamp_(restamp), done_(std::move(done)) {
-    stream_ = rpcs_.sync_stream(&context_);
+    if (poll) {
+      polled_ = client::PolledStream<Req, Resp>::Start(rpcs_.async_stream, &context_);
+    } else {
+      stream_ = rpcs_.sync_stream(&context_);
+    }
     thread_ = std::thread([this] { Loop(); });
   }
   ~SyncStreamSlot() override { Close(); }
@@ -468,8 +481,8 @@ class SyncStreamSlot final : public Slot {
       if (restamp_) written = Clock::now();
       const Req& request = requests_[next_];
       next_ = (next_ + 1) % requests_.size();
-      if (!stream_->Write(request) || !stream_->Read(&response_)) {
-        const grpc::Status status = stream_->Finish();
+      if (!Write(request) || !Read(&response_)) {
+        const grpc::Status status = Finish();
         Completion c{start, status.ok() ? grpc::Status(grpc::StatusCode::DATA_LOSS,
                                                        "stream ended without a response")
                                         : status};
@@ -482,9 +495,18 @@ class SyncStreamSlot final : public Slot {
       c.written = written;
       done_(this, c, /*retire=*/false);
     }
-    stream_->WritesDone();
-    stream_->Finish().ok();  // the server ends the stream OK once the client half-closes
+    if (polled_) {
+      polled_->WritesDone();
+    } else {
+      stream_->WritesDone();
+    }
+    Finish().ok();  // the server ends the stream OK once the client half-closes
   }
+  bool Write(const Req& request) {
+    return polled_ ? polled_->Write(request) : stream_->Write(request);
+  }
+  bool Read(Resp* response) { return polled_ ? polled_->Read(response) : stream_->Read(response); }
+  grpc::Status Finish() { return polled_ ? polled_->Finish() : stream_->Finish(); }
 
   const absl::Span<const Req> requests_;
   size_t next_ = 0;  // used by the slot's thread only
@@ -492,7 +514,8 @@ class SyncStreamSlot final : public Slot {
   const bool restamp_;
   DoneFn done_;
   grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<Req, Resp>> stream_;
+  std::unique_ptr<grpc::ClientReaderWriter<Req, Resp>> stream_;  // or
+  std::unique_ptr<client::PolledStream<Req, Resp>> polled_;
   Resp response_;
   std::mutex mu_;  // guards the three below
   std::condition_variable wake_;
@@ -506,9 +529,9 @@ class SyncStreamSlot final : public Slot {
 template <class Req, class Resp>
 std::unique_ptr<Slot> MakeStreamSlot(absl::Span<const Req> requests, const Rpcs<Req, Resp>& rpcs,
                                      const LoadSettings& load, Slot::DoneFn done) {
-  if (load.sync_stream) {
+  if (load.stream_api != "callback") {
     return std::make_unique<SyncStreamSlot<Req, Resp>>(requests, rpcs, !load.rate.has_value(),
-                                                       std::move(done));
+                                                       load.stream_api == "poll", std::move(done));
   }
   return std::make_unique<StreamSlot<Req, Resp>>(requests, rpcs, std::move(done));
 }
@@ -771,7 +794,7 @@ std::string ConfigJson(const ProblemSpec& spec, const LoadSettings& load) {
       spec.seqlen_k, DTypeName(spec.dtype), spec.layout == v1::LAYOUT_BSHD ? "bshd" : "bhsd",
       spec.causal ? "true" : "false", spec.return_lse ? "true" : "false", load.concurrency,
       load.rate ? absl::StrCat(*load.rate) : "null", load.duration_s, load.requests, load.warmup_s,
-      load.connections, load.sync_stream ? "sync" : "callback");
+      load.connections, load.stream_api.c_str());
 }
 
 // The results of every run (one per --concurrency value), printed together at the end so that
@@ -960,6 +983,9 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
     session_client.stub().async()->StepStream(c, r);
   };
   rpcs.sync_stream = [&](grpc::ClientContext* c) { return session_client.stub().StepStream(c); };
+  rpcs.async_stream = [&](grpc::ClientContext* c, grpc::CompletionQueue* cq) {
+    return session_client.stub().PrepareAsyncStepStream(c, cq);
+  };
   rpcs.response_bytes = [](const v1::StepResponse& r) {
     int64_t bytes = 0;
     for (const v1::StepResult& result : r.results()) {
@@ -1072,7 +1098,7 @@ int Main() {
   load.warmup_s = absl::GetFlag(FLAGS_warmup_s);
   load.stream = rpc == "stream";
   const std::string stream_api = absl::GetFlag(FLAGS_stream_api);
-  load.sync_stream = stream_api == "sync";
+  load.stream_api = stream_api;
   load.rpc = rpc;
   load.connections = absl::GetFlag(FLAGS_connections);
   load.deadline = absl::Seconds(absl::GetFlag(FLAGS_deadline_s));
@@ -1083,8 +1109,8 @@ int Main() {
     std::fprintf(stderr, "attn_bench: --connections and --chunk_mb must be > 0\n");
     return 2;
   }
-  if (stream_api != "callback" && stream_api != "sync") {
-    std::fprintf(stderr, "attn_bench: --stream_api must be callback or sync, got %s\n",
+  if (stream_api != "callback" && stream_api != "sync" && stream_api != "poll") {
+    std::fprintf(stderr, "attn_bench: --stream_api must be callback, sync or poll, got %s\n",
                  stream_api.c_str());
     return 2;
   }
@@ -1193,6 +1219,9 @@ int Main() {
       echo_stub->async()->EchoStream(c, r);
     };
     echo_rpcs.sync_stream = [&](grpc::ClientContext* c) { return echo_stub->EchoStream(c); };
+    echo_rpcs.async_stream = [&](grpc::ClientContext* c, grpc::CompletionQueue* cq) {
+      return echo_stub->PrepareAsyncEchoStream(c, cq);
+    };
     echo_rpcs.response_bytes = [](const bench::EchoReply& r) {
       return static_cast<int64_t>(r.o().size());
     };
@@ -1238,6 +1267,9 @@ int Main() {
         stub->async()->AttendStream(c, a);
       };
       r.sync_stream = [stub](grpc::ClientContext* c) { return stub->AttendStream(c); };
+      r.async_stream = [stub](grpc::ClientContext* c, grpc::CompletionQueue* cq) {
+        return stub->PrepareAsyncAttendStream(c, cq);
+      };
       r.response_bytes = [](const v1::AttendResponse& a) {
         return static_cast<int64_t>(a.o().data().size() + a.lse().data().size());
       };

@@ -1,8 +1,10 @@
 // attn_echo_client: the bare round trip of one EchoStream message at a time (write one request,
 // read its reply, repeat), on gRPC's callback API (as attn_bench: reactions on gRPC's threads,
-// the sender woken by them) or its synchronous API (the sending thread blocks in Write and Read
-// and polls the connection itself). With attn_echo_server's --sync and --unix_socket this sets the
-// transport's variants side by side (bench/echo/run_latency.sh); prints one JSON line.
+// the sender woken by them), its synchronous API (the sending thread blocks in Write and Read
+// and polls the connection itself) or, with --api=poll, its async API with the sending thread
+// polling its own completion queue without sleeping (client/polled_stream.h). With
+// attn_echo_server's --sync and --unix_socket this sets the transport's variants side by side
+// (bench/echo/run_latency.sh); prints one JSON line.
 //
 //   attn_echo_client --target=unix:/tmp/echo.sock --api=sync --q_bytes=131072 --kv_bytes=131072
 #include <algorithm>
@@ -20,10 +22,13 @@
 #include "absl/flags/usage_config.h"
 #include "absl/synchronization/mutex.h"
 #include "bench/echo/echo.grpc.pb.h"
+#include "client/polled_stream.h"
 #include "grpcpp/grpcpp.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50061", "The attn_echo_server (host:port or unix:PATH).");
-ABSL_FLAG(std::string, api, "callback", "callback | sync: the client API of the stream.");
+ABSL_FLAG(std::string, api, "callback",
+          "callback | sync | poll: the client API of the stream (poll: the async API, the sending "
+          "thread polling its completion queue without sleeping; client/polled_stream.h).");
 ABSL_FLAG(int64_t, q_bytes, 131072, "Bytes of q in each request (the reply carries as many).");
 ABSL_FLAG(int64_t, kv_bytes, 131072, "Bytes of each of k and v in each request.");
 ABSL_FLAG(double, warmup_s, 0.5, "Round trips before the measurement, seconds.");
@@ -83,8 +88,9 @@ class CallbackStream final : public grpc::ClientBidiReactor<EchoRequest, EchoRep
 
 int Run() {
   const std::string api = absl::GetFlag(FLAGS_api);
-  if (api != "callback" && api != "sync") {
-    std::fprintf(stderr, "attn_echo_client: --api must be callback or sync, got %s\n", api.c_str());
+  if (api != "callback" && api != "sync" && api != "poll") {
+    std::fprintf(stderr, "attn_echo_client: --api must be callback, sync or poll, got %s\n",
+                 api.c_str());
     return 2;
   }
   grpc::ChannelArguments args;
@@ -101,14 +107,22 @@ int Run() {
   std::unique_ptr<CallbackStream> callback;
   grpc::ClientContext sync_context;
   std::unique_ptr<grpc::ClientReaderWriter<EchoRequest, EchoReply>> sync;
+  std::unique_ptr<client::PolledStream<EchoRequest, EchoReply>> polled;
   EchoReply reply;
   if (api == "callback") {
     callback = std::make_unique<CallbackStream>(stub.get());
+  } else if (api == "poll") {
+    polled = client::PolledStream<EchoRequest, EchoReply>::Start(
+        [&](grpc::ClientContext* c, grpc::CompletionQueue* cq) {
+          return stub->PrepareAsyncEchoStream(c, cq);
+        },
+        &sync_context);
   } else {
     sync = stub->EchoStream(&sync_context);
   }
   auto round_trip = [&] {
     if (callback) return callback->RoundTrip(request);
+    if (polled) return polled->Write(request) && polled->Read(&reply);
     return sync->Write(request) && sync->Read(&reply);
   };
   const auto seconds = [](double s) {
@@ -129,6 +143,9 @@ int Run() {
   }
   if (callback) {
     callback->Close();
+  } else if (polled) {
+    polled->WritesDone();
+    polled->Finish().ok();
   } else {
     sync->WritesDone();
     sync->Finish().ok();  // the server ends the stream OK once the client half-closes

@@ -64,7 +64,8 @@ class AttnBenchTest(unittest.TestCase):
         self.assertLessEqual(result["p99"], result["max"])
 
     def test_unary_and_stream_with_echo(self):
-        for rpc, api in (("unary", "callback"), ("stream", "callback"), ("stream", "sync")):
+        for rpc, api in (("unary", "callback"), ("stream", "callback"), ("stream", "sync"),
+                         ("stream", "poll")):
             r = self.bench(f"--target=127.0.0.1:{self.port}",
                            f"--echo_target=127.0.0.1:{self.echo_port}", f"--rpc={rpc}",
                            f"--stream_api={api}", "--concurrency=4", "--requests=40")

@@ -56,7 +56,7 @@ class AttnBenchDecodeTest(unittest.TestCase):
         self.assertIn("dropped 6 sessions, 0 failed", out)
 
     def test_decode_steps_over_step_streams(self):
-        for api in ("callback", "sync"):
+        for api in ("callback", "sync", "poll"):
             out, r = self.bench("--sessions=4", "--nk=100", "--shape=2,4,1,32", "--kv_heads=2",
                                 "--dtype=bfloat16", "--causal", "--rpc=stream", "--concurrency=2",
                                 f"--stream_api={api}", "--requests=30")
