@@ -7,11 +7,12 @@
 # 1. The bare transport: attn_echo_client, one EchoStream message at a time, of a Step's bytes
 #    (64 KiB of q and 2 x 16 KiB of new K/V in, 64 KiB out) and of the small Attend's (3 x 128 KiB
 #    in, 128 KiB out), against attn_echo_server on gRPC's callback API and on its sync API, over
-#    TCP loopback and a Unix domain socket, from a client on the callback API and on the sync API.
+#    TCP loopback and a Unix domain socket, from a client on the callback API, on the sync API and
+#    polling (the async API, its thread polling its completion queue without sleeping).
 # 2. StepStream, 8 sessions x 32k rows, bf16, Hq 32, Hkv 8, D 128, one query each, causal, each
 #    Step appending its token, one Step in flight (target p50 <= kernel + 100 us) and four (target
 #    >= 1.5 x 3,233 Steps/s), over TCP and the Unix socket (--unix_socket), from attn_bench on
-#    either client API (--stream_api), with where the time goes (ServerTiming).
+#    each client API (--stream_api), with where the time goes (ServerTiming).
 # 3. Small Attend (1x8x128x64 fp16) on AttendStream, one in flight, against the echo server's
 #    EchoStream on the same transport and client API (target p50 <= echo p50 + 50 us).
 # 4. On a server that serves shared memory, over TCP (shared memory is not served on a Unix socket
@@ -50,7 +51,7 @@ for size in "step 65536 16384" "small 131072 131072" "empty 64 64"; do
     for transport in tcp unix; do
       t=${!tcp_var}
       [[ $transport == unix ]] && t=unix:$dir/echo_$server.sock
-      for api in callback sync; do
+      for api in callback sync poll; do
         keep "echo_${what}_${server}_${transport}_${api}" "$("$bin/attn_echo_client" --target="$t" \
           --api="$api" --q_bytes="$q" --kv_bytes="$kv" --warmup_s=0.3 --duration_s=1 \
           2>>"$out/echo_client.log")"
@@ -67,7 +68,7 @@ for size in "step 65536 16384" "empty 64 64"; do
   for transport in tcp unix; do
     t=$echo_delay_target
     [[ $transport == unix ]] && t=unix:$dir/echo_delay.sock
-    for api in callback sync; do
+    for api in callback sync poll; do
       keep "echo_${what}_delay_${transport}_${api}" "$("$bin/attn_echo_client" --target="$t" \
         --api="$api" --q_bytes="$q" --kv_bytes="$kv" --warmup_s=0.3 --duration_s=1 \
         2>>"$out/echo_client.log")"
@@ -86,7 +87,7 @@ small=(--shape=1,8,128,64 --dtype=float16 --concurrency=1 --warmup_s=0.5 --durat
 for transport in tcp unix; do
   t=$server_target e=$echo_cb_target
   [[ $transport == unix ]] && t=unix:$dir/server.sock e=unix:$dir/echo_cb.sock
-  for api in callback sync; do
+  for api in callback sync poll; do
     # One line per concurrency, 1 then 4.
     lines=$("$bin/attn_bench" --target="$t" --stream_api="$api" --progress=false --json \
       "${decode[@]}" 2>"$out/step_${transport}_$api.log" | tail -2)
@@ -101,7 +102,7 @@ stop_server "$server_pid"
 
 # 4. StepStream by reference and CUDA IPC Attend, on a server that serves shared memory (TCP only).
 start_attention ipc_server --allow_shared_memory --max_message_mb=2047
-for api in callback sync; do
+for api in callback sync poll; do
   keep "step_shm_tcp_${api}_c1" "$("$bin/attn_bench" --target="$ipc_server_target" --shm \
     --stream_api="$api" --progress=false --json "${decode[@]/--concurrency=1,4/--concurrency=1}" \
     2>"$out/step_shm_tcp_$api.log" | tail -1)"
@@ -115,7 +116,7 @@ stop_server "$ipc_server_pid"
 spin_us=${SPIN_US:-1000}
 start_attention spin_server --allow_shared_memory --max_message_mb=2047 \
   --worker_spin_us="$spin_us"
-for api in callback sync; do
+for api in callback sync poll; do
   keep "step_spin_tcp_${api}_c1" "$("$bin/attn_bench" --target="$spin_server_target" \
     --stream_api="$api" --progress=false --json "${decode[@]/--concurrency=1,4/--concurrency=1}" \
     2>"$out/step_spin_tcp_$api.log" | tail -1)"
@@ -133,8 +134,9 @@ from colo_table import breakdown, load
 
 r, ok = load(sys.argv[1])
 
-variants = [(t, a) for t in ("tcp", "unix") for a in ("callback", "sync")]
-head = ["TCP, callback client", "TCP, sync client", "Unix, callback client", "Unix, sync client"]
+variants = [(t, a) for t in ("tcp", "unix") for a in ("callback", "sync", "poll")]
+head = [f"{'TCP' if t == 'tcp' else 'Unix'}, {a} client" for t, a in variants]
+rest = [""] * (len(variants) - 1)  # the cells of a row measured once
 rows = []
 for what, size in (("step", "Step's bytes"), ("small", "small Attend's bytes"),
                    ("empty", "64-byte tensors")):
@@ -225,9 +227,9 @@ for key, server in (("ipc", ""), ("ipc_spin", f", --worker_spin_us={sys.argv[4]}
         rows.append([f"CUDA IPC Attend bf16 4x16x4096x128 (TCP{server}): p50",
                      f"{ipc['p50_ms']:.3f} ms = kernel {ipc['compute_us_p50']:.0f} + {extra:.0f} us"
                      f" (server {ipc['server_total_us_p50']:.0f} us)",
-                     "", "", "", "<= kernel + 100 us", "yes" if extra <= 100 else "NO"])
+                     *rest, "<= kernel + 100 us", "yes" if extra <= 100 else "NO"])
     else:
-        rows.append([f"CUDA IPC Attend (TCP{server})", str(r.get(key)), "", "", "",
+        rows.append([f"CUDA IPC Attend (TCP{server})", str(r.get(key)), *rest,
                      "<= kernel + 100 us", "NO"])
 
 print("\nWhere a Step's p50 goes (one in flight):")

@@ -46,6 +46,10 @@ ABSL_FLAG(int, reply_delay_us, 0,
           "Callback API, EchoStream: write each reply this long after its request was read, from "
           "a thread that spins meanwhile (a stand-in for a job run by a worker).");
 
+ABSL_FLAG(bool, read_ahead, false,
+          "Callback API, EchoStream: start the next read as soon as a request is read, before "
+          "its reply is written, as the attention server does.");
+
 namespace attention::bench {
 namespace {
 
@@ -100,7 +104,8 @@ class DelayedReplies {
 class EchoService final : public Echo::CallbackService {
  public:
   // `delayed`: where EchoStream's replies wait, or null to write them at once.
-  explicit EchoService(DelayedReplies* delayed) : delayed_(delayed) {}
+  EchoService(DelayedReplies* delayed, bool read_ahead)
+      : delayed_(delayed), read_ahead_(read_ahead) {}
 
  private:
   grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* context, const EchoRequest* request,
@@ -112,43 +117,66 @@ class EchoService final : public Echo::CallbackService {
   }
 
   // Read one request, write its reply, repeat until the client half-closes.
+  // With `read_ahead`, the next read is started as soon as a request is read, before its reply
+  // is written (as the attention server's streams do), instead of after the write.
   class StreamReactor final : public grpc::ServerBidiReactor<EchoRequest, EchoReply> {
    public:
-    explicit StreamReactor(DelayedReplies* delayed) : delayed_(delayed) { StartRead(&request_); }
+    StreamReactor(DelayedReplies* delayed, bool read_ahead)
+        : delayed_(delayed), read_ahead_(read_ahead) {
+      StartRead(&request_);
+    }
 
    private:
     void OnReadDone(bool ok) override {
+      std::lock_guard<std::mutex> lock(mu_);
       if (!ok) {
-        Finish(grpc::Status::OK);
+        reads_done_ = true;
+        if (!writing_) Finish(grpc::Status::OK);
         return;
       }
       reply_.set_o(request_.q());
+      writing_ = true;
+      if (read_ahead_) StartRead(&request_);
       if (delayed_ != nullptr) {
-        delayed_->Queue([this] { StartWrite(&reply_); });
+        delayed_->Queue([this] {
+          std::lock_guard<std::mutex> lock(mu_);
+          StartWrite(&reply_);
+        });
       } else {
         StartWrite(&reply_);
       }
     }
     void OnWriteDone(bool ok) override {
+      std::lock_guard<std::mutex> lock(mu_);
+      writing_ = false;
       if (!ok) {
         Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed"));
         return;
       }
-      StartRead(&request_);
+      if (reads_done_) {
+        Finish(grpc::Status::OK);
+      } else if (!read_ahead_) {
+        StartRead(&request_);
+      }
     }
     void OnDone() override { delete this; }
 
     DelayedReplies* const delayed_;
+    const bool read_ahead_;
+    std::mutex mu_;  // the reactions may run at once on gRPC's threads
+    bool writing_ = false;
+    bool reads_done_ = false;
     EchoRequest request_;
     EchoReply reply_;
   };
 
   grpc::ServerBidiReactor<EchoRequest, EchoReply>* EchoStream(
       grpc::CallbackServerContext* /*context*/) override {
-    return new StreamReactor(delayed_);
+    return new StreamReactor(delayed_, read_ahead_);
   }
 
   DelayedReplies* const delayed_;
+  const bool read_ahead_;
 };
 
 // The same service on the synchronous API: gRPC's sync server runs each call on a thread of its
@@ -193,7 +221,7 @@ int main(int argc, char** argv) {
   if (const int us = absl::GetFlag(FLAGS_reply_delay_us); us > 0) {
     delayed = std::make_unique<attention::bench::DelayedReplies>(std::chrono::microseconds(us));
   }
-  attention::bench::EchoService callback_service(delayed.get());
+  attention::bench::EchoService callback_service(delayed.get(), absl::GetFlag(FLAGS_read_ahead));
   attention::bench::SyncEchoService sync_service;
   const int max_bytes = absl::GetFlag(FLAGS_max_message_mb) * (1 << 20);
   int port = 0;

@@ -122,15 +122,16 @@ grpc::ServerUnaryReactor* SessionService::Serve(
     absl::string_view rpc, grpc::CallbackServerContext* context,
     const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response,
     absl::AnyInvocable<void(const Request& request, Response* response, const std::string& owner,
-                            Finish finish) &&>
+                            absl::Time arrival, Finish finish) &&>
         body) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // The call's messages, kept by its answer until it is given.
   auto messages = std::make_shared<std::pair<Request, Response>>();
   Admit(
       rpc, context, *raw_request, &messages->first, &messages->second, raw_response,
-      [messages, body = std::move(body)](const std::string& owner, Finish finish) mutable {
-        std::move(body)(messages->first, &messages->second, owner, std::move(finish));
+      [messages, body = std::move(body)](const std::string& owner, absl::Time arrival,
+                                         Finish finish) mutable {
+        std::move(body)(messages->first, &messages->second, owner, arrival, std::move(finish));
       },
       [reactor, messages](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
@@ -173,7 +174,7 @@ void SessionService::Admit(absl::string_view rpc, grpc::CallbackServerContext* c
   }
   if (!status.ok()) return std::move(finish)(std::move(status));
   // Sessions belong to the caller's token (the one the check above accepted); "" without tokens.
-  std::move(body)(options_.auth_token, std::move(finish));
+  std::move(body)(options_.auth_token, arrival, std::move(finish));
 }
 
 void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int device,
@@ -203,7 +204,7 @@ grpc::ServerUnaryReactor* SessionService::CreateSession(grpc::CallbackServerCont
   return Serve<v1::CreateSessionRequest, v1::SessionInfo>(
       "CreateSession", context, request, response,
       [this, context](const v1::CreateSessionRequest& request, v1::SessionInfo* response,
-                      const std::string& owner, Finish finish) {
+                      const std::string& owner, absl::Time, Finish finish) {
         RunCreate(context, owner, request, response, std::move(finish));
       });
 }
@@ -214,7 +215,7 @@ grpc::ServerUnaryReactor* SessionService::AppendKv(grpc::CallbackServerContext* 
   return Serve<v1::AppendKvRequest, v1::SessionInfo>(
       "AppendKv", context, request, response,
       [this, context](const v1::AppendKvRequest& request, v1::SessionInfo* response,
-                      const std::string& owner, Finish finish) {
+                      const std::string& owner, absl::Time, Finish finish) {
         RunAppend(context, owner, request, response, std::move(finish));
       });
 }
@@ -225,8 +226,8 @@ grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* cont
   return Serve<v1::StepRequest, v1::StepResponse>(
       "Step", context, request, response,
       [this, context](const v1::StepRequest& request, v1::StepResponse* response,
-                      const std::string& owner, Finish finish) {
-        RunStep(context, owner, request, response, std::move(finish));
+                      const std::string& owner, absl::Time arrival, Finish finish) {
+        RunStep(context, owner, arrival, request, response, std::move(finish));
       });
 }
 
@@ -237,10 +238,11 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* SessionService::Ste
                                               StepMessages* step, Finish done) {
         Admit(
             "StepStream", context, *request, &step->request, &step->response, response,
-            [this, context, request, step](const std::string& owner, Finish finish) {
+            [this, context, request, step](const std::string& owner, absl::Time arrival,
+                                           Finish finish) {
               // Parsed (protobuf copied the bytes): give the received slices back.
               request->Clear();
-              RunStep(context, owner, step->request, &step->response, std::move(finish));
+              RunStep(context, owner, arrival, step->request, &step->response, std::move(finish));
             },
             std::move(done));
       });
@@ -252,7 +254,7 @@ grpc::ServerUnaryReactor* SessionService::DropSession(grpc::CallbackServerContex
   return Serve<v1::DropSessionRequest, v1::DropSessionResponse>(
       "DropSession", context, request, response,
       [this](const v1::DropSessionRequest& request, v1::DropSessionResponse*,
-             const std::string& owner, Finish finish) {
+             const std::string& owner, absl::Time, Finish finish) {
         std::move(finish)(request.session_id().empty() ? MissingSessionId()
                                                        : store_->Drop(owner, request.session_id()));
       });
@@ -264,7 +266,7 @@ grpc::ServerUnaryReactor* SessionService::ListSessions(grpc::CallbackServerConte
   return Serve<v1::ListSessionsRequest, v1::ListSessionsResponse>(
       "ListSessions", context, request, response,
       [this](const v1::ListSessionsRequest&, v1::ListSessionsResponse* response,
-             const std::string& owner, Finish finish) {
+             const std::string& owner, absl::Time, Finish finish) {
         for (const SessionSnapshot& s : store_->List(owner)) {
           FillInfo(s, response->add_sessions());
         }
@@ -342,13 +344,13 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
 }
 
 void SessionService::RunStep(grpc::CallbackServerContext* context, const std::string& owner,
-                             const v1::StepRequest& request, v1::StepResponse* response,
-                             Finish finish) {
+                             absl::Time arrival, const v1::StepRequest& request,
+                             v1::StepResponse* response, Finish finish) {
   if (absl::Status status = CheckStep(request); !status.ok()) {
     return std::move(finish)(std::move(status));
   }
   auto call = std::make_shared<StepCall>();
-  call->arrival = absl::Now();
+  call->arrival = arrival;
   call->request = &request;
   call->response = response;
   call->owner = owner;

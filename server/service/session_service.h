@@ -99,7 +99,9 @@ class SessionService final : public SessionsRawService {
   struct StepCall;
   // How a call's body answers: `finish` once, from this thread or from a scheduler worker.
   using Finish = absl::AnyInvocable<void(absl::Status) &&>;
-  using Body = absl::AnyInvocable<void(const std::string& owner, Finish finish) &&>;
+  // `arrival`: when the request was taken from gRPC, before it was parsed.
+  using Body =
+      absl::AnyInvocable<void(const std::string& owner, absl::Time arrival, Finish finish) &&>;
 
   // One StepStream message's parsed request and its response.
   struct StepMessages {
@@ -115,7 +117,7 @@ class SessionService final : public SessionsRawService {
       absl::string_view rpc, grpc::CallbackServerContext* context,
       const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response,
       absl::AnyInvocable<void(const Request& request, Response* response, const std::string& owner,
-                              Finish finish) &&>
+                              absl::Time arrival, Finish finish) &&>
           body);
   // Admits one request (a unary call or one message of a stream): checks the token, the drain,
   // that `raw_request` parses as `request` (INVALID_ARGUMENT naming the field otherwise) and the
@@ -136,7 +138,8 @@ class SessionService final : public SessionsRawService {
                  const v1::CreateSessionRequest& request, v1::SessionInfo* response, Finish finish);
   void RunAppend(grpc::CallbackServerContext* context, const std::string& owner,
                  const v1::AppendKvRequest& request, v1::SessionInfo* response, Finish finish);
-  void RunStep(grpc::CallbackServerContext* context, const std::string& owner,
+  // `arrival` starts the call's ServerTiming (decode_us and total_us count its parse too).
+  void RunStep(grpc::CallbackServerContext* context, const std::string& owner, absl::Time arrival,
                const v1::StepRequest& request, v1::StepResponse* response, Finish finish);
 
   void SweeperLoop();
