@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The one-in-flight StepStream (8 sessions x 32k rows, bf16, Hq 32, Hkv 8, D 128, causal, each Step
+# appending its token) in ROUNDS interleaved rounds (default 3) of each variant, medians last: a
+# single 2-second run of one variant on the H200 host moves by +-50 us from run to run, more than
+# the differences measured, so each variant is run in every round, one after the other.
+#   bench/colo/step_rounds.sh [BIN_DIR]   # attention_server, attn_bench, attn_echo_server,
+#                                         # attn_echo_client (default .device/bin)
+# Variants: tensors by reference (--shm) from a polling client and a sync client, tensors in the
+# messages from a polling client; and the anchor beside them, the bare echo of 64-byte tensors
+# replying DELAY_US (default 250) after the read, from a polling client, with the next read
+# started after the reply (the echo's way) and before it (--read_ahead, the attention server's).
+# The server runs with --worker_spin_us=SPIN_US (default 1000; 0 for none).
+# Logs and JSON lines under $OUT/rounds (OUT defaults to /tmp/out); the table comes last.
+# A CPU try: BACKEND=cpu NK=256 DURATION_S=1 ROUNDS=1 bench/colo/step_rounds.sh BIN_DIR
+# NAME_target and NAME_pid are set by lib.sh's start_attention and start_echo.
+# shellcheck disable=SC2154
+set -uo pipefail
+bin=${1:-.device/bin}
+out=${OUT:-/tmp/out}/rounds
+backend=${BACKEND:-cuda}
+nk=${NK:-32768}
+dur=${DURATION_S:-2}
+rounds=${ROUNDS:-3}
+delay_us=${DELAY_US:-250}
+spin_us=${SPIN_US:-1000}
+here=$(dirname "$0")
+# shellcheck source=bench/colo/lib.sh
+source "$here/lib.sh"
+colo_setup
+results=$out/rounds.jsonl
+: >"$results"
+
+start_attention server --allow_shared_memory --max_message_mb=2047 --worker_spin_us="$spin_us"
+start_echo echo --reply_delay_us="$delay_us"
+start_echo echo_ahead --reply_delay_us="$delay_us" --read_ahead
+decode=(--target="$server_target" --mode=decode --shape=8,32,1,128 --nk="$nk" --kv_heads=8
+  --dtype=bfloat16 --causal --max_message_mb=2047 --warmup_s=1 --duration_s="$dur" --rpc=stream
+  --concurrency=1 --sessions=8 --progress=false --json)
+for round in $(seq "$rounds"); do
+  for variant in "shm poll --shm" "shm sync --shm" "bytes poll"; do
+    read -r what api flag <<<"$variant"
+    keep "step_${what}_${api}_$round" "$("$bin/attn_bench" "${decode[@]}" --stream_api="$api" \
+      ${flag:+"$flag"} 2>>"$out/bench.log" | tail -1)"
+  done
+  for echo in echo echo_ahead; do
+    target=${echo}_target
+    keep "${echo}_$round" "$("$bin/attn_echo_client" --target="${!target}" --api=poll \
+      --q_bytes=64 --kv_bytes=64 --warmup_s=0.3 --duration_s=1 2>>"$out/echo_client.log")"
+  done
+done
+
+python3 - "$results" "$here" "$rounds" "$delay_us" "$spin_us" <<'PY'
+import statistics
+import sys
+sys.path.insert(0, sys.argv[2])
+from colo_table import load
+
+r, ok = load(sys.argv[1])
+rounds, delay, spin = int(sys.argv[3]), sys.argv[4], sys.argv[5]
+fields = ("decode", "queue", "prepare", "run", "total")
+print(f"\n{rounds} rounds, server --worker_spin_us={spin}; medians over the rounds (each round's "
+      "figure a p50)")
+print("\n| variant | p50 - kernel | kernel | gRPC and client | decode | queue | prepare | run "
+      "(host side) | answer |")
+print("|---|---|---|---|---|---|---|---|---|")
+for what, api, name in (("shm", "poll", "tensors by reference, polling client"),
+                        ("shm", "sync", "tensors by reference, sync client"),
+                        ("bytes", "poll", "tensors in the messages, polling client")):
+    runs = [ok(f"step_{what}_{api}_{i}") for i in range(1, rounds + 1)]
+    runs = [s for s in runs if s]
+    if not runs:
+        print(f"| {name} | error | | | | | | | |")
+        continue
+    med = lambda f: statistics.median(f(s) for s in runs)
+    k = med(lambda s: s["compute_us_p50"])
+    srv = {f: med(lambda s: s["server_p50_us"][f]) for f in fields}
+    srv.update({f: med(lambda s: s["server_p50_us"][f]) for f in ("h2d", "d2h")})
+    host = srv["run"] - srv["h2d"] - k - srv["d2h"]
+    answer = srv["total"] - srv["decode"] - srv["queue"] - srv["prepare"] - srv["run"]
+    extras = ", ".join(f"{s['p50'] * 1e6 - s['compute_us_p50']:.0f}" for s in runs)
+    print(f"| {name} | {med(lambda s: s['p50'] * 1e6 - s['compute_us_p50']):.0f} us ({extras}) "
+          f"| {k:.0f} | {med(lambda s: s['p50'] * 1e6 - s['server_p50_us']['total']):.0f} "
+          f"| {srv['decode']:.0f} | {srv['queue']:.0f} | {srv['prepare']:.0f} "
+          f"| {srv['run']:.0f} ({host:.0f}) | {answer:.0f} |")
+for echo, name in (("echo", "next read after the reply"), ("echo_ahead", "next read before it")):
+    runs = [ok(f"{echo}_{i}") for i in range(1, rounds + 1)]
+    runs = [x["p50_us"] for x in runs if x]
+    if runs:
+        each = ", ".join(f"{x - float(delay):.0f}" for x in runs)
+        print(f"| bare echo, 64-byte tensors, polling client, reply {delay} us later, {name} "
+              f"| {delay} + {statistics.median(runs) - float(delay):.0f} us ({each}) "
+              "| | | | | | | |")
+PY
