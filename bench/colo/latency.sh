@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Per-call latency of co-located clients on the GPU host, in one command (about 2 minutes), each
+# Per-call latency of co-located clients on the GPU host, in one command (about 7 minutes), each
 # figure beside the bare transport's of the same run:
 #   bench/colo/latency.sh [BIN_DIR]   # BIN_DIR: attention_server, attn_bench, attn_echo_server,
 #                                     # attn_echo_client, colo_bench (default .device/bin; libs in
