@@ -514,7 +514,8 @@ class SyncStreamSlot final : public Slot {
   const bool restamp_;
   DoneFn done_;
   grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<Req, Resp>> stream_;  // or
+  // The stream, on the sync API or polled (one of the two is set).
+  std::unique_ptr<grpc::ClientReaderWriter<Req, Resp>> stream_;
   std::unique_ptr<client::PolledStream<Req, Resp>> polled_;
   Resp response_;
   std::mutex mu_;  // guards the three below

@@ -4,7 +4,7 @@
 // and polls the connection itself) or, with --api=poll, its async API with the sending thread
 // polling its own completion queue without sleeping (client/polled_stream.h). With
 // attn_echo_server's --sync and --unix_socket this sets the transport's variants side by side
-// (bench/echo/run_latency.sh); prints one JSON line.
+// (bench/colo/latency.sh); prints one JSON line.
 //
 //   attn_echo_client --target=unix:/tmp/echo.sock --api=sync --q_bytes=131072 --kv_bytes=131072
 #include <algorithm>

@@ -2,7 +2,7 @@
 // attention server, so attn_bench --echo measures the transport alone. On gRPC's callback API (as
 // the attention server) or, with --sync, its synchronous API (a thread per stream that reads and
 // writes itself), and on TCP and, with --unix_socket, a Unix domain socket too: the transport
-// variants a co-located client can choose between (bench/echo/run_latency.sh compares them).
+// variants a co-located client can choose between (bench/colo/latency.sh compares them).
 //
 //   attn_echo_server --port=50061            # or --port=0 --port_file=/tmp/echo.port
 //   attn_echo_server --port=0 --unix_socket=/tmp/echo.sock --sync
@@ -10,7 +10,9 @@
 // --reply_delay_us=T (callback API, EchoStream): each reply is written T us after its request was
 // read, by another thread that holds (spinning) meanwhile, as the attention server's worker does
 // while a decode kernel runs: the transport around a job of T us, with the same one thread hop
-// and the same idle gRPC threads, and no GPU.
+// and the same idle gRPC threads, and no GPU. --read_ahead starts each next read as soon as a
+// request is read, before its reply (as the attention server's streams do, so a client may
+// pipeline; one message in flight here), instead of once the reply is written.
 #include <sys/stat.h>
 #include <unistd.h>
 
