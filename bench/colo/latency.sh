@@ -41,12 +41,15 @@ colo_setup
 results=$out/latency.jsonl
 : >"$results"
 
-# 1. The bare transport.
+# 1. The bare transport, and (delay: 1b.) around a job of DELAY_US.
+delay_us=${DELAY_US:-250}
 start_echo echo_cb --unix_socket="$dir/echo_cb.sock"
 start_echo echo_sync --unix_socket="$dir/echo_sync.sock" --sync
+start_echo echo_delay --unix_socket="$dir/echo_delay.sock" --reply_delay_us="$delay_us"
 for size in "step 65536 16384" "small 131072 131072" "empty 64 64"; do
   read -r what q kv <<<"$size"
-  for server in cb sync; do
+  for server in cb sync delay; do
+    [[ $server == delay && $what == small ]] && continue
     tcp_var=echo_${server}_target
     for transport in tcp unix; do
       t=${!tcp_var}
@@ -56,22 +59,6 @@ for size in "step 65536 16384" "small 131072 131072" "empty 64 64"; do
           --api="$api" --q_bytes="$q" --kv_bytes="$kv" --warmup_s=0.3 --duration_s=1 \
           2>>"$out/echo_client.log")"
       done
-    done
-  done
-done
-
-# 1b. The bare transport around a job of DELAY_US.
-delay_us=${DELAY_US:-250}
-start_echo echo_delay --unix_socket="$dir/echo_delay.sock" --reply_delay_us="$delay_us"
-for size in "step 65536 16384" "empty 64 64"; do
-  read -r what q kv <<<"$size"
-  for transport in tcp unix; do
-    t=$echo_delay_target
-    [[ $transport == unix ]] && t=unix:$dir/echo_delay.sock
-    for api in callback sync poll; do
-      keep "echo_${what}_delay_${transport}_${api}" "$("$bin/attn_echo_client" --target="$t" \
-        --api="$api" --q_bytes="$q" --kv_bytes="$kv" --warmup_s=0.3 --duration_s=1 \
-        2>>"$out/echo_client.log")"
     done
   done
 done
@@ -100,15 +87,26 @@ for transport in tcp unix; do
 done
 stop_server "$server_pid"
 
+# one_step KEY TARGET FLAGS...: the one-in-flight StepStream of 2. over TCP on each client API.
+one_step() {
+  local key=$1 target=$2 api
+  shift 2
+  for api in callback sync poll; do
+    keep "${key}_tcp_${api}_c1" "$("$bin/attn_bench" --target="$target" "$@" \
+      --stream_api="$api" --progress=false --json "${decode[@]/--concurrency=1,4/--concurrency=1}" \
+      2>"$out/${key}_tcp_$api.log" | tail -1)"
+  done
+}
+# ipc_attend KEY TARGET: the CUDA IPC Attend, bf16 $shape.
+ipc_attend() {
+  keep "$1" "$("$bin/colo_bench" --target="$2" --mode=ipc --shape="$shape" --iters=20 \
+    2>"$out/$1.log" | tail -1)"
+}
+
 # 4. StepStream by reference and CUDA IPC Attend, on a server that serves shared memory (TCP only).
 start_attention ipc_server --allow_shared_memory --max_message_mb=2047
-for api in callback sync poll; do
-  keep "step_shm_tcp_${api}_c1" "$("$bin/attn_bench" --target="$ipc_server_target" --shm \
-    --stream_api="$api" --progress=false --json "${decode[@]/--concurrency=1,4/--concurrency=1}" \
-    2>"$out/step_shm_tcp_$api.log" | tail -1)"
-done
-keep ipc "$("$bin/colo_bench" --target="$ipc_server_target" --mode=ipc --shape="$shape" \
-  --iters=20 2>"$out/ipc.log" | tail -1)"
+one_step step_shm "$ipc_server_target" --shm
+ipc_attend ipc "$ipc_server_target"
 stop_server "$ipc_server_pid"
 
 # 5. The one-in-flight StepStreams of 2. and 4. and CUDA IPC Attend again, on a server whose idle
@@ -116,16 +114,9 @@ stop_server "$ipc_server_pid"
 spin_us=${SPIN_US:-1000}
 start_attention spin_server --allow_shared_memory --max_message_mb=2047 \
   --worker_spin_us="$spin_us"
-for api in callback sync poll; do
-  keep "step_spin_tcp_${api}_c1" "$("$bin/attn_bench" --target="$spin_server_target" \
-    --stream_api="$api" --progress=false --json "${decode[@]/--concurrency=1,4/--concurrency=1}" \
-    2>"$out/step_spin_tcp_$api.log" | tail -1)"
-  keep "step_spin_shm_tcp_${api}_c1" "$("$bin/attn_bench" --target="$spin_server_target" --shm \
-    --stream_api="$api" --progress=false --json "${decode[@]/--concurrency=1,4/--concurrency=1}" \
-    2>"$out/step_spin_shm_tcp_$api.log" | tail -1)"
-done
-keep ipc_spin "$("$bin/colo_bench" --target="$spin_server_target" --mode=ipc --shape="$shape" \
-  --iters=20 2>"$out/ipc_spin.log" | tail -1)"
+one_step step_spin "$spin_server_target"
+one_step step_spin_shm "$spin_server_target" --shm
+ipc_attend ipc_spin "$spin_server_target"
 
 python3 - "$results" "$here" "$delay_us" "$spin_us" <<'PY'
 import sys
