@@ -177,6 +177,32 @@ TEST(WireMessageTest, ParseMessageNamesNestedFields) {
   EXPECT_THAT(status.message(), HasSubstr("entries.session_id"));
 }
 
+// A string split between two pieces of the wire is checked as one: a character cut in two is
+// valid UTF-8, a bad byte after the cut is not, and the error names the nested field.
+TEST(WireMessageTest, StringsOverTwoPiecesAreCheckedWhole) {
+  for (const auto& [id, valid] :
+       {std::pair{std::string("ab\xc3\xa9"), true}, std::pair{std::string("ab\xc3\x28"), false}}) {
+    SCOPED_TRACE(valid);
+    v1::StepRequest step;
+    step.add_entries()->set_session_id(id);
+    const std::string bytes = step.SerializeAsString();
+    // The cut falls between the last two bytes (the two of the session id's last character).
+    const size_t cut = bytes.size() - 1;
+    v1::StepRequest parsed;
+    const absl::Status status = ParseMessage(
+        WireBytes({absl::string_view(bytes).substr(0, cut), absl::string_view(bytes).substr(cut)}),
+        &parsed);
+    if (valid) {
+      ASSERT_TRUE(status.ok()) << status;
+      EXPECT_EQ(parsed.entries(0).session_id(), id);
+    } else {
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(status.message(), HasSubstr("entries.session_id"));
+      EXPECT_THAT(status.message(), HasSubstr("UTF-8"));
+    }
+  }
+}
+
 TEST(WireMessageTest, TensorPrefixAndDataParseAsTheTensor) {
   std::mt19937 rng(2);
   v1::Tensor header;
