@@ -66,7 +66,7 @@ class DecodePlan {
   std::vector<int32_t> seqlens_k_;     // [seqs]
   std::vector<int32_t> page_table_;    // [seqs, stride], unused pages 0
   // Allocated without being zeroed (every byte of q is copied in, o and lse are written by the
-  // launch): zero-filling o and q was a third of a Step's plan.
+  // launch): zero-filling q and o was most of a Step's plan (callgrind, 8 sequences of 32 x 128).
   std::unique_ptr<char[]> q_packed_, o_packed_;  // [total_q, Hq, D] when packed
   std::unique_ptr<float[]> lse_packed_;          // [total_q, Hq] when packed
   PagedDecodeParams params_;
