@@ -65,12 +65,12 @@ void Scheduler::SubmitAll(std::vector<Job> jobs) {
       for (Job& job : jobs) queue_.emplace_back(std::move(job), now);
       if (on_queue_depth_) on_queue_depth_(static_cast<int>(queue_.size()));
       submissions_.fetch_add(1, std::memory_order_release);
-      if (spinning_ && jobs.size() == 1) {
-        // The spinning worker takes it: it checks the queue under mu_ before it could sleep.
-      } else if (jobs.size() == 1) {
-        work_or_stopping_.notify_one();
-      } else {
+      // One job and a spinning worker: it takes the job, checking the queue under mu_ before it
+      // could sleep, so nobody is woken.
+      if (jobs.size() > 1) {
         work_or_stopping_.notify_all();
+      } else if (!spinning_) {
+        work_or_stopping_.notify_one();
       }
       arrivals_.notify_one();
       return;
