@@ -10,7 +10,8 @@
 # SASS check of the sm_90a kernels (sass_check.sh, sass.log). Logs and plots go to $OUT.
 #   bench/cuda/device_run.sh [tests|bench|all]
 # VARIANT=NAME forces the benchmark's forward kernel variant (run_bench.py --variant);
-# BENCH_WHAT=grid|fp8|all (default all) limits the benchmark's rows (run_bench.py --what);
+# BENCH_WHAT=grid|fp8|all (default all) limits the benchmark's rows (run_bench.py --what), and
+# BENCH_N="1024 ..." / BENCH_D="128 ..." to those sequence lengths / head dims (--n, --d);
 # CONFIRM=K re-times close rows K times (default 5; 0 skips it); SASS_REQUIRE=PATTERN makes the
 # SASS check fail when a kernel named PATTERN lacks HGMMA or UTMALDG.
 # FlashAttention-3 comes from the fa3-fwd wheel in .whl/ (../shared/device/README.md: carry .whl
@@ -89,7 +90,7 @@ if [[ $what == bench || $what == all ]]; then
   fi
   PYTHONUNBUFFERED=1 python3 bench/cuda/run_bench.py "$bin/cuda_attention_bench" --out "$out" \
     --what "${BENCH_WHAT:-all}" --confirm "${CONFIRM:-5}" ${VARIANT:+--variant "$VARIANT"} \
-    >"$out/bench.log" 2>&1
+    ${BENCH_N:+--n $BENCH_N} ${BENCH_D:+--d $BENCH_D} >"$out/bench.log" 2>&1
   summary+=("bench: rc=$?")
 fi
 

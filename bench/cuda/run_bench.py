@@ -3,7 +3,7 @@
 process tree.
 
   python3 bench/cuda/run_bench.py BENCH_BINARY [--out DIR] [--what grid|fp8|all] [--confirm K]
-                                  [--variant NAME] [--dry-run]
+                                  [--variant NAME] [--n N ...] [--d D ...] [--dry-run]
 
 --what grid (part of all, the default): every shape of the FlashAttention grid (float16 and
 bfloat16, D in {64,128,256}, N in {512..16384}, B = 16384/N, H = 2048/D, causal and not) timed
@@ -28,6 +28,9 @@ FlashAttention-3 is `from fa3_fwd_interface import flash_attn_func` (the fa3-fwd
 PYTHONPATH), checked first per dtype on small inputs against SDPA's math backend; when it cannot
 be imported or a dtype fails its check, one line '# FA3 unavailable...' says why and those FA3
 columns are NaN.
+
+--n and --d keep only the rows of those sequence lengths and head dims (a quick A/B of a kernel
+change on the rows it targets; the targets table then covers only those rows).
 
 --variant NAME forces our forward kernel variant (e.g. mma_sm80; default: the planner's choice);
 the variant each row ran, as the binary reports it, goes into the CSV and the tables (float8 rows
@@ -297,11 +300,11 @@ def plot(grid, fp8, path, gpu):
     fig.savefig(path, dpi=110)
 
 
-def dry_run(args, parts):
+def dry_run(args, parts, listed):
     fa3 = load_fa3()
     for part in parts:
         for which in {"grid": ("grid", "fp32"), "fp8": ("fp8",)}[part]:
-            rows = ours(args.binary, args.variant, "--list", which)
+            rows = listed("--list", which)
             print(f"# {which}: {len(rows)} rows")
             for r in rows:
                 cols = (["efficient"] if r["dtype"] == "float32"
@@ -319,11 +322,17 @@ def main():
     ap.add_argument("--what", choices=("grid", "fp8", "all"), default="all")
     ap.add_argument("--confirm", type=int, default=0)
     ap.add_argument("--variant", default=None)
+    ap.add_argument("--n", type=int, nargs="+", default=None)
+    ap.add_argument("--d", type=int, nargs="+", default=None)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
     parts = ("grid", "fp8") if args.what == "all" else (args.what,)
+
+    def listed(*which):
+        return [r for r in ours(args.binary, args.variant, *which)
+                if (args.n is None or r["N"] in args.n) and (args.d is None or r["d"] in args.d)]
     if args.dry_run:
-        dry_run(args, parts)
+        dry_run(args, parts, listed)
         return
 
     import torch
@@ -333,19 +342,19 @@ def main():
     started = time.monotonic()
     grid, fp32, fp8 = [], [], []
     if "grid" in parts:
-        grid = ours(args.binary, args.variant, "--list", "grid")
+        grid = listed("--list", "grid")
         for r in grid:
             ours_row(args.binary, args.variant, r)
             r["flash"] = sdpa_tflops(r, SDPBackend.FLASH_ATTENTION)
             r["cudnn"] = sdpa_tflops(r, SDPBackend.CUDNN_ATTENTION)
             r["fa3"] = fa3_tflops(r, fa3)
-        fp32 = ours(args.binary, args.variant, "fp32")
+        fp32 = listed("fp32")
         for r in fp32:
             r["ours"] = r.pop("TFLOPs")
             r["efficient"] = sdpa_tflops(r, SDPBackend.EFFICIENT_ATTENTION)
     grid_s = time.monotonic() - started
     if "fp8" in parts:
-        fp8 = ours(args.binary, args.variant, "--list", "fp8")
+        fp8 = listed("--list", "fp8")
         for r in fp8:
             ours_row(args.binary, args.variant, r)
             r["flash"] = r["cudnn"] = NAN  # SDPA takes no float8

@@ -66,13 +66,28 @@
 //                  (0.80 / 0.89 / 0.91 of it), D = 256 751 / 1115 / 1244 (0.87 / 0.96 / 1.10),
 //                  where converting to bfloat16 first ran 394 / 603 / 624 and 407 / 658 / 722.
 //                  The transposition took 24.5 us at D = 128, N = 1024 (32 MiB of V, ncu).
+//   v6 2026-12-02  wgmma descriptors as the tile's first plus a constant (DescPlus), and the
+//                  warpgroup index made warp-uniform: the SASS between two Q K^T wgmma went from
+//                  8 to 3 instructions at D = 128, and from 8 to 5-6 at D = 256. Speed against
+//                  v5 in the same call: D = 128 N = 1024 / 4096 / 16384 1.01 / 1.04 / 1.08,
+//                  D = 256 N = 1024 / 4096 1.04 / 1.04, D = 64 and float8 N = 1024 0.99-1.02.
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
 //   barriers), 2-10% slower; 176-key tiles at D = 128 unmasked, slower at N = 1024, no faster
-//   beyond. Dropped at compile time: the next work tile's first Q K^T issued in the current
-//   tile's tail, so that it runs during the epilogue (an S accumulator carried from one work
-//   tile to the next): in every arrangement tried ptxas serialised the wgmma (C7512) and spilled
-//   (144 bytes at D = 128, ~1 KB at D = 64), and what it could hide is the epilogue's stores only,
-//   not the first softmax.
+//   beyond. One software pipeline across work tiles (2026-12-02: a work tile's first Q K^T and
+//   softmax under the previous one's last P V, two Q buffers where they fit, the epilogue inside
+//   the key-tile loop): correct (the wgmma_sm90 grid, memcheck, racecheck) and spill-free, but
+//   0.77-0.86x of v5 as first built (ptxas moved the descriptor arithmetic from uniform to per-
+//   thread registers: ~30% more instructions per key tile, ncu: tensor pipe 85 -> 60% at D = 256,
+//   N = 4096) and still 0.81-0.93x with v6's descriptors (1.02x only at D = 128, N = 16384).
+//   Dropped at compile time: the next work tile's first Q K^T issued in the current tile's tail,
+//   so that it runs during the epilogue (an S accumulator carried from one work tile to the
+//   next): in every arrangement tried ptxas serialised the wgmma (C7512) and spilled (144 bytes
+//   at D = 128, ~1 KB at D = 64), and what it could hide is the epilogue's stores only, not the
+//   first softmax.
+//   Seen in the SASS of every version so far: ptxas places the softmax's exponentials after the
+//   wait for the previous P V (WARPGROUP.DEPBAR 0), although the PTX has them before it, so in
+//   each consumer only the mask and row max overlap the P V; the other consumer's wgmma fill
+//   the tensor pipe meanwhile only where the two are out of step.
 #pragma once
 
 #include <cuda.h>
@@ -211,7 +226,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   // Tensor-map item coordinate: varlen maps hold one item of packed rows.
   const bool varlen = p.cu_seqlens_q != nullptr;
 
-  const int warpgroup = threadIdx.x / 128;
+  // Read through a shuffle, so the compiler knows it is the same across a warp: the wgmma
+  // descriptors built from it (Q's rows of each consumer) then stay in uniform registers, where
+  // from threadIdx.x alone they were rebuilt per thread before every wgmma (measured with v6).
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (threadIdx.x == 0) {
     MbarInit(q_full, 1);
     MbarInit(q_empty, kConsumerWarps);  // one arrival per consumer warp
@@ -353,36 +371,40 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 
       // S = Q K^T of key tile i of this work tile (the CTA's key tile it0 + i) issued and
       // committed: acc_s[nt] is the 16x8 block of this warp's rows, keys first_key(i) + 8 nt. The
-      // 32-byte k-step advances the descriptors by 32 bytes inside the swizzled 128-byte row.
+      // 32-byte k-step advances the descriptors by 32 bytes inside the swizzled 128-byte row, the
+      // next 64 columns by one TMA box: each k-step's descriptor is the tile's first moved on by
+      // a constant (DescPlus), one addition per wgmma instead of a whole descriptor.
       const int it0 = it;
       auto issue_qk = [&](int i, float(&acc_s)[kNTiles][4]) {
         const uint32_t s_ks = s_k + stage(it0 + i) * kKvBytes;
+        const uint64_t da0 = SmemDesc128B(s_qw, 16, 1024), db0 = SmemDesc128B(s_ks, 16, 1024);
         MbarWait(k_full(stage(it0 + i)), parity(it0 + i));
         WgmmaFence();
 #pragma unroll
         for (int ks = 0; ks < Tile::kQkSteps; ++ks) {
           const uint32_t col = (ks / 4), sub = (ks % 4) * 32;
-          const uint64_t da = SmemDesc128B(s_qw + col * kBr * kRowBytes + sub, 16, 1024);
-          const uint64_t db = SmemDesc128B(s_ks + col * kBc * kRowBytes + sub, 16, 1024);
-          WgmmaSS(WgmmaTag<T, kBc>(), reinterpret_cast<float(&)[kBc / 2]>(acc_s), da, db, ks > 0);
+          WgmmaSS(WgmmaTag<T, kBc>(), reinterpret_cast<float(&)[kBc / 2]>(acc_s),
+                  DescPlus(da0, (col * kBr * kRowBytes + sub) >> 4),
+                  DescPlus(db0, (col * kBc * kRowBytes + sub) >> 4), ks > 0);
         }
         WgmmaCommit();
       };
       // O += P V of key tile i issued and committed. 16-bit: keys 16 kk.. of V are rows 16 kk..
       // of each 64-column box (MN-major: the next 8 keys 1024 bytes on, the next 64 columns one
       // box, kBc rows, on). float8: V^T is K-major like K in Q K^T, keys 32 kk.. 32 bytes on in
-      // the 128-byte rows of box kk / 4.
+      // the 128-byte rows of box kk / 4. Descriptors moved on from the stage's first, as above.
       auto issue_pv = [&](int i, const uint32_t(&p_frag)[kPvSteps][4]) {
         const uint32_t s_vs = s_v + stage(it0 + i) * kKvBytes;
+        const uint64_t db0 =
+            kFloat8 ? SmemDesc128B(s_vs, 16, 1024) : SmemDesc128B(s_vs, kBc * kRowBytes, 1024);
         MbarWait(v_full(stage(it0 + i)), parity(it0 + i));
         FenceRegisters(o_flat);
         WgmmaFence();
 #pragma unroll
         for (int kk = 0; kk < kPvSteps; ++kk) {
-          const uint64_t db =
-              kFloat8 ? SmemDesc128B(s_vs + (kk / 4) * kD * kRowBytes + (kk % 4) * 32, 16, 1024)
-                      : SmemDesc128B(s_vs + kk * 16 * kRowBytes, kBc * kRowBytes, 1024);
-          WgmmaRS(WgmmaTag<T, kD>(), o_flat, p_frag[kk], db, 1);
+          const uint32_t offset =
+              kFloat8 ? (kk / 4) * kD * kRowBytes + (kk % 4) * 32 : kk * 16 * kRowBytes;
+          WgmmaRS(WgmmaTag<T, kD>(), o_flat, p_frag[kk], DescPlus(db0, offset >> 4), 1);
         }
         WgmmaCommit();
       };

@@ -78,6 +78,14 @@ __device__ __forceinline__ uint64_t SmemDesc128B(uint32_t addr, uint32_t lbo, ui
          static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32 | uint64_t{1} << 62;
 }
 
+// `desc` with its address field (bytes / 16, bits 0-13) moved on by `units`, through the low word
+// alone: shared addresses stay below 2^18, so the field never carries into the next one. A wgmma
+// k-step's operand is its tile's first one a constant number of bytes on, so this keeps the
+// descriptor arithmetic per wgmma to one addition.
+__device__ __forceinline__ uint64_t DescPlus(uint64_t desc, uint32_t units) {
+  return (desc & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(desc) + units);
+}
+
 // Orders this thread's register writes before the warpgroup's next wgmma reads them.
 __device__ __forceinline__ void WgmmaFence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
