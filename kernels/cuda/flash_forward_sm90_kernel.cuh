@@ -155,6 +155,8 @@ struct Sm90Tile {
   static_assert(!kFloat8 || kBc % 128 == 0);
   static_assert(kConsumers == 2 || kConsumers == 3);
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536);
+  // Shared addresses below 2^18: DescPlus moves descriptors on without a carry (smem_desc.h).
+  static_assert(kSmemBytes < (1 << 18));
 };
 
 // One work tile: a query tile of one head of one batch item, and the key tiles it visits

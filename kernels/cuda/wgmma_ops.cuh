@@ -1,8 +1,8 @@
 // Hopper (sm_90a) building blocks of the wgmma forward kernel (flash_forward_sm90_kernel.cuh):
-// mbarriers, TMA tile loads, wgmma shared-memory descriptors and the wgmma instructions it issues,
-// warpgroup register reallocation. Everything here is PTX that exists only for sm_90a: callers
-// compile it inside `#if ATTENTION_SM90A` (defined below), so the sm_80 pass of the build sees
-// none of it.
+// mbarriers, TMA tile loads, the wgmma instructions it issues (their shared-memory descriptors
+// are in smem_desc.h), warpgroup register reallocation. Everything here is PTX that exists only
+// for sm_90a: callers compile it inside `#if ATTENTION_SM90A` (defined below), so the sm_80 pass
+// of the build sees none of it.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,6 +11,8 @@
 
 #include <cstdint>
 #include <type_traits>
+
+#include "kernels/cuda/smem_desc.h"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define ATTENTION_SM90A 1
@@ -67,24 +69,6 @@ __device__ __forceinline__ void TmaLoad4d(uint32_t dst, const void* map, uint32_
 }
 
 // ---- wgmma ----
-
-// A shared-memory matrix descriptor for the 128-byte swizzle (the layout TMA writes with
-// CU_TENSOR_MAP_SWIZZLE_128B: rows of 128 bytes, 16-byte chunk c of row r at c ^ (r % 8), in
-// 1024-byte groups of 8 rows that start 1024-byte aligned). Byte offsets: `lbo` between 64-element
-// blocks along M/N (MN-major operands; K-major ones ignore it), `sbo` between 8-row groups.
-__device__ __forceinline__ uint64_t SmemDesc128B(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
-         static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16 |
-         static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32 | uint64_t{1} << 62;
-}
-
-// `desc` with its address field (bytes / 16, bits 0-13) moved on by `units`, through the low word
-// alone: shared addresses stay below 2^18, so the field never carries into the next one. A wgmma
-// k-step's operand is its tile's first one a constant number of bytes on, so this keeps the
-// descriptor arithmetic per wgmma to one addition.
-__device__ __forceinline__ uint64_t DescPlus(uint64_t desc, uint32_t units) {
-  return (desc & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(desc) + units);
-}
 
 // Orders this thread's register writes before the warpgroup's next wgmma reads them.
 __device__ __forceinline__ void WgmmaFence() {

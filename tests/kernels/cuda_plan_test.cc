@@ -1,6 +1,6 @@
 // The CUDA backend's host-side rules, without a GPU: the forward plan (variant names, forcing,
-// what a device's caps rule out; hand-made caps, so no CUDA call), the CUDA status codes, and the
-// specialised head dims.
+// what a device's caps rule out; hand-made caps, so no CUDA call), the CUDA status codes, the
+// specialised head dims, and the wgmma descriptor arithmetic.
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -12,6 +12,7 @@
 #include "kernels/cuda/forward_plan.h"
 #include "kernels/cuda/limits.h"
 #include "kernels/cuda/sm90_schedule.h"
+#include "kernels/cuda/smem_desc.h"
 
 namespace attention::cuda {
 namespace {
@@ -249,6 +250,33 @@ TEST(SpecialisedHeadDimsTest, AscendingEndingAtTheLimits) {
   ASSERT_FALSE(paged.empty());
   EXPECT_TRUE(std::is_sorted(paged.begin(), paged.end()));
   EXPECT_LE(paged.back(), kPagedMaxHeadDim);
+}
+
+// The Hopper kernel builds each wgmma k-step's descriptor as its tile's first moved on by the
+// step's byte offset (DescPlus): it must equal the descriptor built at the moved address, for
+// every 16-byte-aligned shared address and offset that stay in the 227 KiB a CTA can have (the
+// kernel's k-step offsets are under 64 KiB). Past 2^18 the field would carry, and the two differ.
+TEST(SmemDescTest, MovedOnDescriptorEqualsTheOneBuiltThere) {
+  constexpr uint32_t kSmem = 232448;  // H200's opt-in limit per block
+  int64_t checked = 0;
+  for (uint32_t addr = 0; addr < kSmem; addr += 16) {
+    for (uint32_t offset = 0; offset < 65536 && addr + offset < kSmem; offset += 16) {
+      for (uint32_t lbo : {16u, 128u * 80u, 128u * 128u}) {
+        const uint64_t built = SmemDesc128B(addr + offset, lbo, 1024);
+        const uint64_t moved = DescPlus(SmemDesc128B(addr, lbo, 1024), offset >> 4);
+        if (built != moved) {
+          FAIL() << "addr " << addr << " offset " << offset << " lbo " << lbo << ": built " << built
+                 << ", moved on " << moved;
+        }
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 100000000);
+  // The bound is real: across 2^18 the address field wraps in the built descriptor but carries
+  // into the next field in the moved one.
+  EXPECT_NE(SmemDesc128B((1u << 18) - 16 + 32, 16, 1024),
+            DescPlus(SmemDesc128B((1u << 18) - 16, 16, 1024), 2));
 }
 
 }  // namespace
