@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
-# Tensor-core and TMA instructions per kernel in the sm_90a SASS of CUDA programs and libraries:
-#   bench/cuda/sass_check.sh [--require-hgmma PATTERN]... [--require-qgmma PATTERN]... FILE...
+# Tensor-core, TMA and local-memory instructions per kernel in the sm_90a SASS of CUDA programs
+# and libraries:
+#   bench/cuda/sass_check.sh [--require-hgmma PATTERN]... [--require-qgmma PATTERN]...
+#                            [--require-no-local PATTERN]... FILE...
 # For each FILE (an executable, a shared library or a static archive such as
 # build/kernels/cuda/libattention_cuda.a), every kernel function of its sm_90a cubins with its
 # counts of HGMMA (wgmma on 16-bit inputs), QGMMA (wgmma on fp8), HMMA (mma.sync), UTMALDG and
-# UTMASTG (TMA tile loads and stores); names demangled and shortened (no namespaces, no return type
-# or parameters). A FILE without sm_90a code is said so. Then one line "sm_90a kernels: ..." with
-# how many kernels of all FILEs have each instruction.
+# UTMASTG (TMA tile loads and stores), LDL and STL (local memory: register spills); names
+# demangled and shortened (no namespaces, no return type or parameters). A FILE without sm_90a
+# code is said so. Then one line "sm_90a kernels: ..." with how many kernels of all FILEs have
+# each instruction.
 # --require-hgmma PATTERN: exit 1 unless at least one kernel's name contains PATTERN and every
 # such kernel has HGMMA and UTMALDG (the Hopper forward kernel's point); --require-qgmma likewise
-# with QGMMA (its fp8 kernels). Either may be given several times.
+# with QGMMA (its fp8 kernels); --require-no-local PATTERN: every such kernel has neither LDL nor
+# STL (no spills). Each may be given several times. ctest runs it on the library (sm90_sass).
 # cuobjdump: $CUOBJDUMP, else on PATH, else /usr/local/cuda/bin/cuobjdump, else the one the pip
-# package nvidia-cuda-cuobjdump brings (pip install nvidia-cuda-cuobjdump).
+# package nvidia-cuda-cuobjdump brings to python3 (scripts/python-requirements.txt pins it, and
+# nvidia-cuda-nvdisasm which it runs, for .python-env); without any, exit 77 (ctest: skipped).
 set -euo pipefail
 requires=()
 files=()
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --require-hgmma|--require-qgmma)
+    --require-hgmma|--require-qgmma|--require-no-local)
       [[ $# -ge 2 ]] || { echo "sass_check.sh: $1 needs a PATTERN" >&2; exit 2; }
       requires+=("${1#--require-}=$2"); shift 2 ;;
     -*) echo "sass_check.sh: unknown option $1" >&2; exit 2 ;;
@@ -26,7 +31,7 @@ while [[ $# -gt 0 ]]; do
 done
 if [[ ${#files[@]} -eq 0 ]]; then
   echo "usage: bench/cuda/sass_check.sh [--require-hgmma PATTERN]... [--require-qgmma PATTERN]..." \
-    "FILE..." >&2
+    "[--require-no-local PATTERN]... FILE..." >&2
   exit 2
 fi
 
@@ -44,7 +49,14 @@ PY
 fi
 if [[ -z $cuobjdump || ! -x $cuobjdump ]]; then
   echo "sass_check.sh: cuobjdump not found (set CUOBJDUMP, or pip install nvidia-cuda-cuobjdump)" >&2
-  exit 2
+  exit 77
+fi
+
+# cuobjdump disassembles with nvdisasm: the one beside it (the pip packages put both in one bin/)
+# unless NVDISASM_PATH or PATH already has one.
+if [[ -z ${NVDISASM_PATH:-} && -x $(dirname "$cuobjdump")/nvdisasm ]]; then
+  NVDISASM_PATH=$(dirname "$cuobjdump")
+  export NVDISASM_PATH
 fi
 
 dumps=$(mktemp -d)
@@ -64,7 +76,7 @@ import sys
 dumps, count = sys.argv[1], int(sys.argv[2])
 files = sys.argv[3:3 + count]
 requires = [r.split("=", 1) for r in sys.argv[4 + count:]]
-COUNTED = ("HGMMA", "QGMMA", "HMMA", "UTMALDG", "UTMASTG")
+COUNTED = ("HGMMA", "QGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDL", "STL")
 # An instruction line: /*0a10*/  [@P0 ]OPCODE.MODIFIERS operands ;
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_]*)")
 FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
@@ -123,8 +135,23 @@ print(f"sm_90a kernels: {len(kernels)}; with " +
       ", ".join(f"{c} {sum(1 for k in kernels if k[2][c] > 0)}" for c in COUNTED))
 failed = False
 for kind, pattern in requires:
-    gemm = kind.upper()  # HGMMA or QGMMA
     matching = [k for k in kernels if pattern in k[1]]
+    if kind == "no-local":
+        local = [k for k in matching if k[2]["LDL"] or k[2]["STL"]]
+        if not matching:
+            print(f"require-no-local {pattern}: FAIL: no sm_90a kernel's name contains {pattern!r}")
+            failed = True
+        elif local:
+            print(f"require-no-local {pattern}: FAIL: {len(local)} of {len(matching)} matching "
+                  "kernels use local memory (spills):")
+            for f, name, counts in local:
+                print(f"   {name} ({f}): LDL {counts['LDL']}, STL {counts['STL']}")
+            failed = True
+        else:
+            print(f"require-no-local {pattern}: ok: none of {len(matching)} matching kernels uses "
+                  "local memory")
+        continue
+    gemm = kind.upper()  # HGMMA or QGMMA
     missing = [k for k in matching if k[2][gemm] == 0 or k[2]["UTMALDG"] == 0]
     if not matching:
         print(f"require-{kind} {pattern}: FAIL: no sm_90a kernel's name contains {pattern!r}")
