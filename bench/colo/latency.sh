@@ -8,7 +8,9 @@
 #    (64 KiB of q and 2 x 16 KiB of new K/V in, 64 KiB out) and of the small Attend's (3 x 128 KiB
 #    in, 128 KiB out), against attn_echo_server on gRPC's callback API and on its sync API, over
 #    TCP loopback and a Unix domain socket, from a client on the callback API, on the sync API and
-#    polling (the async API, its thread polling its completion queue without sleeping).
+#    polling (the async API, its thread polling its completion queue without sleeping). Then the
+#    echo replying DELAY_US (default 250) later, from a spinning thread (the transport around a
+#    job): on the callback API, and on the async API polled by one server thread (--poll).
 # 2. StepStream, 8 sessions x 32k rows, bf16, Hq 32, Hkv 8, D 128, one query each, causal, each
 #    Step appending its token, one Step in flight (target p50 <= kernel + 100 us) and four (target
 #    >= 1.5 x 3,233 Steps/s), over TCP and the Unix socket (--unix_socket), from attn_bench on
@@ -46,10 +48,13 @@ delay_us=${DELAY_US:-250}
 start_echo echo_cb --unix_socket="$dir/echo_cb.sock"
 start_echo echo_sync --unix_socket="$dir/echo_sync.sock" --sync
 start_echo echo_delay --unix_socket="$dir/echo_delay.sock" --reply_delay_us="$delay_us"
+# The same on the async API with one thread polling it (attn_echo_server --poll): one core busy.
+start_echo echo_delaypoll --unix_socket="$dir/echo_delaypoll.sock" --reply_delay_us="$delay_us" \
+  --poll
 for size in "step 65536 16384" "small 131072 131072" "empty 64 64"; do
   read -r what q kv <<<"$size"
-  for server in cb sync delay; do
-    [[ $server == delay && $what == small ]] && continue
+  for server in cb sync delay delaypoll; do
+    [[ $server == delay* && $what == small ]] && continue
     tcp_var=echo_${server}_target
     for transport in tcp unix; do
       t=${!tcp_var}
@@ -63,6 +68,7 @@ for size in "step 65536 16384" "small 131072 131072" "empty 64 64"; do
   done
 done
 stop_server "$echo_delay_pid"
+stop_server "$echo_delaypoll_pid"
 
 # 2 and 3. The service, on TCP and a Unix socket, against the callback echo server.
 start_attention server --unix_socket="$dir/server.sock" --max_message_mb=2047
@@ -140,12 +146,15 @@ for what, size in (("step", "Step's bytes"), ("small", "small Attend's bytes"),
         rows.append([f"bare echo, {size}, {api} server: p50"] + cells + ["anchor", "-"])
     if what == "small":
         continue
-    cells = []
-    for t, a in variants:
-        x = ok(f"echo_{what}_delay_{t}_{a}")
-        cells.append(f"{sys.argv[3]} + {x['p50_us'] - float(sys.argv[3]):.0f} us" if x else "error")
-    rows.append([f"bare echo, {size}, callback server replying {sys.argv[3]} us later: p50"] +
-                cells + ["anchor", "-"])
+    for server, api in (("delay", "callback server"),
+                        ("delaypoll", "polled async server (--poll)")):
+        cells = []
+        for t, a in variants:
+            x = ok(f"echo_{what}_{server}_{t}_{a}")
+            cells.append(f"{sys.argv[3]} + {x['p50_us'] - float(sys.argv[3]):.0f} us"
+                         if x else "error")
+        rows.append([f"bare echo, {size}, {api} replying {sys.argv[3]} us later: p50"] + cells +
+                     ["anchor", "-"])
 
 any_step = next((ok(f"step_{t}_{a}_c1") for t, a in variants if ok(f"step_{t}_{a}_c1")), {})
 steps = f"8 x {any_step.get('config', {}).get('nk', '?')}"

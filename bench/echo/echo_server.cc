@@ -13,6 +13,10 @@
 // and the same idle gRPC threads, and no GPU. --read_ahead starts each next read as soon as a
 // request is read, before its reply (as the attention server's streams do, so a client may
 // pipeline; one message in flight here), instead of once the reply is written.
+// --poll: EchoStream on gRPC's async API instead, its completion queue drained by one thread that
+// polls it without ever sleeping (unary Echo stays on the callback API), with --reply_delay_us
+// and --read_ahead as above: whether a server thread that never sleeps takes the wake-ups out of
+// the transport around a job (the design a polling StepStream would have; one core busy always).
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -49,8 +53,11 @@ ABSL_FLAG(int, reply_delay_us, 0,
           "a thread that spins meanwhile (a stand-in for a job run by a worker).");
 
 ABSL_FLAG(bool, read_ahead, false,
-          "Callback API, EchoStream: start the next read as soon as a request is read, before "
-          "its reply is written, as the attention server does.");
+          "EchoStream: start the next read as soon as a request is read, before its reply is "
+          "written, as the attention server does.");
+ABSL_FLAG(bool, poll, false,
+          "EchoStream on gRPC's async API, its completion queue polled by one thread that never "
+          "sleeps (keeps one core busy); unary Echo stays on the callback API.");
 
 namespace attention::bench {
 namespace {
@@ -103,6 +110,15 @@ class DelayedReplies {
   std::thread thread_;  // last: it starts once the rest is constructed
 };
 
+// Unary Echo on the callback API (both callback services).
+grpc::ServerUnaryReactor* EchoUnary(grpc::CallbackServerContext* context,
+                                    const EchoRequest* request, EchoReply* reply) {
+  reply->set_o(request->q());
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
 class EchoService final : public Echo::CallbackService {
  public:
   // `delayed`: where EchoStream's replies wait, or null to write them at once.
@@ -112,10 +128,7 @@ class EchoService final : public Echo::CallbackService {
  private:
   grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* context, const EchoRequest* request,
                                  EchoReply* reply) override {
-    reply->set_o(request->q());
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
+    return EchoUnary(context, request, reply);
   }
 
   // Read one request, write its reply, repeat until the client half-closes.
@@ -181,6 +194,168 @@ class EchoService final : public Echo::CallbackService {
   const bool read_ahead_;
 };
 
+// Unary Echo on the callback API, EchoStream on the async API: PolledStreams serves it.
+class PolledEchoService final
+    : public Echo::WithCallbackMethod_Echo<Echo::WithAsyncMethod_EchoStream<Echo::Service>> {
+  grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* context, const EchoRequest* request,
+                                 EchoReply* reply) override {
+    return EchoUnary(context, request, reply);
+  }
+};
+
+// EchoStream calls on the async API, one thread polling their completion queue without sleeping:
+// it accepts each call, reads, and writes each reply (at once, or from DelayedReplies' thread,
+// which may start an async write itself), so every completion is seen the moment it happens.
+// A reply that is ready while the previous one is still being written waits for it (gRPC takes
+// one write at a time; with read-ahead the client's next request can arrive before the last
+// write's completion does).
+class PolledStreams {
+ public:
+  PolledStreams(PolledEchoService* service, std::unique_ptr<grpc::ServerCompletionQueue> cq,
+                DelayedReplies* delayed, bool read_ahead)
+      : service_(service), cq_(std::move(cq)), delayed_(delayed), read_ahead_(read_ahead) {}
+
+  // Serves until the queue is shut down (after the server's Shutdown).
+  void Run() {
+    Call::Accept(this);
+    void* tag = nullptr;
+    bool ok = false;
+    while (true) {
+      switch (cq_->AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC))) {
+        case grpc::CompletionQueue::GOT_EVENT: {
+          Op* op = static_cast<Op*>(tag);
+          op->call->Done(op->kind, ok);
+          break;
+        }
+        case grpc::CompletionQueue::TIMEOUT:
+          break;
+        case grpc::CompletionQueue::SHUTDOWN:
+          return;
+      }
+    }
+  }
+  void Shutdown() { cq_->Shutdown(); }
+
+ private:
+  class Call;
+  enum class Kind { kAccepted, kRead, kWritten, kFinished };
+  struct Op {  // a tag: which call, which operation
+    Call* call;
+    Kind kind;
+  };
+
+  // One EchoStream call. It owns itself (self_) until its Finish completes; a reply waiting in
+  // DelayedReplies holds it too, so a call that ends meanwhile outlives the wait.
+  class Call : public std::enable_shared_from_this<Call> {
+   public:
+    // Asks gRPC for the next call.
+    static void Accept(PolledStreams* owner) {
+      auto call = std::make_shared<Call>(owner);
+      call->self_ = call;
+      owner->service_->RequestEchoStream(&call->context_, &call->stream_, owner->cq_.get(),
+                                         owner->cq_.get(), &call->accepted_);
+    }
+    explicit Call(PolledStreams* owner) : owner_(owner), stream_(&context_) {}
+
+    // One completion (on the polling thread).
+    void Done(Kind kind, bool ok) {
+      std::shared_ptr<Call> keep;  // released after the lock
+      std::lock_guard<std::mutex> lock(mu_);
+      switch (kind) {
+        case Kind::kAccepted:
+          if (!ok) {  // the server is shutting down: no call came
+            keep = std::move(self_);
+            return;
+          }
+          Accept(owner_);  // the next call
+          Read();
+          return;
+        case Kind::kRead:
+          reading_ = false;
+          if (!ok || broken_) {  // the client half-closed, or the call broke
+            reads_done_ = true;
+          } else {
+            EchoReply reply;
+            reply.set_o(request_.q());
+            if (owner_->read_ahead_) Read();
+            if (owner_->delayed_ != nullptr) {
+              ++delayed_replies_;
+              owner_->delayed_->Queue([call = shared_from_this(), reply = std::move(reply)] {
+                std::lock_guard<std::mutex> lock(call->mu_);
+                --call->delayed_replies_;
+                if (!call->broken_) call->ready_.push_back(std::move(reply));
+                call->Pump();
+              });
+            } else {
+              ready_.push_back(std::move(reply));
+            }
+          }
+          Pump();
+          return;
+        case Kind::kWritten:
+          writing_ = false;
+          if (!ok) {
+            broken_ = true;  // nothing more can be written
+            ready_.clear();
+          } else if (!owner_->read_ahead_ && !reads_done_) {
+            Read();
+          }
+          Pump();
+          return;
+        case Kind::kFinished:
+          keep = std::move(self_);
+          return;
+      }
+    }
+
+   private:
+    void Read() {  // needs mu_
+      reading_ = true;
+      stream_.Read(&request_, &read_);
+    }
+
+    // Starts the next write, or Finish once nothing is left to write or read (no operation may
+    // complete after Finish's: it releases the call). Needs mu_.
+    void Pump() {
+      if (finishing_) return;
+      if (!writing_ && !ready_.empty()) {
+        writing_ = true;
+        stream_.Write(ready_.front(), &written_);  // serialised here: the reply may go
+        ready_.pop_front();
+        return;
+      }
+      if (!writing_ && !reading_ && ready_.empty() && delayed_replies_ == 0 &&
+          (reads_done_ || broken_)) {
+        finishing_ = true;
+        stream_.Finish(broken_ ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed")
+                               : grpc::Status::OK,
+                       &finished_);
+      }
+    }
+
+    PolledStreams* const owner_;
+    Op accepted_{this, Kind::kAccepted}, read_{this, Kind::kRead}, written_{this, Kind::kWritten},
+        finished_{this, Kind::kFinished};
+    std::mutex mu_;  // the delay thread pumps while the poller handles completions
+    std::shared_ptr<Call> self_;
+    grpc::ServerContext context_;
+    grpc::ServerAsyncReaderWriter<EchoReply, EchoRequest> stream_;
+    EchoRequest request_;
+    std::deque<EchoReply> ready_;  // replies to write, in order
+    int delayed_replies_ = 0;      // replies still in DelayedReplies
+    bool reading_ = false;         // a read is outstanding
+    bool writing_ = false;         // a write is outstanding
+    bool reads_done_ = false;
+    bool broken_ = false;
+    bool finishing_ = false;
+  };
+
+  PolledEchoService* const service_;
+  const std::unique_ptr<grpc::ServerCompletionQueue> cq_;
+  DelayedReplies* const delayed_;
+  const bool read_ahead_;
+};
+
 // The same service on the synchronous API: gRPC's sync server runs each call on a thread of its
 // pool, which blocks in Read and Write (polling the connection itself).
 class SyncEchoService final : public Echo::Service {
@@ -225,6 +400,7 @@ int main(int argc, char** argv) {
   }
   attention::bench::EchoService callback_service(delayed.get(), absl::GetFlag(FLAGS_read_ahead));
   attention::bench::SyncEchoService sync_service;
+  attention::bench::PolledEchoService polled_service;
   const int max_bytes = absl::GetFlag(FLAGS_max_message_mb) * (1 << 20);
   int port = 0;
   grpc::ServerBuilder builder;
@@ -238,8 +414,13 @@ int main(int argc, char** argv) {
     if (lstat(unix_socket.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) unlink(unix_socket.c_str());
     builder.AddListeningPort(absl::StrCat("unix:", unix_socket), grpc::InsecureServerCredentials());
   }
+  const bool poll = absl::GetFlag(FLAGS_poll);
+  std::unique_ptr<grpc::ServerCompletionQueue> cq;
   if (absl::GetFlag(FLAGS_sync)) {
     builder.RegisterService(&sync_service);
+  } else if (poll) {
+    builder.RegisterService(&polled_service);
+    cq = builder.AddCompletionQueue();
   } else {
     builder.RegisterService(&callback_service);
   }
@@ -249,17 +430,31 @@ int main(int argc, char** argv) {
                  absl::GetFlag(FLAGS_host).c_str(), absl::GetFlag(FLAGS_port));
     return 1;
   }
-  std::fprintf(stderr, "attn_echo_server: listening on %s:%d%s%s (%s API)\n",
+  std::fprintf(stderr, "attn_echo_server: listening on %s:%d%s%s (%s)\n",
                absl::GetFlag(FLAGS_host).c_str(), port,
                unix_socket.empty() ? "" : " and unix:", unix_socket.c_str(),
-               absl::GetFlag(FLAGS_sync) ? "sync" : "callback");
+               absl::GetFlag(FLAGS_sync) ? "sync API"
+               : poll                    ? "callback API, EchoStream on the async API, polled"
+                                         : "callback API");
   if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
     std::ofstream(path) << port << "\n";
   }
   // SIGINT/SIGTERM end the server; the main thread polls the flag (a handler may do no more).
   std::signal(SIGINT, [](int) { attention::bench::g_stop = 1; });
   std::signal(SIGTERM, [](int) { attention::bench::g_stop = 1; });
+  std::unique_ptr<attention::bench::PolledStreams> streams;
+  std::thread poller;
+  if (poll) {
+    streams = std::make_unique<attention::bench::PolledStreams>(
+        &polled_service, std::move(cq), delayed.get(), absl::GetFlag(FLAGS_read_ahead));
+    poller = std::thread([&streams] { streams->Run(); });
+  }
   while (!attention::bench::g_stop) pause();
   server->Shutdown();
+  if (streams != nullptr) {
+    delayed.reset();      // its thread starts the writes still queued (they fail), then ends
+    streams->Shutdown();  // after the server's: the poller drains what is left, then returns
+    poller.join();
+  }
   return 0;
 }
