@@ -12,7 +12,8 @@
 // while a decode kernel runs: the transport around a job of T us, with the same one thread hop
 // and the same idle gRPC threads, and no GPU. --read_ahead starts each next read as soon as a
 // request is read, before its reply (as the attention server's streams do, so a client may
-// pipeline; one message in flight here), instead of once the reply is written.
+// pipeline; replies then queue behind the one being written), instead of once the reply is
+// written.
 // --poll: EchoStream on gRPC's async API instead, its completion queue drained by one thread that
 // polls it without ever sleeping (unary Echo stays on the callback API), with --reply_delay_us
 // and --read_ahead as above: whether a server thread that never sleeps takes the wake-ups out of
@@ -133,56 +134,87 @@ class EchoService final : public Echo::CallbackService {
 
   // Read one request, write its reply, repeat until the client half-closes.
   // With `read_ahead`, the next read is started as soon as a request is read, before its reply
-  // is written (as the attention server's streams do), instead of after the write.
+  // is written (as the attention server's streams do), instead of after the write. A reply that
+  // is ready while the previous one is still being written waits for it: gRPC takes one write at
+  // a time, and with read-ahead the client's next request can arrive before the last write's
+  // completion does.
   class StreamReactor final : public grpc::ServerBidiReactor<EchoRequest, EchoReply> {
    public:
     StreamReactor(DelayedReplies* delayed, bool read_ahead)
         : delayed_(delayed), read_ahead_(read_ahead) {
-      StartRead(&request_);
+      Read();
     }
 
    private:
     void OnReadDone(bool ok) override {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!ok) {
+      reading_ = false;
+      if (!ok || broken_) {  // the client half-closed, or the call broke
         reads_done_ = true;
-        if (!writing_) Finish(grpc::Status::OK);
-        return;
-      }
-      reply_.set_o(request_.q());
-      writing_ = true;
-      if (read_ahead_) StartRead(&request_);
-      if (delayed_ != nullptr) {
-        delayed_->Queue([this] {
-          std::lock_guard<std::mutex> lock(mu_);
-          StartWrite(&reply_);
-        });
       } else {
-        StartWrite(&reply_);
+        EchoReply reply;
+        reply.set_o(request_.q());
+        if (read_ahead_) Read();
+        if (delayed_ != nullptr) {
+          ++delayed_replies_;
+          delayed_->Queue([this, reply = std::move(reply)] {
+            std::lock_guard<std::mutex> lock(mu_);
+            --delayed_replies_;
+            if (!broken_) ready_.push_back(std::move(reply));
+            Pump();
+          });
+        } else {
+          ready_.push_back(std::move(reply));
+        }
       }
+      Pump();
     }
     void OnWriteDone(bool ok) override {
       std::lock_guard<std::mutex> lock(mu_);
+      ready_.pop_front();  // written
       writing_ = false;
       if (!ok) {
-        Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed"));
-        return;
+        broken_ = true;  // nothing more can be written
+        ready_.clear();
+      } else if (!read_ahead_ && !reads_done_) {
+        Read();
       }
-      if (reads_done_) {
-        Finish(grpc::Status::OK);
-      } else if (!read_ahead_) {
-        StartRead(&request_);
-      }
+      Pump();
     }
     void OnDone() override { delete this; }
+
+    void Read() {  // needs mu_
+      reading_ = true;
+      StartRead(&request_);
+    }
+    // Starts the next write, or Finish once nothing is left to write, read or wait for (OnDone
+    // deletes the reactor: no delayed reply may still point at it). Needs mu_.
+    void Pump() {
+      if (finishing_) return;
+      if (!writing_ && !ready_.empty()) {
+        writing_ = true;
+        StartWrite(&ready_.front());  // popped once written
+        return;
+      }
+      if (!writing_ && !reading_ && ready_.empty() && delayed_replies_ == 0 &&
+          (reads_done_ || broken_)) {
+        finishing_ = true;
+        Finish(broken_ ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed")
+                       : grpc::Status::OK);
+      }
+    }
 
     DelayedReplies* const delayed_;
     const bool read_ahead_;
     std::mutex mu_;  // the reactions may run at once on gRPC's threads
-    bool writing_ = false;
-    bool reads_done_ = false;
     EchoRequest request_;
-    EchoReply reply_;
+    std::deque<EchoReply> ready_;  // replies to write, in order (the front one being written)
+    int delayed_replies_ = 0;      // replies still in DelayedReplies
+    bool reading_ = false;         // a read is outstanding
+    bool writing_ = false;         // a write is outstanding
+    bool reads_done_ = false;
+    bool broken_ = false;
+    bool finishing_ = false;
   };
 
   grpc::ServerBidiReactor<EchoRequest, EchoReply>* EchoStream(

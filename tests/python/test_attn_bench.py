@@ -1,7 +1,7 @@
 """attn_bench against the real attention_server and attn_echo_server: a short run in each RPC
 mode must finish without errors and print, as its last line, one JSON object with the keys
 dashboards read (p50, p99 in seconds, requests_per_s), for both phases. Also a target listing two
-addresses (round-robin), the open-loop --rate mode, and the echo server's polled EchoStream.
+addresses (round-robin), the open-loop --rate mode, and the echo server's delayed and polled EchoStreams.
 
 Run by ctest (label "python"), which sets ATTENTION_SERVER_BINARY, ATTN_BENCH_BINARY and
 ATTN_ECHO_SERVER_BINARY. Needs only the standard library.
@@ -74,15 +74,17 @@ class AttnBenchTest(unittest.TestCase):
             self.assertGreater(r["payload_ratio_vs_echo"], 0)
             self.assertGreater(r["compute_us_p50"], 0)
 
-    def test_polled_echo_server(self):
-        # attn_echo_server --poll: EchoStream on the async API, its queue polled by one thread,
-        # unary Echo on the callback API in the same server; bare, and with a reply delay and
-        # read-ahead (the transport around a job, as bench/colo/latency.sh runs it).
-        for name, flags in (("polled", ()), ("polled_delay", ("--reply_delay_us=50",
-                                                               "--read_ahead"))):
+    def test_echo_server_modes(self):
+        # attn_echo_server replying 50 us late with read-ahead (4 streams: a next request can
+        # arrive before the last reply's write has completed), on the callback API and with
+        # --poll (EchoStream on the async API, its queue polled by one thread; unary Echo on the
+        # callback API in the same server), and --poll bare.
+        for name, flags in (("callback_delay", ("--reply_delay_us=50", "--read_ahead")),
+                            ("polled", ("--poll",)),
+                            ("polled_delay", ("--poll", "--reply_delay_us=50", "--read_ahead"))):
             echo, port = start(
                 [os.environ["ATTN_ECHO_SERVER_BINARY"], "--port=0",
-                 f"--port_file={self.dir}/{name}", "--poll", *flags], f"{self.dir}/{name}")
+                 f"--port_file={self.dir}/{name}", *flags], f"{self.dir}/{name}")
             try:
                 for rpc in ("unary", "stream"):
                     r = self.bench(f"--target=127.0.0.1:{self.port}",
@@ -91,7 +93,7 @@ class AttnBenchTest(unittest.TestCase):
                     self.check_phase(r["echo"], 40)
             finally:
                 echo.send_signal(signal.SIGTERM)
-                self.assertEqual(echo.wait(timeout=60), 0)
+                self.assertEqual(echo.wait(timeout=60), 0, name)
 
     def test_tensors_in_shared_memory(self):
         for rpc in ("unary", "stream"):
