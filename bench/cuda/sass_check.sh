@@ -133,37 +133,33 @@ for i, f in enumerate(files):
 
 print(f"sm_90a kernels: {len(kernels)}; with " +
       ", ".join(f"{c} {sum(1 for k in kernels if k[2][c] > 0)}" for c in COUNTED))
-failed = False
-for kind, pattern in requires:
+
+
+def check(kind, pattern):
+    """One --require-KIND PATTERN: prints ok or FAIL with the kernels that miss it; True if ok."""
     matching = [k for k in kernels if pattern in k[1]]
     if kind == "no-local":
-        local = [k for k in matching if k[2]["LDL"] or k[2]["STL"]]
-        if not matching:
-            print(f"require-no-local {pattern}: FAIL: no sm_90a kernel's name contains {pattern!r}")
-            failed = True
-        elif local:
-            print(f"require-no-local {pattern}: FAIL: {len(local)} of {len(matching)} matching "
-                  "kernels use local memory (spills):")
-            for f, name, counts in local:
-                print(f"   {name} ({f}): LDL {counts['LDL']}, STL {counts['STL']}")
-            failed = True
-        else:
-            print(f"require-no-local {pattern}: ok: none of {len(matching)} matching kernels uses "
-                  "local memory")
-        continue
-    gemm = kind.upper()  # HGMMA or QGMMA
-    missing = [k for k in matching if k[2][gemm] == 0 or k[2]["UTMALDG"] == 0]
+        bad = [k for k in matching if k[2]["LDL"] or k[2]["STL"]]
+        fails, holds = "use local memory (spills)", "use no local memory"
+        detail = lambda c: f"LDL {c['LDL']}, STL {c['STL']}"
+    else:
+        gemm = kind.upper()  # HGMMA or QGMMA
+        bad = [k for k in matching if k[2][gemm] == 0 or k[2]["UTMALDG"] == 0]
+        fails, holds = f"lack {gemm} or UTMALDG", f"have {gemm} and UTMALDG"
+        detail = lambda c: f"{gemm} {c[gemm]}, UTMALDG {c['UTMALDG']}"
     if not matching:
         print(f"require-{kind} {pattern}: FAIL: no sm_90a kernel's name contains {pattern!r}")
-        failed = True
-    elif missing:
-        print(f"require-{kind} {pattern}: FAIL: {len(missing)} of {len(matching)} matching "
-              f"kernels lack {gemm} or UTMALDG:")
-        for f, name, counts in missing:
-            print(f"   {name} ({f}): {gemm} {counts[gemm]}, UTMALDG {counts['UTMALDG']}")
-        failed = True
-    else:
-        print(f"require-{kind} {pattern}: ok: all {len(matching)} matching kernels have {gemm} "
-              "and UTMALDG")
+        return False
+    if bad:
+        print(f"require-{kind} {pattern}: FAIL: {len(bad)} of {len(matching)} matching kernels "
+              f"{fails}:")
+        for f, name, counts in bad:
+            print(f"   {name} ({f}): {detail(counts)}")
+        return False
+    print(f"require-{kind} {pattern}: ok: all {len(matching)} matching kernels {holds}")
+    return True
+
+
+failed = not all([check(kind, pattern) for kind, pattern in requires])
 sys.exit(1 if failed else 0)
 PY

@@ -111,6 +111,61 @@ class DelayedReplies {
   std::thread thread_;  // last: it starts once the rest is constructed
 };
 
+// The bookkeeping of one EchoStream, the same on the callback and the async API: its replies in
+// order, one write at a time (gRPC takes no second write before the first completes, and with
+// read-ahead the client's next request can arrive before that completion does), and Finish once
+// nothing is left to read, write or wait for (after Finish the stream goes: no completion and no
+// delayed reply may still point at it). Every member needs the stream's lock.
+struct ReplyFlow {
+  enum class Next { kNothing, kWrite, kFinish };
+
+  // A read completed: true when it brought a request (whose reply the stream then makes).
+  bool ReadDone(bool ok) {
+    reading = false;
+    if (ok && !broken) return true;
+    reads_done = true;  // the client half-closed, or the call broke
+    return false;
+  }
+  void Ready(EchoReply reply) {
+    if (!broken) ready.push_back(std::move(reply));
+  }
+  // The front reply's write completed; true when the stream should read next (without
+  // read-ahead, a read starts once the reply is out).
+  bool Written(bool ok, bool read_ahead) {
+    writing = false;
+    ready.pop_front();
+    if (!ok) {
+      broken = true;  // nothing more can be written
+      ready.clear();
+    }
+    return ok && !read_ahead && !reads_done;
+  }
+  // What the stream starts now: the write of ready.front(), or Finish with FinishStatus().
+  Next Pump() {
+    if (finishing) return Next::kNothing;
+    if (!writing && !ready.empty()) {
+      writing = true;
+      return Next::kWrite;
+    }
+    if (!writing && !reading && ready.empty() && delayed == 0 && (reads_done || broken)) {
+      finishing = true;
+      return Next::kFinish;
+    }
+    return Next::kNothing;
+  }
+  grpc::Status FinishStatus() const {
+    return broken ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed") : grpc::Status::OK;
+  }
+
+  std::deque<EchoReply> ready;  // replies to write, in order (the front one being written)
+  int delayed = 0;              // replies still in DelayedReplies
+  bool reading = false;         // a read is outstanding
+  bool writing = false;         // a write is outstanding
+  bool reads_done = false;
+  bool broken = false;
+  bool finishing = false;
+};
+
 // Unary Echo on the callback API (both callback services).
 grpc::ServerUnaryReactor* EchoUnary(grpc::CallbackServerContext* context,
                                     const EchoRequest* request, EchoReply* reply) {
@@ -134,10 +189,8 @@ class EchoService final : public Echo::CallbackService {
 
   // Read one request, write its reply, repeat until the client half-closes.
   // With `read_ahead`, the next read is started as soon as a request is read, before its reply
-  // is written (as the attention server's streams do), instead of after the write. A reply that
-  // is ready while the previous one is still being written waits for it: gRPC takes one write at
-  // a time, and with read-ahead the client's next request can arrive before the last write's
-  // completion does.
+  // is written (as the attention server's streams do), instead of after the write. ReplyFlow
+  // orders the writes and the Finish.
   class StreamReactor final : public grpc::ServerBidiReactor<EchoRequest, EchoReply> {
    public:
     StreamReactor(DelayedReplies* delayed, bool read_ahead)
@@ -148,59 +201,45 @@ class EchoService final : public Echo::CallbackService {
    private:
     void OnReadDone(bool ok) override {
       std::lock_guard<std::mutex> lock(mu_);
-      reading_ = false;
-      if (!ok || broken_) {  // the client half-closed, or the call broke
-        reads_done_ = true;
-      } else {
+      if (flow_.ReadDone(ok)) {
         EchoReply reply;
         reply.set_o(request_.q());
         if (read_ahead_) Read();
         if (delayed_ != nullptr) {
-          ++delayed_replies_;
+          ++flow_.delayed;
           delayed_->Queue([this, reply = std::move(reply)] {
             std::lock_guard<std::mutex> lock(mu_);
-            --delayed_replies_;
-            if (!broken_) ready_.push_back(std::move(reply));
+            --flow_.delayed;
+            flow_.Ready(reply);
             Pump();
           });
         } else {
-          ready_.push_back(std::move(reply));
+          flow_.Ready(std::move(reply));
         }
       }
       Pump();
     }
     void OnWriteDone(bool ok) override {
       std::lock_guard<std::mutex> lock(mu_);
-      ready_.pop_front();  // written
-      writing_ = false;
-      if (!ok) {
-        broken_ = true;  // nothing more can be written
-        ready_.clear();
-      } else if (!read_ahead_ && !reads_done_) {
-        Read();
-      }
+      if (flow_.Written(ok, read_ahead_)) Read();
       Pump();
     }
     void OnDone() override { delete this; }
 
     void Read() {  // needs mu_
-      reading_ = true;
+      flow_.reading = true;
       StartRead(&request_);
     }
-    // Starts the next write, or Finish once nothing is left to write, read or wait for (OnDone
-    // deletes the reactor: no delayed reply may still point at it). Needs mu_.
-    void Pump() {
-      if (finishing_) return;
-      if (!writing_ && !ready_.empty()) {
-        writing_ = true;
-        StartWrite(&ready_.front());  // popped once written
-        return;
-      }
-      if (!writing_ && !reading_ && ready_.empty() && delayed_replies_ == 0 &&
-          (reads_done_ || broken_)) {
-        finishing_ = true;
-        Finish(broken_ ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed")
-                       : grpc::Status::OK);
+    void Pump() {  // needs mu_
+      switch (flow_.Pump()) {
+        case ReplyFlow::Next::kWrite:
+          StartWrite(&flow_.ready.front());  // kept until written
+          break;
+        case ReplyFlow::Next::kFinish:
+          Finish(flow_.FinishStatus());
+          break;
+        case ReplyFlow::Next::kNothing:
+          break;
       }
     }
 
@@ -208,13 +247,7 @@ class EchoService final : public Echo::CallbackService {
     const bool read_ahead_;
     std::mutex mu_;  // the reactions may run at once on gRPC's threads
     EchoRequest request_;
-    std::deque<EchoReply> ready_;  // replies to write, in order (the front one being written)
-    int delayed_replies_ = 0;      // replies still in DelayedReplies
-    bool reading_ = false;         // a read is outstanding
-    bool writing_ = false;         // a write is outstanding
-    bool reads_done_ = false;
-    bool broken_ = false;
-    bool finishing_ = false;
+    ReplyFlow flow_;
   };
 
   grpc::ServerBidiReactor<EchoRequest, EchoReply>* EchoStream(
@@ -238,9 +271,7 @@ class PolledEchoService final
 // EchoStream calls on the async API, one thread polling their completion queue without sleeping:
 // it accepts each call, reads, and writes each reply (at once, or from DelayedReplies' thread,
 // which may start an async write itself), so every completion is seen the moment it happens.
-// A reply that is ready while the previous one is still being written waits for it (gRPC takes
-// one write at a time; with read-ahead the client's next request can arrive before the last
-// write's completion does).
+// ReplyFlow orders each call's writes and its Finish, as on the callback API.
 class PolledStreams {
  public:
   PolledStreams(PolledEchoService* service, std::unique_ptr<grpc::ServerCompletionQueue> cq,
@@ -303,35 +334,26 @@ class PolledStreams {
           Read();
           return;
         case Kind::kRead:
-          reading_ = false;
-          if (!ok || broken_) {  // the client half-closed, or the call broke
-            reads_done_ = true;
-          } else {
+          if (flow_.ReadDone(ok)) {
             EchoReply reply;
             reply.set_o(request_.q());
             if (owner_->read_ahead_) Read();
             if (owner_->delayed_ != nullptr) {
-              ++delayed_replies_;
+              ++flow_.delayed;
               owner_->delayed_->Queue([call = shared_from_this(), reply = std::move(reply)] {
                 std::lock_guard<std::mutex> lock(call->mu_);
-                --call->delayed_replies_;
-                if (!call->broken_) call->ready_.push_back(std::move(reply));
+                --call->flow_.delayed;
+                call->flow_.Ready(reply);
                 call->Pump();
               });
             } else {
-              ready_.push_back(std::move(reply));
+              flow_.Ready(std::move(reply));
             }
           }
           Pump();
           return;
         case Kind::kWritten:
-          writing_ = false;
-          if (!ok) {
-            broken_ = true;  // nothing more can be written
-            ready_.clear();
-          } else if (!owner_->read_ahead_ && !reads_done_) {
-            Read();
-          }
+          if (flow_.Written(ok, owner_->read_ahead_)) Read();
           Pump();
           return;
         case Kind::kFinished:
@@ -342,26 +364,19 @@ class PolledStreams {
 
    private:
     void Read() {  // needs mu_
-      reading_ = true;
+      flow_.reading = true;
       stream_.Read(&request_, &read_);
     }
-
-    // Starts the next write, or Finish once nothing is left to write or read (no operation may
-    // complete after Finish's: it releases the call). Needs mu_.
-    void Pump() {
-      if (finishing_) return;
-      if (!writing_ && !ready_.empty()) {
-        writing_ = true;
-        stream_.Write(ready_.front(), &written_);  // serialised here: the reply may go
-        ready_.pop_front();
-        return;
-      }
-      if (!writing_ && !reading_ && ready_.empty() && delayed_replies_ == 0 &&
-          (reads_done_ || broken_)) {
-        finishing_ = true;
-        stream_.Finish(broken_ ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed")
-                               : grpc::Status::OK,
-                       &finished_);
+    void Pump() {  // needs mu_
+      switch (flow_.Pump()) {
+        case ReplyFlow::Next::kWrite:
+          stream_.Write(flow_.ready.front(), &written_);
+          break;
+        case ReplyFlow::Next::kFinish:
+          stream_.Finish(flow_.FinishStatus(), &finished_);
+          break;
+        case ReplyFlow::Next::kNothing:
+          break;
       }
     }
 
@@ -373,13 +388,7 @@ class PolledStreams {
     grpc::ServerContext context_;
     grpc::ServerAsyncReaderWriter<EchoReply, EchoRequest> stream_;
     EchoRequest request_;
-    std::deque<EchoReply> ready_;  // replies to write, in order
-    int delayed_replies_ = 0;      // replies still in DelayedReplies
-    bool reading_ = false;         // a read is outstanding
-    bool writing_ = false;         // a write is outstanding
-    bool reads_done_ = false;
-    bool broken_ = false;
-    bool finishing_ = false;
+    ReplyFlow flow_;
   };
 
   PolledEchoService* const service_;
