@@ -60,6 +60,26 @@ absl::Status RegionRegistry::Use::Region::Intact(absl::string_view field) {
       "unregister it and register it again"));
 }
 
+absl::StatusOr<RegionSpan> RegionRegistry::Use::SpanOf(const Region& region,
+                                                       absl::string_view field, int64_t offset,
+                                                       int64_t byte_size, int64_t alignment) {
+  const RegionDescription& d = region.description;
+  if (offset < 0 || byte_size < 0 || offset > d.byte_size || byte_size > d.byte_size - offset) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected bytes inside region ", Quote(d.name), " of ", d.byte_size,
+                     " bytes, got offset ", offset, " and byte_size ", byte_size));
+  }
+  if (alignment > 1 &&
+      reinterpret_cast<uintptr_t>(region.data + offset) % static_cast<uintptr_t>(alignment) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".offset: expected the tensor to start on a multiple of ", alignment,
+                     " bytes (its element size), got offset ", offset, " into region ",
+                     Quote(d.name), " (which starts at byte ", d.offset, " of its object)"));
+  }
+  return RegionSpan{
+      .data = region.data + offset, .size = byte_size, .kind = d.kind, .device = d.device};
+}
+
 namespace {
 
 constexpr size_t kMaxRegionName = 256;
@@ -311,6 +331,7 @@ absl::StatusOr<RegionSpan> RegionRegistry::Resolve(const std::string& owner,
                                                    int64_t byte_size, int64_t alignment,
                                                    std::vector<Use>* uses) {
   std::shared_ptr<Region> region;
+  absl::StatusOr<RegionSpan> span;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find({owner, region_name});
@@ -320,32 +341,23 @@ absl::StatusOr<RegionSpan> RegionRegistry::Resolve(const std::string& owner,
                                               " registered by this caller"));
     }
     region = it->second;
-    const int64_t size = region->description.byte_size;
-    if (offset < 0 || byte_size < 0 || offset > size || byte_size > size - offset) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": expected bytes inside region ", Quote(region_name), " of ", size,
-                       " bytes, got offset ", offset, " and byte_size ", byte_size));
-    }
-    if (alignment > 1 &&
-        reinterpret_cast<uintptr_t>(region->data + offset) % static_cast<uintptr_t>(alignment) !=
-            0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".offset: expected the tensor to start on a multiple of ", alignment,
-          " bytes (its element size), got offset ", offset, " into region ", Quote(region_name),
-          " (which starts at byte ", region->description.offset, " of its object)"));
-    }
+    span = Use::SpanOf(*region, field, offset, byte_size, alignment);
+    if (!span.ok()) return span.status();
     ++region->uses;
   }
   // Held from here (so mapped, its fd open) while its object's size is checked, off the lock.
   Use use(this, region);
   if (absl::Status intact = region->Intact(field); !intact.ok()) return intact;
-  RegionSpan span{.data = region->data + offset,
-                  .size = byte_size,
-                  .kind = region->description.kind,
-                  .device = region->description.device};
   uses->push_back(std::move(use));
   return span;
 }
+
+absl::StatusOr<RegionSpan> RegionRegistry::Use::Span(absl::string_view field, int64_t offset,
+                                                     int64_t byte_size, int64_t alignment) const {
+  return SpanOf(*region_, field, offset, byte_size, alignment);
+}
+
+const std::string& RegionRegistry::Use::name() const { return region_->description.name; }
 
 int64_t RegionRegistry::mapped_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);

@@ -92,9 +92,21 @@ class RegionRegistry {
     // the client's data, so it must fail.
     absl::Status Intact() const;
 
+    // Bytes [offset, offset + byte_size) of this held region for the request field `field`,
+    // checked as Resolve checks them (bounds, alignment; no lookup, no lock, no size check of
+    // the object: the request's answer checks Intact once). For a request's further references
+    // to a region it already holds.
+    absl::StatusOr<RegionSpan> Span(absl::string_view field, int64_t offset, int64_t byte_size,
+                                    int64_t alignment) const;
+    const std::string& name() const;
+
    private:
     friend class RegionRegistry;
     struct Region;
+    // Bytes [offset, offset + byte_size) of `region` for `field`: INVALID_ARGUMENT outside it, or
+    // when the pointer is not a multiple of `alignment`.
+    static absl::StatusOr<RegionSpan> SpanOf(const Region& region, absl::string_view field,
+                                             int64_t offset, int64_t byte_size, int64_t alignment);
     Use(RegionRegistry* registry, std::shared_ptr<Region> region)
         : registry_(registry), region_(std::move(region)) {}
     RegionRegistry* registry_ = nullptr;

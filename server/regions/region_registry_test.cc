@@ -12,6 +12,7 @@
 #include <future>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -89,6 +90,34 @@ TEST(RegionRegistryTest, RefusesBadReferencesAndOtherOwners) {
   EXPECT_TRUE(uses.empty());
   EXPECT_TRUE(registry.List("you").empty());
   EXPECT_EQ(registry.Unregister("you", "r", absl::Now()).code(), absl::StatusCode::kNotFound);
+}
+
+// A request's further references to a region it holds (RequestRegions: a Step's entries name one
+// region many times) go through the Use, with Resolve's checks and messages, and no second Use.
+TEST(RegionRegistryTest, AHeldRegionServesFurtherReferencesWithTheSameChecks) {
+  ShmObject object(8192);
+  RegionRegistry registry({}, {});
+  ASSERT_TRUE(registry.RegisterSystem("me", "r", object.key(), 1000, 4096).ok());
+  std::vector<RegionRegistry::Use> uses;
+  ASSERT_TRUE(registry.Resolve("me", "entries[0].q.ref", "r", 0, 64, 4, &uses).ok());
+  ASSERT_EQ(uses.size(), 1u);
+  EXPECT_EQ(uses[0].name(), "r");
+  absl::StatusOr<RegionSpan> span = uses[0].Span("entries[5].k.ref", 512, 256, 4);
+  ASSERT_TRUE(span.ok()) << span.status();
+  EXPECT_EQ(span->size, 256);
+  span->data[0] = 9;  // byte 512 of the region: byte 1512 of the object
+  EXPECT_EQ(object.data()[1512], 9);
+  for (auto [offset, size, alignment] :
+       {std::tuple<int64_t, int64_t, int64_t>{4090, 8, 1}, {-1, 8, 1}, {0, -8, 1}, {2, 8, 4}}) {
+    const absl::StatusOr<RegionSpan> bad =
+        uses[0].Span("entries[5].k.ref", offset, size, alignment);
+    const absl::StatusOr<RegionSpan> looked_up =
+        registry.Resolve("me", "entries[5].k.ref", "r", offset, size, alignment, &uses);
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << offset << " " << size;
+    EXPECT_EQ(bad.status(), looked_up.status()) << offset << " " << size;
+    EXPECT_NE(bad.status().message().find("entries[5].k.ref"), absl::string_view::npos);
+  }
+  EXPECT_EQ(uses.size(), 1u);
 }
 
 TEST(RegionRegistryTest, KeepsTheLimitsOfRegionsAndBytes) {

@@ -1,5 +1,6 @@
 #include "server/service/shared_memory_service.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -39,8 +40,15 @@ absl::StatusOr<char*> RequestRegions::Resolve(absl::string_view field, const v1:
     return absl::FailedPreconditionError(absl::StrCat(field, ": ", SharedMemoryOff().message()));
   }
   if (owner_.empty()) owner_ = RegionOwner(*context_, *auth_token_);
-  absl::StatusOr<RegionSpan> span = registry_->Resolve(owner_, field, ref.region(), ref.offset(),
-                                                       ref.byte_size(), alignment, &uses_);
+  // A region this request already holds (a Step's entries refer to one region many times) is
+  // not looked up again: the registry's lookup checks its object's size with a system call.
+  auto held = std::find_if(uses_.begin(), uses_.end(), [&](const RegionRegistry::Use& use) {
+    return use.name() == ref.region();
+  });
+  absl::StatusOr<RegionSpan> span =
+      held != uses_.end() ? held->Span(field, ref.offset(), ref.byte_size(), alignment)
+                          : registry_->Resolve(owner_, field, ref.region(), ref.offset(),
+                                               ref.byte_size(), alignment, &uses_);
   if (!span.ok()) return span.status();
   if (span->kind == RegionKind::kCuda) {
     const bool served = cuda_inputs_ && (field == "q.ref" || field == "k.ref" || field == "v.ref" ||

@@ -54,8 +54,8 @@ class RequestRegions final : public TensorRefResolver {
   const grpc::CallbackServerContext* const context_;
   const std::string* const auth_token_;
   const bool cuda_inputs_;
-  std::string owner_;  // from the first reference on
-  std::vector<RegionRegistry::Use> uses_;
+  std::string owner_;                      // from the first reference on
+  std::vector<RegionRegistry::Use> uses_;  // one per region referenced
   int cuda_device_ = -1;
 };
 
