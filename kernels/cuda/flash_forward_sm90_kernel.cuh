@@ -84,10 +84,11 @@
 //   next): in every arrangement tried ptxas serialised the wgmma (C7512) and spilled (144 bytes
 //   at D = 128, ~1 KB at D = 64), and what it could hide is the epilogue's stores only, not the
 //   first softmax.
-//   Seen in the SASS of every version so far: ptxas places the softmax's exponentials after the
-//   wait for the previous P V (WARPGROUP.DEPBAR 0), although the PTX has them before it, so in
-//   each consumer only the mask and row max overlap the P V; the other consumer's wgmma fill
-//   the tensor pipe meanwhile only where the two are out of step.
+//   Seen in the SASS of v5, v6 and the dropped pipeline (earlier versions not examined): ptxas
+//   places the softmax's exponentials after the wait for the previous P V (WARPGROUP.DEPBAR 0),
+//   although the PTX has them before it, so in each consumer only the mask and row max overlap
+//   the P V; the other consumer's wgmma fill the tensor pipe meanwhile only where the two are out
+//   of step.
 #pragma once
 
 #include <cuda.h>
