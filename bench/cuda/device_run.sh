@@ -30,6 +30,9 @@ if [[ $what == tests || $what == all ]]; then
   summary+=("cuda_kernel_tests: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/tests.log" | tr '\n' ' ')")
   grep -E "^\[  FAILED|Failure|rel|seed" "$out/tests.log" | head -40
   filter='*n65_d256_causal*:*varlen_causal*:*gqa8_causal_bshd*:*window_both*:*n129_causal*:*prime17_d7*:*top_left_causal_nq129*'
+  # Plus Hopper cases where a persistent CTA runs several work tiles (the D = 128 causal ones):
+  # racecheck found an unordered shared read there (2026-12-02) that the cases above never hit.
+  filter+=':*d128*causal*wgmma*'
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 "$bin/cuda_kernel_tests" \
       --gtest_brief=1 --gtest_filter="$filter" >"$out/sanitizer_$tool.log" 2>&1

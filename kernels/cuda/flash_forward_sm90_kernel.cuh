@@ -87,8 +87,11 @@
 //   Seen in the SASS of v5, v6 and the dropped pipeline (earlier versions not examined): ptxas
 //   places the softmax's exponentials after the wait for the previous P V (WARPGROUP.DEPBAR 0),
 //   although the PTX has them before it, so in each consumer only the mask and row max overlap
-//   the P V; the other consumer's wgmma fill the tensor pipe meanwhile only where the two are out
-//   of step.
+//   the P V. Measured and dropped (2026-12-02): a lane-0 shared store of the row sums before that
+//   wait kept every exponential before it (all 10 instantiations, no spills), correct, but
+//   0.92-1.005x of v6 (N = 1024 rows 0.975-1.005, D = 128 N = 16384 0.92). Also 3 stages at
+//   D = 128 (224 KiB of shared memory): 0.98-1.01x at N = 1024-4096, bf16 N = 16384 1.06x but
+//   fp16 0.98x.
 #pragma once
 
 #include <cuda.h>
@@ -328,8 +331,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   int it = 0;                                       // key tiles so far
   for (int round = 0;; ++round) {
     MbarWait(q_full, round & 1);
-    int pos;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pos) : "r"(tile_pos) : "memory");
+    // Read by lane 0 alone, the lane that later arrives on q_empty: that arrival is what lets the
+    // producer overwrite tile_pos, so no other lane's read can be left unordered with the next
+    // write (compute-sanitizer racecheck reported exactly that once CTAs ran several rounds).
+    int pos = 0;
+    if (lane == 0) asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pos) : "r"(tile_pos) : "memory");
+    pos = __shfl_sync(0xffffffffu, pos, 0);
     if (pos >= schedule.work_tiles) break;
     const Sm90WorkTile wt = GetWorkTile<kBr, kBc>(p, schedule, pos);
     const ItemExtent& e = wt.e;
