@@ -6,6 +6,8 @@
 #include <thread>
 #include <utility>
 
+#include "absl/base/attributes.h"
+#include "absl/base/optimization.h"
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/descriptor.h"
@@ -189,6 +191,33 @@ class Walker {
   // Reads a varint at *pos (< end) into *value and moves *pos past it.
   absl::Status Varint(int64_t* pos, int64_t end, const Place& place, absl::string_view what,
                       uint64_t* value) const {
+    if (ABSL_PREDICT_TRUE(WholeVarint(pos, end, value))) return absl::OkStatus();
+    return VarintByBytes(pos, end, place, what, value);
+  }
+
+  // The common case, inline: a varint whole inside the piece that holds its first byte (a Step
+  // of 8 entries by reference has ~500 varints; reading each byte through WireBytes::At cost more
+  // than the rest of the walk). False, with *pos unmoved, for anything else (a piece boundary,
+  // the message's end, an overlong varint): VarintByBytes reads those and names the problem.
+  bool WholeVarint(int64_t* pos, int64_t end, uint64_t* value) const {
+    if (*pos >= end) return false;
+    const uint8_t* bytes = nullptr;
+    const int64_t n = std::min<int64_t>({Window(*pos, &bytes), end - *pos, 9});
+    uint64_t result = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      result |= static_cast<uint64_t>(bytes[i] & 0x7f) << (7 * i);
+      if ((bytes[i] & 0x80) == 0) {
+        *pos += i + 1;
+        *value = result;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  ABSL_ATTRIBUTE_NOINLINE absl::Status VarintByBytes(int64_t* pos, int64_t end, const Place& place,
+                                                     absl::string_view what,
+                                                     uint64_t* value) const {
     uint64_t result = 0;
     for (int i = 0; i < 10; ++i) {
       if (*pos >= end) {
@@ -325,7 +354,22 @@ class Walker {
     return absl::OkStatus();
   }
 
+  // Points *bytes at the byte at `pos` (< the wire's size) and returns how many bytes of its
+  // piece follow from there. The piece last used is kept: the walk reads mostly forward.
+  int64_t Window(int64_t pos, const uint8_t** bytes) const {
+    if (pos < window_begin_ || pos >= window_end_) {
+      const absl::string_view piece = wire_.PieceFrom(pos);
+      window_begin_ = pos;
+      window_end_ = pos + static_cast<int64_t>(piece.size());
+      window_ = reinterpret_cast<const uint8_t*>(piece.data());
+    }
+    *bytes = window_ + (pos - window_begin_);
+    return window_end_ - pos;
+  }
+
   const WireBytes& wire_;
+  mutable int64_t window_begin_ = 0, window_end_ = 0;  // Window's piece: [begin, end) of the wire
+  mutable const uint8_t* window_ = nullptr;            // its byte at window_begin_
 };
 
 // The pieces of a WireBytes as a protobuf input stream (protobuf parses them without joining).
