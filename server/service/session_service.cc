@@ -52,6 +52,14 @@ absl::AnyInvocable<void(absl::Status) &&> HoldingRegions(
   };
 }
 
+// Arena options whose first block is `block` (the arena never frees it).
+google::protobuf::ArenaOptions StartingIn(char* block, size_t size) {
+  google::protobuf::ArenaOptions options;
+  options.initial_block = block;
+  options.initial_block_size = size;
+  return options;
+}
+
 }  // namespace
 
 // One Step call: its entries checked against their sessions' shapes, grouped into decode jobs.
@@ -230,6 +238,11 @@ grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* cont
         RunStep(context, owner, arrival, request, response, std::move(finish));
       });
 }
+
+SessionService::StepMessages::StepMessages()
+    : arena(StartingIn(first_block, sizeof(first_block))),
+      request(*google::protobuf::Arena::CreateMessage<v1::StepRequest>(&arena)),
+      response(*google::protobuf::Arena::CreateMessage<v1::StepResponse>(&arena)) {}
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* SessionService::StepStream(
     grpc::CallbackServerContext* context) {

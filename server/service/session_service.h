@@ -28,6 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
+#include "google/protobuf/arena.h"
 #include "grpcpp/grpcpp.h"
 #include "server/metrics/metrics.h"
 #include "server/regions/region_registry.h"
@@ -103,11 +104,18 @@ class SessionService final : public SessionsRawService {
   using Body =
       absl::AnyInvocable<void(const std::string& owner, absl::Time arrival, Finish finish) &&>;
 
-  // One StepStream message's parsed request and its response.
+  // One StepStream message's parsed request and its response, on an arena of their own whose
+  // first block is inside the struct: a Step of 8 entries by reference parses into ~70 messages
+  // and strings and answers with ~30 more (7.7 KB in all), which one by one were as many heap
+  // allocations to make and to free.
   struct StepMessages {
-    v1::StepRequest request;
-    v1::StepResponse response;
+    StepMessages();
     const std::string& request_id() const { return request.request_id(); }
+
+    alignas(8) char first_block[8192];
+    google::protobuf::Arena arena;
+    v1::StepRequest& request;
+    v1::StepResponse& response;
   };
 
   // Answers one unary call through Admit and its default reactor: `body` runs over the parsed
