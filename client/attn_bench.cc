@@ -549,7 +549,7 @@ struct PhaseResult {
   // p50 of each ServerTiming field over the requests: queue, h2d, compute, d2h and total (arrival
   // to response ready; p50 - total is what the transport and the client cost).
   double queue_us_p50 = 0, h2d_us_p50 = 0, compute_us_p50 = 0, d2h_us_p50 = 0, server_us_p50 = 0;
-  double decode_us_p50 = 0, prepare_us_p50 = 0, run_us_p50 = 0;
+  double decode_us_p50 = 0, parse_us_p50 = 0, prepare_us_p50 = 0, run_us_p50 = 0;
   std::map<grpc::StatusCode, int64_t> errors;
   // Decode mode: session-steps and new tokens per second (Step requests carry several sessions,
   // each several tokens).
@@ -736,6 +736,7 @@ PhaseResult RunPhase(const std::string& name, const LoadSettings& settings, int6
   r.d2h_us_p50 = p50(&v1::ServerTiming::d2h_us);
   r.server_us_p50 = p50(&v1::ServerTiming::total_us);
   r.decode_us_p50 = p50(&v1::ServerTiming::decode_us);
+  r.parse_us_p50 = p50(&v1::ServerTiming::parse_us);
   r.prepare_us_p50 = p50(&v1::ServerTiming::prepare_us);
   r.run_us_p50 = p50(&v1::ServerTiming::run_us);
   r.errors = recorder.errors();
@@ -776,11 +777,12 @@ std::string ResultJson(const PhaseResult& r) {
       "\"tflop_per_s\":%.6g,\"p50\":%.6g,\"p90\":%.6g,\"p95\":%.6g,\"p99\":%.6g,\"p999\":%.6g,"
       "\"max\":%.6g,"
       "\"compute_us_p50\":%.6g,\"server_p50_us\":{\"queue\":%.6g,\"h2d\":%.6g,\"d2h\":%.6g,"
-      "\"total\":%.6g,\"decode\":%.6g,\"prepare\":%.6g,\"run\":%.6g},\"errors\":{%s}%s",
+      "\"total\":%.6g,\"decode\":%.6g,\"parse\":%.6g,\"prepare\":%.6g,\"run\":%.6g},"
+      "\"errors\":{%s}%s",
       r.ok, r.elapsed_s, r.requests_per_s, r.payload_gb_per_s, r.tflop_per_s, r.p50, r.p90, r.p95,
       r.p99, r.p999, r.max, r.compute_us_p50, r.queue_us_p50, r.h2d_us_p50, r.d2h_us_p50,
-      r.server_us_p50, r.decode_us_p50, r.prepare_us_p50, r.run_us_p50, absl::StrJoin(errors, ","),
-      decode);
+      r.server_us_p50, r.decode_us_p50, r.parse_us_p50, r.prepare_us_p50, r.run_us_p50,
+      absl::StrJoin(errors, ","), decode);
 }
 
 // The run's configuration, in its JSON object: what was measured, beside the figures.

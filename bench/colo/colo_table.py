@@ -26,7 +26,7 @@ def breakdown(s):
     run = srv.get("run", 0) or gpu
     rest = srv["total"] - srv.get("decode", 0) - srv["queue"] - srv.get("prepare", 0) - run
     return (f"gRPC and client {s['p50'] * 1e6 - srv['total']:.0f}; server {srv['total']:.0f} ="
-            f" decode {srv.get('decode', 0):.0f} + queue and hop {srv['queue']:.0f} + prepare "
+            f" decode {srv.get('decode', 0):.0f} (parse {srv.get('parse', 0):.0f}) + queue and hop {srv['queue']:.0f} + prepare "
             f"(leases, K/V append, plan) {srv.get('prepare', 0):.0f} + run {run:.0f} (q in "
             f"{srv['h2d']:.0f}, kernel {k:.0f}, out {srv['d2h']:.0f}, host side {run - gpu:.0f})"
             f" + answer {rest:.0f}")

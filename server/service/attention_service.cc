@@ -44,8 +44,10 @@ AttentionService::AttentionService(const ServiceOptions& options, Scheduler* sch
 
 absl::Status AttentionService::Prepare(grpc::CallbackServerContext* context,
                                        const grpc::ByteBuffer& request, Call* call) {
+  const absl::Time start = absl::Now();
   const ReceivedBytes received(request);
   RETURN_IF_ERROR(ParseAttendRequest(received.wire, &call->request));
+  call->response.mutable_timing()->set_parse_us(absl::ToDoubleMicroseconds(absl::Now() - start));
   const WireAttendRequest& r = call->request;
   // The regions the request references stay held until it is answered.
   call->refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token,

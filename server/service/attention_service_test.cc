@@ -177,6 +177,8 @@ TEST(AttentionServiceTest, AttendMatchesTheReference) {
   EXPECT_THAT(response.lse().shape(), ::testing::ElementsAre(2, 4, 37));
   EXPECT_GT(response.timing().compute_us(), 0);
   EXPECT_GE(response.timing().total_us(), response.timing().compute_us());
+  EXPECT_GT(response.timing().parse_us(), 0);
+  EXPECT_LE(response.timing().parse_us(), response.timing().decode_us());
 
   // The reference on the same request, decoded locally.
   AttendResponse local;

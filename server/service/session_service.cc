@@ -130,14 +130,14 @@ grpc::ServerUnaryReactor* SessionService::Serve(
     absl::string_view rpc, grpc::CallbackServerContext* context,
     const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response,
     absl::AnyInvocable<void(const Request& request, Response* response, const std::string& owner,
-                            absl::Time arrival, Finish finish) &&>
+                            const Arrival& arrival, Finish finish) &&>
         body) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // The call's messages, kept by its answer until it is given.
   auto messages = std::make_shared<std::pair<Request, Response>>();
   Admit(
       rpc, context, *raw_request, &messages->first, &messages->second, raw_response,
-      [messages, body = std::move(body)](const std::string& owner, absl::Time arrival,
+      [messages, body = std::move(body)](const std::string& owner, const Arrival& arrival,
                                          Finish finish) mutable {
         std::move(body)(messages->first, &messages->second, owner, arrival, std::move(finish));
       },
@@ -156,7 +156,9 @@ void SessionService::Admit(absl::string_view rpc, grpc::CallbackServerContext* c
   const bool entered = status.ok() && drain_->Enter();
   const bool refused = status.ok() && !entered;
   if (refused) status = absl::UnavailableError("server is shutting down");
+  const absl::Time parse_start = absl::Now();
   if (status.ok()) status = ParseByteBuffer(raw_request, request);
+  const Arrival arrived{.at = arrival, .parse = absl::Now() - parse_start};
   if (status.ok() && store_ == nullptr) {
     status = absl::UnimplementedError(
         "this server keeps no KV cache: its backend has no paged KV pool, or "
@@ -182,7 +184,7 @@ void SessionService::Admit(absl::string_view rpc, grpc::CallbackServerContext* c
   }
   if (!status.ok()) return std::move(finish)(std::move(status));
   // Sessions belong to the caller's token (the one the check above accepted); "" without tokens.
-  std::move(body)(options_.auth_token, arrival, std::move(finish));
+  std::move(body)(options_.auth_token, arrived, std::move(finish));
 }
 
 void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int device,
@@ -212,7 +214,7 @@ grpc::ServerUnaryReactor* SessionService::CreateSession(grpc::CallbackServerCont
   return Serve<v1::CreateSessionRequest, v1::SessionInfo>(
       "CreateSession", context, request, response,
       [this, context](const v1::CreateSessionRequest& request, v1::SessionInfo* response,
-                      const std::string& owner, absl::Time, Finish finish) {
+                      const std::string& owner, const Arrival&, Finish finish) {
         RunCreate(context, owner, request, response, std::move(finish));
       });
 }
@@ -223,7 +225,7 @@ grpc::ServerUnaryReactor* SessionService::AppendKv(grpc::CallbackServerContext* 
   return Serve<v1::AppendKvRequest, v1::SessionInfo>(
       "AppendKv", context, request, response,
       [this, context](const v1::AppendKvRequest& request, v1::SessionInfo* response,
-                      const std::string& owner, absl::Time, Finish finish) {
+                      const std::string& owner, const Arrival&, Finish finish) {
         RunAppend(context, owner, request, response, std::move(finish));
       });
 }
@@ -234,7 +236,7 @@ grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* cont
   return Serve<v1::StepRequest, v1::StepResponse>(
       "Step", context, request, response,
       [this, context](const v1::StepRequest& request, v1::StepResponse* response,
-                      const std::string& owner, absl::Time arrival, Finish finish) {
+                      const std::string& owner, const Arrival& arrival, Finish finish) {
         RunStep(context, owner, arrival, request, response, std::move(finish));
       });
 }
@@ -251,7 +253,7 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* SessionService::Ste
                                               StepMessages* step, Finish done) {
         Admit(
             "StepStream", context, *request, &step->request, &step->response, response,
-            [this, context, request, step](const std::string& owner, absl::Time arrival,
+            [this, context, request, step](const std::string& owner, const Arrival& arrival,
                                            Finish finish) {
               // Parsed (protobuf copied the bytes): give the received slices back.
               request->Clear();
@@ -267,7 +269,7 @@ grpc::ServerUnaryReactor* SessionService::DropSession(grpc::CallbackServerContex
   return Serve<v1::DropSessionRequest, v1::DropSessionResponse>(
       "DropSession", context, request, response,
       [this](const v1::DropSessionRequest& request, v1::DropSessionResponse*,
-             const std::string& owner, absl::Time, Finish finish) {
+             const std::string& owner, const Arrival&, Finish finish) {
         std::move(finish)(request.session_id().empty() ? MissingSessionId()
                                                        : store_->Drop(owner, request.session_id()));
       });
@@ -279,7 +281,7 @@ grpc::ServerUnaryReactor* SessionService::ListSessions(grpc::CallbackServerConte
   return Serve<v1::ListSessionsRequest, v1::ListSessionsResponse>(
       "ListSessions", context, request, response,
       [this](const v1::ListSessionsRequest&, v1::ListSessionsResponse* response,
-             const std::string& owner, absl::Time, Finish finish) {
+             const std::string& owner, const Arrival&, Finish finish) {
         for (const SessionSnapshot& s : store_->List(owner)) {
           FillInfo(s, response->add_sessions());
         }
@@ -357,13 +359,13 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
 }
 
 void SessionService::RunStep(grpc::CallbackServerContext* context, const std::string& owner,
-                             absl::Time arrival, const v1::StepRequest& request,
+                             const Arrival& arrival, const v1::StepRequest& request,
                              v1::StepResponse* response, Finish finish) {
   if (absl::Status status = CheckStep(request); !status.ok()) {
     return std::move(finish)(std::move(status));
   }
   auto call = std::make_shared<StepCall>();
-  call->arrival = arrival;
+  call->arrival = arrival.at;
   call->request = &request;
   call->response = response;
   call->owner = owner;
@@ -546,6 +548,7 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
   }
   response->mutable_timing()->set_decode_us(
       absl::ToDoubleMicroseconds(absl::Now() - call->arrival));
+  response->mutable_timing()->set_parse_us(absl::ToDoubleMicroseconds(arrival.parse));
   scheduler_->SubmitAll(std::move(jobs));
 }
 

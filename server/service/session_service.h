@@ -100,9 +100,14 @@ class SessionService final : public SessionsRawService {
   struct StepCall;
   // How a call's body answers: `finish` once, from this thread or from a scheduler worker.
   using Finish = absl::AnyInvocable<void(absl::Status) &&>;
-  // `arrival`: when the request was taken from gRPC, before it was parsed.
+  // A request as Admit hands it on: when it was taken from gRPC (before it was parsed), and how
+  // long its parse took.
+  struct Arrival {
+    absl::Time at;
+    absl::Duration parse;
+  };
   using Body =
-      absl::AnyInvocable<void(const std::string& owner, absl::Time arrival, Finish finish) &&>;
+      absl::AnyInvocable<void(const std::string& owner, const Arrival& arrival, Finish finish) &&>;
 
   // One StepStream message's parsed request and its response, on an arena of their own whose
   // first block is inside the struct: a Step of 8 entries by reference parses into ~70 messages
@@ -125,7 +130,7 @@ class SessionService final : public SessionsRawService {
       absl::string_view rpc, grpc::CallbackServerContext* context,
       const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response,
       absl::AnyInvocable<void(const Request& request, Response* response, const std::string& owner,
-                              absl::Time arrival, Finish finish) &&>
+                              const Arrival& arrival, Finish finish) &&>
           body);
   // Admits one request (a unary call or one message of a stream): checks the token, the drain,
   // that `raw_request` parses as `request` (INVALID_ARGUMENT naming the field otherwise) and the
@@ -147,8 +152,9 @@ class SessionService final : public SessionsRawService {
   void RunAppend(grpc::CallbackServerContext* context, const std::string& owner,
                  const v1::AppendKvRequest& request, v1::SessionInfo* response, Finish finish);
   // `arrival` starts the call's ServerTiming (decode_us and total_us count its parse too).
-  void RunStep(grpc::CallbackServerContext* context, const std::string& owner, absl::Time arrival,
-               const v1::StepRequest& request, v1::StepResponse* response, Finish finish);
+  void RunStep(grpc::CallbackServerContext* context, const std::string& owner,
+               const Arrival& arrival, const v1::StepRequest& request, v1::StepResponse* response,
+               Finish finish);
 
   void SweeperLoop();
 

@@ -1235,7 +1235,8 @@ TEST(SessionsOffE2E, WithoutACacheSessionsAreUnimplemented) {
 }
 
 // Co-located clients may connect over a Unix domain socket (--unix_socket) beside TCP: Steps on a
-// StepStream over it are answered as over TCP, with the worker's timing (prepare_us, run_us).
+// StepStream over it are answered as over TCP, with the worker's timing (prepare_us, run_us)
+// and the parse's share of the decode (parse_us).
 TEST(UnixSocketE2E, StepStreamOverAUnixSocketMatchesTheReference) {
   const std::string path = absl::StrCat("/tmp/attention-sessions-test-", getpid(), ".sock");
   absl::StatusOr<RunningServer> server = StartServer(
@@ -1266,6 +1267,8 @@ TEST(UnixSocketE2E, StepStreamOverAUnixSocketMatchesTheReference) {
       EXPECT_EQ(response.results(0).length(), s->seq.length());
       EXPECT_GT(response.timing().prepare_us(), 0);
       EXPECT_GE(response.timing().run_us(), response.timing().compute_us());
+      EXPECT_GT(response.timing().parse_us(), 0);
+      EXPECT_LE(response.timing().parse_us(), response.timing().decode_us());
       ExpectMatchesReference(ReferenceRequest(s->dtype, s->seq, q, 4, 1, mask),
                              response.results(0));
     }

@@ -68,6 +68,9 @@ class AttnBenchDecodeTest(unittest.TestCase):
             # The worker's part of each Step: its leases and append, then the device run.
             self.assertGreater(r["server_p50_us"]["prepare"], 0)
             self.assertGreaterEqual(r["server_p50_us"]["run"], r["compute_us_p50"])
+            # The parse, a part of the decode before the queue.
+            self.assertGreater(r["server_p50_us"]["parse"], 0)
+            self.assertLessEqual(r["server_p50_us"]["parse"], r["server_p50_us"]["decode"])
             self.assertIn("dropped 4 sessions, 0 failed", out)
 
     def test_extend_steps_without_append(self):
