@@ -60,8 +60,8 @@ rounds, delay, spin = int(sys.argv[3]), sys.argv[4], sys.argv[5]
 fields = ("decode", "queue", "prepare", "run", "total")
 print(f"\n{rounds} rounds, server --worker_spin_us={spin}; medians over the rounds (each round's "
       "figure a p50)")
-print("\n| variant | p50 - kernel | kernel | gRPC and client | decode | queue | prepare | run "
-      "(host side) | answer |")
+print("\n| variant | p50 - kernel | kernel | gRPC and client | decode (parse) | queue | prepare "
+      "| run (host side) | answer |")
 print("|---|---|---|---|---|---|---|---|---|")
 for what, api, name in (("shm", "poll", "tensors by reference, polling client"),
                         ("shm", "sync", "tensors by reference, sync client"),
@@ -74,13 +74,13 @@ for what, api, name in (("shm", "poll", "tensors by reference, polling client"),
     med = lambda f: statistics.median(f(s) for s in runs)
     k = med(lambda s: s["compute_us_p50"])
     srv = {f: med(lambda s: s["server_p50_us"][f]) for f in fields}
-    srv.update({f: med(lambda s: s["server_p50_us"][f]) for f in ("h2d", "d2h")})
+    srv.update({f: med(lambda s: s["server_p50_us"].get(f, 0)) for f in ("h2d", "d2h", "parse")})
     host = srv["run"] - srv["h2d"] - k - srv["d2h"]
     answer = srv["total"] - srv["decode"] - srv["queue"] - srv["prepare"] - srv["run"]
     extras = ", ".join(f"{s['p50'] * 1e6 - s['compute_us_p50']:.0f}" for s in runs)
     print(f"| {name} | {med(lambda s: s['p50'] * 1e6 - s['compute_us_p50']):.0f} us ({extras}) "
           f"| {k:.0f} | {med(lambda s: s['p50'] * 1e6 - s['server_p50_us']['total']):.0f} "
-          f"| {srv['decode']:.0f} | {srv['queue']:.0f} | {srv['prepare']:.0f} "
+          f"| {srv['decode']:.0f} ({srv['parse']:.0f}) | {srv['queue']:.0f} | {srv['prepare']:.0f} "
           f"| {srv['run']:.0f} ({host:.0f}) | {answer:.0f} |")
 for echo, name in (("echo", "next read after the reply"), ("echo_ahead", "next read before it")):
     runs = [ok(f"{echo}_{i}") for i in range(1, rounds + 1)]
