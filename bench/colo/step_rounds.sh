@@ -9,7 +9,8 @@
 # messages from a polling client; and the anchor beside them, the bare echo of 64-byte tensors
 # replying DELAY_US (default 250) after the read, from a polling client, with the next read
 # started after the reply (the echo's way) and before it (--read_ahead, the attention server's).
-# The server runs with --worker_spin_us=SPIN_US (default 1000; 0 for none).
+# The server runs with --worker_spin_us=SPIN_US (default 1000; 0 for none), and POLL=1 adds
+# --poll_step_streams (StepStream on the async API, one thread polling its completions).
 # Logs and JSON lines under $OUT/rounds (OUT defaults to /tmp/out); the table comes last.
 # A CPU try: BACKEND=cpu NK=256 DURATION_S=1 ROUNDS=1 bench/colo/step_rounds.sh BIN_DIR
 # NAME_target and NAME_pid are set by lib.sh's start_attention and start_echo.
@@ -23,6 +24,7 @@ dur=${DURATION_S:-2}
 rounds=${ROUNDS:-3}
 delay_us=${DELAY_US:-250}
 spin_us=${SPIN_US:-1000}
+poll=${POLL:-0}
 here=$(dirname "$0")
 # shellcheck source=bench/colo/lib.sh
 source "$here/lib.sh"
@@ -30,7 +32,10 @@ colo_setup
 results=$out/rounds.jsonl
 : >"$results"
 
-start_attention server --allow_shared_memory --max_message_mb=2047 --worker_spin_us="$spin_us"
+poll_flag=()
+[[ $poll == 1 ]] && poll_flag=(--poll_step_streams)
+start_attention server --allow_shared_memory --max_message_mb=2047 --worker_spin_us="$spin_us" \
+  "${poll_flag[@]}"
 start_echo echo --reply_delay_us="$delay_us"
 start_echo echo_ahead --reply_delay_us="$delay_us" --read_ahead
 decode=(--target="$server_target" --mode=decode --shape=8,32,1,128 --nk="$nk" --kv_heads=8
@@ -49,16 +54,17 @@ for round in $(seq "$rounds"); do
   done
 done
 
-python3 - "$results" "$here" "$rounds" "$delay_us" "$spin_us" <<'PY'
+python3 - "$results" "$here" "$rounds" "$delay_us" "$spin_us" "$poll" <<'PY'
 import statistics
 import sys
 sys.path.insert(0, sys.argv[2])
 from colo_table import load
 
 r, ok = load(sys.argv[1])
-rounds, delay, spin = int(sys.argv[3]), sys.argv[4], sys.argv[5]
+rounds, delay, spin, poll = int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
 fields = ("decode", "queue", "prepare", "run", "total")
-print(f"\n{rounds} rounds, server --worker_spin_us={spin}; medians over the rounds (each round's "
+print(f"\n{rounds} rounds, server --worker_spin_us={spin}"
+      f"{' --poll_step_streams' if poll == '1' else ''}; medians over the rounds (each round's "
       "figure a p50)")
 print("\n| variant | p50 - kernel | kernel | gRPC and client | decode (parse) | queue | prepare "
       "| run (host side) | answer |")

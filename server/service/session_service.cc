@@ -145,7 +145,7 @@ grpc::ServerUnaryReactor* SessionService::Serve(
   return reactor;
 }
 
-void SessionService::Admit(absl::string_view rpc, grpc::CallbackServerContext* context,
+void SessionService::Admit(absl::string_view rpc, const grpc::ServerContextBase* context,
                            const grpc::ByteBuffer& raw_request, google::protobuf::Message* request,
                            const google::protobuf::Message* response,
                            grpc::ByteBuffer* raw_response, Body body, Finish answer) {
@@ -237,7 +237,8 @@ grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* cont
       "Step", context, request, response,
       [this, context](const v1::StepRequest& request, v1::StepResponse* response,
                       const std::string& owner, const Arrival& arrival, Finish finish) {
-        RunStep(context, owner, arrival, request, response, std::move(finish));
+        RunStep({.grpc = context, .cancelled = [context] { return context->IsCancelled(); }}, owner,
+                arrival, request, response, std::move(finish));
       });
 }
 
@@ -249,18 +250,24 @@ SessionService::StepMessages::StepMessages()
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* SessionService::StepStream(
     grpc::CallbackServerContext* context) {
   return StreamReactor<StepMessages>::Begin(
-      options_.stream_window, [this, context](grpc::ByteBuffer* request, grpc::ByteBuffer* response,
-                                              StepMessages* step, Finish done) {
-        Admit(
-            "StepStream", context, *request, &step->request, &step->response, response,
-            [this, context, request, step](const std::string& owner, const Arrival& arrival,
-                                           Finish finish) {
-              // Parsed (protobuf copied the bytes): give the received slices back.
-              request->Clear();
-              RunStep(context, owner, arrival, step->request, &step->response, std::move(finish));
-            },
-            std::move(done));
-      });
+      options_.stream_window, StepStreamProcess({.grpc = context, .cancelled = [context] {
+                                                   return context->IsCancelled();
+                                                 }}));
+}
+
+StreamProcess<SessionService::StepMessages> SessionService::StepStreamProcess(CallContext call) {
+  return [this, call = std::move(call)](grpc::ByteBuffer* request, grpc::ByteBuffer* response,
+                                        StepMessages* step, Finish done) {
+    Admit(
+        "StepStream", call.grpc, *request, &step->request, &step->response, response,
+        [this, &call, request, step](const std::string& owner, const Arrival& arrival,
+                                     Finish finish) {
+          // Parsed (protobuf copied the bytes): give the received slices back.
+          request->Clear();
+          RunStep(call, owner, arrival, step->request, &step->response, std::move(finish));
+        },
+        std::move(done));
+  };
 }
 
 grpc::ServerUnaryReactor* SessionService::DropSession(grpc::CallbackServerContext* context,
@@ -358,7 +365,7 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
                    std::move(finish));
 }
 
-void SessionService::RunStep(grpc::CallbackServerContext* context, const std::string& owner,
+void SessionService::RunStep(const CallContext& call_context, const std::string& owner,
                              const Arrival& arrival, const v1::StepRequest& request,
                              v1::StepResponse* response, Finish finish) {
   if (absl::Status status = CheckStep(request); !status.ok()) {
@@ -369,7 +376,7 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
   call->request = &request;
   call->response = response;
   call->owner = owner;
-  call->refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token);
+  call->refs = std::make_unique<RequestRegions>(regions_, call_context.grpc, &options_.auth_token);
   // Every check that needs no session's length before anything is queued: the sessions' places
   // and shapes never change.
   const int n = request.entries_size();
@@ -493,8 +500,8 @@ void SessionService::RunStep(grpc::CallbackServerContext* context, const std::st
       return group.seqs;
     };
     job.work = DecodeWork{.key = group.key, .prepare = std::move(prepare)};
-    job.deadline = absl::FromChrono(context->deadline());
-    job.cancelled = [context] { return context->IsCancelled(); };
+    job.deadline = absl::FromChrono(call_context.grpc->deadline());
+    job.cancelled = [cancelled = call_context.cancelled] { return cancelled(); };
     job.done = [this, call, &group](JobResult result) {
       group.leases.clear();  // first: the sessions' next calls may run
       if (result.status.ok()) {

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -55,11 +56,12 @@ struct SessionServiceOptions {
 };
 
 // Every method raw: the bytes of a request are ours to parse (wire_buffers.h says why).
-using SessionsRawService =
-    v1::Sessions::WithRawCallbackMethod_CreateSession<v1::Sessions::WithRawCallbackMethod_AppendKv<
-        v1::Sessions::WithRawCallbackMethod_Step<v1::Sessions::WithRawCallbackMethod_StepStream<
-            v1::Sessions::WithRawCallbackMethod_DropSession<
-                v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>;
+// StepStream is generic: the server's generic service serves it (generic_streams.h), on gRPC's
+// callback API or, with --poll_step_streams, on its async API with a polling thread.
+using SessionsRawService = v1::Sessions::WithRawCallbackMethod_CreateSession<
+    v1::Sessions::WithRawCallbackMethod_AppendKv<v1::Sessions::WithRawCallbackMethod_Step<
+        v1::Sessions::WithGenericMethod_StepStream<v1::Sessions::WithRawCallbackMethod_DropSession<
+            v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>;
 
 class SessionService final : public SessionsRawService {
  public:
@@ -83,12 +85,36 @@ class SessionService final : public SessionsRawService {
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
                                  const grpc::ByteBuffer* request,
                                  grpc::ByteBuffer* response) override;
+  // One StepStream message's parsed request and its response, on an arena of their own whose
+  // first block is inside the struct: a Step of 8 entries by reference parses into ~70 messages
+  // and strings and answers with ~30 more (7.7 KB in all), which one by one were as many heap
+  // allocations to make and to free.
+  struct StepMessages {
+    StepMessages();
+    const std::string& request_id() const { return request.request_id(); }
+
+    alignas(8) char first_block[8192];
+    google::protobuf::Arena arena;
+    v1::StepRequest& request;
+    v1::StepResponse& response;
+  };
+  // What a Step needs of its call: the gRPC context (metadata, peer, deadline), and whether the
+  // call was cancelled, asked through `cancelled` (on the async API a context may be asked that
+  // only once its done tag has come back).
+  struct CallContext {
+    const grpc::ServerContextBase* grpc;
+    std::function<bool()> cancelled;
+  };
+
   // Steps on one stream, each answered as it finishes (its response carries its request_id), with
   // the unary Step's checks, queue, metrics (rpc "StepStream") and drain per Step; at most
   // `stream_window` Steps of one stream are held at once. A failed Step ends the stream with its
-  // status, naming its request_id.
+  // status, naming its request_id. StepStream is the callback API's reactor, StepStreamProcess
+  // the processing of any transport's stream (generic_streams.h).
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StepStream(
-      grpc::CallbackServerContext* context) override;
+      grpc::CallbackServerContext* context);
+  StreamProcess<StepMessages> StepStreamProcess(CallContext call);
+  int stream_window() const { return options_.stream_window; }
   grpc::ServerUnaryReactor* DropSession(grpc::CallbackServerContext* context,
                                         const grpc::ByteBuffer* request,
                                         grpc::ByteBuffer* response) override;
@@ -109,20 +135,6 @@ class SessionService final : public SessionsRawService {
   using Body =
       absl::AnyInvocable<void(const std::string& owner, const Arrival& arrival, Finish finish) &&>;
 
-  // One StepStream message's parsed request and its response, on an arena of their own whose
-  // first block is inside the struct: a Step of 8 entries by reference parses into ~70 messages
-  // and strings and answers with ~30 more (7.7 KB in all), which one by one were as many heap
-  // allocations to make and to free.
-  struct StepMessages {
-    StepMessages();
-    const std::string& request_id() const { return request.request_id(); }
-
-    alignas(8) char first_block[8192];
-    google::protobuf::Arena arena;
-    v1::StepRequest& request;
-    v1::StepResponse& response;
-  };
-
   // Answers one unary call through Admit and its default reactor: `body` runs over the parsed
   // request and a response, which Admit serializes into `raw_response`.
   template <typename Request, typename Response>
@@ -138,7 +150,7 @@ class SessionService final : public SessionsRawService {
   // `response` into `raw_response` when ok, recording metrics under `rpc`, calling `answer`,
   // leaving the drain gate). `body` gets the caller's owner key. `request`, `response` and
   // `raw_response` must stay valid until `answer` runs.
-  void Admit(absl::string_view rpc, grpc::CallbackServerContext* context,
+  void Admit(absl::string_view rpc, const grpc::ServerContextBase* context,
              const grpc::ByteBuffer& raw_request, google::protobuf::Message* request,
              const google::protobuf::Message* response, grpc::ByteBuffer* raw_response, Body body,
              Finish answer);
@@ -152,9 +164,8 @@ class SessionService final : public SessionsRawService {
   void RunAppend(grpc::CallbackServerContext* context, const std::string& owner,
                  const v1::AppendKvRequest& request, v1::SessionInfo* response, Finish finish);
   // `arrival` starts the call's ServerTiming (decode_us and total_us count its parse too).
-  void RunStep(grpc::CallbackServerContext* context, const std::string& owner,
-               const Arrival& arrival, const v1::StepRequest& request, v1::StepResponse* response,
-               Finish finish);
+  void RunStep(const CallContext& call, const std::string& owner, const Arrival& arrival,
+               const v1::StepRequest& request, v1::StepResponse* response, Finish finish);
 
   void SweeperLoop();
 

@@ -28,7 +28,7 @@ void FillInfo(const RegionDescription& d, v1::RegionInfo* info) {
 
 }  // namespace
 
-std::string RegionOwner(const grpc::CallbackServerContext& context, const std::string& auth_token) {
+std::string RegionOwner(const grpc::ServerContextBase& context, const std::string& auth_token) {
   // Keys of the two kinds never collide: a peer starts with its scheme ("ipv4:", "unix:").
   return auth_token.empty() ? absl::StrCat("peer ", context.peer())
                             : absl::StrCat("token ", auth_token);

@@ -24,7 +24,7 @@
 namespace attention::server {
 
 // The owner key of the caller of `context` (see the file comment).
-std::string RegionOwner(const grpc::CallbackServerContext& context, const std::string& auth_token);
+std::string RegionOwner(const grpc::ServerContextBase& context, const std::string& auth_token);
 
 // The TensorRefs of one request of `context`'s caller, resolved in `registry`; the regions stay
 // held until this is destroyed. `registry` null: shared memory is off (FAILED_PRECONDITION).
@@ -33,7 +33,7 @@ std::string RegionOwner(const grpc::CallbackServerContext& context, const std::s
 // Sessions calls) they are UNIMPLEMENTED: those bytes are read or written on the host.
 class RequestRegions final : public TensorRefResolver {
  public:
-  RequestRegions(RegionRegistry* registry, const grpc::CallbackServerContext* context,
+  RequestRegions(RegionRegistry* registry, const grpc::ServerContextBase* context,
                  const std::string* auth_token, bool cuda_inputs = false)
       : registry_(registry),
         context_(context),
@@ -51,7 +51,7 @@ class RequestRegions final : public TensorRefResolver {
 
  private:
   RegionRegistry* const registry_;
-  const grpc::CallbackServerContext* const context_;
+  const grpc::ServerContextBase* const context_;
   const std::string* const auth_token_;
   const bool cuda_inputs_;
   std::string owner_;                      // from the first reference on

@@ -5,11 +5,12 @@
 // in a `State` of its own, one per message. A request that fails ends the stream with its status
 // (the message names its request_id) once the responses already computed are written.
 //
-// Every gRPC operation (StartRead, StartWrite, Finish) is started with mu_ held, so the state
-// below and the operations in flight always agree; gRPC runs the reactions (OnReadDone, ...) on
-// its own threads, never inside those calls. The reactor owns itself through self_ until OnDone,
-// and each request in flight holds a reference too, so a worker finishing the last request can
-// never touch a deleted reactor.
+// Every gRPC operation (read, write, finish) is started with StreamFlow's mu_ held, so its state
+// and the operations in flight always agree; the completions come back on other threads, never
+// inside those calls. The stream's transport owns itself through self_ until it is done, and
+// each request in flight holds a reference too, so a worker finishing the last request can never
+// touch a deleted stream. Two transports: StreamReactor below (gRPC's callback API), and
+// PolledStepStreams' calls (the async API, one thread polling; generic_streams.h).
 //
 // Thread hops: a request is decoded and queued on the gRPC thread that completed its read (no
 // hop); the scheduler's worker that runs it starts the write of its response (one hop, the
@@ -32,35 +33,34 @@ namespace attention::server {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
+// Runs one request read from a stream, filling `response`; calls `done` exactly once, inline or
+// from another thread. `request` (which it may clear once parsed), `response` and `state` stay
+// valid until then.
+template <typename State>
+using StreamProcess =
+    absl::AnyInvocable<void(grpc::ByteBuffer* request, grpc::ByteBuffer* response, State* state,
+                            absl::AnyInvocable<void(absl::Status) &&> done)>;
+
+// The bookkeeping of one such stream, apart from the gRPC API that moves its messages.
+// `Transport` (CRTP) starts the operations, each at most once at a time: StartRead(ByteBuffer*),
+// StartWrite(const ByteBuffer*) and Finish(grpc::Status); and reports their completions to
+// ReadDone, WriteDone and Cancelled. It holds itself in `self_` while it may be needed (from
+// Begin until its transport is done), and each request in flight holds a reference too.
 // `State`: default-constructible, with `request_id()` (the parsed request's, "" when it did not
 // parse) naming a failed request in the stream's status.
-template <typename State>
-class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+template <typename Transport, typename State>
+class StreamFlow {
  public:
   using Done = absl::AnyInvocable<void(absl::Status) &&>;
-  // Runs one request read from the stream, filling `response`; calls `done` exactly once, inline
-  // or from another thread. `request` (which it may clear once parsed), `response` and `state`
-  // stay valid until then.
-  using Process = absl::AnyInvocable<void(grpc::ByteBuffer* request, grpc::ByteBuffer* response,
-                                          State* state, Done done)>;
+  using Process = StreamProcess<State>;
 
   // `window`: requests the stream may have running or waiting to be written; further reads wait,
   // so a fast sender is slowed by gRPC flow control instead of filling the queue.
-  StreamReactor(int window, Process process) : window_(window), process_(std::move(process)) {}
+  StreamFlow(int window, Process process) : window_(window), process_(std::move(process)) {}
 
-  // Starts a stream: the reactor owns itself until gRPC is done with it.
-  static grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Begin(int window,
-                                                                            Process process) {
-    auto reactor = std::make_shared<StreamReactor>(window, std::move(process));
-    std::lock_guard<std::mutex> lock(reactor->mu_);
-    reactor->self_ = reactor;
-    reactor->Advance();
-    return reactor.get();
-  }
-
-  void OnReadDone(bool ok) override {
+  void ReadDone(bool ok) {
     std::unique_ptr<Exchange> exchange;
-    std::shared_ptr<StreamReactor> self;
+    std::shared_ptr<Transport> self;
     {
       std::lock_guard<std::mutex> lock(mu_);
       exchange = std::move(reading_);
@@ -80,23 +80,30 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
              });
   }
 
-  void OnWriteDone(bool ok) override {
+  void WriteDone(bool ok) {
     std::lock_guard<std::mutex> lock(mu_);
     writing_.reset();
     if (!ok) cancelled_ = true;  // the stream broke: nothing more can be written
     Advance();
   }
 
-  void OnCancel() override {
+  void Cancelled() {
     std::lock_guard<std::mutex> lock(mu_);
     cancelled_ = true;
     Advance();
   }
 
-  void OnDone() override {
-    std::shared_ptr<StreamReactor> self;
+ protected:
+  // Starts the stream (its first read); `self` is the transport, held until Release.
+  void Begin(std::shared_ptr<Transport> self) {
     std::lock_guard<std::mutex> lock(mu_);
-    self = std::move(self_);  // released after the lock: the last reference deletes this
+    self_ = std::move(self);
+    Advance();
+  }
+  // The transport is done: the reference Begin took, to be dropped after the lock.
+  std::shared_ptr<Transport> Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::move(self_);
   }
 
  private:
@@ -105,6 +112,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     grpc::ByteBuffer response;
     State state;
   };
+
+  Transport& transport() { return static_cast<Transport&>(*this); }
 
   void Processed(std::unique_ptr<Exchange> exchange, absl::Status status) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -129,24 +138,24 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (writing_ == nullptr && !ready_.empty()) {
       writing_ = std::move(ready_.front());
       ready_.pop_front();
-      this->StartWrite(&writing_->response);
+      transport().StartWrite(&writing_->response);
     }
     const int held = in_flight_ + static_cast<int>(ready_.size()) + (writing_ != nullptr);
     if (!Ending() && reading_ == nullptr && held < window_) {
       reading_ = std::make_unique<Exchange>();
-      this->StartRead(&reading_->request);
+      transport().StartRead(&reading_->request);
     }
     if (Ending() && in_flight_ == 0 && writing_ == nullptr && ready_.empty()) {
       finished_ = true;
-      // A read may still be outstanding; it completes (not ok) before OnDone.
-      this->Finish(cancelled_ ? grpc::Status::CANCELLED : ToGrpcStatus(status_));
+      // A read may still be outstanding; it completes (not ok) before the transport is done.
+      transport().Finish(cancelled_ ? grpc::Status::CANCELLED : ToGrpcStatus(status_));
     }
   }
 
   const int window_;
   Process process_;
   std::mutex mu_;  // guards all below; a pthread lock, which ThreadSanitizer sees
-  std::shared_ptr<StreamReactor> self_;
+  std::shared_ptr<Transport> self_;
   std::unique_ptr<Exchange> reading_;            // the read outstanding, if any
   std::unique_ptr<Exchange> writing_;            // the write outstanding, if any
   std::deque<std::unique_ptr<Exchange>> ready_;  // answered, to be written
@@ -155,6 +164,37 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool cancelled_ = false;
   bool finished_ = false;
   absl::Status status_;  // the first failure; ends the stream
+};
+
+// A stream on gRPC's callback API: gRPC runs the reactions (OnReadDone, ...) on its own threads,
+// never inside the operations' calls. The reactor owns itself until OnDone.
+template <typename State>
+class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                            public StreamFlow<StreamReactor<State>, State> {
+  using Flow = StreamFlow<StreamReactor<State>, State>;
+
+ public:
+  using Done = typename Flow::Done;
+  using Process = typename Flow::Process;
+
+  StreamReactor(int window, Process process) : Flow(window, std::move(process)) {}
+
+  // Starts a stream: the reactor owns itself until gRPC is done with it.
+  static grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Begin(int window,
+                                                                            Process process) {
+    auto reactor = std::make_shared<StreamReactor>(window, std::move(process));
+    reactor->Flow::Begin(reactor);
+    return reactor.get();
+  }
+
+  void OnReadDone(bool ok) override { this->ReadDone(ok); }
+  void OnWriteDone(bool ok) override { this->WriteDone(ok); }
+  void OnCancel() override { this->Cancelled(); }
+  void OnDone() override {
+    // Released after Release's lock: the last reference deletes this.
+    std::shared_ptr<StreamReactor> self = this->Release();
+  }
+  // StreamFlow starts the reactor's own StartRead, StartWrite and Finish.
 };
 
 }  // namespace attention::server
