@@ -32,7 +32,6 @@
 #include "client/request_builder.h"
 #include "client/tensors.h"
 #include "gmock/gmock.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/blocker.h"
 #include "tests/e2e/e2e_test_util.h"
@@ -1233,40 +1232,6 @@ TEST(SessionsOffE2E, WithoutACacheSessionsAreUnimplemented) {
   EXPECT_EQ(list.status().code(), absl::StatusCode::kUnimplemented) << list.status();
   EXPECT_THAT(std::string(list.status().message()), HasSubstr("--kv_cache_fraction"));
   EXPECT_EQ(server->Stop(), absl::OkStatus());
-}
-
-// StepStream is the one method on the server's generic service (generic_streams.h), on either
-// transport (--poll_step_streams or not): any method no service registers is UNIMPLEMENTED.
-TEST(GenericStreamsE2E, AMethodNoServiceServesIsUnimplemented) {
-  for (const char* transport : {"--poll_step_streams=false", "--poll_step_streams"}) {
-    SCOPED_TRACE(transport);
-    absl::StatusOr<RunningServer> server = StartServer({"--backend=cpu", transport});
-    ASSERT_TRUE(server.ok()) << server.status();
-    for (const char* method : {"/attention.v1.Sessions/NoSuchMethod", "/attention.v1.None/Call"}) {
-      SCOPED_TRACE(method);
-      grpc::GenericStub stub(server->client->channel());
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-      grpc::CompletionQueue cq;
-      auto await = [&cq] {
-        void* tag = nullptr;
-        bool ok = false;
-        return cq.Next(&tag, &ok) && ok;
-      };
-      std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
-          stub.PrepareCall(&context, method, &cq);
-      call->StartCall(nullptr);
-      if (await()) {
-        call->WritesDone(nullptr);
-        await();
-      }
-      grpc::Status status;
-      call->Finish(&status, nullptr);
-      await();
-      EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << status.error_message();
-    }
-    EXPECT_EQ(server->Stop(), absl::OkStatus());
-  }
 }
 
 // Co-located clients may connect over a Unix domain socket (--unix_socket) beside TCP: Steps on a

@@ -480,6 +480,29 @@ absl::Status CallSessions(grpc::Status (v1::Sessions::Stub::*method)(grpc::Clien
 // Strings a client sends (session ids, request ids) may be megabytes of any bytes. Errors quote a
 // short escaped prefix with the length: echoed whole, the status message would exceed the
 // client's metadata limit, and the client would read RESOURCE_EXHAUSTED instead of the error.
+// StepStream is the one method on the server's generic service (generic_streams.h), on either
+// transport (--poll_step_streams or not): a method no service registers is still UNIMPLEMENTED,
+// not a hang or a crash, and a StepStream message that does not decode still ends its stream
+// INVALID_ARGUMENT.
+TEST(GenericStreamsTest, UnknownMethodsAreUnimplementedOnEitherTransport) {
+  for (const char* transport : {"--poll_step_streams=false", "--poll_step_streams"}) {
+    SCOPED_TRACE(transport);
+    absl::StatusOr<RunningServer> server = StartServer({"--backend=cpu", transport});
+    ASSERT_TRUE(server.ok()) << server.status();
+    grpc::GenericStub stub(server->client->channel());
+    for (const char* method : {"Sessions/NoSuchMethod", "None/Call"}) {
+      EXPECT_EQ(RawStreamCall(stub, method, "").error_code(), grpc::StatusCode::UNIMPLEMENTED)
+          << method;
+    }
+    // Field 1 as a 32-bit value: request_id is a string.
+    const grpc::Status garbage =
+        RawStreamCall(stub, "Sessions/StepStream", std::string("\x0d\x01\x02\x03\x04", 5));
+    EXPECT_EQ(garbage.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << garbage.error_message();
+    EXPECT_THAT(garbage.error_message(), HasSubstr("expected wire type"));
+    EXPECT_EQ(server->Stop(), absl::OkStatus());
+  }
+}
+
 TEST(LongClientStringTest, ErrorsQuoteAShortEscapedPrefix) {
   absl::StatusOr<RunningServer> server = StartServer({"--backend=cpu"});
   ASSERT_TRUE(server.ok()) << server.status();
