@@ -9,8 +9,10 @@
 # messages from a polling client; and the anchor beside them, the bare echo of 64-byte tensors
 # replying DELAY_US (default 250) after the read, from a polling client, with the next read
 # started after the reply (the echo's way) and before it (--read_ahead, the attention server's).
-# The server runs with --worker_spin_us=SPIN_US (default 1000; 0 for none), and POLL=1 adds
-# --poll_step_streams (StepStream on the async API, one thread polling its completions).
+# The server runs with --worker_spin_us=SPIN_US (default 1000; 0 for none). SERVERS (default
+# "callback") names the StepStream transports to run, each on a server of its own, every variant
+# against each in every round: "callback" (gRPC's callback API), "polled" (--poll_step_streams:
+# the async API, one thread polling its completions), or "callback polled" for both side by side.
 # Logs and JSON lines under $OUT/rounds (OUT defaults to /tmp/out); the table comes last.
 # A CPU try: BACKEND=cpu NK=256 DURATION_S=1 ROUNDS=1 bench/colo/step_rounds.sh BIN_DIR
 # NAME_target and NAME_pid are set by lib.sh's start_attention and start_echo.
@@ -24,7 +26,7 @@ dur=${DURATION_S:-2}
 rounds=${ROUNDS:-3}
 delay_us=${DELAY_US:-250}
 spin_us=${SPIN_US:-1000}
-poll=${POLL:-0}
+servers=${SERVERS:-callback}
 here=$(dirname "$0")
 # shellcheck source=bench/colo/lib.sh
 source "$here/lib.sh"
@@ -32,20 +34,28 @@ colo_setup
 results=$out/rounds.jsonl
 : >"$results"
 
-poll_flag=()
-[[ $poll == 1 ]] && poll_flag=(--poll_step_streams)
-start_attention server --allow_shared_memory --max_message_mb=2047 --worker_spin_us="$spin_us" \
-  "${poll_flag[@]}"
+for server in $servers; do
+  case $server in
+    callback) start_attention callback --allow_shared_memory --max_message_mb=2047 \
+      --worker_spin_us="$spin_us" ;;
+    polled) start_attention polled --allow_shared_memory --max_message_mb=2047 \
+      --worker_spin_us="$spin_us" --poll_step_streams ;;
+    *) echo "step_rounds.sh: SERVERS: expected callback and/or polled, got $server" >&2; exit 2 ;;
+  esac
+done
 start_echo echo --reply_delay_us="$delay_us"
 start_echo echo_ahead --reply_delay_us="$delay_us" --read_ahead
-decode=(--target="$server_target" --mode=decode --shape=8,32,1,128 --nk="$nk" --kv_heads=8
-  --dtype=bfloat16 --causal --max_message_mb=2047 --warmup_s=1 --duration_s="$dur" --rpc=stream
-  --concurrency=1 --sessions=8 --progress=false --json)
+decode=(--mode=decode --shape=8,32,1,128 --nk="$nk" --kv_heads=8 --dtype=bfloat16 --causal
+  --max_message_mb=2047 --warmup_s=1 --duration_s="$dur" --rpc=stream --concurrency=1 --sessions=8
+  --progress=false --json)
 for round in $(seq "$rounds"); do
-  for variant in "shm poll --shm" "shm sync --shm" "bytes poll"; do
-    read -r what api flag <<<"$variant"
-    keep "step_${what}_${api}_$round" "$("$bin/attn_bench" "${decode[@]}" --stream_api="$api" \
-      ${flag:+"$flag"} 2>>"$out/bench.log" | tail -1)"
+  for server in $servers; do
+    target=${server}_target
+    for variant in "shm poll --shm" "shm sync --shm" "bytes poll"; do
+      read -r what api flag <<<"$variant"
+      keep "step_${server}_${what}_${api}_$round" "$("$bin/attn_bench" --target="${!target}" \
+        "${decode[@]}" --stream_api="$api" ${flag:+"$flag"} 2>>"$out/bench.log" | tail -1)"
+    done
   done
   for echo in echo echo_ahead; do
     target=${echo}_target
@@ -54,28 +64,29 @@ for round in $(seq "$rounds"); do
   done
 done
 
-python3 - "$results" "$here" "$rounds" "$delay_us" "$spin_us" "$poll" <<'PY'
+python3 - "$results" "$here" "$rounds" "$delay_us" "$spin_us" "$servers" <<'PY'
 import statistics
 import sys
 sys.path.insert(0, sys.argv[2])
 from colo_table import load
 
 r, ok = load(sys.argv[1])
-rounds, delay, spin, poll = int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
+rounds, delay, spin, servers = int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6].split()
 fields = ("decode", "queue", "prepare", "run", "total")
-print(f"\n{rounds} rounds, server --worker_spin_us={spin}"
-      f"{' --poll_step_streams' if poll == '1' else ''}; medians over the rounds (each round's "
-      "figure a p50)")
-print("\n| variant | p50 - kernel | kernel | gRPC and client | decode (parse) | queue | prepare "
-      "| run (host side) | answer |")
-print("|---|---|---|---|---|---|---|---|---|")
-for what, api, name in (("shm", "poll", "tensors by reference, polling client"),
-                        ("shm", "sync", "tensors by reference, sync client"),
-                        ("bytes", "poll", "tensors in the messages, polling client")):
-    runs = [ok(f"step_{what}_{api}_{i}") for i in range(1, rounds + 1)]
+print(f"\n{rounds} rounds, servers with --worker_spin_us={spin}; medians over the rounds (each "
+      "round's figure a p50)")
+print("\n| StepStream transport | variant | p50 - kernel | kernel | gRPC and client | decode (parse) "
+      "| queue | prepare | run (host side) | answer |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+variants = (("shm", "poll", "tensors by reference, polling client"),
+            ("shm", "sync", "tensors by reference, sync client"),
+            ("bytes", "poll", "tensors in the messages, polling client"))
+for server, (what, api, name) in ((s, v) for v in variants for s in servers):
+    transport = "--poll_step_streams" if server == "polled" else "callback API"
+    runs = [ok(f"step_{server}_{what}_{api}_{i}") for i in range(1, rounds + 1)]
     runs = [s for s in runs if s]
     if not runs:
-        print(f"| {name} | error | | | | | | | |")
+        print(f"| {transport} | {name} | error | | | | | | | |")
         continue
     med = lambda f: statistics.median(f(s) for s in runs)
     k = med(lambda s: s["compute_us_p50"])
@@ -84,7 +95,8 @@ for what, api, name in (("shm", "poll", "tensors by reference, polling client"),
     host = srv["run"] - srv["h2d"] - k - srv["d2h"]
     answer = srv["total"] - srv["decode"] - srv["queue"] - srv["prepare"] - srv["run"]
     extras = ", ".join(f"{s['p50'] * 1e6 - s['compute_us_p50']:.0f}" for s in runs)
-    print(f"| {name} | {med(lambda s: s['p50'] * 1e6 - s['compute_us_p50']):.0f} us ({extras}) "
+    print(f"| {transport} | {name} | {med(lambda s: s['p50'] * 1e6 - s['compute_us_p50']):.0f} us "
+          f"({extras}) "
           f"| {k:.0f} | {med(lambda s: s['p50'] * 1e6 - s['server_p50_us']['total']):.0f} "
           f"| {srv['decode']:.0f} ({srv['parse']:.0f}) | {srv['queue']:.0f} | {srv['prepare']:.0f} "
           f"| {srv['run']:.0f} ({host:.0f}) | {answer:.0f} |")
@@ -93,7 +105,7 @@ for echo, name in (("echo", "next read after the reply"), ("echo_ahead", "next r
     runs = [x["p50_us"] for x in runs if x]
     if runs:
         each = ", ".join(f"{x - float(delay):.0f}" for x in runs)
-        print(f"| bare echo, 64-byte tensors, polling client, reply {delay} us later, {name} "
-              f"| {delay} + {statistics.median(runs) - float(delay):.0f} us ({each}) "
+        print(f"| anchor | bare echo, 64-byte tensors, polling client, reply {delay} us later, "
+              f"{name} | {delay} + {statistics.median(runs) - float(delay):.0f} us ({each}) "
               "| | | | | | | |")
 PY
