@@ -52,6 +52,12 @@ absl::AnyInvocable<void(absl::Status) &&> HoldingRegions(
   };
 }
 
+// A callback-API call as a Step sees it: on that API its context may be asked whether it was
+// cancelled at any time.
+SessionService::CallContext CallbackCall(const grpc::CallbackServerContext* context) {
+  return {.grpc = context, .cancelled = [context] { return context->IsCancelled(); }};
+}
+
 // Arena options whose first block is `block` (the arena never frees it).
 google::protobuf::ArenaOptions StartingIn(char* block, size_t size) {
   google::protobuf::ArenaOptions options;
@@ -237,8 +243,7 @@ grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* cont
       "Step", context, request, response,
       [this, context](const v1::StepRequest& request, v1::StepResponse* response,
                       const std::string& owner, const Arrival& arrival, Finish finish) {
-        RunStep({.grpc = context, .cancelled = [context] { return context->IsCancelled(); }}, owner,
-                arrival, request, response, std::move(finish));
+        RunStep(CallbackCall(context), owner, arrival, request, response, std::move(finish));
       });
 }
 
@@ -249,10 +254,8 @@ SessionService::StepMessages::StepMessages()
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* SessionService::StepStream(
     grpc::CallbackServerContext* context) {
-  return StreamReactor<StepMessages>::Begin(
-      options_.stream_window, StepStreamProcess({.grpc = context, .cancelled = [context] {
-                                                   return context->IsCancelled();
-                                                 }}));
+  return StreamReactor<StepMessages>::Begin(options_.stream_window,
+                                            StepStreamProcess(CallbackCall(context)));
 }
 
 StreamProcess<SessionService::StepMessages> SessionService::StepStreamProcess(CallContext call) {
