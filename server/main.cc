@@ -104,10 +104,10 @@ ABSL_FLAG(int, max_connection_age_s, 0,
           "re-resolve and rebalance; 0 = never.");
 ABSL_FLAG(int, max_connection_age_grace_s, 0,
           "Seconds calls in flight on an aged connection get before it is closed; 0 = unlimited.");
-ABSL_FLAG(bool, poll_step_streams, false,
-          "Serve Sessions.StepStream on gRPC's async API, every completion of its calls taken by "
-          "one thread that polls without sleeping: no thread wake-up per message, at the cost of "
-          "one busy core.");
+ABSL_FLAG(bool, poll_streams, false,
+          "Serve Attention.AttendStream and Sessions.StepStream on gRPC's async API, every "
+          "completion of their calls taken by one thread that polls without sleeping: no thread "
+          "wake-up per message, at the cost of one busy core.");
 ABSL_FLAG(std::string, unix_socket, "",
           "When set, gRPC also listens on this Unix domain socket path (clients: unix:PATH): "
           "co-located clients skip TCP's loopback stack. With --allow_shared_memory it needs "
@@ -392,15 +392,16 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   }
   builder.RegisterService(&service);
   builder.RegisterService(&sessions);
-  // StepStream, the one method no service registers (SessionService marks it generic).
-  CallbackStepStreams callback_steps(&sessions);
-  grpc::AsyncGenericService async_steps;
-  std::unique_ptr<grpc::ServerCompletionQueue> steps_queue;
-  if (options.poll_step_streams) {
-    builder.RegisterAsyncGenericService(&async_steps);
-    steps_queue = builder.AddCompletionQueue();
+  // AttendStream and StepStream, the methods no service registers (both services mark them
+  // generic).
+  CallbackStreams callback_streams(&service, &sessions);
+  grpc::AsyncGenericService async_streams;
+  std::unique_ptr<grpc::ServerCompletionQueue> streams_queue;
+  if (options.poll_streams) {
+    builder.RegisterAsyncGenericService(&async_streams);
+    streams_queue = builder.AddCompletionQueue();
   } else {
-    builder.RegisterCallbackGenericService(&callback_steps);
+    builder.RegisterCallbackGenericService(&callback_streams);
   }
   builder.RegisterService(&shared_memory);
   // Reflection v1 beside gRPC's v1alpha plugin; both list what the server serves.
@@ -410,11 +411,11 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   builder.RegisterService(&reflection_v1);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   // Declared after the server: on an early return it stops first, after the server's Shutdown.
-  std::unique_ptr<PolledStepStreams> polled_steps;
-  if (steps_queue != nullptr) {
-    polled_steps =
-        std::make_unique<PolledStepStreams>(&sessions, &async_steps, std::move(steps_queue));
-    if (server != nullptr) polled_steps->Start();
+  std::unique_ptr<PolledStreams> polled_streams;
+  if (streams_queue != nullptr) {
+    polled_streams = std::make_unique<PolledStreams>(&service, &sessions, &async_streams,
+                                                     std::move(streams_queue));
+    if (server != nullptr) polled_streams->Start();
   }
   if (server == nullptr || port == 0) {
     std::fprintf(stderr, "attention_server: cannot listen on %s%s%s\n",
@@ -484,7 +485,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   drain.ReleaseHeld();
   closer.join();
   scheduler.Shutdown();
-  if (polled_steps != nullptr) polled_steps->Stop();  // after every call that could still write
+  if (polled_streams != nullptr) polled_streams->Stop();  // after every call that could still write
   std::fprintf(stderr, "attention_server: stopped\n");
   return 0;
 }
@@ -523,7 +524,7 @@ int main(int argc, char** argv) {
   options.max_connection_age_grace_s = absl::GetFlag(FLAGS_max_connection_age_grace_s);
   options.port_file = absl::GetFlag(FLAGS_port_file);
   options.unix_socket = absl::GetFlag(FLAGS_unix_socket);
-  options.poll_step_streams = absl::GetFlag(FLAGS_poll_step_streams);
+  options.poll_streams = absl::GetFlag(FLAGS_poll_streams);
   options.security.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.security.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.security.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);

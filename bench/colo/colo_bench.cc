@@ -3,7 +3,7 @@
 // run on stdout.
 //
 //   colo_bench --target=127.0.0.1:50051 --mode=bound|shm|ipc [--shape=4,16,4096,128]
-//       [--dtype=bfloat16] [--clients=1] [--iters=20] [--warmup=3]
+//       [--dtype=bfloat16] [--clients=1] [--iters=20] [--warmup=3] [--rpc=unary|stream]
 //
 // bound: the copies a GPU must make for such a request at best, timed with CUDA events on pinned
 //   buffers of this process: H2D of q, k, v and D2H of o (the table adds the server's kernel).
@@ -14,6 +14,9 @@
 // ipc:   q, k, v and o in one cudaMalloc of this process, registered by its cudaIpcMemHandle_t;
 //   the same calls. A step that fails (no GPU, an IPC handle the sandbox refuses) prints
 //   {"mode": ..., "error": "<the exact error>"} and exits 0, so a script goes on.
+// --rpc: shm and ipc calls as unary Attend (the client library's, default) or as messages of one
+//   AttendStream per client, one in flight, the thread polling the stream's completion queue
+//   (client/polled_stream.h): the co-located client's fastest way, without per-call setup.
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
@@ -35,6 +38,7 @@
 #include "absl/strings/str_split.h"
 #include "client/attention_client.h"
 #include "client/cuda_region.h"
+#include "client/polled_stream.h"
 #include "client/request_builder.h"
 #include "client/shared_memory.h"
 #include "client/tensors.h"
@@ -47,6 +51,8 @@ ABSL_FLAG(int, clients, 1, "shm: clients sending at once, each with its own conn
 ABSL_FLAG(int, iters, 20, "measured calls per client");
 ABSL_FLAG(int, warmup, 3, "calls per client before measuring");
 ABSL_FLAG(bool, causal, false, "causal mask");
+ABSL_FLAG(std::string, rpc, "unary",
+          "shm and ipc: unary Attend calls, or stream (one polled AttendStream per client)");
 
 namespace attention::bench {
 namespace {
@@ -114,12 +120,35 @@ struct Samples {
   }
 };
 
-// Sends warmup + iters calls of `request` one at a time; the measured ones into `out`.
+// Sends warmup + iters calls of `request` one at a time (--rpc: unary calls or messages of one
+// stream); the measured ones into `out`.
 absl::Status Drive(Client& client, const v1::AttendRequest& request, Samples* out) {
   const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  using Stream = client::PolledStream<v1::AttendRequest, v1::AttendResponse>;
+  std::unique_ptr<v1::Attention::Stub> stub;
+  std::unique_ptr<grpc::ClientContext> context;
+  std::unique_ptr<Stream> stream;
+  if (absl::GetFlag(FLAGS_rpc) == "stream") {
+    stub = v1::Attention::NewStub(client.channel());
+    context = client.NewContext({});
+    stream = Stream::Start(
+        [&](grpc::ClientContext* c, grpc::CompletionQueue* cq) {
+          return stub->PrepareAsyncAttendStream(c, cq);
+        },
+        context.get());
+  }
+  // One call: unary, or a message out and its answer in.
+  auto call = [&]() -> absl::StatusOr<v1::AttendResponse> {
+    if (stream == nullptr) return client.Attend(request);
+    v1::AttendResponse response;
+    if (stream->Write(request) && stream->Read(&response)) return response;
+    const grpc::Status status = stream->Finish();
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        absl::StrCat("AttendStream ended: ", status.error_message()));
+  };
   for (int i = 0; i < warmup + iters; ++i) {
     const Clock::time_point start = Clock::now();
-    absl::StatusOr<v1::AttendResponse> r = client.Attend(request);
+    absl::StatusOr<v1::AttendResponse> r = call();
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
     if (!r.ok()) return r.status();
     if (i < warmup) continue;
@@ -130,6 +159,13 @@ absl::Status Drive(Client& client, const v1::AttendRequest& request, Samples* ou
     out->queue_us.push_back(r->timing().queue_us());
     out->total_us.push_back(r->timing().total_us());
   }
+  if (stream != nullptr) {
+    stream->WritesDone();
+    if (const grpc::Status status = stream->Finish(); !status.ok()) {
+      return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                          absl::StrCat("AttendStream ended: ", status.error_message()));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -137,12 +173,14 @@ void Print(const std::string& mode, int clients, const Samples& s, double wall_s
   double compute_sum = 0;
   for (double c : s.compute_us) compute_sum += c;
   std::printf(
-      "{\"mode\":\"%s\",\"clients\":%d,\"requests\":%zu,\"wall_s\":%.6g,\"requests_per_s\":%.6g,"
+      "{\"mode\":\"%s\",\"rpc\":\"%s\",\"clients\":%d,\"requests\":%zu,\"wall_s\":%.6g,\"requests_"
+      "per_s\":%.6g,"
       "\"p50_ms\":%.6g,\"compute_us_p50\":%.6g,\"h2d_us_p50\":%.6g,\"d2h_us_p50\":%.6g,"
       "\"queue_us_p50\":%.6g,\"server_total_us_p50\":%.6g,\"kernel_busy\":%.6g,\"pinned\":%s}\n",
-      mode.c_str(), clients, s.e2e_ms.size(), wall_s, s.e2e_ms.size() / wall_s, Median(s.e2e_ms),
-      Median(s.compute_us), Median(s.h2d_us), Median(s.d2h_us), Median(s.queue_us),
-      Median(s.total_us), compute_sum * 1e-6 / wall_s, pinned ? "true" : "false");
+      mode.c_str(), absl::GetFlag(FLAGS_rpc).c_str(), clients, s.e2e_ms.size(), wall_s,
+      s.e2e_ms.size() / wall_s, Median(s.e2e_ms), Median(s.compute_us), Median(s.h2d_us),
+      Median(s.d2h_us), Median(s.queue_us), Median(s.total_us), compute_sum * 1e-6 / wall_s,
+      pinned ? "true" : "false");
 }
 
 client::ClientOptions Options() {
@@ -298,6 +336,10 @@ int Main() {
   }
   p.dtype = *dtype;
   p.bytes = client::NumElements(p.shape) * client::DTypeBytes(p.dtype);
+  if (const std::string rpc = absl::GetFlag(FLAGS_rpc); rpc != "unary" && rpc != "stream") {
+    std::fprintf(stderr, "colo_bench: --rpc: expected unary or stream, got %s\n", rpc.c_str());
+    return 2;
+  }
   const std::string mode = absl::GetFlag(FLAGS_mode);
   if (mode == "bound") return RunBound(p);
   if (mode == "shm") return RunShm(p);

@@ -9,9 +9,12 @@
 # messages from a polling client; and the anchor beside them, the bare echo of 64-byte tensors
 # replying DELAY_US (default 250) after the read, from a polling client, with the next read
 # started after the reply (the echo's way) and before it (--read_ahead, the attention server's).
+# Then the CUDA IPC Attend (colo_bench --mode=ipc, bf16 SHAPE, default 4,16,4096,128: q, k, v and
+# o in one cudaMalloc of the client, the kernel reading and writing them in place) one call at a
+# time, as unary calls and as messages of one AttendStream from a polling client (--rpc=stream).
 # The server runs with --worker_spin_us=SPIN_US (default 1000; 0 for none). SERVERS (default
 # "callback") names the StepStream transports to run, each on a server of its own, every variant
-# against each in every round: "callback" (gRPC's callback API), "polled" (--poll_step_streams:
+# against each in every round: "callback" (gRPC's callback API), "polled" (--poll_streams:
 # the async API, one thread polling its completions), or "callback polled" for both side by side.
 # Logs and JSON lines under $OUT/rounds (OUT defaults to /tmp/out); the table comes last.
 # A CPU try: BACKEND=cpu NK=256 DURATION_S=1 ROUNDS=1 bench/colo/step_rounds.sh BIN_DIR
@@ -25,6 +28,7 @@ nk=${NK:-32768}
 dur=${DURATION_S:-2}
 rounds=${ROUNDS:-3}
 delay_us=${DELAY_US:-250}
+shape=${SHAPE:-4,16,4096,128}
 spin_us=${SPIN_US:-1000}
 servers=${SERVERS:-callback}
 here=$(dirname "$0")
@@ -39,7 +43,7 @@ for server in $servers; do
     callback) start_attention callback --allow_shared_memory --max_message_mb=2047 \
       --worker_spin_us="$spin_us" ;;
     polled) start_attention polled --allow_shared_memory --max_message_mb=2047 \
-      --worker_spin_us="$spin_us" --poll_step_streams ;;
+      --worker_spin_us="$spin_us" --poll_streams ;;
     *) echo "step_rounds.sh: SERVERS: expected callback and/or polled, got $server" >&2; exit 2 ;;
   esac
 done
@@ -55,6 +59,10 @@ for round in $(seq "$rounds"); do
       read -r what api flag <<<"$variant"
       keep "step_${server}_${what}_${api}_$round" "$("$bin/attn_bench" --target="${!target}" \
         "${decode[@]}" --stream_api="$api" ${flag:+"$flag"} 2>>"$out/bench.log" | tail -1)"
+    done
+    for rpc in unary stream; do
+      keep "ipc_${server}_${rpc}_$round" "$("$bin/colo_bench" --target="${!target}" --mode=ipc \
+        --shape="$shape" --iters=20 --rpc="$rpc" 2>>"$out/colo.log" | tail -1)"
     done
   done
   for echo in echo echo_ahead; do
@@ -82,7 +90,7 @@ variants = (("shm", "poll", "tensors by reference, polling client"),
             ("shm", "sync", "tensors by reference, sync client"),
             ("bytes", "poll", "tensors in the messages, polling client"))
 for server, (what, api, name) in ((s, v) for v in variants for s in servers):
-    transport = "--poll_step_streams" if server == "polled" else "callback API"
+    transport = "--poll_streams" if server == "polled" else "callback API"
     runs = [ok(f"step_{server}_{what}_{api}_{i}") for i in range(1, rounds + 1)]
     runs = [s for s in runs if s]
     if not runs:
@@ -100,6 +108,24 @@ for server, (what, api, name) in ((s, v) for v in variants for s in servers):
           f"| {k:.0f} | {med(lambda s: s['p50'] * 1e6 - s['server_p50_us']['total']):.0f} "
           f"| {srv['decode']:.0f} ({srv['parse']:.0f}) | {srv['queue']:.0f} | {srv['prepare']:.0f} "
           f"| {srv['run']:.0f} ({host:.0f}) | {answer:.0f} |")
+for server, rpc in ((s, rpc) for rpc in ("unary", "stream") for s in servers):
+    transport = "--poll_streams" if server == "polled" else "callback API"
+    name = ("CUDA IPC Attend, unary calls" if rpc == "unary"
+            else "CUDA IPC Attend, AttendStream, polling client")
+    runs = [r.get(f"ipc_{server}_{rpc}_{i}") for i in range(1, rounds + 1)]
+    good = [x for x in runs if isinstance(x, dict) and "error" not in x]
+    if not good:
+        err = next((x["error"] for x in runs if isinstance(x, dict) and "error" in x), "no result")
+        print(f"| {transport} | {name} | error: {err} | | | | | | | |")
+        continue
+    med = lambda f: statistics.median(f(x) for x in good)
+    over = lambda x: x["p50_ms"] * 1e3 - x["compute_us_p50"]
+    each = ", ".join(f"{over(x):.0f}" for x in good)
+    k = med(lambda x: x["compute_us_p50"])
+    print(f"| {transport} | {name} | {med(over):.0f} us ({each}) | {k:.0f} "
+          f"| {med(lambda x: x['p50_ms'] * 1e3 - x['server_total_us_p50']):.0f} "
+          f"| | {med(lambda x: x['queue_us_p50']):.0f} | | server total - kernel "
+          f"{med(lambda x: x['server_total_us_p50'] - x['compute_us_p50']):.0f} | |")
 for echo, name in (("echo", "next read after the reply"), ("echo_ahead", "next read before it")):
     runs = [ok(f"{echo}_{i}") for i in range(1, rounds + 1)]
     runs = [x["p50_us"] for x in runs if x]

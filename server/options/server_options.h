@@ -43,9 +43,9 @@ struct ServerOptions {
   int max_connection_age_grace_s = 0;  // 0: unlimited
   std::string port_file;
   std::string unix_socket;  // also listen on this Unix domain socket path; empty: TCP only
-  // StepStream on gRPC's async API, its completions polled by one thread that never sleeps
-  // (generic_streams.h); false: on the callback API.
-  bool poll_step_streams = false;
+  // AttendStream and StepStream on gRPC's async API, their completions polled by one thread that
+  // never sleeps (generic_streams.h); false: on the callback API.
+  bool poll_streams = false;
   SchedulerOptions scheduler;
   KvCacheOptions kv_cache;
   SharedMemoryOptions shared_memory;

@@ -216,7 +216,7 @@ class AttentionService::ChunkedReactor final
   void Submit(absl::Status received) {
     call_.response.set_request_id(call_.request.header.request_id());
     service_->Run(
-        "AttendChunked", context_, arrival_, request_bytes_,
+        "AttendChunked", CallbackCall(context_), arrival_, request_bytes_,
         [received = std::move(received)]() mutable { return std::move(received); },
         [this] { return Respond(); }, &call_,
         [this](absl::Status status) {

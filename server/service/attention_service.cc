@@ -42,7 +42,7 @@ AttentionService::AttentionService(const ServiceOptions& options, Scheduler* sch
       memory_(memory == nullptr ? own_memory_.get() : memory),
       regions_(regions) {}
 
-absl::Status AttentionService::Prepare(grpc::CallbackServerContext* context,
+absl::Status AttentionService::Prepare(const grpc::ServerContextBase* context,
                                        const grpc::ByteBuffer& request, Call* call) {
   const absl::Time start = absl::Now();
   const ReceivedBytes received(request);
@@ -128,13 +128,13 @@ void AttentionService::WriteResponse(const Call& call, grpc::ByteBuffer* respons
   *response = grpc::ByteBuffer(slices.data(), slices.size());
 }
 
-void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContext* context,
+void AttentionService::Process(absl::string_view rpc, const CallContext& context,
                                grpc::ByteBuffer* request, grpc::ByteBuffer* response, Call* call,
                                absl::AnyInvocable<void(absl::Status) &&> done) {
   Run(
       rpc, context, absl::Now(), static_cast<int64_t>(request->Length()),
-      [this, context, request, call] {
-        absl::Status prepared = Prepare(context, *request, call);
+      [this, grpc = context.grpc, request, call] {
+        absl::Status prepared = Prepare(grpc, *request, call);
         // The tensors are in call->memory now (or refused): give the received slices back, so
         // a request does not hold twice its size while it waits and computes.
         request->Clear();
@@ -147,9 +147,8 @@ void AttentionService::Process(absl::string_view rpc, grpc::CallbackServerContex
       call, std::move(done));
 }
 
-void AttentionService::Run(absl::string_view rpc, grpc::CallbackServerContext* context,
-                           absl::Time arrival, int64_t request_bytes,
-                           absl::AnyInvocable<absl::Status() &&> prepare,
+void AttentionService::Run(absl::string_view rpc, const CallContext& context, absl::Time arrival,
+                           int64_t request_bytes, absl::AnyInvocable<absl::Status() &&> prepare,
                            absl::AnyInvocable<int64_t() &&> respond, Call* call,
                            absl::AnyInvocable<void(absl::Status) &&> done) {
   metrics_->RequestStarted();
@@ -167,7 +166,7 @@ void AttentionService::Run(absl::string_view rpc, grpc::CallbackServerContext* c
     std::move(done)(std::move(status));
   };
 
-  if (absl::Status auth = CheckBearerToken(context->client_metadata(), options_.auth_token);
+  if (absl::Status auth = CheckBearerToken(context.grpc->client_metadata(), options_.auth_token);
       !auth.ok()) {
     return finish(std::move(auth));
   }
@@ -196,8 +195,8 @@ void AttentionService::Run(absl::string_view rpc, grpc::CallbackServerContext* c
     job.device = *device;
   }
   job.work = call->decoded.params;
-  job.deadline = absl::FromChrono(context->deadline());
-  job.cancelled = [context] { return context->IsCancelled(); };
+  job.deadline = absl::FromChrono(context.grpc->deadline());
+  job.cancelled = [cancelled = context.cancelled] { return cancelled(); };
   call->response.mutable_timing()->set_decode_us(absl::ToDoubleMicroseconds(absl::Now() - arrival));
   job.done = [this, call, flops = call->decoded.flops, tokens = call->decoded.query_tokens,
               answer = std::move(answer)](JobResult result) mutable {
@@ -228,7 +227,7 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
   Call* c = call.get();
   // The handler's own buffer of the received message, read by nothing after Process copies it:
   // Process clears it to give its slices back early.
-  Process("Attend", context, const_cast<grpc::ByteBuffer*>(request), response, c,
+  Process("Attend", CallbackCall(context), const_cast<grpc::ByteBuffer*>(request), response, c,
           [reactor, call = std::move(call)](absl::Status status) {
             reactor->Finish(ToGrpcStatus(status));
           });
@@ -237,11 +236,16 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::AttendStream(
     grpc::CallbackServerContext* context) {
-  return StreamReactor<Call>::Begin(
-      options_.stream_window, [this, context](grpc::ByteBuffer* request, grpc::ByteBuffer* response,
-                                              Call* call, StreamReactor<Call>::Done done) {
-        Process("AttendStream", context, request, response, call, std::move(done));
-      });
+  return StreamReactor<Call>::Begin(options_.stream_window,
+                                    AttendStreamProcess(CallbackCall(context)));
+}
+
+StreamProcess<AttentionService::Call> AttentionService::AttendStreamProcess(CallContext context) {
+  return [this, context = std::move(context)](grpc::ByteBuffer* request, grpc::ByteBuffer* response,
+                                              Call* call,
+                                              absl::AnyInvocable<void(absl::Status) &&> done) {
+    Process("AttendStream", context, request, response, call, std::move(done));
+  };
 }
 
 absl::StatusOr<int> AttentionService::CudaRegionDevice(const RequestRegions& refs) const {

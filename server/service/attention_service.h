@@ -34,6 +34,7 @@
 #include "server/requests/request_decoder.h"
 #include "server/requests/wire_message.h"
 #include "server/scheduling/scheduler.h"
+#include "server/service/call_context.h"
 #include "server/service/drain_gate.h"
 #include "server/service/shared_memory_service.h"
 #include "server/service/stream_reactor.h"
@@ -59,9 +60,11 @@ struct ServiceOptions {
   std::string auth_token;
 };
 
-// Every method raw: the bytes of a request are ours to parse.
+// Every method raw: the bytes of a request are ours to parse. AttendStream is generic: the
+// server's generic service serves it (generic_streams.h), on gRPC's callback API or, with
+// --poll_streams, on its async API with a polling thread.
 using AttentionRawService =
-    v1::Attention::WithRawCallbackMethod_Attend<v1::Attention::WithRawCallbackMethod_AttendStream<
+    v1::Attention::WithRawCallbackMethod_Attend<v1::Attention::WithGenericMethod_AttendStream<
         v1::Attention::WithRawCallbackMethod_GetServerInfo<
             v1::Attention::WithRawCallbackMethod_AttendChunked<v1::Attention::Service>>>>;
 
@@ -76,14 +79,33 @@ class AttentionService final : public AttentionRawService {
                    DrainGate* drain, HostMemory* memory = nullptr,
                    RegionRegistry* regions = nullptr);
 
+  // One request on its way: what was parsed and decoded, the host block holding its tensors
+  // (q | k | v | o | lse, each 256-byte aligned) and the response's other fields. An
+  // AttendStream's message state.
+  struct Call {
+    WireAttendRequest request;
+    DecodedRequest decoded;
+    std::shared_ptr<char> memory;
+    int64_t o_offset = 0, lse_offset = 0;
+    v1::AttendResponse response;  // request_id, timing, device; o and lse are sent from memory
+    // The regions the request references (tensors by reference), held until it is answered.
+    std::unique_ptr<RequestRegions> refs;
+    // For StreamFlow's error messages.
+    const std::string& request_id() const { return request.header.request_id(); }
+  };
+
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const grpc::ByteBuffer* request,
                                    grpc::ByteBuffer* response) override;
   // Reads requests continuously and writes each response when its request finishes, possibly out
   // of order. A request that fails ends the stream with its status (the message names its
-  // request_id) once the responses already computed are written.
+  // request_id) once the responses already computed are written. AttendStream is the callback
+  // API's reactor, AttendStreamProcess the processing of any transport's stream
+  // (generic_streams.h).
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
-      grpc::CallbackServerContext* context) override;
+      grpc::CallbackServerContext* context);
+  StreamProcess<Call> AttendStreamProcess(CallContext call);
+  int stream_window() const { return options_.stream_window; }
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* response) override;
@@ -97,31 +119,17 @@ class AttentionService final : public AttentionRawService {
  private:
   class ChunkedReactor;
 
-  // One request on its way: what was parsed and decoded, the host block holding its tensors
-  // (q | k | v | o | lse, each 256-byte aligned) and the response's other fields.
-  struct Call {
-    WireAttendRequest request;
-    DecodedRequest decoded;
-    std::shared_ptr<char> memory;
-    int64_t o_offset = 0, lse_offset = 0;
-    v1::AttendResponse response;  // request_id, timing, device; o and lse are sent from memory
-    // The regions the request references (tensors by reference), held until it is answered.
-    std::unique_ptr<RequestRegions> refs;
-    // For StreamReactor's error messages.
-    const std::string& request_id() const { return request.header.request_id(); }
-  };
-
   // Runs one request: refuse while draining, parse and decode it, copy its tensors into
   // `call->memory` and give `request`'s slices back, queue, execute, fill the timing and device,
   // write the response into `response`, record metrics. Calls `done` exactly once, inline on
   // early errors or from a worker; `request`, `response` and `call` must stay valid until then.
-  void Process(absl::string_view rpc, grpc::CallbackServerContext* context,
-               grpc::ByteBuffer* request, grpc::ByteBuffer* response, Call* call,
+  void Process(absl::string_view rpc, const CallContext& context, grpc::ByteBuffer* request,
+               grpc::ByteBuffer* response, Call* call,
                absl::AnyInvocable<void(absl::Status) &&> done);
   // Process's steps for any request: refuse while draining, `prepare` (the call's tensors into
   // call->memory), queue, execute, `respond` (writes the response, returns its bytes), record
   // metrics from `arrival` with `request_bytes` received. Calls `done` exactly once.
-  void Run(absl::string_view rpc, grpc::CallbackServerContext* context, absl::Time arrival,
+  void Run(absl::string_view rpc, const CallContext& context, absl::Time arrival,
            int64_t request_bytes, absl::AnyInvocable<absl::Status() &&> prepare,
            absl::AnyInvocable<int64_t() &&> respond, Call* call,
            absl::AnyInvocable<void(absl::Status) &&> done);
@@ -130,7 +138,7 @@ class AttentionService final : public AttentionRawService {
   absl::Status Place(Call* call);
   // Parses, decodes and copies `request` into `call` (the steps before the queue), resolving its
   // tensors by reference through `context`'s regions.
-  absl::Status Prepare(grpc::CallbackServerContext* context, const grpc::ByteBuffer& request,
+  absl::Status Prepare(const grpc::ServerContextBase* context, const grpc::ByteBuffer& request,
                        Call* call);
   // The scheduler's index of the GPU holding the request's CUDA regions, or why it cannot run.
   absl::StatusOr<int> CudaRegionDevice(const RequestRegions& refs) const;

@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_attention.h"
 #include "kernels/reference/reference_attention.h"
+#include "server/service/generic_streams.h"
 #include "server/testing/run_gate_for_tests.h"
 
 namespace attention::server {
@@ -70,10 +71,12 @@ class TestServer {
     executors.push_back(std::move(executor));
     scheduler_.emplace(std::move(executors), scheduler_options);
     service_.emplace(service_options, &*scheduler_, &metrics_, &drain_);
+    streams_.emplace(&*service_, nullptr);
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(&*service_);
+    builder.RegisterCallbackGenericService(&*streams_);  // AttendStream
     server_ = builder.BuildAndStart();
     stub_ = v1::Attention::NewStub(
         grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
@@ -91,6 +94,7 @@ class TestServer {
   DrainGate drain_;
   std::optional<Scheduler> scheduler_;
   std::optional<AttentionService> service_;
+  std::optional<CallbackStreams> streams_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::Attention::Stub> stub_;
 };

@@ -11,6 +11,7 @@
 namespace attention::server {
 namespace {
 
+constexpr char kAttendStreamMethod[] = "/attention.v1.Attention/AttendStream";
 constexpr char kStepStreamMethod[] = "/attention.v1.Sessions/StepStream";
 
 grpc::Status UnknownMethod(const std::string& method) {
@@ -20,9 +21,14 @@ grpc::Status UnknownMethod(const std::string& method) {
 
 }  // namespace
 
-grpc::ServerGenericBidiReactor* CallbackStepStreams::CreateReactor(
+grpc::ServerGenericBidiReactor* CallbackStreams::CreateReactor(
     grpc::GenericCallbackServerContext* context) {
-  if (context->method() == kStepStreamMethod) return sessions_->StepStream(context);
+  if (attention_ != nullptr && context->method() == kAttendStreamMethod) {
+    return attention_->AttendStream(context);
+  }
+  if (sessions_ != nullptr && context->method() == kStepStreamMethod) {
+    return sessions_->StepStream(context);
+  }
   class Refusal final : public grpc::ServerGenericBidiReactor {
    public:
     explicit Refusal(const std::string& method) { Finish(UnknownMethod(method)); }
@@ -31,30 +37,36 @@ grpc::ServerGenericBidiReactor* CallbackStepStreams::CreateReactor(
   return new Refusal(context->method());
 }
 
-// One call taken from the queue. Before it is accepted it holds itself (`accepting_`); once
-// accepted, a StepStream call is a StreamFlow whose operations complete on the queue, and holds
-// itself through the flow until its Finish and its done notification have come back with no
-// operation outstanding. All completions arrive on the polling thread; writes and the finish may
-// also start on a scheduler worker (a Step answered), reads only on the polling thread.
-class PolledStepStreams::Call final
-    : public StreamFlow<PolledStepStreams::Call, SessionService::StepMessages> {
-  using Flow = StreamFlow<Call, SessionService::StepMessages>;
-
+// One call taken from the queue: its context, its stream and the tags of its operations. Before
+// it is accepted it holds itself (`accepting_`); once accepted, a stream's Flow (of its method's
+// State) holds it, and the Flow holds itself until the call's Finish and its done notification
+// have come back with no operation outstanding; a refused call holds itself that long. All
+// completions arrive on the polling thread; writes and the finish may also start on a scheduler
+// worker (a request answered), reads only on the polling thread.
+class PolledStreams::Call final {
  public:
   enum class Kind { kAccepted, kRead, kWritten, kFinished, kDone };
   struct Op {  // a completion queue tag: which call, which operation
     Call* call;
     Kind kind;
   };
+  // What the Flow of an accepted stream is told, whatever its State.
+  class Events {
+   public:
+    virtual void ReadDone(bool ok) = 0;
+    virtual void WriteDone(bool ok) = 0;
+    virtual void Cancelled() = 0;
+    // The Flow's hold on itself, to be dropped once the call is over.
+    virtual std::shared_ptr<void> Release() = 0;
 
-  explicit Call(PolledStepStreams* owner)
-      : Flow(owner->sessions_->stream_window(),
-             owner->sessions_->StepStreamProcess(
-                 {.grpc = &context_, .cancelled = [this] { return cancelled_.load(); }})),
-        owner_(owner) {}
+   protected:
+    ~Events() = default;
+  };
+
+  explicit Call(PolledStreams* owner) : owner_(owner) {}
 
   // Asks the server for the next call.
-  static void Accept(PolledStepStreams* owner) {
+  static void Accept(PolledStreams* owner) {
     auto call = std::make_shared<Call>(owner);
     call->accepting_ = call;
     owner->live_.fetch_add(1);
@@ -67,7 +79,7 @@ class PolledStepStreams::Call final
 
   // One completion, on the polling thread.
   void Completed(Kind kind, bool ok) {
-    std::shared_ptr<Call> keep;  // the last reference may go here: released on return
+    std::shared_ptr<void> keep;  // the last reference may go here: released on return
     switch (kind) {
       case Kind::kAccepted:
         keep = std::move(accepting_);
@@ -76,19 +88,13 @@ class PolledStepStreams::Call final
           return;
         }
         Accept(owner_);  // the next call
-        if (context_.method() == kStepStreamMethod) {
-          Flow::Begin(keep);
-        } else {
-          unknown_ = true;
-          refusing_ = keep;
-          Finish(UnknownMethod(context_.method()));
-        }
+        Begin(std::static_pointer_cast<Call>(keep));
         break;
       case Kind::kRead:
-        ReadDone(ok);
+        events_->ReadDone(ok);
         break;
       case Kind::kWritten:
-        WriteDone(ok);
+        events_->WriteDone(ok);
         break;
       case Kind::kFinished:
         finished_ = true;
@@ -97,19 +103,23 @@ class PolledStepStreams::Call final
         done_seen_ = true;
         if (context_.IsCancelled()) {
           cancelled_.store(true);
-          if (!unknown_) Cancelled();
+          if (events_ != nullptr) events_->Cancelled();
         }
         break;
     }
     if (kind != Kind::kAccepted && kind != Kind::kDone) pending_.fetch_sub(1);
     if (finished_ && done_seen_ && pending_.load() == 0 && !over_) {
       over_ = true;
-      keep = unknown_ ? std::move(refusing_) : Flow::Release();
+      if (events_ != nullptr) {
+        keep = events_->Release();
+      } else {
+        keep = std::move(refusing_);
+      }
       owner_->live_.fetch_sub(1);
     }
   }
 
-  // The operations StreamFlow starts (with its lock held).
+  // The operations a Flow starts (with its lock held).
   void StartRead(grpc::ByteBuffer* request) {
     pending_.fetch_add(1);
     stream_.Read(request, &read_);
@@ -123,35 +133,91 @@ class PolledStepStreams::Call final
     stream_.Finish(status, &finished_op_);
   }
 
+  // The call as its requests see it: on the async API the context says whether the call was
+  // cancelled only once its done tag has come back, so the answer is the one that tag brought.
+  CallContext context() {
+    return {.grpc = &context_, .cancelled = [this] { return cancelled_.load(); }};
+  }
+
  private:
-  PolledStepStreams* const owner_;
+  // The accepted call's stream, by its method; `self` holds the call.
+  void Begin(std::shared_ptr<Call> self);
+
+  PolledStreams* const owner_;
   grpc::GenericServerContext context_;
   grpc::GenericServerAsyncReaderWriter stream_{&context_};
   Op accepted_{this, Kind::kAccepted}, read_{this, Kind::kRead}, written_{this, Kind::kWritten},
       finished_op_{this, Kind::kFinished}, done_{this, Kind::kDone};
   std::shared_ptr<Call> accepting_;  // the call's hold on itself until it is accepted
-  std::shared_ptr<Call> refusing_;   // and while another method's call is refused
+  std::shared_ptr<Call> refusing_;   // and while a method not served here is refused
   std::atomic<int> pending_{0};      // reads, writes and the finish not yet completed
   std::atomic<bool> cancelled_{false};
   // The polling thread's alone:
-  bool unknown_ = false;  // another method than StepStream: refused, no flow
+  Events* events_ = nullptr;  // the stream's Flow, from its Begin to its Release; null if refused
   bool finished_ = false;
   bool done_seen_ = false;
   bool over_ = false;
 };
 
-PolledStepStreams::PolledStepStreams(SessionService* sessions, grpc::AsyncGenericService* service,
-                                     std::unique_ptr<grpc::ServerCompletionQueue> cq)
-    : sessions_(sessions), service_(service), cq_(std::move(cq)) {}
+// An accepted stream of requests whose messages keep a `State` each: StreamFlow's bookkeeping,
+// its operations started on the call. Holds the call (the call only points back at it).
+template <typename State>
+class PolledStreams::Flow final : public StreamFlow<Flow<State>, State>, public Call::Events {
+  using Base = StreamFlow<Flow<State>, State>;
 
-PolledStepStreams::~PolledStepStreams() { Stop(); }
+ public:
+  Flow(int window, StreamProcess<State> process, std::shared_ptr<Call> call)
+      : Base(window, std::move(process)), call_(std::move(call)) {}
 
-void PolledStepStreams::Start() {
+  static Call::Events* Begin(int window, StreamProcess<State> process, std::shared_ptr<Call> call) {
+    auto flow = std::make_shared<Flow>(window, std::move(process), std::move(call));
+    flow->Base::Begin(flow);
+    return flow.get();
+  }
+
+  void ReadDone(bool ok) override { Base::ReadDone(ok); }
+  void WriteDone(bool ok) override { Base::WriteDone(ok); }
+  void Cancelled() override { Base::Cancelled(); }
+  std::shared_ptr<void> Release() override { return Base::Release(); }
+
+  // StreamFlow's operations.
+  void StartRead(grpc::ByteBuffer* request) { call_->StartRead(request); }
+  void StartWrite(const grpc::ByteBuffer* response) { call_->StartWrite(response); }
+  void Finish(const grpc::Status& status) { call_->Finish(status); }
+
+ private:
+  const std::shared_ptr<Call> call_;
+};
+
+void PolledStreams::Call::Begin(std::shared_ptr<Call> self) {
+  AttentionService* const attention = owner_->attention_;
+  SessionService* const sessions = owner_->sessions_;
+  const std::string& method = context_.method();
+  if (attention != nullptr && method == kAttendStreamMethod) {
+    events_ = Flow<AttentionService::Call>::Begin(
+        attention->stream_window(), attention->AttendStreamProcess(context()), std::move(self));
+  } else if (sessions != nullptr && method == kStepStreamMethod) {
+    events_ = Flow<SessionService::StepMessages>::Begin(
+        sessions->stream_window(), sessions->StepStreamProcess(context()), std::move(self));
+  } else {
+    refusing_ = std::move(self);
+    Finish(UnknownMethod(method));
+  }
+}
+
+PolledStreams::PolledStreams(AttentionService* attention, SessionService* sessions,
+                             grpc::AsyncGenericService* service,
+                             std::unique_ptr<grpc::ServerCompletionQueue> cq)
+    : attention_(attention), sessions_(sessions), service_(service), cq_(std::move(cq)) {}
+
+PolledStreams::~PolledStreams() { Stop(); }
+
+void PolledStreams::Start() {
   Call::Accept(this);
   poller_ = std::thread([this] { Run(); });
 }
 
-void PolledStepStreams::Stop() {
+void PolledStreams::Stop() {
   if (stopped_) return;
   stopped_ = true;
   if (poller_.joinable()) {
@@ -171,7 +237,7 @@ void PolledStepStreams::Stop() {
   }
 }
 
-void PolledStepStreams::Run() {
+void PolledStreams::Run() {
   void* tag = nullptr;
   bool ok = false;
   while (true) {

@@ -1,13 +1,17 @@
-// Sessions.StepStream on the server's generic service (SessionService marks the method generic):
-//   CallbackStepStreams (the default): gRPC's callback API, the stream a StreamReactor, as every
-//     other stream of the server.
-//   PolledStepStreams (--poll_step_streams): gRPC's async API, every StepStream call's reads,
-//     writes and finish completed on one completion queue that one thread polls without sleeping.
-//     Each completion is seen the moment it happens, where on the callback API one of gRPC's
-//     threads is woken for it (the echo server's delayed replies: 36-58 us less a round trip with
-//     a Step's bytes on the H200 host, bench/README.md run D). Its price: one core always busy.
+// The server's two request streams, Attention.AttendStream and Sessions.StepStream, on its
+// generic service (both services mark them generic):
+//   CallbackStreams (the default): gRPC's callback API, each stream a StreamReactor, as every
+//     other call of the server.
+//   PolledStreams (--poll_streams): gRPC's async API, every stream's reads, writes and finish
+//     completed on one completion queue that one thread polls without sleeping, and each read's
+//     message decoded on that thread. Each completion is seen the moment it happens, where on the
+//     callback API one of gRPC's threads is woken for it, and the decode runs on a thread whose
+//     caches stay warm: a one-in-flight Step 8 x 32k by reference took kernel + 212 us against
+//     kernel + 333 us on the callback API (H200 host, bench/README.md run F). Its price: one core
+//     always busy.
 // Either answers any other method that reaches the generic service UNIMPLEMENTED (every other
-// method of the server is registered by its own service).
+// method of the server is registered by its own service), and so both streams of a service that
+// is null.
 #pragma once
 
 #include <atomic>
@@ -16,31 +20,36 @@
 
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
+#include "server/service/attention_service.h"
 #include "server/service/session_service.h"
 
 namespace attention::server {
 
-class CallbackStepStreams final : public grpc::CallbackGenericService {
+class CallbackStreams final : public grpc::CallbackGenericService {
  public:
-  // `sessions` must outlive the server.
-  explicit CallbackStepStreams(SessionService* sessions) : sessions_(sessions) {}
+  // `attention` and `sessions` (either may be null) must outlive the server.
+  CallbackStreams(AttentionService* attention, SessionService* sessions)
+      : attention_(attention), sessions_(sessions) {}
   grpc::ServerGenericBidiReactor* CreateReactor(
       grpc::GenericCallbackServerContext* context) override;
 
  private:
+  AttentionService* const attention_;
   SessionService* const sessions_;
 };
 
-class PolledStepStreams {
+class PolledStreams {
  public:
   // `service` is registered with the server (ServerBuilder::RegisterAsyncGenericService) and `cq`
-  // is the server's queue for it (ServerBuilder::AddCompletionQueue); `sessions` outlives this.
-  PolledStepStreams(SessionService* sessions, grpc::AsyncGenericService* service,
-                    std::unique_ptr<grpc::ServerCompletionQueue> cq);
+  // is the server's queue for it (ServerBuilder::AddCompletionQueue); `attention` and `sessions`
+  // (either may be null) outlive this.
+  PolledStreams(AttentionService* attention, SessionService* sessions,
+                grpc::AsyncGenericService* service,
+                std::unique_ptr<grpc::ServerCompletionQueue> cq);
   // Stops, if Stop has not.
-  ~PolledStepStreams();
-  PolledStepStreams(const PolledStepStreams&) = delete;
-  PolledStepStreams& operator=(const PolledStepStreams&) = delete;
+  ~PolledStreams();
+  PolledStreams(const PolledStreams&) = delete;
+  PolledStreams& operator=(const PolledStreams&) = delete;
 
   // Starts the polling thread, once the server has started.
   void Start();
@@ -51,8 +60,11 @@ class PolledStepStreams {
 
  private:
   class Call;
+  template <typename State>
+  class Flow;
   void Run();
 
+  AttentionService* const attention_;
   SessionService* const sessions_;
   grpc::AsyncGenericService* const service_;
   const std::unique_ptr<grpc::ServerCompletionQueue> cq_;

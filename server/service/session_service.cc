@@ -52,12 +52,6 @@ absl::AnyInvocable<void(absl::Status) &&> HoldingRegions(
   };
 }
 
-// A callback-API call as a Step sees it: on that API its context may be asked whether it was
-// cancelled at any time.
-SessionService::CallContext CallbackCall(const grpc::CallbackServerContext* context) {
-  return {.grpc = context, .cancelled = [context] { return context->IsCancelled(); }};
-}
-
 // Arena options whose first block is `block` (the arena never frees it).
 google::protobuf::ArenaOptions StartingIn(char* block, size_t size) {
   google::protobuf::ArenaOptions options;

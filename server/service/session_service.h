@@ -20,7 +20,6 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -35,6 +34,7 @@
 #include "server/regions/region_registry.h"
 #include "server/requests/session_request.h"
 #include "server/scheduling/scheduler.h"
+#include "server/service/call_context.h"
 #include "server/service/drain_gate.h"
 #include "server/service/stream_reactor.h"
 #include "server/sessions/session_store.h"
@@ -57,7 +57,7 @@ struct SessionServiceOptions {
 
 // Every method raw: the bytes of a request are ours to parse (wire_buffers.h says why).
 // StepStream is generic: the server's generic service serves it (generic_streams.h), on gRPC's
-// callback API or, with --poll_step_streams, on its async API with a polling thread.
+// callback API or, with --poll_streams, on its async API with a polling thread.
 using SessionsRawService = v1::Sessions::WithRawCallbackMethod_CreateSession<
     v1::Sessions::WithRawCallbackMethod_AppendKv<v1::Sessions::WithRawCallbackMethod_Step<
         v1::Sessions::WithGenericMethod_StepStream<v1::Sessions::WithRawCallbackMethod_DropSession<
@@ -98,14 +98,6 @@ class SessionService final : public SessionsRawService {
     v1::StepRequest& request;
     v1::StepResponse& response;
   };
-  // What a Step needs of its call: the gRPC context (metadata, peer, deadline), and whether the
-  // call was cancelled, asked through `cancelled` (on the async API a context may be asked that
-  // only once its done tag has come back).
-  struct CallContext {
-    const grpc::ServerContextBase* grpc;
-    std::function<bool()> cancelled;
-  };
-
   // Steps on one stream, each answered as it finishes (its response carries its request_id), with
   // the unary Step's checks, queue, metrics (rpc "StepStream") and drain per Step; at most
   // `stream_window` Steps of one stream are held at once. A failed Step ends the stream with its

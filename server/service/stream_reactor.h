@@ -10,7 +10,7 @@
 // inside those calls. The stream's transport owns itself through self_ until it is done, and
 // each request in flight holds a reference too, so a worker finishing the last request can never
 // touch a deleted stream. Two transports: StreamReactor below (gRPC's callback API), and
-// PolledStepStreams' calls (the async API, one thread polling; generic_streams.h).
+// PolledStreams' calls (the async API, one thread polling; generic_streams.h).
 //
 // Thread hops: a request is decoded and queued on the gRPC thread that completed its read (no
 // hop); the scheduler's worker that runs it starts the write of its response (one hop, the

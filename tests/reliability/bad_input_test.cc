@@ -480,12 +480,12 @@ absl::Status CallSessions(grpc::Status (v1::Sessions::Stub::*method)(grpc::Clien
 // Strings a client sends (session ids, request ids) may be megabytes of any bytes. Errors quote a
 // short escaped prefix with the length: echoed whole, the status message would exceed the
 // client's metadata limit, and the client would read RESOURCE_EXHAUSTED instead of the error.
-// StepStream is the one method on the server's generic service (generic_streams.h), on either
-// transport (--poll_step_streams or not): a method no service registers is still UNIMPLEMENTED,
-// not a hang or a crash, and a StepStream message that does not decode still ends its stream
-// INVALID_ARGUMENT.
+// AttendStream and StepStream are the methods on the server's generic service
+// (generic_streams.h), on either transport (--poll_streams or not): a method no service registers
+// is still UNIMPLEMENTED, not a hang or a crash, and a message of either stream that does not
+// decode still ends its stream INVALID_ARGUMENT.
 TEST(GenericStreamsTest, UnknownMethodsAreUnimplementedOnEitherTransport) {
-  for (const char* transport : {"--poll_step_streams=false", "--poll_step_streams"}) {
+  for (const char* transport : {"--poll_streams=false", "--poll_streams"}) {
     SCOPED_TRACE(transport);
     absl::StatusOr<RunningServer> server = StartServer({"--backend=cpu", transport});
     ASSERT_TRUE(server.ok()) << server.status();
@@ -494,11 +494,14 @@ TEST(GenericStreamsTest, UnknownMethodsAreUnimplementedOnEitherTransport) {
       EXPECT_EQ(RawStreamCall(stub, method, "").error_code(), grpc::StatusCode::UNIMPLEMENTED)
           << method;
     }
-    // Field 1 as a 32-bit value: request_id is a string.
-    const grpc::Status garbage =
-        RawStreamCall(stub, "Sessions/StepStream", std::string("\x0d\x01\x02\x03\x04", 5));
-    EXPECT_EQ(garbage.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << garbage.error_message();
-    EXPECT_THAT(garbage.error_message(), HasSubstr("expected wire type"));
+    for (const char* method : {"Attention/AttendStream", "Sessions/StepStream"}) {
+      // Field 1 as a 32-bit value: request_id is a string in both requests.
+      const grpc::Status garbage =
+          RawStreamCall(stub, method, std::string("\x0d\x01\x02\x03\x04", 5));
+      EXPECT_EQ(garbage.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+          << method << ": " << garbage.error_message();
+      EXPECT_THAT(garbage.error_message(), HasSubstr("expected wire type")) << method;
+    }
     EXPECT_EQ(server->Stop(), absl::OkStatus());
   }
 }
