@@ -104,6 +104,11 @@ ABSL_FLAG(int, max_connection_age_s, 0,
           "re-resolve and rebalance; 0 = never.");
 ABSL_FLAG(int, max_connection_age_grace_s, 0,
           "Seconds calls in flight on an aged connection get before it is closed; 0 = unlimited.");
+ABSL_FLAG(int, stream_window, 16,
+          "Messages one AttendStream or StepStream may hold at once (running, or answered and "
+          "waiting to be written); its next read waits while it holds this many. 1: the next "
+          "message is read only once the last answer is written, which serves a client with one "
+          "message in flight (a decode loop) fastest, and a pipelining one a message at a time.");
 ABSL_FLAG(bool, poll_streams, false,
           "Serve Attention.AttendStream and Sessions.StepStream on gRPC's async API, every "
           "completion of their calls taken by one thread that polls without sleeping: no thread "
@@ -349,6 +354,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
           .max_head_dim = options.service.max_head_dim,
           .max_request_flops = options.service.max_request_flops,
           .auth_token = options.service.auth_token,
+          .stream_window = options.service.stream_window,
           .sweep_interval = std::min(absl::Seconds(1), absl::Seconds(options.kv_cache.ttl_s) / 4)},
       session_store.get(), &scheduler, &metrics, &drain, regions.get());
 
@@ -562,6 +568,8 @@ int main(int argc, char** argv) {
   options.service.max_chunked_request_bytes = absl::GetFlag(FLAGS_max_chunked_request_mb) << 20;
   options.service.max_queue = options.scheduler.max_queue;
   options.service.max_batch = absl::GetFlag(FLAGS_max_batch);
+  options.stream_window = absl::GetFlag(FLAGS_stream_window);
+  options.service.stream_window = options.stream_window;
 
   absl::Status valid = attention::server::CheckOptions(options, max_message_mb);
   if (valid.ok()) valid = attention::server::CheckKvCacheOptions(options.kv_cache);

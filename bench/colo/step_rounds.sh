@@ -9,13 +9,16 @@
 # messages from a polling client; and the anchor beside them, the bare echo of 64-byte tensors
 # replying DELAY_US (default 250) after the read, from a polling client, with the next read
 # started after the reply (the echo's way) and before it (--read_ahead, the attention server's).
-# Then the CUDA IPC Attend (colo_bench --mode=ipc, bf16 SHAPE, default 4,16,4096,128: q, k, v and
-# o in one cudaMalloc of the client, the kernel reading and writing them in place) one call at a
-# time, as unary calls and as messages of one AttendStream from a polling client (--rpc=stream).
+# Then four Steps in flight (tensors in the messages, 32 sessions), Steps/s; and the CUDA IPC
+# Attend (colo_bench --mode=ipc, bf16 SHAPE, default 4,16,4096,128: q, k, v and o in one
+# cudaMalloc of the client, the kernel reading and writing them in place) one call at a time, as
+# unary calls and as messages of one AttendStream from a polling client (--rpc=stream).
 # The server runs with --worker_spin_us=SPIN_US (default 1000; 0 for none). SERVERS (default
-# "callback") names the StepStream transports to run, each on a server of its own, every variant
+# "callback") names the stream transports to run, each on a server of its own, every variant
 # against each in every round: "callback" (gRPC's callback API), "polled" (--poll_streams:
-# the async API, one thread polling its completions), or "callback polled" for both side by side.
+# the async API, one thread polling its completions), "lockstep" (polled, with --stream_window=1:
+# each stream reads its next message only once the last answer is written), or several side by
+# side ("callback polled lockstep").
 # Logs and JSON lines under $OUT/rounds (OUT defaults to /tmp/out); the table comes last.
 # A CPU try: BACKEND=cpu NK=256 DURATION_S=1 ROUNDS=1 bench/colo/step_rounds.sh BIN_DIR
 # NAME_target and NAME_pid are set by lib.sh's start_attention and start_echo.
@@ -44,7 +47,10 @@ for server in $servers; do
       --worker_spin_us="$spin_us" ;;
     polled) start_attention polled --allow_shared_memory --max_message_mb=2047 \
       --worker_spin_us="$spin_us" --poll_streams ;;
-    *) echo "step_rounds.sh: SERVERS: expected callback and/or polled, got $server" >&2; exit 2 ;;
+    lockstep) start_attention lockstep --allow_shared_memory --max_message_mb=2047 \
+      --worker_spin_us="$spin_us" --poll_streams --stream_window=1 ;;
+    *) echo "step_rounds.sh: SERVERS: expected callback, polled or lockstep, got $server" >&2
+      exit 2 ;;
   esac
 done
 start_echo echo --reply_delay_us="$delay_us"
@@ -60,6 +66,11 @@ for round in $(seq "$rounds"); do
       keep "step_${server}_${what}_${api}_$round" "$("$bin/attn_bench" --target="${!target}" \
         "${decode[@]}" --stream_api="$api" ${flag:+"$flag"} 2>>"$out/bench.log" | tail -1)"
     done
+    # Four Steps in flight (one stream each, 32 sessions), tensors in the messages: what a
+    # transport leaves of the decode kernel's rate.
+    keep "four_${server}_$round" "$("$bin/attn_bench" --target="${!target}" \
+      "${decode[@]/--concurrency=1/--concurrency=4}" --sessions=32 --stream_api=poll \
+      2>>"$out/bench.log" | tail -1)"
     for rpc in unary stream; do
       keep "ipc_${server}_${rpc}_$round" "$("$bin/colo_bench" --target="${!target}" --mode=ipc \
         --shape="$shape" --iters=20 --rpc="$rpc" 2>>"$out/colo.log" | tail -1)"
@@ -81,6 +92,8 @@ from colo_table import load
 r, ok = load(sys.argv[1])
 rounds, delay, spin, servers = int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6].split()
 fields = ("decode", "queue", "prepare", "run", "total")
+names = {"callback": "callback API", "polled": "--poll_streams",
+         "lockstep": "--poll_streams --stream_window=1"}
 print(f"\n{rounds} rounds, servers with --worker_spin_us={spin}; medians over the rounds (each "
       "round's figure a p50)")
 print("\n| StepStream transport | variant | p50 - kernel | kernel | gRPC and client | decode (parse) "
@@ -90,7 +103,7 @@ variants = (("shm", "poll", "tensors by reference, polling client"),
             ("shm", "sync", "tensors by reference, sync client"),
             ("bytes", "poll", "tensors in the messages, polling client"))
 for server, (what, api, name) in ((s, v) for v in variants for s in servers):
-    transport = "--poll_streams" if server == "polled" else "callback API"
+    transport = names[server]
     runs = [ok(f"step_{server}_{what}_{api}_{i}") for i in range(1, rounds + 1)]
     runs = [s for s in runs if s]
     if not runs:
@@ -109,7 +122,7 @@ for server, (what, api, name) in ((s, v) for v in variants for s in servers):
           f"| {srv['decode']:.0f} ({srv['parse']:.0f}) | {srv['queue']:.0f} | {srv['prepare']:.0f} "
           f"| {srv['run']:.0f} ({host:.0f}) | {answer:.0f} |")
 for server, rpc in ((s, rpc) for rpc in ("unary", "stream") for s in servers):
-    transport = "--poll_streams" if server == "polled" else "callback API"
+    transport = names[server]
     name = ("CUDA IPC Attend, unary calls" if rpc == "unary"
             else "CUDA IPC Attend, AttendStream, polling client")
     runs = [r.get(f"ipc_{server}_{rpc}_{i}") for i in range(1, rounds + 1)]
@@ -126,6 +139,13 @@ for server, rpc in ((s, rpc) for rpc in ("unary", "stream") for s in servers):
           f"| {med(lambda x: x['p50_ms'] * 1e3 - x['server_total_us_p50']):.0f} "
           f"| | {med(lambda x: x['queue_us_p50']):.0f} | | server total - kernel "
           f"{med(lambda x: x['server_total_us_p50'] - x['compute_us_p50']):.0f} | |")
+for server in servers:
+    runs = [ok(f"four_{server}_{i}") for i in range(1, rounds + 1)]
+    rates = [x["steps_per_s"] for x in runs if x]
+    if rates:
+        each = ", ".join(f"{x:.0f}" for x in rates)
+        print(f"| {names[server]} | Steps/s with 4 in flight (32 sessions, polling clients) | "
+              f"{statistics.median(rates):.0f} ({each}) | | | | | | | |")
 for echo, name in (("echo", "next read after the reply"), ("echo_ahead", "next read before it")):
     runs = [ok(f"{echo}_{i}") for i in range(1, rounds + 1)]
     runs = [x["p50_us"] for x in runs if x]

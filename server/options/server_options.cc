@@ -25,7 +25,8 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
   }
   for (const auto& [name, value] : {std::pair{"--max_queue", o.scheduler.max_queue},
                                     {"--max_batch", o.scheduler.max_batch},
-                                    {"--streams", o.cuda.streams}}) {
+                                    {"--streams", o.cuda.streams},
+                                    {"--stream_window", o.stream_window}}) {
     if (value < 1) {
       return absl::InvalidArgumentError(absl::StrCat(name, ": expected >= 1, got ", value));
     }

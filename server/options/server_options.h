@@ -46,6 +46,9 @@ struct ServerOptions {
   // AttendStream and StepStream on gRPC's async API, their completions polled by one thread that
   // never sleeps (generic_streams.h); false: on the callback API.
   bool poll_streams = false;
+  // Messages one AttendStream or StepStream may hold at once; 1: the next read only once the
+  // last answer is written (stream_reactor.h).
+  int stream_window = 16;
   SchedulerOptions scheduler;
   KvCacheOptions kv_cache;
   SharedMemoryOptions shared_memory;

@@ -63,6 +63,11 @@ TEST(CheckOptionsTest, CountsAtLeastOne) {
     o.cuda.streams = 0;
     ExpectInvalid(CheckOptions(o, kMessageMb), "--streams", "expected >= 1", "got 0");
   }
+  {
+    ServerOptions o;
+    o.stream_window = 0;
+    ExpectInvalid(CheckOptions(o, kMessageMb), "--stream_window", "expected >= 1", "got 0");
+  }
 }
 
 TEST(CheckOptionsTest, NonNegatives) {
