@@ -107,8 +107,8 @@ ABSL_FLAG(int, max_connection_age_grace_s, 0,
 ABSL_FLAG(int, stream_window, 16,
           "Messages one AttendStream or StepStream may hold at once (running, or answered and "
           "waiting to be written); its next read waits while it holds this many. 1: the next "
-          "message is read only once the last answer is written, which serves a client with one "
-          "message in flight (a decode loop) fastest, and a pipelining one a message at a time.");
+          "message is read only once the last answer is written (a pipelining client is then "
+          "served one message at a time).");
 ABSL_FLAG(bool, poll_streams, false,
           "Serve Attention.AttendStream and Sessions.StepStream on gRPC's async API, every "
           "completion of their calls taken by one thread that polls without sleeping: no thread "
