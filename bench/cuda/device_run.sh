@@ -2,12 +2,13 @@
 # One full pass on a GPU host, from a bundle made by ../shared/device/bundle.sh .device
 # (cuda_kernel_tests, cuda_attention_bench, and optionally attention_server + attn_client,
 # cuda_paged_kv_tests, cuda_pipeline_tests, cuda_device_loss_tests, sessions_tests,
-# client_session_tests): tests,
-# compute-sanitizer memcheck and racecheck on a small filter, the session end-to-end suites against
-# --backend=cuda, torch CUDA tensors through CUDA regions (bench/torch/cuda_regions_check.py, with
-# the Python stubs in GEN, default build/tests/python/gen), the server checked with the client,
-# then the benchmark beside torch SDPA and FlashAttention-3 (tables last), and with either part the
-# SASS check of the sm_90a kernels (sass_check.sh, sass.log). Logs and plots go to $OUT.
+# client_session_tests, shared_memory_tests): tests,
+# compute-sanitizer memcheck and racecheck on a small filter, the session and shared-memory
+# end-to-end suites against --backend=cuda (streams on the callback API and polled), torch CUDA
+# tensors through CUDA regions (bench/torch/cuda_regions_check.py, with the Python stubs in GEN,
+# default build/tests/python/gen), the server checked with the client, then the benchmark beside
+# torch SDPA and FlashAttention-3 (tables last), and with either part the SASS check of the
+# sm_90a kernels (sass_check.sh, sass.log). Logs and plots go to $OUT.
 #   bench/cuda/device_run.sh [tests|bench|all]
 # VARIANT=NAME forces the benchmark's forward kernel variant (run_bench.py --variant);
 # BENCH_WHAT=grid|fp8|all (default all) limits the benchmark's rows (run_bench.py --what), and
@@ -44,13 +45,17 @@ if [[ $what == tests || $what == all ]]; then
     summary+=("$t: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/$t.log" | tr '\n' ' ')")
     grep -E "^\[  FAILED|Failure|seed" "$out/$t.log" | head -20
   done
-  # The end-to-end suites that start their own server, pointed at the CUDA backend.
-  for t in sessions_tests client_session_tests; do
+  # The end-to-end suites that start their own server, pointed at the CUDA backend, with the
+  # streams on gRPC's callback API and on the polled transport (--poll_streams).
+  for t in sessions_tests client_session_tests shared_memory_tests; do
     [[ -x $bin/$t && -x $bin/attention_server ]] || continue
-    ATTENTION_E2E_SERVER=$bin/attention_server ATTENTION_E2E_EXTRA_FLAGS=--backend=cuda \
-      "$bin/$t" --gtest_brief=1 >"$out/$t.log" 2>&1
-    summary+=("$t on --backend=cuda: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/$t.log" | tr '\n' ' ')")
-    grep -E "^\[  FAILED|Failure|seed" "$out/$t.log" | head -20
+    for flags in "--backend=cuda" "--backend=cuda --poll_streams"; do
+      log=$out/$t${flags#--backend=cuda}.log
+      ATTENTION_E2E_SERVER=$bin/attention_server ATTENTION_E2E_EXTRA_FLAGS=$flags \
+        "$bin/$t" --gtest_brief=1 >"$log" 2>&1
+      summary+=("$t on $flags: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$log" | tr '\n' ' ')")
+      grep -E "^\[  FAILED|Failure|seed" "$log" | head -20
+    done
   done
   # torch CUDA tensors through CUDA regions (no host round trip) against a --backend=cuda server:
   # attention_client.torch beside torch's SDPA and the host path (needs torch and the stubs).
