@@ -173,9 +173,9 @@ void Print(const std::string& mode, int clients, const Samples& s, double wall_s
   double compute_sum = 0;
   for (double c : s.compute_us) compute_sum += c;
   std::printf(
-      "{\"mode\":\"%s\",\"rpc\":\"%s\",\"clients\":%d,\"requests\":%zu,\"wall_s\":%.6g,\"requests_"
-      "per_s\":%.6g,"
-      "\"p50_ms\":%.6g,\"compute_us_p50\":%.6g,\"h2d_us_p50\":%.6g,\"d2h_us_p50\":%.6g,"
+      "{\"mode\":\"%s\",\"rpc\":\"%s\",\"clients\":%d,\"requests\":%zu,\"wall_s\":%.6g,"
+      "\"requests_per_s\":%.6g,\"p50_ms\":%.6g,\"compute_us_p50\":%.6g,"
+      "\"h2d_us_p50\":%.6g,\"d2h_us_p50\":%.6g,"
       "\"queue_us_p50\":%.6g,\"server_total_us_p50\":%.6g,\"kernel_busy\":%.6g,\"pinned\":%s}\n",
       mode.c_str(), absl::GetFlag(FLAGS_rpc).c_str(), clients, s.e2e_ms.size(), wall_s,
       s.e2e_ms.size() / wall_s, Median(s.e2e_ms), Median(s.compute_us), Median(s.h2d_us),
