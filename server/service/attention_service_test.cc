@@ -61,11 +61,14 @@ class CopyExecutor final : public Executor {
   RunGate gate_;
 };
 
+// How AttendStream is served (generic_streams.h): gRPC's callback API, or the async API polled.
+enum class Transport { kCallback, kPolled };
+
 // A server on a free loopback port with the given executor, and a stub to it.
 class TestServer {
  public:
   TestServer(std::unique_ptr<Executor> executor, const SchedulerOptions& scheduler_options,
-             const ServiceOptions& service_options = {})
+             const ServiceOptions& service_options = {}, Transport transport = Transport::kCallback)
       : metrics_(BuildInfo{.version = "test", .backend = "cpu", .cuda = "none"}) {
     std::vector<std::unique_ptr<Executor>> executors;
     executors.push_back(std::move(executor));
@@ -76,14 +79,25 @@ class TestServer {
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(&*service_);
-    builder.RegisterCallbackGenericService(&*streams_);  // AttendStream
+    std::unique_ptr<grpc::ServerCompletionQueue> queue;
+    if (transport == Transport::kPolled) {  // AttendStream
+      builder.RegisterAsyncGenericService(&async_streams_);
+      queue = builder.AddCompletionQueue();
+    } else {
+      builder.RegisterCallbackGenericService(&*streams_);
+    }
     server_ = builder.BuildAndStart();
+    if (queue != nullptr) {
+      polled_.emplace(&*service_, nullptr, &async_streams_, std::move(queue));
+      polled_->Start();
+    }
     stub_ = v1::Attention::NewStub(
         grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
   }
   ~TestServer() {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
     scheduler_->Shutdown();
+    if (polled_.has_value()) polled_->Stop();  // as the server does: after every call's end
   }
   v1::Attention::Stub& stub() { return *stub_; }
   DrainGate& drain() { return drain_; }
@@ -95,7 +109,9 @@ class TestServer {
   std::optional<Scheduler> scheduler_;
   std::optional<AttentionService> service_;
   std::optional<CallbackStreams> streams_;
+  grpc::AsyncGenericService async_streams_;
   std::unique_ptr<grpc::Server> server_;
+  std::optional<PolledStreams> polled_;
   std::unique_ptr<v1::Attention::Stub> stub_;
 };
 
@@ -211,13 +227,22 @@ TEST(AttentionServiceTest, InvalidRequestsGetInvalidArgument) {
               HasSubstr("attention_requests_total{code=\"INVALID_ARGUMENT\",rpc=\"Attend\"} 1"));
 }
 
-TEST(AttentionServiceTest, StreamAnswersEveryRequestOutOfOrder) {
+// The stream tests run on both transports of AttendStream.
+class AttentionStreamTest : public ::testing::TestWithParam<Transport> {};
+
+INSTANTIATE_TEST_SUITE_P(Transports, AttentionStreamTest,
+                         ::testing::Values(Transport::kCallback, Transport::kPolled),
+                         [](const ::testing::TestParamInfo<Transport>& info) {
+                           return info.param == Transport::kPolled ? "Polled" : "Callback";
+                         });
+
+TEST_P(AttentionStreamTest, StreamAnswersEveryRequestOutOfOrder) {
   SCOPED_TRACE(SeedTrace());
   // Request i has 8 - i rows and sleeps that many * 20 ms once all eight run: later ones finish
   // first. (Ungated, a slow machine let s0 finish before the others had even arrived.)
   auto owned = std::make_unique<CopyExecutor>(absl::Milliseconds(20), /*gated=*/true);
   CopyExecutor* executor = owned.get();
-  TestServer server(std::move(owned), {.workers = 8, .max_queue = 16});
+  TestServer server(std::move(owned), {.workers = 8, .max_queue = 16}, {}, GetParam());
   grpc::ClientContext context;
   auto stream = server.stub().AttendStream(&context);
   std::map<std::string, std::string> sent;  // request_id -> q bytes
@@ -244,10 +269,10 @@ TEST(AttentionServiceTest, StreamAnswersEveryRequestOutOfOrder) {
   EXPECT_NE(order.front(), "s0");  // s0 is the slowest
 }
 
-TEST(AttentionServiceTest, ConcurrentStreamsNeverMixResponses) {
+TEST_P(AttentionStreamTest, ConcurrentStreamsNeverMixResponses) {
   SCOPED_TRACE(SeedTrace());
   TestServer server(std::make_unique<CopyExecutor>(absl::Microseconds(50)),
-                    {.workers = 4, .max_queue = 256}, {.stream_window = 4});
+                    {.workers = 4, .max_queue = 256}, {.stream_window = 4}, GetParam());
   std::vector<std::thread> clients;
   std::vector<int> received(4, 0);
   for (int c = 0; c < 4; ++c) {
@@ -274,9 +299,9 @@ TEST(AttentionServiceTest, ConcurrentStreamsNeverMixResponses) {
   EXPECT_THAT(received, ::testing::Each(25));
 }
 
-TEST(AttentionServiceTest, AFailingRequestEndsTheStreamWithItsStatus) {
+TEST_P(AttentionStreamTest, AFailingRequestEndsTheStreamWithItsStatus) {
   TestServer server(std::make_unique<CopyExecutor>(absl::ZeroDuration()),
-                    {.workers = 1, .max_queue = 4});
+                    {.workers = 1, .max_queue = 4}, {}, GetParam());
   grpc::ClientContext context;
   auto stream = server.stub().AttendStream(&context);
   AttendResponse response;
@@ -293,10 +318,10 @@ TEST(AttentionServiceTest, AFailingRequestEndsTheStreamWithItsStatus) {
   EXPECT_THAT(status.error_message(), HasSubstr("request 'bad': q.dtype: expected"));
 }
 
-TEST(AttentionServiceTest, CancellingAStreamDropsItsQueuedRequests) {
+TEST_P(AttentionStreamTest, CancellingAStreamDropsItsQueuedRequests) {
   auto owned = std::make_unique<CopyExecutor>(absl::ZeroDuration(), /*gated=*/true);
   CopyExecutor* executor = owned.get();
-  TestServer server(std::move(owned), {.workers = 1, .max_queue = 16});
+  TestServer server(std::move(owned), {.workers = 1, .max_queue = 16}, {}, GetParam());
   grpc::ClientContext context;
   auto stream = server.stub().AttendStream(&context);
   for (int i = 0; i < 5; ++i) ASSERT_TRUE(stream->Write(SmallRequest(absl::StrCat("x", i), 2)));
@@ -319,6 +344,36 @@ TEST(AttentionServiceTest, CancellingAStreamDropsItsQueuedRequests) {
                              "attention_requests_total{code=\"CANCELLED\",rpc=\"AttendStream\"} 4");
   }));
   EXPECT_EQ(executor->started(), 1);
+}
+
+// Messages over 1 MiB are processed off the polling thread (generic_streams.h); the small ones
+// after them on the same stream still reach the queue after them. One worker takes the queue in
+// order and the executor answers at once, so the answers come in the order requests were queued.
+TEST_P(AttentionStreamTest, LargeAndSmallMessagesAreQueuedInTheOrderSent) {
+  SCOPED_TRACE(SeedTrace());
+  TestServer server(std::make_unique<CopyExecutor>(absl::ZeroDuration()),
+                    {.workers = 1, .max_queue = 64}, {.stream_window = 16}, GetParam());
+  grpc::ClientContext context;
+  auto stream = server.stub().AttendStream(&context);
+  std::vector<std::string> sent;
+  std::map<std::string, std::string> q;
+  for (int i = 0; i < 12; ++i) {
+    // Every third one has q of 2 x 40000 x 4 floats (1.28 MB).
+    AttendRequest request = SmallRequest(absl::StrCat("m", i), i % 3 == 0 ? 40000 : 1 + i);
+    sent.push_back(request.request_id());
+    q[request.request_id()] = request.q().data();
+    ASSERT_TRUE(stream->Write(request));
+  }
+  stream->WritesDone();
+  std::vector<std::string> order;
+  AttendResponse response;
+  while (stream->Read(&response)) {
+    order.push_back(response.request_id());
+    EXPECT_EQ(response.o().data(), q[response.request_id()]) << response.request_id();
+  }
+  grpc::Status status = stream->Finish();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(order, sent);
 }
 
 TEST(AttentionServiceTest, DeadlinePassedInTheQueueNeverRuns) {

@@ -1,5 +1,7 @@
 #include "server/service/generic_streams.h"
 
+#include <deque>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -13,6 +15,8 @@ namespace {
 
 constexpr char kAttendStreamMethod[] = "/attention.v1.Attention/AttendStream";
 constexpr char kStepStreamMethod[] = "/attention.v1.Sessions/StepStream";
+// The largest message processed on the polling thread itself (its copy takes ~0.1 ms).
+constexpr size_t kInlineProcessBytes = size_t{1} << 20;
 
 grpc::Status UnknownMethod(const std::string& method) {
   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
@@ -166,13 +170,28 @@ class PolledStreams::Flow final : public StreamFlow<Flow<State>, State>, public 
   using Base = StreamFlow<Flow<State>, State>;
 
  public:
-  Flow(int window, StreamProcess<State> process, std::shared_ptr<Call> call)
-      : Base(window, std::move(process)), call_(std::move(call)) {}
+  Flow(PolledStreams* owner, int window, StreamProcess<State> process, std::shared_ptr<Call> call)
+      : Base(window, std::move(process)), owner_(owner), call_(std::move(call)) {}
 
-  static Call::Events* Begin(int window, StreamProcess<State> process, std::shared_ptr<Call> call) {
-    auto flow = std::make_shared<Flow>(window, std::move(process), std::move(call));
+  static Call::Events* Begin(PolledStreams* owner, int window, StreamProcess<State> process,
+                             std::shared_ptr<Call> call) {
+    auto flow = std::make_shared<Flow>(owner, window, std::move(process), std::move(call));
     flow->Base::Begin(flow);
     return flow.get();
+  }
+
+  // A message over kInlineProcessBytes is processed on the offload thread, so that its copy
+  // (milliseconds for tens of MiB) does not hold up every other stream's completions; once one
+  // is, the stream's next messages follow it there until it is done, so they are still processed
+  // (and queued) in the order they were read.
+  template <typename Work>
+  void RunProcess(size_t bytes, Work work) {
+    if (bytes <= kInlineProcessBytes && offloaded_->load() == 0) return std::move(work)();
+    offloaded_->fetch_add(1);
+    owner_->Offload([offloaded = offloaded_, work = std::move(work)]() mutable {
+      std::move(work)();  // may release the stream: only `offloaded` is used after it
+      offloaded->fetch_sub(1);
+    });
   }
 
   void ReadDone(bool ok) override { Base::ReadDone(ok); }
@@ -186,7 +205,11 @@ class PolledStreams::Flow final : public StreamFlow<Flow<State>, State>, public 
   void Finish(const grpc::Status& status) { call_->Finish(status); }
 
  private:
+  PolledStreams* const owner_;
   const std::shared_ptr<Call> call_;
+  // Messages of this stream handed to the offload thread and not yet processed (polling thread:
+  // reads it; offload thread: counts it down).
+  const std::shared_ptr<std::atomic<int>> offloaded_ = std::make_shared<std::atomic<int>>(0);
 };
 
 void PolledStreams::Call::Begin(std::shared_ptr<Call> self) {
@@ -194,11 +217,12 @@ void PolledStreams::Call::Begin(std::shared_ptr<Call> self) {
   SessionService* const sessions = owner_->sessions_;
   const std::string& method = context_.method();
   if (attention != nullptr && method == kAttendStreamMethod) {
-    events_ = Flow<AttentionService::Call>::Begin(
-        attention->stream_window(), attention->AttendStreamProcess(context()), std::move(self));
+    events_ = Flow<AttentionService::Call>::Begin(owner_, attention->stream_window(),
+                                                  attention->AttendStreamProcess(context()),
+                                                  std::move(self));
   } else if (sessions != nullptr && method == kStepStreamMethod) {
     events_ = Flow<SessionService::StepMessages>::Begin(
-        sessions->stream_window(), sessions->StepStreamProcess(context()), std::move(self));
+        owner_, sessions->stream_window(), sessions->StepStreamProcess(context()), std::move(self));
   } else {
     refusing_ = std::move(self);
     Finish(UnknownMethod(method));
@@ -214,7 +238,30 @@ PolledStreams::~PolledStreams() { Stop(); }
 
 void PolledStreams::Start() {
   Call::Accept(this);
+  offloader_ = std::thread([this] { RunOffloaded(); });
   poller_ = std::thread([this] { Run(); });
+}
+
+void PolledStreams::Offload(absl::AnyInvocable<void() &&> work) {
+  {
+    std::lock_guard<std::mutex> lock(offload_mu_);
+    offloaded_.push_back(std::move(work));
+  }
+  offload_cv_.notify_one();
+}
+
+void PolledStreams::RunOffloaded() {
+  std::unique_lock<std::mutex> lock(offload_mu_);
+  while (true) {
+    offload_cv_.wait(lock, [this] { return offload_stop_ || !offloaded_.empty(); });
+    if (offloaded_.empty()) return;  // stopping, and nothing left
+    absl::AnyInvocable<void()&&> work = std::move(offloaded_.front());
+    offloaded_.pop_front();
+    lock.unlock();
+    std::move(work)();
+    work = nullptr;  // what it held goes before the lock is taken again
+    lock.lock();
+  }
 }
 
 void PolledStreams::Stop() {
@@ -225,6 +272,15 @@ void PolledStreams::Stop() {
     // operation of a call that is over completes, not ok).
     const absl::Time give_up = absl::Now() + absl::Seconds(30);
     while (live_.load() > 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+  }
+  // Before the queue shuts down: what is left there may still start a write or the finish.
+  if (offloader_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(offload_mu_);
+      offload_stop_ = true;
+    }
+    offload_cv_.notify_one();
+    offloader_.join();
   }
   cq_->Shutdown();
   if (poller_.joinable()) {

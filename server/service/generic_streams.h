@@ -4,21 +4,26 @@
 //     other call of the server.
 //   PolledStreams (--poll_streams): gRPC's async API, every stream's reads, writes and finish
 //     completed on one completion queue that one thread polls without sleeping, and each read's
-//     message decoded on that thread. Each completion is seen the moment it happens, where on the
-//     callback API one of gRPC's threads is woken for it, and the decode runs on a thread whose
-//     caches stay warm: a one-in-flight Step 8 x 32k by reference took kernel + 212 us against
-//     kernel + 333 us on the callback API (H200 host, bench/README.md run F). Its price: one core
-//     busy while messages come; after 20 ms without a completion the thread sleeps in the queue
-//     until the next one.
+//     message decoded on that thread (one over 1 MiB, whose copy would hold up the other streams,
+//     on an offload thread, the stream's later messages after it). Each completion is seen the
+//     moment it happens, where on the callback API one of gRPC's threads is woken for it, and the
+//     decode runs on a thread whose caches stay warm: a one-in-flight Step 8 x 32k by reference
+//     took kernel + 212 us against kernel + 333 us on the callback API (H200 host, bench/README.md
+//     run F). Its price: one core busy while messages come; after 20 ms without a completion the
+//     thread sleeps in the queue until the next one.
 // Either answers any other method that reaches the generic service UNIMPLEMENTED (every other
 // method of the server is registered by its own service), and so both streams of a service that
 // is null.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <thread>
 
+#include "absl/functional/any_invocable.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 #include "server/service/attention_service.h"
@@ -64,6 +69,9 @@ class PolledStreams {
   template <typename State>
   class Flow;
   void Run();
+  // Runs `work` on the offload thread, after what was handed to it before (Flow::RunProcess).
+  void Offload(absl::AnyInvocable<void() &&> work);
+  void RunOffloaded();
 
   AttentionService* const attention_;
   SessionService* const sessions_;
@@ -72,6 +80,11 @@ class PolledStreams {
   std::atomic<int> live_{0};  // calls asked for or accepted, and not yet over
   std::thread poller_;
   bool stopped_ = false;
+  std::thread offloader_;
+  std::mutex offload_mu_;  // guards the three below
+  std::condition_variable offload_cv_;
+  std::deque<absl::AnyInvocable<void() &&>> offloaded_;
+  bool offload_stop_ = false;
 };
 
 }  // namespace attention::server

@@ -44,10 +44,12 @@ using StreamProcess =
 // The bookkeeping of one such stream, apart from the gRPC API that moves its messages.
 // `Transport` (CRTP) starts the operations, each at most once at a time: StartRead(ByteBuffer*),
 // StartWrite(const ByteBuffer*) and Finish(grpc::Status); and reports their completions to
-// ReadDone, WriteDone and Cancelled. It holds itself in `self_` while it may be needed (from
-// Begin until its transport is done), and each request in flight holds a reference too.
-// `State`: default-constructible, with `request_id()` (the parsed request's, "" when it did not
-// parse) naming a failed request in the stream's status.
+// ReadDone, WriteDone and Cancelled. RunProcess(bytes, work) runs the processing of a message of
+// `bytes` (`work`, an absl::AnyInvocable<void() &&>) on the thread that read it, or hands it to
+// a thread of its own (the polled transport's large messages). It holds itself in `self_` while it
+// may be needed (from Begin until its transport is done), and each request in flight holds a
+// reference too. `State`: default-constructible, with `request_id()` (the parsed request's, "" when
+// it did not parse) naming a failed request in the stream's status.
 template <typename Transport, typename State>
 class StreamFlow {
  public:
@@ -71,13 +73,24 @@ class StreamFlow {
       }
       ++in_flight_;
       self = self_;
-      Advance();  // the next read, if the window has room, while this one is processed
+      // No next read until this request is handed on: on the callback API the next read's
+      // completion may run on another thread, and the requests of a stream must be queued in the
+      // order they were sent (a client may send Steps that append to one session without waiting).
+      dispatching_ = true;
     }
     Exchange* e = exchange.get();
-    process_(&e->request, &e->response, &e->state,
-             [self = std::move(self), exchange = std::move(exchange)](absl::Status status) mutable {
-               self->Processed(std::move(exchange), std::move(status));
-             });
+    const size_t bytes = e->request.Length();
+    // The transport runs it here or hands it to a thread of its own (RunProcess).
+    transport().RunProcess(bytes, [this, e, self, exchange = std::move(exchange)]() mutable {
+      process_(
+          &e->request, &e->response, &e->state,
+          [self = std::move(self), exchange = std::move(exchange)](absl::Status status) mutable {
+            self->Processed(std::move(exchange), std::move(status));
+          });
+    });
+    std::lock_guard<std::mutex> lock(mu_);
+    dispatching_ = false;
+    Advance();  // the next read, if the window has room
   }
 
   void WriteDone(bool ok) {
@@ -141,7 +154,7 @@ class StreamFlow {
       transport().StartWrite(&writing_->response);
     }
     const int held = in_flight_ + static_cast<int>(ready_.size()) + (writing_ != nullptr);
-    if (!Ending() && reading_ == nullptr && held < window_) {
+    if (!Ending() && reading_ == nullptr && !dispatching_ && held < window_) {
       reading_ = std::make_unique<Exchange>();
       transport().StartRead(&reading_->request);
     }
@@ -160,6 +173,7 @@ class StreamFlow {
   std::unique_ptr<Exchange> writing_;            // the write outstanding, if any
   std::deque<std::unique_ptr<Exchange>> ready_;  // answered, to be written
   int in_flight_ = 0;                            // in process_, not yet answered
+  bool dispatching_ = false;                     // ReadDone is handing a request on
   bool reads_done_ = false;
   bool cancelled_ = false;
   bool finished_ = false;
@@ -188,6 +202,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void OnReadDone(bool ok) override { this->ReadDone(ok); }
+  // On the gRPC thread that read the message: gRPC's pool has threads for the other streams.
+  template <typename Work>
+  void RunProcess(size_t /*bytes*/, Work work) {
+    std::move(work)();
+  }
   void OnWriteDone(bool ok) override { this->WriteDone(ok); }
   void OnCancel() override { this->Cancelled(); }
   void OnDone() override {
