@@ -947,6 +947,44 @@ TEST_F(SessionsE2E, StepStreamAnswersManyStepsCorrectly) {
   for (const TestSession& s : sessions) EXPECT_EQ(stub.Length(s.id), s.seq.length());
 }
 
+// Steps written at once that each append a row to one session apply in the order they were sent
+// (a stream queues its requests in that order): each answer's length and output are those of its
+// place in the sequence.
+TEST_F(SessionsE2E, StepStreamAppliesAppendsSentAtOnceInOrder) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub = Stub();
+  absl::StatusOr<TestSession> s =
+      CreateSession(stub, v1::DTYPE_FLOAT32, 2, 32, 7, v1::LAYOUT_BHSD, rng);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const MaskSpec mask{.causal = true};
+  grpc::ClientContext context;
+  auto stream = stub.StepStream(&context);
+  std::map<std::string, std::pair<int64_t, v1::AttendRequest>> expected;  // length, reference
+  for (int i = 0; i < 24; ++i) {
+    v1::StepRequest r;
+    r.set_request_id(absl::StrCat("append-", i));
+    SetMask(mask, &r);
+    const std::vector<float> q = AddEntry(*s, 4, 1, 1, rng, &r);
+    expected[r.request_id()] = {s->seq.length(), ReferenceRequest(s->dtype, s->seq, q, 4, 1, mask)};
+    ASSERT_TRUE(stream->Write(r));
+  }
+  stream->WritesDone();
+  v1::StepResponse response;
+  while (stream->Read(&response)) {
+    auto it = expected.find(response.request_id());
+    ASSERT_NE(it, expected.end()) << "unexpected or repeated request_id " << response.request_id();
+    ASSERT_EQ(response.results_size(), 1);
+    EXPECT_EQ(response.results(0).length(), it->second.first) << response.request_id();
+    ExpectMatchesReference(it->second.second, response.results(0));
+    expected.erase(it);
+  }
+  EXPECT_TRUE(expected.empty()) << expected.size() << " steps unanswered";
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(stub.Length(s->id), s->seq.length());
+}
+
 // A Step on a dropped session ends the stream NOT_FOUND naming its request_id; the Steps before
 // it were answered.
 TEST_F(SessionsE2E, StepStreamEndsWithTheStatusOfAStepOnADroppedSession) {
