@@ -14,8 +14,9 @@
 //
 // Thread hops: a request is decoded and queued on the gRPC thread that completed its read (no
 // hop); the scheduler's worker that runs it starts the write of its response (one hop, the
-// queue's); the next read is started before the request is processed, so reading, computing and
-// writing overlap on one stream.
+// queue's); the next read is started as soon as the request is queued, so reading the next,
+// computing this one and writing the last overlap on one stream, and the requests of a stream are
+// queued in the order they were sent.
 #pragma once
 
 #include <deque>
