@@ -74,7 +74,6 @@ class TestServer {
     executors.push_back(std::move(executor));
     scheduler_.emplace(std::move(executors), scheduler_options);
     service_.emplace(service_options, &*scheduler_, &metrics_, &drain_);
-    streams_.emplace(&*service_, nullptr);
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -84,6 +83,7 @@ class TestServer {
       builder.RegisterAsyncGenericService(&async_streams_);
       queue = builder.AddCompletionQueue();
     } else {
+      streams_.emplace(&*service_, nullptr);
       builder.RegisterCallbackGenericService(&*streams_);
     }
     server_ = builder.BuildAndStart();

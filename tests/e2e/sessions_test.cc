@@ -21,6 +21,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -212,6 +213,30 @@ void ExpectMatchesReference(const v1::AttendRequest& request, const v1::StepResu
     EXPECT_TRUE(check->lse_checked);
     EXPECT_LE(check->lse_relative_error, bound) << "lse";
   }
+}
+
+// What a Step sent on a stream must answer: its session's length after it, and the reference.
+struct ExpectedStep {
+  int64_t length;
+  v1::AttendRequest reference;
+};
+
+// Ends the writes of `stream`, reads every answer and checks it against `expected` (by request_id,
+// one entry each); the stream must end OK with every Step answered.
+void ExpectStepsAnswered(grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>& stream,
+                         std::map<std::string, ExpectedStep> expected) {
+  stream.WritesDone();
+  v1::StepResponse response;
+  while (stream.Read(&response)) {
+    auto it = expected.find(response.request_id());
+    ASSERT_NE(it, expected.end()) << "unexpected or repeated request_id " << response.request_id();
+    ASSERT_EQ(response.results_size(), 1);
+    EXPECT_EQ(response.results(0).length(), it->second.length) << response.request_id();
+    ExpectMatchesReference(it->second.reference, response.results(0));
+    expected.erase(it);
+  }
+  EXPECT_TRUE(expected.empty()) << expected.size() << " steps unanswered";
+  EXPECT_TRUE(stream.Finish().ok());
 }
 
 // One session the tests drive: its server id, dtype and the rows it should hold.
@@ -923,27 +948,17 @@ TEST_F(SessionsE2E, StepStreamAnswersManyStepsCorrectly) {
     EXPECT_GT(response.timing().total_us(), 0);
     ExpectMatchesReference(ReferenceRequest(s.dtype, s.seq, q, 4, 1, mask), response.results(0));
   }
-  std::map<std::string, v1::AttendRequest> expected;
+  std::map<std::string, ExpectedStep> expected;
   for (int i = 0; i < 32; ++i) {
     TestSession& s = sessions[i % 2];
     v1::StepRequest r;
     r.set_request_id(absl::StrCat("many-", i));
     SetMask(mask, &r);
     const std::vector<float> q = AddEntry(s, 4, 2, 0, rng, &r);
-    expected[r.request_id()] = ReferenceRequest(s.dtype, s.seq, q, 4, 2, mask);
+    expected[r.request_id()] = {s.seq.length(), ReferenceRequest(s.dtype, s.seq, q, 4, 2, mask)};
     ASSERT_TRUE(stream->Write(r));
   }
-  stream->WritesDone();
-  v1::StepResponse response;
-  while (stream->Read(&response)) {
-    auto it = expected.find(response.request_id());
-    ASSERT_NE(it, expected.end()) << "unexpected or repeated request_id " << response.request_id();
-    ASSERT_EQ(response.results_size(), 1);
-    ExpectMatchesReference(it->second, response.results(0));
-    expected.erase(it);
-  }
-  EXPECT_TRUE(expected.empty()) << expected.size() << " steps unanswered";
-  EXPECT_TRUE(stream->Finish().ok());
+  ExpectStepsAnswered(*stream, std::move(expected));
   for (const TestSession& s : sessions) EXPECT_EQ(stub.Length(s.id), s.seq.length());
 }
 
@@ -961,7 +976,7 @@ TEST_F(SessionsE2E, StepStreamAppliesAppendsSentAtOnceInOrder) {
   const MaskSpec mask{.causal = true};
   grpc::ClientContext context;
   auto stream = stub.StepStream(&context);
-  std::map<std::string, std::pair<int64_t, v1::AttendRequest>> expected;  // length, reference
+  std::map<std::string, ExpectedStep> expected;
   for (int i = 0; i < 24; ++i) {
     v1::StepRequest r;
     r.set_request_id(absl::StrCat("append-", i));
@@ -970,18 +985,7 @@ TEST_F(SessionsE2E, StepStreamAppliesAppendsSentAtOnceInOrder) {
     expected[r.request_id()] = {s->seq.length(), ReferenceRequest(s->dtype, s->seq, q, 4, 1, mask)};
     ASSERT_TRUE(stream->Write(r));
   }
-  stream->WritesDone();
-  v1::StepResponse response;
-  while (stream->Read(&response)) {
-    auto it = expected.find(response.request_id());
-    ASSERT_NE(it, expected.end()) << "unexpected or repeated request_id " << response.request_id();
-    ASSERT_EQ(response.results_size(), 1);
-    EXPECT_EQ(response.results(0).length(), it->second.first) << response.request_id();
-    ExpectMatchesReference(it->second.second, response.results(0));
-    expected.erase(it);
-  }
-  EXPECT_TRUE(expected.empty()) << expected.size() << " steps unanswered";
-  EXPECT_TRUE(stream->Finish().ok());
+  ExpectStepsAnswered(*stream, std::move(expected));
   EXPECT_EQ(stub.Length(s->id), s->seq.length());
 }
 
