@@ -127,7 +127,9 @@ std::unique_ptr<grpc::ClientContext> Client::NewContext(const CallOptions& call)
   auto context = std::make_unique<grpc::ClientContext>();
   const absl::Duration deadline =
       call.deadline > absl::ZeroDuration() ? call.deadline : options_.deadline;
-  context->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  if (deadline != absl::InfiniteDuration()) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  }
   // Metadata rather than call credentials, which gRPC sends only over TLS: a plaintext channel on
   // loopback or inside a mesh may carry the token too.
   if (!options_.bearer_token.empty()) {

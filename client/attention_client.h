@@ -76,7 +76,8 @@ struct ClientOptions {
 
 // Per-call settings that override ClientOptions.
 struct CallOptions {
-  // Zero: ClientOptions::deadline.
+  // Zero: ClientOptions::deadline. absl::InfiniteDuration(): none (a call that lasts as long as
+  // what it carries, such as a request ring's OpenRing).
   absl::Duration deadline = absl::ZeroDuration();
 };
 

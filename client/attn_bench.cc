@@ -29,6 +29,13 @@
 // byte crosses the socket (payload GB/s still counts them). In decode mode every Step entry refers
 // to the same q (and new K/V rows) and has a place of its own for o.
 //
+// --rpc=stream --stream_api=ring (a server with --allow_shared_memory on this host): each slot
+// sends its requests (Attend, or decode's Steps) over a request ring of its own instead of a gRPC
+// stream (attention.v1.SharedMemory.OpenRing, client/request_ring.h): the request is serialized
+// into a shared-memory slot and the response read from one, with no gRPC message per request.
+// The ring is registered over the connection the slot's requests use, so --shm's references
+// resolve.
+//
 // Exit status: 0 every measured call succeeded; 1 a measured call failed (the first few distinct
 // errors are printed on stderr), or sessions could not be created; 2 bad flags.
 #include <unistd.h>
@@ -67,6 +74,7 @@
 #include "client/attention_client.h"
 #include "client/polled_stream.h"
 #include "client/request_builder.h"
+#include "client/request_ring.h"
 #include "client/session.h"
 #include "client/shared_memory.h"
 #include "client/tensors.h"
@@ -114,7 +122,10 @@ ABSL_FLAG(std::string, stream_api, "callback",
           "stream that writes each request and blocks reading its response, polling the "
           "connection itself, as a synchronous model process calls) | poll (as sync, on the async "
           "API: the thread polls its completion queue without sleeping, so no wake-up comes "
-          "between the response's arrival and its read; one busy core per stream)");
+          "between the response's arrival and its read; one busy core per stream) | ring (as "
+          "sync, over a request ring in shared memory instead of a stream: no gRPC message per "
+          "request, the thread spinning for the response; the server needs "
+          "--allow_shared_memory on this host)");
 ABSL_FLAG(bool, shm, false,
           "q, k, v (decode: each entry's q and new K/V rows) and o in a POSIX shared-memory object "
           "registered with the server (which needs --allow_shared_memory; one --target), sent by "
@@ -266,6 +277,9 @@ struct Rpcs {
   std::function<std::unique_ptr<grpc::ClientAsyncReaderWriter<Req, Resp>>(grpc::ClientContext*,
                                                                           grpc::CompletionQueue*)>
       async_stream;
+  // Opens a request ring of its own on the connection the requests' regions belong to
+  // (--stream_api=ring); unset for the echo service, which serves no rings.
+  std::function<absl::StatusOr<std::unique_ptr<RequestRing>>()> ring;
   std::function<int64_t(const Resp&)> response_bytes;
   std::function<v1::ServerTiming(const Resp&)> timing;
   std::function<double(const Resp&)> flops;
@@ -431,15 +445,25 @@ class StreamSlot final : public Slot, public grpc::ClientBidiReactor<Req, Resp> 
 // API runs each reaction on one of gRPC's). In a closed loop (`restamp`) a request's latency
 // counts from this thread's write (Completion::written): the wake-up from Send is the bench's own
 // hop, which a synchronous caller does not have. Its `start` still says warmup or measured.
-// `poll`: the same on gRPC's async API, the thread polling its own completion queue instead of
-// sleeping until the response comes (client/polled_stream.h).
+// `api` "sync"; "poll": the same on gRPC's async API, the thread polling its own completion queue
+// instead of sleeping until the response comes (client/polled_stream.h); "ring": the same over a
+// request ring (client/request_ring.h), no gRPC message per request, the thread spinning for the
+// response. A ring that cannot be opened fails the slot's first request with the reason.
 template <class Req, class Resp>
 class SyncStreamSlot final : public Slot {
  public:
   SyncStreamSlot(absl::Span<const Req> requests, const Rpcs<Req, Resp>& rpcs, bool restamp,
-                 bool poll, DoneFn done)
+                 const std::string& api, DoneFn done)
       : requests_(requests), rpcs_(rpcs), restamp_(restamp), done_(std::move(done)) {
-    if (poll) {
+    if (api == "ring") {
+      absl::StatusOr<std::unique_ptr<RequestRing>> ring = rpcs_.ring();
+      if (ring.ok()) {
+        ring_ = *std::move(ring);
+      } else {
+        ring_error_ = grpc::Status(static_cast<grpc::StatusCode>(ring.status().code()),
+                                   std::string(ring.status().message()));
+      }
+    } else if (api == "poll") {
       polled_ = client::PolledStream<Req, Resp>::Start(rpcs_.async_stream, &context_);
     } else {
       stream_ = rpcs_.sync_stream(&context_);
@@ -495,18 +519,33 @@ class SyncStreamSlot final : public Slot {
       c.written = written;
       done_(this, c, /*retire=*/false);
     }
-    if (polled_) {
-      polled_->WritesDone();
-    } else {
-      stream_->WritesDone();
-    }
+    WritesDone();
     Finish().ok();  // the server ends the stream OK once the client half-closes
   }
   bool Write(const Req& request) {
+    if (!ring_error_.ok()) return false;
+    if (ring_) return ring_->Write(request);
     return polled_ ? polled_->Write(request) : stream_->Write(request);
   }
-  bool Read(Resp* response) { return polled_ ? polled_->Read(response) : stream_->Read(response); }
-  grpc::Status Finish() { return polled_ ? polled_->Finish() : stream_->Finish(); }
+  bool Read(Resp* response) {
+    if (!ring_error_.ok()) return false;
+    if (ring_) return ring_->Read(response);
+    return polled_ ? polled_->Read(response) : stream_->Read(response);
+  }
+  void WritesDone() {
+    if (ring_) {
+      ring_->WritesDone();
+    } else if (polled_) {
+      polled_->WritesDone();
+    } else if (stream_) {
+      stream_->WritesDone();
+    }
+  }
+  grpc::Status Finish() {
+    if (!ring_error_.ok()) return ring_error_;
+    if (ring_) return ring_->Finish();
+    return polled_ ? polled_->Finish() : stream_->Finish();
+  }
 
   const absl::Span<const Req> requests_;
   size_t next_ = 0;  // used by the slot's thread only
@@ -514,9 +553,12 @@ class SyncStreamSlot final : public Slot {
   const bool restamp_;
   DoneFn done_;
   grpc::ClientContext context_;
-  // The stream, on the sync API or polled (one of the two is set).
+  // The stream, on the sync API or polled, or the ring (one of the three is set, unless the ring
+  // could not be opened: then ring_error_ says why).
   std::unique_ptr<grpc::ClientReaderWriter<Req, Resp>> stream_;
   std::unique_ptr<client::PolledStream<Req, Resp>> polled_;
+  std::unique_ptr<RequestRing> ring_;
+  grpc::Status ring_error_;
   Resp response_;
   std::mutex mu_;  // guards the three below
   std::condition_variable wake_;
@@ -532,7 +574,7 @@ std::unique_ptr<Slot> MakeStreamSlot(absl::Span<const Req> requests, const Rpcs<
                                      const LoadSettings& load, Slot::DoneFn done) {
   if (load.stream_api != "callback") {
     return std::make_unique<SyncStreamSlot<Req, Resp>>(requests, rpcs, !load.rate.has_value(),
-                                                       load.stream_api == "poll", std::move(done));
+                                                       load.stream_api, std::move(done));
   }
   return std::make_unique<StreamSlot<Req, Resp>>(requests, rpcs, std::move(done));
 }
@@ -898,6 +940,34 @@ absl::StatusOr<BenchRegion> MakeBenchRegion(const Client& client, int64_t bytes)
   return r;
 }
 
+// --stream_api=ring: the slot size for requests of `request_bytes` serialized bytes and responses
+// of at most `response_bytes` besides their timing, request id and device: the larger, plus 4 KiB
+// for those and the slot's length word, rounded up to the ring's alignment. INVALID_ARGUMENT over
+// the ring's largest slot.
+absl::StatusOr<int64_t> RingSlotBytes(int64_t request_bytes, int64_t response_bytes) {
+  const int64_t need = std::max(request_bytes, response_bytes) + 4096;
+  const int64_t bytes = (need + ring::kAlignment - 1) / ring::kAlignment * ring::kAlignment;
+  if (bytes > ring::kMaxSlotBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--stream_api=ring: requests of ", request_bytes,
+        " serialized bytes and responses of up to ", response_bytes, " need ring slots of ", bytes,
+        " bytes, expected at most ", ring::kMaxSlotBytes,
+        ": send the tensors by reference (--shm) or a smaller --shape"));
+  }
+  return std::max(bytes, ring::kMinSlotBytes);
+}
+
+// --stream_api=ring: opens a ring over `client` and closes it, so that a server that serves none
+// (no --allow_shared_memory, too many rings) is reported before the run rather than as each slot's
+// failure in the warmup, which the results do not count.
+absl::Status CheckRing(const Client& client, v1::RingMethod method) {
+  absl::StatusOr<std::unique_ptr<RequestRing>> ring = RequestRing::Open(
+      client, method,
+      {.slots = 1, .slot_bytes = ring::kMinSlotBytes, .region = "attn-bench-ring-check"});
+  if (!ring.ok()) return ring.status();
+  return ToAbslStatus((*ring)->Finish());
+}
+
 // Decode mode (see the file comment): `spec` gives the sessions' shape (Hkv, D, dtype, layout of
 // their first rows), their first length (seqlen_k), the sessions per Step (batch), the query
 // heads and the new tokens per session per step (seqlen_q).
@@ -928,6 +998,12 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
   const v1::Tensor context_k = random_tensor(context_shape);
   const v1::Tensor context_v = random_tensor(context_shape);
   Client client(options);
+  if (load.stream_api == "ring") {
+    if (absl::Status s = CheckRing(client, v1::RING_METHOD_STEP); !s.ok()) {
+      std::fprintf(stderr, "attn_bench: --stream_api=ring: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
   SessionClient session_client(client);
   std::vector<Session> sessions;
   sessions.reserve(session_count);
@@ -989,6 +1065,16 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
   rpcs.async_stream = [&](grpc::ClientContext* c, grpc::CompletionQueue* cq) {
     return session_client.stub().PrepareAsyncStepStream(c, cq);
   };
+  // One Step in flight per slot: a ring of one slot each way, over the connection of the sessions'
+  // client, which registered --shm's region. ring_slot_bytes is set per run, from its requests.
+  int64_t ring_slot_bytes = 0;
+  int rings_opened = 0;
+  rpcs.ring = [&] {
+    return RequestRing::Open(client, v1::RING_METHOD_STEP,
+                             {.slots = 1,
+                              .slot_bytes = ring_slot_bytes,
+                              .region = absl::StrCat("attn-bench-ring-", rings_opened++)});
+  };
   rpcs.response_bytes = [](const v1::StepResponse& r) {
     int64_t bytes = 0;
     for (const v1::StepResult& result : r.results()) {
@@ -1046,6 +1132,26 @@ int RunDecode(const ProblemSpec& spec, LoadSettings load, absl::Span<const int> 
     const int64_t request_bytes =
         per_step * static_cast<int64_t>(q.data().size() +
                                         (append ? new_k.data().size() + new_v.data().size() : 0));
+    if (load.stream_api == "ring") {
+      // Each result's o (unless written into the region), lse ([Hq, N] float32), and 256 bytes
+      // for its session id, length and the tensors' shapes.
+      const int64_t result_bytes = (region.object != nullptr ? 0 : o_bytes) +
+                                   (spec.return_lse ? spec.heads_q * spec.seqlen_q * 4 : 0) + 256;
+      size_t largest = 0;
+      for (const std::vector<v1::StepRequest>& requests : slot_requests) {
+        for (const v1::StepRequest& request : requests) {
+          largest = std::max(largest, request.ByteSizeLong());
+        }
+      }
+      absl::StatusOr<int64_t> slot_bytes =
+          RingSlotBytes(static_cast<int64_t>(largest), per_step * result_bytes);
+      if (!slot_bytes.ok()) {
+        std::fprintf(stderr, "attn_bench: %s\n",
+                     std::string(slot_bytes.status().message()).c_str());
+        return 2;
+      }
+      ring_slot_bytes = *slot_bytes;
+    }
     std::printf(
         "attn_bench: decode, %lld sessions, %lld per Step, Hq=%lld Hkv=%lld D=%lld %s, "
         "%lld new tokens per session-step%s%s, concurrency %d, %s, request payload %.2f "
@@ -1112,9 +1218,22 @@ int Main() {
     std::fprintf(stderr, "attn_bench: --connections and --chunk_mb must be > 0\n");
     return 2;
   }
-  if (stream_api != "callback" && stream_api != "sync" && stream_api != "poll") {
-    std::fprintf(stderr, "attn_bench: --stream_api must be callback, sync or poll, got %s\n",
+  if (stream_api != "callback" && stream_api != "sync" && stream_api != "poll" &&
+      stream_api != "ring") {
+    std::fprintf(stderr, "attn_bench: --stream_api must be callback, sync, poll or ring, got %s\n",
                  stream_api.c_str());
+    return 2;
+  }
+  if (stream_api == "ring" && rpc != "stream") {
+    std::fprintf(stderr, "attn_bench: --stream_api=ring needs --rpc=stream, got --rpc=%s\n",
+                 rpc.c_str());
+    return 2;
+  }
+  if (stream_api == "ring" &&
+      (absl::GetFlag(FLAGS_echo) || !absl::GetFlag(FLAGS_echo_target).empty())) {
+    std::fprintf(stderr,
+                 "attn_bench: --stream_api=ring needs the attention service (the echo server "
+                 "serves no rings): no --echo or --echo_target\n");
     return 2;
   }
   if (mode == "decode" && (rpc == "chunked" || connections != 1)) {
@@ -1238,6 +1357,10 @@ int Main() {
   // there.
   BenchRegion region;
   int64_t o_in_region = 0;
+  // --stream_api=ring: each slot's ring, one request in flight, on its connection's Client (the
+  // one that registered --shm's region); its slot size once the request is final.
+  int64_t ring_slot_bytes = 0;
+  int rings_opened = 0;
   if (!echo_only) {
     for (int i = 0; i < connections; ++i) {
       std::shared_ptr<grpc::Channel> channel = channel_for(absl::GetFlag(FLAGS_target));
@@ -1273,6 +1396,12 @@ int Main() {
       r.async_stream = [stub](grpc::ClientContext* c, grpc::CompletionQueue* cq) {
         return stub->PrepareAsyncAttendStream(c, cq);
       };
+      r.ring = [client = clients.back().get(), &ring_slot_bytes, &rings_opened] {
+        return RequestRing::Open(*client, v1::RING_METHOD_ATTEND,
+                                 {.slots = 1,
+                                  .slot_bytes = ring_slot_bytes,
+                                  .region = absl::StrCat("attn-bench-ring-", rings_opened++)});
+      };
       r.response_bytes = [](const v1::AttendResponse& a) {
         return static_cast<int64_t>(a.o().data().size() + a.lse().data().size());
       };
@@ -1295,6 +1424,28 @@ int Main() {
         at += bytes;
       }
       *request->mutable_o_ref() = MakeRef("attn-bench", at, o_in_region);
+    }
+    if (stream_api == "ring") {
+      // o (unless written into the region) in q's dtype (bfloat16 for float8) and lse, float32.
+      const int64_t rows = spec->batch * spec->heads_q * spec->seqlen_q;
+      const int64_t o_bytes =
+          region.object != nullptr
+              ? 0
+              : rows * spec->head_dim *
+                    (spec->dtype == v1::DTYPE_FLOAT8_E4M3 ? 2 : DTypeBytes(spec->dtype));
+      absl::StatusOr<int64_t> slot_bytes =
+          RingSlotBytes(static_cast<int64_t>(request->ByteSizeLong()),
+                        o_bytes + (spec->return_lse ? rows * 4 : 0));
+      if (!slot_bytes.ok()) {
+        std::fprintf(stderr, "attn_bench: %s\n",
+                     std::string(slot_bytes.status().message()).c_str());
+        return 2;
+      }
+      ring_slot_bytes = *slot_bytes;
+      if (absl::Status s = CheckRing(*clients[0], v1::RING_METHOD_ATTEND); !s.ok()) {
+        std::fprintf(stderr, "attn_bench: --stream_api=ring: %s\n", s.ToString().c_str());
+        return 1;
+      }
     }
   }
 
@@ -1343,6 +1494,7 @@ int main(int argc, char** argv) {
       argc, argv,
       "attn_bench --target=HOST:PORT[,HOST:PORT...] [--concurrency=N] [--rate=R] "
       "[--duration_s=S | --requests=N] [--shape=B,H,N,D] [--rpc=unary|stream] "
+      "[--stream_api=callback|sync|poll|ring] "
       "[--echo | --echo_target=HOST:PORT] [--json]\n"
       "attn_bench --mode=decode --sessions=S --nk=CONTEXT --shape=SESSIONS_PER_STEP,H,NEW_TOKENS,D "
       "[--kv_heads=HKV] [--causal] ...",

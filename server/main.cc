@@ -60,6 +60,7 @@
 #include "server/service/attention_service.h"
 #include "server/service/generic_streams.h"
 #include "server/service/reflection_v1.h"
+#include "server/service/request_rings.h"
 #include "server/service/security.h"
 #include "server/service/session_service.h"
 #include "server/service/shared_memory_service.h"
@@ -144,6 +145,10 @@ ABSL_FLAG(bool, allow_shared_memory, false,
 ABSL_FLAG(int, max_shared_memory_regions, 64, "Shared-memory regions one caller may register.");
 ABSL_FLAG(int64_t, max_shared_memory_bytes, int64_t{64} << 30,
           "Bytes of shared memory mapped at most, over every caller.");
+ABSL_FLAG(int, max_rings, 4,
+          "With --allow_shared_memory: request rings (SharedMemory.OpenRing) served at once, over "
+          "every caller. Each has a thread of its own, which spins while its requests come (it "
+          "sleeps after 20 ms without one). 0: no rings.");
 ABSL_FLAG(double, max_request_flops, 0,
           "Work one request may ask for, FLOPs (4 * Hq * D * visible query-key pairs); more is "
           "refused RESOURCE_EXHAUSTED. 0 = the backend's default (cuda 2e15, cpu 5e13).");
@@ -335,7 +340,6 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
     regions = std::make_unique<RegionRegistry>(options.shared_memory.limits,
                                                MakeRegionHooks(options.backend));
   }
-  SharedMemoryService shared_memory(regions.get(), options.service.auth_token, &metrics);
   // Where a request's tensors land (their one host copy) and its results are sent from: pinned
   // for the GPUs' DMAs, freed blocks kept up to twice the message limit.
   const std::unique_ptr<HostMemory> host_memory =
@@ -358,6 +362,15 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
           .stream_window = options.service.stream_window,
           .sweep_interval = std::min(absl::Seconds(1), absl::Seconds(options.kv_cache.ttl_s) / 4)},
       session_store.get(), &scheduler, &metrics, &drain, regions.get());
+  // Request rings in the callers' regions; stopped after the server and the scheduler (below).
+  std::unique_ptr<RequestRings> rings;
+  if (regions != nullptr && options.shared_memory.max_rings > 0) {
+    rings = std::make_unique<RequestRings>(&service, &sessions, regions.get(),
+                                           options.service.auth_token,
+                                           options.shared_memory.max_rings, &metrics);
+  }
+  SharedMemoryService shared_memory(regions.get(), rings.get(), options.service.auth_token,
+                                    &metrics);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -493,6 +506,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   closer.join();
   scheduler.Shutdown();
   if (polled_streams != nullptr) polled_streams->Stop();  // after every call that could still write
+  if (rings != nullptr) rings->Stop();
   std::fprintf(stderr, "attention_server: stopped\n");
   return 0;
 }
@@ -562,6 +576,7 @@ int main(int argc, char** argv) {
   options.shared_memory.limits.max_regions_per_owner =
       absl::GetFlag(FLAGS_max_shared_memory_regions);
   options.shared_memory.limits.max_mapped_bytes = absl::GetFlag(FLAGS_max_shared_memory_bytes);
+  options.shared_memory.max_rings = absl::GetFlag(FLAGS_max_rings);
   options.receive_memory_bytes = int64_t{absl::GetFlag(FLAGS_receive_memory_mb)} << 20;
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.service.version = ATTENTION_VERSION;

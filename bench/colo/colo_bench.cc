@@ -3,7 +3,7 @@
 // run on stdout.
 //
 //   colo_bench --target=127.0.0.1:50051 --mode=bound|shm|ipc [--shape=4,16,4096,128]
-//       [--dtype=bfloat16] [--clients=1] [--iters=20] [--warmup=3] [--rpc=unary|stream]
+//       [--dtype=bfloat16] [--clients=1] [--iters=20] [--warmup=3] [--rpc=unary|stream|ring]
 //
 // bound: the copies a GPU must make for such a request at best, timed with CUDA events on pinned
 //   buffers of this process: H2D of q, k, v and D2H of o (the table adds the server's kernel).
@@ -14,9 +14,12 @@
 // ipc:   q, k, v and o in one cudaMalloc of this process, registered by its cudaIpcMemHandle_t;
 //   the same calls. A step that fails (no GPU, an IPC handle the sandbox refuses) prints
 //   {"mode": ..., "error": "<the exact error>"} and exits 0, so a script goes on.
-// --rpc: shm and ipc calls as unary Attend (the client library's, default) or as messages of one
+// --rpc: shm and ipc calls as unary Attend (the client library's, default), as messages of one
 //   AttendStream per client, one in flight, the thread polling the stream's completion queue
-//   (client/polled_stream.h): the co-located client's fastest way, without per-call setup.
+//   (client/polled_stream.h), or as requests on a request ring per client (OpenRing,
+//   client/request_ring.h), one in flight, registered over the client's connection beside its
+//   tensors' region: no gRPC message per request, the request copied into a shared-memory slot
+//   and the thread spinning for the response in another.
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
@@ -40,6 +43,7 @@
 #include "client/cuda_region.h"
 #include "client/polled_stream.h"
 #include "client/request_builder.h"
+#include "client/request_ring.h"
 #include "client/shared_memory.h"
 #include "client/tensors.h"
 
@@ -52,7 +56,8 @@ ABSL_FLAG(int, iters, 20, "measured calls per client");
 ABSL_FLAG(int, warmup, 3, "calls per client before measuring");
 ABSL_FLAG(bool, causal, false, "causal mask");
 ABSL_FLAG(std::string, rpc, "unary",
-          "shm and ipc: unary Attend calls, or stream (one polled AttendStream per client)");
+          "shm and ipc: unary Attend calls, stream (one polled AttendStream per client) or ring "
+          "(one request ring per client)");
 
 namespace attention::bench {
 namespace {
@@ -120,15 +125,25 @@ struct Samples {
   }
 };
 
-// Sends warmup + iters calls of `request` one at a time (--rpc: unary calls or messages of one
-// stream); the measured ones into `out`.
+// The error of a stream or ring (`what`) that ended with `status` while a request waited for its
+// answer: an OK end is one without the answer.
+absl::Status Ended(const std::string& what, const grpc::Status& status) {
+  if (status.ok()) return absl::DataLossError(absl::StrCat(what, " ended without a response"));
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat(what, " ended: ", status.error_message()));
+}
+
+// Sends warmup + iters calls of `request` one at a time (--rpc: unary calls, messages of one
+// stream or requests on one ring); the measured ones into `out`.
 absl::Status Drive(Client& client, const v1::AttendRequest& request, Samples* out) {
   const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
   using Stream = client::PolledStream<v1::AttendRequest, v1::AttendResponse>;
   std::unique_ptr<v1::Attention::Stub> stub;
   std::unique_ptr<grpc::ClientContext> context;
   std::unique_ptr<Stream> stream;
-  if (absl::GetFlag(FLAGS_rpc) == "stream") {
+  std::unique_ptr<client::RequestRing> request_ring;
+  const std::string rpc = absl::GetFlag(FLAGS_rpc);
+  if (rpc == "stream") {
     stub = v1::Attention::NewStub(client.channel());
     context = client.NewContext({});
     stream = Stream::Start(
@@ -136,15 +151,27 @@ absl::Status Drive(Client& client, const v1::AttendRequest& request, Samples* ou
           return stub->PrepareAsyncAttendStream(c, cq);
         },
         context.get());
+  } else if (rpc == "ring") {
+    // One request in flight: one slot each way. A request by reference and its response (o
+    // written into the region) are a few hundred bytes: the smallest slot holds them.
+    absl::StatusOr<std::unique_ptr<client::RequestRing>> opened = client::RequestRing::Open(
+        client, v1::RING_METHOD_ATTEND,
+        {.slots = 1, .slot_bytes = ring::kMinSlotBytes, .region = "colo-ring"});
+    if (!opened.ok()) return opened.status();
+    request_ring = *std::move(opened);
   }
-  // One call: unary, or a message out and its answer in.
+  // One call: unary, or a request out on the stream or ring and its answer in.
   auto call = [&]() -> absl::StatusOr<v1::AttendResponse> {
-    if (stream == nullptr) return client.Attend(request);
     v1::AttendResponse response;
-    if (stream->Write(request) && stream->Read(&response)) return response;
-    const grpc::Status status = stream->Finish();
-    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                        absl::StrCat("AttendStream ended: ", status.error_message()));
+    if (stream != nullptr) {
+      if (stream->Write(request) && stream->Read(&response)) return response;
+      return Ended("AttendStream", stream->Finish());
+    }
+    if (request_ring != nullptr) {
+      if (request_ring->Write(request) && request_ring->Read(&response)) return response;
+      return Ended("the request ring", request_ring->Finish());
+    }
+    return client.Attend(request);
   };
   for (int i = 0; i < warmup + iters; ++i) {
     const Clock::time_point start = Clock::now();
@@ -162,8 +189,12 @@ absl::Status Drive(Client& client, const v1::AttendRequest& request, Samples* ou
   if (stream != nullptr) {
     stream->WritesDone();
     if (const grpc::Status status = stream->Finish(); !status.ok()) {
-      return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                          absl::StrCat("AttendStream ended: ", status.error_message()));
+      return Ended("AttendStream", status);
+    }
+  }
+  if (request_ring != nullptr) {
+    if (const grpc::Status status = request_ring->Finish(); !status.ok()) {
+      return Ended("the request ring", status);
     }
   }
   return absl::OkStatus();
@@ -336,8 +367,10 @@ int Main() {
   }
   p.dtype = *dtype;
   p.bytes = client::NumElements(p.shape) * client::DTypeBytes(p.dtype);
-  if (const std::string rpc = absl::GetFlag(FLAGS_rpc); rpc != "unary" && rpc != "stream") {
-    std::fprintf(stderr, "colo_bench: --rpc: expected unary or stream, got %s\n", rpc.c_str());
+  if (const std::string rpc = absl::GetFlag(FLAGS_rpc);
+      rpc != "unary" && rpc != "stream" && rpc != "ring") {
+    std::fprintf(stderr, "colo_bench: --rpc: expected unary, stream or ring, got %s\n",
+                 rpc.c_str());
     return 2;
   }
   const std::string mode = absl::GetFlag(FLAGS_mode);

@@ -45,6 +45,10 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
         o.shared_memory.limits.max_regions_per_owner, " and ",
         o.shared_memory.limits.max_mapped_bytes));
   }
+  if (o.shared_memory.max_rings < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_rings: expected >= 0 (0: no request rings), got ", o.shared_memory.max_rings));
+  }
   if (!(o.max_request_flops >= 0 && std::isfinite(o.max_request_flops))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_request_flops: expected a finite value >= 0 (0 = the backend's default), got ",

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/service/request_rings.h"
 #include "server/service/security.h"
 #include "server/service/stream_reactor.h"
 
@@ -76,9 +77,9 @@ absl::Status RequestRegions::Intact() const {
   return absl::OkStatus();
 }
 
-SharedMemoryService::SharedMemoryService(RegionRegistry* registry, std::string auth_token,
-                                         Metrics* metrics)
-    : registry_(registry), auth_token_(std::move(auth_token)), metrics_(metrics) {}
+SharedMemoryService::SharedMemoryService(RegionRegistry* registry, RequestRings* rings,
+                                         std::string auth_token, Metrics* metrics)
+    : registry_(registry), rings_(rings), auth_token_(std::move(auth_token)), metrics_(metrics) {}
 
 SharedMemoryService::~SharedMemoryService() {
   std::vector<Waiter> waiters;
@@ -184,6 +185,20 @@ grpc::ServerUnaryReactor* SharedMemoryService::List(grpc::CallbackServerContext*
     }
   }
   Answer("List", arrival, reactor, status);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SharedMemoryService::OpenRing(grpc::CallbackServerContext* context,
+                                                        const v1::OpenRingRequest* request,
+                                                        v1::RingClosed* response) {
+  absl::Status status = Admit(*context);
+  if (status.ok() && rings_ == nullptr) {
+    status = absl::UnimplementedError("request rings are not served here");
+  }
+  if (status.ok()) return rings_->Open(context, *request, response);
+  metrics_->RequestStarted();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  Answer("OpenRing", absl::Now(), reactor, status);
   return reactor;
 }
 

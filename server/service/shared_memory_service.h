@@ -59,10 +59,14 @@ class RequestRegions final : public TensorRefResolver {
   int cuda_device_ = -1;
 };
 
+class RequestRings;  // request_rings.h (which needs this header's RegionOwner)
+
 class SharedMemoryService final : public v1::SharedMemory::CallbackService {
  public:
-  // `registry` null: shared memory is off. `registry` and `metrics` must outlive the service.
-  SharedMemoryService(RegionRegistry* registry, std::string auth_token, Metrics* metrics);
+  // `registry` null: shared memory is off. `rings` (null: OpenRing is UNIMPLEMENTED) serves the
+  // request rings. `registry`, `rings` and `metrics` must outlive the service.
+  SharedMemoryService(RegionRegistry* registry, RequestRings* rings, std::string auth_token,
+                      Metrics* metrics);
   // Waits for the Unregister calls still waiting.
   ~SharedMemoryService() override;
 
@@ -75,6 +79,9 @@ class SharedMemoryService final : public v1::SharedMemory::CallbackService {
   grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* context,
                                  const v1::ListRegionsRequest* request,
                                  v1::ListRegionsResponse* response) override;
+  grpc::ServerUnaryReactor* OpenRing(grpc::CallbackServerContext* context,
+                                     const v1::OpenRingRequest* request,
+                                     v1::RingClosed* response) override;
 
  private:
   // The token and the flag; OK when the call may go on.
@@ -84,6 +91,7 @@ class SharedMemoryService final : public v1::SharedMemory::CallbackService {
               const absl::Status& status);
 
   RegionRegistry* const registry_;
+  RequestRings* const rings_;
   const std::string auth_token_;
   Metrics* const metrics_;
   std::mutex mu_;

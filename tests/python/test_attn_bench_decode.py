@@ -23,7 +23,8 @@ class AttnBenchDecodeTest(unittest.TestCase):
         cls.dir = tempfile.mkdtemp(prefix="attn_bench_decode_test_")
         cls.server, cls.port = start(
             [os.environ["ATTENTION_SERVER_BINARY"], "--backend=cpu", "--host=127.0.0.1",
-             "--port=0", "--metrics_port=0", f"--port_file={cls.dir}/server"], f"{cls.dir}/server")
+             "--port=0", "--metrics_port=0", "--allow_shared_memory",
+             f"--port_file={cls.dir}/server"], f"{cls.dir}/server")
 
     @classmethod
     def tearDownClass(cls):
@@ -56,7 +57,8 @@ class AttnBenchDecodeTest(unittest.TestCase):
         self.assertIn("dropped 6 sessions, 0 failed", out)
 
     def test_decode_steps_over_step_streams(self):
-        for api in ("callback", "sync", "poll"):
+        # ring: each slot's Steps through a request ring of its own (SharedMemory.OpenRing).
+        for api in ("callback", "sync", "poll", "ring"):
             out, r = self.bench("--sessions=4", "--nk=100", "--shape=2,4,1,32", "--kv_heads=2",
                                 "--dtype=bfloat16", "--causal", "--rpc=stream", "--concurrency=2",
                                 f"--stream_api={api}", "--requests=30")

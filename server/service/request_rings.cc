@@ -1,0 +1,455 @@
+#include "server/service/request_rings.h"
+
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "proto/attention/v1/request_ring.h"
+#include "server/service/call_context.h"
+#include "server/service/shared_memory_service.h"
+#include "server/service/stream_reactor.h"
+
+namespace attention::server {
+namespace {
+
+// How long a ring's thread spins after its last event before it sleeps on the bell (as the
+// polled streams' thread, generic_streams.cc): a decode loop posts a Step every few hundred
+// microseconds, and a sleeping thread costs the next request a wake-up.
+constexpr absl::Duration kIdleSpin = absl::Milliseconds(20);
+
+absl::Status CheckGeometry(const v1::OpenRingRequest& request) {
+  if (request.method() != v1::RING_METHOD_ATTEND && request.method() != v1::RING_METHOD_STEP) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("method: expected RING_METHOD_ATTEND or RING_METHOD_STEP, got ",
+                     v1::RingMethod_Name(request.method())));
+  }
+  if (request.slots() < 1 || request.slots() > ring::kMaxSlots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slots: expected 1 to ", ring::kMaxSlots, ", got ", request.slots()));
+  }
+  if (request.slot_bytes() < ring::kMinSlotBytes || request.slot_bytes() > ring::kMaxSlotBytes ||
+      request.slot_bytes() % ring::kAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "slot_bytes: expected a multiple of ", ring::kAlignment, " from ", ring::kMinSlotBytes,
+        " to ", ring::kMaxSlotBytes, ", got ", request.slot_bytes()));
+  }
+  if (request.offset() < 0 || request.offset() % ring::kAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("offset: expected a non-negative multiple of ",
+                                                   ring::kAlignment, ", got ", request.offset()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// The ring's memory as its thread sees it: the slots, and the server's own counters, which are
+// stored into the ring but never read back from it (the client could have changed them).
+struct RequestRings::Memory {
+  char* base;
+  int slots;
+  int64_t slot_bytes;
+  ring::RingHeader* header;
+  uint64_t requests_taken = 0;
+  uint64_t responses_posted = 0;
+
+  int64_t payload_bytes() const { return slot_bytes - ring::kLengthBytes; }
+
+  // The next request, copied out of its slot into `request`: true; false when none is posted.
+  // INVALID_ARGUMENT when the ring's words are out of range.
+  absl::StatusOr<bool> Take(grpc::ByteBuffer* request) {
+    const uint64_t posted = header->requests_posted.load();
+    if (posted == requests_taken) return false;
+    const uint64_t count = static_cast<uint64_t>(slots);
+    if (posted - requests_taken > count) {  // also a count that went back
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ring requests_posted: expected ", requests_taken, " to ", requests_taken + count,
+          " (requests_taken to requests_taken + slots), got ", posted));
+    }
+    const char* slot = ring::RequestSlot(base, slots, slot_bytes, requests_taken);
+    uint64_t length = 0;
+    std::memcpy(&length, slot, sizeof(length));
+    if (length > static_cast<uint64_t>(payload_bytes())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ring request ", requests_taken, " (slot ", requests_taken % count,
+          "): length expected at most ", payload_bytes(), " (slot_bytes - 8), got ", length));
+    }
+    grpc::Slice bytes(slot + ring::kLengthBytes, length);  // a copy: the slot is the client's
+    *request = grpc::ByteBuffer(&bytes, 1);
+    header->requests_taken.store(++requests_taken);
+    ring::Notify(&header->client_waiting, &header->client_bell);  // its slot is free
+    return true;
+  }
+
+  // `response` into the next response slot: true; false when none is free. INVALID_ARGUMENT when
+  // the client's count is out of range, RESOURCE_EXHAUSTED when the response exceeds a slot.
+  absl::StatusOr<bool> Post(const grpc::ByteBuffer& response) {
+    const uint64_t taken = header->responses_taken.load();
+    const uint64_t count = static_cast<uint64_t>(slots);
+    if (responses_posted - taken > count) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ring responses_taken: expected ",
+          responses_posted < count ? 0 : responses_posted - count, " to ", responses_posted,
+          " (responses_posted - slots to responses_posted), got ", taken));
+    }
+    if (responses_posted - taken == count) return false;
+    const size_t length = response.Length();
+    if (length > static_cast<size_t>(payload_bytes())) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "response ", responses_posted, ": expected at most ", payload_bytes(),
+          " bytes (the ring's slot_bytes - 8), got ", length, "; open the ring with larger slots"));
+    }
+    char* slot = ring::ResponseSlot(base, slots, slot_bytes, responses_posted);
+    std::vector<grpc::Slice> pieces;
+    if (!response.Dump(&pieces).ok()) return absl::InternalError("response: unreadable buffer");
+    char* to = slot + ring::kLengthBytes;
+    for (const grpc::Slice& piece : pieces) {
+      std::memcpy(to, piece.begin(), piece.size());
+      to += piece.size();
+    }
+    const uint64_t length_word = length;
+    std::memcpy(slot, &length_word, sizeof(length_word));
+    header->responses_posted.store(++responses_posted);
+    ring::Notify(&header->client_waiting, &header->client_bell);
+    return true;
+  }
+};
+
+// What the call and the thread see of a ring, whatever its State.
+class RequestRings::Ring {
+ public:
+  virtual ~Ring() = default;
+  // The ring's thread, until the ring ends and its call is answered.
+  virtual void Serve() = 0;
+  // The call was cancelled (the client went away, or the server shuts down).
+  virtual void CallCancelled() = 0;
+};
+
+namespace {
+
+// The OpenRing call: answered by the ring when it ends; tells the ring when it is cancelled.
+class RingCall final : public grpc::ServerUnaryReactor {
+ public:
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (on_cancel_) on_cancel_();
+  }
+  void OnDone() override { delete this; }
+  void SetOnCancel(std::function<void()> on_cancel) {
+    std::lock_guard<std::mutex> lock(mu_);
+    on_cancel_ = std::move(on_cancel);
+  }
+
+ private:
+  std::mutex mu_;
+  std::function<void()> on_cancel_;  // holds the ring
+};
+
+}  // namespace
+
+// One ring's StreamFlow of messages with a `State` each; its operations are requests to the
+// ring's thread (StartRead, Finish) or done at once where they can be (StartWrite).
+template <typename State>
+class RequestRings::Flow final : public StreamFlow<Flow<State>, State>, public Ring {
+  using Base = StreamFlow<Flow<State>, State>;
+
+ public:
+  Flow(Memory memory, std::vector<RegionRegistry::Use> use, int window,
+       StreamProcess<State> process, RingCall* call, v1::RingClosed* response, Metrics* metrics,
+       absl::Time arrival)
+      : Base(window, std::move(process)),
+        memory_(memory),
+        use_(std::move(use)),
+        call_(call),
+        response_(response),
+        metrics_(metrics),
+        arrival_(arrival) {}
+
+  // Starts the flow; it holds itself until its call is answered.
+  void Begin(const std::shared_ptr<Flow>& self) { Base::Begin(self); }
+
+  // StreamFlow's operations, with its lock held, on the ring's thread or a worker's.
+  void StartRead(grpc::ByteBuffer* request) {
+    {
+      std::lock_guard<std::mutex> lock(ops_mu_);
+      read_into_ = request;
+    }
+    Wake();
+  }
+  void StartWrite(const grpc::ByteBuffer* response) {
+    {
+      std::lock_guard<std::mutex> lock(ops_mu_);
+      write_from_ = response;
+      PostLocked();  // the answering worker writes it, if a slot is free
+    }
+    Wake();
+  }
+  void Finish(const grpc::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(ops_mu_);
+      finish_ = status;
+    }
+    Wake();
+  }
+  template <typename Work>
+  void RunProcess(size_t /*bytes*/, Work work) {
+    std::move(work)();
+  }
+
+  void CallCancelled() override {
+    cancelled_.store(true);
+    Wake();
+  }
+
+  void Serve() override;
+
+ private:
+  // Posts the pending response if a slot is free; records the write's outcome for the thread to
+  // report (StreamFlow's completions never run inside its own calls). Needs ops_mu_.
+  void PostLocked() {
+    if (write_from_ == nullptr || written_.has_value()) return;
+    absl::StatusOr<bool> posted = memory_.Post(*write_from_);
+    if (posted.ok() && !*posted) return;  // no free slot yet
+    write_from_ = nullptr;
+    written_ = posted.ok();
+    if (!posted.ok()) broken_ = posted.status();
+  }
+  // Tells the ring's thread something changed, in case it sleeps.
+  void Wake() {
+    pending_events_.store(true);
+    ring::Notify(&memory_.header->server_waiting, &memory_.header->server_bell);
+  }
+  // Anything for the thread to do now? Needs ops_mu_.
+  bool ReadyLocked() const {
+    return finish_.has_value() || written_.has_value() || write_from_ != nullptr ||
+           (read_into_ != nullptr &&
+            (memory_.header->requests_posted.load() != memory_.requests_taken ||
+             memory_.header->client_closed.load() != 0));
+  }
+  // The ring is found broken (`status`): it ends with it once its requests in flight are done.
+  void Break(absl::Status status) {
+    {
+      std::lock_guard<std::mutex> lock(ops_mu_);
+      if (broken_.ok()) broken_ = std::move(status);
+    }
+    Base::Cancelled();
+  }
+  // The last step: the client is told the ring is over and the call is answered.
+  void End(const grpc::Status& flow_status);
+
+  Memory memory_;  // its counters: ops_mu_ for responses_posted; requests_taken the thread's
+  const std::vector<RegionRegistry::Use> use_;  // the ring's region, held while it is served
+  RingCall* const call_;
+  v1::RingClosed* const response_;
+  Metrics* const metrics_;
+  const absl::Time arrival_;
+  std::atomic<bool> cancelled_{false};
+  std::atomic<bool> pending_events_{false};
+  std::mutex ops_mu_;  // guards the five below
+  grpc::ByteBuffer* read_into_ = nullptr;
+  const grpc::ByteBuffer* write_from_ = nullptr;
+  std::optional<bool> written_;  // a write done, not yet reported: whether it succeeded
+  std::optional<grpc::Status> finish_;
+  absl::Status broken_;  // why the ring ends, when it is the ring's fault
+};
+
+template <typename State>
+void RequestRings::Flow<State>::Serve() {
+  absl::Time last_event = absl::Now();
+  absl::Time last_check = last_event;
+  bool cancel_told = false;
+  while (true) {
+    bool progressed = false;
+    grpc::ByteBuffer* read_into = nullptr;
+    std::optional<bool> written;
+    std::optional<grpc::Status> finish;
+    {
+      std::lock_guard<std::mutex> lock(ops_mu_);
+      PostLocked();
+      written = std::exchange(written_, std::nullopt);
+      finish = finish_;
+      read_into = read_into_;
+    }
+    if (finish.has_value()) {
+      if (read_into != nullptr) {  // the read left outstanding completes, not ok
+        {
+          std::lock_guard<std::mutex> lock(ops_mu_);
+          read_into_ = nullptr;
+        }
+        Base::ReadDone(false);
+      }
+      return End(*finish);
+    }
+    if (written.has_value()) {
+      Base::WriteDone(*written);
+      progressed = true;
+    }
+    if (read_into != nullptr) {
+      absl::StatusOr<bool> taken = memory_.Take(read_into);
+      if (!taken.ok()) {
+        Break(taken.status());
+      } else if (*taken || memory_.header->client_closed.load() != 0) {
+        {
+          std::lock_guard<std::mutex> lock(ops_mu_);
+          read_into_ = nullptr;
+        }
+        Base::ReadDone(*taken);  // false: the client closed the ring and every request is taken
+        progressed = true;
+      }
+    }
+    if (cancelled_.load() && !cancel_told) {
+      cancel_told = true;
+      Base::Cancelled();
+    }
+    const absl::Time now = absl::Now();
+    if (now - last_check >= absl::Milliseconds(ring::kServerTickMs)) {
+      last_check = now;
+      for (const RegionRegistry::Use& use : use_) {
+        if (absl::Status intact = use.Intact(); !intact.ok()) Break(intact);
+      }
+    }
+    if (progressed || pending_events_.exchange(false)) {
+      last_event = now;
+      continue;
+    }
+    if (now - last_event < kIdleSpin) {
+      ring::CpuRelax();
+      continue;
+    }
+    // Asleep until the client or a worker rings, or the tick (see request_ring.h for the order).
+    ring::RingHeader* header = memory_.header;
+    header->server_waiting.store(1);
+    const uint32_t seen = header->server_bell.load();
+    bool ready;
+    {
+      std::lock_guard<std::mutex> lock(ops_mu_);
+      ready = ReadyLocked() || pending_events_.load();
+    }
+    if (!ready && !cancelled_.load())
+      ring::WaitBell(&header->server_bell, seen, ring::kServerTickMs);
+    header->server_waiting.store(0);
+  }
+}
+
+template <typename State>
+void RequestRings::Flow<State>::End(const grpc::Status& flow_status) {
+  absl::Status broken;
+  {
+    std::lock_guard<std::mutex> lock(ops_mu_);
+    broken = broken_;
+    response_->set_requests(static_cast<int64_t>(memory_.responses_posted));
+  }
+  memory_.header->server_closed.store(1);
+  ring::RingBell(&memory_.header->client_bell);
+  // A broken ring says why; otherwise StreamFlow's status (OK once the client closed the ring, a
+  // failed request's status naming it, or CANCELLED).
+  const grpc::Status status = broken.ok() ? flow_status : ToGrpcStatus(broken);
+  metrics_->RequestFinished("OpenRing", static_cast<absl::StatusCode>(status.error_code()),
+                            absl::Now() - arrival_, 0, 0);
+  call_->SetOnCancel(nullptr);  // drops the call's hold on this flow
+  call_->Finish(status);
+  std::shared_ptr<Flow> self = std::static_pointer_cast<Flow>(Base::Release());
+}
+
+RequestRings::RequestRings(AttentionService* attention, SessionService* sessions,
+                           RegionRegistry* registry, std::string auth_token, int max_rings,
+                           Metrics* metrics)
+    : attention_(attention),
+      sessions_(sessions),
+      registry_(registry),
+      auth_token_(std::move(auth_token)),
+      max_rings_(max_rings),
+      metrics_(metrics) {}
+
+RequestRings::~RequestRings() { Stop(); }
+
+grpc::ServerUnaryReactor* RequestRings::Open(grpc::CallbackServerContext* context,
+                                             const v1::OpenRingRequest& request,
+                                             v1::RingClosed* response) {
+  const absl::Time arrival = absl::Now();
+  metrics_->RequestStarted();
+  auto* call = new RingCall;
+  auto refuse = [&](const absl::Status& status) {
+    metrics_->RequestFinished("OpenRing", status.code(), absl::Now() - arrival, 0, 0);
+    call->Finish(ToGrpcStatus(status));
+    return call;
+  };
+  if (absl::Status geometry = CheckGeometry(request); !geometry.ok()) return refuse(geometry);
+  const bool attend = request.method() == v1::RING_METHOD_ATTEND;
+  if ((attend ? static_cast<void*>(attention_) : static_cast<void*>(sessions_)) == nullptr) {
+    return refuse(absl::UnimplementedError(
+        absl::StrCat("method: ", v1::RingMethod_Name(request.method()), " is not served here (no ",
+                     attend ? "Attention" : "Sessions", " service)")));
+  }
+  std::vector<RegionRegistry::Use> use;
+  absl::StatusOr<RegionSpan> span = registry_->Resolve(
+      RegionOwner(*context, auth_token_), "ring", request.region(), request.offset(),
+      ring::RingBytes(request.slots(), request.slot_bytes()), ring::kAlignment, &use);
+  if (!span.ok()) return refuse(span.status());
+  if (span->kind != RegionKind::kSystem) {
+    return refuse(absl::InvalidArgumentError(
+        absl::StrCat("region: ", request.region(),
+                     " is CUDA memory; a ring needs a system region (a POSIX shm object)")));
+  }
+  Memory memory{.base = span->data,
+                .slots = request.slots(),
+                .slot_bytes = request.slot_bytes(),
+                .header = reinterpret_cast<ring::RingHeader*>(span->data)};
+
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = servers_.begin(); it != servers_.end();) {
+    if (it->ended->load()) {
+      it->thread.join();
+      it = servers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (stopped_) return refuse(absl::UnavailableError("server is shutting down"));
+  if (static_cast<int>(servers_.size()) >= max_rings_) {
+    return refuse(absl::ResourceExhaustedError(absl::StrCat("rings: ", servers_.size(),
+                                                            " served already, at most ", max_rings_,
+                                                            " at once (--max_rings)")));
+  }
+  // Either method's flow, started; the call holds it until it is answered, its thread until it
+  // ends.
+  std::shared_ptr<Ring> ring;
+  const CallContext call_context = CallbackCall(context);
+  auto begin = [&]<typename State>(int window, StreamProcess<State> process) {
+    auto flow = std::make_shared<Flow<State>>(memory, std::move(use), window, std::move(process),
+                                              call, response, metrics_, arrival);
+    flow->Begin(flow);
+    ring = flow;
+  };
+  if (attend) {
+    begin(attention_->stream_window(), attention_->AttendStreamProcess(call_context));
+  } else {
+    begin(sessions_->stream_window(), sessions_->StepStreamProcess(call_context));
+  }
+  call->SetOnCancel([ring] { ring->CallCancelled(); });
+  memory.header->server_open.store(1);
+  ring::RingBell(&memory.header->client_bell);
+  auto ended = std::make_shared<std::atomic<bool>>(false);
+  servers_.push_back(Server{.thread = std::thread([ring, ended]() mutable {
+                              ring->Serve();
+                              ring.reset();
+                              ended->store(true);
+                            }),
+                            .ended = ended});
+  return call;
+}
+
+void RequestRings::Stop() {
+  std::vector<Server> servers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    servers.swap(servers_);
+  }
+  for (Server& server : servers) server.thread.join();
+}
+
+}  // namespace attention::server

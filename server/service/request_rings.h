@@ -1,0 +1,83 @@
+// Request rings (attention.v1.SharedMemory.OpenRing): AttendStream's or StepStream's messages
+// passed through a ring in one of the client's system regions (proto/attention/v1/request_ring.h)
+// instead of gRPC messages. Why: a co-located decode loop with one Step in flight pays loopback
+// gRPC's message exchange on every Step, ~100 us on the GPU host with no service code at all
+// (bench/README.md, runs F-H), more than the rest of the server's own part; through a ring a
+// request costs a copy into shared memory and, only when the server sleeps, one futex wake.
+//
+// Each ring has a thread of its own that polls the ring's counters and takes each request (copied
+// out of its slot, then processed on that thread as a message of the stream method: the same
+// checks, queue, metrics and drain as on the gRPC transports). The scheduler's worker that
+// answers a request writes its response straight into the next response slot (the ring's thread
+// does when none is free yet), so no thread hop lies between the answer and the client. The
+// bookkeeping is StreamFlow's (stream_reactor.h), as on the two gRPC transports: the stream
+// window, the order requests are queued in, the first failure ending the ring with its status.
+// While requests come the thread spins; after 20 ms without one it sleeps on the ring's bell,
+// waking at least every ring::kServerTickMs to see a cancelled call or a shrunk region.
+//
+// The ring's region is held (a RegionRegistry::Use) while the ring is served, so Unregister waits
+// for the ring to end. The ring's words are the client's to write at any time: the thread keeps
+// its own counters, checks every word it reads, and copies a request before parsing it.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "attention/v1/attention.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "server/metrics/metrics.h"
+#include "server/regions/region_registry.h"
+#include "server/service/attention_service.h"
+#include "server/service/session_service.h"
+
+namespace attention::server {
+
+class RequestRings {
+ public:
+  // `attention` and `sessions` (either may be null: its method is then UNIMPLEMENTED), `registry`
+  // and `metrics` must outlive this. At most `max_rings` rings are served at once, over every
+  // caller: each holds a thread, which spins while its requests come.
+  RequestRings(AttentionService* attention, SessionService* sessions, RegionRegistry* registry,
+               std::string auth_token, int max_rings, Metrics* metrics);
+  // Stops, if Stop has not.
+  ~RequestRings();
+  RequestRings(const RequestRings&) = delete;
+  RequestRings& operator=(const RequestRings&) = delete;
+
+  // Serves the ring `request` describes for the OpenRing call `context` (whose token and the
+  // shared-memory flag are already checked), answering the call when the ring ends; a ring that
+  // cannot be served is answered at once (INVALID_ARGUMENT naming the field, NOT_FOUND for another
+  // caller's region, RESOURCE_EXHAUSTED beyond max_rings).
+  grpc::ServerUnaryReactor* Open(grpc::CallbackServerContext* context,
+                                 const v1::OpenRingRequest& request, v1::RingClosed* response);
+
+  // Once the server has shut down (so every ring's call is cancelled) and the scheduler with it
+  // (so nothing is in flight): joins the rings' threads.
+  void Stop();
+
+ private:
+  class Ring;
+  template <typename State>
+  class Flow;
+  struct Memory;
+  struct Server {  // a ring's thread, and whether its ring has ended
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> ended;
+  };
+
+  AttentionService* const attention_;
+  SessionService* const sessions_;
+  RegionRegistry* const registry_;
+  const std::string auth_token_;
+  const int max_rings_;
+  Metrics* const metrics_;
+  std::mutex mu_;
+  std::vector<Server> servers_;  // guarded by mu_; ended ones are joined at the next Open
+  bool stopped_ = false;         // guarded by mu_
+};
+
+}  // namespace attention::server
