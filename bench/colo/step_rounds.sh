@@ -6,13 +6,16 @@
 #   bench/colo/step_rounds.sh [BIN_DIR]   # attention_server, attn_bench, attn_echo_server,
 #                                         # attn_echo_client (default .device/bin)
 # Variants: tensors by reference (--shm) from a polling client and a sync client, tensors in the
-# messages from a polling client; and the anchor beside them, the bare echo of 64-byte tensors
+# messages from a polling client, and both through a request ring instead of the stream
+# (--stream_api=ring: SharedMemory.OpenRing, no gRPC message per Step); and the anchor beside them, the bare echo of 64-byte tensors
 # replying DELAY_US (default 250) after the read, from a polling client, with the next read
 # started after the reply (the echo's way) and before it (--read_ahead, the attention server's).
-# Then four Steps in flight (tensors in the messages, 32 sessions), Steps/s; and the CUDA IPC
+# Then four Steps in flight (tensors in the messages, 32 sessions; polled streams and rings),
+# Steps/s; and the CUDA IPC
 # Attend (colo_bench --mode=ipc, bf16 SHAPE, default 4,16,4096,128: q, k, v and o in one
 # cudaMalloc of the client, the kernel reading and writing them in place) one call at a time, as
-# unary calls and as messages of one AttendStream from a polling client (--rpc=stream).
+# unary calls, as messages of one AttendStream from a polling client (--rpc=stream) and through a
+# request ring (--rpc=ring).
 # The server runs with --worker_spin_us=SPIN_US (default 1000; 0 for none). SERVERS (default
 # "callback") names the stream transports to run, each on a server of its own, every variant
 # against each in every round: "callback" (gRPC's callback API), "polled" (--poll_streams:
@@ -61,17 +64,19 @@ decode=(--mode=decode --shape=8,32,1,128 --nk="$nk" --kv_heads=8 --dtype=bfloat1
 for round in $(seq "$rounds"); do
   for server in $servers; do
     target=${server}_target
-    for variant in "shm poll --shm" "shm sync --shm" "bytes poll"; do
+    for variant in "shm poll --shm" "shm sync --shm" "bytes poll" "shm ring --shm" "bytes ring"; do
       read -r what api flag <<<"$variant"
       keep "step_${server}_${what}_${api}_$round" "$("$bin/attn_bench" --target="${!target}" \
         "${decode[@]}" --stream_api="$api" ${flag:+"$flag"} 2>>"$out/bench.log" | tail -1)"
     done
     # Four Steps in flight (one stream each, 32 sessions), tensors in the messages: what a
     # transport leaves of the decode kernel's rate.
-    keep "four_${server}_$round" "$("$bin/attn_bench" --target="${!target}" \
-      "${decode[@]/--concurrency=1/--concurrency=4}" --sessions=32 --stream_api=poll \
-      2>>"$out/bench.log" | tail -1)"
-    for rpc in unary stream; do
+    for api in poll ring; do
+      keep "four_${server}_${api}_$round" "$("$bin/attn_bench" --target="${!target}" \
+        "${decode[@]/--concurrency=1/--concurrency=4}" --sessions=32 --stream_api="$api" \
+        2>>"$out/bench.log" | tail -1)"
+    done
+    for rpc in unary stream ring; do
       keep "ipc_${server}_${rpc}_$round" "$("$bin/colo_bench" --target="${!target}" --mode=ipc \
         --shape="$shape" --iters=20 --rpc="$rpc" 2>>"$out/colo.log" | tail -1)"
     done
@@ -101,7 +106,9 @@ print("\n| StepStream transport | variant | p50 - kernel | kernel | gRPC and cli
 print("|---|---|---|---|---|---|---|---|---|---|")
 variants = (("shm", "poll", "tensors by reference, polling client"),
             ("shm", "sync", "tensors by reference, sync client"),
-            ("bytes", "poll", "tensors in the messages, polling client"))
+            ("bytes", "poll", "tensors in the messages, polling client"),
+            ("shm", "ring", "tensors by reference, request ring"),
+            ("bytes", "ring", "tensors in the messages, request ring"))
 for server, (what, api, name) in ((s, v) for v in variants for s in servers):
     transport = names[server]
     runs = [ok(f"step_{server}_{what}_{api}_{i}") for i in range(1, rounds + 1)]
@@ -121,10 +128,12 @@ for server, (what, api, name) in ((s, v) for v in variants for s in servers):
           f"| {k:.0f} | {med(lambda s: s['p50'] * 1e6 - s['server_p50_us']['total']):.0f} "
           f"| {srv['decode']:.0f} ({srv['parse']:.0f}) | {srv['queue']:.0f} | {srv['prepare']:.0f} "
           f"| {srv['run']:.0f} ({host:.0f}) | {answer:.0f} |")
-for server, rpc in ((s, rpc) for rpc in ("unary", "stream") for s in servers):
+ipc_names = {"unary": "CUDA IPC Attend, unary calls",
+             "stream": "CUDA IPC Attend, AttendStream, polling client",
+             "ring": "CUDA IPC Attend, request ring"}
+for server, rpc in ((s, rpc) for rpc in ipc_names for s in servers):
     transport = names[server]
-    name = ("CUDA IPC Attend, unary calls" if rpc == "unary"
-            else "CUDA IPC Attend, AttendStream, polling client")
+    name = ipc_names[rpc]
     runs = [r.get(f"ipc_{server}_{rpc}_{i}") for i in range(1, rounds + 1)]
     good = [x for x in runs if isinstance(x, dict) and "error" not in x]
     if not good:
@@ -139,12 +148,13 @@ for server, rpc in ((s, rpc) for rpc in ("unary", "stream") for s in servers):
           f"| {med(lambda x: x['p50_ms'] * 1e3 - x['server_total_us_p50']):.0f} "
           f"| | {med(lambda x: x['queue_us_p50']):.0f} | | server total - kernel "
           f"{med(lambda x: x['server_total_us_p50'] - x['compute_us_p50']):.0f} | |")
-for server in servers:
-    runs = [ok(f"four_{server}_{i}") for i in range(1, rounds + 1)]
+for server, api in ((s, api) for api in ("poll", "ring") for s in servers):
+    runs = [ok(f"four_{server}_{api}_{i}") for i in range(1, rounds + 1)]
     rates = [x["requests_per_s"] for x in runs if x]  # Step calls (8 sessions each) a second
     if rates:
         each = ", ".join(f"{x:.0f}" for x in rates)
-        print(f"| {names[server]} | Steps/s with 4 in flight (32 sessions, polling clients) | "
+        clients = "polling clients" if api == "poll" else "request rings"
+        print(f"| {names[server]} | Steps/s with 4 in flight (32 sessions, {clients}) | "
               f"{statistics.median(rates):.0f} ({each}) | | | | | | | |")
 for echo, name in (("echo", "next read after the reply"), ("echo_ahead", "next read before it")):
     runs = [ok(f"{echo}_{i}") for i in range(1, rounds + 1)]
