@@ -158,15 +158,12 @@ class RequestRings::Flow final : public StreamFlow<Flow<State>, State>, public R
 
  public:
   Flow(Memory memory, std::vector<RegionRegistry::Use> use, int window,
-       StreamProcess<State> process, RingCall* call, v1::RingClosed* response, Metrics* metrics,
-       absl::Time arrival)
+       StreamProcess<State> process, RingCall* call, v1::RingClosed* response)
       : Base(window, std::move(process)),
         memory_(memory),
         use_(std::move(use)),
         call_(call),
-        response_(response),
-        metrics_(metrics),
-        arrival_(arrival) {}
+        response_(response) {}
 
   // Starts the flow; it holds itself until its call is answered.
   void Begin(const std::shared_ptr<Flow>& self) { Base::Begin(self); }
@@ -231,6 +228,10 @@ class RequestRings::Flow final : public StreamFlow<Flow<State>, State>, public R
   }
   // The ring is found broken (`status`): it ends with it once its requests in flight are done.
   void Break(absl::Status status) {
+    // A shrunk object reads as zeros (shrink_guard.h), which look like broken words: say why.
+    for (const RegionRegistry::Use& use : use_) {
+      if (absl::Status intact = use.Intact(); !intact.ok()) status = std::move(intact);
+    }
     {
       std::lock_guard<std::mutex> lock(ops_mu_);
       if (broken_.ok()) broken_ = std::move(status);
@@ -244,8 +245,6 @@ class RequestRings::Flow final : public StreamFlow<Flow<State>, State>, public R
   const std::vector<RegionRegistry::Use> use_;  // the ring's region, held while it is served
   RingCall* const call_;
   v1::RingClosed* const response_;
-  Metrics* const metrics_;
-  const absl::Time arrival_;
   std::atomic<bool> cancelled_{false};
   std::atomic<bool> pending_events_{false};
   std::mutex ops_mu_;  // guards the five below
@@ -308,7 +307,7 @@ void RequestRings::Flow<State>::Serve() {
     if (now - last_check >= absl::Milliseconds(ring::kServerTickMs)) {
       last_check = now;
       for (const RegionRegistry::Use& use : use_) {
-        if (absl::Status intact = use.Intact(); !intact.ok()) Break(intact);
+        if (absl::Status intact = use.Intact(); !intact.ok()) Break(std::move(intact));
       }
     }
     if (progressed || pending_events_.exchange(false)) {
@@ -347,8 +346,6 @@ void RequestRings::Flow<State>::End(const grpc::Status& flow_status) {
   // A broken ring says why; otherwise StreamFlow's status (OK once the client closed the ring, a
   // failed request's status naming it, or CANCELLED).
   const grpc::Status status = broken.ok() ? flow_status : ToGrpcStatus(broken);
-  metrics_->RequestFinished("OpenRing", static_cast<absl::StatusCode>(status.error_code()),
-                            absl::Now() - arrival_, 0, 0);
   call_->SetOnCancel(nullptr);  // drops the call's hold on this flow
   call_->Finish(status);
   std::shared_ptr<Flow> self = std::static_pointer_cast<Flow>(Base::Release());
@@ -370,9 +367,11 @@ grpc::ServerUnaryReactor* RequestRings::Open(grpc::CallbackServerContext* contex
                                              const v1::OpenRingRequest& request,
                                              v1::RingClosed* response) {
   const absl::Time arrival = absl::Now();
-  metrics_->RequestStarted();
   auto* call = new RingCall;
+  // A refused ring is counted as a call (rpc="OpenRing"); a served one is not: its requests are
+  // counted as the stream method's, as the streams' calls are not counted themselves.
   auto refuse = [&](const absl::Status& status) {
+    metrics_->RequestStarted();
     metrics_->RequestFinished("OpenRing", status.code(), absl::Now() - arrival, 0, 0);
     call->Finish(ToGrpcStatus(status));
     return call;
@@ -420,7 +419,7 @@ grpc::ServerUnaryReactor* RequestRings::Open(grpc::CallbackServerContext* contex
   const CallContext call_context = CallbackCall(context);
   auto begin = [&]<typename State>(int window, StreamProcess<State> process) {
     auto flow = std::make_shared<Flow<State>>(memory, std::move(use), window, std::move(process),
-                                              call, response, metrics_, arrival);
+                                              call, response);
     flow->Begin(flow);
     ring = flow;
   };

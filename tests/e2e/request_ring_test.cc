@@ -486,6 +486,15 @@ TEST(RequestRingShrinkE2E, AnObjectShrunkUnderTheRingEndsItAndTheServerServesOn)
   ASSERT_TRUE(server.ok()) << server.status();
   std::unique_ptr<RawRing> ring = OpenRing(*server->client, "shrunk", v1::RING_METHOD_ATTEND);
   ASSERT_NE(ring, nullptr);
+  std::mt19937_64 rng(FreshSeed());
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(
+      {.batch = 1, .heads_q = 1, .seqlen_q = 4, .seqlen_k = 4, .head_dim = 8}, rng);
+  ASSERT_TRUE(request.ok());
+  // One request served first: the zeros the server then reads in place of the header put its
+  // counters behind what it took, and the ring still ends naming the shrink.
+  ring->Post(*request);
+  v1::AttendResponse response;
+  ASSERT_TRUE(ring->Take(&response));
   // As a misbehaving client may; this process does not touch its mapping from here on.
   const int fd = shm_open(ring->object->key().c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
@@ -493,14 +502,38 @@ TEST(RequestRingShrinkE2E, AnObjectShrunkUnderTheRingEndsItAndTheServerServesOn)
   close(fd);
   const grpc::Status status = ring->Ended();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
-  std::mt19937_64 rng(FreshSeed());
-  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(
-      {.batch = 1, .heads_q = 1, .seqlen_q = 4, .seqlen_k = 4, .head_dim = 8}, rng);
-  ASSERT_TRUE(request.ok());
   EXPECT_TRUE(server->client->Attend(*request).ok());
   EXPECT_TRUE(SharedMemoryClient(*server->client).Unregister("shrunk").ok());
   ring.reset();
   EXPECT_TRUE(server->Stop().ok());
+}
+
+TEST(RequestRingShutdownE2E, TheServerStopsWhileARingIsServed) {
+  absl::StatusOr<RunningServer> server = StartServer(
+      {"--backend=cpu", "--threads=1", "--allow_shared_memory", "--shutdown_grace_s=2"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  // The ring's connection stays open while the server stops (Stop closes only its own client).
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  client::Client ring_client(grpc::CreateCustomChannel(server->process->target(),
+                                                       grpc::InsecureChannelCredentials(), args),
+                             client::ClientOptions{});
+  std::unique_ptr<RawRing> ring = OpenRing(ring_client, "open", v1::RING_METHOD_ATTEND);
+  ASSERT_NE(ring, nullptr);
+  std::mt19937_64 rng(FreshSeed());
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(
+      {.batch = 1, .heads_q = 2, .seqlen_q = 5, .seqlen_k = 9, .head_dim = 16}, rng);
+  ASSERT_TRUE(request.ok());
+  ring->Post(*request);
+  v1::AttendResponse response;
+  ASSERT_TRUE(ring->Take(&response));
+  ExpectCorrect(*request, response);
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(server->Stop().ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  const grpc::Status status = ring->Ended();
+  EXPECT_FALSE(status.ok());
+  EXPECT_EQ(ring->header->server_closed.load(), 1u);
 }
 
 TEST(RequestRingOffE2E, WithoutSharedMemoryOpenRingIsFailedPrecondition) {
