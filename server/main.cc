@@ -88,10 +88,12 @@ ABSL_FLAG(int, max_batch, 1,
           "Requests per kernel launch at most (dynamic batching; reported in ServerInfo).");
 ABSL_FLAG(int, max_queue_delay_us, 0,
           "How long the oldest queued request waits for others to join its batch, microseconds.");
-ABSL_FLAG(int, worker_spin_us, 0,
+ABSL_FLAG(int, worker_spin_us, -1,
           "How long an idle scheduler worker polls the queue before it sleeps, microseconds: a "
           "request queued meanwhile starts without a thread wake-up (tens of us on a virtual "
-          "machine), at the cost of up to one busy core; 0 = sleep at once.");
+          "machine), at the cost of up to one busy core; 0 = sleep at once; -1 = the backend's "
+          "default (cuda 1000: a GPU server's cores wait on the GPU anyway; cpu 0: its cores "
+          "compute).");
 ABSL_FLAG(std::string, devices, "",
           "cuda: comma-separated GPU ordinals to serve on; empty = every visible GPU. cpu: one "
           "device per entry (cpu:N, sharing the cores); empty = one.");
@@ -554,7 +556,9 @@ int main(int argc, char** argv) {
   options.scheduler.max_queue = absl::GetFlag(FLAGS_max_queue);
   options.scheduler.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.scheduler.max_queue_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_delay_us));
-  options.scheduler.worker_spin = absl::Microseconds(absl::GetFlag(FLAGS_worker_spin_us));
+  const int worker_spin_us = absl::GetFlag(FLAGS_worker_spin_us);
+  options.scheduler.worker_spin = absl::Microseconds(
+      worker_spin_us != -1 ? worker_spin_us : (options.backend == "cuda" ? 1000 : 0));
   options.cuda.streams = absl::GetFlag(FLAGS_streams);
   options.cuda.memory_fraction = absl::GetFlag(FLAGS_device_memory_fraction);
   for (absl::string_view ordinal :

@@ -71,7 +71,7 @@ stop_server "$echo_delay_pid"
 stop_server "$echo_delaypoll_pid"
 
 # 2 and 3. The service, on TCP and a Unix socket, against the callback echo server.
-start_attention server --unix_socket="$dir/server.sock" --max_message_mb=2047
+start_attention server --unix_socket="$dir/server.sock" --max_message_mb=2047 --worker_spin_us=0
 decode=(--mode=decode --shape=8,32,1,128 --nk="$nk" --kv_heads=8 --dtype=bfloat16 --causal
   --max_message_mb=2047 --warmup_s=1 --duration_s="$dur" --rpc=stream --concurrency=1,4
   --sessions=32)
@@ -110,7 +110,7 @@ ipc_attend() {
 }
 
 # 4. StepStream by reference and CUDA IPC Attend, on a server that serves shared memory (TCP only).
-start_attention ipc_server --allow_shared_memory --max_message_mb=2047
+start_attention ipc_server --allow_shared_memory --max_message_mb=2047 --worker_spin_us=0
 one_step step_shm "$ipc_server_target" --shm
 ipc_attend ipc "$ipc_server_target"
 stop_server "$ipc_server_pid"

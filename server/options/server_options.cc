@@ -36,7 +36,7 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
       o.scheduler.worker_spin < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         "--threads, --workers, --max_queue_delay_us, --worker_spin_us, --shutdown_grace_s, --port "
-        "and --metrics_port must be >= 0");
+        "and --metrics_port must be >= 0 (--worker_spin_us may be -1: the backend's default)");
   }
   if (o.shared_memory.limits.max_regions_per_owner < 1 ||
       o.shared_memory.limits.max_mapped_bytes < 1) {

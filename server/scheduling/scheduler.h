@@ -30,6 +30,11 @@
 // halts and the host must resume it; on the H200 host the queue's hop of a Step measured 24-31 us,
 // 8-12 us with a spinning worker), which a decode loop with one Step in flight pays every Step. The
 // cost: up to one core busy for worker_spin after each job.
+//
+// Wake-ups: a sleeping worker is woken only when runnable work is queued (a submission, work left
+// behind by a worker that took a batch, sessions freed under queued jobs) or when the scheduler
+// stops. Woken for nothing, workers contend for mu_ with the next job, which a one-in-flight
+// caller's next request paid in the queue (bench/README.md, run K).
 #pragma once
 
 #include <atomic>
