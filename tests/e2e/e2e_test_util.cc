@@ -16,6 +16,33 @@ uint64_t FreshSeed() {
   return (static_cast<uint64_t>(device()) << 32) | device();
 }
 
+absl::StatusOr<std::vector<std::string>> CreateTwinSessions(v1::Sessions::Stub& stub, int count,
+                                                            int64_t heads_kv, int64_t rows,
+                                                            int64_t head_dim,
+                                                            std::mt19937_64& rng) {
+  const int64_t n = heads_kv * rows * head_dim;
+  v1::CreateSessionRequest create;
+  create.set_dtype(v1::DTYPE_FLOAT16);
+  create.set_kv_heads(heads_kv);
+  create.set_head_dim(head_dim);
+  *create.mutable_k() = client::MakeTensor(v1::DTYPE_FLOAT16, {heads_kv, rows, head_dim},
+                                           client::RandomNormal(n, rng));
+  *create.mutable_v() = client::MakeTensor(v1::DTYPE_FLOAT16, {heads_kv, rows, head_dim},
+                                           client::RandomNormal(n, rng));
+  std::vector<std::string> ids;
+  for (int i = 0; i < count; ++i) {
+    v1::SessionInfo info;
+    grpc::ClientContext context;
+    const grpc::Status status = stub.CreateSession(&context, create, &info);
+    if (!status.ok()) {
+      return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                          absl::StrCat("CreateSession ", i, ": ", status.error_message()));
+    }
+    ids.push_back(info.session_id());
+  }
+  return ids;
+}
+
 absl::StatusOr<RunningServer> StartServer(const std::vector<std::string>& flags,
                                           client::ClientOptions options, bool environment_flags) {
   absl::StatusOr<std::unique_ptr<ServerProcess>> process =

@@ -4,11 +4,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "attention/v1/attention.pb.h"
+#include "attention/v1/attention.grpc.pb.h"
 #include "client/attention_client.h"
 #include "client/request_builder.h"
 #include "gtest/gtest.h"
@@ -57,6 +58,12 @@ class SharedServerTest : public ::testing::Test {
 
   static inline absl::StatusOr<RunningServer>* server_ = nullptr;
 };
+
+// `count` float16 sessions [Hkv, N, D] created through `stub` with the same random K and V drawn
+// from `rng`: a Step sent to each in a different way must answer the same, bit for bit.
+absl::StatusOr<std::vector<std::string>> CreateTwinSessions(v1::Sessions::Stub& stub, int count,
+                                                            int64_t heads_kv, int64_t rows,
+                                                            int64_t head_dim, std::mt19937_64& rng);
 
 // Problems every backend must answer within the API's bound: lengths that are not tile
 // multiples, Nq != Nk (both ways, so some rows see no key), decode (Nq = 1), GQA and MQA, causal,

@@ -236,23 +236,9 @@ TEST_F(SharedMemoryE2E, StepWithTensorsInSharedMemoryEqualsTheSameStepInline) {
   SharedMemoryClient regions = Regions();
   auto stub = v1::Sessions::NewStub(client().channel());
   const int64_t hkv = 2, hq = 4, d = 32, n = 40, nq = 2;
-  const v1::Tensor k =
-      client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, n, d}, client::RandomNormal(hkv * n * d, rng));
-  const v1::Tensor v =
-      client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, n, d}, client::RandomNormal(hkv * n * d, rng));
-  std::vector<std::string> ids;
-  for (int i = 0; i < 2; ++i) {
-    v1::CreateSessionRequest create;
-    create.set_dtype(v1::DTYPE_FLOAT16);
-    create.set_kv_heads(hkv);
-    create.set_head_dim(d);
-    *create.mutable_k() = k;
-    *create.mutable_v() = v;
-    v1::SessionInfo info;
-    grpc::ClientContext context;
-    ASSERT_TRUE(stub->CreateSession(&context, create, &info).ok());
-    ids.push_back(info.session_id());
-  }
+  absl::StatusOr<std::vector<std::string>> twins = CreateTwinSessions(*stub, 2, hkv, n, d, rng);
+  ASSERT_TRUE(twins.ok()) << twins.status();
+  const std::vector<std::string>& ids = *twins;
   absl::StatusOr<GuardedRegion> region = MakeRegion(regions, "step", 1 << 20);
   ASSERT_TRUE(region.ok()) << region.status();
   const v1::Tensor q =
