@@ -109,6 +109,12 @@ Metrics::Metrics(const BuildInfo& build)
                           .Help("Requests that may wait for a device; more are refused.")
                           .Register(*registry_)
                           .Add({})),
+      request_rings_(prometheus::BuildGauge()
+                         .Name("attention_request_rings")
+                         .Help("Request rings (SharedMemory.OpenRing) served now, each with a "
+                               "thread of its own.")
+                         .Register(*registry_)
+                         .Add({})),
       queue_stage_(stage_duration_.Add({{"stage", "queue"}}, SecondsBuckets())),
       h2d_stage_(stage_duration_.Add({{"stage", "h2d"}}, SecondsBuckets())),
       compute_stage_(stage_duration_.Add({{"stage", "compute"}}, SecondsBuckets())),
@@ -240,6 +246,8 @@ void Metrics::Computed(const std::string& device, double flops, int64_t query_to
 }
 
 void Metrics::SetQueueDepth(int depth) { queue_depth_.Set(depth); }
+
+void Metrics::SetRequestRings(int rings) { request_rings_.Set(rings); }
 
 void Metrics::SetDeviceMemoryTotal(const std::string& device, int64_t bytes) {
   device_memory_total_.Add({{"device", device}}).Set(static_cast<double>(bytes));

@@ -78,6 +78,8 @@ class Metrics {
   // other requests of a batch.
   void Computed(const std::string& device, double flops, int64_t query_tokens, int launch_size = 1);
   void SetQueueDepth(int depth);
+  // Request rings served now (service/request_rings.h).
+  void SetRequestRings(int rings);
   void SetDeviceMemoryTotal(const std::string& device, int64_t bytes);
 
   // KV-resident sessions (session_store.h), per device: sessions held, bytes of the pages they
@@ -128,6 +130,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& device_running_batches_;
   prometheus::Family<prometheus::Gauge>& device_in_service_;
   prometheus::Gauge& queue_capacity_;
+  prometheus::Gauge& request_rings_;
   // Sessions (registered in the constructor's body).
   prometheus::Family<prometheus::Gauge>* sessions_resident_ = nullptr;
   prometheus::Family<prometheus::Gauge>* session_resident_bytes_ = nullptr;

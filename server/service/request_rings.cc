@@ -432,9 +432,11 @@ grpc::ServerUnaryReactor* RequestRings::Open(grpc::CallbackServerContext* contex
   memory.header->server_open.store(1);
   ring::RingBell(&memory.header->client_bell);
   auto ended = std::make_shared<std::atomic<bool>>(false);
-  servers_.push_back(Server{.thread = std::thread([ring, ended]() mutable {
+  metrics_->SetRequestRings(serving_.fetch_add(1) + 1);
+  servers_.push_back(Server{.thread = std::thread([this, ring, ended]() mutable {
                               ring->Serve();
                               ring.reset();
+                              metrics_->SetRequestRings(serving_.fetch_sub(1) - 1);
                               ended->store(true);
                             }),
                             .ended = ended});

@@ -77,6 +77,7 @@ class RequestRings {
   Metrics* const metrics_;
   std::mutex mu_;
   std::vector<Server> servers_;  // guarded by mu_; ended ones are joined at the next Open
+  std::atomic<int> serving_{0};  // rings not yet ended (attention_request_rings)
   bool stopped_ = false;         // guarded by mu_
 };
 

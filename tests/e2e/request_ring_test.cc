@@ -31,6 +31,7 @@
 #include "gtest/gtest.h"
 #include "proto/attention/v1/request_ring.h"
 #include "tests/e2e/e2e_test_util.h"
+#include "tests/e2e/metrics_scrape.h"
 
 namespace attention::e2e {
 namespace {
@@ -165,6 +166,10 @@ TEST_F(RequestRingE2E, AttendRequestsPostedAtOnceAreAnsweredAndMatchTheReference
   std::mt19937_64 rng(seed);
   std::unique_ptr<RawRing> ring = OpenRing(client(), "attend", v1::RING_METHOD_ATTEND);
   ASSERT_NE(ring, nullptr);
+  const int metrics_port = process().metrics_port();
+  EXPECT_EQ(WaitForMetric(metrics_port, "attention_request_rings", {},
+                          [](double rings) { return rings == 1; }),
+            1);
   // More requests than slots: the ring is reused, and its last requests wait for free slots.
   std::map<std::string, v1::AttendRequest> sent;
   const std::vector<client::ProblemSpec> specs = {
@@ -205,6 +210,14 @@ TEST_F(RequestRingE2E, AttendRequestsPostedAtOnceAreAnsweredAndMatchTheReference
   EXPECT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(ring->closed.requests(), 3 * kSlots);
   EXPECT_EQ(ring->header->server_closed.load(), 1u);
+  EXPECT_EQ(WaitForMetric(metrics_port, "attention_request_rings", {},
+                          [](double rings) { return rings == 0; }),
+            0);
+  // The ring's requests count as AttendStream's.
+  absl::StatusOr<double> counted =
+      ScrapeMetric(metrics_port, "attention_requests_total", {{"rpc", "AttendStream"}});
+  ASSERT_TRUE(counted.ok()) << counted.status();
+  EXPECT_GE(*counted, 3 * kSlots);
 }
 
 TEST_F(RequestRingE2E, StepsPostedAtOnceEqualTheSameStepsSentOneByOne) {
