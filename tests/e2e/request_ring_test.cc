@@ -62,6 +62,14 @@ struct RawRing {
   uint64_t posted = 0;
   uint64_t taken = 0;
 
+  // A test that stopped early leaves no call running into a freed context.
+  ~RawRing() {
+    if (ended.valid() && ended.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+      context.TryCancel();
+      ended.wait();
+    }
+  }
+
   // Writes `bytes` into the next request slot as a message of `length` bytes (the two differ only
   // where a test lies) and publishes it.
   void PostBytes(const std::string& bytes, uint64_t length) {
@@ -75,8 +83,8 @@ struct RawRing {
     const std::string bytes = message.SerializeAsString();
     PostBytes(bytes, bytes.size());
   }
-  // The next response's bytes, or "" once the server closed the ring with none left (or after
-  // `timeout`).
+  // Parses the next response into `response`; false once the server closed the ring with none
+  // left (or after `timeout`), or when the response does not parse.
   bool Take(google::protobuf::MessageLite* response, absl::Duration timeout = absl::Seconds(60)) {
     const absl::Time give_up = absl::Now() + timeout;
     while (header->responses_posted.load() == taken) {
@@ -151,7 +159,8 @@ class RequestRingE2E : public SharedServerTest<RequestRingE2E> {
 
  protected:
   void TearDown() override {
-    // Every test leaves its regions unregistered, so the next finds the ring limit free.
+    // Unregisters what the test registered (its rings' regions among them, once their rings
+    // ended), so the next test starts with none.
     absl::StatusOr<v1::ListRegionsResponse> list = SharedMemoryClient(client()).List();
     ASSERT_TRUE(list.ok());
     for (const v1::RegionInfo& region : list->regions()) {
