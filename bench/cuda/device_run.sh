@@ -2,9 +2,9 @@
 # One full pass on a GPU host, from a bundle made by ../shared/device/bundle.sh .device
 # (cuda_kernel_tests, cuda_attention_bench, and optionally attention_server + attn_client,
 # cuda_paged_kv_tests, cuda_pipeline_tests, cuda_device_loss_tests, sessions_tests,
-# client_session_tests, shared_memory_tests): tests,
-# compute-sanitizer memcheck and racecheck on a small filter, the session and shared-memory
-# end-to-end suites against --backend=cuda (streams on the callback API and polled), torch CUDA
+# client_session_tests, shared_memory_tests, request_ring_tests): tests,
+# compute-sanitizer memcheck and racecheck on a small filter, the session, shared-memory and
+# request-ring end-to-end suites against --backend=cuda (streams on the callback API and polled), torch CUDA
 # tensors through CUDA regions (bench/torch/cuda_regions_check.py, with the Python stubs in GEN,
 # default build/tests/python/gen), the server checked with the client, then the benchmark beside
 # torch SDPA and FlashAttention-3 (tables last), and with either part the SASS check of the
@@ -47,7 +47,7 @@ if [[ $what == tests || $what == all ]]; then
   done
   # The end-to-end suites that start their own server, pointed at the CUDA backend, with the
   # streams on gRPC's callback API and on the polled transport (--poll_streams).
-  for t in sessions_tests client_session_tests shared_memory_tests; do
+  for t in sessions_tests client_session_tests shared_memory_tests request_ring_tests; do
     [[ -x $bin/$t && -x $bin/attention_server ]] || continue
     for flags in "--backend=cuda" "--backend=cuda --poll_streams"; do
       log=$out/$t${flags#--backend=cuda}.log
