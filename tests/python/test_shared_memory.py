@@ -104,6 +104,72 @@ class SharedMemoryTest(ServerTest):
             self.assertWithin(rel_error(o, ref_o), F32_BOUND, "o after a new stream")
             self.assertIsNot(self.client._step_stream, first_stream)
 
+    def test_steps_over_a_request_ring_match_the_reference(self):
+        hq, hkv, d = 4, 2, 32
+        k, v = self.normal(hkv, 13, d), self.normal(hkv, 13, d)
+        with self.client.session(k=k, v=v) as s:
+            for step in range(12):
+                q = self.normal(hq, 1, d)
+                k1, v1 = self.normal(hkv, 1, d), self.normal(hkv, 1, d)
+                k, v = np.concatenate([k, k1], axis=1), np.concatenate([v, v1], axis=1)
+                r = s.step(q, k1, v1, causal=True, return_lse=True, stream="ring",
+                           return_info=True)
+                self.assertEqual(r.length, k.shape[1])
+                ref_o, ref_lse = reference(q[None], k[None], v[None], causal=True)
+                self.assertWithin(rel_error(r.o, ref_o[0]), F32_BOUND, f"ring step {step} o")
+                self.assertWithin(lse_error(r.lse, ref_lse[0]), F32_BOUND, f"ring step {step} lse")
+            first_ring = self.client._step_ring
+            self.assertIsNotNone(first_ring)
+            # Its region is listed while it is served.
+            self.assertEqual(len(self.client.list_shared_memory()), 1)
+            # Dropped behind the object's back: its Step is NOT_FOUND, which ends that ring
+            # (unregistered and unlinked); the next Step opens another.
+            self.client._call(self.client._sessions_stub.DropSession,
+                              pb.DropSessionRequest(session_id=s.id), None, None)
+            with self.assertRaises(AttentionError) as e:
+                s.step(self.normal(hq, 1, d), stream="ring")
+            self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+            self.assertIsNone(self.client._step_ring)
+            self.assertEqual(len(self.client.list_shared_memory()), 0)
+        with self.client.session(k=k, v=v) as s2:
+            q = self.normal(hq, 1, d)
+            o = s2.step(q, causal=True, stream="ring")
+            ref_o = reference(q[None], k[None], v[None], causal=True)[0][0]
+            self.assertWithin(rel_error(o, ref_o), F32_BOUND, "o on a new ring")
+            self.assertIsNot(self.client._step_ring, first_ring)
+
+    def test_attend_requests_over_a_request_ring(self):
+        from attention_client.client import _attend_request
+        with self.client.request_ring("attend", slot_bytes=256 << 10) as ring:
+            for i in range(4):
+                q, k, v = self.qkv(b=1, hq=4, hkv=2, nq=9, nk=40, d=32)
+                request, _ = _attend_request(
+                    q, k, v, causal=i % 2 == 1, softmax_scale=None, window_left=None,
+                    window_right=None, layout="bhsd", return_lse=False, cu_seqlens_q=None,
+                    cu_seqlens_k=None, bfloat16_bits=False, request_id=f"r{i}",
+                    mask_alignment="bottom_right")
+                response = ring.request(request)
+                self.assertEqual(response.request_id, f"r{i}")
+                o = np.frombuffer(response.o.data, np.float32).reshape(q.shape)
+                self.assertWithin(rel_error(o, reference(q, k, v, causal=i % 2 == 1)[0]),
+                                  F32_BOUND, f"ring attend {i}")
+            # Larger than a slot: refused before anything is sent.
+            big = pb.AttendRequest(request_id="x" * (256 << 10))
+            with self.assertRaises(ValueError):
+                ring.request(big)
+        self.assertEqual(len(self.client.list_shared_memory()), 0)
+        with self.assertRaises(ValueError):
+            self.client.request_ring("attend", slot_bytes=100)
+        with self.assertRaises(ValueError):
+            self.client.request_ring("decode")
+
+
+class RequestRingOffTest(ServerTest):
+    def test_a_server_without_shared_memory_refuses_the_ring(self):
+        with self.assertRaises(AttentionError) as e:
+            self.client.request_ring("step")
+        self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+
 
 if __name__ == "__main__":
     print(f"seed {SEED}")

@@ -318,6 +318,7 @@ class Client:
         self._shm_stub = pb_grpc.SharedMemoryStub(self._sessions_channel or self._channel)
         self._regions = []
         self._step_stream = None  # opened by the first session.step(..., stream=True)
+        self._step_ring = None  # opened by the first session.step(..., stream="ring")
         from attention_client.cuda_tensors import SegmentRegions
         # Registers nothing until used. Over several addresses "auto" is "off": the regions would
         # be on one server, the calls spread over all.
@@ -341,6 +342,8 @@ class Client:
         self._cuda_segments.close()
         if self._step_stream is not None:
             self._step_stream.close()
+        if self._step_ring is not None:
+            self._step_ring.close()
         self._channel.close()
         for channel in self._more_channels:
             channel.close()
@@ -508,6 +511,12 @@ class Client:
         from attention_client.shared_memory import register_cuda_tensor
         return register_cuda_tensor(self, name, tensor, timeout=timeout,
                                     metadata=self.metadata if metadata is None else metadata)
+
+    def request_ring(self, method, *, slot_bytes=1 << 20, metadata=None):
+        """A request ring ("attend": AttendRequest in, AttendResponse out; "step": StepRequest in,
+        StepResponse out) over this client's connection; see attention_client.request_ring."""
+        from attention_client.request_ring import RequestRing
+        return RequestRing(self, method, slot_bytes=slot_bytes, metadata=metadata)
 
     def list_shared_memory(self, *, timeout=None, metadata=None):
         """The caller's regions on the server (RegionInfo messages)."""

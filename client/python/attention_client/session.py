@@ -94,8 +94,10 @@ class Session:
         """Attends q [Hq, Nq, D] to the session, after appending k, v [Hkv, n, D] when given.
 
         stream=True sends the Step over the Client's one long-lived Sessions.StepStream (opened
-        on first use; no per-call setup, the lowest latency), one Step in flight at a time;
-        timeout does not apply there.
+        on first use; no per-call setup), one Step in flight at a time; timeout does not apply
+        there. stream="ring" sends it through the Client's one request ring instead (a server on
+        this host with --allow_shared_memory; attention_client.request_ring): no gRPC message per
+        Step, the lowest latency.
 
         The queries are the session's last Nq positions (masks bottom-right aligned, as attend()).
         Returns o [Hq, Nq, D] (same kind and dtype as q), or (o, lse) with return_lse: lse
@@ -171,7 +173,20 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
             entry.v.CopyFrom(_to_tensor(v, "v", session._bfloat16_bits)[0])
         kinds.append(kind)
         sessions.append(session)
-    if stream:
+    if stream == "ring":
+        if client._step_ring is None:
+            from attention_client.request_ring import RequestRing, MAX_SLOT_BYTES
+            # Room for this Step and its answer (o is q's size), at least 1 MiB.
+            need = max(1 << 20, 2 * request.ByteSize() + 4096)
+            client._step_ring = RequestRing(client, "step", metadata=metadata,
+                                            slot_bytes=min(MAX_SLOT_BYTES, (need + 63) // 64 * 64))
+        try:
+            response = client._step_ring.request(request)
+        except AttentionError:
+            client._step_ring.close()  # a failed Step ends its ring; the next opens another
+            client._step_ring = None
+            raise
+    elif stream:
         if client._step_stream is None:
             client._step_stream = StepStream(client, metadata)
         try:

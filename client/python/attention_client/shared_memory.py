@@ -102,14 +102,17 @@ def register_system(client, name, shm, *, offset=0, size=None, timeout=None, met
         key, buf = shm
     else:
         key, buf = "/" + shm.name.lstrip("/"), shm.buf
-    whole = np.frombuffer(buf, dtype=np.uint8)
-    size = len(whole) - offset if size is None else size
-    if offset < 0 or size <= 0 or offset + size > len(whole):
+    total = memoryview(buf).nbytes
+    size = total - offset if size is None else size
+    if offset < 0 or size <= 0 or offset + size > total:
         raise ValueError(f"bytes [{offset}, {offset + size}) are outside the object of "
-                         f"{len(whole)} bytes")
+                         f"{total} bytes")
     request = pb.RegisterRegionRequest(name=name, system_key=key, offset=offset, byte_size=size)
     info = client._call(client._shm_stub.Register, request, timeout, metadata)
-    region = Region(client, info, whole[offset:offset + size], metadata)
+    # The view only once registered: a refusal's traceback holding one would keep the caller
+    # from closing the object.
+    region = Region(client, info, np.frombuffer(buf, dtype=np.uint8)[offset:offset + size],
+                    metadata)
     client._regions.append(region)
     return region
 

@@ -1,0 +1,232 @@
+"""Requests through a request ring (attention.v1.SharedMemory.OpenRing), for clients on the
+server's host: each request is serialized into a slot of a shared-memory object that the server
+maps, and its response read from another, with no gRPC message per request. A decode loop with one
+Step in flight saves loopback gRPC's exchange on every Step (on the H200 host the C++ client's
+Step by reference took kernel + 107 us on a ring against kernel + 208 us on a StepStream:
+bench/README.md, run K). The server must run with --allow_shared_memory.
+
+    ring = client.request_ring("step")            # or session.step(..., stream="ring")
+    response = ring.request(step_request)         # a StepRequest in, its StepResponse out
+    ring.close()
+
+The layout is proto/attention/v1/request_ring.h. Python cannot order memory accesses itself, so
+this side relies on x86-64's: stores become visible in program order, as do loads (it refuses to
+open a ring elsewhere), and aligned 8-byte ctypes loads and stores are single instructions. The
+one order x86-64 does not keep, a store before a later load, is the doorbell's: so this side rings
+the server's bell after every request instead of checking whether the server sleeps, and sleeps
+on its own bell at most 1 ms at a time.
+"""
+import ctypes
+import platform
+import secrets
+import threading
+import time
+from multiprocessing import shared_memory
+
+import grpc
+
+from attention_client._stubs import attention_pb2 as pb
+from attention_client.client import AttentionError
+
+# proto/attention/v1/request_ring.h: the header's words (byte offsets) and the ring's limits.
+_HEADER_BYTES = 448
+_REQUESTS_POSTED, _REQUESTS_TAKEN, _RESPONSES_POSTED, _RESPONSES_TAKEN = 0, 64, 128, 192
+_CLIENT_CLOSED, _SERVER_OPEN, _SERVER_CLOSED = 256, 260, 264
+_SERVER_BELL, _CLIENT_BELL, _CLIENT_WAITING = 320, 384, 388
+_LENGTH_BYTES = 8
+MIN_SLOT_BYTES = 4096
+MAX_SLOT_BYTES = 64 << 20
+
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_SPIN_S = 0.02  # how long a wait spins before it sleeps on the bell (as the C++ client)
+_SLEEP_NS = 1_000_000
+
+_METHODS = {"attend": (pb.RING_METHOD_ATTEND, pb.AttendResponse),
+            "step": (pb.RING_METHOD_STEP, pb.StepResponse)}
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def ring_bytes(slots, slot_bytes):
+    """The bytes a ring of `slots` slots of `slot_bytes` takes."""
+    return _HEADER_BYTES + 2 * slots * slot_bytes
+
+
+class RequestRing:
+    """One ring of AttendRequests ("attend") or StepRequests ("step") over `client`'s connection,
+    whose regions its requests may refer to. One request in flight at a time (thread-safe:
+    callers take turns). A request that fails ends the ring (AttentionError with its code); open
+    another for the next."""
+
+    def __init__(self, client, method, *, slot_bytes=1 << 20, metadata=None):
+        if platform.machine() not in ("x86_64", "AMD64"):
+            raise NotImplementedError(
+                f"request rings from Python need x86-64's memory order; this is "
+                f"{platform.machine()} (use the C++ client, client/request_ring.h)")
+        if method not in _METHODS:
+            raise ValueError(f"method: expected 'attend' or 'step', got {method!r}")
+        if not (MIN_SLOT_BYTES <= slot_bytes <= MAX_SLOT_BYTES and slot_bytes % 64 == 0):
+            raise ValueError(f"slot_bytes: expected a multiple of 64 from {MIN_SLOT_BYTES} to "
+                             f"{MAX_SLOT_BYTES}, got {slot_bytes}")
+        self._method, self._response_type = _METHODS[method]
+        # One request in flight: one slot each way.
+        self._slots, self._slot_bytes = 1, slot_bytes
+        self._lock = threading.Lock()
+        self._mapping_lock = threading.Lock()  # the call's end against the mapping's release
+        self._mapped = True
+        self._posted = self._taken = 0  # this side's counters (requests_posted, responses_taken)
+        self._closed = False  # no more requests
+        self._released = False  # the region unregistered, the shared memory unlinked
+        self._shm = shared_memory.SharedMemory(create=True, size=ring_bytes(1, slot_bytes))
+        buf = self._shm.buf
+        self._buf = buf
+        word = lambda kind, at: kind.from_buffer(buf, at)  # noqa: E731
+        self._requests_posted = word(ctypes.c_uint64, _REQUESTS_POSTED)
+        self._requests_taken = word(ctypes.c_uint64, _REQUESTS_TAKEN)
+        self._responses_posted = word(ctypes.c_uint64, _RESPONSES_POSTED)
+        self._responses_taken = word(ctypes.c_uint64, _RESPONSES_TAKEN)
+        self._client_closed = word(ctypes.c_uint32, _CLIENT_CLOSED)
+        self._server_open = word(ctypes.c_uint32, _SERVER_OPEN)
+        self._server_closed = word(ctypes.c_uint32, _SERVER_CLOSED)
+        self._server_bell = word(ctypes.c_uint32, _SERVER_BELL)
+        self._client_bell = word(ctypes.c_uint32, _CLIENT_BELL)
+        self._client_waiting = word(ctypes.c_uint32, _CLIENT_WAITING)
+        self._region = None
+        self._call = None
+        try:
+            self._region = client.register_shared_memory(
+                f"ring-{secrets.token_hex(6)}", self._shm, metadata=metadata)
+            self._call = client._shm_stub.OpenRing.future(
+                pb.OpenRingRequest(region=self._region.name, offset=0, method=self._method,
+                                   slots=1, slot_bytes=slot_bytes),
+                metadata=client.metadata if metadata is None else metadata)
+            self._call.add_done_callback(self._on_end)
+            # Served (server_open) or refused (the call ends): a refusal is this constructor's.
+            while self._server_open.value == 0 and not self._call.done():
+                self._sleep()
+            if self._server_open.value == 0:
+                self._raise_end()
+        except BaseException:
+            self._release()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def request(self, message):
+        """Sends one request and returns its response (an AttendResponse or a StepResponse)."""
+        data = message.SerializeToString()
+        if len(data) > self._slot_bytes - _LENGTH_BYTES:
+            raise ValueError(f"request of {len(data)} serialized bytes: expected at most "
+                             f"{self._slot_bytes - _LENGTH_BYTES} (slot_bytes less the length "
+                             f"word); open the ring with larger slots")
+        with self._lock:
+            if self._closed:
+                raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION, "the ring is closed")
+            self._await(lambda: self._posted - self._requests_taken.value < self._slots)
+            at = _HEADER_BYTES + (self._posted % self._slots) * self._slot_bytes
+            self._buf[at:at + _LENGTH_BYTES] = len(data).to_bytes(_LENGTH_BYTES, "little")
+            self._buf[at + _LENGTH_BYTES:at + _LENGTH_BYTES + len(data)] = data
+            self._posted += 1
+            self._requests_posted.value = self._posted  # after the slot's bytes (x86-64 order)
+            self._wake(self._server_bell)
+            self._await(lambda: self._responses_posted.value > self._taken)
+            at = (_HEADER_BYTES + (self._slots + self._taken % self._slots) * self._slot_bytes)
+            length = int.from_bytes(self._buf[at:at + _LENGTH_BYTES], "little")
+            if length > self._slot_bytes - _LENGTH_BYTES:
+                raise AttentionError(grpc.StatusCode.DATA_LOSS,
+                                     f"response {self._taken}: length {length} beyond its slot")
+            response = self._response_type.FromString(
+                bytes(self._buf[at + _LENGTH_BYTES:at + _LENGTH_BYTES + length]))
+            self._taken += 1
+            self._responses_taken.value = self._taken
+            return response
+
+    def close(self):
+        """Closes the ring (the server ends its call once every request is answered), then
+        unregisters and unlinks its shared memory."""
+        with self._lock:
+            if self._released:
+                return
+            self._closed = True
+            self._client_closed.value = 1
+            self._wake(self._server_bell)
+            try:
+                self._call.result()
+            except grpc.RpcError:
+                pass  # a ring that ended with a failed request already raised it
+            finally:
+                self._release()
+
+    def _await(self, ready):
+        """Spins, then sleeps on the client bell, until `ready()`; raises once the ring ended
+        without it."""
+        spin_until = time.monotonic() + _SPIN_S
+        while not ready():
+            if self._server_closed.value or self._call.done():
+                if ready():
+                    return
+                self._raise_end()
+            if time.monotonic() > spin_until:
+                self._client_waiting.value = 1
+                if not ready():
+                    self._sleep()
+                self._client_waiting.value = 0
+
+    def _raise_end(self):
+        self._closed = True
+        try:
+            self._call.result()
+            raise AttentionError(grpc.StatusCode.DATA_LOSS, "the ring ended without an answer")
+        except grpc.RpcError as e:
+            raise AttentionError(e.code(), e.details()) from None
+
+    def _sleep(self):
+        seen = self._client_bell.value
+        timeout = _Timespec(0, _SLEEP_NS)
+        _libc.syscall(_SYS_FUTEX, ctypes.byref(self._client_bell), _FUTEX_WAIT, seen,
+                      ctypes.byref(timeout), None, 0)
+
+    def _on_end(self, _):
+        """The call ended (on one of gRPC's threads): wakes a request asleep on the bell."""
+        with self._mapping_lock:
+            if self._mapped:
+                self._wake(self._client_bell)
+
+    @staticmethod
+    def _wake(bell):
+        bell.value = (bell.value + 1) & 0xFFFFFFFF
+        _libc.syscall(_SYS_FUTEX, ctypes.byref(bell), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+    def _release(self):
+        self._released = True
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
+        if self._region is not None:
+            try:
+                self._region.unregister()
+            except AttentionError:
+                pass
+            self._region = None
+        # The ctypes words and the memoryview hold the mapping: they go before it closes.
+        with self._mapping_lock:
+            self._mapped = False
+        for name in ("_requests_posted", "_requests_taken", "_responses_posted",
+                     "_responses_taken", "_client_closed", "_server_open", "_server_closed",
+                     "_server_bell", "_client_bell", "_client_waiting", "_buf"):
+            self.__dict__.pop(name, None)
+        try:
+            self._shm.close()
+        except BufferError:
+            pass  # a view of it is still held (an error's traceback): closed when that goes
+        self._shm.unlink()
