@@ -75,19 +75,26 @@ class SharedMemoryTest(ServerTest):
             region.unregister()
         self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
 
+    def steps_match_the_reference(self, s, k, v, steps, stream):
+        """`steps` Steps of session `s` (whose rows are k, v) appending a row each, sent with
+        `stream`, against the reference; the rows afterwards."""
+        hq, (hkv, _, d) = 4, k.shape
+        for step in range(steps):
+            q = self.normal(hq, 1, d)
+            k1, v1 = self.normal(hkv, 1, d), self.normal(hkv, 1, d)
+            k, v = np.concatenate([k, k1], axis=1), np.concatenate([v, v1], axis=1)
+            r = s.step(q, k1, v1, causal=True, return_lse=True, stream=stream, return_info=True)
+            self.assertEqual(r.length, k.shape[1])
+            ref_o, ref_lse = reference(q[None], k[None], v[None], causal=True)
+            self.assertWithin(rel_error(r.o, ref_o[0]), F32_BOUND, f"{stream} step {step} o")
+            self.assertWithin(lse_error(r.lse, ref_lse[0]), F32_BOUND, f"{stream} step {step} lse")
+        return k, v
+
     def test_steps_over_one_stream_match_the_reference(self):
         hq, hkv, d = 4, 2, 32
         k, v = self.normal(hkv, 21, d), self.normal(hkv, 21, d)
         with self.client.session(k=k, v=v) as s:
-            for step in range(20):
-                q = self.normal(hq, 1, d)
-                k1, v1 = self.normal(hkv, 1, d), self.normal(hkv, 1, d)
-                k, v = np.concatenate([k, k1], axis=1), np.concatenate([v, v1], axis=1)
-                r = s.step(q, k1, v1, causal=True, return_lse=True, stream=True, return_info=True)
-                self.assertEqual(r.length, k.shape[1])
-                ref_o, ref_lse = reference(q[None], k[None], v[None], causal=True)
-                self.assertWithin(rel_error(r.o, ref_o[0]), F32_BOUND, f"step {step} o")
-                self.assertWithin(lse_error(r.lse, ref_lse[0]), F32_BOUND, f"step {step} lse")
+            k, v = self.steps_match_the_reference(s, k, v, 20, True)
             first_stream = self.client._step_stream
             self.assertIsNotNone(first_stream)
             # Dropped behind the object's back: its Step on the stream is NOT_FOUND, which ends
@@ -108,16 +115,7 @@ class SharedMemoryTest(ServerTest):
         hq, hkv, d = 4, 2, 32
         k, v = self.normal(hkv, 13, d), self.normal(hkv, 13, d)
         with self.client.session(k=k, v=v) as s:
-            for step in range(12):
-                q = self.normal(hq, 1, d)
-                k1, v1 = self.normal(hkv, 1, d), self.normal(hkv, 1, d)
-                k, v = np.concatenate([k, k1], axis=1), np.concatenate([v, v1], axis=1)
-                r = s.step(q, k1, v1, causal=True, return_lse=True, stream="ring",
-                           return_info=True)
-                self.assertEqual(r.length, k.shape[1])
-                ref_o, ref_lse = reference(q[None], k[None], v[None], causal=True)
-                self.assertWithin(rel_error(r.o, ref_o[0]), F32_BOUND, f"ring step {step} o")
-                self.assertWithin(lse_error(r.lse, ref_lse[0]), F32_BOUND, f"ring step {step} lse")
+            k, v = self.steps_match_the_reference(s, k, v, 12, "ring")
             first_ring = self.client._step_ring
             self.assertIsNotNone(first_ring)
             # Its region is listed while it is served.
