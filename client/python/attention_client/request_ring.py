@@ -54,11 +54,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
-def ring_bytes(slots, slot_bytes):
-    """The bytes a ring of `slots` slots of `slot_bytes` takes."""
-    return _HEADER_BYTES + 2 * slots * slot_bytes
-
-
 class RequestRing:
     """One ring of AttendRequests ("attend") or StepRequests ("step") over `client`'s connection,
     whose regions its requests may refer to. One request in flight at a time (thread-safe:
@@ -76,15 +71,16 @@ class RequestRing:
             raise ValueError(f"slot_bytes: expected a multiple of 64 from {MIN_SLOT_BYTES} to "
                              f"{MAX_SLOT_BYTES}, got {slot_bytes}")
         self._method, self._response_type = _METHODS[method]
-        # One request in flight: one slot each way.
-        self._slots, self._slot_bytes = 1, slot_bytes
+        # One request in flight: one slot each way, the request's after the header, the
+        # response's after it.
+        self._slot_bytes = slot_bytes
+        self._request_at, self._response_at = _HEADER_BYTES, _HEADER_BYTES + slot_bytes
         self._lock = threading.Lock()
         self._mapping_lock = threading.Lock()  # the call's end against the mapping's release
-        self._mapped = True
         self._posted = self._taken = 0  # this side's counters (requests_posted, responses_taken)
         self._closed = False  # no more requests
         self._released = False  # the region unregistered, the shared memory unlinked
-        self._shm = shared_memory.SharedMemory(create=True, size=ring_bytes(1, slot_bytes))
+        self._shm = shared_memory.SharedMemory(create=True, size=_HEADER_BYTES + 2 * slot_bytes)
         buf = self._shm.buf
         self._buf = buf
         word = lambda kind, at: kind.from_buffer(buf, at)  # noqa: E731
@@ -133,15 +129,15 @@ class RequestRing:
         with self._lock:
             if self._closed:
                 raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION, "the ring is closed")
-            self._await(lambda: self._posted - self._requests_taken.value < self._slots)
-            at = _HEADER_BYTES + (self._posted % self._slots) * self._slot_bytes
+            self._await(lambda: self._requests_taken.value == self._posted)
+            at = self._request_at
             self._buf[at:at + _LENGTH_BYTES] = len(data).to_bytes(_LENGTH_BYTES, "little")
             self._buf[at + _LENGTH_BYTES:at + _LENGTH_BYTES + len(data)] = data
             self._posted += 1
             self._requests_posted.value = self._posted  # after the slot's bytes (x86-64 order)
             self._wake(self._server_bell)
             self._await(lambda: self._responses_posted.value > self._taken)
-            at = (_HEADER_BYTES + (self._slots + self._taken % self._slots) * self._slot_bytes)
+            at = self._response_at
             length = int.from_bytes(self._buf[at:at + _LENGTH_BYTES], "little")
             if length > self._slot_bytes - _LENGTH_BYTES:
                 raise AttentionError(grpc.StatusCode.DATA_LOSS,
@@ -200,7 +196,7 @@ class RequestRing:
     def _on_end(self, _):
         """The call ended (on one of gRPC's threads): wakes a request asleep on the bell."""
         with self._mapping_lock:
-            if self._mapped:
+            if not self._released:
                 self._wake(self._client_bell)
 
     @staticmethod
@@ -209,7 +205,6 @@ class RequestRing:
         _libc.syscall(_SYS_FUTEX, ctypes.byref(bell), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
     def _release(self):
-        self._released = True
         if self._call is not None and not self._call.done():
             self._call.cancel()
         if self._region is not None:
@@ -218,9 +213,9 @@ class RequestRing:
             except AttentionError:
                 pass
             self._region = None
-        # The ctypes words and the memoryview hold the mapping: they go before it closes.
         with self._mapping_lock:
-            self._mapped = False
+            self._released = True  # _on_end touches the bell no more
+        # The ctypes words and the memoryview hold the mapping: they go before it closes.
         for name in ("_requests_posted", "_requests_taken", "_responses_posted",
                      "_responses_taken", "_client_closed", "_server_open", "_server_closed",
                      "_server_bell", "_client_bell", "_client_waiting", "_buf"):
