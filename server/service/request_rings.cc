@@ -399,19 +399,11 @@ grpc::ServerUnaryReactor* RequestRings::Open(grpc::CallbackServerContext* contex
                 .header = reinterpret_cast<ring::RingHeader*>(span->data)};
 
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = servers_.begin(); it != servers_.end();) {
-    if (it->ended->load()) {
-      it->thread.join();
-      it = servers_.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  const int served = servers_.Reap();
   if (stopped_) return refuse(absl::UnavailableError("server is shutting down"));
-  if (static_cast<int>(servers_.size()) >= max_rings_) {
-    return refuse(absl::ResourceExhaustedError(absl::StrCat("rings: ", servers_.size(),
-                                                            " served already, at most ", max_rings_,
-                                                            " at once (--max_rings)")));
+  if (served >= max_rings_) {
+    return refuse(absl::ResourceExhaustedError(absl::StrCat(
+        "rings: ", served, " served already, at most ", max_rings_, " at once (--max_rings)")));
   }
   // Either method's flow, started; the call holds it until it is answered, its thread until it
   // ends.
@@ -431,26 +423,23 @@ grpc::ServerUnaryReactor* RequestRings::Open(grpc::CallbackServerContext* contex
   call->SetOnCancel([ring] { ring->CallCancelled(); });
   memory.header->server_open.store(1);
   ring::RingBell(&memory.header->client_bell);
-  auto ended = std::make_shared<std::atomic<bool>>(false);
   metrics_->SetRequestRings(serving_.fetch_add(1) + 1);
-  servers_.push_back(Server{.thread = std::thread([this, ring, ended]() mutable {
-                              ring->Serve();
-                              ring.reset();
-                              metrics_->SetRequestRings(serving_.fetch_sub(1) - 1);
-                              ended->store(true);
-                            }),
-                            .ended = ended});
+  servers_.Start([this, ring]() mutable {
+    ring->Serve();
+    ring.reset();
+    metrics_->SetRequestRings(serving_.fetch_sub(1) - 1);
+  });
   return call;
 }
 
 void RequestRings::Stop() {
-  std::vector<Server> servers;
+  ServiceThreads servers;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopped_ = true;
-    servers.swap(servers_);
+    servers = std::move(servers_);
   }
-  for (Server& server : servers) server.thread.join();
+  servers.JoinAll();
 }
 
 }  // namespace attention::server

@@ -24,14 +24,13 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "server/metrics/metrics.h"
 #include "server/regions/region_registry.h"
 #include "server/service/attention_service.h"
+#include "server/service/service_threads.h"
 #include "server/service/session_service.h"
 
 namespace attention::server {
@@ -64,10 +63,6 @@ class RequestRings {
   template <typename State>
   class Flow;
   struct Memory;
-  struct Server {  // a ring's thread, and whether its ring has ended
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> ended;
-  };
 
   AttentionService* const attention_;
   SessionService* const sessions_;
@@ -76,7 +71,7 @@ class RequestRings {
   const int max_rings_;
   Metrics* const metrics_;
   std::mutex mu_;
-  std::vector<Server> servers_;  // guarded by mu_; ended ones are joined at the next Open
+  ServiceThreads servers_;       // guarded by mu_: a thread for each ring
   std::atomic<int> serving_{0};  // rings not yet ended (attention_request_rings)
   bool stopped_ = false;         // guarded by mu_
 };

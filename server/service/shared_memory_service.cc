@@ -82,12 +82,12 @@ SharedMemoryService::SharedMemoryService(RegionRegistry* registry, RequestRings*
     : registry_(registry), rings_(rings), auth_token_(std::move(auth_token)), metrics_(metrics) {}
 
 SharedMemoryService::~SharedMemoryService() {
-  std::vector<Waiter> waiters;
+  ServiceThreads waiters;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    waiters.swap(waiters_);
+    waiters = std::move(waiters_);
   }
-  for (Waiter& w : waiters) w.thread.join();
+  waiters.JoinAll();
 }
 
 absl::Status SharedMemoryService::Admit(const grpc::CallbackServerContext& context) const {
@@ -155,20 +155,10 @@ grpc::ServerUnaryReactor* SharedMemoryService::Unregister(
   }
   const absl::Time deadline = absl::FromChrono(context->deadline());
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = waiters_.begin(); it != waiters_.end();) {
-    if (it->done->load()) {
-      it->thread.join();
-      it = waiters_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  auto done = std::make_shared<std::atomic<bool>>(false);
-  std::thread thread([this, owner, name = request->name(), deadline, arrival, reactor, done] {
+  waiters_.Reap();
+  waiters_.Start([this, owner, name = request->name(), deadline, arrival, reactor] {
     Answer("Unregister", arrival, reactor, registry_->Unregister(owner, name, deadline));
-    done->store(true);
   });
-  waiters_.push_back(Waiter{std::move(thread), std::move(done)});
   return reactor;
 }
 

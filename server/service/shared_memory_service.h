@@ -8,11 +8,9 @@
 // use or see it.
 #pragma once
 
-#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "attention/v1/attention.grpc.pb.h"
@@ -20,6 +18,7 @@
 #include "server/metrics/metrics.h"
 #include "server/regions/region_registry.h"
 #include "server/requests/tensor_refs.h"
+#include "server/service/service_threads.h"
 
 namespace attention::server {
 
@@ -95,13 +94,8 @@ class SharedMemoryService final : public v1::SharedMemory::CallbackService {
   const std::string auth_token_;
   Metrics* const metrics_;
   std::mutex mu_;
-  // Unregister calls waiting for their region's requests, off gRPC's threads; finished ones are
-  // joined when the next one starts, the rest at the end.
-  struct Waiter {
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> done;
-  };
-  std::vector<Waiter> waiters_;  // guarded by mu_
+  // Unregister calls waiting for their region's requests, off gRPC's threads.
+  ServiceThreads waiters_;  // guarded by mu_
 };
 
 }  // namespace attention::server
