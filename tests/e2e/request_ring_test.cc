@@ -419,7 +419,7 @@ TEST_F(RequestRingE2E, OpenRingChecksItsFieldsTheRegionAndTheLimit) {
   // A region smaller than the ring.
   status = refused({}, ring::RingBytes(kSlots, kSlotBytes) - 64);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
-  EXPECT_THAT(status.error_message(), HasSubstr("ring"));
+  EXPECT_THAT(status.error_message(), HasSubstr("ring: expected bytes inside region"));
   // An unknown region.
   r = {};
   r.set_region("nowhere");
