@@ -49,7 +49,11 @@ struct KvWrite {
 // mask is AttentionParams's bottom-right aligned window (causal = window_right 0).
 //
 // q of sequence s: [Hq, Nq_s, D] contiguous, starting at element Hq * cu_seqlens_q[s] * D; o the
-// same; lse (optional, float32, natural log): [Hq, Nq_s] starting at Hq * cu_seqlens_q[s].
+// same; lse (optional, float32, natural log): [Hq, Nq_s] starting at Hq * cu_seqlens_q[s]. Or, with
+// q_seqs set (q, o and lse then null), each sequence's own buffers of those shapes: q_seqs[s],
+// o_seqs[s] and, when lse_seqs is set, lse_seqs[s]. A Step's sequences keep their rows apart, and
+// a device pool gathers them straight into its pinned staging and scatters o and lse from there:
+// packing them first would be one more copy of every row each way.
 // Query head h reads kv head h / (Hq / Hkv).
 struct PagedDecodeParams {
   KvShape shape;
@@ -59,6 +63,9 @@ struct PagedDecodeParams {
   const void* q = nullptr;
   void* o = nullptr;
   float* lse = nullptr;                   // nullptr: not computed
+  const void* const* q_seqs = nullptr;    // [num_seqs], instead of q
+  void* const* o_seqs = nullptr;          // [num_seqs], instead of o
+  float* const* lse_seqs = nullptr;       // [num_seqs], instead of lse; nullptr: not computed
   const int32_t* cu_seqlens_q = nullptr;  // [num_seqs + 1]
   int64_t total_q = 0;                    // cu_seqlens_q[num_seqs]
   int64_t max_seqlen_q = 0;

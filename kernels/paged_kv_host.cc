@@ -1,6 +1,7 @@
 #include "kernels/paged_kv_host.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
@@ -48,9 +49,13 @@ absl::StatusOr<DecodeExtent> CheckPagedDecode(const PagedDecodeParams& p, int64_
   }
   DecodeExtent extent{.page_rows = page_rows};
   if (p.num_seqs == 0) return extent;
-  if (!p.q || !p.o || !p.cu_seqlens_q || !p.seqlens_k || !p.page_table) {
+  if (!p.cu_seqlens_q || !p.seqlens_k || !p.page_table) {
+    return absl::InvalidArgumentError("cu_seqlens_q, seqlens_k and page_table must all be set");
+  }
+  const bool per_seq = p.q_seqs != nullptr;
+  if (per_seq ? (!p.o_seqs || p.q || p.o || p.lse) : (!p.q || !p.o || p.o_seqs || p.lse_seqs)) {
     return absl::InvalidArgumentError(
-        "q, o, cu_seqlens_q, seqlens_k and page_table must all be set");
+        "either q and o (packed) or q_seqs and o_seqs (per sequence) must be set, not both");
   }
   if (p.cu_seqlens_q[0] < 0 || p.cu_seqlens_q[p.num_seqs] != p.total_q) {
     return absl::InvalidArgumentError(
@@ -64,19 +69,66 @@ absl::StatusOr<DecodeExtent> CheckPagedDecode(const PagedDecodeParams& p, int64_
       return absl::InvalidArgumentError(
           absl::StrCat("sequence ", s, " has ", nq, " queries and ", nk, " keys"));
     }
+    if (per_seq && nq > 0 && (!p.q_seqs[s] || !p.o_seqs[s] || (p.lse_seqs && !p.lse_seqs[s]))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", s, " has ", nq, " queries but no q, o or lse buffer"));
+    }
     const int64_t pages = (nk + page_rows - 1) / page_rows;
     if (pages > p.page_table_stride) {
       return absl::InvalidArgumentError(
           absl::StrCat("sequence ", s, " has ", nk, " keys: ", pages, " pages of ", page_rows,
                        " rows, more than page_table_stride (", p.page_table_stride, ")"));
     }
-    for (int64_t i = 0; i < pages; ++i) {
-      RETURN_IF_ERROR(CheckPage(p.page_table[s * p.page_table_stride + i], num_pages, s, i));
+    // The table's range in one pass the compiler vectorises (a Step over 8 sequences of 32k rows
+    // checks 4,096 pages: 14 us entry by entry on the development machine); the entry at fault is
+    // looked for only when the range leaves the pool.
+    const int32_t* table = p.page_table + s * p.page_table_stride;
+    int32_t lowest = 0, highest = 0;
+    if (pages > 0) lowest = highest = table[0];
+    for (int64_t i = 1; i < pages; ++i) {
+      lowest = std::min(lowest, table[i]);
+      highest = std::max(highest, table[i]);
+    }
+    if (lowest < 0 || highest >= num_pages) {
+      for (int64_t i = 0; i < pages; ++i) RETURN_IF_ERROR(CheckPage(table[i], num_pages, s, i));
     }
     extent.max_seqlen_q = std::max(extent.max_seqlen_q, nq);
     extent.max_seqlen_k = std::max(extent.max_seqlen_k, nk);
   }
   return extent;
+}
+
+void GatherDecodeQ(const PagedDecodeParams& p, void* dst) {
+  const int64_t row_bytes =
+      p.heads_q * p.shape.head_dim * static_cast<int64_t>(DTypeSize(p.shape.dtype));
+  auto* to = static_cast<unsigned char*>(dst);
+  if (p.q_seqs == nullptr) {
+    std::memcpy(to, p.q, p.total_q * row_bytes);
+    return;
+  }
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t first = p.cu_seqlens_q[s], rows = p.cu_seqlens_q[s + 1] - first;
+    if (rows > 0) std::memcpy(to + first * row_bytes, p.q_seqs[s], rows * row_bytes);
+  }
+}
+
+void ScatterDecodeOutputs(const PagedDecodeParams& p, const void* o, const float* lse) {
+  const int64_t row_bytes =
+      p.heads_q * p.shape.head_dim * static_cast<int64_t>(DTypeSize(p.shape.dtype));
+  const auto* from = static_cast<const unsigned char*>(o);
+  if (p.q_seqs == nullptr) {
+    std::memcpy(p.o, from, p.total_q * row_bytes);
+    if (p.lse) std::memcpy(p.lse, lse, p.heads_q * p.total_q * sizeof(float));
+    return;
+  }
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t first = p.cu_seqlens_q[s], rows = p.cu_seqlens_q[s + 1] - first;
+    if (rows == 0) continue;
+    std::memcpy(p.o_seqs[s], from + first * row_bytes, rows * row_bytes);
+    if (p.lse_seqs) {
+      std::memcpy(p.lse_seqs[s], lse + p.heads_q * first, p.heads_q * rows * sizeof(float));
+    }
+  }
 }
 
 absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64_t num_pages) {

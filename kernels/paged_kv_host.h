@@ -25,6 +25,19 @@ struct DecodeExtent {
 absl::StatusOr<DecodeExtent> CheckPagedDecode(const PagedDecodeParams& p, int64_t page_bytes,
                                               int64_t num_pages);
 
+// Whether the step asks for lse, in either form of PagedDecodeParams.
+inline bool DecodeWantsLse(const PagedDecodeParams& p) {
+  return p.q_seqs != nullptr ? p.lse_seqs != nullptr : p.lse != nullptr;
+}
+
+// Copies the step's q, packed ([Hq * total_q, D] of its dtype), to `dst`: every sequence's rows
+// from its own buffer (q_seqs), or q at once when it is packed already.
+void GatherDecodeQ(const PagedDecodeParams& p, void* dst);
+
+// Copies packed o ([Hq * total_q, D]) and, when the step asks for it, lse ([Hq * total_q]) out to
+// where the step keeps them.
+void ScatterDecodeOutputs(const PagedDecodeParams& p, const void* o, const float* lse);
+
 // Checks shape, pointers, strides and the pages rows [first_row, first_row + rows) land in.
 absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64_t num_pages);
 

@@ -297,11 +297,12 @@ class CpuKvPagePool : public KvPagePool {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& p) override {
-    ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(p, page_bytes_, num_pages_));
-    if (p.num_seqs == 0 || p.total_q == 0) return KvStepTimes{};
+  absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& given) override {
+    ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(given, page_bytes_, num_pages_));
+    if (given.num_seqs == 0 || given.total_q == 0) return KvStepTimes{};
     const auto start = std::chrono::steady_clock::now();
     std::lock_guard<std::mutex> lock(mu_);
+    const PagedDecodeParams p = Packed(given);
     // Enough items for every thread a few times over, but no split shorter than kMinSplitKeys.
     const int64_t base = p.num_seqs * p.shape.heads_kv;
     const int64_t max_splits = std::max<int64_t>(1, extent.max_seqlen_k / kMinSplitKeys);
@@ -334,6 +335,9 @@ class CpuKvPagePool : public KvPagePool {
         MergeSplits(job, first + c * chunk, std::min(rows, first + (c + 1) * chunk));
       });
     }
+    if (given.q_seqs != nullptr && given.num_seqs > 1) {
+      ScatterDecodeOutputs(given, p.o, p.lse);
+    }
     KvStepTimes times;
     times.compute_us =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
@@ -341,6 +345,35 @@ class CpuKvPagePool : public KvPagePool {
   }
 
  private:
+  // The step with q, o and lse packed, as the kernels read them: as given, one sequence's own
+  // buffers (its rows are the packed layout), or q gathered into this pool's buffers, where o and
+  // lse are written, then scattered by Decode. Under mu_.
+  PagedDecodeParams Packed(const PagedDecodeParams& given) {
+    PagedDecodeParams p = given;
+    if (given.q_seqs == nullptr) return p;
+    p.q_seqs = nullptr;
+    p.o_seqs = nullptr;
+    p.lse_seqs = nullptr;
+    if (given.num_seqs == 1) {
+      p.q = given.q_seqs[0];
+      p.o = given.o_seqs[0];
+      p.lse = given.lse_seqs != nullptr ? given.lse_seqs[0] : nullptr;
+      return p;
+    }
+    const size_t rows = p.heads_q * p.total_q;
+    const size_t bytes = rows * p.shape.head_dim * DTypeSize(p.shape.dtype);
+    q_packed_.resize(bytes);
+    o_packed_.resize(bytes);
+    GatherDecodeQ(given, q_packed_.data());
+    p.q = q_packed_.data();
+    p.o = o_packed_.data();
+    if (given.lse_seqs != nullptr) {
+      lse_packed_.resize(rows);
+      p.lse = lse_packed_.data();
+    }
+    return p;
+  }
+
   // One checked write (page_rows from CheckKvWrite).
   absl::Status WriteRows(const KvWrite& w, int64_t page_rows) {
     const KvShape& shape = w.shape;
@@ -368,6 +401,8 @@ class CpuKvPagePool : public KvPagePool {
   std::mutex mu_;  // one decode step at a time: the workers and the partial buffers are shared
   WorkerPool workers_;
   std::vector<float> part_o_, part_lse_;
+  std::vector<unsigned char> q_packed_, o_packed_;  // Packed's buffers
+  std::vector<float> lse_packed_;
 };
 
 }  // namespace

@@ -134,7 +134,8 @@ class CudaKvPagePool : public KvPagePool {
     RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     const size_t elem = DTypeSize(host.shape.dtype);
     const size_t q_bytes = host.heads_q * host.total_q * host.shape.head_dim * elem;
-    const size_t lse_bytes = host.lse ? host.heads_q * host.total_q * sizeof(float) : 0;
+    const bool lse = DecodeWantsLse(host);
+    const size_t lse_bytes = lse ? host.heads_q * host.total_q * sizeof(float) : 0;
     const size_t cu_bytes = (host.num_seqs + 1) * sizeof(int32_t);
     const size_t lens_bytes = host.num_seqs * sizeof(int32_t);
     const size_t table_bytes = host.num_seqs * host.page_table_stride * sizeof(int32_t);
@@ -148,8 +149,11 @@ class CudaKvPagePool : public KvPagePool {
     RETURN_IF_ERROR(ReserveTickets(plan.tickets));
     // Staging: the inputs as in scratch, then o and lse as in scratch.
     ASSIGN_OR_RETURN(l.staged, Stage(l.offsets[kWorkspace], lock));
-    const void* inputs[] = {host.q, host.cu_seqlens_q, host.seqlens_k, host.page_table};
-    for (int i = kQ; i <= kTable; ++i) std::memcpy(l.staged + l.offsets[i], inputs[i], sizes[i]);
+    GatherDecodeQ(host, l.staged + l.offsets[kQ]);
+    const void* arrays[] = {host.cu_seqlens_q, host.seqlens_k, host.page_table};
+    for (int i = kCu; i <= kTable; ++i) {
+      std::memcpy(l.staged + l.offsets[i], arrays[i - kCu], sizes[i]);
+    }
     ASSIGN_OR_RETURN(const StepEvents events, TakeEvents());
 
     // The step's staging holds its outputs until it has read them (Stage waits for that before it
@@ -163,8 +167,8 @@ class CudaKvPagePool : public KvPagePool {
       lock.unlock();
       status = CudaStatus(cudaEventSynchronize(events[3]), "run the decode step on the device");
       if (status.ok()) {
-        std::memcpy(host.o, l.staged + l.offsets[kO], q_bytes);
-        if (lse_bytes) std::memcpy(host.lse, l.staged + l.offsets[kLse], lse_bytes);
+        ScatterDecodeOutputs(host, l.staged + l.offsets[kO],
+                             reinterpret_cast<const float*>(l.staged + l.offsets[kLse]));
         double* us[3] = {&times.h2d_us, &times.compute_us, &times.d2h_us};
         for (int i = 0; i < 3 && status.ok(); ++i) {
           float ms = 0;
@@ -206,10 +210,14 @@ class CudaKvPagePool : public KvPagePool {
                        const PagedDecodeParams& host, const StepLayout& l,
                        const StepEvents& events) {
     auto at = [&](int i) { return scratch_ + l.offsets[i]; };
+    const bool lse = DecodeWantsLse(host);
     PagedDecodeParams dev = host;
     dev.q = at(kQ);
     dev.o = at(kO);
-    dev.lse = host.lse ? reinterpret_cast<float*>(at(kLse)) : nullptr;
+    dev.lse = lse ? reinterpret_cast<float*>(at(kLse)) : nullptr;
+    dev.q_seqs = nullptr;
+    dev.o_seqs = nullptr;
+    dev.lse_seqs = nullptr;
     dev.cu_seqlens_q = reinterpret_cast<const int32_t*>(at(kCu));
     dev.seqlens_k = reinterpret_cast<const int32_t*>(at(kLens));
     dev.page_table = reinterpret_cast<const int32_t*>(at(kTable));
@@ -222,7 +230,7 @@ class CudaKvPagePool : public KvPagePool {
       // value left from an earlier step.
       RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(kO), 0xff, l.offsets[kLse] - l.offsets[kO], stream_),
                            "poison o");
-      if (host.lse) {
+      if (lse) {
         RETURN_IF_CUDA_ERROR(
             cudaMemsetAsync(at(kLse), 0xff, l.offsets[kWorkspace] - l.offsets[kLse], stream_),
             "poison lse");

@@ -177,6 +177,33 @@ TEST(WireMessageTest, ParseMessageNamesNestedFields) {
   EXPECT_THAT(status.message(), HasSubstr("entries.session_id"));
 }
 
+// Inside an entry, an unknown field number passes (kept as protobuf keeps it) and a known field of
+// the wrong wire type, which protobuf would keep as an unknown one, is refused naming it.
+TEST(WireMessageTest, UnknownFieldsAreWalked) {
+  v1::StepRequest step;
+  step.add_entries()->set_session_id("a");
+  const std::string entry_fields = step.entries(0).SerializeAsString();
+  auto with_entry_tail = [&](const std::string& tail) {
+    const std::string entry = entry_fields + tail;
+    return std::string("\x12") + static_cast<char>(entry.size()) + entry;
+  };
+  v1::StepRequest parsed;
+  ASSERT_EQ(ParseMessage(WireBytes({with_entry_tail("")}), &parsed), absl::OkStatus());
+  EXPECT_EQ(parsed.entries(0).session_id(), "a");
+  // Field 99 as a varint: unknown, kept.
+  ASSERT_EQ(ParseMessage(WireBytes({with_entry_tail(std::string("\x98\x06\x07", 3))}), &parsed),
+            absl::OkStatus());
+  EXPECT_EQ(parsed.entries(0).session_id(), "a");
+  EXPECT_EQ(parsed.entries(0).GetReflection()->GetUnknownFields(parsed.entries(0)).field_count(),
+            1);
+  // q (field 2 of StepEntry, a message) as a varint.
+  const absl::Status status =
+      ParseMessage(WireBytes({with_entry_tail(std::string("\x10\x05", 2))}), &parsed);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("entries.q"));
+  EXPECT_THAT(status.message(), HasSubstr("wire type"));
+}
+
 // A string split between two pieces of the wire is checked as one: a character cut in two is
 // valid UTF-8, a bad byte after the cut is not, and the error names the nested field.
 TEST(WireMessageTest, StringsOverTwoPiecesAreCheckedWhole) {

@@ -343,7 +343,6 @@ std::vector<absl::StatusOr<StageTimes>> Scheduler::RunDecode(Executor& executor,
   const absl::Time planned = absl::Now();
   absl::StatusOr<StageTimes> times = executor.RunDecode(params);
   if (times.ok()) {
-    plan.Unpack();
     times->prepare_us = absl::ToDoubleMicroseconds(planned - start);
     times->run_us = absl::ToDoubleMicroseconds(absl::Now() - planned);
   }

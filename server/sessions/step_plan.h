@@ -1,12 +1,11 @@
 // Step planning: one decode launch over the sequences of one or more Steps. Each sequence is a
-// session's page table and length (after the step's append) and its new queries; the plan packs
-// what PagedDecodeParams takes (page table rows, key lengths, cu_seqlens, packed q) and, after
-// the launch, copies o and lse back to each sequence's own buffers. Plain data, no gRPC: the
+// session's page table and length (after the step's append) and its new queries; the plan builds
+// what PagedDecodeParams takes (page table rows, key lengths, cu_seqlens, and each sequence's own
+// q, o and lse buffers, which the pool gathers and scatters itself). Plain data, no gRPC: the
 // scheduler builds one plan per launch, so Steps of different calls can share it.
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,27 +47,22 @@ double DecodeFlops(const DecodeKey& key, const DecodeSequence& seq);
 
 class DecodePlan {
  public:
-  // `seqs` must not be empty. One sequence is read and written in place; several are packed.
+  // `seqs` must not be empty.
   DecodePlan(const DecodeKey& key, std::vector<DecodeSequence> seqs);
   DecodePlan(const DecodePlan&) = delete;
   DecodePlan& operator=(const DecodePlan&) = delete;
 
-  // For Executor::RunDecode; its pointers are this plan's (or the single sequence's) buffers.
+  // For Executor::RunDecode, per-sequence form (q_seqs, o_seqs, lse_seqs): the launch writes each
+  // sequence's o and lse into its own buffers.
   const PagedDecodeParams& params() const { return params_; }
-  // After a successful launch: each sequence's o (and lse) into its own buffers.
-  void Unpack() const;
 
  private:
-  const DecodeKey key_;
-  const std::vector<DecodeSequence> seqs_;
-  int64_t row_bytes_ = 0;              // one query row of all heads: Hq * D * dtype size
   std::vector<int32_t> cu_seqlens_q_;  // [seqs + 1]
   std::vector<int32_t> seqlens_k_;     // [seqs]
   std::vector<int32_t> page_table_;    // [seqs, stride], unused pages 0
-  // Allocated without being zeroed (every byte of q is copied in, o and lse are written by the
-  // launch): zero-filling q and o was most of a Step's plan (callgrind, 8 sequences of 32 x 128).
-  std::unique_ptr<char[]> q_packed_, o_packed_;  // [total_q, Hq, D] when packed
-  std::unique_ptr<float[]> lse_packed_;          // [total_q, Hq] when packed
+  std::vector<const void*> q_seqs_;    // [seqs]
+  std::vector<void*> o_seqs_;          // [seqs]
+  std::vector<float*> lse_seqs_;       // [seqs] when the key asks for lse
   PagedDecodeParams params_;
 };
 

@@ -45,7 +45,7 @@ struct SeqData {
   std::vector<float> q, o, lse;
 };
 
-TEST(DecodePlanTest, PacksSequencesOfSeveralLengthsAndPageCounts) {
+TEST(DecodePlanTest, LaysOutSequencesOfSeveralLengthsAndPageCounts) {
   std::mt19937 rng(7);
   SeqData a({4, 9}, 20, 1, rng), b({3}, 5, 3, rng), c({1, 2, 6}, 40, 2, rng);
   const DecodePlan plan(Key(true), {a.View(), b.View(), c.View()});
@@ -61,26 +61,23 @@ TEST(DecodePlanTest, PacksSequencesOfSeveralLengthsAndPageCounts) {
   EXPECT_THAT(std::vector<int32_t>(p.page_table, p.page_table + 9),
               ElementsAre(4, 9, 0, 3, 0, 0, 1, 2, 6));
   EXPECT_EQ(p.softmax_scale, 0.5f);
-  EXPECT_NE(p.lse, nullptr);
-  // q packed: sequence b's [Hq, 3, D] starts at row 1 of [6, Hq, D].
-  const float* q = static_cast<const float*>(p.q);
-  const int64_t row = kHq * kShape.head_dim;
-  EXPECT_EQ(std::vector<float>(q + row, q + 4 * row), b.q);
-}
-
-TEST(DecodePlanTest, OneSequenceIsReadAndWrittenInPlace) {
-  std::mt19937 rng(8);
-  SeqData a({0, 1}, 17, 2, rng);
-  const DecodePlan with_lse(Key(true), {a.View()});
-  EXPECT_EQ(with_lse.params().q, a.q.data());
-  EXPECT_EQ(with_lse.params().o, a.o.data());
-  EXPECT_EQ(with_lse.params().lse, a.lse.data());
+  // Every sequence's q, o and lse where it keeps them: the pool gathers and scatters.
+  EXPECT_EQ(p.q, nullptr);
+  EXPECT_EQ(p.o, nullptr);
+  EXPECT_EQ(p.lse, nullptr);
+  EXPECT_THAT(std::vector<const void*>(p.q_seqs, p.q_seqs + 3),
+              ElementsAre(a.q.data(), b.q.data(), c.q.data()));
+  EXPECT_THAT(std::vector<void*>(p.o_seqs, p.o_seqs + 3),
+              ElementsAre(a.o.data(), b.o.data(), c.o.data()));
+  ASSERT_NE(p.lse_seqs, nullptr);
+  EXPECT_THAT(std::vector<float*>(p.lse_seqs, p.lse_seqs + 3),
+              ElementsAre(a.lse.data(), b.lse.data(), c.lse.data()));
   const DecodePlan without(Key(false), {a.View()});
-  EXPECT_EQ(without.params().lse, nullptr);
+  EXPECT_EQ(without.params().lse_seqs, nullptr);
 }
 
-// A packed launch answers each sequence exactly as its own launch does, in its own buffers.
-TEST(DecodePlanTest, PackedLaunchUnpacksToWhatEachSequenceAloneGets) {
+// A launch of several sequences answers each exactly as its own launch does, in its own buffers.
+TEST(DecodePlanTest, SharedLaunchWritesWhatEachSequenceAloneGets) {
   std::mt19937 rng(9);
   absl::StatusOr<std::unique_ptr<KvPagePool>> pool =
       cpu::MakeKvPagePool(/*num_pages=*/8, kPageBytes, /*threads=*/1);
@@ -104,22 +101,21 @@ TEST(DecodePlanTest, PackedLaunchUnpacksToWhatEachSequenceAloneGets) {
   }
   ASSERT_EQ((*pool)->Write(writes), absl::OkStatus());
 
-  std::vector<SeqData> packed, alone;
+  std::vector<SeqData> shared, alone;
   for (int s = 0; s < 3; ++s) {
-    packed.emplace_back(tables[s], lengths[s], 1 + s, rng);
-    alone.push_back(packed.back());
+    shared.emplace_back(tables[s], lengths[s], 1 + s, rng);
+    alone.push_back(shared.back());
   }
   std::vector<DecodeSequence> views;
-  for (SeqData& d : packed) views.push_back(d.View());
+  for (SeqData& d : shared) views.push_back(d.View());
   const DecodePlan plan(Key(true), views);
   ASSERT_TRUE((*pool)->Decode(plan.params()).ok());
-  plan.Unpack();
   for (int s = 0; s < 3; ++s) {
     const DecodePlan own(Key(true), {alone[s].View()});
     ASSERT_TRUE((*pool)->Decode(own.params()).ok());
-    EXPECT_EQ(packed[s].o, alone[s].o) << "sequence " << s;
-    EXPECT_EQ(packed[s].lse, alone[s].lse) << "sequence " << s;
-    EXPECT_NE(packed[s].o.front(), -777.0f) << "sequence " << s << " left unwritten";
+    EXPECT_EQ(shared[s].o, alone[s].o) << "sequence " << s;
+    EXPECT_EQ(shared[s].lse, alone[s].lse) << "sequence " << s;
+    EXPECT_NE(shared[s].o.front(), -777.0f) << "sequence " << s << " left unwritten";
   }
 }
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype_convert.h"
 #include "kernels/reference/reference_attention.h"
@@ -319,9 +320,10 @@ struct StepResult {
   std::vector<float> lse;
 };
 
-// Runs one decode step of all sequences (queries from s.q) and returns o and lse as written.
+// Runs one decode step of all sequences (queries from s.q) and returns o and lse as written:
+// packed, or with each sequence's q, o and lse in buffers of its own (PagedDecodeParams' q_seqs).
 StepResult Decode(KvPagePool& pool, const DecodeCase& c, DType dtype, float scale,
-                  const std::vector<Sequence>& seqs, int64_t stride) {
+                  const std::vector<Sequence>& seqs, int64_t stride, bool per_seq = false) {
   const int64_t n = static_cast<int64_t>(seqs.size());
   std::vector<int32_t> cu_q{0}, seqlens_k, table;
   std::vector<float> q;
@@ -352,8 +354,38 @@ StepResult Decode(KvPagePool& pool, const DecodeCase& c, DType dtype, float scal
   p.softmax_scale = scale;
   p.window_left = c.window_left;
   p.window_right = c.window_right;
+  // Per sequence: copies of its q, and o and lse poisoned as the packed ones are.
+  const int64_t row_bytes = c.heads_q * c.head_dim * static_cast<int64_t>(DTypeSize(dtype));
+  std::vector<std::vector<unsigned char>> q_own, o_own;
+  std::vector<std::vector<float>> lse_own;
+  std::vector<const void*> q_seqs;
+  std::vector<void*> o_seqs;
+  std::vector<float*> lse_seqs;
+  if (per_seq) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t first = cu_q[i], rows = c.nq[i];
+      q_own.emplace_back(qb.begin() + first * row_bytes, qb.begin() + (first + rows) * row_bytes);
+      o_own.emplace_back(r.o.begin() + first * row_bytes, r.o.begin() + (first + rows) * row_bytes);
+      lse_own.emplace_back(c.return_lse ? c.heads_q * rows : 0, kNaN);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      q_seqs.push_back(q_own[i].data());
+      o_seqs.push_back(o_own[i].data());
+      lse_seqs.push_back(lse_own[i].data());
+    }
+    p.q = nullptr;
+    p.o = nullptr;
+    p.lse = nullptr;
+    p.q_seqs = q_seqs.data();
+    p.o_seqs = o_seqs.data();
+    p.lse_seqs = c.return_lse ? lse_seqs.data() : nullptr;
+  }
   const absl::StatusOr<KvStepTimes> times = pool.Decode(p);
   EXPECT_TRUE(times.ok()) << times.status();
+  for (int64_t i = 0; per_seq && i < n; ++i) {
+    std::copy(o_own[i].begin(), o_own[i].end(), r.o.begin() + cu_q[i] * row_bytes);
+    std::copy(lse_own[i].begin(), lse_own[i].end(), r.lse.begin() + c.heads_q * cu_q[i]);
+  }
   return r;
 }
 
@@ -767,6 +799,28 @@ TEST_P(PagedKvPoolMergeTest, RepeatedStepsRepeatTheFirst) {
   EXPECT_EQ(alone_again.o, alone.o);
 }
 
+// The same step with each sequence's q, o and lse in buffers of its own (as a Step's sessions
+// keep them) answers bit for bit what the packed step does, sequences of several query counts.
+TEST_P(PagedKvPoolMergeTest, PerSequenceBuffersAnswerAsPacked) {
+  const DType dtype = GetParam();
+  for (const DecodeCase& c : Cases()) {
+    if (c.nq.size() < 2) continue;
+    const uint64_t seed = NextSeed();
+    SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
+    std::mt19937_64 rng(seed);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    PoolSetup setup;
+    MakeSetup(c, dtype, rng, &setup);
+    if (HasFatalFailure()) return;
+    const StepResult packed = Decode(*setup.pool, c, dtype, scale, setup.seqs, setup.stride);
+    const StepResult own =
+        Decode(*setup.pool, c, dtype, scale, setup.seqs, setup.stride, /*per_seq=*/true);
+    EXPECT_EQ(own.o, packed.o);
+    EXPECT_EQ(std::memcmp(own.lse.data(), packed.lse.data(), packed.lse.size() * sizeof(float)), 0);
+    ExpectMatchesReference(c, dtype, scale, setup.seqs, own);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolMergeTest, kAllDtypes, DtypeTestName);
 
 class PagedKvPoolErrorsTest : public PoolTest<testing::Test> {};
@@ -810,6 +864,23 @@ TEST_F(PagedKvPoolErrorsTest, RejectsPagesOutsideThePoolAndTooSmallPages) {
   p.page_table = table;
   p.page_table_stride = 2;
   EXPECT_EQ((*pool)->Decode(p).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // q and o both packed and per sequence, or a sequence with queries but no buffer of its own.
+  const int32_t in_pool[] = {0, 1};
+  p.page_table = in_pool;
+  ASSERT_EQ((*pool)->Decode(p).status(), absl::OkStatus());
+  const void* q_seqs[] = {q.data()};
+  void* o_seqs[] = {o.data()};
+  p.q_seqs = q_seqs;
+  p.o_seqs = o_seqs;
+  EXPECT_EQ((*pool)->Decode(p).status().code(), absl::StatusCode::kInvalidArgument);
+  p.q = nullptr;
+  p.o = nullptr;
+  ASSERT_EQ((*pool)->Decode(p).status(), absl::OkStatus());
+  o_seqs[0] = nullptr;
+  const absl::Status no_o = (*pool)->Decode(p).status();
+  EXPECT_EQ(no_o.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(no_o.message(), testing::HasSubstr("sequence 0 has 1 queries but no q, o"));
 
   p.shape.head_dim = 128;  // 8 rows per page: too small for any sequence of this shape
   EXPECT_EQ((*pool)->Decode(p).status().code(), absl::StatusCode::kInvalidArgument);
