@@ -11,9 +11,11 @@
 //   object of its own, registers it, and sends Attend calls by reference with o written into the
 //   object, one call in flight per client; end-to-end latency, requests/s, the server's stage
 //   times and the share of the wall time the kernel ran (sum of compute_us / wall).
-// ipc:   q, k, v and o in one cudaMalloc of this process, registered by its cudaIpcMemHandle_t;
-//   the same calls. A step that fails (no GPU, an IPC handle the sandbox refuses) prints
-//   {"mode": ..., "error": "<the exact error>"} and exits 0, so a script goes on.
+// ipc:   the same, each client's q, k, v and o in a cudaMalloc of its own, registered by its
+//   cudaIpcMemHandle_t: the tensors stay on the GPU. A step that fails (no GPU, an IPC handle the
+//   sandbox refuses) prints {"mode": ..., "error": "<the exact error>"} and exits 0, so a script
+//   goes on.
+// shm and ipc with --clients=N > 1 print as mode shm_xN and ipc_xN.
 // --rpc: shm and ipc calls as unary Attend (the client library's, default), as messages of one
 //   AttendStream per client, one in flight, the thread polling the stream's completion queue
 //   (client/polled_stream.h), or as requests on a request ring per client (OpenRing,
@@ -27,6 +29,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -51,7 +54,8 @@ ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attention_server address");
 ABSL_FLAG(std::string, mode, "shm", "bound | shm | ipc");
 ABSL_FLAG(std::string, shape, "4,16,4096,128", "B,H,N,D of q, k, v (BHSD)");
 ABSL_FLAG(std::string, dtype, "bfloat16", "float32 | float16 | bfloat16");
-ABSL_FLAG(int, clients, 1, "shm: clients sending at once, each with its own connection and region");
+ABSL_FLAG(int, clients, 1,
+          "shm and ipc: clients sending at once, each with its own connection and region");
 ABSL_FLAG(int, iters, 20, "measured calls per client");
 ABSL_FLAG(int, warmup, 3, "calls per client before measuring");
 ABSL_FLAG(bool, causal, false, "causal mask");
@@ -270,38 +274,46 @@ int RunBound(const Problem& p) {
   return 0;
 }
 
-int RunShm(const Problem& p) {
+// --mode as printed: "<mode>_xN" for N clients at once.
+std::string ModeName(const std::string& mode) {
   const int clients = absl::GetFlag(FLAGS_clients);
-  const std::string data = RandomBytes(p);
-  struct PerClient {
-    std::unique_ptr<Client> client;
-    std::unique_ptr<client::SharedMemoryObject> object;
-    std::unique_ptr<client::SharedMemoryClient> regions;
-    v1::AttendRequest request;
-    Samples samples;
-    absl::Status status;
-    bool pinned = false;
-  };
-  std::vector<PerClient> all(clients);
-  for (int i = 0; i < clients; ++i) {
-    PerClient& c = all[i];
-    c.client = OwnConnection();
-    absl::StatusOr<std::unique_ptr<client::SharedMemoryObject>> object =
-        client::SharedMemoryObject::Create(absl::StrCat("/colo-bench-", getpid(), "-", i),
-                                           4 * p.bytes);
-    if (!object.ok()) return Fail("shm", object.status().ToString());
-    c.object = *std::move(object);
-    for (int t = 0; t < 3; ++t) std::memcpy(c.object->data() + t * p.bytes, data.data(), p.bytes);
-    c.regions = std::make_unique<client::SharedMemoryClient>(*c.client);
-    const std::string name = absl::StrCat("colo", i);
-    absl::StatusOr<v1::RegionInfo> info = c.regions->Register(name, *c.object);
-    if (!info.ok()) return Fail("shm", info.status().ToString());
-    c.pinned = info->pinned();
-    c.request = RequestByReference(p, name);
-  }
+  return clients > 1 ? absl::StrCat(mode, "_x", clients) : mode;
+}
+
+// One client of a shm or ipc run: a connection of its own (regions belong to the connection)
+// with its region registered, its request by reference into that region, and what it measured.
+struct RegionClient {
+  std::unique_ptr<Client> client;
+  std::unique_ptr<client::SharedMemoryClient> regions;
+  std::string region;
+  v1::AttendRequest request;
+  bool pinned = false;
+  Samples samples;
+  absl::Status status;
+};
+
+// Connects `c` and registers its region as `name` through `register_region`.
+absl::Status Connect(
+    const Problem& p, const std::string& name,
+    const std::function<absl::StatusOr<v1::RegionInfo>(client::SharedMemoryClient&)>&
+        register_region,
+    RegionClient& c) {
+  c.client = OwnConnection();
+  c.regions = std::make_unique<client::SharedMemoryClient>(*c.client);
+  absl::StatusOr<v1::RegionInfo> info = register_region(*c.regions);
+  if (!info.ok()) return info.status();
+  c.region = name;
+  c.pinned = info->pinned();
+  c.request = RequestByReference(p, name);
+  return absl::OkStatus();
+}
+
+// Drives all clients at once, a thread each, unregisters their regions and prints their merged
+// samples as `mode`.
+int DriveAll(const std::string& mode, std::vector<RegionClient>& all) {
   const Clock::time_point start = Clock::now();
   std::vector<std::thread> threads;
-  for (PerClient& c : all) {
+  for (RegionClient& c : all) {
     threads.emplace_back([&c] { c.status = Drive(*c.client, c.request, &c.samples); });
   }
   for (std::thread& t : threads) t.join();
@@ -309,45 +321,75 @@ int RunShm(const Problem& p) {
   const double total_s = std::chrono::duration<double>(Clock::now() - start).count();
   const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
   const double wall_s = total_s * iters / (warmup + iters);
+  for (RegionClient& c : all) c.regions->Unregister(c.region).IgnoreError();
   Samples merged;
   bool pinned = true;
-  for (PerClient& c : all) {
-    if (!c.status.ok()) return Fail("shm", c.status.ToString());
+  for (const RegionClient& c : all) {
+    if (!c.status.ok()) return Fail(mode, absl::StrCat("Attend: ", c.status.ToString()));
     merged.Add(c.samples);
     pinned = pinned && c.pinned;
-    c.regions->Unregister(absl::StrCat("colo", &c - all.data())).IgnoreError();
   }
-  Print(clients > 1 ? absl::StrCat("shm_x", clients) : "shm", clients, merged, wall_s, pinned);
+  Print(mode, static_cast<int>(all.size()), merged, wall_s, pinned);
   return 0;
 }
 
-int RunIpc(const Problem& p) {
+int RunShm(const Problem& p) {
+  const std::string mode = ModeName("shm");
   const std::string data = RandomBytes(p);
-  void* dev = nullptr;
-  cudaError_t err = cudaMalloc(&dev, 4 * p.bytes);
-  for (int t = 0; t < 3 && err == cudaSuccess; ++t) {
-    err = cudaMemcpy(static_cast<char*>(dev) + t * p.bytes, data.data(), p.bytes,
-                     cudaMemcpyHostToDevice);
+  std::vector<std::unique_ptr<client::SharedMemoryObject>> objects;
+  std::vector<RegionClient> all(absl::GetFlag(FLAGS_clients));
+  for (size_t i = 0; i < all.size(); ++i) {
+    absl::StatusOr<std::unique_ptr<client::SharedMemoryObject>> object =
+        client::SharedMemoryObject::Create(absl::StrCat("/colo-bench-", getpid(), "-", i),
+                                           4 * p.bytes);
+    if (!object.ok()) return Fail(mode, object.status().ToString());
+    client::SharedMemoryObject& o = *objects.emplace_back(*std::move(object));
+    for (int t = 0; t < 3; ++t) std::memcpy(o.data() + t * p.bytes, data.data(), p.bytes);
+    const std::string name = absl::StrCat("colo", i);
+    if (absl::Status s = Connect(
+            p, name, [&](client::SharedMemoryClient& regions) { return regions.Register(name, o); },
+            all[i]);
+        !s.ok()) {
+      return Fail(mode, absl::StrCat("Register: ", s.ToString()));
+    }
   }
-  if (err != cudaSuccess) {
-    return Fail(
-        "ipc", absl::StrCat("client CUDA: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
+  return DriveAll(mode, all);
+}
+
+struct CudaFree {
+  void operator()(void* p) const { cudaFree(p); }
+};
+
+int RunIpc(const Problem& p) {
+  const std::string mode = ModeName("ipc");
+  const std::string data = RandomBytes(p);
+  // Before `all`: freed once the clients' connections (and so their regions) are gone.
+  std::vector<std::unique_ptr<void, CudaFree>> allocations;
+  std::vector<RegionClient> all(absl::GetFlag(FLAGS_clients));
+  for (size_t i = 0; i < all.size(); ++i) {
+    void* dev = nullptr;
+    cudaError_t err = cudaMalloc(&dev, 4 * p.bytes);
+    allocations.emplace_back(dev);
+    for (int t = 0; t < 3 && err == cudaSuccess; ++t) {
+      err = cudaMemcpy(static_cast<char*>(dev) + t * p.bytes, data.data(), p.bytes,
+                       cudaMemcpyHostToDevice);
+    }
+    if (err != cudaSuccess) {
+      return Fail(mode, absl::StrCat("client CUDA: ", cudaGetErrorName(err), ": ",
+                                     cudaGetErrorString(err)));
+    }
+    const std::string name = absl::StrCat("colo-ipc", i);
+    if (absl::Status s = Connect(
+            p, name,
+            [&](client::SharedMemoryClient& regions) {
+              return client::RegisterCudaAllocation(regions, name, dev, 4 * p.bytes);
+            },
+            all[i]);
+        !s.ok()) {
+      return Fail(mode, absl::StrCat("Register: ", s.ToString()));
+    }
   }
-  std::unique_ptr<Client> client = OwnConnection();
-  client::SharedMemoryClient regions(*client);
-  absl::StatusOr<v1::RegionInfo> info =
-      client::RegisterCudaAllocation(regions, "colo-ipc", dev, 4 * p.bytes);
-  if (!info.ok()) return Fail("ipc", absl::StrCat("Register: ", info.status().ToString()));
-  Samples samples;
-  const Clock::time_point start = Clock::now();
-  absl::Status status = Drive(*client, RequestByReference(p, "colo-ipc"), &samples);
-  const double total_s = std::chrono::duration<double>(Clock::now() - start).count();
-  regions.Unregister("colo-ipc").IgnoreError();
-  cudaFree(dev);
-  if (!status.ok()) return Fail("ipc", absl::StrCat("Attend: ", status.ToString()));
-  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
-  Print("ipc", 1, samples, total_s * iters / (warmup + iters), false);
-  return 0;
+  return DriveAll(mode, all);
 }
 
 int Main() {
@@ -371,6 +413,10 @@ int Main() {
       rpc != "unary" && rpc != "stream" && rpc != "ring") {
     std::fprintf(stderr, "colo_bench: --rpc: expected unary, stream or ring, got %s\n",
                  rpc.c_str());
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_clients) < 1) {
+    std::fprintf(stderr, "colo_bench: --clients: expected at least 1\n");
     return 2;
   }
   const std::string mode = absl::GetFlag(FLAGS_mode);

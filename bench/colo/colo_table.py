@@ -1,5 +1,9 @@
-"""Pieces of the co-located benches' tables (bench/colo/run.sh and bench/colo/latency.sh)."""
+"""Pieces of the co-located benches' tables (bench/colo/run.sh, latency.sh and step_rounds.sh)."""
 import json
+
+# attention_device_busy_ratio covers at least this many seconds (kBusyWindow,
+# server/metrics/metrics.h).
+BUSY_WINDOW_S = 10
 
 
 def load(path):
@@ -30,3 +34,18 @@ def breakdown(s):
             f"(leases, K/V append, plan) {srv.get('prepare', 0):.0f} + run {run:.0f} (q in "
             f"{srv['h2d']:.0f}, kernel {k:.0f}, out {srv['d2h']:.0f}, host side {run - gpu:.0f})"
             f" + answer {rest:.0f}")
+
+
+def kernel_rate(many, alone):
+    """The share of the kernel's own rate that several clients at once kept, from colo_bench
+    results: their requests/s x the kernel's time alone (compute_us p50 of one client's run)."""
+    return many["requests_per_s"] * alone["compute_us_p50"] * 1e-6
+
+
+def busy_note(run):
+    """What a busy ratio scraped right after colo_bench's `run` takes in beyond its calls: "" when
+    they lasted past the ratio's window (and a second of busy_poll's period)."""
+    if run["wall_s"] >= BUSY_WINDOW_S + 1:
+        return ""
+    return (f" (takes in more than the calls: they took {run['wall_s']:.1f} s, the ratio covers "
+            f"at least {BUSY_WINDOW_S} s)")

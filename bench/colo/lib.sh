@@ -1,6 +1,7 @@
 # shellcheck shell=bash disable=SC2154
 # (bin, out, backend and results are the caller's.)
-# Pieces the co-located benches share (sourced by bench/colo/run.sh and bench/colo/latency.sh).
+# Pieces the co-located benches share (sourced by bench/colo/run.sh, latency.sh and
+# step_rounds.sh).
 # The caller sets bin (the binary dir), out (where logs go) and backend, then calls colo_setup.
 colo_pids=()
 
@@ -74,6 +75,24 @@ stop_server() {
   kill "$1" 2>/dev/null
   wait "$1" 2>/dev/null
   return 0
+}
+
+# busy PORT: attention_device_busy_ratio (the largest over the devices) of the attention_server
+# whose metrics port is PORT. The server computes it at each scrape over the time since its last
+# scrape at or before 10 s ago (kBusyWindow, server/metrics/metrics.h), or since its start.
+busy() {
+  python3 - "$1" <<'PY'
+import sys, urllib.request
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read().decode()
+vals = [float(l.split()[-1]) for l in text.splitlines() if l.startswith("attention_device_busy_ratio")]
+print(max(vals) if vals else "null")
+PY
+}
+
+# busy_poll PORT: scrapes PORT every second until killed (or the server is gone), so that a busy
+# ratio scraped next covers only the last 10 to 11 s, not what came before a longer run.
+busy_poll() {
+  while busy "$1" >/dev/null 2>&1; do sleep 1; done
 }
 
 # keep NAME VALUE: one result line in $results, echoed; a VALUE that is not a JSON object or a

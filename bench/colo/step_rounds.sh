@@ -4,7 +4,7 @@
 # single 2-second run of one variant on the H200 host moves by +-50 us from run to run, more than
 # the differences measured, so each variant is run in every round, one after the other.
 #   bench/colo/step_rounds.sh [BIN_DIR]   # attention_server, attn_bench, attn_echo_server,
-#                                         # attn_echo_client (default .device/bin)
+#                                         # attn_echo_client, colo_bench (default .device/bin)
 # Variants: tensors by reference (--shm) from a polling client and a sync client, tensors in the
 # messages from a polling client, and both through a request ring instead of the stream
 # (--stream_api=ring: SharedMemory.OpenRing, no gRPC message per Step); and the anchor beside them, the bare echo of 64-byte tensors
@@ -15,7 +15,11 @@
 # Attend (colo_bench --mode=ipc, bf16 SHAPE, default 4,16,4096,128: q, k, v and o in one
 # cudaMalloc of the client, the kernel reading and writing them in place) one call at a time, as
 # unary calls, as messages of one AttendStream from a polling client (--rpc=stream) and through a
-# request ring (--rpc=ring).
+# request ring (--rpc=ring). (Four such clients at once: bench/colo/ipc_clients.sh.)
+# The one-in-flight Steps of 8 sessions from the Python client too (py_step_bench.py: unary Step,
+# StepStream and request ring, tensors in the messages), run by PYTHON (default python3) with
+# client/python and the stubs PY_GEN (default build/tests/python/gen) on its path; skipped,
+# saying why, when that Python cannot import attention_client.
 # The server runs with --worker_spin_us=SPIN_US (default 1000; 0 for none). SERVERS (default
 # "callback") names the stream transports to run, each on a server of its own, every variant
 # against each in every round: "callback" (gRPC's callback API), "polled" (--poll_streams:
@@ -37,7 +41,10 @@ delay_us=${DELAY_US:-250}
 shape=${SHAPE:-4,16,4096,128}
 spin_us=${SPIN_US:-1000}
 servers=${SERVERS:-callback}
+python=${PYTHON:-python3}
 here=$(dirname "$0")
+root=$(cd "$here/../.." && pwd)
+py_path=$root/client/python:${PY_GEN:-$root/build/tests/python/gen}${PYTHONPATH:+:$PYTHONPATH}
 # shellcheck source=bench/colo/lib.sh
 source "$here/lib.sh"
 colo_setup
@@ -56,6 +63,12 @@ for server in $servers; do
       exit 2 ;;
   esac
 done
+if ! PYTHONPATH=$py_path "$python" -c 'import attention_client' 2>"$out/py_import.log"; then
+  echo "step_rounds.sh: $python cannot import attention_client with PYTHONPATH=$py_path" \
+    "(set PYTHON, PY_GEN): the Python Steps are skipped:" >&2
+  cat "$out/py_import.log" >&2
+  python=
+fi
 start_echo echo --reply_delay_us="$delay_us"
 start_echo echo_ahead --reply_delay_us="$delay_us" --read_ahead
 decode=(--mode=decode --shape=8,32,1,128 --nk="$nk" --kv_heads=8 --dtype=bfloat16 --causal
@@ -69,6 +82,14 @@ for round in $(seq "$rounds"); do
       keep "step_${server}_${what}_${api}_$round" "$("$bin/attn_bench" --target="${!target}" \
         "${decode[@]}" --stream_api="$api" ${flag:+"$flag"} 2>>"$out/bench.log" | tail -1)"
     done
+    if [[ -n $python ]]; then
+      # One line per variant, kept by its "rpc".
+      while read -r line; do
+        [[ $line =~ \"rpc\":\ \"([a-z]+)\" ]] &&
+          keep "py_${server}_${BASH_REMATCH[1]}_$round" "$line"
+      done < <(PYTHONPATH=$py_path "$python" "$here/py_step_bench.py" --target="${!target}" \
+        --nk="$nk" --warmup_s=1 --duration_s="$dur" 2>>"$out/py_step.log")
+    fi
     # Four Steps in flight (one stream each, 32 sessions), tensors in the messages: what a
     # transport leaves of the decode kernel's rate.
     for api in poll ring; do
@@ -89,6 +110,7 @@ for round in $(seq "$rounds"); do
 done
 
 python3 - "$results" "$here" "$rounds" "$delay_us" "$spin_us" "$servers" <<'PY'
+import os
 import statistics
 import sys
 sys.path.insert(0, sys.argv[2])
@@ -96,6 +118,14 @@ from colo_table import load
 
 r, ok = load(sys.argv[1])
 rounds, delay, spin, servers = int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6].split()
+
+def results(name):
+    """The rounds' results of run `name` that succeeded, and the first error (or "no result")."""
+    runs = [r.get(f"{name}_{i}") for i in range(1, rounds + 1)]
+    good = [x for x in runs if isinstance(x, dict) and "error" not in x]
+    err = next((x["error"] for x in runs if isinstance(x, dict) and "error" in x), "no result")
+    return good, err
+
 fields = ("decode", "queue", "prepare", "run", "total")
 names = {"callback": "callback API", "polled": "--poll_streams",
          "lockstep": "--poll_streams --stream_window=1"}
@@ -128,16 +158,29 @@ for server, (what, api, name) in ((s, v) for v in variants for s in servers):
           f"| {k:.0f} | {med(lambda s: s['p50'] * 1e6 - s['server_p50_us']['total']):.0f} "
           f"| {srv['decode']:.0f} ({srv['parse']:.0f}) | {srv['queue']:.0f} | {srv['prepare']:.0f} "
           f"| {srv['run']:.0f} ({host:.0f}) | {answer:.0f} |")
+py_names = {"unary": "Python client, unary Step", "stream": "Python client, StepStream",
+            "ring": "Python client, request ring"}
+for server, rpc in ((s, rpc) for rpc in py_names for s in servers):
+    name = py_names[rpc] + ", tensors in the messages"
+    good, err = results(f"py_{server}_{rpc}")
+    if not good:
+        logs = os.path.join(os.path.dirname(sys.argv[1]), "py_*.log")
+        print(f"| {names[server]} | {name} | error: {err} (see {logs}) | | | | | | | |")
+        continue
+    med = lambda f: statistics.median(f(x) for x in good)
+    each = ", ".join(f"{x['p50_minus_kernel_us']:.0f}" for x in good)
+    print(f"| {names[server]} | {name} | {med(lambda x: x['p50_minus_kernel_us']):.0f} us "
+          f"({each}) | {med(lambda x: x['compute_us_p50']):.0f} "
+          f"| {med(lambda x: x['p50_us'] - x['server_total_us_p50']):.0f} "
+          f"| | {med(lambda x: x['queue_us_p50']):.0f} | | | |")
 ipc_names = {"unary": "CUDA IPC Attend, unary calls",
              "stream": "CUDA IPC Attend, AttendStream, polling client",
              "ring": "CUDA IPC Attend, request ring"}
 for server, rpc in ((s, rpc) for rpc in ipc_names for s in servers):
     transport = names[server]
     name = ipc_names[rpc]
-    runs = [r.get(f"ipc_{server}_{rpc}_{i}") for i in range(1, rounds + 1)]
-    good = [x for x in runs if isinstance(x, dict) and "error" not in x]
+    good, err = results(f"ipc_{server}_{rpc}")
     if not good:
-        err = next((x["error"] for x in runs if isinstance(x, dict) and "error" in x), "no result")
         print(f"| {transport} | {name} | error: {err} | | | | | | | |")
         continue
     med = lambda f: statistics.median(f(x) for x in good)

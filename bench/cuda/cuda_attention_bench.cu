@@ -9,6 +9,8 @@
 //                               {1024, 4096}
 //   cuda_attention_bench [--variant NAME] one DTYPE D N CAUSAL   one shape of the grid (DTYPE
 //                               float16, bfloat16 or float8_e4m3)
+// --sustain_s S runs each shape back to back for S seconds before timing it, so the timed runs see
+// the clocks the GPU holds under sustained load (a server kept busy), not those of a rested one.
 // --variant forces a forward kernel variant (ForwardVariantName, e.g. mma_sm80) instead of the
 // planner's choice; each JSON line names the variant that ran ("variant"). --list prints the
 // shapes (dtype, d, N, B, H, causal) without running anything, so no GPU is needed.
@@ -30,6 +32,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -203,6 +206,8 @@ Runner ForwardRunner(std::optional<ForwardVariant> variant) {
   };
 }
 
+double g_sustain_s = 0;  // --sustain_s
+
 // Times `run` on shape s; `label` (if any) is added to the JSON line as "tile".
 bool TimeShape(const Shape& s, const Runner& run, const std::string& label = "") {
   AttentionParams p;
@@ -232,6 +237,13 @@ bool TimeShape(const Shape& s, const Runner& run, const std::string& label = "")
   std::vector<float> ms;
   bool ok = true;
   std::string variant;
+  // --sustain_s: launches back to back, checking the time every 32.
+  for (const auto until =
+           std::chrono::steady_clock::now() + std::chrono::duration<double>(g_sustain_s);
+       ok && std::chrono::steady_clock::now() < until;) {
+    for (int i = 0; i < 32 && ok; ++i) ok = run(p).ok();
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
   for (int rep = 0; rep < 33 && ok; ++rep) {
     cudaEventRecord(start);
     absl::StatusOr<std::string> ran = run(p);
@@ -327,6 +339,10 @@ int main(int argc, char** argv) {
       list = true;
       argc -= 1;
       argv += 1;
+    } else if (argc > 2 && std::strcmp(argv[1], "--sustain_s") == 0) {
+      g_sustain_s = std::atof(argv[2]);
+      argc -= 2;
+      argv += 2;
     } else if (argc > 2 && std::strcmp(argv[1], "--variant") == 0) {
       const absl::StatusOr<ForwardVariant> parsed = attention::cuda::ParseForwardVariant(argv[2]);
       if (!parsed.ok()) {
@@ -375,7 +391,7 @@ int main(int argc, char** argv) {
     shapes.push_back({dt, 16384 / n, 2048 / d, n, d, std::strcmp(argv[5], "true") == 0});
   } else {
     std::fprintf(stderr,
-                 "usage: %s [--variant NAME] [--list] grid|fp8|fp32|one "
+                 "usage: %s [--sustain_s S] [--variant NAME] [--list] grid|fp8|fp32|one "
                  "{float16|bfloat16|float8_e4m3} D N {true|false}\n",
                  program);
     return 2;

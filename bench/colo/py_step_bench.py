@@ -1,0 +1,114 @@
+"""One-in-flight Steps from the Python client (client/python): --sessions sessions of --nk rows
+(bf16, Hq 32, Hkv 8, D 128), one query each per Step, causal, each Step appending its token: the
+shape of attn_bench --mode=decode --shape=8,32,1,128 --nk=32768 --kv_heads=8. The tensors travel
+in the messages: the Python client's Steps take none by reference.
+
+    PYTHONPATH=client/python:build/tests/python/gen python3 bench/colo/py_step_bench.py \
+        --target=127.0.0.1:50051 [--nk=32768] [--warmup_s=1] [--duration_s=2]
+
+For each of unary Step, StepStream (stream=True) and the request ring (stream="ring": needs a
+server with --allow_shared_memory) prints one JSON line: end-to-end p50/p90 us, the server's
+compute (kernel) and total p50, p50 - kernel, and the sessions' rows before and after; a variant
+that fails prints {"rpc": ..., "error": ...} and the next goes on.
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+
+from attention_client import AttentionError, Client, float32_to_bfloat16_bits
+from attention_client.session import step_many
+
+HQ, HKV, D = 32, 8, 128
+ROW_BYTES = 2 * HKV * D * 2  # one row of K and V, bf16
+VARIANTS = (("unary", False), ("stream", True), ("ring", "ring"))
+
+
+def percentile(values, p):
+    return float(np.percentile(values, p))
+
+
+def run(client, sessions, stream, warmup_s, duration_s, room_rows, rng):
+    """Steps one at a time for warmup_s, then duration_s timed, or until the sessions have grown
+    by room_rows (the pool's room): (e2e us, ServerTiming) of the timed ones."""
+    q, k, v = (float32_to_bfloat16_bits(rng.standard_normal((h, 1, D), dtype=np.float32))
+               for h in (HQ, HKV, HKV))
+    items = [(s, q, k, v) for s in sessions]
+    e2e, timings = [], []
+    first = sessions[0].length
+    start = time.monotonic()
+    end_warmup, end = start + warmup_s, start + warmup_s + duration_s
+    while sessions[0].length - first < room_rows:
+        t0 = time.perf_counter_ns()
+        r = step_many(client, items, causal=True, return_info=True, stream=stream)[0]
+        t1 = time.perf_counter_ns()
+        now = time.monotonic()
+        if now >= end:
+            break
+        if now >= end_warmup:
+            e2e.append((t1 - t0) / 1e3)
+            timings.append(r.timing)
+    return e2e, timings
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="127.0.0.1:50051")
+    ap.add_argument("--sessions", type=int, default=8, help="sessions per Step")
+    ap.add_argument("--nk", type=int, default=32768, help="each session's first rows")
+    ap.add_argument("--warmup_s", type=float, default=1.0)
+    ap.add_argument("--duration_s", type=float, default=2.0)
+    ap.add_argument("--variants", default="unary,stream,ring",
+                    help="comma-separated: unary, stream, ring")
+    a = ap.parse_args()
+    chosen = a.variants.split(",")
+    unknown = set(chosen) - {name for name, _ in VARIANTS}
+    if unknown:
+        ap.error(f"--variants: unknown {sorted(unknown)}")
+
+    rng = np.random.default_rng(1)
+    # Every session starts from the same rows (as attn_bench's): values do not change the time.
+    k0, v0 = (float32_to_bfloat16_bits(rng.standard_normal((HKV, a.nk, D), dtype=np.float32))
+              for _ in range(2))
+    with Client(a.target) as client:
+        sessions = []
+        try:
+            for _ in range(a.sessions):
+                sessions.append(client.session(dtype="bfloat16", k=k0, v=v0, bfloat16_bits=True))
+            # Appended rows stop at what the pool has left, less a page per session for the
+            # pages the sessions have partly filled.
+            pool = client.list_sessions()
+            room_bytes = (pool.pages_free - a.sessions) * pool.page_bytes
+            room_rows = max(0, room_bytes // (a.sessions * ROW_BYTES)) // len(chosen)
+            for name, stream in VARIANTS:
+                if name not in chosen:
+                    continue
+                rows = sessions[0].length
+                try:
+                    e2e, timings = run(client, sessions, stream, a.warmup_s, a.duration_s,
+                                       room_rows, rng)
+                except (AttentionError, NotImplementedError) as e:
+                    print(json.dumps({"rpc": name, "error": str(e)}), flush=True)
+                    continue
+                if not e2e:
+                    print(json.dumps({"rpc": name, "error": f"no timed Step: the KV pool had "
+                                      f"room for {room_rows} more rows per session"}), flush=True)
+                    continue
+                kernel = percentile([t.compute_us for t in timings], 50)
+                p50 = percentile(e2e, 50)
+                print(json.dumps({
+                    "rpc": name, "sessions": a.sessions, "steps": len(e2e),
+                    "rows": [rows, sessions[0].length],
+                    "p50_us": p50, "p90_us": percentile(e2e, 90),
+                    "compute_us_p50": kernel,
+                    "server_total_us_p50": percentile([t.total_us for t in timings], 50),
+                    "queue_us_p50": percentile([t.queue_us for t in timings], 50),
+                    "p50_minus_kernel_us": p50 - kernel}), flush=True)
+        finally:
+            for s in sessions:
+                s.drop()
+
+
+if __name__ == "__main__":
+    main()
