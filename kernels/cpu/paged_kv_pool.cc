@@ -335,9 +335,7 @@ class CpuKvPagePool : public KvPagePool {
         MergeSplits(job, first + c * chunk, std::min(rows, first + (c + 1) * chunk));
       });
     }
-    if (given.q_seqs != nullptr && given.num_seqs > 1) {
-      ScatterDecodeOutputs(given, p.o, p.lse);
-    }
+    if (Gathers(given)) ScatterDecodeOutputs(given, p.o, p.lse);
     KvStepTimes times;
     times.compute_us =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
@@ -345,16 +343,22 @@ class CpuKvPagePool : public KvPagePool {
   }
 
  private:
+  // Whether a step's q is gathered into this pool's buffers (and o and lse scattered back): it
+  // comes per sequence, and is not one sequence whose own buffers are the packed layout.
+  static bool Gathers(const PagedDecodeParams& p) {
+    return p.q_seqs != nullptr && !(p.num_seqs == 1 && p.cu_seqlens_q[0] == 0);
+  }
+
   // The step with q, o and lse packed, as the kernels read them: as given, one sequence's own
-  // buffers (its rows are the packed layout), or q gathered into this pool's buffers, where o and
-  // lse are written, then scattered by Decode. Under mu_.
+  // buffers, or q gathered into this pool's buffers, where o and lse are written, then scattered
+  // by Decode (Gathers). Under mu_.
   PagedDecodeParams Packed(const PagedDecodeParams& given) {
     PagedDecodeParams p = given;
     if (given.q_seqs == nullptr) return p;
     p.q_seqs = nullptr;
     p.o_seqs = nullptr;
     p.lse_seqs = nullptr;
-    if (given.num_seqs == 1) {
+    if (!Gathers(given)) {
       p.q = given.q_seqs[0];
       p.o = given.o_seqs[0];
       p.lse = given.lse_seqs != nullptr ? given.lse_seqs[0] : nullptr;
