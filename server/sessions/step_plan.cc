@@ -1,7 +1,6 @@
 #include "server/sessions/step_plan.h"
 
 #include <algorithm>
-#include <utility>
 
 namespace attention::server {
 
