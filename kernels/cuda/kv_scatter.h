@@ -1,7 +1,7 @@
-// Many small device-to-device copies in one launch: the CUDA KV pool's writes (paged_kv_pool.cc)
-// stage a step's new K/V rows packed in one buffer, copy it to the device at once, and scatter
-// its segments to their pages here, where one cudaMemcpy2DAsync per page run, K or V, and
-// sequence took a call and a copy-engine job each.
+// Many small copies in one launch: the CUDA KV pool's writes (paged_kv_pool.cc) stage a step's new
+// K/V rows packed in one pinned buffer and scatter its segments to their pages here, the kernel
+// reading the staging over the bus, where one cudaMemcpy2DAsync per page run, K or V, and sequence
+// took a call and a copy-engine job each (and a copy of the staging to the device, one more).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -17,9 +17,9 @@ struct KvSegment {
   int64_t bytes;
 };
 
-// Copies `count` segments (a device array) from `src` to `dst` (device buffers) on `stream`, a
-// CTA per segment, in units of `unit` bytes (16, 8, 4 or 2; every src, dst and bytes a multiple
-// of it).
+// Copies `count` segments from `src` to `dst` (a device buffer) on `stream`, a CTA per segment, in
+// units of `unit` bytes (16, 8, 4 or 2; every src, dst and bytes a multiple of it). `segments`
+// and `src` are device memory or pinned host memory (the device reads it over the bus).
 cudaError_t LaunchKvScatter(const KvSegment* segments, int64_t count, const unsigned char* src,
                             unsigned char* dst, int unit, cudaStream_t stream);
 

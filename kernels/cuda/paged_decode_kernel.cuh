@@ -133,6 +133,24 @@ __device__ __forceinline__ void StoreO(void* o, int64_t i, float x) {
   }
 }
 
+// Elements at .. at + 3 of o (at a multiple of 4, o aligned to 16 bytes) in one store: o may be
+// pinned host memory, written over the bus (the KV pool's staging), where one 8- or 16-byte store
+// is one write and four 2-byte ones are four.
+template <typename T>
+__device__ __forceinline__ void StoreO4(void* o, int64_t at, float4 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    *reinterpret_cast<float4*>(static_cast<float*>(o) + at) = x;
+  } else if constexpr (std::is_same_v<T, __half>) {
+    const __half2 lo = __floats2half2_rn(x.x, x.y), hi = __floats2half2_rn(x.z, x.w);
+    *reinterpret_cast<uint2*>(static_cast<__half*>(o) + at) = make_uint2(
+        *reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+  } else {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(x.x, x.y), hi = __floats2bfloat162_rn(x.z, x.w);
+    *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(o) + at) = make_uint2(
+        *reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+  }
+}
+
 // Writes element `col` of a finished row: o (one split) or the split's float32 partial.
 template <typename T>
 __device__ __forceinline__ void StoreOut(const PagedKernelParams& p, int64_t index, int col,
@@ -148,11 +166,7 @@ template <typename T>
 __device__ __forceinline__ void StoreOut4(const PagedKernelParams& p, int64_t index, int col,
                                           float4 x) {
   if (p.splits == 1) {
-    const int64_t at = index * p.head_dim + col;
-    StoreO<T>(p.o, at, x.x);
-    StoreO<T>(p.o, at + 1, x.y);
-    StoreO<T>(p.o, at + 2, x.z);
-    StoreO<T>(p.o, at + 3, x.w);
+    StoreO4<T>(p.o, index * p.head_dim + col, x);
   } else {
     *reinterpret_cast<float4*>(p.part_o + (blockIdx.x * p.total_rows + index) * p.head_dim + col) =
         x;
@@ -255,11 +269,8 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
         for (int b = 0; b < kMergeBatch; ++b) {
           if (b >= n) break;
           const float inv = sum[b] > 0.f ? 1.f / sum[b] : 0.f;
-          const int64_t at = r[b] * p.head_dim + col;
-          StoreO<T>(p.o, at, o[b].x * inv);
-          StoreO<T>(p.o, at + 1, o[b].y * inv);
-          StoreO<T>(p.o, at + 2, o[b].z * inv);
-          StoreO<T>(p.o, at + 3, o[b].w * inv);
+          StoreO4<T>(p.o, r[b] * p.head_dim + col,
+                     make_float4(o[b].x * inv, o[b].y * inv, o[b].z * inv, o[b].w * inv));
         }
       }
     } else {
@@ -329,11 +340,8 @@ __device__ __forceinline__ void MergeSplitsInCluster(const PagedKernelParams& p,
     }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const int64_t index = GetPagedRow(p, q0, nq, hk, m0 + r).index;
-    const int64_t at = index * p.head_dim + col;
-    StoreO<T>(p.o, at, o.x * inv);
-    StoreO<T>(p.o, at + 1, o.y * inv);
-    StoreO<T>(p.o, at + 2, o.z * inv);
-    StoreO<T>(p.o, at + 3, o.w * inv);
+    StoreO4<T>(p.o, index * p.head_dim + col,
+               make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv));
     if (col == 0 && p.lse != nullptr) {
       p.lse[index] = sum > 0.f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
     }

@@ -4,13 +4,15 @@
 // step leaves them zero). Calls queue their work on one stream under a mutex; a decode step waits
 // for its results without it, so the next step's staging and launch overlap this one's kernel.
 //
-// Every host<->device copy goes through pinned staging, so it is a DMA queued without waiting:
+// Everything crosses the bus through pinned staging (host memory the device addresses directly):
 // a Write packs the rows of all its sequences there with a table of where each (page run, K or V,
-// head) goes, copies both at once and scatters them into the pages with one kernel (kv_scatter.h),
-// and returns with that in flight (stream order puts it before any later decode); a decode step
-// packs q and its small arrays there (one copy), and receives o and lse there. A step of 8
-// sequences that each append a row thus costs 3 copies, 2 launches and one wait (it was 18
-// copies: one 2D copy per sequence and K or V; before pinned staging, a wait per copy).
+// head) goes, and one kernel (kv_scatter.h) reads both from there and scatters the rows into the
+// pages; it returns with that in flight (stream order puts it before any later decode). A decode
+// step packs q and its small arrays there (one copy to the device, which the kernels read many
+// times), and the kernels write o and lse straight into it. A step of 8 sequences that each
+// append a row thus costs 1 copy, 2 launches and one wait (it was 18 copies: one 2D copy per
+// sequence and K or V; then, with pinned staging, 3 copies: a DMA's latency each, the D2H of o
+// 8.5 us of a Step's ~105 beyond the kernel on the H200 host).
 #include "kernels/cuda/paged_kv_pool.h"
 
 #include <cuda_runtime_api.h>
@@ -60,7 +62,7 @@ absl::Status AllocationError(size_t bytes, const char* what, cudaError_t err) {
 class CudaKvPagePool : public KvPagePool {
  public:
   CudaKvPagePool(int device, const PagedPlanOptions& plan_options, int64_t num_pages,
-                 int64_t page_bytes, void* pages, cudaStream_t stream, cudaEvent_t (&events)[4],
+                 int64_t page_bytes, void* pages, cudaStream_t stream, cudaEvent_t (&events)[3],
                  const CudaKvPoolOptions& options)
       : options_(options),
         plan_options_(plan_options),
@@ -69,7 +71,7 @@ class CudaKvPagePool : public KvPagePool {
         page_bytes_(page_bytes),
         pages_(static_cast<unsigned char*>(pages)),
         stream_(stream) {
-    idle_events_.push_back({events[0], events[1], events[2], events[3]});
+    idle_events_.push_back({events[0], events[1], events[2]});
   }
   ~CudaKvPagePool() override {
     cudaSetDevice(device_);
@@ -139,16 +141,14 @@ class CudaKvPagePool : public KvPagePool {
     const size_t cu_bytes = (host.num_seqs + 1) * sizeof(int32_t);
     const size_t lens_bytes = host.num_seqs * sizeof(int32_t);
     const size_t table_bytes = host.num_seqs * host.page_table_stride * sizeof(int32_t);
-    // Scratch: the inputs q | cu_seqlens_q | seqlens_k | page_table (one copy from staging laid
-    // out the same), then the outputs o | lse, then the kernels' workspace.
+    // Staging: the inputs q | cu_seqlens_q | seqlens_k | page_table, then the outputs o | lse.
+    // Scratch: the inputs laid out the same (one copy from staging), then the kernels' workspace.
     StepLayout l;
-    const size_t sizes[7] = {q_bytes, cu_bytes,  lens_bytes,          table_bytes,
-                             q_bytes, lse_bytes, plan.workspace_bytes};
-    for (int i = 0; i < 7; ++i) l.offsets[i + 1] = l.offsets[i] + RoundUp(sizes[i]);
-    RETURN_IF_ERROR(Reserve(l.offsets[7]));
+    const size_t sizes[6] = {q_bytes, cu_bytes, lens_bytes, table_bytes, q_bytes, lse_bytes};
+    for (int i = 0; i < 6; ++i) l.offsets[i + 1] = l.offsets[i] + RoundUp(sizes[i]);
+    RETURN_IF_ERROR(Reserve(l.offsets[kO] + plan.workspace_bytes));
     RETURN_IF_ERROR(ReserveTickets(plan.tickets));
-    // Staging: the inputs as in scratch, then o and lse as in scratch.
-    ASSIGN_OR_RETURN(l.staged, Stage(l.offsets[kWorkspace], lock));
+    ASSIGN_OR_RETURN(l.staged, Stage(l.offsets[kEnd], lock));
     GatherDecodeQ(host, l.staged + l.offsets[kQ]);
     const void* arrays[] = {host.cu_seqlens_q, host.seqlens_k, host.page_table};
     for (int i = kCu; i <= kTable; ++i) {
@@ -165,12 +165,13 @@ class CudaKvPagePool : public KvPagePool {
     KvStepTimes times;
     if (status.ok()) {
       lock.unlock();
-      status = CudaStatus(cudaEventSynchronize(events[3]), "run the decode step on the device");
+      status = CudaStatus(cudaEventSynchronize(events[2]), "run the decode step on the device");
       if (status.ok()) {
         ScatterDecodeOutputs(host, l.staged + l.offsets[kO],
                              reinterpret_cast<const float*>(l.staged + l.offsets[kLse]));
-        double* us[3] = {&times.h2d_us, &times.compute_us, &times.d2h_us};
-        for (int i = 0; i < 3 && status.ok(); ++i) {
+        // The outputs' writes are the kernels': d2h_us stays 0.
+        double* us[2] = {&times.h2d_us, &times.compute_us};
+        for (int i = 0; i < 2 && status.ok(); ++i) {
           float ms = 0;
           status = CudaStatus(cudaEventElapsedTime(&ms, events[i], events[i + 1]),
                               "cudaEventElapsedTime");
@@ -195,17 +196,18 @@ class CudaKvPagePool : public KvPagePool {
 
  private:
   // Where a decode step's buffers lie: offsets of q | cu_seqlens_q | seqlens_k | page_table | o |
-  // lse | workspace in the device scratch (and, up to the workspace, in the step's staging).
-  enum { kQ, kCu, kLens, kTable, kO, kLse, kWorkspace };
+  // lse in the step's staging; the device scratch holds the inputs at the same offsets, then the
+  // workspace (at offsets[kO]).
+  enum { kQ, kCu, kLens, kTable, kO, kLse, kEnd };
   struct StepLayout {
-    size_t offsets[8] = {0};
+    size_t offsets[kEnd + 1] = {0};
     unsigned char* staged = nullptr;
   };
-  // Before the h2d copy, before the kernels, after them, after the d2h copy.
-  using StepEvents = std::array<cudaEvent_t, 4>;
+  // Before the h2d copy, before the kernels, after them.
+  using StepEvents = std::array<cudaEvent_t, 3>;
 
-  // Queues a staged step: its inputs' copy, the kernels, its outputs' copy, and the events around
-  // them. Under mu_.
+  // Queues a staged step: its inputs' copy and the kernels, which write o and lse into its
+  // staging, with the events around them. Under mu_.
   absl::Status Enqueue(const PagedDecodePlan& plan, const DecodeExtent& extent,
                        const PagedDecodeParams& host, const StepLayout& l,
                        const StepEvents& events) {
@@ -213,8 +215,8 @@ class CudaKvPagePool : public KvPagePool {
     const bool lse = DecodeWantsLse(host);
     PagedDecodeParams dev = host;
     dev.q = at(kQ);
-    dev.o = at(kO);
-    dev.lse = lse ? reinterpret_cast<float*>(at(kLse)) : nullptr;
+    dev.o = l.staged + l.offsets[kO];
+    dev.lse = lse ? reinterpret_cast<float*>(l.staged + l.offsets[kLse]) : nullptr;
     dev.q_seqs = nullptr;
     dev.o_seqs = nullptr;
     dev.lse_seqs = nullptr;
@@ -227,24 +229,13 @@ class CudaKvPagePool : public KvPagePool {
         "copy the decode step's inputs to the device");
     if (options_.poison_outputs) {
       // All-ones bytes are NaN in every dtype: an element the kernels miss shows instead of a
-      // value left from an earlier step.
-      RETURN_IF_CUDA_ERROR(cudaMemsetAsync(at(kO), 0xff, l.offsets[kLse] - l.offsets[kO], stream_),
-                           "poison o");
-      if (lse) {
-        RETURN_IF_CUDA_ERROR(
-            cudaMemsetAsync(at(kLse), 0xff, l.offsets[kWorkspace] - l.offsets[kLse], stream_),
-            "poison lse");
-      }
+      // value left from an earlier step. The step's staging is its own until it has read it.
+      std::memset(l.staged + l.offsets[kO], 0xff, l.offsets[kEnd] - l.offsets[kO]);
     }
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events[1], stream_), "cudaEventRecord");
-    RETURN_IF_ERROR(LaunchPagedDecode(plan, pages_, page_bytes_, extent, dev, at(kWorkspace),
-                                      tickets_, stream_));
+    RETURN_IF_ERROR(
+        LaunchPagedDecode(plan, pages_, page_bytes_, extent, dev, at(kO), tickets_, stream_));
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events[2], stream_), "cudaEventRecord");
-    RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(l.staged + l.offsets[kO], at(kO), l.offsets[kWorkspace] - l.offsets[kO],
-                        cudaMemcpyDeviceToHost, stream_),
-        "copy o and lse to the host");
-    RETURN_IF_CUDA_ERROR(cudaEventRecord(events[3], stream_), "cudaEventRecord");
     return absl::OkStatus();
   }
 
@@ -266,13 +257,12 @@ class CudaKvPagePool : public KvPagePool {
   }
 
   // Stages the runs' rows (data_bytes, a multiple of 16) and their segment table (`segments`
-  // entries) after them, copies both to the device scratch at once and scatters the rows into
-  // their pages. In units of the largest power of two up to 16 that divides every row's bytes
-  // (every offset in a page is a multiple of a row).
+  // entries) after them, and scatters the rows into their pages by a kernel that reads both there.
+  // In units of the largest power of two up to 16 that divides every row's bytes (every offset in a
+  // page is a multiple of a row).
   absl::Status WriteChunk(absl::Span<const WriteRun> runs, size_t data_bytes, size_t segments,
                           std::unique_lock<std::mutex>& lock) {
     const size_t bytes = data_bytes + segments * sizeof(KvSegment);
-    RETURN_IF_ERROR(Reserve(bytes));
     ASSIGN_OR_RETURN(unsigned char* const staged, Stage(bytes, lock));
     auto* table = reinterpret_cast<KvSegment*>(staged + data_bytes);
     size_t at = 0, n = 0;
@@ -299,11 +289,8 @@ class CudaKvPagePool : public KvPagePool {
         }
       }
     }
-    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(scratch_, staged, bytes, cudaMemcpyHostToDevice, stream_),
-                         "copy kv rows to the device");
     RETURN_IF_CUDA_ERROR(
-        LaunchKvScatter(reinterpret_cast<const KvSegment*>(scratch_ + data_bytes),
-                        static_cast<int64_t>(segments), scratch_, pages_, unit, stream_),
+        LaunchKvScatter(table, static_cast<int64_t>(segments), staged, pages_, unit, stream_),
         "scatter kv rows into their pages");
     ++enqueued_;
     return absl::OkStatus();
@@ -428,8 +415,8 @@ absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t n
     cudaFree(pages);
     return CudaError(err, "cudaStreamCreate");
   }
-  cudaEvent_t events[4];
-  for (int i = 0; i < 4; ++i) {
+  cudaEvent_t events[3];
+  for (int i = 0; i < 3; ++i) {
     if (cudaError_t err = cudaEventCreate(&events[i]); err != cudaSuccess) {
       for (int j = 0; j < i; ++j) cudaEventDestroy(events[j]);
       cudaStreamDestroy(stream);
