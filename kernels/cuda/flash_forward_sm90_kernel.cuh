@@ -8,11 +8,12 @@
 // of kBr = 64 x kConsumers rows, query head, batch item), taken in the order and the way
 // sm90_schedule.h describes:
 //   warpgroup 0 (producer): one thread publishes each work tile and issues its TMA loads: the Q
-//     tile (kD/64 boxes of kBr rows x 64 columns) once the consumers have issued their last
-//     Q K^T of the previous one, then K and V tiles of kBc keys into kStages stages (counted
-//     across work tiles), each stage guarded by a "full" barrier (TMA transaction bytes) and an
-//     "empty" one (one arrival per consumer warp). The rest of the warpgroup idles on 24
-//     registers.
+//     tile (kD/64 boxes of kBr rows x 64 columns) into one of kQBuffers buffers once the
+//     consumers have issued their last Q K^T of the work tile that used it before (with two
+//     buffers the next tile's Q loads while the current one's last key tiles still run), then K
+//     and V tiles of kBc keys into kStages stages (counted across work tiles), each stage guarded
+//     by a "full" barrier (TMA transaction bytes) and an "empty" one (one arrival per consumer
+//     warp). The rest of the warpgroup idles on 24 registers.
 //   warpgroups 1 .. kConsumers (consumers, the rest of the registers): rows 64 wg .. 64 wg + 63
 //     of the tile each. Per key tile: S = Q K^T as kD/16 wgmma m64n{kBc}k16 with both operands
 //     in shared memory (K-major; the 16-element k-step advances the descriptor by 32 bytes inside
@@ -71,8 +72,16 @@
 //                  8 to 3 instructions at D = 128, and from 8 to 5-6 at D = 256. Speed against
 //                  v5 in the same call: D = 128 N = 1024 / 4096 / 16384 1.01 / 1.04 / 1.08,
 //                  D = 256 N = 1024 / 4096 1.04 / 1.04, D = 64 and float8 N = 1024 0.99-1.02.
+//   v7 2026-12-02  two Q buffers at D = 64 (Sm90TileFor): against v6 in the same call, 3 rounds
+//                  twice, N = 1024 1.044-1.048 / 1.025-1.028 (non-causal / causal), N = 2048
+//                  causal 1.016-1.026; at D = 128 0.98-1.01 at N = 1024-4096 and 0.955 at
+//                  16384 (its rounds moved 3.16-3.49 ms), so one buffer there.
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
-//   barriers), 2-10% slower; 176-key tiles at D = 128 unmasked, slower at N = 1024, no faster
+//   barriers), 2-10% slower when first tried; again on v7 (2026-12-02), so that one consumer's
+//   first softmax and epilogue of a work tile would run under the other's products: 0.996-1.009x
+//   at D = 128 and 256, N = 1024, 0.98x at float8 D = 128, 1.02-1.035x at D = 64 where the
+//   second Q buffer alone gave 1.025-1.044x.
+//   176-key tiles at D = 128 unmasked, slower at N = 1024, no faster
 //   beyond. One software pipeline across work tiles (2026-12-02: a work tile's first Q K^T and
 //   softmax under the previous one's last P V, two Q buffers where they fit, the epilogue inside
 //   the key-tile loop): correct (the wgmma_sm90 grid, memcheck, racecheck) and spill-free, but
@@ -119,7 +128,7 @@ struct Sm90Params {
   CUtensorMap q, k, v;  // 64-byte aligned types; float8: v maps KernelParams::v_transposed
 };
 
-template <typename T, int kD_, int kBc_, int kStages_, int kConsumers_>
+template <typename T, int kD_, int kBc_, int kStages_, int kConsumers_, int kQBuffers_ = 1>
 struct Sm90Tile {
   using Element = T;
   // float8 e4m3: Q and K as they come, V transposed (KernelParams::v_transposed), P rounded to
@@ -143,10 +152,14 @@ struct Sm90Tile {
   // (down to 2^-6 * 2^-8 of the row's largest instead of 2^-6); l carries the same factor, so o
   // is unchanged and the LSE subtracts it.
   static constexpr int kPLog2Gain = kFloat8 ? 8 : 0;
-  static constexpr int kBarriers = 2 + 4 * kStages;
+  // Q buffers: with two, the producer loads the next work tile's Q while the consumers still
+  // run the current one's last key tiles (with one, only after their last Q K^T).
+  static constexpr int kQBuffers = kQBuffers_;
+  static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
   // 1024 bytes of slack to align the tiles to the swizzle's 1024-byte groups, the barriers,
-  // and the current work tile's position (an int after the barriers).
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKvBytes + 8 * kBarriers + 8;
+  // and each Q buffer's work tile position (an int in 8 bytes each after the barriers).
+  static constexpr int kSmemBytes =
+      1024 + kQBuffers * kQBytes + 2 * kStages * kKvBytes + 8 * kBarriers + 8 * kQBuffers;
   // setmaxnreg: the producer keeps 24 registers (32 beside three consumers, which need fewer
   // each); the consumers share the rest of the 64K-register file (multiples of 8).
   static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
@@ -158,6 +171,8 @@ struct Sm90Tile {
   // float8 V^T stages are boxes of 128 keys (one swizzled row) by kD rows.
   static_assert(!kFloat8 || kBc % 128 == 0);
   static_assert(kConsumers == 2 || kConsumers == 3);
+  static_assert(kQBuffers == 1 || kQBuffers == 2);
+  static_assert(kSmemBytes <= 227 * 1024, "the most shared memory a CTA may take");
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536);
   // Shared addresses below 2^18: DescPlus moves descriptors on without a carry (smem_desc.h).
   static_assert(kSmemBytes < (1 << 18));
@@ -210,18 +225,26 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const KernelParams& p = sp.p;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  // Tiles of 128-byte rows (kBoxCols elements): Q [kDBlocks][kBr], K [kStages][kDBlocks][kBc],
-  // V [kStages][kDBlocks][kBc] (rows of keys), float8 V^T [kStages][kBc / 128][kD] (rows of D).
-  const uint32_t s_q = (SmemAddress(smem_raw) + 1023u) & ~1023u;
-  const uint32_t s_k = s_q + Tile::kQBytes;
+  // Tiles of 128-byte rows (kBoxCols elements): Q [kQBuffers][kDBlocks][kBr], K
+  // [kStages][kDBlocks][kBc], V [kStages][kDBlocks][kBc] (rows of keys), float8 V^T
+  // [kStages][kBc / 128][kD] (rows of D).
+  constexpr int kQBuffers = Tile::kQBuffers, kQb = 2 * kQBuffers;  // barriers before the stages'
+  const uint32_t s_q0 = (SmemAddress(smem_raw) + 1023u) & ~1023u;
+  const uint32_t s_k = s_q0 + kQBuffers * Tile::kQBytes;
   const uint32_t s_v = s_k + kStages * kKvBytes;
   const uint32_t bars = s_v + kStages * kKvBytes;
-  const uint32_t q_full = bars, q_empty = bars + 8;
-  const uint32_t tile_pos = bars + 8 * Tile::kBarriers;  // the current work tile's position
-  auto k_full = [&](int s) { return bars + 8u * (2 + s); };
-  auto v_full = [&](int s) { return bars + 8u * (2 + kStages + s); };
-  auto k_empty = [&](int s) { return bars + 8u * (2 + 2 * kStages + s); };
-  auto v_empty = [&](int s) { return bars + 8u * (2 + 3 * kStages + s); };
+  // Work tile `round` of the CTA uses Q buffer round % kQBuffers: its tiles, its barriers (and
+  // their parity) and the slot where the producer publishes the tile's position.
+  auto q_buffer = [&](int round) { return round % kQBuffers; };
+  auto q_parity = [&](int round) { return static_cast<uint32_t>((round / kQBuffers) & 1); };
+  auto s_q = [&](int b) { return s_q0 + b * Tile::kQBytes; };
+  auto q_full = [&](int b) { return bars + 8u * b; };
+  auto q_empty = [&](int b) { return bars + 8u * (kQBuffers + b); };
+  auto tile_pos = [&](int b) { return bars + 8u * (Tile::kBarriers + b); };
+  auto k_full = [&](int s) { return bars + 8u * (kQb + s); };
+  auto v_full = [&](int s) { return bars + 8u * (kQb + kStages + s); };
+  auto k_empty = [&](int s) { return bars + 8u * (kQb + 2 * kStages + s); };
+  auto v_empty = [&](int s) { return bars + 8u * (kQb + 3 * kStages + s); };
   // Key tile `it` of the CTA's whole run (counted across work tiles): its stage and the parity of
   // the stage's barriers.
   auto stage = [&](int it) { return it % kStages; };
@@ -237,8 +260,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   // from threadIdx.x alone they were rebuilt per thread before every wgmma (measured with v6).
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (threadIdx.x == 0) {
-    MbarInit(q_full, 1);
-    MbarInit(q_empty, kConsumerWarps);  // one arrival per consumer warp
+    for (int b = 0; b < kQBuffers; ++b) {
+      MbarInit(q_full(b), 1);
+      MbarInit(q_empty(b), kConsumerWarps);  // one arrival per consumer warp
+    }
     for (int s = 0; s < kStages; ++s) {
       MbarInit(k_full(s), 1);
       MbarInit(v_full(s), 1);
@@ -252,28 +277,29 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (warpgroup == 0) {
     WarpgroupRegistersDown<Tile::kProducerRegs>();
     if (threadIdx.x != 0) return;  // the consumers wait for every load, so the CTA outlives them
-    // Per work tile (a "round"): wait until the consumers are done with Q, publish the tile's
-    // position in tile_pos (>= work_tiles: no more work), arrive on q_full (with Q's bytes when
-    // the tile has keys), then stream its K and V tiles.
+    // Per work tile (a "round"): wait until the consumers are done with the round's Q buffer,
+    // publish the tile's position in its slot (>= work_tiles: no more work), arrive on its q_full
+    // (with Q's bytes when the tile has keys), then stream its K and V tiles.
     int it = 0;  // key tiles so far
     int pos = blockIdx.x;
     for (int round = 0;; ++round) {
-      MbarWait(q_empty, (round & 1) ^ 1);
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile_pos), "r"(pos) : "memory");
+      const int qb = q_buffer(round);
+      MbarWait(q_empty(qb), q_parity(round) ^ 1);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile_pos(qb)), "r"(pos) : "memory");
       if (pos >= schedule.work_tiles) {
-        MbarArrive(q_full);
+        MbarArrive(q_full(qb));
         break;
       }
       const Sm90WorkTile wt = GetWorkTile<kBr, kBc>(p, schedule, pos);
       if (wt.n_tiles() == 0) {
-        MbarArrive(q_full);
+        MbarArrive(q_full(qb));
       } else {
         const int map_b = varlen ? 0 : wt.b, hk = wt.h / p.kv_group;
-        MbarArriveExpectTx(q_full, Tile::kQBytes);
+        MbarArriveExpectTx(q_full(qb), Tile::kQBytes);
 #pragma unroll
         for (int c = 0; c < kDBlocks; ++c) {
-          TmaLoad4d(s_q + c * kBr * kRowBytes, &sp.q, q_full, c * kBoxCols, wt.e.q_start + wt.m0,
-                    wt.h, map_b);
+          TmaLoad4d(s_q(qb) + c * kBr * kRowBytes, &sp.q, q_full(qb), c * kBoxCols,
+                    wt.e.q_start + wt.m0, wt.h, map_b);
         }
         // The K and V tiles of keys `row` .. into stage s once the consumers have freed it.
         auto load_k = [&](int s, uint32_t phase, int row) {
@@ -327,15 +353,18 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const int wg = warpgroup - 1;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const uint32_t s_qw = s_q + wg * 64 * kRowBytes;  // this warpgroup's rows of each Q box
-  int it = 0;                                       // key tiles so far
+  int it = 0;  // key tiles so far
   for (int round = 0;; ++round) {
-    MbarWait(q_full, round & 1);
+    const int qb = q_buffer(round);
+    const uint32_t s_qw = s_q(qb) + wg * 64 * kRowBytes;  // this warpgroup's rows of each Q box
+    MbarWait(q_full(qb), q_parity(round));
     // Read by lane 0 alone, the lane that later arrives on q_empty: that arrival is what lets the
-    // producer overwrite tile_pos, so no other lane's read can be left unordered with the next
+    // producer overwrite the slot, so no other lane's read can be left unordered with the next
     // write (compute-sanitizer racecheck reported exactly that once CTAs ran several rounds).
     int pos = 0;
-    if (lane == 0) asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pos) : "r"(tile_pos) : "memory");
+    if (lane == 0) {
+      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pos) : "r"(tile_pos(qb)) : "memory");
+    }
     pos = __shfl_sync(0xffffffffu, pos, 0);
     if (pos >= schedule.work_tiles) break;
     const Sm90WorkTile wt = GetWorkTile<kBr, kBc>(p, schedule, pos);
@@ -353,7 +382,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       for (int j = 0; j < 4; ++j) acc_o[dt][j] = 0.f;
     float(&o_flat)[kD / 2] = reinterpret_cast<float(&)[kD / 2]>(acc_o);
 
-    if (n_tiles == 0 && lane == 0) MbarArrive(q_empty);  // nothing to read from Q
+    if (n_tiles == 0 && lane == 0) MbarArrive(q_empty(qb));  // nothing to read from Q
     if (n_tiles > 0) {
       if (p.negate_q) {
         // A negative scale runs as |scale| on -Q (KernelParams): flip the sign bits of this
@@ -423,7 +452,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       auto release_k = [&](int i) {
         if (lane != 0) return;
         MbarArrive(k_empty(stage(it0 + i)));
-        if (i == n_tiles - 1) MbarArrive(q_empty);
+        if (i == n_tiles - 1) MbarArrive(q_empty(qb));
       };
       // Mask (on tiles that need it) and online softmax of key tile i's logits, in place; per
       // row the rescale of the earlier terms.
