@@ -24,8 +24,10 @@
 //     operand of kBc/16 wgmma m64n{kD}k16 for O += P V, V read MN-major (rows of keys, as TMA
 //     stores them). Inside a consumer the key tiles are software-pipelined: S_i = Q K_i^T is
 //     issued before O += P_{i-1} V_{i-1}, so the softmax of tile i overlaps the P V of tile i-1
-//     on the tensor cores. The epilogue (O = acc * o_scale / l, LSE) stores from registers while
-//     the producer already loads the next work tile.
+//     on the tensor cores. The epilogue (O = acc * o_scale / l, LSE) runs while the producer
+//     already loads the next work tile: O by stmatrix into shared memory and one TMA store per
+//     64-column box, which the consumers do not wait for (the 16-bit D = 256 tile has no room
+//     for it and stores from registers, as do varlen tiles that end inside the next item).
 //   float8 e4m3 (head dims 128 and 256): the same with 128-byte rows of 128 elements, k32 wgmma
 //     (QGMMA) for both products, P rounded to e4m3 as 2^(s - max + 8) (in [0, 256], so that
 //     probabilities down to 2^-14 stay e4m3 normals; l carries the factor, the LSE drops it).
@@ -76,6 +78,14 @@
 //                  twice, N = 1024 1.044-1.048 / 1.025-1.028 (non-causal / causal), N = 2048
 //                  causal 1.016-1.026; at D = 128 0.98-1.01 at N = 1024-4096 and 0.955 at
 //                  16384 (its rounds moved 3.16-3.49 ms), so one buffer there.
+//   v8 2026-12-02  O stored through shared memory by TMA (stmatrix, then cp.async.bulk.tensor),
+//                  where 32 predicated 4-byte stores per row half left the tensor pipe idle at
+//                  every work tile's end (Nsight Compute: long-scoreboard stalls on the stores'
+//                  registers, 9% of the consumers' samples at D = 128, N = 1024). Against v7 in
+//                  the same call, 3 rounds, N = 1024: D = 128 1.051 / 1.088 (non-causal /
+//                  causal), float16 1.072, float8 D = 128 / 256 1.068 / 1.167, D = 64 1.00-1.02;
+//                  D = 128 N = 4096 1.020. The N = 1024-4096 grid: ours/cuDNN 0.92-1.22, ours/FA3
+//                  0.89-1.47 (bench/README.md).
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
 //   barriers), 2-10% slower when first tried; again on v7 (2026-12-02), so that one consumer's
 //   first softmax and epilogue of a work tile would run under the other's products: 0.996-1.009x
@@ -126,6 +136,8 @@ namespace attention::cuda {
 struct Sm90Params {
   KernelParams p;
   CUtensorMap q, k, v;  // 64-byte aligned types; float8: v maps KernelParams::v_transposed
+  CUtensorMap o;        // boxes of 64 rows for the TMA stores of O, where o_by_tma
+  bool o_by_tma;        // the tile stores O by TMA and o's address and strides allow it
 };
 
 template <typename T, int kD_, int kBc_, int kStages_, int kConsumers_, int kQBuffers_ = 1>
@@ -158,8 +170,16 @@ struct Sm90Tile {
   static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
   // 1024 bytes of slack to align the tiles to the swizzle's 1024-byte groups, the barriers,
   // and each Q buffer's work tile position (an int in 8 bytes each after the barriers).
-  static constexpr int kSmemBytes =
+  static constexpr int kLoadSmemBytes =
       1024 + kQBuffers * kQBytes + 2 * kStages * kKvBytes + 8 * kBarriers + 8 * kQBuffers;
+  // O stored through shared memory by TMA where 64 rows per consumer fit beside the rest: boxes
+  // of 64 rows x 128 bytes (kOBoxCols elements), swizzled as the loads' (every tile but the
+  // 16-bit D = 256 one, which stores from registers).
+  static constexpr int kOBoxCols = 128 / sizeof(Output);
+  static constexpr int kOTileBytes = kConsumers * 64 * kD * sizeof(Output);
+  static constexpr bool kTmaStoreO = kLoadSmemBytes + kOTileBytes <= 227 * 1024;
+  static constexpr int kOBytes = kTmaStoreO ? kOTileBytes : 0;
+  static constexpr int kSmemBytes = kLoadSmemBytes + kOBytes;
   // setmaxnreg: the producer keeps 24 registers (32 beside three consumers, which need fewer
   // each); the consumers share the rest of the 64K-register file (multiples of 8).
   static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
@@ -167,6 +187,7 @@ struct Sm90Tile {
 
   static_assert(sizeof(T) == 2 || sizeof(T) == 1, "16-bit or e4m3 elements");
   static_assert(kD % kBoxCols == 0 && kD <= 256);
+  static_assert(kD % kOBoxCols == 0);
   static_assert(kBc % 16 == 0 && kBc <= 256 && (kBc * 128) % 1024 == 0);
   // float8 V^T stages are boxes of 128 keys (one swizzled row) by kD rows.
   static_assert(!kFloat8 || kBc % 128 == 0);
@@ -227,12 +248,13 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Tiles of 128-byte rows (kBoxCols elements): Q [kQBuffers][kDBlocks][kBr], K
   // [kStages][kDBlocks][kBc], V [kStages][kDBlocks][kBc] (rows of keys), float8 V^T
-  // [kStages][kBc / 128][kD] (rows of D).
+  // [kStages][kBc / 128][kD] (rows of D); then O [kConsumers][kD / kOBoxCols][64] (Output).
   constexpr int kQBuffers = Tile::kQBuffers, kQb = 2 * kQBuffers;  // barriers before the stages'
   const uint32_t s_q0 = (SmemAddress(smem_raw) + 1023u) & ~1023u;
   const uint32_t s_k = s_q0 + kQBuffers * Tile::kQBytes;
   const uint32_t s_v = s_k + kStages * kKvBytes;
-  const uint32_t bars = s_v + kStages * kKvBytes;
+  const uint32_t s_o = s_v + kStages * kKvBytes;  // Tile::kTmaStoreO: O of each consumer
+  const uint32_t bars = s_o + Tile::kOBytes;
   // Work tile `round` of the CTA uses Q buffer round % kQBuffers: its tiles, its barriers (and
   // their parity) and the slot where the producer publishes the tile's position.
   auto q_buffer = [&](int round) { return round % kQBuffers; };
@@ -550,34 +572,81 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       it += n_tiles;
     }
 
-    // Epilogue: O = acc * o_scale / l (0 for rows that saw no key), straight from the
-    // accumulators: each quad writes 16 contiguous bytes of a row per 8-column tile.
-    OutT* o = static_cast<OutT*>(p.o) + wt.b * p.o_batch_stride + wt.h * p.o_head_stride;
+    // Epilogue: O = acc * o_scale / l (0 for rows that saw no key). Where the tile has room for
+    // it (Tile::kTmaStoreO) and O's map could be made (Sm90Params::o_by_tma), through shared
+    // memory: stmatrix of the rounded rows into this warpgroup's 128-byte-swizzled boxes, then one
+    // thread's TMA stores, which clip rows past the tensor's end and columns past head_dim, so the
+    // consumers go on while the stores run. Varlen tiles whose rows run into the next item, and
+    // the other tiles, store straight from the accumulators: each quad writes 16 contiguous bytes
+    // of a row per 8-column tile.
+    float l[2], inv[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float l = QuadSum(row_sum[half]);
-      const float inv = l > 0.f ? p.o_scale / l : 0.f;
-      const int row = wg_row0 + warp * 16 + g + half * 8;  // within the item
-      if (row < e.nq) {
+      l[half] = QuadSum(row_sum[half]);
+      inv[half] = l[half] > 0.f ? p.o_scale / l[half] : 0.f;
+    }
+    if (Tile::kTmaStoreO && sp.o_by_tma && wg_row0 < e.nq && (!varlen || wg_row0 + 64 <= e.nq)) {
+      constexpr int kOBoxCols = Tile::kOBoxCols;
+      const uint32_t s_ow = s_o + wg * 64 * kD * sizeof(OutT);  // [kD / kOBoxCols][64 rows]
+      const bool leader = threadIdx.x % 128 == 0;               // the thread that stores
+      if (leader) TmaStoreWait<true>();  // the last work tile's stores have read the boxes
+      WarpgroupSync(1 + wg);
+      // Matrices (half 0, dt), (half 1, dt), (half 0, dt + 1), (half 1, dt + 1): lane l gives row
+      // l % 8 of matrix l / 8, 16 bytes at its 8 columns' place in the swizzled box.
+      const int m = lane / 8, m_row = warp * 16 + (m % 2) * 8 + lane % 8;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; dt += 2) {
+        const int chunk = dt + m / 2;  // 8-column chunk of the row, 16 bytes
+        const uint32_t addr = s_ow + (chunk / 8) * 64 * kRowBytes + m_row * kRowBytes +
+                              (((chunk % 8) ^ (m_row % 8)) << 4);
+        StoreMatrixX4(addr, PackPair<OutT>(acc_o[dt][0] * inv[0], acc_o[dt][1] * inv[0]),
+                      PackPair<OutT>(acc_o[dt][2] * inv[1], acc_o[dt][3] * inv[1]),
+                      PackPair<OutT>(acc_o[dt + 1][0] * inv[0], acc_o[dt + 1][1] * inv[0]),
+                      PackPair<OutT>(acc_o[dt + 1][2] * inv[1], acc_o[dt + 1][3] * inv[1]));
+      }
+      FenceProxyAsyncShared();
+      WarpgroupSync(1 + wg);
+      if (leader) {
+#pragma unroll
+        for (int c = 0; c < kD / kOBoxCols; ++c) {
+          TmaStore4d(&sp.o, s_ow + c * 64 * kRowBytes, c * kOBoxCols, e.q_start + wg_row0, wt.h,
+                     varlen ? 0 : wt.b);
+        }
+        TmaStoreCommit();
+      }
+    } else {
+      OutT* o = static_cast<OutT*>(p.o) + wt.b * p.o_batch_stride + wt.h * p.o_head_stride;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = wg_row0 + warp * 16 + g + half * 8;  // within the item
+        if (row >= e.nq) continue;
         OutT* o_row = o + static_cast<int64_t>(e.q_start + row) * p.o_row_stride;
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
           const int col = dt * 8 + 2 * t;
           if (col < p.head_dim) {
-            *reinterpret_cast<uint32_t*>(o_row + col) =
-                PackPair<OutT>(acc_o[dt][half * 2] * inv, acc_o[dt][half * 2 + 1] * inv);
+            *reinterpret_cast<uint32_t*>(o_row + col) = PackPair<OutT>(
+                acc_o[dt][half * 2] * inv[half], acc_o[dt][half * 2 + 1] * inv[half]);
           }
-        }
-        if (p.lse != nullptr && t == 0) {
-          // Natural-log LSE: scale_log2 * row_max is max(scale * s) * log2(e).
-          const float lse =
-              l > 0.f ? (row_max[half] * p.scale_log2 + log2f(l) - Tile::kPLog2Gain) * kLn2
-                      : -INFINITY;
-          p.lse[wt.b * p.lse_batch_stride + wt.h * p.lse_head_stride + e.q_start + row] = lse;
         }
       }
     }
+    if (p.lse != nullptr && t == 0) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = wg_row0 + warp * 16 + g + half * 8;
+        if (row >= e.nq) continue;
+        // Natural-log LSE: scale_log2 * row_max is max(scale * s) * log2(e).
+        const float lse =
+            l[half] > 0.f
+                ? (row_max[half] * p.scale_log2 + log2f(l[half]) - Tile::kPLog2Gain) * kLn2
+                : -INFINITY;
+        p.lse[wt.b * p.lse_batch_stride + wt.h * p.lse_head_stride + e.q_start + row] = lse;
+      }
+    }
   }
+  // The CTA's shared memory must outlive the last stores' reads of it.
+  if (Tile::kTmaStoreO && threadIdx.x % 128 == 0) TmaStoreWait<false>();
 #endif  // ATTENTION_SM90A
 }
 

@@ -84,9 +84,9 @@ inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
 }
 
 // A 4-D map (cols, rows, heads, items) of elements T with element strides, read in boxes of one
-// 128-byte row of columns x box_rows rows into the 128-byte swizzle. Q, K, V: cols = head_dim,
-// rows = tokens; float8 V^T: cols = keys, rows = head_dim. A dimension of extent 1 gets a stride
-// TMA accepts whatever the caller's is (it is never stepped over).
+// 128-byte row of columns x box_rows rows into the 128-byte swizzle (or stored from it). Q, K, V
+// and O: cols = head_dim, rows = tokens; float8 V^T: cols = keys, rows = head_dim. A dimension of
+// extent 1 gets a stride TMA accepts whatever the caller's is (it is never stepped over).
 template <typename T>
 bool EncodeTileMap(CUtensorMap* map, const void* base, int cols, int rows, int heads, int items,
                    int64_t row_stride, int64_t head_stride, int64_t item_stride, int box_rows) {
@@ -145,6 +145,13 @@ cudaError_t LaunchSm90Tile(const KernelParams& p, cudaStream_t stream) {
   } else if (!EncodeTileMap<T>(&sp.v, p.v, p.head_dim, p.total_k, heads_kv, items, p.v_row_stride,
                                p.v_head_stride, p.v_batch_stride, Tile::kBc)) {
     return cudaErrorInvalidValue;
+  }
+  if constexpr (Tile::kTmaStoreO) {
+    // O by TMA where the driver takes its map (16-byte aligned address and strides); otherwise
+    // the kernel stores from registers, which needs 4-byte alignment only.
+    using OutT = typename Tile::Output;
+    sp.o_by_tma = EncodeTileMap<OutT>(&sp.o, p.o, p.head_dim, p.total_q, p.heads_q, items,
+                                      p.o_row_stride, p.o_head_stride, p.o_batch_stride, 64);
   }
   auto* kernel = FlashForwardSm90Kernel<Tile>;
   static std::atomic<uint64_t> smem_set_on{0};

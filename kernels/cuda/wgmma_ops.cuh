@@ -68,6 +68,44 @@ __device__ __forceinline__ void TmaLoad4d(uint32_t dst, const void* map, uint32_
       : "memory");
 }
 
+// A 4-D box of shared memory at src (laid out as TmaLoad4d's) into `map` at element coordinates
+// (c0 innermost .. c3): elements past the tensor's extent are not written. Asynchronous: one
+// bulk group per commit (TmaStoreCommit), src may be written again after TmaStoreWaitRead.
+__device__ __forceinline__ void TmaStore4d(const void* map, uint32_t src, int c0, int c1, int c2,
+                                           int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+      : "memory");
+}
+__device__ __forceinline__ void TmaStoreCommit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until this thread's committed stores have read their shared memory (kRead) or are done.
+template <bool kRead>
+__device__ __forceinline__ void TmaStoreWait() {
+  if constexpr (kRead) {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  }
+}
+// Orders this thread's generic-proxy shared stores before later async-proxy (TMA) reads.
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Four 8x8 matrices of 16-bit elements into shared memory: lane l gives the address of row l % 8
+// of matrix l / 8 (16 bytes), and r[i] is its part of matrix i in the mma.sync accumulator layout
+// (row lane / 4, columns 2 (lane % 4) and 2 (lane % 4) + 1, the lower column in the low half).
+__device__ __forceinline__ void StoreMatrixX4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                              uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // ---- wgmma ----
 
 // Orders this thread's register writes before the warpgroup's next wgmma reads them.
