@@ -85,7 +85,8 @@
 //                  the same call, 3 rounds, N = 1024: D = 128 1.051 / 1.088 (non-causal /
 //                  causal), float16 1.072, float8 D = 128 / 256 1.068 / 1.167, D = 64 1.00-1.02;
 //                  D = 128 N = 4096 1.020. The N = 1024-4096 grid: ours/cuDNN 0.92-1.22, ours/FA3
-//                  0.89-1.47 (bench/README.md).
+//                  0.89-1.47 (bench/README.md). Two Q buffers at D = 128 on v8: 0.99-1.02,
+//                  not kept.
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
 //   barriers), 2-10% slower when first tried; again on v7 (2026-12-02), so that one consumer's
 //   first softmax and epilogue of a work tile would run under the other's products: 0.996-1.009x
