@@ -70,7 +70,7 @@ __device__ __forceinline__ void TmaLoad4d(uint32_t dst, const void* map, uint32_
 
 // A 4-D box of shared memory at src (laid out as TmaLoad4d's) into `map` at element coordinates
 // (c0 innermost .. c3): elements past the tensor's extent are not written. Asynchronous: one
-// bulk group per commit (TmaStoreCommit), src may be written again after TmaStoreWaitRead.
+// bulk group per commit (TmaStoreCommit), src may be written again after TmaStoreWait<true>.
 __device__ __forceinline__ void TmaStore4d(const void* map, uint32_t src, int c0, int c1, int c2,
                                            int c3) {
   asm volatile(
