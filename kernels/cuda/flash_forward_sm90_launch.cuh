@@ -24,8 +24,8 @@ namespace attention::cuda {
 // run. D = 64: three consumers (192 query rows; S, P and O of a warpgroup fit 160 registers) on
 // three stages; masked calls of up to 2048 query rows two (128 rows), where a causal 1024 x 1024
 // ran 0.30 instead of 0.26 PFLOP/s (unmasked ones 0.40 instead of 0.42: three keep the tensor
-// cores busier); two Q buffers (1.02-1.05x at N = 1024-2048; at D = 128 they measured 0.98-1.01x,
-// so one there, and D = 256 has no room for a second). D = 128: 128-key tiles (176, as
+// cores busier); two Q buffers (1.02-1.05x at N = 1024-2048; at D = 128 0.98-1.02x, on v7 and on
+// v8, so one there, and D = 256 has no room for a second). D = 128: 128-key tiles (176, as
 // FlashAttention-3 takes unmasked, ran 0.52 instead of 0.54-0.56 PFLOP/s at N = 1024 and no faster
 // at 4096 or 16384). D = 256: 80 keys, so that Q (64 KiB) and two K/V stages fit in 227 KiB (and
 // at 16 bits no O boxes: its epilogue stores from registers).
