@@ -87,6 +87,15 @@
 //                  D = 128 N = 4096 1.020. The N = 1024-4096 grid: ours/cuDNN 0.92-1.22, ours/FA3
 //                  0.89-1.47 (bench/README.md). Two Q buffers at D = 128 on v8: 0.99-1.02,
 //                  not kept.
+//   v9 2026-12-02  each consumer computes only the key tiles its own 64 rows see (none when
+//                  they all lie past the item's end: two of three warpgroups in the last query
+//                  tile at D = 64, N = 1024; the lower warpgroup skips a causal diagonal's first
+//                  tile where kBc < kBr), and the producer publishes each work tile decoded.
+//                  Against v8 in the same call, 3 rounds: D = 64 N = 1024 / 2048 1.09-1.11 /
+//                  1.06, causal N = 1024 / 4096 1.03 / 1.09; D = 128 N = 1024 1.03; D = 256
+//                  N = 1024 1.03 / 1.03-1.04 causal; float8 N = 1024 1.02-1.03. Drawing the
+//                  next position before the tile's loads instead of after them: 0.97-0.98 at
+//                  D = 256 causal, not kept.
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
 //   barriers), 2-10% slower when first tried; again on v7 (2026-12-02), so that one consumer's
 //   first softmax and epilogue of a work tile would run under the other's products: 0.996-1.009x
@@ -169,10 +178,12 @@ struct Sm90Tile {
   // run the current one's last key tiles (with one, only after their last Q K^T).
   static constexpr int kQBuffers = kQBuffers_;
   static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
+  // Each Q buffer's work tile as the producer publishes it (Sm90WorkTile, 16-byte aligned).
+  static constexpr int kTileSlotBytes = 48;
   // 1024 bytes of slack to align the tiles to the swizzle's 1024-byte groups, the barriers,
-  // and each Q buffer's work tile position (an int in 8 bytes each after the barriers).
-  static constexpr int kLoadSmemBytes =
-      1024 + kQBuffers * kQBytes + 2 * kStages * kKvBytes + 8 * kBarriers + 8 * kQBuffers;
+  // and the work tile slots after them.
+  static constexpr int kLoadSmemBytes = 1024 + kQBuffers * kQBytes + 2 * kStages * kKvBytes +
+                                        8 * kBarriers + kTileSlotBytes * kQBuffers;
   // O stored through shared memory by TMA where 64 rows per consumer fit beside the rest: boxes
   // of 64 rows x 128 bytes (kOBoxCols elements), swizzled as the loads' (every tile but the
   // 16-bit D = 256 one, which stores from registers).
@@ -227,6 +238,53 @@ __device__ __forceinline__ Sm90WorkTile GetWorkTile(const KernelParams& p, const
   return wt;
 }
 
+// The producer decodes each work tile once and publishes it with its position (>= work_tiles: no
+// more work) in the Q buffer's slot (12 ints), before it arrives on the buffer's q_full: the
+// consumers' round then starts with three shared loads and shuffles instead of the schedule's
+// integer divisions, while both their tensor-core queues are empty.
+__device__ __forceinline__ void PublishWorkTile(uint32_t slot, int pos, const Sm90WorkTile& wt) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(pos), "r"(wt.m0),
+               "r"(wt.h), "r"(wt.b)
+               : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot + 16), "r"(wt.e.q_start),
+               "r"(wt.e.k_start), "r"(wt.e.nq), "r"(wt.e.nk)
+               : "memory");
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(slot + 32), "r"(wt.n_block_min),
+               "r"(wt.n_block_max)
+               : "memory");
+}
+// The work tile of `slot` as a consumer warp reads it: by lane 0 alone, the lane that later
+// arrives on q_empty (that arrival is what lets the producer overwrite the slot, so no other
+// lane's read can be left unordered with the next write: compute-sanitizer racecheck reported
+// exactly that once CTAs ran several rounds), then shuffled to the warp, so the compiler knows the
+// values are warp-uniform. Returns the position.
+__device__ __forceinline__ int ReadWorkTile(uint32_t slot, Sm90WorkTile* wt) {
+  int v[10] = {};
+  if (threadIdx.x % 32 == 0) {
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "r"(slot)
+                 : "memory");
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v[4]), "=r"(v[5]), "=r"(v[6]), "=r"(v[7])
+                 : "r"(slot + 16)
+                 : "memory");
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
+                 : "=r"(v[8]), "=r"(v[9])
+                 : "r"(slot + 32)
+                 : "memory");
+  }
+#pragma unroll
+  for (int j = 0; j < 10; ++j) v[j] = __shfl_sync(0xffffffffu, v[j], 0);
+  *wt = {.m0 = v[1],
+         .h = v[2],
+         .b = v[3],
+         .e = {.q_start = v[4], .k_start = v[5], .nq = v[6], .nk = v[7]},
+         .n_block_min = v[8],
+         .n_block_max = v[9]};
+  return v[0];
+}
+
 // A persistent kernel: gridDim.x CTAs (at most one per SM) loop over the work tiles. The producer
 // runs ahead across tiles (the next tile's Q as soon as the consumers have issued their last
 // Q K^T, its K and V as stages free up), so a tile's epilogue overlaps the next tile's loads.
@@ -263,7 +321,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   auto s_q = [&](int b) { return s_q0 + b * Tile::kQBytes; };
   auto q_full = [&](int b) { return bars + 8u * b; };
   auto q_empty = [&](int b) { return bars + 8u * (kQBuffers + b); };
-  auto tile_pos = [&](int b) { return bars + 8u * (Tile::kBarriers + b); };
+  auto tile_slot = [&](int b) { return bars + 8u * Tile::kBarriers + Tile::kTileSlotBytes * b; };
   auto k_full = [&](int s) { return bars + 8u * (kQb + s); };
   auto v_full = [&](int s) { return bars + 8u * (kQb + kStages + s); };
   auto k_empty = [&](int s) { return bars + 8u * (kQb + 2 * kStages + s); };
@@ -300,20 +358,25 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (warpgroup == 0) {
     WarpgroupRegistersDown<Tile::kProducerRegs>();
     if (threadIdx.x != 0) return;  // the consumers wait for every load, so the CTA outlives them
-    // Per work tile (a "round"): wait until the consumers are done with the round's Q buffer,
-    // publish the tile's position in its slot (>= work_tiles: no more work), arrive on its q_full
-    // (with Q's bytes when the tile has keys), then stream its K and V tiles.
+    // Per work tile (a "round"): decode it, wait until the consumers are done with the round's Q
+    // buffer, publish the tile in its slot (position >= work_tiles: no more work), arrive on its
+    // q_full (with Q's bytes when the tile has keys), then stream its K and V tiles, and only then
+    // draw the next position (drawn before the loads, a CTA commits to its next tile a whole tile
+    // earlier, which balances the heaviest-first order's tail worse: 2-3% slower at D = 256
+    // causal).
     int it = 0;  // key tiles so far
     int pos = blockIdx.x;
     for (int round = 0;; ++round) {
       const int qb = q_buffer(round);
+      const bool last = pos >= schedule.work_tiles;
+      Sm90WorkTile wt{};
+      if (!last) wt = GetWorkTile<kBr, kBc>(p, schedule, pos);
       MbarWait(q_empty(qb), q_parity(round) ^ 1);
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile_pos(qb)), "r"(pos) : "memory");
-      if (pos >= schedule.work_tiles) {
+      PublishWorkTile(tile_slot(qb), pos, wt);
+      if (last) {
         MbarArrive(q_full(qb));
         break;
       }
-      const Sm90WorkTile wt = GetWorkTile<kBr, kBc>(p, schedule, pos);
       if (wt.n_tiles() == 0) {
         MbarArrive(q_full(qb));
       } else {
@@ -381,21 +444,36 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     const int qb = q_buffer(round);
     const uint32_t s_qw = s_q(qb) + wg * 64 * kRowBytes;  // this warpgroup's rows of each Q box
     MbarWait(q_full(qb), q_parity(round));
-    // Read by lane 0 alone, the lane that later arrives on q_empty: that arrival is what lets the
-    // producer overwrite the slot, so no other lane's read can be left unordered with the next
-    // write (compute-sanitizer racecheck reported exactly that once CTAs ran several rounds).
-    int pos = 0;
-    if (lane == 0) {
-      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pos) : "r"(tile_pos(qb)) : "memory");
-    }
-    pos = __shfl_sync(0xffffffffu, pos, 0);
-    if (pos >= schedule.work_tiles) break;
-    const Sm90WorkTile wt = GetWorkTile<kBr, kBc>(p, schedule, pos);
+    Sm90WorkTile wt;
+    if (ReadWorkTile(tile_slot(qb), &wt) >= schedule.work_tiles) break;
     const ItemExtent& e = wt.e;
     const int n_tiles = wt.n_tiles();
     const int wg_row0 = wt.m0 + wg * 64;  // this warpgroup's first row in the item
     const int wg_row_last = min(wg_row0 + 63, e.nq - 1);
     auto first_key = [&](int i) { return (wt.n_block_max - 1 - i) * kBc; };
+    // The work tile's key tiles i0 .. i1 - 1 are the ones this warpgroup's own rows see: fewer
+    // than the CTA's on a causal diagonal when kBc < kBr (D = 256: the lower 64 rows often skip
+    // the first tile), none when all its rows lie past the item's end (the last tile of an item
+    // whose length is not a multiple of kBr: at D = 64, N = 1024, two warpgroups of three). The
+    // others it only frees once they are loaded, computing nothing, which leaves the tensor cores
+    // to the other consumers.
+    int i0 = n_tiles, i1 = n_tiles;
+    if (wg_row0 < e.nq) {
+      const KeyRange keys = VisibleKeys(p, e.nq, e.nk, wg_row0, wg_row_last);
+      if (keys.hi > keys.lo) {
+        i0 = min(max(wt.n_block_max - (keys.hi + kBc - 1) / kBc, 0), n_tiles);
+        i1 = min(max(wt.n_block_max - max(keys.lo, 0) / kBc, i0), n_tiles);
+      }
+    }
+    auto pass_over = [&](int from, int to) {
+      for (int i = from; i < to; ++i) {
+        MbarWait(k_full(stage(it + i)), parity(it + i));
+        if (lane == 0) MbarArrive(k_empty(stage(it + i)));
+        MbarWait(v_full(stage(it + i)), parity(it + i));
+        if (lane == 0) MbarArrive(v_empty(stage(it + i)));
+      }
+    };
+    pass_over(0, i0);
 
     float acc_o[kDTiles][4];
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
@@ -405,8 +483,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       for (int j = 0; j < 4; ++j) acc_o[dt][j] = 0.f;
     float(&o_flat)[kD / 2] = reinterpret_cast<float(&)[kD / 2]>(acc_o);
 
-    if (n_tiles == 0 && lane == 0) MbarArrive(q_empty(qb));  // nothing to read from Q
-    if (n_tiles > 0) {
+    if (i0 == i1 && lane == 0) MbarArrive(q_empty(qb));  // nothing to read from Q
+    if (i0 < i1) {
       if (p.negate_q) {
         // A negative scale runs as |scale| on -Q (KernelParams): flip the sign bits of this
         // warpgroup's 64 rows, then make the generic-proxy stores visible to wgmma.
@@ -475,7 +553,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       auto release_k = [&](int i) {
         if (lane != 0) return;
         MbarArrive(k_empty(stage(it0 + i)));
-        if (i == n_tiles - 1) MbarArrive(q_empty(qb));
+        if (i == i1 - 1) MbarArrive(q_empty(qb));
       };
       // Mask (on tiles that need it) and online softmax of key tile i's logits, in place; per
       // row the rescale of the earlier terms.
@@ -535,15 +613,15 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       uint32_t p_frag[kPvSteps][4];
       {
         float acc_s[kNTiles][4];
-        issue_qk(0, acc_s);
+        issue_qk(i0, acc_s);
         WgmmaWait<0>();
         FenceRegisters(reinterpret_cast<float(&)[kBc / 2]>(acc_s));
-        release_k(0);
+        release_k(i0);
         float rescale[2];
-        softmax(0, acc_s, rescale);  // O is still zero: nothing to rescale
+        softmax(i0, acc_s, rescale);  // O is still zero: nothing to rescale
         to_p(acc_s, p_frag);
       }
-      for (int i = 1; i < n_tiles; ++i) {
+      for (int i = i0 + 1; i < i1; ++i) {
         float acc_s[kNTiles][4];
         issue_qk(i, acc_s);
         issue_pv(i - 1, p_frag);
@@ -565,13 +643,14 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         }
         to_p(acc_s, p_frag);
       }
-      issue_pv(n_tiles - 1, p_frag);
+      issue_pv(i1 - 1, p_frag);
       WgmmaWait<0>();
       fence_p(p_frag);
       FenceRegisters(o_flat);
-      if (lane == 0) MbarArrive(v_empty(stage(it0 + n_tiles - 1)));
-      it += n_tiles;
+      if (lane == 0) MbarArrive(v_empty(stage(it0 + i1 - 1)));
     }
+    pass_over(i1, n_tiles);
+    it += n_tiles;
 
     // Epilogue: O = acc * o_scale / l (0 for rows that saw no key). Where the tile has room for
     // it (Tile::kTmaStoreO) and O's map could be made (Sm90Params::o_by_tma), through shared
