@@ -27,7 +27,8 @@
 //     on the tensor cores. The epilogue (O = acc * o_scale / l, LSE) runs while the producer
 //     already loads the next work tile: O by stmatrix into shared memory and one TMA store per
 //     64-column box, which the consumers do not wait for (the 16-bit D = 256 tile has no room
-//     for it and stores from registers, as do varlen tiles that end inside the next item).
+//     beside its tiles and puts O in the V stages, whose next loads wait for the stores to have
+//     read it; varlen tiles that end inside the next item store from registers).
 //   float8 e4m3 (head dims 128 and 256): the same with 128-byte rows of 128 elements, k32 wgmma
 //     (QGMMA) for both products, P rounded to e4m3 as 2^(s - max + 8) (in [0, 256], so that
 //     probabilities down to 2^-14 stay e4m3 normals; l carries the factor, the LSE drops it).
@@ -96,6 +97,9 @@
 //                  N = 1024 1.03 / 1.03-1.04 causal; float8 N = 1024 1.02-1.03. Drawing the
 //                  next position before the tile's loads instead of after them: 0.97-0.98 at
 //                  D = 256 causal, not kept.
+//   v10 2026-12-02 16-bit D = 256: O stored by TMA from the V stages (Tile::kOInV), where it
+//                  stored from registers: against v9 in the same call, 3 rounds, N = 1024
+//                  1.09 / 1.11 (non-causal / causal), N = 4096 1.03 / 1.04, N = 16384 1.09.
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
 //   barriers), 2-10% slower when first tried; again on v7 (2026-12-02), so that one consumer's
 //   first softmax and epilogue of a work tile would run under the other's products: 0.996-1.009x
@@ -177,20 +181,28 @@ struct Sm90Tile {
   // Q buffers: with two, the producer loads the next work tile's Q while the consumers still
   // run the current one's last key tiles (with one, only after their last Q K^T).
   static constexpr int kQBuffers = kQBuffers_;
-  static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
+  // The barriers: q_full and q_empty per Q buffer, k_full, v_full, k_empty and v_empty per
+  // stage, and o_empty (used where kOInV).
+  static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages + 1;
+  static constexpr int kBarrierBytes = (8 * kBarriers + 15) / 16 * 16;  // the slots' alignment
   // Each Q buffer's work tile as the producer publishes it (Sm90WorkTile, 16-byte aligned).
   static constexpr int kTileSlotBytes = 48;
   // 1024 bytes of slack to align the tiles to the swizzle's 1024-byte groups, the barriers,
   // and the work tile slots after them.
   static constexpr int kLoadSmemBytes = 1024 + kQBuffers * kQBytes + 2 * kStages * kKvBytes +
-                                        8 * kBarriers + kTileSlotBytes * kQBuffers;
-  // O stored through shared memory by TMA where 64 rows per consumer fit beside the rest: boxes
-  // of 64 rows x 128 bytes (kOBoxCols elements), swizzled as the loads' (every tile but the
-  // 16-bit D = 256 one, which stores from registers).
+                                        kBarrierBytes + kTileSlotBytes * kQBuffers;
+  // O of the consumers (64 rows x kD each) is stored through shared memory by TMA, in boxes of
+  // 64 rows x 128 bytes (kOBoxCols elements) swizzled as the loads'. They lie beside the other
+  // tiles where there is room (kOBeside); otherwise (16-bit D = 256) in the V stages, as
+  // FlashAttention-3 places them (kOInV): the consumers write them there once every one of them
+  // has finished its P V, and the producer loads the next work tile's V only once the stores
+  // have read them (o_empty).
   static constexpr int kOBoxCols = 128 / sizeof(Output);
   static constexpr int kOTileBytes = kConsumers * 64 * kD * sizeof(Output);
-  static constexpr bool kTmaStoreO = kLoadSmemBytes + kOTileBytes <= 227 * 1024;
-  static constexpr int kOBytes = kTmaStoreO ? kOTileBytes : 0;
+  static constexpr bool kOBeside = kLoadSmemBytes + kOTileBytes <= 227 * 1024;
+  static constexpr bool kOInV = !kOBeside && kOTileBytes <= kStages * kKvBytes;
+  static constexpr bool kTmaStoreO = kOBeside || kOInV;
+  static constexpr int kOBytes = kOBeside ? kOTileBytes : 0;
   static constexpr int kSmemBytes = kLoadSmemBytes + kOBytes;
   // setmaxnreg: the producer keeps 24 registers (32 beside three consumers, which need fewer
   // each); the consumers share the rest of the 64K-register file (multiples of 8).
@@ -312,8 +324,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const uint32_t s_q0 = (SmemAddress(smem_raw) + 1023u) & ~1023u;
   const uint32_t s_k = s_q0 + kQBuffers * Tile::kQBytes;
   const uint32_t s_v = s_k + kStages * kKvBytes;
-  const uint32_t s_o = s_v + kStages * kKvBytes;  // Tile::kTmaStoreO: O of each consumer
-  const uint32_t bars = s_o + Tile::kOBytes;
+  // O of each consumer (Tile::kTmaStoreO): after the V stages, or in them (Tile::kOInV).
+  const uint32_t s_o = Tile::kOInV ? s_v : s_v + kStages * kKvBytes;
+  const uint32_t bars = s_v + kStages * kKvBytes + Tile::kOBytes;
   // Work tile `round` of the CTA uses Q buffer round % kQBuffers: its tiles, its barriers (and
   // their parity) and the slot where the producer publishes the tile's position.
   auto q_buffer = [&](int round) { return round % kQBuffers; };
@@ -321,11 +334,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   auto s_q = [&](int b) { return s_q0 + b * Tile::kQBytes; };
   auto q_full = [&](int b) { return bars + 8u * b; };
   auto q_empty = [&](int b) { return bars + 8u * (kQBuffers + b); };
-  auto tile_slot = [&](int b) { return bars + 8u * Tile::kBarriers + Tile::kTileSlotBytes * b; };
+  auto tile_slot = [&](int b) { return bars + Tile::kBarrierBytes + Tile::kTileSlotBytes * b; };
   auto k_full = [&](int s) { return bars + 8u * (kQb + s); };
   auto v_full = [&](int s) { return bars + 8u * (kQb + kStages + s); };
   auto k_empty = [&](int s) { return bars + 8u * (kQb + 2 * kStages + s); };
   auto v_empty = [&](int s) { return bars + 8u * (kQb + 3 * kStages + s); };
+  const uint32_t o_empty = bars + 8u * (kQb + 4 * kStages);
   // Key tile `it` of the CTA's whole run (counted across work tiles): its stage and the parity of
   // the stage's barriers.
   auto stage = [&](int it) { return it % kStages; };
@@ -351,6 +365,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       MbarInit(k_empty(s), kConsumerWarps);
       MbarInit(v_empty(s), kConsumerWarps);
     }
+    MbarInit(o_empty, Tile::kConsumers);  // one arrival per consumer warpgroup
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -364,7 +379,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     // draw the next position (drawn before the loads, a CTA commits to its next tile a whole tile
     // earlier, which balances the heaviest-first order's tail worse: 2-3% slower at D = 256
     // causal).
-    int it = 0;  // key tiles so far
+    int it = 0;       // key tiles so far
+    int o_tiles = 0;  // work tiles with keys so far (Tile::kOInV)
     int pos = blockIdx.x;
     for (int round = 0;; ++round) {
       const int qb = q_buffer(round);
@@ -418,6 +434,13 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         for (int i = 0; i < wt.n_tiles(); ++i, ++it) {
           const int row = wt.e.k_start + (wt.n_block_max - 1 - i) * kBc;
           load_k(stage(it), parity(it), row);
+          if (Tile::kOInV && i == 0) {
+            // O of the last work tile with keys lies in the V stages until its stores have read
+            // it (each such tile's consumers arrive once, and none can finish this one before
+            // its first V, so o_empty is never more than one phase ahead of this wait).
+            if (o_tiles > 0) MbarWait(o_empty, (o_tiles - 1) & 1);
+            ++o_tiles;
+          }
           load_v(stage(it), parity(it), row);
         }
       }
@@ -665,7 +688,11 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       l[half] = QuadSum(row_sum[half]);
       inv[half] = l[half] > 0.f ? p.o_scale / l[half] : 0.f;
     }
-    if (Tile::kTmaStoreO && sp.o_by_tma && wg_row0 < e.nq && (!varlen || wg_row0 + 64 <= e.nq)) {
+    // O in the V stages (Tile::kOInV; only in work tiles with keys, the ones whose V loads wait
+    // for o_empty): once every consumer's last P V has read them.
+    if (Tile::kOInV && n_tiles > 0) WarpgroupsSync<Tile::kConsumers>(1 + Tile::kConsumers);
+    if (Tile::kTmaStoreO && sp.o_by_tma && wg_row0 < e.nq && (!varlen || wg_row0 + 64 <= e.nq) &&
+        (!Tile::kOInV || n_tiles > 0)) {
       constexpr int kOBoxCols = Tile::kOBoxCols;
       const uint32_t s_ow = s_o + wg * 64 * kD * sizeof(OutT);  // [kD / kOBoxCols][64 rows]
       const bool leader = threadIdx.x % 128 == 0;               // the thread that stores
@@ -710,6 +737,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           }
         }
       }
+    }
+    if (Tile::kOInV && n_tiles > 0 && threadIdx.x % 128 == 0) {
+      TmaStoreWait<true>();  // the boxes are read: the producer may load V into them again
+      MbarArrive(o_empty);
     }
     if (p.lse != nullptr && t == 0) {
 #pragma unroll

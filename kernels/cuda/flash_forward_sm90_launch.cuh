@@ -27,8 +27,8 @@ namespace attention::cuda {
 // cores busier); two Q buffers (1.02-1.05x at N = 1024-2048; at D = 128 0.98-1.02x, on v7 and on
 // v8, so one there, and D = 256 has no room for a second). D = 128: 128-key tiles (176, as
 // FlashAttention-3 takes unmasked, ran 0.52 instead of 0.54-0.56 PFLOP/s at N = 1024 and no faster
-// at 4096 or 16384). D = 256: 80 keys, so that Q (64 KiB) and two K/V stages fit in 227 KiB (and
-// at 16 bits no O boxes: its epilogue stores from registers).
+// at 4096 or 16384). D = 256: 80 keys, so that Q (64 KiB) and two K/V stages fit in 227 KiB (at
+// 16 bits O's boxes then go into the V stages: Sm90Tile::kOInV).
 template <typename T, int kD>
 struct Sm90TileFor;
 template <typename T>

@@ -150,6 +150,11 @@ __device__ __forceinline__ void WarpgroupRegistersUp() {
 __device__ __forceinline__ void WarpgroupSync(int id) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
+// Synchronises kWarpgroups warpgroups (128 kWarpgroups threads) on named barrier `id`.
+template <int kWarpgroups>
+__device__ __forceinline__ void WarpgroupsSync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(128 * kWarpgroups) : "memory");
+}
 
 // wgmma.mma_async with float32 accumulators d (64 x N over the warpgroup, the layout of N/8
 // mma.sync m16n8 accumulators per warp: d[4j..4j+3] is column tile j), scale_d = 0 to overwrite d.
