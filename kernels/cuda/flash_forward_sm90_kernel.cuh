@@ -100,6 +100,9 @@
 //   v10 2026-12-02 16-bit D = 256: O stored by TMA from the V stages (Tile::kOInV), where it
 //                  stored from registers: against v9 in the same call, 3 rounds, N = 1024
 //                  1.09 / 1.11 (non-causal / causal), N = 4096 1.03 / 1.04, N = 16384 1.09.
+//   v11 2026-12-02 D = 64 masked calls of up to 2048 rows on three consumers too (Sm90TileFor):
+//                  against v10, causal N = 512 / 1024 / 2048 1.10 / 1.05 / 1.10. The grid
+//                  (bench/README.md): ours/cuDNN >= 1.0 on 59 of the 60 rows with N >= 1024.
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
 //   barriers), 2-10% slower when first tried; again on v7 (2026-12-02), so that one consumer's
 //   first softmax and epilogue of a work tile would run under the other's products: 0.996-1.009x

@@ -20,36 +20,28 @@
 namespace attention::cuda {
 
 // Tiles per head dim (the kernel's opening comment has their speed): Sm90Tile<T, kD, keys per
-// stage, stages, consumer warpgroups, Q buffers>, and an alternative that calls with TakeAlt(p)
-// run. D = 64: three consumers (192 query rows; S, P and O of a warpgroup fit 160 registers) on
-// three stages; masked calls of up to 2048 query rows two (128 rows), where a causal 1024 x 1024
-// ran 0.30 instead of 0.26 PFLOP/s (unmasked ones 0.40 instead of 0.42: three keep the tensor
-// cores busier); two Q buffers (1.02-1.05x at N = 1024-2048; at D = 128 0.98-1.02x, on v7 and on
-// v8, so one there, and D = 256 has no room for a second). D = 128: 128-key tiles (176, as
-// FlashAttention-3 takes unmasked, ran 0.52 instead of 0.54-0.56 PFLOP/s at N = 1024 and no faster
-// at 4096 or 16384). D = 256: 80 keys, so that Q (64 KiB) and two K/V stages fit in 227 KiB (at
-// 16 bits O's boxes then go into the V stages: Sm90Tile::kOInV).
+// stage, stages, consumer warpgroups, Q buffers>. D = 64: three consumers (192 query rows; S, P and
+// O of a warpgroup fit 160 registers) on three stages, two Q buffers (1.02-1.05x at N = 1024-2048;
+// at D = 128 0.98-1.02x, on v7 and on v8, so one there, and D = 256 has no room for a second).
+// Masked D = 64 calls of up to 2048 rows took two consumers (128 rows) until v9, which lets a
+// consumer skip the key tiles its own rows do not see: three are now 1.05-1.10x faster there
+// (causal N = 512-2048), and 64-key tiles on two consumers 0.86-0.94x (2026-12-02). D = 128:
+// 128-key tiles (176, as FlashAttention-3 takes unmasked, ran 0.52 instead of 0.54-0.56 PFLOP/s at
+// N = 1024 and no faster at 4096 or 16384). D = 256: 80 keys, so that Q (64 KiB) and two K/V stages
+// fit in 227 KiB (at 16 bits O's boxes then go into the V stages: Sm90Tile::kOInV).
 template <typename T, int kD>
 struct Sm90TileFor;
 template <typename T>
 struct Sm90TileFor<T, 64> {
   using Tile = Sm90Tile<T, 64, 128, 3, 3, 2>;
-  using Alt = Sm90Tile<T, 64, 128, 3, 2, 2>;
-  static bool TakeAlt(const KernelParams& p) {
-    return (p.window_left >= 0 || p.window_right >= 0) && p.seqlen_q <= 2048;
-  }
 };
 template <typename T>
 struct Sm90TileFor<T, 128> {
   using Tile = Sm90Tile<T, 128, 128, 2, 2>;
-  using Alt = Tile;
-  static bool TakeAlt(const KernelParams&) { return false; }
 };
 template <typename T>
 struct Sm90TileFor<T, 256> {
   using Tile = Sm90Tile<T, 256, 80, 2, 2>;
-  using Alt = Tile;
-  static bool TakeAlt(const KernelParams&) { return false; }
 };
 // float8 e4m3 at D = 128 and 256 (the plan's rule: other head dims are dequantised to bfloat16):
 // 128-key tiles (one 128-byte row of V^T per head dim), three stages at D = 128 (112 KiB of shared
@@ -57,14 +49,10 @@ struct Sm90TileFor<T, 256> {
 template <>
 struct Sm90TileFor<__nv_fp8_e4m3, 128> {
   using Tile = Sm90Tile<__nv_fp8_e4m3, 128, 128, 3, 2>;
-  using Alt = Tile;
-  static bool TakeAlt(const KernelParams&) { return false; }
 };
 template <>
 struct Sm90TileFor<__nv_fp8_e4m3, 256> {
   using Tile = Sm90Tile<__nv_fp8_e4m3, 256, 128, 2, 2>;
-  using Alt = Tile;
-  static bool TakeAlt(const KernelParams&) { return false; }
 };
 
 // The driver's tensor-map encoder, looked up once through the runtime (so nothing links
@@ -184,19 +172,14 @@ auto WithSm90Tiles(int head_dim, F&& f) {
 template <typename T>
 cudaError_t LaunchFlashForwardSm90(const KernelParams& p, cudaStream_t stream) {
   return WithSm90Tiles<T>(p.head_dim, [&](auto tiles) {
-    using Tiles = decltype(tiles);
-    return Tiles::TakeAlt(p) ? LaunchSm90Tile<typename Tiles::Alt>(p, stream)
-                             : LaunchSm90Tile<typename Tiles::Tile>(p, stream);
+    return LaunchSm90Tile<typename decltype(tiles)::Tile>(p, stream);
   });
 }
 
 // The most dynamic shared memory a call at head_dim may take (the plan checks it).
 template <typename T>
 int FlashForwardSm90MaxSmemBytes(int head_dim) {
-  return WithSm90Tiles<T>(head_dim, [](auto tiles) {
-    using Tiles = decltype(tiles);
-    return std::max(Tiles::Tile::kSmemBytes, Tiles::Alt::kSmemBytes);
-  });
+  return WithSm90Tiles<T>(head_dim, [](auto tiles) { return decltype(tiles)::Tile::kSmemBytes; });
 }
 
 }  // namespace attention::cuda

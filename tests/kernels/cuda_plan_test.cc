@@ -97,9 +97,8 @@ TEST(PlanFlashForwardTest, PicksTheSpecialisationAndItsSharedMemory) {
   EXPECT_EQ(hopper->variant, ForwardVariant::kWgmmaSm90);
   EXPECT_EQ(hopper->kernel_head_dim, 128);
   EXPECT_EQ(hopper->smem_bytes, 1024 + (128 + 4 * 128 + 128) * 128 * 2 + 12 * 8 + 48);
-  // At head dim 64 the larger of its two tiles: two Q tiles of 192 rows + 3 stages of K and V
-  // tiles of 128 rows + the O tile of 192 rows, 64 bfloat16 each, 17 mbarriers (in 18 x 8 bytes)
-  // and two work tile slots.
+  // At head dim 64: two Q tiles of 192 rows + 3 stages of K and V tiles of 128 rows + the O tile
+  // of 192 rows, 64 bfloat16 each, 17 mbarriers (in 18 x 8 bytes) and two work tile slots.
   const absl::StatusOr<ForwardPlan> d64 = PlanFlashForward(Params(DType::kBFloat16, 64), kH200);
   ASSERT_TRUE(d64.ok()) << d64.status();
   EXPECT_EQ(d64->smem_bytes, 1024 + (2 * 192 + 6 * 128 + 192) * 64 * 2 + 18 * 8 + 2 * 48);
