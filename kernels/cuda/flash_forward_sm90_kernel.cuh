@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const uint32_t s_o = Tile::kOInV ? s_v : s_v + kStages * kKvBytes;
   const uint32_t bars = s_v + kStages * kKvBytes + Tile::kOBytes;
   // Work tile `round` of the CTA uses Q buffer round % kQBuffers: its tiles, its barriers (and
-  // their parity) and the slot where the producer publishes the tile's position.
+  // their parity) and the slot where the producer publishes the work tile.
   auto q_buffer = [&](int round) { return round % kQBuffers; };
   auto q_parity = [&](int round) { return static_cast<uint32_t>((round / kQBuffers) & 1); };
   auto s_q = [&](int b) { return s_q0 + b * Tile::kQBytes; };
