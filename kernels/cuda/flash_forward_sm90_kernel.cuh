@@ -92,11 +92,12 @@
 //                  they all lie past the item's end: two of three warpgroups in the last query
 //                  tile at D = 64, N = 1024; the lower warpgroup skips a causal diagonal's first
 //                  tile where kBc < kBr), and the producer publishes each work tile decoded.
-//                  Against v8 in the same call, 3 rounds: D = 64 N = 1024 / 2048 1.09-1.11 /
-//                  1.06, causal N = 1024 / 4096 1.03 / 1.09; D = 128 N = 1024 1.03; D = 256
-//                  N = 1024 1.03 / 1.03-1.04 causal; float8 N = 1024 1.02-1.03. Drawing the
-//                  next position before the tile's loads instead of after them: 0.97-0.98 at
-//                  D = 256 causal, not kept.
+//                  Against v8 in the same call, 3 rounds: D = 64 N = 1024 1.10-1.11 (timed
+//                  on the first build, which also drew early), N = 2048 1.06, causal
+//                  N = 1024 / 4096 1.03 / 1.09; D = 128 N = 1024 1.03; D = 256 N = 1024 1.03 /
+//                  1.03-1.04 causal; float8 N = 1024 1.02-1.03. Drawing the next position
+//                  before the tile's loads instead of after them: 0.97-0.98 at D = 256 causal,
+//                  not kept.
 //   v10 2026-12-02 16-bit D = 256: O stored by TMA from the V stages (Tile::kOInV), where it
 //                  stored from registers: against v9 in the same call, 3 rounds, N = 1024
 //                  1.09 / 1.11 (non-causal / causal), N = 4096 1.03 / 1.04, N = 16384 1.09.
