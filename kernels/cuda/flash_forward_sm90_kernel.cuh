@@ -28,7 +28,7 @@
 //     already loads the next work tile: O by stmatrix into shared memory and one TMA store per
 //     64-column box, which the consumers do not wait for (the 16-bit D = 256 tile has no room
 //     beside its tiles and puts O in the V stages, whose next loads wait for the stores to have
-//     read it; varlen tiles that end inside the next item store from registers).
+//     read it; warpgroups whose rows start before the item's store from registers).
 //   float8 e4m3 (head dims 128 and 256): the same with 128-byte rows of 128 elements, k32 wgmma
 //     (QGMMA) for both products, P rounded to e4m3 as 2^(s - max + 8) (in [0, 256], so that
 //     probabilities down to 2^-14 stay e4m3 normals; l carries the factor, the LSE drops it).
@@ -38,17 +38,18 @@
 //     keys x kD rows.
 //   Key tiles are visited last to first (the masked diagonal and ragged tiles first), tiles
 //   outside every row's window never loaded: the range of VisibleKeys for the CTA's rows.
-// Any Nq, Nk (TMA reads zeros past a tensor's end, the mask drops keys past Nk, rows past Nq are
-// not stored), GQA/MQA through the K/V head coordinate, BHSD and BSHD and any 16-byte-aligned
-// strides through the tensor maps, varlen (one packed map; rows of the next item that a tile
-// overlaps are masked or not stored, and their V is finite: HostRunner sends requests with a
-// non-finite V to the exact CPU path), windows and both mask alignments, LSE, head dims that are
-// multiples of 8 up to 256 (columns past head_dim read as zeros and are not stored).
-// Falls back to mma_sm80 (the plan's rule, forward_plan.cc): float32, and devices other than
-// compute capability 9.0. float8 e4m3 at head dim 64, at head dims whose padding to 8 is not a
-// multiple of 16, and varlen float8 calls run here (or on mma_sm80) after HostRunner's
-// dequantisation to bfloat16.
-// Tiles per head dim: Sm90TileFor (flash_forward_sm90_launch.cuh).
+// Any Nq, Nk (an item's query tiles end at its last row, so the first may start before row 0:
+// TMA reads zeros outside a tensor, the mask drops keys past Nk, rows before row 0 are not
+// stored, and O's rows of a warpgroup that has some go out from registers), GQA/MQA through the K/V
+// head coordinate, BHSD and BSHD and any 16-byte-aligned strides through the tensor maps, varlen
+// (one packed map; query rows of the previous item that a tile overlaps are not stored, keys of the
+// next one are masked and their V is finite: HostRunner sends requests with a non-finite V to the
+// exact CPU path), windows and both mask alignments, LSE, head dims that are multiples of 8 up to
+// 256 (columns past head_dim read as zeros and are not stored). Falls back to mma_sm80 (the plan's
+// rule, forward_plan.cc): float32, and devices other than compute capability 9.0. float8 e4m3 at
+// head dim 64, at head dims whose padding to 8 is not a multiple of 16, and varlen float8 calls run
+// here (or on mma_sm80) after HostRunner's dequantisation to bfloat16. Tiles per head dim:
+// Sm90TileFor (flash_forward_sm90_launch.cuh).
 //
 // Versions (H200, bfloat16 TFLOP/s; cuDNN 618 / 522 and FlashAttention-3 658 / 604 at D = 128,
 // N = 4096, non-causal / causal; bench/README.md has the grid and the command):
@@ -104,6 +105,10 @@
 //   v11 2026-12-02 D = 64 masked calls of up to 2048 rows on three consumers too (Sm90TileFor):
 //                  against v10, causal N = 512 / 1024 / 2048 1.10 / 1.05 / 1.10. The grid
 //                  (bench/README.md): ours/cuDNN >= 1.0 on 59 of the 60 rows with N >= 1024.
+//   v12 2026-12-02 an item's query tiles end at its last row (Sm90WorkTile), so the ragged tile
+//                  is the first, the lightest under a causal mask: against v11 in the same call,
+//                  3 rounds, D = 64 N = 1024 causal 1.02-1.03 (fp16 1.023 / 1.024 in two calls,
+//                  bf16 1.017 / 1.030); N = 512-4096 otherwise 0.99-1.01.
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
 //   barriers), 2-10% slower when first tried; again on v7 (2026-12-02), so that one consumer's
 //   first softmax and epilogue of a work tile would run under the other's products: 0.996-1.009x
@@ -229,6 +234,12 @@ struct Sm90Tile {
 
 // One work tile: a query tile of one head of one batch item, and the key tiles it visits
 // (n_block_max - 1 down to n_block_min; none when no row sees a key or the item is shorter).
+// An item's query tiles end at its last row: m0 = nq - (m_blocks - m_block) kBr, so where nq is
+// not a multiple of kBr the first tile starts before row 0 (those rows are computed on, from
+// zeros or the previous item's rows, and never stored). Under a causal mask that ragged tile is
+// then the one that sees the fewest keys, where aligned to row 0 it was the last, which sees the
+// most: at D = 64, N = 1024 (192-row tiles) the key tiles of a head's six work tiles go from
+// 2 + 3 + 5 + 6 + 8 + 8 to 1 + 2 + 4 + 5 + 7 + 8.
 struct Sm90WorkTile {
   int m0, h, b;
   ItemExtent e;
@@ -244,11 +255,10 @@ __device__ __forceinline__ Sm90WorkTile GetWorkTile(const KernelParams& p, const
   wt.h = at.pair % p.heads_q;
   wt.b = at.pair / p.heads_q;
   wt.e = GetItemExtent(p, wt.b);
-  wt.m0 = at.m_block * kBr;
+  wt.m0 = wt.e.nq - (sc.m_blocks - at.m_block) * kBr;
   wt.n_block_min = wt.n_block_max = 0;
-  if (wt.m0 >= wt.e.nq) return wt;  // varlen: this item is shorter than the grid
-  const int row_last = min(wt.m0 + kBr, wt.e.nq) - 1;
-  const KeyRange keys = VisibleKeys(p, wt.e.nq, wt.e.nk, wt.m0, row_last);
+  if (wt.m0 + kBr <= 0) return wt;  // varlen: this item is shorter than the grid
+  const KeyRange keys = VisibleKeys(p, wt.e.nq, wt.e.nk, max(wt.m0, 0), wt.m0 + kBr - 1);
   wt.n_block_min = max(keys.lo, 0) / kBc;
   wt.n_block_max = keys.hi > keys.lo ? (keys.hi + kBc - 1) / kBc : wt.n_block_min;
   return wt;
@@ -475,18 +485,20 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     if (ReadWorkTile(tile_slot(qb), &wt) >= schedule.work_tiles) break;
     const ItemExtent& e = wt.e;
     const int n_tiles = wt.n_tiles();
-    const int wg_row0 = wt.m0 + wg * 64;  // this warpgroup's first row in the item
-    const int wg_row_last = min(wg_row0 + 63, e.nq - 1);
+    // This warpgroup's rows in the item: wg_row0 .. wg_row0 + 63 (< nq, as tiles end at the
+    // item's last row), of which those from wg_row_first on are the item's.
+    const int wg_row0 = wt.m0 + wg * 64;
+    const int wg_row_first = max(wg_row0, 0), wg_row_last = wg_row0 + 63;
     auto first_key = [&](int i) { return (wt.n_block_max - 1 - i) * kBc; };
     // The work tile's key tiles i0 .. i1 - 1 are the ones this warpgroup's own rows see: fewer
     // than the CTA's on a causal diagonal when kBc < kBr (D = 256: the lower 64 rows often skip
-    // the first tile), none when all its rows lie past the item's end (the last tile of an item
-    // whose length is not a multiple of kBr: at D = 64, N = 1024, two warpgroups of three). The
-    // others it only frees once they are loaded, computing nothing, which leaves the tensor cores
-    // to the other consumers.
+    // the first tile), none when all its rows lie before the item's start (the first tile of an
+    // item whose length is not a multiple of kBr: at D = 64, N = 1024, two warpgroups of three).
+    // The others it only frees once they are loaded, computing nothing, which leaves the tensor
+    // cores to the other consumers.
     int i0 = n_tiles, i1 = n_tiles;
-    if (wg_row0 < e.nq) {
-      const KeyRange keys = VisibleKeys(p, e.nq, e.nk, wg_row0, wg_row_last);
+    if (wg_row_last >= 0) {
+      const KeyRange keys = VisibleKeys(p, e.nq, e.nk, wg_row_first, wg_row_last);
       if (keys.hi > keys.lo) {
         i0 = min(max(wt.n_block_max - (keys.hi + kBc - 1) / kBc, 0), n_tiles);
         i1 = min(max(wt.n_block_max - max(keys.lo, 0) / kBc, i0), n_tiles);
@@ -586,7 +598,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       // row the rescale of the earlier terms.
       auto softmax = [&](int i, float(&acc_s)[kNTiles][4], float(&rescale)[2]) {
         const int n0 = first_key(i);
-        if (TileNeedsMask(p, e, wg_row0, wg_row_last, n0, kBc)) {
+        if (TileNeedsMask(p, e, wg_row_first, wg_row_last, n0, kBc)) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int row = wg_row0 + warp * 16 + g + half * 8;
@@ -682,10 +694,11 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     // Epilogue: O = acc * o_scale / l (0 for rows that saw no key). Where the tile has room for
     // it (Tile::kTmaStoreO) and O's map could be made (Sm90Params::o_by_tma), through shared
     // memory: stmatrix of the rounded rows into this warpgroup's 128-byte-swizzled boxes, then one
-    // thread's TMA stores, which clip rows past the tensor's end and columns past head_dim, so the
-    // consumers go on while the stores run. Varlen tiles whose rows run into the next item, and
-    // the other tiles, store straight from the accumulators: each quad writes 16 contiguous bytes
-    // of a row per 8-column tile.
+    // thread's TMA stores, which clip columns past head_dim, so the consumers go on while the
+    // stores run. Warpgroups whose rows start before the item's (a build that stored their boxes
+    // at negative rows by TMA failed with an illegal instruction on the H200), and the other tiles,
+    // store straight from the accumulators: each quad writes 16 contiguous bytes of a row per
+    // 8-column tile.
     float l[2], inv[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -695,8 +708,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     // O in the V stages (Tile::kOInV; only in work tiles with keys, the ones whose V loads wait
     // for o_empty): once every consumer's last P V has read them.
     if (Tile::kOInV && n_tiles > 0) WarpgroupsSync<Tile::kConsumers>(1 + Tile::kConsumers);
-    if (Tile::kTmaStoreO && sp.o_by_tma && wg_row0 < e.nq && (!varlen || wg_row0 + 64 <= e.nq) &&
-        (!Tile::kOInV || n_tiles > 0)) {
+    if (Tile::kTmaStoreO && sp.o_by_tma && wg_row0 >= 0 && (!Tile::kOInV || n_tiles > 0)) {
       constexpr int kOBoxCols = Tile::kOBoxCols;
       const uint32_t s_ow = s_o + wg * 64 * kD * sizeof(OutT);  // [kD / kOBoxCols][64 rows]
       const bool leader = threadIdx.x % 128 == 0;               // the thread that stores
@@ -730,7 +742,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = wg_row0 + warp * 16 + g + half * 8;  // within the item
-        if (row >= e.nq) continue;
+        if (row < 0) continue;
         OutT* o_row = o + static_cast<int64_t>(e.q_start + row) * p.o_row_stride;
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
@@ -750,7 +762,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = wg_row0 + warp * 16 + g + half * 8;
-        if (row >= e.nq) continue;
+        if (row < 0) continue;
         // Natural-log LSE: scale_log2 * row_max is max(scale * s) * log2(e).
         const float lse =
             l[half] > 0.f
