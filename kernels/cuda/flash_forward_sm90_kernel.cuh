@@ -108,7 +108,9 @@
 //   v12 2026-12-02 an item's query tiles end at its last row (Sm90WorkTile), so the ragged tile
 //                  is the first, the lightest under a causal mask: against v11 in the same call,
 //                  3 rounds, D = 64 N = 1024 causal 1.02-1.03 (fp16 1.023 / 1.024 in two calls,
-//                  bf16 1.017 / 1.030); N = 512-4096 otherwise 0.99-1.01.
+//                  bf16 1.017 / 1.030); N = 512-4096 otherwise 0.99-1.01. The grid in one
+//                  call (bench/README.md): ours/cuDNN 1.01-1.28 on all 60 rows with N >= 1024,
+//                  ours/FA3 0.91-1.33 (bf16), float8 0.87-1.42 of FA3's float8.
 //   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
 //   barriers), 2-10% slower when first tried; again on v7 (2026-12-02), so that one consumer's
 //   first softmax and epilogue of a work tile would run under the other's products: 0.996-1.009x
