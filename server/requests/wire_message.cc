@@ -13,6 +13,7 @@
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/zero_copy_stream.h"
 #include "google/protobuf/stubs/common.h"
+#include "google/protobuf/stubs/logging.h"
 #include "kernels/status_macros.h"
 
 namespace attention::server {
@@ -404,6 +405,32 @@ class WireInputStream final : public google::protobuf::io::ZeroCopyInputStream {
   int64_t pos_ = 0;
 };
 
+// Whether a parsed Step holds an unknown field at any level: where protobuf met a field number it
+// does not know, or a known one of the wrong wire type (which the walk refuses). Descends by the
+// generated accessors, each type's reflection looked up once: reflection's generic descent over
+// the 41 messages of a Step of 8 entries by reference cost ~3.5 us on the development machine, as
+// much as the walk it saves.
+template <typename M>
+bool HasOwnUnknownFields(const M& m) {
+  static const google::protobuf::Reflection* const reflection = M::GetReflection();
+  return !reflection->GetUnknownFields(m).empty();
+}
+bool HasUnknownFields(const v1::Tensor& tensor) {
+  return HasOwnUnknownFields(tensor) || (tensor.has_ref() && HasOwnUnknownFields(tensor.ref()));
+}
+bool HasUnknownFields(const v1::StepRequest& step) {
+  if (HasOwnUnknownFields(step)) return true;
+  for (const v1::StepEntry& entry : step.entries()) {
+    if (HasOwnUnknownFields(entry) || (entry.has_q() && HasUnknownFields(entry.q())) ||
+        (entry.has_k() && HasUnknownFields(entry.k())) ||
+        (entry.has_v() && HasUnknownFields(entry.v())) ||
+        (entry.has_o_ref() && HasOwnUnknownFields(entry.o_ref()))) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 absl::Status ParseWithRanges(const WireBytes& wire, google::protobuf::Message* message,
@@ -473,6 +500,23 @@ absl::Status ParseAttendChunk(const WireBytes& wire, WireAttendChunk* chunk) {
 }
 
 absl::Status ParseMessage(const WireBytes& wire, google::protobuf::Message* message) {
+  if (message->GetDescriptor() == v1::StepRequest::descriptor()) {
+    // A decode Step, the one message a model sends per layer per token: protobuf alone first.
+    // Where it parses the whole message and knows every field, the walk would pass it too (it
+    // fails on what the walk refuses: truncation, bad lengths, overlong varints, invalid UTF-8,
+    // wire types 3-7), so the walk runs only to name the problem or to check unknown fields; it
+    // took ~45% of a Step's parse (~4.5 of 10 us for 8 entries by reference here). One leniency
+    // is protobuf's: a 10th varint byte may carry bits past bit 63, which it drops. The silencer
+    // keeps protobuf from logging each string that is not UTF-8 (the walk's error names it).
+    auto* step = static_cast<v1::StepRequest*>(message);
+    bool parsed = false;
+    {
+      const google::protobuf::LogSilencer quiet;
+      WireInputStream stream(wire, wire.size());
+      parsed = step->ParseFromZeroCopyStream(&stream);
+    }
+    if (parsed && !HasUnknownFields(*step)) return absl::OkStatus();
+  }
   RETURN_IF_ERROR(Walker(wire).Check(0, wire.size(), message->GetDescriptor(), ""));
   WireInputStream stream(wire, wire.size());
   if (!message->ParseFromZeroCopyStream(&stream)) {

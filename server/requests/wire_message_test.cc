@@ -204,6 +204,46 @@ TEST(WireMessageTest, UnknownFieldsAreWalked) {
   EXPECT_THAT(status.message(), HasSubstr("wire type"));
 }
 
+// A Step parses by protobuf alone when it holds no unknown field; one deep inside (a q's ref) sends
+// it through the walk, which keeps an unknown number and refuses a known one of the wrong wire type
+// by name. A string that is not UTF-8 is named by the walk, not logged by protobuf.
+TEST(WireMessageTest, StepsWithUnknownFieldsDeepInsideAreWalked) {
+  v1::StepRequest step;
+  v1::StepEntry* entry = step.add_entries();
+  entry->set_session_id("a");
+  entry->mutable_q()->mutable_ref()->set_region("r");
+  const std::string ref_fields = entry->q().ref().SerializeAsString();
+  // entries[0] = {session_id "a", q = {ref = ref_fields + tail}}.
+  auto with_ref_tail = [&](const std::string& tail) {
+    const std::string ref = ref_fields + tail;
+    const std::string q = std::string("\x22") + static_cast<char>(ref.size()) + ref;
+    const std::string e = std::string("\x0a\x01") + "a" + "\x12" + static_cast<char>(q.size()) + q;
+    return std::string("\x12") + static_cast<char>(e.size()) + e;
+  };
+  v1::StepRequest parsed;
+  ASSERT_EQ(ParseMessage(WireBytes({with_ref_tail("")}), &parsed), absl::OkStatus());
+  EXPECT_EQ(parsed.entries(0).q().ref().region(), "r");
+  // Field 99 as a varint inside q.ref: unknown, kept.
+  ASSERT_EQ(ParseMessage(WireBytes({with_ref_tail(std::string("\x98\x06\x07", 3))}), &parsed),
+            absl::OkStatus());
+  const v1::TensorRef& ref = parsed.entries(0).q().ref();
+  EXPECT_EQ(ref.GetReflection()->GetUnknownFields(ref).field_count(), 1);
+  // offset (field 2 of TensorRef, a varint) as a length-delimited field.
+  const absl::Status status =
+      ParseMessage(WireBytes({with_ref_tail(std::string("\x12\x01\x00", 3))}), &parsed);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("entries.q.ref.offset"));
+  EXPECT_THAT(status.message(), HasSubstr("wire type"));
+
+  std::string bad = step.SerializeAsString();
+  bad[bad.size() - 1] = '\xff';  // the region's one character
+  testing::internal::CaptureStderr();
+  const absl::Status utf8 = ParseMessage(WireBytes({bad}), &parsed);
+  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(utf8.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(utf8.message(), HasSubstr("entries.q.ref.region"));
+}
+
 // A string split between two pieces of the wire is checked as one: a character cut in two is
 // valid UTF-8, a bad byte after the cut is not, and the error names the nested field.
 TEST(WireMessageTest, StringsOverTwoPiecesAreCheckedWhole) {
