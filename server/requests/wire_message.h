@@ -85,7 +85,10 @@ absl::Status ParseWithRanges(const WireBytes& wire, google::protobuf::Message* m
                              absl::Span<const RangedField> ranged, std::vector<WireRange>* ranges);
 
 // Parses `wire` as `message`, any message of attention.v1 (INVALID_ARGUMENT naming the field and
-// the problem). Here protobuf copies every byte, tensors included (the Sessions messages).
+// the problem). Here protobuf copies every byte, tensors included (the Sessions messages). A
+// StepRequest (one per layer per token) is parsed by protobuf alone first, and walked only when
+// protobuf refuses it (to name the problem) or it holds unknown fields (a known field of the wrong
+// wire type among them is refused).
 absl::Status ParseMessage(const WireBytes& wire, google::protobuf::Message* message);
 
 // The encoding of a message field whose bytes field the caller sends as a separate piece: the tag
