@@ -502,12 +502,14 @@ absl::Status ParseAttendChunk(const WireBytes& wire, WireAttendChunk* chunk) {
 absl::Status ParseMessage(const WireBytes& wire, google::protobuf::Message* message) {
   if (message->GetDescriptor() == v1::StepRequest::descriptor()) {
     // A decode Step, the one message a model sends per layer per token: protobuf alone first.
-    // Where it parses the whole message and knows every field, the walk would pass it too (it
-    // fails on what the walk refuses: truncation, bad lengths, overlong varints, invalid UTF-8,
-    // wire types 3-7), so the walk runs only to name the problem or to check unknown fields; it
-    // took ~45% of a Step's parse (~4.5 of 10 us for 8 entries by reference here). One leniency
-    // is protobuf's: a 10th varint byte may carry bits past bit 63, which it drops. The silencer
-    // keeps protobuf from logging each string that is not UTF-8 (the walk's error names it).
+    // Where it parses the whole message and finds no unknown field, the walk would pass it too:
+    // protobuf fails on truncation, bad lengths, varints over 10 bytes, invalid UTF-8 and wire
+    // types 6-7, and keeps groups and known fields of the wrong wire type as unknown fields. So
+    // the walk runs only to name the problem or to check unknown fields: a Step of 8 entries by
+    // reference parsed on an arena in 7.1 us with it and 4.3 us without (development machine,
+    // best of 200 x 500). One leniency is protobuf's: a 10th varint byte may carry bits past
+    // bit 63, which it drops. The silencer keeps protobuf from logging each string that is not
+    // UTF-8 (the walk's error names it).
     auto* step = static_cast<v1::StepRequest*>(message);
     bool parsed = false;
     {
