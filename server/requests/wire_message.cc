@@ -500,30 +500,33 @@ absl::Status ParseAttendChunk(const WireBytes& wire, WireAttendChunk* chunk) {
 }
 
 absl::Status ParseMessage(const WireBytes& wire, google::protobuf::Message* message) {
-  if (message->GetDescriptor() == v1::StepRequest::descriptor()) {
-    // A decode Step, the one message a model sends per layer per token: protobuf alone first.
-    // Where it parses the whole message and finds no unknown field, the walk would pass it too:
-    // protobuf fails on truncation, bad lengths, varints over 10 bytes, invalid UTF-8 and wire
-    // types 6-7, and keeps groups and known fields of the wrong wire type as unknown fields. So
-    // the walk runs only to name the problem or to check unknown fields: a Step of 8 entries by
-    // reference parsed on an arena in 7.1 us with it and 4.3 us without (development machine,
-    // best of 200 x 500). One leniency is protobuf's: a 10th varint byte may carry bits past
-    // bit 63, which it drops. The silencer keeps protobuf from logging each string that is not
-    // UTF-8 (the walk's error names it).
-    auto* step = static_cast<v1::StepRequest*>(message);
-    bool parsed = false;
+  // A decode Step, the one message a model sends per layer per token, goes to protobuf alone
+  // first. Where protobuf parses the whole message and finds no unknown field, the walk would pass
+  // it too: protobuf fails on truncation, bad lengths, varints over 10 bytes, invalid UTF-8 and
+  // wire types 6-7, and keeps groups and known fields of the wrong wire type as unknown fields.
+  // So the walk runs only to name the problem, or to check a Step's unknown fields (which then
+  // needs no second parse). request_parse_bench (bench/README.md) times the three cases. One
+  // leniency is protobuf's: a 10th varint byte may carry bits past bit 63, which it drops. The
+  // silencer keeps protobuf from logging each string that is not UTF-8 (the walk's error names
+  // it).
+  const bool step = message->GetDescriptor() == v1::StepRequest::descriptor();
+  bool parsed = false;
+  if (step) {
     {
       const google::protobuf::LogSilencer quiet;
       WireInputStream stream(wire, wire.size());
-      parsed = step->ParseFromZeroCopyStream(&stream);
+      parsed = message->ParseFromZeroCopyStream(&stream);
     }
-    if (parsed && !HasUnknownFields(*step)) return absl::OkStatus();
+    if (parsed && !HasUnknownFields(*static_cast<const v1::StepRequest*>(message))) {
+      return absl::OkStatus();
+    }
   }
   RETURN_IF_ERROR(Walker(wire).Check(0, wire.size(), message->GetDescriptor(), ""));
-  WireInputStream stream(wire, wire.size());
-  if (!message->ParseFromZeroCopyStream(&stream)) {
-    return Walker::Error("", "protobuf cannot parse it");
+  if (!step) {
+    WireInputStream stream(wire, wire.size());
+    parsed = message->ParseFromZeroCopyStream(&stream);
   }
+  if (!parsed) return Walker::Error("", "protobuf cannot parse it");
   return absl::OkStatus();
 }
 
