@@ -40,16 +40,17 @@
 //   outside every row's window never loaded: the range of VisibleKeys for the CTA's rows.
 // Any Nq, Nk (an item's query tiles end at its last row, so the first may start before row 0:
 // TMA reads zeros outside a tensor, the mask drops keys past Nk, rows before row 0 are not
-// stored, and O's rows of a warpgroup that has some go out from registers), GQA/MQA through the K/V
-// head coordinate, BHSD and BSHD and any 16-byte-aligned strides through the tensor maps, varlen
-// (one packed map; query rows of the previous item that a tile overlaps are not stored, keys of the
+// stored, and a warpgroup that has some stores O from registers), GQA/MQA through the K/V head
+// coordinate, BHSD and BSHD and any 16-byte-aligned strides through the tensor maps, varlen (one
+// packed map; query rows of the previous item that a tile overlaps are not stored, keys of the
 // next one are masked and their V is finite: HostRunner sends requests with a non-finite V to the
 // exact CPU path), windows and both mask alignments, LSE, head dims that are multiples of 8 up to
-// 256 (columns past head_dim read as zeros and are not stored). Falls back to mma_sm80 (the plan's
-// rule, forward_plan.cc): float32, and devices other than compute capability 9.0. float8 e4m3 at
-// head dim 64, at head dims whose padding to 8 is not a multiple of 16, and varlen float8 calls run
-// here (or on mma_sm80) after HostRunner's dequantisation to bfloat16. Tiles per head dim:
-// Sm90TileFor (flash_forward_sm90_launch.cuh).
+// 256 (columns past head_dim read as zeros and are not stored).
+// Falls back to mma_sm80 (the plan's rule, forward_plan.cc): float32, and devices other than
+// compute capability 9.0. float8 e4m3 at head dim 64, at head dims whose padding to 8 is not a
+// multiple of 16, and varlen float8 calls run here (or on mma_sm80) after HostRunner's
+// dequantisation to bfloat16.
+// Tiles per head dim: Sm90TileFor (flash_forward_sm90_launch.cuh).
 //
 // Versions (H200, bfloat16 TFLOP/s; cuDNN 618 / 522 and FlashAttention-3 658 / 604 at D = 128,
 // N = 4096, non-causal / causal; bench/README.md has the grid and the command):
