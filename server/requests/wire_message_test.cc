@@ -4,6 +4,7 @@
 #include "server/requests/wire_message.h"
 
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -242,6 +243,26 @@ TEST(WireMessageTest, StepsWithUnknownFieldsDeepInsideAreWalked) {
   EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
   EXPECT_EQ(utf8.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(utf8.message(), HasSubstr("entries.q.ref.region"));
+}
+
+// The Step's fast path looks for unknown fields in the messages a Step holds as wire_message.cc's
+// HasUnknownFields descends into them; a message field added to any of them must be added there.
+TEST(WireMessageTest, StepFastPathKnowsEveryNestedMessage) {
+  std::set<std::string> nested;
+  std::vector<const google::protobuf::Descriptor*> todo = {v1::StepRequest::descriptor()};
+  while (!todo.empty()) {
+    const google::protobuf::Descriptor* d = todo.back();
+    todo.pop_back();
+    for (int i = 0; i < d->field_count(); ++i) {
+      const google::protobuf::FieldDescriptor* f = d->field(i);
+      if (f->message_type() == nullptr) continue;
+      if (nested.insert(f->full_name()).second) todo.push_back(f->message_type());
+    }
+  }
+  EXPECT_EQ(nested,
+            (std::set<std::string>{"attention.v1.StepRequest.entries", "attention.v1.StepEntry.q",
+                                   "attention.v1.StepEntry.k", "attention.v1.StepEntry.v",
+                                   "attention.v1.StepEntry.o_ref", "attention.v1.Tensor.ref"}));
 }
 
 // A string split between two pieces of the wire is checked as one: a character cut in two is
