@@ -1,16 +1,27 @@
-"""Greedy decode of a Llama-shaped model (random weights) with its KV cache on the attention
-service against the same model with a local KV cache and torch SDPA: tokens/s, and where the time
-of a remote token goes (the Step RPCs, the server's own time in them, the rest of the model).
+"""A model's greedy decode with attention and KV on the service, beside the same model with local
+FlashAttention-3: tokens/s and their ratio, per batch, context and transport.
 
-The model is plain torch (RMSNorm, rotary embeddings, GQA attention, SwiGLU MLP): the GPU host
-has torch but not transformers. The remote path is what attention_client.transformers.RemoteCache
-does: one session per layer and sequence created with the prompt's K/V, then one Step per layer
-per decode step carrying every sequence's new q, k and v.
+The model is an 8B-shaped Llama in plain torch (RMSNorm, rotary embeddings, GQA attention, SwiGLU
+MLP; random weights; 16 layers by default to fit beside the server). Each layer's KV cache starts
+with `context` rows of random K/V, the same for every attention; then `warmup + tokens` greedy
+steps of one token per sequence, the last `tokens` timed. Attentions (--attn):
 
-    python3 bench/torch/decode_bench.py --target=localhost:50051 --batch=1,8 --context=4096
-Prints one JSON line per batch size, then a table.
+  fa3      local FlashAttention-3 flash_attn_with_kvcache over a preallocated cache (the anchor;
+           the fa3-fwd wheel, `fa3_fwd_interface`)
+  sdpa     local torch SDPA over a preallocated cache (a second column)
+  unary    the service: one session per layer and sequence, one Step RPC per layer per token
+           over every sequence (what attention_client.transformers' RemoteCache does)
+  stream   the same Steps over one Sessions.StepStream
+  ring     the same Steps through a request ring (server on this host, --allow_shared_memory)
+
+Prints one JSON line per (batch, context, attention), then the ratio table against fa3 (or the
+first attention given). The first step's logits of every attention are compared with the
+anchor's (max |diff| / max |logit|), and the share of equal greedy tokens is reported.
+
+    python3 bench/torch/model_decode.py --target=127.0.0.1:50051 --batch=8,32,64 --context=1024,4096
 """
 import argparse
+import concurrent.futures
 import json
 import math
 import time
@@ -18,19 +29,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-import attention_client
-
 
 def rms_norm(x, w, eps=1e-5):
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype) * w
 
 
 def rotary(x, pos, theta=500000.0):
-    """x [B, H, N, D] at positions pos [N]: rotate-half rotary embedding."""
+    """x [B, N, H, D] at positions pos [N]: rotate-half rotary embedding."""
     d = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
     ang = pos.float()[:, None] * inv[None, :]
-    cos, sin = torch.cat([ang.cos()] * 2, -1).to(x.dtype), torch.cat([ang.sin()] * 2, -1).to(x.dtype)
+    cos = torch.cat([ang.cos()] * 2, -1).to(x.dtype)[None, :, None, :]
+    sin = torch.cat([ang.sin()] * 2, -1).to(x.dtype)[None, :, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -46,156 +56,227 @@ class Model:
         h, d = a.hidden, a.head_dim
         self.a = a
         self.embed = w(a.vocab, h, fan_in=1)
-        self.layers = []
-        for _ in range(a.layers):
-            self.layers.append(dict(
-                qkv=w((a.heads + 2 * a.kv_heads) * d, h, fan_in=h), o=w(h, a.heads * d, fan_in=a.heads * d),
-                up=w(2 * a.inter, h, fan_in=h), down=w(h, a.inter, fan_in=a.inter),
-                n1=torch.ones(h, device=device, dtype=dtype), n2=torch.ones(h, device=device, dtype=dtype)))
+        self.layers = [dict(qkv=w((a.heads + 2 * a.kv_heads) * d, h, fan_in=h),
+                            o=w(h, a.heads * d, fan_in=a.heads * d),
+                            up=w(2 * a.inter, h, fan_in=h), down=w(h, a.inter, fan_in=a.inter),
+                            n1=torch.ones(h, device=device, dtype=dtype),
+                            n2=torch.ones(h, device=device, dtype=dtype))
+                       for _ in range(a.layers)]
         self.norm = torch.ones(h, device=device, dtype=dtype)
         self.head = w(a.vocab, h, fan_in=h)
 
-    def forward(self, ids, pos, attend):
-        """ids [B, N] at positions pos [N]; attend(layer, q, k, v) -> o, all [B, H, N, D]."""
+    def forward(self, ids, pos, attention):
+        """ids [B, 1] at position pos [1]; attention.attend(layer, q, k, v) -> o, q and o
+        [B, 1, Hq, D], k and v [B, 1, Hkv, D] (FlashAttention's layout). Returns logits [B, V]."""
         a = self.a
         x = self.embed[ids]
         b, n, _ = x.shape
         for i, L in enumerate(self.layers):
             y = rms_norm(x, L["n1"]) @ L["qkv"].T
-            q, k, v = y.split([a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], -1)
-            q = rotary(q.view(b, n, a.heads, a.head_dim).transpose(1, 2), pos)
-            k = rotary(k.view(b, n, a.kv_heads, a.head_dim).transpose(1, 2), pos)
-            v = v.view(b, n, a.kv_heads, a.head_dim).transpose(1, 2)
-            o = attend(i, q, k, v).transpose(1, 2).reshape(b, n, -1)
+            q, k, v = y.split([a.heads * a.head_dim, a.kv_heads * a.head_dim,
+                               a.kv_heads * a.head_dim], -1)
+            q = rotary(q.view(b, n, a.heads, a.head_dim), pos)
+            k = rotary(k.view(b, n, a.kv_heads, a.head_dim), pos)
+            v = v.view(b, n, a.kv_heads, a.head_dim)
+            o = attention.attend(i, q, k, v).reshape(b, n, -1)
             x = x + o @ L["o"].T
             gate, up = (rms_norm(x, L["n2"]) @ L["up"].T).chunk(2, -1)
             x = x + (F.silu(gate) * up) @ L["down"].T
-        return rms_norm(x[:, -1], self.norm) @ self.head.T  # logits of the last position
+        return rms_norm(x[:, -1], self.norm) @ self.head.T
 
 
-class LocalCache:
-    def __init__(self, a, batch, device, dtype):
-        n = a.context + a.new_tokens
-        self.k = [torch.zeros(batch, a.kv_heads, n, a.head_dim, device=device, dtype=dtype) for _ in range(a.layers)]
-        self.v = [torch.zeros_like(t) for t in self.k]
-        self.lengths = [0] * a.layers
-
-    def attend(self, i, q, k, v):
-        n, start = k.shape[2], self.lengths[i]
-        end = self.lengths[i] = start + n
-        self.k[i][:, :, start:end] = k
-        self.v[i][:, :, start:end] = v
-        return F.scaled_dot_product_attention(q, self.k[i][:, :, :end], self.v[i][:, :, :end],
-                                              is_causal=n > 1, enable_gqa=True)
+def initial_kv(a, batch, context, layer, device, dtype):
+    """The random K/V a layer's cache starts with: k, v [B, context, Hkv, D]."""
+    g = torch.Generator(device=device).manual_seed(a.seed * 1000 + layer)
+    k = torch.randn(batch, context, a.kv_heads, a.head_dim, generator=g, device=device, dtype=dtype)
+    v = torch.randn(batch, context, a.kv_heads, a.head_dim, generator=g, device=device, dtype=dtype)
+    return k, v
 
 
-class RemoteCache:
-    """One session per layer and sequence; the prefill's K/V create them, each decode step is one
-    Step per layer over every sequence. Counts the Step RPCs' time and the server's part of it."""
+class LocalFA3:
+    """flash_attn_with_kvcache over a preallocated [B, S, Hkv, D] cache per layer."""
 
-    def __init__(self, client):
-        self.client = client
-        self.sessions = {}
-        self.rpc_s = 0.0
-        self.server_us = 0.0
-        self.steps = 0
+    def __init__(self, a, batch, context, steps, device, dtype):
+        from fa3_fwd_interface import flash_attn_with_kvcache
+        self.fn = flash_attn_with_kvcache
+        self.k, self.v = [], []
+        for i in range(a.layers):
+            k0, v0 = initial_kv(a, batch, context, i, device, dtype)
+            pad = torch.zeros(batch, steps, a.kv_heads, a.head_dim, device=device, dtype=dtype)
+            self.k.append(torch.cat([k0, pad], 1))
+            self.v.append(torch.cat([v0, pad.clone()], 1))
+        self.lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+        self.layers = a.layers
 
     def attend(self, i, q, k, v):
-        b, _, n, _ = q.shape
-        if i not in self.sessions:  # prefill: attention computed locally, K/V sent once
-            self.sessions[i] = [self.client.session(k=k[j].contiguous(), v=v[j].contiguous()) for j in range(b)]
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        items = [(s, q[j], k[j], v[j]) for j, s in enumerate(self.sessions[i])]
-        start = time.perf_counter()
-        results = self.client.step_many(items, causal=True, return_info=True)
-        self.rpc_s += time.perf_counter() - start
-        self.server_us += results[0].timing.total_us
-        self.steps += 1
-        return torch.stack([r.o for r in results])
+        o = self.fn(q, self.k[i], self.v[i], k=k, v=v, cache_seqlens=self.lengths, causal=True)
+        if i == self.layers - 1:
+            self.lengths += 1
+        return o[0] if isinstance(o, tuple) else o
 
     def close(self):
-        for sessions in self.sessions.values():
-            for s in sessions:
-                s.drop()
+        pass
 
 
-def generate(model, cache_attend, prompt, new_tokens, sync):
-    """Greedy: the prompt's forward, then new_tokens - 1 single-token steps. Returns the tokens
-    [B, new_tokens] and the decode time (every step after the prefill), seconds."""
-    n = prompt.shape[1]
-    device = prompt.device
-    logits = model.forward(prompt, torch.arange(n, device=device), cache_attend)
-    tokens = [logits.argmax(-1)]
+class LocalSDPA(LocalFA3):
+    """torch SDPA over the same preallocated cache (copied in, then attended as [B, H, N, D])."""
+
+    def __init__(self, a, batch, context, steps, device, dtype):
+        self.k, self.v = [], []
+        for i in range(a.layers):
+            k0, v0 = initial_kv(a, batch, context, i, device, dtype)
+            pad = torch.zeros(batch, steps, a.kv_heads, a.head_dim, device=device, dtype=dtype)
+            self.k.append(torch.cat([k0, pad], 1).transpose(1, 2).contiguous())
+            self.v.append(torch.cat([v0, pad.clone()], 1).transpose(1, 2).contiguous())
+        self.length = context
+        self.layers = a.layers
+
+    def attend(self, i, q, k, v):
+        n = self.length
+        self.k[i][:, :, n] = k[:, 0]
+        self.v[i][:, :, n] = v[:, 0]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[i][:, :, :n + 1],
+                                           self.v[i][:, :, :n + 1], enable_gqa=True)
+        if i == self.layers - 1:
+            self.length += 1
+        return o.transpose(1, 2)
+
+
+class ServiceSteps:
+    """One session per layer and sequence, created with the cache's initial K/V; each layer call
+    is one Step over every sequence of the batch (`stream`: False for unary, True for a
+    StepStream, "ring" for a request ring). Counts the calls' time and the server's part."""
+
+    def __init__(self, client, transport, a, batch, context, device, dtype):
+        import attention_client.session as sessions
+        self.step_many = sessions.step_many
+        self.client = client
+        self.stream = {"unary": False, "stream": True, "ring": "ring"}[transport]
+        self.sessions = []
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for i in range(a.layers):
+                k0, v0 = initial_kv(a, batch, context, i, device, dtype)
+                k0, v0 = k0.cpu(), v0.cpu()
+                self.sessions.append(list(pool.map(
+                    lambda j: client.session(k=k0[j], v=v0[j], layout="bshd"), range(batch))))
+        self.calls = 0
+        self.call_s = 0.0
+        self.server_us = dict.fromkeys(("queue_us", "h2d_us", "compute_us", "d2h_us", "total_us"), 0.0)
+
+    def attend(self, i, q, k, v):
+        # q [B, 1, Hq, D] -> per sequence [Hq, 1, D]; k, v -> [Hkv, 1, D]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        items = [(s, q[j], k[j], v[j]) for j, s in enumerate(self.sessions[i])]
+        start = time.perf_counter()
+        results = self.step_many(self.client, items, causal=True, return_info=True,
+                                 stream=self.stream)
+        self.call_s += time.perf_counter() - start
+        for name in self.server_us:
+            self.server_us[name] += getattr(results[0].timing, name)
+        self.calls += 1
+        return torch.stack([r.o for r in results]).transpose(1, 2)
+
+    def close(self):
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda s: s.drop(), [s for layer in self.sessions for s in layer]))
+
+
+def decode(model, attention, batch, context, a, device):
+    """Greedy steps from random first tokens; returns (first step's logits, tokens [B, steps],
+    seconds of the last a.tokens steps)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    g = torch.Generator(device="cpu").manual_seed(a.seed + batch)
+    ids = torch.randint(0, a.vocab, (batch, 1), generator=g).to(device)
+    tokens, first = [], None
+    for t in range(a.warmup + a.tokens):
+        if t == a.warmup:
+            sync()
+            start = time.perf_counter()
+        logits = model.forward(ids, torch.tensor([context + t], device=device), attention)
+        if first is None:
+            first = logits.float()
+        ids = logits.argmax(-1, keepdim=True)
+        tokens.append(ids)
     sync()
-    start = time.perf_counter()
-    for t in range(new_tokens - 1):
-        logits = model.forward(tokens[-1][:, None], torch.tensor([n + t], device=device), cache_attend)
-        tokens.append(logits.argmax(-1))
-    sync()
-    return torch.stack(tokens, 1), time.perf_counter() - start
+    return first, torch.cat(tokens, 1), time.perf_counter() - start
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="localhost:50051")
-    p.add_argument("--batch", default="1,8")
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--attn", default="fa3,sdpa,unary,stream,ring")
+    p.add_argument("--batch", default="8,32,64")
+    p.add_argument("--context", default="1024,4096")
+    p.add_argument("--tokens", type=int, default=16, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv_heads", type=int, default=8)
-    p.add_argument("--head_dim", type=int, default=64)
-    p.add_argument("--inter", type=int, default=8192)
+    p.add_argument("--head_dim", type=int, default=128)
+    p.add_argument("--inter", type=int, default=14336)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--weight_scale", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--device", default="cuda", help="cpu: a small trial against a CPU server")
+    p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args()
-    dtype = getattr(torch, a.dtype)
-    device = torch.device(a.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    params = a.layers * (a.hidden * (a.heads + 2 * a.kv_heads) * a.head_dim + a.heads * a.head_dim * a.hidden
-                         + 3 * a.hidden * a.inter) + 2 * a.vocab * a.hidden
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     model = Model(a, device, dtype)
-    client = attention_client.Client(a.target, timeout=600)
+    attns = a.attn.split(",")
+    client = None
+    if any(name not in ("fa3", "sdpa") for name in attns):
+        import attention_client
+        client = attention_client.Client(a.target, timeout=600, max_message_bytes=2047 << 20)
     rows = []
+    steps = a.warmup + a.tokens
     with torch.inference_mode():
-        for batch in [int(x) for x in a.batch.split(",")]:
-            g = torch.Generator(device="cpu").manual_seed(a.seed + batch)
-            prompt = torch.randint(0, a.vocab, (batch, a.context), generator=g).to(device)
-            local = LocalCache(a, batch, device, dtype)
-            want, local_s = generate(model, local.attend, prompt, a.new_tokens, sync)
-            del local
-            remote = RemoteCache(client)
-            try:
-                got, remote_s = generate(model, remote.attend, prompt, a.new_tokens, sync)
-            finally:
-                remote.close()
-            decoded = batch * (a.new_tokens - 1)
-            steps = max(a.new_tokens - 1, 1)
-            row = dict(batch=batch, context=a.context, params_b=params / 1e9, dtype=a.dtype,
-                       local_tok_s=decoded / local_s, remote_tok_s=decoded / remote_s,
-                       ratio=local_s / remote_s,
-                       remote_ms_per_step=1e3 * remote_s / steps,
-                       step_rpcs_ms_per_step=1e3 * remote.rpc_s / steps,
-                       server_ms_per_step=1e-3 * remote.server_us / steps,
-                       rest_ms_per_step=1e3 * (remote_s - remote.rpc_s) / steps,
-                       local_ms_per_step=1e3 * local_s / steps,
-                       same_tokens=float((got == want).float().mean()),
-                       distinct_tokens=len(set(want.flatten().tolist())))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    print(f"\nLlama-shaped {params / 1e9:.2f}B params, {a.layers} layers, Hq={a.heads} Hkv={a.kv_heads} "
-          f"D={a.head_dim}, {a.dtype}, context {a.context}, {a.new_tokens} new tokens, {device}")
-    print(f"{'batch':>5} {'local tok/s':>11} {'remote tok/s':>12} {'ratio':>6} {'ms/step':>8} "
-          f"{'Steps ms':>8} {'server ms':>9} {'rest ms':>7} {'local ms':>8} {'same tok':>8}")
+        for context in [int(c) for c in a.context.split(",")]:
+            for batch in [int(b) for b in a.batch.split(",")]:
+                anchor = None
+                for name in attns:
+                    if name == "fa3":
+                        attention = LocalFA3(a, batch, context, steps, device, dtype)
+                    elif name == "sdpa":
+                        attention = LocalSDPA(a, batch, context, steps, device, dtype)
+                    else:
+                        attention = ServiceSteps(client, name, a, batch, context, device, dtype)
+                    try:
+                        first, tokens, seconds = decode(model, attention, batch, context, a, device)
+                    finally:
+                        if hasattr(attention, "close"):
+                            attention.close()
+                    row = dict(context=context, batch=batch, attn=name,
+                               tok_s=batch * a.tokens / seconds,
+                               ms_per_step=1e3 * seconds / a.tokens)
+                    if isinstance(attention, ServiceSteps):
+                        row.update(ms_per_call=1e3 * attention.call_s / attention.calls,
+                                   **{f"server_{name[:-3]}_ms_per_call": 1e-3 * us / attention.calls
+                                      for name, us in attention.server_us.items()})
+                    if anchor is None:
+                        anchor = (first, tokens, row)
+                    else:
+                        row.update(ratio=row["tok_s"] / anchor[2]["tok_s"],
+                                   logits_rel=float((first - anchor[0]).abs().max()
+                                                    / anchor[0].abs().max()),
+                                   same_tokens=float((tokens == anchor[1]).float().mean()))
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                    del attention
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    if client is not None:
+        client.close()
+    print(f"\n{a.layers} layers, hidden {a.hidden}, Hq {a.heads}, Hkv {a.kv_heads}, D {a.head_dim}, "
+          f"MLP {a.inter}, {a.dtype}; {a.tokens} timed steps; ratio against {attns[0]}")
+    print(f"{'context':>7} {'batch':>5} {'attn':>7} {'tok/s':>9} {'ratio':>6} {'ms/step':>8} "
+          f"{'ms/call':>8} {'server':>7} {'logits':>8} {'same':>5}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['local_tok_s']:>11.1f} {r['remote_tok_s']:>12.1f} {r['ratio']:>6.2f} "
-              f"{r['remote_ms_per_step']:>8.2f} {r['step_rpcs_ms_per_step']:>8.2f} "
-              f"{r['server_ms_per_step']:>9.2f} {r['rest_ms_per_step']:>7.2f} "
-              f"{r['local_ms_per_step']:>8.2f} {r['same_tokens']:>8.2f}")
+        print(f"{r['context']:>7} {r['batch']:>5} {r['attn']:>7} {r['tok_s']:>9.1f} "
+              f"{r.get('ratio', 1.0):>6.2f} {r['ms_per_step']:>8.2f} "
+              f"{r.get('ms_per_call', float('nan')):>8.3f} "
+              f"{r.get('server_total_ms_per_call', float('nan')):>7.3f} "
+              f"{r.get('logits_rel', 0.0):>8.1e} {r.get('same_tokens', 1.0):>5.2f}")
 
 
 if __name__ == "__main__":
