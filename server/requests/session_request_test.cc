@@ -118,7 +118,9 @@ v1::StepRequest TwoEntries() {
 
 TEST(CheckStepTest, RefusesMissingAndRepeatedSessionsAndBadMasks) {
   EXPECT_EQ(CheckStep(TwoEntries()), absl::OkStatus());
-  ExpectInvalid(CheckStep(v1::StepRequest()), "entries: expected at least one entry, got none");
+  ExpectInvalid(
+      CheckStep(v1::StepRequest()),
+      "entries: expected at least one entry (or the packed form's session_ids), got none");
   v1::StepRequest request = TwoEntries();
   request.mutable_entries(1)->set_session_id("a");
   ExpectInvalid(CheckStep(request),
@@ -154,7 +156,7 @@ TEST(DecodeStepEntryTest, ChecksQueriesAgainstTheSession) {
   EXPECT_EQ(ok->heads_q, 4);
   EXPECT_EQ(ok->rows_q, 1);
   EXPECT_EQ(ok->rows.rows, 1);
-  EXPECT_EQ(CheckQueriesFit(0, *ok, 0), absl::OkStatus());
+  EXPECT_EQ(CheckQueriesFit("entries[0].q.shape[1] (queries)", *ok, 0), absl::OkStatus());
 
   v1::StepEntry bad = entry;
   *bad.mutable_q() = MakeTensor(v1::DTYPE_FLOAT16, {3, 1, 8});
@@ -165,9 +167,10 @@ TEST(DecodeStepEntryTest, ChecksQueriesAgainstTheSession) {
   *bad.mutable_q() = MakeTensor(v1::DTYPE_FLOAT16, {4, 3, 8});
   absl::StatusOr<DecodedEntry> three_queries = DecodeStepEntry(0, bad, kShape);
   ASSERT_TRUE(three_queries.ok()) << three_queries.status();
-  ExpectInvalid(CheckQueriesFit(0, *three_queries, 1),
+  ExpectInvalid(CheckQueriesFit("entries[0].q.shape[1] (queries)", *three_queries, 1),
                 "entries[0].q.shape[1] (queries): expected at most the session's 2 rows");
-  EXPECT_EQ(CheckQueriesFit(0, *three_queries, 2), absl::OkStatus());
+  EXPECT_EQ(CheckQueriesFit("entries[0].q.shape[1] (queries)", *three_queries, 2),
+            absl::OkStatus());
   bad = entry;
   *bad.mutable_q() = MakeTensor(v1::DTYPE_BFLOAT16, {4, 1, 8});
   ExpectInvalid(DecodeStepEntry(0, bad, kShape).status(),

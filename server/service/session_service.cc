@@ -60,6 +60,12 @@ google::protobuf::ArenaOptions StartingIn(char* block, size_t size) {
   return options;
 }
 
+// "DTYPE_BFLOAT16, 8 kv heads, head dim 128": a session's shape in an error message.
+std::string KvShapeString(const KvShape& shape) {
+  return absl::StrCat(DTypeString(ToProtoDType(shape.dtype)), ", ", shape.heads_kv,
+                      " kv heads, head dim ", shape.head_dim);
+}
+
 }  // namespace
 
 // One Step call: its entries checked against their sessions' shapes, grouped into decode jobs.
@@ -79,7 +85,11 @@ struct SessionService::StepCall {
   v1::StepResponse* response = nullptr;
   std::string owner;
   absl::Time arrival;
-  std::vector<DecodedEntry> entries;  // per request entry
+  std::vector<DecodedEntry> entries;  // per request entry, or per sequence of a packed Step
+  std::vector<int64_t> lengths;       // per entry: its session's rows after the step
+  // A packed Step's o and lse in the caller's regions (o_ref, lse_ref), else null.
+  char* packed_o = nullptr;
+  float* packed_lse = nullptr;
   // The regions the entries reference, held until the call is answered.
   std::unique_ptr<RequestRegions> refs;
   std::vector<Group> groups;
@@ -375,67 +385,127 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
   call->owner = owner;
   call->refs = std::make_unique<RequestRegions>(regions_, call_context.grpc, &options_.auth_token);
   // Every check that needs no session's length before anything is queued: the sessions' places
-  // and shapes never change.
-  const int n = request.entries_size();
+  // and shapes never change. A packed Step (session_ids) is cut into one entry per sequence,
+  // pointing into its tensors; from there both forms run alike.
+  const bool packed = request.session_ids_size() > 0;
+  const int n = packed ? request.session_ids_size() : request.entries_size();
+  auto session_id = [&request, packed](int i) -> const std::string& {
+    return packed ? request.session_ids(i) : request.entries(i).session_id();
+  };
+  std::vector<SessionStore::Place> places;
+  places.reserve(n);
+  for (int i = 0; i < n; ++i) {
+    absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, session_id(i));
+    if (!place.ok()) return std::move(finish)(place.status());
+    if (packed && i > 0 && !(place->shape == places.front().shape)) {
+      return std::move(finish)(absl::InvalidArgumentError(absl::StrCat(
+          "session_ids[", i,
+          "]: expected a session of session_ids[0]'s dtype, kv heads and "
+          "head dim (",
+          KvShapeString(places.front().shape), "), got ", KvShapeString(place->shape))));
+    }
+    places.push_back(*place);
+  }
+  if (packed) {
+    absl::StatusOr<DecodedPacked> decoded =
+        DecodePackedStep(request, places.front().shape, call->refs.get());
+    if (!decoded.ok()) return std::move(finish)(decoded.status());
+    call->entries = std::move(decoded->entries);
+    call->packed_o = decoded->o;
+    call->packed_lse = decoded->lse;
+  } else {
+    for (int i = 0; i < n; ++i) {
+      absl::StatusOr<DecodedEntry> decoded =
+          DecodeStepEntry(i, request.entries(i), places[i].shape, call->refs.get());
+      if (!decoded.ok()) return std::move(finish)(decoded.status());
+      call->entries.push_back(*decoded);
+    }
+  }
   int64_t response_bytes = kResponseOverhead + static_cast<int64_t>(request.request_id().size());
   for (int i = 0; i < n; ++i) {
-    const v1::StepEntry& entry = request.entries(i);
-    absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, entry.session_id());
-    if (!place.ok()) return std::move(finish)(place.status());
-    absl::StatusOr<DecodedEntry> decoded =
-        DecodeStepEntry(i, entry, place->shape, call->refs.get());
-    if (!decoded.ok()) return std::move(finish)(decoded.status());
-    absl::StatusOr<MaskParams> mask = DecodeMask(request, place->shape.head_dim);
+    const SessionStore::Place& place = places[i];
+    const DecodedEntry& decoded = call->entries[i];
+    absl::StatusOr<MaskParams> mask = DecodeMask(request, place.shape.head_dim);
     if (!mask.ok()) return std::move(finish)(mask.status());
-    const int64_t o_bytes = decoded->heads_q * decoded->rows_q * place->shape.head_dim *
-                            static_cast<int64_t>(DTypeSize(place->shape.dtype));
-    response_bytes += (decoded->o != nullptr ? 0 : o_bytes) +
-                      static_cast<int64_t>(entry.session_id().size()) + kEntryOverhead;
-    if (request.return_lse()) {
-      response_bytes += decoded->heads_q * decoded->rows_q * int64_t{sizeof(float)};
+    const int64_t o_bytes = decoded.heads_q * decoded.rows_q * place.shape.head_dim *
+                            static_cast<int64_t>(DTypeSize(place.shape.dtype));
+    response_bytes += (decoded.o != nullptr ? 0 : o_bytes) +
+                      static_cast<int64_t>(session_id(i).size()) + kEntryOverhead;
+    if (request.return_lse() && call->packed_lse == nullptr) {
+      response_bytes += decoded.heads_q * decoded.rows_q * int64_t{sizeof(float)};
     }
-    const DecodeKey key{.shape = place->shape,
-                        .heads_q = decoded->heads_q,
+    const DecodeKey key{.shape = place.shape,
+                        .heads_q = decoded.heads_q,
                         .softmax_scale = mask->softmax_scale,
                         .window_left = mask->window_left,
                         .window_right = mask->window_right,
                         .lse = request.return_lse()};
     auto group = std::find_if(call->groups.begin(), call->groups.end(), [&](const auto& g) {
-      return g.device == place->device && g.key == key;
+      return g.device == place.device && g.key == key;
     });
     if (group == call->groups.end()) {
-      call->groups.push_back(StepCall::Group{.device = place->device, .key = key});
+      call->groups.push_back(StepCall::Group{.device = place.device, .key = key});
       group = call->groups.end() - 1;
     }
     group->entries.push_back(i);
-    call->entries.push_back(*decoded);
   }
   if (response_bytes > options_.max_message_bytes) {
     return std::move(finish)(absl::ResourceExhaustedError(
         absl::StrCat("response would be ", response_bytes, " bytes, over the message limit of ",
                      options_.max_message_bytes, " bytes")));
   }
-  // The results in entry order, o shaped as q (and lse [Hq, Nq]); the launches write into them.
-  for (int i = 0; i < n; ++i) {
-    const v1::Tensor& q = request.entries(i).q();
-    v1::StepResult* result = response->add_results();
-    result->set_session_id(request.entries(i).session_id());
-    v1::Tensor* o = result->mutable_o();
+  // Where each entry's o, lse and length go: a packed Step's o [B, Hq, Nq, D] and lse
+  // [B, Hq, Nq] (the response's, or the caller's regions) and lengths [B]; else the results, in
+  // entry order, o shaped as q and lse [Hq, Nq]. The launches write into them.
+  if (packed) {
+    const v1::Tensor& q = request.q();
+    const int64_t o_bytes = call->entries.front().heads_q * call->entries.front().rows_q *
+                            q.shape(3) * DTypeSize(places.front().shape.dtype);
+    const int64_t lse_bytes =
+        call->entries.front().heads_q * call->entries.front().rows_q * int64_t{sizeof(float)};
+    v1::Tensor* o = response->mutable_o();
     o->set_dtype(q.dtype());
     o->mutable_shape()->CopyFrom(q.shape());
-    if (call->entries[i].o == nullptr) {  // else it goes into a region (o_ref)
-      o->mutable_data()->resize(call->entries[i].heads_q * call->entries[i].rows_q * q.shape(2) *
-                                DTypeSize(*ToDType(q.dtype(), "q.dtype")));
+    if (call->packed_o == nullptr) o->mutable_data()->resize(n * o_bytes);
+    float* lse = call->packed_lse;
+    if (request.return_lse() && lse == nullptr) {
+      v1::Tensor* lse_tensor = response->mutable_lse();
+      lse_tensor->set_dtype(v1::DTYPE_FLOAT32);
+      for (int axis = 0; axis < 3; ++axis) lse_tensor->add_shape(q.shape(axis));
+      lse_tensor->mutable_data()->resize(n * lse_bytes);
+      // std::string storage comes from operator new (or the inline buffer), aligned for float.
+      lse = reinterpret_cast<float*>(lse_tensor->mutable_data()->data());
     }
-    if (request.return_lse()) {
-      v1::Tensor* lse = result->mutable_lse();
-      lse->set_dtype(v1::DTYPE_FLOAT32);
-      lse->add_shape(call->entries[i].heads_q);
-      lse->add_shape(call->entries[i].rows_q);
-      lse->mutable_data()->resize(call->entries[i].heads_q * call->entries[i].rows_q *
-                                  sizeof(float));
+    for (int i = 0; i < n; ++i) {
+      DecodedEntry& entry = call->entries[i];
+      if (entry.o == nullptr) entry.o = o->mutable_data()->data() + i * o_bytes;
+      if (lse != nullptr) entry.lse = lse + i * lse_bytes / int64_t{sizeof(float)};
+    }
+  } else {
+    for (int i = 0; i < n; ++i) {
+      const v1::Tensor& q = request.entries(i).q();
+      DecodedEntry& entry = call->entries[i];
+      v1::StepResult* result = response->add_results();
+      result->set_session_id(request.entries(i).session_id());
+      v1::Tensor* o = result->mutable_o();
+      o->set_dtype(q.dtype());
+      o->mutable_shape()->CopyFrom(q.shape());
+      if (entry.o == nullptr) {  // else it goes into a region (o_ref)
+        o->mutable_data()->resize(entry.heads_q * entry.rows_q * q.shape(2) *
+                                  DTypeSize(*ToDType(q.dtype(), "q.dtype")));
+        entry.o = o->mutable_data()->data();
+      }
+      if (request.return_lse()) {
+        v1::Tensor* lse = result->mutable_lse();
+        lse->set_dtype(v1::DTYPE_FLOAT32);
+        lse->add_shape(entry.heads_q);
+        lse->add_shape(entry.rows_q);
+        lse->mutable_data()->resize(entry.heads_q * entry.rows_q * sizeof(float));
+        entry.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+      }
     }
   }
+  call->lengths.assign(n, 0);
   call->finish = std::move(finish);
   call->pending = static_cast<int>(call->groups.size());
 
@@ -444,13 +514,16 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
     StepCall::Group& group = call->groups[g];
     Job job;
     job.device = group.device;
-    for (int i : group.entries) job.sessions.push_back(request.entries(i).session_id());
+    for (int i : group.entries) job.sessions.push_back(session_id(i));
     // On the worker: take the sessions, check the queries against their lengths, append the new
     // rows (all or nothing for the group), and give the launch its sequences.
     auto prepare = [this, call, &group]() -> absl::StatusOr<std::vector<DecodeSequence>> {
       const v1::StepRequest& request = *call->request;
+      const bool packed = request.session_ids_size() > 0;
       std::vector<std::string> ids;
-      for (int i : group.entries) ids.push_back(request.entries(i).session_id());
+      for (int i : group.entries) {
+        ids.push_back(packed ? request.session_ids(i) : request.entries(i).session_id());
+      }
       absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(call->owner, ids);
       if (!leases.ok()) return leases.status();
       std::vector<SessionStore::Lease*> held;
@@ -460,7 +533,10 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
       for (size_t s = 0; s < group.entries.size(); ++s) {
         const DecodedEntry& entry = call->entries[group.entries[s]];
         const int64_t length = (*leases)[s].length();
-        RETURN_IF_ERROR(CheckQueriesFit(group.entries[s], entry, length));
+        RETURN_IF_ERROR(CheckQueriesFit(
+            packed ? "q.shape[2] (queries)"
+                   : absl::StrCat("entries[", group.entries[s], "].q.shape[1] (queries)"),
+            entry, length));
         flops +=
             DecodeFlops(group.key, {.length = length + entry.rows.rows, .rows_q = entry.rows_q});
         held.push_back(&(*leases)[s]);
@@ -476,22 +552,15 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
       RETURN_IF_ERROR(store_->Reserve(held, new_rows));
       RETURN_IF_ERROR(store_->Append(held, rows));
       for (size_t s = 0; s < group.entries.size(); ++s) {
-        const int i = group.entries[s];
+        const DecodedEntry& entry = call->entries[group.entries[s]];
         const SessionStore::Lease& lease = (*leases)[s];
-        v1::StepResult* result = call->response->mutable_results(i);
-        result->set_length(lease.length());
-        group.seqs.push_back(DecodeSequence{
-            .pages = lease.page_table(),
-            .length = lease.length(),
-            .q = call->entries[i].q,
-            .rows_q = call->entries[i].rows_q,
-            .o = call->entries[i].o != nullptr ? call->entries[i].o
-                                               : result->mutable_o()->mutable_data()->data(),
-            // std::string storage comes from operator new (or the inline buffer), aligned for
-            // float.
-            .lse = request.return_lse()
-                       ? reinterpret_cast<float*>(result->mutable_lse()->mutable_data()->data())
-                       : nullptr});
+        call->lengths[group.entries[s]] = lease.length();
+        group.seqs.push_back(DecodeSequence{.pages = lease.page_table(),
+                                            .length = lease.length(),
+                                            .q = entry.q,
+                                            .rows_q = entry.rows_q,
+                                            .o = entry.o,
+                                            .lse = entry.lse});
       }
       group.leases = *std::move(leases);
       return group.seqs;
@@ -535,6 +604,13 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
       v1::StepResponse* response = call->response;
       if (call->status.ok()) {
         response->set_request_id(call->request->request_id());
+        if (call->request->session_ids_size() > 0) {
+          response->mutable_lengths()->Add(call->lengths.begin(), call->lengths.end());
+        } else {
+          for (int i = 0; i < response->results_size(); ++i) {
+            response->mutable_results(i)->set_length(call->lengths[i]);
+          }
+        }
         response->set_device(absl::StrJoin(call->devices, ","));
         v1::ServerTiming* timing = response->mutable_timing();
         timing->set_queue_us(absl::ToDoubleMicroseconds(call->queued));

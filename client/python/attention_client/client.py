@@ -56,6 +56,17 @@ class AttendResult:
 
 
 @dataclass(frozen=True)
+class StepBatchResult:
+    """step_batch(..., return_info=True): o [B, Hq, Nq, D], lse [B, Hq, Nq] (None without
+    return_lse), each sequence's length after the step, the server's timing and the device."""
+    o: Any
+    lse: Optional[Any]
+    lengths: list
+    timing: ServerTiming
+    device: str
+
+
+@dataclass(frozen=True)
 class StepResult:
     """step(..., return_info=True): o, lse (None without return_lse), the session's length after
     the step, and the device and timing of the Step RPC (shared by the items of a step_many)."""
@@ -497,6 +508,28 @@ class Client:
                          window_left=window_left, window_right=window_right,
                          return_lse=return_lse, timeout=timeout, metadata=metadata,
                          request_id=request_id, return_info=return_info)
+
+    def step_batch(self, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
+                   window_left=None, window_right=None, return_lse=False, out=None,
+                   lse_out=None, timeout=None, metadata=None, request_id="", return_info=False,
+                   stream=False):
+        """One packed Step over a layer's batch: one message and one tensor each, none per
+        sequence. Sequence b is sessions[b] (each at most once, all of one dtype, Hkv and D).
+
+        q [B, Hq, Nq, D]; k, v [B, Hkv, n, D] appended to each sequence before it attends.
+        Returns o [B, Hq, Nq, D] (q's kind and dtype), or (o, lse) with return_lse (lse float32
+        [B, Hq, Nq]), or with return_info a StepBatchResult; every session's length is updated.
+        Tensors inside regions this client registered go by reference (no copy through the
+        socket); out and lse_out, arrays in such regions, receive o and lse there (they must not
+        overlap each other or an input). stream: as Session.step (False: unary; True: the
+        client's StepStream; "ring": its request ring).
+        """
+        from attention_client.session import step_batch
+        return step_batch(self, sessions, q, k, v, causal=causal, softmax_scale=softmax_scale,
+                          window_left=window_left, window_right=window_right,
+                          return_lse=return_lse, out=out, lse_out=lse_out, timeout=timeout,
+                          metadata=metadata, request_id=request_id, return_info=return_info,
+                          stream=stream)
 
     def register_shared_memory(self, name, shm, *, offset=0, size=None, timeout=None,
                                metadata=None):
