@@ -13,6 +13,11 @@ steps of one token per sequence, the last `tokens` timed. Attentions (--attn):
            over every sequence (what attention_client.transformers' RemoteCache does)
   stream   the same Steps over one Sessions.StepStream
   ring     the same Steps through a request ring (server on this host, --allow_shared_memory)
+  packed   one packed Step per layer call (q [B, Hq, 1, D], k, v [B, Hkv, 1, D] as one tensor
+           each: Client.step_batch), unary
+  packed-ring  the packed Step through a request ring, q, k, v and o by reference in a
+           shared-memory region that the model's process pins (cudaHostRegister), so each layer
+           call is one device-to-host copy of q, k, v and one host-to-device copy of o
 
 Prints one JSON line per (batch, context, attention), then the ratio table against fa3 (or the
 first attention given). The first step's logits of every attention are compared with the
@@ -181,6 +186,66 @@ class ServiceSteps:
             list(pool.map(lambda s: s.drop(), [s for layer in self.sessions for s in layer]))
 
 
+class ServicePacked(ServiceSteps):
+    """As ServiceSteps, but each layer call is one packed Step (Client.step_batch); with
+    `by_ref`, through the client's request ring, q, k, v and o in a pinned shared-memory region."""
+
+    def __init__(self, client, transport, a, batch, context, device, dtype):
+        super().__init__(client, "unary", a, batch, context, device, dtype)
+        self.stream = "ring" if transport == "packed-ring" else False
+        self.region = None
+        if transport == "packed-ring":
+            from multiprocessing import shared_memory
+            import numpy as np
+            shapes = dict(q=(batch, a.heads, 1, a.head_dim), k=(batch, a.kv_heads, 1, a.head_dim),
+                          v=(batch, a.kv_heads, 1, a.head_dim), o=(batch, a.heads, 1, a.head_dim))
+            sizes = {n: (math.prod(sh) * 2 + 4095) // 4096 * 4096 for n, sh in shapes.items()}
+            self.shm = shared_memory.SharedMemory(create=True, size=sum(sizes.values()))
+            self.region = client.register_shared_memory(f"decode-{id(self)}", self.shm)
+            self.host, at = {}, 0
+            for name, shape in shapes.items():
+                raw = self.region.array((sizes[name],), np.uint8, offset=at)
+                self.host[name] = torch.from_numpy(raw).view(dtype)[:math.prod(shape)].view(shape)
+                at += sizes[name]
+            # Pinned: the copies between the model's GPU and the region run at PCIe speed.
+            self.pinned = None
+            if device.type == "cuda":
+                self.pinned = self.host["q"].data_ptr()
+                err = torch.cuda.cudart().cudaHostRegister(self.pinned, self.shm.size, 0)
+                assert int(err) == 0, f"cudaHostRegister: {err}"
+
+    def attend(self, i, q, k, v):
+        # q [B, 1, Hq, D] -> [B, Hq, 1, D]; k, v -> [B, Hkv, 1, D]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        start = time.perf_counter()
+        if self.region is None:
+            result = self.client.step_batch(self.sessions[i], q, k, v, causal=True,
+                                            return_info=True, stream=self.stream)
+            o = result.o
+        else:
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                self.host[name].copy_(t)
+            result = self.client.step_batch(self.sessions[i], self.host["q"], self.host["k"],
+                                            self.host["v"], causal=True, out=self.host["o"],
+                                            return_info=True, stream=self.stream)
+            o = self.host["o"].to(q.device, copy=True)
+        self.call_s += time.perf_counter() - start
+        for name in self.server_us:
+            self.server_us[name] += getattr(result.timing, name)
+        self.calls += 1
+        return o.transpose(1, 2)
+
+    def close(self):
+        super().close()
+        if self.region is not None:
+            if self.pinned is not None:
+                torch.cuda.cudart().cudaHostUnregister(self.pinned)
+            self.host = None
+            self.region.unregister()
+            self.shm.close()
+            self.shm.unlink()
+
+
 def decode(model, attention, batch, context, a, device):
     """Greedy steps from random first tokens; returns (first step's logits, tokens [B, steps],
     seconds of the last a.tokens steps)."""
@@ -239,6 +304,8 @@ def main():
                         attention = LocalFA3(a, batch, context, steps, device, dtype)
                     elif name == "sdpa":
                         attention = LocalSDPA(a, batch, context, steps, device, dtype)
+                    elif name.startswith("packed"):
+                        attention = ServicePacked(client, name, a, batch, context, device, dtype)
                     else:
                         attention = ServiceSteps(client, name, a, batch, context, device, dtype)
                     try:
@@ -269,10 +336,10 @@ def main():
         client.close()
     print(f"\n{a.layers} layers, hidden {a.hidden}, Hq {a.heads}, Hkv {a.kv_heads}, D {a.head_dim}, "
           f"MLP {a.inter}, {a.dtype}; {a.tokens} timed steps; ratio against {attns[0]}")
-    print(f"{'context':>7} {'batch':>5} {'attn':>7} {'tok/s':>9} {'ratio':>6} {'ms/step':>8} "
+    print(f"{'context':>7} {'batch':>5} {'attn':>11} {'tok/s':>9} {'ratio':>6} {'ms/step':>8} "
           f"{'ms/call':>8} {'server':>7} {'logits':>8} {'same':>5}")
     for r in rows:
-        print(f"{r['context']:>7} {r['batch']:>5} {r['attn']:>7} {r['tok_s']:>9.1f} "
+        print(f"{r['context']:>7} {r['batch']:>5} {r['attn']:>11} {r['tok_s']:>9.1f} "
               f"{r.get('ratio', 1.0):>6.2f} {r['ms_per_step']:>8.2f} "
               f"{r.get('ms_per_call', float('nan')):>8.3f} "
               f"{r.get('server_total_ms_per_call', float('nan')):>7.3f} "
