@@ -49,7 +49,7 @@ class PackedStepTest(ServerTest):
                 self.addCleanup(s.drop)
         return batches, kv
 
-    def check_equal_to_entries(self, stream, by_ref):
+    def check_equal_to_entries(self, stream, by_ref, wait=True):
         (per_entry, packed), kv = self.two_batches()
         b = len(self.LENGTHS)
         region = None
@@ -78,7 +78,9 @@ class PackedStepTest(ServerTest):
                 q_in, k_in, v_in = q, k1, v1
             got = self.client.step_batch(packed, q_in, k_in, v_in, causal=True, return_lse=True,
                                          out=out, lse_out=lse_out, stream=stream,
-                                         return_info=True)
+                                         return_info=True, wait=wait)
+            if not wait:
+                got = got.result(timeout=60)
             self.assertEqual(got.o.shape, q.shape)
             self.assertEqual(got.lse.shape, q.shape[:3])
             for i in range(b):
@@ -106,6 +108,22 @@ class PackedStepTest(ServerTest):
 
     def test_by_reference_equals_entries(self):
         self.check_equal_to_entries(False, by_ref=True)
+
+    def test_future_equals_entries(self):
+        self.check_equal_to_entries(False, by_ref=False, wait=False)
+
+    def test_futures_of_two_micro_batches_in_flight_at_once(self):
+        (first, second), _ = self.two_batches()
+        b = len(self.LENGTHS)
+        q = self.normal(b, self.HQ, 1, self.D)
+        k1, v1 = self.normal(b, self.HKV, 1, self.D), self.normal(b, self.HKV, 1, self.D)
+        futures = [self.client.step_batch(batch, q, k1, v1, causal=True, wait=False)
+                   for batch in (first, second)]
+        a, b_out = (f.result(timeout=60) for f in futures)
+        self.assertTrue(np.array_equal(a, b_out), f"seed {SEED}")  # the same K/V and inputs
+        self.assertEqual([s.length for s in first], [n + 1 for n in self.LENGTHS])
+        with self.assertRaises(ValueError):
+            self.client.step_batch(first, q, stream="ring", wait=False)
 
     def assertRefused(self, call, *words):
         with self.assertRaises(AttentionError) as e:

@@ -512,7 +512,7 @@ class Client:
     def step_batch(self, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
                    window_left=None, window_right=None, return_lse=False, out=None,
                    lse_out=None, timeout=None, metadata=None, request_id="", return_info=False,
-                   stream=False):
+                   stream=False, wait=True):
         """One packed Step over a layer's batch: one message and one tensor each, none per
         sequence. Sequence b is sessions[b] (each at most once, all of one dtype, Hkv and D).
 
@@ -522,14 +522,16 @@ class Client:
         Tensors inside regions this client registered go by reference (no copy through the
         socket); out and lse_out, arrays in such regions, receive o and lse there (they must not
         overlap each other or an input). stream: as Session.step (False: unary; True: the
-        client's StepStream; "ring": its request ring).
+        client's StepStream; "ring": its request ring). wait=False (unary only) returns at once
+        a concurrent.futures.Future of the result, so the caller can work meanwhile (another
+        micro-batch's MLP, say); leave the sessions and buffers alone until it is done.
         """
         from attention_client.session import step_batch
         return step_batch(self, sessions, q, k, v, causal=causal, softmax_scale=softmax_scale,
                           window_left=window_left, window_right=window_right,
                           return_lse=return_lse, out=out, lse_out=lse_out, timeout=timeout,
                           metadata=metadata, request_id=request_id, return_info=return_info,
-                          stream=stream)
+                          stream=stream, wait=wait)
 
     def register_shared_memory(self, name, shm, *, offset=0, size=None, timeout=None,
                                metadata=None):

@@ -11,6 +11,7 @@ decode step sends only the new queries and the new token's K/V.
 Sessions are a server-side cache: a restart or --session_ttl_s idle seconds lose them, and their
 calls then raise AttentionError with code NOT_FOUND; re-create from your own copy of the sequence.
 """
+import concurrent.futures
 import queue
 import threading
 
@@ -224,7 +225,8 @@ def _send_step(client, request, stream, timeout, metadata):
 
 def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
                window_left=None, window_right=None, return_lse=False, out=None, lse_out=None,
-               timeout=None, metadata=None, request_id="", return_info=False, stream=False):
+               timeout=None, metadata=None, request_id="", return_info=False, stream=False,
+               wait=True):
     """One packed Step over a layer's batch; see Client.step_batch."""
     if (k is None) != (v is None):
         raise ValueError("k and v go together: give both or neither")
@@ -250,7 +252,33 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
             raise ValueError("lse_out: expected only with return_lse=True")
         from attention_client.shared_memory import out_ref
         request.lse_ref.CopyFrom(out_ref(client, lse_out, "lse_out"))
-    response = _send_step(client, request, stream, timeout, metadata)
+    def output(response):
+        return _batch_output(response, sessions, kind, return_lse, out, lse_out, return_info)
+
+    if wait:
+        return output(_send_step(client, request, stream, timeout, metadata))
+    if stream:
+        raise ValueError("wait=False takes unary Steps only (a StepStream or a request ring "
+                         "carries one Step at a time)")
+    call = client._sessions_stub.Step.future(
+        request, timeout=client.timeout if timeout is None else timeout,
+        metadata=client.metadata if metadata is None else metadata)
+    future = concurrent.futures.Future()
+
+    def done(call):
+        try:
+            future.set_result(output(call.result()))
+        except grpc.RpcError as e:
+            future.set_exception(AttentionError(e.code(), e.details()))
+        except Exception as e:  # the answer did not fit the request
+            future.set_exception(e)
+
+    call.add_done_callback(done)
+    return future
+
+
+def _batch_output(response, sessions, kind, return_lse, out, lse_out, return_info):
+    """What step_batch returns for a packed Step's StepResponse; sets the sessions' lengths."""
     if len(response.lengths) != len(sessions):
         raise AttentionError(grpc.StatusCode.DATA_LOSS, f"Step sent {len(sessions)} sequences "
                              f"and got {len(response.lengths)} lengths")
