@@ -18,10 +18,14 @@ steps of one token per sequence, the last `tokens` timed. Attentions (--attn):
   packed-ring  the packed Step through a request ring, q, k, v and o by reference in a
            shared-memory region that the model's process pins (cudaHostRegister), so each layer
            call is one device-to-host copy of q, k, v and one host-to-device copy of o
+  packed-overlap  two micro-batches in ping-pong, each half's packed Step an asynchronous unary
+           call (step_batch(wait=False)) while the other half computes (Model.forward_overlapped)
 
 Prints one JSON line per (batch, context, attention), then the ratio table against fa3 (or the
-first attention given). The first step's logits of every attention are compared with the
-anchor's (max |diff| / max |logit|), and the share of equal greedy tokens is reported.
+first attention given), with the server's part of a layer call (ServerTiming: total, prepare,
+run, kernel). Against the anchor: the first layer's attention output at step 0 (the same inputs
+for every attention) and the first step's logits after all layers (max |diff| / max |value|),
+and the share of equal greedy tokens.
 
     python3 bench/torch/model_decode.py --target=127.0.0.1:50051 --batch=8,32,64 --context=1024,4096
 """
@@ -39,13 +43,18 @@ def rms_norm(x, w, eps=1e-5):
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype) * w
 
 
-def rotary(x, pos, theta=500000.0):
-    """x [B, N, H, D] at positions pos [N]: rotate-half rotary embedding."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+def rotary_tables(pos, d, dtype, theta=500000.0):
+    """cos, sin [1, N, 1, D] of positions pos [N] (once per step: every layer uses them)."""
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=pos.device, dtype=torch.float32) / d)
     ang = pos.float()[:, None] * inv[None, :]
-    cos = torch.cat([ang.cos()] * 2, -1).to(x.dtype)[None, :, None, :]
-    sin = torch.cat([ang.sin()] * 2, -1).to(x.dtype)[None, :, None, :]
+    cos = torch.cat([ang.cos()] * 2, -1).to(dtype)[None, :, None, :]
+    sin = torch.cat([ang.sin()] * 2, -1).to(dtype)[None, :, None, :]
+    return cos, sin
+
+
+def rotary(x, cos, sin):
+    """x [B, N, H, D]: rotate-half rotary embedding."""
+    d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -70,24 +79,45 @@ class Model:
         self.norm = torch.ones(h, device=device, dtype=dtype)
         self.head = w(a.vocab, h, fan_in=h)
 
-    def forward(self, ids, pos, attention):
-        """ids [B, 1] at position pos [1]; attention.attend(layer, q, k, v) -> o, q and o
-        [B, 1, Hq, D], k and v [B, 1, Hkv, D] (FlashAttention's layout). Returns logits [B, V]."""
+    def pre_attention(self, L, x, cos, sin):
+        """x [B, 1, hidden] -> q [B, 1, Hq, D], k, v [B, 1, Hkv, D] (FlashAttention's layout)."""
         a = self.a
-        x = self.embed[ids]
         b, n, _ = x.shape
+        y = rms_norm(x, L["n1"]) @ L["qkv"].T
+        q, k, v = y.split([a.heads * a.head_dim, a.kv_heads * a.head_dim,
+                           a.kv_heads * a.head_dim], -1)
+        q = rotary(q.view(b, n, a.heads, a.head_dim), cos, sin)
+        k = rotary(k.view(b, n, a.kv_heads, a.head_dim), cos, sin)
+        return q, k, v.view(b, n, a.kv_heads, a.head_dim)
+
+    def post_attention(self, L, x, o):
+        """The output projection and the MLP: x, o [B, 1, Hq, D] -> the next layer's x."""
+        b, n, _ = x.shape
+        x = x + o.reshape(b, n, -1) @ L["o"].T
+        gate, up = (rms_norm(x, L["n2"]) @ L["up"].T).chunk(2, -1)
+        return x + (F.silu(gate) * up) @ L["down"].T
+
+    def forward(self, ids, pos, attention):
+        """ids [B, 1] at position pos [1]; attention.attend(layer, q, k, v) -> o [B, 1, Hq, D].
+        Returns logits [B, V]."""
+        x = self.embed[ids]
+        cos, sin = rotary_tables(pos, self.a.head_dim, x.dtype)
         for i, L in enumerate(self.layers):
-            y = rms_norm(x, L["n1"]) @ L["qkv"].T
-            q, k, v = y.split([a.heads * a.head_dim, a.kv_heads * a.head_dim,
-                               a.kv_heads * a.head_dim], -1)
-            q = rotary(q.view(b, n, a.heads, a.head_dim), pos)
-            k = rotary(k.view(b, n, a.kv_heads, a.head_dim), pos)
-            v = v.view(b, n, a.kv_heads, a.head_dim)
-            o = attention.attend(i, q, k, v).reshape(b, n, -1)
-            x = x + o @ L["o"].T
-            gate, up = (rms_norm(x, L["n2"]) @ L["up"].T).chunk(2, -1)
-            x = x + (F.silu(gate) * up) @ L["down"].T
+            x = self.post_attention(L, x, attention.attend(i, *self.pre_attention(L, x, cos, sin)))
         return rms_norm(x[:, -1], self.norm) @ self.head.T
+
+    def forward_overlapped(self, ids, pos, attention):
+        """As forward, over two micro-batches in ping-pong: attention.start(layer, half, q, k, v)
+        sends a half's attention and returns at once, attention.finish(handle) waits for its o.
+        Half 1's pre-attention work overlaps half 0's attention, and half 0's MLP half 1's
+        attention (the ping-pong of attention-FFN disaggregation)."""
+        xs = [self.embed[h] for h in ids.chunk(2)]
+        cos, sin = rotary_tables(pos, self.a.head_dim, xs[0].dtype)
+        for i, L in enumerate(self.layers):
+            pending = [attention.start(i, h, *self.pre_attention(L, x, cos, sin))
+                       for h, x in enumerate(xs)]
+            xs = [self.post_attention(L, x, attention.finish(p)) for x, p in zip(xs, pending)]
+        return rms_norm(torch.cat(xs)[:, -1], self.norm) @ self.head.T
 
 
 def initial_kv(a, batch, context, layer, device, dtype):
@@ -98,7 +128,23 @@ def initial_kv(a, batch, context, layer, device, dtype):
     return k, v
 
 
-class LocalFA3:
+class Attention:
+    """What every attention below shares: the first layer-0 output it computed (step 0, whose
+    inputs are the same for every attention), to compare with the anchor's."""
+
+    first_o = None
+    overlapped = False
+
+    def record(self, i, o):
+        if i == 0 and self.first_o is None:
+            self.first_o = o.float().clone()
+        return o
+
+    def close(self):
+        pass
+
+
+class LocalFA3(Attention):
     """flash_attn_with_kvcache over a preallocated [B, S, Hkv, D] cache per layer."""
 
     def __init__(self, a, batch, context, steps, device, dtype):
@@ -117,14 +163,11 @@ class LocalFA3:
         o = self.fn(q, self.k[i], self.v[i], k=k, v=v, cache_seqlens=self.lengths, causal=True)
         if i == self.layers - 1:
             self.lengths += 1
-        return o[0] if isinstance(o, tuple) else o
-
-    def close(self):
-        pass
+        return self.record(i, o[0] if isinstance(o, tuple) else o)
 
 
-class LocalSDPA(LocalFA3):
-    """torch SDPA over the same preallocated cache (copied in, then attended as [B, H, N, D])."""
+class LocalSDPA(Attention):
+    """torch SDPA over the same preallocated cache (as [B, Hkv, S, D])."""
 
     def __init__(self, a, batch, context, steps, device, dtype):
         self.k, self.v = [], []
@@ -144,19 +187,21 @@ class LocalSDPA(LocalFA3):
                                            self.v[i][:, :, :n + 1], enable_gqa=True)
         if i == self.layers - 1:
             self.length += 1
-        return o.transpose(1, 2)
+        return self.record(i, o.transpose(1, 2))
 
 
-class ServiceSteps:
+class ServiceSteps(Attention):
     """One session per layer and sequence, created with the cache's initial K/V; each layer call
-    is one Step over every sequence of the batch (`stream`: False for unary, True for a
-    StepStream, "ring" for a request ring). Counts the calls' time and the server's part."""
+    is one Step over every sequence of the batch, one entry per sequence (`transport`: "unary",
+    "stream" for a StepStream, "ring" for a request ring). Counts the calls' time and the
+    server's part (ServerTiming, per field)."""
 
     def __init__(self, client, transport, a, batch, context, device, dtype):
+        import attention_client
         import attention_client.session as sessions
         self.step_many = sessions.step_many
         self.client = client
-        self.stream = {"unary": False, "stream": True, "ring": "ring"}[transport]
+        self.stream = {"unary": False, "stream": True, "ring": "ring"}.get(transport, False)
         self.sessions = []
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             for i in range(a.layers):
@@ -166,7 +211,13 @@ class ServiceSteps:
                     lambda j: client.session(k=k0[j], v=v0[j], layout="bshd"), range(batch))))
         self.calls = 0
         self.call_s = 0.0
-        self.server_us = dict.fromkeys(("queue_us", "h2d_us", "compute_us", "d2h_us", "total_us"), 0.0)
+        self.server_us = dict.fromkeys(attention_client.ServerTiming._fields, 0.0)
+
+    def count(self, start, timing):
+        self.call_s += time.perf_counter() - start
+        for name in self.server_us:
+            self.server_us[name] += getattr(timing, name)
+        self.calls += 1
 
     def attend(self, i, q, k, v):
         # q [B, 1, Hq, D] -> per sequence [Hq, 1, D]; k, v -> [Hkv, 1, D]
@@ -175,11 +226,8 @@ class ServiceSteps:
         start = time.perf_counter()
         results = self.step_many(self.client, items, causal=True, return_info=True,
                                  stream=self.stream)
-        self.call_s += time.perf_counter() - start
-        for name in self.server_us:
-            self.server_us[name] += getattr(results[0].timing, name)
-        self.calls += 1
-        return torch.stack([r.o for r in results]).transpose(1, 2)
+        self.count(start, results[0].timing)
+        return self.record(i, torch.stack([r.o for r in results]).transpose(1, 2))
 
     def close(self):
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -187,12 +235,16 @@ class ServiceSteps:
 
 
 class ServicePacked(ServiceSteps):
-    """As ServiceSteps, but each layer call is one packed Step (Client.step_batch); with
-    `by_ref`, through the client's request ring, q, k, v and o in a pinned shared-memory region."""
+    """As ServiceSteps, but each layer call is one packed Step (Client.step_batch): "packed"
+    unary; "packed-ring" through the client's request ring, q, k, v and o in a pinned
+    shared-memory region; "packed-overlap" two micro-batches in ping-pong (Model.
+    forward_overlapped), each half's Step a unary call in flight while the other half computes."""
 
     def __init__(self, client, transport, a, batch, context, device, dtype):
-        super().__init__(client, "unary", a, batch, context, device, dtype)
+        super().__init__(client, transport, a, batch, context, device, dtype)
         self.stream = "ring" if transport == "packed-ring" else False
+        self.overlapped = transport == "packed-overlap"
+        self.halves = [[s[:batch // 2], s[batch // 2:]] for s in self.sessions]
         self.region = None
         if transport == "packed-ring":
             from multiprocessing import shared_memory
@@ -229,11 +281,26 @@ class ServicePacked(ServiceSteps):
                                             self.host["v"], causal=True, out=self.host["o"],
                                             return_info=True, stream=self.stream)
             o = self.host["o"].to(q.device, copy=True)
-        self.call_s += time.perf_counter() - start
-        for name in self.server_us:
-            self.server_us[name] += getattr(result.timing, name)
-        self.calls += 1
-        return o.transpose(1, 2)
+        self.count(start, result.timing)
+        return self.record(i, o.transpose(1, 2))
+
+    def start(self, i, half, q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        future = self.client.step_batch(self.halves[i][half], q, k, v, causal=True,
+                                        return_info=True, wait=False)
+        return i, half, future, time.perf_counter()
+
+    def finish(self, handle):
+        i, half, future, start = handle
+        result = future.result()
+        self.count(start, result.timing)
+        o = result.o.transpose(1, 2)
+        if i == 0 and self.first_o is None:
+            if half == 0:
+                self.first_half = o.float().clone()
+            else:
+                self.record(i, torch.cat([self.first_half, o.float()]))
+        return o
 
     def close(self):
         super().close()
@@ -257,7 +324,8 @@ def decode(model, attention, batch, context, a, device):
         if t == a.warmup:
             sync()
             start = time.perf_counter()
-        logits = model.forward(ids, torch.tensor([context + t], device=device), attention)
+        forward = model.forward_overlapped if attention.overlapped else model.forward
+        logits = forward(ids, torch.tensor([context + t], device=device), attention)
         if first is None:
             first = logits.float()
         ids = logits.argmax(-1, keepdim=True)
@@ -311,8 +379,7 @@ def main():
                     try:
                         first, tokens, seconds = decode(model, attention, batch, context, a, device)
                     finally:
-                        if hasattr(attention, "close"):
-                            attention.close()
+                        attention.close()
                     row = dict(context=context, batch=batch, attn=name,
                                tok_s=batch * a.tokens / seconds,
                                ms_per_step=1e3 * seconds / a.tokens)
@@ -321,9 +388,13 @@ def main():
                                    **{f"server_{name[:-3]}_ms_per_call": 1e-3 * us / attention.calls
                                       for name, us in attention.server_us.items()})
                     if anchor is None:
-                        anchor = (first, tokens, row)
+                        anchor = (first, tokens, row, attention.first_o)
                     else:
+                        # The first layer's attention (same inputs everywhere) and the logits
+                        # after every layer, against the anchor's, relative to their largest.
                         row.update(ratio=row["tok_s"] / anchor[2]["tok_s"],
+                                   attn_rel=float((attention.first_o - anchor[3]).abs().max()
+                                                  / anchor[3].abs().max()),
                                    logits_rel=float((first - anchor[0]).abs().max()
                                                     / anchor[0].abs().max()),
                                    same_tokens=float((tokens == anchor[1]).float().mean()))
@@ -337,12 +408,17 @@ def main():
     print(f"\n{a.layers} layers, hidden {a.hidden}, Hq {a.heads}, Hkv {a.kv_heads}, D {a.head_dim}, "
           f"MLP {a.inter}, {a.dtype}; {a.tokens} timed steps; ratio against {attns[0]}")
     print(f"{'context':>7} {'batch':>5} {'attn':>11} {'tok/s':>9} {'ratio':>6} {'ms/step':>8} "
-          f"{'ms/call':>8} {'server':>7} {'logits':>8} {'same':>5}")
+          f"{'ms/call':>8} {'server':>7} {'prep':>6} {'run':>6} {'kernel':>6} {'attn':>8} "
+          f"{'logits':>8} {'same':>5}")
     for r in rows:
         print(f"{r['context']:>7} {r['batch']:>5} {r['attn']:>11} {r['tok_s']:>9.1f} "
               f"{r.get('ratio', 1.0):>6.2f} {r['ms_per_step']:>8.2f} "
               f"{r.get('ms_per_call', float('nan')):>8.3f} "
               f"{r.get('server_total_ms_per_call', float('nan')):>7.3f} "
+              f"{r.get('server_prepare_ms_per_call', float('nan')):>6.3f} "
+              f"{r.get('server_run_ms_per_call', float('nan')):>6.3f} "
+              f"{r.get('server_compute_ms_per_call', float('nan')):>6.3f} "
+              f"{r.get('attn_rel', 0.0):>8.1e} "
               f"{r.get('logits_rel', 0.0):>8.1e} {r.get('same_tokens', 1.0):>5.2f}")
 
 

@@ -32,16 +32,24 @@ def _is_torch(x):
 
 class ServerTiming(NamedTuple):
     """Server-side microseconds of one call: waiting in the queue, host-to-device copies, the
-    kernel, device-to-host copies, and the whole call in the server."""
+    kernel, device-to-host copies, and the whole call in the server; then decode_us (arrival to
+    queued: the parse, parse_us, and the checks), prepare_us (a Step's leases, K/V append and
+    launch plan on the device's worker) and run_us (the device run as the worker's clock sees
+    it; run_us - h2d_us - compute_us - d2h_us is its host side)."""
     queue_us: float
     h2d_us: float
     compute_us: float
     d2h_us: float
     total_us: float
+    decode_us: float = 0.0
+    prepare_us: float = 0.0
+    run_us: float = 0.0
+    parse_us: float = 0.0
 
     @classmethod
     def _from_pb(cls, t):
-        return cls(t.queue_us, t.h2d_us, t.compute_us, t.d2h_us, t.total_us)
+        return cls(t.queue_us, t.h2d_us, t.compute_us, t.d2h_us, t.total_us, t.decode_us,
+                   t.prepare_us, t.run_us, t.parse_us)
 
 
 @dataclass(frozen=True)
