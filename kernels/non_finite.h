@@ -1,5 +1,6 @@
 // Whether a host tensor holds an Inf or NaN, by its exponent bits (all ones), without converting
-// any element. The CUDA host runner asks it of V for masked requests (kernels/cuda/runtime/host_runner.h).
+// any element. The CUDA host runner asks it of V for masked requests
+// (kernels/cuda/runtime/host_runner.h).
 #pragma once
 
 #include <cstdint>

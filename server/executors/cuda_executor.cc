@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/runtime/host_runner.h"
 #include "kernels/cuda/ops/limits.h"
+#include "kernels/cuda/runtime/host_runner.h"
 #include "kernels/cuda/runtime/paged_kv_pool.h"
 #include "kernels/status_macros.h"
 #include "server/executors/executor.h"

@@ -1,6 +1,6 @@
-// The CUDA request pipeline (kernels/cuda/runtime/host_runner.h, the CUDA executor): requests batched
-// into one launch (concatenated along B, or packed as varlen beside requests of other lengths)
-// against the float64 reference, the device memory budget, a CUDA error failing only the
+// The CUDA request pipeline (kernels/cuda/runtime/host_runner.h, the CUDA executor): requests
+// batched into one launch (concatenated along B, or packed as varlen beside requests of other
+// lengths) against the float64 reference, the device memory budget, a CUDA error failing only the
 // request that met it, and requests whose tensors are in device memory (CUDA regions). GPU tests
 // skip, with a message, where no GPU is visible.
 #include <cuda_runtime_api.h>

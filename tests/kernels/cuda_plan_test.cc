@@ -8,10 +8,10 @@
 
 #include "gtest/gtest.h"
 #include "kernels/attention_params.h"
-#include "kernels/cuda/ops/cuda_status.h"
 #include "kernels/cuda/forward/forward_plan.h"
-#include "kernels/cuda/ops/limits.h"
 #include "kernels/cuda/forward/sm90_schedule.h"
+#include "kernels/cuda/ops/cuda_status.h"
+#include "kernels/cuda/ops/limits.h"
 #include "kernels/cuda/ops/smem_desc.h"
 
 namespace attention::cuda {

@@ -54,11 +54,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cuda/decode/paged_decode_params.h"
 #include "kernels/cuda/ops/kernel_params.h"
 #include "kernels/cuda/ops/masks.cuh"
 #include "kernels/cuda/ops/mma_ops.cuh"
 #include "kernels/cuda/ops/online_softmax.cuh"
-#include "kernels/cuda/decode/paged_decode_params.h"
 #include "kernels/cuda/ops/tile_ops.cuh"
 
 namespace attention::cuda {

@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "kernels/cuda/ops/limits.h"
 #include "kernels/cuda/decode/paged_decode_params.h"
+#include "kernels/cuda/ops/limits.h"
 
 namespace attention::cuda {
 

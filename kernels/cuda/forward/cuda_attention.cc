@@ -7,8 +7,8 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/ops/cuda_status.h"
 #include "kernels/cuda/forward/launchers.h"
+#include "kernels/cuda/ops/cuda_status.h"
 #include "kernels/status_macros.h"
 
 namespace attention::cuda {

@@ -148,11 +148,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cuda/forward/sm90_schedule.h"
 #include "kernels/cuda/ops/kernel_params.h"
 #include "kernels/cuda/ops/masks.cuh"
 #include "kernels/cuda/ops/mma_ops.cuh"
 #include "kernels/cuda/ops/online_softmax.cuh"
-#include "kernels/cuda/forward/sm90_schedule.h"
 #include "kernels/cuda/ops/wgmma_ops.cuh"
 
 namespace attention::cuda {

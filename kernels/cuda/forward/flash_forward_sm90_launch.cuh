@@ -11,11 +11,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kernels/cuda/prep/dequantise.h"
 #include "kernels/cuda/forward/flash_forward_sm90_kernel.cuh"
 #include "kernels/cuda/ops/kernel_params.h"
 #include "kernels/cuda/ops/limits.h"
 #include "kernels/cuda/ops/smem_opt_in.h"
+#include "kernels/cuda/prep/dequantise.h"
 
 namespace attention::cuda {
 

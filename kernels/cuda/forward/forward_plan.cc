@@ -4,9 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/cuda/prep/dequantise.h"
 #include "kernels/cuda/forward/launchers.h"
 #include "kernels/cuda/ops/limits.h"
+#include "kernels/cuda/prep/dequantise.h"
 #include "kernels/status_macros.h"
 
 namespace attention::cuda {

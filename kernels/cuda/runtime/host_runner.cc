@@ -13,8 +13,8 @@
 #include "kernels/cpu/cpu_attention.h"
 #include "kernels/cuda/forward/cuda_attention.h"
 #include "kernels/cuda/ops/cuda_status.h"
-#include "kernels/cuda/prep/dequantise.h"
 #include "kernels/cuda/ops/device_caps.h"
+#include "kernels/cuda/prep/dequantise.h"
 #include "kernels/cuda/prep/non_finite_scan.h"
 #include "kernels/non_finite.h"
 #include "kernels/status_macros.h"
@@ -22,59 +22,43 @@
 namespace attention::cuda {
 namespace {
 
-constexpr int64_t kAlign = 256;
 // Buffers grow in steps of this much, so slightly larger calls do not reallocate each time.
 constexpr int64_t kGrowStep = int64_t{2} << 20;
 
 int64_t RoundUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
-// Dense q is [B, N, H, D] (rows advance by H*D); with one head both layouts are the same memory.
-bool IsBshd(const AttentionParams& p) { return p.q_row_stride == p.heads_q * p.head_dim; }
-// Packable as varlen rows: varlen already, or dense BSHD.
-bool Packable(const AttentionParams& p) { return p.is_varlen() || IsBshd(p); }
-
-int64_t RowsQ(const AttentionParams& p) { return p.is_varlen() ? p.total_q : p.batch * p.seqlen_q; }
-int64_t RowsK(const AttentionParams& p) { return p.is_varlen() ? p.total_k : p.batch * p.seqlen_k; }
-
-// Whether the mask hides some keys from some rows (a causal or window mask). Without one, the only
-// keys a row cannot see are those past Nk, which the kernel zero-fills.
-bool Masked(const AttentionParams& p) {
-  return p.window_left != kUnboundedWindow || p.window_right != kUnboundedWindow;
-}
-
 // V's elements: [rows_k, Hkv, D] (BSHD, varlen) or [B, Hkv, Nk, D] (BHSD), contiguous.
 int64_t ElementsV(const AttentionParams& p) { return RowsK(p) * p.heads_kv * p.head_dim; }
 
-// How a launch serves float8 inputs: the plan's kernel reads them as they are (wgmma_sm90 on dense
-// calls at head dims 128 and 256, with V transposed into a workspace), or they are dequantised to
-// bfloat16 copies first (dequantise.h) for the kernels that take no float8.
-struct Float8Path {
-  bool dequantise = false;
-  int64_t workspace_bytes = 0;  // the launch's workspace (ForwardPlan::workspace_bytes)
-  // Bytes per element of the kernel's copies of q, k, v: 0 when it reads them as they come.
-  size_t dequantised_elem() const { return dequantise ? DTypeSize(DType::kBFloat16) : 0; }
-};
-
-// Whether `ptr` is memory of `device` itself.
-bool OnDevice(const void* ptr, int device) {
-  cudaPointerAttributes attr;
-  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return attr.type == cudaMemoryTypeDevice && attr.device == device;
-}
-
-// Whether the DMA engines can copy `ptr` straight to or from `device`'s buffers, with no staging
-// memcpy: pinned (or registered) host memory, or memory of `device` itself (a client's CUDA IPC
-// region, which the copies then move device to device).
-bool CopiesDirectly(const void* ptr, int device) {
+// Where `ptr` is, for `device`'s copies: pinned (or registered) host memory and memory of
+// `device` itself (a client's CUDA IPC region, copied device to device) are DMA'd directly, with
+// no staging memcpy; anything else is pageable.
+Home HomeOf(const void* ptr, int device) {
   cudaPointerAttributes attr;
   if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
     cudaGetLastError();  // clear it: an unknown pointer is just not pinned
-    return false;
+    return Home::kPageable;
   }
-  return attr.type == cudaMemoryTypeHost || OnDevice(ptr, device);
+  if (attr.type == cudaMemoryTypeHost) return Home::kPinned;
+  if (attr.type == cudaMemoryTypeDevice && attr.device == device) return Home::kDevice;
+  return Home::kPageable;
+}
+
+// Whether `ptr` is memory of `device` itself.
+bool OnDevice(const void* ptr, int device) { return HomeOf(ptr, device) == Home::kDevice; }
+
+// Where each item's tensors are (lse only when the items have one).
+std::vector<TensorHomes> HomesOf(absl::Span<const AttentionParams> items, int device) {
+  std::vector<TensorHomes> homes(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const AttentionParams& item = items[i];
+    homes[i] = {.q = HomeOf(item.q, device),
+                .k = HomeOf(item.k, device),
+                .v = HomeOf(item.v, device),
+                .o = HomeOf(item.o, device),
+                .lse = item.lse != nullptr ? HomeOf(item.lse, device) : Home::kPageable};
+  }
+  return homes;
 }
 
 // memcpy, split over threads when large: one thread copies at 5-6 GB/s (measured on the H200
@@ -100,55 +84,6 @@ void ParallelCopy(void* dst, const void* src, size_t bytes) {
   for (std::thread& h : helpers) h.join();
 }
 
-// Where each tensor of a launch lives, in one buffer laid out
-// q | k | v | o | lse | cu_q | cu_k | q16 | k16 | v16 | workspace (each region 256-byte aligned);
-// q16, k16 and v16 are the bfloat16 copies of float8 inputs that the kernel reads, workspace the
-// launch's own (float8 V transposed); both device buffer only, empty otherwise. The device buffer
-// has lines of D8 elements, the pinned staging buffer lines of D: items are packed one after
-// another in both.
-struct Packing {
-  bool varlen = false;  // packed as varlen [total, H, D] (else concatenated along B)
-  int64_t lines_q = 0;  // rows * heads, all items
-  int64_t lines_k = 0;
-  int64_t rows_q = 0;     // query rows, all items (the lse's inner extent when varlen)
-  int64_t sequences = 0;  // batch items after packing
-  std::vector<int64_t> line_q, line_k, row_q;  // per item: first q line, k line and q row
-  int64_t offsets[12] = {0};                   // region starts; offsets[11] is the total
-
-  // Sizes the regions for elements of in_elem bytes (q, k, v), out_elem (o), float8's `path`
-  // (dequantised copies of q, k, v, or a workspace); returns the total.
-  int64_t Regions(int64_t line_elems, size_t in_elem, size_t out_elem, bool lse,
-                  const Float8Path& path = {}) {
-    const size_t dequantised_elem = path.dequantised_elem();
-    const int64_t q = lines_q * line_elems * in_elem, k = lines_k * line_elems * in_elem;
-    const int64_t o = lines_q * line_elems * out_elem;
-    const int64_t q16 = lines_q * line_elems * dequantised_elem;
-    const int64_t k16 = lines_k * line_elems * dequantised_elem;
-    const int64_t lse_bytes = lse ? lines_q * int64_t{sizeof(float)} : 0;
-    const int64_t cu = varlen ? (sequences + 1) * int64_t{sizeof(int32_t)} : 0;
-    const int64_t sizes[11] = {q, k, k, o, lse_bytes, cu, cu, q16, k16, k16, path.workspace_bytes};
-    for (int i = 0; i < 11; ++i) offsets[i + 1] = offsets[i] + RoundUp(sizes[i], kAlign);
-    return offsets[11];
-  }
-};
-
-Packing Pack(absl::Span<const AttentionParams> items) {
-  const AttentionParams& first = items[0];
-  Packing p;
-  for (const AttentionParams& item : items) {
-    p.varlen = p.varlen || item.is_varlen() || item.seqlen_q != first.seqlen_q ||
-               item.seqlen_k != first.seqlen_k;
-    p.line_q.push_back(p.lines_q);
-    p.line_k.push_back(p.lines_k);
-    p.row_q.push_back(p.rows_q);
-    p.lines_q += RowsQ(item) * item.heads_q;
-    p.lines_k += RowsK(item) * item.heads_kv;
-    p.rows_q += RowsQ(item);
-    p.sequences += item.batch;
-  }
-  return p;
-}
-
 // A buffer's regions (device or staging) by index, from Packing::offsets.
 struct Regions {
   char* base;
@@ -157,40 +92,7 @@ struct Regions {
   char* at(int i) const { return base == nullptr ? nullptr : base + offsets[i]; }
 };
 
-// Where item i's lse lies in the launch's packed lse (region 4): calls
-// piece(dst, dst_pitch, src, src_pitch, width, height) for blocks of `height` lines of `width`
-// floats, pitches in floats, src an offset into the packed lse. Packed dense lse is [B, H, N]
-// slices one after another (one block per item); packed varlen lse is [H, total rows], and the
-// item's is [H, total_i] (varlen) or [B, H, N] (dense: one block per batch item).
-template <typename Piece>
-void ForEachLsePiece(const AttentionParams& item, const Packing& pack, size_t i, Piece piece) {
-  const int64_t rows = RowsQ(item), heads = item.heads_q;
-  if (!pack.varlen) {
-    piece(item.lse, rows * heads, pack.line_q[i], rows * heads, rows * heads, 1);
-  } else if (item.is_varlen()) {
-    piece(item.lse, rows, pack.row_q[i], pack.rows_q, rows, heads);
-  } else {
-    for (int64_t b = 0; b < item.batch; ++b) {
-      piece(item.lse + b * heads * item.seqlen_q, item.seqlen_q, pack.row_q[i] + b * item.seqlen_q,
-            pack.rows_q, item.seqlen_q, heads);
-    }
-  }
-}
-
 }  // namespace
-
-bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) {
-  if (a.dtype != b.dtype || a.heads_q != b.heads_q || a.heads_kv != b.heads_kv ||
-      a.head_dim != b.head_dim || a.softmax_scale != b.softmax_scale ||
-      a.q_descale != b.q_descale || a.k_descale != b.k_descale || a.v_descale != b.v_descale ||
-      a.window_left != b.window_left || a.window_right != b.window_right ||
-      a.mask_alignment != b.mask_alignment || (a.lse == nullptr) != (b.lse == nullptr)) {
-    return false;
-  }
-  const bool same_dense = !a.is_varlen() && !b.is_varlen() && IsBshd(a) == IsBshd(b) &&
-                          a.seqlen_q == b.seqlen_q && a.seqlen_k == b.seqlen_k;
-  return same_dense || (Packable(a) && Packable(b));
-}
 
 // One stream with its events and buffers. Owned by the runner; used by one call at a time.
 struct HostRunner::Stream {
@@ -326,7 +228,7 @@ absl::Status HostRunner::ReserveStaging(Stream* stream, int64_t bytes) {
 int64_t HostRunner::DeviceBytes(absl::Span<const AttentionParams> items) {
   const AttentionParams& first = items[0];
   Packing packing = Pack(items);
-  const int64_t d8 = (first.head_dim + 7) / 8 * 8;
+  const int64_t d8 = PaddedHeadDim(first.head_dim);
   auto bytes = [&](const Float8Path& path) {
     return packing.Regions(d8, DTypeSize(first.dtype), DTypeSize(OutputDType(first.dtype)),
                            first.lse != nullptr, path);
@@ -341,15 +243,16 @@ int64_t HostRunner::DeviceBytes(absl::Span<const AttentionParams> items) {
 
 namespace {
 
-// The float8 path of RunOn's launch of items packed as `pack` (first: the first item) on
-// `device`, as the forward plan decides it.
-absl::StatusOr<Float8Path> PlanFloat8(const AttentionParams& first, const Packing& pack, int device,
+// The float8 path of RunOn's launch of `items` on `device`, as the forward plan decides it.
+absl::StatusOr<Float8Path> PlanFloat8(absl::Span<const AttentionParams> items, int device,
                                       std::optional<ForwardVariant> variant) {
+  const AttentionParams& first = items[0];
   if (first.dtype != DType::kFloat8E4M3) return Float8Path{};
+  const Packing pack = Pack(items);
   // The launch RunOn makes, as far as the plan looks at it: dtype, head dim, batch, key length,
   // heads and whether it is varlen (any cu_seqlens pointer says so; the plan reads none).
   AttentionParams probe = first;
-  probe.head_dim = (first.head_dim + 7) / 8 * 8;
+  probe.head_dim = PaddedHeadDim(first.head_dim);
   probe.batch = pack.sequences;
   static constexpr int32_t kVarlen[1] = {0};
   probe.cu_seqlens_q = probe.cu_seqlens_k = pack.varlen ? kVarlen : nullptr;
@@ -398,13 +301,17 @@ absl::StatusOr<HostRunTimes> HostRunner::RunHeld(Stream* stream,
   // Masked requests with a non-finite V run on the exact CPU kernel (file comment); the rest of
   // the batch still shares one launch. Unmasked batches skip the scan. The stream stays held
   // while the CPU computes (those inputs are pathological; the other streams keep serving).
-  if (!Masked(items[0])) return RunOn(stream, items);
-  ASSIGN_OR_RETURN(const std::vector<bool> exact, NeedsExactPath(stream, items));
+  const std::vector<TensorHomes> homes = HomesOf(items, options_.device);
+  const std::vector<VScan> scan = PlanVScan(items, homes);
+  if (scan[0] == VScan::kNone) return RunOn(stream, items, homes);
+  ASSIGN_OR_RETURN(const std::vector<bool> exact, NeedsExactPath(stream, items, scan));
   std::vector<AttentionParams> on_device;
+  std::vector<TensorHomes> on_device_homes;
   double exact_us = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     if (!exact[i]) {
       on_device.push_back(items[i]);
+      on_device_homes.push_back(homes[i]);
       continue;
     }
     const auto start = std::chrono::steady_clock::now();
@@ -413,20 +320,20 @@ absl::StatusOr<HostRunTimes> HostRunner::RunHeld(Stream* stream,
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
   }
   if (on_device.empty()) return HostRunTimes{.compute_us = exact_us};
-  ASSIGN_OR_RETURN(HostRunTimes times, RunOn(stream, on_device));
+  ASSIGN_OR_RETURN(HostRunTimes times, RunOn(stream, on_device, on_device_homes));
   times.compute_us += exact_us;
   return times;
 }
 
 absl::StatusOr<std::vector<bool>> HostRunner::NeedsExactPath(
-    Stream* stream, absl::Span<const AttentionParams> items) {
+    Stream* stream, absl::Span<const AttentionParams> items, absl::Span<const VScan> scan) {
   // All of V is scanned, not only the keys some rows mask: a key every row sees gives NaN rows on
   // either backend, so the wider scan costs only a slower, still exact, answer on such inputs.
   std::vector<bool> exact(items.size(), false);
   std::vector<size_t> scan_on_device;  // items whose V is in this device's memory
   for (size_t i = 0; i < items.size(); ++i) {
     const AttentionParams& item = items[i];
-    if (OnDevice(item.v, options_.device)) {
+    if (scan[i] == VScan::kDevice) {
       scan_on_device.push_back(i);
     } else {
       exact[i] = HoldsNonFinite(item.dtype, item.v, ElementsV(item));
@@ -530,107 +437,67 @@ absl::Status HostRunner::RunExact(Stream* stream, const AttentionParams& item) {
 }
 
 absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
-                                               absl::Span<const AttentionParams> items) {
+                                               absl::Span<const AttentionParams> items,
+                                               absl::Span<const TensorHomes> homes) {
   RETURN_IF_CUDA_ERROR(cudaSetDevice(options_.device), "cudaSetDevice");
   const AttentionParams& first = items[0];
+  ASSIGN_OR_RETURN(const Float8Path float8,
+                   PlanFloat8(items, options_.device, options_.forward_variant));
+  // Every decision of the launch (launch_plan.h); what follows carries it out.
+  const LaunchPlan plan = PlanLaunch(items, homes, float8);
   const size_t elem = DTypeSize(first.dtype);                 // q, k, v as they come
   const size_t o_elem = DTypeSize(OutputDType(first.dtype));  // o
-  const int64_t d = first.head_dim, d8 = (d + 7) / 8 * 8;
+  const int64_t d = plan.head_dim, d8 = plan.padded_head_dim;
   const bool with_lse = first.lse != nullptr;
-  Packing dev_pack = Pack(items), host_pack = dev_pack;
-  ASSIGN_OR_RETURN(const Float8Path float8,
-                   PlanFloat8(first, dev_pack, options_.device, options_.forward_variant));
   const bool dequantise = float8.dequantise;
-
-  const int64_t dev_bytes = dev_pack.Regions(d8, elem, o_elem, with_lse, float8);
-  const int64_t host_bytes = host_pack.Regions(d, elem, o_elem, with_lse);
-  // One dense request whose q, k, v and o are all in this device's memory (a client's CUDA IPC
-  // region) with no padding to D8: the kernel reads and writes them where they are, no copy. The
-  // kernel moves 16-byte chunks, so each must start on 16 bytes (a region reference is only
-  // checked against its element size); others are copied (cudaMemcpy takes any alignment).
-  auto in_place_ok = [&](const void* p) {
-    return reinterpret_cast<uintptr_t>(p) % 16 == 0 && OnDevice(p, options_.device);
-  };
-  const bool in_place = items.size() == 1 && d8 == d && !dev_pack.varlen && !first.is_varlen() &&
-                        in_place_ok(first.q) && in_place_ok(first.k) && in_place_ok(first.v) &&
-                        in_place_ok(first.o);
-  // lse in this device's memory too: written there by the kernel (in place) or copied device to
-  // device from the packed lse; lse_to_host: some item's lse is on the host.
-  std::vector<bool> lse_on_device(items.size(), false);
-  bool lse_to_host = false;
-  for (size_t i = 0; i < items.size() && with_lse; ++i) {
-    lse_on_device[i] = OnDevice(items[i].lse, options_.device);
-    lse_to_host = lse_to_host || !lse_on_device[i];
+  if (plan.reserve_buffers) {
+    RETURN_IF_ERROR(ReserveDevice(stream, plan.device_bytes));
+    RETURN_IF_ERROR(ReserveStaging(stream, plan.staging_bytes));
   }
-  const bool lse_in_place = in_place && with_lse && lse_on_device[0];
-  // In place, the stream's buffers hold only float8's bfloat16 copies or workspace and an lse that
-  // goes to the host: q, k, v and o need none, so without those they are neither allocated nor
-  // grown.
-  if (!in_place || dequantise || float8.workspace_bytes > 0 || (with_lse && !lse_in_place)) {
-    RETURN_IF_ERROR(ReserveDevice(stream, dev_bytes));
-    RETURN_IF_ERROR(ReserveStaging(stream, host_bytes));
-  }
-  const Regions dev{static_cast<char*>(stream->device), dev_pack.offsets};
-  const Regions host{static_cast<char*>(stream->staging), host_pack.offsets};
+  const Regions dev{static_cast<char*>(stream->device), plan.device.offsets};
+  const Regions host{static_cast<char*>(stream->staging), plan.staging.offsets};
   cudaStream_t cs = stream->stream;
 
   // The launch: items concatenated along B, or packed as varlen [total, H, D].
   AttentionParams launch = first;
   launch.head_dim = d8;
-  launch.q = dev.at(0);
-  launch.k = dev.at(1);
-  launch.v = dev.at(2);
-  launch.o = dev.at(3);
-  launch.lse = with_lse ? reinterpret_cast<float*>(dev.at(4)) : nullptr;
-  launch.batch = dev_pack.sequences;
-  if (dev_pack.varlen) {
-    launch.cu_seqlens_q = reinterpret_cast<const int32_t*>(dev.at(5));
-    launch.cu_seqlens_k = reinterpret_cast<const int32_t*>(dev.at(6));
-    launch.total_q = dev_pack.rows_q;
-    launch.total_k = 0;
-    launch.seqlen_q = launch.seqlen_k = 0;
-    // cu_seqlens: [sequences + 1] each, built in the staging buffer from every item's own
-    // (varlen) or from its B items of N rows (dense).
-    auto* cu_q = reinterpret_cast<int32_t*>(host.at(5));
-    auto* cu_k = reinterpret_cast<int32_t*>(host.at(6));
-    int64_t seq = 0, row_q = 0, row_k = 0;
-    cu_q[0] = cu_k[0] = 0;
-    for (const AttentionParams& item : items) {
-      for (int64_t b = 0; b < item.batch; ++b, ++seq) {
-        const int64_t nq =
-            item.is_varlen() ? item.cu_seqlens_q[b + 1] - item.cu_seqlens_q[b] : item.seqlen_q;
-        const int64_t nk =
-            item.is_varlen() ? item.cu_seqlens_k[b + 1] - item.cu_seqlens_k[b] : item.seqlen_k;
-        row_q += nq;
-        row_k += nk;
-        cu_q[seq + 1] = static_cast<int32_t>(row_q);
-        cu_k[seq + 1] = static_cast<int32_t>(row_k);
-        launch.seqlen_q = std::max(launch.seqlen_q, nq);
-        launch.seqlen_k = std::max(launch.seqlen_k, nk);
-      }
-    }
-    launch.total_k = row_k;
-    launch.SetContiguousStrides(Layout::kBSHD);
+  launch.q = dev.at(Packing::kQ);
+  launch.k = dev.at(Packing::kK);
+  launch.v = dev.at(Packing::kV);
+  launch.o = dev.at(Packing::kO);
+  launch.lse = with_lse ? reinterpret_cast<float*>(dev.at(Packing::kLse)) : nullptr;
+  launch.batch = plan.device.sequences;
+  launch.seqlen_q = plan.seqlen_q;
+  launch.seqlen_k = plan.seqlen_k;
+  const size_t cu_bytes = plan.cu_seqlens_q.size() * sizeof(int32_t);
+  if (plan.device.varlen) {
+    launch.cu_seqlens_q = reinterpret_cast<const int32_t*>(dev.at(Packing::kCuQ));
+    launch.cu_seqlens_k = reinterpret_cast<const int32_t*>(dev.at(Packing::kCuK));
+    launch.total_q = plan.device.rows_q;
+    launch.total_k = plan.total_k;
+    // cu_seqlens: [sequences + 1] each, through the staging buffer.
+    std::memcpy(host.at(Packing::kCuQ), plan.cu_seqlens_q.data(), cu_bytes);
+    std::memcpy(host.at(Packing::kCuK), plan.cu_seqlens_k.data(), cu_bytes);
   } else {
     launch.cu_seqlens_q = launch.cu_seqlens_k = nullptr;
-    launch.SetContiguousStrides(IsBshd(first) ? Layout::kBSHD : Layout::kBHSD);
   }
-  if (in_place) {
+  launch.SetContiguousStrides(plan.layout);
+  if (plan.in_place) {
     launch.q = first.q;
     launch.k = first.k;
     launch.v = first.v;
     launch.o = first.o;
     // A lone dense request's lse [B, H, N] is the launch's.
-    if (lse_in_place) launch.lse = first.lse;
+    if (plan.lse_in_place) launch.lse = first.lse;
   }
   // float8: q, k, v (copied in, or in place) are dequantised into q16, k16, v16, which the
   // bfloat16 kernel reads; the descales stay in `launch` for the kernel to fold in (dequantise.h).
   const void* const quantised[3] = {launch.q, launch.k, launch.v};
   if (dequantise) {
     launch.dtype = DType::kBFloat16;
-    launch.q = dev.at(7);
-    launch.k = dev.at(8);
-    launch.v = dev.at(9);
+    launch.q = dev.at(Packing::kQ16);
+    launch.k = dev.at(Packing::kK16);
+    launch.v = dev.at(Packing::kV16);
   }
   // The kernel's own checks (sizes that fit the grid, ...) and its plan before any copy is
   // enqueued; its workspace is the one PlanFloat8 sized.
@@ -641,9 +508,8 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
                                             " were reserved"));
   }
 
-  // Inputs: each item's lines go to its place in the device buffer, from its own memory when
-  // that is pinned, else through the staging buffer, where consecutive staged items form one run
-  // and one DMA. Tensor by tensor, so the DMA of q overlaps the staging memcpys of k.
+  // Inputs, in the plan's order: staging memcpys, the DMA of each run of staged lines, and the
+  // direct DMAs of pinned and device tensors.
   RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[0], cs), "cudaEventRecord");
   // Lines [line, line + lines) of `region` from host memory `src` (pinned) to the device.
   auto dma_in = [&](int region, int64_t line, const void* src, int64_t lines) -> cudaError_t {
@@ -654,46 +520,36 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     if (err != cudaSuccess) return err;
     return cudaMemcpy2DAsync(dst, d8 * elem, src, d * elem, d * elem, lines, cudaMemcpyDefault, cs);
   };
-  for (int region = 0; region < 3 && !in_place; ++region) {
-    const std::vector<int64_t>& first_line = region == 0 ? dev_pack.line_q : dev_pack.line_k;
-    int64_t run_start = 0, run_end = 0;  // staged lines not yet sent
-    for (size_t i = 0; i <= items.size(); ++i) {
-      const AttentionParams* item = i < items.size() ? &items[i] : nullptr;
-      const void* src = item == nullptr ? nullptr
-                        : region == 0   ? item->q
-                        : region == 1   ? item->k
-                                        : item->v;
-      const bool staged = item != nullptr && !CopiesDirectly(src, options_.device);
-      if (!staged && run_end > run_start) {
-        RETURN_IF_CUDA_ERROR(
-            dma_in(region, run_start, host.at(region) + run_start * d * elem, run_end - run_start),
-            "copy q, k, v to the device");
-        run_start = run_end;
-      }
-      if (item == nullptr) break;
-      const int64_t lines =
-          region == 0 ? RowsQ(*item) * item->heads_q : RowsK(*item) * item->heads_kv;
-      if (staged) {
-        if (run_end == run_start) run_start = run_end = first_line[i];
-        ParallelCopy(host.at(region) + first_line[i] * d * elem, src, lines * d * elem);
-        run_end += lines;
-      } else {
-        RETURN_IF_CUDA_ERROR(dma_in(region, first_line[i], src, lines),
+  for (const CopyStep& step : plan.copies_in) {
+    const AttentionParams& item = items[step.item];
+    const void* src = step.region == Packing::kQ   ? item.q
+                      : step.region == Packing::kK ? item.k
+                                                   : item.v;
+    char* staged = host.at(step.region) + step.line * d * elem;
+    switch (step.kind) {
+      case CopyStep::kStage:
+        ParallelCopy(staged, src, step.lines * d * elem);
+        break;
+      case CopyStep::kStagedRun:
+        RETURN_IF_CUDA_ERROR(dma_in(step.region, step.line, staged, step.lines),
                              "copy q, k, v to the device");
-      }
+        break;
+      case CopyStep::kDirect:
+        RETURN_IF_CUDA_ERROR(dma_in(step.region, step.line, src, step.lines),
+                             "copy q, k, v to the device");
+        break;
     }
   }
-  if (dev_pack.varlen) {
-    const size_t cu_bytes = (dev_pack.sequences + 1) * sizeof(int32_t);
-    RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(dev.at(5), host.at(5), cu_bytes, cudaMemcpyHostToDevice, cs),
-        "copy cu_seqlens_q to the device");
-    RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(dev.at(6), host.at(6), cu_bytes, cudaMemcpyHostToDevice, cs),
-        "copy cu_seqlens_k to the device");
+  if (plan.device.varlen) {
+    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(dev.at(Packing::kCuQ), host.at(Packing::kCuQ), cu_bytes,
+                                         cudaMemcpyHostToDevice, cs),
+                         "copy cu_seqlens_q to the device");
+    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(dev.at(Packing::kCuK), host.at(Packing::kCuK), cu_bytes,
+                                         cudaMemcpyHostToDevice, cs),
+                         "copy cu_seqlens_k to the device");
   }
-  const int64_t o_dev_bytes = dev_pack.lines_q * d8 * o_elem;
-  const int64_t lse_bytes = with_lse ? dev_pack.lines_q * int64_t{sizeof(float)} : 0;
+  const int64_t o_dev_bytes = plan.device.lines_q * d8 * o_elem;
+  const int64_t lse_bytes = with_lse ? plan.device.lines_q * int64_t{sizeof(float)} : 0;
   if (options_.poison_outputs) {
     // All-ones bytes are NaN in float32, float16 and bfloat16.
     // In place, o is the client's tensor the kernel writes (launch.o).
@@ -703,58 +559,41 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   }
   RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[1], cs), "cudaEventRecord");
   if (dequantise) {
-    const int64_t lines[3] = {dev_pack.lines_q, dev_pack.lines_k, dev_pack.lines_k};
+    const int64_t lines[3] = {plan.device.lines_q, plan.device.lines_k, plan.device.lines_k};
     for (int t = 0; t < 3; ++t) {
       RETURN_IF_CUDA_ERROR(
-          LaunchDequantiseE4m3ToBf16(quantised[t], dev.at(7 + t), lines[t] * d8, cs),
+          LaunchDequantiseE4m3ToBf16(quantised[t], dev.at(Packing::kQ16 + t), lines[t] * d8, cs),
           "dequantise float8 q, k, v");
     }
   }
-  RETURN_IF_ERROR(LaunchForward(forward, cs, stream->forward_scratch,
-                                forward.plan.workspace_bytes > 0 ? dev.at(10) : nullptr));
+  RETURN_IF_ERROR(
+      LaunchForward(forward, cs, stream->forward_scratch,
+                    forward.plan.workspace_bytes > 0 ? dev.at(Packing::kWorkspace) : nullptr));
   RETURN_IF_CUDA_ERROR(cudaEventRecord(stream->events[2], cs), "cudaEventRecord");
 
   // Outputs: o straight into a pinned destination, else into staging (consecutive staged items
   // in one DMA); lse always into staging (its packed layout differs from the items' when varlen).
   auto dma_out = [&](char* dst, int64_t line, int64_t lines) -> cudaError_t {
-    const char* src = dev.at(3) + line * d8 * o_elem;
+    const char* src = dev.at(Packing::kO) + line * d8 * o_elem;
     return d8 == d ? cudaMemcpyAsync(dst, src, lines * d * o_elem, cudaMemcpyDefault, cs)
                    : cudaMemcpy2DAsync(dst, d * o_elem, src, d8 * o_elem, d * o_elem, lines,
                                        cudaMemcpyDefault, cs);
   };
-  std::vector<bool> o_staged(items.size());
-  {
-    int64_t run_start = 0, run_end = 0;
-    for (size_t i = 0; i <= items.size() && !in_place; ++i) {
-      const bool staged = i < items.size() && !CopiesDirectly(items[i].o, options_.device);
-      if (i < items.size()) o_staged[i] = staged;
-      if (!staged && run_end > run_start) {
-        RETURN_IF_CUDA_ERROR(
-            dma_out(host.at(3) + run_start * d * o_elem, run_start, run_end - run_start),
-            "copy o to the host");
-        run_start = run_end;
-      }
-      if (i == items.size()) break;
-      const int64_t lines = RowsQ(items[i]) * items[i].heads_q;
-      if (staged) {
-        if (run_end == run_start) run_start = run_end = dev_pack.line_q[i];
-        run_end += lines;
-      } else {
-        RETURN_IF_CUDA_ERROR(dma_out(static_cast<char*>(items[i].o), dev_pack.line_q[i], lines),
-                             "copy o to the host");
-      }
-    }
+  for (const CopyStep& step : plan.copies_out) {
+    char* dst = step.kind == CopyStep::kDirect ? static_cast<char*>(items[step.item].o)
+                                               : host.at(Packing::kO) + step.line * d * o_elem;
+    RETURN_IF_CUDA_ERROR(dma_out(dst, step.line, step.lines), "copy o to the host");
   }
-  if (lse_to_host) {
-    RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(host.at(4), dev.at(4), lse_bytes, cudaMemcpyDeviceToHost, cs),
-        "copy lse to the host");
+  if (plan.lse_to_host) {
+    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(host.at(Packing::kLse), dev.at(Packing::kLse), lse_bytes,
+                                         cudaMemcpyDeviceToHost, cs),
+                         "copy lse to the host");
   }
-  for (size_t i = 0; i < items.size() && with_lse && !lse_in_place; ++i) {
-    if (!lse_on_device[i]) continue;
-    const auto* packed = reinterpret_cast<const float*>(dev.at(4));
+  for (size_t i = 0; i < items.size() && with_lse && !plan.lse_in_place; ++i) {
+    if (!plan.lse_on_device[i]) continue;
+    const auto* packed = reinterpret_cast<const float*>(dev.at(Packing::kLse));
     cudaError_t err = cudaSuccess;
-    ForEachLsePiece(items[i], dev_pack, i,
+    ForEachLsePiece(items[i], plan.device, i,
                     [&](float* dst, int64_t dst_pitch, int64_t src, int64_t src_pitch,
                         int64_t width, int64_t height) {
                       if (err != cudaSuccess) return;
@@ -769,15 +608,16 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
 
   // Unstaging, on the host: o by item; lse by item, head and sequence when it was packed.
   const auto unstage_start = std::chrono::steady_clock::now();
-  const auto* lse_packed = reinterpret_cast<const float*>(host.at(4));
+  const auto* lse_packed = reinterpret_cast<const float*>(host.at(Packing::kLse));
   for (size_t i = 0; i < items.size(); ++i) {
     const AttentionParams& item = items[i];
     const int64_t lines = RowsQ(item) * item.heads_q;
-    if (o_staged[i]) {
-      ParallelCopy(item.o, host.at(3) + dev_pack.line_q[i] * d * o_elem, lines * d * o_elem);
+    if (plan.o_staged[i]) {
+      ParallelCopy(item.o, host.at(Packing::kO) + plan.device.line_q[i] * d * o_elem,
+                   lines * d * o_elem);
     }
-    if (!with_lse || lse_on_device[i]) continue;
-    ForEachLsePiece(item, dev_pack, i,
+    if (!with_lse || plan.lse_on_device[i]) continue;
+    ForEachLsePiece(item, plan.device, i,
                     [&](float* dst, int64_t dst_pitch, int64_t src, int64_t src_pitch,
                         int64_t width, int64_t height) {
                       for (int64_t h = 0; h < height; ++h) {
@@ -798,9 +638,8 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   // h2d spans the staging memcpys too (events[0] is recorded before them on an idle stream);
   // d2h adds the host unstaging after the DMA. In place, nothing is copied in, and nothing out
   // unless lse goes to the host: those stages are 0 (the events would time back-to-back records).
-  const bool copied_out = !in_place || lse_to_host;
-  return HostRunTimes{in_place ? 0.0 : ms[0] * 1e3, ms[1] * 1e3,
-                      copied_out ? ms[2] * 1e3 + unstage_us : 0.0};
+  return HostRunTimes{plan.copies_to_device ? ms[0] * 1e3 : 0.0, ms[1] * 1e3,
+                      plan.copies_to_host ? ms[2] * 1e3 + unstage_us : 0.0};
 }
 
 }  // namespace attention::cuda

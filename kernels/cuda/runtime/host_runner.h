@@ -40,17 +40,24 @@
 // cannot see out of that row. So they are slower here but exact. Before each masked call the
 // runner scans V's exponent bits where V is: on the host (HoldsNonFinite, kernels/non_finite.h:
 // ~2.5-3 ms for a 64 MiB bfloat16 V on one core of the dev machine), or, for V in this device's
-// memory, on the device with the same bit test (kernels/cuda/prep/non_finite_scan.h), so a request from
-// device memory takes the path the same request from the host takes. One that falls back copies
-// its device tensors to host buffers, runs the CPU kernel on them and copies o and lse back:
+// memory, on the device with the same bit test (kernels/cuda/prep/non_finite_scan.h), so a request
+// from device memory takes the path the same request from the host takes. One that falls back
+// copies its device tensors to host buffers, runs the CPU kernel on them and copies o and lse back:
 // the same bytes in, the same answer out, bit for bit. Unmasked calls skip the scan (their only
 // unseen keys, past Nk, are zero-filled on the device). The times of a fallen-back call count the
 // CPU run (and its copies) as compute_us.
 //
-// float8 e4m3 inputs are served by conversion: q, k and v are copied to the device as they come
-// (1 byte an element), dequantised there into bfloat16 copies (dequantise.h; exact), and the
-// bfloat16 kernel runs on those with the descales folded into its logit scale and its output
-// normalisation; o comes out in bfloat16. No Hopper-native float8 kernel is built.
+// float8 e4m3 inputs are served as the forward plan decides (PlanFlashForward): dense calls at head
+// dims 128 and 256 on a Hopper GPU (an sm_90a build) run on the wgmma_sm90 kernel's own e4m3 path,
+// which reads q and k as they come and V transposed into the launch's workspace
+// (prep/dequantise.h, LaunchTransposeE4m3V); every other float8 call is served by conversion: q,
+// k and v are copied to the device as they come (1 byte an element), dequantised there into
+// bfloat16 copies (exact), and the bfloat16 kernel runs on those. Either way the descales are
+// folded into the kernel's logit scale and output normalisation, and o comes out in bfloat16.
+//
+// Every decision above (packing, in place or copied, staged or direct, lse's way back, where V is
+// scanned) is made by PlanLaunch and PlanVScan (launch_plan.h), pure functions tested without a
+// GPU; RunOn carries the plan out.
 //
 // Head dims that are not a multiple of 8 are served by padding: each D-element line of q, k, v
 // lands in a zeroed line of D8 = roundup(D, 8) elements (cudaMemcpy2D), the kernel runs with
@@ -72,8 +79,9 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/attention_params.h"
-#include "kernels/cuda/ops/cuda_status.h"
 #include "kernels/cuda/forward/forward_plan.h"
+#include "kernels/cuda/ops/cuda_status.h"
+#include "kernels/cuda/runtime/launch_plan.h"
 
 namespace attention::cpu {
 class CpuBackend;
@@ -97,12 +105,6 @@ struct HostRunnerOptions {
 struct HostRunTimes {
   double h2d_us = 0, compute_us = 0, d2h_us = 0;
 };
-
-// Whether requests `a` and `b` can share one launch: same dtype, heads, head dim, scale, descales,
-// window and lse request, and either both dense in the same layout with equal lengths (concatenated
-// along B) or both BSHD-or-varlen (packed as varlen). Host-side and cheap; the scheduler groups by
-// it.
-bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b);
 
 class HostRunner {
  public:
@@ -140,13 +142,16 @@ class HostRunner {
   // RunBatch on a held stream: the exact path's items on the CPU, the rest in one launch (RunOn).
   absl::StatusOr<HostRunTimes> RunHeld(Stream* stream, absl::Span<const AttentionParams> items);
   // Per item of a masked batch: whether it takes the exact path (its V holds Inf or NaN), V
-  // scanned where it is: on the host, or on the device (NonFiniteScan) when in its memory.
+  // scanned where `scan` (PlanVScan) says: on the host, or on the device (NonFiniteScan).
   absl::StatusOr<std::vector<bool>> NeedsExactPath(Stream* stream,
-                                                   absl::Span<const AttentionParams> items);
+                                                   absl::Span<const AttentionParams> items,
+                                                   absl::Span<const VScan> scan);
   // The exact CPU kernel on `item`; tensors in device memory are copied to the host for it and o
   // and lse back.
   absl::Status RunExact(Stream* stream, const AttentionParams& item);
-  absl::StatusOr<HostRunTimes> RunOn(Stream* stream, absl::Span<const AttentionParams> items);
+  // One launch of `items`, whose tensors lie at `homes`, as PlanLaunch decides it.
+  absl::StatusOr<HostRunTimes> RunOn(Stream* stream, absl::Span<const AttentionParams> items,
+                                     absl::Span<const TensorHomes> homes);
   // The exact CPU kernel of the calls that fall back (file comment), created at first use.
   cpu::CpuBackend& ExactBackend();
 

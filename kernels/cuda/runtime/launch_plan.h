@@ -1,10 +1,12 @@
 // The host runner's launch plan: every decision HostRunner makes about a batch before it touches
 // the device, as a plain struct computed by pure functions from the items, where their tensors
 // lie and how the forward plan serves float8. Host-only (no CUDA header, no CUDA call), so the
-// decisions are unit-tested without a GPU, in a CPU-only build too (tests/kernels/launch_plan_test.cc).
+// decisions are unit-tested without a GPU, in a CPU-only build too
+// (tests/kernels/launch_plan_test.cc).
 //
 // A batch (items pairwise CanShareLaunch) is one launch over one device buffer, laid out
-//   q | k | v | o | lse | cu_q | cu_k | q16 | k16 | v16 | workspace   (each region 256-byte aligned)
+//   q | k | v | o | lse | cu_q | cu_k | q16 | k16 | v16 | workspace   (each region 256-byte
+//   aligned)
 // with items packed one after another: concatenated along B (dense, equal lengths) or as varlen
 // [total, H, D] rows with cu_seqlens built here. q16, k16, v16 are the bfloat16 copies of float8
 // inputs the kernel reads when they are dequantised first, workspace the launch's own (float8 V
@@ -150,7 +152,7 @@ struct LaunchPlan {
   // varlen with these cu_seqlens ([sequences + 1] each), max lengths and key rows.
   std::vector<int32_t> cu_seqlens_q, cu_seqlens_k;
   int64_t seqlen_q = 0, seqlen_k = 0, total_k = 0;
-  Layout layout = Layout::kBHSD;  // the launch's layout when dense (varlen is BSHD rows)
+  Layout layout = Layout::kBHSD;     // the launch's layout when dense (varlen is BSHD rows)
   std::vector<CopyStep> copies_in;   // q, then k, then v; none in place
   std::vector<CopyStep> copies_out;  // o; none in place
   std::vector<bool> o_staged;        // per item: o unstaged from staging on the host after the DMA

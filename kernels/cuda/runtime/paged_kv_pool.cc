@@ -28,10 +28,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/decode/paged_decode.h"
 #include "kernels/cuda/ops/cuda_status.h"
 #include "kernels/cuda/ops/device_caps.h"
 #include "kernels/cuda/prep/kv_scatter.h"
-#include "kernels/cuda/decode/paged_decode.h"
 #include "kernels/paged_kv_host.h"
 #include "kernels/status_macros.h"
 
