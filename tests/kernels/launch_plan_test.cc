@@ -60,8 +60,8 @@ TEST(CanShareLaunchTest, DenseOfEqualLengthsOrPackableRows) {
   EXPECT_TRUE(CanShareLaunch(a, b));
   // BSHD of other lengths pack as varlen rows; BHSD of other lengths cannot.
   EXPECT_TRUE(CanShareLaunch(a, Dense(1, 32, 128, 64)));
-  EXPECT_FALSE(CanShareLaunch(Dense(2, 64, 128, 64, Layout::kBHSD),
-                              Dense(2, 32, 128, 64, Layout::kBHSD)));
+  EXPECT_FALSE(
+      CanShareLaunch(Dense(2, 64, 128, 64, Layout::kBHSD), Dense(2, 32, 128, 64, Layout::kBHSD)));
   EXPECT_FALSE(CanShareLaunch(a, Dense(2, 64, 128, 64, Layout::kBHSD)));
   EXPECT_FALSE(CanShareLaunch(a, Dense(2, 64, 128, 128)));
   AttentionParams causal = b;
@@ -202,20 +202,13 @@ TEST(PlanLaunchTest, ConsecutiveStagedItemsShareOneDmaAndDirectOnesGoAlone) {
   const int64_t lq = 8 * 4, lk = 8 * 2;  // lines per item
   using S = CopyStep;
   const std::vector<CopyStep> in = {
-      {S::kStage, Packing::kQ, 0, 0, lq},
-      {S::kStage, Packing::kQ, 1, lq, lq},
-      {S::kStagedRun, Packing::kQ, 0, 0, 2 * lq},
-      {S::kDirect, Packing::kQ, 2, 2 * lq, lq},
-      {S::kStage, Packing::kQ, 3, 3 * lq, lq},
-      {S::kStagedRun, Packing::kQ, 0, 3 * lq, lq},
-      {S::kDirect, Packing::kK, 0, 0, lk},
-      {S::kDirect, Packing::kK, 1, lk, lk},
-      {S::kDirect, Packing::kK, 2, 2 * lk, lk},
-      {S::kDirect, Packing::kK, 3, 3 * lk, lk},
-      {S::kDirect, Packing::kV, 0, 0, lk},
-      {S::kDirect, Packing::kV, 1, lk, lk},
-      {S::kDirect, Packing::kV, 2, 2 * lk, lk},
-      {S::kDirect, Packing::kV, 3, 3 * lk, lk},
+      {S::kStage, Packing::kQ, 0, 0, lq},         {S::kStage, Packing::kQ, 1, lq, lq},
+      {S::kStagedRun, Packing::kQ, 0, 0, 2 * lq}, {S::kDirect, Packing::kQ, 2, 2 * lq, lq},
+      {S::kStage, Packing::kQ, 3, 3 * lq, lq},    {S::kStagedRun, Packing::kQ, 0, 3 * lq, lq},
+      {S::kDirect, Packing::kK, 0, 0, lk},        {S::kDirect, Packing::kK, 1, lk, lk},
+      {S::kDirect, Packing::kK, 2, 2 * lk, lk},   {S::kDirect, Packing::kK, 3, 3 * lk, lk},
+      {S::kDirect, Packing::kV, 0, 0, lk},        {S::kDirect, Packing::kV, 1, lk, lk},
+      {S::kDirect, Packing::kV, 2, 2 * lk, lk},   {S::kDirect, Packing::kV, 3, 3 * lk, lk},
   };
   EXPECT_EQ(plan.copies_in, in);
   const std::vector<CopyStep> out = {

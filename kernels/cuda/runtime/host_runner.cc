@@ -16,6 +16,7 @@
 #include "kernels/cuda/ops/device_caps.h"
 #include "kernels/cuda/prep/dequantise.h"
 #include "kernels/cuda/prep/non_finite_scan.h"
+#include "kernels/cuda/runtime/stream_buffers.h"
 #include "kernels/non_finite.h"
 #include "kernels/status_macros.h"
 
@@ -98,15 +99,13 @@ struct Regions {
 struct HostRunner::Stream {
   cudaStream_t stream = nullptr;
   cudaEvent_t events[4] = {};  // before h2d, before the kernel, after it, after the d2h copies
-  void* device = nullptr;
-  int64_t device_bytes = 0;  // guarded by the runner's mu_ while the stream is free
-  void* staging = nullptr;
-  int64_t staging_bytes = 0;
+  // Its size is guarded by the runner's mu_ while the stream is free.
+  GrowableBuffer device{GrowableBuffer::Kind::kDevice};
+  GrowableBuffer staging{GrowableBuffer::Kind::kPinned};
   // The device scan of V (masked requests with V in device memory): a flag word per item, on the
   // device and its pinned mirror, grown to the largest batch scanned.
-  unsigned int* scan_flags = nullptr;
-  unsigned int* scan_flags_host = nullptr;
-  int64_t scan_capacity = 0;
+  GrowableBuffer scan_flags{GrowableBuffer::Kind::kDevice};
+  GrowableBuffer scan_flags_host{GrowableBuffer::Kind::kPinned};
   ForwardScratch forward_scratch;  // this stream's forward launches'
 };
 
@@ -124,10 +123,8 @@ absl::StatusOr<std::unique_ptr<HostRunner>> HostRunner::Create(const HostRunnerO
     // Owned by `runner` from here, so its destructor frees whatever was created.
     runner->streams_.push_back(std::move(s));
     Stream* stream = runner->streams_.back().get();
-    RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream->stream, cudaStreamNonBlocking),
-                         "cudaStreamCreate");
-    for (cudaEvent_t& e : stream->events)
-      RETURN_IF_CUDA_ERROR(cudaEventCreate(&e), "cudaEventCreate");
+    ASSIGN_OR_RETURN(stream->stream, CreateStream());
+    RETURN_IF_ERROR(CreateEvents(stream->events));
     ASSIGN_OR_RETURN(stream->forward_scratch, AllocateForwardScratch());
     runner->free_.push_back(stream);
   }
@@ -146,14 +143,9 @@ HostRunner::~HostRunner() {
   cudaSetDevice(options_.device);
   for (const std::unique_ptr<Stream>& s : streams_) {
     if (s->stream) cudaStreamSynchronize(s->stream);
-    cudaFree(s->device);
-    cudaFreeHost(s->staging);
-    cudaFree(s->scan_flags);
-    cudaFreeHost(s->scan_flags_host);
+    // The stream's buffers go with it (GrowableBuffer).
     FreeForwardScratch(s->forward_scratch);
-    for (cudaEvent_t e : s->events) {
-      if (e) cudaEventDestroy(e);
-    }
+    DestroyEvents(s->events);
     if (s->stream) cudaStreamDestroy(s->stream);
   }
 }
@@ -175,54 +167,37 @@ void HostRunner::Release(Stream* stream) {
 }
 
 absl::Status HostRunner::ReserveDevice(Stream* stream, int64_t bytes) {
-  if (bytes <= stream->device_bytes) return absl::OkStatus();
+  if (bytes <= static_cast<int64_t>(stream->device.bytes())) return absl::OkStatus();
   bytes = RoundUp(bytes, kGrowStep);
   {
     std::unique_lock<std::mutex> lock(mu_);
     // The old buffer goes first: its contents are not needed and its bytes count.
-    cudaFree(stream->device);
-    stream->device = nullptr;
-    reserved_ -= stream->device_bytes;
-    stream->device_bytes = 0;
+    reserved_ -= stream->device.bytes();
+    stream->device.Free();
     // Short of budget: free idle streams' buffers (they regrow when next used); if that is not
     // enough, wait for busy streams to come back and free theirs. Every stream comes back, so
     // this ends; `bytes` <= budget was checked by the caller (rounded up within the budget).
     while (reserved_ + bytes > budget_) {
       for (Stream* idle : free_) {
-        if (idle->device_bytes == 0) continue;
-        cudaFree(idle->device);
-        idle->device = nullptr;
-        reserved_ -= idle->device_bytes;
-        idle->device_bytes = 0;
+        reserved_ -= idle->device.bytes();
+        idle->device.Free();
       }
       if (reserved_ + bytes <= budget_) break;
       released_.wait(lock);
     }
     reserved_ += bytes;
   }
-  if (cudaError_t err = cudaMalloc(&stream->device, bytes); err != cudaSuccess) {
-    stream->device = nullptr;
+  if (absl::Status grown = stream->device.Grow(bytes, "the forward pass"); !grown.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     reserved_ -= bytes;
-    return CudaError(err, absl::StrCat("cannot allocate ", bytes, " bytes of device memory"));
+    return grown;
   }
-  stream->device_bytes = bytes;
   return absl::OkStatus();
 }
 
 absl::Status HostRunner::ReserveStaging(Stream* stream, int64_t bytes) {
-  if (bytes <= stream->staging_bytes) return absl::OkStatus();
-  bytes = RoundUp(bytes, kGrowStep);
-  cudaFreeHost(stream->staging);
-  stream->staging = nullptr;
-  stream->staging_bytes = 0;
-  if (cudaError_t err = cudaHostAlloc(&stream->staging, bytes, cudaHostAllocPortable);
-      err != cudaSuccess) {
-    stream->staging = nullptr;
-    return CudaError(err, absl::StrCat("cannot allocate ", bytes, " bytes of pinned host memory"));
-  }
-  stream->staging_bytes = bytes;
-  return absl::OkStatus();
+  if (bytes <= static_cast<int64_t>(stream->staging.bytes())) return absl::OkStatus();
+  return stream->staging.Grow(RoundUp(bytes, kGrowStep), "the forward pass's staging");
 }
 
 int64_t HostRunner::DeviceBytes(absl::Span<const AttentionParams> items) {
@@ -346,34 +321,25 @@ absl::StatusOr<std::vector<bool>> HostRunner::NeedsExactPath(
   // plus the host scan).
   const int64_t n = static_cast<int64_t>(scan_on_device.size());
   RETURN_IF_CUDA_ERROR(cudaSetDevice(options_.device), "cudaSetDevice");
-  if (n > stream->scan_capacity) {
-    cudaFree(stream->scan_flags);
-    cudaFreeHost(stream->scan_flags_host);
-    stream->scan_flags = stream->scan_flags_host = nullptr;
-    stream->scan_capacity = 0;
-    RETURN_IF_CUDA_ERROR(
-        cudaMalloc(reinterpret_cast<void**>(&stream->scan_flags), n * sizeof(unsigned int)),
-        "allocate the flags of the V scan");
-    RETURN_IF_CUDA_ERROR(cudaHostAlloc(reinterpret_cast<void**>(&stream->scan_flags_host),
-                                       n * sizeof(unsigned int), cudaHostAllocPortable),
-                         "allocate the flags of the V scan");
-    stream->scan_capacity = n;
-  }
+  const size_t flag_bytes = n * sizeof(unsigned int);
+  RETURN_IF_ERROR(stream->scan_flags.Grow(flag_bytes, "the flags of the V scan"));
+  RETURN_IF_ERROR(stream->scan_flags_host.Grow(flag_bytes, "the flags of the V scan"));
+  auto* flags = reinterpret_cast<unsigned int*>(stream->scan_flags.data());
+  const auto* flags_host = reinterpret_cast<const unsigned int*>(stream->scan_flags_host.data());
   cudaStream_t cs = stream->stream;
-  RETURN_IF_CUDA_ERROR(cudaMemsetAsync(stream->scan_flags, 0, n * sizeof(unsigned int), cs),
-                       "clear the flags of the V scan");
+  RETURN_IF_CUDA_ERROR(cudaMemsetAsync(flags, 0, flag_bytes, cs), "clear the flags of the V scan");
   for (int64_t j = 0; j < n; ++j) {
     const AttentionParams& item = items[scan_on_device[j]];
     RETURN_IF_CUDA_ERROR(
         LaunchNonFiniteScan(item.v, ElementsV(item), static_cast<int>(DTypeSize(item.dtype)),
-                            NonFiniteBitsOf(item.dtype), stream->scan_flags + j, cs),
+                            NonFiniteBitsOf(item.dtype), flags + j, cs),
         "scan V for Inf and NaN on the device");
   }
-  RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(stream->scan_flags_host, stream->scan_flags,
-                                       n * sizeof(unsigned int), cudaMemcpyDeviceToHost, cs),
+  RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(stream->scan_flags_host.data(), flags, flag_bytes,
+                                       cudaMemcpyDeviceToHost, cs),
                        "copy the flags of the V scan");
   RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(cs), "scan V for Inf and NaN on the device");
-  for (int64_t j = 0; j < n; ++j) exact[scan_on_device[j]] = stream->scan_flags_host[j] != 0;
+  for (int64_t j = 0; j < n; ++j) exact[scan_on_device[j]] = flags_host[j] != 0;
   return exact;
 }
 
@@ -454,8 +420,8 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
     RETURN_IF_ERROR(ReserveDevice(stream, plan.device_bytes));
     RETURN_IF_ERROR(ReserveStaging(stream, plan.staging_bytes));
   }
-  const Regions dev{static_cast<char*>(stream->device), plan.device.offsets};
-  const Regions host{static_cast<char*>(stream->staging), plan.staging.offsets};
+  const Regions dev{reinterpret_cast<char*>(stream->device.data()), plan.device.offsets};
+  const Regions host{reinterpret_cast<char*>(stream->staging.data()), plan.staging.offsets};
   cudaStream_t cs = stream->stream;
 
   // The launch: items concatenated along B, or packed as varlen [total, H, D].

@@ -160,14 +160,13 @@ LaunchPlan PlanLaunch(absl::Span<const AttentionParams> items, absl::Span<const 
     int64_t run_start = 0, run_end = 0;  // staged lines not yet sent
     for (size_t i = 0; i <= items.size(); ++i) {
       const bool end = i == items.size();
-      const Home home = end                        ? Home::kPinned
+      const Home home = end                     ? Home::kPinned
                         : region == Packing::kQ ? homes[i].q
                         : region == Packing::kK ? homes[i].k
                                                 : homes[i].v;
       const bool staged = !end && !CopiesDirectly(home);
       if (!staged && run_end > run_start) {
-        plan.copies_in.push_back(
-            {CopyStep::kStagedRun, region, 0, run_start, run_end - run_start});
+        plan.copies_in.push_back({CopyStep::kStagedRun, region, 0, run_start, run_end - run_start});
         run_start = run_end;
       }
       if (end) break;

@@ -32,6 +32,7 @@
 #include "kernels/cuda/ops/cuda_status.h"
 #include "kernels/cuda/ops/device_caps.h"
 #include "kernels/cuda/prep/kv_scatter.h"
+#include "kernels/cuda/runtime/stream_buffers.h"
 #include "kernels/paged_kv_host.h"
 #include "kernels/status_macros.h"
 
@@ -53,12 +54,6 @@ size_t SegmentBytes(const WriteRun& r) {
   return (bytes + 15) / 16 * 16;
 }
 
-// The error of a failed cudaMalloc of `bytes` for `what` (RESOURCE_EXHAUSTED, see CudaError).
-absl::Status AllocationError(size_t bytes, const char* what, cudaError_t err) {
-  return CudaError(err,
-                   absl::StrCat("cannot allocate ", bytes, " bytes of device memory for ", what));
-}
-
 class CudaKvPagePool : public KvPagePool {
  public:
   CudaKvPagePool(int device, const PagedPlanOptions& plan_options, int64_t num_pages,
@@ -76,13 +71,9 @@ class CudaKvPagePool : public KvPagePool {
   ~CudaKvPagePool() override {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
-    cudaFree(scratch_);
-    cudaFree(tickets_);
+    // scratch_, tickets_ and staging_ go with the pool (GrowableBuffer).
     cudaFree(pages_);
-    cudaFreeHost(staging_);
-    for (const StepEvents& set : idle_events_) {
-      for (cudaEvent_t e : set) cudaEventDestroy(e);
-    }
+    for (const StepEvents& set : idle_events_) DestroyEvents(set);
     cudaStreamDestroy(stream_);
   }
 
@@ -211,7 +202,7 @@ class CudaKvPagePool : public KvPagePool {
   absl::Status Enqueue(const PagedDecodePlan& plan, const DecodeExtent& extent,
                        const PagedDecodeParams& host, const StepLayout& l,
                        const StepEvents& events) {
-    auto at = [&](int i) { return scratch_ + l.offsets[i]; };
+    auto at = [&](int i) { return scratch_.data() + l.offsets[i]; };
     const bool lse = DecodeWantsLse(host);
     PagedDecodeParams dev = host;
     dev.q = at(kQ);
@@ -233,8 +224,8 @@ class CudaKvPagePool : public KvPagePool {
       std::memset(l.staged + l.offsets[kO], 0xff, l.offsets[kEnd] - l.offsets[kO]);
     }
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events[1], stream_), "cudaEventRecord");
-    RETURN_IF_ERROR(
-        LaunchPagedDecode(plan, pages_, page_bytes_, extent, dev, at(kO), tickets_, stream_));
+    RETURN_IF_ERROR(LaunchPagedDecode(plan, pages_, page_bytes_, extent, dev, at(kO),
+                                      reinterpret_cast<int32_t*>(tickets_.data()), stream_));
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events[2], stream_), "cudaEventRecord");
     return absl::OkStatus();
   }
@@ -247,12 +238,7 @@ class CudaKvPagePool : public KvPagePool {
       return events;
     }
     StepEvents events;
-    for (size_t i = 0; i < events.size(); ++i) {
-      if (cudaError_t err = cudaEventCreate(&events[i]); err != cudaSuccess) {
-        for (size_t j = 0; j < i; ++j) cudaEventDestroy(events[j]);
-        return CudaError(err, "cudaEventCreate");
-      }
-    }
+    RETURN_IF_ERROR(CreateEvents(absl::MakeSpan(events)));
     return events;
   }
 
@@ -302,59 +288,34 @@ class CudaKvPagePool : public KvPagePool {
   // the buffer when `bytes` exceeds it. `lock` holds mu_ (released while waiting for readers).
   absl::StatusOr<unsigned char*> Stage(size_t bytes, std::unique_lock<std::mutex>& lock) {
     bytes = RoundUp(bytes);
-    if (staging_used_ + bytes > staging_bytes_) {
+    if (staging_used_ + bytes > staging_.bytes()) {
       readers_done_.wait(lock, [this] { return staged_readers_ == 0; });
       RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
       staging_used_ = 0;
-      if (bytes > staging_bytes_) {
-        cudaFreeHost(staging_);
-        staging_ = nullptr;
-        staging_bytes_ = 0;
-        const size_t size = std::max<size_t>(bytes, kMinStagingBytes);
-        void* p = nullptr;
-        RETURN_IF_CUDA_ERROR(
-            cudaHostAlloc(&p, size, cudaHostAllocDefault),
-            absl::StrCat("cannot allocate ", size, " bytes of pinned host memory for KV staging"));
-        staging_ = static_cast<unsigned char*>(p);
-        staging_bytes_ = size;
+      if (bytes > staging_.bytes()) {
+        RETURN_IF_ERROR(staging_.Grow(std::max<size_t>(bytes, kMinStagingBytes), "KV staging"));
       }
     }
-    unsigned char* at = staging_ + staging_used_;
+    unsigned char* at = staging_.data() + staging_used_;
     staging_used_ += bytes;
     return at;
   }
 
   // Grows the scratch buffer to at least `bytes`.
   absl::Status Reserve(size_t bytes) {
-    if (bytes <= scratch_bytes_) return absl::OkStatus();
+    if (bytes <= scratch_.bytes()) return absl::OkStatus();
     RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-    cudaFree(scratch_);
-    scratch_ = nullptr;
-    scratch_bytes_ = 0;
-    void* p = nullptr;
-    if (cudaError_t err = cudaMalloc(&p, bytes); err != cudaSuccess) {
-      return AllocationError(bytes, "decode scratch", err);
-    }
-    scratch_ = static_cast<unsigned char*>(p);
-    scratch_bytes_ = bytes;
-    return absl::OkStatus();
+    return scratch_.Grow(bytes, "decode scratch");
   }
 
   // Grows the split tickets to at least `count`, zeroed (the kernels leave them zero).
   absl::Status ReserveTickets(int64_t count) {
-    if (count <= ticket_count_) return absl::OkStatus();
-    RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-    cudaFree(tickets_);
-    tickets_ = nullptr;
-    ticket_count_ = 0;
     const size_t bytes = count * sizeof(int32_t);
-    void* p = nullptr;
-    if (cudaError_t err = cudaMalloc(&p, bytes); err != cudaSuccess) {
-      return AllocationError(bytes, "decode split tickets", err);
-    }
-    tickets_ = static_cast<int32_t*>(p);
-    RETURN_IF_CUDA_ERROR(cudaMemsetAsync(tickets_, 0, bytes, stream_), "zero the split tickets");
-    ticket_count_ = count;
+    if (bytes <= tickets_.bytes()) return absl::OkStatus();
+    RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    RETURN_IF_ERROR(tickets_.Grow(bytes, "decode split tickets"));
+    RETURN_IF_CUDA_ERROR(cudaMemsetAsync(tickets_.data(), 0, bytes, stream_),
+                         "zero the split tickets");
     return absl::OkStatus();
   }
 
@@ -370,18 +331,15 @@ class CudaKvPagePool : public KvPagePool {
   int staged_readers_ = 0;
   std::condition_variable readers_done_;
   uint64_t enqueued_ = 0;  // work queued on the stream so far (Write chunks, decode steps)
-  unsigned char* scratch_ = nullptr;
-  size_t scratch_bytes_ = 0;
+  GrowableBuffer scratch_{GrowableBuffer::Kind::kDevice};
   // Pinned host staging (Stage); the front staging_used_ bytes may still be in flight.
   static constexpr size_t kMinStagingBytes = size_t{16} << 20;
   // Rows per copy and scatter of a Write (a quarter of the staging: packing the next chunk overlaps
   // the copy of the last).
   static constexpr size_t kWriteChunkBytes = kMinStagingBytes / 4;
-  unsigned char* staging_ = nullptr;
-  size_t staging_bytes_ = 0;
+  GrowableBuffer staging_{GrowableBuffer::Kind::kPinned};
   size_t staging_used_ = 0;
-  int32_t* tickets_ = nullptr;
-  int64_t ticket_count_ = 0;
+  GrowableBuffer tickets_{GrowableBuffer::Kind::kDevice};  // int32 split tickets
 };
 
 }  // namespace
@@ -407,25 +365,22 @@ absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t n
   const size_t bytes = static_cast<size_t>(num_pages) * page_bytes;
   void* pages = nullptr;
   if (cudaError_t err = cudaMalloc(&pages, bytes); err != cudaSuccess) {
-    return AllocationError(bytes, "the KV pool", err);
+    return CudaError(
+        err, absl::StrCat("cannot allocate ", bytes, " bytes of device memory for the KV pool"));
   }
-  cudaStream_t stream;
-  if (cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-      err != cudaSuccess) {
+  absl::StatusOr<cudaStream_t> stream = CreateStream();
+  if (!stream.ok()) {
     cudaFree(pages);
-    return CudaError(err, "cudaStreamCreate");
+    return stream.status();
   }
   cudaEvent_t events[3];
-  for (int i = 0; i < 3; ++i) {
-    if (cudaError_t err = cudaEventCreate(&events[i]); err != cudaSuccess) {
-      for (int j = 0; j < i; ++j) cudaEventDestroy(events[j]);
-      cudaStreamDestroy(stream);
-      cudaFree(pages);
-      return CudaError(err, "cudaEventCreate");
-    }
+  if (absl::Status created = CreateEvents(events); !created.ok()) {
+    cudaStreamDestroy(*stream);
+    cudaFree(pages);
+    return created;
   }
   return std::unique_ptr<KvPagePool>(new CudaKvPagePool(device, plan_options, num_pages, page_bytes,
-                                                        pages, stream, events, options));
+                                                        pages, *stream, events, options));
 }
 
 }  // namespace attention::cuda
