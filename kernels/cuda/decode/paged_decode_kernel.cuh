@@ -42,8 +42,7 @@
 // (decode_bench's roofline anchor) takes 38.0 / 259.1 / 975.5 us: from 32k on the step reads at
 // least at the anchor's rate; at 4k ~12 of its 47 us are outside the key loop (launch 2.8, ~6 until
 // the first tiles land, ~1.3 epilogue, ~1.7 for the cluster merge, which the ticket merge took ~4.5
-// for). v1 (per-row page-table reads, two waves of splits, a combine loading one split at a time)
-// ran 0.66-0.69x of cuDNN.
+// for). The version before this one: docs/kernels.md.
 #pragma once
 
 #include <cooperative_groups.h>

@@ -27,27 +27,12 @@
 // Head dims below kD are served by the same kernel: columns >= head_dim are zero-filled on load
 // (adding nothing to Q K^T) and not stored.
 //
-// Versions (H200, bfloat16/float16 TFLOP/s on the FlashAttention grid of bench/README.md, torch
-// SDPA's FlashAttention-2 measured beside it):
-//   v1 2026-11-30  first tensor-core version: D=64 160-185 (0.55-0.62x FA2), D=128 213-247
-//                  (0.68-0.73x), D=256 201-235 (0.71-0.82x). SASS: ~16 instructions per mma at
-//                  D=64, the mask test compiled into every logit (branches even on unmasked tiles).
-//   v2 2026-11-30  mask applied in a separate pass only on tiles that need it; softmax max on raw
-//                  logits and exp2 as one FFMA + ex2 (negative scales negate Q once); ldmatrix
-//                  addresses as one XOR with a constant per k-step (PairOffset); Q fragments loaded
-//                  before the key loop. bfloat16 N=4096 (tile sweep): D=64 181 -> 304, D=128
-//                  243 -> 336.
-//   v3 2026-11-30  max and sum as trees (shorter dependency chains); D=64 with a mask on 64-row
-//                  tiles. D=64 causal N=1024: 224 -> 231 (sweep).
-//   v4 2026-11-30  next tile's cp.async issued without a branch (zero-fill after the last tile),
-//                  so no branch separates the softmax from P V. Full grid: D=64 266-331 unmasked
-//                  (1.02-1.09x FA2), 177-270 causal (0.90-1.20x: below FA2 from N=2048 on), D=128
-//                  290-368 (0.99-1.09x), D=256 177-288 (0.83-0.99x); float32 (3xTF32) 35-37 at D=64
-//                  (1.02-1.05x torch's float32 memory-efficient kernel), relative error < 1e-5.
-//   v5 2026-11-30  D=64 with a mask back on the 128x64 tile (v4 lifted it past 64x64). Full grid
-//                  (bench/README.md): D=64 causal 174-321 (1.01-1.17x FA2), unmasked 266-336
-//                  (1.03-1.09x); D=128 195-371 (0.99-1.11x); D=256 176-290 (0.85-1.01x); float32
-//                  35.0-37.0 (1.02-1.04x).
+// Current speed (v5, 2026-11-30; H200, bfloat16/float16 TFLOP/s on the FlashAttention grid of
+// bench/README.md, against torch SDPA's FlashAttention-2 in the same run): D=64 causal 174-321
+// (1.01-1.17x FA2), unmasked 266-336 (1.03-1.09x); D=128 195-371 (0.99-1.11x); D=256 176-290
+// (0.85-1.01x); float32 (3xTF32) 35.0-37.0 (1.02-1.04x torch's float32 memory-efficient kernel).
+// On Hopper, float16 and bfloat16 run on the wgmma kernel instead (forward_plan.h). The versions
+// before this one: docs/kernels.md.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -52,91 +52,10 @@
 // dequantisation to bfloat16.
 // Tiles per head dim: Sm90TileFor (flash_forward_sm90_launch.cuh).
 //
-// Versions (H200, bfloat16 TFLOP/s; cuDNN 618 / 522 and FlashAttention-3 658 / 604 at D = 128,
-// N = 4096, non-causal / causal; bench/README.md has the grid and the command):
-//   v1 2026-12-01  TMA + wgmma + producer/consumer warpgroups, one CTA per query tile, each wgmma
-//                  waited for before the softmax: D = 128, N = 4096 555 / 487; D = 64 394,
-//                  D = 256 640 (N = 4096, non-causal).
-//   v2 2026-12-01  softmax overlapped with the previous tile's P V; D = 64 on three consumers
-//                  (192 rows): D = 128 629 / 541, D = 64 475, D = 256 657.
-//   v3 2026-12-01  persistent CTAs, work tiles of a few heads at once (L2 reuse of K and V),
-//                  taken dynamically (ForwardScratch's counters): D = 128 648 / 606, D = 256
-//                  causal 643 (N = 4096), 16384 causal: D = 128 628, D = 256 737.
-//   v4 2026-12-01  D = 64 masked calls of up to 2048 rows on two consumers (128 rows): causal
-//                  N = 1024 258 -> 300. The grid, each shape timed just before its anchors:
-//                  ours/cuDNN 0.89-1.20 (45 of 60 rows with N >= 1024 at >= 1.0; the misses are
-//                  N = 1024 and three N = 2048-4096 rows), ours/FA3 0.89-1.05 (29 of 30 bfloat16
-//                  rows at >= 0.9).
-//   v5 2026-12-01  native float8 e4m3 (e4m3 wgmma, V transposed first), FlashAttention-3's fp8
-//                  forward in the same call: D = 128 N = 1024 / 4096 / 16384 590 / 778 / 840
-//                  (0.80 / 0.89 / 0.91 of it), D = 256 751 / 1115 / 1244 (0.87 / 0.96 / 1.10),
-//                  where converting to bfloat16 first ran 394 / 603 / 624 and 407 / 658 / 722.
-//                  The transposition took 24.5 us at D = 128, N = 1024 (32 MiB of V, ncu).
-//   v6 2026-12-02  wgmma descriptors as the tile's first plus a constant (DescPlus), and the
-//                  warpgroup index made warp-uniform: the SASS between two Q K^T wgmma went from
-//                  8 to 3 instructions at D = 128, and from 8 to 5-6 at D = 256. Speed against
-//                  v5 in the same call: D = 128 N = 1024 / 4096 / 16384 1.01 / 1.04 / 1.08,
-//                  D = 256 N = 1024 / 4096 1.04 / 1.04, D = 64 and float8 N = 1024 0.99-1.02.
-//   v7 2026-12-02  two Q buffers at D = 64 (Sm90TileFor): against v6 in the same call, 3 rounds
-//                  twice, N = 1024 1.044-1.048 / 1.025-1.028 (non-causal / causal), N = 2048
-//                  causal 1.016-1.026; at D = 128 0.98-1.01 at N = 1024-4096 and 0.955 at
-//                  16384 (its rounds moved 3.16-3.49 ms), so one buffer there.
-//   v8 2026-12-02  O stored through shared memory by TMA (stmatrix, then cp.async.bulk.tensor),
-//                  where 32 predicated 4-byte stores per row half left the tensor pipe idle at
-//                  every work tile's end (Nsight Compute: long-scoreboard stalls on the stores'
-//                  registers, 9% of the consumers' samples at D = 128, N = 1024). Against v7 in
-//                  the same call, 3 rounds, N = 1024: D = 128 1.051 / 1.088 (non-causal /
-//                  causal), float16 1.072, float8 D = 128 / 256 1.068 / 1.167, D = 64 1.00-1.02;
-//                  D = 128 N = 4096 1.020. The N = 1024-4096 grid: ours/cuDNN 0.92-1.22, ours/FA3
-//                  0.89-1.47 (bench/README.md). Two Q buffers at D = 128 on v8: 0.99-1.02,
-//                  not kept.
-//   v9 2026-12-02  each consumer computes only the key tiles its own 64 rows see (none when
-//                  they all lie past the item's end: two of three warpgroups in the last query
-//                  tile at D = 64, N = 1024; the lower warpgroup skips a causal diagonal's first
-//                  tile where kBc < kBr), and the producer publishes each work tile decoded.
-//                  Against v8 in the same call, 3 rounds: D = 64 N = 1024 1.10-1.11 (timed
-//                  on the first build, which also drew early), N = 2048 1.06, causal
-//                  N = 1024 / 4096 1.03 / 1.09; D = 128 N = 1024 1.03; D = 256 N = 1024 1.03 /
-//                  1.03-1.04 causal; float8 N = 1024 1.02-1.03. Drawing the next position
-//                  before the tile's loads instead of after them: 0.97-0.98 at D = 256 causal,
-//                  not kept.
-//   v10 2026-12-02 16-bit D = 256: O stored by TMA from the V stages (Tile::kOInV), where it
-//                  stored from registers: against v9 in the same call, 3 rounds, N = 1024
-//                  1.09 / 1.11 (non-causal / causal), N = 4096 1.03 / 1.04, N = 16384 1.09.
-//   v11 2026-12-02 D = 64 masked calls of up to 2048 rows on three consumers too (Sm90TileFor):
-//                  against v10, causal N = 512 / 1024 / 2048 1.10 / 1.05 / 1.10. The grid
-//                  (bench/README.md): ours/cuDNN >= 1.0 on 59 of the 60 rows with N >= 1024.
-//   v12 2026-12-02 an item's query tiles end at its last row (Sm90WorkTile), so the ragged tile
-//                  is the first, the lightest under a causal mask: against v11 in the same call,
-//                  3 rounds, D = 64 N = 1024 causal 1.02-1.03 (fp16 1.023 / 1.024 in two calls,
-//                  bf16 1.017 / 1.030); N = 512-4096 otherwise 0.99-1.01. The grid in one
-//                  call (bench/README.md): ours/cuDNN 1.01-1.28 on all 60 rows with N >= 1024,
-//                  ours/FA3 0.91-1.33 (bf16), float8 0.87-1.42 of FA3's float8.
-//   Measured and dropped: FlashAttention-3's ping-pong of turns between the consumers (named
-//   barriers), 2-10% slower when first tried; again on v7 (2026-12-02), so that one consumer's
-//   first softmax and epilogue of a work tile would run under the other's products: 0.996-1.009x
-//   at D = 128 and 256, N = 1024, 0.98x at float8 D = 128, 1.02-1.035x at D = 64 where the
-//   second Q buffer alone gave 1.025-1.044x.
-//   176-key tiles at D = 128 unmasked, slower at N = 1024, no faster
-//   beyond. One software pipeline across work tiles (2026-12-02: a work tile's first Q K^T and
-//   softmax under the previous one's last P V, two Q buffers where they fit, the epilogue inside
-//   the key-tile loop): correct (the wgmma_sm90 grid, memcheck, racecheck) and spill-free, but
-//   0.77-0.86x of v5 as first built (ptxas moved the descriptor arithmetic from uniform to per-
-//   thread registers: ~30% more instructions per key tile, ncu: tensor pipe 85 -> 60% at D = 256,
-//   N = 4096) and still 0.81-0.93x with v6's descriptors (1.02x only at D = 128, N = 16384).
-//   Dropped at compile time: the next work tile's first Q K^T issued in the current tile's tail,
-//   so that it runs during the epilogue (an S accumulator carried from one work tile to the
-//   next): in every arrangement tried ptxas serialised the wgmma (C7512) and spilled (144 bytes
-//   at D = 128, ~1 KB at D = 64), and what it could hide is the epilogue's stores only, not the
-//   first softmax.
-//   Seen in the SASS of v5, v6 and the dropped pipeline (earlier versions not examined): ptxas
-//   places the softmax's exponentials after the wait for the previous P V (WARPGROUP.DEPBAR 0),
-//   although the PTX has them before it, so in each consumer only the mask and row max overlap
-//   the P V. Measured and dropped (2026-12-02): a lane-0 shared store of the row sums before that
-//   wait kept every exponential before it (all 10 instantiations, no spills), correct, but
-//   0.92-1.005x of v6 (N = 1024 rows 0.975-1.005, D = 128 N = 16384 0.92). Also 3 stages at
-//   D = 128 (224 KiB of shared memory): 0.98-1.01x at N = 1024-4096, bf16 N = 16384 1.06x but
-//   fp16 0.98x.
+// Current speed (v12, 2026-12-02, H200; bench/README.md has the grid and the command): on the
+// FlashAttention grid's rows with N >= 1024, 1.01-1.28x cuDNN on all 60, 0.91-1.33x
+// FlashAttention-3 (bfloat16), and float8 0.87-1.42x FlashAttention-3's float8 forward. The
+// versions before this one, and the designs measured and dropped: docs/kernels.md.
 #pragma once
 
 #include <cuda.h>

@@ -1,10 +1,10 @@
 // The forward pass's plan: which kernel variant runs a call on a device, chosen from the device's
 // capabilities (queried once per device) or forced by the caller (tests, the bench), before any
-// launch. Adding a variant (say a Hopper wgmma kernel beside the mma.sync one) is one
-// ForwardVariant value (its name in ForwardVariantName, its place in kForwardVariants), one
-// launcher (LaunchVariant in cuda_attention.cc) and one planning rule (PlanVariant in
-// forward_plan.cc). The decode path's
-// counterpart is PlanPagedDecode (paged_decode.h).
+// launch. A variant is one ForwardVariant value (its name in ForwardVariantName, its place in
+// kForwardVariants), one launcher (LaunchVariant in cuda_attention.cc) and one planning rule
+// (PlanVariant in forward_plan.cc); wgmma_sm90 was added beside mma_sm80 that way. The decode
+// path's counterpart is PlanPagedDecode (decode/paged_decode.h); the host runner's own launch
+// decisions are PlanLaunch (runtime/launch_plan.h).
 #pragma once
 
 #include <cstdint>

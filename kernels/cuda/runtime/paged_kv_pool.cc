@@ -10,9 +10,7 @@
 // pages; it returns with that in flight (stream order puts it before any later decode). A decode
 // step packs q and its small arrays there (one copy to the device, which the kernels read many
 // times), and the kernels write o and lse straight into it. A step of 8 sequences that each
-// append a row thus costs 1 copy, 2 launches and one wait (it was 18 copies: one 2D copy per
-// sequence and K or V; then, with pinned staging, 3 copies: a DMA's latency each, the D2H of o
-// 8.5 us of a Step's ~105 beyond the kernel on the H200 host).
+// append a row thus costs 1 copy, 2 launches and one wait (the earlier designs: docs/kernels.md).
 #include "kernels/cuda/runtime/paged_kv_pool.h"
 
 #include <cuda_runtime_api.h>

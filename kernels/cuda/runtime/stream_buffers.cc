@@ -9,13 +9,12 @@ absl::Status GrowableBuffer::Grow(size_t bytes, absl::string_view what) {
   if (bytes <= bytes_) return absl::OkStatus();
   Free();
   void* p = nullptr;
-  const cudaError_t err = kind_ == Kind::kDevice
-                              ? cudaMalloc(&p, bytes)
-                              : cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+  const cudaError_t err = kind_ == Kind::kDevice ? cudaMalloc(&p, bytes)
+                                                 : cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
   if (err != cudaSuccess) {
-    return CudaError(err, absl::StrCat("cannot allocate ", bytes, " bytes of ",
-                                       kind_ == Kind::kDevice ? "device" : "pinned host",
-                                       " memory for ", what));
+    return CudaError(
+        err, absl::StrCat("cannot allocate ", bytes, " bytes of ",
+                          kind_ == Kind::kDevice ? "device" : "pinned host", " memory for ", what));
   }
   data_ = static_cast<unsigned char*>(p);
   bytes_ = bytes;
