@@ -216,10 +216,8 @@ int64_t HostRunner::DeviceBytes(absl::Span<const AttentionParams> items) {
   return std::max(bytes({.dequantise = true}), bytes({.workspace_bytes = transposed_v}));
 }
 
-namespace {
-
-// The float8 path of RunOn's launch of `items` on `device`, as the forward plan decides it.
-absl::StatusOr<Float8Path> PlanFloat8(absl::Span<const AttentionParams> items, int device,
+absl::StatusOr<Float8Path> PlanFloat8(absl::Span<const AttentionParams> items,
+                                      const DeviceCaps& caps,
                                       std::optional<ForwardVariant> variant) {
   const AttentionParams& first = items[0];
   if (first.dtype != DType::kFloat8E4M3) return Float8Path{};
@@ -231,15 +229,12 @@ absl::StatusOr<Float8Path> PlanFloat8(absl::Span<const AttentionParams> items, i
   probe.batch = pack.sequences;
   static constexpr int32_t kVarlen[1] = {0};
   probe.cu_seqlens_q = probe.cu_seqlens_k = pack.varlen ? kVarlen : nullptr;
-  ASSIGN_OR_RETURN(const DeviceCaps caps, GetDeviceCaps(device));
   const absl::StatusOr<ForwardPlan> plan = PlanFlashForward(probe, caps, variant);
   if (plan.ok()) return Float8Path{.workspace_bytes = plan->workspace_bytes};
   // INVALID_ARGUMENT: the variant takes no float8 for this call; bfloat16 copies it is.
   if (absl::IsInvalidArgument(plan.status())) return Float8Path{.dequantise = true};
   return plan.status();
 }
-
-}  // namespace
 
 absl::StatusOr<HostRunTimes> HostRunner::Run(const AttentionParams& host) {
   return RunBatch(absl::MakeConstSpan(&host, 1));
@@ -407,8 +402,11 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
                                                absl::Span<const TensorHomes> homes) {
   RETURN_IF_CUDA_ERROR(cudaSetDevice(options_.device), "cudaSetDevice");
   const AttentionParams& first = items[0];
-  ASSIGN_OR_RETURN(const Float8Path float8,
-                   PlanFloat8(items, options_.device, options_.forward_variant));
+  Float8Path float8;
+  if (first.dtype == DType::kFloat8E4M3) {
+    ASSIGN_OR_RETURN(const DeviceCaps caps, GetDeviceCaps(options_.device));
+    ASSIGN_OR_RETURN(float8, PlanFloat8(items, caps, options_.forward_variant));
+  }
   // Every decision of the launch (launch_plan.h); what follows carries it out.
   const LaunchPlan plan = PlanLaunch(items, homes, float8);
   const size_t elem = DTypeSize(first.dtype);                 // q, k, v as they come

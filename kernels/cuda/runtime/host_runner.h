@@ -106,6 +106,15 @@ struct HostRunTimes {
   double h2d_us = 0, compute_us = 0, d2h_us = 0;
 };
 
+// How RunBatch(items) serves float8 e4m3 on a device with `caps` (Float8Path{} for other
+// dtypes): the forward plan's kernel reads e4m3 itself, with its workspace (wgmma_sm90: dense
+// calls at head dims 128 and 256), or, where the plan's variant takes no float8 for the launch
+// (INVALID_ARGUMENT), q, k and v are dequantised to bfloat16 first. Other plan errors are returned.
+// Pure (no CUDA call), so tested with hand-made caps (cuda_plan_tests).
+absl::StatusOr<Float8Path> PlanFloat8(absl::Span<const AttentionParams> items,
+                                      const DeviceCaps& caps,
+                                      std::optional<ForwardVariant> variant = std::nullopt);
+
 class HostRunner {
  public:
   // Creates the streams and events on options.device; buffers are allocated at first use.
