@@ -202,8 +202,8 @@ TEST(PlanFlashForwardTest, UnknownForcedVariantIsInvalidArgument) {
   EXPECT_TRUE(Mentions(plan.status(), "unknown forward variant")) << plan.status();
 }
 
-// A dense float8 call [2, Nq = 64 | Nk = 100, heads 4 over 2, D] in BSHD, at made-up addresses (the
-// plan reads none).
+// A dense float8 call [B = 2, N, H, D] in BSHD: Nq = seqlen_q, Nk = 100, 4 query heads over 2; no
+// tensors (the plan reads none).
 AttentionParams Float8Call(int64_t head_dim, int64_t seqlen_q = 64) {
   AttentionParams p = Params(DType::kFloat8E4M3, head_dim);
   p.batch = 2;
