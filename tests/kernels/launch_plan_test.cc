@@ -235,6 +235,51 @@ TEST(PlanLaunchTest, LseGoesToTheHostUnlessEveryItemsIsOnTheDevice) {
   EXPECT_FALSE(plan.lse_to_host);
 }
 
+TEST(LaunchParamsTest, VarlenPackTakesTheDeviceRegionsAndD8) {
+  const std::vector<int32_t> cu_q = {0, 5}, cu_k = {0, 9};
+  const std::vector<AttentionParams> items = {Dense(1, 3, 4, 100), Varlen(cu_q, cu_k, 100)};
+  const std::vector<TensorHomes> homes(2, AllAt(Home::kPageable));
+  const LaunchPlan plan = PlanLaunch(items, homes, {});
+  char* const base = static_cast<char*>(Address(7));
+  const AttentionParams launch = LaunchParams(plan, items[0], base);
+  EXPECT_EQ(launch.head_dim, 104);
+  EXPECT_EQ(launch.batch, 2);
+  EXPECT_TRUE(launch.is_varlen());
+  EXPECT_EQ(launch.cu_seqlens_k,
+            reinterpret_cast<const int32_t*>(base + plan.device.offsets[Packing::kCuK]));
+  EXPECT_EQ(launch.q, base);
+  EXPECT_EQ(launch.o, base + plan.device.offsets[Packing::kO]);
+  EXPECT_EQ(launch.lse, nullptr);
+  EXPECT_EQ(launch.total_q, 8);
+  EXPECT_EQ(launch.total_k, 13);
+  EXPECT_EQ(launch.seqlen_q, 5);
+  EXPECT_EQ(launch.seqlen_k, 9);
+  EXPECT_EQ(launch.q_row_stride, 4 * 104);  // [total, H, D8] rows
+  // Without a buffer yet, the regions are null.
+  EXPECT_EQ(LaunchParams(plan, items[0], nullptr).q, nullptr);
+}
+
+TEST(LaunchParamsTest, InPlaceUsesTheItemsTensorsAndDequantisedFloat8ItsCopies) {
+  AttentionParams p = Dense(2, 16, 16, 128, Layout::kBHSD, DType::kFloat8E4M3);
+  p.lse = static_cast<float*>(Address(5));
+  const std::vector<TensorHomes> on_device = {AllAt(Home::kDevice)};
+  char* const base = static_cast<char*>(Address(7));
+  LaunchPlan plan = PlanLaunch({p}, on_device, {});
+  AttentionParams launch = LaunchParams(plan, p, base);
+  EXPECT_EQ(launch.q, p.q);
+  EXPECT_EQ(launch.o, p.o);
+  EXPECT_EQ(launch.lse, p.lse);
+  EXPECT_EQ(launch.dtype, DType::kFloat8E4M3);
+  EXPECT_EQ(launch.q_head_stride, 16 * 128);  // BHSD kept
+  plan = PlanLaunch({p}, on_device, {.dequantise = true});
+  launch = LaunchParams(plan, p, base);
+  EXPECT_EQ(launch.dtype, DType::kBFloat16);
+  EXPECT_EQ(launch.q, base + plan.device.offsets[Packing::kQ16]);
+  EXPECT_EQ(launch.v, base + plan.device.offsets[Packing::kV16]);
+  EXPECT_EQ(launch.o, p.o);  // written in place, in bfloat16
+  EXPECT_EQ(launch.q_descale, p.q_descale);
+}
+
 TEST(ForEachLsePieceTest, DenseItemsOfAVarlenPackAreCutPerSequence) {
   // A dense item (B = 2, N = 3, H = 4) after a varlen one of 5 rows: packed lse is [H, 11 rows].
   const std::vector<int32_t> cu = {0, 5};

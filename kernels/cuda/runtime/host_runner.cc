@@ -422,46 +422,17 @@ absl::StatusOr<HostRunTimes> HostRunner::RunOn(Stream* stream,
   const Regions host{reinterpret_cast<char*>(stream->staging.data()), plan.staging.offsets};
   cudaStream_t cs = stream->stream;
 
-  // The launch: items concatenated along B, or packed as varlen [total, H, D].
-  AttentionParams launch = first;
-  launch.head_dim = d8;
-  launch.q = dev.at(Packing::kQ);
-  launch.k = dev.at(Packing::kK);
-  launch.v = dev.at(Packing::kV);
-  launch.o = dev.at(Packing::kO);
-  launch.lse = with_lse ? reinterpret_cast<float*>(dev.at(Packing::kLse)) : nullptr;
-  launch.batch = plan.device.sequences;
-  launch.seqlen_q = plan.seqlen_q;
-  launch.seqlen_k = plan.seqlen_k;
+  // The launch's params (LaunchParams); float8 that is dequantised first is read as it came,
+  // from `quantised` (copied in, or in place), into q16, k16, v16, which the kernel reads.
+  const AttentionParams launch = LaunchParams(plan, first, dev.base);
+  const void* const quantised[3] = {plan.in_place ? first.q : dev.at(Packing::kQ),
+                                    plan.in_place ? first.k : dev.at(Packing::kK),
+                                    plan.in_place ? first.v : dev.at(Packing::kV)};
   const size_t cu_bytes = plan.cu_seqlens_q.size() * sizeof(int32_t);
   if (plan.device.varlen) {
-    launch.cu_seqlens_q = reinterpret_cast<const int32_t*>(dev.at(Packing::kCuQ));
-    launch.cu_seqlens_k = reinterpret_cast<const int32_t*>(dev.at(Packing::kCuK));
-    launch.total_q = plan.device.rows_q;
-    launch.total_k = plan.total_k;
     // cu_seqlens: [sequences + 1] each, through the staging buffer.
     std::memcpy(host.at(Packing::kCuQ), plan.cu_seqlens_q.data(), cu_bytes);
     std::memcpy(host.at(Packing::kCuK), plan.cu_seqlens_k.data(), cu_bytes);
-  } else {
-    launch.cu_seqlens_q = launch.cu_seqlens_k = nullptr;
-  }
-  launch.SetContiguousStrides(plan.layout);
-  if (plan.in_place) {
-    launch.q = first.q;
-    launch.k = first.k;
-    launch.v = first.v;
-    launch.o = first.o;
-    // A lone dense request's lse [B, H, N] is the launch's.
-    if (plan.lse_in_place) launch.lse = first.lse;
-  }
-  // float8: q, k, v (copied in, or in place) are dequantised into q16, k16, v16, which the
-  // bfloat16 kernel reads; the descales stay in `launch` for the kernel to fold in (dequantise.h).
-  const void* const quantised[3] = {launch.q, launch.k, launch.v};
-  if (dequantise) {
-    launch.dtype = DType::kBFloat16;
-    launch.q = dev.at(Packing::kQ16);
-    launch.k = dev.at(Packing::kK16);
-    launch.v = dev.at(Packing::kV16);
   }
   // The kernel's own checks (sizes that fit the grid, ...) and its plan before any copy is
   // enqueued; its workspace is the one PlanFloat8 sized.

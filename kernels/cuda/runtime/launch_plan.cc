@@ -204,4 +204,45 @@ LaunchPlan PlanLaunch(absl::Span<const AttentionParams> items, absl::Span<const 
   return plan;
 }
 
+AttentionParams LaunchParams(const LaunchPlan& plan, const AttentionParams& first, char* device) {
+  auto at = [&](int region) -> char* {
+    return device == nullptr ? nullptr : device + plan.device.offsets[region];
+  };
+  // The launch: items concatenated along B, or packed as varlen [total, H, D].
+  AttentionParams launch = first;
+  launch.head_dim = plan.padded_head_dim;
+  launch.q = at(Packing::kQ);
+  launch.k = at(Packing::kK);
+  launch.v = at(Packing::kV);
+  launch.o = at(Packing::kO);
+  launch.lse = first.lse != nullptr ? reinterpret_cast<float*>(at(Packing::kLse)) : nullptr;
+  launch.batch = plan.device.sequences;
+  launch.seqlen_q = plan.seqlen_q;
+  launch.seqlen_k = plan.seqlen_k;
+  if (plan.device.varlen) {
+    launch.cu_seqlens_q = reinterpret_cast<const int32_t*>(at(Packing::kCuQ));
+    launch.cu_seqlens_k = reinterpret_cast<const int32_t*>(at(Packing::kCuK));
+    launch.total_q = plan.device.rows_q;
+    launch.total_k = plan.total_k;
+  } else {
+    launch.cu_seqlens_q = launch.cu_seqlens_k = nullptr;
+  }
+  launch.SetContiguousStrides(plan.layout);
+  if (plan.in_place) {
+    launch.q = first.q;
+    launch.k = first.k;
+    launch.v = first.v;
+    launch.o = first.o;
+    // A lone dense request's lse [B, H, N] is the launch's.
+    if (plan.lse_in_place) launch.lse = first.lse;
+  }
+  if (plan.float8.dequantise) {
+    launch.dtype = DType::kBFloat16;
+    launch.q = at(Packing::kQ16);
+    launch.k = at(Packing::kK16);
+    launch.v = at(Packing::kV16);
+  }
+  return launch;
+}
+
 }  // namespace attention::cuda

@@ -168,4 +168,11 @@ struct LaunchPlan {
 LaunchPlan PlanLaunch(absl::Span<const AttentionParams> items, absl::Span<const TensorHomes> homes,
                       const Float8Path& float8);
 
+// The launch's params: `first`'s (items[0] of the plan), with head dim D8, batch = the packed
+// sequences, the plan's lengths and layout, and its tensors in their regions of the device buffer
+// at `device` (null while the stream holds none), cu_seqlens too when varlen. In place, the item's
+// own q, k, v, o (and lse when lse_in_place). float8 dequantised first: bfloat16 read from q16,
+// k16, v16, the descales kept for the kernel to fold in (prep/dequantise.h).
+AttentionParams LaunchParams(const LaunchPlan& plan, const AttentionParams& first, char* device);
+
 }  // namespace attention::cuda
