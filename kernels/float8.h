@@ -1,5 +1,5 @@
 // float8 e4m3 <-> float32, one copy for host code (dtype_convert.h, the reference, the CPU backend,
-// clients) and CUDA device code (the dequantising kernel, kernels/cuda/dequantise.cu): plain
+// clients) and CUDA device code (the dequantising kernel, kernels/cuda/prep/dequantise.cu): plain
 // C++17 with no library call that device code lacks.
 //
 // The format is OCP FP8 E4M3FN: 1 sign bit, 4 exponent bits with bias 7, 3 mantissa bits. No

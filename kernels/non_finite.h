@@ -1,5 +1,6 @@
 // Whether a host tensor holds an Inf or NaN, by its exponent bits (all ones), without converting
-// any element. The CUDA host runner asks it of V for masked requests (kernels/cuda/host_runner.h).
+// any element. The CUDA host runner asks it of V for masked requests
+// (kernels/cuda/runtime/host_runner.h).
 #pragma once
 
 #include <cstdint>
@@ -11,7 +12,7 @@ namespace attention {
 // The bit test of one 64-bit word of `dtype` elements: ((x & exponent) + low) & sign is nonzero iff
 // one of its elements is Inf or NaN (the exponent field all ones: adding its lowest bit carries
 // into the masked-off sign bit; no carry crosses elements). Shared with the device-side scan
-// (kernels/cuda/non_finite_scan.h), so both sides answer alike.
+// (kernels/cuda/prep/non_finite_scan.h), so both sides answer alike.
 struct NonFiniteBits {
   uint64_t exponent, low, sign;
 };

@@ -47,14 +47,14 @@
 #include "absl/strings/str_cat.h"
 #include "bench/cuda/check_cuda.h"
 #include "kernels/attention_params.h"
-#include "kernels/cuda/cuda_attention.h"
-#include "kernels/cuda/dequantise.h"
-#include "kernels/cuda/forward_plan.h"
+#include "kernels/cuda/forward/cuda_attention.h"
+#include "kernels/cuda/forward/forward_plan.h"
+#include "kernels/cuda/prep/dequantise.h"
 #include "kernels/float8.h"
 #include "kernels/status_macros.h"
 #ifdef ATTENTION_TILE_SWEEP
-#include "kernels/cuda/cuda_status.h"
-#include "kernels/cuda/flash_forward_launch.cuh"
+#include "kernels/cuda/forward/flash_forward_launch.cuh"
+#include "kernels/cuda/ops/cuda_status.h"
 #endif
 
 namespace {

@@ -1,5 +1,5 @@
-// Times one decode step over the paged KV cache (kernels/cuda/paged_decode.h: one launch of the
-// split-KV kernel, whose last split per row block merges the splits; no host copies) and prints
+// Times one decode step over the paged KV cache (kernels/cuda/decode/paged_decode.h: one launch of
+// the split-KV kernel, whose last split per row block merges the splits; no host copies) and prints
 // one JSON line per configuration:
 //   decode_bench [NK...]   default NK in {4096, 32768, 131072}
 // Shape: bfloat16, B = 8 sequences of NK keys, Hq = 32, Hkv = 8, D = 128, one query each. Pages
@@ -39,11 +39,11 @@
 #include <vector>
 
 #include "bench/cuda/check_cuda.h"
-#include "kernels/cuda/paged_decode.h"
+#include "kernels/cuda/decode/paged_decode.h"
 #include "kernels/paged_kv.h"
 #include "kernels/paged_kv_host.h"
 #ifdef ATTENTION_PAGED_TILE_SWEEP
-#include "kernels/cuda/paged_decode_launch.cuh"
+#include "kernels/cuda/decode/paged_decode_launch.cuh"
 #endif
 
 namespace {

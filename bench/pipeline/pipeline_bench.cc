@@ -36,7 +36,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/forward/cuda_attention.h"
 #include "server/executors/executor.h"
 #include "server/scheduling/scheduler.h"
 

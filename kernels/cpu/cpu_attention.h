@@ -13,7 +13,7 @@ namespace attention::cpu {
 // The head dims the CPU kernel specialises, for a server's list of the fastest ones: none. One code
 // path serves every head dim (register blocks of 16 features looped over D, cpu_attention.cc); the
 // only shape-dependent fast path is float32 V read in place when D is a multiple of 16, which is no
-// list of head dims. cuda::SpecialisedHeadDims() (kernels/cuda/limits.h) is the CUDA backend's.
+// list of head dims. cuda::SpecialisedHeadDims() (kernels/cuda/ops/limits.h) is the CUDA backend's.
 inline std::vector<int> SpecialisedHeadDims() { return {}; }
 
 struct CpuBackendOptions {

@@ -1,4 +1,4 @@
-// The CUDA executor: one per GPU, over a cuda::HostRunner (kernels/cuda/host_runner.h) with
+// The CUDA executor: one per GPU, over a cuda::HostRunner (kernels/cuda/runtime/host_runner.h) with
 // `streams` CUDA streams, each with its pinned staging and device buffers, reused across
 // requests: the scheduler's workers call Run or RunBatch at once and their copies and kernels
 // overlap on different streams. A request's H2D, kernel and D2H go on one stream and are timed
@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/host_runner.h"
-#include "kernels/cuda/limits.h"
-#include "kernels/cuda/paged_kv_pool.h"
+#include "kernels/cuda/ops/limits.h"
+#include "kernels/cuda/runtime/host_runner.h"
+#include "kernels/cuda/runtime/paged_kv_pool.h"
 #include "kernels/status_macros.h"
 #include "server/executors/executor.h"
 

@@ -1,6 +1,6 @@
-// The CUDA request pipeline (kernels/cuda/host_runner.h, the CUDA executor): requests batched
-// into one launch (concatenated along B, or packed as varlen beside requests of other lengths)
-// against the float64 reference, the device memory budget, a CUDA error failing only the
+// The CUDA request pipeline (kernels/cuda/runtime/host_runner.h, the CUDA executor): requests
+// batched into one launch (concatenated along B, or packed as varlen beside requests of other
+// lengths) against the float64 reference, the device memory budget, a CUDA error failing only the
 // request that met it, and requests whose tensors are in device memory (CUDA regions). GPU tests
 // skip, with a message, where no GPU is visible.
 #include <cuda_runtime_api.h>
@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cuda/host_runner.h"
+#include "kernels/cuda/runtime/host_runner.h"
 #include "kernels/dtype_convert.h"
 #include "server/executors/executor.h"
 #include "server/testing/small_request_for_tests.h"

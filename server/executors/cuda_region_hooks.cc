@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/ops/cuda_status.h"
 #include "server/executors/region_hooks.h"
 
 namespace attention::server {

@@ -3,8 +3,8 @@
 // executor writes o and lse here, which gRPC then sends from in place:
 //  - for the CPU backend, plain memory: the kernel reads and writes it directly;
 //  - for the CUDA backend, page-locked (pinned) memory: the runner's DMAs read and write it
-//    directly, skipping its staging buffers (kernels/cuda/host_runner.h). Pinning is slow (the
-//    kernel pins page by page), so freed blocks are kept for reuse, up to a cap.
+//    directly, skipping its staging buffers (kernels/cuda/runtime/host_runner.h). Pinning is slow
+//    (the kernel pins page by page), so freed blocks are kept for reuse, up to a cap.
 #pragma once
 
 #include <cstdint>

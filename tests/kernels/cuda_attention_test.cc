@@ -3,7 +3,7 @@
 // (kForwardVariants), forced, the variant named in the test name. Tests that need a GPU skip, with
 // a message, on machines without one, and a variant skips on a GPU it cannot run on; the error
 // checks run everywhere.
-#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/forward/cuda_attention.h"
 
 #include <cuda_runtime_api.h>
 
@@ -15,8 +15,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "kernels/cuda/forward_plan.h"
-#include "kernels/cuda/host_runner.h"
+#include "kernels/cuda/forward/forward_plan.h"
+#include "kernels/cuda/runtime/host_runner.h"
 #include "tests/kernels/attention_test_grid.h"
 
 namespace attention::kernel_test {

@@ -1,4 +1,4 @@
-// The device scan for Inf and NaN (kernels/cuda/non_finite_scan.h) against the host scan
+// The device scan for Inf and NaN (kernels/cuda/prep/non_finite_scan.h) against the host scan
 // (kernels/non_finite.h), which it must answer alike (the CUDA runner picks the exact path by it):
 // every float16 and bfloat16 pattern, float32 specials, at every position of tensors that start
 // off a 16-byte boundary (the element-wise ends and the 16-byte middle). Skips without a GPU.
@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "kernels/cuda/non_finite_scan.h"
+#include "kernels/cuda/prep/non_finite_scan.h"
 #include "kernels/non_finite.h"
 
 namespace attention::cuda {

@@ -1,6 +1,6 @@
 // The CUDA backend's host-side rules, without a GPU: the forward plan (variant names, forcing,
-// what a device's caps rule out; hand-made caps, so no CUDA call), the CUDA status codes, the
-// specialised head dims, and the wgmma descriptor arithmetic.
+// what a device's caps rule out; hand-made caps, so no CUDA call), the host runner's float8 path,
+// the CUDA status codes, the specialised head dims, and the wgmma descriptor arithmetic.
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -8,11 +8,13 @@
 
 #include "gtest/gtest.h"
 #include "kernels/attention_params.h"
-#include "kernels/cuda/cuda_status.h"
-#include "kernels/cuda/forward_plan.h"
-#include "kernels/cuda/limits.h"
-#include "kernels/cuda/sm90_schedule.h"
-#include "kernels/cuda/smem_desc.h"
+#include "kernels/cuda/forward/forward_plan.h"
+#include "kernels/cuda/forward/sm90_schedule.h"
+#include "kernels/cuda/ops/cuda_status.h"
+#include "kernels/cuda/ops/limits.h"
+#include "kernels/cuda/ops/smem_desc.h"
+#include "kernels/cuda/prep/dequantise.h"
+#include "kernels/cuda/runtime/host_runner.h"
 
 namespace attention::cuda {
 namespace {
@@ -198,6 +200,55 @@ TEST(PlanFlashForwardTest, UnknownForcedVariantIsInvalidArgument) {
       PlanFlashForward(Params(DType::kFloat16, 64), kH200, static_cast<ForwardVariant>(99));
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(Mentions(plan.status(), "unknown forward variant")) << plan.status();
+}
+
+// A dense float8 call [B = 2, N, H, D] in BSHD: Nq = seqlen_q, Nk = 100, 4 query heads over 2; no
+// tensors (the plan reads none).
+AttentionParams Float8Call(int64_t head_dim, int64_t seqlen_q = 64) {
+  AttentionParams p = Params(DType::kFloat8E4M3, head_dim);
+  p.batch = 2;
+  p.heads_q = 4;
+  p.heads_kv = 2;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = 100;
+  p.SetContiguousStrides(Layout::kBSHD);
+  return p;
+}
+
+TEST(PlanFloat8Test, HopperReadsE4m3ItselfAtHeadDims128And256) {
+  SKIP_WITHOUT_SM90A();
+  for (int64_t d : {128, 256}) {
+    const AttentionParams p = Float8Call(d);
+    const absl::StatusOr<Float8Path> path = PlanFloat8({p}, kH200);
+    ASSERT_TRUE(path.ok()) << path.status();
+    EXPECT_FALSE(path->dequantise) << d;
+    // V transposed: [2 items, 2 kv heads, D, 100 keys rounded up to 16].
+    EXPECT_EQ(path->workspace_bytes, TransposedVBytes(2, 2, d, 100)) << d;
+  }
+}
+
+TEST(PlanFloat8Test, EveryOtherFloat8CallIsDequantisedToBfloat16) {
+  auto dequantised = [](absl::Span<const AttentionParams> items, const DeviceCaps& caps,
+                        std::optional<ForwardVariant> variant = std::nullopt) {
+    const absl::StatusOr<Float8Path> path = PlanFloat8(items, caps, variant);
+    EXPECT_TRUE(path.ok()) << path.status();
+    return path.ok() && path->dequantise && path->workspace_bytes == 0;
+  };
+  EXPECT_TRUE(dequantised({Float8Call(64)}, kH200));   // a head dim the e4m3 wgmma lacks
+  EXPECT_TRUE(dequantised({Float8Call(120)}, kH200));  // padded to 120: not a multiple of 16
+  // Items of other lengths are packed as varlen, which the e4m3 path does not take.
+  EXPECT_TRUE(dequantised({Float8Call(128), Float8Call(128, 32)}, kH200));
+  EXPECT_TRUE(dequantised({Float8Call(128)}, kSm86));  // no wgmma before Hopper
+  EXPECT_TRUE(dequantised({Float8Call(128)}, kH200, ForwardVariant::kMmaSm80));
+}
+
+TEST(PlanFloat8Test, OtherDtypesTakeNoFloat8Path) {
+  AttentionParams p = Float8Call(128);
+  p.dtype = DType::kBFloat16;
+  const absl::StatusOr<Float8Path> path = PlanFloat8({p}, kH200);
+  ASSERT_TRUE(path.ok()) << path.status();
+  EXPECT_FALSE(path->dequantise);
+  EXPECT_EQ(path->workspace_bytes, 0);
 }
 
 TEST(CudaStatusTest, AllocationFailureIsResourceExhaustedOthersInternal) {

@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "kernels/cuda/paged_kv_pool.h"
+#include "kernels/cuda/runtime/paged_kv_pool.h"
 #include "tests/kernels/paged_kv_pool_test.h"
 
 namespace attention::kernel_test {

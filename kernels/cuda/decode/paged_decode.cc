@@ -1,0 +1,155 @@
+#include "kernels/cuda/decode/paged_decode.h"
+
+#include <algorithm>
+#include <iterator>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/ops/cuda_status.h"
+#include "kernels/cuda/ops/kernel_params.h"
+#include "kernels/cuda/ops/limits.h"
+
+namespace attention::cuda {
+namespace {
+
+constexpr int64_t kMaxGridYZ = 65535;
+constexpr int64_t kMaxLength = int64_t{1} << 30;  // keeps i + diag + window in int32
+constexpr double kWaveFill = 0.9;
+
+}  // namespace
+
+absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
+                                                const DecodeExtent& extent,
+                                                const PagedPlanOptions& options) {
+  const KvShape& shape = host.shape;
+  if (shape.head_dim > kPagedMaxHeadDim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head_dim ", shape.head_dim,
+        " is not supported by the cuda KV pool (it takes head dims "
+        "up to ",
+        kPagedMaxHeadDim, "; float16/bfloat16 multiples of 8 up to ",
+        kPagedTensorHeadDims[std::size(kPagedTensorHeadDims) - 1], " on tensor cores)"));
+  }
+  PagedDecodePlan plan;
+  plan.launch.num_seqs = static_cast<int>(host.num_seqs);
+  const int group = static_cast<int>(host.heads_q / shape.heads_kv);
+  plan.m_blocks = static_cast<int>(std::max<int64_t>(1, (group * extent.max_seqlen_q + 15) / 16));
+  if (extent.max_seqlen_k >= kMaxLength || extent.max_seqlen_q >= kMaxLength ||
+      host.num_seqs > kMaxGridYZ || shape.heads_kv * plan.m_blocks > kMaxGridYZ ||
+      extent.page_rows > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the cuda KV pool takes fewer than 2^30 keys and queries per sequence, at most ",
+        kMaxGridYZ, " sequences and ", kMaxGridYZ, " kv heads x 16-row blocks; got max_seqlen_k=",
+        extent.max_seqlen_k, " max_seqlen_q=", extent.max_seqlen_q, " num_seqs=", host.num_seqs));
+  }
+  // The smallest tensor-core tile that holds head_dim, if any.
+  if (shape.dtype != DType::kFloat32 && shape.head_dim % 8 == 0) {
+    plan.launch.kernel_head_dim = SpecialisationFor(kPagedTensorHeadDims, shape.head_dim);
+  }
+  const bool tensor = plan.launch.kernel_head_dim != 0;
+  // Key tiles of the tensor-core kernels (paged_decode_launch.cuh): 32 KiB of K+V per stage.
+  plan.key_tile = options.key_tile > 0                ? options.key_tile
+                  : !tensor                           ? 64
+                  : plan.launch.kernel_head_dim == 64 ? 128
+                                                      : 64;
+
+  const int64_t tiles =
+      std::max<int64_t>(1, (extent.max_seqlen_k + plan.key_tile - 1) / plan.key_tile);
+  const int64_t base = std::max<int64_t>(1, shape.heads_kv * plan.m_blocks * host.num_seqs);
+  const int64_t most = std::min<int64_t>(tiles, kPagedMaxSplits);
+  // Splits of `want` requested: whole tiles per split, so possibly fewer in fact.
+  auto actual = [&](int64_t want) {
+    const int64_t tiles_per_split = (tiles + want - 1) / want;
+    return (tiles + tiles_per_split - 1) / tiles_per_split;
+  };
+  int64_t splits = std::clamp<int64_t>(options.splits, 1, most);
+  if (options.splits <= 0) {
+    const int64_t slots = int64_t{options.sm_count} *
+                          (options.ctas_per_sm > 0 ? options.ctas_per_sm
+                                                   : PagedCtasPerSm(plan.launch.kernel_head_dim));
+    auto fill = [&](int64_t s) {
+      const int64_t ctas = base * actual(s);
+      return static_cast<double>(ctas) / (((ctas + slots - 1) / slots) * slots);
+    };
+    double best = 0;
+    for (int64_t s = 1; s <= most; ++s) best = std::max(best, fill(s));
+    splits = 1;
+    while (fill(splits) < kWaveFill * best) ++splits;
+  }
+  const int64_t tiles_per_split = (tiles + splits - 1) / splits;
+  plan.splits = static_cast<int>(actual(splits));
+  plan.split_keys = static_cast<int>(tiles_per_split * plan.key_tile);
+  plan.cluster = options.clusters && plan.splits > 1 && plan.splits <= kPagedMaxClusterSplits &&
+                 plan.launch.kernel_head_dim != 0;
+  if (plan.splits > 1 && !plan.cluster) {
+    const size_t rows = static_cast<size_t>(host.heads_q * host.total_q);
+    const size_t part_o = plan.splits * rows * shape.head_dim * sizeof(float);
+    plan.workspace_bytes = (part_o + 255) / 256 * 256 + plan.splits * rows * sizeof(float);
+    plan.tickets = base;
+  }
+  return plan;
+}
+
+PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* pool,
+                                      int64_t page_bytes, const DecodeExtent& extent,
+                                      const PagedDecodeParams& dev, void* workspace,
+                                      int32_t* tickets) {
+  PagedKernelParams k{};
+  k.pool = static_cast<const unsigned char*>(pool);
+  k.page_bytes = page_bytes;
+  k.page_rows = static_cast<int>(extent.page_rows);
+  k.q = dev.q;
+  k.o = dev.o;
+  k.lse = dev.lse;
+  k.cu_seqlens_q = dev.cu_seqlens_q;
+  k.seqlens_k = dev.seqlens_k;
+  k.page_table = dev.page_table;
+  k.page_table_stride = dev.page_table_stride;
+  k.heads_q = static_cast<int>(dev.heads_q);
+  k.heads_kv = static_cast<int>(dev.shape.heads_kv);
+  k.group = static_cast<int>(dev.heads_q / dev.shape.heads_kv);
+  k.head_dim = static_cast<int>(dev.shape.head_dim);
+  const Log2Scale scale = ToLog2Scale(dev.softmax_scale);
+  k.scale_log2 = scale.scale_log2;
+  k.negate_q = scale.negate_q;
+  k.window_left = ClampWindow(dev.window_left, extent.max_seqlen_k);
+  k.window_right = ClampWindow(dev.window_right, extent.max_seqlen_q);
+  k.m_blocks = plan.m_blocks;
+  k.splits = plan.splits;
+  k.split_keys = plan.split_keys;
+  k.total_rows = dev.heads_q * dev.total_q;
+  k.cluster = plan.cluster;
+  if (plan.splits > 1 && !plan.cluster) {
+    const size_t part_o = plan.splits * k.total_rows * k.head_dim * sizeof(float);
+    k.part_o = static_cast<float*>(workspace);
+    k.part_lse =
+        reinterpret_cast<float*>(static_cast<char*>(workspace) + (part_o + 255) / 256 * 256);
+    k.tickets = tickets;
+  }
+  return k;
+}
+
+absl::Status LaunchPagedDecode(const PagedDecodePlan& plan, const void* pool, int64_t page_bytes,
+                               const DecodeExtent& extent, const PagedDecodeParams& dev,
+                               void* workspace, int32_t* tickets, cudaStream_t stream) {
+  if (dev.num_seqs == 0 || dev.total_q == 0) return absl::OkStatus();
+  const PagedKernelParams k =
+      ToPagedKernelParams(plan, pool, page_bytes, extent, dev, workspace, tickets);
+  cudaError_t err = cudaSuccess;
+  switch (dev.shape.dtype) {
+    case DType::kFloat16:
+      err = LaunchPagedDecodeF16(k, plan.launch, stream);
+      break;
+    case DType::kBFloat16:
+      err = LaunchPagedDecodeBF16(k, plan.launch, stream);
+      break;
+    case DType::kFloat32:
+      err = LaunchPagedDecodeF32(k, plan.launch, stream);
+      break;
+    case DType::kFloat8E4M3:  // sessions refuse float8 (server/requests/session_request.cc)
+      return absl::UnimplementedError("paged decode of float8_e4m3 rows is not implemented");
+  }
+  return CudaStatus(err, "paged decode kernels");
+}
+
+}  // namespace attention::cuda

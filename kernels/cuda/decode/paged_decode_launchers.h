@@ -1,0 +1,33 @@
+// Paged decode launchers, one per dtype, callable from plain C++ (paged_decode.cc plans the step
+// and turns their cudaError_t into a Status).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/decode/paged_decode_params.h"
+#include "kernels/cuda/ops/limits.h"
+
+namespace attention::cuda {
+
+// CTAs resident per SM of the kernel for a head dim (PagedLaunch::kernel_head_dim; 0: the SIMT
+// kernel), which the planner fills its wave with: the D = 128 tile's four stages (~132 KiB of
+// shared memory) leave room for one, the D = 64 tile's three (~100 KiB) for two
+// (paged_decode_launch.cuh checks both).
+constexpr int PagedCtasPerSm(int kernel_head_dim) { return kernel_head_dim == 128 ? 1 : 2; }
+
+// What the grid needs beyond the kernel params.
+struct PagedLaunch {
+  int num_seqs = 0;
+  int kernel_head_dim = 0;  // 64 or 128: the tensor-core tile of that D; 0: the SIMT kernel
+};
+
+cudaError_t LaunchPagedDecodeF16(const PagedKernelParams& p, const PagedLaunch& launch,
+                                 cudaStream_t stream);
+cudaError_t LaunchPagedDecodeBF16(const PagedKernelParams& p, const PagedLaunch& launch,
+                                  cudaStream_t stream);
+cudaError_t LaunchPagedDecodeF32(const PagedKernelParams& p, const PagedLaunch& launch,
+                                 cudaStream_t stream);
+
+}  // namespace attention::cuda

@@ -1,0 +1,13 @@
+// float16 instantiations of the tensor-core kernel (flash_forward_kernel.cuh has the design notes).
+#include "kernels/cuda/forward/flash_forward_launch.cuh"
+#include "kernels/cuda/forward/launchers.h"
+
+namespace attention::cuda {
+
+cudaError_t LaunchFlashForwardF16(const KernelParams& p, cudaStream_t stream) {
+  return LaunchFlashForward<__half>(p, stream);
+}
+
+int FlashForwardSmemBytesF16(int head_dim) { return FlashForwardSmemBytes<__half>(head_dim); }
+
+}  // namespace attention::cuda

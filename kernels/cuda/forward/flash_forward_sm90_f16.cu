@@ -1,0 +1,12 @@
+// float16 instantiations of the Hopper forward kernel (flash_forward_sm90_kernel.cuh has the
+// design notes).
+#include "kernels/cuda/forward/flash_forward_sm90_launch.cuh"
+#include "kernels/cuda/forward/launchers.h"
+
+namespace attention::cuda {
+
+cudaError_t LaunchFlashForwardSm90F16(const KernelParams& p, cudaStream_t stream) {
+  return LaunchFlashForwardSm90<__half>(p, stream);
+}
+
+}  // namespace attention::cuda

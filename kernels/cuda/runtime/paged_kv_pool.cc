@@ -1,0 +1,384 @@
+// The CUDA backend's paged KV pool: one cudaMalloc of num_pages * page_bytes, decode steps by the
+// split-KV kernels (paged_decode.h) with the step's small host arrays in a device scratch buffer
+// that grows and is reused, beside the kernels' split tickets (zeroed once when allocated; each
+// step leaves them zero). Calls queue their work on one stream under a mutex; a decode step waits
+// for its results without it, so the next step's staging and launch overlap this one's kernel.
+//
+// Everything crosses the bus through pinned staging (host memory the device addresses directly):
+// a Write packs the rows of all its sequences there with a table of where each (page run, K or V,
+// head) goes, and one kernel (kv_scatter.h) reads both from there and scatters the rows into the
+// pages; it returns with that in flight (stream order puts it before any later decode). A decode
+// step packs q and its small arrays there (one copy to the device, which the kernels read many
+// times), and the kernels write o and lse straight into it. A step of 8 sequences that each
+// append a row thus costs 1 copy, 2 launches and one wait (the earlier designs: docs/kernels.md).
+#include "kernels/cuda/runtime/paged_kv_pool.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <condition_variable>
+#include <cstring>
+#include <iterator>
+#include <mutex>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/decode/paged_decode.h"
+#include "kernels/cuda/ops/cuda_status.h"
+#include "kernels/cuda/ops/device_caps.h"
+#include "kernels/cuda/prep/kv_scatter.h"
+#include "kernels/cuda/runtime/stream_buffers.h"
+#include "kernels/paged_kv_host.h"
+#include "kernels/status_macros.h"
+
+namespace attention::cuda {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t RoundUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// One run of one write (a page's worth of rows at most): 2 * Hkv segments, one per K or V head.
+struct WriteRun {
+  const KvWrite* write;
+  int64_t page_rows;
+  PageRun run;
+};
+// Staged bytes of each of a run's segments: its rows, rounded up to 16 for the next one.
+size_t SegmentBytes(const WriteRun& r) {
+  const size_t bytes = r.run.count * r.write->shape.head_dim * DTypeSize(r.write->shape.dtype);
+  return (bytes + 15) / 16 * 16;
+}
+
+class CudaKvPagePool : public KvPagePool {
+ public:
+  CudaKvPagePool(int device, const PagedPlanOptions& plan_options, int64_t num_pages,
+                 int64_t page_bytes, void* pages, cudaStream_t stream, cudaEvent_t (&events)[3],
+                 const CudaKvPoolOptions& options)
+      : options_(options),
+        plan_options_(plan_options),
+        device_(device),
+        num_pages_(num_pages),
+        page_bytes_(page_bytes),
+        pages_(static_cast<unsigned char*>(pages)),
+        stream_(stream) {
+    idle_events_.push_back({events[0], events[1], events[2]});
+  }
+  ~CudaKvPagePool() override {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    // scratch_, tickets_ and staging_ go with the pool (GrowableBuffer).
+    cudaFree(pages_);
+    for (const StepEvents& set : idle_events_) DestroyEvents(set);
+    cudaStreamDestroy(stream_);
+  }
+
+  int64_t page_bytes() const override { return page_bytes_; }
+  int64_t num_pages() const override { return num_pages_; }
+
+  // The writes' rows are gathered into pinned staging, one segment per (page run, K or V, head):
+  // its rows, packed, are contiguous in the page. Runs are taken in chunks of up to
+  // kWriteChunkBytes (at least a run); each chunk is one copy of its rows and segment table to the
+  // device scratch and one scatter launch (kv_scatter.h). A step's new tokens thus cost two calls,
+  // however many sequences it appends to.
+  absl::Status Write(absl::Span<const KvWrite> writes) override {
+    std::vector<WriteRun> runs;
+    for (const KvWrite& w : writes) {
+      ASSIGN_OR_RETURN(const int64_t page_rows, CheckKvWrite(w, page_bytes_, num_pages_));
+      RETURN_IF_ERROR(ForEachPageRun(w, page_rows, [&](const PageRun& run) {
+        runs.push_back({&w, page_rows, run});
+        return absl::OkStatus();
+      }));
+    }
+    if (runs.empty()) return absl::OkStatus();
+    std::unique_lock<std::mutex> lock(mu_);
+    RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    absl::Status status = absl::OkStatus();
+    for (size_t first = 0; first < runs.size() && status.ok();) {
+      // Runs [first, last): their segments' rows, then the segment table.
+      size_t last = first, segments = 0, data_bytes = 0;
+      while (last < runs.size()) {
+        const WriteRun& r = runs[last];
+        const size_t bytes = 2 * r.write->shape.heads_kv * SegmentBytes(r);
+        if (last > first && data_bytes + bytes > kWriteChunkBytes) break;
+        data_bytes += bytes;
+        segments += 2 * r.write->shape.heads_kv;
+        ++last;
+      }
+      status = WriteChunk(absl::MakeConstSpan(runs).subspan(first, last - first), data_bytes,
+                          segments, lock);
+      first = last;
+    }
+    if (!status.ok()) cudaStreamSynchronize(stream_);
+    // The rows are staged: the caller may reuse its buffers at once.
+    return status;
+  }
+
+  absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host) override {
+    ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(host, page_bytes_, num_pages_));
+    if (host.num_seqs == 0 || host.total_q == 0) return KvStepTimes{};
+    ASSIGN_OR_RETURN(const PagedDecodePlan plan, PlanPagedDecode(host, extent, plan_options_));
+
+    std::unique_lock<std::mutex> lock(mu_);
+    RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    const size_t elem = DTypeSize(host.shape.dtype);
+    const size_t q_bytes = host.heads_q * host.total_q * host.shape.head_dim * elem;
+    const bool lse = DecodeWantsLse(host);
+    const size_t lse_bytes = lse ? host.heads_q * host.total_q * sizeof(float) : 0;
+    const size_t cu_bytes = (host.num_seqs + 1) * sizeof(int32_t);
+    const size_t lens_bytes = host.num_seqs * sizeof(int32_t);
+    const size_t table_bytes = host.num_seqs * host.page_table_stride * sizeof(int32_t);
+    // Staging: the inputs q | cu_seqlens_q | seqlens_k | page_table, then the outputs o | lse.
+    // Scratch: the inputs laid out the same (one copy from staging), then the kernels' workspace.
+    StepLayout l;
+    const size_t sizes[6] = {q_bytes, cu_bytes, lens_bytes, table_bytes, q_bytes, lse_bytes};
+    for (int i = 0; i < 6; ++i) l.offsets[i + 1] = l.offsets[i] + RoundUp(sizes[i]);
+    RETURN_IF_ERROR(Reserve(l.offsets[kO] + plan.workspace_bytes));
+    RETURN_IF_ERROR(ReserveTickets(plan.tickets));
+    ASSIGN_OR_RETURN(l.staged, Stage(l.offsets[kEnd], lock));
+    GatherDecodeQ(host, l.staged + l.offsets[kQ]);
+    const void* arrays[] = {host.cu_seqlens_q, host.seqlens_k, host.page_table};
+    for (int i = kCu; i <= kTable; ++i) {
+      std::memcpy(l.staged + l.offsets[i], arrays[i - kCu], sizes[i]);
+    }
+    ASSIGN_OR_RETURN(const StepEvents events, TakeEvents());
+
+    // The step's staging holds its outputs until it has read them (Stage waits for that before it
+    // starts from the front again). The wait runs without the lock, so the next step's staging and
+    // launch overlap this one's kernel on the stream.
+    ++staged_readers_;
+    absl::Status status = Enqueue(plan, extent, host, l, events);
+    const uint64_t mine = ++enqueued_;
+    KvStepTimes times;
+    if (status.ok()) {
+      lock.unlock();
+      status = CudaStatus(cudaEventSynchronize(events[2]), "run the decode step on the device");
+      if (status.ok()) {
+        ScatterDecodeOutputs(host, l.staged + l.offsets[kO],
+                             reinterpret_cast<const float*>(l.staged + l.offsets[kLse]));
+        // The outputs' writes are the kernels': d2h_us stays 0.
+        double* us[2] = {&times.h2d_us, &times.compute_us};
+        for (int i = 0; i < 2 && status.ok(); ++i) {
+          float ms = 0;
+          status = CudaStatus(cudaEventElapsedTime(&ms, events[i], events[i + 1]),
+                              "cudaEventElapsedTime");
+          *us[i] = ms * 1e3;
+        }
+      }
+      lock.lock();
+    } else {
+      cudaStreamSynchronize(stream_);
+    }
+    --staged_readers_;
+    idle_events_.push_back(events);
+    if (staged_readers_ == 0) {
+      readers_done_.notify_all();
+      // This step's copy-out was the stream's last work and nobody reads staging: the next call
+      // stages from the front (a lone caller reuses the same warm staging every step).
+      if (status.ok() && enqueued_ == mine) staging_used_ = 0;
+    }
+    if (!status.ok()) return status;
+    return times;
+  }
+
+ private:
+  // Where a decode step's buffers lie: offsets of q | cu_seqlens_q | seqlens_k | page_table | o |
+  // lse in the step's staging; the device scratch holds the inputs at the same offsets, then the
+  // workspace (at offsets[kO]).
+  enum { kQ, kCu, kLens, kTable, kO, kLse, kEnd };
+  struct StepLayout {
+    size_t offsets[kEnd + 1] = {0};
+    unsigned char* staged = nullptr;
+  };
+  // Before the h2d copy, before the kernels, after them.
+  using StepEvents = std::array<cudaEvent_t, 3>;
+
+  // Queues a staged step: its inputs' copy and the kernels, which write o and lse into its
+  // staging, with the events around them. Under mu_.
+  absl::Status Enqueue(const PagedDecodePlan& plan, const DecodeExtent& extent,
+                       const PagedDecodeParams& host, const StepLayout& l,
+                       const StepEvents& events) {
+    auto at = [&](int i) { return scratch_.data() + l.offsets[i]; };
+    const bool lse = DecodeWantsLse(host);
+    PagedDecodeParams dev = host;
+    dev.q = at(kQ);
+    dev.o = l.staged + l.offsets[kO];
+    dev.lse = lse ? reinterpret_cast<float*>(l.staged + l.offsets[kLse]) : nullptr;
+    dev.q_seqs = nullptr;
+    dev.o_seqs = nullptr;
+    dev.lse_seqs = nullptr;
+    dev.cu_seqlens_q = reinterpret_cast<const int32_t*>(at(kCu));
+    dev.seqlens_k = reinterpret_cast<const int32_t*>(at(kLens));
+    dev.page_table = reinterpret_cast<const int32_t*>(at(kTable));
+    RETURN_IF_CUDA_ERROR(cudaEventRecord(events[0], stream_), "cudaEventRecord");
+    RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(at(kQ), l.staged, l.offsets[kO], cudaMemcpyHostToDevice, stream_),
+        "copy the decode step's inputs to the device");
+    if (options_.poison_outputs) {
+      // All-ones bytes are NaN in every dtype: an element the kernels miss shows instead of a
+      // value left from an earlier step. The step's staging is its own until it has read it.
+      std::memset(l.staged + l.offsets[kO], 0xff, l.offsets[kEnd] - l.offsets[kO]);
+    }
+    RETURN_IF_CUDA_ERROR(cudaEventRecord(events[1], stream_), "cudaEventRecord");
+    RETURN_IF_ERROR(LaunchPagedDecode(plan, pages_, page_bytes_, extent, dev, at(kO),
+                                      reinterpret_cast<int32_t*>(tickets_.data()), stream_));
+    RETURN_IF_CUDA_ERROR(cudaEventRecord(events[2], stream_), "cudaEventRecord");
+    return absl::OkStatus();
+  }
+
+  // An idle set of step events (created when none is idle). Under mu_.
+  absl::StatusOr<StepEvents> TakeEvents() {
+    if (!idle_events_.empty()) {
+      const StepEvents events = idle_events_.back();
+      idle_events_.pop_back();
+      return events;
+    }
+    StepEvents events;
+    RETURN_IF_ERROR(CreateEvents(absl::MakeSpan(events)));
+    return events;
+  }
+
+  // Stages the runs' rows (data_bytes, a multiple of 16) and their segment table (`segments`
+  // entries) after them, and scatters the rows into their pages by a kernel that reads both there.
+  // In units of the largest power of two up to 16 that divides every row's bytes (every offset in a
+  // page is a multiple of a row).
+  absl::Status WriteChunk(absl::Span<const WriteRun> runs, size_t data_bytes, size_t segments,
+                          std::unique_lock<std::mutex>& lock) {
+    const size_t bytes = data_bytes + segments * sizeof(KvSegment);
+    ASSIGN_OR_RETURN(unsigned char* const staged, Stage(bytes, lock));
+    auto* table = reinterpret_cast<KvSegment*>(staged + data_bytes);
+    size_t at = 0, n = 0;
+    int unit = 16;
+    for (const WriteRun& r : runs) {
+      const KvWrite& w = *r.write;
+      const KvShape& shape = w.shape;
+      const size_t elem = DTypeSize(shape.dtype);
+      const size_t row_bytes = shape.head_dim * elem;
+      unit = std::gcd(unit, static_cast<int>(row_bytes));
+      for (int kv = 0; kv < 2; ++kv) {
+        const auto* src = static_cast<const unsigned char*>(kv == 0 ? w.k : w.v);
+        const int64_t page = r.run.page * page_bytes_ + (kv == 0 ? 0 : VOffset(shape, r.page_rows));
+        for (int64_t h = 0; h < shape.heads_kv; ++h) {
+          for (int64_t j = 0; j < r.run.count; ++j) {
+            std::memcpy(staged + at + j * row_bytes,
+                        src + (h * w.head_stride + (r.run.src_row + j) * w.row_stride) * elem,
+                        row_bytes);
+          }
+          table[n++] = {static_cast<int64_t>(at),
+                        page + KvRowOffset(shape, r.page_rows, h, r.run.page_row),
+                        static_cast<int64_t>(r.run.count * row_bytes)};
+          at += SegmentBytes(r);
+        }
+      }
+    }
+    RETURN_IF_CUDA_ERROR(
+        LaunchKvScatter(table, static_cast<int64_t>(segments), staged, pages_, unit, stream_),
+        "scatter kv rows into their pages");
+    ++enqueued_;
+    return absl::OkStatus();
+  }
+
+  // `bytes` of pinned staging, after what earlier calls staged and may still be copying from or
+  // reading. When the rest is short, waits until no decode step has its outputs there still to
+  // read and the stream is done with every copy, and starts from the front again, first growing
+  // the buffer when `bytes` exceeds it. `lock` holds mu_ (released while waiting for readers).
+  absl::StatusOr<unsigned char*> Stage(size_t bytes, std::unique_lock<std::mutex>& lock) {
+    bytes = RoundUp(bytes);
+    if (staging_used_ + bytes > staging_.bytes()) {
+      readers_done_.wait(lock, [this] { return staged_readers_ == 0; });
+      RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+      staging_used_ = 0;
+      if (bytes > staging_.bytes()) {
+        RETURN_IF_ERROR(staging_.Grow(std::max<size_t>(bytes, kMinStagingBytes), "KV staging"));
+      }
+    }
+    unsigned char* at = staging_.data() + staging_used_;
+    staging_used_ += bytes;
+    return at;
+  }
+
+  // Grows the scratch buffer to at least `bytes`.
+  absl::Status Reserve(size_t bytes) {
+    if (bytes <= scratch_.bytes()) return absl::OkStatus();
+    RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    return scratch_.Grow(bytes, "decode scratch");
+  }
+
+  // Grows the split tickets to at least `count`, zeroed (the kernels leave them zero).
+  absl::Status ReserveTickets(int64_t count) {
+    const size_t bytes = count * sizeof(int32_t);
+    if (bytes <= tickets_.bytes()) return absl::OkStatus();
+    RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    RETURN_IF_ERROR(tickets_.Grow(bytes, "decode split tickets"));
+    RETURN_IF_CUDA_ERROR(cudaMemsetAsync(tickets_.data(), 0, bytes, stream_),
+                         "zero the split tickets");
+    return absl::OkStatus();
+  }
+
+  const CudaKvPoolOptions options_;
+  const PagedPlanOptions plan_options_;  // the device's, with options_.splits
+  const int device_;
+  const int64_t num_pages_, page_bytes_;
+  unsigned char* const pages_;
+  std::mutex mu_;
+  cudaStream_t stream_;
+  std::vector<StepEvents> idle_events_;  // one set per step in flight, reused
+  // Decode steps queued whose outputs in staging are still to be read (Stage waits for none).
+  int staged_readers_ = 0;
+  std::condition_variable readers_done_;
+  uint64_t enqueued_ = 0;  // work queued on the stream so far (Write chunks, decode steps)
+  GrowableBuffer scratch_{GrowableBuffer::Kind::kDevice};
+  // Pinned host staging (Stage); the front staging_used_ bytes may still be in flight.
+  static constexpr size_t kMinStagingBytes = size_t{16} << 20;
+  // Rows per copy and scatter of a Write (a quarter of the staging: packing the next chunk overlaps
+  // the copy of the last).
+  static constexpr size_t kWriteChunkBytes = kMinStagingBytes / 4;
+  GrowableBuffer staging_{GrowableBuffer::Kind::kPinned};
+  size_t staging_used_ = 0;
+  GrowableBuffer tickets_{GrowableBuffer::Kind::kDevice};  // int32 split tickets
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t num_pages,
+                                                           int64_t page_bytes,
+                                                           const CudaKvPoolOptions& options) {
+  if (num_pages <= 0 || page_bytes <= 0 || page_bytes % 16 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_pages must be positive and page_bytes a positive multiple of 16 (16-byte loads), "
+        "got ",
+        num_pages, " and ", page_bytes));
+  }
+  RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
+  ASSIGN_OR_RETURN(const DeviceCaps caps, GetDeviceCaps(device));
+  // The cluster merge is in the kernels' sm_90a code only, which runs on compute capability 9.0
+  // alone (other GPUs run the sm_80 code, or JIT its PTX).
+  constexpr int kClusterCapability = 90;
+  const PagedPlanOptions plan_options = {
+      .sm_count = caps.sm_count,
+      .splits = options.splits,
+      .clusters = caps.compute_capability == kClusterCapability && options.clusters};
+  const size_t bytes = static_cast<size_t>(num_pages) * page_bytes;
+  void* pages = nullptr;
+  if (cudaError_t err = cudaMalloc(&pages, bytes); err != cudaSuccess) {
+    return CudaError(
+        err, absl::StrCat("cannot allocate ", bytes, " bytes of device memory for the KV pool"));
+  }
+  absl::StatusOr<cudaStream_t> stream = CreateStream();
+  if (!stream.ok()) {
+    cudaFree(pages);
+    return stream.status();
+  }
+  cudaEvent_t events[3];
+  if (absl::Status created = CreateEvents(events); !created.ok()) {
+    cudaStreamDestroy(*stream);
+    cudaFree(pages);
+    return created;
+  }
+  return std::unique_ptr<KvPagePool>(new CudaKvPagePool(device, plan_options, num_pages, page_bytes,
+                                                        pages, *stream, events, options));
+}
+
+}  // namespace attention::cuda
