@@ -12,7 +12,6 @@
 #include "attention/v1/attention.pb.h"
 #include "kernels/paged_kv.h"
 #include "server/requests/tensor_refs.h"
-#include "server/sessions/session_store.h"
 
 namespace attention::server {
 

@@ -73,7 +73,7 @@ class TestServer {
     std::vector<std::unique_ptr<Executor>> executors;
     executors.push_back(std::move(executor));
     scheduler_.emplace(std::move(executors), scheduler_options);
-    service_.emplace(service_options, &*scheduler_, &metrics_, &drain_);
+    service_.emplace(service_options, &*scheduler_, &gate_);
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -106,6 +106,8 @@ class TestServer {
  private:
   Metrics metrics_;
   DrainGate drain_;
+  CallLog log_;
+  const CallGate gate_{&metrics_, &drain_, "", &log_};
   std::optional<Scheduler> scheduler_;
   std::optional<AttentionService> service_;
   std::optional<CallbackStreams> streams_;

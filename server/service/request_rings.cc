@@ -9,7 +9,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "proto/attention/v1/request_ring.h"
-#include "server/service/call_context.h"
+#include "server/calls/call_context.h"
 #include "server/service/shared_memory_service.h"
 #include "server/service/stream_reactor.h"
 
@@ -352,14 +352,13 @@ void RequestRings::Flow<State>::End(const grpc::Status& flow_status) {
 }
 
 RequestRings::RequestRings(AttentionService* attention, SessionService* sessions,
-                           RegionRegistry* registry, std::string auth_token, int max_rings,
-                           Metrics* metrics)
+                           RegionRegistry* registry, const CallGate* gate, int max_rings)
     : attention_(attention),
       sessions_(sessions),
       registry_(registry),
-      auth_token_(std::move(auth_token)),
+      gate_(gate),
       max_rings_(max_rings),
-      metrics_(metrics) {}
+      metrics_(gate->metrics()) {}
 
 RequestRings::~RequestRings() { Stop(); }
 
@@ -371,9 +370,8 @@ grpc::ServerUnaryReactor* RequestRings::Open(grpc::CallbackServerContext* contex
   // A refused ring is counted as a call (rpc="OpenRing"); a served one is not: its requests are
   // counted as the stream method's, as the streams' calls are not counted themselves.
   auto refuse = [&](const absl::Status& status) {
-    metrics_->RequestStarted();
-    metrics_->RequestFinished("OpenRing", status.code(), absl::Now() - arrival, 0, 0);
-    call->Finish(ToGrpcStatus(status));
+    gate_->Refuse("OpenRing", *context, arrival, status,
+                  [call](absl::Status status) { call->Finish(ToGrpcStatus(status)); });
     return call;
   };
   if (absl::Status geometry = CheckGeometry(request); !geometry.ok()) return refuse(geometry);
@@ -385,7 +383,7 @@ grpc::ServerUnaryReactor* RequestRings::Open(grpc::CallbackServerContext* contex
   }
   std::vector<RegionRegistry::Use> use;
   absl::StatusOr<RegionSpan> span = registry_->Resolve(
-      RegionOwner(*context, auth_token_), "ring", request.region(), request.offset(),
+      RegionOwner(*context, gate_->auth_token()), "ring", request.region(), request.offset(),
       ring::RingBytes(request.slots(), request.slot_bytes()), ring::kAlignment, &use);
   if (!span.ok()) return refuse(span.status());
   if (span->kind != RegionKind::kSystem) {

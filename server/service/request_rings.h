@@ -27,10 +27,10 @@
 
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "server/metrics/metrics.h"
+#include "server/calls/call_gate.h"
+#include "server/calls/service_threads.h"
 #include "server/regions/region_registry.h"
 #include "server/service/attention_service.h"
-#include "server/service/service_threads.h"
 #include "server/service/session_service.h"
 
 namespace attention::server {
@@ -38,10 +38,11 @@ namespace attention::server {
 class RequestRings {
  public:
   // `attention` and `sessions` (either may be null: its method is then UNIMPLEMENTED), `registry`
-  // and `metrics` must outlive this. At most `max_rings` rings are served at once, over every
-  // caller: each holds a thread, which spins while its requests come.
+  // and `gate` must outlive this. At most `max_rings` rings are served at once, over every
+  // caller: each holds a thread, which spins while its requests come. A refused OpenRing passes
+  // `gate` (metrics, log); a ring's requests pass it as their method's calls.
   RequestRings(AttentionService* attention, SessionService* sessions, RegionRegistry* registry,
-               std::string auth_token, int max_rings, Metrics* metrics);
+               const CallGate* gate, int max_rings);
   // Stops, if Stop has not.
   ~RequestRings();
   RequestRings(const RequestRings&) = delete;
@@ -67,9 +68,9 @@ class RequestRings {
   AttentionService* const attention_;
   SessionService* const sessions_;
   RegionRegistry* const registry_;
-  const std::string auth_token_;
+  const CallGate* const gate_;
   const int max_rings_;
-  Metrics* const metrics_;
+  Metrics* const metrics_;  // the gate's
   std::mutex mu_;
   ServiceThreads servers_;       // guarded by mu_: a thread for each ring
   std::atomic<int> serving_{0};  // rings not yet ended (attention_request_rings)

@@ -11,7 +11,6 @@
 #include "kernels/status_macros.h"
 #include "server/requests/request_decoder.h"
 #include "server/service/attention_service.h"
-#include "server/service/security.h"
 #include "server/service/shared_memory_service.h"
 #include "server/service/wire_buffers.h"
 #include "server/sessions/step_plan.h"
@@ -94,14 +93,13 @@ struct SessionService::StepCall {
 };
 
 SessionService::SessionService(const SessionServiceOptions& options, SessionStore* store,
-                               Scheduler* scheduler, Metrics* metrics, DrainGate* drain,
-                               RegionRegistry* regions)
+                               Scheduler* scheduler, const CallGate* gate, RegionRegistry* regions)
     : options_(options),
       limits_{.max_head_dim = options.max_head_dim},
       store_(store),
       scheduler_(scheduler),
-      metrics_(metrics),
-      drain_(drain),
+      gate_(gate),
+      metrics_(gate->metrics()),
       regions_(regions) {
   if (store_ != nullptr) sweeper_ = std::thread([this] { SweeperLoop(); });
 }
@@ -149,42 +147,29 @@ void SessionService::Admit(absl::string_view rpc, const grpc::ServerContextBase*
                            const grpc::ByteBuffer& raw_request, google::protobuf::Message* request,
                            const google::protobuf::Message* response,
                            grpc::ByteBuffer* raw_response, Body body, Finish answer) {
-  const absl::Time arrival = absl::Now();
-  const int64_t request_bytes = static_cast<int64_t>(raw_request.Length());
-  metrics_->RequestStarted();
-  absl::Status status = CheckBearerToken(context->client_metadata(), options_.auth_token);
-  const bool entered = status.ok() && drain_->Enter();
-  const bool refused = status.ok() && !entered;
-  if (refused) status = absl::UnavailableError("server is shutting down");
+  CallTicket ticket =
+      gate_->Admit(rpc, *context, absl::Now(), static_cast<int64_t>(raw_request.Length()));
+  absl::Status status = ticket.admission();
   const absl::Time parse_start = absl::Now();
   if (status.ok()) status = ParseByteBuffer(raw_request, request);
-  const Arrival arrived{.at = arrival, .parse = absl::Now() - parse_start};
+  const Arrival arrived{.at = ticket.arrival(), .parse = absl::Now() - parse_start};
   if (status.ok() && store_ == nullptr) {
     status = absl::UnimplementedError(
         "this server keeps no KV cache: its backend has no paged KV pool, or "
         "--kv_cache_fraction is 0");
   }
-  Finish finish = [this, rpc, arrival, request_bytes, response, raw_response, entered,
+  Finish finish = [ticket = std::move(ticket), response, raw_response,
                    answer = std::move(answer)](absl::Status status) mutable {
     int64_t response_bytes = 0;
     if (status.ok()) {
       SerializeToByteBuffer(*response, raw_response);
       response_bytes = static_cast<int64_t>(raw_response->Length());
     }
-    metrics_->RequestFinished(rpc, status.code(), absl::Now() - arrival, request_bytes,
-                              response_bytes);
-    std::move(answer)(std::move(status));
-    if (entered) drain_->Leave();
+    std::move(ticket).End(std::move(status), response_bytes, std::move(answer));
   };
-  if (refused) {
-    drain_->Refuse([finish = std::move(finish), status = std::move(status)]() mutable {
-      std::move(finish)(std::move(status));
-    });
-    return;
-  }
   if (!status.ok()) return std::move(finish)(std::move(status));
-  // Sessions belong to the caller's token (the one the check above accepted); "" without tokens.
-  std::move(body)(options_.auth_token, arrived, std::move(finish));
+  // Sessions belong to the caller's token (the one the gate accepted); "" without tokens.
+  std::move(body)(gate_->auth_token(), arrived, std::move(finish));
 }
 
 void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int device,
@@ -300,7 +285,7 @@ grpc::ServerUnaryReactor* SessionService::ListSessions(grpc::CallbackServerConte
 void SessionService::RunCreate(grpc::CallbackServerContext* context, const std::string& owner,
                                const v1::CreateSessionRequest& request, v1::SessionInfo* response,
                                Finish finish) {
-  auto refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token);
+  auto refs = std::make_unique<RequestRegions>(regions_, context, &gate_->auth_token());
   absl::StatusOr<DecodedCreate> decoded = DecodeCreate(request, limits_, refs.get());
   if (!decoded.ok()) return std::move(finish)(decoded.status());
   const RequestRegions* regions = refs.get();  // held by `finish`, which runs after `run`
@@ -337,7 +322,7 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
   }
   absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, request.session_id());
   if (!place.ok()) return std::move(finish)(place.status());
-  auto refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token);
+  auto refs = std::make_unique<RequestRegions>(regions_, context, &gate_->auth_token());
   absl::StatusOr<KvRows> rows = DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
                                              request.has_v() ? &request.v() : nullptr,
                                              request.layout(), place->shape, refs.get());
@@ -373,7 +358,7 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
   call->request = &request;
   call->response = response;
   call->owner = owner;
-  call->refs = std::make_unique<RequestRegions>(regions_, call_context.grpc, &options_.auth_token);
+  call->refs = std::make_unique<RequestRegions>(regions_, call_context.grpc, &gate_->auth_token());
   // Every check that needs no session's length before anything is queued: the sessions' places
   // and shapes never change.
   const int n = request.entries_size();

@@ -4,12 +4,12 @@
 // (RESOURCE_EXHAUSTED when full), deadline and cancellation drop, drain, device health and
 // metrics as Attend. DropSession and ListSessions touch no device and are answered inline.
 //
-// Every call checks the bearer token (when the server has one), is refused UNAVAILABLE once the
-// server drains, and is recorded in the request metrics under its rpc name. A Step is checked
-// against its sessions' shapes before it is queued; its entries of one device and one decode key
-// (dtype, kv heads, head dim, query heads, mask, lse) are one decode job, which the scheduler may
-// run in one launch with other Steps' jobs (--max_batch > 1). Entries of other devices or keys
-// are further jobs of the same call, queued together or not at all.
+// Every call passes the CallGate (server/calls/call_gate.h): the bearer token (when the server has
+// one), UNAVAILABLE once the server drains, the request metrics under its rpc name, the log. A Step
+// is checked against its sessions' shapes before it is queued; its entries of one device and one
+// decode key (dtype, kv heads, head dim, query heads, mask, lse) are one decode job, which the
+// scheduler may run in one launch with other Steps' jobs (--max_batch > 1). Entries of other
+// devices or keys are further jobs of the same call, queued together or not at all.
 //
 // Every method is raw (grpc::ByteBuffer in and out), StepStream's messages too: each request is
 // parsed by ParseByteBuffer (wire_buffers.h: INVALID_ARGUMENT naming the field when its bytes do
@@ -30,12 +30,12 @@
 #include "attention/v1/attention.grpc.pb.h"
 #include "google/protobuf/arena.h"
 #include "grpcpp/grpcpp.h"
+#include "server/calls/call_context.h"
+#include "server/calls/call_gate.h"
 #include "server/metrics/metrics.h"
 #include "server/regions/region_registry.h"
 #include "server/requests/session_request.h"
 #include "server/scheduling/scheduler.h"
-#include "server/service/call_context.h"
-#include "server/service/drain_gate.h"
 #include "server/service/stream_reactor.h"
 #include "server/sessions/session_store.h"
 
@@ -46,9 +46,6 @@ struct SessionServiceOptions {
   int max_head_dim = 256;
   // Work one Step may ask for on one device, FLOPs; 0 = no limit.
   double max_request_flops = 0;
-  // When set, every call must carry `authorization: Bearer <auth_token>` (see security.h), and
-  // sessions belong to the token that created them.
-  std::string auth_token;
   // Steps one StepStream may hold at once (running or waiting to be written); further reads wait.
   int stream_window = 16;
   // How often idle sessions past the TTL are removed (lookups also check).
@@ -67,10 +64,11 @@ class SessionService final : public SessionsRawService {
  public:
   // `store` may be null: the server keeps no KV cache (its backend has no page pool), and every
   // call is answered UNIMPLEMENTED. The store's device d is the scheduler's executor d. `store`,
-  // `scheduler`, `metrics` and `drain` must outlive the service.
-  // `regions`: the shared-memory regions requests may reference; null: shared memory is off.
+  // `scheduler` and `gate` must outlive the service; every call passes `gate` (its token, which
+  // sessions belong to, drain, metrics and log). `regions`: the shared-memory regions requests
+  // may reference; null: shared memory is off.
   SessionService(const SessionServiceOptions& options, SessionStore* store, Scheduler* scheduler,
-                 Metrics* metrics, DrainGate* drain, RegionRegistry* regions = nullptr);
+                 const CallGate* gate, RegionRegistry* regions = nullptr);
   // Stops the sweeper.
   ~SessionService() override;
   SessionService(const SessionService&) = delete;
@@ -165,8 +163,8 @@ class SessionService final : public SessionsRawService {
   const SessionLimits limits_;
   SessionStore* const store_;
   Scheduler* const scheduler_;
-  Metrics* const metrics_;
-  DrainGate* const drain_;
+  const CallGate* const gate_;
+  Metrics* const metrics_;  // the gate's
   RegionRegistry* const regions_;
 
   std::mutex mu_;

@@ -29,10 +29,9 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/quote.h"
+#include "server/calls/call_gate.h"
 
 namespace attention::server {
-
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 // Runs one request read from a stream, filling `response`; calls `done` exactly once, inline or
 // from another thread. `request` (which it may clear once parsed), `response` and `state` stay
