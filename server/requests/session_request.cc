@@ -170,14 +170,4 @@ absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& ent
   return decoded;
 }
 
-absl::Status CheckQueriesFit(int index, const DecodedEntry& entry, int64_t length) {
-  const int64_t length_after = length + entry.rows.rows;
-  if (entry.rows_q > length_after) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "entries[", index, "].q.shape[1] (queries): expected at most the session's ", length_after,
-        " rows after this step's append (queries are its last positions), got ", entry.rows_q));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace attention::server

@@ -54,8 +54,5 @@ struct DecodedEntry {
 absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& entry,
                                              const KvShape& shape,
                                              TensorRefResolver* refs = nullptr);
-// The check that needs the session's length (`length` rows before this step): its queries are
-// its last positions, so at most as many as it holds after the append.
-absl::Status CheckQueriesFit(int index, const DecodedEntry& entry, int64_t length);
 
 }  // namespace attention::server

@@ -13,7 +13,7 @@
 #include "server/service/attention_service.h"
 #include "server/service/shared_memory_service.h"
 #include "server/service/wire_buffers.h"
-#include "server/sessions/step_plan.h"
+#include "server/sessions/step_jobs.h"
 
 namespace attention::server {
 namespace {
@@ -61,35 +61,35 @@ google::protobuf::ArenaOptions StartingIn(char* block, size_t size) {
 
 }  // namespace
 
-// One Step call: its entries checked against their sessions' shapes, grouped into decode jobs.
-// Shared by the call's jobs; the last one to answer finishes the call.
-struct SessionService::StepCall {
-  // The entries of one device and decode key: one decode job.
-  struct Group {
-    int device = 0;
-    DecodeKey key;
-    std::vector<int> entries;
-    // From the job's prepare to its answer: the sessions held and the sequences launched.
-    std::vector<SessionStore::Lease> leases;
-    std::vector<DecodeSequence> seqs;
-  };
-
+// One Step call: the step's state (its sequences, one per entry) and what answering it needs.
+struct SessionService::StepCall final : StepWork {
   const v1::StepRequest* request = nullptr;
   v1::StepResponse* response = nullptr;
-  std::string owner;
   absl::Time arrival;
-  std::vector<DecodedEntry> entries;  // per request entry
   // The regions the entries reference, held until the call is answered.
   std::unique_ptr<RequestRegions> refs;
-  std::vector<Group> groups;
   Finish finish;
 
-  std::mutex mu;  // guards the rest
-  int pending = 0;
-  absl::Status status;  // the first job's failure
-  StageTimes stages;    // summed over the jobs
-  absl::Duration queued;
-  std::vector<std::string> devices;
+  void Finished(StepOutcome outcome) override {
+    if (outcome.status.ok()) outcome.status = refs->Intact();
+    if (outcome.status.ok()) {
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        response->mutable_results(static_cast<int>(i))->set_length(seqs[i].length);
+      }
+      response->set_request_id(request->request_id());
+      response->set_device(absl::StrJoin(outcome.devices, ","));
+      v1::ServerTiming* timing = response->mutable_timing();
+      timing->set_queue_us(absl::ToDoubleMicroseconds(outcome.queued));
+      timing->set_h2d_us(outcome.stages.h2d_us);
+      timing->set_compute_us(outcome.stages.compute_us);
+      timing->set_d2h_us(outcome.stages.d2h_us);
+      timing->set_prepare_us(outcome.stages.prepare_us);
+      timing->set_run_us(outcome.stages.run_us);
+      timing->set_total_us(absl::ToDoubleMicroseconds(absl::Now() - arrival));
+    }
+    refs.reset();  // first: the regions may be unregistered once the caller has its answer
+    std::move(finish)(std::move(outcome.status));
+  }
 };
 
 SessionService::SessionService(const SessionServiceOptions& options, SessionStore* store,
@@ -100,7 +100,15 @@ SessionService::SessionService(const SessionServiceOptions& options, SessionStor
       scheduler_(scheduler),
       gate_(gate),
       metrics_(gate->metrics()),
-      regions_(regions) {
+      regions_(regions),
+      step_jobs_(store, {.max_request_flops = options.max_request_flops},
+                 [metrics = metrics_](const JobResult& result, double flops, int64_t tokens) {
+                   metrics->StagesObserved(result.queued, result.stages);
+                   metrics->Computed(result.device->name, flops, tokens,
+                                     result.leads_batch ? result.batch_size : 0);
+                   metrics->DecodeStepObserved(result.device->name,
+                                               absl::Microseconds(StageSumUs(result.stages)));
+                 }) {
   if (store_ != nullptr) sweeper_ = std::thread([this] { SweeperLoop(); });
 }
 
@@ -347,196 +355,94 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
                    std::move(finish));
 }
 
+absl::Status SessionService::DecodeStep(const std::string& owner, const v1::StepRequest& request,
+                                        RequestRegions* refs,
+                                        std::vector<StepSequence>* seqs) const {
+  RETURN_IF_ERROR(CheckStep(request));
+  // Every check that needs no session's length before anything is queued: the sessions' places
+  // and shapes never change.
+  seqs->reserve(request.entries_size());
+  int64_t response_bytes = kResponseOverhead + static_cast<int64_t>(request.request_id().size());
+  for (int i = 0; i < request.entries_size(); ++i) {
+    const v1::StepEntry& entry = request.entries(i);
+    ASSIGN_OR_RETURN(const SessionStore::Place place, store_->Locate(owner, entry.session_id()));
+    ASSIGN_OR_RETURN(const DecodedEntry decoded, DecodeStepEntry(i, entry, place.shape, refs));
+    ASSIGN_OR_RETURN(const MaskParams mask, DecodeMask(request, place.shape.head_dim));
+    const int64_t o_bytes = decoded.heads_q * decoded.rows_q * place.shape.head_dim *
+                            static_cast<int64_t>(DTypeSize(place.shape.dtype));
+    response_bytes += (decoded.o != nullptr ? 0 : o_bytes) +
+                      static_cast<int64_t>(entry.session_id().size()) + kEntryOverhead;
+    if (request.return_lse()) {
+      response_bytes += decoded.heads_q * decoded.rows_q * int64_t{sizeof(float)};
+    }
+    seqs->push_back(StepSequence{.session_id = entry.session_id(),
+                                 .device = place.device,
+                                 .key = {.shape = place.shape,
+                                         .heads_q = decoded.heads_q,
+                                         .softmax_scale = mask.softmax_scale,
+                                         .window_left = mask.window_left,
+                                         .window_right = mask.window_right,
+                                         .lse = request.return_lse()},
+                                 .rows = decoded.rows,
+                                 .q = decoded.q,
+                                 .rows_q = decoded.rows_q,
+                                 .o = decoded.o});
+  }
+  if (response_bytes > options_.max_message_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("response would be ", response_bytes,
+                                                     " bytes, over the message limit of ",
+                                                     options_.max_message_bytes, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+void SessionService::AddResults(const v1::StepRequest& request, std::vector<StepSequence>* seqs,
+                                v1::StepResponse* response) {
+  for (int i = 0; i < request.entries_size(); ++i) {
+    const v1::Tensor& q = request.entries(i).q();
+    StepSequence& seq = (*seqs)[i];
+    v1::StepResult* result = response->add_results();
+    result->set_session_id(request.entries(i).session_id());
+    v1::Tensor* o = result->mutable_o();
+    o->set_dtype(q.dtype());
+    o->mutable_shape()->CopyFrom(q.shape());
+    if (seq.o == nullptr) {  // else it goes into a region (o_ref)
+      o->mutable_data()->resize(seq.key.heads_q * seq.rows_q * seq.key.shape.head_dim *
+                                DTypeSize(seq.key.shape.dtype));
+      seq.o = o->mutable_data()->data();
+    }
+    if (request.return_lse()) {
+      v1::Tensor* lse = result->mutable_lse();
+      lse->set_dtype(v1::DTYPE_FLOAT32);
+      lse->add_shape(seq.key.heads_q);
+      lse->add_shape(seq.rows_q);
+      lse->mutable_data()->resize(seq.key.heads_q * seq.rows_q * sizeof(float));
+      // std::string storage comes from operator new (or the inline buffer), aligned for float.
+      seq.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+    }
+  }
+}
+
 void SessionService::RunStep(const CallContext& call_context, const std::string& owner,
                              const Arrival& arrival, const v1::StepRequest& request,
                              v1::StepResponse* response, Finish finish) {
-  if (absl::Status status = CheckStep(request); !status.ok()) {
-    return std::move(finish)(std::move(status));
-  }
   auto call = std::make_shared<StepCall>();
   call->arrival = arrival.at;
   call->request = &request;
   call->response = response;
   call->owner = owner;
   call->refs = std::make_unique<RequestRegions>(regions_, call_context.grpc, &gate_->auth_token());
-  // Every check that needs no session's length before anything is queued: the sessions' places
-  // and shapes never change.
-  const int n = request.entries_size();
-  int64_t response_bytes = kResponseOverhead + static_cast<int64_t>(request.request_id().size());
-  for (int i = 0; i < n; ++i) {
-    const v1::StepEntry& entry = request.entries(i);
-    absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, entry.session_id());
-    if (!place.ok()) return std::move(finish)(place.status());
-    absl::StatusOr<DecodedEntry> decoded =
-        DecodeStepEntry(i, entry, place->shape, call->refs.get());
-    if (!decoded.ok()) return std::move(finish)(decoded.status());
-    absl::StatusOr<MaskParams> mask = DecodeMask(request, place->shape.head_dim);
-    if (!mask.ok()) return std::move(finish)(mask.status());
-    const int64_t o_bytes = decoded->heads_q * decoded->rows_q * place->shape.head_dim *
-                            static_cast<int64_t>(DTypeSize(place->shape.dtype));
-    response_bytes += (decoded->o != nullptr ? 0 : o_bytes) +
-                      static_cast<int64_t>(entry.session_id().size()) + kEntryOverhead;
-    if (request.return_lse()) {
-      response_bytes += decoded->heads_q * decoded->rows_q * int64_t{sizeof(float)};
-    }
-    const DecodeKey key{.shape = place->shape,
-                        .heads_q = decoded->heads_q,
-                        .softmax_scale = mask->softmax_scale,
-                        .window_left = mask->window_left,
-                        .window_right = mask->window_right,
-                        .lse = request.return_lse()};
-    auto group = std::find_if(call->groups.begin(), call->groups.end(), [&](const auto& g) {
-      return g.device == place->device && g.key == key;
-    });
-    if (group == call->groups.end()) {
-      call->groups.push_back(StepCall::Group{.device = place->device, .key = key});
-      group = call->groups.end() - 1;
-    }
-    group->entries.push_back(i);
-    call->entries.push_back(*decoded);
-  }
-  if (response_bytes > options_.max_message_bytes) {
-    return std::move(finish)(absl::ResourceExhaustedError(
-        absl::StrCat("response would be ", response_bytes, " bytes, over the message limit of ",
-                     options_.max_message_bytes, " bytes")));
+  if (absl::Status decoded = DecodeStep(owner, request, call->refs.get(), &call->seqs);
+      !decoded.ok()) {
+    return std::move(finish)(std::move(decoded));
   }
   // The results in entry order, o shaped as q (and lse [Hq, Nq]); the launches write into them.
-  for (int i = 0; i < n; ++i) {
-    const v1::Tensor& q = request.entries(i).q();
-    v1::StepResult* result = response->add_results();
-    result->set_session_id(request.entries(i).session_id());
-    v1::Tensor* o = result->mutable_o();
-    o->set_dtype(q.dtype());
-    o->mutable_shape()->CopyFrom(q.shape());
-    if (call->entries[i].o == nullptr) {  // else it goes into a region (o_ref)
-      o->mutable_data()->resize(call->entries[i].heads_q * call->entries[i].rows_q * q.shape(2) *
-                                DTypeSize(*ToDType(q.dtype(), "q.dtype")));
-    }
-    if (request.return_lse()) {
-      v1::Tensor* lse = result->mutable_lse();
-      lse->set_dtype(v1::DTYPE_FLOAT32);
-      lse->add_shape(call->entries[i].heads_q);
-      lse->add_shape(call->entries[i].rows_q);
-      lse->mutable_data()->resize(call->entries[i].heads_q * call->entries[i].rows_q *
-                                  sizeof(float));
-    }
-  }
+  AddResults(request, &call->seqs, response);
   call->finish = std::move(finish);
-  call->pending = static_cast<int>(call->groups.size());
-
-  std::vector<Job> jobs;
-  for (size_t g = 0; g < call->groups.size(); ++g) {
-    StepCall::Group& group = call->groups[g];
-    Job job;
-    job.device = group.device;
-    for (int i : group.entries) job.sessions.push_back(request.entries(i).session_id());
-    // On the worker: take the sessions, check the queries against their lengths, append the new
-    // rows (all or nothing for the group), and give the launch its sequences.
-    auto prepare = [this, call, &group]() -> absl::StatusOr<std::vector<DecodeSequence>> {
-      const v1::StepRequest& request = *call->request;
-      std::vector<std::string> ids;
-      for (int i : group.entries) ids.push_back(request.entries(i).session_id());
-      absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(call->owner, ids);
-      if (!leases.ok()) return leases.status();
-      std::vector<SessionStore::Lease*> held;
-      std::vector<int64_t> new_rows;
-      std::vector<KvRows> rows;
-      double flops = 0;
-      for (size_t s = 0; s < group.entries.size(); ++s) {
-        const DecodedEntry& entry = call->entries[group.entries[s]];
-        const int64_t length = (*leases)[s].length();
-        RETURN_IF_ERROR(CheckQueriesFit(group.entries[s], entry, length));
-        flops +=
-            DecodeFlops(group.key, {.length = length + entry.rows.rows, .rows_q = entry.rows_q});
-        held.push_back(&(*leases)[s]);
-        new_rows.push_back(entry.rows.rows);
-        rows.push_back(entry.rows);
-      }
-      if (options_.max_request_flops > 0 && flops > options_.max_request_flops) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "step needs ", absl::SixDigits(flops), " FLOPs on ", store_->device_name(group.device),
-            ", over the limit of ", absl::SixDigits(options_.max_request_flops),
-            " per request (--max_request_flops); nothing was appended"));
-      }
-      RETURN_IF_ERROR(store_->Reserve(held, new_rows));
-      RETURN_IF_ERROR(store_->Append(held, rows));
-      for (size_t s = 0; s < group.entries.size(); ++s) {
-        const int i = group.entries[s];
-        const SessionStore::Lease& lease = (*leases)[s];
-        v1::StepResult* result = call->response->mutable_results(i);
-        result->set_length(lease.length());
-        group.seqs.push_back(DecodeSequence{
-            .pages = lease.page_table(),
-            .length = lease.length(),
-            .q = call->entries[i].q,
-            .rows_q = call->entries[i].rows_q,
-            .o = call->entries[i].o != nullptr ? call->entries[i].o
-                                               : result->mutable_o()->mutable_data()->data(),
-            // std::string storage comes from operator new (or the inline buffer), aligned for
-            // float.
-            .lse = request.return_lse()
-                       ? reinterpret_cast<float*>(result->mutable_lse()->mutable_data()->data())
-                       : nullptr});
-      }
-      group.leases = *std::move(leases);
-      return group.seqs;
-    };
-    job.work = DecodeWork{.key = group.key, .prepare = std::move(prepare)};
-    job.deadline = absl::FromChrono(call_context.grpc->deadline());
-    job.cancelled = [cancelled = call_context.cancelled] { return cancelled(); };
-    job.done = [this, call, &group](JobResult result) {
-      group.leases.clear();  // first: the sessions' next calls may run
-      if (result.status.ok()) {
-        double flops = 0;
-        int64_t tokens = 0;
-        for (const DecodeSequence& seq : group.seqs) {
-          flops += DecodeFlops(group.key, seq);
-          tokens += seq.rows_q;
-        }
-        metrics_->StagesObserved(result.queued, result.stages);
-        metrics_->Computed(result.device->name, flops, tokens,
-                           result.leads_batch ? result.batch_size : 0);
-        metrics_->DecodeStepObserved(result.device->name,
-                                     absl::Microseconds(StageSumUs(result.stages)));
-      }
-      bool last = false;
-      {
-        std::lock_guard<std::mutex> lock(call->mu);
-        if (!result.status.ok() && call->status.ok()) call->status = result.status;
-        call->stages.h2d_us += result.stages.h2d_us;
-        call->stages.compute_us += result.stages.compute_us;
-        call->stages.d2h_us += result.stages.d2h_us;
-        call->stages.prepare_us += result.stages.prepare_us;
-        call->stages.run_us += result.stages.run_us;
-        call->queued = std::max(call->queued, result.queued);
-        if (result.device != nullptr && std::find(call->devices.begin(), call->devices.end(),
-                                                  result.device->name) == call->devices.end()) {
-          call->devices.push_back(result.device->name);
-        }
-        last = --call->pending == 0;
-      }
-      if (!last) return;
-      if (call->status.ok()) call->status = call->refs->Intact();
-      v1::StepResponse* response = call->response;
-      if (call->status.ok()) {
-        response->set_request_id(call->request->request_id());
-        response->set_device(absl::StrJoin(call->devices, ","));
-        v1::ServerTiming* timing = response->mutable_timing();
-        timing->set_queue_us(absl::ToDoubleMicroseconds(call->queued));
-        timing->set_h2d_us(call->stages.h2d_us);
-        timing->set_compute_us(call->stages.compute_us);
-        timing->set_d2h_us(call->stages.d2h_us);
-        timing->set_prepare_us(call->stages.prepare_us);
-        timing->set_run_us(call->stages.run_us);
-        timing->set_total_us(absl::ToDoubleMicroseconds(absl::Now() - call->arrival));
-      }
-      call->refs.reset();  // first: the regions may be unregistered once the caller has its answer
-      std::move(call->finish)(call->status);
-    };
-    jobs.push_back(std::move(job));
-  }
-  response->mutable_timing()->set_decode_us(
-      absl::ToDoubleMicroseconds(absl::Now() - call->arrival));
+  // The step's work on its sessions (sessions/step_jobs.h), queued whole or not at all.
+  std::vector<Job> jobs = step_jobs_.Jobs(call, absl::FromChrono(call_context.grpc->deadline()),
+                                          call_context.cancelled);
+  response->mutable_timing()->set_decode_us(absl::ToDoubleMicroseconds(absl::Now() - arrival.at));
   response->mutable_timing()->set_parse_us(absl::ToDoubleMicroseconds(arrival.parse));
   scheduler_->SubmitAll(std::move(jobs));
 }

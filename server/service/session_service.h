@@ -38,6 +38,7 @@
 #include "server/scheduling/scheduler.h"
 #include "server/service/stream_reactor.h"
 #include "server/sessions/session_store.h"
+#include "server/sessions/step_jobs.h"
 
 namespace attention::server {
 
@@ -59,6 +60,8 @@ using SessionsRawService = v1::Sessions::WithRawCallbackMethod_CreateSession<
     v1::Sessions::WithRawCallbackMethod_AppendKv<v1::Sessions::WithRawCallbackMethod_Step<
         v1::Sessions::WithGenericMethod_StepStream<v1::Sessions::WithRawCallbackMethod_DropSession<
             v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>;
+
+class RequestRegions;
 
 class SessionService final : public SessionsRawService {
  public:
@@ -153,7 +156,16 @@ class SessionService final : public SessionsRawService {
                  const v1::CreateSessionRequest& request, v1::SessionInfo* response, Finish finish);
   void RunAppend(grpc::CallbackServerContext* context, const std::string& owner,
                  const v1::AppendKvRequest& request, v1::SessionInfo* response, Finish finish);
-  // `arrival` starts the call's ServerTiming (decode_us and total_us count its parse too).
+  // A Step's entries checked against their sessions' shapes into `seqs` (o and lse not yet
+  // placed), and its response against the message limit.
+  absl::Status DecodeStep(const std::string& owner, const v1::StepRequest& request,
+                          RequestRegions* refs, std::vector<StepSequence>* seqs) const;
+  // The response's results in entry order, o shaped as q and lse [Hq, Nq]; points each sequence's
+  // o (unless it goes into a region) and lse at them.
+  static void AddResults(const v1::StepRequest& request, std::vector<StepSequence>* seqs,
+                         v1::StepResponse* response);
+  // Decodes a Step and hands it to step_jobs_. `arrival` starts the call's ServerTiming (decode_us
+  // and total_us count its parse too).
   void RunStep(const CallContext& call, const std::string& owner, const Arrival& arrival,
                const v1::StepRequest& request, v1::StepResponse* response, Finish finish);
 
@@ -166,6 +178,7 @@ class SessionService final : public SessionsRawService {
   const CallGate* const gate_;
   Metrics* const metrics_;  // the gate's
   RegionRegistry* const regions_;
+  const StepJobs step_jobs_;  // the Step's work on its sessions
 
   std::mutex mu_;
   std::condition_variable stop_sweep_;  // for the sweeper: stopping
