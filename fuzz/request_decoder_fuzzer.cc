@@ -34,6 +34,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "attention/v1/attention.pb.h"
 #include "google/protobuf/stubs/logging.h"
 #include "kernels/attention_params.h"
@@ -42,6 +43,7 @@
 #include "server/requests/request_decoder.h"
 #include "server/requests/session_request.h"
 #include "server/requests/wire_message.h"
+#include "server/sessions/step_plan.h"
 
 namespace {
 
@@ -290,7 +292,9 @@ void FuzzStep(const uint8_t* data, size_t size) {
     CheckKvRows(decoded->rows, entry.has_k() ? &entry.k() : nullptr,
                 entry.has_v() ? &entry.v() : nullptr, shape);
     // The check that needs the session's length: queries are its last positions.
-    const absl::Status fits = attention::server::CheckQueriesFit(i, *decoded, session.length);
+    const absl::Status fits = attention::server::CheckQueriesFit(
+        [i] { return absl::StrCat("entries[", i, "].q.shape[1] (queries)"); }, decoded->rows_q,
+        decoded->rows.rows, session.length);
     if (!fits.ok()) {
       CheckSessionRefusal(fits);
     } else if (decoded->rows_q > session.length + decoded->rows.rows) {

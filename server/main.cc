@@ -60,12 +60,12 @@
 #include "server/options/server_options.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/attention_service.h"
-#include "server/service/generic_streams.h"
 #include "server/service/reflection_v1.h"
-#include "server/service/request_rings.h"
 #include "server/service/session_service.h"
 #include "server/service/shared_memory_service.h"
 #include "server/sessions/session_store.h"
+#include "server/streams/generic_streams.h"
+#include "server/streams/request_rings.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on (gRPC and metrics).");
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one.");
@@ -378,10 +378,15 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
           .stream_window = options.service.stream_window,
           .sweep_interval = std::min(absl::Seconds(1), absl::Seconds(options.kv_cache.ttl_s) / 4)},
       session_store.get(), &scheduler, &gate, regions.get());
+  // The stream methods every stream transport serves: gRPC's callback API or the polled async
+  // API (--poll_streams), and the request rings.
+  StreamMethods stream_methods;
+  stream_methods.Add(kAttendStreamPath, service.AttendStreamMethod());
+  stream_methods.Add(kStepStreamPath, sessions.StepStreamMethod());
   // Request rings in the callers' regions; stopped after the server and the scheduler (below).
   std::unique_ptr<RequestRings> rings;
   if (regions != nullptr && options.shared_memory.max_rings > 0) {
-    rings = std::make_unique<RequestRings>(&service, &sessions, regions.get(), &gate,
+    rings = std::make_unique<RequestRings>(&stream_methods, regions.get(), &gate,
                                            options.shared_memory.max_rings);
   }
   SharedMemoryService shared_memory(regions.get(), rings.get(), &gate);
@@ -428,7 +433,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   builder.RegisterService(&sessions);
   // AttendStream and StepStream, the methods no service registers (both services mark them
   // generic).
-  CallbackStreams callback_streams(&service, &sessions);
+  CallbackStreams callback_streams(&stream_methods);
   grpc::AsyncGenericService async_streams;
   std::unique_ptr<grpc::ServerCompletionQueue> streams_queue;
   if (options.poll_streams) {
@@ -447,8 +452,8 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // Declared after the server: on an early return it stops first, after the server's Shutdown.
   std::unique_ptr<PolledStreams> polled_streams;
   if (streams_queue != nullptr) {
-    polled_streams = std::make_unique<PolledStreams>(&service, &sessions, &async_streams,
-                                                     std::move(streams_queue));
+    polled_streams =
+        std::make_unique<PolledStreams>(&stream_methods, &async_streams, std::move(streams_queue));
     if (server != nullptr) polled_streams->Start();
   }
   if (server == nullptr || port == 0) {

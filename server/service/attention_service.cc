@@ -214,18 +214,13 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
   return reactor;
 }
 
-grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::AttendStream(
-    grpc::CallbackServerContext* context) {
-  return StreamReactor<Call>::Begin(options_.stream_window,
-                                    AttendStreamProcess(CallbackCall(context)));
-}
-
-StreamProcess<AttentionService::Call> AttentionService::AttendStreamProcess(CallContext context) {
-  return [this, context = std::move(context)](grpc::ByteBuffer* request, grpc::ByteBuffer* response,
-                                              Call* call,
-                                              absl::AnyInvocable<void(absl::Status) &&> done) {
-    Process("AttendStream", context, request, response, call, std::move(done));
-  };
+StreamMethod AttentionService::AttendStreamMethod() {
+  return MakeStreamMethod<Call>(options_.stream_window,
+                                [this](const CallContext& context, StreamExchange* exchange,
+                                       Call* call, absl::AnyInvocable<void(absl::Status) &&> done) {
+                                  Process("AttendStream", context, &exchange->request,
+                                          &exchange->response, call, std::move(done));
+                                });
 }
 
 absl::StatusOr<int> AttentionService::CudaRegionDevice(const RequestRegions& refs) const {

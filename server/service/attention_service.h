@@ -38,7 +38,7 @@
 #include "server/requests/wire_message.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/shared_memory_service.h"
-#include "server/service/stream_reactor.h"
+#include "server/streams/stream_methods.h"
 
 namespace attention::server {
 
@@ -60,8 +60,8 @@ struct ServiceOptions {
 };
 
 // Every method raw: the bytes of a request are ours to parse. AttendStream is generic: the
-// server's generic service serves it (generic_streams.h), on gRPC's callback API or, with
-// --poll_streams, on its async API with a polling thread.
+// stream transports of server/streams/ serve it (gRPC's callback API, or with --poll_streams its
+// async API with a polling thread, or a request ring) from the table of stream methods.
 using AttentionRawService =
     v1::Attention::WithRawCallbackMethod_Attend<v1::Attention::WithGenericMethod_AttendStream<
         v1::Attention::WithRawCallbackMethod_GetServerInfo<
@@ -96,15 +96,11 @@ class AttentionService final : public AttentionRawService {
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const grpc::ByteBuffer* request,
                                    grpc::ByteBuffer* response) override;
-  // Reads requests continuously and writes each response when its request finishes, possibly out
-  // of order. A request that fails ends the stream with its status (the message names its
-  // request_id) once the responses already computed are written. AttendStream is the callback
-  // API's reactor, AttendStreamProcess the processing of any transport's stream
-  // (generic_streams.h).
-  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
-      grpc::CallbackServerContext* context);
-  StreamProcess<Call> AttendStreamProcess(CallContext call);
-  int stream_window() const { return options_.stream_window; }
+  // AttendStream, as the stream transports serve it (server/streams/): each message a request
+  // of its own, answered as it finishes, possibly out of order (rpc "AttendStream"). A request
+  // that fails ends the stream with its status (the message names its request_id) once the
+  // responses already computed are written.
+  StreamMethod AttendStreamMethod();
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* response) override;

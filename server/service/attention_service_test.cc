@@ -24,7 +24,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_attention.h"
 #include "kernels/reference/reference_attention.h"
-#include "server/service/generic_streams.h"
+#include "server/streams/generic_streams.h"
 #include "server/testing/run_gate_for_tests.h"
 
 namespace attention::server {
@@ -74,6 +74,7 @@ class TestServer {
     executors.push_back(std::move(executor));
     scheduler_.emplace(std::move(executors), scheduler_options);
     service_.emplace(service_options, &*scheduler_, &gate_);
+    stream_methods_.Add(kAttendStreamPath, service_->AttendStreamMethod());
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -83,12 +84,12 @@ class TestServer {
       builder.RegisterAsyncGenericService(&async_streams_);
       queue = builder.AddCompletionQueue();
     } else {
-      streams_.emplace(&*service_, nullptr);
+      streams_.emplace(&stream_methods_);
       builder.RegisterCallbackGenericService(&*streams_);
     }
     server_ = builder.BuildAndStart();
     if (queue != nullptr) {
-      polled_.emplace(&*service_, nullptr, &async_streams_, std::move(queue));
+      polled_.emplace(&stream_methods_, &async_streams_, std::move(queue));
       polled_->Start();
     }
     stub_ = v1::Attention::NewStub(
@@ -110,6 +111,7 @@ class TestServer {
   const CallGate gate_{&metrics_, &drain_, "", &log_};
   std::optional<Scheduler> scheduler_;
   std::optional<AttentionService> service_;
+  StreamMethods stream_methods_;
   std::optional<CallbackStreams> streams_;
   grpc::AsyncGenericService async_streams_;
   std::unique_ptr<grpc::Server> server_;

@@ -132,20 +132,20 @@ void SessionService::SweeperLoop() {
 }
 
 template <typename Request, typename Response>
-grpc::ServerUnaryReactor* SessionService::Serve(
-    absl::string_view rpc, grpc::CallbackServerContext* context,
-    const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response,
-    absl::AnyInvocable<void(const Request& request, Response* response, const std::string& owner,
-                            const Arrival& arrival, Finish finish) &&>
-        body) {
+grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
+                                                grpc::CallbackServerContext* context,
+                                                const grpc::ByteBuffer* raw_request,
+                                                grpc::ByteBuffer* raw_response,
+                                                Handler<Request, Response> handler) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // The call's messages, kept by its answer until it is given.
   auto messages = std::make_shared<std::pair<Request, Response>>();
   Admit(
       rpc, context, *raw_request, &messages->first, &messages->second, raw_response,
-      [messages, body = std::move(body)](const std::string& owner, const Arrival& arrival,
-                                         Finish finish) mutable {
-        std::move(body)(messages->first, &messages->second, owner, arrival, std::move(finish));
+      [this, handler, context, messages](const std::string& owner, const Arrival& arrival,
+                                         Finish finish) {
+        (this->*handler)(CallbackCall(context), owner, arrival, messages->first, &messages->second,
+                         std::move(finish));
       },
       [reactor, messages](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
@@ -180,7 +180,7 @@ void SessionService::Admit(absl::string_view rpc, const grpc::ServerContextBase*
   std::move(body)(gate_->auth_token(), arrived, std::move(finish));
 }
 
-void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int device,
+void SessionService::SubmitDeviceWork(const CallContext& call, int device,
                                       std::vector<std::string> sessions,
                                       absl::AnyInvocable<absl::Status() &&> run, Finish finish) {
   Job job;
@@ -192,8 +192,8 @@ void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int 
   }};
   job.device = device;
   job.sessions = std::move(sessions);
-  job.deadline = absl::FromChrono(context->deadline());
-  job.cancelled = [context] { return context->IsCancelled(); };
+  job.deadline = absl::FromChrono(call.grpc->deadline());
+  job.cancelled = [cancelled = call.cancelled] { return cancelled(); };
   job.done = [this, finish = std::move(finish)](JobResult result) mutable {
     if (result.status.ok()) metrics_->StagesObserved(result.queued, result.stages);
     std::move(finish)(std::move(result.status));
@@ -204,34 +204,31 @@ void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int 
 grpc::ServerUnaryReactor* SessionService::CreateSession(grpc::CallbackServerContext* context,
                                                         const grpc::ByteBuffer* request,
                                                         grpc::ByteBuffer* response) {
-  return Serve<v1::CreateSessionRequest, v1::SessionInfo>(
-      "CreateSession", context, request, response,
-      [this, context](const v1::CreateSessionRequest& request, v1::SessionInfo* response,
-                      const std::string& owner, const Arrival&, Finish finish) {
-        RunCreate(context, owner, request, response, std::move(finish));
-      });
+  return Serve("CreateSession", context, request, response, &SessionService::RunCreate);
 }
 
 grpc::ServerUnaryReactor* SessionService::AppendKv(grpc::CallbackServerContext* context,
                                                    const grpc::ByteBuffer* request,
                                                    grpc::ByteBuffer* response) {
-  return Serve<v1::AppendKvRequest, v1::SessionInfo>(
-      "AppendKv", context, request, response,
-      [this, context](const v1::AppendKvRequest& request, v1::SessionInfo* response,
-                      const std::string& owner, const Arrival&, Finish finish) {
-        RunAppend(context, owner, request, response, std::move(finish));
-      });
+  return Serve("AppendKv", context, request, response, &SessionService::RunAppend);
 }
 
 grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* context,
                                                const grpc::ByteBuffer* request,
                                                grpc::ByteBuffer* response) {
-  return Serve<v1::StepRequest, v1::StepResponse>(
-      "Step", context, request, response,
-      [this, context](const v1::StepRequest& request, v1::StepResponse* response,
-                      const std::string& owner, const Arrival& arrival, Finish finish) {
-        RunStep(CallbackCall(context), owner, arrival, request, response, std::move(finish));
-      });
+  return Serve("Step", context, request, response, &SessionService::RunStep);
+}
+
+grpc::ServerUnaryReactor* SessionService::DropSession(grpc::CallbackServerContext* context,
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* response) {
+  return Serve("DropSession", context, request, response, &SessionService::RunDrop);
+}
+
+grpc::ServerUnaryReactor* SessionService::ListSessions(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request,
+                                                       grpc::ByteBuffer* response) {
+  return Serve("ListSessions", context, request, response, &SessionService::RunList);
 }
 
 SessionService::StepMessages::StepMessages()
@@ -239,61 +236,45 @@ SessionService::StepMessages::StepMessages()
       request(*google::protobuf::Arena::CreateMessage<v1::StepRequest>(&arena)),
       response(*google::protobuf::Arena::CreateMessage<v1::StepResponse>(&arena)) {}
 
-grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* SessionService::StepStream(
-    grpc::CallbackServerContext* context) {
-  return StreamReactor<StepMessages>::Begin(options_.stream_window,
-                                            StepStreamProcess(CallbackCall(context)));
-}
-
-StreamProcess<SessionService::StepMessages> SessionService::StepStreamProcess(CallContext call) {
-  return [this, call = std::move(call)](grpc::ByteBuffer* request, grpc::ByteBuffer* response,
-                                        StepMessages* step, Finish done) {
-    Admit(
-        "StepStream", call.grpc, *request, &step->request, &step->response, response,
-        [this, &call, request, step](const std::string& owner, const Arrival& arrival,
-                                     Finish finish) {
-          // Parsed (protobuf copied the bytes): give the received slices back.
-          request->Clear();
-          RunStep(call, owner, arrival, step->request, &step->response, std::move(finish));
-        },
-        std::move(done));
-  };
-}
-
-grpc::ServerUnaryReactor* SessionService::DropSession(grpc::CallbackServerContext* context,
-                                                      const grpc::ByteBuffer* request,
-                                                      grpc::ByteBuffer* response) {
-  return Serve<v1::DropSessionRequest, v1::DropSessionResponse>(
-      "DropSession", context, request, response,
-      [this](const v1::DropSessionRequest& request, v1::DropSessionResponse*,
-             const std::string& owner, const Arrival&, Finish finish) {
-        std::move(finish)(request.session_id().empty() ? MissingSessionId()
-                                                       : store_->Drop(owner, request.session_id()));
+StreamMethod SessionService::StepStreamMethod() {
+  return MakeStreamMethod<StepMessages>(
+      options_.stream_window,
+      [this](const CallContext& call, StreamExchange* exchange, StepMessages* step, Finish done) {
+        grpc::ByteBuffer* request = &exchange->request;
+        Admit(
+            "StepStream", call.grpc, *request, &step->request, &step->response, &exchange->response,
+            [this, &call, request, step](const std::string& owner, const Arrival& arrival,
+                                         Finish finish) {
+              // Parsed (protobuf copied the bytes): give the received slices back.
+              request->Clear();
+              RunStep(call, owner, arrival, step->request, &step->response, std::move(finish));
+            },
+            std::move(done));
       });
 }
 
-grpc::ServerUnaryReactor* SessionService::ListSessions(grpc::CallbackServerContext* context,
-                                                       const grpc::ByteBuffer* request,
-                                                       grpc::ByteBuffer* response) {
-  return Serve<v1::ListSessionsRequest, v1::ListSessionsResponse>(
-      "ListSessions", context, request, response,
-      [this](const v1::ListSessionsRequest&, v1::ListSessionsResponse* response,
-             const std::string& owner, const Arrival&, Finish finish) {
-        for (const SessionSnapshot& s : store_->List(owner)) {
-          FillInfo(s, response->add_sessions());
-        }
-        const CacheRoom room = store_->Room();
-        response->set_page_bytes(room.page_bytes);
-        response->set_pages_total(room.pages_total);
-        response->set_pages_free(room.pages_free);
-        std::move(finish)(absl::OkStatus());
-      });
+void SessionService::RunDrop(const CallContext&, const std::string& owner, const Arrival&,
+                             const v1::DropSessionRequest& request, v1::DropSessionResponse*,
+                             Finish finish) {
+  std::move(finish)(request.session_id().empty() ? MissingSessionId()
+                                                 : store_->Drop(owner, request.session_id()));
 }
 
-void SessionService::RunCreate(grpc::CallbackServerContext* context, const std::string& owner,
+void SessionService::RunList(const CallContext&, const std::string& owner, const Arrival&,
+                             const v1::ListSessionsRequest&, v1::ListSessionsResponse* response,
+                             Finish finish) {
+  for (const SessionSnapshot& s : store_->List(owner)) FillInfo(s, response->add_sessions());
+  const CacheRoom room = store_->Room();
+  response->set_page_bytes(room.page_bytes);
+  response->set_pages_total(room.pages_total);
+  response->set_pages_free(room.pages_free);
+  std::move(finish)(absl::OkStatus());
+}
+
+void SessionService::RunCreate(const CallContext& call, const std::string& owner, const Arrival&,
                                const v1::CreateSessionRequest& request, v1::SessionInfo* response,
                                Finish finish) {
-  auto refs = std::make_unique<RequestRegions>(regions_, context, &gate_->auth_token());
+  auto refs = std::make_unique<RequestRegions>(regions_, call.grpc, &gate_->auth_token());
   absl::StatusOr<DecodedCreate> decoded = DecodeCreate(request, limits_, refs.get());
   if (!decoded.ok()) return std::move(finish)(decoded.status());
   const RequestRegions* regions = refs.get();  // held by `finish`, which runs after `run`
@@ -317,10 +298,10 @@ void SessionService::RunCreate(grpc::CallbackServerContext* context, const std::
     return absl::OkStatus();
   };
   // A new session: no other call can hold it yet.
-  SubmitDeviceWork(context, *device, {}, std::move(run), std::move(finish));
+  SubmitDeviceWork(call, *device, {}, std::move(run), std::move(finish));
 }
 
-void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::string& owner,
+void SessionService::RunAppend(const CallContext& call, const std::string& owner, const Arrival&,
                                const v1::AppendKvRequest& request, v1::SessionInfo* response,
                                Finish finish) {
   if (request.session_id().empty()) return std::move(finish)(MissingSessionId());
@@ -330,7 +311,7 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
   }
   absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, request.session_id());
   if (!place.ok()) return std::move(finish)(place.status());
-  auto refs = std::make_unique<RequestRegions>(regions_, context, &gate_->auth_token());
+  auto refs = std::make_unique<RequestRegions>(regions_, call.grpc, &gate_->auth_token());
   absl::StatusOr<KvRows> rows = DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
                                              request.has_v() ? &request.v() : nullptr,
                                              request.layout(), place->shape, refs.get());
@@ -351,8 +332,7 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
     FillInfo(store_->Snapshot(lease), response);
     return absl::OkStatus();
   };
-  SubmitDeviceWork(context, place->device, {request.session_id()}, std::move(run),
-                   std::move(finish));
+  SubmitDeviceWork(call, place->device, {request.session_id()}, std::move(run), std::move(finish));
 }
 
 absl::Status SessionService::DecodeStep(const std::string& owner, const v1::StepRequest& request,

@@ -36,9 +36,9 @@
 #include "server/regions/region_registry.h"
 #include "server/requests/session_request.h"
 #include "server/scheduling/scheduler.h"
-#include "server/service/stream_reactor.h"
 #include "server/sessions/session_store.h"
 #include "server/sessions/step_jobs.h"
+#include "server/streams/stream_methods.h"
 
 namespace attention::server {
 
@@ -54,8 +54,8 @@ struct SessionServiceOptions {
 };
 
 // Every method raw: the bytes of a request are ours to parse (wire_buffers.h says why).
-// StepStream is generic: the server's generic service serves it (generic_streams.h), on gRPC's
-// callback API or, with --poll_streams, on its async API with a polling thread.
+// StepStream is generic: the stream transports of server/streams/ serve it from the table of
+// stream methods.
 using SessionsRawService = v1::Sessions::WithRawCallbackMethod_CreateSession<
     v1::Sessions::WithRawCallbackMethod_AppendKv<v1::Sessions::WithRawCallbackMethod_Step<
         v1::Sessions::WithGenericMethod_StepStream<v1::Sessions::WithRawCallbackMethod_DropSession<
@@ -99,15 +99,12 @@ class SessionService final : public SessionsRawService {
     v1::StepRequest& request;
     v1::StepResponse& response;
   };
-  // Steps on one stream, each answered as it finishes (its response carries its request_id), with
-  // the unary Step's checks, queue, metrics (rpc "StepStream") and drain per Step; at most
-  // `stream_window` Steps of one stream are held at once. A failed Step ends the stream with its
-  // status, naming its request_id. StepStream is the callback API's reactor, StepStreamProcess
-  // the processing of any transport's stream (generic_streams.h).
-  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StepStream(
-      grpc::CallbackServerContext* context);
-  StreamProcess<StepMessages> StepStreamProcess(CallContext call);
-  int stream_window() const { return options_.stream_window; }
+  // StepStream, as the stream transports serve it (server/streams/): Steps on one stream, each
+  // answered as it finishes (its response carries its request_id), with the unary Step's checks,
+  // queue, metrics (rpc "StepStream") and drain per Step; at most `stream_window` Steps of one
+  // stream are held at once. A failed Step ends the stream with its status, naming its
+  // request_id.
+  StreamMethod StepStreamMethod();
   grpc::ServerUnaryReactor* DropSession(grpc::CallbackServerContext* context,
                                         const grpc::ByteBuffer* request,
                                         grpc::ByteBuffer* response) override;
@@ -128,15 +125,19 @@ class SessionService final : public SessionsRawService {
   using Body =
       absl::AnyInvocable<void(const std::string& owner, const Arrival& arrival, Finish finish) &&>;
 
-  // Answers one unary call through Admit and its default reactor: `body` runs over the parsed
+  // A unary call's work once admitted: over its parsed request, filling its response, for the
+  // caller `owner` of `call`; answers through `finish`.
+  template <typename Request, typename Response>
+  using Handler = void (SessionService::*)(const CallContext& call, const std::string& owner,
+                                           const Arrival& arrival, const Request& request,
+                                           Response* response, Finish finish);
+  // Answers one unary call through Admit and its default reactor: `handler` runs over the parsed
   // request and a response, which Admit serializes into `raw_response`.
   template <typename Request, typename Response>
-  grpc::ServerUnaryReactor* Serve(
-      absl::string_view rpc, grpc::CallbackServerContext* context,
-      const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response,
-      absl::AnyInvocable<void(const Request& request, Response* response, const std::string& owner,
-                              const Arrival& arrival, Finish finish) &&>
-          body);
+  grpc::ServerUnaryReactor* Serve(absl::string_view rpc, grpc::CallbackServerContext* context,
+                                  const grpc::ByteBuffer* raw_request,
+                                  grpc::ByteBuffer* raw_response,
+                                  Handler<Request, Response> handler);
   // Admits one request (a unary call or one message of a stream): checks the token, the drain,
   // that `raw_request` parses as `request` (INVALID_ARGUMENT naming the field otherwise) and the
   // store, then runs `body`, which answers through the `finish` it is given (serializing
@@ -147,15 +148,21 @@ class SessionService final : public SessionsRawService {
              const grpc::ByteBuffer& raw_request, google::protobuf::Message* request,
              const google::protobuf::Message* response, grpc::ByteBuffer* raw_response, Body body,
              Finish answer);
-  // Queues `run` as device work on `device` for the call of `context`, holding `sessions`.
-  void SubmitDeviceWork(grpc::CallbackServerContext* context, int device,
-                        std::vector<std::string> sessions,
+  // Queues `run` as device work on `device` for `call`, holding `sessions`.
+  void SubmitDeviceWork(const CallContext& call, int device, std::vector<std::string> sessions,
                         absl::AnyInvocable<absl::Status() &&> run, Finish finish);
 
-  void RunCreate(grpc::CallbackServerContext* context, const std::string& owner,
+  // The unary calls' work (Handlers).
+  void RunCreate(const CallContext& call, const std::string& owner, const Arrival& arrival,
                  const v1::CreateSessionRequest& request, v1::SessionInfo* response, Finish finish);
-  void RunAppend(grpc::CallbackServerContext* context, const std::string& owner,
+  void RunAppend(const CallContext& call, const std::string& owner, const Arrival& arrival,
                  const v1::AppendKvRequest& request, v1::SessionInfo* response, Finish finish);
+  void RunDrop(const CallContext& call, const std::string& owner, const Arrival& arrival,
+               const v1::DropSessionRequest& request, v1::DropSessionResponse* response,
+               Finish finish);
+  void RunList(const CallContext& call, const std::string& owner, const Arrival& arrival,
+               const v1::ListSessionsRequest& request, v1::ListSessionsResponse* response,
+               Finish finish);
   // A Step's entries checked against their sessions' shapes into `seqs` (o and lse not yet
   // placed), and its response against the message limit.
   absl::Status DecodeStep(const std::string& owner, const v1::StepRequest& request,

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/service/request_rings.h"
+#include "server/streams/request_rings.h"
 
 namespace attention::server {
 namespace {

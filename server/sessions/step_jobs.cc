@@ -8,14 +8,8 @@
 
 namespace attention::server {
 
-absl::Status CheckQueriesFit(int index, const StepSequence& seq, int64_t length) {
-  const int64_t length_after = length + seq.rows.rows;
-  if (seq.rows_q > length_after) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "entries[", index, "].q.shape[1] (queries): expected at most the session's ", length_after,
-        " rows after this step's append (queries are its last positions), got ", seq.rows_q));
-  }
-  return absl::OkStatus();
+std::string StepWork::QueriesField(int seq) const {
+  return absl::StrCat("entries[", seq, "].q.shape[1] (queries)");
 }
 
 StepJobs::StepJobs(SessionStore* store, const Options& options, Observer observe)
@@ -42,9 +36,8 @@ std::vector<Job> StepJobs::Jobs(const std::shared_ptr<StepWork>& step, absl::Tim
     Job job;
     job.device = group.device;
     for (int i : group.seqs) job.sessions.emplace_back(step->seqs[i].session_id);
-    job.work = DecodeWork{.key = group.key, .prepare = [this, step, &group] {
-                            return Prepare(*step, group);
-                          }};
+    job.work = DecodeWork{.key = group.key,
+                          .prepare = [this, step, &group] { return Prepare(*step, group); }};
     job.deadline = deadline;
     job.cancelled = [cancelled] { return cancelled(); };
     job.done = [this, step, &group](JobResult result) { Answered(*step, group, result); };
@@ -66,7 +59,8 @@ absl::StatusOr<std::vector<DecodeSequence>> StepJobs::Prepare(StepWork& step,
   for (size_t s = 0; s < group.seqs.size(); ++s) {
     const StepSequence& seq = step.seqs[group.seqs[s]];
     const int64_t length = leases[s].length();
-    RETURN_IF_ERROR(CheckQueriesFit(group.seqs[s], seq, length));
+    RETURN_IF_ERROR(CheckQueriesFit([&] { return step.QueriesField(group.seqs[s]); }, seq.rows_q,
+                                    seq.rows.rows, length));
     flops += DecodeFlops(group.key, {.length = length + seq.rows.rows, .rows_q = seq.rows_q});
     held.push_back(&leases[s]);
     new_rows.push_back(seq.rows.rows);

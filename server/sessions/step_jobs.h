@@ -32,9 +32,9 @@ namespace attention::server {
 // One sequence of a step. Pointers are host memory valid until the step has Finished.
 struct StepSequence {
   absl::string_view session_id;
-  int device = 0;  // the session's (SessionStore::Locate)
-  DecodeKey key;   // its shape is the session's
-  KvRows rows;     // appended before the queries attend
+  int device = 0;           // the session's (SessionStore::Locate)
+  DecodeKey key;            // its shape is the session's
+  KvRows rows;              // appended before the queries attend
   const void* q = nullptr;  // [Hq, Nq, D] of the key's dtype
   int64_t rows_q = 0;       // Nq: the session's last Nq positions
   void* o = nullptr;        // [Hq, Nq, D], written by the launch
@@ -43,16 +43,11 @@ struct StepSequence {
   int64_t length = 0;
 };
 
-// The check that needs the session's length (`length` rows before this step): a sequence's
-// queries are its last positions, so at most as many as it holds after the append. `index` names
-// the request's entry.
-absl::Status CheckQueriesFit(int index, const StepSequence& seq, int64_t length);
-
 // How a step ended, once its last job has finished.
 struct StepOutcome {
-  absl::Status status;  // the first job's failure
-  StageTimes stages;    // summed over the jobs
-  absl::Duration queued;  // the longest any job waited
+  absl::Status status;               // the first job's failure
+  StageTimes stages;                 // summed over the jobs
+  absl::Duration queued;             // the longest any job waited
   std::vector<std::string> devices;  // each device it ran on, once
 };
 
@@ -66,6 +61,9 @@ class StepWork {
 
   // Runs once, on the worker that finished the last job, every lease of the step released.
   virtual void Finished(StepOutcome outcome) = 0;
+  // The field of sequence `seq`'s queries, naming it in a refusal: a Step's entries by default
+  // ("entries[2].q.shape[1] (queries)"); a request of another form names its own.
+  virtual std::string QueriesField(int seq) const;
 
  private:
   friend class StepJobs;

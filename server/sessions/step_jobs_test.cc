@@ -29,17 +29,6 @@ using ::testing::HasSubstr;
 constexpr KvShape kShape{.dtype = DType::kFloat32, .heads_kv = 2, .head_dim = 8};
 constexpr int64_t kHeadsQ = 4;
 
-TEST(CheckQueriesFitTest, QueriesAreTheSessionsLastPositions) {
-  const StepSequence one{.rows = {.rows = 1}, .rows_q = 1};
-  EXPECT_EQ(CheckQueriesFit(0, one, 0), absl::OkStatus());
-  const StepSequence three{.rows = {.rows = 1}, .rows_q = 3};
-  const absl::Status status = CheckQueriesFit(4, three, 1);
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(status.message(),
-              HasSubstr("entries[4].q.shape[1] (queries): expected at most the session's 2 rows"));
-  EXPECT_EQ(CheckQueriesFit(0, three, 2), absl::OkStatus());
-}
-
 // A sequence's rows and queries, BHSD: k, v [Hkv, rows, D]; q, o [Hq, rows_q, D]; lse [Hq, rows_q].
 struct Tensors {
   Tensors(int64_t rows, int64_t rows_q, std::mt19937& rng)

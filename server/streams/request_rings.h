@@ -2,8 +2,8 @@
 // passed through a ring in one of the client's system regions (proto/attention/v1/request_ring.h)
 // instead of gRPC messages. Why: a co-located decode loop with one Step in flight pays loopback
 // gRPC's message exchange on every Step, ~100 us on the GPU host with no service code at all
-// (bench/README.md, runs F-H), more than the rest of the server's own part; through a ring a
-// request costs a copy into shared memory and, only when the server sleeps, one futex wake.
+// (bench/README.md, co-located clients), more than the rest of the server's own part; through a
+// ring a request costs a copy into shared memory and, only when the server sleeps, one futex wake.
 //
 // Each ring has a thread of its own that polls the ring's counters and takes each request (copied
 // out of its slot, then processed on that thread as a message of the stream method: the same
@@ -37,12 +37,12 @@ namespace attention::server {
 
 class RequestRings {
  public:
-  // `attention` and `sessions` (either may be null: its method is then UNIMPLEMENTED), `registry`
-  // and `gate` must outlive this. At most `max_rings` rings are served at once, over every
+  // `methods` (a ring method whose stream method is not there is UNIMPLEMENTED), `registry` and
+  // `gate` must outlive this. At most `max_rings` rings are served at once, over every
   // caller: each holds a thread, which spins while its requests come. A refused OpenRing passes
   // `gate` (metrics, log); a ring's requests pass it as their method's calls.
-  RequestRings(AttentionService* attention, SessionService* sessions, RegionRegistry* registry,
-               const CallGate* gate, int max_rings);
+  RequestRings(const StreamMethods* methods, RegionRegistry* registry, const CallGate* gate,
+               int max_rings);
   // Stops, if Stop has not.
   ~RequestRings();
   RequestRings(const RequestRings&) = delete;
@@ -61,12 +61,10 @@ class RequestRings {
 
  private:
   class Ring;
-  template <typename State>
   class Flow;
   struct Memory;
 
-  AttentionService* const attention_;
-  SessionService* const sessions_;
+  const StreamMethods* const methods_;
   RegionRegistry* const registry_;
   const CallGate* const gate_;
   const int max_rings_;
