@@ -197,7 +197,7 @@ FuzzedSession SessionFromBytes(const uint8_t* bytes) {
 
 // Reads every element [head, row, 0..D) that `rows`' strides reach in k and v, as the KV write
 // does, and checks that the byte counts match the tensors the rows came from.
-void CheckKvRows(const attention::server::KvRows& rows, const attention::v1::Tensor* k,
+void CheckKvRows(const attention::KvRows& rows, const attention::v1::Tensor* k,
                  const attention::v1::Tensor* v, const attention::KvShape& shape) {
   if (rows.rows < 0) Fail("negative KV rows");
   if (rows.rows == 0) {
@@ -256,7 +256,7 @@ void FuzzAppend(const uint8_t* data, size_t size) {
   if (!request.ParseFromArray(data + 4, static_cast<int>(size - 4))) return;
   const attention::v1::Tensor* k = request.has_k() ? &request.k() : nullptr;
   const attention::v1::Tensor* v = request.has_v() ? &request.v() : nullptr;
-  absl::StatusOr<attention::server::KvRows> rows =
+  absl::StatusOr<attention::KvRows> rows =
       attention::server::DecodeKvRows("", k, v, request.layout(), session.shape);
   if (!rows.ok()) return CheckSessionRefusal(rows.status());
   CheckKvRows(*rows, k, v, session.shape);

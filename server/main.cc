@@ -612,6 +612,10 @@ int main(int argc, char** argv) {
 
   absl::Status valid = attention::server::CheckOptions(options, max_message_mb);
   if (valid.ok()) valid = attention::server::CheckKvCacheOptions(options.kv_cache);
+  if (valid.ok() && (options.call_log.level < 0 || options.call_log.level > 2)) {
+    valid = absl::InvalidArgumentError(
+        absl::StrCat("--log_calls: expected 0, 1 or 2, got ", options.call_log.level));
+  }
   if (!valid.ok()) {
     std::fprintf(stderr, "attention_server: %s\n", valid.ToString().c_str());
     return 2;

@@ -30,6 +30,7 @@
 namespace attention::server {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using v1::AttendRequest;
 using v1::AttendResponse;
@@ -102,12 +103,22 @@ class TestServer {
   }
   v1::Attention::Stub& stub() { return *stub_; }
   DrainGate& drain() { return drain_; }
+  // The request log's lines so far.
+  std::vector<std::string> log_lines() {
+    std::lock_guard<std::mutex> lock(log_mu_);
+    return log_lines_;
+  }
   Metrics& metrics() { return metrics_; }
 
  private:
   Metrics metrics_;
   DrainGate drain_;
-  CallLog log_;
+  std::mutex log_mu_;
+  std::vector<std::string> log_lines_;  // guarded by log_mu_
+  CallLog log_{{.sink = [this](const std::string& line) {
+    std::lock_guard<std::mutex> lock(log_mu_);
+    log_lines_.push_back(line);
+  }}};
   const CallGate gate_{&metrics_, &drain_, "", &log_};
   std::optional<Scheduler> scheduler_;
   std::optional<AttentionService> service_;
@@ -424,6 +435,16 @@ TEST(AttentionServiceTest, DrainingRefusesNewRequests) {
   ASSERT_TRUE(stream->Write(SmallRequest("ds", 2)));
   EXPECT_FALSE(stream->Read(&response));
   EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+
+  // Each refusal is one line of the request log (its default level), and counted by its rpc.
+  EXPECT_THAT(
+      server.log_lines(),
+      ::testing::ElementsAre(
+          AllOf(HasSubstr("Attend from ipv4:127.0.0.1:"), HasSubstr("UNAVAILABLE after"),
+                HasSubstr("server is shutting down")),
+          AllOf(HasSubstr("AttendStream from ipv4:127.0.0.1:"), HasSubstr("UNAVAILABLE after"))));
+  EXPECT_THAT(server.metrics().Scrape(),
+              HasSubstr("attention_requests_total{code=\"UNAVAILABLE\",rpc=\"AttendStream\"} 1"));
 }
 
 TEST(AttentionServiceTest, ServerInfoDescribesDevicesAndLimits) {

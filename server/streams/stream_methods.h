@@ -39,8 +39,8 @@ struct StreamExchange {
 // Runs one message read from a stream, filling `exchange->response`; calls `done` exactly once,
 // inline or from another thread. `exchange` (whose request it may clear once parsed) stays valid
 // until then.
-using StreamProcess =
-    absl::AnyInvocable<void(StreamExchange* exchange, absl::AnyInvocable<void(absl::Status) &&> done)>;
+using StreamProcess = absl::AnyInvocable<void(StreamExchange* exchange,
+                                              absl::AnyInvocable<void(absl::Status) &&> done)>;
 
 struct StreamMethod {
   // Messages one stream may hold at once (running, or answered and waiting to be written); further
