@@ -29,25 +29,19 @@ struct Captured {
   }
 };
 
-TEST(CallLogTest, DefaultLevelWritesOneLinePerFailedCallOnly) {
-  Captured c(1);
-  c.End(absl::OkStatus());
-  c.End(absl::UnavailableError("server is shutting down"));
-  ASSERT_EQ(c.lines.size(), 1u);
-  EXPECT_THAT(c.lines[0], HasSubstr("Step from ipv4:127.0.0.1:5 UNAVAILABLE after 3ms"));
-  EXPECT_THAT(c.lines[0], HasSubstr("server is shutting down"));
-}
-
-TEST(CallLogTest, LevelTwoWritesEveryCallAndZeroNone) {
-  Captured every(2);
-  every.End(absl::OkStatus());
-  every.End(absl::InvalidArgumentError("q: bad"));
-  EXPECT_EQ(every.lines.size(), 2u);
-  EXPECT_THAT(every.lines[0], HasSubstr("OK after"));
-  Captured none(0);
-  none.End(absl::InvalidArgumentError("q: bad"));
-  none.log.Flush();
-  EXPECT_TRUE(none.lines.empty());
+// Level 0 writes nothing, 1 (the default) one line per failed call, 2 one line per call.
+TEST(CallLogTest, EachLevelWritesItsCalls) {
+  for (const auto& [level, lines] : {std::pair{0, 0u}, std::pair{1, 1u}, std::pair{2, 2u}}) {
+    Captured c(level);
+    c.End(absl::OkStatus());
+    c.End(absl::UnavailableError("server is shutting down"));
+    c.log.Flush();
+    ASSERT_EQ(c.lines.size(), lines) << "level " << level;
+    if (lines == 0) continue;
+    EXPECT_THAT(c.lines.back(), HasSubstr("Step from ipv4:127.0.0.1:5 UNAVAILABLE after 3ms: "
+                                          "server is shutting down"));
+    if (lines == 2) EXPECT_THAT(c.lines.front(), HasSubstr("Step from ipv4:127.0.0.1:5 OK after"));
+  }
 }
 
 TEST(CallLogTest, ABurstLeavesTheLimitsLinesAndTheCountOfTheRest) {

@@ -95,6 +95,17 @@ class StepJobsTest : public ::testing::Test {
     EXPECT_TRUE(leases.ok()) << leases.status();
     return leases.ok() ? leases->front().length() : -1;
   }
+  // Sequence of session `id`: `t`'s rows appended, its last `rows_q` positions queried.
+  static StepSequence Sequence(const std::string& id, Tensors& t, int64_t rows_q,
+                               const DecodeKey& key) {
+    return {.session_id = id,
+            .key = key,
+            .rows = t.kv_rows,
+            .q = t.q.data(),
+            .rows_q = rows_q,
+            .o = t.o.data(),
+            .lse = t.lse.data()};
+  }
   StepOutcome Run(const std::shared_ptr<TestStep>& step, const StepJobs& jobs) {
     scheduler_->SubmitAll(jobs.Jobs(step, absl::InfiniteFuture(), [] { return false; }));
     return step->Wait();
@@ -153,13 +164,7 @@ TEST_F(StepJobsTest, AppendsTheNewRowsAndAttendsToEveryRow) {
   const std::string id = Create(first);
   Tensors step_rows(1, 2, rng_);  // one new row, two queries (the session's last two positions)
   auto step = std::make_shared<TestStep>();
-  step->seqs.push_back(StepSequence{.session_id = id,
-                                    .key = key_,
-                                    .rows = step_rows.kv_rows,
-                                    .q = step_rows.q.data(),
-                                    .rows_q = 2,
-                                    .o = step_rows.o.data(),
-                                    .lse = step_rows.lse.data()});
+  step->seqs.push_back(Sequence(id, step_rows, 2, key_));
   StepJobs jobs(&*store_, {}, {});
   const StepOutcome outcome = Run(step, jobs);
   ASSERT_EQ(outcome.status, absl::OkStatus());
@@ -176,15 +181,8 @@ TEST_F(StepJobsTest, SequencesOfTwoKeysAreTwoJobsAndEachIsObserved) {
   DecodeKey other = key_;
   other.softmax_scale = 0.25f;
   auto step = std::make_shared<TestStep>();
-  for (auto [id, t, key] : {std::tuple{&a, &a_step, key_}, std::tuple{&b, &b_step, other}}) {
-    step->seqs.push_back(StepSequence{.session_id = *id,
-                                      .key = key,
-                                      .rows = t->kv_rows,
-                                      .q = t->q.data(),
-                                      .rows_q = 1,
-                                      .o = t->o.data(),
-                                      .lse = t->lse.data()});
-  }
+  step->seqs.push_back(Sequence(a, a_step, 1, key_));
+  step->seqs.push_back(Sequence(b, b_step, 1, other));
   std::mutex mu;
   int observed = 0;
   int64_t tokens = 0;
@@ -208,13 +206,7 @@ TEST_F(StepJobsTest, RefusalsOnTheWorkerAppendNothing) {
   Tensors step_rows(1, 5, rng_);  // five queries, but the session holds 4 rows after the append
   auto make_step = [&] {
     auto step = std::make_shared<TestStep>();
-    step->seqs.push_back(StepSequence{.session_id = id,
-                                      .key = key_,
-                                      .rows = step_rows.kv_rows,
-                                      .q = step_rows.q.data(),
-                                      .rows_q = 5,
-                                      .o = step_rows.o.data(),
-                                      .lse = step_rows.lse.data()});
+    step->seqs.push_back(Sequence(id, step_rows, 5, key_));
     return step;
   };
   StepJobs jobs(&*store_, {}, {});
