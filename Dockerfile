@@ -21,19 +21,15 @@ ARG CUDA_VERSION=13.0.2
 FROM docker.io/nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS build
 ARG CUDA_ARCHITECTURES="80;90a"
 ARG DEBIAN_FRONTEND=noninteractive
-# The image runs no tests, so install_deps.sh leaves out the deployment tests' linters and the
-# Python tests' torch and transformers.
-ARG ATTENTION_DEPLOY_TOOLS=0
-ARG ATTENTION_PYTHON_ENV=0
 # A failing command anywhere in a pipe (ldd below) fails the step.
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /src
-# Dependencies in a layer of their own, rebuilt only when the script changes. build.sh runs the
-# script again and finds every package present.
+# The server's dependencies (the image runs no tests) in a layer of their own, rebuilt only when
+# the script changes. build.sh runs the script again and finds every package present.
 COPY scripts/install_deps.sh scripts/
-RUN ./scripts/install_deps.sh && rm -rf /var/lib/apt/lists/*
+RUN ./scripts/install_deps.sh server && rm -rf /var/lib/apt/lists/*
 COPY . .
-RUN ./scripts/build.sh -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHITECTURES}"
+RUN ./scripts/build.sh --server-only -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHITECTURES}"
 # The binaries, and the Ubuntu packages owning each shared library they load (gRPC, protobuf,
 # abseil, prometheus-cpp and what those load), for the runtime stage to install. Libraries under
 # /usr/local (the CUDA runtime) come with the runtime image. With /usr merged, a library ldd finds

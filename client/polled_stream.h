@@ -3,9 +3,9 @@
 // Read, WritesDone and Finish each start their operation and poll the queue (a non-blocking
 // epoll of the connection) until it completes. So a response is read by the waiting thread the
 // moment its bytes arrive, with no wake-up: on a virtual machine a thread woken from sleep costs
-// tens of microseconds (bench/README.md, "Per-call latency"), which a decode loop with one Step
-// in flight pays on every Step. The price is one core busy while a call is outstanding; it suits
-// a co-located model process that waits for attention anyway.
+// tens of microseconds (bench/results/2026-12-01-step-latency-spin-poll-clients.md), which a decode
+// loop with one Step in flight pays on every Step. The price is one core busy while a call is
+// outstanding; it suits a co-located model process that waits for attention anyway.
 //
 //   auto stream = PolledStream<Req, Resp>::Start(
 //       [&](grpc::ClientContext* c, grpc::CompletionQueue* cq) {

@@ -9,10 +9,10 @@
 //   grpc::Status status = (*ring)->Finish();
 //
 // Why: a decode loop with one Step in flight pays gRPC's loopback round trip on every Step, about
-// 100 us per message on the GPU host (bench/README.md, "Per-call latency"), whichever client API
-// it uses. On a ring a request costs a copy into shared memory and, at most, a futex wake of a
-// sleeping server; the response comes back the same way, and this client spins for it (one busy
-// core) before it sleeps. The server must run with --allow_shared_memory.
+// 100 us per message on the GPU host (bench/results/2026-12-02-step-latency-polled-streams.md),
+// whichever client API it uses. On a ring a request costs a copy into shared memory and, at most, a
+// futex wake of a sleeping server; the response comes back the same way, and this client spins for
+// it (one busy core) before it sleeps. The server must run with --allow_shared_memory.
 //
 // The ring is a region of the Client's credentials, like any other (client/shared_memory.h): the
 // requests it carries may refer to that Client's regions only, so register them over the same

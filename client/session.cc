@@ -30,6 +30,15 @@ StepOutput ToOutput(v1::StepResult& result) {
                     result.length()};
 }
 
+// The options every Step request carries, entries or packed.
+void SetStepOptions(const StepOptions& options, v1::StepRequest* request) {
+  request->set_causal(options.causal);
+  if (options.softmax_scale) request->set_softmax_scale(*options.softmax_scale);
+  if (options.window_left) request->set_window_left(*options.window_left);
+  if (options.window_right) request->set_window_right(*options.window_right);
+  request->set_return_lse(options.return_lse);
+}
+
 }  // namespace
 
 Session::Session(Session&& other) noexcept
@@ -142,12 +151,95 @@ absl::StatusOr<v1::StepRequest> SessionClient::MakeStepRequest(absl::Span<const 
       *entry->mutable_v() = *item.v;
     }
   }
-  request.set_causal(options.causal);
-  if (options.softmax_scale) request.set_softmax_scale(*options.softmax_scale);
-  if (options.window_left) request.set_window_left(*options.window_left);
-  if (options.window_right) request.set_window_right(*options.window_right);
-  request.set_return_lse(options.return_lse);
+  SetStepOptions(options, &request);
   return request;
+}
+
+absl::StatusOr<v1::StepRequest> SessionClient::MakeBatchRequest(
+    absl::Span<Session* const> sessions, const v1::Tensor& q, const StepOptions& options,
+    const StepBatchTensors& tensors) const {
+  if (sessions.empty()) {
+    return absl::InvalidArgumentError("StepBatch: expected at least one session, got none");
+  }
+  if (absl::Status pair = CheckPair(tensors.k, tensors.v); !pair.ok()) return pair;
+  v1::StepRequest request;
+  for (size_t b = 0; b < sessions.size(); ++b) {
+    const Session* session = sessions[b];
+    if (session == nullptr || session->id().empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("StepBatch: session ", b, " is null, dropped or released"));
+    }
+    if (session->client_ != this) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("session ", session->id(), " belongs to another SessionClient"));
+    }
+    request.add_session_ids(session->id());
+  }
+  *request.mutable_q() = q;
+  if (tensors.k != nullptr) {
+    *request.mutable_k() = *tensors.k;
+    *request.mutable_v() = *tensors.v;
+  }
+  if (tensors.o_ref != nullptr) *request.mutable_o_ref() = *tensors.o_ref;
+  if (tensors.lse_ref != nullptr) *request.mutable_lse_ref() = *tensors.lse_ref;
+  SetStepOptions(options, &request);
+  return request;
+}
+
+absl::StatusOr<StepBatchOutput> SessionClient::TakeBatchResponse(
+    absl::Span<Session* const> sessions, v1::StepResponse& response) {
+  if (response.lengths_size() != static_cast<int>(sessions.size())) {
+    return absl::DataLossError(absl::StrCat("Step sent ", sessions.size(), " sequences and got ",
+                                            response.lengths_size(), " lengths"));
+  }
+  StepBatchOutput output;
+  output.lengths.assign(response.lengths().begin(), response.lengths().end());
+  for (size_t b = 0; b < sessions.size(); ++b) sessions[b]->length_ = output.lengths[b];
+  output.o = std::move(*response.mutable_o());
+  output.lse = std::move(*response.mutable_lse());
+  output.timing = response.timing();
+  return output;
+}
+
+absl::StatusOr<StepBatchOutput> SessionClient::StepBatch(absl::Span<Session* const> sessions,
+                                                         const v1::Tensor& q,
+                                                         const StepOptions& options,
+                                                         const StepBatchTensors& tensors,
+                                                         const CallOptions& call) {
+  absl::StatusOr<v1::StepRequest> request = MakeBatchRequest(sessions, q, options, tensors);
+  if (!request.ok()) return request.status();
+  std::unique_ptr<grpc::ClientContext> context = NewContext(call);
+  v1::StepResponse response;
+  grpc::Status status = stub_->Step(context.get(), *request, &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return TakeBatchResponse(sessions, response);
+}
+
+void SessionClient::StepBatchAsync(
+    absl::Span<Session* const> sessions, const v1::Tensor& q, const StepOptions& options,
+    const StepBatchTensors& tensors, const CallOptions& call,
+    absl::AnyInvocable<void(absl::StatusOr<StepBatchOutput>) &&> done) {
+  absl::StatusOr<v1::StepRequest> request = MakeBatchRequest(sessions, q, options, tensors);
+  if (!request.ok()) return std::move(done)(request.status());
+  // What the call needs until gRPC answers it, freed by the callback.
+  struct Pending {
+    std::unique_ptr<grpc::ClientContext> context;
+    v1::StepRequest request;
+    v1::StepResponse response;
+    std::vector<Session*> sessions;
+    absl::AnyInvocable<void(absl::StatusOr<StepBatchOutput>) &&> done;
+  };
+  auto* pending = new Pending{.context = NewContext(call),
+                              .request = *std::move(request),
+                              .sessions = {sessions.begin(), sessions.end()},
+                              .done = std::move(done)};
+  stub_->async()->Step(
+      pending->context.get(), &pending->request, &pending->response,
+      [pending](grpc::Status status) {
+        std::unique_ptr<Pending> owned(pending);
+        if (!status.ok()) return std::move(owned->done)(ToAbslStatus(status));
+        std::move(owned->done)(TakeBatchResponse(owned->sessions, owned->response));
+      });
 }
 
 absl::StatusOr<std::vector<StepOutput>> SessionClient::StepMany(absl::Span<const StepItem> items,

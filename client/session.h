@@ -6,6 +6,9 @@
 //   absl::StatusOr<Session> s = sessions.Create({.dtype = v1::DTYPE_FLOAT16, .kv_heads = 8,
 //                                                .head_dim = 128}, &k, &v);   // k, v: [8, N, 128]
 //   absl::StatusOr<StepOutput> out = s->Step(q, {.causal = true}, &k1, &v1);  // q: [Hq, 1, 128]
+//   // A layer's whole batch in one message: q [B, Hq, 1, D], k1, v1 [B, Hkv, 1, D].
+//   absl::StatusOr<StepBatchOutput> batch = sessions.StepBatch(layer_sessions, q, {.causal = true},
+//                                                              {.k = &k1, .v = &v1});
 //
 // Every call carries the Client's deadline (or CallOptions') and bearer token over its channel
 // and credentials. Session calls are never retried (an append that reached the server before the
@@ -20,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -52,6 +56,24 @@ struct StepOutput {
   v1::Tensor o;        // [Hq, Nq, D], q's dtype
   v1::Tensor lse;      // with return_lse: float32 [Hq, Nq], natural log; else empty
   int64_t length = 0;  // the session's rows after the step
+};
+
+// A packed Step's tensors beside q (StepRequest.session_ids): new rows k, v [B, Hkv, n, D] (both
+// or neither), and where o and lse go instead of the response (o [B, Hq, Nq, D], lse
+// [B, Hq, Nq]; regions of this client, apart from each other and from every input). Tensors and
+// refs must stay valid during the call.
+struct StepBatchTensors {
+  const v1::Tensor* k = nullptr;
+  const v1::Tensor* v = nullptr;
+  const v1::TensorRef* o_ref = nullptr;
+  const v1::TensorRef* lse_ref = nullptr;
+};
+
+struct StepBatchOutput {
+  v1::Tensor o;                  // [B, Hq, Nq, D], q's dtype; no data when it went to o_ref
+  v1::Tensor lse;                // with return_lse: float32 [B, Hq, Nq], unless in lse_ref
+  std::vector<int64_t> lengths;  // each session's rows after the step
+  v1::ServerTiming timing;
 };
 
 class SessionClient;
@@ -131,6 +153,23 @@ class SessionClient {
                                                    const StepOptions& options = {},
                                                    const CallOptions& call = {});
 
+  // One packed Step over a layer's batch: sessions[b] (each at most once, all of one dtype, Hkv
+  // and D) attends q[b] of q [B, Hq, Nq, D], after appending row b of tensors.k and tensors.v.
+  // One message and one tensor each for the whole batch; tensors given by reference (Tensor.ref)
+  // are not copied. Each session's length() is updated.
+  absl::StatusOr<StepBatchOutput> StepBatch(absl::Span<Session* const> sessions,
+                                            const v1::Tensor& q, const StepOptions& options = {},
+                                            const StepBatchTensors& tensors = {},
+                                            const CallOptions& call = {});
+  // The same without waiting: returns once the call is sent; `done` runs once, on a gRPC thread,
+  // with the outcome (after each session's length() is updated). Until then the caller leaves the
+  // sessions alone, and keeps `sessions`' objects alive; q and `tensors` are copied before this
+  // returns. A model overlaps other work (e.g. another micro-batch's MLP) with the step.
+  void StepBatchAsync(absl::Span<Session* const> sessions, const v1::Tensor& q,
+                      const StepOptions& options, const StepBatchTensors& tensors,
+                      const CallOptions& call,
+                      absl::AnyInvocable<void(absl::StatusOr<StepBatchOutput>) &&> done);
+
   // The caller's sessions (every session when the server checks no tokens) and the cache's room.
   absl::StatusOr<v1::ListSessionsResponse> List(const CallOptions& call = {});
 
@@ -150,6 +189,13 @@ class SessionClient {
   // The StepRequest for `items` and `options`; an error when an item lacks a session or q.
   static absl::StatusOr<v1::StepRequest> MakeStepRequest(absl::Span<const StepItem> items,
                                                          const StepOptions& options);
+  // The packed StepRequest of StepBatch; an error when a session is not this client's or held.
+  absl::StatusOr<v1::StepRequest> MakeBatchRequest(absl::Span<Session* const> sessions,
+                                                   const v1::Tensor& q, const StepOptions& options,
+                                                   const StepBatchTensors& tensors) const;
+  // The answer of a packed Step: lengths checked against `sessions` and set on them.
+  static absl::StatusOr<StepBatchOutput> TakeBatchResponse(absl::Span<Session* const> sessions,
+                                                           v1::StepResponse& response);
 
   const Client& client_;
   std::shared_ptr<grpc::Channel> channel_;

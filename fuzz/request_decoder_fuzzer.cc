@@ -262,6 +262,45 @@ void FuzzAppend(const uint8_t* data, size_t size) {
   CheckKvRows(*rows, k, v, session.shape);
 }
 
+// A packed Step (session_ids) checked by CheckStep: every sequence's entry must point inside the
+// batch's tensors, cover them exactly, and fit the sessions' rows.
+void FuzzPackedStep(const attention::v1::StepRequest& request, const FuzzedSession& session,
+                    int64_t element) {
+  const attention::KvShape& shape = session.shape;
+  absl::StatusOr<attention::server::DecodedPacked> packed =
+      attention::server::DecodePackedStep(request, shape);
+  if (!packed.ok()) return CheckSessionRefusal(packed.status());
+  const int64_t batch = request.session_ids_size();
+  if (packed->batch != batch || static_cast<int64_t>(packed->entries.size()) != batch) {
+    Fail("a packed Step decoded into another number of sequences than session_ids");
+  }
+  const int64_t q_bytes = packed->heads_q * packed->rows_q * shape.head_dim * element;
+  if (packed->heads_q < 1 || packed->rows_q < 1 || packed->heads_q % shape.heads_kv != 0 ||
+      batch * q_bytes != static_cast<int64_t>(request.q().data().size())) {
+    Fail("a packed Step's q shape does not cover its bytes exactly");
+  }
+  const char* q = request.q().data().data();
+  for (int64_t b = 0; b < batch; ++b) {
+    const attention::server::DecodedEntry& entry = packed->entries[b];
+    if (entry.q != q + b * q_bytes) Fail("a packed Step's sequence q is not its slice of q");
+    const int64_t kv_bytes = entry.rows.rows * shape.heads_kv * shape.head_dim * element;
+    if (entry.rows.rows > 0 &&
+        (entry.rows.k != request.k().data().data() + b * kv_bytes ||
+         entry.rows.v != request.v().data().data() + b * kv_bytes ||
+         batch * kv_bytes != static_cast<int64_t>(request.k().data().size()))) {
+      Fail("a packed Step's sequence rows are not their slice of k and v");
+    }
+    const absl::Status fits =
+        attention::server::CheckQueriesFit([] { return std::string("q.shape[2] (queries)"); },
+                                           entry.rows_q, entry.rows.rows, session.length);
+    if (!fits.ok()) {
+      CheckSessionRefusal(fits);
+    } else if (entry.rows_q > session.length + entry.rows.rows) {
+      Fail("queries beyond the session's rows after the append");
+    }
+  }
+}
+
 void FuzzStep(const uint8_t* data, size_t size) {
   if (size < 4) return;
   const FuzzedSession session = SessionFromBytes(data);
@@ -269,9 +308,10 @@ void FuzzStep(const uint8_t* data, size_t size) {
   if (!request.ParseFromArray(data + 4, static_cast<int>(size - 4))) return;
   const absl::Status checked = attention::server::CheckStep(request);
   if (!checked.ok()) return CheckSessionRefusal(checked);
-  if (request.entries_size() < 1) Fail("a Step without entries passed CheckStep");
   const attention::KvShape& shape = session.shape;
   const int64_t element = static_cast<int64_t>(attention::DTypeSize(shape.dtype));
+  if (request.session_ids_size() > 0) return FuzzPackedStep(request, session, element);
+  if (request.entries_size() < 1) Fail("a Step without entries passed CheckStep");
   // Every entry against the one fuzzed session shape (in the server each has its own session).
   for (int i = 0; i < request.entries_size(); ++i) {
     const attention::v1::StepEntry& entry = request.entries(i);

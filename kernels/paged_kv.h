@@ -27,6 +27,10 @@ struct KvShape {
   DType dtype = DType::kFloat16;
   int64_t heads_kv = 0;
   int64_t head_dim = 0;
+
+  bool operator==(const KvShape& other) const {
+    return dtype == other.dtype && heads_kv == other.heads_kv && head_dim == other.head_dim;
+  }
 };
 
 // Rows to append to a sequence: k and v host pointers with element strides, as KvWrite takes them

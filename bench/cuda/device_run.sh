@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One full pass on a GPU host, from a bundle made by ../shared/device/bundle.sh .device
+# One full pass on a GPU host, from a bundle made by scripts/bundle_device.sh .device
 # (cuda_kernel_tests, cuda_attention_bench, and optionally attention_server + attn_client,
 # cuda_paged_kv_tests, cuda_pipeline_tests, cuda_device_loss_tests, sessions_tests,
 # client_session_tests, shared_memory_tests, request_ring_tests): tests,
@@ -15,7 +15,7 @@
 # BENCH_N="1024 ..." / BENCH_D="128 ..." to those sequence lengths / head dims (--n, --d);
 # CONFIRM=K re-times close rows K times (default 5; 0 skips it); SASS_REQUIRE=PATTERN makes the
 # SASS check fail when a kernel named PATTERN lacks HGMMA or UTMALDG.
-# FlashAttention-3 comes from the fa3-fwd wheel in .whl/ (../shared/device/README.md: carry .whl
+# FlashAttention-3 comes from the fa3-fwd wheel in .whl/ (docs/gpu-host.md: carry .whl
 # with .device); without it the FA3 columns are NaN.
 set -uo pipefail
 what=${1:-all}

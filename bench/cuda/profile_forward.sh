@@ -4,7 +4,8 @@
 # duration (at ncu's locked clocks, so longer than the bench's), SM throughput, tensor-pipe
 # utilisation (sm__pipe_tensor_op_hmma: on Hopper it counts wgmma too, HGMMA and QGMMA alike),
 # issue-slot use and its five largest warp stall reasons per issued instruction, a table row per
-# shape. The default shapes are rows that missed 1.0x cuDNN on 2026-12-01 (bench/README.md) and
+# shape. The default shapes are rows that missed 1.0x cuDNN on 2026-12-01
+# (bench/results/2026-12-01-forward-profile-ncu.md) and
 # two that met it, for contrast.
 # Raw ncu CSV per shape goes to $OUT. VARIANT=NAME forces the variant (default: the plan's).
 #   bench/cuda/profile_forward.sh BENCH_BINARY [dtype:D:N:causal ...]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU pipeline's measurements, in one pass on a GPU host (two GPUs for the scaling rows), from a
-# bundle made by ../shared/device/bundle.sh .device-pipe (attention_server, attn_bench,
+# bundle made by scripts/bundle_device.sh .device-pipe (attention_server, attn_bench,
 # pipeline_bench, cuda_pipeline_tests, cuda_kernel_tests):
 #   1. tests: cuda_pipeline_tests, cuda_kernel_tests, compute-sanitizer memcheck on the pipeline tests;
 #   2. pipeline_bench (executors + scheduler, no gRPC) beside the pinned copy rate and the kernel's

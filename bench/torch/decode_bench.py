@@ -1,16 +1,36 @@
-"""Greedy decode of a Llama-shaped model (random weights) with its KV cache on the attention
-service against the same model with a local KV cache and torch SDPA: tokens/s, and where the time
-of a remote token goes (the Step RPCs, the server's own time in them, the rest of the model).
+"""A model's greedy decode with attention and KV on the service, beside the same model with local
+FlashAttention-3: tokens/s and their ratio, per batch, context and transport.
 
-The model is plain torch (RMSNorm, rotary embeddings, GQA attention, SwiGLU MLP): the GPU host
-has torch but not transformers. The remote path is what attention_client.transformers.RemoteCache
-does: one session per layer and sequence created with the prompt's K/V, then one Step per layer
-per decode step carrying every sequence's new q, k and v.
+The model is an 8B-shaped Llama in plain torch (RMSNorm, rotary embeddings, GQA attention, SwiGLU
+MLP; random weights; 16 layers by default to fit beside the server). Each layer's KV cache starts
+with `context` rows of random K/V, the same for every attention; then `warmup + tokens` greedy
+steps of one token per sequence, the last `tokens` timed. Attentions (--attn):
 
-    python3 bench/torch/decode_bench.py --target=localhost:50051 --batch=1,8 --context=4096
-Prints one JSON line per batch size, then a table.
+  fa3      local FlashAttention-3 flash_attn_with_kvcache over a preallocated cache (the anchor;
+           the fa3-fwd wheel, `fa3_fwd_interface`)
+  sdpa     local torch SDPA over a preallocated cache (a second column)
+  unary    the service: one session per layer and sequence, one Step RPC per layer per token
+           over every sequence (what attention_client.transformers' RemoteCache does)
+  stream   the same Steps over one Sessions.StepStream
+  ring     the same Steps through a request ring (server on this host, --allow_shared_memory)
+  packed   one packed Step per layer call (q [B, Hq, 1, D], k, v [B, Hkv, 1, D] as one tensor
+           each: Client.step_batch), unary
+  packed-ring  the packed Step through a request ring, q, k, v and o by reference in a
+           shared-memory region that the model's process pins (cudaHostRegister), so each layer
+           call is one device-to-host copy of q, k, v and one host-to-device copy of o
+  packed-overlap  two micro-batches in ping-pong, each half's packed Step an asynchronous unary
+           call (step_batch(wait=False)) while the other half computes (Model.forward_overlapped)
+
+Prints one JSON line per (batch, context, attention), then the ratio table against fa3 (or the
+first attention given), with the server's part of a layer call (ServerTiming: total, prepare,
+run, kernel). Against the anchor: the first layer's attention output at step 0 (the same inputs
+for every attention) and the first step's logits after all layers (max |diff| / max |value|),
+and the share of equal greedy tokens.
+
+    python3 bench/torch/model_decode.py --target=127.0.0.1:50051 --batch=8,32,64 --context=1024,4096
 """
 import argparse
+import concurrent.futures
 import json
 import math
 import time
@@ -18,19 +38,23 @@ import time
 import torch
 import torch.nn.functional as F
 
-import attention_client
-
 
 def rms_norm(x, w, eps=1e-5):
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype) * w
 
 
-def rotary(x, pos, theta=500000.0):
-    """x [B, H, N, D] at positions pos [N]: rotate-half rotary embedding."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+def rotary_tables(pos, d, dtype, theta=500000.0):
+    """cos, sin [1, N, 1, D] of positions pos [N] (once per step: every layer uses them)."""
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=pos.device, dtype=torch.float32) / d)
     ang = pos.float()[:, None] * inv[None, :]
-    cos, sin = torch.cat([ang.cos()] * 2, -1).to(x.dtype), torch.cat([ang.sin()] * 2, -1).to(x.dtype)
+    cos = torch.cat([ang.cos()] * 2, -1).to(dtype)[None, :, None, :]
+    sin = torch.cat([ang.sin()] * 2, -1).to(dtype)[None, :, None, :]
+    return cos, sin
+
+
+def rotary(x, cos, sin):
+    """x [B, N, H, D]: rotate-half rotary embedding."""
+    d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -46,156 +70,356 @@ class Model:
         h, d = a.hidden, a.head_dim
         self.a = a
         self.embed = w(a.vocab, h, fan_in=1)
-        self.layers = []
-        for _ in range(a.layers):
-            self.layers.append(dict(
-                qkv=w((a.heads + 2 * a.kv_heads) * d, h, fan_in=h), o=w(h, a.heads * d, fan_in=a.heads * d),
-                up=w(2 * a.inter, h, fan_in=h), down=w(h, a.inter, fan_in=a.inter),
-                n1=torch.ones(h, device=device, dtype=dtype), n2=torch.ones(h, device=device, dtype=dtype)))
+        self.layers = [dict(qkv=w((a.heads + 2 * a.kv_heads) * d, h, fan_in=h),
+                            o=w(h, a.heads * d, fan_in=a.heads * d),
+                            up=w(2 * a.inter, h, fan_in=h), down=w(h, a.inter, fan_in=a.inter),
+                            n1=torch.ones(h, device=device, dtype=dtype),
+                            n2=torch.ones(h, device=device, dtype=dtype))
+                       for _ in range(a.layers)]
         self.norm = torch.ones(h, device=device, dtype=dtype)
         self.head = w(a.vocab, h, fan_in=h)
 
-    def forward(self, ids, pos, attend):
-        """ids [B, N] at positions pos [N]; attend(layer, q, k, v) -> o, all [B, H, N, D]."""
+    def pre_attention(self, L, x, cos, sin):
+        """x [B, 1, hidden] -> q [B, 1, Hq, D], k, v [B, 1, Hkv, D] (FlashAttention's layout)."""
         a = self.a
-        x = self.embed[ids]
         b, n, _ = x.shape
+        y = rms_norm(x, L["n1"]) @ L["qkv"].T
+        q, k, v = y.split([a.heads * a.head_dim, a.kv_heads * a.head_dim,
+                           a.kv_heads * a.head_dim], -1)
+        q = rotary(q.view(b, n, a.heads, a.head_dim), cos, sin)
+        k = rotary(k.view(b, n, a.kv_heads, a.head_dim), cos, sin)
+        return q, k, v.view(b, n, a.kv_heads, a.head_dim)
+
+    def post_attention(self, L, x, o):
+        """The output projection and the MLP: x, o [B, 1, Hq, D] -> the next layer's x."""
+        b, n, _ = x.shape
+        x = x + o.reshape(b, n, -1) @ L["o"].T
+        gate, up = (rms_norm(x, L["n2"]) @ L["up"].T).chunk(2, -1)
+        return x + (F.silu(gate) * up) @ L["down"].T
+
+    def forward(self, ids, pos, attention):
+        """ids [B, 1] at position pos [1]; attention.attend(layer, q, k, v) -> o [B, 1, Hq, D].
+        Returns logits [B, V]."""
+        x = self.embed[ids]
+        cos, sin = rotary_tables(pos, self.a.head_dim, x.dtype)
         for i, L in enumerate(self.layers):
-            y = rms_norm(x, L["n1"]) @ L["qkv"].T
-            q, k, v = y.split([a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], -1)
-            q = rotary(q.view(b, n, a.heads, a.head_dim).transpose(1, 2), pos)
-            k = rotary(k.view(b, n, a.kv_heads, a.head_dim).transpose(1, 2), pos)
-            v = v.view(b, n, a.kv_heads, a.head_dim).transpose(1, 2)
-            o = attend(i, q, k, v).transpose(1, 2).reshape(b, n, -1)
-            x = x + o @ L["o"].T
-            gate, up = (rms_norm(x, L["n2"]) @ L["up"].T).chunk(2, -1)
-            x = x + (F.silu(gate) * up) @ L["down"].T
-        return rms_norm(x[:, -1], self.norm) @ self.head.T  # logits of the last position
+            x = self.post_attention(L, x, attention.attend(i, *self.pre_attention(L, x, cos, sin)))
+        return rms_norm(x[:, -1], self.norm) @ self.head.T
+
+    def forward_overlapped(self, ids, pos, attention):
+        """As forward, over two micro-batches in ping-pong: attention.start(layer, half, q, k, v)
+        sends a half's attention and returns at once, attention.finish(handle) waits for its o.
+        Half 1's pre-attention work overlaps half 0's attention, and half 0's MLP half 1's
+        attention (the ping-pong of attention-FFN disaggregation)."""
+        xs = [self.embed[h] for h in ids.chunk(2)]
+        cos, sin = rotary_tables(pos, self.a.head_dim, xs[0].dtype)
+        for i, L in enumerate(self.layers):
+            pending = [attention.start(i, h, *self.pre_attention(L, x, cos, sin))
+                       for h, x in enumerate(xs)]
+            xs = [self.post_attention(L, x, attention.finish(p)) for x, p in zip(xs, pending)]
+        return rms_norm(torch.cat(xs)[:, -1], self.norm) @ self.head.T
 
 
-class LocalCache:
-    def __init__(self, a, batch, device, dtype):
-        n = a.context + a.new_tokens
-        self.k = [torch.zeros(batch, a.kv_heads, n, a.head_dim, device=device, dtype=dtype) for _ in range(a.layers)]
-        self.v = [torch.zeros_like(t) for t in self.k]
-        self.lengths = [0] * a.layers
-
-    def attend(self, i, q, k, v):
-        n, start = k.shape[2], self.lengths[i]
-        end = self.lengths[i] = start + n
-        self.k[i][:, :, start:end] = k
-        self.v[i][:, :, start:end] = v
-        return F.scaled_dot_product_attention(q, self.k[i][:, :, :end], self.v[i][:, :, :end],
-                                              is_causal=n > 1, enable_gqa=True)
+def initial_kv(a, batch, context, layer, device, dtype):
+    """The random K/V a layer's cache starts with: k, v [B, context, Hkv, D]."""
+    g = torch.Generator(device=device).manual_seed(a.seed * 1000 + layer)
+    k = torch.randn(batch, context, a.kv_heads, a.head_dim, generator=g, device=device, dtype=dtype)
+    v = torch.randn(batch, context, a.kv_heads, a.head_dim, generator=g, device=device, dtype=dtype)
+    return k, v
 
 
-class RemoteCache:
-    """One session per layer and sequence; the prefill's K/V create them, each decode step is one
-    Step per layer over every sequence. Counts the Step RPCs' time and the server's part of it."""
+class Attention:
+    """What every attention below shares: the first layer-0 output it computed (step 0, whose
+    inputs are the same for every attention), to compare with the anchor's."""
 
-    def __init__(self, client):
-        self.client = client
-        self.sessions = {}
-        self.rpc_s = 0.0
-        self.server_us = 0.0
-        self.steps = 0
+    first_o = None
+    overlapped = False
 
-    def attend(self, i, q, k, v):
-        b, _, n, _ = q.shape
-        if i not in self.sessions:  # prefill: attention computed locally, K/V sent once
-            self.sessions[i] = [self.client.session(k=k[j].contiguous(), v=v[j].contiguous()) for j in range(b)]
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        items = [(s, q[j], k[j], v[j]) for j, s in enumerate(self.sessions[i])]
-        start = time.perf_counter()
-        results = self.client.step_many(items, causal=True, return_info=True)
-        self.rpc_s += time.perf_counter() - start
-        self.server_us += results[0].timing.total_us
-        self.steps += 1
-        return torch.stack([r.o for r in results])
+    def record(self, i, o):
+        if i == 0 and self.first_o is None:
+            self.first_o = o.float().clone()
+        return o
 
     def close(self):
-        for sessions in self.sessions.values():
-            for s in sessions:
-                s.drop()
+        pass
 
 
-def generate(model, cache_attend, prompt, new_tokens, sync):
-    """Greedy: the prompt's forward, then new_tokens - 1 single-token steps. Returns the tokens
-    [B, new_tokens] and the decode time (every step after the prefill), seconds."""
-    n = prompt.shape[1]
-    device = prompt.device
-    logits = model.forward(prompt, torch.arange(n, device=device), cache_attend)
-    tokens = [logits.argmax(-1)]
+class LocalFA3(Attention):
+    """flash_attn_with_kvcache over a preallocated [B, S, Hkv, D] cache per layer."""
+
+    def __init__(self, a, batch, context, steps, device, dtype):
+        from fa3_fwd_interface import flash_attn_with_kvcache
+        self.fn = flash_attn_with_kvcache
+        self.k, self.v = [], []
+        for i in range(a.layers):
+            k0, v0 = initial_kv(a, batch, context, i, device, dtype)
+            pad = torch.zeros(batch, steps, a.kv_heads, a.head_dim, device=device, dtype=dtype)
+            self.k.append(torch.cat([k0, pad], 1))
+            self.v.append(torch.cat([v0, pad.clone()], 1))
+        self.lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+        self.layers = a.layers
+
+    def attend(self, i, q, k, v):
+        o = self.fn(q, self.k[i], self.v[i], k=k, v=v, cache_seqlens=self.lengths, causal=True)
+        if i == self.layers - 1:
+            self.lengths += 1
+        return self.record(i, o[0] if isinstance(o, tuple) else o)
+
+
+class LocalSDPA(Attention):
+    """torch SDPA over the same preallocated cache (as [B, Hkv, S, D])."""
+
+    def __init__(self, a, batch, context, steps, device, dtype):
+        self.k, self.v = [], []
+        for i in range(a.layers):
+            k0, v0 = initial_kv(a, batch, context, i, device, dtype)
+            pad = torch.zeros(batch, steps, a.kv_heads, a.head_dim, device=device, dtype=dtype)
+            self.k.append(torch.cat([k0, pad], 1).transpose(1, 2).contiguous())
+            self.v.append(torch.cat([v0, pad.clone()], 1).transpose(1, 2).contiguous())
+        self.length = context
+        self.layers = a.layers
+
+    def attend(self, i, q, k, v):
+        n = self.length
+        self.k[i][:, :, n] = k[:, 0]
+        self.v[i][:, :, n] = v[:, 0]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[i][:, :, :n + 1],
+                                           self.v[i][:, :, :n + 1], enable_gqa=True)
+        if i == self.layers - 1:
+            self.length += 1
+        return self.record(i, o.transpose(1, 2))
+
+
+class ServiceSteps(Attention):
+    """One session per layer and sequence, created with the cache's initial K/V; each layer call
+    is one Step over every sequence of the batch, one entry per sequence (`transport`: "unary",
+    "stream" for a StepStream, "ring" for a request ring). Counts the calls' time and the
+    server's part (ServerTiming, per field)."""
+
+    def __init__(self, client, transport, a, batch, context, device, dtype):
+        import attention_client
+        import attention_client.session as sessions
+        self.step_many = sessions.step_many
+        self.client = client
+        self.stream = {"unary": False, "stream": True, "ring": "ring"}.get(transport, False)
+        self.sessions = []
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for i in range(a.layers):
+                k0, v0 = initial_kv(a, batch, context, i, device, dtype)
+                k0, v0 = k0.cpu(), v0.cpu()
+                self.sessions.append(list(pool.map(
+                    lambda j: client.session(k=k0[j], v=v0[j], layout="bshd"), range(batch))))
+        self.calls = 0
+        self.call_s = 0.0
+        self.server_us = dict.fromkeys(attention_client.ServerTiming._fields, 0.0)
+
+    def count(self, start, timing):
+        self.call_s += time.perf_counter() - start
+        for name in self.server_us:
+            self.server_us[name] += getattr(timing, name)
+        self.calls += 1
+
+    def attend(self, i, q, k, v):
+        # q [B, 1, Hq, D] -> per sequence [Hq, 1, D]; k, v -> [Hkv, 1, D]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        items = [(s, q[j], k[j], v[j]) for j, s in enumerate(self.sessions[i])]
+        start = time.perf_counter()
+        results = self.step_many(self.client, items, causal=True, return_info=True,
+                                 stream=self.stream)
+        self.count(start, results[0].timing)
+        return self.record(i, torch.stack([r.o for r in results]).transpose(1, 2))
+
+    def close(self):
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda s: s.drop(), [s for layer in self.sessions for s in layer]))
+
+
+class ServicePacked(ServiceSteps):
+    """As ServiceSteps, but each layer call is one packed Step (Client.step_batch): "packed"
+    unary; "packed-ring" through the client's request ring, q, k, v and o in a pinned
+    shared-memory region; "packed-overlap" two micro-batches in ping-pong (Model.
+    forward_overlapped), each half's Step a unary call in flight while the other half computes."""
+
+    def __init__(self, client, transport, a, batch, context, device, dtype):
+        super().__init__(client, transport, a, batch, context, device, dtype)
+        self.stream = "ring" if transport == "packed-ring" else False
+        self.overlapped = transport == "packed-overlap"
+        self.halves = [[s[:batch // 2], s[batch // 2:]] for s in self.sessions]
+        self.region = None
+        if transport == "packed-ring":
+            from multiprocessing import shared_memory
+            import numpy as np
+            shapes = dict(q=(batch, a.heads, 1, a.head_dim), k=(batch, a.kv_heads, 1, a.head_dim),
+                          v=(batch, a.kv_heads, 1, a.head_dim), o=(batch, a.heads, 1, a.head_dim))
+            sizes = {n: (math.prod(sh) * 2 + 4095) // 4096 * 4096 for n, sh in shapes.items()}
+            self.shm = shared_memory.SharedMemory(create=True, size=sum(sizes.values()))
+            self.region = client.register_shared_memory(f"decode-{id(self)}", self.shm)
+            self.host, at = {}, 0
+            for name, shape in shapes.items():
+                raw = self.region.array((sizes[name],), np.uint8, offset=at)
+                self.host[name] = torch.from_numpy(raw).view(dtype)[:math.prod(shape)].view(shape)
+                at += sizes[name]
+            # Pinned: the copies between the model's GPU and the region run at PCIe speed.
+            self.pinned = None
+            if device.type == "cuda":
+                self.pinned = self.host["q"].data_ptr()
+                err = torch.cuda.cudart().cudaHostRegister(self.pinned, self.shm.size, 0)
+                assert int(err) == 0, f"cudaHostRegister: {err}"
+
+    def attend(self, i, q, k, v):
+        # q [B, 1, Hq, D] -> [B, Hq, 1, D]; k, v -> [B, Hkv, 1, D]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        start = time.perf_counter()
+        if self.region is None:
+            result = self.client.step_batch(self.sessions[i], q, k, v, causal=True,
+                                            return_info=True, stream=self.stream)
+            o = result.o
+        else:
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                self.host[name].copy_(t)
+            result = self.client.step_batch(self.sessions[i], self.host["q"], self.host["k"],
+                                            self.host["v"], causal=True, out=self.host["o"],
+                                            return_info=True, stream=self.stream)
+            o = self.host["o"].to(q.device, copy=True)
+        self.count(start, result.timing)
+        return self.record(i, o.transpose(1, 2))
+
+    def start(self, i, half, q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        future = self.client.step_batch(self.halves[i][half], q, k, v, causal=True,
+                                        return_info=True, wait=False)
+        return i, half, future, time.perf_counter()
+
+    def finish(self, handle):
+        i, half, future, start = handle
+        result = future.result()
+        self.count(start, result.timing)
+        o = result.o.transpose(1, 2)
+        if i == 0 and self.first_o is None:
+            if half == 0:
+                self.first_half = o.float().clone()
+            else:
+                self.record(i, torch.cat([self.first_half, o.float()]))
+        return o
+
+    def close(self):
+        super().close()
+        if self.region is not None:
+            if self.pinned is not None:
+                torch.cuda.cudart().cudaHostUnregister(self.pinned)
+            self.host = None
+            self.region.unregister()
+            self.shm.close()
+            self.shm.unlink()
+
+
+def decode(model, attention, batch, context, a, device):
+    """Greedy steps from random first tokens; returns (first step's logits, tokens [B, steps],
+    seconds of the last a.tokens steps)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    g = torch.Generator(device="cpu").manual_seed(a.seed + batch)
+    ids = torch.randint(0, a.vocab, (batch, 1), generator=g).to(device)
+    tokens, first = [], None
+    for t in range(a.warmup + a.tokens):
+        if t == a.warmup:
+            sync()
+            start = time.perf_counter()
+        forward = model.forward_overlapped if attention.overlapped else model.forward
+        logits = forward(ids, torch.tensor([context + t], device=device), attention)
+        if first is None:
+            first = logits.float()
+        ids = logits.argmax(-1, keepdim=True)
+        tokens.append(ids)
     sync()
-    start = time.perf_counter()
-    for t in range(new_tokens - 1):
-        logits = model.forward(tokens[-1][:, None], torch.tensor([n + t], device=device), cache_attend)
-        tokens.append(logits.argmax(-1))
-    sync()
-    return torch.stack(tokens, 1), time.perf_counter() - start
+    return first, torch.cat(tokens, 1), time.perf_counter() - start
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="localhost:50051")
-    p.add_argument("--batch", default="1,8")
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--attn", default="fa3,sdpa,unary,stream,ring")
+    p.add_argument("--batch", default="8,32,64")
+    p.add_argument("--context", default="1024,4096")
+    p.add_argument("--tokens", type=int, default=16, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv_heads", type=int, default=8)
-    p.add_argument("--head_dim", type=int, default=64)
-    p.add_argument("--inter", type=int, default=8192)
+    p.add_argument("--head_dim", type=int, default=128)
+    p.add_argument("--inter", type=int, default=14336)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--weight_scale", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--device", default="cuda", help="cpu: a small trial against a CPU server")
+    p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args()
-    dtype = getattr(torch, a.dtype)
-    device = torch.device(a.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    params = a.layers * (a.hidden * (a.heads + 2 * a.kv_heads) * a.head_dim + a.heads * a.head_dim * a.hidden
-                         + 3 * a.hidden * a.inter) + 2 * a.vocab * a.hidden
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     model = Model(a, device, dtype)
-    client = attention_client.Client(a.target, timeout=600)
+    attns = a.attn.split(",")
+    client = None
+    if any(name not in ("fa3", "sdpa") for name in attns):
+        import attention_client
+        client = attention_client.Client(a.target, timeout=600, max_message_bytes=2047 << 20)
     rows = []
+    steps = a.warmup + a.tokens
     with torch.inference_mode():
-        for batch in [int(x) for x in a.batch.split(",")]:
-            g = torch.Generator(device="cpu").manual_seed(a.seed + batch)
-            prompt = torch.randint(0, a.vocab, (batch, a.context), generator=g).to(device)
-            local = LocalCache(a, batch, device, dtype)
-            want, local_s = generate(model, local.attend, prompt, a.new_tokens, sync)
-            del local
-            remote = RemoteCache(client)
-            try:
-                got, remote_s = generate(model, remote.attend, prompt, a.new_tokens, sync)
-            finally:
-                remote.close()
-            decoded = batch * (a.new_tokens - 1)
-            steps = max(a.new_tokens - 1, 1)
-            row = dict(batch=batch, context=a.context, params_b=params / 1e9, dtype=a.dtype,
-                       local_tok_s=decoded / local_s, remote_tok_s=decoded / remote_s,
-                       ratio=local_s / remote_s,
-                       remote_ms_per_step=1e3 * remote_s / steps,
-                       step_rpcs_ms_per_step=1e3 * remote.rpc_s / steps,
-                       server_ms_per_step=1e-3 * remote.server_us / steps,
-                       rest_ms_per_step=1e3 * (remote_s - remote.rpc_s) / steps,
-                       local_ms_per_step=1e3 * local_s / steps,
-                       same_tokens=float((got == want).float().mean()),
-                       distinct_tokens=len(set(want.flatten().tolist())))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    print(f"\nLlama-shaped {params / 1e9:.2f}B params, {a.layers} layers, Hq={a.heads} Hkv={a.kv_heads} "
-          f"D={a.head_dim}, {a.dtype}, context {a.context}, {a.new_tokens} new tokens, {device}")
-    print(f"{'batch':>5} {'local tok/s':>11} {'remote tok/s':>12} {'ratio':>6} {'ms/step':>8} "
-          f"{'Steps ms':>8} {'server ms':>9} {'rest ms':>7} {'local ms':>8} {'same tok':>8}")
+        for context in [int(c) for c in a.context.split(",")]:
+            for batch in [int(b) for b in a.batch.split(",")]:
+                anchor = None
+                for name in attns:
+                    if name == "fa3":
+                        attention = LocalFA3(a, batch, context, steps, device, dtype)
+                    elif name == "sdpa":
+                        attention = LocalSDPA(a, batch, context, steps, device, dtype)
+                    elif name.startswith("packed"):
+                        attention = ServicePacked(client, name, a, batch, context, device, dtype)
+                    else:
+                        attention = ServiceSteps(client, name, a, batch, context, device, dtype)
+                    try:
+                        first, tokens, seconds = decode(model, attention, batch, context, a, device)
+                    finally:
+                        attention.close()
+                    row = dict(context=context, batch=batch, attn=name,
+                               tok_s=batch * a.tokens / seconds,
+                               ms_per_step=1e3 * seconds / a.tokens)
+                    if isinstance(attention, ServiceSteps):
+                        row.update(ms_per_call=1e3 * attention.call_s / attention.calls,
+                                   **{f"server_{name[:-3]}_ms_per_call": 1e-3 * us / attention.calls
+                                      for name, us in attention.server_us.items()})
+                    if anchor is None:
+                        anchor = (first, tokens, row, attention.first_o)
+                    else:
+                        # The first layer's attention (same inputs everywhere) and the logits
+                        # after every layer, against the anchor's, relative to their largest.
+                        row.update(ratio=row["tok_s"] / anchor[2]["tok_s"],
+                                   attn_rel=float((attention.first_o - anchor[3]).abs().max()
+                                                  / anchor[3].abs().max()),
+                                   logits_rel=float((first - anchor[0]).abs().max()
+                                                    / anchor[0].abs().max()),
+                                   same_tokens=float((tokens == anchor[1]).float().mean()))
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                    del attention
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    if client is not None:
+        client.close()
+    print(f"\n{a.layers} layers, hidden {a.hidden}, Hq {a.heads}, Hkv {a.kv_heads}, D {a.head_dim}, "
+          f"MLP {a.inter}, {a.dtype}; {a.tokens} timed steps; ratio against {attns[0]}")
+    print(f"{'context':>7} {'batch':>5} {'attn':>11} {'tok/s':>9} {'ratio':>6} {'ms/step':>8} "
+          f"{'ms/call':>8} {'server':>7} {'prep':>6} {'run':>6} {'kernel':>6} {'attn':>8} "
+          f"{'logits':>8} {'same':>5}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['local_tok_s']:>11.1f} {r['remote_tok_s']:>12.1f} {r['ratio']:>6.2f} "
-              f"{r['remote_ms_per_step']:>8.2f} {r['step_rpcs_ms_per_step']:>8.2f} "
-              f"{r['server_ms_per_step']:>9.2f} {r['rest_ms_per_step']:>7.2f} "
-              f"{r['local_ms_per_step']:>8.2f} {r['same_tokens']:>8.2f}")
+        print(f"{r['context']:>7} {r['batch']:>5} {r['attn']:>11} {r['tok_s']:>9.1f} "
+              f"{r.get('ratio', 1.0):>6.2f} {r['ms_per_step']:>8.2f} "
+              f"{r.get('ms_per_call', float('nan')):>8.3f} "
+              f"{r.get('server_total_ms_per_call', float('nan')):>7.3f} "
+              f"{r.get('server_prepare_ms_per_call', float('nan')):>6.3f} "
+              f"{r.get('server_run_ms_per_call', float('nan')):>6.3f} "
+              f"{r.get('server_compute_ms_per_call', float('nan')):>6.3f} "
+              f"{r.get('attn_rel', 0.0):>8.1e} "
+              f"{r.get('logits_rel', 0.0):>8.1e} {r.get('same_tokens', 1.0):>5.2f}")
 
 
 if __name__ == "__main__":

@@ -1,29 +1,40 @@
 #!/usr/bin/env bash
-# Greedy decode of a ~1B-parameter Llama-shaped model (random weights, bf16, context 4096, batch 1
-# and 8) with its KV cache on the attention service (sessions, one Step per layer per token;
-# the server on the same GPU, beside the model process) against local SDPA with a local cache:
-# bench/torch/decode_bench.py. Logs and the JSON lines go to $OUT; the table prints last.
+# A model's greedy decode with attention and KV on the service beside local FlashAttention-3
+# (bench/torch/decode_bench.py: an 8B-shaped Llama, batches 8/32/64, contexts 1024/4096, the
+# service's transports), the server on the same GPU as the model, in another process. Logs and
+# the JSON lines go to $OUT; the ratio table prints last.
 #   bench/torch/run_decode.sh [BIN_DIR] [decode_bench.py flags...]
 # BIN_DIR (default .device/bin) holds attention_server. The Python stubs: GEN (default
 # build/tests/python/gen, carried with the working tree) or an installed attention_client.
-# PYTHON (default python3) needs torch, numpy, grpcio and protobuf. BACKEND=cpu runs the server
-# on the CPU (for trying it out with small flags here).
+# PYTHON (default python3) needs torch, numpy, grpcio and protobuf; the anchor needs the fa3-fwd
+# wheel (docs/gpu-host.md), installed from .whl/ when that folder is there. BACKEND=cpu runs the
+# server on the CPU (a trial with small flags and --device=cpu --attn=sdpa,unary).
 set -uo pipefail
 bin=${1:-.device/bin}
 shift || true
 out=${OUT:-/tmp/out}
 gen=${GEN:-build/tests/python/gen}
+python=${PYTHON:-python3}
 mkdir -p "$out"
 [[ -d .device/lib ]] && export LD_LIBRARY_PATH=$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+if compgen -G ".whl/fa3_fwd-*.whl" >/dev/null; then
+  "$python" -m pip install -q --no-index --no-deps --target /tmp/fa3-site .whl/fa3_fwd-*.whl &&
+    export PYTHONPATH=/tmp/fa3-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 ports=$(mktemp)
+# The model process keeps its weights and, for the local anchors, its own KV cache on the same
+# GPU: the server holds a quarter of the device as KV pages (16 layers x 64 sequences x 4096 rows
+# need 17 GB) and a tenth for request buffers.
 "$bin/attention_server" --backend="${BACKEND:-cuda}" --host=127.0.0.1 --port=0 --metrics_port=0 \
-  --port_file="$ports" --max_message_mb=2047 >"$out/decode_bench_server.log" 2>&1 &
+  --port_file="$ports" --max_message_mb=2047 --allow_shared_memory \
+  --device_memory_fraction=0.1 --kv_cache_fraction=0.25 --session_ttl_s=3600 \
+  >"$out/decode_bench_server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
 for _ in $(seq 100); do [[ -s $ports ]] && break; sleep 0.1; done
 [[ -s $ports ]] || { echo "run_decode.sh: attention_server did not start"; cat "$out/decode_bench_server.log"; exit 1; }
 port=$(cut -d' ' -f1 "$ports")
-PYTHONPATH=$PWD/client/python:$PWD/$gen${PYTHONPATH:+:$PYTHONPATH} "${PYTHON:-python3}" \
+PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/client/python:$PWD/$gen${PYTHONPATH:+:$PYTHONPATH} "$python" \
   bench/torch/decode_bench.py --target=127.0.0.1:$port "$@" 2>"$out/decode_bench.log" \
   | tee "$out/decode_bench.txt"
 rc=${PIPESTATUS[0]}

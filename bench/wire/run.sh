@@ -14,7 +14,7 @@
 #   bench/wire/run.sh BIN_DIR [--backend=cuda]          # the GPU host, < 4 minutes
 #   SMALL=1 bench/wire/run.sh build-bins --backend=cpu  # this machine: the same steps, small
 # BIN_DIR holds attention_server, attn_echo_server, attn_bench, attn_client (flat, as
-# ../shared/device/bundle.sh lays them out, libraries in BIN_DIR/../lib), or is a build dir.
+# scripts/bundle_device.sh lays them out, libraries in BIN_DIR/../lib), or is a build dir.
 set -uo pipefail
 bin=${1:-.device/bin}
 backend=${2:---backend=cuda}

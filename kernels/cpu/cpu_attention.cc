@@ -33,8 +33,8 @@
 // 105 GFLOP/s, 5.4x the naive OpenBLAS attention; causal 83 GFLOP/s, 8.5x. One thread: 53 GFLOP/s
 // causal, ~67% of FMA peak. Table and command: bench/README.md. The service-overhead shapes
 // (BM_CpuBackendService, medians): float16 B=1 H=8 N=128 D=64 on one thread 1.6 -> 0.65 ms;
-// float32 B=512 H=16 N=8 D=64 on both threads 15-21 -> 11-12 ms, memory-bound (bench/README.md,
-// "Service overhead").
+// float32 B=512 H=16 N=8 D=64 on both threads 15-21 -> 11-12 ms, memory-bound
+// (bench/results/2026-11-30-service-overhead-cpu.md).
 #include "kernels/cpu/cpu_attention.h"
 
 #include <cpuid.h>

@@ -103,9 +103,71 @@ absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& reque
   return decoded;
 }
 
+namespace {
+
+// A packed Step's own checks (CheckStep): session ids present and distinct, q present, no entries.
+absl::Status CheckPackedStep(const v1::StepRequest& request) {
+  if (request.entries_size() > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("entries: expected none in a packed Step (session_ids holds ",
+                     request.session_ids_size(), " sequences), got ", request.entries_size()));
+  }
+  std::set<absl::string_view> seen;
+  for (int b = 0; b < request.session_ids_size(); ++b) {
+    const std::string& id = request.session_ids(b);
+    if (id.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("session_ids[", b, "]: expected a session id, got none"));
+    }
+    if (!seen.insert(id).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("session_ids[", b, "]: expected each session at most once per step, got ",
+                       Quote(id), " again"));
+    }
+  }
+  if (!request.has_q()) {
+    return absl::InvalidArgumentError("q: expected a tensor [B, Hq, Nq, D], got none");
+  }
+  return absl::OkStatus();
+}
+
+// The packed fields in a Step of entries (which would be ignored otherwise).
+absl::Status CheckNoPackedFields(const v1::StepRequest& request) {
+  for (const auto& [name, present] : {std::pair{"q", request.has_q()},
+                                      {"k", request.has_k()},
+                                      {"v", request.has_v()},
+                                      {"o_ref", request.has_o_ref()},
+                                      {"lse_ref", request.has_lse_ref()}}) {
+    if (present) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": expected only in a packed Step (with session_ids), got one beside entries"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// [begin, end) of a tensor's bytes, for the overlap check of a packed Step's outputs.
+struct ByteSpan {
+  const char* field;
+  const char* begin;
+  int64_t bytes;
+};
+bool Overlap(const ByteSpan& a, const ByteSpan& b) {
+  return a.begin != nullptr && b.begin != nullptr && a.bytes > 0 && b.bytes > 0 &&
+         a.begin < b.begin + b.bytes && b.begin < a.begin + a.bytes;
+}
+
+}  // namespace
+
 absl::Status CheckStep(const v1::StepRequest& request) {
+  if (request.session_ids_size() > 0) {
+    RETURN_IF_ERROR(CheckPackedStep(request));
+    return DecodeMask(request, 1).status();
+  }
+  RETURN_IF_ERROR(CheckNoPackedFields(request));
   if (request.entries_size() == 0) {
-    return absl::InvalidArgumentError("entries: expected at least one entry, got none");
+    return absl::InvalidArgumentError(
+        "entries: expected at least one entry (or the packed form's session_ids), got none");
   }
   std::set<absl::string_view> seen;
   for (int i = 0; i < request.entries_size(); ++i) {
@@ -168,6 +230,123 @@ absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& ent
                                element_bytes, refs));
   }
   return decoded;
+}
+
+absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, const KvShape& shape,
+                                               TensorRefResolver* refs) {
+  const v1::DType dtype = ToProtoDType(shape.dtype);
+  const int64_t element_bytes = static_cast<int64_t>(DTypeSize(shape.dtype));
+  const int64_t batch = request.session_ids_size();
+  const v1::Tensor& q = request.q();
+  if (q.dtype() != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat("q.dtype: expected ", DTypeString(dtype),
+                                                   " (the sessions'), got ",
+                                                   DTypeString(q.dtype())));
+  }
+  RETURN_IF_ERROR(CheckTensor("q", q, 4, "[B, Hq, Nq, D]", element_bytes).status());
+  if (q.shape(0) != batch) {
+    return absl::InvalidArgumentError(absl::StrCat("q.shape[0] (batch): expected ", batch,
+                                                   " (one per session_ids), got ", q.shape(0)));
+  }
+  if (q.shape(3) != shape.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "q.shape[3] (head dim): expected ", shape.head_dim, " (the sessions'), got ", q.shape(3)));
+  }
+  if (q.shape(1) % shape.heads_kv != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("q.shape[1] (query heads): expected a multiple of the sessions' ",
+                     shape.heads_kv, " kv heads, got ", q.shape(1)));
+  }
+  DecodedPacked packed{.batch = batch, .heads_q = q.shape(1), .rows_q = q.shape(2)};
+  const int64_t q_bytes = packed.heads_q * packed.rows_q * shape.head_dim * element_bytes;
+  ASSIGN_OR_RETURN(const char* q_data, TensorData("q", q, element_bytes, refs));
+
+  // k, v [B, Hkv, n, D]: sequence b's rows are [Hkv, n, D] at b * Hkv * n * D.
+  const char* k_data = nullptr;
+  const char* v_data = nullptr;
+  int64_t rows = 0;
+  if (request.has_k() != request.has_v()) {
+    return absl::InvalidArgumentError(absl::StrCat(request.has_k() ? "v" : "k",
+                                                   ": expected a tensor (k and v come together), "
+                                                   "got none"));
+  }
+  if (request.has_k()) {
+    for (const auto& [name, t] : {std::pair{"k", &request.k()}, {"v", &request.v()}}) {
+      if (t->dtype() != dtype) {
+        return absl::InvalidArgumentError(absl::StrCat(name, ".dtype: expected ",
+                                                       DTypeString(dtype), " (the sessions'), got ",
+                                                       DTypeString(t->dtype())));
+      }
+      RETURN_IF_ERROR(CheckTensor(name, *t, 4, "[B, Hkv, n, D]", element_bytes).status());
+      const int64_t expected[] = {batch, shape.heads_kv, request.k().shape(2), shape.head_dim};
+      const char* meaning[] = {"batch", "kv heads", "rows", "head dim"};
+      for (int axis = 0; axis < 4; ++axis) {
+        if (t->shape(axis) != expected[axis]) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              name, ".shape[", axis, "] (", meaning[axis], "): expected ", expected[axis],
+              axis == 2 ? " (as k)" : (axis == 0 ? " (one per session_ids)" : " (the sessions')"),
+              ", got ", t->shape(axis)));
+        }
+      }
+    }
+    rows = request.k().shape(2);
+    ASSIGN_OR_RETURN(k_data, TensorData("k", request.k(), element_bytes, refs));
+    ASSIGN_OR_RETURN(v_data, TensorData("v", request.v(), element_bytes, refs));
+  }
+  const int64_t kv_bytes = shape.heads_kv * rows * shape.head_dim * element_bytes;
+
+  const int64_t lse_bytes = packed.heads_q * packed.rows_q * int64_t{sizeof(float)};
+  if (request.has_o_ref()) {
+    ASSIGN_OR_RETURN(packed.o,
+                     OutputRef("o_ref", request.o_ref(), batch * q_bytes, element_bytes, refs));
+  }
+  if (request.has_lse_ref()) {
+    if (!request.return_lse()) {
+      return absl::InvalidArgumentError(
+          "lse_ref: expected only with return_lse = true, got one with return_lse = false");
+    }
+    ASSIGN_OR_RETURN(char* lse, OutputRef("lse_ref", request.lse_ref(), batch * lse_bytes,
+                                          int64_t{sizeof(float)}, refs));
+    packed.lse = reinterpret_cast<float*>(lse);
+  }
+  // An output that overlaps an input or the other output would be read after it was written, or
+  // written twice: refused, naming both.
+  const ByteSpan outputs[] = {
+      {"o_ref", packed.o, batch * q_bytes},
+      {"lse_ref", reinterpret_cast<const char*>(packed.lse), batch * lse_bytes}};
+  const ByteSpan inputs[] = {{"q", q_data, batch * q_bytes},
+                             {"k", k_data, batch * kv_bytes},
+                             {"v", v_data, batch * kv_bytes}};
+  for (const ByteSpan& out : outputs) {
+    for (const ByteSpan& in : inputs) {
+      if (Overlap(out, in)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            out.field, ": expected bytes apart from every input's, got bytes that overlap ",
+            in.field, "'s"));
+      }
+    }
+  }
+  if (Overlap(outputs[0], outputs[1])) {
+    return absl::InvalidArgumentError(
+        "lse_ref: expected bytes apart from o_ref's, got bytes that overlap them");
+  }
+
+  packed.entries.resize(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    DecodedEntry& entry = packed.entries[b];
+    entry.q = q_data + b * q_bytes;
+    entry.heads_q = packed.heads_q;
+    entry.rows_q = packed.rows_q;
+    if (rows > 0) {
+      entry.rows = KvRows{.k = k_data + b * kv_bytes,
+                          .v = v_data + b * kv_bytes,
+                          .rows = rows,
+                          .head_stride = rows * shape.head_dim,
+                          .row_stride = shape.head_dim};
+    }
+    if (packed.o != nullptr) entry.o = packed.o + b * q_bytes;
+  }
+  return packed;
 }
 
 }  // namespace attention::server

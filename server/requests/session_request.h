@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -39,7 +40,7 @@ absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* 
                                     TensorRefResolver* refs = nullptr);
 
 // The checks of a Step that need no session: entries present, each with a session id (distinct)
-// and a q, the scale and windows.
+// and a q, or the packed form's session ids (distinct) and q; the scale and windows.
 absl::Status CheckStep(const v1::StepRequest& request);
 
 // One Step entry checked against its session's shape (which never changes, so this runs before
@@ -49,10 +50,26 @@ struct DecodedEntry {
   int64_t heads_q = 0;
   int64_t rows_q = 0;  // Nq
   KvRows rows;         // appended first
-  char* o = nullptr;   // with o_ref: where o goes, [Hq, Nq, D]; else null (o in the response)
+  // Where the step's results go: o [Hq, Nq, D] (with o_ref the region's bytes, else null until
+  // the service points it into the response), lse [Hq, Nq] (null: not asked for).
+  char* o = nullptr;
+  float* lse = nullptr;
 };
 absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& entry,
                                              const KvShape& shape,
                                              TensorRefResolver* refs = nullptr);
+// A packed Step (StepRequest.session_ids): the batch's tensors checked against its sessions' one
+// `shape` and cut into one entry per sequence pointing into them (q [Hq, Nq, D] and k, v
+// [Hkv, n, D] of sequence b; with o_ref, its o), so the rest of the Step runs as for `entries`.
+struct DecodedPacked {
+  int64_t batch = 0;
+  int64_t heads_q = 0;
+  int64_t rows_q = 0;
+  std::vector<DecodedEntry> entries;  // [B]
+  char* o = nullptr;                  // o_ref's bytes [B, Hq, Nq, D], or null: o in the response
+  float* lse = nullptr;               // lse_ref's bytes float32 [B, Hq, Nq], or null
+};
+absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, const KvShape& shape,
+                                               TensorRefResolver* refs = nullptr);
 
 }  // namespace attention::server

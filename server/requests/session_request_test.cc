@@ -118,7 +118,9 @@ v1::StepRequest TwoEntries() {
 
 TEST(CheckStepTest, RefusesMissingAndRepeatedSessionsAndBadMasks) {
   EXPECT_EQ(CheckStep(TwoEntries()), absl::OkStatus());
-  ExpectInvalid(CheckStep(v1::StepRequest()), "entries: expected at least one entry, got none");
+  ExpectInvalid(
+      CheckStep(v1::StepRequest()),
+      "entries: expected at least one entry (or the packed form's session_ids), got none");
   v1::StepRequest request = TwoEntries();
   request.mutable_entries(1)->set_session_id("a");
   ExpectInvalid(CheckStep(request),

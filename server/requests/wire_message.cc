@@ -419,7 +419,13 @@ bool HasUnknownFields(const v1::Tensor& tensor) {
   return HasOwnUnknownFields(tensor) || (tensor.has_ref() && HasOwnUnknownFields(tensor.ref()));
 }
 bool HasUnknownFields(const v1::StepRequest& step) {
-  if (HasOwnUnknownFields(step)) return true;
+  if (HasOwnUnknownFields(step) || (step.has_q() && HasUnknownFields(step.q())) ||
+      (step.has_k() && HasUnknownFields(step.k())) ||
+      (step.has_v() && HasUnknownFields(step.v())) ||
+      (step.has_o_ref() && HasOwnUnknownFields(step.o_ref())) ||
+      (step.has_lse_ref() && HasOwnUnknownFields(step.lse_ref()))) {
+    return true;
+  }
   for (const v1::StepEntry& entry : step.entries()) {
     if (HasOwnUnknownFields(entry) || (entry.has_q() && HasUnknownFields(entry.q())) ||
         (entry.has_k() && HasUnknownFields(entry.k())) ||

@@ -262,7 +262,10 @@ TEST(WireMessageTest, StepFastPathKnowsEveryNestedMessage) {
   EXPECT_EQ(nested,
             (std::set<std::string>{"attention.v1.StepRequest.entries", "attention.v1.StepEntry.q",
                                    "attention.v1.StepEntry.k", "attention.v1.StepEntry.v",
-                                   "attention.v1.StepEntry.o_ref", "attention.v1.Tensor.ref"}));
+                                   "attention.v1.StepEntry.o_ref", "attention.v1.Tensor.ref",
+                                   "attention.v1.StepRequest.q", "attention.v1.StepRequest.k",
+                                   "attention.v1.StepRequest.v", "attention.v1.StepRequest.o_ref",
+                                   "attention.v1.StepRequest.lse_ref"}));
 }
 
 // A string split between two pieces of the wire is checked as one: a character cut in two is

@@ -494,7 +494,7 @@ void Scheduler::WorkerLoop() {
     }
     // Another worker may collect what is left while this one runs. Only then: a worker woken for
     // nothing contends for mu_ with the next job's submission, and a one-in-flight caller's next
-    // request waited in the queue for it (bench/README.md, run K).
+    // request waited in the queue for it (bench/results/2026-12-02-request-rings.md).
     if (wake_another) work_or_stopping_.notify_one();
     for (auto& [queued, why] : dropped) {
       JobResult result;

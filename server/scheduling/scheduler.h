@@ -34,7 +34,7 @@
 // Wake-ups: a sleeping worker is woken only when runnable work is queued (a submission, work left
 // behind by a worker that took a batch, sessions freed under queued jobs) or when the scheduler
 // stops. Woken for nothing, workers contend for mu_ with the next job, which a one-in-flight
-// caller's next request paid in the queue (bench/README.md, run K).
+// caller's next request paid in the queue (bench/results/2026-12-02-request-rings.md).
 #pragma once
 
 #include <atomic>

@@ -59,6 +59,12 @@ google::protobuf::ArenaOptions StartingIn(char* block, size_t size) {
   return options;
 }
 
+// "DTYPE_BFLOAT16, 8 kv heads, head dim 128": a session's shape in an error message.
+std::string KvShapeString(const KvShape& shape) {
+  return absl::StrCat(DTypeString(ToProtoDType(shape.dtype)), ", ", shape.heads_kv,
+                      " kv heads, head dim ", shape.head_dim);
+}
+
 }  // namespace
 
 // One Step call: the step's state (its sequences, one per entry) and what answering it needs.
@@ -66,6 +72,15 @@ struct SessionService::StepCall final : StepWork {
   const v1::StepRequest* request = nullptr;
   v1::StepResponse* response = nullptr;
   absl::Time arrival;
+  // A packed Step's (StepRequest.session_ids) o and lse in the caller's regions (o_ref,
+  // lse_ref), else null.
+  char* packed_o = nullptr;
+  float* packed_lse = nullptr;
+
+  bool packed() const { return request->session_ids_size() > 0; }
+  std::string QueriesField(int seq) const override {
+    return packed() ? "q.shape[2] (queries)" : StepWork::QueriesField(seq);
+  }
   // The regions the entries reference, held until the call is answered.
   std::unique_ptr<RequestRegions> refs;
   Finish finish;
@@ -73,8 +88,13 @@ struct SessionService::StepCall final : StepWork {
   void Finished(StepOutcome outcome) override {
     if (outcome.status.ok()) outcome.status = refs->Intact();
     if (outcome.status.ok()) {
+      // Each sequence's length after the step: a packed Step's lengths [B], else its results'.
       for (size_t i = 0; i < seqs.size(); ++i) {
-        response->mutable_results(static_cast<int>(i))->set_length(seqs[i].length);
+        if (packed()) {
+          response->add_lengths(seqs[i].length);
+        } else {
+          response->mutable_results(static_cast<int>(i))->set_length(seqs[i].length);
+        }
       }
       response->set_request_id(request->request_id());
       response->set_device(absl::StrJoin(outcome.devices, ","));
@@ -336,37 +356,70 @@ void SessionService::RunAppend(const CallContext& call, const std::string& owner
 }
 
 absl::Status SessionService::DecodeStep(const std::string& owner, const v1::StepRequest& request,
-                                        RequestRegions* refs,
-                                        std::vector<StepSequence>* seqs) const {
+                                        StepCall* call) const {
   RETURN_IF_ERROR(CheckStep(request));
   // Every check that needs no session's length before anything is queued: the sessions' places
-  // and shapes never change.
-  seqs->reserve(request.entries_size());
+  // and shapes never change. A packed Step (session_ids) is cut into one entry per sequence,
+  // pointing into its tensors; from there both forms run alike.
+  const bool packed = call->packed();
+  const int n = packed ? request.session_ids_size() : request.entries_size();
+  auto session_id = [&request, packed](int i) -> const std::string& {
+    return packed ? request.session_ids(i) : request.entries(i).session_id();
+  };
+  std::vector<SessionStore::Place> places;
+  places.reserve(n);
+  for (int i = 0; i < n; ++i) {
+    ASSIGN_OR_RETURN(SessionStore::Place place, store_->Locate(owner, session_id(i)));
+    if (packed && i > 0 && !(place.shape == places.front().shape)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("session_ids[", i,
+                       "]: expected a session of session_ids[0]'s dtype, kv heads and "
+                       "head dim (",
+                       KvShapeString(places.front().shape), "), got ", KvShapeString(place.shape)));
+    }
+    places.push_back(place);
+  }
+  std::vector<DecodedEntry> entries;
+  if (packed) {
+    ASSIGN_OR_RETURN(DecodedPacked decoded,
+                     DecodePackedStep(request, places.front().shape, call->refs.get()));
+    entries = std::move(decoded.entries);
+    call->packed_o = decoded.o;
+    call->packed_lse = decoded.lse;
+  } else {
+    entries.reserve(n);
+    for (int i = 0; i < n; ++i) {
+      ASSIGN_OR_RETURN(DecodedEntry decoded,
+                       DecodeStepEntry(i, request.entries(i), places[i].shape, call->refs.get()));
+      entries.push_back(decoded);
+    }
+  }
+  call->seqs.reserve(n);
   int64_t response_bytes = kResponseOverhead + static_cast<int64_t>(request.request_id().size());
-  for (int i = 0; i < request.entries_size(); ++i) {
-    const v1::StepEntry& entry = request.entries(i);
-    ASSIGN_OR_RETURN(const SessionStore::Place place, store_->Locate(owner, entry.session_id()));
-    ASSIGN_OR_RETURN(const DecodedEntry decoded, DecodeStepEntry(i, entry, place.shape, refs));
+  for (int i = 0; i < n; ++i) {
+    const SessionStore::Place& place = places[i];
+    const DecodedEntry& decoded = entries[i];
     ASSIGN_OR_RETURN(const MaskParams mask, DecodeMask(request, place.shape.head_dim));
     const int64_t o_bytes = decoded.heads_q * decoded.rows_q * place.shape.head_dim *
                             static_cast<int64_t>(DTypeSize(place.shape.dtype));
     response_bytes += (decoded.o != nullptr ? 0 : o_bytes) +
-                      static_cast<int64_t>(entry.session_id().size()) + kEntryOverhead;
-    if (request.return_lse()) {
+                      static_cast<int64_t>(session_id(i).size()) + kEntryOverhead;
+    if (request.return_lse() && call->packed_lse == nullptr) {
       response_bytes += decoded.heads_q * decoded.rows_q * int64_t{sizeof(float)};
     }
-    seqs->push_back(StepSequence{.session_id = entry.session_id(),
-                                 .device = place.device,
-                                 .key = {.shape = place.shape,
-                                         .heads_q = decoded.heads_q,
-                                         .softmax_scale = mask.softmax_scale,
-                                         .window_left = mask.window_left,
-                                         .window_right = mask.window_right,
-                                         .lse = request.return_lse()},
-                                 .rows = decoded.rows,
-                                 .q = decoded.q,
-                                 .rows_q = decoded.rows_q,
-                                 .o = decoded.o});
+    call->seqs.push_back(StepSequence{.session_id = session_id(i),
+                                      .device = place.device,
+                                      .key = {.shape = place.shape,
+                                              .heads_q = decoded.heads_q,
+                                              .softmax_scale = mask.softmax_scale,
+                                              .window_left = mask.window_left,
+                                              .window_right = mask.window_right,
+                                              .lse = request.return_lse()},
+                                      .rows = decoded.rows,
+                                      .q = decoded.q,
+                                      .rows_q = decoded.rows_q,
+                                      .o = decoded.o,
+                                      .lse = decoded.lse});
   }
   if (response_bytes > options_.max_message_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("response would be ", response_bytes,
@@ -376,11 +429,40 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
   return absl::OkStatus();
 }
 
-void SessionService::AddResults(const v1::StepRequest& request, std::vector<StepSequence>* seqs,
+void SessionService::AddResults(const v1::StepRequest& request, StepCall* call,
                                 v1::StepResponse* response) {
-  for (int i = 0; i < request.entries_size(); ++i) {
+  std::vector<StepSequence>& seqs = call->seqs;
+  const int n = static_cast<int>(seqs.size());
+  if (call->packed()) {
+    // o [B, Hq, Nq, D] and lse [B, Hq, Nq], the response's or the caller's regions'.
+    const v1::Tensor& q = request.q();
+    const StepSequence& first = seqs.front();
+    const int64_t o_bytes = first.key.heads_q * first.rows_q * first.key.shape.head_dim *
+                            DTypeSize(first.key.shape.dtype);
+    const int64_t lse_floats = first.key.heads_q * first.rows_q;
+    v1::Tensor* o = response->mutable_o();
+    o->set_dtype(q.dtype());
+    o->mutable_shape()->CopyFrom(q.shape());
+    if (call->packed_o == nullptr) o->mutable_data()->resize(n * o_bytes);
+    float* lse = call->packed_lse;
+    if (request.return_lse() && lse == nullptr) {
+      v1::Tensor* lse_tensor = response->mutable_lse();
+      lse_tensor->set_dtype(v1::DTYPE_FLOAT32);
+      for (int axis = 0; axis < 3; ++axis) lse_tensor->add_shape(q.shape(axis));
+      lse_tensor->mutable_data()->resize(n * lse_floats * sizeof(float));
+      // std::string storage comes from operator new (or the inline buffer), aligned for float.
+      lse = reinterpret_cast<float*>(lse_tensor->mutable_data()->data());
+    }
+    for (int i = 0; i < n; ++i) {
+      if (seqs[i].o == nullptr) seqs[i].o = o->mutable_data()->data() + i * o_bytes;
+      if (lse != nullptr) seqs[i].lse = lse + i * lse_floats;
+    }
+    return;
+  }
+  // The results in entry order, o shaped as q and lse [Hq, Nq].
+  for (int i = 0; i < n; ++i) {
     const v1::Tensor& q = request.entries(i).q();
-    StepSequence& seq = (*seqs)[i];
+    StepSequence& seq = seqs[i];
     v1::StepResult* result = response->add_results();
     result->set_session_id(request.entries(i).session_id());
     v1::Tensor* o = result->mutable_o();
@@ -412,12 +494,11 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
   call->response = response;
   call->owner = owner;
   call->refs = std::make_unique<RequestRegions>(regions_, call_context.grpc, &gate_->auth_token());
-  if (absl::Status decoded = DecodeStep(owner, request, call->refs.get(), &call->seqs);
-      !decoded.ok()) {
+  if (absl::Status decoded = DecodeStep(owner, request, call.get()); !decoded.ok()) {
     return std::move(finish)(std::move(decoded));
   }
-  // The results in entry order, o shaped as q (and lse [Hq, Nq]); the launches write into them.
-  AddResults(request, &call->seqs, response);
+  // Where each sequence's o and lse go; the launches write into them.
+  AddResults(request, call.get(), response);
   call->finish = std::move(finish);
   // The step's work on its sessions (sessions/step_jobs.h), queued whole or not at all.
   std::vector<Job> jobs = step_jobs_.Jobs(call, absl::FromChrono(call_context.grpc->deadline()),

@@ -163,13 +163,15 @@ class SessionService final : public SessionsRawService {
   void RunList(const CallContext& call, const std::string& owner, const Arrival& arrival,
                const v1::ListSessionsRequest& request, v1::ListSessionsResponse* response,
                Finish finish);
-  // A Step's entries checked against their sessions' shapes into `seqs` (o and lse not yet
-  // placed), and its response against the message limit.
+  // A Step's entries (or a packed Step's sequences) checked against their sessions' shapes into
+  // call->seqs (o and lse not yet placed, unless in the caller's regions), and its response
+  // against the message limit.
   absl::Status DecodeStep(const std::string& owner, const v1::StepRequest& request,
-                          RequestRegions* refs, std::vector<StepSequence>* seqs) const;
-  // The response's results in entry order, o shaped as q and lse [Hq, Nq]; points each sequence's
-  // o (unless it goes into a region) and lse at them.
-  static void AddResults(const v1::StepRequest& request, std::vector<StepSequence>* seqs,
+                          StepCall* call) const;
+  // Where each sequence's o and lse go: a packed Step's o [B, Hq, Nq, D] and lse [B, Hq, Nq] in
+  // the response (unless in the caller's regions), else the response's results in entry order,
+  // o shaped as q and lse [Hq, Nq].
+  static void AddResults(const v1::StepRequest& request, StepCall* call,
                          v1::StepResponse* response);
   // Decodes a Step and hands it to step_jobs_. `arrival` starts the call's ServerTiming (decode_us
   // and total_us count its parse too).

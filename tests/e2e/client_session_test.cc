@@ -1,6 +1,7 @@
 // The C++ Session object (client/session.h) against the real server (CPU backend): decode steps
 // after appends match the float64 reference over the whole sequence, StepMany over sessions of
-// different lengths, LSE, ownership (drop on destruction, Release, moves), NOT_FOUND after a
+// different lengths, the packed StepBatch and StepBatchAsync bit for bit equal to StepMany, LSE,
+// ownership (drop on destruction, Release, moves), NOT_FOUND after a
 // drop, and the bearer token on session calls. (Sessions over a round-robin client across two
 // servers: tests/deploy/round_robin_failover_test.cc.)
 //
@@ -19,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "client/reference_check.h"
 #include "client/request_builder.h"
 #include "client/session.h"
@@ -32,6 +34,8 @@ namespace {
 using client::Session;
 using client::SessionClient;
 using client::SessionSpec;
+using client::StepBatchOutput;
+using client::StepBatchTensors;
 using client::StepItem;
 using client::StepOptions;
 using client::StepOutput;
@@ -194,6 +198,85 @@ TEST_F(ClientSessionTest, StepManyOverSessionsOfDifferentLengths) {
     SCOPED_TRACE(absl::StrCat("session ", i));
     ExpectStepCorrect(seqs[i], q[i], heads_q, options, (*outs)[i]);
     EXPECT_EQ(live[i].length(), seqs[i].rows());
+  }
+}
+
+TEST_F(ClientSessionTest, StepBatchAndStepBatchAsyncEqualStepManyBitForBit) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  const int64_t heads_q = 4, heads_kv = 2, d = 64;
+  const SessionSpec spec{.dtype = v1::DTYPE_FLOAT32, .kv_heads = heads_kv, .head_dim = d};
+  SessionClient sessions(client());
+  // The same K/V in two sets of sessions: one stepped per entry, one packed.
+  std::vector<Session> per_entry, packed;
+  for (int64_t length : {1, 90, 300}) {
+    const std::vector<int64_t> shape = {heads_kv, length, d};
+    const v1::Tensor k = client::MakeTensor(spec.dtype, shape,
+                                            client::RandomNormal(client::NumElements(shape), rng));
+    const v1::Tensor v = client::MakeTensor(spec.dtype, shape,
+                                            client::RandomNormal(client::NumElements(shape), rng));
+    for (std::vector<Session>* set : {&per_entry, &packed}) {
+      absl::StatusOr<Session> session = sessions.Create(spec, &k, &v);
+      ASSERT_TRUE(session.ok()) << session.status();
+      set->push_back(*std::move(session));
+    }
+  }
+  const int64_t batch = static_cast<int64_t>(packed.size());
+  std::vector<Session*> batch_sessions;
+  for (Session& session : packed) batch_sessions.push_back(&session);
+  const StepOptions options{.causal = true, .return_lse = true};
+  for (const bool async : {false, true}) {
+    SCOPED_TRACE(async ? "StepBatchAsync" : "StepBatch");
+    // q [B, Hq, 1, D], k, v [B, Hkv, 1, D]; entry b gets row b of each.
+    const std::vector<float> q = client::RandomNormal(batch * heads_q * d, rng);
+    const std::vector<float> k = client::RandomNormal(batch * heads_kv * d, rng);
+    const std::vector<float> v = client::RandomNormal(batch * heads_kv * d, rng);
+    std::vector<v1::Tensor> q_rows, k_rows, v_rows;
+    std::vector<StepItem> items;
+    for (int64_t b = 0; b < batch; ++b) {
+      auto slice = [b](const std::vector<float>& x, int64_t n) {
+        return std::vector<float>(x.begin() + b * n, x.begin() + (b + 1) * n);
+      };
+      q_rows.push_back(client::MakeTensor(spec.dtype, {heads_q, 1, d}, slice(q, heads_q * d)));
+      k_rows.push_back(client::MakeTensor(spec.dtype, {heads_kv, 1, d}, slice(k, heads_kv * d)));
+      v_rows.push_back(client::MakeTensor(spec.dtype, {heads_kv, 1, d}, slice(v, heads_kv * d)));
+    }
+    for (int64_t b = 0; b < batch; ++b) {
+      items.push_back(
+          {.session = &per_entry[b], .q = &q_rows[b], .k = &k_rows[b], .v = &v_rows[b]});
+    }
+    absl::StatusOr<std::vector<StepOutput>> want = sessions.StepMany(items, options);
+    ASSERT_TRUE(want.ok()) << want.status();
+
+    const v1::Tensor q_packed = client::MakeTensor(spec.dtype, {batch, heads_q, 1, d}, q);
+    const v1::Tensor k_packed = client::MakeTensor(spec.dtype, {batch, heads_kv, 1, d}, k);
+    const v1::Tensor v_packed = client::MakeTensor(spec.dtype, {batch, heads_kv, 1, d}, v);
+    const StepBatchTensors tensors{.k = &k_packed, .v = &v_packed};
+    absl::StatusOr<StepBatchOutput> got;
+    if (async) {
+      absl::Notification done;
+      sessions.StepBatchAsync(batch_sessions, q_packed, options, tensors, {},
+                              [&](absl::StatusOr<StepBatchOutput> out) {
+                                got = std::move(out);
+                                done.Notify();
+                              });
+      done.WaitForNotification();
+    } else {
+      got = sessions.StepBatch(batch_sessions, q_packed, options, tensors);
+    }
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->lengths.size(), static_cast<size_t>(batch));
+    const size_t o_bytes = heads_q * d * sizeof(float), lse_bytes = heads_q * sizeof(float);
+    ASSERT_EQ(got->o.data().size(), batch * o_bytes);
+    ASSERT_EQ(got->lse.data().size(), batch * lse_bytes);
+    for (int64_t b = 0; b < batch; ++b) {
+      SCOPED_TRACE(absl::StrCat("sequence ", b));
+      EXPECT_EQ(got->o.data().substr(b * o_bytes, o_bytes), (*want)[b].o.data());
+      EXPECT_EQ(got->lse.data().substr(b * lse_bytes, lse_bytes), (*want)[b].lse.data());
+      EXPECT_EQ(got->lengths[b], (*want)[b].length);
+      EXPECT_EQ(packed[b].length(), per_entry[b].length());
+    }
   }
 }
 

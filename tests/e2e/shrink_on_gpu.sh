@@ -5,7 +5,7 @@
 # Unregister (cudaHostUnregister after the shrink) must succeed. (The one shrinking during a
 # request needs a request running for a second: on the CPU backend only.) Then both on the CPU
 # backend with the same binaries. About 30 s. Logs in $OUT; a table last.
-#   tests/e2e/shrink_on_gpu.sh [BIN_DIR]   # default .device/bin, from ../shared/device/bundle.sh
+#   tests/e2e/shrink_on_gpu.sh [BIN_DIR]   # default .device/bin, from scripts/bundle_device.sh
 #     with attention_server and shared_memory_tests
 set -uo pipefail
 bin=${1:-$PWD/.device/bin}

@@ -26,14 +26,14 @@ client) are imported on first use, so `import attention_client` stays free of to
 """
 import importlib
 from attention_client.client import (AttendResult, AttentionError, Client, ServerTiming,
-                                     StepResult, attend, bfloat16_bits_to_float32,
+                                     StepBatchResult, StepResult, attend, bfloat16_bits_to_float32,
                                      float8_e4m3_bits_to_float32, float32_to_bfloat16_bits,
                                      float32_to_float8_e4m3_bits)
 from attention_client.session import Session, StepStream
 from attention_client.shared_memory import Region
 
-__all__ = ["AttendResult", "AttentionError", "Client", "ServerTiming", "StepResult", "attend",
-           "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "float8_e4m3_bits_to_float32",
+__all__ = ["AttendResult", "AttentionError", "Client", "ServerTiming", "StepBatchResult",
+           "StepResult", "attend", "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "float8_e4m3_bits_to_float32",
            "float32_to_float8_e4m3_bits", "Region", "Session", "StepStream"]
 
 _SUBMODULES = ("aio", "torch", "transformers")

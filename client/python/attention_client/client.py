@@ -32,16 +32,24 @@ def _is_torch(x):
 
 class ServerTiming(NamedTuple):
     """Server-side microseconds of one call: waiting in the queue, host-to-device copies, the
-    kernel, device-to-host copies, and the whole call in the server."""
+    kernel, device-to-host copies, and the whole call in the server; then decode_us (arrival to
+    queued: the parse, parse_us, and the checks), prepare_us (a Step's leases, K/V append and
+    launch plan on the device's worker) and run_us (the device run as the worker's clock sees
+    it; run_us - h2d_us - compute_us - d2h_us is its host side)."""
     queue_us: float
     h2d_us: float
     compute_us: float
     d2h_us: float
     total_us: float
+    decode_us: float = 0.0
+    prepare_us: float = 0.0
+    run_us: float = 0.0
+    parse_us: float = 0.0
 
     @classmethod
     def _from_pb(cls, t):
-        return cls(t.queue_us, t.h2d_us, t.compute_us, t.d2h_us, t.total_us)
+        return cls(t.queue_us, t.h2d_us, t.compute_us, t.d2h_us, t.total_us, t.decode_us,
+                   t.prepare_us, t.run_us, t.parse_us)
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,17 @@ class AttendResult:
     timing: ServerTiming
     device: str
     request_id: str
+
+
+@dataclass(frozen=True)
+class StepBatchResult:
+    """step_batch(..., return_info=True): o [B, Hq, Nq, D], lse [B, Hq, Nq] (None without
+    return_lse), each sequence's length after the step, the server's timing and the device."""
+    o: Any
+    lse: Optional[Any]
+    lengths: list
+    timing: ServerTiming
+    device: str
 
 
 @dataclass(frozen=True)
@@ -497,6 +516,30 @@ class Client:
                          window_left=window_left, window_right=window_right,
                          return_lse=return_lse, timeout=timeout, metadata=metadata,
                          request_id=request_id, return_info=return_info)
+
+    def step_batch(self, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
+                   window_left=None, window_right=None, return_lse=False, out=None,
+                   lse_out=None, timeout=None, metadata=None, request_id="", return_info=False,
+                   stream=False, wait=True):
+        """One packed Step over a layer's batch: one message and one tensor each, none per
+        sequence. Sequence b is sessions[b] (each at most once, all of one dtype, Hkv and D).
+
+        q [B, Hq, Nq, D]; k, v [B, Hkv, n, D] appended to each sequence before it attends.
+        Returns o [B, Hq, Nq, D] (q's kind and dtype), or (o, lse) with return_lse (lse float32
+        [B, Hq, Nq]), or with return_info a StepBatchResult; every session's length is updated.
+        Tensors inside regions this client registered go by reference (no copy through the
+        socket); out and lse_out, arrays in such regions, receive o and lse there (they must not
+        overlap each other or an input). stream: as Session.step (False: unary; True: the
+        client's StepStream; "ring": its request ring). wait=False (unary only) returns at once
+        a concurrent.futures.Future of the result, so the caller can work meanwhile (another
+        micro-batch's MLP, say); leave the sessions and buffers alone until it is done.
+        """
+        from attention_client.session import step_batch
+        return step_batch(self, sessions, q, k, v, causal=causal, softmax_scale=softmax_scale,
+                          window_left=window_left, window_right=window_right,
+                          return_lse=return_lse, out=out, lse_out=lse_out, timeout=timeout,
+                          metadata=metadata, request_id=request_id, return_info=return_info,
+                          stream=stream, wait=wait)
 
     def register_shared_memory(self, name, shm, *, offset=0, size=None, timeout=None,
                                metadata=None):

@@ -3,7 +3,7 @@ server's host: each request is serialized into a slot of a shared-memory object 
 maps, and its response read from another, with no gRPC message per request. A decode loop with one
 Step in flight saves loopback gRPC's exchange on every Step (on the H200 host the C++ client's
 Step by reference took kernel + 107 us on a ring against kernel + 208 us on a StepStream:
-bench/README.md, run K). The server must run with --allow_shared_memory.
+bench/results/2026-12-02-request-rings.md). The server must run with --allow_shared_memory.
 
     ring = client.request_ring("step")            # or session.step(..., stream="ring")
     response = ring.request(step_request)         # a StepRequest in, its StepResponse out

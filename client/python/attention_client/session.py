@@ -5,10 +5,13 @@ decode step sends only the new queries and the new token's K/V.
         o = s.step(q, k=k1, v=v1, causal=True)      # q: [Hq, Nq, D]; k1, v1: [Hkv, n, D] appended first
     outs = client.step_many([(s1, q1, k1, v1), (s2, q2)], causal=True)   # one Step RPC
     o = s.step(q, k=k1, v=v1, causal=True, stream=True)   # over the client's one StepStream
+    o = client.step_batch([s1, s2], q, k, v, causal=True)   # a layer's batch as packed tensors:
+                                                            # q [B, Hq, Nq, D], k, v [B, Hkv, n, D]
 
 Sessions are a server-side cache: a restart or --session_ttl_s idle seconds lose them, and their
 calls then raise AttentionError with code NOT_FOUND; re-create from your own copy of the sequence.
 """
+import concurrent.futures
 import queue
 import threading
 
@@ -16,9 +19,9 @@ import grpc
 import numpy as np
 
 from attention_client._stubs import attention_pb2 as pb
-from attention_client.client import (_LAYOUTS, AttentionError, ServerTiming, StepResult,
-                                     _from_tensor, _is_torch, _lse_from_tensor, _set_options,
-                                     _to_tensor)
+from attention_client.client import (_LAYOUTS, AttentionError, ServerTiming, StepBatchResult,
+                                     StepResult, _from_tensor, _is_torch, _lse_from_tensor,
+                                     _set_options, _to_tensor, _to_tensor_or_ref)
 
 _DTYPE_NAMES = {"float32": pb.DTYPE_FLOAT32, "fp32": pb.DTYPE_FLOAT32,
                 "float16": pb.DTYPE_FLOAT16, "fp16": pb.DTYPE_FLOAT16, "half": pb.DTYPE_FLOAT16,
@@ -173,29 +176,7 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
             entry.v.CopyFrom(_to_tensor(v, "v", session._bfloat16_bits)[0])
         kinds.append(kind)
         sessions.append(session)
-    if stream == "ring":
-        if client._step_ring is None:
-            from attention_client.request_ring import RequestRing, MAX_SLOT_BYTES
-            # Room for this Step and its answer (o is q's size), at least 1 MiB.
-            need = max(1 << 20, 2 * request.ByteSize() + 4096)
-            client._step_ring = RequestRing(client, "step", metadata=metadata,
-                                            slot_bytes=min(MAX_SLOT_BYTES, (need + 63) // 64 * 64))
-        try:
-            response = client._step_ring.request(request)
-        except AttentionError:
-            client._step_ring.close()  # a failed Step ends its ring; the next opens another
-            client._step_ring = None
-            raise
-    elif stream:
-        if client._step_stream is None:
-            client._step_stream = StepStream(client, metadata)
-        try:
-            response = client._step_stream.step(request)
-        except AttentionError:
-            client._step_stream = None  # a failed Step ends its stream; the next opens another
-            raise
-    else:
-        response = client._call(client._sessions_stub.Step, request, timeout, metadata)
+    response = _send_step(client, request, stream, timeout, metadata)
     if len(response.results) != len(sessions):
         raise AttentionError(grpc.StatusCode.DATA_LOSS, f"Step sent {len(sessions)} entries and "
                              f"got {len(response.results)} results")
@@ -213,6 +194,104 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
         else:
             outputs.append((o, lse) if return_lse else o)
     return outputs
+
+
+def _send_step(client, request, stream, timeout, metadata):
+    """One StepRequest to the server, unary (stream False), over the client's one StepStream
+    (True) or through its one request ring ("ring"); returns the StepResponse."""
+    if stream == "ring":
+        if client._step_ring is None:
+            from attention_client.request_ring import RequestRing, MAX_SLOT_BYTES
+            # Room for this Step and its answer (o is q's size), at least 1 MiB.
+            need = max(1 << 20, 2 * request.ByteSize() + 4096)
+            client._step_ring = RequestRing(client, "step", metadata=metadata,
+                                            slot_bytes=min(MAX_SLOT_BYTES, (need + 63) // 64 * 64))
+        try:
+            return client._step_ring.request(request)
+        except AttentionError:
+            client._step_ring.close()  # a failed Step ends its ring; the next opens another
+            client._step_ring = None
+            raise
+    if stream:
+        if client._step_stream is None:
+            client._step_stream = StepStream(client, metadata)
+        try:
+            return client._step_stream.step(request)
+        except AttentionError:
+            client._step_stream = None  # a failed Step ends its stream; the next opens another
+            raise
+    return client._call(client._sessions_stub.Step, request, timeout, metadata)
+
+
+def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
+               window_left=None, window_right=None, return_lse=False, out=None, lse_out=None,
+               timeout=None, metadata=None, request_id="", return_info=False, stream=False,
+               wait=True):
+    """One packed Step over a layer's batch; see Client.step_batch."""
+    if (k is None) != (v is None):
+        raise ValueError("k and v go together: give both or neither")
+    if not sessions:
+        raise ValueError("sessions: expected at least one session, got none")
+    for session in sessions:
+        if session._client is not client:
+            raise ValueError(f"session {session.id} belongs to another Client")
+    bits = sessions[0]._bfloat16_bits
+    request = pb.StepRequest(request_id=request_id,
+                             session_ids=[session._live_id() for session in sessions])
+    _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
+    tq, kind = _to_tensor_or_ref(client, q, "q", bits)
+    request.q.CopyFrom(tq)
+    if k is not None:
+        request.k.CopyFrom(_to_tensor_or_ref(client, k, "k", bits)[0])
+        request.v.CopyFrom(_to_tensor_or_ref(client, v, "v", bits)[0])
+    if out is not None:
+        from attention_client.shared_memory import out_ref
+        request.o_ref.CopyFrom(out_ref(client, out, "out"))
+    if lse_out is not None:
+        if not return_lse:
+            raise ValueError("lse_out: expected only with return_lse=True")
+        from attention_client.shared_memory import out_ref
+        request.lse_ref.CopyFrom(out_ref(client, lse_out, "lse_out"))
+    def output(response):
+        return _batch_output(response, sessions, kind, return_lse, out, lse_out, return_info)
+
+    if wait:
+        return output(_send_step(client, request, stream, timeout, metadata))
+    if stream:
+        raise ValueError("wait=False takes unary Steps only (a StepStream or a request ring "
+                         "carries one Step at a time)")
+    call = client._sessions_stub.Step.future(
+        request, timeout=client.timeout if timeout is None else timeout,
+        metadata=client.metadata if metadata is None else metadata)
+    future = concurrent.futures.Future()
+
+    def done(call):
+        try:
+            future.set_result(output(call.result()))
+        except grpc.RpcError as e:
+            future.set_exception(AttentionError(e.code(), e.details()))
+        except Exception as e:  # the answer did not fit the request
+            future.set_exception(e)
+
+    call.add_done_callback(done)
+    return future
+
+
+def _batch_output(response, sessions, kind, return_lse, out, lse_out, return_info):
+    """What step_batch returns for a packed Step's StepResponse; sets the sessions' lengths."""
+    if len(response.lengths) != len(sessions):
+        raise AttentionError(grpc.StatusCode.DATA_LOSS, f"Step sent {len(sessions)} sequences "
+                             f"and got {len(response.lengths)} lengths")
+    for session, length in zip(sessions, response.lengths):
+        session.length = length
+    o = out if out is not None else _from_tensor(response.o, kind)
+    lse = None
+    if return_lse:
+        lse = lse_out if lse_out is not None else _lse_from_tensor(response.lse, kind)
+    if return_info:
+        return StepBatchResult(o, lse, list(response.lengths),
+                               ServerTiming._from_pb(response.timing), response.device)
+    return (o, lse) if return_lse else o
 
 
 def list_sessions(client, *, timeout=None, metadata=None):

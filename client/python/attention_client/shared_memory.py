@@ -69,14 +69,17 @@ class Region:
         return pb.TensorRef(region=self.name, offset=offset, byte_size=nbytes)
 
     def _locate(self, a):
-        """The offset of `a`'s bytes in this region (a numpy array in a system region, a torch
-        CUDA tensor in a CUDA one), or None when they are not inside it."""
+        """The offset of `a`'s bytes in this region (a numpy array or a torch CPU tensor over a
+        system region, a torch CUDA tensor in a CUDA one), or None when they are not inside it."""
         if isinstance(a, np.ndarray):
             if self._base is None or not a.flags.c_contiguous:
                 return None
             start, nbytes = a.__array_interface__["data"][0] - self._base, a.nbytes
-        elif self._cuda_base is not None and _is_torch_cuda(a) and a.is_contiguous():
-            start, nbytes = a.data_ptr() - self._cuda_base, a.numel() * a.element_size()
+        elif _is_torch(a) and a.is_contiguous():
+            base = self._cuda_base if a.is_cuda else self._base
+            if base is None:
+                return None
+            start, nbytes = a.data_ptr() - base, a.numel() * a.element_size()
         else:
             return None
         if 0 <= start and start + nbytes <= self.size:
@@ -148,12 +151,16 @@ def list_regions(client, *, timeout=None, metadata=None):
     return client._call(client._shm_stub.List, pb.ListRegionsRequest(), timeout, metadata).regions
 
 
+def _is_torch(a):
+    return type(a).__module__.startswith("torch")
+
+
 def _is_torch_cuda(a):
-    return type(a).__module__.startswith("torch") and getattr(a, "is_cuda", False)
+    return _is_torch(a) and getattr(a, "is_cuda", False)
 
 
 def _wire_dtype_of(a):
-    name = str(a.dtype).replace("torch.", "") if _is_torch_cuda(a) else a.dtype.name
+    name = str(a.dtype).replace("torch.", "") if _is_torch(a) else a.dtype.name
     dtype = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16,
              "bfloat16": pb.DTYPE_BFLOAT16}.get(name)
     if dtype is None:
@@ -162,8 +169,9 @@ def _wire_dtype_of(a):
 
 
 def as_ref(client, a):
-    """pb.Tensor referring to `a` (a numpy array, or a torch CUDA tensor) when its bytes lie in
-    one of the client's regions, else None. bfloat16 as ml_dtypes.bfloat16 or torch.bfloat16."""
+    """pb.Tensor referring to `a` (a numpy array or torch tensor over a system region, or a torch
+    CUDA tensor in a CUDA region) when its bytes lie in one of the client's regions, else None.
+    bfloat16 as ml_dtypes.bfloat16 or torch.bfloat16."""
     for region in client._regions:
         offset = region._locate(a)
         if offset is None:

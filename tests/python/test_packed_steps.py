@@ -1,0 +1,172 @@
+"""Packed Steps (StepRequest.session_ids: a layer's whole batch as q [B, Hq, Nq, D] and k, v
+[B, Hkv, n, D]) through the Python client against the real attention_server (CPU backend,
+--allow_shared_memory): equal bit for bit to the same Steps sent as one entry per session, over
+every transport (unary, StepStream, request ring) and with tensors by reference in a shared-memory
+region; bad buffers refused by name with nothing appended. Fresh random inputs; the seed is printed.
+
+Run by ctest (label "python"). Exits 77 (skipped) when grpcio or numpy is missing.
+"""
+import gc
+import unittest
+from multiprocessing import shared_memory
+
+from test_attention_client import F32_BOUND, SEED, ServerTest, rel_error
+from test_sessions import session_reference
+
+import grpc
+import numpy as np
+from attention_client import AttentionError
+
+
+class PackedStepTest(ServerTest):
+    SERVER_FLAGS = ["--allow_shared_memory"]
+    HQ, HKV, D = 8, 2, 32
+    LENGTHS = (1, 17, 64, 3, 130)  # around the CPU kernel's tiles; one row, primes
+
+    def region(self, name):
+        """A 1 MiB shared-memory region registered as `name`, released after the test (the
+        arrays over it first: an exception's traceback may still hold some)."""
+        shm = shared_memory.SharedMemory(create=True, size=1 << 20)
+
+        def release():
+            gc.collect()
+            shm.close()
+            shm.unlink()
+
+        self.addCleanup(release)
+        region = self.client.register_shared_memory(name, shm)
+        self.addCleanup(region.unregister)
+        return region
+
+    def two_batches(self):
+        """Two lists of sessions holding the same random K/V (one stepped per entry, one
+        packed), and that K/V [B][Hkv, N_b, D]."""
+        kv = [(self.normal(self.HKV, n, self.D), self.normal(self.HKV, n, self.D))
+              for n in self.LENGTHS]
+        batches = [[self.client.session(k=k, v=v) for k, v in kv] for _ in range(2)]
+        for batch in batches:
+            for s in batch:
+                self.addCleanup(s.drop)
+        return batches, kv
+
+    def check_equal_to_entries(self, stream, by_ref, wait=True):
+        (per_entry, packed), kv = self.two_batches()
+        b = len(self.LENGTHS)
+        region = None
+        if by_ref:
+            region = self.region(f"packed-{stream}")
+        for step, rows_q in enumerate((1, 1, 2)):  # decode twice, then a two-row extend
+            q = self.normal(b, self.HQ, rows_q, self.D)
+            k1 = self.normal(b, self.HKV, rows_q, self.D)
+            v1 = self.normal(b, self.HKV, rows_q, self.D)
+            want = self.client.step_many(
+                [(s, q[i], k1[i], v1[i]) for i, s in enumerate(per_entry)], causal=True,
+                return_lse=True)
+            out = lse_out = None
+            if region is not None:
+                at = 0
+                arrays = []
+                for shape in (q.shape, k1.shape, v1.shape, q.shape, q.shape[:3]):
+                    arrays.append(region.array(shape, np.float32, offset=at))
+                    at += (int(np.prod(shape)) * 4 + 63) // 64 * 64
+                for a, x in zip(arrays, (q, k1, v1)):
+                    a[...] = x
+                q_in, k_in, v_in, out, lse_out = arrays
+                out[...] = np.nan  # poisoned: every element must be written
+                lse_out[...] = np.nan
+            else:
+                q_in, k_in, v_in = q, k1, v1
+            got = self.client.step_batch(packed, q_in, k_in, v_in, causal=True, return_lse=True,
+                                         out=out, lse_out=lse_out, stream=stream,
+                                         return_info=True, wait=wait)
+            if not wait:
+                got = got.result(timeout=60)
+            self.assertEqual(got.o.shape, q.shape)
+            self.assertEqual(got.lse.shape, q.shape[:3])
+            for i in range(b):
+                self.assertTrue(np.array_equal(got.o[i], want[i][0]),
+                                f"step {step} sequence {i}: o differs (seed {SEED})")
+                self.assertTrue(np.array_equal(got.lse[i], want[i][1]),
+                                f"step {step} sequence {i}: lse differs (seed {SEED})")
+            self.assertEqual(got.lengths, [s.length for s in per_entry])
+            self.assertEqual([s.length for s in packed], [s.length for s in per_entry])
+            # And right, not only equal: the last sequence against the float64 reference.
+            k, v = kv[-1]
+            kv[-1] = (np.concatenate([k, k1[-1]], 1), np.concatenate([v, v1[-1]], 1))
+            ref_o, _ = session_reference(q[-1], *kv[-1], causal=True)
+            self.assertLessEqual(rel_error(got.o[-1], ref_o), F32_BOUND, f"seed {SEED}")
+            del got, out, lse_out, q_in, k_in, v_in
+
+    def test_unary_equals_entries(self):
+        self.check_equal_to_entries(False, by_ref=False)
+
+    def test_stream_equals_entries(self):
+        self.check_equal_to_entries(True, by_ref=False)
+
+    def test_ring_equals_entries(self):
+        self.check_equal_to_entries("ring", by_ref=False)
+
+    def test_by_reference_equals_entries(self):
+        self.check_equal_to_entries(False, by_ref=True)
+
+    def test_future_equals_entries(self):
+        self.check_equal_to_entries(False, by_ref=False, wait=False)
+
+    def test_futures_of_two_micro_batches_in_flight_at_once(self):
+        (first, second), _ = self.two_batches()
+        b = len(self.LENGTHS)
+        q = self.normal(b, self.HQ, 1, self.D)
+        k1, v1 = self.normal(b, self.HKV, 1, self.D), self.normal(b, self.HKV, 1, self.D)
+        futures = [self.client.step_batch(batch, q, k1, v1, causal=True, wait=False)
+                   for batch in (first, second)]
+        a, b_out = (f.result(timeout=60) for f in futures)
+        self.assertTrue(np.array_equal(a, b_out), f"seed {SEED}")  # the same K/V and inputs
+        self.assertEqual([s.length for s in first], [n + 1 for n in self.LENGTHS])
+        with self.assertRaises(ValueError):
+            self.client.step_batch(first, q, stream="ring", wait=False)
+
+    def assertRefused(self, call, *words):
+        with self.assertRaises(AttentionError) as e:
+            call()
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT, e.exception.details)
+        for word in words:
+            self.assertIn(word, e.exception.details)
+
+    def test_bad_buffers_are_refused_by_name_and_append_nothing(self):
+        (sessions, _), _ = self.two_batches()
+        b, hq, hkv, d = len(sessions), self.HQ, self.HKV, self.D
+        lengths = [s.length for s in sessions]
+        q, k1, v1 = (self.normal(b, hq, 1, d), self.normal(b, hkv, 1, d),
+                     self.normal(b, hkv, 1, d))
+        step = self.client.step_batch
+        self.assertRefused(lambda: step(sessions, q[1:], k1, v1), "q.shape[0] (batch)",
+                           f"expected {b}", f"got {b - 1}")
+        self.assertRefused(lambda: step(sessions, q, k1[:, :1], v1[:, :1]), "k.shape[1] (kv heads)")
+        self.assertRefused(lambda: step(sessions, q, k1, self.normal(b, hkv, 2, d)),
+                           "v.shape[2] (rows)", "(as k)")
+        self.assertRefused(lambda: step(sessions, q[:, :3], k1, v1), "q.shape[1] (query heads)")
+        self.assertRefused(lambda: step(sessions + sessions[:1], np.concatenate([q, q[:1]]),
+                                        np.concatenate([k1, k1[:1]]),
+                                        np.concatenate([v1, v1[:1]])),
+                           f"session_ids[{b}]", "at most once")
+        with self.client.session(k=self.normal(hkv, 4, 2 * d), v=self.normal(hkv, 4, 2 * d)) as other:
+            self.assertRefused(lambda: step(sessions[:1] + [other], q[:2]), "session_ids[1]",
+                               "head dim 64")
+        self.assertRefused(lambda: step(sessions, self.normal(b, hq, 3, d)), "q.shape[2] (queries)")
+        # Outputs that overlap inputs or each other, in a region.
+        region = self.region("packed-bad")
+        q_in = region.array(q.shape, np.float32, offset=0)
+        q_in[...] = q
+        lse_at = q.nbytes + 4096
+        self.assertRefused(lambda: step(sessions, q_in, out=q_in), "o_ref", "overlap q")
+        out = region.array(q.shape, np.float32, offset=lse_at)
+        lse_over_o = region.array(q.shape[:3], np.float32, offset=lse_at)
+        self.assertRefused(lambda: step(sessions, q_in, return_lse=True, out=out,
+                                        lse_out=lse_over_o), "lse_ref", "o_ref")
+        self.assertEqual([s.length for s in sessions], lengths)
+        del q_in, out, lse_over_o
+
+
+if __name__ == "__main__":
+    print(f"python_packed_steps: seed {SEED}", flush=True)
+    unittest.main()
