@@ -43,6 +43,7 @@
 #include "server/requests/request_decoder.h"
 #include "server/requests/session_request.h"
 #include "server/requests/wire_message.h"
+#include "server/sessions/step_plan.h"
 
 namespace {
 
@@ -196,7 +197,7 @@ FuzzedSession SessionFromBytes(const uint8_t* bytes) {
 
 // Reads every element [head, row, 0..D) that `rows`' strides reach in k and v, as the KV write
 // does, and checks that the byte counts match the tensors the rows came from.
-void CheckKvRows(const attention::server::KvRows& rows, const attention::v1::Tensor* k,
+void CheckKvRows(const attention::KvRows& rows, const attention::v1::Tensor* k,
                  const attention::v1::Tensor* v, const attention::KvShape& shape) {
   if (rows.rows < 0) Fail("negative KV rows");
   if (rows.rows == 0) {
@@ -255,7 +256,7 @@ void FuzzAppend(const uint8_t* data, size_t size) {
   if (!request.ParseFromArray(data + 4, static_cast<int>(size - 4))) return;
   const attention::v1::Tensor* k = request.has_k() ? &request.k() : nullptr;
   const attention::v1::Tensor* v = request.has_v() ? &request.v() : nullptr;
-  absl::StatusOr<attention::server::KvRows> rows =
+  absl::StatusOr<attention::KvRows> rows =
       attention::server::DecodeKvRows("", k, v, request.layout(), session.shape);
   if (!rows.ok()) return CheckSessionRefusal(rows.status());
   CheckKvRows(*rows, k, v, session.shape);
@@ -290,7 +291,8 @@ void FuzzPackedStep(const attention::v1::StepRequest& request, const FuzzedSessi
       Fail("a packed Step's sequence rows are not their slice of k and v");
     }
     const absl::Status fits =
-        attention::server::CheckQueriesFit("q.shape[2]", entry, session.length);
+        attention::server::CheckQueriesFit([] { return std::string("q.shape[2] (queries)"); },
+                                           entry.rows_q, entry.rows.rows, session.length);
     if (!fits.ok()) {
       CheckSessionRefusal(fits);
     } else if (entry.rows_q > session.length + entry.rows.rows) {
@@ -331,7 +333,8 @@ void FuzzStep(const uint8_t* data, size_t size) {
                 entry.has_v() ? &entry.v() : nullptr, shape);
     // The check that needs the session's length: queries are its last positions.
     const absl::Status fits = attention::server::CheckQueriesFit(
-        absl::StrCat("entries[", i, "].q.shape[1]"), *decoded, session.length);
+        [i] { return absl::StrCat("entries[", i, "].q.shape[1] (queries)"); }, decoded->rows_q,
+        decoded->rows.rows, session.length);
     if (!fits.ok()) {
       CheckSessionRefusal(fits);
     } else if (decoded->rows_q > session.length + decoded->rows.rows) {

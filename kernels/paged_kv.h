@@ -33,6 +33,17 @@ struct KvShape {
   }
 };
 
+// Rows to append to a sequence: k and v host pointers with element strides, as KvWrite takes them
+// (BHSD [Hkv, rows, D] or BSHD [rows, Hkv, D]). What the server's request decoder makes of a
+// message's k and v, and what its session store appends.
+struct KvRows {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t rows = 0;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+};
+
 // Writes rows [first_row, first_row + rows) of one sequence into its pages (all host pointers
 // except the pool's). k and v are [Hkv, rows, D] (BHSD) or [rows, Hkv, D] (BSHD) of shape.dtype;
 // the strides say which (elements).

@@ -51,6 +51,8 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/resource_quota.h"
 #include "kernels/status_macros.h"
+#include "server/calls/call_gate.h"
+#include "server/calls/security.h"
 #include "server/executors/executor.h"
 #include "server/executors/host_memory.h"
 #include "server/executors/region_hooks.h"
@@ -58,13 +60,12 @@
 #include "server/options/server_options.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/attention_service.h"
-#include "server/service/generic_streams.h"
 #include "server/service/reflection_v1.h"
-#include "server/service/request_rings.h"
-#include "server/service/security.h"
 #include "server/service/session_service.h"
 #include "server/service/shared_memory_service.h"
 #include "server/sessions/session_store.h"
+#include "server/streams/generic_streams.h"
+#include "server/streams/request_rings.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on (gRPC and metrics).");
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one.");
@@ -117,6 +118,10 @@ ABSL_FLAG(bool, poll_streams, false,
           "completion of their calls taken by one thread that polls without sleeping: no thread "
           "wake-up per message, at the cost of one core busy while messages come (it sleeps after "
           "20 ms without one).");
+ABSL_FLAG(int, log_calls, 1,
+          "The request log on stderr: 0 none; 1 one line per refused or failed call (rpc, peer, "
+          "status, time, message); 2 one line per call. At most 20 lines a second, the calls "
+          "beyond counted in the next line.");
 ABSL_FLAG(std::string, unix_socket, "",
           "When set, gRPC also listens on this Unix domain socket path (clients: unix:PATH): "
           "co-located clients skip TCP's loopback stack. With --allow_shared_memory it needs "
@@ -213,6 +218,9 @@ absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
 struct ServerConfig : ServerOptions {
   SecurityOptions security;
   ServiceOptions service;
+  // Read from --auth_token_file; empty: no token is required.
+  std::string auth_token;
+  CallLogOptions call_log;
 };
 
 // One executor per device of the chosen backend ("auto" resolved into o->backend).
@@ -289,10 +297,9 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
       std::fprintf(stderr, "attention_server: %s\n", token.status().ToString().c_str());
       return 2;
     }
-    options.service.auth_token = *std::move(token);
+    options.auth_token = *std::move(token);
   }
-  if (!options.unix_socket.empty() && options.shared_memory.allow &&
-      options.service.auth_token.empty()) {
+  if (!options.unix_socket.empty() && options.shared_memory.allow && options.auth_token.empty()) {
     // Regions belong to the peer without a token, and every client of a Unix socket has the
     // same peer name ("unix:"): one could use another's regions.
     std::fprintf(
@@ -336,6 +343,9 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // Declared after the scheduler, so it stops sampling the scheduler before the scheduler goes.
   const std::unique_ptr<Metrics::SchedulerWatch> watch = metrics.Watch(scheduler);
   DrainGate drain;
+  CallLog call_log(options.call_log);
+  // Every call of every service passes this one gate: token, drain, metrics, request log.
+  const CallGate gate(&metrics, &drain, options.auth_token, &call_log);
   // Shared-memory regions of co-located clients (--allow_shared_memory); null: off.
   std::unique_ptr<RegionRegistry> regions;
   if (options.shared_memory.allow) {
@@ -347,32 +357,39 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   const std::unique_ptr<HostMemory> host_memory =
       options.backend == "cuda" ? MakePinnedHostMemory(2 * options.service.max_message_bytes)
                                 : MakePageableHostMemory();
-  AttentionService service(options.service, &scheduler, &metrics, &drain, host_memory.get(),
-                           regions.get());
+  AttentionService service(options.service, &scheduler, &gate, host_memory.get(), regions.get());
   std::unique_ptr<SessionStore> session_store;
   if (!kv_devices->empty()) {
     session_store = std::make_unique<SessionStore>(
-        *std::move(kv_devices), SessionStoreOptions{.ttl = absl::Seconds(options.kv_cache.ttl_s)},
-        &metrics);
+        *std::move(kv_devices),
+        SessionStoreOptions{.ttl = absl::Seconds(options.kv_cache.ttl_s),
+                            .on_expired = [&metrics](int count) { metrics.SessionsExpired(count); },
+                            .on_usage =
+                                [&metrics](const std::string& device, const KvCacheUsage& usage) {
+                                  metrics.SetKvCache(device, usage.sessions, usage.resident_bytes,
+                                                     usage.pages_free, usage.pages_total);
+                                }});
   }
   SessionService sessions(
       SessionServiceOptions{
           .max_message_bytes = options.service.max_message_bytes,
           .max_head_dim = options.service.max_head_dim,
           .max_request_flops = options.service.max_request_flops,
-          .auth_token = options.service.auth_token,
           .stream_window = options.service.stream_window,
           .sweep_interval = std::min(absl::Seconds(1), absl::Seconds(options.kv_cache.ttl_s) / 4)},
-      session_store.get(), &scheduler, &metrics, &drain, regions.get());
+      session_store.get(), &scheduler, &gate, regions.get());
+  // The stream methods every stream transport serves: gRPC's callback API or the polled async
+  // API (--poll_streams), and the request rings.
+  StreamMethods stream_methods;
+  stream_methods.Add(kAttendStreamPath, service.AttendStreamMethod());
+  stream_methods.Add(kStepStreamPath, sessions.StepStreamMethod());
   // Request rings in the callers' regions; stopped after the server and the scheduler (below).
   std::unique_ptr<RequestRings> rings;
   if (regions != nullptr && options.shared_memory.max_rings > 0) {
-    rings = std::make_unique<RequestRings>(&service, &sessions, regions.get(),
-                                           options.service.auth_token,
-                                           options.shared_memory.max_rings, &metrics);
+    rings = std::make_unique<RequestRings>(&stream_methods, regions.get(), &gate,
+                                           options.shared_memory.max_rings);
   }
-  SharedMemoryService shared_memory(regions.get(), rings.get(), options.service.auth_token,
-                                    &metrics);
+  SharedMemoryService shared_memory(regions.get(), rings.get(), &gate);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -416,7 +433,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   builder.RegisterService(&sessions);
   // AttendStream and StepStream, the methods no service registers (both services mark them
   // generic).
-  CallbackStreams callback_streams(&service, &sessions);
+  CallbackStreams callback_streams(&stream_methods);
   grpc::AsyncGenericService async_streams;
   std::unique_ptr<grpc::ServerCompletionQueue> streams_queue;
   if (options.poll_streams) {
@@ -435,8 +452,8 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // Declared after the server: on an early return it stops first, after the server's Shutdown.
   std::unique_ptr<PolledStreams> polled_streams;
   if (streams_queue != nullptr) {
-    polled_streams = std::make_unique<PolledStreams>(&service, &sessions, &async_streams,
-                                                     std::move(streams_queue));
+    polled_streams =
+        std::make_unique<PolledStreams>(&stream_methods, &async_streams, std::move(streams_queue));
     if (server != nullptr) polled_streams->Start();
   }
   if (server == nullptr || port == 0) {
@@ -467,7 +484,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
                options.security.tls_cert.empty()
                    ? "plaintext"
                    : (options.security.tls_client_ca.empty() ? "TLS" : "mutual TLS"),
-               options.service.auth_token.empty() ? "" : ", bearer token required", *metrics_port,
+               options.auth_token.empty() ? "" : ", bearer token required", *metrics_port,
                options.backend.c_str());
 
   int signal_number = 0;
@@ -509,6 +526,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   scheduler.Shutdown();
   if (polled_streams != nullptr) polled_streams->Stop();  // after every call that could still write
   if (rings != nullptr) rings->Stop();
+  call_log.Flush();  // the refusals of the drain left out of the log, counted
   std::fprintf(stderr, "attention_server: stopped\n");
   return 0;
 }
@@ -548,6 +566,7 @@ int main(int argc, char** argv) {
   options.port_file = absl::GetFlag(FLAGS_port_file);
   options.unix_socket = absl::GetFlag(FLAGS_unix_socket);
   options.poll_streams = absl::GetFlag(FLAGS_poll_streams);
+  options.call_log.level = absl::GetFlag(FLAGS_log_calls);
   options.security.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.security.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.security.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
@@ -593,6 +612,10 @@ int main(int argc, char** argv) {
 
   absl::Status valid = attention::server::CheckOptions(options, max_message_mb);
   if (valid.ok()) valid = attention::server::CheckKvCacheOptions(options.kv_cache);
+  if (valid.ok() && (options.call_log.level < 0 || options.call_log.level > 2)) {
+    valid = absl::InvalidArgumentError(
+        absl::StrCat("--log_calls: expected 0, 1 or 2, got ", options.call_log.level));
+  }
   if (!valid.ok()) {
     std::fprintf(stderr, "attention_server: %s\n", valid.ToString().c_str());
     return 2;

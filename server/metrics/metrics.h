@@ -78,7 +78,7 @@ class Metrics {
   // other requests of a batch.
   void Computed(const std::string& device, double flops, int64_t query_tokens, int launch_size = 1);
   void SetQueueDepth(int depth);
-  // Request rings served now (service/request_rings.h).
+  // Request rings served now (streams/request_rings.h).
   void SetRequestRings(int rings);
   void SetDeviceMemoryTotal(const std::string& device, int64_t bytes);
 

@@ -28,7 +28,7 @@ struct KvCacheOptions {
 struct SharedMemoryOptions {
   bool allow = false;  // --allow_shared_memory
   RegionLimits limits;
-  int max_rings = 4;  // --max_rings: request rings served at once (service/request_rings.h)
+  int max_rings = 4;  // --max_rings: request rings served at once (streams/request_rings.h)
 };
 
 struct ServerOptions {

@@ -349,14 +349,4 @@ absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, c
   return packed;
 }
 
-absl::Status CheckQueriesFit(absl::string_view field, const DecodedEntry& entry, int64_t length) {
-  const int64_t length_after = length + entry.rows.rows;
-  if (entry.rows_q > length_after) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": expected at most the session's ", length_after,
-        " rows after this step's append (queries are its last positions), got ", entry.rows_q));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace attention::server

@@ -13,7 +13,6 @@
 #include "attention/v1/attention.pb.h"
 #include "kernels/paged_kv.h"
 #include "server/requests/tensor_refs.h"
-#include "server/sessions/session_store.h"
 
 namespace attention::server {
 
@@ -72,9 +71,5 @@ struct DecodedPacked {
 };
 absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, const KvShape& shape,
                                                TensorRefResolver* refs = nullptr);
-
-// The check that needs the session's length (`length` rows before this step): its queries are
-// its last positions, so at most as many as it holds after the append.
-absl::Status CheckQueriesFit(absl::string_view field, const DecodedEntry& entry, int64_t length);
 
 }  // namespace attention::server

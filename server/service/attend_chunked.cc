@@ -27,7 +27,6 @@
 #include "absl/time/clock.h"
 #include "kernels/status_macros.h"
 #include "server/service/attention_service.h"
-#include "server/service/security.h"
 #include "server/service/wire_buffers.h"
 
 namespace attention::server {
@@ -119,7 +118,7 @@ class AttentionService::ChunkedReactor final
                          header.has_chunk() ? "a chunk" : "none"));
       }
       // The token before anything is allocated for the caller.
-      RETURN_IF_ERROR(CheckBearerToken(context_->client_metadata(), service_->options_.auth_token));
+      RETURN_IF_ERROR(service_->gate_->Authenticate(*context_));
       call_.request.header = header.request();
       for (const auto& [name, t] :
            {std::pair<const char*, const v1::Tensor*>{"q", &call_.request.header.q()},

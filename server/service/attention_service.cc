@@ -11,7 +11,6 @@
 #include "absl/time/clock.h"
 #include "kernels/quote.h"
 #include "kernels/status_macros.h"
-#include "server/service/security.h"
 #include "server/service/shared_memory_service.h"
 #include "server/service/wire_buffers.h"
 
@@ -20,13 +19,8 @@ namespace attention::server {
 using v1::AttendRequest;
 using v1::AttendResponse;
 
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  // absl's canonical codes share gRPC's numbering.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
-
 AttentionService::AttentionService(const ServiceOptions& options, Scheduler* scheduler,
-                                   Metrics* metrics, DrainGate* drain, HostMemory* memory,
+                                   const CallGate* gate, HostMemory* memory,
                                    RegionRegistry* regions)
     : options_(options),
       decode_options_{.max_message_bytes = options.max_message_bytes,
@@ -36,8 +30,8 @@ AttentionService::AttentionService(const ServiceOptions& options, Scheduler* sch
                               .max_head_dim = options.max_head_dim,
                               .max_request_flops = options.max_request_flops},
       scheduler_(scheduler),
-      metrics_(metrics),
-      drain_(drain),
+      gate_(gate),
+      metrics_(gate->metrics()),
       own_memory_(memory == nullptr ? MakePageableHostMemory() : nullptr),
       memory_(memory == nullptr ? own_memory_.get() : memory),
       regions_(regions) {}
@@ -50,7 +44,7 @@ absl::Status AttentionService::Prepare(const grpc::ServerContextBase* context,
   call->response.mutable_timing()->set_parse_us(absl::ToDoubleMicroseconds(absl::Now() - start));
   const WireAttendRequest& r = call->request;
   // The regions the request references stay held until it is answered.
-  call->refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token,
+  call->refs = std::make_unique<RequestRegions>(regions_, context, &gate_->auth_token(),
                                                 /*cuda_inputs=*/true);
   // Sizes first: nothing is allocated for a request the checks refuse.
   ASSIGN_OR_RETURN(
@@ -151,35 +145,21 @@ void AttentionService::Run(absl::string_view rpc, const CallContext& context, ab
                            int64_t request_bytes, absl::AnyInvocable<absl::Status() &&> prepare,
                            absl::AnyInvocable<int64_t() &&> respond, Call* call,
                            absl::AnyInvocable<void(absl::Status) &&> done) {
-  metrics_->RequestStarted();
-  auto finish = [this, rpc, arrival, request_bytes, call, respond = std::move(respond),
+  CallTicket ticket = gate_->Admit(rpc, *context.grpc, arrival, request_bytes);
+  const absl::Status admission = ticket.admission();
+  auto answer = [call, ticket = std::move(ticket), respond = std::move(respond),
                  done = std::move(done)](absl::Status status) mutable {
     // First, on every path: the regions may be unregistered once the caller has its answer.
     call->refs.reset();
-    const absl::Duration elapsed = absl::Now() - arrival;
     int64_t response_bytes = 0;
     if (status.ok()) {
-      call->response.mutable_timing()->set_total_us(absl::ToDoubleMicroseconds(elapsed));
+      call->response.mutable_timing()->set_total_us(
+          absl::ToDoubleMicroseconds(absl::Now() - ticket.arrival()));
       response_bytes = std::move(respond)();
     }
-    metrics_->RequestFinished(rpc, status.code(), elapsed, request_bytes, response_bytes);
-    std::move(done)(std::move(status));
+    std::move(ticket).End(std::move(status), response_bytes, std::move(done));
   };
-
-  if (absl::Status auth = CheckBearerToken(context.grpc->client_metadata(), options_.auth_token);
-      !auth.ok()) {
-    return finish(std::move(auth));
-  }
-  if (!drain_->Enter()) {
-    return drain_->Refuse([finish = std::move(finish)]() mutable {
-      std::move(finish)(absl::UnavailableError("server is shutting down"));
-    });
-  }
-  // From here on the answer also leaves the drain gate.
-  auto answer = [this, finish = std::move(finish)](absl::Status status) mutable {
-    std::move(finish)(std::move(status));
-    drain_->Leave();
-  };
+  if (!admission.ok()) return answer(admission);
   if (absl::Status prepared = std::move(prepare)(); !prepared.ok()) {
     return answer(std::move(prepared));
   }
@@ -234,18 +214,13 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
   return reactor;
 }
 
-grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::AttendStream(
-    grpc::CallbackServerContext* context) {
-  return StreamReactor<Call>::Begin(options_.stream_window,
-                                    AttendStreamProcess(CallbackCall(context)));
-}
-
-StreamProcess<AttentionService::Call> AttentionService::AttendStreamProcess(CallContext context) {
-  return [this, context = std::move(context)](grpc::ByteBuffer* request, grpc::ByteBuffer* response,
-                                              Call* call,
-                                              absl::AnyInvocable<void(absl::Status) &&> done) {
-    Process("AttendStream", context, request, response, call, std::move(done));
-  };
+StreamMethod AttentionService::AttendStreamMethod() {
+  return MakeStreamMethod<Call>(options_.stream_window,
+                                [this](const CallContext& context, StreamExchange* exchange,
+                                       Call* call, absl::AnyInvocable<void(absl::Status) &&> done) {
+                                  Process("AttendStream", context, &exchange->request,
+                                          &exchange->response, call, std::move(done));
+                                });
 }
 
 absl::StatusOr<int> AttentionService::CudaRegionDevice(const RequestRegions& refs) const {
@@ -261,17 +236,16 @@ absl::StatusOr<int> AttentionService::CudaRegionDevice(const RequestRegions& ref
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
                                                           const grpc::ByteBuffer* raw_request,
                                                           grpc::ByteBuffer* raw_response) {
-  const absl::Time arrival = absl::Now();
-  metrics_->RequestStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const int64_t request_bytes = static_cast<int64_t>(raw_request->Length());
-  absl::Status status = CheckBearerToken(context->client_metadata(), options_.auth_token);
+  CallTicket ticket =
+      gate_->Admit("GetServerInfo", *context, absl::Now(),
+                   static_cast<int64_t>(raw_request->Length()), CallGate::Drain::kSkip);
+  auto answer = [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); };
+  absl::Status status = ticket.admission();
   v1::GetServerInfoRequest request;
   if (status.ok()) status = ParseByteBuffer(*raw_request, &request);
   if (!status.ok()) {
-    metrics_->RequestFinished("GetServerInfo", status.code(), absl::Now() - arrival, request_bytes,
-                              0);
-    reactor->Finish(ToGrpcStatus(status));
+    std::move(ticket).End(std::move(status), 0, answer);
     return reactor;
   }
   v1::ServerInfo info;
@@ -304,9 +278,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_max_request_flops(options_.max_request_flops);
   limits->set_max_chunked_request_bytes(options_.max_chunked_request_bytes);
   SerializeToByteBuffer(info, raw_response);
-  metrics_->RequestFinished("GetServerInfo", absl::StatusCode::kOk, absl::Now() - arrival,
-                            request_bytes, static_cast<int64_t>(raw_response->Length()));
-  reactor->Finish(grpc::Status::OK);
+  std::move(ticket).End(absl::OkStatus(), static_cast<int64_t>(raw_response->Length()), answer);
   return reactor;
 }
 

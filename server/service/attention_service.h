@@ -3,7 +3,8 @@
 // received (server/requests/wire_message.h; undecodable bytes get INVALID_ARGUMENT naming the
 // field), decoded (request_decoder), its tensors copied once into host memory of the kind the
 // backend reads (executors/host_memory.h), queued on the scheduler, and answered from the worker
-// that ran it with slices over that same memory. absl::Status becomes grpc::Status only here.
+// that ran it with slices over that same memory. Each call passes the one CallGate
+// (server/calls/call_gate.h): token, drain, metrics, request log, status conversion.
 //
 // Host copies of tensor data per request: 1, the wire's slices -> the host block (q, k, v; by 4
 // threads above 8 MiB); none for a tensor by reference (Tensor.ref, o_ref, lse_ref): its params
@@ -28,16 +29,16 @@
 #include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "server/calls/call_context.h"
+#include "server/calls/call_gate.h"
 #include "server/executors/host_memory.h"
 #include "server/metrics/metrics.h"
 #include "server/regions/region_registry.h"
 #include "server/requests/request_decoder.h"
 #include "server/requests/wire_message.h"
 #include "server/scheduling/scheduler.h"
-#include "server/service/call_context.h"
-#include "server/service/drain_gate.h"
 #include "server/service/shared_memory_service.h"
-#include "server/service/stream_reactor.h"
+#include "server/streams/stream_methods.h"
 
 namespace attention::server {
 
@@ -56,13 +57,11 @@ struct ServiceOptions {
   // Requests one AttendStream may have queued, running or waiting to be written; further reads
   // wait, so a fast sender is slowed by gRPC flow control instead of filling the queue.
   int stream_window = 16;
-  // When set, every call must carry `authorization: Bearer <auth_token>` (see security.h).
-  std::string auth_token;
 };
 
 // Every method raw: the bytes of a request are ours to parse. AttendStream is generic: the
-// server's generic service serves it (generic_streams.h), on gRPC's callback API or, with
-// --poll_streams, on its async API with a polling thread.
+// stream transports of server/streams/ serve it (gRPC's callback API, or with --poll_streams its
+// async API with a polling thread, or a request ring) from the table of stream methods.
 using AttentionRawService =
     v1::Attention::WithRawCallbackMethod_Attend<v1::Attention::WithGenericMethod_AttendStream<
         v1::Attention::WithRawCallbackMethod_GetServerInfo<
@@ -70,14 +69,14 @@ using AttentionRawService =
 
 class AttentionService final : public AttentionRawService {
  public:
-  // `scheduler`, `metrics`, `drain`, `memory` and `regions` must outlive the service; `memory`
-  // null: plain host memory. `regions`: the shared-memory regions requests may reference; null:
-  // shared memory is off. Once `drain` closes, every new request, and every new message on an open
-  // stream, is answered UNAVAILABLE; requests already accepted run to the end (their responses
-  // handed to gRPC) before it reads drained.
-  AttentionService(const ServiceOptions& options, Scheduler* scheduler, Metrics* metrics,
-                   DrainGate* drain, HostMemory* memory = nullptr,
-                   RegionRegistry* regions = nullptr);
+  // `scheduler`, `gate`, `memory` and `regions` must outlive the service; `memory` null: plain
+  // host memory. `regions`: the shared-memory regions requests may reference; null: shared memory
+  // is off. Every call and every message of a stream passes `gate` (its token, drain, metrics and
+  // log): once the drain closes, every new request, and every new message on an open stream, is
+  // answered UNAVAILABLE; requests already accepted run to the end (their responses handed to
+  // gRPC) before it reads drained.
+  AttentionService(const ServiceOptions& options, Scheduler* scheduler, const CallGate* gate,
+                   HostMemory* memory = nullptr, RegionRegistry* regions = nullptr);
 
   // One request on its way: what was parsed and decoded, the host block holding its tensors
   // (q | k | v | o | lse, each 256-byte aligned) and the response's other fields. An
@@ -97,15 +96,11 @@ class AttentionService final : public AttentionRawService {
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const grpc::ByteBuffer* request,
                                    grpc::ByteBuffer* response) override;
-  // Reads requests continuously and writes each response when its request finishes, possibly out
-  // of order. A request that fails ends the stream with its status (the message names its
-  // request_id) once the responses already computed are written. AttendStream is the callback
-  // API's reactor, AttendStreamProcess the processing of any transport's stream
-  // (generic_streams.h).
-  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
-      grpc::CallbackServerContext* context);
-  StreamProcess<Call> AttendStreamProcess(CallContext call);
-  int stream_window() const { return options_.stream_window; }
+  // AttendStream, as the stream transports serve it (server/streams/): each message a request
+  // of its own, answered as it finishes, possibly out of order (rpc "AttendStream"). A request
+  // that fails ends the stream with its status (the message names its request_id) once the
+  // responses already computed are written.
+  StreamMethod AttendStreamMethod();
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* response) override;
@@ -149,8 +144,8 @@ class AttentionService final : public AttentionRawService {
   const DecodeOptions decode_options_;
   const DecodeOptions chunked_decode_options_;
   Scheduler* const scheduler_;
-  Metrics* const metrics_;
-  DrainGate* const drain_;
+  const CallGate* const gate_;
+  Metrics* const metrics_;                  // the gate's
   std::unique_ptr<HostMemory> own_memory_;  // when none was given
   HostMemory* const memory_;
   RegionRegistry* const regions_;

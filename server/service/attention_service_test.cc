@@ -24,12 +24,13 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_attention.h"
 #include "kernels/reference/reference_attention.h"
-#include "server/service/generic_streams.h"
+#include "server/streams/generic_streams.h"
 #include "server/testing/run_gate_for_tests.h"
 
 namespace attention::server {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using v1::AttendRequest;
 using v1::AttendResponse;
@@ -73,7 +74,8 @@ class TestServer {
     std::vector<std::unique_ptr<Executor>> executors;
     executors.push_back(std::move(executor));
     scheduler_.emplace(std::move(executors), scheduler_options);
-    service_.emplace(service_options, &*scheduler_, &metrics_, &drain_);
+    service_.emplace(service_options, &*scheduler_, &gate_);
+    stream_methods_.Add(kAttendStreamPath, service_->AttendStreamMethod());
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -83,12 +85,12 @@ class TestServer {
       builder.RegisterAsyncGenericService(&async_streams_);
       queue = builder.AddCompletionQueue();
     } else {
-      streams_.emplace(&*service_, nullptr);
+      streams_.emplace(&stream_methods_);
       builder.RegisterCallbackGenericService(&*streams_);
     }
     server_ = builder.BuildAndStart();
     if (queue != nullptr) {
-      polled_.emplace(&*service_, nullptr, &async_streams_, std::move(queue));
+      polled_.emplace(&stream_methods_, &async_streams_, std::move(queue));
       polled_->Start();
     }
     stub_ = v1::Attention::NewStub(
@@ -101,13 +103,26 @@ class TestServer {
   }
   v1::Attention::Stub& stub() { return *stub_; }
   DrainGate& drain() { return drain_; }
+  // The request log's lines so far.
+  std::vector<std::string> log_lines() {
+    std::lock_guard<std::mutex> lock(log_mu_);
+    return log_lines_;
+  }
   Metrics& metrics() { return metrics_; }
 
  private:
   Metrics metrics_;
   DrainGate drain_;
+  std::mutex log_mu_;
+  std::vector<std::string> log_lines_;  // guarded by log_mu_
+  CallLog log_{{.sink = [this](const std::string& line) {
+    std::lock_guard<std::mutex> lock(log_mu_);
+    log_lines_.push_back(line);
+  }}};
+  const CallGate gate_{&metrics_, &drain_, "", &log_};
   std::optional<Scheduler> scheduler_;
   std::optional<AttentionService> service_;
+  StreamMethods stream_methods_;
   std::optional<CallbackStreams> streams_;
   grpc::AsyncGenericService async_streams_;
   std::unique_ptr<grpc::Server> server_;
@@ -420,6 +435,16 @@ TEST(AttentionServiceTest, DrainingRefusesNewRequests) {
   ASSERT_TRUE(stream->Write(SmallRequest("ds", 2)));
   EXPECT_FALSE(stream->Read(&response));
   EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+
+  // Each refusal is one line of the request log (its default level), and counted by its rpc.
+  EXPECT_THAT(
+      server.log_lines(),
+      ::testing::ElementsAre(
+          AllOf(HasSubstr("Attend from ipv4:127.0.0.1:"), HasSubstr("UNAVAILABLE after"),
+                HasSubstr("server is shutting down")),
+          AllOf(HasSubstr("AttendStream from ipv4:127.0.0.1:"), HasSubstr("UNAVAILABLE after"))));
+  EXPECT_THAT(server.metrics().Scrape(),
+              HasSubstr("attention_requests_total{code=\"UNAVAILABLE\",rpc=\"AttendStream\"} 1"));
 }
 
 TEST(AttentionServiceTest, ServerInfoDescribesDevicesAndLimits) {

@@ -11,10 +11,9 @@
 #include "kernels/status_macros.h"
 #include "server/requests/request_decoder.h"
 #include "server/service/attention_service.h"
-#include "server/service/security.h"
 #include "server/service/shared_memory_service.h"
 #include "server/service/wire_buffers.h"
-#include "server/sessions/step_plan.h"
+#include "server/sessions/step_jobs.h"
 
 namespace attention::server {
 namespace {
@@ -68,51 +67,68 @@ std::string KvShapeString(const KvShape& shape) {
 
 }  // namespace
 
-// One Step call: its entries checked against their sessions' shapes, grouped into decode jobs.
-// Shared by the call's jobs; the last one to answer finishes the call.
-struct SessionService::StepCall {
-  // The entries of one device and decode key: one decode job.
-  struct Group {
-    int device = 0;
-    DecodeKey key;
-    std::vector<int> entries;
-    // From the job's prepare to its answer: the sessions held and the sequences launched.
-    std::vector<SessionStore::Lease> leases;
-    std::vector<DecodeSequence> seqs;
-  };
-
+// One Step call: the step's state (its sequences, one per entry) and what answering it needs.
+struct SessionService::StepCall final : StepWork {
   const v1::StepRequest* request = nullptr;
   v1::StepResponse* response = nullptr;
-  std::string owner;
   absl::Time arrival;
-  std::vector<DecodedEntry> entries;  // per request entry, or per sequence of a packed Step
-  std::vector<int64_t> lengths;       // per entry: its session's rows after the step
-  // A packed Step's o and lse in the caller's regions (o_ref, lse_ref), else null.
+  // A packed Step's (StepRequest.session_ids) o and lse in the caller's regions (o_ref,
+  // lse_ref), else null.
   char* packed_o = nullptr;
   float* packed_lse = nullptr;
+
+  bool packed() const { return request->session_ids_size() > 0; }
+  std::string QueriesField(int seq) const override {
+    return packed() ? "q.shape[2] (queries)" : StepWork::QueriesField(seq);
+  }
   // The regions the entries reference, held until the call is answered.
   std::unique_ptr<RequestRegions> refs;
-  std::vector<Group> groups;
   Finish finish;
 
-  std::mutex mu;  // guards the rest
-  int pending = 0;
-  absl::Status status;  // the first job's failure
-  StageTimes stages;    // summed over the jobs
-  absl::Duration queued;
-  std::vector<std::string> devices;
+  void Finished(StepOutcome outcome) override {
+    if (outcome.status.ok()) outcome.status = refs->Intact();
+    if (outcome.status.ok()) {
+      // Each sequence's length after the step: a packed Step's lengths [B], else its results'.
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        if (packed()) {
+          response->add_lengths(seqs[i].length);
+        } else {
+          response->mutable_results(static_cast<int>(i))->set_length(seqs[i].length);
+        }
+      }
+      response->set_request_id(request->request_id());
+      response->set_device(absl::StrJoin(outcome.devices, ","));
+      v1::ServerTiming* timing = response->mutable_timing();
+      timing->set_queue_us(absl::ToDoubleMicroseconds(outcome.queued));
+      timing->set_h2d_us(outcome.stages.h2d_us);
+      timing->set_compute_us(outcome.stages.compute_us);
+      timing->set_d2h_us(outcome.stages.d2h_us);
+      timing->set_prepare_us(outcome.stages.prepare_us);
+      timing->set_run_us(outcome.stages.run_us);
+      timing->set_total_us(absl::ToDoubleMicroseconds(absl::Now() - arrival));
+    }
+    refs.reset();  // first: the regions may be unregistered once the caller has its answer
+    std::move(finish)(std::move(outcome.status));
+  }
 };
 
 SessionService::SessionService(const SessionServiceOptions& options, SessionStore* store,
-                               Scheduler* scheduler, Metrics* metrics, DrainGate* drain,
-                               RegionRegistry* regions)
+                               Scheduler* scheduler, const CallGate* gate, RegionRegistry* regions)
     : options_(options),
       limits_{.max_head_dim = options.max_head_dim},
       store_(store),
       scheduler_(scheduler),
-      metrics_(metrics),
-      drain_(drain),
-      regions_(regions) {
+      gate_(gate),
+      metrics_(gate->metrics()),
+      regions_(regions),
+      step_jobs_(store, {.max_request_flops = options.max_request_flops},
+                 [metrics = metrics_](const JobResult& result, double flops, int64_t tokens) {
+                   metrics->StagesObserved(result.queued, result.stages);
+                   metrics->Computed(result.device->name, flops, tokens,
+                                     result.leads_batch ? result.batch_size : 0);
+                   metrics->DecodeStepObserved(result.device->name,
+                                               absl::Microseconds(StageSumUs(result.stages)));
+                 }) {
   if (store_ != nullptr) sweeper_ = std::thread([this] { SweeperLoop(); });
 }
 
@@ -136,20 +152,20 @@ void SessionService::SweeperLoop() {
 }
 
 template <typename Request, typename Response>
-grpc::ServerUnaryReactor* SessionService::Serve(
-    absl::string_view rpc, grpc::CallbackServerContext* context,
-    const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response,
-    absl::AnyInvocable<void(const Request& request, Response* response, const std::string& owner,
-                            const Arrival& arrival, Finish finish) &&>
-        body) {
+grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
+                                                grpc::CallbackServerContext* context,
+                                                const grpc::ByteBuffer* raw_request,
+                                                grpc::ByteBuffer* raw_response,
+                                                Handler<Request, Response> handler) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // The call's messages, kept by its answer until it is given.
   auto messages = std::make_shared<std::pair<Request, Response>>();
   Admit(
       rpc, context, *raw_request, &messages->first, &messages->second, raw_response,
-      [messages, body = std::move(body)](const std::string& owner, const Arrival& arrival,
-                                         Finish finish) mutable {
-        std::move(body)(messages->first, &messages->second, owner, arrival, std::move(finish));
+      [this, handler, context, messages](const std::string& owner, const Arrival& arrival,
+                                         Finish finish) {
+        (this->*handler)(CallbackCall(context), owner, arrival, messages->first, &messages->second,
+                         std::move(finish));
       },
       [reactor, messages](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
@@ -159,45 +175,32 @@ void SessionService::Admit(absl::string_view rpc, const grpc::ServerContextBase*
                            const grpc::ByteBuffer& raw_request, google::protobuf::Message* request,
                            const google::protobuf::Message* response,
                            grpc::ByteBuffer* raw_response, Body body, Finish answer) {
-  const absl::Time arrival = absl::Now();
-  const int64_t request_bytes = static_cast<int64_t>(raw_request.Length());
-  metrics_->RequestStarted();
-  absl::Status status = CheckBearerToken(context->client_metadata(), options_.auth_token);
-  const bool entered = status.ok() && drain_->Enter();
-  const bool refused = status.ok() && !entered;
-  if (refused) status = absl::UnavailableError("server is shutting down");
+  CallTicket ticket =
+      gate_->Admit(rpc, *context, absl::Now(), static_cast<int64_t>(raw_request.Length()));
+  absl::Status status = ticket.admission();
   const absl::Time parse_start = absl::Now();
   if (status.ok()) status = ParseByteBuffer(raw_request, request);
-  const Arrival arrived{.at = arrival, .parse = absl::Now() - parse_start};
+  const Arrival arrived{.at = ticket.arrival(), .parse = absl::Now() - parse_start};
   if (status.ok() && store_ == nullptr) {
     status = absl::UnimplementedError(
         "this server keeps no KV cache: its backend has no paged KV pool, or "
         "--kv_cache_fraction is 0");
   }
-  Finish finish = [this, rpc, arrival, request_bytes, response, raw_response, entered,
+  Finish finish = [ticket = std::move(ticket), response, raw_response,
                    answer = std::move(answer)](absl::Status status) mutable {
     int64_t response_bytes = 0;
     if (status.ok()) {
       SerializeToByteBuffer(*response, raw_response);
       response_bytes = static_cast<int64_t>(raw_response->Length());
     }
-    metrics_->RequestFinished(rpc, status.code(), absl::Now() - arrival, request_bytes,
-                              response_bytes);
-    std::move(answer)(std::move(status));
-    if (entered) drain_->Leave();
+    std::move(ticket).End(std::move(status), response_bytes, std::move(answer));
   };
-  if (refused) {
-    drain_->Refuse([finish = std::move(finish), status = std::move(status)]() mutable {
-      std::move(finish)(std::move(status));
-    });
-    return;
-  }
   if (!status.ok()) return std::move(finish)(std::move(status));
-  // Sessions belong to the caller's token (the one the check above accepted); "" without tokens.
-  std::move(body)(options_.auth_token, arrived, std::move(finish));
+  // Sessions belong to the caller's token (the one the gate accepted); "" without tokens.
+  std::move(body)(gate_->auth_token(), arrived, std::move(finish));
 }
 
-void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int device,
+void SessionService::SubmitDeviceWork(const CallContext& call, int device,
                                       std::vector<std::string> sessions,
                                       absl::AnyInvocable<absl::Status() &&> run, Finish finish) {
   Job job;
@@ -209,8 +212,8 @@ void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int 
   }};
   job.device = device;
   job.sessions = std::move(sessions);
-  job.deadline = absl::FromChrono(context->deadline());
-  job.cancelled = [context] { return context->IsCancelled(); };
+  job.deadline = absl::FromChrono(call.grpc->deadline());
+  job.cancelled = [cancelled = call.cancelled] { return cancelled(); };
   job.done = [this, finish = std::move(finish)](JobResult result) mutable {
     if (result.status.ok()) metrics_->StagesObserved(result.queued, result.stages);
     std::move(finish)(std::move(result.status));
@@ -221,34 +224,31 @@ void SessionService::SubmitDeviceWork(grpc::CallbackServerContext* context, int 
 grpc::ServerUnaryReactor* SessionService::CreateSession(grpc::CallbackServerContext* context,
                                                         const grpc::ByteBuffer* request,
                                                         grpc::ByteBuffer* response) {
-  return Serve<v1::CreateSessionRequest, v1::SessionInfo>(
-      "CreateSession", context, request, response,
-      [this, context](const v1::CreateSessionRequest& request, v1::SessionInfo* response,
-                      const std::string& owner, const Arrival&, Finish finish) {
-        RunCreate(context, owner, request, response, std::move(finish));
-      });
+  return Serve("CreateSession", context, request, response, &SessionService::RunCreate);
 }
 
 grpc::ServerUnaryReactor* SessionService::AppendKv(grpc::CallbackServerContext* context,
                                                    const grpc::ByteBuffer* request,
                                                    grpc::ByteBuffer* response) {
-  return Serve<v1::AppendKvRequest, v1::SessionInfo>(
-      "AppendKv", context, request, response,
-      [this, context](const v1::AppendKvRequest& request, v1::SessionInfo* response,
-                      const std::string& owner, const Arrival&, Finish finish) {
-        RunAppend(context, owner, request, response, std::move(finish));
-      });
+  return Serve("AppendKv", context, request, response, &SessionService::RunAppend);
 }
 
 grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* context,
                                                const grpc::ByteBuffer* request,
                                                grpc::ByteBuffer* response) {
-  return Serve<v1::StepRequest, v1::StepResponse>(
-      "Step", context, request, response,
-      [this, context](const v1::StepRequest& request, v1::StepResponse* response,
-                      const std::string& owner, const Arrival& arrival, Finish finish) {
-        RunStep(CallbackCall(context), owner, arrival, request, response, std::move(finish));
-      });
+  return Serve("Step", context, request, response, &SessionService::RunStep);
+}
+
+grpc::ServerUnaryReactor* SessionService::DropSession(grpc::CallbackServerContext* context,
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* response) {
+  return Serve("DropSession", context, request, response, &SessionService::RunDrop);
+}
+
+grpc::ServerUnaryReactor* SessionService::ListSessions(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request,
+                                                       grpc::ByteBuffer* response) {
+  return Serve("ListSessions", context, request, response, &SessionService::RunList);
 }
 
 SessionService::StepMessages::StepMessages()
@@ -256,61 +256,45 @@ SessionService::StepMessages::StepMessages()
       request(*google::protobuf::Arena::CreateMessage<v1::StepRequest>(&arena)),
       response(*google::protobuf::Arena::CreateMessage<v1::StepResponse>(&arena)) {}
 
-grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* SessionService::StepStream(
-    grpc::CallbackServerContext* context) {
-  return StreamReactor<StepMessages>::Begin(options_.stream_window,
-                                            StepStreamProcess(CallbackCall(context)));
-}
-
-StreamProcess<SessionService::StepMessages> SessionService::StepStreamProcess(CallContext call) {
-  return [this, call = std::move(call)](grpc::ByteBuffer* request, grpc::ByteBuffer* response,
-                                        StepMessages* step, Finish done) {
-    Admit(
-        "StepStream", call.grpc, *request, &step->request, &step->response, response,
-        [this, &call, request, step](const std::string& owner, const Arrival& arrival,
-                                     Finish finish) {
-          // Parsed (protobuf copied the bytes): give the received slices back.
-          request->Clear();
-          RunStep(call, owner, arrival, step->request, &step->response, std::move(finish));
-        },
-        std::move(done));
-  };
-}
-
-grpc::ServerUnaryReactor* SessionService::DropSession(grpc::CallbackServerContext* context,
-                                                      const grpc::ByteBuffer* request,
-                                                      grpc::ByteBuffer* response) {
-  return Serve<v1::DropSessionRequest, v1::DropSessionResponse>(
-      "DropSession", context, request, response,
-      [this](const v1::DropSessionRequest& request, v1::DropSessionResponse*,
-             const std::string& owner, const Arrival&, Finish finish) {
-        std::move(finish)(request.session_id().empty() ? MissingSessionId()
-                                                       : store_->Drop(owner, request.session_id()));
+StreamMethod SessionService::StepStreamMethod() {
+  return MakeStreamMethod<StepMessages>(
+      options_.stream_window,
+      [this](const CallContext& call, StreamExchange* exchange, StepMessages* step, Finish done) {
+        grpc::ByteBuffer* request = &exchange->request;
+        Admit(
+            "StepStream", call.grpc, *request, &step->request, &step->response, &exchange->response,
+            [this, &call, request, step](const std::string& owner, const Arrival& arrival,
+                                         Finish finish) {
+              // Parsed (protobuf copied the bytes): give the received slices back.
+              request->Clear();
+              RunStep(call, owner, arrival, step->request, &step->response, std::move(finish));
+            },
+            std::move(done));
       });
 }
 
-grpc::ServerUnaryReactor* SessionService::ListSessions(grpc::CallbackServerContext* context,
-                                                       const grpc::ByteBuffer* request,
-                                                       grpc::ByteBuffer* response) {
-  return Serve<v1::ListSessionsRequest, v1::ListSessionsResponse>(
-      "ListSessions", context, request, response,
-      [this](const v1::ListSessionsRequest&, v1::ListSessionsResponse* response,
-             const std::string& owner, const Arrival&, Finish finish) {
-        for (const SessionSnapshot& s : store_->List(owner)) {
-          FillInfo(s, response->add_sessions());
-        }
-        const CacheRoom room = store_->Room();
-        response->set_page_bytes(room.page_bytes);
-        response->set_pages_total(room.pages_total);
-        response->set_pages_free(room.pages_free);
-        std::move(finish)(absl::OkStatus());
-      });
+void SessionService::RunDrop(const CallContext&, const std::string& owner, const Arrival&,
+                             const v1::DropSessionRequest& request, v1::DropSessionResponse*,
+                             Finish finish) {
+  std::move(finish)(request.session_id().empty() ? MissingSessionId()
+                                                 : store_->Drop(owner, request.session_id()));
 }
 
-void SessionService::RunCreate(grpc::CallbackServerContext* context, const std::string& owner,
+void SessionService::RunList(const CallContext&, const std::string& owner, const Arrival&,
+                             const v1::ListSessionsRequest&, v1::ListSessionsResponse* response,
+                             Finish finish) {
+  for (const SessionSnapshot& s : store_->List(owner)) FillInfo(s, response->add_sessions());
+  const CacheRoom room = store_->Room();
+  response->set_page_bytes(room.page_bytes);
+  response->set_pages_total(room.pages_total);
+  response->set_pages_free(room.pages_free);
+  std::move(finish)(absl::OkStatus());
+}
+
+void SessionService::RunCreate(const CallContext& call, const std::string& owner, const Arrival&,
                                const v1::CreateSessionRequest& request, v1::SessionInfo* response,
                                Finish finish) {
-  auto refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token);
+  auto refs = std::make_unique<RequestRegions>(regions_, call.grpc, &gate_->auth_token());
   absl::StatusOr<DecodedCreate> decoded = DecodeCreate(request, limits_, refs.get());
   if (!decoded.ok()) return std::move(finish)(decoded.status());
   const RequestRegions* regions = refs.get();  // held by `finish`, which runs after `run`
@@ -334,10 +318,10 @@ void SessionService::RunCreate(grpc::CallbackServerContext* context, const std::
     return absl::OkStatus();
   };
   // A new session: no other call can hold it yet.
-  SubmitDeviceWork(context, *device, {}, std::move(run), std::move(finish));
+  SubmitDeviceWork(call, *device, {}, std::move(run), std::move(finish));
 }
 
-void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::string& owner,
+void SessionService::RunAppend(const CallContext& call, const std::string& owner, const Arrival&,
                                const v1::AppendKvRequest& request, v1::SessionInfo* response,
                                Finish finish) {
   if (request.session_id().empty()) return std::move(finish)(MissingSessionId());
@@ -347,7 +331,7 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
   }
   absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, request.session_id());
   if (!place.ok()) return std::move(finish)(place.status());
-  auto refs = std::make_unique<RequestRegions>(regions_, context, &options_.auth_token);
+  auto refs = std::make_unique<RequestRegions>(regions_, call.grpc, &gate_->auth_token());
   absl::StatusOr<KvRows> rows = DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
                                              request.has_v() ? &request.v() : nullptr,
                                              request.layout(), place->shape, refs.get());
@@ -368,26 +352,16 @@ void SessionService::RunAppend(grpc::CallbackServerContext* context, const std::
     FillInfo(store_->Snapshot(lease), response);
     return absl::OkStatus();
   };
-  SubmitDeviceWork(context, place->device, {request.session_id()}, std::move(run),
-                   std::move(finish));
+  SubmitDeviceWork(call, place->device, {request.session_id()}, std::move(run), std::move(finish));
 }
 
-void SessionService::RunStep(const CallContext& call_context, const std::string& owner,
-                             const Arrival& arrival, const v1::StepRequest& request,
-                             v1::StepResponse* response, Finish finish) {
-  if (absl::Status status = CheckStep(request); !status.ok()) {
-    return std::move(finish)(std::move(status));
-  }
-  auto call = std::make_shared<StepCall>();
-  call->arrival = arrival.at;
-  call->request = &request;
-  call->response = response;
-  call->owner = owner;
-  call->refs = std::make_unique<RequestRegions>(regions_, call_context.grpc, &options_.auth_token);
+absl::Status SessionService::DecodeStep(const std::string& owner, const v1::StepRequest& request,
+                                        StepCall* call) const {
+  RETURN_IF_ERROR(CheckStep(request));
   // Every check that needs no session's length before anything is queued: the sessions' places
   // and shapes never change. A packed Step (session_ids) is cut into one entry per sequence,
   // pointing into its tensors; from there both forms run alike.
-  const bool packed = request.session_ids_size() > 0;
+  const bool packed = call->packed();
   const int n = packed ? request.session_ids_size() : request.entries_size();
   auto session_id = [&request, packed](int i) -> const std::string& {
     return packed ? request.session_ids(i) : request.entries(i).session_id();
@@ -395,38 +369,37 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
   std::vector<SessionStore::Place> places;
   places.reserve(n);
   for (int i = 0; i < n; ++i) {
-    absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, session_id(i));
-    if (!place.ok()) return std::move(finish)(place.status());
-    if (packed && i > 0 && !(place->shape == places.front().shape)) {
-      return std::move(finish)(absl::InvalidArgumentError(absl::StrCat(
-          "session_ids[", i,
-          "]: expected a session of session_ids[0]'s dtype, kv heads and "
-          "head dim (",
-          KvShapeString(places.front().shape), "), got ", KvShapeString(place->shape))));
+    ASSIGN_OR_RETURN(SessionStore::Place place, store_->Locate(owner, session_id(i)));
+    if (packed && i > 0 && !(place.shape == places.front().shape)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("session_ids[", i,
+                       "]: expected a session of session_ids[0]'s dtype, kv heads and "
+                       "head dim (",
+                       KvShapeString(places.front().shape), "), got ", KvShapeString(place.shape)));
     }
-    places.push_back(*place);
+    places.push_back(place);
   }
+  std::vector<DecodedEntry> entries;
   if (packed) {
-    absl::StatusOr<DecodedPacked> decoded =
-        DecodePackedStep(request, places.front().shape, call->refs.get());
-    if (!decoded.ok()) return std::move(finish)(decoded.status());
-    call->entries = std::move(decoded->entries);
-    call->packed_o = decoded->o;
-    call->packed_lse = decoded->lse;
+    ASSIGN_OR_RETURN(DecodedPacked decoded,
+                     DecodePackedStep(request, places.front().shape, call->refs.get()));
+    entries = std::move(decoded.entries);
+    call->packed_o = decoded.o;
+    call->packed_lse = decoded.lse;
   } else {
+    entries.reserve(n);
     for (int i = 0; i < n; ++i) {
-      absl::StatusOr<DecodedEntry> decoded =
-          DecodeStepEntry(i, request.entries(i), places[i].shape, call->refs.get());
-      if (!decoded.ok()) return std::move(finish)(decoded.status());
-      call->entries.push_back(*decoded);
+      ASSIGN_OR_RETURN(DecodedEntry decoded,
+                       DecodeStepEntry(i, request.entries(i), places[i].shape, call->refs.get()));
+      entries.push_back(decoded);
     }
   }
+  call->seqs.reserve(n);
   int64_t response_bytes = kResponseOverhead + static_cast<int64_t>(request.request_id().size());
   for (int i = 0; i < n; ++i) {
     const SessionStore::Place& place = places[i];
-    const DecodedEntry& decoded = call->entries[i];
-    absl::StatusOr<MaskParams> mask = DecodeMask(request, place.shape.head_dim);
-    if (!mask.ok()) return std::move(finish)(mask.status());
+    const DecodedEntry& decoded = entries[i];
+    ASSIGN_OR_RETURN(const MaskParams mask, DecodeMask(request, place.shape.head_dim));
     const int64_t o_bytes = decoded.heads_q * decoded.rows_q * place.shape.head_dim *
                             static_cast<int64_t>(DTypeSize(place.shape.dtype));
     response_bytes += (decoded.o != nullptr ? 0 : o_bytes) +
@@ -434,35 +407,39 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
     if (request.return_lse() && call->packed_lse == nullptr) {
       response_bytes += decoded.heads_q * decoded.rows_q * int64_t{sizeof(float)};
     }
-    const DecodeKey key{.shape = place.shape,
-                        .heads_q = decoded.heads_q,
-                        .softmax_scale = mask->softmax_scale,
-                        .window_left = mask->window_left,
-                        .window_right = mask->window_right,
-                        .lse = request.return_lse()};
-    auto group = std::find_if(call->groups.begin(), call->groups.end(), [&](const auto& g) {
-      return g.device == place.device && g.key == key;
-    });
-    if (group == call->groups.end()) {
-      call->groups.push_back(StepCall::Group{.device = place.device, .key = key});
-      group = call->groups.end() - 1;
-    }
-    group->entries.push_back(i);
+    call->seqs.push_back(StepSequence{.session_id = session_id(i),
+                                      .device = place.device,
+                                      .key = {.shape = place.shape,
+                                              .heads_q = decoded.heads_q,
+                                              .softmax_scale = mask.softmax_scale,
+                                              .window_left = mask.window_left,
+                                              .window_right = mask.window_right,
+                                              .lse = request.return_lse()},
+                                      .rows = decoded.rows,
+                                      .q = decoded.q,
+                                      .rows_q = decoded.rows_q,
+                                      .o = decoded.o,
+                                      .lse = decoded.lse});
   }
   if (response_bytes > options_.max_message_bytes) {
-    return std::move(finish)(absl::ResourceExhaustedError(
-        absl::StrCat("response would be ", response_bytes, " bytes, over the message limit of ",
-                     options_.max_message_bytes, " bytes")));
+    return absl::ResourceExhaustedError(absl::StrCat("response would be ", response_bytes,
+                                                     " bytes, over the message limit of ",
+                                                     options_.max_message_bytes, " bytes"));
   }
-  // Where each entry's o, lse and length go: a packed Step's o [B, Hq, Nq, D] and lse
-  // [B, Hq, Nq] (the response's, or the caller's regions) and lengths [B]; else the results, in
-  // entry order, o shaped as q and lse [Hq, Nq]. The launches write into them.
-  if (packed) {
+  return absl::OkStatus();
+}
+
+void SessionService::AddResults(const v1::StepRequest& request, StepCall* call,
+                                v1::StepResponse* response) {
+  std::vector<StepSequence>& seqs = call->seqs;
+  const int n = static_cast<int>(seqs.size());
+  if (call->packed()) {
+    // o [B, Hq, Nq, D] and lse [B, Hq, Nq], the response's or the caller's regions'.
     const v1::Tensor& q = request.q();
-    const int64_t o_bytes = call->entries.front().heads_q * call->entries.front().rows_q *
-                            q.shape(3) * DTypeSize(places.front().shape.dtype);
-    const int64_t lse_bytes =
-        call->entries.front().heads_q * call->entries.front().rows_q * int64_t{sizeof(float)};
+    const StepSequence& first = seqs.front();
+    const int64_t o_bytes = first.key.heads_q * first.rows_q * first.key.shape.head_dim *
+                            DTypeSize(first.key.shape.dtype);
+    const int64_t lse_floats = first.key.heads_q * first.rows_q;
     v1::Tensor* o = response->mutable_o();
     o->set_dtype(q.dtype());
     o->mutable_shape()->CopyFrom(q.shape());
@@ -472,162 +449,61 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
       v1::Tensor* lse_tensor = response->mutable_lse();
       lse_tensor->set_dtype(v1::DTYPE_FLOAT32);
       for (int axis = 0; axis < 3; ++axis) lse_tensor->add_shape(q.shape(axis));
-      lse_tensor->mutable_data()->resize(n * lse_bytes);
+      lse_tensor->mutable_data()->resize(n * lse_floats * sizeof(float));
       // std::string storage comes from operator new (or the inline buffer), aligned for float.
       lse = reinterpret_cast<float*>(lse_tensor->mutable_data()->data());
     }
     for (int i = 0; i < n; ++i) {
-      DecodedEntry& entry = call->entries[i];
-      if (entry.o == nullptr) entry.o = o->mutable_data()->data() + i * o_bytes;
-      if (lse != nullptr) entry.lse = lse + i * lse_bytes / int64_t{sizeof(float)};
+      if (seqs[i].o == nullptr) seqs[i].o = o->mutable_data()->data() + i * o_bytes;
+      if (lse != nullptr) seqs[i].lse = lse + i * lse_floats;
     }
-  } else {
-    for (int i = 0; i < n; ++i) {
-      const v1::Tensor& q = request.entries(i).q();
-      DecodedEntry& entry = call->entries[i];
-      v1::StepResult* result = response->add_results();
-      result->set_session_id(request.entries(i).session_id());
-      v1::Tensor* o = result->mutable_o();
-      o->set_dtype(q.dtype());
-      o->mutable_shape()->CopyFrom(q.shape());
-      if (entry.o == nullptr) {  // else it goes into a region (o_ref)
-        o->mutable_data()->resize(entry.heads_q * entry.rows_q * q.shape(2) *
-                                  DTypeSize(*ToDType(q.dtype(), "q.dtype")));
-        entry.o = o->mutable_data()->data();
-      }
-      if (request.return_lse()) {
-        v1::Tensor* lse = result->mutable_lse();
-        lse->set_dtype(v1::DTYPE_FLOAT32);
-        lse->add_shape(entry.heads_q);
-        lse->add_shape(entry.rows_q);
-        lse->mutable_data()->resize(entry.heads_q * entry.rows_q * sizeof(float));
-        entry.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
-      }
+    return;
+  }
+  // The results in entry order, o shaped as q and lse [Hq, Nq].
+  for (int i = 0; i < n; ++i) {
+    const v1::Tensor& q = request.entries(i).q();
+    StepSequence& seq = seqs[i];
+    v1::StepResult* result = response->add_results();
+    result->set_session_id(request.entries(i).session_id());
+    v1::Tensor* o = result->mutable_o();
+    o->set_dtype(q.dtype());
+    o->mutable_shape()->CopyFrom(q.shape());
+    if (seq.o == nullptr) {  // else it goes into a region (o_ref)
+      o->mutable_data()->resize(seq.key.heads_q * seq.rows_q * seq.key.shape.head_dim *
+                                DTypeSize(seq.key.shape.dtype));
+      seq.o = o->mutable_data()->data();
+    }
+    if (request.return_lse()) {
+      v1::Tensor* lse = result->mutable_lse();
+      lse->set_dtype(v1::DTYPE_FLOAT32);
+      lse->add_shape(seq.key.heads_q);
+      lse->add_shape(seq.rows_q);
+      lse->mutable_data()->resize(seq.key.heads_q * seq.rows_q * sizeof(float));
+      // std::string storage comes from operator new (or the inline buffer), aligned for float.
+      seq.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
     }
   }
-  call->lengths.assign(n, 0);
-  call->finish = std::move(finish);
-  call->pending = static_cast<int>(call->groups.size());
+}
 
-  std::vector<Job> jobs;
-  for (size_t g = 0; g < call->groups.size(); ++g) {
-    StepCall::Group& group = call->groups[g];
-    Job job;
-    job.device = group.device;
-    for (int i : group.entries) job.sessions.push_back(session_id(i));
-    // On the worker: take the sessions, check the queries against their lengths, append the new
-    // rows (all or nothing for the group), and give the launch its sequences.
-    auto prepare = [this, call, &group]() -> absl::StatusOr<std::vector<DecodeSequence>> {
-      const v1::StepRequest& request = *call->request;
-      const bool packed = request.session_ids_size() > 0;
-      std::vector<std::string> ids;
-      for (int i : group.entries) {
-        ids.push_back(packed ? request.session_ids(i) : request.entries(i).session_id());
-      }
-      absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(call->owner, ids);
-      if (!leases.ok()) return leases.status();
-      std::vector<SessionStore::Lease*> held;
-      std::vector<int64_t> new_rows;
-      std::vector<KvRows> rows;
-      double flops = 0;
-      for (size_t s = 0; s < group.entries.size(); ++s) {
-        const DecodedEntry& entry = call->entries[group.entries[s]];
-        const int64_t length = (*leases)[s].length();
-        RETURN_IF_ERROR(CheckQueriesFit(
-            packed ? "q.shape[2] (queries)"
-                   : absl::StrCat("entries[", group.entries[s], "].q.shape[1] (queries)"),
-            entry, length));
-        flops +=
-            DecodeFlops(group.key, {.length = length + entry.rows.rows, .rows_q = entry.rows_q});
-        held.push_back(&(*leases)[s]);
-        new_rows.push_back(entry.rows.rows);
-        rows.push_back(entry.rows);
-      }
-      if (options_.max_request_flops > 0 && flops > options_.max_request_flops) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "step needs ", absl::SixDigits(flops), " FLOPs on ", store_->device_name(group.device),
-            ", over the limit of ", absl::SixDigits(options_.max_request_flops),
-            " per request (--max_request_flops); nothing was appended"));
-      }
-      RETURN_IF_ERROR(store_->Reserve(held, new_rows));
-      RETURN_IF_ERROR(store_->Append(held, rows));
-      for (size_t s = 0; s < group.entries.size(); ++s) {
-        const DecodedEntry& entry = call->entries[group.entries[s]];
-        const SessionStore::Lease& lease = (*leases)[s];
-        call->lengths[group.entries[s]] = lease.length();
-        group.seqs.push_back(DecodeSequence{.pages = lease.page_table(),
-                                            .length = lease.length(),
-                                            .q = entry.q,
-                                            .rows_q = entry.rows_q,
-                                            .o = entry.o,
-                                            .lse = entry.lse});
-      }
-      group.leases = *std::move(leases);
-      return group.seqs;
-    };
-    job.work = DecodeWork{.key = group.key, .prepare = std::move(prepare)};
-    job.deadline = absl::FromChrono(call_context.grpc->deadline());
-    job.cancelled = [cancelled = call_context.cancelled] { return cancelled(); };
-    job.done = [this, call, &group](JobResult result) {
-      group.leases.clear();  // first: the sessions' next calls may run
-      if (result.status.ok()) {
-        double flops = 0;
-        int64_t tokens = 0;
-        for (const DecodeSequence& seq : group.seqs) {
-          flops += DecodeFlops(group.key, seq);
-          tokens += seq.rows_q;
-        }
-        metrics_->StagesObserved(result.queued, result.stages);
-        metrics_->Computed(result.device->name, flops, tokens,
-                           result.leads_batch ? result.batch_size : 0);
-        metrics_->DecodeStepObserved(result.device->name,
-                                     absl::Microseconds(StageSumUs(result.stages)));
-      }
-      bool last = false;
-      {
-        std::lock_guard<std::mutex> lock(call->mu);
-        if (!result.status.ok() && call->status.ok()) call->status = result.status;
-        call->stages.h2d_us += result.stages.h2d_us;
-        call->stages.compute_us += result.stages.compute_us;
-        call->stages.d2h_us += result.stages.d2h_us;
-        call->stages.prepare_us += result.stages.prepare_us;
-        call->stages.run_us += result.stages.run_us;
-        call->queued = std::max(call->queued, result.queued);
-        if (result.device != nullptr && std::find(call->devices.begin(), call->devices.end(),
-                                                  result.device->name) == call->devices.end()) {
-          call->devices.push_back(result.device->name);
-        }
-        last = --call->pending == 0;
-      }
-      if (!last) return;
-      if (call->status.ok()) call->status = call->refs->Intact();
-      v1::StepResponse* response = call->response;
-      if (call->status.ok()) {
-        response->set_request_id(call->request->request_id());
-        if (call->request->session_ids_size() > 0) {
-          response->mutable_lengths()->Add(call->lengths.begin(), call->lengths.end());
-        } else {
-          for (int i = 0; i < response->results_size(); ++i) {
-            response->mutable_results(i)->set_length(call->lengths[i]);
-          }
-        }
-        response->set_device(absl::StrJoin(call->devices, ","));
-        v1::ServerTiming* timing = response->mutable_timing();
-        timing->set_queue_us(absl::ToDoubleMicroseconds(call->queued));
-        timing->set_h2d_us(call->stages.h2d_us);
-        timing->set_compute_us(call->stages.compute_us);
-        timing->set_d2h_us(call->stages.d2h_us);
-        timing->set_prepare_us(call->stages.prepare_us);
-        timing->set_run_us(call->stages.run_us);
-        timing->set_total_us(absl::ToDoubleMicroseconds(absl::Now() - call->arrival));
-      }
-      call->refs.reset();  // first: the regions may be unregistered once the caller has its answer
-      std::move(call->finish)(call->status);
-    };
-    jobs.push_back(std::move(job));
+void SessionService::RunStep(const CallContext& call_context, const std::string& owner,
+                             const Arrival& arrival, const v1::StepRequest& request,
+                             v1::StepResponse* response, Finish finish) {
+  auto call = std::make_shared<StepCall>();
+  call->arrival = arrival.at;
+  call->request = &request;
+  call->response = response;
+  call->owner = owner;
+  call->refs = std::make_unique<RequestRegions>(regions_, call_context.grpc, &gate_->auth_token());
+  if (absl::Status decoded = DecodeStep(owner, request, call.get()); !decoded.ok()) {
+    return std::move(finish)(std::move(decoded));
   }
-  response->mutable_timing()->set_decode_us(
-      absl::ToDoubleMicroseconds(absl::Now() - call->arrival));
+  // Where each sequence's o and lse go; the launches write into them.
+  AddResults(request, call.get(), response);
+  call->finish = std::move(finish);
+  // The step's work on its sessions (sessions/step_jobs.h), queued whole or not at all.
+  std::vector<Job> jobs = step_jobs_.Jobs(call, absl::FromChrono(call_context.grpc->deadline()),
+                                          call_context.cancelled);
+  response->mutable_timing()->set_decode_us(absl::ToDoubleMicroseconds(absl::Now() - arrival.at));
   response->mutable_timing()->set_parse_us(absl::ToDoubleMicroseconds(arrival.parse));
   scheduler_->SubmitAll(std::move(jobs));
 }

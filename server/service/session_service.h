@@ -4,12 +4,12 @@
 // (RESOURCE_EXHAUSTED when full), deadline and cancellation drop, drain, device health and
 // metrics as Attend. DropSession and ListSessions touch no device and are answered inline.
 //
-// Every call checks the bearer token (when the server has one), is refused UNAVAILABLE once the
-// server drains, and is recorded in the request metrics under its rpc name. A Step is checked
-// against its sessions' shapes before it is queued; its entries of one device and one decode key
-// (dtype, kv heads, head dim, query heads, mask, lse) are one decode job, which the scheduler may
-// run in one launch with other Steps' jobs (--max_batch > 1). Entries of other devices or keys
-// are further jobs of the same call, queued together or not at all.
+// Every call passes the CallGate (server/calls/call_gate.h): the bearer token (when the server has
+// one), UNAVAILABLE once the server drains, the request metrics under its rpc name, the log. A Step
+// is checked against its sessions' shapes before it is queued; its entries of one device and one
+// decode key (dtype, kv heads, head dim, query heads, mask, lse) are one decode job, which the
+// scheduler may run in one launch with other Steps' jobs (--max_batch > 1). Entries of other
+// devices or keys are further jobs of the same call, queued together or not at all.
 //
 // Every method is raw (grpc::ByteBuffer in and out), StepStream's messages too: each request is
 // parsed by ParseByteBuffer (wire_buffers.h: INVALID_ARGUMENT naming the field when its bytes do
@@ -30,14 +30,15 @@
 #include "attention/v1/attention.grpc.pb.h"
 #include "google/protobuf/arena.h"
 #include "grpcpp/grpcpp.h"
+#include "server/calls/call_context.h"
+#include "server/calls/call_gate.h"
 #include "server/metrics/metrics.h"
 #include "server/regions/region_registry.h"
 #include "server/requests/session_request.h"
 #include "server/scheduling/scheduler.h"
-#include "server/service/call_context.h"
-#include "server/service/drain_gate.h"
-#include "server/service/stream_reactor.h"
 #include "server/sessions/session_store.h"
+#include "server/sessions/step_jobs.h"
+#include "server/streams/stream_methods.h"
 
 namespace attention::server {
 
@@ -46,9 +47,6 @@ struct SessionServiceOptions {
   int max_head_dim = 256;
   // Work one Step may ask for on one device, FLOPs; 0 = no limit.
   double max_request_flops = 0;
-  // When set, every call must carry `authorization: Bearer <auth_token>` (see security.h), and
-  // sessions belong to the token that created them.
-  std::string auth_token;
   // Steps one StepStream may hold at once (running or waiting to be written); further reads wait.
   int stream_window = 16;
   // How often idle sessions past the TTL are removed (lookups also check).
@@ -56,21 +54,24 @@ struct SessionServiceOptions {
 };
 
 // Every method raw: the bytes of a request are ours to parse (wire_buffers.h says why).
-// StepStream is generic: the server's generic service serves it (generic_streams.h), on gRPC's
-// callback API or, with --poll_streams, on its async API with a polling thread.
+// StepStream is generic: the stream transports of server/streams/ serve it from the table of
+// stream methods.
 using SessionsRawService = v1::Sessions::WithRawCallbackMethod_CreateSession<
     v1::Sessions::WithRawCallbackMethod_AppendKv<v1::Sessions::WithRawCallbackMethod_Step<
         v1::Sessions::WithGenericMethod_StepStream<v1::Sessions::WithRawCallbackMethod_DropSession<
             v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>;
 
+class RequestRegions;
+
 class SessionService final : public SessionsRawService {
  public:
   // `store` may be null: the server keeps no KV cache (its backend has no page pool), and every
   // call is answered UNIMPLEMENTED. The store's device d is the scheduler's executor d. `store`,
-  // `scheduler`, `metrics` and `drain` must outlive the service.
-  // `regions`: the shared-memory regions requests may reference; null: shared memory is off.
+  // `scheduler` and `gate` must outlive the service; every call passes `gate` (its token, which
+  // sessions belong to, drain, metrics and log). `regions`: the shared-memory regions requests
+  // may reference; null: shared memory is off.
   SessionService(const SessionServiceOptions& options, SessionStore* store, Scheduler* scheduler,
-                 Metrics* metrics, DrainGate* drain, RegionRegistry* regions = nullptr);
+                 const CallGate* gate, RegionRegistry* regions = nullptr);
   // Stops the sweeper.
   ~SessionService() override;
   SessionService(const SessionService&) = delete;
@@ -98,15 +99,12 @@ class SessionService final : public SessionsRawService {
     v1::StepRequest& request;
     v1::StepResponse& response;
   };
-  // Steps on one stream, each answered as it finishes (its response carries its request_id), with
-  // the unary Step's checks, queue, metrics (rpc "StepStream") and drain per Step; at most
-  // `stream_window` Steps of one stream are held at once. A failed Step ends the stream with its
-  // status, naming its request_id. StepStream is the callback API's reactor, StepStreamProcess
-  // the processing of any transport's stream (generic_streams.h).
-  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StepStream(
-      grpc::CallbackServerContext* context);
-  StreamProcess<StepMessages> StepStreamProcess(CallContext call);
-  int stream_window() const { return options_.stream_window; }
+  // StepStream, as the stream transports serve it (server/streams/): Steps on one stream, each
+  // answered as it finishes (its response carries its request_id), with the unary Step's checks,
+  // queue, metrics (rpc "StepStream") and drain per Step; at most `stream_window` Steps of one
+  // stream are held at once. A failed Step ends the stream with its status, naming its
+  // request_id.
+  StreamMethod StepStreamMethod();
   grpc::ServerUnaryReactor* DropSession(grpc::CallbackServerContext* context,
                                         const grpc::ByteBuffer* request,
                                         grpc::ByteBuffer* response) override;
@@ -127,15 +125,19 @@ class SessionService final : public SessionsRawService {
   using Body =
       absl::AnyInvocable<void(const std::string& owner, const Arrival& arrival, Finish finish) &&>;
 
-  // Answers one unary call through Admit and its default reactor: `body` runs over the parsed
+  // A unary call's work once admitted: over its parsed request, filling its response, for the
+  // caller `owner` of `call`; answers through `finish`.
+  template <typename Request, typename Response>
+  using Handler = void (SessionService::*)(const CallContext& call, const std::string& owner,
+                                           const Arrival& arrival, const Request& request,
+                                           Response* response, Finish finish);
+  // Answers one unary call through Admit and its default reactor: `handler` runs over the parsed
   // request and a response, which Admit serializes into `raw_response`.
   template <typename Request, typename Response>
-  grpc::ServerUnaryReactor* Serve(
-      absl::string_view rpc, grpc::CallbackServerContext* context,
-      const grpc::ByteBuffer* raw_request, grpc::ByteBuffer* raw_response,
-      absl::AnyInvocable<void(const Request& request, Response* response, const std::string& owner,
-                              const Arrival& arrival, Finish finish) &&>
-          body);
+  grpc::ServerUnaryReactor* Serve(absl::string_view rpc, grpc::CallbackServerContext* context,
+                                  const grpc::ByteBuffer* raw_request,
+                                  grpc::ByteBuffer* raw_response,
+                                  Handler<Request, Response> handler);
   // Admits one request (a unary call or one message of a stream): checks the token, the drain,
   // that `raw_request` parses as `request` (INVALID_ARGUMENT naming the field otherwise) and the
   // store, then runs `body`, which answers through the `finish` it is given (serializing
@@ -146,16 +148,33 @@ class SessionService final : public SessionsRawService {
              const grpc::ByteBuffer& raw_request, google::protobuf::Message* request,
              const google::protobuf::Message* response, grpc::ByteBuffer* raw_response, Body body,
              Finish answer);
-  // Queues `run` as device work on `device` for the call of `context`, holding `sessions`.
-  void SubmitDeviceWork(grpc::CallbackServerContext* context, int device,
-                        std::vector<std::string> sessions,
+  // Queues `run` as device work on `device` for `call`, holding `sessions`.
+  void SubmitDeviceWork(const CallContext& call, int device, std::vector<std::string> sessions,
                         absl::AnyInvocable<absl::Status() &&> run, Finish finish);
 
-  void RunCreate(grpc::CallbackServerContext* context, const std::string& owner,
+  // The unary calls' work (Handlers).
+  void RunCreate(const CallContext& call, const std::string& owner, const Arrival& arrival,
                  const v1::CreateSessionRequest& request, v1::SessionInfo* response, Finish finish);
-  void RunAppend(grpc::CallbackServerContext* context, const std::string& owner,
+  void RunAppend(const CallContext& call, const std::string& owner, const Arrival& arrival,
                  const v1::AppendKvRequest& request, v1::SessionInfo* response, Finish finish);
-  // `arrival` starts the call's ServerTiming (decode_us and total_us count its parse too).
+  void RunDrop(const CallContext& call, const std::string& owner, const Arrival& arrival,
+               const v1::DropSessionRequest& request, v1::DropSessionResponse* response,
+               Finish finish);
+  void RunList(const CallContext& call, const std::string& owner, const Arrival& arrival,
+               const v1::ListSessionsRequest& request, v1::ListSessionsResponse* response,
+               Finish finish);
+  // A Step's entries (or a packed Step's sequences) checked against their sessions' shapes into
+  // call->seqs (o and lse not yet placed, unless in the caller's regions), and its response
+  // against the message limit.
+  absl::Status DecodeStep(const std::string& owner, const v1::StepRequest& request,
+                          StepCall* call) const;
+  // Where each sequence's o and lse go: a packed Step's o [B, Hq, Nq, D] and lse [B, Hq, Nq] in
+  // the response (unless in the caller's regions), else the response's results in entry order,
+  // o shaped as q and lse [Hq, Nq].
+  static void AddResults(const v1::StepRequest& request, StepCall* call,
+                         v1::StepResponse* response);
+  // Decodes a Step and hands it to step_jobs_. `arrival` starts the call's ServerTiming (decode_us
+  // and total_us count its parse too).
   void RunStep(const CallContext& call, const std::string& owner, const Arrival& arrival,
                const v1::StepRequest& request, v1::StepResponse* response, Finish finish);
 
@@ -165,9 +184,10 @@ class SessionService final : public SessionsRawService {
   const SessionLimits limits_;
   SessionStore* const store_;
   Scheduler* const scheduler_;
-  Metrics* const metrics_;
-  DrainGate* const drain_;
+  const CallGate* const gate_;
+  Metrics* const metrics_;  // the gate's
   RegionRegistry* const regions_;
+  const StepJobs step_jobs_;  // the Step's work on its sessions
 
   std::mutex mu_;
   std::condition_variable stop_sweep_;  // for the sweeper: stopping

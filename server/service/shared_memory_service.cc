@@ -5,9 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/service/request_rings.h"
-#include "server/service/security.h"
-#include "server/service/stream_reactor.h"
+#include "server/streams/request_rings.h"
 
 namespace attention::server {
 namespace {
@@ -28,12 +26,6 @@ void FillInfo(const RegionDescription& d, v1::RegionInfo* info) {
 }
 
 }  // namespace
-
-std::string RegionOwner(const grpc::ServerContextBase& context, const std::string& auth_token) {
-  // Keys of the two kinds never collide: a peer starts with its scheme ("ipv4:", "unix:").
-  return auth_token.empty() ? absl::StrCat("peer ", context.peer())
-                            : absl::StrCat("token ", auth_token);
-}
 
 absl::StatusOr<char*> RequestRegions::Resolve(absl::string_view field, const v1::TensorRef& ref,
                                               int64_t alignment) {
@@ -78,8 +70,8 @@ absl::Status RequestRegions::Intact() const {
 }
 
 SharedMemoryService::SharedMemoryService(RegionRegistry* registry, RequestRings* rings,
-                                         std::string auth_token, Metrics* metrics)
-    : registry_(registry), rings_(rings), auth_token_(std::move(auth_token)), metrics_(metrics) {}
+                                         const CallGate* gate)
+    : registry_(registry), rings_(rings), gate_(gate) {}
 
 SharedMemoryService::~SharedMemoryService() {
   ServiceThreads waiters;
@@ -90,28 +82,25 @@ SharedMemoryService::~SharedMemoryService() {
   waiters.JoinAll();
 }
 
-absl::Status SharedMemoryService::Admit(const grpc::CallbackServerContext& context) const {
-  if (absl::Status auth = CheckBearerToken(context.client_metadata(), auth_token_); !auth.ok()) {
-    return auth;
-  }
+absl::Status SharedMemoryService::Admission(const CallTicket& ticket) const {
+  if (!ticket.admission().ok()) return ticket.admission();
   return registry_ == nullptr ? SharedMemoryOff() : absl::OkStatus();
 }
 
-void SharedMemoryService::Answer(absl::string_view rpc, absl::Time arrival,
-                                 grpc::ServerUnaryReactor* reactor, const absl::Status& status) {
-  metrics_->RequestFinished(rpc, status.code(), absl::Now() - arrival, 0, 0);
-  reactor->Finish(ToGrpcStatus(status));
+void SharedMemoryService::Answer(CallTicket ticket, grpc::ServerUnaryReactor* reactor,
+                                 absl::Status status) {
+  std::move(ticket).End(std::move(status), 0,
+                        [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
 }
 
 grpc::ServerUnaryReactor* SharedMemoryService::Register(grpc::CallbackServerContext* context,
                                                         const v1::RegisterRegionRequest* request,
                                                         v1::RegionInfo* response) {
-  const absl::Time arrival = absl::Now();
-  metrics_->RequestStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = Admit(*context);
+  CallTicket ticket = gate_->Admit("Register", *context, absl::Now(), 0, CallGate::Drain::kSkip);
+  absl::Status status = Admission(ticket);
   if (status.ok()) {
-    const std::string owner = RegionOwner(*context, auth_token_);
+    const std::string owner = RegionOwner(*context, gate_->auth_token());
     absl::StatusOr<RegionDescription> region;
     switch (request->source_case()) {
       case v1::RegisterRegionRequest::kSystemKey:
@@ -130,34 +119,33 @@ grpc::ServerUnaryReactor* SharedMemoryService::Register(grpc::CallbackServerCont
     status = region.status();
     if (region.ok()) FillInfo(*region, response);
   }
-  Answer("Register", arrival, reactor, status);
+  Answer(std::move(ticket), reactor, std::move(status));
   return reactor;
 }
 
 grpc::ServerUnaryReactor* SharedMemoryService::Unregister(
     grpc::CallbackServerContext* context, const v1::UnregisterRegionRequest* request,
     v1::UnregisterRegionResponse* response) {
-  const absl::Time arrival = absl::Now();
-  metrics_->RequestStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = Admit(*context);
-  if (!status.ok()) {
-    Answer("Unregister", arrival, reactor, status);
+  CallTicket ticket = gate_->Admit("Unregister", *context, absl::Now(), 0, CallGate::Drain::kSkip);
+  if (absl::Status admission = Admission(ticket); !admission.ok()) {
+    Answer(std::move(ticket), reactor, std::move(admission));
     return reactor;
   }
-  const std::string owner = RegionOwner(*context, auth_token_);
+  const std::string owner = RegionOwner(*context, gate_->auth_token());
   // Most regions are idle: answer at once. One in use is waited for on a thread of its own, so
   // gRPC's threads never block.
-  status = registry_->Unregister(owner, request->name(), absl::Now());
+  absl::Status status = registry_->Unregister(owner, request->name(), absl::Now());
   if (!absl::IsDeadlineExceeded(status)) {
-    Answer("Unregister", arrival, reactor, status);
+    Answer(std::move(ticket), reactor, std::move(status));
     return reactor;
   }
   const absl::Time deadline = absl::FromChrono(context->deadline());
   std::lock_guard<std::mutex> lock(mu_);
   waiters_.Reap();
-  waiters_.Start([this, owner, name = request->name(), deadline, arrival, reactor] {
-    Answer("Unregister", arrival, reactor, registry_->Unregister(owner, name, deadline));
+  waiters_.Start([this, owner, name = request->name(), deadline, reactor,
+                  ticket = std::move(ticket)]() mutable {
+    Answer(std::move(ticket), reactor, registry_->Unregister(owner, name, deadline));
   });
   return reactor;
 }
@@ -165,30 +153,31 @@ grpc::ServerUnaryReactor* SharedMemoryService::Unregister(
 grpc::ServerUnaryReactor* SharedMemoryService::List(grpc::CallbackServerContext* context,
                                                     const v1::ListRegionsRequest* request,
                                                     v1::ListRegionsResponse* response) {
-  const absl::Time arrival = absl::Now();
-  metrics_->RequestStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = Admit(*context);
+  CallTicket ticket = gate_->Admit("List", *context, absl::Now(), 0, CallGate::Drain::kSkip);
+  const absl::Status status = Admission(ticket);
   if (status.ok()) {
-    for (const RegionDescription& d : registry_->List(RegionOwner(*context, auth_token_))) {
+    for (const RegionDescription& d : registry_->List(RegionOwner(*context, gate_->auth_token()))) {
       FillInfo(d, response->add_regions());
     }
   }
-  Answer("List", arrival, reactor, status);
+  Answer(std::move(ticket), reactor, status);
   return reactor;
 }
 
 grpc::ServerUnaryReactor* SharedMemoryService::OpenRing(grpc::CallbackServerContext* context,
                                                         const v1::OpenRingRequest* request,
                                                         v1::RingClosed* response) {
-  absl::Status status = Admit(*context);
+  // Counted as a call only when refused: a served ring's requests are counted as its method's.
+  absl::Status status = gate_->Authenticate(*context);
+  if (status.ok() && registry_ == nullptr) status = SharedMemoryOff();
   if (status.ok() && rings_ == nullptr) {
     status = absl::UnimplementedError("request rings are not served here");
   }
   if (status.ok()) return rings_->Open(context, *request, response);
-  metrics_->RequestStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  Answer("OpenRing", absl::Now(), reactor, status);
+  gate_->Refuse("OpenRing", *context, absl::Now(), status,
+                [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
 }
 

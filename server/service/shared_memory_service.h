@@ -4,8 +4,8 @@
 // and every request naming a region is FAILED_PRECONDITION.
 //
 // Owners: a region belongs to the caller's bearer token when the server checks tokens, else to
-// the caller's connection (its peer address and port), so another client of the same host cannot
-// use or see it.
+// the caller's connection (its peer address and port; RegionOwner, server/calls/call_gate.h), so
+// another client of the same host cannot use or see it.
 #pragma once
 
 #include <memory>
@@ -15,15 +15,12 @@
 
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "server/metrics/metrics.h"
+#include "server/calls/call_gate.h"
+#include "server/calls/service_threads.h"
 #include "server/regions/region_registry.h"
 #include "server/requests/tensor_refs.h"
-#include "server/service/service_threads.h"
 
 namespace attention::server {
-
-// The owner key of the caller of `context` (see the file comment).
-std::string RegionOwner(const grpc::ServerContextBase& context, const std::string& auth_token);
 
 // The TensorRefs of one request of `context`'s caller, resolved in `registry`; the regions stay
 // held until this is destroyed. `registry` null: shared memory is off (FAILED_PRECONDITION).
@@ -58,14 +55,14 @@ class RequestRegions final : public TensorRefResolver {
   int cuda_device_ = -1;
 };
 
-class RequestRings;  // request_rings.h (which needs this header's RegionOwner)
+class RequestRings;  // request_rings.h (which needs this header's RequestRegions)
 
 class SharedMemoryService final : public v1::SharedMemory::CallbackService {
  public:
   // `registry` null: shared memory is off. `rings` (null: OpenRing is UNIMPLEMENTED) serves the
-  // request rings. `registry`, `rings` and `metrics` must outlive the service.
-  SharedMemoryService(RegionRegistry* registry, RequestRings* rings, std::string auth_token,
-                      Metrics* metrics);
+  // request rings. `registry`, `rings` and `gate` must outlive the service. Every call passes
+  // `gate` (token, metrics, log; not the drain: no call here computes).
+  SharedMemoryService(RegionRegistry* registry, RequestRings* rings, const CallGate* gate);
   // Waits for the Unregister calls still waiting.
   ~SharedMemoryService() override;
 
@@ -83,16 +80,14 @@ class SharedMemoryService final : public v1::SharedMemory::CallbackService {
                                      v1::RingClosed* response) override;
 
  private:
-  // The token and the flag; OK when the call may go on.
-  absl::Status Admit(const grpc::CallbackServerContext& context) const;
-  // Records the call's metrics and finishes it.
-  void Answer(absl::string_view rpc, absl::Time arrival, grpc::ServerUnaryReactor* reactor,
-              const absl::Status& status);
+  // The gate's admission, then the flag; OK when the call may go on.
+  absl::Status Admission(const CallTicket& ticket) const;
+  // Ends the call (its metrics and log) and finishes it.
+  static void Answer(CallTicket ticket, grpc::ServerUnaryReactor* reactor, absl::Status status);
 
   RegionRegistry* const registry_;
   RequestRings* const rings_;
-  const std::string auth_token_;
-  Metrics* const metrics_;
+  const CallGate* const gate_;
   std::mutex mu_;
   // Unregister calls waiting for their region's requests, off gRPC's threads.
   ServiceThreads waiters_;  // guarded by mu_

@@ -66,9 +66,8 @@ int SessionStore::Lease::device() const { return session_->device; }
 int64_t SessionStore::Lease::length() const { return session_->length; }
 const std::vector<int32_t>& SessionStore::Lease::page_table() const { return session_->page_table; }
 
-SessionStore::SessionStore(std::vector<KvDevice> devices, const SessionStoreOptions& options,
-                           Metrics* metrics)
-    : options_(options), metrics_(metrics), devices_(std::move(devices)) {
+SessionStore::SessionStore(std::vector<KvDevice> devices, const SessionStoreOptions& options)
+    : options_(options), devices_(std::move(devices)) {
   page_bytes_ = devices_.front().pool->page_bytes();
   device_states_.resize(devices_.size());
   for (size_t d = 0; d < devices_.size(); ++d) {
@@ -191,7 +190,7 @@ std::shared_ptr<SessionStore::Session> SessionStore::FindLocked(absl::string_vie
   std::shared_ptr<Session> session = it->second;
   if (ExpiredLocked(*session, options_.clock())) {
     RemoveLocked(session);
-    if (metrics_ != nullptr) metrics_->SessionsExpired(1);
+    if (options_.on_expired) options_.on_expired(1);
     PublishLocked();
     return nullptr;
   }
@@ -338,7 +337,7 @@ int SessionStore::SweepLocked(absl::Time now) {
   }
   for (const auto& session : expired) RemoveLocked(session);
   if (!expired.empty()) {
-    if (metrics_ != nullptr) metrics_->SessionsExpired(static_cast<int>(expired.size()));
+    if (options_.on_expired) options_.on_expired(static_cast<int>(expired.size()));
     PublishLocked();
   }
   return static_cast<int>(expired.size());
@@ -391,12 +390,14 @@ SessionSnapshot SessionStore::Snapshot(const Lease& lease) {
 }
 
 void SessionStore::PublishLocked() {
-  if (metrics_ == nullptr) return;
+  if (!options_.on_usage) return;
   for (size_t d = 0; d < devices_.size(); ++d) {
     const int64_t total = devices_[d].pool->num_pages();
     const int64_t free_pages = static_cast<int64_t>(device_states_[d].free_pages.size());
-    metrics_->SetKvCache(devices_[d].name, device_states_[d].sessions,
-                         (total - free_pages) * page_bytes_, free_pages, total);
+    options_.on_usage(devices_[d].name, {.sessions = device_states_[d].sessions,
+                                         .resident_bytes = (total - free_pages) * page_bytes_,
+                                         .pages_free = free_pages,
+                                         .pages_total = total});
   }
 }
 

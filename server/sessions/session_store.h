@@ -33,8 +33,6 @@
 
 namespace attention::server {
 
-class Metrics;
-
 // One device's page pool (its executor's, which outlives the store).
 struct KvDevice {
   std::string name;  // "cpu", "cuda:0"
@@ -44,21 +42,24 @@ struct KvDevice {
   std::function<absl::Status()> health;
 };
 
+// One device's share of the cache, as the store reports it after each change.
+struct KvCacheUsage {
+  int64_t sessions = 0;
+  int64_t resident_bytes = 0;
+  int64_t pages_free = 0;
+  int64_t pages_total = 0;
+};
+
 struct SessionStoreOptions {
   // Idle time after which a session expires.
   absl::Duration ttl = absl::Seconds(600);
   // The time now; tests pass a fake clock.
   std::function<absl::Time()> clock = [] { return absl::Now(); };
-};
-
-// Rows to append to a session: k and v host pointers with element strides, as KvWrite takes them
-// (BHSD [Hkv, rows, D] or BSHD [rows, Hkv, D]).
-struct KvRows {
-  const void* k = nullptr;
-  const void* v = nullptr;
-  int64_t rows = 0;
-  int64_t head_stride = 0;
-  int64_t row_stride = 0;
+  // How the store reports, called with its lock held (main.cc points them at the metrics, so
+  // this room links no Prometheus); empty: not reported. `count` sessions expired:
+  std::function<void(int count)> on_expired;
+  // A device's (by name) usage after sessions or pages changed:
+  std::function<void(const std::string& device, const KvCacheUsage& usage)> on_usage;
 };
 
 // What ListSessions and SessionInfo report of a session.
@@ -109,9 +110,8 @@ class SessionStore {
     std::shared_ptr<Session> session_;
   };
 
-  // `devices` must be non-empty with pools of one page size; `metrics` (may be null) gets the
-  // session gauges and counters and must outlive the store.
-  SessionStore(std::vector<KvDevice> devices, const SessionStoreOptions& options, Metrics* metrics);
+  // `devices` must be non-empty with pools of one page size.
+  SessionStore(std::vector<KvDevice> devices, const SessionStoreOptions& options);
   SessionStore(const SessionStore&) = delete;
   SessionStore& operator=(const SessionStore&) = delete;
 
@@ -184,7 +184,6 @@ class SessionStore {
   absl::Status NotFound(absl::string_view id) const;
 
   const SessionStoreOptions options_;
-  Metrics* const metrics_;
   std::vector<KvDevice> devices_;
   int64_t page_bytes_ = 0;
 

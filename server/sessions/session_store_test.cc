@@ -94,7 +94,7 @@ class SessionStoreTest : public ::testing::Test {
   void Make(std::vector<int64_t> pages, absl::Duration ttl = absl::Seconds(60)) {
     store_ = std::make_unique<SessionStore>(
         pools_.Devices(std::move(pages)),
-        SessionStoreOptions{.ttl = ttl, .clock = [this] { return clock_.Now(); }}, nullptr);
+        SessionStoreOptions{.ttl = ttl, .clock = [this] { return clock_.Now(); }});
   }
   // Creates a session of `owner` holding `rows` rows; returns its id.
   std::string CreateWith(const std::string& owner, int64_t rows) {
@@ -284,7 +284,7 @@ TEST(SessionStoreHealthTest, LostDevicesGetNoNewSessions) {
     return dev1_lost ? absl::InternalError("context lost") : absl::OkStatus();
   };
   devices[0].health = [] { return absl::InternalError("context lost"); };
-  SessionStore store(std::move(devices), SessionStoreOptions{}, nullptr);
+  SessionStore store(std::move(devices), SessionStoreOptions{});
   // dev0 is lost: the session goes to dev1 even though both have room.
   absl::StatusOr<SessionStore::Lease> first = CreateOnEmptiest(store, "", 1);
   ASSERT_TRUE(first.ok()) << first.status();

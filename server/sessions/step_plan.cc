@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
+
 namespace attention::server {
 
 DecodePlan::DecodePlan(const DecodeKey& key, std::vector<DecodeSequence> seqs) {
@@ -39,6 +41,17 @@ DecodePlan::DecodePlan(const DecodeKey& key, std::vector<DecodeSequence> seqs) {
   p.softmax_scale = key.softmax_scale;
   p.window_left = key.window_left;
   p.window_right = key.window_right;
+}
+
+absl::Status CheckQueriesFit(absl::FunctionRef<std::string()> field, int64_t rows_q,
+                             int64_t new_rows, int64_t length) {
+  const int64_t length_after = length + new_rows;
+  if (rows_q > length_after) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field(), ": expected at most the session's ", length_after,
+        " rows after this step's append (queries are its last positions), got ", rows_q));
+  }
+  return absl::OkStatus();
 }
 
 double DecodeFlops(const DecodeKey& key, const DecodeSequence& seq) {

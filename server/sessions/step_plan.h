@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kernels/paged_kv.h"
 
@@ -40,6 +42,12 @@ struct DecodeSequence {
   void* o = nullptr;                // [Hq, Nq, D], written by the launch
   float* lse = nullptr;             // [Hq, Nq] float32 when the key asks for lse
 };
+
+// The check of a sequence that needs its session's length (`length` rows before the step): its
+// queries are the session's last positions, so at most as many as it holds after the append of
+// `new_rows`. `field` names the queries' field in the refusal (called only then).
+absl::Status CheckQueriesFit(absl::FunctionRef<std::string()> field, int64_t rows_q,
+                             int64_t new_rows, int64_t length);
 
 // FLOPs of one sequence's step, counted as a forward pass counts them: 4 * Hq * D * the visible
 // (query, key) pairs.

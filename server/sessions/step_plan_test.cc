@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -117,6 +118,17 @@ TEST(DecodePlanTest, SharedLaunchWritesWhatEachSequenceAloneGets) {
     EXPECT_EQ(shared[s].lse, alone[s].lse) << "sequence " << s;
     EXPECT_NE(shared[s].o.front(), -777.0f) << "sequence " << s << " left unwritten";
   }
+}
+
+TEST(CheckQueriesFitTest, QueriesAreTheSessionsLastPositions) {
+  auto field = [] { return std::string("entries[4].q.shape[1] (queries)"); };
+  EXPECT_EQ(CheckQueriesFit(field, /*rows_q=*/1, /*new_rows=*/1, /*length=*/0), absl::OkStatus());
+  const absl::Status status = CheckQueriesFit(field, 3, 1, 1);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status.message(),
+            "entries[4].q.shape[1] (queries): expected at most the session's 2 rows after this "
+            "step's append (queries are its last positions), got 3");
+  EXPECT_EQ(CheckQueriesFit(field, 3, 1, 2), absl::OkStatus());
 }
 
 }  // namespace

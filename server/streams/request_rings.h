@@ -2,8 +2,8 @@
 // passed through a ring in one of the client's system regions (proto/attention/v1/request_ring.h)
 // instead of gRPC messages. Why: a co-located decode loop with one Step in flight pays loopback
 // gRPC's message exchange on every Step, ~100 us on the GPU host with no service code at all
-// (bench/README.md, runs F-H), more than the rest of the server's own part; through a ring a
-// request costs a copy into shared memory and, only when the server sleeps, one futex wake.
+// (bench/README.md, co-located clients), more than the rest of the server's own part; through a
+// ring a request costs a copy into shared memory and, only when the server sleeps, one futex wake.
 //
 // Each ring has a thread of its own that polls the ring's counters and takes each request (copied
 // out of its slot, then processed on that thread as a message of the stream method: the same
@@ -27,21 +27,22 @@
 
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "server/metrics/metrics.h"
+#include "server/calls/call_gate.h"
+#include "server/calls/service_threads.h"
 #include "server/regions/region_registry.h"
 #include "server/service/attention_service.h"
-#include "server/service/service_threads.h"
 #include "server/service/session_service.h"
 
 namespace attention::server {
 
 class RequestRings {
  public:
-  // `attention` and `sessions` (either may be null: its method is then UNIMPLEMENTED), `registry`
-  // and `metrics` must outlive this. At most `max_rings` rings are served at once, over every
-  // caller: each holds a thread, which spins while its requests come.
-  RequestRings(AttentionService* attention, SessionService* sessions, RegionRegistry* registry,
-               std::string auth_token, int max_rings, Metrics* metrics);
+  // `methods` (a ring method whose stream method is not there is UNIMPLEMENTED), `registry` and
+  // `gate` must outlive this. At most `max_rings` rings are served at once, over every
+  // caller: each holds a thread, which spins while its requests come. A refused OpenRing passes
+  // `gate` (metrics, log); a ring's requests pass it as their method's calls.
+  RequestRings(const StreamMethods* methods, RegionRegistry* registry, const CallGate* gate,
+               int max_rings);
   // Stops, if Stop has not.
   ~RequestRings();
   RequestRings(const RequestRings&) = delete;
@@ -60,16 +61,14 @@ class RequestRings {
 
  private:
   class Ring;
-  template <typename State>
   class Flow;
   struct Memory;
 
-  AttentionService* const attention_;
-  SessionService* const sessions_;
+  const StreamMethods* const methods_;
   RegionRegistry* const registry_;
-  const std::string auth_token_;
+  const CallGate* const gate_;
   const int max_rings_;
-  Metrics* const metrics_;
+  Metrics* const metrics_;  // the gate's
   std::mutex mu_;
   ServiceThreads servers_;       // guarded by mu_: a thread for each ring
   std::atomic<int> serving_{0};  // rings not yet ended (attention_request_rings)

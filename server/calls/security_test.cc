@@ -1,4 +1,4 @@
-#include "server/service/security.h"
+#include "server/calls/security.h"
 
 #include <cstdlib>
 #include <filesystem>

@@ -1,5 +1,5 @@
-// The server's two request streams, Attention.AttendStream and Sessions.StepStream, on its
-// generic service (both services mark them generic):
+// The server's stream methods (stream_methods.h: Attention.AttendStream and Sessions.StepStream,
+// which both services mark generic) on its generic service:
 //   CallbackStreams (the default): gRPC's callback API, each stream a StreamReactor, as every
 //     other call of the server.
 //   PolledStreams (--poll_streams): gRPC's async API, every stream's reads, writes and finish
@@ -8,12 +8,11 @@
 //     on an offload thread, the stream's later messages after it). Each completion is seen the
 //     moment it happens, where on the callback API one of gRPC's threads is woken for it, and the
 //     decode runs on a thread whose caches stay warm: a one-in-flight Step 8 x 32k by reference
-//     took kernel + 212 us against kernel + 333 us on the callback API (H200 host, bench/README.md
-//     run F). Its price: one core busy while messages come; after 20 ms without a completion the
-//     thread sleeps in the queue until the next one.
-// Either answers any other method that reaches the generic service UNIMPLEMENTED (every other
-// method of the server is registered by its own service), and so both streams of a service that
-// is null.
+//     took kernel + 212 us against kernel + 333 us on the callback API (H200 host, bench/README.md,
+//     co-located clients). Its price: one core busy while messages come; after 20 ms without a
+//     completion the thread sleeps in the queue until the next one.
+// Either answers any method not in its table UNIMPLEMENTED (every other method of the server is
+// registered by its own service).
 #pragma once
 
 #include <atomic>
@@ -26,31 +25,26 @@
 #include "absl/functional/any_invocable.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
-#include "server/service/attention_service.h"
-#include "server/service/session_service.h"
+#include "server/streams/stream_methods.h"
 
 namespace attention::server {
 
 class CallbackStreams final : public grpc::CallbackGenericService {
  public:
-  // `attention` and `sessions` (either may be null) must outlive the server.
-  CallbackStreams(AttentionService* attention, SessionService* sessions)
-      : attention_(attention), sessions_(sessions) {}
+  // `methods` must outlive the server.
+  explicit CallbackStreams(const StreamMethods* methods) : methods_(methods) {}
   grpc::ServerGenericBidiReactor* CreateReactor(
       grpc::GenericCallbackServerContext* context) override;
 
  private:
-  AttentionService* const attention_;
-  SessionService* const sessions_;
+  const StreamMethods* const methods_;
 };
 
 class PolledStreams {
  public:
   // `service` is registered with the server (ServerBuilder::RegisterAsyncGenericService) and `cq`
-  // is the server's queue for it (ServerBuilder::AddCompletionQueue); `attention` and `sessions`
-  // (either may be null) outlive this.
-  PolledStreams(AttentionService* attention, SessionService* sessions,
-                grpc::AsyncGenericService* service,
+  // is the server's queue for it (ServerBuilder::AddCompletionQueue); `methods` outlives this.
+  PolledStreams(const StreamMethods* methods, grpc::AsyncGenericService* service,
                 std::unique_ptr<grpc::ServerCompletionQueue> cq);
   // Stops, if Stop has not.
   ~PolledStreams();
@@ -66,15 +60,13 @@ class PolledStreams {
 
  private:
   class Call;
-  template <typename State>
   class Flow;
   void Run();
   // Runs `work` on the offload thread, after what was handed to it before (Flow::RunProcess).
   void Offload(absl::AnyInvocable<void() &&> work);
   void RunOffloaded();
 
-  AttentionService* const attention_;
-  SessionService* const sessions_;
+  const StreamMethods* const methods_;
   grpc::AsyncGenericService* const service_;
   const std::unique_ptr<grpc::ServerCompletionQueue> cq_;
   std::atomic<int> live_{0};  // calls asked for or accepted, and not yet over

@@ -1,16 +1,18 @@
 // One bidirectional stream of requests (AttendStream, StepStream): reads continuously, hands each
-// request to the service's processing as soon as it is read, and writes each response when its
-// request finishes, possibly out of order. Messages are raw (grpc::ByteBuffer both ways): the
-// service parses each request itself (wire_buffers.h says why) and keeps what it needs for it
-// in a `State` of its own, one per message. A request that fails ends the stream with its status
-// (the message names its request_id) once the responses already computed are written.
+// request to its method's processing (stream_methods.h) as soon as it is read, and writes each
+// response when its request finishes, possibly out of order. Messages are raw (grpc::ByteBuffer
+// both ways): the service parses each request itself (service/wire_buffers.h says why) and keeps
+// what it needs for it in the method's StreamExchange, one per message. A request that fails ends
+// the stream with its status (the message names its request_id) once the responses already
+// computed are written.
 //
 // Every gRPC operation (read, write, finish) is started with StreamFlow's mu_ held, so its state
 // and the operations in flight always agree; the completions come back on other threads, never
 // inside those calls. The stream's transport owns itself through self_ until it is done, and
 // each request in flight holds a reference too, so a worker finishing the last request can never
 // touch a deleted stream. Two transports: StreamReactor below (gRPC's callback API), and
-// PolledStreams' calls (the async API, one thread polling; generic_streams.h).
+// PolledStreams' calls (the async API, one thread polling; generic_streams.h); the request rings
+// are a third (request_rings.h).
 //
 // Thread hops: a request is decoded and queued on the gRPC thread that completed its read (no
 // hop); the scheduler's worker that runs it starts the write of its response (one hop, the
@@ -29,18 +31,11 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/quote.h"
+#include "server/calls/call_context.h"
+#include "server/calls/call_gate.h"
+#include "server/streams/stream_methods.h"
 
 namespace attention::server {
-
-grpc::Status ToGrpcStatus(const absl::Status& status);
-
-// Runs one request read from a stream, filling `response`; calls `done` exactly once, inline or
-// from another thread. `request` (which it may clear once parsed), `response` and `state` stay
-// valid until then.
-template <typename State>
-using StreamProcess =
-    absl::AnyInvocable<void(grpc::ByteBuffer* request, grpc::ByteBuffer* response, State* state,
-                            absl::AnyInvocable<void(absl::Status) &&> done)>;
 
 // The bookkeeping of one such stream, apart from the gRPC API that moves its messages.
 // `Transport` (CRTP) starts the operations, each at most once at a time: StartRead(ByteBuffer*),
@@ -49,20 +44,19 @@ using StreamProcess =
 // `bytes` (`work`, an absl::AnyInvocable<void() &&>) on the thread that read it, or hands it to
 // a thread of its own (the polled transport's large messages). It holds itself in `self_` while it
 // may be needed (from Begin until its transport is done), and each request in flight holds a
-// reference too. `State`: default-constructible, with `request_id()` (the parsed request's, "" when
-// it did not parse) naming a failed request in the stream's status.
-template <typename Transport, typename State>
+// reference too.
+template <typename Transport>
 class StreamFlow {
  public:
   using Done = absl::AnyInvocable<void(absl::Status) &&>;
-  using Process = StreamProcess<State>;
 
-  // `window`: requests the stream may have running or waiting to be written; further reads wait,
-  // so a fast sender is slowed by gRPC flow control instead of filling the queue.
-  StreamFlow(int window, Process process) : window_(window), process_(std::move(process)) {}
+  // Serves `method` (its window and exchanges) with `process`, the method's processing of this
+  // stream.
+  StreamFlow(const StreamMethod& method, StreamProcess process)
+      : window_(method.window), new_exchange_(method.new_exchange), process_(std::move(process)) {}
 
   void ReadDone(bool ok) {
-    std::unique_ptr<Exchange> exchange;
+    std::unique_ptr<StreamExchange> exchange;
     std::shared_ptr<Transport> self;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -79,13 +73,12 @@ class StreamFlow {
       // order they were sent (a client may send Steps that append to one session without waiting).
       dispatching_ = true;
     }
-    Exchange* e = exchange.get();
+    StreamExchange* e = exchange.get();
     const size_t bytes = e->request.Length();
     // The transport runs it here or hands it to a thread of its own (RunProcess).
     transport().RunProcess(bytes, [this, e, self, exchange = std::move(exchange)]() mutable {
       process_(
-          &e->request, &e->response, &e->state,
-          [self = std::move(self), exchange = std::move(exchange)](absl::Status status) mutable {
+          e, [self = std::move(self), exchange = std::move(exchange)](absl::Status status) mutable {
             self->Processed(std::move(exchange), std::move(status));
           });
     });
@@ -121,23 +114,16 @@ class StreamFlow {
   }
 
  private:
-  struct Exchange {
-    grpc::ByteBuffer request;
-    grpc::ByteBuffer response;
-    State state;
-  };
-
   Transport& transport() { return static_cast<Transport&>(*this); }
 
-  void Processed(std::unique_ptr<Exchange> exchange, absl::Status status) {
+  void Processed(std::unique_ptr<StreamExchange> exchange, absl::Status status) {
     std::lock_guard<std::mutex> lock(mu_);
     --in_flight_;
     if (status.ok()) {
       ready_.push_back(std::move(exchange));
     } else if (status_.ok()) {
-      status_ = absl::Status(
-          status.code(),
-          absl::StrCat("request ", Quote(exchange->state.request_id()), ": ", status.message()));
+      status_ = absl::Status(status.code(), absl::StrCat("request ", Quote(exchange->request_id()),
+                                                         ": ", status.message()));
     }
     Advance();
   }
@@ -156,7 +142,7 @@ class StreamFlow {
     }
     const int held = in_flight_ + static_cast<int>(ready_.size()) + (writing_ != nullptr);
     if (!Ending() && reading_ == nullptr && !dispatching_ && held < window_) {
-      reading_ = std::make_unique<Exchange>();
+      reading_ = new_exchange_();
       transport().StartRead(&reading_->request);
     }
     if (Ending() && in_flight_ == 0 && writing_ == nullptr && ready_.empty()) {
@@ -167,14 +153,15 @@ class StreamFlow {
   }
 
   const int window_;
-  Process process_;
+  std::unique_ptr<StreamExchange> (*const new_exchange_)();
+  StreamProcess process_;
   std::mutex mu_;  // guards all below; a pthread lock, which ThreadSanitizer sees
   std::shared_ptr<Transport> self_;
-  std::unique_ptr<Exchange> reading_;            // the read outstanding, if any
-  std::unique_ptr<Exchange> writing_;            // the write outstanding, if any
-  std::deque<std::unique_ptr<Exchange>> ready_;  // answered, to be written
-  int in_flight_ = 0;                            // in process_, not yet answered
-  bool dispatching_ = false;                     // ReadDone is handing a request on
+  std::unique_ptr<StreamExchange> reading_;            // the read outstanding, if any
+  std::unique_ptr<StreamExchange> writing_;            // the write outstanding, if any
+  std::deque<std::unique_ptr<StreamExchange>> ready_;  // answered, to be written
+  int in_flight_ = 0;                                  // in process_, not yet answered
+  bool dispatching_ = false;                           // ReadDone is handing a request on
   bool reads_done_ = false;
   bool cancelled_ = false;
   bool finished_ = false;
@@ -183,21 +170,18 @@ class StreamFlow {
 
 // A stream on gRPC's callback API: gRPC runs the reactions (OnReadDone, ...) on its own threads,
 // never inside the operations' calls. The reactor owns itself until OnDone.
-template <typename State>
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
-                            public StreamFlow<StreamReactor<State>, State> {
-  using Flow = StreamFlow<StreamReactor<State>, State>;
+                            public StreamFlow<StreamReactor> {
+  using Flow = StreamFlow<StreamReactor>;
 
  public:
-  using Done = typename Flow::Done;
-  using Process = typename Flow::Process;
+  StreamReactor(const StreamMethod& method, StreamProcess process)
+      : Flow(method, std::move(process)) {}
 
-  StreamReactor(int window, Process process) : Flow(window, std::move(process)) {}
-
-  // Starts a stream: the reactor owns itself until gRPC is done with it.
-  static grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Begin(int window,
-                                                                            Process process) {
-    auto reactor = std::make_shared<StreamReactor>(window, std::move(process));
+  // Starts a stream of `method` on `context`: the reactor owns itself until gRPC is done with it.
+  static grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Begin(
+      const StreamMethod& method, const grpc::CallbackServerContext* context) {
+    auto reactor = std::make_shared<StreamReactor>(method, method.open(CallbackCall(context)));
     reactor->Flow::Begin(reactor);
     return reactor.get();
   }

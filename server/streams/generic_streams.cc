@@ -1,4 +1,4 @@
-#include "server/service/generic_streams.h"
+#include "server/streams/generic_streams.h"
 
 #include <deque>
 #include <mutex>
@@ -8,13 +8,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "server/service/stream_reactor.h"
+#include "server/streams/stream_reactor.h"
 
 namespace attention::server {
 namespace {
 
-constexpr char kAttendStreamMethod[] = "/attention.v1.Attention/AttendStream";
-constexpr char kStepStreamMethod[] = "/attention.v1.Sessions/StepStream";
 // The largest message processed on the polling thread itself (its copy takes ~0.1 ms).
 constexpr size_t kInlineProcessBytes = size_t{1} << 20;
 
@@ -27,11 +25,8 @@ grpc::Status UnknownMethod(const std::string& method) {
 
 grpc::ServerGenericBidiReactor* CallbackStreams::CreateReactor(
     grpc::GenericCallbackServerContext* context) {
-  if (attention_ != nullptr && context->method() == kAttendStreamMethod) {
-    return attention_->AttendStream(context);
-  }
-  if (sessions_ != nullptr && context->method() == kStepStreamMethod) {
-    return sessions_->StepStream(context);
+  if (const StreamMethod* method = methods_->Find(context->method()); method != nullptr) {
+    return StreamReactor::Begin(*method, context);
   }
   class Refusal final : public grpc::ServerGenericBidiReactor {
    public:
@@ -42,8 +37,8 @@ grpc::ServerGenericBidiReactor* CallbackStreams::CreateReactor(
 }
 
 // One call taken from the queue: its context, its stream and the tags of its operations. Before
-// it is accepted it holds itself (`accepting_`); once accepted, a stream's Flow (of its method's
-// State) holds it, and the Flow holds itself until the call's Finish and its done notification
+// it is accepted it holds itself (`accepting_`); once accepted, a stream's Flow (of its method)
+// holds it, and the Flow holds itself until the call's Finish and its done notification
 // have come back with no operation outstanding; a refused call holds itself that long. All
 // completions arrive on the polling thread; writes and the finish may also start on a scheduler
 // worker (a request answered), reads only on the polling thread.
@@ -54,7 +49,7 @@ class PolledStreams::Call final {
     Call* call;
     Kind kind;
   };
-  // What the Flow of an accepted stream is told, whatever its State.
+  // What the Flow of an accepted stream is told.
   class Events {
    public:
     virtual void ReadDone(bool ok) = 0;
@@ -163,19 +158,20 @@ class PolledStreams::Call final {
   bool over_ = false;
 };
 
-// An accepted stream of requests whose messages keep a `State` each: StreamFlow's bookkeeping,
-// its operations started on the call. Holds the call (the call only points back at it).
-template <typename State>
-class PolledStreams::Flow final : public StreamFlow<Flow<State>, State>, public Call::Events {
-  using Base = StreamFlow<Flow<State>, State>;
+// An accepted stream of one method: StreamFlow's bookkeeping, its operations started on the
+// call. Holds the call (the call only points back at it).
+class PolledStreams::Flow final : public StreamFlow<Flow>, public Call::Events {
+  using Base = StreamFlow<Flow>;
 
  public:
-  Flow(PolledStreams* owner, int window, StreamProcess<State> process, std::shared_ptr<Call> call)
-      : Base(window, std::move(process)), owner_(owner), call_(std::move(call)) {}
+  Flow(PolledStreams* owner, const StreamMethod& method, StreamProcess process,
+       std::shared_ptr<Call> call)
+      : Base(method, std::move(process)), owner_(owner), call_(std::move(call)) {}
 
-  static Call::Events* Begin(PolledStreams* owner, int window, StreamProcess<State> process,
+  static Call::Events* Begin(PolledStreams* owner, const StreamMethod& method, CallContext context,
                              std::shared_ptr<Call> call) {
-    auto flow = std::make_shared<Flow>(owner, window, std::move(process), std::move(call));
+    auto flow =
+        std::make_shared<Flow>(owner, method, method.open(std::move(context)), std::move(call));
     flow->Base::Begin(flow);
     return flow.get();
   }
@@ -213,26 +209,17 @@ class PolledStreams::Flow final : public StreamFlow<Flow<State>, State>, public 
 };
 
 void PolledStreams::Call::Begin(std::shared_ptr<Call> self) {
-  AttentionService* const attention = owner_->attention_;
-  SessionService* const sessions = owner_->sessions_;
-  const std::string& method = context_.method();
-  if (attention != nullptr && method == kAttendStreamMethod) {
-    events_ = Flow<AttentionService::Call>::Begin(owner_, attention->stream_window(),
-                                                  attention->AttendStreamProcess(context()),
-                                                  std::move(self));
-  } else if (sessions != nullptr && method == kStepStreamMethod) {
-    events_ = Flow<SessionService::StepMessages>::Begin(
-        owner_, sessions->stream_window(), sessions->StepStreamProcess(context()), std::move(self));
+  if (const StreamMethod* method = owner_->methods_->Find(context_.method()); method != nullptr) {
+    events_ = Flow::Begin(owner_, *method, context(), std::move(self));
   } else {
     refusing_ = std::move(self);
-    Finish(UnknownMethod(method));
+    Finish(UnknownMethod(context_.method()));
   }
 }
 
-PolledStreams::PolledStreams(AttentionService* attention, SessionService* sessions,
-                             grpc::AsyncGenericService* service,
+PolledStreams::PolledStreams(const StreamMethods* methods, grpc::AsyncGenericService* service,
                              std::unique_ptr<grpc::ServerCompletionQueue> cq)
-    : attention_(attention), sessions_(sessions), service_(service), cq_(std::move(cq)) {}
+    : methods_(methods), service_(service), cq_(std::move(cq)) {}
 
 PolledStreams::~PolledStreams() { Stop(); }
 

@@ -1,4 +1,4 @@
-#include "server/service/request_rings.h"
+#include "server/streams/request_rings.h"
 
 #include <cstring>
 #include <functional>
@@ -9,9 +9,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "proto/attention/v1/request_ring.h"
-#include "server/service/call_context.h"
-#include "server/service/shared_memory_service.h"
-#include "server/service/stream_reactor.h"
+#include "server/streams/stream_reactor.h"
 
 namespace attention::server {
 namespace {
@@ -118,7 +116,7 @@ struct RequestRings::Memory {
   }
 };
 
-// What the call and the thread see of a ring, whatever its State.
+// What the call and the thread see of a ring.
 class RequestRings::Ring {
  public:
   virtual ~Ring() = default;
@@ -150,16 +148,15 @@ class RingCall final : public grpc::ServerUnaryReactor {
 
 }  // namespace
 
-// One ring's StreamFlow of messages with a `State` each; its operations are requests to the
-// ring's thread (StartRead, Finish) or done at once where they can be (StartWrite).
-template <typename State>
-class RequestRings::Flow final : public StreamFlow<Flow<State>, State>, public Ring {
-  using Base = StreamFlow<Flow<State>, State>;
+// One ring's StreamFlow of its method's messages; its operations are requests to the ring's
+// thread (StartRead, Finish) or done at once where they can be (StartWrite).
+class RequestRings::Flow final : public StreamFlow<Flow>, public Ring {
+  using Base = StreamFlow<Flow>;
 
  public:
-  Flow(Memory memory, std::vector<RegionRegistry::Use> use, int window,
-       StreamProcess<State> process, RingCall* call, v1::RingClosed* response)
-      : Base(window, std::move(process)),
+  Flow(Memory memory, std::vector<RegionRegistry::Use> use, const StreamMethod& method,
+       StreamProcess process, RingCall* call, v1::RingClosed* response)
+      : Base(method, std::move(process)),
         memory_(memory),
         use_(std::move(use)),
         call_(call),
@@ -255,8 +252,7 @@ class RequestRings::Flow final : public StreamFlow<Flow<State>, State>, public R
   absl::Status broken_;  // why the ring ends, when it is the ring's fault
 };
 
-template <typename State>
-void RequestRings::Flow<State>::Serve() {
+void RequestRings::Flow::Serve() {
   absl::Time last_event = absl::Now();
   absl::Time last_check = last_event;
   bool cancel_told = false;
@@ -333,8 +329,7 @@ void RequestRings::Flow<State>::Serve() {
   }
 }
 
-template <typename State>
-void RequestRings::Flow<State>::End(const grpc::Status& flow_status) {
+void RequestRings::Flow::End(const grpc::Status& flow_status) {
   absl::Status broken;
   {
     std::lock_guard<std::mutex> lock(ops_mu_);
@@ -351,15 +346,13 @@ void RequestRings::Flow<State>::End(const grpc::Status& flow_status) {
   std::shared_ptr<Flow> self = std::static_pointer_cast<Flow>(Base::Release());
 }
 
-RequestRings::RequestRings(AttentionService* attention, SessionService* sessions,
-                           RegionRegistry* registry, std::string auth_token, int max_rings,
-                           Metrics* metrics)
-    : attention_(attention),
-      sessions_(sessions),
+RequestRings::RequestRings(const StreamMethods* methods, RegionRegistry* registry,
+                           const CallGate* gate, int max_rings)
+    : methods_(methods),
       registry_(registry),
-      auth_token_(std::move(auth_token)),
+      gate_(gate),
       max_rings_(max_rings),
-      metrics_(metrics) {}
+      metrics_(gate->metrics()) {}
 
 RequestRings::~RequestRings() { Stop(); }
 
@@ -371,21 +364,21 @@ grpc::ServerUnaryReactor* RequestRings::Open(grpc::CallbackServerContext* contex
   // A refused ring is counted as a call (rpc="OpenRing"); a served one is not: its requests are
   // counted as the stream method's, as the streams' calls are not counted themselves.
   auto refuse = [&](const absl::Status& status) {
-    metrics_->RequestStarted();
-    metrics_->RequestFinished("OpenRing", status.code(), absl::Now() - arrival, 0, 0);
-    call->Finish(ToGrpcStatus(status));
+    gate_->Refuse("OpenRing", *context, arrival, status,
+                  [call](absl::Status status) { call->Finish(ToGrpcStatus(status)); });
     return call;
   };
   if (absl::Status geometry = CheckGeometry(request); !geometry.ok()) return refuse(geometry);
   const bool attend = request.method() == v1::RING_METHOD_ATTEND;
-  if ((attend ? static_cast<void*>(attention_) : static_cast<void*>(sessions_)) == nullptr) {
+  const StreamMethod* method = methods_->Find(attend ? kAttendStreamPath : kStepStreamPath);
+  if (method == nullptr) {
     return refuse(absl::UnimplementedError(
         absl::StrCat("method: ", v1::RingMethod_Name(request.method()), " is not served here (no ",
                      attend ? "Attention" : "Sessions", " service)")));
   }
   std::vector<RegionRegistry::Use> use;
   absl::StatusOr<RegionSpan> span = registry_->Resolve(
-      RegionOwner(*context, auth_token_), "ring", request.region(), request.offset(),
+      RegionOwner(*context, gate_->auth_token()), "ring", request.region(), request.offset(),
       ring::RingBytes(request.slots(), request.slot_bytes()), ring::kAlignment, &use);
   if (!span.ok()) return refuse(span.status());
   if (span->kind != RegionKind::kSystem) {
@@ -405,21 +398,11 @@ grpc::ServerUnaryReactor* RequestRings::Open(grpc::CallbackServerContext* contex
     return refuse(absl::ResourceExhaustedError(absl::StrCat(
         "rings: ", served, " served already, at most ", max_rings_, " at once (--max_rings)")));
   }
-  // Either method's flow, started; the call holds it until it is answered, its thread until it
-  // ends.
-  std::shared_ptr<Ring> ring;
-  const CallContext call_context = CallbackCall(context);
-  auto begin = [&]<typename State>(int window, StreamProcess<State> process) {
-    auto flow = std::make_shared<Flow<State>>(memory, std::move(use), window, std::move(process),
-                                              call, response);
-    flow->Begin(flow);
-    ring = flow;
-  };
-  if (attend) {
-    begin(attention_->stream_window(), attention_->AttendStreamProcess(call_context));
-  } else {
-    begin(sessions_->stream_window(), sessions_->StepStreamProcess(call_context));
-  }
+  // The method's flow, started; the call holds it until it is answered, its thread until it ends.
+  auto flow = std::make_shared<Flow>(memory, std::move(use), *method,
+                                     method->open(CallbackCall(context)), call, response);
+  flow->Begin(flow);
+  std::shared_ptr<Ring> ring = flow;
   call->SetOnCancel([ring] { ring->CallCancelled(); });
   memory.header->server_open.store(1);
   ring::RingBell(&memory.header->client_bell);

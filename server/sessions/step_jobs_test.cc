@@ -1,0 +1,230 @@
+// A Step's jobs over a real session store, scheduler and CPU executor (its own KV pool): the
+// launch's o and lse against a float64 reference over the session's rows, the new row appended,
+// sequences of two decode keys as two jobs of one step, and the refusals that leave the sessions
+// as they were (queries beyond the session's rows, the FLOP limit).
+#include "server/sessions/step_jobs.h"
+
+#include <cmath>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/executors/executor.h"
+#include "server/scheduling/scheduler.h"
+
+namespace attention::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+// float32, 2 kv heads, head dim 8; 4 query heads (GQA 2:1).
+constexpr KvShape kShape{.dtype = DType::kFloat32, .heads_kv = 2, .head_dim = 8};
+constexpr int64_t kHeadsQ = 4;
+
+// A sequence's rows and queries, BHSD: k, v [Hkv, rows, D]; q, o [Hq, rows_q, D]; lse [Hq, rows_q].
+struct Tensors {
+  Tensors(int64_t rows, int64_t rows_q, std::mt19937& rng)
+      : k(kShape.heads_kv * rows * kShape.head_dim),
+        v(k.size()),
+        q(kHeadsQ * rows_q * kShape.head_dim),
+        o(q.size()),
+        lse(kHeadsQ * rows_q) {
+    std::normal_distribution<float> normal;
+    for (std::vector<float>* t : {&k, &v, &q}) {
+      for (float& x : *t) x = normal(rng);
+    }
+    kv_rows = KvRows{.k = k.data(),
+                     .v = v.data(),
+                     .rows = rows,
+                     .head_stride = rows * kShape.head_dim,
+                     .row_stride = kShape.head_dim};
+  }
+  std::vector<float> k, v, q, o, lse;
+  KvRows kv_rows;
+};
+
+// A step of the test, answered into `outcome`.
+struct TestStep final : StepWork {
+  void Finished(StepOutcome result) override {
+    std::lock_guard<std::mutex> lock(mu);
+    outcome = std::move(result);
+    done.notify_all();
+  }
+  StepOutcome Wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    done.wait(lock, [this] { return outcome.has_value(); });
+    return *outcome;
+  }
+  std::mutex mu;
+  std::condition_variable done;
+  std::optional<StepOutcome> outcome;
+};
+
+class StepJobsTest : public ::testing::Test {
+ protected:
+  StepJobsTest() {
+    std::unique_ptr<Executor> executor = MakeCpuExecutor(1);
+    absl::StatusOr<KvPagePool*> pool = executor->InitKvPool(/*num_pages=*/16, /*page_bytes=*/4096);
+    EXPECT_TRUE(pool.ok()) << pool.status();
+    std::vector<std::unique_ptr<Executor>> executors;
+    executors.push_back(std::move(executor));
+    scheduler_.emplace(std::move(executors), SchedulerOptions{.workers = 1, .max_queue = 8});
+    std::vector<KvDevice> devices;
+    devices.push_back(KvDevice{.name = "cpu", .pool = *pool});
+    store_.emplace(std::move(devices), SessionStoreOptions{});
+  }
+  ~StepJobsTest() override { scheduler_->Shutdown(); }
+
+  // A session of `rows` rows (written from `t`); its id.
+  std::string Create(const Tensors& t) {
+    absl::StatusOr<SessionStore::Lease> lease = store_->Create("", kShape, t.kv_rows.rows, 0);
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(store_->Append(*lease, t.kv_rows), absl::OkStatus());
+    return lease->id();
+  }
+  int64_t Length(const std::string& id) {
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {id});
+    EXPECT_TRUE(leases.ok()) << leases.status();
+    return leases.ok() ? leases->front().length() : -1;
+  }
+  // Sequence of session `id`: `t`'s rows appended, its last `rows_q` positions queried.
+  static StepSequence Sequence(const std::string& id, Tensors& t, int64_t rows_q,
+                               const DecodeKey& key) {
+    return {.session_id = id,
+            .key = key,
+            .rows = t.kv_rows,
+            .q = t.q.data(),
+            .rows_q = rows_q,
+            .o = t.o.data(),
+            .lse = t.lse.data()};
+  }
+  StepOutcome Run(const std::shared_ptr<TestStep>& step, const StepJobs& jobs) {
+    scheduler_->SubmitAll(jobs.Jobs(step, absl::InfiniteFuture(), [] { return false; }));
+    return step->Wait();
+  }
+
+  std::mt19937 rng_{std::random_device{}()};
+  std::optional<Scheduler> scheduler_;
+  std::optional<SessionStore> store_;
+  const DecodeKey key_{
+      .shape = kShape, .heads_q = kHeadsQ, .softmax_scale = 0.5f, .window_right = 0, .lse = true};
+};
+
+// o and lse of query head h, row r over every key of `old` then `added`, in float64.
+void ExpectMatchesReference(const Tensors& old, const Tensors& added, const Tensors& queries,
+                            float scale) {
+  const int64_t d = kShape.head_dim;
+  const int64_t n_old = old.kv_rows.rows, n = n_old + added.kv_rows.rows;
+  const int64_t rows_q = static_cast<int64_t>(queries.lse.size()) / kHeadsQ;
+  double err = 0, norm = 0;
+  for (int64_t h = 0; h < kHeadsQ; ++h) {
+    const int64_t hk = h / (kHeadsQ / kShape.heads_kv);
+    for (int64_t r = 0; r < rows_q; ++r) {
+      const int64_t last_key = n - rows_q + r;  // bottom-right causal
+      auto key = [&](const std::vector<float>& t_old, const std::vector<float>& t_new, int64_t j,
+                     int64_t c) {
+        return j < n_old ? t_old[(hk * n_old + j) * d + c]
+                         : t_new[(hk * (n - n_old) + (j - n_old)) * d + c];
+      };
+      std::vector<double> logits(last_key + 1);
+      double max_logit = -INFINITY;
+      for (int64_t j = 0; j <= last_key; ++j) {
+        double dot = 0;
+        for (int64_t c = 0; c < d; ++c) {
+          dot += double{queries.q[(h * rows_q + r) * d + c]} * key(old.k, added.k, j, c);
+        }
+        logits[j] = dot * scale;
+        max_logit = std::max(max_logit, logits[j]);
+      }
+      double sum = 0;
+      for (double& l : logits) sum += (l = std::exp(l - max_logit));
+      EXPECT_NEAR(queries.lse[h * rows_q + r], max_logit + std::log(sum), 1e-4);
+      for (int64_t c = 0; c < d; ++c) {
+        double o = 0;
+        for (int64_t j = 0; j <= last_key; ++j) o += logits[j] / sum * key(old.v, added.v, j, c);
+        const double got = queries.o[(h * rows_q + r) * d + c];
+        err += (got - o) * (got - o);
+        norm += o * o;
+      }
+    }
+  }
+  EXPECT_LT(std::sqrt(err / norm), 1e-5);
+}
+
+TEST_F(StepJobsTest, AppendsTheNewRowsAndAttendsToEveryRow) {
+  const Tensors first(37, 0, rng_);
+  const std::string id = Create(first);
+  Tensors step_rows(1, 2, rng_);  // one new row, two queries (the session's last two positions)
+  auto step = std::make_shared<TestStep>();
+  step->seqs.push_back(Sequence(id, step_rows, 2, key_));
+  StepJobs jobs(&*store_, {}, {});
+  const StepOutcome outcome = Run(step, jobs);
+  ASSERT_EQ(outcome.status, absl::OkStatus());
+  EXPECT_EQ(step->seqs[0].length, 38);
+  EXPECT_EQ(Length(id), 38);
+  EXPECT_THAT(outcome.devices, ::testing::ElementsAre("cpu"));
+  ExpectMatchesReference(first, step_rows, step_rows, key_.softmax_scale);
+}
+
+TEST_F(StepJobsTest, SequencesOfTwoKeysAreTwoJobsAndEachIsObserved) {
+  const Tensors a_rows(5, 0, rng_), b_rows(9, 0, rng_);
+  const std::string a = Create(a_rows), b = Create(b_rows);
+  Tensors a_step(1, 1, rng_), b_step(1, 1, rng_);
+  DecodeKey other = key_;
+  other.softmax_scale = 0.25f;
+  auto step = std::make_shared<TestStep>();
+  step->seqs.push_back(Sequence(a, a_step, 1, key_));
+  step->seqs.push_back(Sequence(b, b_step, 1, other));
+  std::mutex mu;
+  int observed = 0;
+  int64_t tokens = 0;
+  StepJobs jobs(&*store_, {}, [&](const JobResult& result, double flops, int64_t t) {
+    std::lock_guard<std::mutex> lock(mu);
+    ++observed;
+    tokens += t;
+    EXPECT_GT(flops, 0);
+  });
+  const StepOutcome outcome = Run(step, jobs);
+  ASSERT_EQ(outcome.status, absl::OkStatus());
+  EXPECT_EQ(observed, 2);
+  EXPECT_EQ(tokens, 2);
+  ExpectMatchesReference(a_rows, a_step, a_step, key_.softmax_scale);
+  ExpectMatchesReference(b_rows, b_step, b_step, other.softmax_scale);
+}
+
+TEST_F(StepJobsTest, RefusalsOnTheWorkerAppendNothing) {
+  const Tensors first(3, 0, rng_);
+  const std::string id = Create(first);
+  Tensors step_rows(1, 5, rng_);  // five queries, but the session holds 4 rows after the append
+  auto make_step = [&] {
+    auto step = std::make_shared<TestStep>();
+    step->seqs.push_back(Sequence(id, step_rows, 5, key_));
+    return step;
+  };
+  StepJobs jobs(&*store_, {}, {});
+  StepOutcome outcome = Run(make_step(), jobs);
+  EXPECT_EQ(outcome.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(outcome.status.message(), HasSubstr("entries[0].q.shape[1] (queries)"));
+  EXPECT_EQ(Length(id), 3);
+
+  auto step = make_step();
+  step->seqs[0].rows_q = 1;
+  StepJobs limited(&*store_, {.max_request_flops = 1}, {});
+  outcome = Run(step, limited);
+  EXPECT_EQ(outcome.status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(outcome.status.message(),
+              HasSubstr("over the limit of 1 per request (--max_request_flops); nothing was "
+                        "appended"));
+  EXPECT_EQ(Length(id), 3);
+}
+
+}  // namespace
+}  // namespace attention::server
