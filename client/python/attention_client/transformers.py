@@ -11,8 +11,16 @@ transformers' AttentionInterface, so every model on transformers' standard atten
 Qwen2, Mistral, ...) computes attention on the service. With a RemoteCache the K/V stay on the
 server: one session per layer and sequence, the prompt's K/V sent once at prefill, and each decode
 step sends only the new token's q, k and v, one Step per layer carrying every sequence of the batch.
-Without one (a DynamicCache, or none) each call sends the keys it is given (an Attend).
+Without one (a DynamicCache, a StaticCache, or none) each call sends the keys it is given (an
+Attend).
 The cache's sessions are dropped when it is closed or released (and expire on the server anyway).
+
+Every keyword argument transformers passes to the attention function is either served exactly or
+refused by name (NotImplementedError): a `sliding_window` becomes the window (checked against the
+mask), a V head dim other than the QK head dim (MLA, DeepSeek-V3) is served by zero-padding to one
+head dim; attention sinks (`s_aux`), `softcap`, attention weights and keywords this module does not
+know are refused, as is a mask that is not causal with padding (and the window), e.g. Llama 4's
+chunked attention.
 """
 import weakref
 
@@ -28,6 +36,51 @@ from attention_client.torch import _attend_packed
 # function, which transformers calls with (query, key, value) only, finds the layer.
 _LAYER = "_attention_service_layer"
 
+# Keywords transformers passes that do not bear on attention once q, k, v and the mask are built:
+# positions are in the rotary embedding already, the others steer what the model returns.
+_WITHOUT_BEARING = frozenset({"position_ids", "use_cache", "output_hidden_states",
+                              "output_router_logits", "num_items_in_batch"})
+# Keywords served only when absent or at their default (None, False, 0), with what they ask for.
+_REFUSED_UNLESS_DEFAULT = {
+    "s_aux": "attention sinks (per-head sink logits, gpt-oss)",
+    "softcap": "logit softcapping (Gemma 2)",
+    "output_attentions": "attention weights (the service returns o only)",
+    "position_bias": "an additive position bias",
+    "cache": "a paged cache (continuous batching)",
+    "cu_seq_lens_q": "packed sequences",
+    "cu_seq_lens_k": "packed sequences",
+    "max_length_q": "packed sequences",
+    "max_length_k": "packed sequences",
+    "seq_idx": "packed sequences",
+}
+
+
+def _check_keywords(fn, kwargs):
+    """Raises NotImplementedError naming the first keyword that is neither served nor without
+    bearing on attention (an unknown one included): none is ever ignored."""
+    for key, value in kwargs.items():
+        if key in _WITHOUT_BEARING:
+            continue
+        if key in _REFUSED_UNLESS_DEFAULT:
+            if value is None or value is False or (not torch.is_tensor(value) and value == 0):
+                continue
+            raise NotImplementedError(f"{fn}: {key}: {_REFUSED_UNLESS_DEFAULT[key]} is not served "
+                                      "by the attention service")
+        raise NotImplementedError(f"{fn}: the attention keyword {key}={value!r} is not known to "
+                                  "attention_client.transformers; it is refused rather than "
+                                  "ignored")
+
+
+def _window_left(fn, sliding_window):
+    """transformers' sliding_window W (query i sees key j iff i - W < j <= i) as the service's
+    window_left, W - 1; None: no window."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or \
+            sliding_window < 1:
+        raise ValueError(f"{fn}: sliding_window must be a positive int, got {sliding_window!r}")
+    return sliding_window - 1
+
 
 def _mask_rows(attention_mask, batch, nq, nk):
     """The visible (query, key) pairs of transformers' 4-D mask, bool [B, Nq, Nk] (None: no mask).
@@ -41,37 +94,61 @@ def _mask_rows(attention_mask, batch, nq, nk):
     return keep[:, 0, :, -nk:].expand(batch, nq, nk)
 
 
-def _padded_causal(keep, fn):
-    """For one item's mask keep [Nq, Nk] (True = visible): the queries and keys that take part
-    (LongTensors) such that, over them alone, the mask is causal aligned bottom-right, as with
-    padding (left or right) on a causal model. Raises NotImplementedError for any other mask."""
-    rows = torch.nonzero(keep.any(1)).flatten()
-    keys = torch.nonzero(keep.any(0)).flatten()
+def _check_causal(keep, rows, keys, window_left, fn):
+    """For one item's mask keep [Nq, Nk] (True = visible) and the queries and keys that take part
+    (LongTensors): raises NotImplementedError unless, over them alone, the mask is causal aligned
+    bottom-right with window_left (None: unbounded), and nothing outside them is visible, as with
+    padding (left or right) on a causal model."""
     sub = keep[rows][:, keys]
     nq, nk = sub.shape
-    want = (torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)).to(sub.device)
-    if not torch.equal(sub, want) or int(keep.sum()) != int(sub.sum()):
+    offset = torch.arange(nk)[None, :] - torch.arange(nq)[:, None] - (nk - nq)  # j - diagonal
+    want = offset <= 0
+    if window_left is not None:
+        want &= offset >= -window_left
+    if not torch.equal(sub, want.to(sub.device)) or int(keep.sum()) != int(sub.sum()):
+        served = "causal masks" if window_left is None else \
+            f"causal masks with the sliding window ({window_left + 1} keys)"
         raise NotImplementedError(
-            f"{fn}: the attention mask is not a causal mask with padding; served: causal masks, "
-            "with or without padded positions")
+            f"{fn}: the attention mask is not a causal mask with padding (chunked attention and "
+            f"other patterns are not served); served: {served}, with or without padded positions")
+
+
+def _padded_causal(keep, window_left, fn):
+    """The queries and keys (LongTensors) of one item's mask keep [Nq, Nk] that take part (see
+    something, are seen), checked by _check_causal."""
+    rows = torch.nonzero(keep.any(1)).flatten()
+    keys = torch.nonzero(keep.any(0)).flatten()
+    _check_causal(keep, rows, keys, window_left, fn)
     return rows, keys
 
 
-def _attend(client, query, key, value, attention_mask, scaling, is_causal):
-    """query [B, Hq, Nq, D], key and value [B, Hkv, Nk, D] (all the keys): one Attend, queries
-    the last Nq positions. o [B, Hq, Nq, D]; padded query rows get 0."""
+def _one_head_dim(query, key, value):
+    """q [.., Dqk], k [.., Dqk], v [.., Dv] padded with zero features to one head dim max(Dqk, Dv)
+    (MLA models have Dv != Dqk): zeros change neither q.k nor o's first Dv features."""
+    d = max(query.shape[-1], value.shape[-1])
+    return tuple(torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
+
+
+def _attend(client, query, key, value, attention_mask, scaling, is_causal, window_left):
+    """query [B, Hq, Nq, D], key and value [B, Hkv, Nk, D] (all the keys): one Attend, with SDPA's
+    semantics: without a mask, is_causal aligns top-left (a StaticCache's prefill hands over keys
+    past the queries' that are not written yet); with one, the keys and queries it shows take part.
+    o [B, Hq, Nq, D]; padded query rows get 0."""
     batch, _, nq, _ = query.shape
     nk = key.shape[2]
     keep = _mask_rows(attention_mask, batch, nq, nk)
     if keep is None:
+        causal = bool(is_causal) and nq > 1
         return client.attend(query.contiguous(), key.contiguous(), value.contiguous(),
-                             causal=bool(is_causal) and nq > 1, softmax_scale=scaling)
+                             causal=causal, softmax_scale=scaling,
+                             window_left=window_left if causal else None,
+                             mask_alignment="top_left")
     out = torch.zeros_like(query)
     for b in range(batch):  # padded rows differ per item: one varlen item each
-        rows, keys = _padded_causal(keep[b], "attention_service")
+        rows, keys = _padded_causal(keep[b], window_left, "attention_service")
         if len(rows) > 0:
             o = _attend_packed(client, query[b:b + 1, :, rows], key[b:b + 1], value[b:b + 1],
-                               [keys], True, scaling, "bottom_right")
+                               [keys], True, scaling, "bottom_right", window_left=window_left)
             out[b, :, rows] = o[0]
     return out
 
@@ -82,20 +159,24 @@ def register(client, name="attention_service"):
     Returns name, for attn_implementation=name. client: an attention_client.Client."""
 
     def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                          is_causal=None, **kwargs):
+                          is_causal=None, sliding_window=None, **kwargs):
         if dropout:
             raise NotImplementedError(f"{name}: dropout={dropout}: the service computes attention "
                                       "without dropout (model.eval())")
-        if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-            raise NotImplementedError(f"{name}: sliding windows and softcapping are not served")
+        _check_keywords(name, kwargs)
+        window_left = _window_left(name, sliding_window)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        dv = value.shape[-1]
+        if scaling is None:  # SDPA's default, from the QK head dim before any padding
+            scaling = query.shape[-1]**-0.5
         with torch.no_grad():
             layer = getattr(key, _LAYER, None)
             if layer is not None:
-                o = layer.attend(query, key, value, attention_mask, scaling, causal)
+                o = layer.attend(query, key, value, attention_mask, scaling, causal, window_left)
             else:
-                o = _attend(client, query, key, value, attention_mask, scaling, causal)
-        return o.transpose(1, 2).contiguous(), None  # [B, Nq, Hq, D], as transformers' sdpa
+                o = _attend(client, *_one_head_dim(query, key, value), attention_mask, scaling,
+                            causal, window_left)
+        return o[..., :dv].transpose(1, 2).contiguous(), None  # [B, Nq, Hq, Dv], as sdpa's
 
     AttentionInterface.register(name, attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
@@ -133,6 +214,7 @@ class RemoteLayer(CacheLayerMixin):
         self.sessions = []              # one per sequence, once the prefill ran
         self._all = all_sessions        # the cache's list, for dropping on release
         self.length = 0                 # positions the model has seen, padding included
+        self.positions = []             # per sequence, the positions its session holds (LongTensor)
         self._pending = None
 
     def lazy_initialization(self, key_states, value_states):
@@ -150,53 +232,54 @@ class RemoteLayer(CacheLayerMixin):
         setattr(key_states, _LAYER, self)
         return key_states, value_states
 
-    def attend(self, query, key, value, attention_mask, scaling, causal):
-        """Sends the pending K/V and the queries; o [B, Hq, Nq, D]."""
+    def attend(self, query, key, value, attention_mask, scaling, causal, window_left):
+        """Sends the pending K/V and the queries; o [B, Hq, Nq, D]. The queries are the new
+        positions; a position takes part when its query sees its own key (padding hides both),
+        and every item's mask must be causal (with the window) over the positions it kept."""
         if self._pending is None or self._pending[0] is not key:
             raise RuntimeError("RemoteCache: attention was called with keys this cache did not "
                                "hand out")
         self._pending = None
+        query, key, value = _one_head_dim(query, key, value)
         batch, _, nq, _ = query.shape
         new = key.shape[2]
+        if nq != new:
+            raise ValueError(f"RemoteCache: the step has {nq} queries and {new} new keys; the "
+                             "queries must be the new positions")
         keep = _mask_rows(attention_mask, batch, nq, self.length + new)
         if not causal and nq > 1:
             raise NotImplementedError("RemoteCache serves causal (decoder) attention only")
-        if not self.sessions:  # prefill: a session per sequence, created with its rows
-            for b in range(batch):
-                rows = slice(None) if keep is None else _padded_causal(keep[b], "RemoteCache")[1]
-                s = self.client.session(k=key[b][:, rows].contiguous(),
-                                        v=value[b][:, rows].contiguous())
-                self.sessions.append(s)
-                self._all.append(s)
-            appended = False
-        elif len(self.sessions) != batch:
+        prefill = not self.sessions
+        if not prefill and len(self.sessions) != batch:
             raise ValueError(f"RemoteCache holds {len(self.sessions)} sequences, the step has "
                              f"{batch}")
-        else:
-            appended = True
         items, rows_of = [], []
-        for b, s in enumerate(self.sessions):
+        for b in range(batch):
             if keep is None:
-                rows, new_keys = slice(None), slice(None)
+                added = torch.arange(new)
             else:
-                rows, keys = _padded_causal(keep[b], "RemoteCache")
-                # The keys this step adds are the last `new` positions; those kept are appended.
-                new_keys = keys[keys >= self.length] - self.length
-                held = s.length if appended else s.length - len(new_keys)
-                if len(keys) != held + len(new_keys):
-                    raise ValueError(f"RemoteCache: the mask shows {len(keys)} keys for sequence "
-                                     f"{b}, the session holds {held}")
-            q = query[b][:, rows].contiguous()
-            if q.shape[1] == 0:
+                added = torch.nonzero(keep[b][:, self.length:].diagonal()).flatten().cpu()
+                keys = torch.cat([self.positions[b], added + self.length]) if not prefill \
+                    else added
+                _check_causal(keep[b], added, keys, window_left, "RemoteCache")
+            k, v = key[b][:, added].contiguous(), value[b][:, added].contiguous()
+            if prefill:  # a session per sequence, created with its rows
+                s = self.client.session(k=k, v=v)
+                self.sessions.append(s)
+                self._all.append(s)
+                self.positions.append(added + self.length)
+                item = (s, query[b][:, added].contiguous())
+            else:
+                self.positions[b] = torch.cat([self.positions[b], added + self.length])
+                item = (self.sessions[b], query[b][:, added].contiguous(), k, v)
+            if len(added) == 0:
                 rows_of.append(None)
                 continue
-            item = (s, q)
-            if appended:
-                item += (key[b][:, new_keys].contiguous(), value[b][:, new_keys].contiguous())
             items.append(item)
-            rows_of.append(rows)
+            rows_of.append(added)
         self.length += new
-        results = iter(self.client.step_many(items, causal=True, softmax_scale=scaling))
+        results = iter(self.client.step_many(items, causal=True, softmax_scale=scaling,
+                                             window_left=window_left))
         out = torch.zeros_like(query)
         for b, rows in enumerate(rows_of):
             if rows is not None:
@@ -227,6 +310,11 @@ class RemoteCache(Cache):
     sessions are dropped by close(), on leaving a `with` block, or when the cache is released."""
 
     def __init__(self, client, config):
+        if getattr(config, "kv_lora_rank", None) is not None:
+            raise NotImplementedError(
+                "RemoteCache: kv_lora_rank: MLA models (DeepSeek-V3) cache a latent that "
+                "transformers expands after the cache update, which a cache of K/V sessions "
+                "cannot hold; run them with register()'s attention and transformers' own cache")
         self.client = client
         self._sessions = []  # every layer's, shared with the finalizer
         layers = [RemoteLayer(client, self._sessions) for _ in range(config.num_hidden_layers)]

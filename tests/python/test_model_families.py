@@ -1,0 +1,165 @@
+"""attention_client.transformers on model families, against the real attention_server (CPU
+backend): tiny models built from configs in code (random weights, float32, no download) generate
+with register()'s attention, through transformers' DynamicCache (an Attend per call) and through
+a RemoteCache (sessions), the same greedy tokens as with eager attention locally, and every step's
+logits within 1e-3; for a left-padded batch and a single prompt. Families the service does not
+serve yet are refused by name (never a silently wrong answer): gpt-oss's sinks (s_aux), Gemma 2's
+softcap, Llama 4's chunked attention, DeepSeek-V3's latent cache in a RemoteCache. Unknown
+attention keywords are refused by name; a StaticCache's prefill gets SDPA's top-left alignment.
+
+Run by ctest (label "python") with the Python of .python-env; exits 77 (skipped) with the reason
+when torch or transformers is missing.
+"""
+import sys
+import unittest
+
+try:
+    import torch
+    import transformers
+except ImportError as e:
+    print(f"SKIP: torch or transformers is not installed for {sys.executable} ({e}); "
+          "scripts/install_deps.sh installs them into .python-env", file=sys.stderr)
+    sys.exit(77)
+
+from test_attention_client import SEED, ServerTest
+
+import attention_client.transformers as remote
+
+NEW_TOKENS = 6
+VOCAB = 96
+# Shared by every config: 2 layers, 4 query heads over 2 KV heads, head dim 16.
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
+
+# Served families: name -> a function giving the config (a window shorter than the prompts where
+# the family has one, so that it takes effect).
+SERVED = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=5),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),
+    "phi3": lambda: transformers.Phi3Config(**COMMON, pad_token_id=0),
+    "cohere": lambda: transformers.CohereConfig(**COMMON),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                            initializer_range=0.2),
+    "opt": lambda: transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=96,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          word_embed_proj_dim=64, init_std=0.2),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **COMMON, head_dim=16, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"]),
+}
+# Served through register() but not with a RemoteCache: name -> (config, the word the
+# RemoteCache refusal names).
+SERVED_WITHOUT_REMOTE_CACHE = {
+    # MLA: QK head dim 24 (16 + 8 rotary), V head dim 8.
+    "deepseek_v3": (lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=32,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8), "kv_lora_rank"),
+}
+# Refused: name -> (config, the word the refusal names).
+REFUSED = {
+    "gpt_oss": (lambda: transformers.GptOssConfig(
+        **{**COMMON, "intermediate_size": 64}, head_dim=16, sliding_window=5,
+        num_local_experts=4, num_experts_per_tok=2), "s_aux"),
+    "gemma2": (lambda: transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=5),
+               "softcap"),
+    "llama4": (lambda: transformers.Llama4TextConfig(
+        **COMMON, head_dim=16, intermediate_size_mlp=96, attention_chunk_size=4,
+        num_local_experts=2), "chunked"),
+}
+
+
+def build(config_fn, attn_implementation):
+    config = config_fn()
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(SEED)
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+class ModelFamiliesTest(ServerTest):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        transformers.logging.set_verbosity_error()
+        cls.name = remote.register(cls.client)
+
+    def prompts(self):
+        """A left-padded batch of 2 (ids, mask) and a single prompt, longer than the windows."""
+        gen = torch.Generator().manual_seed(SEED)
+        ids = torch.randint(1, VOCAB, (2, 9), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        ids[mask == 0] = 0
+        single = torch.randint(1, VOCAB, (1, 8), generator=gen)
+        return [(ids, mask), (single, torch.ones_like(single))]
+
+    def generate(self, model, ids, mask, **kwargs):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                 min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True, **kwargs)
+        return out.sequences, torch.stack(out.logits)
+
+    def check_family(self, config_fn, remote_cache=True, **kwargs):
+        local = build(config_fn, "eager")
+        served = build(config_fn, self.name)
+        served.load_state_dict(local.state_dict())
+        for ids, mask in self.prompts():
+            want, want_logits = self.generate(local, ids, mask, **kwargs)
+            caches = [("DynamicCache", None)]
+            if remote_cache:
+                caches.append(("RemoteCache", remote.RemoteCache(self.client, served.config)))
+            for what, cache in caches:
+                extra = {} if cache is None else {"past_key_values": cache}
+                got, logits = self.generate(served, ids, mask, **extra, **kwargs)
+                if cache is not None:
+                    cache.close()
+                where = f"{what}, batch {ids.shape[0]}, seed {SEED}"
+                err = float((logits - want_logits).abs().max())
+                scale = max(1.0, float(want_logits.abs().max()))
+                self.assertLess(err, 1e-3 * scale, f"logits differ by {err:.3g} ({where})")
+                self.assertEqual(got.tolist(), want.tolist(), where)
+
+    def test_served_families(self):
+        for family, config_fn in SERVED.items():
+            with self.subTest(family=family):
+                self.check_family(config_fn)
+
+    def test_mla_through_register(self):
+        for family, (config_fn, word) in SERVED_WITHOUT_REMOTE_CACHE.items():
+            with self.subTest(family=family):
+                self.check_family(config_fn, remote_cache=False)
+                with self.assertRaisesRegex(NotImplementedError, word):
+                    remote.RemoteCache(self.client, config_fn())
+
+    def test_static_cache_prefill_is_aligned_top_left(self):
+        # The StaticCache hands the prefill all its max_cache_len keys, unwritten ones included,
+        # with no mask and is_causal: SDPA's top-left causal mask hides those past each query.
+        self.check_family(SERVED["llama"], remote_cache=False, cache_implementation="static")
+
+    def test_unserved_families_are_refused_by_name(self):
+        for family, (config_fn, word) in REFUSED.items():
+            with self.subTest(family=family):
+                served = build(config_fn, self.name)
+                ids, mask = self.prompts()[0]
+                with self.assertRaisesRegex(NotImplementedError, word):
+                    self.generate(served, ids, mask)
+
+    def test_unknown_attention_keywords_are_refused_by_name(self):
+        forward = transformers.AttentionInterface()[self.name]
+        module = torch.nn.Module()
+        q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+        with self.assertRaisesRegex(NotImplementedError, "some_new_option"):
+            forward(module, q, k, k, None, some_new_option=1)
+        for word, value in [("s_aux", torch.zeros(2)), ("softcap", 50.0),
+                            ("output_attentions", True)]:
+            with self.assertRaisesRegex(NotImplementedError, word):
+                forward(module, q, k, k, None, **{word: value})
+        o, _ = forward(module, q, k, k, None, s_aux=None, softcap=None, position_ids=None)
+        self.assertEqual(tuple(o.shape), (1, 3, 2, 8))
+
+
+if __name__ == "__main__":
+    unittest.main()
