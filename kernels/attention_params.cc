@@ -126,6 +126,12 @@ std::string OpenModelOptionNames(const AttentionParams& p) {
   return names;
 }
 
+absl::Status RefuseOpenModelOptions(const AttentionParams& p, const char* backend) {
+  if (!p.has_open_model_options()) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(OpenModelOptionNames(p), ": not implemented by the ",
+                                               backend, " backend (the cpu backend serves them)"));
+}
+
 absl::Status StoppedError() {
   return absl::CancelledError("stopped while running: nobody waits for the result any more");
 }

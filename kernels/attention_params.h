@@ -133,6 +133,8 @@ absl::Status CheckParams(const AttentionParams& p);
 // The open-model options set in p, by their field names ("sinks, softcap"), for a backend's
 // refusal; empty when none is.
 std::string OpenModelOptionNames(const AttentionParams& p);
+// OK when p sets no open-model option, else UNIMPLEMENTED naming them and `backend`.
+absl::Status RefuseOpenModelOptions(const AttentionParams& p, const char* backend);
 
 // What a backend answers when `stop` ended its run.
 absl::Status StoppedError();
@@ -145,24 +147,30 @@ inline int64_t MaskDiagonal(MaskAlignment alignment, int64_t nq, int64_t nk) {
   return alignment == MaskAlignment::kTopLeft ? 0 : nk - nq;
 }
 
-// The keys query i (item-local) of an item of nq queries and nk keys may see: lo..hi, not clamped
-// to [0, nk) (an unbounded side is far outside it; lo > hi: none). Both bounds are nondecreasing
-// in i, so a block of rows sees keys lo(first row)..hi(last row).
+// The keys a query whose diagonal key is `diagonal` may see under a window (kUnboundedWindow: that
+// side unbounded) and chunks (0: none): lo..hi, not clamped to the item's keys (an unbounded side
+// is far outside them; lo > hi: none). Both bounds are nondecreasing in the diagonal, so a block
+// of rows sees keys lo(first row)..hi(last row).
 struct RowKeys {
   int64_t lo, hi;
 };
-inline RowKeys VisibleKeys(const AttentionParams& p, int64_t i, int64_t nq, int64_t nk) {
-  const int64_t diagonal = i + MaskDiagonal(p.mask_alignment, nq, nk);
-  int64_t lo = p.window_left == kUnboundedWindow ? INT64_MIN / 4 : diagonal - p.window_left;
-  int64_t hi = p.window_right == kUnboundedWindow ? INT64_MAX / 4 : diagonal + p.window_right;
-  if (p.chunk_size > 0) {
+inline RowKeys VisibleKeys(int64_t diagonal, int64_t window_left, int64_t window_right,
+                           int64_t chunk_size) {
+  int64_t lo = window_left == kUnboundedWindow ? INT64_MIN / 4 : diagonal - window_left;
+  int64_t hi = window_right == kUnboundedWindow ? INT64_MAX / 4 : diagonal + window_right;
+  if (chunk_size > 0) {
     // The diagonal key's chunk, by floor division (the diagonal is negative when Nq > Nk).
-    const int64_t q = diagonal / p.chunk_size;
-    const int64_t first = (q - (diagonal % p.chunk_size < 0 ? 1 : 0)) * p.chunk_size;
+    const int64_t first =
+        (diagonal / chunk_size - (diagonal % chunk_size < 0 ? 1 : 0)) * chunk_size;
     lo = lo > first ? lo : first;
-    hi = hi < first + p.chunk_size - 1 ? hi : first + p.chunk_size - 1;
+    hi = hi < first + chunk_size - 1 ? hi : first + chunk_size - 1;
   }
   return {lo, hi};
+}
+// The same for query i (item-local) of an item of nq queries and nk keys under p's mask.
+inline RowKeys VisibleKeys(const AttentionParams& p, int64_t i, int64_t nq, int64_t nk) {
+  return VisibleKeys(i + MaskDiagonal(p.mask_alignment, nq, nk), p.window_left, p.window_right,
+                     p.chunk_size);
 }
 
 // (query row, key) pairs of one sequence with nq queries and nk keys under the window aligned as
