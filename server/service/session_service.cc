@@ -387,6 +387,8 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
     if (!decoded.ok()) return std::move(finish)(decoded.status());
     absl::StatusOr<MaskParams> mask = DecodeMask(request, place->shape.head_dim);
     if (!mask.ok()) return std::move(finish)(mask.status());
+    absl::StatusOr<OpenModelOptions> open = DecodeOpenModelOptions(request, decoded->heads_q);
+    if (!open.ok()) return std::move(finish)(open.status());
     const int64_t o_bytes = decoded->heads_q * decoded->rows_q * place->shape.head_dim *
                             static_cast<int64_t>(DTypeSize(place->shape.dtype));
     response_bytes += (decoded->o != nullptr ? 0 : o_bytes) +
@@ -399,7 +401,10 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
                         .softmax_scale = mask->softmax_scale,
                         .window_left = mask->window_left,
                         .window_right = mask->window_right,
-                        .lse = request.return_lse()};
+                        .lse = request.return_lse(),
+                        .sinks = open->sinks,
+                        .softcap = open->softcap,
+                        .chunk_size = open->chunk_size};
     auto group = std::find_if(call->groups.begin(), call->groups.end(), [&](const auto& g) {
       return g.device == place->device && g.key == key;
     });

@@ -39,6 +39,9 @@ DecodePlan::DecodePlan(const DecodeKey& key, std::vector<DecodeSequence> seqs) {
   p.softmax_scale = key.softmax_scale;
   p.window_left = key.window_left;
   p.window_right = key.window_right;
+  p.sinks = key.sinks;
+  p.softcap = key.softcap;
+  p.chunk_size = key.chunk_size;
 }
 
 double DecodeFlops(const DecodeKey& key, const DecodeSequence& seq) {
