@@ -2,10 +2,12 @@
 backend): tiny models built from configs in code (random weights, float32, no download) generate
 with register()'s attention, through transformers' DynamicCache (an Attend per call) and through
 a RemoteCache (sessions), the same greedy tokens as with eager attention locally, and every step's
-logits within 1e-3; for a left-padded batch and a single prompt. Families the service does not
-serve yet are refused by name (never a silently wrong answer): gpt-oss's sinks (s_aux), Gemma 2's
-softcap, Llama 4's chunked attention, DeepSeek-V3's latent cache in a RemoteCache. Unknown
-attention keywords are refused by name; a StaticCache's prefill gets SDPA's top-left alignment.
+logits within 1e-3; for a left-padded batch and a single prompt: Llama, Mistral (window), Qwen2,
+Qwen3, Phi3, Cohere, GPT-2, OPT, Gemma 3 (windows), Gemma 2 (softcap and windows), gpt-oss (sinks
+and windows), Llama 4 (chunked attention), and DeepSeek-V3 (MLA) through register() alone (its
+latent cache is refused by name in a RemoteCache). Unknown attention keywords and masks the
+service does not compute are refused by name; a StaticCache's prefill gets SDPA's top-left
+alignment.
 
 Run by ctest (label "python") with the Python of .python-env; exits 77 (skipped) with the reason
 when torch or transformers is missing.
@@ -48,6 +50,18 @@ SERVED = {
     "gemma3": lambda: transformers.Gemma3TextConfig(
         **COMMON, head_dim=16, sliding_window=5,
         layer_types=["sliding_attention", "full_attention"]),
+    # Logit softcapping (at 5, not Gemma 2's 50, so that it bites on these logits) and
+    # alternating windows.
+    "gemma2": lambda: transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=5,
+                                                attn_logit_softcapping=5.0),
+    # Attention sinks (s_aux) and alternating windows.
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **{**COMMON, "intermediate_size": 64}, head_dim=16, sliding_window=5,
+        num_local_experts=4, num_experts_per_tok=2),
+    # Chunked attention (chunks of 4) on the RoPE layers.
+    "llama4": lambda: transformers.Llama4TextConfig(
+        **COMMON, head_dim=16, intermediate_size_mlp=96, attention_chunk_size=4,
+        num_local_experts=2),
 }
 # Served through register() but not with a RemoteCache: name -> (config, the word the
 # RemoteCache refusal names).
@@ -58,19 +72,6 @@ SERVED_WITHOUT_REMOTE_CACHE = {
         n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=32,
         q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8), "kv_lora_rank"),
 }
-# Refused: name -> (config, the word the refusal names).
-REFUSED = {
-    "gpt_oss": (lambda: transformers.GptOssConfig(
-        **{**COMMON, "intermediate_size": 64}, head_dim=16, sliding_window=5,
-        num_local_experts=4, num_experts_per_tok=2), "s_aux"),
-    "gemma2": (lambda: transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=5),
-               "softcap"),
-    "llama4": (lambda: transformers.Llama4TextConfig(
-        **COMMON, head_dim=16, intermediate_size_mlp=96, attention_chunk_size=4,
-        num_local_experts=2), "chunked"),
-}
-
-
 def build(config_fn, attn_implementation):
     config = config_fn()
     config._attn_implementation = attn_implementation
@@ -139,26 +140,26 @@ class ModelFamiliesTest(ServerTest):
         # with no mask and is_causal: SDPA's top-left causal mask hides those past each query.
         self.check_family(SERVED["llama"], remote_cache=False, cache_implementation="static")
 
-    def test_unserved_families_are_refused_by_name(self):
-        for family, (config_fn, word) in REFUSED.items():
-            with self.subTest(family=family):
-                served = build(config_fn, self.name)
-                ids, mask = self.prompts()[0]
-                with self.assertRaisesRegex(NotImplementedError, word):
-                    self.generate(served, ids, mask)
-
     def test_unknown_attention_keywords_are_refused_by_name(self):
         forward = transformers.AttentionInterface()[self.name]
         module = torch.nn.Module()
         q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
         with self.assertRaisesRegex(NotImplementedError, "some_new_option"):
             forward(module, q, k, k, None, some_new_option=1)
-        for word, value in [("s_aux", torch.zeros(2)), ("softcap", 50.0),
-                            ("output_attentions", True)]:
+        for word, value in [("output_attentions", True), ("cu_seq_lens_q", torch.zeros(2)),
+                            ("position_bias", torch.zeros(1))]:
             with self.assertRaisesRegex(NotImplementedError, word):
                 forward(module, q, k, k, None, **{word: value})
-        o, _ = forward(module, q, k, k, None, s_aux=None, softcap=None, position_ids=None)
+        o, _ = forward(module, q, k, k, None, output_attentions=False, position_ids=None)
         self.assertEqual(tuple(o.shape), (1, 3, 2, 8))
+
+    def test_masks_the_service_does_not_compute_are_refused(self):
+        # A window the mask does not show (sliding_window given, the mask plain causal).
+        forward = transformers.AttentionInterface()[self.name]
+        q = torch.randn(1, 2, 6, 8)
+        mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+        with self.assertRaisesRegex(NotImplementedError, "sliding window"):
+            forward(torch.nn.Module(), q, q, q, mask, sliding_window=3)
 
 
 if __name__ == "__main__":

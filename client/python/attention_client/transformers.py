@@ -16,12 +16,14 @@ Attend).
 The cache's sessions are dropped when it is closed or released (and expire on the server anyway).
 
 Every keyword argument transformers passes to the attention function is either served exactly or
-refused by name (NotImplementedError): a `sliding_window` becomes the window (checked against the
-mask), a V head dim other than the QK head dim (MLA, DeepSeek-V3) is served by zero-padding to one
-head dim; attention sinks (`s_aux`), `softcap`, attention weights and keywords this module does not
-know are refused, as is a mask that is not causal with padding (and the window), e.g. Llama 4's
-chunked attention.
+refused by name (NotImplementedError): attention sinks (`s_aux`, gpt-oss) and `softcap` (Gemma 2)
+go to the service as its sinks and softcap; a `sliding_window` (Mistral, Gemma, gpt-oss) becomes
+the window and a chunked layer (Llama 4's `attention_chunk_size`) the chunk size, both checked
+against the mask; a V head dim other than the QK head dim (MLA, DeepSeek-V3) is served by
+zero-padding to one head dim. Attention weights, packed sequences and keywords this module does
+not know are refused, as is a mask that is not causal with padding (and the window or chunks).
 """
+from dataclasses import dataclass
 import weakref
 
 import torch
@@ -42,8 +44,6 @@ _WITHOUT_BEARING = frozenset({"position_ids", "use_cache", "output_hidden_states
                               "output_router_logits", "num_items_in_batch"})
 # Keywords served only when absent or at their default (None, False, 0), with what they ask for.
 _REFUSED_UNLESS_DEFAULT = {
-    "s_aux": "attention sinks (per-head sink logits, gpt-oss)",
-    "softcap": "logit softcapping (Gemma 2)",
     "output_attentions": "attention weights (the service returns o only)",
     "position_bias": "an additive position bias",
     "cache": "a paged cache (continuous batching)",
@@ -71,15 +71,44 @@ def _check_keywords(fn, kwargs):
                                   "ignored")
 
 
-def _window_left(fn, sliding_window):
-    """transformers' sliding_window W (query i sees key j iff i - W < j <= i) as the service's
-    window_left, W - 1; None: no window."""
-    if sliding_window is None:
-        return None
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or \
-            sliding_window < 1:
-        raise ValueError(f"{fn}: sliding_window must be a positive int, got {sliding_window!r}")
-    return sliding_window - 1
+@dataclass
+class _Options:
+    """What a layer's attention asks beyond causal: the mask's window (window_left) and chunks
+    (chunk_size), which the mask must show, and the sinks and softcap, sent as they are."""
+    window_left: int = None
+    chunk_size: int = None
+    sinks: torch.Tensor = None
+    softcap: float = None
+
+    def masked(self):
+        """Client.attend's options with the mask's window and chunks."""
+        return dict(window_left=self.window_left, chunk_size=self.chunk_size, **self.unmasked())
+
+    def unmasked(self):
+        """Client.attend's options for a call without a mask (SDPA's semantics: no window or
+        chunks; transformers leaves the mask out only where they change nothing)."""
+        return dict(sinks=self.sinks, softcap=self.softcap)
+
+
+def _options(fn, module, sliding_window, s_aux, softcap):
+    """The _Options of a layer: transformers' sliding_window W (query i sees key j iff
+    i - W < j <= i) is window_left W - 1; a layer whose type is "chunked_attention" (Llama 4)
+    has its config's attention_chunk_size; s_aux (the sinks, [Hq]) and softcap as given."""
+    options = _Options(sinks=None if s_aux is None else s_aux.detach().float(),
+                       softcap=None if not softcap else float(softcap))
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or \
+                sliding_window < 1:
+            raise ValueError(f"{fn}: sliding_window must be a positive int, got "
+                             f"{sliding_window!r}")
+        options.window_left = sliding_window - 1
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if layer_types is not None and layer is not None and \
+            layer_types[layer] == "chunked_attention":
+        options.chunk_size = int(config.attention_chunk_size)
+    return options
 
 
 def _mask_rows(attention_mask, batch, nq, nk):
@@ -94,31 +123,35 @@ def _mask_rows(attention_mask, batch, nq, nk):
     return keep[:, 0, :, -nk:].expand(batch, nq, nk)
 
 
-def _check_causal(keep, rows, keys, window_left, fn):
+def _check_causal(keep, rows, keys, options, fn):
     """For one item's mask keep [Nq, Nk] (True = visible) and the queries and keys that take part
     (LongTensors): raises NotImplementedError unless, over them alone, the mask is causal aligned
-    bottom-right with window_left (None: unbounded), and nothing outside them is visible, as with
+    bottom-right with the options' window and chunks, and nothing outside them is visible, as with
     padding (left or right) on a causal model."""
     sub = keep[rows][:, keys]
     nq, nk = sub.shape
-    offset = torch.arange(nk)[None, :] - torch.arange(nq)[:, None] - (nk - nq)  # j - diagonal
-    want = offset <= 0
-    if window_left is not None:
-        want &= offset >= -window_left
+    j = torch.arange(nk)[None, :]
+    diagonal = torch.arange(nq)[:, None] + (nk - nq)
+    want = j <= diagonal
+    served = "causal masks"
+    if options.window_left is not None:
+        want &= j >= diagonal - options.window_left
+        served += f" with the sliding window ({options.window_left + 1} keys)"
+    if options.chunk_size is not None:
+        want &= j // options.chunk_size == diagonal // options.chunk_size
+        served += f" in chunks of {options.chunk_size}"
     if not torch.equal(sub, want.to(sub.device)) or int(keep.sum()) != int(sub.sum()):
-        served = "causal masks" if window_left is None else \
-            f"causal masks with the sliding window ({window_left + 1} keys)"
         raise NotImplementedError(
-            f"{fn}: the attention mask is not a causal mask with padding (chunked attention and "
-            f"other patterns are not served); served: {served}, with or without padded positions")
+            f"{fn}: the attention mask is not one the service computes; served: {served}, with "
+            "or without padded positions")
 
 
-def _padded_causal(keep, window_left, fn):
+def _padded_causal(keep, options, fn):
     """The queries and keys (LongTensors) of one item's mask keep [Nq, Nk] that take part (see
     something, are seen), checked by _check_causal."""
     rows = torch.nonzero(keep.any(1)).flatten()
     keys = torch.nonzero(keep.any(0)).flatten()
-    _check_causal(keep, rows, keys, window_left, fn)
+    _check_causal(keep, rows, keys, options, fn)
     return rows, keys
 
 
@@ -129,7 +162,7 @@ def _one_head_dim(query, key, value):
     return tuple(torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
 
 
-def _attend(client, query, key, value, attention_mask, scaling, is_causal, window_left):
+def _attend(client, query, key, value, attention_mask, scaling, is_causal, options):
     """query [B, Hq, Nq, D], key and value [B, Hkv, Nk, D] (all the keys): one Attend, with SDPA's
     semantics: without a mask, is_causal aligns top-left (a StaticCache's prefill hands over keys
     past the queries' that are not written yet); with one, the keys and queries it shows take part.
@@ -140,15 +173,14 @@ def _attend(client, query, key, value, attention_mask, scaling, is_causal, windo
     if keep is None:
         causal = bool(is_causal) and nq > 1
         return client.attend(query.contiguous(), key.contiguous(), value.contiguous(),
-                             causal=causal, softmax_scale=scaling,
-                             window_left=window_left if causal else None,
-                             mask_alignment="top_left")
+                             causal=causal, softmax_scale=scaling, mask_alignment="top_left",
+                             **options.unmasked())
     out = torch.zeros_like(query)
     for b in range(batch):  # padded rows differ per item: one varlen item each
-        rows, keys = _padded_causal(keep[b], window_left, "attention_service")
+        rows, keys = _padded_causal(keep[b], options, "attention_service")
         if len(rows) > 0:
             o = _attend_packed(client, query[b:b + 1, :, rows], key[b:b + 1], value[b:b + 1],
-                               [keys], True, scaling, "bottom_right", window_left=window_left)
+                               [keys], True, scaling, "bottom_right", **options.masked())
             out[b, :, rows] = o[0]
     return out
 
@@ -159,12 +191,13 @@ def register(client, name="attention_service"):
     Returns name, for attn_implementation=name. client: an attention_client.Client."""
 
     def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                          is_causal=None, sliding_window=None, **kwargs):
+                          is_causal=None, sliding_window=None, s_aux=None, softcap=None,
+                          **kwargs):
         if dropout:
             raise NotImplementedError(f"{name}: dropout={dropout}: the service computes attention "
                                       "without dropout (model.eval())")
         _check_keywords(name, kwargs)
-        window_left = _window_left(name, sliding_window)
+        options = _options(name, module, sliding_window, s_aux, softcap)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         dv = value.shape[-1]
         if scaling is None:  # SDPA's default, from the QK head dim before any padding
@@ -172,10 +205,10 @@ def register(client, name="attention_service"):
         with torch.no_grad():
             layer = getattr(key, _LAYER, None)
             if layer is not None:
-                o = layer.attend(query, key, value, attention_mask, scaling, causal, window_left)
+                o = layer.attend(query, key, value, attention_mask, scaling, causal, options)
             else:
                 o = _attend(client, *_one_head_dim(query, key, value), attention_mask, scaling,
-                            causal, window_left)
+                            causal, options)
         return o[..., :dv].transpose(1, 2).contiguous(), None  # [B, Nq, Hq, Dv], as sdpa's
 
     AttentionInterface.register(name, attention_forward)
@@ -232,7 +265,7 @@ class RemoteLayer(CacheLayerMixin):
         setattr(key_states, _LAYER, self)
         return key_states, value_states
 
-    def attend(self, query, key, value, attention_mask, scaling, causal, window_left):
+    def attend(self, query, key, value, attention_mask, scaling, causal, options):
         """Sends the pending K/V and the queries; o [B, Hq, Nq, D]. The queries are the new
         positions; a position takes part when its query sees its own key (padding hides both),
         and every item's mask must be causal (with the window) over the positions it kept."""
@@ -261,7 +294,7 @@ class RemoteLayer(CacheLayerMixin):
                 added = torch.nonzero(keep[b][:, self.length:].diagonal()).flatten().cpu()
                 keys = torch.cat([self.positions[b], added + self.length]) if not prefill \
                     else added
-                _check_causal(keep[b], added, keys, window_left, "RemoteCache")
+                _check_causal(keep[b], added, keys, options, "RemoteCache")
             k, v = key[b][:, added].contiguous(), value[b][:, added].contiguous()
             if prefill:  # a session per sequence, created with its rows
                 s = self.client.session(k=k, v=v)
@@ -278,8 +311,9 @@ class RemoteLayer(CacheLayerMixin):
             items.append(item)
             rows_of.append(added)
         self.length += new
+        step_options = options.unmasked() if keep is None else options.masked()
         results = iter(self.client.step_many(items, causal=True, softmax_scale=scaling,
-                                             window_left=window_left))
+                                             **step_options))
         out = torch.zeros_like(query)
         for b, rows in enumerate(rows_of):
             if rows is not None:
