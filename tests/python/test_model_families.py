@@ -4,10 +4,9 @@ with register()'s attention, through transformers' DynamicCache (an Attend per c
 a RemoteCache (sessions), the same greedy tokens as with eager attention locally, and every step's
 logits within 1e-3; for a left-padded batch and a single prompt: Llama, Mistral (window), Qwen2,
 Qwen3, Phi3, Cohere, GPT-2, OPT, Gemma 3 (windows), Gemma 2 (softcap and windows), gpt-oss (sinks
-and windows), Llama 4 (chunked attention), and DeepSeek-V3 (MLA) through register() alone (its
-latent cache is refused by name in a RemoteCache). Unknown attention keywords and masks the
-service does not compute are refused by name; a StaticCache's prefill gets SDPA's top-left
-alignment.
+and windows), DeepSeek-V3 (MLA; its RemoteCache holds the latents, absorbed) and Llama 4 (chunked
+attention). Unknown attention keywords and masks the service does not compute are refused by
+name; a StaticCache's prefill gets SDPA's top-left alignment.
 
 Run by ctest (label "python") with the Python of .python-env; exits 77 (skipped) with the reason
 when torch or transformers is missing.
@@ -58,19 +57,15 @@ SERVED = {
     "gpt_oss": lambda: transformers.GptOssConfig(
         **{**COMMON, "intermediate_size": 64}, head_dim=16, sliding_window=5,
         num_local_experts=4, num_experts_per_tok=2),
+    # MLA: QK head dim 24 (16 + 8 rotary), V head dim 8; a RemoteCache holds the latents.
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=32,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8),
     # Chunked attention (chunks of 4) on the RoPE layers.
     "llama4": lambda: transformers.Llama4TextConfig(
         **COMMON, head_dim=16, intermediate_size_mlp=96, attention_chunk_size=4,
         num_local_experts=2),
-}
-# Served through register() but not with a RemoteCache: name -> (config, the word the
-# RemoteCache refusal names).
-SERVED_WITHOUT_REMOTE_CACHE = {
-    # MLA: QK head dim 24 (16 + 8 rotary), V head dim 8.
-    "deepseek_v3": (lambda: transformers.DeepseekV3Config(
-        **{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32, first_k_dense_replace=1,
-        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=32,
-        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8), "kv_lora_rank"),
 }
 def build(config_fn, attn_implementation):
     config = config_fn()
@@ -127,13 +122,6 @@ class ModelFamiliesTest(ServerTest):
         for family, config_fn in SERVED.items():
             with self.subTest(family=family):
                 self.check_family(config_fn)
-
-    def test_mla_through_register(self):
-        for family, (config_fn, word) in SERVED_WITHOUT_REMOTE_CACHE.items():
-            with self.subTest(family=family):
-                self.check_family(config_fn, remote_cache=False)
-                with self.assertRaisesRegex(NotImplementedError, word):
-                    remote.RemoteCache(self.client, config_fn())
 
     def test_static_cache_prefill_is_aligned_top_left(self):
         # The StaticCache hands the prefill all its max_cache_len keys, unwritten ones included,

@@ -20,10 +20,12 @@ refused by name (NotImplementedError): attention sinks (`s_aux`, gpt-oss) and `s
 go to the service as its sinks and softcap; a `sliding_window` (Mistral, Gemma, gpt-oss) becomes
 the window and a chunked layer (Llama 4's `attention_chunk_size`) the chunk size, both checked
 against the mask; a V head dim other than the QK head dim (MLA, DeepSeek-V3) is served by
-zero-padding to one head dim. Attention weights, packed sequences and keywords this module does
+zero-padding to one head dim, and a RemoteCache holds an MLA model's latents (absorbed: one KV
+head of the latent and its rotary key, the queries taken through kv_b_proj; attend_absorbed). Attention weights, packed sequences and keywords this module does
 not know are refused, as is a mask that is not causal with padding (and the window or chunks).
 """
 from dataclasses import dataclass
+import threading
 import weakref
 
 import torch
@@ -37,6 +39,9 @@ from attention_client.torch import _attend_packed
 # The attribute RemoteLayer.update sets on the key tensor it returns, so that the attention
 # function, which transformers calls with (query, key, value) only, finds the layer.
 _LAYER = "_attention_service_layer"
+# An MLA layer's update gets latents that transformers expands into new tensors before attention:
+# the layer waits here, by layer index, for this thread's next attention call of that index.
+_latent_layers = threading.local()
 
 # Keywords transformers passes that do not bear on attention once q, k, v and the mask are built:
 # positions are in the rotary embedding already, the others steer what the model returns.
@@ -204,7 +209,11 @@ def register(client, name="attention_service"):
             scaling = query.shape[-1]**-0.5
         with torch.no_grad():
             layer = getattr(key, _LAYER, None)
-            if layer is not None:
+            latent = getattr(_latent_layers, "pending", {}).pop(
+                getattr(module, "layer_idx", None), None)
+            if latent is not None:
+                o = latent.attend_absorbed(module, query, attention_mask, scaling, causal, options)
+            elif layer is not None:
                 o = layer.attend(query, key, value, attention_mask, scaling, causal, options)
             else:
                 o = _attend(client, *_one_head_dim(query, key, value), attention_mask, scaling,
@@ -241,9 +250,10 @@ class RemoteLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, client, all_sessions):
+    def __init__(self, client, all_sessions, index=None):
         super().__init__()
         self.client = client
+        self.index = index  # for MLA layers (latent caches): the layer's index, else None
         self.sessions = []              # one per sequence, once the prefill ran
         self._all = all_sessions        # the cache's list, for dropping on release
         self.length = 0                 # positions the model has seen, padding included
@@ -262,8 +272,35 @@ class RemoteLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._pending = (key_states, value_states)
-        setattr(key_states, _LAYER, self)
+        if self.index is None:
+            setattr(key_states, _LAYER, self)
+        else:
+            if not hasattr(_latent_layers, "pending"):
+                _latent_layers.pending = {}
+            _latent_layers.pending[self.index] = self
         return key_states, value_states
+
+    def attend_absorbed(self, module, query, attention_mask, scaling, causal, options):
+        """MLA (DeepSeek-V3) in its absorbed form: update() got the latents kv [B, 1, n, R] (after
+        its norm) and k_rot [B, 1, n, P]; the session holds one KV head of K = [kv, k_rot] and V =
+        [kv, 0] (R + P features). query [B, H, Nq, Dn + P] is [q_nope, q_rot]; with kv_b_proj's
+        weight W [H, Dn + Dv, R], q_nope . (W_k kv) = (q_nope W_k) . kv, so q = [q_nope W_k, q_rot]
+        attends to K with the model's scale, and o = o_latent[:R] W_v^T, [B, H, Nq, Dv]."""
+        kv, k_rot = self._pending
+        proj = module.kv_b_proj
+        if proj.bias is not None:
+            raise NotImplementedError("RemoteCache: kv_b_proj.bias: an MLA layer whose kv_b_proj "
+                                      "has a bias is not served")
+        heads, nope, dv = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
+        rank = kv.shape[-1]
+        w = proj.weight.view(heads, nope + dv, rank)
+        q = torch.cat([torch.einsum("bhnd,hdr->bhnr", query[..., :nope], w[:, :nope]),
+                       query[..., nope:]], dim=-1)
+        key = torch.cat([kv, k_rot], dim=-1)
+        value = torch.nn.functional.pad(kv, (0, k_rot.shape[-1]))
+        self._pending = (key, value)
+        o = self.attend(q, key, value, attention_mask, scaling, causal, options)
+        return torch.einsum("bhnr,hvr->bhnv", o[..., :rank], w[:, nope:])
 
     def attend(self, query, key, value, attention_mask, scaling, causal, options):
         """Sends the pending K/V and the queries; o [B, Hq, Nq, D]. The queries are the new
@@ -344,14 +381,12 @@ class RemoteCache(Cache):
     sessions are dropped by close(), on leaving a `with` block, or when the cache is released."""
 
     def __init__(self, client, config):
-        if getattr(config, "kv_lora_rank", None) is not None:
-            raise NotImplementedError(
-                "RemoteCache: kv_lora_rank: MLA models (DeepSeek-V3) cache a latent that "
-                "transformers expands after the cache update, which a cache of K/V sessions "
-                "cannot hold; run them with register()'s attention and transformers' own cache")
         self.client = client
         self._sessions = []  # every layer's, shared with the finalizer
-        layers = [RemoteLayer(client, self._sessions) for _ in range(config.num_hidden_layers)]
+        # MLA models (a kv_lora_rank: DeepSeek-V3) cache latents, held in their absorbed form.
+        mla = getattr(config, "kv_lora_rank", None) is not None
+        layers = [RemoteLayer(client, self._sessions, i if mla else None)
+                  for i in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
         self._finalizer = weakref.finalize(self, _drop_sessions, client, self._sessions)
 
