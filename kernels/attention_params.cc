@@ -37,27 +37,39 @@ const char* DTypeName(DType dtype) {
 
 void AttentionParams::SetContiguousStrides(Layout layout) {
   const int64_t d = head_dim;
+  const int64_t dv = value_head_dim();  // v's and o's
   if (is_varlen()) {
     // Packed [total, H, D]: rows advance by H*D; batch items are found through cu_seqlens.
     q_batch_stride = k_batch_stride = v_batch_stride = o_batch_stride = 0;
-    q_row_stride = o_row_stride = heads_q * d;
-    k_row_stride = v_row_stride = heads_kv * d;
-    q_head_stride = k_head_stride = v_head_stride = o_head_stride = d;
+    q_row_stride = heads_q * d;
+    o_row_stride = heads_q * dv;
+    k_row_stride = heads_kv * d;
+    v_row_stride = heads_kv * dv;
+    q_head_stride = k_head_stride = d;
+    v_head_stride = o_head_stride = dv;
     lse_batch_stride = 0;
     lse_head_stride = total_q;  // lse: [Hq, total_q]
     return;
   }
   if (layout == Layout::kBHSD) {  // [B, H, N, D]
-    q_row_stride = o_row_stride = k_row_stride = v_row_stride = d;
-    q_head_stride = o_head_stride = seqlen_q * d;
-    k_head_stride = v_head_stride = seqlen_k * d;
+    q_row_stride = k_row_stride = d;
+    o_row_stride = v_row_stride = dv;
+    q_head_stride = seqlen_q * d;
+    o_head_stride = seqlen_q * dv;
+    k_head_stride = seqlen_k * d;
+    v_head_stride = seqlen_k * dv;
   } else {  // [B, N, H, D]
-    q_row_stride = o_row_stride = heads_q * d;
-    k_row_stride = v_row_stride = heads_kv * d;
-    q_head_stride = o_head_stride = k_head_stride = v_head_stride = d;
+    q_row_stride = heads_q * d;
+    o_row_stride = heads_q * dv;
+    k_row_stride = heads_kv * d;
+    v_row_stride = heads_kv * dv;
+    q_head_stride = k_head_stride = d;
+    o_head_stride = v_head_stride = dv;
   }
-  q_batch_stride = o_batch_stride = heads_q * seqlen_q * d;
-  k_batch_stride = v_batch_stride = heads_kv * seqlen_k * d;
+  q_batch_stride = heads_q * seqlen_q * d;
+  o_batch_stride = heads_q * seqlen_q * dv;
+  k_batch_stride = heads_kv * seqlen_k * d;
+  v_batch_stride = heads_kv * seqlen_k * dv;
   lse_head_stride = seqlen_q;  // lse: [B, Hq, Nq]
   lse_batch_stride = heads_q * seqlen_q;
 }
@@ -83,6 +95,14 @@ absl::Status CheckParams(const AttentionParams& p) {
     return absl::InvalidArgumentError(absl::StrCat("window bounds must be >= 0 or unbounded, got ",
                                                    p.window_left, ", ", p.window_right));
   }
+  if (p.v_head_dim < 0 || p.chunk_size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("v_head_dim and chunk_size must be >= 0, got ",
+                                                   p.v_head_dim, ", ", p.chunk_size));
+  }
+  if (!(std::isfinite(p.softcap) && p.softcap >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("softcap must be finite and >= 0 (0: none), got ", p.softcap));
+  }
   for (const auto& [name, descale] : {std::pair{"q_descale", p.q_descale},
                                       {"k_descale", p.k_descale},
                                       {"v_descale", p.v_descale}}) {
@@ -92,6 +112,24 @@ absl::Status CheckParams(const AttentionParams& p) {
     }
   }
   return absl::OkStatus();
+}
+
+std::string OpenModelOptionNames(const AttentionParams& p) {
+  std::string names;
+  const auto add = [&names](bool set, const char* name) {
+    if (set) absl::StrAppend(&names, names.empty() ? "" : ", ", name);
+  };
+  add(p.sinks != nullptr, "sinks");
+  add(p.softcap != 0.0f, "softcap");
+  add(p.chunk_size != 0, "chunk_size");
+  add(p.value_head_dim() != p.head_dim, "v_head_dim");
+  return names;
+}
+
+absl::Status RefuseOpenModelOptions(const AttentionParams& p, const char* backend) {
+  if (!p.has_open_model_options()) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(OpenModelOptionNames(p), ": not implemented by the ",
+                                               backend, " backend (the cpu backend serves them)"));
 }
 
 absl::Status StoppedError() {

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 
@@ -37,8 +38,8 @@ inline constexpr int64_t kUnboundedWindow = -1;
 struct AttentionParams {
   DType dtype = DType::kFloat32;
 
-  // q: [.., Hq, Nq, D], k and v: [.., Hkv, Nk, D], all of `dtype`; o like q, of
-  // OutputDType(dtype).
+  // q and k: [.., Hq or Hkv, N, D], v: [.., Hkv, Nk, Dv], all of `dtype` (Dv = value_head_dim());
+  // o: [.., Hq, Nq, Dv] of OutputDType(dtype).
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
@@ -53,6 +54,10 @@ struct AttentionParams {
   int64_t seqlen_q = 0;
   int64_t seqlen_k = 0;
   int64_t head_dim = 0;
+  // V's (and o's) head dim when it differs from Q's and K's (MLA: DeepSeek's prefill 192/128; the
+  // absorbed decode reads V as the first 512 features of K's 576, v pointing into k with k's
+  // strides); 0: head_dim.
+  int64_t v_head_dim = 0;
 
   // Element strides. With varlen the batch strides are 0 and rows start at cu_seqlens[b].
   int64_t q_batch_stride = 0, q_head_stride = 0, q_row_stride = 0;
@@ -76,6 +81,19 @@ struct AttentionParams {
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
   MaskAlignment mask_alignment = MaskAlignment::kBottomRight;
+  // Chunked attention (Llama 4's attention_chunk_size), when > 0: query i also sees only keys in
+  // the chunk of its diagonal key, floor(j / chunk_size) == floor((i + diag) / chunk_size).
+  int64_t chunk_size = 0;
+
+  // Open-model options; absent (nullptr, 0) changes nothing.
+  // Logit softcapping (Gemma 2), when > 0: each logit s = scale * q.k becomes
+  // softcap * tanh(s / softcap) before the mask.
+  float softcap = 0.0f;
+  // Per-query-head sink logits (gpt-oss), float32 [Hq], natural log, host memory: the softmax
+  // denominator of every row of head h gains exp(sinks[h]) (a key that is seen by all rows and
+  // contributes no value), so o = sum_j exp(s_j) v_j / (exp(sinks[h]) + sum_j exp(s_j)) and lse =
+  // log(exp(sinks[h]) + sum_j exp(s_j)); a row that sees no key gets o = 0 and lse = sinks[h].
+  const float* sinks = nullptr;
 
   // Set by the caller once nobody waits for the result (the call was cancelled, its deadline
   // passed, or the server gave up on it while shutting down). A backend checks it between tiles
@@ -92,6 +110,11 @@ struct AttentionParams {
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   bool is_causal() const { return window_right == 0; }
+  int64_t value_head_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }
+  // Whether any open-model option (sinks, softcap, chunk_size, a V head dim of its own) is set.
+  bool has_open_model_options() const {
+    return sinks != nullptr || softcap != 0.0f || chunk_size != 0 || value_head_dim() != head_dim;
+  }
 
   // Fills every stride (q, k, v, o and lse) for contiguous tensors in `layout` (or packed varlen
   // [total, H, D] when cu_seqlens are set, whatever `layout` says).
@@ -107,6 +130,12 @@ inline float EffectiveSoftmaxScale(const AttentionParams& p) {
 // Requests are validated with clearer messages in the server; this guards direct callers.
 absl::Status CheckParams(const AttentionParams& p);
 
+// The open-model options set in p, by their field names ("sinks, softcap"), for a backend's
+// refusal; empty when none is.
+std::string OpenModelOptionNames(const AttentionParams& p);
+// OK when p sets no open-model option, else UNIMPLEMENTED naming them and `backend`.
+absl::Status RefuseOpenModelOptions(const AttentionParams& p, const char* backend);
+
 // What a backend answers when `stop` ended its run.
 absl::Status StoppedError();
 inline bool StopRequested(const std::atomic<bool>* stop) {
@@ -116,6 +145,32 @@ inline bool StopRequested(const std::atomic<bool>* stop) {
 // The key on query 0's diagonal for an item of nq queries and nk keys: query i's is i + this.
 inline int64_t MaskDiagonal(MaskAlignment alignment, int64_t nq, int64_t nk) {
   return alignment == MaskAlignment::kTopLeft ? 0 : nk - nq;
+}
+
+// The keys a query whose diagonal key is `diagonal` may see under a window (kUnboundedWindow: that
+// side unbounded) and chunks (0: none): lo..hi, not clamped to the item's keys (an unbounded side
+// is far outside them; lo > hi: none). Both bounds are nondecreasing in the diagonal, so a block
+// of rows sees keys lo(first row)..hi(last row).
+struct RowKeys {
+  int64_t lo, hi;
+};
+inline RowKeys VisibleKeys(int64_t diagonal, int64_t window_left, int64_t window_right,
+                           int64_t chunk_size) {
+  int64_t lo = window_left == kUnboundedWindow ? INT64_MIN / 4 : diagonal - window_left;
+  int64_t hi = window_right == kUnboundedWindow ? INT64_MAX / 4 : diagonal + window_right;
+  if (chunk_size > 0) {
+    // The diagonal key's chunk, by floor division (the diagonal is negative when Nq > Nk).
+    const int64_t first =
+        (diagonal / chunk_size - (diagonal % chunk_size < 0 ? 1 : 0)) * chunk_size;
+    lo = lo > first ? lo : first;
+    hi = hi < first + chunk_size - 1 ? hi : first + chunk_size - 1;
+  }
+  return {lo, hi};
+}
+// The same for query i (item-local) of an item of nq queries and nk keys under p's mask.
+inline RowKeys VisibleKeys(const AttentionParams& p, int64_t i, int64_t nq, int64_t nk) {
+  return VisibleKeys(i + MaskDiagonal(p.mask_alignment, nq, nk), p.window_left, p.window_right,
+                     p.chunk_size);
 }
 
 // (query row, key) pairs of one sequence with nq queries and nk keys under the window aligned as

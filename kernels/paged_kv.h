@@ -94,10 +94,18 @@ struct PagedDecodeParams {
   float softmax_scale = 1.0f;
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
+  // AttentionParams's open-model options (not the V head dim: a page holds K and V of one D):
+  // per query head sink logits (float32 [Hq], host memory), a logit softcap, a chunk size.
+  const float* sinks = nullptr;
+  float softcap = 0.0f;
+  int64_t chunk_size = 0;
 
   // As AttentionParams::stop: checked between tiles; CANCELLED once set.
   const std::atomic<bool>* stop = nullptr;
 };
+
+// OK when p sets no open-model option, else UNIMPLEMENTED naming them and `backend`.
+absl::Status RefuseOpenModelOptions(const PagedDecodeParams& p, const char* backend);
 
 // Step times, microseconds (copies are 0 on the CPU).
 struct KvStepTimes {

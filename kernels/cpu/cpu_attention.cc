@@ -20,6 +20,10 @@
 // are read in place; other dtypes are converted once per tile into per-thread scratch, float16
 // through F16C where the CPU has it. Scratch is O(tile): nothing is ever O(N^2).
 //
+// The open-model options: a softcap rewrites each tile's S^T before the mask (scalar tanh, that
+// path only); a chunk size narrows each row's key range (VisibleKeys, as the window does); sinks
+// join each row's l when o and lse are written; V's head dim (MLA) sizes the V tile and O.
+//
 // Items are sorted by their score count (longest first) and cut into tasks of at least ~4096
 // scores (runs of consecutive items), which the calling thread and a persistent pool claim through
 // an atomic counter, so concurrent Forward calls share the workers and thousands of tiny heads cost
@@ -241,16 +245,13 @@ struct KeyRange {
   int64_t begin, end;
 };
 
-// Window of query row i (item-local) around its diagonal key (MaskDiagonal), unclamped.
+// The keys query row i (item-local) sees, unclamped: its window around its diagonal key
+// (MaskDiagonal), within the diagonal key's chunk (VisibleKeys). Both are nondecreasing in i.
 inline int64_t LowestKey(const AttentionParams& p, const ItemExtent& e, int64_t i) {
-  return p.window_left == kUnboundedWindow
-             ? std::numeric_limits<int64_t>::min() / 4
-             : i + MaskDiagonal(p.mask_alignment, e.nq, e.nk) - p.window_left;
+  return VisibleKeys(p, i, e.nq, e.nk).lo;
 }
 inline int64_t HighestKey(const AttentionParams& p, const ItemExtent& e, int64_t i) {
-  return p.window_right == kUnboundedWindow
-             ? std::numeric_limits<int64_t>::max() / 4
-             : i + MaskDiagonal(p.mask_alignment, e.nq, e.nk) + p.window_right;
+  return VisibleKeys(p, i, e.nq, e.nk).hi;
 }
 
 KeyRange KeysOfBlock(const AttentionParams& p, const ItemExtent& e, int64_t row0, int64_t rows) {
@@ -263,24 +264,25 @@ struct WorkItem {
   int64_t cost;  // score elements (rows x visible keys): the sort key for load balancing
 };
 
-// Per-thread buffers, sized for one work item at head dim d (d_pad = d rounded up to kNr).
+// Per-thread buffers, sized for one work item at head dims d (Q, K) and dv (V, O); d_pad and
+// dv_pad are them rounded up to kNr.
 struct Scratch {
   std::vector<float> storage;
   float* qt;  // [d, kBlockM]       Q block transposed, * scale * log2(e); zero beyond its rows
   float* k;   // [kBlockN, d]       K tile as float32 (when K is not float32)
-  float* v;   // [kBlockN, d_pad]   V tile as float32, zero beyond d (when V is not read in place)
+  float* v;   // [kBlockN, dv_pad]  V tile as float32, zero beyond dv (when V is not read in place)
   float* st;  // [kBlockN, kBlockM] scores transposed, then probabilities
-  float* o;   // [kBlockM, d_pad]   unnormalised output
+  float* o;   // [kBlockM, dv_pad]  unnormalised output
   float* m;   // [kBlockM]          running row max (log2 domain)
   float* l;   // [kBlockM]          running row sum
   float* alpha;  // [kBlockM]         this tile's rescale factor exp2(m_old - m_new)
   float* rows8;  // [kLanes, d_pad]   kLanes Q rows converted, before their transposition
 
-  void Prepare(int64_t d, int64_t d_pad) {
+  void Prepare(int64_t d, int64_t d_pad, int64_t dv_pad) {
     constexpr int64_t kAlign = 16;  // floats: every buffer starts on a 64-byte boundary
-    const int64_t sizes[] = {d * kBlockM,       kBlockN * d,     kBlockN * d_pad,
-                             kBlockN * kBlockM, kBlockM * d_pad, kBlockM,
-                             kBlockM,           kBlockM,         kLanes * d_pad};
+    const int64_t sizes[] = {d * kBlockM,       kBlockN * d,      kBlockN * dv_pad,
+                             kBlockN * kBlockM, kBlockM * dv_pad, kBlockM,
+                             kBlockM,           kBlockM,          kLanes * d_pad};
     float** buffers[] = {&qt, &k, &v, &st, &o, &m, &l, &alpha, &rows8};
     int64_t total = kAlign;
     for (int64_t size : sizes) total += RoundUp(size, kAlign);
@@ -333,19 +335,25 @@ ATTENTION_INLINE void LoadQTransposed(const AttentionParams& p, const ItemExtent
   }
 }
 
-// Sets S^T columns [0, cols) to -inf where a row of the block cannot see the key. Key key0 + j is
-// visible to rows i with LowestKey(i) <= key <= HighestKey(i), i.e. rows
-// [key - diag - window_right, key - diag + window_left], diag = MaskDiagonal (block-local below).
+// Sets S^T columns [0, cols) to -inf where a row of the block cannot see the key: row i sees keys
+// LowestKey(i)..HighestKey(i) (block-local rows; key0 + j is key j of the tile).
 ATTENTION_INLINE void MaskTile(const AttentionParams& p, const ItemExtent& e, int64_t row0,
                                int64_t key0, int64_t kn, int64_t cols, float* st) {
+  for (int64_t i = 0; i < cols; ++i) {
+    const int64_t lo = std::clamp<int64_t>(LowestKey(p, e, row0 + i) - key0, 0, kn);
+    const int64_t hi = std::clamp<int64_t>(HighestKey(p, e, row0 + i) + 1 - key0, lo, kn);
+    for (int64_t j = 0; j < lo; ++j) st[j * kBlockM + i] = kNegInf;
+    for (int64_t j = hi; j < kn; ++j) st[j * kBlockM + i] = kNegInf;
+  }
+}
+
+// Logit softcapping on S^T [kn, cols] in the log2 domain: s = c tanh(s / c) on natural-log logits
+// is s2 = c2 tanh(s2 / c2) with c2 = c log2(e). Before the mask, which overwrites what it hides.
+ATTENTION_INLINE void SoftcapTile(float softcap, int64_t kn, int64_t cols, float* st) {
+  const float c2 = softcap * kLog2e;
   for (int64_t j = 0; j < kn; ++j) {
-    const int64_t diag = key0 + j - MaskDiagonal(p.mask_alignment, e.nq, e.nk) - row0;
-    const int64_t first = p.window_right == kUnboundedWindow ? 0 : diag - p.window_right;
-    const int64_t last = p.window_left == kUnboundedWindow ? cols : diag + p.window_left + 1;
-    const int64_t lo = std::clamp<int64_t>(first, 0, cols);
-    const int64_t hi = std::clamp<int64_t>(last, lo, cols);
-    std::fill(st + j * kBlockM, st + j * kBlockM + lo, kNegInf);
-    std::fill(st + j * kBlockM + hi, st + j * kBlockM + cols, kNegInf);
+    for (int64_t i = 0; i < cols; ++i)
+      st[j * kBlockM + i] = c2 * std::tanh(st[j * kBlockM + i] / c2);
   }
 }
 
@@ -423,7 +431,8 @@ ATTENTION_INLINE void SoftmaxTile(int64_t kn, int64_t cols, float* st, float* m,
 ATTENTION_MULTIVERSIONED void ComputeBlock(const AttentionParams& p, const WorkItem& item,
                                            Scratch& scratch) {
   const int64_t d = p.head_dim;
-  const int64_t d_pad = RoundUp(d, kNr);
+  const int64_t dv = p.value_head_dim();
+  const int64_t dv_pad = RoundUp(dv, kNr);
   const size_t elem = DTypeSize(p.dtype);
   const ItemExtent e = ExtentOf(p, item.batch);
   const int64_t hk = item.head / (p.heads_q / p.heads_kv);
@@ -440,12 +449,12 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(const AttentionParams& p, const WorkI
 
   const KeyRange keys = KeysOfBlock(p, e, item.row0, rows);
   // No tile ever writes O: its rows come out 0.
-  if (keys.begin >= keys.end) std::fill(o, o + rows * d_pad, 0.0f);
+  if (keys.begin >= keys.end) std::fill(o, o + rows * dv_pad, 0.0f);
   // A tile needs element-wise masking unless every row sees all of it.
   const int64_t all_rows_lo = LowestKey(p, e, item.row0 + rows - 1);
   const int64_t all_rows_hi = HighestKey(p, e, item.row0);
   const bool kv_float32 = p.dtype == DType::kFloat32;
-  const bool v_in_place = kv_float32 && d == d_pad;
+  const bool v_in_place = kv_float32 && dv == dv_pad;
   const auto* k_base = static_cast<const unsigned char*>(p.k);
   const auto* v_base = static_cast<const unsigned char*>(p.v);
   for (int64_t key0 = keys.begin; key0 < keys.end; key0 += kBlockN) {
@@ -454,7 +463,7 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(const AttentionParams& p, const WorkI
         item.batch * p.k_batch_stride + (e.k_offset + key0) * p.k_row_stride + hk * p.k_head_stride;
     const int64_t v_at =
         item.batch * p.v_batch_stride + (e.k_offset + key0) * p.v_row_stride + hk * p.v_head_stride;
-    // k: [kn, d] with row stride ldk; v: [kn, d_pad] with row stride ldv.
+    // k: [kn, d] with row stride ldk; v: [kn, dv_pad] with row stride ldv.
     const float* k = scratch.k;
     int64_t ldk = d;
     if (kv_float32) {
@@ -466,15 +475,15 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(const AttentionParams& p, const WorkI
       }
     }
     const float* v = scratch.v;
-    int64_t ldv = d_pad;
+    int64_t ldv = dv_pad;
     if (v_in_place) {
       v = reinterpret_cast<const float*>(v_base) + v_at;
       ldv = p.v_row_stride;
     } else {
       for (int64_t j = 0; j < kn; ++j) {
-        float* const dst = scratch.v + j * d_pad;
-        LoadRow(p.dtype, v_base + (v_at + j * p.v_row_stride) * elem, d, 1.0f, dst);
-        std::fill(dst + d, dst + d_pad, 0.0f);
+        float* const dst = scratch.v + j * dv_pad;
+        LoadRow(p.dtype, v_base + (v_at + j * p.v_row_stride) * elem, dv, 1.0f, dst);
+        std::fill(dst + dv, dst + dv_pad, 0.0f);
       }
     }
 
@@ -493,36 +502,40 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(const AttentionParams& p, const WorkI
                                       scratch.qt + cols16, kBlockM, st + j * kBlockM + cols16,
                                       kBlockM, nullptr);
     }
+    if (p.softcap > 0.0f) SoftcapTile(p.softcap, kn, cols, st);
     // MaskTile overwrites (not adds to) the masked logits, so a NaN logit of a non-finite K at a
     // masked key becomes -inf too, and its P exactly 0.
     const bool masked = key0 < all_rows_lo || key0 + kn - 1 > all_rows_hi;
     if (masked) MaskTile(p, e, item.row0, key0, kn, cols, st);
     SoftmaxTile(kn, cols, st, m, l, scratch.alpha);
 
-    // O = diag(alpha) O + P V: [rows, d_pad], over the kn keys of the tile (P read from P^T); the
+    // O = diag(alpha) O + P V: [rows, dv_pad], over the kn keys of the tile (P read from P^T); the
     // first tile starts from O = 0.
     const bool first_tile = key0 == keys.begin;
-    if (masked && HasNonFinite(v, ldv, kn, d)) {
-      MaskedPvRows(p, e, item.row0, rows, key0, kn, st, v, ldv, d_pad, first_tile, scratch.alpha,
+    if (masked && HasNonFinite(v, ldv, kn, dv)) {
+      MaskedPvRows(p, e, item.row0, rows, key0, kn, st, v, ldv, dv_pad, first_tile, scratch.alpha,
                    o);
       continue;
     }
     for (int64_t i = 0; i < rows; i += kMr) {
       const int64_t mr = std::min(kMr, rows - i);
-      for (int64_t c = 0; c < d_pad; c += kNr) {
-        float* const oc = o + i * d_pad + c;
+      for (int64_t c = 0; c < dv_pad; c += kNr) {
+        float* const oc = o + i * dv_pad + c;
         if (first_tile) {
-          MicroKernelUpTo<kMr, 2, false>(mr, kn, st + i, 1, kBlockM, v + c, ldv, oc, d_pad,
+          MicroKernelUpTo<kMr, 2, false>(mr, kn, st + i, 1, kBlockM, v + c, ldv, oc, dv_pad,
                                          nullptr);
         } else {
-          MicroKernelUpTo<kMr, 2, true>(mr, kn, st + i, 1, kBlockM, v + c, ldv, oc, d_pad,
+          MicroKernelUpTo<kMr, 2, true>(mr, kn, st + i, 1, kBlockM, v + c, ldv, oc, dv_pad,
                                         scratch.alpha + i);
         }
       }
     }
   }
 
-  // o = O v_descale / l in the output dtype; rows that saw no key get o = 0, lse = -inf.
+  // o = O v_descale / l in the output dtype; rows that saw no key get o = 0, lse = -inf. A sink
+  // s (log2 domain s2 = s log2(e)) joins the row's statistics as one more term of l without a
+  // value: with m' = max(m, s2), l' = l 2^(m - m') + 2^(s2 - m') and O scales by 2^(m - m').
+  const float sink2 = p.sinks != nullptr ? p.sinks[item.head] * kLog2e : kNegInf;
   const DType o_dtype = OutputDType(p.dtype);
   const size_t o_elem = DTypeSize(o_dtype);
   auto* o_base = static_cast<unsigned char*>(p.o);
@@ -531,10 +544,19 @@ ATTENTION_MULTIVERSIONED void ComputeBlock(const AttentionParams& p, const WorkI
     void* const dst = o_base + (item.batch * p.o_batch_stride + row * p.o_row_stride +
                                 item.head * p.o_head_stride) *
                                    o_elem;
-    StoreOutputRow(o + i * d_pad, d, l[i] > 0.0f ? p.v_descale / l[i] : 0.0f, o_dtype, dst);
+    float row_max = m[i], row_sum = l[i], o_scale = 1.0f;
+    if (sink2 > row_max) {
+      o_scale = std::exp2(row_max - sink2);  // 0 for a row that saw no key (m = -inf)
+      row_sum = row_sum * o_scale + 1.0f;
+      row_max = sink2;
+    } else if (sink2 != kNegInf) {
+      row_sum += std::exp2(sink2 - row_max);
+    }
+    StoreOutputRow(o + i * dv_pad, dv, row_sum > 0.0f ? p.v_descale * o_scale / row_sum : 0.0f,
+                   o_dtype, dst);
     if (p.lse != nullptr) {
       p.lse[item.batch * p.lse_batch_stride + item.head * p.lse_head_stride + row] =
-          l[i] > 0.0f ? (m[i] + std::log2(l[i])) * kLn2 : kNegInf;
+          row_sum > 0.0f ? (row_max + std::log2(row_sum)) * kLn2 : kNegInf;
     }
   }
 }
@@ -601,7 +623,7 @@ struct CpuBackend::Impl {
     for (size_t t; (t = job.next.fetch_add(1)) < tasks;) {
       const AttentionParams& p = *job.params;
       if (!prepared) {
-        scratch.Prepare(p.head_dim, RoundUp(p.head_dim, kNr));
+        scratch.Prepare(p.head_dim, RoundUp(p.head_dim, kNr), RoundUp(p.value_head_dim(), kNr));
         prepared = true;
       }
       // A stopped run still claims and counts its tasks, so Forward's wait ends; it computes

@@ -6,7 +6,9 @@
 // on exp2) to float32 once, then walks its keys in tiles of up to kTileKeys rows that stay within
 // one page: each tile's K and V rows are converted to float32 once and serve all of those query
 // rows (the point of grouping: one read of K/V per kv head), logits are masked per row
-// (bottom-right aligned window), and the online softmax keeps a running max m and sum l per row.
+// (bottom-right aligned window, within the diagonal key's chunk with a chunk size; softcapped
+// first with a softcap), and the online softmax keeps a running max m and sum l per row; sinks
+// join l when o is written, or when the splits merge.
 // With one split the item writes o and lse itself; with several, each writes a normalised float32
 // partial and its log2-sum-exp, and the partials are merged by LSE afterwards (o = sum_s w_s o_s /
 // sum_s w_s with w_s = 2^(lse_s - max lse)).
@@ -139,6 +141,24 @@ struct Scratch {
 
 // Compiled for x86-64-v3 (AVX2 + FMA) and baseline x86-64, picked at load time, as the CPU
 // backend's hot function (cpu_attention.cc; ThreadSanitizer builds take the baseline alone).
+// Query head h's sink in the log2 domain; -inf without sinks.
+inline float SinkLog2(const PagedDecodeParams& p, int64_t h) {
+  return p.sinks != nullptr ? p.sinks[h] * kLog2e : kNegInf;
+}
+
+// Adds a sink logit s2 (log2 domain) to a row's max m and sum l: with m' = max(m, s2),
+// l = l 2^(m - m') + 2^(s2 - m'), and the row's unnormalised o scales by o_scale = 2^(m - m').
+inline void AddSink(float s2, float& m, float& l, float& o_scale) {
+  if (s2 == kNegInf) return;
+  if (s2 > m) {
+    o_scale = std::exp2(m - s2);  // 0 for a row that saw no key (m = -inf)
+    l = l * o_scale + 1.0f;
+    m = s2;
+  } else {
+    l += std::exp2(s2 - m);
+  }
+}
+
 #if defined(__SANITIZE_THREAD__)
 #define ATTENTION_PAGED_MULTIVERSIONED
 #else
@@ -167,13 +187,17 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
                      d, d_pad, p.softmax_scale * kLog2e, sc.q.data() + r * d_pad);
   }
 
-  // Query i sees keys [i + diag - window_left, i + diag + window_right]; the item's keys are the
-  // union over its queries, cut to its split.
+  // Query i sees keys VisibleKeys(i + diag) (its window, within its chunk); the item's keys are
+  // the union over its queries, cut to its split.
   const int64_t diag = nk - nq;
-  const int64_t wl = p.window_left, wr = p.window_right;
+  const auto row_keys = [&](int64_t i) {
+    return VisibleKeys(i + diag, p.window_left, p.window_right, p.chunk_size);
+  };
   int64_t lo = split * job.split_keys, hi = std::min(nk, lo + job.split_keys);
-  if (wl != kUnboundedWindow) lo = std::max(lo, diag - wl);
-  if (wr != kUnboundedWindow) hi = std::min(hi, nq - 1 + diag + wr + 1);
+  lo = std::max(lo, row_keys(0).lo);
+  hi = std::min(hi, row_keys(nq - 1).hi + 1);
+  // Softcapping in the log2 domain: c tanh(s / c) on natural-log logits is c2 tanh(s2 / c2).
+  const float softcap2 = p.softcap * kLog2e;
   const int64_t v_offset = VOffset(shape, job.page_rows);
   for (int64_t key0 = lo; key0 < hi;) {
     const int64_t page_row = key0 % job.page_rows;
@@ -187,10 +211,9 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
                        sc.v.data() + j * d_pad);
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = r / group;
-      int64_t jlo = 0, jhi = kn;
-      if (wl != kUnboundedWindow) jlo = std::clamp<int64_t>(i + diag - wl - key0, 0, kn);
-      if (wr != kUnboundedWindow) jhi = std::clamp<int64_t>(i + diag + wr + 1 - key0, jlo, kn);
+      const RowKeys keys = row_keys(r / group);
+      const int64_t jlo = std::clamp<int64_t>(keys.lo - key0, 0, kn);
+      const int64_t jhi = std::clamp<int64_t>(keys.hi + 1 - key0, jlo, kn);
       if (jlo >= jhi) continue;
       const float* q = sc.q.data() + r * d_pad;
       float mx = sc.m[r];
@@ -199,6 +222,7 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
         Vec8 acc{};
         for (int64_t x = 0; x < d_pad; x += 8) acc += Load(q + x) * Load(k + x);
         sc.s[j] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        if (p.softcap > 0.0f) sc.s[j] = softcap2 * std::tanh(sc.s[j] / softcap2);
         mx = std::max(mx, sc.s[j]);
       }
       const float alpha = std::exp2(sc.m[r] - mx);  // 0 while the row has seen no key (m = -inf)
@@ -220,11 +244,15 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
     key0 += kn;
   }
 
-  // Rows that saw no key: o = 0, lse = -inf.
+  // Rows that saw no key: o = 0, lse = -inf. With one split the sink (SinkLog2) joins l here,
+  // with several when the splits merge.
   for (int64_t r = 0; r < rows; ++r) {
-    const float l = sc.l[r];
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const float lse2 = l > 0.0f ? sc.m[r] + std::log2(l) : kNegInf;
+    float l = sc.l[r], m = sc.m[r], o_scale = 1.0f;
+    if (job.splits == 1 && p.sinks != nullptr) {
+      AddSink(SinkLog2(p, hk * group + r % group), m, l, o_scale);
+    }
+    const float inv = l > 0.0f ? o_scale / l : 0.0f;
+    const float lse2 = l > 0.0f ? m + std::log2(l) : kNegInf;
     const float* o = sc.o.data() + r * d_pad;
     const int64_t at = row_index(r);
     if (job.splits == 1) {
@@ -238,7 +266,15 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
   }
 }
 
-// Merges the splits of rows [first, last) of o and lse by their log2-sum-exp.
+// The query head of row r of o and lse: sequence s's rows start at Hq * cu_seqlens_q[s], [Hq,
+// Nq_s].
+int64_t HeadOfRow(const PagedDecodeParams& p, int64_t r) {
+  const int32_t* cu = p.cu_seqlens_q;
+  const int64_t s = std::upper_bound(cu, cu + p.num_seqs + 1, r / p.heads_q) - cu - 1;
+  return (r - p.heads_q * cu[s]) / (cu[s + 1] - cu[s]);
+}
+
+// Merges the splits of rows [first, last) of o and lse by their log2-sum-exp (and the sinks).
 void MergeSplits(const DecodeJob& job, int64_t first, int64_t last) {
   const PagedDecodeParams& p = *job.p;
   const int64_t d = p.shape.head_dim, stride = p.heads_q * p.total_q;
@@ -257,7 +293,9 @@ void MergeSplits(const DecodeJob& job, int64_t first, int64_t last) {
         for (int64_t x = 0; x < d; ++x) acc[x] += w * o[x];
       }
     }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    float o_scale = 1.0f;
+    if (p.sinks != nullptr) AddSink(SinkLog2(p, HeadOfRow(p, r)), mx, sum, o_scale);
+    const float inv = sum > 0.0f ? o_scale / sum : 0.0f;
     StoreRow(acc.data(), d, inv, p.shape.dtype,
              static_cast<unsigned char*>(p.o) + r * d * DTypeSize(p.shape.dtype));
     if (p.lse != nullptr) p.lse[r] = sum > 0.0f ? (mx + std::log2(sum)) * kLn2 : kNegInf;

@@ -24,13 +24,14 @@ absl::Status Forward(const AttentionParams& p, std::vector<double>* o, std::vect
     return absl::InvalidArgumentError("bad shapes");
   }
   const int64_t d = p.head_dim;
+  const int64_t dv = p.value_head_dim();
   const int64_t group = p.heads_q / p.heads_kv;
   // The dequantised inputs (float8: each element times its tensor's descale), in float64.
   const double q_descale = p.q_descale, k_descale = p.k_descale, v_descale = p.v_descale;
   const bool varlen = p.is_varlen();
   const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
   o->assign(Extent(p.o_batch_stride, p.o_head_stride, p.o_row_stride, varlen ? 1 : p.batch,
-                   p.heads_q, q_rows, d),
+                   p.heads_q, q_rows, dv),
             0.0);
   if (lse != nullptr) {
     lse->assign((varlen ? 1 : p.batch) * p.heads_q * q_rows,
@@ -38,7 +39,7 @@ absl::Status Forward(const AttentionParams& p, std::vector<double>* o, std::vect
   }
 
   std::vector<double> scores;
-  std::vector<double> acc(d);
+  std::vector<double> acc(dv);
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t q0 = varlen ? p.cu_seqlens_q[b] : 0;
     const int64_t k0 = varlen ? p.cu_seqlens_k[b] : 0;
@@ -50,11 +51,13 @@ absl::Status Forward(const AttentionParams& p, std::vector<double>* o, std::vect
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t q_base =
             b * p.q_batch_stride + (q0 + i) * p.q_row_stride + h * p.q_head_stride;
-        // Key j is visible iff lo <= j <= hi (the window around query i's diagonal key).
-        const int64_t diag = i + MaskDiagonal(p.mask_alignment, nq, nk);
-        const int64_t lo = p.window_left == kUnboundedWindow ? 0 : diag - p.window_left;
-        const int64_t hi = p.window_right == kUnboundedWindow ? nk - 1 : diag + p.window_right;
-        double max_score = -std::numeric_limits<double>::infinity();
+        // Key j is visible iff lo <= j <= hi (the window around query i's diagonal key, within
+        // its chunk).
+        const auto [lo, hi] = VisibleKeys(p, i, nq, nk);
+        // The sink, when set, is one more logit in the denominator with no value.
+        const double sink =
+            p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<double>::infinity();
+        double max_score = sink;
         for (int64_t j = 0; j < nk; ++j) {
           if (j < lo || j > hi) continue;
           const int64_t k_base =
@@ -65,6 +68,7 @@ absl::Status Forward(const AttentionParams& p, std::vector<double>* o, std::vect
                    (static_cast<double>(LoadAsFloat(p.k, k_base + x, p.dtype)) * k_descale);
           }
           scores[j] = dot * static_cast<double>(p.softmax_scale);
+          if (p.softcap > 0) scores[j] = p.softcap * std::tanh(scores[j] / p.softcap);
           max_score = std::max(max_score, scores[j]);
         }
         const int64_t o_base =
@@ -72,17 +76,17 @@ absl::Status Forward(const AttentionParams& p, std::vector<double>* o, std::vect
         if (max_score == -std::numeric_limits<double>::infinity()) continue;  // sees no key: o = 0
 
         std::fill(acc.begin(), acc.end(), 0.0);
-        double sum = 0;
+        double sum = std::exp(sink - max_score);
         for (int64_t j = std::max<int64_t>(lo, 0); j <= std::min(hi, nk - 1); ++j) {
           const double w = std::exp(scores[j] - max_score);
           sum += w;
           const int64_t v_base =
               b * p.v_batch_stride + (k0 + j) * p.v_row_stride + hk * p.v_head_stride;
-          for (int64_t x = 0; x < d; ++x) {
+          for (int64_t x = 0; x < dv; ++x) {
             acc[x] += w * (static_cast<double>(LoadAsFloat(p.v, v_base + x, p.dtype)) * v_descale);
           }
         }
-        for (int64_t x = 0; x < d; ++x) (*o)[o_base + x] = acc[x] / sum;
+        for (int64_t x = 0; x < dv; ++x) (*o)[o_base + x] = acc[x] / sum;
         if (lse != nullptr) {
           (*lse)[b * p.lse_batch_stride + h * p.lse_head_stride + q0 + i] =
               max_score + std::log(sum);

@@ -35,6 +35,10 @@ struct DeviceDescription {
   // Head dims its kernels specialise (faster than the rest; every head dim up to the limit runs),
   // from the backend's own dispatch lists. Empty when one code path serves every head dim.
   std::vector<int> fast_head_dims;
+  // The open-model options (AttendRequest's field names) its kernels serve on Attend and on Step;
+  // the others they refuse UNIMPLEMENTED by name. Empty: none.
+  std::vector<std::string> attend_options;
+  std::vector<std::string> step_options;
 };
 
 // A device's memory at one moment, for metrics.

@@ -269,9 +269,11 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                                                    q.shape(dim_axis), " (as q), got ",
                                                    k.shape(dim_axis)));
   }
-  if (!std::equal(k.shape().begin(), k.shape().end(), v.shape().begin())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("v.shape: expected ", ShapeString(k), " (as k), got ", ShapeString(v)));
+  // v is shaped as k but for its head dim, which may differ (MLA).
+  if (!std::equal(k.shape().begin(), k.shape().end() - 1, v.shape().begin())) {
+    return absl::InvalidArgumentError(absl::StrCat("v.shape: expected ", ShapeString(k),
+                                                   " (as k, but for the head dim), got ",
+                                                   ShapeString(v)));
   }
   const int64_t heads_q = q.shape(head_axis);
   const int64_t heads_kv = k.shape(head_axis);
@@ -281,20 +283,28 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                                                    " heads, got ", heads_kv));
   }
   const int64_t head_dim = q.shape(dim_axis);
-  if (head_dim > options.max_head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat("q.shape[", dim_axis,
-                                                   "] (head dim): expected 1..",
-                                                   options.max_head_dim, ", got ", head_dim));
+  const int64_t v_head_dim = v.shape(dim_axis);
+  for (const auto& [name, dim] : {std::pair{"q", head_dim}, {"v", v_head_dim}}) {
+    if (dim > options.max_head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ".shape[", dim_axis,
+                                                     "] (head dim): expected 1..",
+                                                     options.max_head_dim, ", got ", dim));
+    }
   }
 
   ASSIGN_OR_RETURN(MaskParams mask, DecodeMask(request, head_dim));
   ASSIGN_OR_RETURN(const Descales descales, DecodeDescales(request, dtype, mask.softmax_scale));
+  ASSIGN_OR_RETURN(const OpenModelOptions open, DecodeOpenModelOptions(request, heads_q));
 
   AttentionParams p;
   p.dtype = dtype;
   p.heads_q = heads_q;
   p.heads_kv = heads_kv;
   p.head_dim = head_dim;
+  p.v_head_dim = v_head_dim;
+  p.sinks = open.sinks;
+  p.softcap = open.softcap;
+  p.chunk_size = open.chunk_size;
   p.softmax_scale = mask.softmax_scale;
   p.q_descale = descales.q;
   p.k_descale = descales.k;
@@ -351,11 +361,12 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
                      " per request (--max_request_flops); split it over several calls"));
   }
 
-  // The response: o shaped like q in OutputDType (bfloat16 for float8), lse float32 [B, Hq, Nq]
-  // (varlen [Hq, total_q]).
+  // The response: o shaped like q but for V's head dim, in OutputDType (bfloat16 for float8), lse
+  // float32 [B, Hq, Nq] (varlen [Hq, total_q]).
   const DType o_dtype = OutputDType(dtype);
   const int64_t o_element_bytes = static_cast<int64_t>(DTypeSize(o_dtype));
-  const int64_t o_bytes = tensor_bytes[0] / static_cast<int64_t>(element_bytes) * o_element_bytes;
+  const int64_t o_bytes = tensor_bytes[0] / static_cast<int64_t>(element_bytes) / head_dim *
+                          v_head_dim * o_element_bytes;
   const int64_t lse_rows = varlen ? p.total_q : p.batch * p.seqlen_q;
   const int64_t lse_bytes = request.return_lse() ? heads_q * lse_rows * int64_t{sizeof(float)} : 0;
   if (request.has_lse_ref() && !request.return_lse()) {
@@ -372,6 +383,7 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   }
   decoded.o.set_dtype(o_dtype == dtype ? q.dtype() : v1::DTYPE_BFLOAT16);
   decoded.o.mutable_shape()->CopyFrom(q.shape());
+  decoded.o.set_shape(dim_axis, v_head_dim);
   // Tensors in a region have their params pointing there and no bytes to carry.
   if (request.has_o_ref()) {
     ASSIGN_OR_RETURN(p.o, OutputRef("o_ref", request.o_ref(), o_bytes, o_element_bytes, refs));

@@ -131,6 +131,49 @@ absl::StatusOr<MaskParams> DecodeMask(const Request& request, int64_t head_dim) 
   return mask;
 }
 
+// The open-model options of an AttendRequest or StepRequest (sinks, softcap, chunk_size) for
+// `heads_q` query heads: absent ones are nullptr / 0. sinks points into the request's field.
+// INVALID_ARGUMENT naming the field for a sink count other than heads_q, a non-finite sink, a
+// softcap not finite and > 0, a chunk_size not > 0. Which backend serves them is the executor's
+// business (a kernel refuses what it does not serve by name).
+struct OpenModelOptions {
+  const float* sinks = nullptr;
+  float softcap = 0.0f;
+  int64_t chunk_size = 0;
+};
+template <typename Request>
+absl::StatusOr<OpenModelOptions> DecodeOpenModelOptions(const Request& request, int64_t heads_q) {
+  OpenModelOptions open;
+  if (request.sinks_size() > 0) {
+    if (request.sinks_size() != heads_q) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sinks: expected ", heads_q, " values (one per query head), got ", request.sinks_size()));
+    }
+    for (int h = 0; h < request.sinks_size(); ++h) {
+      if (!std::isfinite(request.sinks(h))) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sinks[", h, "]: expected a finite logit, got ", request.sinks(h)));
+      }
+    }
+    open.sinks = request.sinks().data();
+  }
+  if (request.has_softcap()) {
+    if (!(std::isfinite(request.softcap()) && request.softcap() > 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("softcap: expected a finite value > 0, got ", request.softcap()));
+    }
+    open.softcap = request.softcap();
+  }
+  if (request.has_chunk_size()) {
+    if (request.chunk_size() <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk_size: expected > 0 (absent = no chunks), got ", request.chunk_size()));
+    }
+    open.chunk_size = request.chunk_size();
+  }
+  return open;
+}
+
 // The descale factors of an AttendRequest whose q, k, v are of `dtype` (1 where absent): only
 // float8 inputs take them, each finite and > 0, and softmax_scale * q_descale * k_descale (the
 // scale of the raw logits) at most kMaxSoftmaxScale; INVALID_ARGUMENT naming the field otherwise.

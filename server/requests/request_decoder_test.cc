@@ -152,7 +152,27 @@ TEST(RequestDecoderTest, RejectsMalformedRequestsNamingTheField) {
        [](auto& r, auto& g) {
          SetTensor(r.mutable_v(), v1::DTYPE_FLOAT32, {2, 2, 6, 8}, g);
        },
-       kInvalid, "v.shape: expected [2, 2, 7, 8] (as k), got [2, 2, 6, 8]"},
+       kInvalid, "v.shape: expected [2, 2, 7, 8] (as k, but for the head dim), got [2, 2, 6, 8]"},
+      {"v head dim over the limit", false,
+       [](auto& r, auto& g) {
+         SetTensor(r.mutable_v(), v1::DTYPE_FLOAT32, {2, 2, 7, 257}, g);
+       },
+       kInvalid, "v.shape[3] (head dim): expected 1..256, got 257"},
+      {"sinks not one per query head", false,
+       [](auto& r, auto&) {
+         r.add_sinks(0.5f);
+         r.add_sinks(1.0f);
+       },
+       kInvalid, "sinks: expected 4 values (one per query head), got 2"},
+      {"sink not finite", false,
+       [](auto& r, auto&) {
+         for (float x : {0.0f, 1.0f, std::numeric_limits<float>::infinity(), 2.0f}) r.add_sinks(x);
+       },
+       kInvalid, "sinks[2]: expected a finite logit, got inf"},
+      {"softcap zero", false, [](auto& r, auto&) { r.set_softcap(0.0f); }, kInvalid,
+       "softcap: expected a finite value > 0, got 0"},
+      {"chunk_size negative", false, [](auto& r, auto&) { r.set_chunk_size(-3); }, kInvalid,
+       "chunk_size: expected > 0 (absent = no chunks), got -3"},
       {"heads not divisible", false,
        [](auto& r, auto& g) {
          SetTensor(r.mutable_k(), v1::DTYPE_FLOAT32, {2, 3, 7, 8}, g);
@@ -474,6 +494,30 @@ TEST(RequestDecoderTest, WindowsAndCausal) {
   // Row i sees keys i+1 .. i+2: 2 keys for each of 5 rows.
   EXPECT_DOUBLE_EQ(decoded->flops, 4.0 * 2 * 4 * 8 * (5 * 2));
   EXPECT_EQ(decoded->params.mask_alignment, MaskAlignment::kBottomRight);
+}
+
+TEST(RequestDecoderTest, OpenModelOptionsAndVHeadDim) {
+  Random random;
+  SCOPED_TRACE("seed " + std::to_string(random.seed()));
+  AttendRequest request = DenseRequest(random);
+  SetTensor(request.mutable_v(), v1::DTYPE_FLOAT32, {2, 2, 7, 3}, random);  // Dv = 3, D = 8
+  for (float x : {0.5f, -1.0f, 2.0f, 0.0f}) request.add_sinks(x);
+  request.set_softcap(30.0f);
+  request.set_chunk_size(4);
+  AttendResponse response;
+  absl::StatusOr<DecodedRequest> decoded = DecodeRequest(request, {}, &response);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  const AttentionParams& p = decoded->params;
+  EXPECT_EQ(p.head_dim, 8);
+  EXPECT_EQ(p.value_head_dim(), 3);
+  EXPECT_EQ(p.v_row_stride, 3);
+  EXPECT_EQ(p.o_head_stride, 5 * 3);
+  EXPECT_EQ(p.sinks, request.sinks().data());
+  EXPECT_EQ(p.softcap, 30.0f);
+  EXPECT_EQ(p.chunk_size, 4);
+  // o: q's shape with V's head dim, its bytes sized so.
+  EXPECT_THAT(response.o().shape(), testing::ElementsAre(2, 4, 5, 3));
+  EXPECT_EQ(response.o().data().size(), 2u * 4 * 5 * 3 * sizeof(float));
 }
 
 TEST(RequestDecoderTest, TopLeftAlignment) {

@@ -259,6 +259,8 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
     info->set_memory_bytes(device->memory_bytes);
     info->set_multiprocessors(device->multiprocessors);
     info->set_compute_capability(device->compute_capability);
+    for (const std::string& option : device->attend_options) info->add_attend_options(option);
+    for (const std::string& option : device->step_options) info->add_step_options(option);
   }
   for (v1::DType dtype :
        {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16, v1::DTYPE_FLOAT8_E4M3}) {

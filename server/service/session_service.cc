@@ -400,6 +400,7 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
     const SessionStore::Place& place = places[i];
     const DecodedEntry& decoded = entries[i];
     ASSIGN_OR_RETURN(const MaskParams mask, DecodeMask(request, place.shape.head_dim));
+    ASSIGN_OR_RETURN(const OpenModelOptions open, DecodeOpenModelOptions(request, decoded.heads_q));
     const int64_t o_bytes = decoded.heads_q * decoded.rows_q * place.shape.head_dim *
                             static_cast<int64_t>(DTypeSize(place.shape.dtype));
     response_bytes += (decoded.o != nullptr ? 0 : o_bytes) +
@@ -414,7 +415,10 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
                                               .softmax_scale = mask.softmax_scale,
                                               .window_left = mask.window_left,
                                               .window_right = mask.window_right,
-                                              .lse = request.return_lse()},
+                                              .lse = request.return_lse(),
+                                              .sinks = open.sinks,
+                                              .softcap = open.softcap,
+                                              .chunk_size = open.chunk_size},
                                       .rows = decoded.rows,
                                       .q = decoded.q,
                                       .rows_q = decoded.rows_q,

@@ -41,6 +41,9 @@ DecodePlan::DecodePlan(const DecodeKey& key, std::vector<DecodeSequence> seqs) {
   p.softmax_scale = key.softmax_scale;
   p.window_left = key.window_left;
   p.window_right = key.window_right;
+  p.sinks = key.sinks;
+  p.softcap = key.softcap;
+  p.chunk_size = key.chunk_size;
 }
 
 absl::Status CheckQueriesFit(absl::FunctionRef<std::string()> field, int64_t rows_q,

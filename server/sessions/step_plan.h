@@ -24,12 +24,18 @@ struct DecodeKey {
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
   bool lse = false;  // the launch writes lse for every sequence
+  // The Step's open-model options (PagedDecodeParams'): sinks point into the request, so only
+  // sequences of one Step share them.
+  const float* sinks = nullptr;
+  float softcap = 0.0f;
+  int64_t chunk_size = 0;
 
   bool operator==(const DecodeKey& other) const {
     return shape.dtype == other.shape.dtype && shape.heads_kv == other.shape.heads_kv &&
            shape.head_dim == other.shape.head_dim && heads_q == other.heads_q &&
            softmax_scale == other.softmax_scale && window_left == other.window_left &&
-           window_right == other.window_right && lse == other.lse;
+           window_right == other.window_right && lse == other.lse && sinks == other.sinks &&
+           softcap == other.softcap && chunk_size == other.chunk_size;
   }
 };
 

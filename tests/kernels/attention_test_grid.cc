@@ -59,6 +59,10 @@ std::string Describe(const AttentionCase& c, DType dtype, uint64_t seed) {
   if (c.is_varlen()) absl::StrAppend(&s, " varlen");
   if (c.softmax_scale) absl::StrAppend(&s, " scale=", *c.softmax_scale);
   if (c.input_scale != 1.0f) absl::StrAppend(&s, " input_scale=", c.input_scale);
+  if (c.sinks) absl::StrAppend(&s, " sinks");
+  if (c.softcap > 0) absl::StrAppend(&s, " softcap=", c.softcap);
+  if (c.chunk_size > 0) absl::StrAppend(&s, " chunk=", c.chunk_size);
+  if (c.v_head_dim > 0) absl::StrAppend(&s, " Dv=", c.v_head_dim);
   absl::StrAppend(&s, " seed=", seed, " (rerun with ATTENTION_TEST_SEED=", seed, ")");
   return s;
 }
@@ -363,6 +367,81 @@ std::vector<AttentionCase> StandardGrid() {
   return grid;
 }
 
+std::vector<AttentionCase> OpenModelGrid() {
+  std::vector<AttentionCase> grid;
+  // Each option alone and together, over shapes that cross tile edges (ragged, Nq != Nk, GQA).
+  struct Shape {
+    const char* name;
+    int64_t nq, nk, hq, hkv, d, window_left, window_right;
+  };
+  const Shape shapes[] = {
+      {"n97", 97, 97, 2, 2, 64, kUnboundedWindow, kUnboundedWindow},
+      {"causal_gqa", 131, 131, 4, 2, 64, kUnboundedWindow, 0},
+      {"decode", 3, 200, 8, 1, 32, kUnboundedWindow, 0},
+      {"window", 150, 170, 2, 1, 48, 37, 0},
+      {"noncausal_nq_gt_nk", 70, 45, 2, 2, 16, kUnboundedWindow, kUnboundedWindow}};
+  struct Options {
+    const char* name;
+    bool sinks;
+    float softcap;
+    int64_t chunk_size, v_head_dim;
+  };
+  const Options options[] = {{"sinks", true, 0, 0, 0},   {"softcap", false, 2.5f, 0, 0},
+                             {"chunk", false, 0, 32, 0}, {"chunk7", false, 0, 7, 0},
+                             {"dv", false, 0, 0, 24},    {"all", true, 2.5f, 16, 40}};
+  for (const Shape& shape : shapes) {
+    for (const Options& option : options) {
+      AttentionCase c;
+      c.name = absl::StrCat(shape.name, "_", option.name);
+      c.heads_q = shape.hq;
+      c.heads_kv = shape.hkv;
+      c.seqlen_q = shape.nq;
+      c.seqlen_k = shape.nk;
+      c.head_dim = shape.d;
+      c.window_left = shape.window_left;
+      c.window_right = shape.window_right;
+      c.sinks = option.sinks;
+      c.softcap = option.softcap;
+      c.chunk_size = option.chunk_size;
+      c.v_head_dim = option.v_head_dim;
+      c.return_lse = true;
+      grid.push_back(c);
+    }
+  }
+  // MLA's shapes: prefill QK 192 / V 128 causal; absorbed decode, one KV head, QK 576, V 512.
+  AttentionCase c = Square("mla_prefill", 67, 192);
+  c.window_right = 0;
+  c.v_head_dim = 128;
+  c.return_lse = true;
+  grid.push_back(c);
+  c = Square("mla_decode", 2, 576);
+  c.heads_q = 16;
+  c.heads_kv = 1;
+  c.seqlen_k = 90;
+  c.window_right = 0;
+  c.v_head_dim = 512;
+  grid.push_back(c);
+  // Varlen with a top-left chunked mask and sinks, poisoned keys outside some rows' chunks.
+  c = AttentionCase{};
+  c.name = "varlen_chunk_sinks_topleft_poison";
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.head_dim = 32;
+  c.varlen_q = {40, 1, 77};
+  c.varlen_k = {40, 30, 90};
+  c.window_right = 0;
+  c.mask_alignment = MaskAlignment::kTopLeft;
+  c.chunk_size = 16;
+  c.sinks = true;
+  c.softcap = 5.0f;
+  c.return_lse = true;
+  c.poison_target = AttentionCase::PoisonTarget::kV;
+  c.poison = std::numeric_limits<float>::quiet_NaN();
+  c.poison_keys = {5, 20, 33};
+  grid.push_back(c);
+  return grid;
+}
+
 double DefaultTolerance(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:
@@ -405,8 +484,9 @@ HostBufferBytes BufferBytes(const AttentionParams& p) {
   const int64_t rows_k = p.is_varlen() ? p.total_k : p.batch * p.seqlen_k;
   HostBufferBytes bytes;
   bytes.q = rows_q * p.heads_q * p.head_dim * elem;
-  bytes.o = rows_q * p.heads_q * p.head_dim * DTypeSize(OutputDType(p.dtype));
-  bytes.k = bytes.v = rows_k * p.heads_kv * p.head_dim * elem;
+  bytes.o = rows_q * p.heads_q * p.value_head_dim() * DTypeSize(OutputDType(p.dtype));
+  bytes.k = rows_k * p.heads_kv * p.head_dim * elem;
+  bytes.v = rows_k * p.heads_kv * p.value_head_dim() * elem;
   bytes.lse = p.lse == nullptr ? 0 : rows_q * p.heads_q * sizeof(float);
   return bytes;
 }
@@ -429,6 +509,15 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
   p.window_left = c.window_left;
   p.window_right = c.window_right;
   p.mask_alignment = c.mask_alignment;
+  p.chunk_size = c.chunk_size;
+  p.softcap = c.softcap;
+  p.v_head_dim = c.v_head_dim;
+  std::vector<float> sinks;
+  if (c.sinks) {
+    std::normal_distribution<float> sink(0.0f, 2.0f);
+    for (int64_t h = 0; h < c.heads_q; ++h) sinks.push_back(sink(rng));
+    p.sinks = sinks.data();
+  }
   p.softmax_scale = c.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
   if (dtype == DType::kFloat8E4M3) {
     // Fresh descales, log-uniform and almost never powers of two (so no backend gets them free):
@@ -465,14 +554,17 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
 
   const int64_t rows_q = c.is_varlen() ? p.total_q : p.batch * p.seqlen_q;
   const int64_t rows_k = c.is_varlen() ? p.total_k : p.batch * p.seqlen_k;
+  const int64_t dv = p.value_head_dim();
   const int64_t q_elements = rows_q * p.heads_q * p.head_dim;
-  const int64_t kv_elements = rows_k * p.heads_kv * p.head_dim;
+  const int64_t o_elements = rows_q * p.heads_q * dv;
+  const int64_t k_elements = rows_k * p.heads_kv * p.head_dim;
+  const int64_t v_elements = rows_k * p.heads_kv * dv;
   const int64_t lse_elements = rows_q * p.heads_q;
-  HostArray q(dtype, q_elements), k(dtype, kv_elements), v(dtype, kv_elements),
-      o(OutputDType(dtype), q_elements);
+  HostArray q(dtype, q_elements), k(dtype, k_elements), v(dtype, v_elements),
+      o(OutputDType(dtype), o_elements);
   for (int64_t i = 0; i < q_elements; ++i) q.Set(i, normal(rng));
-  for (int64_t i = 0; i < kv_elements; ++i) k.Set(i, normal(rng));
-  for (int64_t i = 0; i < kv_elements; ++i) v.Set(i, normal(rng));
+  for (int64_t i = 0; i < k_elements; ++i) k.Set(i, normal(rng));
+  for (int64_t i = 0; i < v_elements; ++i) v.Set(i, normal(rng));
   // Item b's first row and lengths.
   auto item_rows = [&](int64_t b) {
     if (!c.is_varlen()) return std::array<int64_t, 3>{0, p.seqlen_q, p.seqlen_k};
@@ -489,7 +581,7 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
       for (int64_t key : c.poison_keys) {
         if (key >= nk) continue;
         for (int64_t h = 0; h < p.heads_kv; ++h) {
-          for (int64_t x = 0; x < p.head_dim; ++x) {
+          for (int64_t x = 0; x < (on_k ? p.head_dim : dv); ++x) {
             t.Set(b * batch_stride + h * head_stride + (k_row0 + key) * row_stride + x, c.poison);
           }
         }
@@ -499,17 +591,14 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
   // Whether item-local row i of item b sees a poisoned key.
   auto sees_poison = [&](int64_t b, int64_t i) {
     const auto [k_row0, nq, nk] = item_rows(b);
+    const RowKeys visible = VisibleKeys(p, i, nq, nk);
     for (int64_t key : c.poison_keys) {
-      const int64_t diag = i + MaskDiagonal(c.mask_alignment, nq, nk);
-      if (key < nk && (c.window_left == kUnboundedWindow || key >= diag - c.window_left) &&
-          (c.window_right == kUnboundedWindow || key <= diag + c.window_right)) {
-        return true;
-      }
+      if (key < nk && key >= visible.lo && key <= visible.hi) return true;
     }
     return false;
   };
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  for (int64_t i = 0; i < q_elements; ++i) o.Set(i, nan);
+  for (int64_t i = 0; i < o_elements; ++i) o.Set(i, nan);
   std::vector<float> lse(c.return_lse ? lse_elements : 0, nan);
   p.q = q.data();
   p.k = k.data();
@@ -519,7 +608,7 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
 
   std::vector<double> ref_o, ref_lse;
   ASSERT_TRUE(reference::Forward(p, &ref_o, &ref_lse).ok());
-  ASSERT_EQ(static_cast<int64_t>(ref_o.size()), q_elements);
+  ASSERT_EQ(static_cast<int64_t>(ref_o.size()), o_elements);
   ASSERT_EQ(static_cast<int64_t>(ref_lse.size()), lse_elements);
 
   const absl::Status status = forward(p);
@@ -536,7 +625,7 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
   // offset of each compared element (o rows are found through the o strides).
   std::vector<char> compared(lse_elements, 0);
   std::vector<int64_t> o_compared;
-  o_compared.reserve(q_elements);
+  o_compared.reserve(o_elements);
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t row0 = c.is_varlen() ? cu_q[b] : 0;
     const int64_t nq = c.is_varlen() ? cu_q[b + 1] - cu_q[b] : p.seqlen_q;
@@ -546,7 +635,7 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
         compared[b * p.lse_batch_stride + h * p.lse_head_stride + row0 + i] = 1;
         const int64_t base =
             b * p.o_batch_stride + h * p.o_head_stride + (row0 + i) * p.o_row_stride;
-        for (int64_t x = 0; x < p.head_dim; ++x) o_compared.push_back(base + x);
+        for (int64_t x = 0; x < dv; ++x) o_compared.push_back(base + x);
       }
     }
   }
@@ -580,7 +669,7 @@ void CheckCase(const AttentionCase& c, DType dtype, const HostForward& forward, 
         const int64_t base =
             b * p.o_batch_stride + h * p.o_head_stride + (row0 + i) * p.o_row_stride;
         bool bad = c.return_lse && lse[l] != -std::numeric_limits<float>::infinity();
-        for (int64_t x = 0; x < p.head_dim; ++x) bad = bad || o.Get(base + x) != 0.0f;
+        for (int64_t x = 0; x < dv; ++x) bad = bad || o.Get(base + x) != 0.0f;
         bad_empty_rows += bad;
       }
     }

@@ -47,6 +47,12 @@ struct AttentionCase {
   std::vector<int32_t> varlen_q;
   std::vector<int32_t> varlen_k;
   float input_scale = 1.0f;
+  // Open-model options (AttentionParams): random per-head sink logits (normal, sd 2) when set; a
+  // logit softcap; a chunk size; V's head dim (0: head_dim).
+  bool sinks = false;
+  float softcap = 0.0f;
+  int64_t chunk_size = 0;
+  int64_t v_head_dim = 0;
   // Multiplies the float32 tolerance for cases whose conditioning, not the kernel, limits
   // accuracy: with logits around 1e3 a float32 q.k carries ~1e-4 absolute error, which exp() turns
   // into relative error in o (measured up to 8e-6 on the CPU backend). 16-bit outputs are limited
@@ -71,6 +77,9 @@ inline void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
 // The standard grid (a few dozen cases; the float64 reference of all of them, in all three
 // dtypes, runs in seconds).
 std::vector<AttentionCase> StandardGrid();
+// The open-model options (sinks, softcap, chunk size, V head dim other than QK's) on ragged sizes,
+// GQA, causal, windows, varlen and poisoned keys: for backends that serve them.
+std::vector<AttentionCase> OpenModelGrid();
 
 // Relative error bound for inputs of `dtype`: 1e-5 for float32, 1e-2 for float16 and bfloat16,
 // 2^-7 for float8 e4m3 (whose o is bfloat16; attention_test_grid.cc says why).

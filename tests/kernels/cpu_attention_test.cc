@@ -2,6 +2,7 @@
 // concurrent calls from several threads.
 #include "kernels/cpu/cpu_attention.h"
 
+#include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -19,6 +20,10 @@ cpu::CpuBackend& Backend() {
 
 class CpuAttentionTest : public testing::TestWithParam<std::tuple<AttentionCase, DType>> {};
 
+std::string ParamName(const testing::TestParamInfo<std::tuple<AttentionCase, DType>>& info) {
+  return CaseName(std::get<0>(info.param), std::get<1>(info.param));
+}
+
 TEST_P(CpuAttentionTest, MatchesReference) {
   const auto& [c, dtype] = GetParam();
   CheckCase(
@@ -30,9 +35,14 @@ INSTANTIATE_TEST_SUITE_P(StandardGrid, CpuAttentionTest,
                          testing::Combine(testing::ValuesIn(StandardGrid()),
                                           testing::Values(DType::kFloat32, DType::kFloat16,
                                                           DType::kBFloat16, DType::kFloat8E4M3)),
-                         [](const testing::TestParamInfo<std::tuple<AttentionCase, DType>>& info) {
-                           return CaseName(std::get<0>(info.param), std::get<1>(info.param));
-                         });
+                         ParamName);
+
+// The open-model options (sinks, softcap, chunk size, V head dim) in every dtype.
+INSTANTIATE_TEST_SUITE_P(OpenModelGrid, CpuAttentionTest,
+                         testing::Combine(testing::ValuesIn(OpenModelGrid()),
+                                          testing::Values(DType::kFloat32, DType::kFloat16,
+                                                          DType::kBFloat16, DType::kFloat8E4M3)),
+                         ParamName);
 
 // Forward from several threads at once, each with its own case, on one shared backend (as the
 // server's workers call it); also a single-thread backend, where callers share one worker.

@@ -30,4 +30,6 @@ std::string PoolUnavailableReason() {
   return "no CUDA device visible: GPU test skipped";
 }
 
+bool PoolServesOpenModelOptions() { return false; }
+
 }  // namespace attention::kernel_test

@@ -54,6 +54,10 @@ struct DecodeCase {
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
   std::optional<float> softmax_scale;  // absent: 1 / sqrt(head_dim)
+  // Open-model options: per query head sink logits (empty: none), a softcap, a chunk size.
+  std::vector<float> sinks;
+  float softcap = 0.0f;
+  int64_t chunk_size = 0;
   bool return_lse = true;
   int64_t page_rows = 32;  // the pool's pages hold this many rows of the case's shape
   Layout write_layout = Layout::kBHSD;
@@ -160,6 +164,36 @@ std::vector<DecodeCase> Cases() {
   cases.push_back(c);
   c.name = "d20";
   c.head_dim = 20;
+  cases.push_back(c);
+
+  // Open-model options: sinks (one split and several: 1000 keys split), softcap, chunks (a
+  // chunk edge inside the extend step's queries), all three with a window.
+  c = {};
+  c.name = "sinks_gqa4";
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.nq = {1, 3, 2};
+  c.nk = {1000, 40, 1};
+  c.window_right = 0;
+  c.sinks = {1.5f, -0.7f, 3.0f, 0.2f, -4.0f, 0.9f, 6.0f, -1.1f};
+  cases.push_back(c);
+  c.name = "softcap_gqa4";
+  c.sinks = {};
+  c.softcap = 1.5f;
+  c.softmax_scale = 0.5f;
+  cases.push_back(c);
+  c.name = "chunk_gqa4";
+  c.softcap = 0.0f;
+  c.softmax_scale.reset();
+  c.nq = {5, 4, 1};
+  c.nk = {1000, 66, 64};
+  c.chunk_size = 32;
+  cases.push_back(c);
+  c.name = "all_options_window";
+  c.window_left = 20;
+  c.sinks = {0.5f, -0.5f, 2.0f, 1.0f, 0.0f, -2.0f, 3.5f, 0.7f};
+  c.softcap = 3.0f;
+  c.chunk_size = 24;
   cases.push_back(c);
 
   // Long enough for many splits and key tiles per split.
@@ -289,6 +323,9 @@ void Reference(const DecodeCase& c, float scale, const Sequence& s, int64_t nq, 
   p.softmax_scale = scale;
   p.window_left = c.window_left;
   p.window_right = c.window_right;
+  p.sinks = c.sinks.empty() ? nullptr : c.sinks.data();
+  p.softcap = c.softcap;
+  p.chunk_size = c.chunk_size;
   p.SetContiguousStrides(Layout::kBHSD);
   const absl::Status status = reference::Forward(p, o, lse);
   ASSERT_TRUE(status.ok()) << status;
@@ -318,7 +355,12 @@ struct ErrorSums {
 struct StepResult {
   std::vector<unsigned char> o;
   std::vector<float> lse;
+  absl::Status status;  // Decode's
 };
+
+bool HasOpenModelOptions(const DecodeCase& c) {
+  return !c.sinks.empty() || c.softcap != 0.0f || c.chunk_size != 0;
+}
 
 // Runs one decode step of all sequences (queries from s.q) and returns o and lse as written:
 // packed, or with each sequence's q, o and lse in buffers of its own (PagedDecodeParams' q_seqs).
@@ -354,6 +396,9 @@ StepResult Decode(KvPagePool& pool, const DecodeCase& c, DType dtype, float scal
   p.softmax_scale = scale;
   p.window_left = c.window_left;
   p.window_right = c.window_right;
+  p.sinks = c.sinks.empty() ? nullptr : c.sinks.data();
+  p.softcap = c.softcap;
+  p.chunk_size = c.chunk_size;
   // Per sequence: copies of its q, and o and lse poisoned as the packed ones are.
   const int64_t row_bytes = c.heads_q * c.head_dim * static_cast<int64_t>(DTypeSize(dtype));
   std::vector<std::vector<unsigned char>> q_own, o_own;
@@ -381,7 +426,11 @@ StepResult Decode(KvPagePool& pool, const DecodeCase& c, DType dtype, float scal
     p.lse_seqs = c.return_lse ? lse_seqs.data() : nullptr;
   }
   const absl::StatusOr<KvStepTimes> times = pool.Decode(p);
-  EXPECT_TRUE(times.ok()) << times.status();
+  r.status = times.status();
+  // A pool that does not serve the options must refuse them (DecodeMatchesReference checks how).
+  if (!HasOpenModelOptions(c) || PoolServesOpenModelOptions()) {
+    EXPECT_TRUE(times.ok()) << times.status();
+  }
   for (int64_t i = 0; per_seq && i < n; ++i) {
     std::copy(o_own[i].begin(), o_own[i].end(), r.o.begin() + cu_q[i] * row_bytes);
     if (c.return_lse) {
@@ -493,6 +542,10 @@ TEST_P(PagedKvPoolTest, DecodeMatchesReference) {
   MakeSetup(c, dtype, rng, &setup);
   if (HasFatalFailure()) return;
   const StepResult r = Decode(*setup.pool, c, dtype, scale, setup.seqs, setup.stride);
+  if (HasOpenModelOptions(c) && !PoolServesOpenModelOptions()) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kUnimplemented) << r.status;
+    return;
+  }
   ExpectMatchesReference(c, dtype, scale, setup.seqs, r);
 }
 
@@ -806,7 +859,7 @@ TEST_P(PagedKvPoolMergeTest, RepeatedStepsRepeatTheFirst) {
 TEST_P(PagedKvPoolMergeTest, PerSequenceBuffersAnswerAsPacked) {
   const DType dtype = GetParam();
   for (const DecodeCase& c : Cases()) {
-    if (c.nq.size() < 2) continue;
+    if (c.nq.size() < 2 || (HasOpenModelOptions(c) && !PoolServesOpenModelOptions())) continue;
     const uint64_t seed = NextSeed();
     SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
     std::mt19937_64 rng(seed);

@@ -15,5 +15,8 @@ namespace attention::kernel_test {
 absl::StatusOr<std::unique_ptr<KvPagePool>> MakeTestPool(int64_t num_pages, int64_t page_bytes);
 // Empty when the backend can run here; otherwise why not (the tests skip with it).
 std::string PoolUnavailableReason();
+// Whether the backend's decode serves sinks, softcap and chunk_size (else it must refuse them
+// UNIMPLEMENTED).
+bool PoolServesOpenModelOptions();
 
 }  // namespace attention::kernel_test

@@ -133,5 +133,88 @@ TEST(ReferenceAttentionTest, OneKeyGivesItsValueAndLogit) {
   EXPECT_EQ(lse, (std::vector<double>{0.5 * 3, 0.5 * 7, 0.5 * 7}));
 }
 
+// The open-model options on answers known in closed form. One item, one head, q = 0 except where
+// said, so each visible key has logit 0 and weight 1.
+struct OneHead {
+  AttentionParams p;
+  std::vector<float> q, k, v;
+  OneHead(int64_t nq, int64_t nk, int64_t d, int64_t dv) {
+    p.batch = p.heads_q = p.heads_kv = 1;
+    p.seqlen_q = nq;
+    p.seqlen_k = nk;
+    p.head_dim = d;
+    p.v_head_dim = dv;
+    p.softmax_scale = 1.0f;
+    p.SetContiguousStrides(Layout::kBHSD);
+    q.assign(nq * d, 0.0f);
+    k.assign(nk * d, 1.0f);
+    v.resize(nk * dv);
+    for (int64_t j = 0; j < nk; ++j)
+      for (int64_t x = 0; x < dv; ++x) v[j * dv + x] = static_cast<float>(j + 10 * x);
+    p.q = q.data();
+    p.k = k.data();
+    p.v = v.data();
+  }
+  void Run(std::vector<double>* o, std::vector<double>* lse) {
+    ASSERT_TRUE(reference::Forward(p, o, lse).ok());
+  }
+};
+
+TEST(ReferenceAttentionTest, SinkAddsToTheDenominatorOnly) {
+  OneHead t(3, 4, 2, 2);
+  const float sink = std::log(4.0f);  // exp(sink) = 4: as many as the keys
+  t.p.sinks = &sink;
+  std::vector<double> o, lse;
+  t.Run(&o, &lse);
+  // Every row sees the 4 keys of mean value (1.5 + 10 x); the sink halves it.
+  for (int64_t i = 0; i < 3; ++i) {
+    for (int64_t x = 0; x < 2; ++x) EXPECT_NEAR(o[i * 2 + x], (1.5 + 10 * x) / 2, 1e-6);
+    EXPECT_NEAR(lse[i], std::log(8.0), 1e-6);
+  }
+  // A row that sees no key (Nq > Nk, causal): o = 0, lse = the sink.
+  OneHead empty(3, 1, 2, 2);
+  empty.p.window_right = 0;
+  empty.p.sinks = &sink;
+  empty.Run(&o, &lse);
+  EXPECT_EQ(o[0], 0.0);
+  EXPECT_NEAR(lse[0], sink, 1e-6);
+}
+
+TEST(ReferenceAttentionTest, SoftcapBoundsTheLogits) {
+  OneHead t(1, 2, 1, 1);
+  t.q[0] = 30.0f;  // logits 30 (key 0, k = 1) and 0 (key 1, k = 0)
+  t.k[1] = 0.0f;
+  t.p.softcap = 5.0f;  // 30 -> 5 tanh(6)
+  std::vector<double> o, lse;
+  t.Run(&o, &lse);
+  const double s = 5.0 * std::tanh(6.0);
+  EXPECT_NEAR(o[0], 1.0 / (std::exp(s) + 1.0), 1e-9);  // v = 0 (key 0), 1 (key 1)
+  EXPECT_NEAR(lse[0], std::log(std::exp(s) + 1.0), 1e-9);
+}
+
+TEST(ReferenceAttentionTest, ChunkLimitsKeysToTheQueryChunk) {
+  // Causal, chunks of 3 over 8 positions (bottom-right, Nq = Nk): row i sees keys
+  // 3 floor(i / 3) .. i.
+  OneHead t(8, 8, 1, 1);
+  t.p.window_right = 0;
+  t.p.chunk_size = 3;
+  std::vector<double> o, lse;
+  t.Run(&o, &lse);
+  for (int64_t i = 0; i < 8; ++i) {
+    const int64_t lo = i / 3 * 3;
+    EXPECT_NEAR(o[i], (lo + i) / 2.0, 1e-9) << i;
+    EXPECT_NEAR(lse[i], std::log(static_cast<double>(i - lo + 1)), 1e-9) << i;
+  }
+}
+
+TEST(ReferenceAttentionTest, ValueHeadDimOfItsOwn) {
+  OneHead t(2, 5, 3, 2);  // QK head dim 3, V head dim 2: o [2, 2]
+  std::vector<double> o, lse;
+  t.Run(&o, &lse);
+  ASSERT_EQ(o.size(), 4u);
+  for (int64_t i = 0; i < 2; ++i)
+    for (int64_t x = 0; x < 2; ++x) EXPECT_NEAR(o[i * 2 + x], 2.0 + 10 * x, 1e-9);
+}
+
 }  // namespace
 }  // namespace attention

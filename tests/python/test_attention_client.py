@@ -44,10 +44,14 @@ F16_BOUND = 1e-2
 F8_BOUND = 4e-2  # the API's float8 bound (P may be rounded to e4m3 on Hopper)
 
 
-def reference(q, k, v, causal=False, scale=None, window_left=None, window_right=None):
-    """float64 attention for BHSD q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D].
+def reference(q, k, v, causal=False, scale=None, window_left=None, window_right=None,
+              sinks=None, softcap=None, chunk_size=None):
+    """float64 attention for BHSD q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv].
 
-    Returns o [B, Hq, Nq, D] and lse [B, Hq, Nq]; a row that sees no key has o = 0, lse = -inf.
+    Returns o [B, Hq, Nq, Dv] and lse [B, Hq, Nq]; a row that sees no key has o = 0, lse = -inf
+    (with sinks: the head's sink). sinks [Hq]: one more logit per head in the denominator;
+    softcap: logits s -> softcap * tanh(s / softcap) before the mask; chunk_size: a query sees
+    only the keys of its diagonal key's chunk.
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, hq, nq, d = q.shape
@@ -57,6 +61,8 @@ def reference(q, k, v, causal=False, scale=None, window_left=None, window_right=
     k = np.repeat(k, group, axis=1)  # query head h reads kv head h // group
     v = np.repeat(v, group, axis=1)
     s = scale * np.einsum("bhid,bhjd->bhij", q, k)
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
     i = np.arange(nq)[:, None]
     j = np.arange(nk)[None, :]
     right = 0 if causal else window_right
@@ -65,7 +71,13 @@ def reference(q, k, v, causal=False, scale=None, window_left=None, window_right=
         visible &= j >= i + nk - nq - window_left
     if right is not None:
         visible &= j <= i + nk - nq + right
+    if chunk_size is not None:
+        visible &= j // chunk_size == (i + nk - nq) // chunk_size
     s = np.where(visible, s, -np.inf)
+    if sinks is not None:  # one more logit per head, with no value: appended, then dropped
+        sink = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None], (b, hq, nq, 1))
+        s = np.concatenate([s, sink], axis=-1)
+        v = np.concatenate([v, np.zeros((b, hq, 1, v.shape[-1]))], axis=2)
     m = s.max(axis=-1, keepdims=True)
     m_safe = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m_safe)
@@ -378,6 +390,48 @@ class HealthAndInfoTest(ServerTest):
         self.assertGreater(r.timing.compute_us, 0)
         self.assertGreaterEqual(r.timing.total_us, r.timing.compute_us)
         self.assertIsNone(self.client.attend(q, k, v, return_info=True).lse)
+
+
+class OpenModelOptionsTest(ServerTest):
+    """Sinks, softcap, chunk_size and a V head dim of its own on Attend (the CPU backend serves
+    them all), against the float64 reference; refusals name the field."""
+
+    def check(self, q, k, v, **options):
+        o, lse = self.client.attend(q, k, v, return_lse=True, **options)
+        self.assertEqual(o.shape, q.shape[:3] + v.shape[3:])
+        ref_options = dict(options)
+        ref_options["scale"] = ref_options.pop("softmax_scale", None)
+        ref_o, ref_lse = reference(q, k, v, **ref_options)
+        self.assertWithin(rel_error(o, ref_o), F32_BOUND, f"o with {sorted(options)}")
+        self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, f"lse with {sorted(options)}")
+
+    def test_each_option_and_all_together(self):
+        q, k, v = self.qkv(nq=37, nk=53, d=32)
+        sinks = self.normal(q.shape[1]) * 2
+        self.check(q, k, v, causal=True, sinks=sinks)
+        self.check(q, k, v, softcap=1.5, softmax_scale=0.8)
+        self.check(q, k, v, causal=True, chunk_size=8)
+        self.check(q, k, v, chunk_size=5, window_left=7)
+        _, _, v_own = self.qkv(nq=37, nk=53, d=12)  # MLA: V's head dim 12, QK's 32
+        self.check(q, k, v_own, causal=True)
+        self.check(q, k, v_own, causal=True, sinks=sinks, softcap=2.0, chunk_size=16)
+
+    def test_server_info_lists_the_options_per_device(self):
+        device = self.client.server_info().devices[0]
+        self.assertEqual(sorted(device.attend_options),
+                         ["chunk_size", "sinks", "softcap", "v_head_dim"])
+        self.assertEqual(sorted(device.step_options), ["chunk_size", "sinks", "softcap"])
+
+    def test_bad_options_name_the_field(self):
+        q, k, v = self.qkv()
+        for options, field in [(dict(sinks=[0.0]), "sinks"),
+                               (dict(sinks=[0.0, 1.0, float("nan"), 2.0]), r"sinks\[2\]"),
+                               (dict(softcap=0.0), "softcap"), (dict(softcap=-1.0), "softcap"),
+                               (dict(chunk_size=0), "chunk_size")]:
+            with self.assertRaises(AttentionError) as raised:
+                self.client.attend(q, k, v, **options)
+            self.assertEqual(raised.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertRegex(raised.exception.details, f"^{field}:")
 
 
 class AsyncClientTest(ServerTest):

@@ -77,6 +77,43 @@ class SessionTest(ServerTest):
             self.assertWithin(rel_error(o, ref_o), F32_BOUND, "window o")
             self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, "window lse")
 
+    def test_open_model_options_on_steps(self):
+        # Sinks, softcap and chunks on Steps (an extend step and decode steps, over sessions of
+        # two lengths in one step_many); a sink count other than Hq names the field.
+        hq, hkv, d = 8, 2, 32
+        sinks = self.normal(hq) * 2
+        seqs = [self.rows(hkv, n, d) for n in (600, 37)]
+        sessions = [self.client.session(k=k, v=v) for k, v in seqs]
+        try:
+            for step, (nq, options) in enumerate([
+                    (4, dict(sinks=sinks)), (1, dict(softcap=1.5, softmax_scale=0.9)),
+                    (1, dict(chunk_size=16)), (3, dict(sinks=sinks, softcap=2.0, chunk_size=24,
+                                                        window_left=40))]):
+                items, queries = [], []
+                for i, s in enumerate(sessions):
+                    q = self.normal(hq, nq, d)
+                    k1, v1 = self.rows(hkv, nq, d)
+                    k, v = seqs[i]
+                    seqs[i] = np.concatenate([k, k1], axis=1), np.concatenate([v, v1], axis=1)
+                    items.append((s, q, k1, v1))
+                    queries.append(q)
+                results = self.client.step_many(items, causal=True, return_lse=True, **options)
+                ref_options = dict(options)
+                ref_options["scale"] = ref_options.pop("softmax_scale", None)
+                for i, (o, lse) in enumerate(results):
+                    ref_o, ref_lse = session_reference(queries[i], *seqs[i], causal=True,
+                                                       **ref_options)
+                    what = f"step {step} sequence {i} with {sorted(options)}"
+                    self.assertWithin(rel_error(o, ref_o), F32_BOUND, f"{what}: o")
+                    self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, f"{what}: lse")
+            with self.assertRaises(AttentionError) as raised:
+                sessions[0].step(self.normal(hq, 1, d), sinks=sinks[:3])
+            self.assertEqual(raised.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertRegex(raised.exception.details, "^sinks:")
+        finally:
+            for s in sessions:
+                s.drop()
+
     def test_bshd_float16_session(self):
         hq, hkv, d = 6, 3, 64
         k, v = (x.astype(np.float16) for x in self.rows(hkv, 33, d))

@@ -159,6 +159,25 @@ class TorchTest(ServerTest):
                 self.assertEqual(lse.shape, (2, 4, nq))
                 self.assertWithin(rel(lse[..., seen], ref_lse[..., seen]), F32_BOUND, "lse")
 
+    def test_flash_attn_func_softcap_sinks_and_v_head_dim(self):
+        # Against a float64 eager computation: softcap before the mask, a sink logit per head in
+        # the denominator, V's head dim 24 (QK 32); alibi_slopes is refused by name.
+        nq, nk = 21, 40
+        q, k = self.randn(2, nq, 4, 32), self.randn(2, nk, 2, 32)
+        v, sinks = self.randn(2, nk, 2, 24), self.randn(4) * 2
+        o = remote.flash_attn_func(q, k, v, causal=True, window_size=(9, -1), softcap=2.0,
+                                   sinks=sinks, client=self.client)
+        s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.repeat_interleave(2, dim=2).double())
+        s = 2.0 * torch.tanh(s / 32**0.5 / 2.0)
+        s = s.masked_fill(~bottom_right_mask(nq, nk, True, 9, -1), float("-inf"))
+        s = torch.cat([s, sinks.double()[None, :, None, None].expand(2, 4, nq, 1)], dim=-1)
+        p = s.softmax(-1)[..., :nk]
+        ref = torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(2, dim=2).double())
+        self.assertEqual(o.shape, (2, nq, 4, 24))
+        self.assertWithin(rel(o, ref), F32_BOUND, "flash_attn_func with softcap and sinks")
+        with self.assertRaisesRegex(NotImplementedError, "alibi_slopes"):
+            remote.flash_attn_func(q, k, k, alibi_slopes=torch.ones(4), client=self.client)
+
     def test_flash_attn_varlen_func(self):
         lens_q, lens_k = [5, 17, 1], [9, 17, 30]
         q = self.randn(sum(lens_q), 4, 32)

@@ -225,7 +225,8 @@ std::vector<BadInput> BadInputs() {
        [](R r) {
          Reshape(r->mutable_v(), {2, 2, 23, 32});
        },
-       kInvalid, "v.shape: expected [2, 2, 24, 32] (as k), got [2, 2, 23, 32]"},
+       kInvalid,
+       "v.shape: expected [2, 2, 24, 32] (as k, but for the head dim), got [2, 2, 23, 32]"},
       // cu_seqlens.
       {"CuSeqlensNotMonotonic", &kVarlen,
        [](R r) {

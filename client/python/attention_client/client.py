@@ -97,6 +97,18 @@ def _set_options(request, causal, softmax_scale, window_left, window_right, retu
         request.window_right = window_right
 
 
+def _set_open_model_options(request, sinks, softcap, chunk_size):
+    """The open-model options an AttendRequest and a StepRequest share (None: absent): sinks, one
+    logit per query head; softcap; chunk_size."""
+    if sinks is not None:
+        request.sinks.extend(float(x) for x in np.asarray(
+            sinks.detach().cpu() if _is_torch(sinks) else sinks, dtype=np.float32).reshape(-1))
+    if softcap is not None:
+        request.softcap = softcap
+    if chunk_size is not None:
+        request.chunk_size = chunk_size
+
+
 class AttentionError(Exception):
     """A failed call: code is the grpc.StatusCode, details the server's message."""
 
@@ -228,7 +240,7 @@ def _lse_from_tensor(t, kind):
 def _attend_request(q, k, v, *, causal, softmax_scale, window_left, window_right, layout,
                     return_lse, cu_seqlens_q, cu_seqlens_k, bfloat16_bits, request_id,
                     mask_alignment, to_tensor=_to_tensor, float8_bits=False, q_descale=None,
-                    k_descale=None, v_descale=None):
+                    k_descale=None, v_descale=None, sinks=None, softcap=None, chunk_size=None):
     """The AttendRequest of Client.attend's arguments, and the kind of output to return.
 
     to_tensor(x, name, bfloat16_bits, float8_bits) -> (pb.Tensor, kind): Client.attend's also
@@ -240,6 +252,7 @@ def _attend_request(q, k, v, *, causal, softmax_scale, window_left, window_right
         raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
     request = pb.AttendRequest(request_id=request_id, q=tq, k=tk, v=tv, layout=_LAYOUTS[layout])
     _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
+    _set_open_model_options(request, sinks, softcap, chunk_size)
     if mask_alignment not in _MASK_ALIGNMENTS:
         raise ValueError(f"mask_alignment must be one of {sorted(_MASK_ALIGNMENTS)}, got "
                          f"{mask_alignment!r}")
@@ -379,7 +392,8 @@ class Client:
                window_right=None, layout="bhsd", return_lse=False, cu_seqlens_q=None,
                cu_seqlens_k=None, bfloat16_bits=False, timeout=None, request_id="",
                metadata=None, return_info=False, mask_alignment="bottom_right", out=None,
-               lse_out=None, float8_bits=False, q_descale=None, k_descale=None, v_descale=None):
+               lse_out=None, float8_bits=False, q_descale=None, k_descale=None, v_descale=None,
+               sinks=None, softcap=None, chunk_size=None):
         """O = softmax(scale * Q Kᵀ + mask) V on the server.
 
         q: [B, Hq, Nq, D] (layout "bhsd") or [B, Nq, Hq, D] ("bshd"); k, v: [B, Hkv, Nk, D]
@@ -390,6 +404,11 @@ class Client:
         Returns o (same kind, dtype and shape as q), or (o, lse) with return_lse: lse float32
         [B, Hq, Nq] (varlen [Hq, total_q]); with return_info an AttendResult (o, lse, timing,
         device, request_id). Raises AttentionError with the gRPC status code.
+        Open-model options (ServerInfo's DeviceInfo.attend_options says which a device serves;
+        the others are refused UNIMPLEMENTED): sinks, one logit per query head (gpt-oss: the
+        softmax denominator gains exp(sink)); softcap (Gemma 2: logits s -> softcap *
+        tanh(s / softcap) before the mask); chunk_size (Llama 4: a key is seen only by the
+        queries of its chunk); and v may have a head dim of its own (MLA), which o then has.
         float8 e4m3 inputs (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn, or uint8 bits with
         float8_bits=True) give o in bfloat16 (torch.bfloat16, ml_dtypes.bfloat16, uint16 bits);
         q_descale, k_descale, v_descale (float8 only): the server computes with q * q_descale...
@@ -400,8 +419,11 @@ class Client:
         out and lse_out) go through CUDA regions where the server can take them (cuda_regions,
         attention_client.cuda_tensors): o and lse come back as new tensors on q's device.
         """
+        open_model = dict(sinks=sinks, softcap=softcap, chunk_size=chunk_size)
+        # CUDA regions place o shaped as q, and no GPU kernel serves the open-model options.
         if (out is None and lse_out is None and _is_torch(q) and getattr(q, "is_cuda", False)
-                and self._cuda_segments.usable):
+                and self._cuda_segments.usable and v.shape[-1] == q.shape[-1]
+                and all(x is None for x in open_model.values())):
             from attention_client.cuda_tensors import attend_on_device
             done, result = attend_on_device(self, q, k, v, dict(
                 causal=causal, softmax_scale=softmax_scale, window_left=window_left,
@@ -419,7 +441,7 @@ class Client:
             request_id=request_id, mask_alignment=mask_alignment,
             to_tensor=lambda x, name, *bits: _to_tensor_or_ref(self, x, name, *bits),
             float8_bits=float8_bits, q_descale=q_descale, k_descale=k_descale,
-            v_descale=v_descale)
+            v_descale=v_descale, **open_model)
         if out is not None:
             request.o_ref.CopyFrom(out_ref(self, out, "out"))
         if lse_out is not None:
@@ -504,23 +526,25 @@ class Client:
 
     def step_many(self, items, *, causal=False, softmax_scale=None, window_left=None,
                   window_right=None, return_lse=False, timeout=None, metadata=None,
-                  request_id="", return_info=False):
+                  request_id="", return_info=False, sinks=None, softcap=None, chunk_size=None):
         """One Step RPC over several sessions of this client, run by the server as one launch.
 
         items: (session, q) or (session, q, k, v) tuples, each session at most once; q
         [Hq, Nq, D], k and v [Hkv, n, D] appended before attending. Returns one o (or (o, lse),
         or with return_info a StepResult) per item, in order; every session's length is updated.
+        sinks, softcap, chunk_size: as attend()'s, for every item (DeviceInfo.step_options).
         """
         from attention_client.session import step_many
         return step_many(self, items, causal=causal, softmax_scale=softmax_scale,
                          window_left=window_left, window_right=window_right,
                          return_lse=return_lse, timeout=timeout, metadata=metadata,
-                         request_id=request_id, return_info=return_info)
+                         request_id=request_id, return_info=return_info, sinks=sinks,
+                         softcap=softcap, chunk_size=chunk_size)
 
     def step_batch(self, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
                    window_left=None, window_right=None, return_lse=False, out=None,
                    lse_out=None, timeout=None, metadata=None, request_id="", return_info=False,
-                   stream=False, wait=True):
+                   stream=False, wait=True, sinks=None, softcap=None, chunk_size=None):
         """One packed Step over a layer's batch: one message and one tensor each, none per
         sequence. Sequence b is sessions[b] (each at most once, all of one dtype, Hkv and D).
 
@@ -533,13 +557,15 @@ class Client:
         client's StepStream; "ring": its request ring). wait=False (unary only) returns at once
         a concurrent.futures.Future of the result, so the caller can work meanwhile (another
         micro-batch's MLP, say); leave the sessions and buffers alone until it is done.
+        sinks, softcap, chunk_size: as attend()'s.
         """
         from attention_client.session import step_batch
         return step_batch(self, sessions, q, k, v, causal=causal, softmax_scale=softmax_scale,
                           window_left=window_left, window_right=window_right,
                           return_lse=return_lse, out=out, lse_out=lse_out, timeout=timeout,
                           metadata=metadata, request_id=request_id, return_info=return_info,
-                          stream=stream, wait=wait)
+                          stream=stream, wait=wait, sinks=sinks, softcap=softcap,
+                          chunk_size=chunk_size)
 
     def register_shared_memory(self, name, shm, *, offset=0, size=None, timeout=None,
                                metadata=None):

@@ -21,7 +21,8 @@ import numpy as np
 from attention_client._stubs import attention_pb2 as pb
 from attention_client.client import (_LAYOUTS, AttentionError, ServerTiming, StepBatchResult,
                                      StepResult, _from_tensor, _is_torch, _lse_from_tensor,
-                                     _set_options, _to_tensor, _to_tensor_or_ref)
+                                     _set_open_model_options, _set_options, _to_tensor,
+                                     _to_tensor_or_ref)
 
 _DTYPE_NAMES = {"float32": pb.DTYPE_FLOAT32, "fp32": pb.DTYPE_FLOAT32,
                 "float16": pb.DTYPE_FLOAT16, "fp16": pb.DTYPE_FLOAT16, "half": pb.DTYPE_FLOAT16,
@@ -93,7 +94,8 @@ class Session:
         return self.length
 
     def step(self, q, k=None, v=None, *, causal=False, softmax_scale=None, window_left=None,
-             window_right=None, return_lse=False, timeout=None, return_info=False, stream=False):
+             window_right=None, return_lse=False, timeout=None, return_info=False, stream=False,
+             sinks=None, softcap=None, chunk_size=None):
         """Attends q [Hq, Nq, D] to the session, after appending k, v [Hkv, n, D] when given.
 
         stream=True sends the Step over the Client's one long-lived Sessions.StepStream (opened
@@ -105,11 +107,13 @@ class Session:
         The queries are the session's last Nq positions (masks bottom-right aligned, as attend()).
         Returns o [Hq, Nq, D] (same kind and dtype as q), or (o, lse) with return_lse: lse
         float32 [Hq, Nq]; with return_info a StepResult (o, lse, length, timing, device).
+        sinks, softcap, chunk_size: as Client.attend()'s.
         """
         return step_many(self._client, [(self, q, k, v)], causal=causal,
                          softmax_scale=softmax_scale, window_left=window_left,
                          window_right=window_right, return_lse=return_lse, timeout=timeout,
-                         metadata=self._metadata, return_info=return_info, stream=stream)[0]
+                         metadata=self._metadata, return_info=return_info, stream=stream,
+                         sinks=sinks, softcap=softcap, chunk_size=chunk_size)[0]
 
     def drop(self, *, timeout=None):
         """Frees the session's K/V on the server; the object holds no session afterwards."""
@@ -158,10 +162,11 @@ def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, 
 
 def step_many(client, items, *, causal=False, softmax_scale=None, window_left=None,
               window_right=None, return_lse=False, timeout=None, metadata=None, request_id="",
-              return_info=False, stream=False):
+              return_info=False, stream=False, sinks=None, softcap=None, chunk_size=None):
     """One Step RPC over several sessions; see Client.step_many."""
     request = pb.StepRequest(request_id=request_id)
     _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
+    _set_open_model_options(request, sinks, softcap, chunk_size)
     kinds, sessions = [], []
     for item in items:
         session, q, k, v = (tuple(item) + (None, None))[:4]
@@ -226,7 +231,7 @@ def _send_step(client, request, stream, timeout, metadata):
 def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
                window_left=None, window_right=None, return_lse=False, out=None, lse_out=None,
                timeout=None, metadata=None, request_id="", return_info=False, stream=False,
-               wait=True):
+               wait=True, sinks=None, softcap=None, chunk_size=None):
     """One packed Step over a layer's batch; see Client.step_batch."""
     if (k is None) != (v is None):
         raise ValueError("k and v go together: give both or neither")
@@ -239,6 +244,7 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
     request = pb.StepRequest(request_id=request_id,
                              session_ids=[session._live_id() for session in sessions])
     _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
+    _set_open_model_options(request, sinks, softcap, chunk_size)
     tq, kind = _to_tensor_or_ref(client, q, "q", bits)
     request.q.CopyFrom(tq)
     if k is not None:

@@ -70,7 +70,7 @@ def _check_tensors(fn, named, dropout_p=0.0):
 def _unsupported(fn, **options):
     """Raises for flash_attn options the service does not implement (given a non-default)."""
     for name, value in options.items():
-        if value is not None and value is not False and value != 0.0:
+        if value is not None and value is not False and (torch.is_tensor(value) or value != 0.0):
             raise NotImplementedError(f"{fn}: {name} is not supported by the attention service")
 
 
@@ -110,10 +110,11 @@ def key_padding(attn_mask, lead, heads, nq, nk, fn="scaled_dot_product_attention
     return first[:, 0, 0, :]
 
 
-def _attend_packed(client, q, k, v, keys, causal, scale, mask_alignment):
+def _attend_packed(client, q, k, v, keys, causal, scale, mask_alignment, **options):
     """q [B, Hq, L, D], k and v [B, Hkv, S, D], keys: per item the key indices it keeps (a
-    LongTensor each). One varlen Attend over the kept keys; o [B, Hq, L, D]. Items that keep no
-    key get NaN rows, as torch's SDPA gives them."""
+    LongTensor each). One varlen Attend over the kept keys (options: more of Client.attend's,
+    the window and chunks over the kept keys); o [B, Hq, L, D]. Items that keep no key get NaN
+    rows, as torch's SDPA gives them."""
     batch, heads, nq, d = q.shape
     out = torch.full_like(q, float("nan"))
     items = [b for b in range(batch) if len(keys[b]) > 0]
@@ -127,7 +128,7 @@ def _attend_packed(client, q, k, v, keys, causal, scale, mask_alignment):
     for b in items:
         cu_k.append(cu_k[-1] + len(keys[b]))
     o = client.attend(qp, kp, vp, causal=causal, softmax_scale=scale, cu_seqlens_q=cu_q,
-                      cu_seqlens_k=cu_k, mask_alignment=mask_alignment)
+                      cu_seqlens_k=cu_k, mask_alignment=mask_alignment, **options)
     o = o.reshape(len(items), nq, heads, d).transpose(1, 2)
     out[items] = o
     return out
@@ -190,21 +191,29 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, client=None):
-    """flash_attn.flash_attn_func on the service: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D];
-    causal and window_size (left, right; -1 = unbounded) aligned bottom-right. Returns out
-    [B, Sq, Hq, D], or with return_attn_probs (out, softmax_lse float32 [B, Hq, Sq], None): the
-    service returns no probabilities."""
+                    return_attn_probs=False, *, sinks=None, client=None):
+    """flash_attn.flash_attn_func on the service: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] (v
+    may have a head dim of its own, as MLA's); causal and window_size (left, right; -1 =
+    unbounded) aligned bottom-right; softcap (0 = none) and sinks (one logit per query head, as
+    gpt-oss's) where the server serves them (else UNIMPLEMENTED naming them; alibi_slopes is
+    refused). Returns out [B, Sq, Hq, Dv], or with return_attn_probs (out, softmax_lse float32
+    [B, Hq, Sq], None): the service returns no probabilities."""
     fn = "flash_attn_func"
     _check_tensors(fn, [("q", q), ("k", k), ("v", v)], dropout_p)
-    _unsupported(fn, softcap=softcap, alibi_slopes=alibi_slopes)
+    _unsupported(fn, alibi_slopes=alibi_slopes)
     left, right = _window(window_size)
     out = _client(client).attend(q, k, v, layout="bshd", causal=causal,
                                  softmax_scale=softmax_scale, window_left=left,
-                                 window_right=right, return_lse=return_attn_probs)
+                                 window_right=right, return_lse=return_attn_probs,
+                                 **_open_model(softcap, sinks))
     if return_attn_probs:
         return out[0], out[1], None
     return out
+
+
+def _open_model(softcap, sinks):
+    """flash_attn's softcap (0 = none) and sinks as Client.attend's open-model options."""
+    return dict(softcap=float(softcap) if softcap else None, sinks=sinks)
 
 
 def _offsets(cu_seqlens, name, fn):
@@ -219,18 +228,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                            max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *,
-                           client=None):
+                           sinks=None, client=None):
     """flash_attn.flash_attn_varlen_func on the service: q [total_q, Hq, D], k and v
     [total_k, Hkv, D] packed by cu_seqlens_q / cu_seqlens_k (B+1 offsets); masks bottom-right per
-    sequence. Returns out [total_q, Hq, D], or with return_attn_probs (out, softmax_lse float32
-    [Hq, total_q], None). max_seqlen_* are accepted for compatibility (the service derives them)."""
+    sequence; softcap and sinks as flash_attn_func's. Returns out [total_q, Hq, Dv], or with
+    return_attn_probs (out, softmax_lse float32 [Hq, total_q], None). max_seqlen_* are accepted
+    for compatibility (the service derives them)."""
     fn = "flash_attn_varlen_func"
     _check_tensors(fn, [("q", q), ("k", k), ("v", v)], dropout_p)
-    _unsupported(fn, softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table)
+    _unsupported(fn, alibi_slopes=alibi_slopes, block_table=block_table)
     left, right = _window(window_size)
     out = _client(client).attend(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                  window_left=left, window_right=right,
-                                 return_lse=return_attn_probs,
+                                 return_lse=return_attn_probs, **_open_model(softcap, sinks),
                                  cu_seqlens_q=_offsets(cu_seqlens_q, "cu_seqlens_q", fn),
                                  cu_seqlens_k=_offsets(cu_seqlens_k, "cu_seqlens_k", fn))
     if return_attn_probs:
@@ -287,7 +297,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, client=None):
+                            return_softmax_lse=False, *, sinks=None, client=None):
     """flash_attn.flash_attn_with_kvcache on the service: appends k, v [B, Sk, Hkv, D] (when given)
     to each sequence's cache, then attends q [B, Sq, Hq, D] to it, q being the last Sq positions
     (causal and window_size aligned bottom-right). Returns out [B, Sq, Hq, D], or with
@@ -296,12 +306,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k_cache: a SessionKVCache (v_cache None): the K/V stay in server sessions and one Step
     carries the batch. Or, as in flash_attn, tensors k_cache, v_cache [B, S_max, Hkv, D] with
     cache_seqlens (int or [B]; default: S_max - Sk): k, v are written into them in place at
-    cache_seqlens and one Attend computes the result.
+    cache_seqlens and one Attend computes the result. softcap and sinks as flash_attn_func's.
     """
     fn = "flash_attn_with_kvcache"
     _unsupported(fn, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                  cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                 block_table=block_table, softcap=softcap, alibi_slopes=alibi_slopes)
+                 block_table=block_table, alibi_slopes=alibi_slopes)
+    open_model = _open_model(softcap, sinks)
     if (k is None) != (v is None):
         raise ValueError(f"{fn}: k and v go together: give both or neither")
     named = [("q", q)] + ([("k", k), ("v", v)] if k is not None else [])
@@ -323,7 +334,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             items.append(item)
         results = cache.client.step_many(items, causal=causal, softmax_scale=softmax_scale,
                                          window_left=left, window_right=right,
-                                         return_lse=return_softmax_lse)
+                                         return_lse=return_softmax_lse, **open_model)
         if return_softmax_lse:
             out = torch.stack([o for o, _ in results]).transpose(1, 2)
             return out, torch.stack([lse for _, lse in results])
@@ -356,7 +367,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                  softmax_scale=softmax_scale, window_left=left,
                                  window_right=right, return_lse=return_softmax_lse,
                                  cu_seqlens_q=[b * sq for b in range(batch + 1)],
-                                 cu_seqlens_k=cu_k)
+                                 cu_seqlens_k=cu_k, **open_model)
     if return_softmax_lse:
         o, lse = out
         # lse: [Hq, total_q] -> [B, Hq, Sq]

@@ -11,9 +11,21 @@ transformers' AttentionInterface, so every model on transformers' standard atten
 Qwen2, Mistral, ...) computes attention on the service. With a RemoteCache the K/V stay on the
 server: one session per layer and sequence, the prompt's K/V sent once at prefill, and each decode
 step sends only the new token's q, k and v, one Step per layer carrying every sequence of the batch.
-Without one (a DynamicCache, or none) each call sends the keys it is given (an Attend).
+Without one (a DynamicCache, a StaticCache, or none) each call sends the keys it is given (an
+Attend).
 The cache's sessions are dropped when it is closed or released (and expire on the server anyway).
+
+Every keyword argument transformers passes to the attention function is either served exactly or
+refused by name (NotImplementedError): attention sinks (`s_aux`, gpt-oss) and `softcap` (Gemma 2)
+go to the service as its sinks and softcap; a `sliding_window` (Mistral, Gemma, gpt-oss) becomes
+the window and a chunked layer (Llama 4's `attention_chunk_size`) the chunk size, both checked
+against the mask; a V head dim other than the QK head dim (MLA, DeepSeek-V3) is served by
+zero-padding to one head dim, and a RemoteCache holds an MLA model's latents (absorbed: one KV
+head of the latent and its rotary key, the queries taken through kv_b_proj; attend_absorbed). Attention weights, packed sequences and keywords this module does
+not know are refused, as is a mask that is not causal with padding (and the window or chunks).
 """
+from dataclasses import dataclass
+import threading
 import weakref
 
 import torch
@@ -27,6 +39,81 @@ from attention_client.torch import _attend_packed
 # The attribute RemoteLayer.update sets on the key tensor it returns, so that the attention
 # function, which transformers calls with (query, key, value) only, finds the layer.
 _LAYER = "_attention_service_layer"
+# An MLA layer's update gets latents that transformers expands into new tensors before attention:
+# the layer waits here, by layer index, for this thread's next attention call of that index.
+_latent_layers = threading.local()
+
+# Keywords transformers passes that do not bear on attention once q, k, v and the mask are built:
+# positions are in the rotary embedding already, the others steer what the model returns.
+_WITHOUT_BEARING = frozenset({"position_ids", "use_cache", "output_hidden_states",
+                              "output_router_logits", "num_items_in_batch"})
+# Keywords served only when absent or at their default (None, False, 0), with what they ask for.
+_REFUSED_UNLESS_DEFAULT = {
+    "output_attentions": "attention weights (the service returns o only)",
+    "position_bias": "an additive position bias",
+    "cache": "a paged cache (continuous batching)",
+    "cu_seq_lens_q": "packed sequences",
+    "cu_seq_lens_k": "packed sequences",
+    "max_length_q": "packed sequences",
+    "max_length_k": "packed sequences",
+    "seq_idx": "packed sequences",
+}
+
+
+def _check_keywords(fn, kwargs):
+    """Raises NotImplementedError naming the first keyword that is neither served nor without
+    bearing on attention (an unknown one included): none is ever ignored."""
+    for key, value in kwargs.items():
+        if key in _WITHOUT_BEARING:
+            continue
+        if key in _REFUSED_UNLESS_DEFAULT:
+            if value is None or value is False or (not torch.is_tensor(value) and value == 0):
+                continue
+            raise NotImplementedError(f"{fn}: {key}: {_REFUSED_UNLESS_DEFAULT[key]} is not served "
+                                      "by the attention service")
+        raise NotImplementedError(f"{fn}: the attention keyword {key}={value!r} is not known to "
+                                  "attention_client.transformers; it is refused rather than "
+                                  "ignored")
+
+
+@dataclass
+class _Options:
+    """What a layer's attention asks beyond causal: the mask's window (window_left) and chunks
+    (chunk_size), which the mask must show, and the sinks and softcap, sent as they are."""
+    window_left: int = None
+    chunk_size: int = None
+    sinks: torch.Tensor = None
+    softcap: float = None
+
+    def masked(self):
+        """Client.attend's options with the mask's window and chunks."""
+        return dict(window_left=self.window_left, chunk_size=self.chunk_size, **self.unmasked())
+
+    def unmasked(self):
+        """Client.attend's options for a call without a mask (SDPA's semantics: no window or
+        chunks; transformers leaves the mask out only where they change nothing)."""
+        return dict(sinks=self.sinks, softcap=self.softcap)
+
+
+def _options(fn, module, sliding_window, s_aux, softcap):
+    """The _Options of a layer: transformers' sliding_window W (query i sees key j iff
+    i - W < j <= i) is window_left W - 1; a layer whose type is "chunked_attention" (Llama 4)
+    has its config's attention_chunk_size; s_aux (the sinks, [Hq]) and softcap as given."""
+    options = _Options(sinks=None if s_aux is None else s_aux.detach().float(),
+                       softcap=None if not softcap else float(softcap))
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or \
+                sliding_window < 1:
+            raise ValueError(f"{fn}: sliding_window must be a positive int, got "
+                             f"{sliding_window!r}")
+        options.window_left = sliding_window - 1
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if layer_types is not None and layer is not None and \
+            layer_types[layer] == "chunked_attention":
+        options.chunk_size = int(config.attention_chunk_size)
+    return options
 
 
 def _mask_rows(attention_mask, batch, nq, nk):
@@ -41,37 +128,64 @@ def _mask_rows(attention_mask, batch, nq, nk):
     return keep[:, 0, :, -nk:].expand(batch, nq, nk)
 
 
-def _padded_causal(keep, fn):
-    """For one item's mask keep [Nq, Nk] (True = visible): the queries and keys that take part
-    (LongTensors) such that, over them alone, the mask is causal aligned bottom-right, as with
-    padding (left or right) on a causal model. Raises NotImplementedError for any other mask."""
-    rows = torch.nonzero(keep.any(1)).flatten()
-    keys = torch.nonzero(keep.any(0)).flatten()
+def _check_causal(keep, rows, keys, options, fn):
+    """For one item's mask keep [Nq, Nk] (True = visible) and the queries and keys that take part
+    (LongTensors): raises NotImplementedError unless, over them alone, the mask is causal aligned
+    bottom-right with the options' window and chunks, and nothing outside them is visible, as with
+    padding (left or right) on a causal model."""
     sub = keep[rows][:, keys]
     nq, nk = sub.shape
-    want = (torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)).to(sub.device)
-    if not torch.equal(sub, want) or int(keep.sum()) != int(sub.sum()):
+    j = torch.arange(nk)[None, :]
+    diagonal = torch.arange(nq)[:, None] + (nk - nq)
+    want = j <= diagonal
+    served = "causal masks"
+    if options.window_left is not None:
+        want &= j >= diagonal - options.window_left
+        served += f" with the sliding window ({options.window_left + 1} keys)"
+    if options.chunk_size is not None:
+        want &= j // options.chunk_size == diagonal // options.chunk_size
+        served += f" in chunks of {options.chunk_size}"
+    if not torch.equal(sub, want.to(sub.device)) or int(keep.sum()) != int(sub.sum()):
         raise NotImplementedError(
-            f"{fn}: the attention mask is not a causal mask with padding; served: causal masks, "
-            "with or without padded positions")
+            f"{fn}: the attention mask is not one the service computes; served: {served}, with "
+            "or without padded positions")
+
+
+def _padded_causal(keep, options, fn):
+    """The queries and keys (LongTensors) of one item's mask keep [Nq, Nk] that take part (see
+    something, are seen), checked by _check_causal."""
+    rows = torch.nonzero(keep.any(1)).flatten()
+    keys = torch.nonzero(keep.any(0)).flatten()
+    _check_causal(keep, rows, keys, options, fn)
     return rows, keys
 
 
-def _attend(client, query, key, value, attention_mask, scaling, is_causal):
-    """query [B, Hq, Nq, D], key and value [B, Hkv, Nk, D] (all the keys): one Attend, queries
-    the last Nq positions. o [B, Hq, Nq, D]; padded query rows get 0."""
+def _one_head_dim(query, key, value):
+    """q [.., Dqk], k [.., Dqk], v [.., Dv] padded with zero features to one head dim max(Dqk, Dv)
+    (MLA models have Dv != Dqk): zeros change neither q.k nor o's first Dv features."""
+    d = max(query.shape[-1], value.shape[-1])
+    return tuple(torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
+
+
+def _attend(client, query, key, value, attention_mask, scaling, is_causal, options):
+    """query [B, Hq, Nq, D], key and value [B, Hkv, Nk, D] (all the keys): one Attend, with SDPA's
+    semantics: without a mask, is_causal aligns top-left (a StaticCache's prefill hands over keys
+    past the queries' that are not written yet); with one, the keys and queries it shows take part.
+    o [B, Hq, Nq, D]; padded query rows get 0."""
     batch, _, nq, _ = query.shape
     nk = key.shape[2]
     keep = _mask_rows(attention_mask, batch, nq, nk)
     if keep is None:
+        causal = bool(is_causal) and nq > 1
         return client.attend(query.contiguous(), key.contiguous(), value.contiguous(),
-                             causal=bool(is_causal) and nq > 1, softmax_scale=scaling)
+                             causal=causal, softmax_scale=scaling, mask_alignment="top_left",
+                             **options.unmasked())
     out = torch.zeros_like(query)
     for b in range(batch):  # padded rows differ per item: one varlen item each
-        rows, keys = _padded_causal(keep[b], "attention_service")
+        rows, keys = _padded_causal(keep[b], options, "attention_service")
         if len(rows) > 0:
             o = _attend_packed(client, query[b:b + 1, :, rows], key[b:b + 1], value[b:b + 1],
-                               [keys], True, scaling, "bottom_right")
+                               [keys], True, scaling, "bottom_right", **options.masked())
             out[b, :, rows] = o[0]
     return out
 
@@ -82,20 +196,29 @@ def register(client, name="attention_service"):
     Returns name, for attn_implementation=name. client: an attention_client.Client."""
 
     def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                          is_causal=None, **kwargs):
+                          is_causal=None, sliding_window=None, s_aux=None, softcap=None,
+                          **kwargs):
         if dropout:
             raise NotImplementedError(f"{name}: dropout={dropout}: the service computes attention "
                                       "without dropout (model.eval())")
-        if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-            raise NotImplementedError(f"{name}: sliding windows and softcapping are not served")
+        _check_keywords(name, kwargs)
+        options = _options(name, module, sliding_window, s_aux, softcap)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        dv = value.shape[-1]
+        if scaling is None:  # SDPA's default, from the QK head dim before any padding
+            scaling = query.shape[-1]**-0.5
         with torch.no_grad():
             layer = getattr(key, _LAYER, None)
-            if layer is not None:
-                o = layer.attend(query, key, value, attention_mask, scaling, causal)
+            latent = getattr(_latent_layers, "pending", {}).pop(
+                getattr(module, "layer_idx", None), None)
+            if latent is not None:
+                o = latent.attend_absorbed(module, query, attention_mask, scaling, causal, options)
+            elif layer is not None:
+                o = layer.attend(query, key, value, attention_mask, scaling, causal, options)
             else:
-                o = _attend(client, query, key, value, attention_mask, scaling, causal)
-        return o.transpose(1, 2).contiguous(), None  # [B, Nq, Hq, D], as transformers' sdpa
+                o = _attend(client, *_one_head_dim(query, key, value), attention_mask, scaling,
+                            causal, options)
+        return o[..., :dv].transpose(1, 2).contiguous(), None  # [B, Nq, Hq, Dv], as sdpa's
 
     AttentionInterface.register(name, attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
@@ -127,12 +250,14 @@ class RemoteLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, client, all_sessions):
+    def __init__(self, client, all_sessions, index=None):
         super().__init__()
         self.client = client
+        self.index = index  # for MLA layers (latent caches): the layer's index, else None
         self.sessions = []              # one per sequence, once the prefill ran
         self._all = all_sessions        # the cache's list, for dropping on release
         self.length = 0                 # positions the model has seen, padding included
+        self.positions = []             # per sequence, the positions its session holds (LongTensor)
         self._pending = None
 
     def lazy_initialization(self, key_states, value_states):
@@ -147,56 +272,85 @@ class RemoteLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._pending = (key_states, value_states)
-        setattr(key_states, _LAYER, self)
+        if self.index is None:
+            setattr(key_states, _LAYER, self)
+        else:
+            if not hasattr(_latent_layers, "pending"):
+                _latent_layers.pending = {}
+            _latent_layers.pending[self.index] = self
         return key_states, value_states
 
-    def attend(self, query, key, value, attention_mask, scaling, causal):
-        """Sends the pending K/V and the queries; o [B, Hq, Nq, D]."""
+    def attend_absorbed(self, module, query, attention_mask, scaling, causal, options):
+        """MLA (DeepSeek-V3) in its absorbed form: update() got the latents kv [B, 1, n, R] (after
+        its norm) and k_rot [B, 1, n, P]; the session holds one KV head of K = [kv, k_rot] and V =
+        [kv, 0] (R + P features). query [B, H, Nq, Dn + P] is [q_nope, q_rot]; with kv_b_proj's
+        weight W [H, Dn + Dv, R], q_nope . (W_k kv) = (q_nope W_k) . kv, so q = [q_nope W_k, q_rot]
+        attends to K with the model's scale, and o = o_latent[:R] W_v^T, [B, H, Nq, Dv]."""
+        kv, k_rot = self._pending
+        proj = module.kv_b_proj
+        if proj.bias is not None:
+            raise NotImplementedError("RemoteCache: kv_b_proj.bias: an MLA layer whose kv_b_proj "
+                                      "has a bias is not served")
+        heads, nope, dv = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
+        rank = kv.shape[-1]
+        w = proj.weight.view(heads, nope + dv, rank)
+        q = torch.cat([torch.einsum("bhnd,hdr->bhnr", query[..., :nope], w[:, :nope]),
+                       query[..., nope:]], dim=-1)
+        key = torch.cat([kv, k_rot], dim=-1)
+        value = torch.nn.functional.pad(kv, (0, k_rot.shape[-1]))
+        self._pending = (key, value)
+        o = self.attend(q, key, value, attention_mask, scaling, causal, options)
+        return torch.einsum("bhnr,hvr->bhnv", o[..., :rank], w[:, nope:])
+
+    def attend(self, query, key, value, attention_mask, scaling, causal, options):
+        """Sends the pending K/V and the queries; o [B, Hq, Nq, D]. The queries are the new
+        positions; a position takes part when its query sees its own key (padding hides both),
+        and every item's mask must be causal (with the window) over the positions it kept."""
         if self._pending is None or self._pending[0] is not key:
             raise RuntimeError("RemoteCache: attention was called with keys this cache did not "
                                "hand out")
         self._pending = None
+        query, key, value = _one_head_dim(query, key, value)
         batch, _, nq, _ = query.shape
         new = key.shape[2]
+        if nq != new:
+            raise ValueError(f"RemoteCache: the step has {nq} queries and {new} new keys; the "
+                             "queries must be the new positions")
         keep = _mask_rows(attention_mask, batch, nq, self.length + new)
         if not causal and nq > 1:
             raise NotImplementedError("RemoteCache serves causal (decoder) attention only")
-        if not self.sessions:  # prefill: a session per sequence, created with its rows
-            for b in range(batch):
-                rows = slice(None) if keep is None else _padded_causal(keep[b], "RemoteCache")[1]
-                s = self.client.session(k=key[b][:, rows].contiguous(),
-                                        v=value[b][:, rows].contiguous())
-                self.sessions.append(s)
-                self._all.append(s)
-            appended = False
-        elif len(self.sessions) != batch:
+        prefill = not self.sessions
+        if not prefill and len(self.sessions) != batch:
             raise ValueError(f"RemoteCache holds {len(self.sessions)} sequences, the step has "
                              f"{batch}")
-        else:
-            appended = True
         items, rows_of = [], []
-        for b, s in enumerate(self.sessions):
+        for b in range(batch):
             if keep is None:
-                rows, new_keys = slice(None), slice(None)
+                added = torch.arange(new)
             else:
-                rows, keys = _padded_causal(keep[b], "RemoteCache")
-                # The keys this step adds are the last `new` positions; those kept are appended.
-                new_keys = keys[keys >= self.length] - self.length
-                held = s.length if appended else s.length - len(new_keys)
-                if len(keys) != held + len(new_keys):
-                    raise ValueError(f"RemoteCache: the mask shows {len(keys)} keys for sequence "
-                                     f"{b}, the session holds {held}")
-            q = query[b][:, rows].contiguous()
-            if q.shape[1] == 0:
+                added = torch.nonzero(keep[b][:, self.length:].diagonal()).flatten().cpu()
+                keys = torch.cat([self.positions[b], added + self.length]) if not prefill \
+                    else added
+                _check_causal(keep[b], added, keys, options, "RemoteCache")
+            k, v = key[b][:, added].contiguous(), value[b][:, added].contiguous()
+            if prefill:  # a session per sequence, created with its rows
+                s = self.client.session(k=k, v=v)
+                self.sessions.append(s)
+                self._all.append(s)
+                self.positions.append(added + self.length)
+                item = (s, query[b][:, added].contiguous())
+            else:
+                self.positions[b] = torch.cat([self.positions[b], added + self.length])
+                item = (self.sessions[b], query[b][:, added].contiguous(), k, v)
+            if len(added) == 0:
                 rows_of.append(None)
                 continue
-            item = (s, q)
-            if appended:
-                item += (key[b][:, new_keys].contiguous(), value[b][:, new_keys].contiguous())
             items.append(item)
-            rows_of.append(rows)
+            rows_of.append(added)
         self.length += new
-        results = iter(self.client.step_many(items, causal=True, softmax_scale=scaling))
+        step_options = options.unmasked() if keep is None else options.masked()
+        results = iter(self.client.step_many(items, causal=True, softmax_scale=scaling,
+                                             **step_options))
         out = torch.zeros_like(query)
         for b, rows in enumerate(rows_of):
             if rows is not None:
@@ -229,7 +383,10 @@ class RemoteCache(Cache):
     def __init__(self, client, config):
         self.client = client
         self._sessions = []  # every layer's, shared with the finalizer
-        layers = [RemoteLayer(client, self._sessions) for _ in range(config.num_hidden_layers)]
+        # MLA models (a kv_lora_rank: DeepSeek-V3) cache latents, held in their absorbed form.
+        mla = getattr(config, "kv_lora_rank", None) is not None
+        layers = [RemoteLayer(client, self._sessions, i if mla else None)
+                  for i in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
         self._finalizer = weakref.finalize(self, _drop_sessions, client, self._sessions)
 

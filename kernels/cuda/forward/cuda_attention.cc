@@ -63,6 +63,7 @@ cudaError_t LaunchVariant(const ForwardPlan& plan, const KernelParams& k, cudaSt
 
 absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   RETURN_IF_ERROR(CheckParams(p));
+  RETURN_IF_ERROR(RefuseOpenModelOptions(p, "cuda"));
   if (p.head_dim % 8 != 0 || p.head_dim > kMaxHeadDim) {
     return absl::UnimplementedError(
         absl::StrCat("head_dim ", p.head_dim,

@@ -30,7 +30,8 @@ bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) {
       a.head_dim != b.head_dim || a.softmax_scale != b.softmax_scale ||
       a.q_descale != b.q_descale || a.k_descale != b.k_descale || a.v_descale != b.v_descale ||
       a.window_left != b.window_left || a.window_right != b.window_right ||
-      a.mask_alignment != b.mask_alignment || (a.lse == nullptr) != (b.lse == nullptr)) {
+      a.mask_alignment != b.mask_alignment || (a.lse == nullptr) != (b.lse == nullptr) ||
+      a.has_open_model_options() || b.has_open_model_options()) {
     return false;
   }
   const bool same_dense = !a.is_varlen() && !b.is_varlen() && IsBshd(a) == IsBshd(b) &&

@@ -117,6 +117,7 @@ class CudaKvPagePool : public KvPagePool {
   }
 
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host) override {
+    RETURN_IF_ERROR(RefuseOpenModelOptions(host, "cuda"));
     ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(host, page_bytes_, num_pages_));
     if (host.num_seqs == 0 || host.total_q == 0) return KvStepTimes{};
     ASSIGN_OR_RETURN(const PagedDecodePlan plan, PlanPagedDecode(host, extent, plan_options_));
