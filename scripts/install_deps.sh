@@ -13,7 +13,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
-  python3 python3-numpy python3-yaml python3-grpcio python3-protobuf python3-venv
+  python3 python3-numpy python3-yaml python3-grpcio python3-protobuf python3-venv python3-build
   openssl clang-14 libclang-rt-14-dev clang-format-14
   prometheus
 )
