@@ -17,6 +17,9 @@ packages=(
   openssl clang-14 libclang-rt-14-dev clang-format-14
   prometheus
 )
+# Debian's docker-compose (1.29), with which the deployment tests validate deploy/compose; left
+# out with the other deployment-test tools (ATTENTION_DEPLOY_TOOLS=0, as the image's build does).
+[ "${ATTENTION_DEPLOY_TOOLS:-1}" = 0 ] || packages+=(docker-compose)
 
 missing=()
 for p in "${packages[@]}"; do
