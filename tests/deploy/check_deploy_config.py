@@ -641,8 +641,8 @@ class ComposeCliTest(unittest.TestCase):
         self.validate([DOCKER_COMPOSE])
 
     def test_compose_v2(self):
-        if not DOCKER or subprocess.run([DOCKER, "compose", "version"],
-                                        capture_output=True).returncode != 0:
+        if not os.access(DOCKER, os.X_OK) or subprocess.run(
+                [DOCKER, "compose", "version"], capture_output=True).returncode != 0:
             self.skipTest("no --docker given, or it has no compose v2 plugin")
         self.validate([DOCKER, "compose"])
 
