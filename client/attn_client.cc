@@ -204,9 +204,10 @@ absl::StatusOr<ProblemSpec> SpecFromFlags(const InputFiles& files) {
     lengths->assign(values->begin(), values->end());
   }
   if (!spec.varlen_k.empty() && spec.varlen_k.size() != spec.varlen_q.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--varlen_k: expected ", spec.varlen_q.size(), " lengths (one per --varlen "
-                     "item), got ", spec.varlen_k.size()));
+    return absl::InvalidArgumentError(absl::StrCat("--varlen_k: expected ", spec.varlen_q.size(),
+                                                   " lengths (one per --varlen "
+                                                   "item), got ",
+                                                   spec.varlen_k.size()));
   }
   if (spec.is_varlen()) spec.batch = static_cast<int64_t>(spec.varlen_q.size());
   return spec;
