@@ -26,6 +26,7 @@
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -36,6 +37,7 @@
 #include "client/request_builder.h"
 #include "client/tensors.h"
 #include "client/tool_flags.h"
+#include "kernels/attention_params.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051", "server address, host:port");
 ABSL_FLAG(int64_t, deadline_ms, 60000, "deadline per call, milliseconds");
@@ -82,7 +84,8 @@ ABSL_FLAG(std::vector<std::string>, varlen, {},
 ABSL_FLAG(std::vector<std::string>, varlen_k, {},
           "varlen: per-item key lengths (default: --varlen)");
 ABSL_FLAG(std::string, q, "",
-          ".npy file for q ('<f4' or '<f2'); gives --shape and --dtype unless they are set");
+          ".npy file for q ('<f4' or '<f2'), with --k and --v; gives --shape and --dtype unless "
+          "they are set");
 ABSL_FLAG(std::string, k, "", ".npy file for k; gives --kv_heads and --nk unless they are set");
 ABSL_FLAG(std::string, v, "", ".npy file for v");
 ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt, "seed for random inputs (default: random)");
@@ -124,6 +127,15 @@ absl::StatusOr<InputFiles> ReadInputFiles() {
   InputFiles files;
   const std::string paths[] = {absl::GetFlag(FLAGS_q), absl::GetFlag(FLAGS_k),
                                absl::GetFlag(FLAGS_v)};
+  // A missing one would be random, and the answer, computed on noise, would look like any other.
+  const int given = static_cast<int>(std::count_if(
+      std::begin(paths), std::end(paths), [](const std::string& path) { return !path.empty(); }));
+  if (given != 0 && given != 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--q, --k and --v go together (each tensor from its file), got ",
+                     paths[0].empty() ? "" : "--q ", paths[1].empty() ? "" : "--k ",
+                     paths[2].empty() ? "" : "--v ", "only"));
+  }
   for (int i = 0; i < 3; ++i) {
     if (paths[i].empty()) continue;
     absl::StatusOr<NpyArray> array = ReadNpy(paths[i]);
@@ -191,6 +203,12 @@ absl::StatusOr<ProblemSpec> SpecFromFlags(const InputFiles& files) {
     }
     lengths->assign(values->begin(), values->end());
   }
+  if (!spec.varlen_k.empty() && spec.varlen_k.size() != spec.varlen_q.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("--varlen_k: expected ", spec.varlen_q.size(),
+                                                   " lengths (one per --varlen "
+                                                   "item), got ",
+                                                   spec.varlen_k.size()));
+  }
   if (spec.is_varlen()) spec.batch = static_cast<int64_t>(spec.varlen_q.size());
   return spec;
 }
@@ -220,11 +238,48 @@ absl::StatusOr<v1::AttendRequest> BuildRequest(const ProblemSpec& spec, InputFil
   return MakeRequest(spec, data[0], data[1], data[2]);
 }
 
+// A failed call's status, and what to do about it where the status alone does not say: a call
+// past --deadline_ms, and a connection refused or failed where TLS is on one side only (gRPC's
+// texts: "Connection refused"; a plaintext client of a TLS server reads "Socket closed", a TLS
+// client of a plaintext server "Ssl handshake failed: ... wrong version number").
+std::string Advised(const absl::Status& status) {
+  std::string text = status.ToString();
+  const std::string target = absl::GetFlag(FLAGS_target);
+  const bool tls = absl::GetFlag(FLAGS_tls) || !absl::GetFlag(FLAGS_tls_ca).empty() ||
+                   !absl::GetFlag(FLAGS_tls_cert).empty();
+  const auto says = [&status](absl::string_view what) {
+    return absl::StrContains(status.message(), what);
+  };
+  if (absl::IsDeadlineExceeded(status)) {
+    absl::StrAppend(
+        &text, "\n  the call took longer than --deadline_ms=", absl::GetFlag(FLAGS_deadline_ms),
+        ": raise it for a request this large (or a busy server), or send less");
+  } else if (!absl::IsUnavailable(status)) {
+    return text;
+  } else if (says("Connection refused")) {
+    absl::StrAppend(&text, "\n  nothing listens at --target=", target,
+                    ": is the server running, on this host and port?");
+  } else if (tls && says("andshake")) {
+    absl::StrAppend(&text,
+                    "\n  the TLS handshake failed: if the server serves plaintext (started "
+                    "without --tls_cert), leave out --tls, --tls_ca and --tls_cert; if it serves "
+                    "TLS, --tls_ca must hold the CA that signed its certificate, --target must "
+                    "name a host the certificate is for, and a server with --tls_client_ca needs "
+                    "--tls_cert and --tls_key");
+  } else if (!tls && says("Socket closed")) {
+    absl::StrAppend(&text,
+                    "\n  the server closed the connection: if it serves TLS (started with "
+                    "--tls_cert), pass --tls_ca=CA.pem (and --tls_cert and --tls_key for mutual "
+                    "TLS)");
+  }
+  return text;
+}
+
 int RunHealth(Client& client) {
   const std::string service = absl::GetFlag(FLAGS_health_service);
   absl::StatusOr<HealthStatus> status = client.CheckHealth(service);
   if (!status.ok()) {
-    std::fprintf(stderr, "health check failed: %s\n", status.status().ToString().c_str());
+    std::fprintf(stderr, "health check failed: %s\n", Advised(status.status()).c_str());
     return kExitFailed;
   }
   std::printf("%s: %s\n", service.empty() ? "(server)" : service.c_str(),
@@ -235,7 +290,7 @@ int RunHealth(Client& client) {
 int RunInfo(Client& client) {
   absl::StatusOr<v1::ServerInfo> info = client.GetServerInfo();
   if (!info.ok()) {
-    std::fprintf(stderr, "GetServerInfo failed: %s\n", info.status().ToString().c_str());
+    std::fprintf(stderr, "GetServerInfo failed: %s\n", Advised(info.status()).c_str());
     return kExitFailed;
   }
   std::printf("%s", info->DebugString().c_str());
@@ -258,6 +313,28 @@ void PrintLatencies(std::vector<double> ms) {
 int64_t EstimateRequestBytes(const ProblemSpec& spec) {
   const int64_t width = DTypeBytes(spec.dtype);
   return width * (NumElements(QueryShape(spec)) + 2 * NumElements(KeyValueShape(spec)));
+}
+
+// The request's work as the server counts it (server/requests/request_decoder.cc): 4 * Hq * D per
+// (query row, visible key) pair.
+double RequestFlops(const ProblemSpec& spec) {
+  const int64_t left = spec.window_left.value_or(kUnboundedWindow);
+  const int64_t right = spec.causal ? 0 : spec.window_right.value_or(kUnboundedWindow);
+  const MaskAlignment alignment = spec.mask_alignment == v1::MASK_ALIGN_TOP_LEFT
+                                      ? MaskAlignment::kTopLeft
+                                      : MaskAlignment::kBottomRight;
+  double pairs = 0;
+  if (spec.is_varlen()) {
+    for (size_t b = 0; b < spec.varlen_q.size(); ++b) {
+      const int64_t nk = spec.varlen_k.empty() ? spec.varlen_q[b] : spec.varlen_k[b];
+      pairs += static_cast<double>(VisibleKeyPairs(spec.varlen_q[b], nk, left, right, alignment));
+    }
+  } else {
+    pairs =
+        static_cast<double>(spec.batch) *
+        static_cast<double>(VisibleKeyPairs(spec.seqlen_q, spec.seqlen_k, left, right, alignment));
+  }
+  return 4.0 * static_cast<double>(spec.heads_q) * static_cast<double>(spec.head_dim) * pairs;
 }
 
 int RunAttend(Client& client, int64_t max_message_bytes) {
@@ -284,6 +361,23 @@ int RunAttend(Client& client, int64_t max_message_bytes) {
             : "");
     return kExitUsage;
   }
+  // The server's work limit, before anything is built: a request over it would be refused after
+  // its tensors were drawn and sent.
+  absl::StatusOr<v1::ServerInfo> info = client.GetServerInfo();
+  if (!info.ok()) {
+    std::fprintf(stderr, "GetServerInfo failed: %s\n", Advised(info.status()).c_str());
+    return kExitFailed;
+  }
+  if (const double flops = RequestFlops(*spec);
+      info->limits().max_request_flops() > 0 && flops > info->limits().max_request_flops()) {
+    std::fprintf(stderr,
+                 "the request would need %s FLOPs (4 * Hq * D * visible pairs), over the "
+                 "server's limit of %s per request (its --max_request_flops, in --info); "
+                 "split it over several calls\n",
+                 absl::StrCat(absl::SixDigits(flops)).c_str(),
+                 absl::StrCat(absl::SixDigits(info->limits().max_request_flops())).c_str());
+    return kExitUsage;
+  }
   absl::StatusOr<v1::AttendRequest> request = BuildRequest(*spec, *files);
   if (!request.ok()) {
     std::fprintf(stderr, "%s\n", request.status().ToString().c_str());
@@ -300,7 +394,7 @@ int RunAttend(Client& client, int64_t max_message_bytes) {
     absl::StatusOr<v1::AttendResponse> result = client.Attend(*request);
     const auto end = std::chrono::steady_clock::now();
     if (!result.ok()) {
-      std::fprintf(stderr, "Attend failed: %s\n", result.status().ToString().c_str());
+      std::fprintf(stderr, "Attend failed: %s\n", Advised(result.status()).c_str());
       return kExitFailed;
     }
     latencies_ms.push_back(std::chrono::duration<double, std::milli>(end - start).count());

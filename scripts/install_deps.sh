@@ -23,8 +23,12 @@ server_packages=(
 )
 build_packages=(libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev)
 test_packages=(
-  python3-yaml python3-venv openssl clang-14 libclang-rt-14-dev clang-format-14 prometheus
+  python3-yaml python3-venv python3-build openssl clang-14 libclang-rt-14-dev clang-format-14
+  prometheus
 )
+# Debian's docker-compose (1.29), with which the deployment tests validate deploy/compose; left
+# out with the other deployment-test tools (ATTENTION_DEPLOY_TOOLS=0).
+[ "${ATTENTION_DEPLOY_TOOLS:-1}" = 0 ] || test_packages+=(docker-compose)
 case "$level" in
   server) packages=("${server_packages[@]}") ;;
   build) packages=("${server_packages[@]}" "${build_packages[@]}") ;;

@@ -46,6 +46,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "git_commit.h"  // ATTENTION_GIT_COMMIT, written by the build (server/git_commit.cmake)
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -396,6 +397,9 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(HostPort(options.host, options.port), *credentials, &port);
+  // gRPC sets SO_REUSEPORT by default, so a second server on a port in use would start and
+  // silently share it, taking part of its connections. Off: that second server fails to bind.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   if (!options.unix_socket.empty()) {
     // A socket left by an earlier run would make the bind fail; anything else there is kept (and
     // the bind fails, naming the path).
@@ -457,7 +461,10 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
     if (server != nullptr) polled_streams->Start();
   }
   if (server == nullptr || port == 0) {
-    std::fprintf(stderr, "attention_server: cannot listen on %s%s%s\n",
+    std::fprintf(stderr,
+                 "attention_server: cannot listen on %s%s%s for gRPC: another process holds the "
+                 "port (--port picks another; 0 a free one), or the address is not this host's "
+                 "(--host)\n",
                  HostPort(options.host, options.port).c_str(),
                  options.unix_socket.empty() ? "" : " or unix:", options.unix_socket.c_str());
     return 1;
@@ -550,8 +557,15 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Serves attention.v1.Attention over gRPC.");
   // --help lists this file's flags (abseil's default looks for a file named like the program).
   const auto own_flags = [](absl::string_view file) { return file == __FILE__; };
-  absl::SetFlagsUsageConfig(
-      {.contains_helpshort_flags = own_flags, .contains_help_flags = own_flags});
+  // --version: what was built, from the build (server/CMakeLists.txt), not abseil's own guess.
+  absl::SetFlagsUsageConfig({.contains_helpshort_flags = own_flags,
+                             .contains_help_flags = own_flags,
+                             .version_string = [] {
+                               return absl::StrCat("attention_server ", ATTENTION_VERSION,
+                                                   "\ncommit ", ATTENTION_GIT_COMMIT,
+                                                   "\nbuild type ", ATTENTION_BUILD_TYPE, "\nCUDA ",
+                                                   ATTENTION_CUDA_VERSION, "\n");
+                             }});
   absl::ParseCommandLine(argc, argv);
 
   attention::server::ServerConfig options;

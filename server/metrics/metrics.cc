@@ -155,20 +155,25 @@ Metrics::Metrics(const BuildInfo& build)
 
 absl::StatusOr<int> Metrics::Serve(const std::string& address) {
   // civetweb gives each connection a worker thread from accept until its request has been read
-  // and answered, so an idle or stalled connection holds a worker until the request timeout
-  // (civetweb's default 30 s; prometheus-cpp's default pool is 2 workers). Enough workers for the
-  // scrapers and a few stray connections, and a timeout well inside Prometheus's default 10 s
-  // scrape timeout, so a scrape is not starved by them. Keep-alive stays off (civetweb's
+  // and answered, so a connection trickling its headers holds a worker until the request timeout
+  // (civetweb's default 30 s, counted from the connection's first byte; prometheus-cpp's default
+  // pool is 2 workers), and a scrape queued behind them waits. Workers for a few dozen such
+  // connections beside the scrapers (an idle worker is a sleeping thread), and a timeout that
+  // drops each after 1 s (a scraper sends its request at once), so a scrape is answered within
+  // 2 s while they trickle (tests/python/test_operator.py). Keep-alive stays off (civetweb's
   // default): a scraper's connection gives its worker back after each scrape.
   const std::vector<std::string> options = {"listening_ports",    address,  //
-                                            "num_threads",        "8",      //
-                                            "request_timeout_ms", "5000"};
+                                            "num_threads",        "128",    //
+                                            "request_timeout_ms", "1000"};
   // civetweb reports a failed bind by throwing; it stays inside this call.
   try {
     exposer_ = std::make_unique<prometheus::Exposer>(options);
   } catch (const std::exception& e) {
     return absl::UnavailableError(
-        absl::StrCat("metrics: cannot listen on ", address, ": ", e.what()));
+        absl::StrCat("metrics: cannot listen on ", address,
+                     " (--metrics_port): another process holds the port, or the address is not "
+                     "this host's (",
+                     e.what(), ")"));
   }
   exposer_->RegisterCollectable(sampled_);
   const std::vector<int> ports = exposer_->GetListeningPorts();

@@ -31,12 +31,24 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
       return absl::InvalidArgumentError(absl::StrCat(name, ": expected >= 1, got ", value));
     }
   }
-  if (o.threads < 0 || o.shutdown_grace_s < 0 || o.port < 0 || o.metrics_port < 0 ||
-      o.scheduler.workers < 0 || o.scheduler.max_queue_delay < absl::ZeroDuration() ||
+  // A TCP port is 16 bits: gRPC would bind a larger number modulo 65536, somewhere unasked.
+  for (const auto& [name, value] :
+       {std::pair{"--port", o.port}, {"--metrics_port", o.metrics_port}}) {
+    if (value < 0 || value > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected a TCP port 0..65535 (0 picks a free one), got ", value));
+    }
+  }
+  if (o.port != 0 && o.port == o.metrics_port) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--port and --metrics_port: expected two different ports, got ", o.port, " for both"));
+  }
+  if (o.threads < 0 || o.shutdown_grace_s < 0 || o.scheduler.workers < 0 ||
+      o.scheduler.max_queue_delay < absl::ZeroDuration() ||
       o.scheduler.worker_spin < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
-        "--threads, --workers, --max_queue_delay_us, --worker_spin_us, --shutdown_grace_s, --port "
-        "and --metrics_port must be >= 0 (--worker_spin_us may be -1: the backend's default)");
+        "--threads, --workers, --max_queue_delay_us, --worker_spin_us and --shutdown_grace_s must "
+        "be >= 0 (--worker_spin_us may be -1: the backend's default)");
   }
   if (o.shared_memory.limits.max_regions_per_owner < 1 ||
       o.shared_memory.limits.max_mapped_bytes < 1) {

@@ -86,23 +86,38 @@ TEST(CheckOptionsTest, NonNegatives) {
         o.shutdown_grace_s = -1;
         break;
       case 4:
-        o.port = -1;
-        break;
-      case 5:
         o.scheduler.worker_spin = absl::Microseconds(-1);
-        break;
-      default:
-        o.metrics_port = -1;
         break;
     }
   };
-  for (int which = 0; which < 7; ++which) {
+  for (int which = 0; which < 5; ++which) {
     SCOPED_TRACE(which);
     ServerOptions o;
     negative(o, which);
     ExpectInvalid(CheckOptions(o, kMessageMb), "--threads, --workers, --max_queue_delay_us",
                   "must be >= 0");
   }
+}
+
+TEST(CheckOptionsTest, PortsAreTcpPortsAndDistinct) {
+  for (int port : {-1, 65536, 1 << 20}) {
+    SCOPED_TRACE(port);
+    ServerOptions o;
+    o.port = port;
+    ExpectInvalid(CheckOptions(o, kMessageMb), "--port: expected a TCP port 0..65535",
+                  absl::StrCat("got ", port));
+    o.port = 0;
+    o.metrics_port = port;
+    ExpectInvalid(CheckOptions(o, kMessageMb), "--metrics_port: expected a TCP port 0..65535",
+                  absl::StrCat("got ", port));
+  }
+  ServerOptions o;
+  o.port = o.metrics_port = 9464;
+  ExpectInvalid(CheckOptions(o, kMessageMb), "--port and --metrics_port", "got 9464 for both");
+  o.port = o.metrics_port = 0;  // each picks a free one
+  EXPECT_TRUE(CheckOptions(o, kMessageMb).ok());
+  o.port = 65535;
+  EXPECT_TRUE(CheckOptions(o, kMessageMb).ok());
 }
 
 TEST(CheckOptionsTest, ConnectionAge) {

@@ -157,10 +157,12 @@ absl::Status RegionRegistry::CheckRoomLocked(const std::string& owner, const std
         absl::StrCat("regions: this caller holds ", owned, ", the limit is ",
                      limits_.max_regions_per_owner, " (--max_shared_memory_regions)"));
   }
+  // No sum in the text: mapped + bytes may pass int64 (--max_shared_memory_bytes up to its max).
   if (bytes > limits_.max_mapped_bytes - mapped_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "byte_size: ", bytes, " bytes more would map ", mapped_bytes_ + bytes,
-        " bytes, over the limit of ", limits_.max_mapped_bytes, " (--max_shared_memory_bytes)"));
+        "byte_size: ", bytes, " bytes more would pass the limit of ", limits_.max_mapped_bytes,
+        " bytes mapped (--max_shared_memory_bytes), of which ", mapped_bytes_,
+        " are mapped already"));
   }
   return absl::OkStatus();
 }
@@ -187,9 +189,11 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(const std::stri
   if (absl::Status s = CheckSystemKey(key); !s.ok()) return s;
   if (absl::Status s = CheckRange(offset, byte_size); !s.ok()) return s;
   {
-    // Refuse early, before mapping anything; Insert checks again under the same lock.
+    // Refuse a taken name or a full caller early, before opening anything; the bytes after the
+    // object's size, so a size beyond the object is INVALID_ARGUMENT whatever the limit. Insert
+    // checks again under the same lock.
     std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Status room = CheckRoomLocked(owner, name, byte_size); !room.ok()) return room;
+    if (absl::Status room = CheckRoomLocked(owner, name, 0); !room.ok()) return room;
   }
   // Never O_CREAT: the client made the object; the server only maps what exists.
   const int fd = shm_open(key.c_str(), O_RDWR | O_CLOEXEC, 0);
@@ -211,6 +215,14 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(const std::stri
     return absl::InvalidArgumentError(
         absl::StrCat("byte_size: expected offset + byte_size <= the object's ", st.st_size,
                      " bytes, got ", offset, " + ", byte_size));
+  }
+  {
+    // The bytes, before anything is mapped or pinned.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (absl::Status room = CheckRoomLocked(owner, name, byte_size); !room.ok()) {
+      close(fd);
+      return room;
+    }
   }
   const int64_t page = sysconf(_SC_PAGESIZE);
   const int64_t map_offset = offset / page * page;
@@ -264,8 +276,9 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(const std::string
   }
   if (absl::Status s = CheckRange(offset, byte_size); !s.ok()) return s;
   {
+    // As RegisterSystem: the bytes are checked (in Insert) after the allocation's size.
     std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Status room = CheckRoomLocked(owner, name, byte_size); !room.ok()) return room;
+    if (absl::Status room = CheckRoomLocked(owner, name, 0); !room.ok()) return room;
   }
   absl::StatusOr<std::pair<void*, int64_t>> opened = hooks_.open_cuda(handle, device);
   if (!opened.ok()) return opened.status();

@@ -10,6 +10,7 @@
 
 #include <cstring>
 #include <future>
+#include <limits>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -17,10 +18,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace attention::server {
 namespace {
+
+using ::testing::HasSubstr;
 
 // A shared-memory object of `bytes`, filled with byte i = i % 251, unlinked at the end.
 class ShmObject {
@@ -131,6 +135,37 @@ TEST(RegionRegistryTest, KeepsTheLimitsOfRegionsAndBytes) {
             absl::StatusCode::kResourceExhausted);  // bytes over every owner
   EXPECT_TRUE(registry.RegisterSystem("b", "r1", object.key(), 0, 2000).ok());
   EXPECT_EQ(registry.mapped_bytes(), 6000);
+}
+
+TEST(RegionRegistryTest, ASizeBeyondTheObjectIsInvalidWhateverTheLimit) {
+  ShmObject object(8192);
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  for (int64_t limit : {int64_t{6000}, kMax}) {
+    SCOPED_TRACE(limit);
+    RegionRegistry registry({.max_mapped_bytes = limit}, {});
+    ASSERT_TRUE(registry.RegisterSystem("a", "r1", object.key(), 0, 2000).ok());
+    for (int64_t size : {int64_t{1} << 40, kMax - 10}) {
+      const absl::Status status =
+          registry.RegisterSystem("a", "r2", object.key(), 8, size).status();
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+      EXPECT_THAT(status.message(),
+                  HasSubstr(absl::StrCat("byte_size: expected offset + byte_size <= the object's "
+                                         "8192 bytes, got 8 + ",
+                                         size)));
+    }
+    EXPECT_EQ(registry.mapped_bytes(), 2000);
+  }
+}
+
+TEST(RegionRegistryTest, TheByteLimitSaysWhatIsMapped) {
+  ShmObject object(8192);
+  RegionRegistry small({.max_mapped_bytes = 6000}, {});
+  ASSERT_TRUE(small.RegisterSystem("a", "r1", object.key(), 0, 4000).ok());
+  const absl::Status status = small.RegisterSystem("b", "r1", object.key(), 0, 2001).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_THAT(status.message(),
+              HasSubstr("byte_size: 2001 bytes more would pass the limit of 6000 bytes mapped "
+                        "(--max_shared_memory_bytes), of which 4000 are mapped already"));
 }
 
 TEST(RegionRegistryTest, PinsTheMappingAndUnpinsItBeforeUnmapping) {

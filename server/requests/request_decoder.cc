@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <tuple>
 
@@ -235,6 +236,7 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
              : (bshd ? "[B, N, H, D] for LAYOUT_BSHD" : "[B, H, N, D] for LAYOUT_BHSD");
   const size_t element_bytes = DTypeSize(dtype);
   int64_t request_bytes = 0;
+  bool overflow = false;
   int64_t tensor_bytes[3] = {0, 0, 0};
   int tensor_index = 0;
   for (const auto& [name, t, data_bytes] :
@@ -244,13 +246,16 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
     ASSIGN_OR_RETURN(int64_t bytes,
                      CheckTensor(name, *t, data_bytes, rank, rank_meaning, element_bytes));
     tensor_bytes[tensor_index++] = bytes;
-    // Bytes in a region do not cross gRPC. Each fits in memory, so the sum cannot overflow.
-    if (!t->has_ref()) request_bytes += bytes;
+    // Bytes in a region do not cross gRPC. Each fits int64, their sum may not: AttendChunked's
+    // bytes are still to come, so its shapes alone give them.
+    if (!t->has_ref()) overflow |= __builtin_add_overflow(request_bytes, bytes, &request_bytes);
   }
-  if (request_bytes > options.max_message_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("request tensors are ", request_bytes,
-                                                     " bytes, over the message limit of ",
-                                                     options.max_message_bytes, " bytes"));
+  if (overflow || request_bytes > options.max_message_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request tensors are ",
+                     overflow ? absl::StrCat("more than ", std::numeric_limits<int64_t>::max())
+                              : absl::StrCat(request_bytes),
+                     " bytes, over the message limit of ", options.max_message_bytes, " bytes"));
   }
 
   // Dims by layout. Dense q: [B, Hq, Nq, D] (BHSD) or [B, Nq, Hq, D] (BSHD); varlen [total, H, D].

@@ -320,6 +320,25 @@ int64_t LseIndex(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
   return b * p.lse_batch_stride + h * p.lse_head_stride + row;
 }
 
+TEST(RequestDecoderTest, ShapesWhoseBytesOverflowTogetherAreRefusedWithoutANegativeCount) {
+  // AttendChunked's header: the bytes are still to come, so the shapes alone give them. q, k and
+  // v float32 [2^30, 1, 2^22, 256] are 2^62 bytes each: their sum passes int64.
+  AttendRequest request;
+  for (v1::Tensor* t : {request.mutable_q(), request.mutable_k(), request.mutable_v()}) {
+    t->set_dtype(v1::DTYPE_FLOAT32);
+    for (int64_t d : {int64_t{1} << 30, int64_t{1}, int64_t{1} << 22, int64_t{256}}) {
+      t->add_shape(d);
+    }
+  }
+  const absl::StatusOr<DecodedRequest> decoded =
+      DecodeRequest(request, InputTensors{.q_bytes = -1, .k_bytes = -1, .v_bytes = -1},
+                    DecodeOptions{.max_message_bytes = int64_t{8} << 30});
+  EXPECT_EQ(decoded.status().code(), absl::StatusCode::kResourceExhausted) << decoded.status();
+  EXPECT_EQ(decoded.status().message(),
+            "request tensors are more than 9223372036854775807 bytes, over the message limit of "
+            "8589934592 bytes");
+}
+
 TEST(RequestDecoderTest, BhsdPointsIntoRequestAndResponse) {
   Random random;
   SCOPED_TRACE("seed " + std::to_string(random.seed()));

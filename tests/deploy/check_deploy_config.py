@@ -8,9 +8,12 @@ names, gRPC service names and labels they mention exist in the project and agree
 (the server's flag defaults in server/main.cc, the CLI's flags in client/attn_client.cc, the
 executables of the CMake build, the proto's service).
 
-  check_deploy_config.py --root=REPOSITORY_ROOT [--kubectl=KUBECTL] [TEST ...]
+  check_deploy_config.py --root=REPOSITORY_ROOT [--kubectl=KUBECTL]
+      [--docker_compose=DOCKER_COMPOSE] [--docker=DOCKER] [TEST ...]
 
 With --kubectl, KustomizeRenderTest also renders the kustomizations with `kubectl kustomize`.
+With --docker_compose (Debian's docker-compose 1.29) and --docker (compose v2, `docker compose`,
+where that plugin is installed), ComposeCliTest has each validate the compose files.
 """
 
 import argparse
@@ -27,6 +30,8 @@ import yaml
 
 ROOT = ""  # set by main()
 KUBECTL = ""  # set by main(): --kubectl, for KustomizeRenderTest
+DOCKER_COMPOSE = ""  # set by main(): --docker_compose, for ComposeCliTest
+DOCKER = ""  # set by main(): --docker, for ComposeCliTest
 
 # Flags abseil itself defines for every binary.
 ABSL_BUILTIN_FLAGS = {"help", "helpfull", "helpshort", "helppackage", "version", "flagfile",
@@ -600,6 +605,48 @@ class KustomizeRenderTest(unittest.TestCase):
         self.assertEqual([d for d in documents if api_group(d) != OPERATOR_GROUP], base)
 
 
+COMPOSE_FILES = ["deploy/compose/docker-compose.yml", "deploy/compose/docker-compose.gpu.yml"]
+# The top-level keys both compose v2 and Debian 12's docker-compose 1.29 take: 1.29 refuses
+# `name`, v2 warns that `version` is obsolete.
+COMPOSE_TOP_LEVEL_KEYS = {"services", "volumes", "networks", "configs", "secrets"}
+
+
+class ComposeTest(unittest.TestCase):
+    def test_top_level_keys_both_compose_versions_take(self):
+        for path in COMPOSE_FILES:
+            with self.subTest(path=path):
+                keys = set(yaml.safe_load(read(path)))
+                self.assertEqual({k for k in keys if not k.startswith("x-")}
+                                 - COMPOSE_TOP_LEVEL_KEYS, set())
+
+    def test_project_named_by_the_env_file(self):
+        self.assertIn("COMPOSE_PROJECT_NAME=attention\n", read("deploy/compose/.env"))
+
+
+class ComposeCliTest(unittest.TestCase):
+    """`config -q` of both files, alone and with the GPU override, by docker-compose 1.29
+    (--docker_compose) and compose v2 (--docker, when `docker compose` runs); skipped without."""
+
+    def validate(self, command):
+        for files in (COMPOSE_FILES[:1], COMPOSE_FILES):
+            args = [a for f in files for a in ("-f", os.path.join(ROOT, f))]
+            result = subprocess.run(command + args + ["config", "-q"], capture_output=True,
+                                    text=True, timeout=60)
+            self.assertEqual(result.returncode, 0, f"{command} {files}:\n{result.stderr}")
+            self.assertNotIn("obsolete", result.stderr)
+
+    def test_docker_compose_1_29(self):
+        if not DOCKER_COMPOSE:
+            self.skipTest("no --docker_compose given")
+        self.validate([DOCKER_COMPOSE])
+
+    def test_compose_v2(self):
+        if not os.access(DOCKER, os.X_OK) or subprocess.run(
+                [DOCKER, "compose", "version"], capture_output=True).returncode != 0:
+            self.skipTest("no --docker given, or it has no compose v2 plugin")
+        self.validate([DOCKER, "compose"])
+
+
 def markdown_anchors(text):
     """The anchors GitHub gives the headings of a Markdown text: lower case, punctuation other
     than '-' and '_' dropped, spaces turned into '-'."""
@@ -657,13 +704,17 @@ class ReadmeTest(unittest.TestCase):
                 self.assertEqual(unknown_flags(words, commands[m.group(1)]), [], line)
 
 def main():
-    global ROOT, PROJECT, KUBECTL
+    global ROOT, PROJECT, KUBECTL, DOCKER_COMPOSE, DOCKER
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", required=True, help="the repository root")
     parser.add_argument("--kubectl", default="", help="kubectl, to render the kustomizations")
+    parser.add_argument("--docker_compose", default="", help="docker-compose 1.29")
+    parser.add_argument("--docker", default="", help="docker, for `docker compose` (v2)")
     args, rest = parser.parse_known_args()
     ROOT = os.path.abspath(args.root)
     KUBECTL = args.kubectl
+    DOCKER_COMPOSE = args.docker_compose
+    DOCKER = args.docker
     PROJECT = Project()
     unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
 

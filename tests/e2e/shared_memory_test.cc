@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -371,6 +372,10 @@ TEST_F(SharedMemoryE2E, RegistrationsAreCheckedAndLimited) {
       {"no such object", "a", key + "-missing", 0, 16, absl::StatusCode::kNotFound, "system_key"},
       {"past the object's end", "a", key, 65536 - 8, 16, absl::StatusCode::kInvalidArgument,
        "byte_size"},
+      // Far past it: the object's size is checked before --max_shared_memory_bytes.
+      {"far past the object's end", "a", key, 8, std::numeric_limits<int64_t>::max() - 8,
+       absl::StatusCode::kInvalidArgument,
+       "byte_size: expected offset + byte_size <= the object's 65536 bytes, got 8 + "},
       {"a negative offset", "a", key, -1, 16, absl::StatusCode::kInvalidArgument, "offset"},
       {"no bytes", "a", key, 0, 0, absl::StatusCode::kInvalidArgument, "byte_size"},
       {"no name", "", key, 0, 16, absl::StatusCode::kInvalidArgument, "name"},

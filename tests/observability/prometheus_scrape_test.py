@@ -263,6 +263,7 @@ class Load:
         if process.returncode != 0:
             raise Failure(f"attn_client failed ({process.returncode}):\n{output}")
         self.round_trip("Attend", *parse_round_trips(output))
+        self.count("GetServerInfo", "OK")  # attn_client reads the FLOP limit first
         self.count("Attend", "OK", REPEAT)
 
     def start_decode(self, sessions, args):
@@ -310,6 +311,7 @@ class Load:
         if result.returncode != 1 or "INVALID_ARGUMENT" not in result.stderr:
             raise Failure(f"expected INVALID_ARGUMENT from attn_client:\n{result.stdout}"
                           f"{result.stderr}")
+        self.count("GetServerInfo", "OK")
         self.count("Attend", "INVALID_ARGUMENT")
 
     def info(self):

@@ -1,6 +1,10 @@
 """Generating the attention.v1 stubs (attention_pb2.py, attention_pb2_grpc.py) from the .proto.
 
-Used by setup.py at build time and by the tests' build; the package itself imports the result.
+The package ships its stubs in attention_client/_gen, written by
+`/usr/bin/python3 client/python/attention_client/_protoc.py client/python/attention_client/_gen`
+on Debian 12 (protoc 3.21 and grpc_python_plugin 1.51: code that runs on protobuf >= 3.20 and
+any grpcio >= 1.51); run it again after changing the .proto (tests/python/test_package.py compares).
+The tests' build also generates them into the build tree.
 """
 import importlib.util
 import os
