@@ -2,7 +2,8 @@
 // CPU backend, through the client library (client/shared_memory.h): Attend and Step with inputs
 // and outputs in POSIX shared memory match the float64 reference (or the same call sent inline,
 // bit for bit); every bad reference or registration gets its documented code and writes nothing
-// outside the region (guard bytes around it are checked); regions of one caller are invisible to
+// outside the region (guard bytes around it are checked); an output overlapping an input or another
+// output (Attend, a Step's entries) is refused naming both; regions of one caller are invisible to
 // another; Unregister waits for a running request; without --allow_shared_memory everything is
 // FAILED_PRECONDITION; a client that shrinks its object before or during a request gets
 // FAILED_PRECONDITION, and the server serves on.
