@@ -1,6 +1,7 @@
 // The decoders' side of tensors by reference: what a TensorRefResolver is asked for (fields,
 // sizes, alignments) and that the decoded pointers are the bytes it answered; refusals before
-// any resolution when a reference's size is not its shape's; FAILED_PRECONDITION without one.
+// any resolution when a reference's size is not its shape's; FAILED_PRECONDITION without one;
+// outputs overlapping an input or each other (Attend, Step entries, packed Step) refused naming both.
 #include "server/requests/tensor_refs.h"
 
 #include <map>
@@ -62,6 +63,23 @@ v1::AttendRequest ByReference() {
   return r;
 }
 
+// A change to ByReference() and what its refusal (INVALID_ARGUMENT) says.
+struct AttendCase {
+  std::function<void(v1::AttendRequest*)> change;
+  std::string says;
+};
+void ExpectRefused(const std::vector<AttendCase>& cases) {
+  for (const AttendCase& c : cases) {
+    FakeRegions regions(1024);
+    v1::AttendRequest r = ByReference();
+    c.change(&r);
+    v1::AttendResponse response;
+    absl::StatusOr<DecodedRequest> d = DecodeRequest(r, {}, &response, &regions);
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << c.says;
+    EXPECT_THAT(std::string(d.status().message()), HasSubstr(c.says));
+  }
+}
+
 TEST(TensorRefsTest, AttendTakesTheResolvedBytes) {
   FakeRegions regions(1024);
   v1::AttendResponse response;
@@ -81,11 +99,7 @@ TEST(TensorRefsTest, AttendTakesTheResolvedBytes) {
 }
 
 TEST(TensorRefsTest, SizesAreCheckedAgainstTheShapesBeforeAnythingResolves) {
-  struct Case {
-    std::function<void(v1::AttendRequest*)> change;
-    std::string says;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<AttendCase> cases = {
       {[](v1::AttendRequest* r) { r->mutable_q()->mutable_ref()->set_byte_size(95); },
        "q.ref.byte_size: expected 96"},
       {[](v1::AttendRequest* r) { r->mutable_k()->set_data(std::string(80, 'x')); },
@@ -94,15 +108,7 @@ TEST(TensorRefsTest, SizesAreCheckedAgainstTheShapesBeforeAnythingResolves) {
        "o_ref.byte_size: expected 96"},
       {[](v1::AttendRequest* r) { r->set_return_lse(false); }, "lse_ref: expected only with"},
   };
-  for (const Case& c : cases) {
-    FakeRegions regions(1024);
-    v1::AttendRequest r = ByReference();
-    c.change(&r);
-    v1::AttendResponse response;
-    absl::StatusOr<DecodedRequest> d = DecodeRequest(r, {}, &response, &regions);
-    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << c.says;
-    EXPECT_THAT(std::string(d.status().message()), HasSubstr(c.says));
-  }
+  ExpectRefused(cases);
   // The resolver's own refusal comes back as it is.
   FakeRegions regions(1024);
   v1::AttendRequest r = ByReference();
@@ -143,11 +149,7 @@ TEST(TensorRefsTest, StepEntriesTakeTheResolvedBytes) {
 
 TEST(TensorRefsTest, AttendOutputsThatOverlapAnInputOrEachOtherAreRefusedNamingBoth) {
   // ByReference's spans: q [0, 96), k [128, 208), v [256, 336), o [384, 480), lse [512, 536).
-  struct Case {
-    std::function<void(v1::AttendRequest*)> change;
-    std::string says;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<AttendCase> cases = {
       {[](v1::AttendRequest* r) { r->mutable_o_ref()->set_offset(0); },
        "o_ref: expected bytes apart from every input's, got bytes that overlap q's"},
       {[](v1::AttendRequest* r) { r->mutable_o_ref()->set_offset(200); },  // last 8 bytes of k
@@ -159,15 +161,7 @@ TEST(TensorRefsTest, AttendOutputsThatOverlapAnInputOrEachOtherAreRefusedNamingB
       {[](v1::AttendRequest* r) { r->mutable_o_ref()->set_offset(440); },  // o now below lse
        "lse_ref: expected bytes apart from every other output's, got bytes that overlap o_ref's"},
   };
-  for (const Case& c : cases) {
-    FakeRegions regions(1024);
-    v1::AttendRequest r = ByReference();
-    c.change(&r);
-    v1::AttendResponse response;
-    absl::StatusOr<DecodedRequest> d = DecodeRequest(r, {}, &response, &regions);
-    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << c.says;
-    EXPECT_THAT(std::string(d.status().message()), HasSubstr(c.says));
-  }
+  ExpectRefused(cases);
   // Touching is not overlapping, and inputs may share bytes (k and v the same rows).
   FakeRegions regions(1024);
   v1::AttendRequest r = ByReference();
