@@ -1,7 +1,8 @@
 // The decoders' side of tensors by reference: what a TensorRefResolver is asked for (fields,
 // sizes, alignments) and that the decoded pointers are the bytes it answered; refusals before
 // any resolution when a reference's size is not its shape's; FAILED_PRECONDITION without one;
-// outputs overlapping an input or each other (Attend, Step entries, packed Step) refused naming both.
+// outputs overlapping an input or each other (Attend, Step entries, packed Step) refused naming
+// both.
 #include "server/requests/tensor_refs.h"
 
 #include <map>
