@@ -425,6 +425,13 @@ absl::StatusOr<DecodedRequest> DecodeRequest(const AttendRequest& request,
   ASSIGN_OR_RETURN(p.q, input("q", q, inputs.q));
   ASSIGN_OR_RETURN(p.k, input("k", k, inputs.k));
   ASSIGN_OR_RETURN(p.v, input("v", v, inputs.v));
+  // Pointers of one address space (CUDA regions' too: unified addressing), so one check covers
+  // host and device refs.
+  RETURN_IF_ERROR(CheckOutputsApart({{"o_ref", static_cast<const char*>(p.o), o_bytes},
+                                     {"lse_ref", reinterpret_cast<const char*>(p.lse), lse_bytes}},
+                                    {{"q", static_cast<const char*>(p.q), tensor_bytes[0]},
+                                     {"k", static_cast<const char*>(p.k), tensor_bytes[1]},
+                                     {"v", static_cast<const char*>(p.v), tensor_bytes[2]}}));
   p.SetContiguousStrides(bshd ? Layout::kBSHD : Layout::kBHSD);
   decoded.params = p;
   return decoded;

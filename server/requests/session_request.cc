@@ -146,17 +146,6 @@ absl::Status CheckNoPackedFields(const v1::StepRequest& request) {
   return absl::OkStatus();
 }
 
-// [begin, end) of a tensor's bytes, for the overlap check of a packed Step's outputs.
-struct ByteSpan {
-  const char* field;
-  const char* begin;
-  int64_t bytes;
-};
-bool Overlap(const ByteSpan& a, const ByteSpan& b) {
-  return a.begin != nullptr && b.begin != nullptr && a.bytes > 0 && b.bytes > 0 &&
-         a.begin < b.begin + b.bytes && b.begin < a.begin + a.bytes;
-}
-
 }  // namespace
 
 absl::Status CheckStep(const v1::StepRequest& request) {
@@ -223,13 +212,28 @@ absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& ent
   decoded.heads_q = q.shape(0);
   decoded.rows_q = q.shape(1);
   decoded.rows = rows;
+  decoded.q_bytes = decoded.heads_q * decoded.rows_q * shape.head_dim * element_bytes;
+  decoded.kv_bytes = shape.heads_kv * rows.rows * shape.head_dim * element_bytes;
   if (entry.has_o_ref()) {
-    ASSIGN_OR_RETURN(decoded.o,
-                     OutputRef(absl::StrCat(prefix, "o_ref"), entry.o_ref(),
-                               decoded.heads_q * decoded.rows_q * shape.head_dim * element_bytes,
-                               element_bytes, refs));
+    ASSIGN_OR_RETURN(decoded.o, OutputRef(absl::StrCat(prefix, "o_ref"), entry.o_ref(),
+                                          decoded.q_bytes, element_bytes, refs));
   }
   return decoded;
+}
+
+absl::Status CheckEntriesApart(const std::vector<DecodedEntry>& entries) {
+  std::vector<ByteSpan> outputs, inputs;
+  outputs.reserve(entries.size());
+  inputs.reserve(3 * entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const DecodedEntry& e = entries[i];
+    const std::string prefix = absl::StrCat("entries[", i, "].");
+    outputs.push_back({absl::StrCat(prefix, "o_ref"), e.o, e.q_bytes});
+    inputs.push_back({absl::StrCat(prefix, "q"), static_cast<const char*>(e.q), e.q_bytes});
+    inputs.push_back({absl::StrCat(prefix, "k"), static_cast<const char*>(e.rows.k), e.kv_bytes});
+    inputs.push_back({absl::StrCat(prefix, "v"), static_cast<const char*>(e.rows.v), e.kv_bytes});
+  }
+  return CheckOutputsApart(outputs, inputs);
 }
 
 absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, const KvShape& shape,
@@ -309,27 +313,12 @@ absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, c
                                           int64_t{sizeof(float)}, refs));
     packed.lse = reinterpret_cast<float*>(lse);
   }
-  // An output that overlaps an input or the other output would be read after it was written, or
-  // written twice: refused, naming both.
-  const ByteSpan outputs[] = {
-      {"o_ref", packed.o, batch * q_bytes},
-      {"lse_ref", reinterpret_cast<const char*>(packed.lse), batch * lse_bytes}};
-  const ByteSpan inputs[] = {{"q", q_data, batch * q_bytes},
-                             {"k", k_data, batch * kv_bytes},
-                             {"v", v_data, batch * kv_bytes}};
-  for (const ByteSpan& out : outputs) {
-    for (const ByteSpan& in : inputs) {
-      if (Overlap(out, in)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            out.field, ": expected bytes apart from every input's, got bytes that overlap ",
-            in.field, "'s"));
-      }
-    }
-  }
-  if (Overlap(outputs[0], outputs[1])) {
-    return absl::InvalidArgumentError(
-        "lse_ref: expected bytes apart from o_ref's, got bytes that overlap them");
-  }
+  RETURN_IF_ERROR(
+      CheckOutputsApart({{"o_ref", packed.o, batch * q_bytes},
+                         {"lse_ref", reinterpret_cast<const char*>(packed.lse), batch * lse_bytes}},
+                        {{"q", q_data, batch * q_bytes},
+                         {"k", k_data, batch * kv_bytes},
+                         {"v", v_data, batch * kv_bytes}}));
 
   packed.entries.resize(batch);
   for (int64_t b = 0; b < batch; ++b) {
@@ -337,6 +326,8 @@ absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, c
     entry.q = q_data + b * q_bytes;
     entry.heads_q = packed.heads_q;
     entry.rows_q = packed.rows_q;
+    entry.q_bytes = q_bytes;
+    entry.kv_bytes = kv_bytes;
     if (rows > 0) {
       entry.rows = KvRows{.k = k_data + b * kv_bytes,
                           .v = v_data + b * kv_bytes,

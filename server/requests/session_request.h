@@ -54,10 +54,17 @@ struct DecodedEntry {
   // the service points it into the response), lse [Hq, Nq] (null: not asked for).
   char* o = nullptr;
   float* lse = nullptr;
+  // Bytes of q (and of o, shaped and typed as q) and of each of k and v, for the overlap check.
+  int64_t q_bytes = 0;
+  int64_t kv_bytes = 0;
 };
 absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& entry,
                                              const KvShape& shape,
                                              TensorRefResolver* refs = nullptr);
+// A Step of entries, each decoded by DecodeStepEntry: every entry's o_ref apart from every entry's
+// q, k, v and every other entry's o_ref (CheckOutputsApart; "entries[2].o_ref: expected bytes
+// apart from every input's, got bytes that overlap entries[0].q's").
+absl::Status CheckEntriesApart(const std::vector<DecodedEntry>& entries);
 // A packed Step (StepRequest.session_ids): the batch's tensors checked against its sessions' one
 // `shape` and cut into one entry per sequence pointing into them (q [Hq, Nq, D] and k, v
 // [Hkv, n, D] of sequence b; with o_ref, its o), so the rest of the Step runs as for `entries`.

@@ -4,7 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "attention/v1/attention.pb.h"
@@ -30,5 +33,20 @@ absl::StatusOr<const char*> TensorData(absl::string_view name, const v1::Tensor&
 // ("o_ref").
 absl::StatusOr<char*> OutputRef(absl::string_view field, const v1::TensorRef& ref, int64_t bytes,
                                 int64_t alignment, TensorRefResolver* refs);
+
+// [begin, begin + bytes) of one tensor of a request, named by its field ("q", "entries[2].o_ref");
+// a null begin or 0 bytes (a tensor absent, or whose bytes are still to come) overlaps nothing.
+struct ByteSpan {
+  std::string field;
+  const char* begin = nullptr;
+  int64_t bytes = 0;
+};
+// An output that overlaps an input or another output would be read after it was written, or
+// written twice. INVALID_ARGUMENT naming both: "o_ref: expected bytes apart from every input's,
+// got bytes that overlap q's", or for two outputs "lse_ref: expected bytes apart from every other
+// output's, got bytes that overlap o_ref's" (named the later of `outputs` first). Inputs may
+// overlap each other. Sorts the spans by address: O(n log n) in their number.
+absl::Status CheckOutputsApart(const std::vector<ByteSpan>& outputs,
+                               const std::vector<ByteSpan>& inputs);
 
 }  // namespace attention::server

@@ -393,6 +393,7 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
                        DecodeStepEntry(i, request.entries(i), places[i].shape, call->refs.get()));
       entries.push_back(decoded);
     }
+    RETURN_IF_ERROR(CheckEntriesApart(entries));
   }
   call->seqs.reserve(n);
   int64_t response_bytes = kResponseOverhead + static_cast<int64_t>(request.request_id().size());

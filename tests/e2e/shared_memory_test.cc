@@ -2,7 +2,8 @@
 // CPU backend, through the client library (client/shared_memory.h): Attend and Step with inputs
 // and outputs in POSIX shared memory match the float64 reference (or the same call sent inline,
 // bit for bit); every bad reference or registration gets its documented code and writes nothing
-// outside the region (guard bytes around it are checked); regions of one caller are invisible to
+// outside the region (guard bytes around it are checked); an output overlapping an input or another
+// output (Attend, a Step's entries) is refused naming both; regions of one caller are invisible to
 // another; Unregister waits for a running request; without --allow_shared_memory everything is
 // FAILED_PRECONDITION; a client that shrinks its object before or during a request gets
 // FAILED_PRECONDITION, and the server serves on.
@@ -349,6 +350,94 @@ TEST_F(SharedMemoryE2E, BadReferencesGetTheirCodesAndTouchNothingOutsideTheRegio
     EXPECT_TRUE(std::string(region->data(), region->bytes) == before) << "the region changed";
   }
   EXPECT_TRUE(regions.Unregister("bad").ok());
+}
+
+TEST_F(SharedMemoryE2E, OutputsThatOverlapAnInputOrEachOtherAreRefusedNamingBoth) {
+  std::mt19937_64 rng(FreshSeed());
+  SharedMemoryClient regions = Regions();
+  absl::StatusOr<GuardedRegion> region = MakeRegion(regions, "alias", 1 << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest({.batch = 1,
+                                                                         .heads_q = 2,
+                                                                         .seqlen_q = 16,
+                                                                         .seqlen_k = 16,
+                                                                         .head_dim = 32,
+                                                                         .return_lse = true},
+                                                                        rng);
+  ASSERT_TRUE(request.ok());
+  int64_t o_offset = 0, lse_offset = 0, used = 0;
+  const v1::AttendRequest good = ByReference(*request, *region, &o_offset, &lse_offset, &used);
+  const int64_t q_bytes = static_cast<int64_t>(request->q().data().size());
+  std::memset(region->data() + o_offset, kPoison, region->bytes - o_offset);
+  const std::string before(region->data(), region->bytes);
+  struct Case {
+    std::function<void(v1::AttendRequest*)> change;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {[&](v1::AttendRequest* r) { r->mutable_o_ref()->set_offset(0); },
+       "o_ref: expected bytes apart from every input's, got bytes that overlap q's"},
+      {[&](v1::AttendRequest* r) { r->mutable_lse_ref()->set_offset(RoundUp(q_bytes) + 64); },
+       "lse_ref: expected bytes apart from every input's, got bytes that overlap k's"},
+      {[&](v1::AttendRequest* r) { r->mutable_lse_ref()->set_offset(o_offset + q_bytes - 4); },
+       "lse_ref: expected bytes apart from every other output's, got bytes that overlap o_ref's"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.says);
+    v1::AttendRequest r = good;
+    c.change(&r);
+    absl::StatusOr<v1::AttendResponse> response = client().Attend(r);
+    EXPECT_EQ(response.status().code(), absl::StatusCode::kInvalidArgument) << response.status();
+    EXPECT_THAT(std::string(response.status().message()), HasSubstr(c.says));
+    EXPECT_TRUE(std::string(region->data(), region->bytes) == before) << "the region changed";
+  }
+  // A Step of two entries, all by reference: entry i's q at 8192 i, k, v after it, o at 8192 i +
+  // 6144; an entry's o on another entry's q, or on another entry's o, is refused before any row is
+  // appended.
+  auto stub = v1::Sessions::NewStub(client().channel());
+  const int64_t hkv = 2, hq = 4, d = 32, n = 8, nq = 2;
+  absl::StatusOr<std::vector<std::string>> ids = CreateTwinSessions(*stub, 2, hkv, n, d, rng);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  v1::StepRequest step;
+  for (int i = 0; i < 2; ++i) {
+    v1::StepEntry* e = step.add_entries();
+    e->set_session_id((*ids)[i]);
+    PlaceTensor(
+        client::MakeTensor(v1::DTYPE_FLOAT16, {hq, nq, d}, client::RandomNormal(hq * nq * d, rng)),
+        "alias", 8192 * i, region->data(), e->mutable_q());
+    for (auto [at, t] : {std::pair{2048, e->mutable_k()}, {4096, e->mutable_v()}}) {
+      PlaceTensor(client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, nq, d},
+                                     client::RandomNormal(hkv * nq * d, rng)),
+                  "alias", 8192 * i + at, region->data(), t);
+    }
+    *e->mutable_o_ref() = MakeRef("alias", 8192 * i + 6144, hq * nq * d * 2);
+  }
+  const std::string step_before(region->data(), region->bytes);
+  auto refused = [&](const v1::StepRequest& r) {
+    v1::StepResponse response;
+    grpc::ClientContext context;
+    const grpc::Status status = stub->Step(&context, r, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(std::string(region->data(), region->bytes) == step_before) << "the region changed";
+    return status.error_message();
+  };
+  v1::StepRequest on_q = step;
+  on_q.mutable_entries(1)->mutable_o_ref()->set_offset(0);
+  EXPECT_THAT(refused(on_q), HasSubstr("entries[1].o_ref: expected bytes apart from every input's, "
+                                       "got bytes that overlap entries[0].q's"));
+  v1::StepRequest on_o = step;
+  on_o.mutable_entries(0)->mutable_o_ref()->set_offset(8192 + 6144 + 64);
+  EXPECT_THAT(refused(on_o), HasSubstr("entries[1].o_ref: expected bytes apart from every other "
+                                       "output's, got bytes that overlap entries[0].o_ref's"));
+  // Refused steps appended nothing: the good one answers at n + nq rows.
+  v1::StepResponse response;
+  grpc::ClientContext context;
+  const grpc::Status status = stub->Step(&context, step, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(response.results_size(), 2);
+  EXPECT_EQ(response.results(0).length(), n + nq);
+  EXPECT_TRUE(region->GuardsIntact());
+  EXPECT_TRUE(regions.Unregister("alias").ok());
 }
 
 TEST_F(SharedMemoryE2E, RegistrationsAreCheckedAndLimited) {
