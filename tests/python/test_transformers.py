@@ -60,7 +60,26 @@ class TransformersTest(ServerTest):
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
         want = self.generate(self.local, ids, **kwargs)
         cache = remote.RemoteCache(self.client, self.served.config)
-        got = self.generate(self.served, ids, past_key_values=cache, **kwargs)
+        calls = {"step_many": 0, "step_batch": 0}
+
+        def counted(name):
+            method = getattr(self.client, name)
+
+            def call(*args, **kwargs):
+                calls[name] += 1
+                return method(*args, **kwargs)
+            return call
+
+        for name in calls:
+            setattr(self.client, name, counted(name))
+        try:
+            got = self.generate(self.served, ids, past_key_values=cache, **kwargs)
+        finally:
+            for name in calls:
+                delattr(self.client, name)
+        # The prefill's Step per layer has an entry per sequence; every decode step after it is
+        # one packed Step per layer (each sequence keeps its new position).
+        self.assertEqual(calls, {"step_many": 4, "step_batch": 4 * (NEW_TOKENS - 1)})
         ids_held = set(cache.session_ids)
         # One session per layer and sequence, all on the server while the cache lives.
         self.assertEqual(len(ids_held), 4 * ids.shape[0])

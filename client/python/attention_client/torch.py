@@ -303,7 +303,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (causal and window_size aligned bottom-right). Returns out [B, Sq, Hq, D], or with
     return_softmax_lse (out, lse float32 [B, Hq, Sq]).
 
-    k_cache: a SessionKVCache (v_cache None): the K/V stay in server sessions and one Step
+    k_cache: a SessionKVCache (v_cache None): the K/V stay in server sessions and one packed Step
     carries the batch. Or, as in flash_attn, tensors k_cache, v_cache [B, S_max, Hkv, D] with
     cache_seqlens (int or [B]; default: S_max - Sk): k, v are written into them in place at
     cache_seqlens and one Attend computes the result. softcap and sinks as flash_attn_func's.
@@ -326,19 +326,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"{fn}: q must be [B, Sq, Hq, D] with B = {len(cache.sessions)} "
                              f"(the cache's sequences), got {tuple(q.shape)}")
         _check_cache_seqlens(fn, cache_seqlens, cache.lengths)
-        items = []
-        for b, s in enumerate(cache.sessions):
-            item = (s, q[b].transpose(0, 1))  # [Hq, Sq, D]
-            if k is not None:
-                item += (k[b].transpose(0, 1), v[b].transpose(0, 1))  # [Hkv, Sk, D]
-            items.append(item)
-        results = cache.client.step_many(items, causal=causal, softmax_scale=softmax_scale,
-                                         window_left=left, window_right=right,
-                                         return_lse=return_softmax_lse, **open_model)
+        # One packed Step for the batch (q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] as one tensor
+        # each; the same Step as one entry per sequence, bit for bit).
+        result = cache.client.step_batch(
+            cache.sessions, q.transpose(1, 2), None if k is None else k.transpose(1, 2),
+            None if v is None else v.transpose(1, 2), causal=causal,
+            softmax_scale=softmax_scale, window_left=left, window_right=right,
+            return_lse=return_softmax_lse, **open_model)
         if return_softmax_lse:
-            out = torch.stack([o for o, _ in results]).transpose(1, 2)
-            return out, torch.stack([lse for _, lse in results])
-        return torch.stack(results).transpose(1, 2)
+            out, lse = result
+            return out.transpose(1, 2), lse
+        return result.transpose(1, 2)
 
     _check_tensors(fn, named + [("k_cache", k_cache), ("v_cache", v_cache)])
     batch, s_max = k_cache.shape[:2]

@@ -242,8 +242,9 @@ class RemoteLayer(CacheLayerMixin):
 
     update() only hands the new K/V to the attention function (tagged on the key tensor); the
     attention function sends them: at prefill a CreateSession per sequence with its K/V rows, then
-    one Step per layer with every sequence's queries; at decode one Step per layer carrying each
-    sequence's new q, k and v."""
+    one Step per layer with every sequence's queries; at decode one packed Step per layer
+    (step_batch: the batch's new q, k and v as one tensor each) when every sequence keeps all its
+    new positions, else one Step with an entry per sequence that keeps any."""
 
     is_sliding = False
     is_compileable = False
@@ -323,6 +324,9 @@ class RemoteLayer(CacheLayerMixin):
         if not prefill and len(self.sessions) != batch:
             raise ValueError(f"RemoteCache holds {len(self.sessions)} sequences, the step has "
                              f"{batch}")
+        if not prefill and (keep is None or bool(keep[:, :, self.length:].diagonal(
+                dim1=1, dim2=2).all())):
+            return self._step_packed(query, key, value, keep, scaling, options)
         items, rows_of = [], []
         for b in range(batch):
             if keep is None:
@@ -356,6 +360,22 @@ class RemoteLayer(CacheLayerMixin):
             if rows is not None:
                 out[b][:, rows] = next(results)
         return out
+
+    def _step_packed(self, query, key, value, keep, scaling, options):
+        """A decode step in which every sequence keeps all its new positions: one packed Step
+        (Client.step_batch: q [B, Hq, Nq, D], k, v [B, Hkv, n, D]) instead of one entry per
+        sequence; the same Step, bit for bit, in one message and one tensor each."""
+        new = key.shape[2]
+        added = torch.arange(new)
+        for b in range(len(self.sessions)):
+            if keep is not None:
+                keys = torch.cat([self.positions[b], added + self.length])
+                _check_causal(keep[b], added, keys, options, "RemoteCache")
+            self.positions[b] = torch.cat([self.positions[b], added + self.length])
+        self.length += new
+        step_options = options.unmasked() if keep is None else options.masked()
+        return self.client.step_batch(self.sessions, query, key, value, causal=True,
+                                      softmax_scale=scaling, **step_options)
 
     def get_mask_sizes(self, query_length):
         return self.length + query_length, 0
