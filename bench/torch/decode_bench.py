@@ -10,11 +10,11 @@ steps of one token per sequence, the last `tokens` timed. Attentions (--attn):
            the fa3-fwd wheel, `fa3_fwd_interface`)
   sdpa     local torch SDPA over a preallocated cache (a second column)
   unary    the service: one session per layer and sequence, one Step RPC per layer per token
-           over every sequence (what attention_client.transformers' RemoteCache does)
+           with an entry per sequence
   stream   the same Steps over one Sessions.StepStream
   ring     the same Steps through a request ring (server on this host, --allow_shared_memory)
   packed   one packed Step per layer call (q [B, Hq, 1, D], k, v [B, Hkv, 1, D] as one tensor
-           each: Client.step_batch), unary
+           each: Client.step_batch, what attention_client.transformers' RemoteCache sends), unary
   packed-ring  the packed Step through a request ring, q, k, v and o by reference in a
            shared-memory region that the model's process pins (cudaHostRegister), so each layer
            call is one device-to-host copy of q, k, v and one host-to-device copy of o
@@ -27,7 +27,7 @@ run, kernel). Against the anchor: the first layer's attention output at step 0 (
 for every attention) and the first step's logits after all layers (max |diff| / max |value|),
 and the share of equal greedy tokens.
 
-    python3 bench/torch/model_decode.py --target=127.0.0.1:50051 --batch=8,32,64 --context=1024,4096
+    python3 bench/torch/decode_bench.py --target=127.0.0.1:50051 --batch=8,32,64 --context=1024,4096
 """
 import argparse
 import concurrent.futures
@@ -337,7 +337,7 @@ def decode(model, attention, batch, context, a, device):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="127.0.0.1:50051")
-    p.add_argument("--attn", default="fa3,sdpa,unary,stream,ring")
+    p.add_argument("--attn", default="fa3,sdpa,unary,stream,ring,packed,packed-ring")
     p.add_argument("--batch", default="8,32,64")
     p.add_argument("--context", default="1024,4096")
     p.add_argument("--tokens", type=int, default=16, help="timed steps")
@@ -391,8 +391,8 @@ def main():
                                ms_per_step=1e3 * seconds / a.tokens)
                     if isinstance(attention, ServiceSteps):
                         row.update(ms_per_call=1e3 * attention.call_s / attention.calls,
-                                   **{f"server_{name[:-3]}_ms_per_call": 1e-3 * us / attention.calls
-                                      for name, us in attention.server_us.items()})
+                                   **{f"server_{field[:-3]}_ms_per_call": 1e-3 * us / attention.calls
+                                      for field, us in attention.server_us.items()})
                     if anchor is None:
                         anchor = (first, tokens, row, attention.first_o)
                     else:
