@@ -247,7 +247,7 @@ class RemoteLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True
     supports_early_init = False
 
     def __init__(self, client, all_sessions, index=None):
@@ -357,6 +357,24 @@ class RemoteLayer(CacheLayerMixin):
                 out[b][:, rows] = next(results)
         return out
 
+    def crop(self, max_length):
+        """Drops the last -max_length positions (as DynamicLayer.crop: 0 drops nothing, a
+        positive length is refused): each sequence's session keeps the rows of the positions
+        before the new length (Session.truncate)."""
+        if max_length > 0:
+            raise ValueError(f"RemoteCache.crop: max_length: expected a negative count of positions "
+                             f"to drop (or 0), got {max_length}, as transformers' DynamicCache")
+        if max_length == 0 or not self.sessions:
+            return
+        if -max_length > self.length:
+            raise ValueError(f"RemoteCache.crop: max_length: expected -{self.length}..0 (the "
+                             f"positions held), got {max_length}")
+        self.length += max_length
+        for b, s in enumerate(self.sessions):
+            kept = self.positions[b][self.positions[b] < self.length]
+            self.positions[b] = kept
+            s.truncate(len(kept))
+
     def get_mask_sizes(self, query_length):
         return self.length + query_length, 0
 
@@ -404,7 +422,10 @@ class RemoteCache(Cache):
         self.close()
 
     def crop(self, max_length):
-        raise NotImplementedError("RemoteCache cannot drop rows from its sessions")
+        """Drops the last -max_length positions of every layer's sessions (assisted and speculative
+        decoding drop rejected tokens so); 0 drops nothing, as transformers' DynamicCache."""
+        for layer in self.layers:
+            layer.crop(max_length)
 
     def batch_repeat_interleave(self, repeats):
         raise NotImplementedError("RemoteCache does not repeat sequences")
