@@ -14,6 +14,8 @@ step sends only the new token's q, k and v, one Step per layer carrying every se
 Without one (a DynamicCache, a StaticCache, or none) each call sends the keys it is given (an
 Attend).
 The cache's sessions are dropped when it is closed or released (and expire on the server anyway).
+Its crop() (assisted and speculative decoding drop rejected tokens so) truncates every layer's
+sessions (Sessions.Truncate).
 
 Every keyword argument transformers passes to the attention function is either served exactly or
 refused by name (NotImplementedError): attention sinks (`s_aux`, gpt-oss) and `softcap` (Gemma 2)
@@ -362,8 +364,9 @@ class RemoteLayer(CacheLayerMixin):
         positive length is refused): each sequence's session keeps the rows of the positions
         before the new length (Session.truncate)."""
         if max_length > 0:
-            raise ValueError(f"RemoteCache.crop: max_length: expected a negative count of positions "
-                             f"to drop (or 0), got {max_length}, as transformers' DynamicCache")
+            raise ValueError(f"RemoteCache.crop: max_length: expected a negative count of "
+                             f"positions to drop (or 0), got {max_length}, as transformers' "
+                             "DynamicCache")
         if max_length == 0 or not self.sessions:
             return
         if -max_length > self.length:
