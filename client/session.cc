@@ -70,9 +70,25 @@ absl::Status Session::Append(const v1::Tensor& k, const v1::Tensor& v, const Cal
   request.set_layout(spec_.layout);
   *request.mutable_k() = k;
   *request.mutable_v() = v;
+  return Update(&v1::Sessions::Stub::AppendKv, request, call);
+}
+
+absl::Status Session::Truncate(int64_t length, const CallOptions& call) {
+  if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
+  v1::TruncateRequest request;
+  request.set_session_id(id_);
+  request.set_length(length);
+  return Update(&v1::Sessions::Stub::Truncate, request, call);
+}
+
+template <typename Request>
+absl::Status Session::Update(grpc::Status (v1::Sessions::Stub::*rpc)(grpc::ClientContext*,
+                                                                     const Request&,
+                                                                     v1::SessionInfo*),
+                             const Request& request, const CallOptions& call) {
   std::unique_ptr<grpc::ClientContext> context = client_->NewContext(call);
   v1::SessionInfo info;
-  absl::Status status = ToAbslStatus(client_->stub().AppendKv(context.get(), request, &info));
+  absl::Status status = ToAbslStatus((client_->stub().*rpc)(context.get(), request, &info));
   if (status.ok()) length_ = info.length();
   return status;
 }

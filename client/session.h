@@ -92,6 +92,9 @@ class Session {
 
   // Appends rows: k and v [Hkv, n, D] (BHSD) or [n, Hkv, D] (BSHD, per the SessionSpec).
   absl::Status Append(const v1::Tensor& k, const v1::Tensor& v, const CallOptions& call = {});
+  // Keeps the first `length` rows (0 <= length <= the session's; speculative decoding drops
+  // rejected tokens) and frees the server's pages beyond them.
+  absl::Status Truncate(int64_t length, const CallOptions& call = {});
 
   // Attends q [Hq, Nq, D] (Hq a multiple of Hkv) to the session's rows, after first appending k
   // and v [Hkv, n, D] when given (both or neither).
@@ -111,13 +114,18 @@ class Session {
 
   const std::string& id() const { return id_; }
   const SessionSpec& spec() const { return spec_; }
-  // K/V rows as of this object's last call (Create, Append or Step).
+  // K/V rows as of this object's last call (Create, Append, Truncate or Step).
   int64_t length() const { return length_; }
 
  private:
   friend class SessionClient;
   Session(SessionClient* client, std::string id, const SessionSpec& spec, int64_t length)
       : client_(client), id_(std::move(id)), spec_(spec), length_(length) {}
+  // A call answered by the session's SessionInfo (AppendKv, Truncate); sets length().
+  template <typename Request>
+  absl::Status Update(grpc::Status (v1::Sessions::Stub::*rpc)(grpc::ClientContext*, const Request&,
+                                                              v1::SessionInfo*),
+                      const Request& request, const CallOptions& call);
 
   SessionClient* client_ = nullptr;
   std::string id_;  // empty: holds no session (moved from, dropped or released)

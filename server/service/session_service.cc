@@ -233,6 +233,12 @@ grpc::ServerUnaryReactor* SessionService::AppendKv(grpc::CallbackServerContext* 
   return Serve("AppendKv", context, request, response, &SessionService::RunAppend);
 }
 
+grpc::ServerUnaryReactor* SessionService::Truncate(grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  return Serve("Truncate", context, request, response, &SessionService::RunTruncate);
+}
+
 grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* context,
                                                const grpc::ByteBuffer* request,
                                                grpc::ByteBuffer* response) {
@@ -350,6 +356,24 @@ void SessionService::RunAppend(const CallContext& call, const std::string& owner
     // Rows read from a region that shrank meanwhile are not the client's.
     RETURN_IF_ERROR(regions->Intact());
     FillInfo(store_->Snapshot(lease), response);
+    return absl::OkStatus();
+  };
+  SubmitDeviceWork(call, place->device, {request.session_id()}, std::move(run), std::move(finish));
+}
+
+void SessionService::RunTruncate(const CallContext& call, const std::string& owner, const Arrival&,
+                                 const v1::TruncateRequest& request, v1::SessionInfo* response,
+                                 Finish finish) {
+  if (request.session_id().empty()) return std::move(finish)(MissingSessionId());
+  absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, request.session_id());
+  if (!place.ok()) return std::move(finish)(place.status());
+  // Queued as the session's device work, so it runs after the Steps and appends queued before it.
+  auto run = [this, owner, id = request.session_id(), length = request.length(),
+              response]() -> absl::Status {
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
+    if (!leases.ok()) return leases.status();
+    RETURN_IF_ERROR(store_->Truncate(leases->front(), length));
+    FillInfo(store_->Snapshot(leases->front()), response);
     return absl::OkStatus();
   };
   SubmitDeviceWork(call, place->device, {request.session_id()}, std::move(run), std::move(finish));

@@ -57,9 +57,10 @@ struct SessionServiceOptions {
 // StepStream is generic: the stream transports of server/streams/ serve it from the table of
 // stream methods.
 using SessionsRawService = v1::Sessions::WithRawCallbackMethod_CreateSession<
-    v1::Sessions::WithRawCallbackMethod_AppendKv<v1::Sessions::WithRawCallbackMethod_Step<
-        v1::Sessions::WithGenericMethod_StepStream<v1::Sessions::WithRawCallbackMethod_DropSession<
-            v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>;
+    v1::Sessions::WithRawCallbackMethod_AppendKv<v1::Sessions::WithRawCallbackMethod_Truncate<
+        v1::Sessions::WithRawCallbackMethod_Step<v1::Sessions::WithGenericMethod_StepStream<
+            v1::Sessions::WithRawCallbackMethod_DropSession<
+                v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>>;
 
 class RequestRegions;
 
@@ -81,6 +82,9 @@ class SessionService final : public SessionsRawService {
                                           const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* AppendKv(grpc::CallbackServerContext* context,
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Truncate(grpc::CallbackServerContext* context,
                                      const grpc::ByteBuffer* request,
                                      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
@@ -157,6 +161,8 @@ class SessionService final : public SessionsRawService {
                  const v1::CreateSessionRequest& request, v1::SessionInfo* response, Finish finish);
   void RunAppend(const CallContext& call, const std::string& owner, const Arrival& arrival,
                  const v1::AppendKvRequest& request, v1::SessionInfo* response, Finish finish);
+  void RunTruncate(const CallContext& call, const std::string& owner, const Arrival& arrival,
+                   const v1::TruncateRequest& request, v1::SessionInfo* response, Finish finish);
   void RunDrop(const CallContext& call, const std::string& owner, const Arrival& arrival,
                const v1::DropSessionRequest& request, v1::DropSessionResponse* response,
                Finish finish);

@@ -297,6 +297,25 @@ absl::Status SessionStore::Append(Lease& lease, const KvRows& rows) {
   return Append(held, absl::MakeConstSpan(&rows, 1));
 }
 
+absl::Status SessionStore::Truncate(Lease& lease, int64_t length) {
+  Session& s = *lease.session_;
+  if (length < 0 || length > s.length) {
+    return absl::InvalidArgumentError(absl::StrCat("length: expected 0..", s.length, ", got ",
+                                                   length, " (session ", Quote(s.id), " holds ",
+                                                   s.length, " rows)"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  // The lease holds the call lock, so no call reads the pages freed here.
+  const auto keep = static_cast<size_t>(PagesFor(length, s.page_rows));
+  std::vector<int32_t>& free_pages = device_states_[s.device].free_pages;
+  free_pages.insert(free_pages.end(), s.page_table.rbegin(),
+                    s.page_table.rend() - static_cast<std::ptrdiff_t>(keep));
+  s.page_table.resize(keep);
+  s.length = length;
+  PublishLocked();
+  return absl::OkStatus();
+}
+
 void SessionStore::ReleaseSession(const std::shared_ptr<Session>& session) {
   std::lock_guard<std::mutex> lock(mu_);
   --session->users;

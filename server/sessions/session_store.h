@@ -155,6 +155,10 @@ class SessionStore {
   absl::Status Append(absl::Span<Lease* const> leases, absl::Span<const KvRows> rows);
   absl::Status Append(Lease& lease, const KvRows& rows);  // one session
 
+  // Keeps the first `length` rows of the lease's session and frees the pages beyond them (at
+  // least one page stays). INVALID_ARGUMENT naming `length` unless 0 <= length <= its length.
+  absl::Status Truncate(Lease& lease, int64_t length);
+
   // Removes a session of `owner`; NOT_FOUND as Acquire.
   absl::Status Drop(absl::string_view owner, absl::string_view id);
 

@@ -1,5 +1,6 @@
 // The session store (session_store.h) over small CPU page pools: allocation, exhaustion, TTL
-// expiry on a fake clock, owners, drop, device choice and concurrent appends to one session.
+// expiry on a fake clock, owners, drop, truncate, device choice and concurrent appends to
+// one session.
 #include "server/sessions/session_store.h"
 
 #include <atomic>
@@ -155,6 +156,36 @@ TEST_F(SessionStoreTest, AllocatesPagesForRowsAndAtLeastOne) {
   EXPECT_EQ(store_->Room().pages_free, 6);
   ASSERT_EQ(AppendRows("", three, 1), absl::OkStatus());
   EXPECT_EQ(store_->Room().pages_free, 5);
+}
+
+TEST_F(SessionStoreTest, TruncateKeepsTheFirstRowsAndFreesThePagesBeyond) {
+  SCOPED_TRACE(seed_);
+  Make({10});
+  const std::string id = CreateWith("", 3 * kPageRows + 1);  // 4 pages
+  EXPECT_EQ(store_->Room().pages_free, 6);
+  absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {id});
+  ASSERT_TRUE(leases.ok()) << leases.status();
+  SessionStore::Lease& lease = leases->front();
+  for (const int64_t bad : {int64_t{-1}, 3 * kPageRows + 2}) {
+    absl::Status refused = store_->Truncate(lease, bad);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(refused.message(),
+                HasSubstr(absl::StrCat("length: expected 0..", 3 * kPageRows + 1, ", got ", bad)));
+  }
+  EXPECT_EQ(lease.length(), 3 * kPageRows + 1);
+  const std::vector<int32_t> pages = lease.page_table();
+  ASSERT_EQ(store_->Truncate(lease, kPageRows + 1), absl::OkStatus());  // 2 pages kept
+  EXPECT_EQ(lease.length(), kPageRows + 1);
+  EXPECT_EQ(lease.page_table(), std::vector<int32_t>(pages.begin(), pages.begin() + 2));
+  EXPECT_EQ(store_->Room().pages_free, 8);
+  ASSERT_EQ(store_->Truncate(lease, 0), absl::OkStatus());  // a session keeps one page
+  EXPECT_EQ(lease.length(), 0);
+  EXPECT_EQ(lease.page_table().size(), 1u);
+  EXPECT_EQ(store_->Room().pages_free, 9);
+  leases->clear();
+  // Appending after a truncate takes pages again.
+  ASSERT_EQ(AppendRows("", id, kPageRows + 1), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 8);
 }
 
 TEST_F(SessionStoreTest, FullCacheRefusesWithBytesNeededAndFree) {

@@ -1,7 +1,8 @@
 // A Step's jobs over a real session store, scheduler and CPU executor (its own KV pool): the
 // launch's o and lse against a float64 reference over the session's rows, the new row appended,
 // sequences of two decode keys as two jobs of one step, and the refusals that leave the sessions
-// as they were (queries beyond the session's rows, the FLOP limit).
+// as they were (queries beyond the session's rows, the FLOP limit), and a Step after a truncate
+// equal to one on a session of only the kept rows.
 #include "server/sessions/step_jobs.h"
 
 #include <cmath>
@@ -172,6 +173,38 @@ TEST_F(StepJobsTest, AppendsTheNewRowsAndAttendsToEveryRow) {
   EXPECT_EQ(Length(id), 38);
   EXPECT_THAT(outcome.devices, ::testing::ElementsAre("cpu"));
   ExpectMatchesReference(first, step_rows, step_rows, key_.softmax_scale);
+}
+
+TEST_F(StepJobsTest, StepAfterTruncateEqualsStepOnTheKeptRows) {
+  const Tensors first(37, 0, rng_);
+  const std::string truncated = Create(first);
+  {
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {truncated});
+    ASSERT_TRUE(leases.ok()) << leases.status();
+    ASSERT_EQ(store_->Truncate(leases->front(), 20), absl::OkStatus());
+  }
+  // A session created with only the first 20 of `first`'s rows (its [Hkv, 37, D] strides).
+  absl::StatusOr<SessionStore::Lease> lease = store_->Create("", kShape, 20, 0);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  KvRows kept = first.kv_rows;
+  kept.rows = 20;
+  ASSERT_EQ(store_->Append(*lease, kept), absl::OkStatus());
+  const std::string fresh = lease->id();
+  lease = SessionStore::Lease();
+  // The same step (one new row, two queries) on each.
+  Tensors on_truncated(1, 2, rng_);
+  Tensors on_fresh = on_truncated;
+  on_fresh.kv_rows.k = on_fresh.k.data();
+  on_fresh.kv_rows.v = on_fresh.v.data();
+  for (auto [id, t] : {std::pair{truncated, &on_truncated}, std::pair{fresh, &on_fresh}}) {
+    auto step = std::make_shared<TestStep>();
+    step->seqs.push_back(Sequence(id, *t, 2, key_));
+    StepJobs jobs(&*store_, {}, {});
+    ASSERT_EQ(Run(step, jobs).status, absl::OkStatus());
+    EXPECT_EQ(Length(id), 21);
+  }
+  EXPECT_EQ(on_truncated.o, on_fresh.o);  // bit for bit
+  EXPECT_EQ(on_truncated.lse, on_fresh.lse);
 }
 
 TEST_F(StepJobsTest, SequencesOfTwoKeysAreTwoJobsAndEachIsObserved) {

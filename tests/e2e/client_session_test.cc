@@ -1,9 +1,9 @@
 // The C++ Session object (client/session.h) against the real server (CPU backend): decode steps
 // after appends match the float64 reference over the whole sequence, StepMany over sessions of
-// different lengths, the packed StepBatch and StepBatchAsync bit for bit equal to StepMany, LSE,
-// ownership (drop on destruction, Release, moves), NOT_FOUND after a
-// drop, and the bearer token on session calls. (Sessions over a round-robin client across two
-// servers: tests/deploy/round_robin_failover_test.cc.)
+// different lengths, a step after Truncate over the kept rows, the packed StepBatch and
+// StepBatchAsync bit for bit equal to StepMany, LSE, ownership (drop on destruction, Release,
+// moves), NOT_FOUND after a drop, and the bearer token on session calls. (Sessions over a
+// round-robin client across two servers: tests/deploy/round_robin_failover_test.cc.)
 //
 // The reference of a step is an Attend problem over the session's rows: q [1, 1, Hq, D] (one
 // decode query, so [Hq, 1, D] as the step sends it) against k, v [1, N, Hkv, D], built by
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "client/reference_check.h"
@@ -156,6 +157,34 @@ TEST_F(ClientSessionTest, DecodeAfterAppendsMatchesReference) {
     EXPECT_EQ(info->head_dim(), 128);
     EXPECT_GT(info->resident_bytes(), 0);
   }
+}
+
+TEST_F(ClientSessionTest, StepAfterTruncateMatchesReferenceOverTheKeptRows) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  const int64_t heads_q = 4;
+  Sequence seq{
+      .spec = {
+          .dtype = v1::DTYPE_FLOAT32, .kv_heads = 2, .head_dim = 64, .layout = v1::LAYOUT_BSHD}};
+  SessionClient sessions(client());
+  auto [k0, v0] = seq.Grow(300, rng);
+  absl::StatusOr<Session> session = sessions.Create(seq.spec, &k0, &v0);
+  ASSERT_TRUE(session.ok()) << session.status();
+  absl::Status refused = session->Truncate(301);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.message(), "length: expected 0..300, got 301")) << refused;
+  ASSERT_EQ(session->Truncate(123), absl::OkStatus());
+  EXPECT_EQ(session->length(), 123);
+  seq.k.resize(123 * seq.spec.kv_heads * seq.spec.head_dim);
+  seq.v.resize(seq.k.size());
+  const std::vector<float> q = client::RandomNormal(heads_q * seq.spec.head_dim, rng);
+  auto [k, v] = seq.GrowForStep(rng);
+  const StepOptions options{.causal = true, .return_lse = true};
+  absl::StatusOr<StepOutput> out = session->Step(
+      client::MakeTensor(seq.spec.dtype, {heads_q, 1, seq.spec.head_dim}, q), options, &k, &v);
+  ASSERT_TRUE(out.ok()) << out.status();
+  ExpectStepCorrect(seq, q, heads_q, options, *out);
 }
 
 TEST_F(ClientSessionTest, StepManyOverSessionsOfDifferentLengths) {

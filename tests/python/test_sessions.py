@@ -211,6 +211,39 @@ class SessionTest(ServerTest):
             s.step(self.normal(2, 1, 64))
         self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
 
+    def test_truncate_then_step_equals_a_fresh_session(self):
+        hq, hkv, d = 4, 2, 64
+        # Three pages of rows and some, cut to 37 rows (one page).
+        n = 3 * self.client.list_sessions().page_bytes // (2 * hkv * d * 4) + 5
+        k, v = self.rows(hkv, n, d)
+        q = self.normal(hq, 2, d)
+        k1, v1 = self.rows(hkv, 2, d)
+        with self.client.session(k=k, v=v) as cut, \
+                self.client.session(k=k[:, :37].copy(), v=v[:, :37].copy()) as fresh:
+            for bad in (-1, n + 1):
+                with self.assertRaises(AttentionError) as e:
+                    cut.truncate(bad)
+                self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertIn(f"length: expected 0..{n}, got {bad}", e.exception.details)
+            pages = cut.info().pages
+            self.assertEqual(cut.truncate(37), 37)
+            info = cut.info()
+            self.assertEqual(info.length, 37)
+            self.assertLess(info.pages, pages)
+            self.assertEqual(info.pages, fresh.info().pages)
+            o, lse = cut.step(q, k1, v1, causal=True, return_lse=True)
+            fresh_o, fresh_lse = fresh.step(q, k1, v1, causal=True, return_lse=True)
+            np.testing.assert_array_equal(o, fresh_o)  # bit for bit
+            np.testing.assert_array_equal(lse, fresh_lse)
+            ref_o, _ = session_reference(q, np.concatenate([k[:, :37], k1], axis=1),
+                                         np.concatenate([v[:, :37], v1], axis=1), causal=True)
+            self.assertWithin(rel_error(o, ref_o), F32_BOUND, "o after truncate")
+            self.assertEqual(cut.truncate(0), 0)
+            stale = copy.copy(cut)
+        with self.assertRaises(AttentionError) as e:  # dropped on leaving the block
+            stale.truncate(0)
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+
     def test_context_manager_drops(self):
         with self.client.session(dtype=np.float32, kv_heads=1, head_dim=16) as s:
             self.assertEqual(s.length, 0)

@@ -2,7 +2,8 @@
 built from a config with random weights (no download; GQA; 4 layers) generates the same 32 greedy
 tokens with its KV cache on the service (RemoteCache, attn_implementation=register(client)) as
 with attn_implementation="sdpa" and transformers' own cache, at batch 1 and 4 (and with a
-left-padded batch); the cache's sessions are gone once it is released. The weights are scaled so
+left-padded batch, and with prompt lookup decoding, whose rejected candidates cache.crop drops); the
+cache's sessions are gone once it is released. The weights are scaled so
 that the greedy output is not one token repeated (checked), which would hide wrong attention.
 
 Run by ctest (label "python") with the Python of .python-env (scripts/install_deps.sh installs
@@ -106,6 +107,31 @@ class TransformersTest(ServerTest):
         mask[2, :1] = 0
         ids[mask == 0] = 0
         self.check_same_tokens(ids, mask)
+
+    def test_prompt_lookup_decoding_crops_the_rejected_tokens(self):
+        # Speculative decoding without an assistant model: candidates looked up in a repetitive
+        # prompt, verified in one forward, the rejected ones dropped by cache.crop.
+        ids = torch.randint(1, 256, (1, 6), generator=self.gen).repeat(1, 4)
+        want = self.generate(self.local, ids, prompt_lookup_num_tokens=4)
+        cache = remote.RemoteCache(self.client, self.served.config)
+        dropped = []
+        crop = cache.crop
+
+        def counting_crop(max_length):
+            dropped.append(-max_length)
+            crop(max_length)
+
+        cache.crop = counting_crop
+        got = self.generate(self.served, ids, past_key_values=cache, prompt_lookup_num_tokens=4)
+        self.assertGreater(sum(dropped), 0, "no candidate token was rejected")
+        self.assertEqual(got.tolist(), want.tolist(), f"seed {SEED}")
+        # Each session holds the rows of the positions kept.
+        lengths = {s.session_id: s.length for s in self.client.list_sessions().sessions}
+        for layer in cache.layers:
+            self.assertEqual(lengths[layer.sessions[0].id], layer.get_seq_length())
+        with self.assertRaisesRegex(ValueError, "max_length"):
+            cache.crop(3)  # transformers' DynamicCache refuses a positive length too
+        cache.close()
 
     def test_without_remote_cache_each_call_sends_its_keys(self):
         ids = torch.randint(1, 256, (2, 7), generator=self.gen)

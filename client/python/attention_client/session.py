@@ -93,6 +93,16 @@ class Session:
         self.length = info.length
         return self.length
 
+    def truncate(self, length, *, timeout=None):
+        """Keeps the first `length` rows (0 <= length <= the session's length; speculative
+        decoding drops rejected tokens) and frees the server's pages beyond them. Runs after the
+        session's calls sent before it. Returns the new length."""
+        request = pb.TruncateRequest(session_id=self._live_id(), length=length)
+        info = self._client._call(self._client._sessions_stub.Truncate, request, timeout,
+                                  self._metadata)
+        self.length = info.length
+        return self.length
+
     def step(self, q, k=None, v=None, *, causal=False, softmax_scale=None, window_left=None,
              window_right=None, return_lse=False, timeout=None, return_info=False, stream=False,
              sinks=None, softcap=None, chunk_size=None):

@@ -14,6 +14,8 @@ step sends only the new token's q, k and v, one Step per layer carrying every se
 Without one (a DynamicCache, a StaticCache, or none) each call sends the keys it is given (an
 Attend).
 The cache's sessions are dropped when it is closed or released (and expire on the server anyway).
+Its crop() (assisted and speculative decoding drop rejected tokens so) truncates every layer's
+sessions (Sessions.Truncate).
 
 Every keyword argument transformers passes to the attention function is either served exactly or
 refused by name (NotImplementedError): attention sinks (`s_aux`, gpt-oss) and `softcap` (Gemma 2)
@@ -248,7 +250,7 @@ class RemoteLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True
     supports_early_init = False
 
     def __init__(self, client, all_sessions, index=None):
@@ -377,6 +379,25 @@ class RemoteLayer(CacheLayerMixin):
         return self.client.step_batch(self.sessions, query, key, value, causal=True,
                                       softmax_scale=scaling, **step_options)
 
+    def crop(self, max_length):
+        """Drops the last -max_length positions (as DynamicLayer.crop: 0 drops nothing, a
+        positive length is refused): each sequence's session keeps the rows of the positions
+        before the new length (Session.truncate)."""
+        if max_length > 0:
+            raise ValueError(f"RemoteCache.crop: max_length: expected a negative count of "
+                             f"positions to drop (or 0), got {max_length}, as transformers' "
+                             "DynamicCache")
+        if max_length == 0 or not self.sessions:
+            return
+        if -max_length > self.length:
+            raise ValueError(f"RemoteCache.crop: max_length: expected -{self.length}..0 (the "
+                             f"positions held), got {max_length}")
+        self.length += max_length
+        for b, s in enumerate(self.sessions):
+            kept = self.positions[b][self.positions[b] < self.length]
+            self.positions[b] = kept
+            s.truncate(len(kept))
+
     def get_mask_sizes(self, query_length):
         return self.length + query_length, 0
 
@@ -424,7 +445,10 @@ class RemoteCache(Cache):
         self.close()
 
     def crop(self, max_length):
-        raise NotImplementedError("RemoteCache cannot drop rows from its sessions")
+        """Drops the last -max_length positions of every layer's sessions (assisted and speculative
+        decoding drop rejected tokens so); 0 drops nothing, as transformers' DynamicCache."""
+        for layer in self.layers:
+            layer.crop(max_length)
 
     def batch_repeat_interleave(self, repeats):
         raise NotImplementedError("RemoteCache does not repeat sequences")

@@ -198,6 +198,11 @@ class SessionsStub(object):
                 request_serializer=attention_dot_v1_dot_attention__pb2.AppendKvRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.SessionInfo.FromString,
                 )
+        self.Truncate = channel.unary_unary(
+                '/attention.v1.Sessions/Truncate',
+                request_serializer=attention_dot_v1_dot_attention__pb2.TruncateRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+                )
         self.Step = channel.unary_unary(
                 '/attention.v1.Sessions/Step',
                 request_serializer=attention_dot_v1_dot_attention__pb2.StepRequest.SerializeToString,
@@ -237,6 +242,14 @@ class SessionsServicer(object):
 
     def AppendKv(self, request, context):
         """Appends K/V rows to a session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Truncate(self, request, context):
+        """Keeps the first `length` rows of a session (speculative decoding drops rejected tokens) and
+        frees the pages beyond them; runs in order with the session's other calls.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -282,6 +295,11 @@ def add_SessionsServicer_to_server(servicer, server):
             'AppendKv': grpc.unary_unary_rpc_method_handler(
                     servicer.AppendKv,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.AppendKvRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.SessionInfo.SerializeToString,
+            ),
+            'Truncate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Truncate,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.TruncateRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.SessionInfo.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
@@ -349,6 +367,23 @@ class Sessions(object):
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/attention.v1.Sessions/AppendKv',
             attention_dot_v1_dot_attention__pb2.AppendKvRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Truncate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attention.v1.Sessions/Truncate',
+            attention_dot_v1_dot_attention__pb2.TruncateRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.SessionInfo.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
