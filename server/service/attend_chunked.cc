@@ -20,8 +20,6 @@
 // tensor are kept merged, so a call's bookkeeping grows with the gaps between them, not the chunks.
 #include <algorithm>
 #include <deque>
-#include <iterator>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -34,49 +32,11 @@
 #include "grpcpp/alarm.h"
 #include "kernels/status_macros.h"
 #include "server/service/attention_service.h"
+#include "server/service/chunk_coverage.h"
 #include "server/service/wire_buffers.h"
 
 namespace attention::server {
 namespace {
-
-// The byte ranges of one tensor received so far, none overlapping, none adjacent: ranges that
-// touch are merged, so there is one per stretch of received bytes whatever the chunk size.
-class Coverage {
- public:
-  // Adds [begin, begin + size); an error naming `name` when it overlaps what came before.
-  absl::Status Add(absl::string_view name, int64_t begin, int64_t size) {
-    int64_t end = begin + size;
-    auto next = ranges_.upper_bound(begin);
-    if (next != ranges_.end() && next->first < end) return Overlap(name, begin, end, *next);
-    if (next != ranges_.begin()) {
-      auto prev = std::prev(next);
-      if (prev->second > begin) return Overlap(name, begin, end, *prev);
-      if (prev->second == begin) {  // extends prev
-        begin = prev->first;
-        ranges_.erase(prev);
-      }
-    }
-    if (next != ranges_.end() && next->first == end) {  // runs into next
-      end = next->second;
-      ranges_.erase(next);
-    }
-    ranges_.emplace(begin, end);
-    received_ += size;
-    return absl::OkStatus();
-  }
-  int64_t received() const { return received_; }
-
- private:
-  static absl::Status Overlap(absl::string_view name, int64_t begin, int64_t end,
-                              const std::pair<const int64_t, int64_t>& old) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk of ", name, ": bytes [", begin, ", ", end, ") overlap bytes [", old.first, ", ",
-        old.second, ") already received (each byte comes exactly once)"));
-  }
-
-  std::map<int64_t, int64_t> ranges_;  // begin -> end
-  int64_t received_ = 0;
-};
 
 constexpr int64_t kMinResponseChunk = int64_t{64} << 10;
 // Room a chunk message needs besides its data: tags, tensor, offset, lengths.
@@ -185,7 +145,7 @@ class AttentionService::ChunkedReactor final
       const char* name;
       int64_t size;
       const void* data;
-      Coverage* coverage;
+      ChunkCoverage* coverage;
     };
     Target target;
     switch (chunk.tensor()) {
@@ -369,7 +329,7 @@ class AttentionService::ChunkedReactor final
   grpc::ByteBuffer in_;
   Call call_;
   bool have_header_ = false;
-  Coverage coverage_[3];  // q, k, v
+  ChunkCoverage coverage_[3];  // q, k, v
   int64_t request_bytes_ = 0;
   int64_t largest_chunk_ = 0;
 

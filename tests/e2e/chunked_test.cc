@@ -296,7 +296,7 @@ TEST_F(ChunkedTest, UnfinishedCallsShareABudgetAndIdleCallsTimeOut) {
   // The first call: its header, then nothing, its side left open.
   grpc::GenericStub stub(client().channel());
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   grpc::CompletionQueue cq;
   auto await = [&cq] {
     void* tag = nullptr;
