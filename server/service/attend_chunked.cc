@@ -82,10 +82,11 @@ class AttentionService::ChunkedReactor final
   void OnDone() override {
     // The thread that called Finish may still be leaving mu_.
     { std::lock_guard<std::mutex> lock(mu_); }
+    // Here rather than at the last Unref: a cancelled timer's callback may come after the
+    // server (and the service) are gone.
+    service_->chunked_bytes_.fetch_sub(held_bytes_);
     Unref();
   }
-
-  ~ChunkedReactor() override { service_->chunked_bytes_.fetch_sub(held_bytes_); }
 
  private:
   // Takes the message in in_: the header first, then chunks.
