@@ -4,6 +4,7 @@
 // overlaps, bytes outside a tensor, missing bytes and a missing header are INVALID_ARGUMENT; every
 // call is counted in the metrics.
 #include <chrono>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -106,42 +107,66 @@ struct RawAnswer {
   grpc::Status status;
   int messages = 0;
 };
-RawAnswer RawChunked(const std::shared_ptr<grpc::Channel>& channel,
-                     const std::vector<v1::AttendChunk>& messages) {
-  grpc::GenericStub stub(channel);
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  grpc::CompletionQueue cq;
-  auto await = [&cq] {
-    void* tag = nullptr;
-    bool ok = false;
-    return cq.Next(&tag, &ok) && ok;
-  };
-  auto call = stub.PrepareCall(&context, "/attention.v1.Attention/AttendChunked", &cq);
-  call->StartCall(nullptr);
-  bool ok = await();
-  for (const v1::AttendChunk& m : messages) {
-    if (!ok) break;
+// One raw AttendChunked call, each step awaited on its own completion queue.
+class RawCall {
+ public:
+  RawCall(const std::shared_ptr<grpc::Channel>& channel, std::chrono::seconds deadline)
+      : stub_(channel) {
+    context_.set_deadline(std::chrono::system_clock::now() + deadline);
+    call_ = stub_.PrepareCall(&context_, "/attention.v1.Attention/AttendChunked", &cq_);
+    call_->StartCall(nullptr);
+    started_ = Await();
+  }
+  bool started() const { return started_; }
+  bool Write(const v1::AttendChunk& m) {
     grpc::ByteBuffer buffer;
     bool own = false;
     grpc::SerializationTraits<v1::AttendChunk>::Serialize(m, &buffer, &own).IgnoreError();
-    call->Write(buffer, nullptr);
-    ok = await();
+    call_->Write(buffer, nullptr);
+    return Await();
   }
-  if (ok) {
-    call->WritesDone(nullptr);
-    await();
+  void WritesDone() {
+    call_->WritesDone(nullptr);
+    Await();
   }
-  RawAnswer answer;
-  for (;;) {
-    grpc::ByteBuffer buffer;
-    call->Read(&buffer, nullptr);
-    if (!await()) break;
-    ++answer.messages;
+  // Reads the answer's messages to the end, then the status.
+  RawAnswer Finish() {
+    RawAnswer answer;
+    for (;;) {
+      grpc::ByteBuffer buffer;
+      call_->Read(&buffer, nullptr);
+      if (!Await()) break;
+      ++answer.messages;
+    }
+    call_->Finish(&answer.status, nullptr);
+    Await();
+    return answer;
   }
-  call->Finish(&answer.status, nullptr);
-  await();
-  return answer;
+
+ private:
+  bool Await() {
+    void* tag = nullptr;
+    bool ok = false;
+    return cq_.Next(&tag, &ok) && ok;
+  }
+
+  grpc::GenericStub stub_;
+  grpc::ClientContext context_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
+  bool started_ = false;
+};
+
+RawAnswer RawChunked(const std::shared_ptr<grpc::Channel>& channel,
+                     const std::vector<v1::AttendChunk>& messages) {
+  RawCall call(channel, std::chrono::seconds(30));
+  bool ok = call.started();
+  for (const v1::AttendChunk& m : messages) {
+    if (!ok) break;
+    ok = call.Write(m);
+  }
+  if (ok) call.WritesDone();
+  return call.Finish();
 }
 
 // The messages of `request` in chunks of `chunk` bytes, in order.
@@ -294,24 +319,10 @@ TEST_F(ChunkedTest, UnfinishedCallsShareABudgetAndIdleCallsTimeOut) {
     for (int64_t d : {int64_t{1}, int64_t{1}, seqlen, int64_t{8}}) t->add_shape(d);
   }
   // The first call: its header, then nothing, its side left open.
-  grpc::GenericStub stub(client().channel());
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::CompletionQueue cq;
-  auto await = [&cq] {
-    void* tag = nullptr;
-    bool ok = false;
-    return cq.Next(&tag, &ok) && ok;
-  };
-  auto idle = stub.PrepareCall(&context, "/attention.v1.Attention/AttendChunked", &cq);
   const absl::Time start = absl::Now();
-  idle->StartCall(nullptr);
-  ASSERT_TRUE(await());
-  grpc::ByteBuffer buffer;
-  bool own = false;
-  ASSERT_TRUE(grpc::SerializationTraits<v1::AttendChunk>::Serialize(head, &buffer, &own).ok());
-  idle->Write(buffer, nullptr);
-  ASSERT_TRUE(await());
+  RawCall idle(client().channel(), std::chrono::seconds(10));
+  ASSERT_TRUE(idle.started());
+  ASSERT_TRUE(idle.Write(head));
   // The server takes the header before the next call's (it is read on arrival).
   absl::SleepFor(absl::Milliseconds(200));
 
@@ -320,12 +331,7 @@ TEST_F(ChunkedTest, UnfinishedCallsShareABudgetAndIdleCallsTimeOut) {
       << refused.status.error_message();
   EXPECT_THAT(refused.status.error_message(), HasSubstr("--chunked_memory_mb"));
 
-  grpc::ByteBuffer answer;
-  idle->Read(&answer, nullptr);
-  EXPECT_FALSE(await());
-  grpc::Status status;
-  idle->Finish(&status, nullptr);
-  await();
+  const grpc::Status status = idle.Finish().status;
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("--chunked_idle_timeout_s"));
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
