@@ -81,6 +81,12 @@ ABSL_FLAG(int, max_message_mb, 1024, "Largest gRPC message received or sent, MiB
 ABSL_FLAG(int64_t, max_chunked_request_mb, 8192,
           "Largest q + k + v (and o + lse) of one AttendChunked request, MiB; its chunks are "
           "messages under --max_message_mb.");
+ABSL_FLAG(int64_t, chunked_memory_mb, 16384,
+          "Host memory all unfinished AttendChunked calls may hold together, MiB; a call whose "
+          "request would pass it is refused RESOURCE_EXHAUSTED before its block is allocated.");
+ABSL_FLAG(int, chunked_idle_timeout_s, 60,
+          "Seconds an AttendChunked call may wait for its next message; past it the call ends "
+          "DEADLINE_EXCEEDED and its memory is freed.");
 ABSL_FLAG(int, receive_memory_mb, 0,
           "Memory gRPC may hold for requests being received, all connections together, MiB; "
           "beyond it the stream being filled is cancelled, so a request over the message limit "
@@ -619,6 +625,8 @@ int main(int argc, char** argv) {
   options.service.version = ATTENTION_VERSION;
   options.service.max_message_bytes = int64_t{max_message_mb} << 20;
   options.service.max_chunked_request_bytes = absl::GetFlag(FLAGS_max_chunked_request_mb) << 20;
+  options.service.chunked_memory_bytes = absl::GetFlag(FLAGS_chunked_memory_mb) << 20;
+  options.service.chunked_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_chunked_idle_timeout_s));
   options.service.max_queue = options.scheduler.max_queue;
   options.service.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.stream_window = absl::GetFlag(FLAGS_stream_window);
@@ -629,6 +637,13 @@ int main(int argc, char** argv) {
   if (valid.ok() && (options.call_log.level < 0 || options.call_log.level > 2)) {
     valid = absl::InvalidArgumentError(
         absl::StrCat("--log_calls: expected 0, 1 or 2, got ", options.call_log.level));
+  }
+  if (valid.ok() && (options.service.chunked_memory_bytes < 1 ||
+                     options.service.chunked_idle_timeout < absl::Seconds(1))) {
+    valid = absl::InvalidArgumentError(
+        absl::StrCat("--chunked_memory_mb and --chunked_idle_timeout_s: expected >= 1, got ",
+                     options.service.chunked_memory_bytes >> 20, " and ",
+                     absl::ToInt64Seconds(options.service.chunked_idle_timeout)));
   }
   if (!valid.ok()) {
     std::fprintf(stderr, "attention_server: %s\n", valid.ToString().c_str());

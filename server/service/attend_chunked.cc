@@ -13,9 +13,13 @@
 // device), then o and lse in chunks as large as the largest the client sent, each a slice over the
 // host block (no copy), then OK. A client that ends its side early gets INVALID_ARGUMENT naming
 // what is missing.
+//
+// Bounded: the blocks of all unfinished calls together stay under --chunked_memory_mb (a header
+// past it is RESOURCE_EXHAUSTED, before its block is allocated); a call whose next message does
+// not come within --chunked_idle_timeout_s ends DEADLINE_EXCEEDED; the received byte ranges of a
+// tensor are kept merged, so a call's bookkeeping grows with the gaps between them, not the chunks.
 #include <algorithm>
 #include <deque>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -25,42 +29,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpcpp/alarm.h"
 #include "kernels/status_macros.h"
 #include "server/service/attention_service.h"
+#include "server/service/chunk_coverage.h"
 #include "server/service/wire_buffers.h"
 
 namespace attention::server {
 namespace {
-
-// The byte ranges of one tensor received so far, none overlapping.
-class Coverage {
- public:
-  // Adds [begin, begin + size); an error naming `name` when it overlaps what came before.
-  absl::Status Add(absl::string_view name, int64_t begin, int64_t size) {
-    const int64_t end = begin + size;
-    auto next = ranges_.upper_bound(begin);
-    if (next != ranges_.end() && next->first < end) return Overlap(name, begin, end, *next);
-    if (next != ranges_.begin()) {
-      auto prev = std::prev(next);
-      if (prev->second > begin) return Overlap(name, begin, end, *prev);
-    }
-    ranges_.emplace(begin, end);
-    received_ += size;
-    return absl::OkStatus();
-  }
-  int64_t received() const { return received_; }
-
- private:
-  static absl::Status Overlap(absl::string_view name, int64_t begin, int64_t end,
-                              const std::pair<const int64_t, int64_t>& old) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk of ", name, ": bytes [", begin, ", ", end, ") overlap bytes [", old.first, ", ",
-        old.second, ") already received (each byte comes exactly once)"));
-  }
-
-  std::map<int64_t, int64_t> ranges_;  // begin -> end
-  int64_t received_ = 0;
-};
 
 constexpr int64_t kMinResponseChunk = int64_t{64} << 10;
 // Room a chunk message needs besides its data: tags, tensor, offset, lengths.
@@ -73,10 +49,16 @@ class AttentionService::ChunkedReactor final
  public:
   ChunkedReactor(AttentionService* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context), arrival_(absl::Now()) {
+    std::lock_guard<std::mutex> lock(read_mu_);
+    last_read_ = arrival_;
+    ArmIdleTimer();
     StartRead(&in_);
   }
 
   void OnReadDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(read_mu_);
+    if (submitted_) return;  // the call timed out while this read waited
+    last_read_ = absl::Now();
     if (!ok) {
       // The client ended its side (or the call broke) before the request was whole.
       return Submit(context_->IsCancelled() ? absl::CancelledError("the call was cancelled")
@@ -100,7 +82,10 @@ class AttentionService::ChunkedReactor final
   void OnDone() override {
     // The thread that called Finish may still be leaving mu_.
     { std::lock_guard<std::mutex> lock(mu_); }
-    delete this;
+    // Here rather than at the last Unref: a cancelled timer's callback may come after the
+    // server (and the service) are gone.
+    service_->chunked_bytes_.fetch_sub(held_bytes_);
+    Unref();
   }
 
  private:
@@ -147,6 +132,7 @@ class AttentionService::ChunkedReactor final
                        DecodeRequest(call_.request.header,
                                      InputTensors{.q_bytes = -1, .k_bytes = -1, .v_bytes = -1},
                                      service_->chunked_decode_options_));
+      RETURN_IF_ERROR(Reserve());
       RETURN_IF_ERROR(service_->Place(&call_));
       have_header_ = true;
       return absl::OkStatus();
@@ -160,7 +146,7 @@ class AttentionService::ChunkedReactor final
       const char* name;
       int64_t size;
       const void* data;
-      Coverage* coverage;
+      ChunkCoverage* coverage;
     };
     Target target;
     switch (chunk.tensor()) {
@@ -194,6 +180,60 @@ class AttentionService::ChunkedReactor final
     return absl::OkStatus();
   }
 
+  // Counts this call's block against --chunked_memory_mb, or refuses it.
+  absl::Status Reserve() {
+    const DecodedRequest& d = call_.decoded;
+    const int64_t bytes = d.q_bytes + d.k_bytes + d.v_bytes + d.o_bytes + d.lse_bytes;
+    const int64_t budget = service_->options_.chunked_memory_bytes;
+    const int64_t before = service_->chunked_bytes_.fetch_add(bytes);
+    if (before + bytes > budget) {
+      service_->chunked_bytes_.fetch_sub(bytes);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "--chunked_memory_mb: this request needs ", bytes, " bytes, unfinished AttendChunked ",
+          "calls hold ", before, " of the ", budget, " bytes allowed; retry later"));
+    }
+    held_bytes_ = bytes;
+    return absl::OkStatus();
+  }
+
+  // Sets the idle timer for last_read_ + the timeout; it holds a reference until it fires or is
+  // cancelled. Needs read_mu_.
+  void ArmIdleTimer() {
+    refs_.fetch_add(1);
+    spent_alarm_ = std::move(alarm_);  // fired already (or none): its callback is returning
+    alarm_ = std::make_unique<grpc::Alarm>();
+    alarm_->Set(absl::ToChronoTime(last_read_ + service_->options_.chunked_idle_timeout),
+                [this](bool fired) {
+                  {
+                    std::lock_guard<std::mutex> lock(read_mu_);
+                    if (fired && !submitted_) OnIdleCheck();
+                  }
+                  Unref();
+                });
+  }
+
+  // The timer fired: ends the call when no message came for the timeout, else waits on. Needs
+  // read_mu_.
+  void OnIdleCheck() {
+    const absl::Duration timeout = service_->options_.chunked_idle_timeout;
+    if (absl::Now() - last_read_ < timeout) return ArmIdleTimer();
+    Submit(absl::DeadlineExceededError(absl::StrCat(
+        "--chunked_idle_timeout_s: no message came on this AttendChunked call for ",
+        absl::FormatDuration(timeout), " (",
+        have_header_ ? absl::StrCat(Received(), " so far") : "the request never came", ")")));
+  }
+
+  void Unref() {
+    if (refs_.fetch_sub(1) == 1) delete this;
+  }
+
+  std::string Received() const {
+    const DecodedRequest& d = call_.decoded;
+    return absl::StrCat("q ", coverage_[0].received(), " of ", d.q_bytes, ", k ",
+                        coverage_[1].received(), " of ", d.k_bytes, ", v ", coverage_[2].received(),
+                        " of ", d.v_bytes, " bytes");
+  }
+
   bool Whole() const {
     const DecodedRequest& d = call_.decoded;
     return coverage_[0].received() == d.q_bytes && coverage_[1].received() == d.k_bytes &&
@@ -204,15 +244,15 @@ class AttentionService::ChunkedReactor final
     if (!have_header_) {
       return absl::InvalidArgumentError("the call ended before its first message (the request)");
     }
-    const DecodedRequest& d = call_.decoded;
     return absl::InvalidArgumentError(
-        absl::StrCat("the call ended before every byte came: q ", coverage_[0].received(), " of ",
-                     d.q_bytes, ", k ", coverage_[1].received(), " of ", d.k_bytes, ", v ",
-                     coverage_[2].received(), " of ", d.v_bytes, " bytes"));
+        absl::StrCat("the call ended before every byte came: ", Received()));
   }
 
   // Hands the request, or the reason it cannot run, to the one request path; no more reads.
+  // Needs read_mu_.
   void Submit(absl::Status received) {
+    submitted_ = true;
+    alarm_->Cancel();
     call_.response.set_request_id(call_.request.header.request_id());
     service_->Run(
         "AttendChunked", CallbackCall(context_), arrival_, request_bytes_,
@@ -279,11 +319,18 @@ class AttentionService::ChunkedReactor final
   AttentionService* const service_;
   grpc::CallbackServerContext* const context_;
   const absl::Time arrival_;
-  // Touched by the reads only (one at a time), until Submit.
+  // The reactor's own reference (until OnDone) and the pending idle timer's.
+  std::atomic<int> refs_{1};
+  int64_t held_bytes_ = 0;  // counted in service_->chunked_bytes_
+
+  std::mutex read_mu_;  // guards the reads' side against the idle timer, until Submit
+  bool submitted_ = false;
+  absl::Time last_read_;
+  std::unique_ptr<grpc::Alarm> alarm_, spent_alarm_;
   grpc::ByteBuffer in_;
   Call call_;
   bool have_header_ = false;
-  Coverage coverage_[3];  // q, k, v
+  ChunkCoverage coverage_[3];  // q, k, v
   int64_t request_bytes_ = 0;
   int64_t largest_chunk_ = 0;
 

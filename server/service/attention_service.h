@@ -16,6 +16,7 @@
 // bytes fields, and protobuf's serialization.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -49,6 +50,12 @@ struct ServiceOptions {
   // Largest q + k + v (and o + lse) of one AttendChunked request; its chunks are messages, each
   // under max_message_bytes.
   int64_t max_chunked_request_bytes = int64_t{8} << 30;
+  // Host bytes all unfinished AttendChunked calls may hold together (their blocks, taken when
+  // the header comes); a header past it is RESOURCE_EXHAUSTED.
+  int64_t chunked_memory_bytes = int64_t{16} << 30;
+  // How long an AttendChunked call may wait for its next message before it ends
+  // DEADLINE_EXCEEDED.
+  absl::Duration chunked_idle_timeout = absl::Seconds(60);
   int max_queue = 256;
   int max_batch = 1;
   int max_head_dim = 256;
@@ -149,6 +156,8 @@ class AttentionService final : public AttentionRawService {
   std::unique_ptr<HostMemory> own_memory_;  // when none was given
   HostMemory* const memory_;
   RegionRegistry* const regions_;
+  // Bytes the blocks of unfinished AttendChunked calls hold (ServiceOptions::chunked_memory_bytes).
+  std::atomic<int64_t> chunked_bytes_{0};
 };
 
 }  // namespace attention::server

@@ -4,11 +4,13 @@
 // overlaps, bytes outside a tensor, missing bytes and a missing header are INVALID_ARGUMENT; every
 // call is counted in the metrics.
 #include <chrono>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/request_builder.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -26,7 +28,8 @@ using ::testing::HasSubstr;
 class ChunkedTest : public SharedServerTest<ChunkedTest> {
  public:
   static std::vector<std::string> ServerFlags() {
-    return {"--backend=cpu", "--max_message_mb=1", "--max_chunked_request_mb=64"};
+    return {"--backend=cpu", "--max_message_mb=1", "--max_chunked_request_mb=64",
+            "--chunked_memory_mb=48", "--chunked_idle_timeout_s=1"};
   }
 };
 
@@ -104,42 +107,66 @@ struct RawAnswer {
   grpc::Status status;
   int messages = 0;
 };
-RawAnswer RawChunked(const std::shared_ptr<grpc::Channel>& channel,
-                     const std::vector<v1::AttendChunk>& messages) {
-  grpc::GenericStub stub(channel);
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  grpc::CompletionQueue cq;
-  auto await = [&cq] {
-    void* tag = nullptr;
-    bool ok = false;
-    return cq.Next(&tag, &ok) && ok;
-  };
-  auto call = stub.PrepareCall(&context, "/attention.v1.Attention/AttendChunked", &cq);
-  call->StartCall(nullptr);
-  bool ok = await();
-  for (const v1::AttendChunk& m : messages) {
-    if (!ok) break;
+// One raw AttendChunked call, each step awaited on its own completion queue.
+class RawCall {
+ public:
+  RawCall(const std::shared_ptr<grpc::Channel>& channel, std::chrono::seconds deadline)
+      : stub_(channel) {
+    context_.set_deadline(std::chrono::system_clock::now() + deadline);
+    call_ = stub_.PrepareCall(&context_, "/attention.v1.Attention/AttendChunked", &cq_);
+    call_->StartCall(nullptr);
+    started_ = Await();
+  }
+  bool started() const { return started_; }
+  bool Write(const v1::AttendChunk& m) {
     grpc::ByteBuffer buffer;
     bool own = false;
     grpc::SerializationTraits<v1::AttendChunk>::Serialize(m, &buffer, &own).IgnoreError();
-    call->Write(buffer, nullptr);
-    ok = await();
+    call_->Write(buffer, nullptr);
+    return Await();
   }
-  if (ok) {
-    call->WritesDone(nullptr);
-    await();
+  void WritesDone() {
+    call_->WritesDone(nullptr);
+    Await();
   }
-  RawAnswer answer;
-  for (;;) {
-    grpc::ByteBuffer buffer;
-    call->Read(&buffer, nullptr);
-    if (!await()) break;
-    ++answer.messages;
+  // Reads the answer's messages to the end, then the status.
+  RawAnswer Finish() {
+    RawAnswer answer;
+    for (;;) {
+      grpc::ByteBuffer buffer;
+      call_->Read(&buffer, nullptr);
+      if (!Await()) break;
+      ++answer.messages;
+    }
+    call_->Finish(&answer.status, nullptr);
+    Await();
+    return answer;
   }
-  call->Finish(&answer.status, nullptr);
-  await();
-  return answer;
+
+ private:
+  bool Await() {
+    void* tag = nullptr;
+    bool ok = false;
+    return cq_.Next(&tag, &ok) && ok;
+  }
+
+  grpc::GenericStub stub_;
+  grpc::ClientContext context_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
+  bool started_ = false;
+};
+
+RawAnswer RawChunked(const std::shared_ptr<grpc::Channel>& channel,
+                     const std::vector<v1::AttendChunk>& messages) {
+  RawCall call(channel, std::chrono::seconds(30));
+  bool ok = call.started();
+  for (const v1::AttendChunk& m : messages) {
+    if (!ok) break;
+    ok = call.Write(m);
+  }
+  if (ok) call.WritesDone();
+  return call.Finish();
 }
 
 // The messages of `request` in chunks of `chunk` bytes, in order.
@@ -277,6 +304,54 @@ TEST_F(ChunkedTest, OverTheChunkedLimitIsResourceExhaustedBeforeAnyChunk) {
   const RawAnswer answer = RawChunked(client().channel(), {head});
   EXPECT_EQ(answer.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << answer.status.error_message();
+}
+
+// The blocks of unfinished calls share --chunked_memory_mb (48 MiB here): while one call holds
+// 32 MiB a second such header is RESOURCE_EXHAUSTED; the first, sent no chunk, ends
+// DEADLINE_EXCEEDED after --chunked_idle_timeout_s (1 s here) and frees its share.
+TEST_F(ChunkedTest, UnfinishedCallsShareABudgetAndIdleCallsTimeOut) {
+  // q [1, 1, 16, 8], k and v [1, 1, 512K, 8] float32: 2 x 16 MiB and a little.
+  v1::AttendChunk head;
+  for (const auto& [t, seqlen] : {std::pair{head.mutable_request()->mutable_q(), int64_t{16}},
+                                  {head.mutable_request()->mutable_k(), int64_t{512} << 10},
+                                  {head.mutable_request()->mutable_v(), int64_t{512} << 10}}) {
+    t->set_dtype(v1::DTYPE_FLOAT32);
+    for (int64_t d : {int64_t{1}, int64_t{1}, seqlen, int64_t{8}}) t->add_shape(d);
+  }
+  // The first call: its header, then nothing, its side left open.
+  const absl::Time start = absl::Now();
+  RawCall idle(client().channel(), std::chrono::seconds(10));
+  ASSERT_TRUE(idle.started());
+  ASSERT_TRUE(idle.Write(head));
+  // The server takes the header before the next call's (it is read on arrival).
+  absl::SleepFor(absl::Milliseconds(200));
+
+  const RawAnswer refused = RawChunked(client().channel(), {head});
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << refused.status.error_message();
+  EXPECT_THAT(refused.status.error_message(), HasSubstr("--chunked_memory_mb"));
+
+  const grpc::Status status = idle.Finish().status;
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("--chunked_idle_timeout_s"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+
+  // Its share freed, the same header is taken again (and ends for want of chunks).
+  absl::SleepFor(absl::Milliseconds(200));
+  const RawAnswer taken = RawChunked(client().channel(), {head});
+  EXPECT_EQ(taken.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << taken.status.error_message();
+  EXPECT_THAT(taken.status.error_message(), HasSubstr("before every byte came"));
+}
+
+// Chunks of 4 bytes, in order: each merges into the range before it; the answer matches.
+TEST_F(ChunkedTest, TinyChunksMatchTheReference) {
+  const client::ProblemSpec spec{
+      .batch = 1, .heads_q = 1, .heads_kv = 1, .seqlen_q = 8, .seqlen_k = 40, .head_dim = 16};
+  std::mt19937_64 rng(FreshSeed());
+  absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(spec, rng);
+  ASSERT_TRUE(request.ok()) << request.status();
+  ExpectCorrect(*request, client().AttendChunked(*request, 4));
 }
 
 }  // namespace
