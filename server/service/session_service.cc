@@ -421,11 +421,20 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
   }
   call->seqs.reserve(n);
   int64_t response_bytes = kResponseOverhead + static_cast<int64_t>(request.request_id().size());
+  // The mask and the open-model options are the request's; only the default scale (the head
+  // dim) and the count of sinks (Hq) depend on the entry, so they are decoded again only when
+  // those change: once for a packed Step, not once per sequence.
+  MaskParams mask;
+  OpenModelOptions open;
+  std::pair<int64_t, int64_t> decoded_for = {-1, -1};  // (head dim, Hq) of `mask` and `open`
   for (int i = 0; i < n; ++i) {
     const SessionStore::Place& place = places[i];
     const DecodedEntry& decoded = entries[i];
-    ASSIGN_OR_RETURN(const MaskParams mask, DecodeMask(request, place.shape.head_dim));
-    ASSIGN_OR_RETURN(const OpenModelOptions open, DecodeOpenModelOptions(request, decoded.heads_q));
+    if (decoded_for != std::pair{place.shape.head_dim, decoded.heads_q}) {
+      ASSIGN_OR_RETURN(mask, DecodeMask(request, place.shape.head_dim));
+      ASSIGN_OR_RETURN(open, DecodeOpenModelOptions(request, decoded.heads_q));
+      decoded_for = {place.shape.head_dim, decoded.heads_q};
+    }
     const int64_t o_bytes = decoded.heads_q * decoded.rows_q * place.shape.head_dim *
                             static_cast<int64_t>(DTypeSize(place.shape.dtype));
     response_bytes += (decoded.o != nullptr ? 0 : o_bytes) +
