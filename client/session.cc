@@ -198,6 +198,8 @@ absl::StatusOr<v1::StepRequest> SessionClient::MakeBatchRequest(
   }
   if (tensors.o_ref != nullptr) *request.mutable_o_ref() = *tensors.o_ref;
   if (tensors.lse_ref != nullptr) *request.mutable_lse_ref() = *tensors.lse_ref;
+  request.set_ready_event(tensors.ready_event);
+  request.set_done_event(tensors.done_event);
   SetStepOptions(options, &request);
   return request;
 }

@@ -62,11 +62,19 @@ struct StepOutput {
 // or neither), and where o and lse go instead of the response (o [B, Hq, Nq, D], lse
 // [B, Hq, Nq]; regions of this client, apart from each other and from every input). Tensors and
 // refs must stay valid during the call.
+// With every tensor in CUDA regions (a co-located caller on the server's GPU), the Step runs in
+// stream order given the bytes of two cudaIpcEventHandle_t (events made with
+// cudaEventInterprocess | cudaEventDisableTiming): the server's kernels wait on the GPU for
+// ready_event's last record and record done_event after writing o and lse, and the call answers
+// once the work is queued; the caller's stream waits for done_event before it reads o
+// (cudaStreamWaitEvent). docs/API.md: StepRequest.ready_event.
 struct StepBatchTensors {
   const v1::Tensor* k = nullptr;
   const v1::Tensor* v = nullptr;
   const v1::TensorRef* o_ref = nullptr;
   const v1::TensorRef* lse_ref = nullptr;
+  std::string ready_event;  // empty: none
+  std::string done_event;
 };
 
 struct StepBatchOutput {

@@ -1,5 +1,7 @@
 #include "kernels/paged_kv.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace attention {
 
 int64_t PageRows(int64_t page_bytes, DType dtype, int64_t heads_kv, int64_t head_dim) {
@@ -15,6 +17,16 @@ absl::Status RefuseOpenModelOptions(const PagedDecodeParams& p, const char* back
   options.softcap = p.softcap;
   options.chunk_size = p.chunk_size;
   return RefuseOpenModelOptions(options, backend);
+}
+
+absl::Status RefuseDeviceMemory(const StepMemory& memory, const char* backend) {
+  if (!memory.on_device && memory.ready == nullptr && memory.done == nullptr) {
+    return absl::OkStatus();
+  }
+  return absl::UnimplementedError(absl::StrCat(
+      "tensors in device memory and stream order (CUDA regions, ready_event, done_event) are not "
+      "served by the ",
+      backend, " backend"));
 }
 
 }  // namespace attention

@@ -33,6 +33,23 @@ struct KvShape {
   }
 };
 
+// Where a step's tensors are. Host memory by default: the pool reads and writes them before its
+// call returns. `on_device`: the pool's own GPU memory (a co-located caller's CUDA regions), read
+// and written there by the pool's kernels; a pool without a device refuses it. `ready` and `done`
+// (cudaEvent_t of the caller's, or null): the pool's stream waits for `ready` before it reads the
+// step's inputs and records `done` after its last write, and Decode then returns once the step is
+// queued, not once it ran (its times are then 0).
+struct StepMemory {
+  bool on_device = false;
+  void* ready = nullptr;
+  void* done = nullptr;
+
+  // Spelled out: CUDA sources that include this compile as C++17.
+  bool operator==(const StepMemory& other) const {
+    return on_device == other.on_device && ready == other.ready && done == other.done;
+  }
+};
+
 // Rows to append to a sequence: k and v host pointers with element strides, as KvWrite takes them
 // (BHSD [Hkv, rows, D] or BSHD [rows, Hkv, D]). What the server's request decoder makes of a
 // message's k and v, and what its session store appends.
@@ -42,6 +59,7 @@ struct KvRows {
   int64_t rows = 0;
   int64_t head_stride = 0;
   int64_t row_stride = 0;
+  StepMemory memory;  // k and v on the device instead (on_device), and the step's events
 };
 
 // Writes rows [first_row, first_row + rows) of one sequence into its pages (all host pointers
@@ -56,6 +74,7 @@ struct KvWrite {
   const void* v = nullptr;
   int64_t head_stride = 0;  // between heads of k and v
   int64_t row_stride = 0;   // between rows of k and v
+  StepMemory memory;        // KvRows's
 };
 
 // One decode/extend step over `num_seqs` sequences (one kernel launch where the backend can).
@@ -102,10 +121,17 @@ struct PagedDecodeParams {
 
   // As AttentionParams::stop: checked between tiles; CANCELLED once set.
   const std::atomic<bool>* stop = nullptr;
+  // q, o and lse on the pool's device instead of the host, and the step's events. The host
+  // arrays (cu_seqlens_q, seqlens_k, page_table, sinks) stay host memory.
+  StepMemory memory;
 };
 
 // OK when p sets no open-model option, else UNIMPLEMENTED naming them and `backend`.
 absl::Status RefuseOpenModelOptions(const PagedDecodeParams& p, const char* backend);
+
+// OK when `memory` is the host's with no events, else UNIMPLEMENTED naming `backend` (a pool
+// without a device).
+absl::Status RefuseDeviceMemory(const StepMemory& memory, const char* backend);
 
 // Step times, microseconds (copies are 0 on the CPU).
 struct KvStepTimes {
@@ -115,11 +141,12 @@ struct KvStepTimes {
 };
 
 // A pool of `num_pages` pages of `page_bytes` on one device. Write and Decode take host pointers
-// (q, o, lse, page tables, lengths). Write takes the rows of any number of sequences (a step's new
-// tokens in one call: a device pool then moves them in one copy and one kernel); it checks every
-// write before doing any, and returns once it has taken the rows: the caller may reuse its buffers,
-// while a device pool may still be copying them, ordered before every later call (a copy's failure
-// then surfaces in a later call). Decode returns when o and lse are written. Thread-safe.
+// (q, o, lse, page tables, lengths), or device pointers where their StepMemory says so. Write takes
+// the rows of any number of sequences (a step's new tokens in one call: a device pool then moves
+// them in one copy and one kernel); it checks every write before doing any, and returns once it has
+// taken the rows: the caller may reuse its buffers, while a device pool may still be copying them,
+// ordered before every later call (a copy's failure then surfaces in a later call). Decode returns
+// when o and lse are written. Thread-safe.
 class KvPagePool {
  public:
   virtual ~KvPagePool() = default;

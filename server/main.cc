@@ -377,6 +377,11 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
                                                      usage.pages_free, usage.pages_total);
                                 }});
   }
+  // CUDA events of packed Steps in stream order, opened once per handle.
+  std::unique_ptr<IpcEvents> events;
+  if (options.shared_memory.allow) {
+    events = std::make_unique<IpcEvents>(MakeEventHooks(options.backend));
+  }
   SessionService sessions(
       SessionServiceOptions{
           .max_message_bytes = options.service.max_message_bytes,
@@ -384,7 +389,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
           .max_request_flops = options.service.max_request_flops,
           .stream_window = options.service.stream_window,
           .sweep_interval = std::min(absl::Seconds(1), absl::Seconds(options.kv_cache.ttl_s) / 4)},
-      session_store.get(), &scheduler, &gate, regions.get());
+      session_store.get(), &scheduler, &gate, regions.get(), events.get());
   // The stream methods every stream transport serves: gRPC's callback API or the polled async
   // API (--poll_streams), and the request rings.
   StreamMethods stream_methods;

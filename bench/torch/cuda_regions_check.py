@@ -11,7 +11,12 @@ starts attention_server --backend=cuda --allow_shared_memory from BIN_DIR and ch
 2. that no byte went through the host: the server reports h2d_us == 0 and d2h_us == 0 for a call
    computed in place, the answer carries no tensor bytes, and repeated calls register no new
    region (the segment cache);
-3. a timing table, per call (median of 20, after warm-up): CUDA regions, the host path and local
+3. packed Steps (Client.step_batch) of CUDA tensors in stream order: the inputs written by the
+   current stream behind a long GPU sleep (the server must wait for the caller's event, not read
+   them early), o and lse read by the current stream at once (the caller must wait for the
+   server's event), bit for bit equal to the same Steps through the host path, every dtype, three
+   steps over ragged sessions, with no host copy in the server's timing;
+4. a timing table, per call (median of 20, after warm-up): CUDA regions, the host path and local
    torch SDPA, for a decode-like and a prefill-like shape.
 
     python3 bench/torch/cuda_regions_check.py [BIN_DIR]       # default .device/bin
@@ -224,6 +229,52 @@ def no_round_trip(direct):
           f"({after} in all, {len(direct.list_shared_memory())} on the server)")
 
 
+def packed_steps_in_stream_order(direct, host, dtypes):
+    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    print(f"seed {gen.initial_seed()}")
+    b, hq, hkv, d = 6, 8, 2, 128
+    lengths = [1, 17, 100, 300, 64, 1000]
+    for dtype in dtypes:
+        name = str(dtype)[6:]
+        kv = [(torch.randn(hkv, n, d, generator=gen).to(dtype),
+               torch.randn(hkv, n, d, generator=gen).to(dtype)) for n in lengths]
+        on_device = [direct.session(k=k, v=v) for k, v in kv]
+        via_host = [host.session(k=k, v=v) for k, v in kv]
+        try:
+            for step in range(3):
+                q, k1, v1 = (torch.randn(b, h, 1, d, generator=gen).to(dtype)
+                             for h in (hq, hkv, hkv))
+                # The inputs reach the GPU only after a ~20 ms sleep on the current stream.
+                inputs = [torch.full(t.shape, float("nan"), dtype=dtype, device="cuda")
+                          for t in (q, k1, v1)]
+                torch.cuda.synchronize()
+                torch.cuda._sleep(40_000_000)
+                for dev, t in zip(inputs, (q, k1, v1)):
+                    dev.copy_(t.pin_memory(), non_blocking=True)
+                start = time.perf_counter()
+                r = direct.step_batch(on_device, *inputs, causal=True, return_lse=True,
+                                      return_info=True)
+                answered_ms = (time.perf_counter() - start) * 1e3
+                o, lse = r.o.clone(), r.lse.clone()  # on the current stream: after the server's
+                pending = not torch.cuda.current_stream().query()
+                want = host.step_batch(via_host, q, k1, v1, causal=True, return_lse=True,
+                                       return_info=True)
+                t = r.timing
+                check(same_bits(o.cpu(), want.o) and same_bits(lse.cpu(), want.lse)
+                      and r.lengths == want.lengths and t.h2d_us == 0 and t.d2h_us == 0,
+                      f"packed Step {name} step {step} in stream order: o, lse equal the host path "
+                      f"bit for bit, lengths {r.lengths}, server h2d_us={t.h2d_us} "
+                      f"d2h_us={t.d2h_us}")
+                # The first Step of a shape may grow the pool's buffers, which waits for its
+                # stream; later ones must not wait.
+                check(step == 0 or (pending and answered_ms < 15),
+                      f"packed Step {name} step {step}: answered in {answered_ms:.2f} ms, the "
+                      f"stream still asleep: {pending} (nothing synchronised after step 0)")
+        finally:
+            for s in on_device + via_host:
+                s.drop()
+
+
 def timing(direct, host):
     rows = []
     shapes = {"decode B=8 Hq=32 Hkv=8 Nq=1 Nk=4096 D=128": (8, 32, 8, 1, 4096),
@@ -286,6 +337,7 @@ def main():
                 flash_checks(args.device, on_gpu, direct, host, dtypes)
                 if on_gpu:
                     no_round_trip(direct)
+                    packed_steps_in_stream_order(direct, host, dtypes)
                     timing(direct, host)
     finally:
         server.terminate()

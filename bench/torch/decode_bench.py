@@ -20,6 +20,13 @@ steps of one token per sequence, the last `tokens` timed. Attentions (--attn):
            call is one device-to-host copy of q, k, v and one host-to-device copy of o
   packed-overlap  two micro-batches in ping-pong, each half's packed Step an asynchronous unary
            call (step_batch(wait=False)) while the other half computes (Model.forward_overlapped)
+  packed-cuda  the packed Step of the model's CUDA tensors through CUDA regions in stream order
+           (Client.step_batch's default for CUDA tensors): the server's kernels read q, k, v and
+           write o in the model's GPU memory, ordered by interprocess events, nothing
+           synchronised; unary
+  packed-cuda-ring  the same through the client's request ring
+The host-path attentions (packed, packed-ring, packed-overlap and the per-entry ones) use a
+Client with cuda_regions="off", so they measure what they name.
 
 Prints one JSON line per (batch, context, attention), then the ratio table against fa3 (or the
 first attention given), with the server's part of a layer call (ServerTiming: total, prepare,
@@ -242,7 +249,7 @@ class ServicePacked(ServiceSteps):
 
     def __init__(self, client, transport, a, batch, context, device, dtype):
         super().__init__(client, transport, a, batch, context, device, dtype)
-        self.stream = "ring" if transport == "packed-ring" else False
+        self.stream = "ring" if transport.endswith("-ring") else False
         self.overlapped = transport == "packed-overlap"
         self.halves = [[s[:batch // 2], s[batch // 2:]] for s in self.sessions]
         self.region = None
@@ -270,7 +277,7 @@ class ServicePacked(ServiceSteps):
         # q [B, 1, Hq, D] -> [B, Hq, 1, D]; k, v -> [B, Hkv, 1, D]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         start = time.perf_counter()
-        if self.region is None:
+        if self.region is None:  # host tensors, or (packed-cuda) CUDA regions in stream order
             result = self.client.step_batch(self.sessions[i], q, k, v, causal=True,
                                             return_info=True, stream=self.stream)
             o = result.o
@@ -357,10 +364,17 @@ def main():
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     model = Model(a, device, dtype)
     attns = a.attn.split(",")
-    client = None
-    if any(name not in ("fa3", "sdpa") for name in attns):
-        import attention_client
-        client = attention_client.Client(a.target, timeout=600, max_message_bytes=2047 << 20)
+    clients = {}
+
+    def client_for(name):
+        """The Client of an attention: CUDA regions on for packed-cuda*, off for the others."""
+        regions = "on" if name.startswith("packed-cuda") else "off"
+        if regions not in clients:
+            import attention_client
+            clients[regions] = attention_client.Client(a.target, timeout=600,
+                                                       max_message_bytes=2047 << 20,
+                                                       cuda_regions=regions)
+        return clients[regions]
     rows = []
     steps = a.warmup + a.tokens
     with torch.inference_mode():
@@ -379,9 +393,11 @@ def main():
                     elif name == "sdpa":
                         attention = LocalSDPA(a, batch, context, steps, device, dtype)
                     elif name.startswith("packed"):
-                        attention = ServicePacked(client, name, a, batch, context, device, dtype)
+                        attention = ServicePacked(client_for(name), name, a, batch, context,
+                                                  device, dtype)
                     else:
-                        attention = ServiceSteps(client, name, a, batch, context, device, dtype)
+                        attention = ServiceSteps(client_for(name), name, a, batch, context, device,
+                                                 dtype)
                     try:
                         first, tokens, seconds = decode(model, attention, batch, context, a, device)
                     finally:
@@ -409,7 +425,7 @@ def main():
                     del attention
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-    if client is not None:
+    for client in clients.values():
         client.close()
     print(f"\n{a.layers} layers, hidden {a.hidden}, Hq {a.heads}, Hkv {a.kv_heads}, D {a.head_dim}, "
           f"MLP {a.inter}, {a.dtype}; {a.tokens} timed steps; ratio against {attns[0]}")

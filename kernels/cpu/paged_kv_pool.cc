@@ -326,6 +326,7 @@ class CpuKvPagePool : public KvPagePool {
   absl::Status Write(absl::Span<const KvWrite> writes) override {
     std::vector<int64_t> page_rows;
     for (const KvWrite& w : writes) {
+      RETURN_IF_ERROR(RefuseDeviceMemory(w.memory, "cpu"));
       ASSIGN_OR_RETURN(const int64_t rows, CheckKvWrite(w, page_bytes_, num_pages_));
       page_rows.push_back(rows);
     }
@@ -336,6 +337,7 @@ class CpuKvPagePool : public KvPagePool {
   }
 
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& given) override {
+    RETURN_IF_ERROR(RefuseDeviceMemory(given.memory, "cpu"));
     ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(given, page_bytes_, num_pages_));
     if (given.num_seqs == 0 || given.total_q == 0) return KvStepTimes{};
     const auto start = std::chrono::steady_clock::now();

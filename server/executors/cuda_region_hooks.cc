@@ -52,7 +52,41 @@ absl::StatusOr<std::pair<void*, int64_t>> OpenIpcHandle(absl::string_view handle
   return std::pair<void*, int64_t>{base, bytes};
 }
 
+absl::StatusOr<void*> OpenIpcEvent(absl::string_view handle, int device) {
+  if (cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda:", device, " cannot be used: ", cudaGetErrorName(err)));
+  }
+  cudaIpcEventHandle_t h;
+  static_assert(sizeof(h) == 64, "IpcEvents checks 64-byte handles");
+  std::memcpy(&h, handle.data(), sizeof(h));
+  cudaEvent_t event = nullptr;
+  if (cudaError_t err = cudaIpcOpenEventHandle(&event, h); err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InvalidArgumentError(
+        absl::StrCat("cudaIpcOpenEventHandle on cuda:", device, " failed: ", cudaGetErrorName(err),
+                     " (", cudaGetErrorString(err),
+                     "; the event must be made with cudaEventInterprocess | "
+                     "cudaEventDisableTiming)"));
+  }
+  return static_cast<void*>(event);
+}
+
 }  // namespace
+
+EventHooks MakeEventHooks(const std::string& backend) {
+  EventHooks hooks;
+  if (backend != "cuda") return hooks;
+  hooks.open = OpenIpcEvent;
+  hooks.close = [](void* event, int device) {
+    if (cudaSetDevice(device) != cudaSuccess ||
+        cudaEventDestroy(static_cast<cudaEvent_t>(event)) != cudaSuccess) {
+      cudaGetLastError();
+    }
+  };
+  return hooks;
+}
 
 RegionHooks MakeRegionHooks(const std::string& backend) {
   RegionHooks hooks;
@@ -68,7 +102,10 @@ RegionHooks MakeRegionHooks(const std::string& backend) {
   };
   hooks.open_cuda = OpenIpcHandle;
   hooks.close_cuda = [](void* base, int device) {
-    if (cudaSetDevice(device) != cudaSuccess || cudaIpcCloseMemHandle(base) != cudaSuccess) {
+    // A Step in stream order answers before its kernels ran: they may still read or write the
+    // region when its client unregisters it, so the device's queued work finishes first.
+    if (cudaSetDevice(device) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess ||
+        cudaIpcCloseMemHandle(base) != cudaSuccess) {
       cudaGetLastError();
     }
   };

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -76,6 +77,9 @@ struct SessionService::StepCall final : StepWork {
   // lse_ref), else null.
   char* packed_o = nullptr;
   float* packed_lse = nullptr;
+  // A packed Step's events in stream order (StepRequest.ready_event, done_event), held open until
+  // it is answered; null when not sent.
+  std::shared_ptr<void> ready_event, done_event;
 
   bool packed() const { return request->session_ids_size() > 0; }
   std::string QueriesField(int seq) const override {
@@ -113,7 +117,8 @@ struct SessionService::StepCall final : StepWork {
 };
 
 SessionService::SessionService(const SessionServiceOptions& options, SessionStore* store,
-                               Scheduler* scheduler, const CallGate* gate, RegionRegistry* regions)
+                               Scheduler* scheduler, const CallGate* gate, RegionRegistry* regions,
+                               IpcEvents* events)
     : options_(options),
       limits_{.max_head_dim = options.max_head_dim},
       store_(store),
@@ -121,6 +126,7 @@ SessionService::SessionService(const SessionServiceOptions& options, SessionStor
       gate_(gate),
       metrics_(gate->metrics()),
       regions_(regions),
+      events_(events),
       step_jobs_(store, {.max_request_flops = options.max_request_flops},
                  [metrics = metrics_](const JobResult& result, double flops, int64_t tokens) {
                    metrics->StagesObserved(result.queued, result.stages);
@@ -404,13 +410,20 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
     places.push_back(place);
   }
   std::vector<DecodedEntry> entries;
+  StepMemory memory;
   if (packed) {
     ASSIGN_OR_RETURN(DecodedPacked decoded,
                      DecodePackedStep(request, places.front().shape, call->refs.get()));
     entries = std::move(decoded.entries);
     call->packed_o = decoded.o;
     call->packed_lse = decoded.lse;
+    ASSIGN_OR_RETURN(memory, DecodeStepMemory(request, places.front().device, call));
   } else {
+    if (!request.ready_event().empty() || !request.done_event().empty()) {
+      return absl::InvalidArgumentError(
+          "ready_event, done_event: expected only on a packed Step (session_ids) in CUDA regions, "
+          "got them on a Step of entries");
+    }
     entries.reserve(n);
     for (int i = 0; i < n; ++i) {
       ASSIGN_OR_RETURN(DecodedEntry decoded,
@@ -452,19 +465,63 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
                                               .lse = request.return_lse(),
                                               .sinks = open.sinks,
                                               .softcap = open.softcap,
-                                              .chunk_size = open.chunk_size},
+                                              .chunk_size = open.chunk_size,
+                                              .memory = memory},
                                       .rows = decoded.rows,
                                       .q = decoded.q,
                                       .rows_q = decoded.rows_q,
                                       .o = decoded.o,
                                       .lse = decoded.lse});
   }
+  for (StepSequence& seq : call->seqs) seq.rows.memory = memory;
   if (response_bytes > options_.max_message_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("response would be ", response_bytes,
                                                      " bytes, over the message limit of ",
                                                      options_.max_message_bytes, " bytes"));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<StepMemory> SessionService::DecodeStepMemory(const v1::StepRequest& request,
+                                                            int device, StepCall* call) const {
+  const RequestRegions& refs = *call->refs;
+  const bool events = !request.ready_event().empty() || !request.done_event().empty();
+  if (refs.cuda_refs() == 0) {
+    if (events) {
+      return absl::InvalidArgumentError(
+          "ready_event, done_event: expected only with the Step's tensors in CUDA regions, got a "
+          "Step in host memory");
+    }
+    return StepMemory{};
+  }
+  // The kernels read and write device memory only: every tensor is there, outputs included.
+  const int expected = 2 + (request.has_k() ? 2 : 0) + (request.return_lse() ? 1 : 0);
+  if (refs.cuda_refs() != expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("q, k, v, o_ref", request.return_lse() ? ", lse_ref" : "",
+                     ": expected every tensor of a Step in CUDA regions or none (o_ref",
+                     request.return_lse() ? " and lse_ref" : "", " included), got ",
+                     refs.cuda_refs(), " of ", expected, " in CUDA memory"));
+  }
+  const std::string& sessions_device = scheduler_->devices()[device]->name;
+  if (absl::StrCat("cuda:", refs.cuda_device()) != sessions_device) {
+    return absl::InvalidArgumentError(absl::StrCat("q.ref: expected CUDA memory of ",
+                                                   sessions_device, " (the sessions' device), got ",
+                                                   "cuda:", refs.cuda_device()));
+  }
+  StepMemory memory{.on_device = true};
+  for (const auto& [field, handle, held, event] :
+       {std::tuple{"ready_event", &request.ready_event(), &call->ready_event, &memory.ready},
+        {"done_event", &request.done_event(), &call->done_event, &memory.done}}) {
+    if (handle->empty()) continue;
+    if (events_ == nullptr) {
+      return absl::UnimplementedError(
+          absl::StrCat(field, ": CUDA events are not served by this server"));
+    }
+    ASSIGN_OR_RETURN(*held, events_->Open(field, *handle, refs.cuda_device()));
+    *event = held->get();
+  }
+  return memory;
 }
 
 void SessionService::AddResults(const v1::StepRequest& request, StepCall* call,
@@ -531,7 +588,9 @@ void SessionService::RunStep(const CallContext& call_context, const std::string&
   call->request = &request;
   call->response = response;
   call->owner = owner;
-  call->refs = std::make_unique<RequestRegions>(regions_, call_context.grpc, &gate_->auth_token());
+  // A packed Step's tensors may be in CUDA regions (co-located callers), a Step of entries' not.
+  call->refs = std::make_unique<RequestRegions>(regions_, call_context.grpc, &gate_->auth_token(),
+                                                /*cuda_inputs=*/request.session_ids_size() > 0);
   if (absl::Status decoded = DecodeStep(owner, request, call.get()); !decoded.ok()) {
     return std::move(finish)(std::move(decoded));
   }

@@ -33,6 +33,7 @@
 #include "server/calls/call_context.h"
 #include "server/calls/call_gate.h"
 #include "server/metrics/metrics.h"
+#include "server/regions/ipc_events.h"
 #include "server/regions/region_registry.h"
 #include "server/requests/session_request.h"
 #include "server/scheduling/scheduler.h"
@@ -70,9 +71,11 @@ class SessionService final : public SessionsRawService {
   // call is answered UNIMPLEMENTED. The store's device d is the scheduler's executor d. `store`,
   // `scheduler` and `gate` must outlive the service; every call passes `gate` (its token, which
   // sessions belong to, drain, metrics and log). `regions`: the shared-memory regions requests
-  // may reference; null: shared memory is off.
+  // may reference; null: shared memory is off. `events`: the CUDA events of packed Steps in stream
+  // order (StepRequest.ready_event, done_event); null: refused.
   SessionService(const SessionServiceOptions& options, SessionStore* store, Scheduler* scheduler,
-                 const CallGate* gate, RegionRegistry* regions = nullptr);
+                 const CallGate* gate, RegionRegistry* regions = nullptr,
+                 IpcEvents* events = nullptr);
   // Stops the sweeper.
   ~SessionService() override;
   SessionService(const SessionService&) = delete;
@@ -174,6 +177,10 @@ class SessionService final : public SessionsRawService {
   // against the message limit.
   absl::Status DecodeStep(const std::string& owner, const v1::StepRequest& request,
                           StepCall* call) const;
+  // Where a packed Step's tensors are, once decoded: the host's, or (every one of them in CUDA
+  // regions) the device of its sessions (executor `device`), with its events opened into `call`.
+  absl::StatusOr<StepMemory> DecodeStepMemory(const v1::StepRequest& request, int device,
+                                              StepCall* call) const;
   // Where each sequence's o and lse go: a packed Step's o [B, Hq, Nq, D] and lse [B, Hq, Nq] in
   // the response (unless in the caller's regions), else the response's results in entry order,
   // o shaped as q and lse [Hq, Nq].
@@ -193,6 +200,7 @@ class SessionService final : public SessionsRawService {
   const CallGate* const gate_;
   Metrics* const metrics_;  // the gate's
   RegionRegistry* const regions_;
+  IpcEvents* const events_;
   const StepJobs step_jobs_;  // the Step's work on its sessions
 
   std::mutex mu_;

@@ -49,8 +49,8 @@ absl::StatusOr<char*> RequestRegions::Resolve(absl::string_view field, const v1:
     if (!served) {
       return absl::UnimplementedError(absl::StrCat(
           field, ": region ", ref.region(),
-          " is CUDA memory, served for Attend's q, k, v, o and lse only; use a system region "
-          "here"));
+          " is CUDA memory, served for the q, k, v, o and lse of Attend and of a packed Step "
+          "only; use a system region here"));
     }
     if (cuda_device_ >= 0 && span->device != cuda_device_) {
       return absl::InvalidArgumentError(
@@ -58,6 +58,7 @@ absl::StatusOr<char*> RequestRegions::Resolve(absl::string_view field, const v1:
                        " (as the request's other CUDA tensors), got cuda:", span->device));
     }
     cuda_device_ = span->device;
+    ++cuda_refs_;
   }
   return span->data;
 }

@@ -25,8 +25,9 @@ namespace attention::server {
 // The TensorRefs of one request of `context`'s caller, resolved in `registry`; the regions stay
 // held until this is destroyed. `registry` null: shared memory is off (FAILED_PRECONDITION).
 // Costs nothing for a request without references. CUDA regions are served for q, k, v, o and lse
-// of Attend (`cuda_inputs`), all on one GPU, which the request then runs on; elsewhere (the
-// Sessions calls) they are UNIMPLEMENTED: those bytes are read or written on the host.
+// of Attend and of a packed Step (`cuda_inputs`), all on one GPU, which the request then runs on;
+// elsewhere (the other Sessions calls, a Step's entries) they are UNIMPLEMENTED: those bytes are
+// read or written on the host.
 class RequestRegions final : public TensorRefResolver {
  public:
   RequestRegions(RegionRegistry* registry, const grpc::ServerContextBase* context,
@@ -44,6 +45,8 @@ class RequestRegions final : public TensorRefResolver {
 
   // The GPU ordinal of the CUDA regions referenced, or -1 when none.
   int cuda_device() const { return cuda_device_; }
+  // References resolved into CUDA regions so far (one per field, however many share a region).
+  int cuda_refs() const { return cuda_refs_; }
 
  private:
   RegionRegistry* const registry_;
@@ -53,6 +56,7 @@ class RequestRegions final : public TensorRefResolver {
   std::string owner_;                      // from the first reference on
   std::vector<RegionRegistry::Use> uses_;  // one per region referenced
   int cuda_device_ = -1;
+  int cuda_refs_ = 0;
 };
 
 class RequestRings;  // request_rings.h (which needs this header's RequestRegions)

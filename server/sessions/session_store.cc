@@ -282,6 +282,7 @@ absl::Status SessionStore::Append(absl::Span<Lease* const> leases, absl::Span<co
     write.v = rows[i].v;
     write.head_stride = rows[i].head_stride;
     write.row_stride = rows[i].row_stride;
+    write.memory = rows[i].memory;
   }
   for (size_t d = 0; d < devices_.size(); ++d) {
     if (writes[d].empty()) continue;

@@ -29,7 +29,8 @@
 
 namespace attention::server {
 
-// One sequence of a step. Pointers are host memory valid until the step has Finished.
+// One sequence of a step. Pointers are host memory valid until the step has Finished, or device
+// memory of the session's GPU when key.memory (and rows.memory) say so.
 struct StepSequence {
   absl::string_view session_id;
   int device = 0;           // the session's (SessionStore::Locate)

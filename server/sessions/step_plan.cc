@@ -44,6 +44,7 @@ DecodePlan::DecodePlan(const DecodeKey& key, std::vector<DecodeSequence> seqs) {
   p.sinks = key.sinks;
   p.softcap = key.softcap;
   p.chunk_size = key.chunk_size;
+  p.memory = key.memory;
 }
 
 absl::Status CheckQueriesFit(absl::FunctionRef<std::string()> field, int64_t rows_q,

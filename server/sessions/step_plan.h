@@ -29,17 +29,21 @@ struct DecodeKey {
   const float* sinks = nullptr;
   float softcap = 0.0f;
   int64_t chunk_size = 0;
+  // Where q, o and lse are, and the Step's events: a Step in stream order (events set) shares
+  // its launch with no other Step.
+  StepMemory memory;
 
   bool operator==(const DecodeKey& other) const {
     return shape.dtype == other.shape.dtype && shape.heads_kv == other.shape.heads_kv &&
            shape.head_dim == other.shape.head_dim && heads_q == other.heads_q &&
            softmax_scale == other.softmax_scale && window_left == other.window_left &&
            window_right == other.window_right && lse == other.lse && sinks == other.sinks &&
-           softcap == other.softcap && chunk_size == other.chunk_size;
+           softcap == other.softcap && chunk_size == other.chunk_size && memory == other.memory;
   }
 };
 
-// One sequence of a launch. The pointers are host memory that outlives the launch.
+// One sequence of a launch. The pointers are host memory that outlives the launch, or device
+// memory when the key's memory says so.
 struct DecodeSequence {
   absl::Span<const int32_t> pages;  // the session's page table, covering `length` rows
   int64_t length = 0;               // keys, this step's new rows included

@@ -307,6 +307,22 @@ TEST_F(ClientSessionTest, StepBatchAndStepBatchAsyncEqualStepManyBitForBit) {
       EXPECT_EQ(packed[b].length(), per_entry[b].length());
     }
   }
+  // Stream order is for Steps whose tensors are all in CUDA regions: events beside host tensors
+  // are refused by name, and nothing is appended.
+  const std::vector<int64_t> lengths = {packed[0].length(), packed[1].length(), packed[2].length()};
+  const v1::Tensor q = client::MakeTensor(spec.dtype, {batch, heads_q, 1, d},
+                                          client::RandomNormal(batch * heads_q * d, rng));
+  const v1::Tensor kv = client::MakeTensor(spec.dtype, {batch, heads_kv, 1, d},
+                                           client::RandomNormal(batch * heads_kv * d, rng));
+  const StepBatchTensors events{.k = &kv, .v = &kv, .ready_event = std::string(64, '\0')};
+  const absl::StatusOr<StepBatchOutput> refused =
+      sessions.StepBatch(batch_sessions, q, options, events);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find(
+                "ready_event, done_event: expected only with the Step's tensors in CUDA regions"),
+            std::string::npos)
+      << refused.status();
+  for (int64_t b = 0; b < batch; ++b) EXPECT_EQ(packed[b].length(), lengths[b]);
 }
 
 bool Listed(SessionClient& sessions, const std::string& id) {

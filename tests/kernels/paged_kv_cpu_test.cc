@@ -12,4 +12,6 @@ std::string PoolUnavailableReason() { return ""; }
 
 bool PoolServesOpenModelOptions() { return true; }
 
+PoolDeviceMemory TestPoolDeviceMemory() { return {}; }
+
 }  // namespace attention::kernel_test

@@ -6,6 +6,7 @@
 // planned, with 2 and 3 splits, and with 2 splits without clusters.
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -31,5 +32,48 @@ std::string PoolUnavailableReason() {
 }
 
 bool PoolServesOpenModelOptions() { return false; }
+
+PoolDeviceMemory TestPoolDeviceMemory() {
+  // GPU 0, the pool's; failures abort (a test helper with no status to return).
+  auto check = [](cudaError_t err) {
+    if (err != cudaSuccess) {
+      std::fprintf(stderr, "CUDA error in a test helper: %s\n", cudaGetErrorString(err));
+      std::abort();
+    }
+  };
+  auto new_event = [check] {
+    cudaEvent_t event = nullptr;
+    check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    return static_cast<void*>(event);
+  };
+  return {.upload =
+              [check](const void* host, size_t bytes) {
+                void* device = nullptr;
+                check(cudaMalloc(&device, bytes));
+                check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice));
+                return device;
+              },
+          .download =
+              [check](void* host, const void* device, size_t bytes) {
+                check(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost));
+              },
+          .free =
+              [check](void* device) {
+                check(cudaDeviceSynchronize());
+                check(cudaFree(device));
+              },
+          .recorded_event =
+              [check, new_event] {
+                void* event = new_event();
+                check(cudaEventRecord(static_cast<cudaEvent_t>(event), cudaStreamLegacy));
+                return event;
+              },
+          .new_event = new_event,
+          .synchronize =
+              [check](void* event) {
+                check(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+                check(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
+              }};
+}
 
 }  // namespace attention::kernel_test

@@ -259,9 +259,12 @@ struct Sequence {
 // [nk, Hkv, D] host rows, in rounds: each round's Write takes the next chunk of every sequence not
 // yet written in full (as a step appends a token to each of its sessions), `chunk` rows (0: random
 // sizes of 1-40 rows per sequence and round).
+// Writes every sequence's K/V in rounds of one Write each (`chunk` rows per sequence and round,
+// or random chunks), from host memory, or with `device` from device memory (each round's rows
+// behind a recorded ready event).
 void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Sequence>& seqs,
                     const std::vector<int32_t>& nks, Layout layout, int64_t chunk,
-                    std::mt19937_64& rng) {
+                    std::mt19937_64& rng, const PoolDeviceMemory* device = nullptr) {
   const int64_t hkv = shape.heads_kv, d = shape.head_dim;
   std::vector<std::vector<unsigned char>> kb, vb;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -279,6 +282,12 @@ void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Se
     kb.push_back(Encode(k, shape.dtype));
     vb.push_back(Encode(v, shape.dtype));
   }
+  std::vector<void*> on_device;  // [2 * seqs]: each sequence's k, v uploaded
+  for (size_t i = 0; device != nullptr && i < seqs.size(); ++i) {
+    on_device.push_back(device->upload(kb[i].data(), kb[i].size()));
+    on_device.push_back(device->upload(vb[i].data(), vb[i].size()));
+  }
+  void* ready = device != nullptr ? device->recorded_event() : nullptr;
   std::uniform_int_distribution<int64_t> random_chunk(1, 40);
   std::vector<int64_t> written(seqs.size(), 0);
   while (true) {
@@ -293,16 +302,21 @@ void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Se
       w.first_row = r0;
       w.rows = std::min(nk - r0, chunk > 0 ? chunk : random_chunk(rng));
       const size_t at = r0 * row_stride * DTypeSize(shape.dtype);
-      w.k = kb[i].data() + at;
-      w.v = vb[i].data() + at;
+      w.k = (device != nullptr ? static_cast<unsigned char*>(on_device[2 * i]) : kb[i].data()) + at;
+      w.v = (device != nullptr ? static_cast<unsigned char*>(on_device[2 * i + 1]) : vb[i].data()) +
+            at;
+      w.memory = {.on_device = device != nullptr, .ready = ready};
       w.head_stride = layout == Layout::kBHSD ? nk * d : d;
       w.row_stride = row_stride;
       written[i] += w.rows;
     }
-    if (round.empty()) return;
+    if (round.empty()) break;
     const absl::Status status = pool.Write(round);
     ASSERT_TRUE(status.ok()) << status;
   }
+  if (device == nullptr) return;
+  device->synchronize(ready);
+  for (void* buffer : on_device) device->free(buffer);  // after the pool's scatters read them
 }
 
 // The reference of one sequence: o [Hq, nq, D] and lse [Hq, nq] in float64.
@@ -364,8 +378,11 @@ bool HasOpenModelOptions(const DecodeCase& c) {
 
 // Runs one decode step of all sequences (queries from s.q) and returns o and lse as written:
 // packed, or with each sequence's q, o and lse in buffers of its own (PagedDecodeParams' q_seqs).
+// With `device`, q, o and lse are in device memory (StepMemory::on_device); packed, behind the
+// caller's ready event and answered by its done event.
 StepResult Decode(KvPagePool& pool, const DecodeCase& c, DType dtype, float scale,
-                  const std::vector<Sequence>& seqs, int64_t stride, bool per_seq = false) {
+                  const std::vector<Sequence>& seqs, int64_t stride, bool per_seq = false,
+                  const PoolDeviceMemory* device = nullptr) {
   const int64_t n = static_cast<int64_t>(seqs.size());
   std::vector<int32_t> cu_q{0}, seqlens_k, table;
   std::vector<float> q;
@@ -425,8 +442,55 @@ StepResult Decode(KvPagePool& pool, const DecodeCase& c, DType dtype, float scal
     p.o_seqs = o_seqs.data();
     p.lse_seqs = c.return_lse ? lse_seqs.data() : nullptr;
   }
+  // Device copies of the buffers set above, in the same places of p; outputs come back.
+  struct Uploaded {
+    void* host;  // an output's, else null
+    void* copy;
+    size_t bytes;
+  };
+  std::vector<Uploaded> uploaded;
+  auto upload = [&](const void* host, size_t bytes) {
+    uploaded.push_back({nullptr, device->upload(host, bytes), bytes});
+    return uploaded.back().copy;
+  };
+  auto upload_output = [&](void* host, size_t bytes) {
+    upload(host, bytes);
+    uploaded.back().host = host;
+    return uploaded.back().copy;
+  };
+  if (device != nullptr) {
+    p.memory.on_device = true;
+    if (per_seq) {
+      for (int64_t i = 0; i < n; ++i) {
+        q_seqs[i] = upload(q_own[i].data(), q_own[i].size());
+        o_seqs[i] = upload_output(o_own[i].data(), o_own[i].size());
+        if (c.return_lse) {
+          lse_seqs[i] = static_cast<float*>(
+              upload_output(lse_own[i].data(), lse_own[i].size() * sizeof(float)));
+        }
+      }
+    } else {
+      p.q = upload(qb.data(), qb.size());
+      p.o = upload_output(r.o.data(), r.o.size());
+      if (c.return_lse) {
+        p.lse = static_cast<float*>(upload_output(r.lse.data(), r.lse.size() * sizeof(float)));
+      }
+      p.memory.ready = device->recorded_event();
+      p.memory.done = device->new_event();
+    }
+  }
   const absl::StatusOr<KvStepTimes> times = pool.Decode(p);
   r.status = times.status();
+  if (device != nullptr) {
+    if (p.memory.done != nullptr) {
+      device->synchronize(p.memory.done);
+      device->synchronize(p.memory.ready);
+    }
+    for (const Uploaded& u : uploaded) {
+      if (u.host != nullptr) device->download(u.host, u.copy, u.bytes);
+      device->free(u.copy);
+    }
+  }
   // A pool that does not serve the options must refuse them (DecodeMatchesReference checks how).
   if (!HasOpenModelOptions(c) || PoolServesOpenModelOptions()) {
     EXPECT_TRUE(times.ok()) << times.status();
@@ -881,6 +945,56 @@ TEST_P(PagedKvPoolMergeTest, PerSequenceBuffersAnswerAsPacked) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolMergeTest, kAllDtypes, DtypeTestName);
+
+// A step whose tensors are in the pool's device memory (rows written from there; q read and o and
+// lse written there, packed in place behind the caller's events, and per sequence through the
+// pool's copies) answers bit for bit what the same step from host memory answers. A backend
+// without device memory refuses such steps UNIMPLEMENTED.
+class PagedKvPoolDeviceMemoryTest : public PoolTest<testing::TestWithParam<DType>> {};
+
+TEST_P(PagedKvPoolDeviceMemoryTest, AnswersAsFromHostMemory) {
+  const DType dtype = GetParam();
+  const PoolDeviceMemory device = TestPoolDeviceMemory();
+  for (const DecodeCase& c : Cases()) {
+    if (HasOpenModelOptions(c) && !PoolServesOpenModelOptions()) continue;
+    const uint64_t seed = NextSeed();
+    SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
+    std::mt19937_64 rng(seed);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    PoolSetup setup;
+    MakeSetup(c, dtype, rng, &setup);
+    if (HasFatalFailure()) return;
+    const StepResult host = Decode(*setup.pool, c, dtype, scale, setup.seqs, setup.stride);
+    if (!device.upload) {
+      StepMemory on_device{.on_device = true};
+      KvWrite w{.shape = {dtype, c.heads_kv, c.head_dim}, .memory = on_device};
+      EXPECT_EQ(setup.pool->Write({w}).code(), absl::StatusCode::kUnimplemented);
+      PagedDecodeParams p{.shape = w.shape, .memory = on_device};
+      EXPECT_EQ(setup.pool->Decode(p).status().code(), absl::StatusCode::kUnimplemented);
+      return;
+    }
+    // The same pages of a second pool, written from device memory.
+    absl::StatusOr<std::unique_ptr<KvPagePool>> again =
+        MakeTestPool(setup.pool->num_pages(), setup.pool->page_bytes());
+    ASSERT_TRUE(again.ok()) << again.status();
+    WriteSequences(**again, {dtype, c.heads_kv, c.head_dim}, setup.seqs, c.nk, c.write_layout,
+                   c.write_chunk, rng, &device);
+    if (HasFatalFailure()) return;
+    for (bool per_seq : {false, true}) {
+      SCOPED_TRACE(per_seq ? "per sequence" : "packed, in stream order");
+      const StepResult r =
+          Decode(**again, c, dtype, scale, setup.seqs, setup.stride, per_seq, &device);
+      ASSERT_TRUE(r.status.ok()) << r.status;
+      EXPECT_EQ(r.o, host.o);
+      ASSERT_EQ(r.lse.size(), host.lse.size());
+      if (!host.lse.empty()) {
+        EXPECT_EQ(std::memcmp(r.lse.data(), host.lse.data(), host.lse.size() * sizeof(float)), 0);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolDeviceMemoryTest, kAllDtypes, DtypeTestName);
 
 class PagedKvPoolErrorsTest : public PoolTest<testing::Test> {};
 

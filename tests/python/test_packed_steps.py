@@ -16,6 +16,7 @@ from test_sessions import session_reference
 import grpc
 import numpy as np
 from attention_client import AttentionError
+from attention_client._stubs import attention_pb2 as pb
 
 
 class PackedStepTest(ServerTest):
@@ -163,6 +164,20 @@ class PackedStepTest(ServerTest):
         lse_over_o = region.array(q.shape[:3], np.float32, offset=lse_at)
         self.assertRefused(lambda: step(sessions, q_in, return_lse=True, out=out,
                                         lse_out=lse_over_o), "lse_ref", "o_ref")
+        # Stream order is for Steps in CUDA regions: events on a Step in host memory are refused
+        # by name (and on a Step of entries, which CUDA memory never serves).
+        handle = bytes(64)
+        self.assertRefused(lambda: step(sessions, q, k1, v1, ready_event=handle),
+                           "ready_event, done_event", "in host memory")
+        self.assertRefused(lambda: step(sessions, q_in, done_event=handle),
+                           "ready_event, done_event", "in host memory")
+        with self.assertRaises(AttentionError) as refused:
+            self.client._call(self.client._sessions_stub.Step, pb.StepRequest(
+                entries=[pb.StepEntry(session_id=sessions[0].id, q=pb.Tensor(
+                    dtype=pb.DTYPE_FLOAT32, shape=[hq, 1, d], data=q[0].tobytes()))],
+                ready_event=handle), None, None)
+        self.assertEqual(refused.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("on a Step of entries", refused.exception.details)
         self.assertEqual([s.length for s in sessions], lengths)
         del q_in, out, lse_over_o
 

@@ -354,6 +354,7 @@ class Client:
         from attention_client.cuda_tensors import SegmentRegions
         # Registers nothing until used. Over several addresses "auto" is "off": the regions would
         # be on one server, the calls spread over all.
+        self._step_events = {}  # (thread, device) -> step_batch's events in stream order
         self._cuda_segments = SegmentRegions(
             self, "off" if self._several and cuda_regions == "auto" else cuda_regions)
 
@@ -544,7 +545,8 @@ class Client:
     def step_batch(self, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
                    window_left=None, window_right=None, return_lse=False, out=None,
                    lse_out=None, timeout=None, metadata=None, request_id="", return_info=False,
-                   stream=False, wait=True, sinks=None, softcap=None, chunk_size=None):
+                   stream=False, wait=True, sinks=None, softcap=None, chunk_size=None,
+                   ready_event=None, done_event=None):
         """One packed Step over a layer's batch: one message and one tensor each, none per
         sequence. Sequence b is sessions[b] (each at most once, all of one dtype, Hkv and D).
 
@@ -558,6 +560,14 @@ class Client:
         a concurrent.futures.Future of the result, so the caller can work meanwhile (another
         micro-batch's MLP, say); leave the sessions and buffers alone until it is done.
         sinks, softcap, chunk_size: as attend()'s.
+
+        torch CUDA tensors (without out and lse_out) go through CUDA regions in stream order
+        (attention_client.cuda_tensors): the server's kernels read q, k, v and write o where they
+        are, ordered after the kernels queued on the current stream by an interprocess event,
+        and the current stream waits for the server's before later work; the call returns once
+        the server has queued the step, with nothing synchronised. ready_event, done_event
+        (bytes of cudaIpcEventHandle_t) do the same for a caller whose q, k, v, out and lse_out
+        are already in CUDA regions it registered.
         """
         from attention_client.session import step_batch
         return step_batch(self, sessions, q, k, v, causal=causal, softmax_scale=softmax_scale,
@@ -565,7 +575,7 @@ class Client:
                           return_lse=return_lse, out=out, lse_out=lse_out, timeout=timeout,
                           metadata=metadata, request_id=request_id, return_info=return_info,
                           stream=stream, wait=wait, sinks=sinks, softcap=softcap,
-                          chunk_size=chunk_size)
+                          chunk_size=chunk_size, ready_event=ready_event, done_event=done_event)
 
     def register_shared_memory(self, name, shm, *, offset=0, size=None, timeout=None,
                                metadata=None):

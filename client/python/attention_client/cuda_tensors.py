@@ -29,9 +29,14 @@ memory stays allocated meanwhile (bounded by `capacity` blocks). A segment that 
 by the overlap (live allocations never overlap) and unregistered before the new one is
 registered.
 
-Synchronisation: before each call the tensors' device's current stream is synchronised, so the
+Synchronisation: before each Attend the tensors' device's current stream is synchronised, so the
 server reads what the queued kernels wrote; the server has written o and lse before it answers.
 Tensors made on another stream must be synchronised by the caller, as for any CUDA consumer.
+Client.step_batch of torch CUDA tensors runs in stream order instead (step_batch_on_device): an
+interprocess event recorded on the current stream, which the server's stream waits for, and one
+the server records after its kernels, which the current stream waits for; the call returns once
+the server has queued the step, and nothing synchronises with the GPU, so a model's layers queue
+as they would with a local attention kernel.
 
 Fallback (Client(cuda_regions=...)): "auto" (default) tries the first call on a device this way;
 when registration is refused (a server without --allow_shared_memory: FAILED_PRECONDITION; the cpu
@@ -229,6 +234,78 @@ class SegmentRegions:
             segments, self._segments = list(self._segments.values()), OrderedDict()
         for s in segments:
             self._unregister(s)
+
+
+def _step_events(client, device):
+    """This thread's two interprocess events on `device` for Steps in stream order, and their IPC
+    handles: (ready, done, ready handle, done handle). Per thread: a Step's events must not be
+    recorded by another Step meanwhile."""
+    import torch
+    key = (threading.get_ident(), device)
+    events = client._step_events.get(key)
+    if events is None:
+        with torch.cuda.device(device):
+            ready, done = (torch.cuda.Event(interprocess=True) for _ in range(2))
+            # A handle needs a recorded event.
+            for e in (ready, done):
+                e.record()
+            events = (ready, done, ready.ipc_handle(), done.ipc_handle())
+        client._step_events[key] = events
+    return events
+
+
+def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
+    """Client.step_batch of torch CUDA tensors q, k, v through CUDA regions, in stream order: the
+    server's stream waits on the GPU for an event this call records on the current stream, its
+    kernels read q, k, v and write o (and lse) in place, and the current stream waits for its
+    event before anything later runs, so neither side synchronises with the GPU. (True, result)
+    or (False, None) when the host path must answer (as attend_on_device). options: step_batch's
+    keyword arguments but out and lse_out."""
+    import torch
+    regions = client._cuda_segments
+    if not regions.usable:
+        return False, None
+    inputs = [q] + ([k, v] if k is not None else [])
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.device == q.device
+               for t in inputs):
+        return False, None
+    if min(t.numel() for t in inputs) == 0:
+        return False, None
+    q, k, v = (t.detach().contiguous() if t is not None else None for t in (q, k, v))
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = (torch.empty(tuple(q.shape[:3]), dtype=torch.float32, device=q.device)
+           if options.get("return_lse") else None)
+    try:
+        regions.ensure([t for t in (q, k, v, o, lse) if t is not None])
+    except (CudaRegionsUnavailable, AttentionError):
+        if regions.mode == "on":
+            raise
+        return False, None
+    device = q.device.index if q.device.index is not None else 0
+    ready, done, ready_handle, done_handle = _step_events(client, device)
+    stream = torch.cuda.current_stream(q.device)
+    ready.record(stream)
+    wait = options.pop("wait", True)
+    from attention_client.session import step_batch
+    try:
+        result = step_batch(client, sessions, q, k, v, out=o, lse_out=lse,
+                            ready_event=ready_handle, done_event=done_handle, **options)
+    except AttentionError as e:
+        options["wait"] = wait
+        if e.code == grpc.StatusCode.NOT_FOUND and not _retried:
+            regions.close()  # the server lost the regions: register them again, once
+            return step_batch_on_device(client, sessions, q, k, v, options, _retried=True)
+        if regions.mode == "auto" and e.code in _CALL_REFUSED:
+            return False, None
+        raise
+    # What runs on this stream from here on sees o and lse written, and q, k, v read.
+    stream.wait_event(done)
+    if not wait:
+        import concurrent.futures
+        future = concurrent.futures.Future()
+        future.set_result(result)
+        return True, future
+    return True, result
 
 
 def _lse_shape(q, layout, cu_seqlens_q):

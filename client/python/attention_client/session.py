@@ -241,12 +241,23 @@ def _send_step(client, request, stream, timeout, metadata):
 def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
                window_left=None, window_right=None, return_lse=False, out=None, lse_out=None,
                timeout=None, metadata=None, request_id="", return_info=False, stream=False,
-               wait=True, sinks=None, softcap=None, chunk_size=None):
+               wait=True, sinks=None, softcap=None, chunk_size=None, ready_event=None,
+               done_event=None):
     """One packed Step over a layer's batch; see Client.step_batch."""
     if (k is None) != (v is None):
         raise ValueError("k and v go together: give both or neither")
     if not sessions:
         raise ValueError("sessions: expected at least one session, got none")
+    if (out is None and lse_out is None and ready_event is None and done_event is None
+            and _is_torch(q) and getattr(q, "is_cuda", False) and client._cuda_segments.usable):
+        from attention_client.cuda_tensors import step_batch_on_device
+        done, result = step_batch_on_device(client, sessions, q, k, v, dict(
+            causal=causal, softmax_scale=softmax_scale, window_left=window_left,
+            window_right=window_right, return_lse=return_lse, timeout=timeout,
+            metadata=metadata, request_id=request_id, return_info=return_info, stream=stream,
+            wait=wait, sinks=sinks, softcap=softcap, chunk_size=chunk_size))
+        if done:
+            return result
     for session in sessions:
         if session._client is not client:
             raise ValueError(f"session {session.id} belongs to another Client")
@@ -255,6 +266,10 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
                              session_ids=[session._live_id() for session in sessions])
     _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
     _set_open_model_options(request, sinks, softcap, chunk_size)
+    if ready_event is not None:
+        request.ready_event = bytes(ready_event)
+    if done_event is not None:
+        request.done_event = bytes(done_event)
     tq, kind = _to_tensor_or_ref(client, q, "q", bits)
     request.q.CopyFrom(tq)
     if k is not None:

@@ -11,6 +11,13 @@
 // step packs q and its small arrays there (one copy to the device, which the kernels read many
 // times), and the kernels write o and lse straight into it. A step of 8 sequences that each
 // append a row thus costs 1 copy, 2 launches and one wait (the earlier designs: docs/kernels.md).
+//
+// A step whose tensors are in this device's memory (StepMemory::on_device: a co-located caller's
+// CUDA regions) crosses no bus but for its small arrays: its rows are scattered into their pages
+// straight from the caller's memory, and the kernels read q and write o and lse there in place
+// (packed tensors are already in the kernels' layout; other sequences' buffers are gathered and
+// scattered by device copies). With the caller's events, the stream waits for `ready` before the
+// step's first read and records `done` after its last write, and the step returns once queued.
 #include "kernels/cuda/runtime/paged_kv_pool.h"
 
 #include <cuda_runtime_api.h>
@@ -95,7 +102,19 @@ class CudaKvPagePool : public KvPagePool {
     if (runs.empty()) return absl::OkStatus();
     std::unique_lock<std::mutex> lock(mu_);
     RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-    absl::Status status = absl::OkStatus();
+    const void* waited = nullptr;  // a Step's writes share its event: one wait
+    for (const KvWrite& w : writes) {
+      if (w.memory.ready == waited) continue;
+      RETURN_IF_ERROR(WaitReady(w.memory));
+      waited = w.memory.ready;
+    }
+    // Rows in this device's memory need no staging of their bytes: their own chunks.
+    std::vector<WriteRun> device_runs;
+    const auto on_device = std::stable_partition(
+        runs.begin(), runs.end(), [](const WriteRun& r) { return !r.write->memory.on_device; });
+    device_runs.assign(on_device, runs.end());
+    runs.erase(on_device, runs.end());
+    absl::Status status = WriteFromDevice(device_runs, lock);
     for (size_t first = 0; first < runs.size() && status.ok();) {
       // Runs [first, last): their segments' rows, then the segment table.
       size_t last = first, segments = 0, data_bytes = 0;
@@ -121,6 +140,8 @@ class CudaKvPagePool : public KvPagePool {
     ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(host, page_bytes_, num_pages_));
     if (host.num_seqs == 0 || host.total_q == 0) return KvStepTimes{};
     ASSIGN_OR_RETURN(const PagedDecodePlan plan, PlanPagedDecode(host, extent, plan_options_));
+
+    if (host.memory.on_device) return DecodeOnDevice(host, plan, extent);
 
     std::unique_lock<std::mutex> lock(mu_);
     RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
@@ -185,6 +206,203 @@ class CudaKvPagePool : public KvPagePool {
   }
 
  private:
+  // The stream waits for the caller's `ready` event, when it sent one. Under mu_.
+  absl::Status WaitReady(const StepMemory& memory) {
+    if (memory.ready == nullptr) return absl::OkStatus();
+    RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(memory.ready), 0),
+                         "wait for the caller's ready_event");
+    return absl::OkStatus();
+  }
+
+  // Rows in this device's memory scattered straight from there: a segment per (page run, K or V,
+  // head) when a head's rows are contiguous (row_stride == D, as in [Hkv, n, D]), else one per
+  // row; the table staged, in chunks of what fits a quarter of the staging. Sources are offsets
+  // from the lowest address of the chunk. Under mu_ (`lock`).
+  absl::Status WriteFromDevice(absl::Span<const WriteRun> runs,
+                               std::unique_lock<std::mutex>& lock) {
+    std::vector<std::pair<const unsigned char*, KvSegment>> segments;  // (source, its segment)
+    int unit = 16;
+    for (const WriteRun& r : runs) {
+      const KvWrite& w = *r.write;
+      const KvShape& shape = w.shape;
+      const size_t elem = DTypeSize(shape.dtype);
+      const int64_t row_bytes = shape.head_dim * static_cast<int64_t>(elem);
+      const bool contiguous = w.row_stride == shape.head_dim;
+      unit = std::gcd(unit, static_cast<int>(row_bytes));
+      for (int kv = 0; kv < 2; ++kv) {
+        const auto* src = static_cast<const unsigned char*>(kv == 0 ? w.k : w.v);
+        const int64_t page = r.run.page * page_bytes_ + (kv == 0 ? 0 : VOffset(shape, r.page_rows));
+        for (int64_t h = 0; h < shape.heads_kv; ++h) {
+          const int64_t dst = page + KvRowOffset(shape, r.page_rows, h, r.run.page_row);
+          for (int64_t j = 0; j < (contiguous ? 1 : r.run.count); ++j) {
+            const unsigned char* from =
+                src + (h * w.head_stride + (r.run.src_row + j) * w.row_stride) * elem;
+            unit = std::gcd(unit, static_cast<int>(reinterpret_cast<uintptr_t>(from) % 16));
+            segments.push_back({from, KvSegment{0, dst + j * row_bytes,
+                                                (contiguous ? r.run.count : 1) * row_bytes}});
+          }
+        }
+      }
+    }
+    constexpr size_t kPerChunk = kWriteChunkBytes / sizeof(KvSegment);
+    for (size_t first = 0; first < segments.size(); first += kPerChunk) {
+      const size_t count = std::min(kPerChunk, segments.size() - first);
+      const auto chunk = absl::MakeConstSpan(segments).subspan(first, count);
+      const unsigned char* base =
+          std::min_element(chunk.begin(), chunk.end(), [](const auto& a, const auto& b) {
+            return a.first < b.first;
+          })->first;
+      ASSIGN_OR_RETURN(unsigned char* const staged, Stage(count * sizeof(KvSegment), lock));
+      auto* table = reinterpret_cast<KvSegment*>(staged);
+      for (size_t i = 0; i < count; ++i) {
+        table[i] = chunk[i].second;
+        table[i].src = chunk[i].first - base;
+      }
+      RETURN_IF_CUDA_ERROR(
+          LaunchKvScatter(table, static_cast<int64_t>(count), base, pages_, unit, stream_),
+          "scatter kv rows into their pages");
+      ++enqueued_;
+    }
+    return absl::OkStatus();
+  }
+
+  // A decode step whose q, o and lse are in this device's memory: the kernels read q and write o
+  // and lse in place when each is packed already (sequence s's rows at Hq * cu_seqlens_q[s] rows
+  // from the first's, as a packed Step's tensors are), else through the scratch by one device
+  // copy per sequence. Only the small arrays cross the bus. With the caller's `done` event it
+  // returns once queued (times 0).
+  absl::StatusOr<KvStepTimes> DecodeOnDevice(const PagedDecodeParams& host,
+                                             const PagedDecodePlan& plan,
+                                             const DecodeExtent& extent) {
+    std::unique_lock<std::mutex> lock(mu_);
+    RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    const size_t row_bytes = host.heads_q * host.shape.head_dim * DTypeSize(host.shape.dtype);
+    const size_t lse_row_bytes = host.heads_q * sizeof(float);
+    const bool lse = DecodeWantsLse(host);
+    // The start of the step's buffers of `bytes_per_row` per query row when they are one packed
+    // tensor (sequence s's at cu_seqlens_q[s] rows from the first's) whose start the kernels'
+    // 16-byte accesses may use; null when not.
+    auto packed = [&](const void* const* seqs, const void* whole,
+                      size_t bytes_per_row) -> const unsigned char* {
+      const auto* first = static_cast<const unsigned char*>(seqs != nullptr ? seqs[0] : whole);
+      if (reinterpret_cast<uintptr_t>(first) % 16 != 0) return nullptr;
+      if (seqs == nullptr) return first;
+      for (int64_t s = 1; s < host.num_seqs; ++s) {
+        if (static_cast<const unsigned char*>(seqs[s]) !=
+            first + host.cu_seqlens_q[s] * bytes_per_row) {
+          return nullptr;
+        }
+      }
+      return first;
+    };
+    const unsigned char* q = packed(host.q_seqs, host.q, row_bytes);
+    auto* o = const_cast<unsigned char*>(
+        packed(reinterpret_cast<const void* const*>(host.o_seqs), host.o, row_bytes));
+    auto* lse_at =
+        lse ? const_cast<unsigned char*>(packed(reinterpret_cast<const void* const*>(host.lse_seqs),
+                                                host.lse, lse_row_bytes))
+            : nullptr;
+    // Scratch: cu_seqlens_q | seqlens_k | page_table (copied from staging), then q, o and lse
+    // where they are not packed, then the kernels' workspace.
+    enum { kCu, kLens, kTable, kQ, kO, kLse, kWork };
+    const size_t sizes[kWork] = {(host.num_seqs + 1) * sizeof(int32_t),
+                                 host.num_seqs * sizeof(int32_t),
+                                 host.num_seqs * host.page_table_stride * sizeof(int32_t),
+                                 q != nullptr ? 0 : host.total_q * row_bytes,
+                                 o != nullptr ? 0 : host.total_q * row_bytes,
+                                 lse && lse_at == nullptr ? host.total_q * lse_row_bytes : 0};
+    size_t offsets[kWork + 1] = {0};
+    for (int i = 0; i < kWork; ++i) offsets[i + 1] = offsets[i] + RoundUp(sizes[i]);
+    RETURN_IF_ERROR(Reserve(offsets[kWork] + plan.workspace_bytes));
+    RETURN_IF_ERROR(ReserveTickets(plan.tickets));
+    ASSIGN_OR_RETURN(unsigned char* const staged, Stage(offsets[kQ], lock));
+    const void* arrays[] = {host.cu_seqlens_q, host.seqlens_k, host.page_table};
+    for (int i = kCu; i <= kTable; ++i) std::memcpy(staged + offsets[i], arrays[i], sizes[i]);
+    auto at = [&](int i) { return scratch_.data() + offsets[i]; };
+    ASSIGN_OR_RETURN(const StepEvents events, TakeEvents());
+    absl::Status status = [&]() -> absl::Status {
+      RETURN_IF_ERROR(WaitReady(host.memory));
+      RETURN_IF_CUDA_ERROR(cudaEventRecord(events[0], stream_), "cudaEventRecord");
+      RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(at(kCu), staged, offsets[kQ], cudaMemcpyHostToDevice, stream_),
+          "copy the decode step's arrays to the device");
+      // One device copy per sequence, each way, for buffers that are not packed.
+      auto copy_rows = [&](unsigned char* packed_at, const void* const* seqs, size_t bytes_per_row,
+                           bool to_packed) -> absl::Status {
+        for (int64_t s = 0; s < host.num_seqs; ++s) {
+          const int64_t first = host.cu_seqlens_q[s], rows = host.cu_seqlens_q[s + 1] - first;
+          if (rows == 0) continue;
+          unsigned char* in_packed = packed_at + first * bytes_per_row;
+          RETURN_IF_CUDA_ERROR(
+              cudaMemcpyAsync(to_packed ? in_packed : const_cast<void*>(seqs[s]),
+                              to_packed ? seqs[s] : in_packed, rows * bytes_per_row,
+                              cudaMemcpyDeviceToDevice, stream_),
+              "copy a sequence's rows on the device");
+        }
+        return absl::OkStatus();
+      };
+      if (q == nullptr) {
+        RETURN_IF_ERROR(copy_rows(at(kQ), host.q_seqs, row_bytes, true));
+      }
+      PagedDecodeParams dev = host;
+      dev.q = q != nullptr ? q : at(kQ);
+      dev.o = o != nullptr ? o : at(kO);
+      dev.lse = !lse ? nullptr : reinterpret_cast<float*>(lse_at != nullptr ? lse_at : at(kLse));
+      dev.q_seqs = nullptr;
+      dev.o_seqs = nullptr;
+      dev.lse_seqs = nullptr;
+      dev.cu_seqlens_q = reinterpret_cast<const int32_t*>(at(kCu));
+      dev.seqlens_k = reinterpret_cast<const int32_t*>(at(kLens));
+      dev.page_table = reinterpret_cast<const int32_t*>(at(kTable));
+      if (options_.poison_outputs) {
+        // As the host path's: all-ones bytes are NaN in every dtype.
+        RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.o, 0xff, host.total_q * row_bytes, stream_),
+                             "poison o");
+        if (lse) {
+          RETURN_IF_CUDA_ERROR(
+              cudaMemsetAsync(dev.lse, 0xff, host.total_q * lse_row_bytes, stream_), "poison lse");
+        }
+      }
+      RETURN_IF_CUDA_ERROR(cudaEventRecord(events[1], stream_), "cudaEventRecord");
+      RETURN_IF_ERROR(LaunchPagedDecode(plan, pages_, page_bytes_, extent, dev, at(kWork),
+                                        reinterpret_cast<int32_t*>(tickets_.data()), stream_));
+      if (o == nullptr) {
+        RETURN_IF_ERROR(
+            copy_rows(at(kO), reinterpret_cast<const void* const*>(host.o_seqs), row_bytes, false));
+      }
+      if (lse && lse_at == nullptr) {
+        RETURN_IF_ERROR(copy_rows(at(kLse), reinterpret_cast<const void* const*>(host.lse_seqs),
+                                  lse_row_bytes, false));
+      }
+      RETURN_IF_CUDA_ERROR(cudaEventRecord(events[2], stream_), "cudaEventRecord");
+      if (host.memory.done != nullptr) {
+        RETURN_IF_CUDA_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(host.memory.done), stream_),
+                             "record the caller's done_event");
+      }
+      return absl::OkStatus();
+    }();
+    ++enqueued_;
+    KvStepTimes times;
+    if (status.ok() && host.memory.done == nullptr) {
+      // No event of the caller's: the step answers once its outputs are written.
+      lock.unlock();
+      status = CudaStatus(cudaEventSynchronize(events[2]), "run the decode step on the device");
+      double* us[2] = {&times.h2d_us, &times.compute_us};
+      for (int i = 0; i < 2 && status.ok(); ++i) {
+        float ms = 0;
+        status =
+            CudaStatus(cudaEventElapsedTime(&ms, events[i], events[i + 1]), "cudaEventElapsedTime");
+        *us[i] = ms * 1e3;
+      }
+      lock.lock();
+    } else if (!status.ok()) {
+      cudaStreamSynchronize(stream_);
+    }
+    idle_events_.push_back(events);
+    if (!status.ok()) return status;
+    return times;
+  }
+
   // Where a decode step's buffers lie: offsets of q | cu_seqlens_q | seqlens_k | page_table | o |
   // lse in the step's staging; the device scratch holds the inputs at the same offsets, then the
   // workspace (at offsets[kO]).
