@@ -7,6 +7,11 @@ region; bad buffers refused by name with nothing appended. Fresh random inputs; 
 Run by ctest (label "python"). Exits 77 (skipped) when grpcio or numpy is missing.
 """
 import gc
+import os
+import subprocess
+import sys
+import textwrap
+import time
 import unittest
 from multiprocessing import shared_memory
 
@@ -15,7 +20,7 @@ from test_sessions import session_reference
 
 import grpc
 import numpy as np
-from attention_client import AttentionError
+from attention_client import AttentionError, Client
 from attention_client._stubs import attention_pb2 as pb
 
 
@@ -180,6 +185,85 @@ class PackedStepTest(ServerTest):
         self.assertIn("on a Step of entries", refused.exception.details)
         self.assertEqual([s.length for s in sessions], lengths)
         del q_in, out, lse_over_o
+
+    def test_regions_of_another_client_are_not_found(self):
+        """A packed Step's reference into a region another client (another connection, no token)
+        registered is NOT_FOUND naming the field, and appends nothing. (Channels of one process
+        with equal options share a connection, so the other client asks for its own.)"""
+        region = self.region("packed-theirs")
+        b, hq, hkv, d = 2, self.HQ, self.HKV, self.D
+        q = region.array((b, hq, 1, d), np.float32)
+        q[...] = self.normal(b, hq, 1, d)
+        with Client(f"127.0.0.1:{self.port}", timeout=60,
+                    options=[("grpc.use_local_subchannel_pool", 1)]) as other:
+            mine = [other.session(k=self.normal(hkv, 5, d), v=self.normal(hkv, 5, d))
+                    for _ in range(b)]
+            request = pb.StepRequest(session_ids=[s.id for s in mine], q=pb.Tensor(
+                dtype=pb.DTYPE_FLOAT32, shape=list(q.shape), ref=region.ref(0, q.nbytes)))
+            with self.assertRaises(AttentionError) as refused:
+                other._call(other._sessions_stub.Step, request, None, None)
+            self.assertEqual(refused.exception.code, grpc.StatusCode.NOT_FOUND)
+            self.assertIn("q.ref", refused.exception.details)
+            self.assertEqual([s.info().length for s in mine], [5, 5])
+            for s in mine:
+                s.drop()
+        del q
+
+
+class PackedStepCallerDiesTest(ServerTest):
+    """A caller killed in the middle of its packed Steps (through its request ring, by reference
+    in its region) leaks nothing: its sessions expire and give back every page, and the server
+    serves the next caller."""
+    SERVER_FLAGS = ["--allow_shared_memory", "--session_ttl_s=1"]
+
+    def test_a_caller_killed_mid_step_leaks_no_page(self):
+        listed = self.client.list_sessions()
+        self.assertEqual(listed.pages_free, listed.pages_total)
+        caller = textwrap.dedent(f"""
+            import numpy as np
+            from multiprocessing import shared_memory
+            from attention_client import Client
+            c = Client("127.0.0.1:{self.port}", timeout=60)
+            rng = np.random.default_rng(0)
+            b, hq, hkv, d = 8, 8, 2, 32
+            sessions = [c.session(k=rng.standard_normal((hkv, 300, d), dtype=np.float32),
+                                  v=rng.standard_normal((hkv, 300, d), dtype=np.float32))
+                        for _ in range(b)]
+            shm = shared_memory.SharedMemory(create=True, size=1 << 20)
+            region = c.register_shared_memory("dying", shm)
+            q = region.array((b, hq, 1, d), np.float32)
+            k = region.array((b, hkv, 1, d), np.float32, offset=1 << 16)
+            v = region.array((b, hkv, 1, d), np.float32, offset=2 << 16)
+            o = region.array((b, hq, 1, d), np.float32, offset=3 << 16)
+            for step in range(100000):
+                for a in (q, k, v):
+                    a[...] = rng.standard_normal(a.shape)
+                c.step_batch(sessions, q, k, v, causal=True, out=o, stream="ring")
+                if step == 3:
+                    print("running", flush=True)
+            """)
+        child = subprocess.Popen([sys.executable, "-c", caller], stdout=subprocess.PIPE,
+                                 env=dict(os.environ))
+        try:
+            self.assertEqual(child.stdout.readline().strip(), b"running")
+            time.sleep(0.3)  # Steps in flight
+        finally:
+            child.kill()
+            child.wait(timeout=30)
+            child.stdout.close()
+        deadline = time.monotonic() + 30
+        while True:
+            listed = self.client.list_sessions()
+            if listed.pages_free == listed.pages_total or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        self.assertEqual(listed.pages_free, listed.pages_total,
+                         "the killed caller's pages were not all given back")
+        with self.client.session(k=self.normal(2, 4, 32), v=self.normal(2, 4, 32)) as s:
+            o = self.client.step_batch([s], self.normal(1, 8, 1, 32), self.normal(1, 2, 1, 32),
+                                       self.normal(1, 2, 1, 32), causal=True)
+            self.assertEqual(o.shape, (1, 8, 1, 32))
+            self.assertEqual(s.length, 5)
 
 
 if __name__ == "__main__":
