@@ -58,9 +58,9 @@ struct SessionServiceOptions {
 // stream methods.
 using SessionsRawService = v1::Sessions::WithRawCallbackMethod_CreateSession<
     v1::Sessions::WithRawCallbackMethod_AppendKv<v1::Sessions::WithRawCallbackMethod_Truncate<
-        v1::Sessions::WithRawCallbackMethod_Step<v1::Sessions::WithGenericMethod_StepStream<
-            v1::Sessions::WithRawCallbackMethod_DropSession<
-                v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>>;
+        v1::Sessions::WithRawCallbackMethod_Fork<v1::Sessions::WithRawCallbackMethod_Step<
+            v1::Sessions::WithGenericMethod_StepStream<v1::Sessions::WithRawCallbackMethod_DropSession<
+                v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>>>;
 
 class RequestRegions;
 
@@ -87,6 +87,9 @@ class SessionService final : public SessionsRawService {
   grpc::ServerUnaryReactor* Truncate(grpc::CallbackServerContext* context,
                                      const grpc::ByteBuffer* request,
                                      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Fork(grpc::CallbackServerContext* context,
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
                                  const grpc::ByteBuffer* request,
                                  grpc::ByteBuffer* response) override;
@@ -163,6 +166,8 @@ class SessionService final : public SessionsRawService {
                  const v1::AppendKvRequest& request, v1::SessionInfo* response, Finish finish);
   void RunTruncate(const CallContext& call, const std::string& owner, const Arrival& arrival,
                    const v1::TruncateRequest& request, v1::SessionInfo* response, Finish finish);
+  void RunFork(const CallContext& call, const std::string& owner, const Arrival& arrival,
+               const v1::ForkRequest& request, v1::SessionInfo* response, Finish finish);
   void RunDrop(const CallContext& call, const std::string& owner, const Arrival& arrival,
                const v1::DropSessionRequest& request, v1::DropSessionResponse* response,
                Finish finish);
