@@ -396,8 +396,8 @@ void SessionService::RunFork(const CallContext& call, const std::string& owner, 
   // Queued as the parent's device work, so the child holds the rows of the Steps and appends
   // queued before it (and its page copy runs in the device's order).
   auto run = [this, owner, id = request.session_id(),
-              length = request.has_length() ? std::optional<int64_t>(request.length())
-                                            : std::nullopt,
+              length =
+                  request.has_length() ? std::optional<int64_t>(request.length()) : std::nullopt,
               response]() -> absl::Status {
     absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
     if (!leases.ok()) return leases.status();

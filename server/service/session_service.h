@@ -56,11 +56,12 @@ struct SessionServiceOptions {
 // Every method raw: the bytes of a request are ours to parse (wire_buffers.h says why).
 // StepStream is generic: the stream transports of server/streams/ serve it from the table of
 // stream methods.
-using SessionsRawService = v1::Sessions::WithRawCallbackMethod_CreateSession<
-    v1::Sessions::WithRawCallbackMethod_AppendKv<v1::Sessions::WithRawCallbackMethod_Truncate<
-        v1::Sessions::WithRawCallbackMethod_Fork<v1::Sessions::WithRawCallbackMethod_Step<
-            v1::Sessions::WithGenericMethod_StepStream<v1::Sessions::WithRawCallbackMethod_DropSession<
-                v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>>>;
+using SessionsRawService =
+    v1::Sessions::WithRawCallbackMethod_CreateSession<v1::Sessions::WithRawCallbackMethod_AppendKv<
+        v1::Sessions::WithRawCallbackMethod_Truncate<v1::Sessions::WithRawCallbackMethod_Fork<
+            v1::Sessions::WithRawCallbackMethod_Step<v1::Sessions::WithGenericMethod_StepStream<
+                v1::Sessions::WithRawCallbackMethod_DropSession<
+                    v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>>>;
 
 class RequestRegions;
 

@@ -380,9 +380,9 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t le
     if (own_page && state.free_pages.empty()) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "KV cache full: a fork of ", length, " rows of session ", Quote(p.id), " needs ",
-          page_bytes_, " bytes (1 page) for ", partial ? "a copy of its partial last page" : "its rows",
-          ", 0 bytes free on ", devices_[p.device].name,
-          "; drop idle sessions or wait for them to expire"));
+          page_bytes_, " bytes (1 page) for ",
+          partial ? "a copy of its partial last page" : "its rows", ", 0 bytes free on ",
+          devices_[p.device].name, "; drop idle sessions or wait for them to expire"));
     }
     while (sessions_.contains(id)) {
       ASSIGN_OR_RETURN(id, NewSessionId());

@@ -7,10 +7,10 @@
 // reference counted: a fork (Fork) shares its parent's full pages, and a page returns to the free
 // list when its last session lets it go (Truncate, Drop, expiry). A page several sessions hold is
 // never written: an append whose first row lands in one first copies it (copy on write), so no
-// session sees another's new rows. Nothing is evicted to make room: a call that needs more pages than are free is refused RESOURCE_EXHAUSTED
-// with the bytes it needs and the bytes free. Idle sessions expire after `ttl` (Sweep, called by a
-// sweeper, and a lazy check on every lookup); an unknown, expired or dropped id, or the id of
-// another owner, is NOT_FOUND.
+// session sees another's new rows. Nothing is evicted to make room: a call that needs more pages
+// than are free is refused RESOURCE_EXHAUSTED with the bytes it needs and the bytes free. Idle
+// sessions expire after `ttl` (Sweep, called by a sweeper, and a lazy check on every lookup); an
+// unknown, expired or dropped id, or the id of another owner, is NOT_FOUND.
 //
 // Concurrency: a call holds its sessions through Leases. A lease holds the session's call lock,
 // so calls on one session run one at a time (a second call waits; nothing is rejected). A call

@@ -256,8 +256,7 @@ TEST_F(SessionStoreTest, ForkSharesTheFullPagesAndCopiesThePartialOne) {
       store_->Acquire("owner", {parent, at_edge});
   ASSERT_TRUE(both.ok()) << both.status();
   EXPECT_EQ((*both)[1].length(), 2 * kPageRows);
-  EXPECT_EQ((*both)[1].page_table(),
-            std::vector<int32_t>(pages.begin(), pages.begin() + 2));
+  EXPECT_EQ((*both)[1].page_table(), std::vector<int32_t>(pages.begin(), pages.begin() + 2));
   both->clear();
   // Another owner's session is NOT_FOUND to a fork as to every call.
   EXPECT_EQ(store_->Acquire("other", {parent}).status().code(), absl::StatusCode::kNotFound);

@@ -226,8 +226,7 @@ TEST_F(ClientSessionTest, ForksGrowApartFromTheirParentAndShareItsFullPages) {
     v1::ForkRequest request;
     request.set_session_id(id);
     v1::SessionInfo info;
-    const grpc::Status status =
-        sessions.stub().Fork(sessions.NewContext({}).get(), request, &info);
+    const grpc::Status status = sessions.stub().Fork(sessions.NewContext({}).get(), request, &info);
     EXPECT_EQ(status.error_code(),
               id.empty() ? grpc::StatusCode::INVALID_ARGUMENT : grpc::StatusCode::NOT_FOUND);
     EXPECT_TRUE(absl::StrContains(status.error_message(), id.empty() ? "session_id" : id))
