@@ -81,6 +81,20 @@ absl::Status Session::Truncate(int64_t length, const CallOptions& call) {
   return Update(&v1::Sessions::Stub::Truncate, request, call);
 }
 
+absl::StatusOr<Session> Session::Fork(std::optional<int64_t> length, const CallOptions& call) {
+  if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
+  v1::ForkRequest request;
+  request.set_session_id(id_);
+  if (length) request.set_length(*length);
+  std::unique_ptr<grpc::ClientContext> context = client_->NewContext(call);
+  v1::SessionInfo info;
+  if (absl::Status status = ToAbslStatus(client_->stub().Fork(context.get(), request, &info));
+      !status.ok()) {
+    return status;
+  }
+  return Session(client_, info.session_id(), spec_, info.length());
+}
+
 template <typename Request>
 absl::Status Session::Update(grpc::Status (v1::Sessions::Stub::*rpc)(grpc::ClientContext*,
                                                                      const Request&,

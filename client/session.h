@@ -103,6 +103,11 @@ class Session {
   // Keeps the first `length` rows (0 <= length <= the session's; speculative decoding drops
   // rejected tokens) and frees the server's pages beyond them.
   absl::Status Truncate(int64_t length, const CallOptions& call = {});
+  // A new session holding this one's first `length` rows (absent: all), of its spec, on its
+  // server (beam search, parallel sampling, a shared prompt). The server shares the full pages
+  // between the two and copies only the partial last one; each then grows on its own.
+  absl::StatusOr<Session> Fork(std::optional<int64_t> length = std::nullopt,
+                               const CallOptions& call = {});
 
   // Attends q [Hq, Nq, D] (Hq a multiple of Hkv) to the session's rows, after first appending k
   // and v [Hkv, n, D] when given (both or neither).

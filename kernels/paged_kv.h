@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -145,7 +146,11 @@ struct KvStepTimes {
 // the rows of any number of sequences (a step's new tokens in one call: a device pool then moves
 // them in one copy and one kernel); it checks every write before doing any, and returns once it has
 // taken the rows: the caller may reuse its buffers, while a device pool may still be copying them,
-// ordered before every later call (a copy's failure then surfaces in a later call). Decode returns
+// ordered before every later call (a copy's failure then surfaces in a later call). CopyPages copies
+// whole pages within the pool (a forked session's partial last page, copy on write): page
+// src_dst[i].second becomes a copy of src_dst[i].first; it checks every pair first (pages in the
+// pool, no destination also a source or listed twice) and is ordered as a Write: after every
+// earlier call's writes, before every later call's. Decode returns
 // when o and lse are written. Thread-safe.
 class KvPagePool {
  public:
@@ -153,6 +158,7 @@ class KvPagePool {
   virtual int64_t page_bytes() const = 0;
   virtual int64_t num_pages() const = 0;
   virtual absl::Status Write(absl::Span<const KvWrite> writes) = 0;
+  virtual absl::Status CopyPages(absl::Span<const std::pair<int32_t, int32_t>> src_dst) = 0;
   virtual absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host_params) = 0;
 };
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
@@ -146,6 +147,36 @@ absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64
     RETURN_IF_ERROR(CheckPage(w.page_table[i], num_pages, 0, i));
   }
   return page_rows;
+}
+
+absl::Status CheckPageCopies(absl::Span<const std::pair<int32_t, int32_t>> src_dst,
+                             int64_t num_pages) {
+  std::vector<int32_t> sources, destinations;
+  for (const auto& [src, dst] : src_dst) {
+    for (const int32_t page : {src, dst}) {
+      if (page < 0 || page >= num_pages) {
+        return absl::InvalidArgumentError(absl::StrCat("page copy ", src, " -> ", dst, ": page ",
+                                                       page, " is outside the pool's ", num_pages,
+                                                       " pages"));
+      }
+    }
+    sources.push_back(src);
+    destinations.push_back(dst);
+  }
+  std::sort(sources.begin(), sources.end());
+  std::sort(destinations.begin(), destinations.end());
+  for (size_t i = 0; i < destinations.size(); ++i) {
+    const int32_t dst = destinations[i];
+    if (i > 0 && destinations[i - 1] == dst) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("page copies: page ", dst, " is the destination of two copies"));
+    }
+    if (std::binary_search(sources.begin(), sources.end(), dst)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("page copies: page ", dst, " is both a source and a destination"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ForEachPageRun(const KvWrite& w, int64_t page_rows,

@@ -5,9 +5,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/paged_kv.h"
 
 namespace attention {
@@ -40,6 +42,11 @@ void ScatterDecodeOutputs(const PagedDecodeParams& p, const void* o, const float
 
 // Checks shape, pointers, strides and the pages rows [first_row, first_row + rows) land in.
 absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64_t num_pages);
+
+// Checks CopyPages' pairs (src, dst): every page in [0, num_pages), no destination also a source or
+// twice a destination (the copies would then depend on their order).
+absl::Status CheckPageCopies(absl::Span<const std::pair<int32_t, int32_t>> src_dst,
+                             int64_t num_pages);
 
 // One run of a Write: `count` rows starting at source row `src_row` (0-based within the write)
 // that land in page `page` from row `page_row` on.

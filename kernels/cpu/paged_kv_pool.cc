@@ -336,6 +336,16 @@ class CpuKvPagePool : public KvPagePool {
     return absl::OkStatus();
   }
 
+  // Synchronous: the copies are done when it returns. A destination is a page no sequence reads
+  // until the caller has it back (a fresh page), so no lock is needed either.
+  absl::Status CopyPages(absl::Span<const std::pair<int32_t, int32_t>> src_dst) override {
+    RETURN_IF_ERROR(CheckPageCopies(src_dst, num_pages_));
+    for (const auto& [src, dst] : src_dst) {
+      std::memcpy(memory_ + dst * page_bytes_, memory_ + src * page_bytes_, page_bytes_);
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& given) override {
     RETURN_IF_ERROR(RefuseDeviceMemory(given.memory, "cpu"));
     ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(given, page_bytes_, num_pages_));

@@ -83,8 +83,8 @@ class Metrics {
   void SetDeviceMemoryTotal(const std::string& device, int64_t bytes);
 
   // KV-resident sessions (session_store.h), per device: sessions held, bytes of the pages they
-  // hold, and the pool's free and total pages; expirations after the TTL; the duration of each
-  // decode step (one KvPagePool::Decode call).
+  // hold (a page forks share counted once), and the pool's free and total pages; expirations after
+  // the TTL; the duration of each decode step (one KvPagePool::Decode call).
   void SetKvCache(const std::string& device, int64_t sessions, int64_t resident_bytes,
                   int64_t pages_free, int64_t pages_total);
   void SessionsExpired(int count);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -30,6 +31,7 @@ void FillInfo(const SessionSnapshot& s, v1::SessionInfo* info) {
   info->set_head_dim(static_cast<int32_t>(s.shape.head_dim));
   info->set_length(s.length);
   info->set_pages(s.pages);
+  info->set_shared_pages(s.shared_pages);
   info->set_resident_bytes(s.resident_bytes);
   info->set_idle_s(absl::ToDoubleSeconds(s.idle));
   info->set_expires_in_s(absl::ToDoubleSeconds(s.expires_in));
@@ -245,6 +247,12 @@ grpc::ServerUnaryReactor* SessionService::Truncate(grpc::CallbackServerContext* 
   return Serve("Truncate", context, request, response, &SessionService::RunTruncate);
 }
 
+grpc::ServerUnaryReactor* SessionService::Fork(grpc::CallbackServerContext* context,
+                                               const grpc::ByteBuffer* request,
+                                               grpc::ByteBuffer* response) {
+  return Serve("Fork", context, request, response, &SessionService::RunFork);
+}
+
 grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* context,
                                                const grpc::ByteBuffer* request,
                                                grpc::ByteBuffer* response) {
@@ -367,22 +375,48 @@ void SessionService::RunAppend(const CallContext& call, const std::string& owner
   SubmitDeviceWork(call, place->device, {request.session_id()}, std::move(run), std::move(finish));
 }
 
+void SessionService::SubmitSessionWork(
+    const CallContext& call, const std::string& owner, const std::string& id,
+    absl::AnyInvocable<absl::Status(SessionStore::Lease&) &&> work, Finish finish) {
+  if (id.empty()) return std::move(finish)(MissingSessionId());
+  absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, id);
+  if (!place.ok()) return std::move(finish)(place.status());
+  auto run = [this, owner, id, work = std::move(work)]() mutable -> absl::Status {
+    ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases, store_->Acquire(owner, {id}));
+    return std::move(work)(leases.front());
+  };
+  SubmitDeviceWork(call, place->device, {id}, std::move(run), std::move(finish));
+}
+
 void SessionService::RunTruncate(const CallContext& call, const std::string& owner, const Arrival&,
                                  const v1::TruncateRequest& request, v1::SessionInfo* response,
                                  Finish finish) {
-  if (request.session_id().empty()) return std::move(finish)(MissingSessionId());
-  absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, request.session_id());
-  if (!place.ok()) return std::move(finish)(place.status());
-  // Queued as the session's device work, so it runs after the Steps and appends queued before it.
-  auto run = [this, owner, id = request.session_id(), length = request.length(),
-              response]() -> absl::Status {
-    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
-    if (!leases.ok()) return leases.status();
-    RETURN_IF_ERROR(store_->Truncate(leases->front(), length));
-    FillInfo(store_->Snapshot(leases->front()), response);
-    return absl::OkStatus();
-  };
-  SubmitDeviceWork(call, place->device, {request.session_id()}, std::move(run), std::move(finish));
+  SubmitSessionWork(
+      call, owner, request.session_id(),
+      [this, length = request.length(), response](SessionStore::Lease& lease) -> absl::Status {
+        RETURN_IF_ERROR(store_->Truncate(lease, length));
+        FillInfo(store_->Snapshot(lease), response);
+        return absl::OkStatus();
+      },
+      std::move(finish));
+}
+
+void SessionService::RunFork(const CallContext& call, const std::string& owner, const Arrival&,
+                             const v1::ForkRequest& request, v1::SessionInfo* response,
+                             Finish finish) {
+  // The child holds the rows of the parent's calls queued before it, and its page copy runs in
+  // the device's order.
+  const std::optional<int64_t> length =
+      request.has_length() ? std::optional<int64_t>(request.length()) : std::nullopt;
+  SubmitSessionWork(
+      call, owner, request.session_id(),
+      [this, length, response](SessionStore::Lease& parent) -> absl::Status {
+        ASSIGN_OR_RETURN(SessionStore::Lease child,
+                         store_->Fork(parent, length.value_or(parent.length())));
+        FillInfo(store_->Snapshot(child), response);
+        return absl::OkStatus();
+      },
+      std::move(finish));
 }
 
 absl::Status SessionService::DecodeStep(const std::string& owner, const v1::StepRequest& request,

@@ -57,11 +57,12 @@ struct SessionServiceOptions {
 // Every method raw: the bytes of a request are ours to parse (wire_buffers.h says why).
 // StepStream is generic: the stream transports of server/streams/ serve it from the table of
 // stream methods.
-using SessionsRawService = v1::Sessions::WithRawCallbackMethod_CreateSession<
-    v1::Sessions::WithRawCallbackMethod_AppendKv<v1::Sessions::WithRawCallbackMethod_Truncate<
-        v1::Sessions::WithRawCallbackMethod_Step<v1::Sessions::WithGenericMethod_StepStream<
-            v1::Sessions::WithRawCallbackMethod_DropSession<
-                v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>>;
+using SessionsRawService =
+    v1::Sessions::WithRawCallbackMethod_CreateSession<v1::Sessions::WithRawCallbackMethod_AppendKv<
+        v1::Sessions::WithRawCallbackMethod_Truncate<v1::Sessions::WithRawCallbackMethod_Fork<
+            v1::Sessions::WithRawCallbackMethod_Step<v1::Sessions::WithGenericMethod_StepStream<
+                v1::Sessions::WithRawCallbackMethod_DropSession<
+                    v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>>>;
 
 class RequestRegions;
 
@@ -90,6 +91,9 @@ class SessionService final : public SessionsRawService {
   grpc::ServerUnaryReactor* Truncate(grpc::CallbackServerContext* context,
                                      const grpc::ByteBuffer* request,
                                      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Fork(grpc::CallbackServerContext* context,
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
                                  const grpc::ByteBuffer* request,
                                  grpc::ByteBuffer* response) override;
@@ -158,6 +162,12 @@ class SessionService final : public SessionsRawService {
   // Queues `run` as device work on `device` for `call`, holding `sessions`.
   void SubmitDeviceWork(const CallContext& call, int device, std::vector<std::string> sessions,
                         absl::AnyInvocable<absl::Status() &&> run, Finish finish);
+  // Queues `work` as session `id`'s device work (so it runs after the session's calls queued
+  // before it), run with a lease on the session: Truncate and Fork. Refuses an empty id, and
+  // NOT_FOUND as the store, before queueing.
+  void SubmitSessionWork(const CallContext& call, const std::string& owner, const std::string& id,
+                         absl::AnyInvocable<absl::Status(SessionStore::Lease&) &&> work,
+                         Finish finish);
 
   // The unary calls' work (Handlers).
   void RunCreate(const CallContext& call, const std::string& owner, const Arrival& arrival,
@@ -166,6 +176,8 @@ class SessionService final : public SessionsRawService {
                  const v1::AppendKvRequest& request, v1::SessionInfo* response, Finish finish);
   void RunTruncate(const CallContext& call, const std::string& owner, const Arrival& arrival,
                    const v1::TruncateRequest& request, v1::SessionInfo* response, Finish finish);
+  void RunFork(const CallContext& call, const std::string& owner, const Arrival& arrival,
+               const v1::ForkRequest& request, v1::SessionInfo* response, Finish finish);
   void RunDrop(const CallContext& call, const std::string& owner, const Arrival& arrival,
                const v1::DropSessionRequest& request, v1::DropSessionResponse* response,
                Finish finish);

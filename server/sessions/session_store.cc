@@ -73,6 +73,7 @@ SessionStore::SessionStore(std::vector<KvDevice> devices, const SessionStoreOpti
   for (size_t d = 0; d < devices_.size(); ++d) {
     const int64_t pages = devices_[d].pool->num_pages();
     std::vector<int32_t>& free_pages = device_states_[d].free_pages;
+    device_states_[d].refs.assign(pages, 0);
     free_pages.reserve(pages);
     // A stack: page 0 is handed out first.
     for (int64_t p = pages - 1; p >= 0; --p) free_pages.push_back(static_cast<int32_t>(p));
@@ -168,10 +169,7 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   session->page_rows = page_rows;
   session->last_used = now;
   session->users = 1;
-  for (int64_t p = 0; p < pages; ++p) {
-    session->page_table.push_back(state.free_pages.back());
-    state.free_pages.pop_back();
-  }
+  for (int64_t p = 0; p < pages; ++p) session->page_table.push_back(TakePageLocked(state));
   ++state.sessions;
   call_lock.release();  // held by the lease from now on
   sessions_.emplace(session->id, session);
@@ -227,41 +225,73 @@ absl::StatusOr<std::vector<SessionStore::Lease>> SessionStore::Acquire(
 
 absl::Status SessionStore::Reserve(absl::Span<Lease* const> leases,
                                    absl::Span<const int64_t> new_rows) {
+  // Copy on write: a page the first new row lands in that other sessions hold too is replaced,
+  // in the session's page table, by a page of its own, a copy when it holds rows of the session.
+  // The shared page stays held until the copies are done, so nothing reuses it meanwhile.
+  struct Replaced {
+    Session* session;
+    size_t index;    // in its page table
+    int32_t shared;  // the page it held there
+  };
+  std::vector<Replaced> replaced;
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> copies(devices_.size());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int64_t> needed(devices_.size(), 0);
+    std::vector<int64_t> more(leases.size(), 0);
+    std::vector<bool> shared(leases.size(), false);
+    for (size_t i = 0; i < leases.size(); ++i) {
+      const Session& s = *leases[i]->session_;
+      const int64_t rows = s.length + new_rows[i];
+      if (rows > std::numeric_limits<int32_t>::max()) {
+        return absl::InvalidArgumentError(absl::StrCat("session '", s.id, "': expected at most ",
+                                                       std::numeric_limits<int32_t>::max(),
+                                                       " rows, would hold ", rows));
+      }
+      more[i] = std::max<int64_t>(
+          0, PagesFor(rows, s.page_rows) - static_cast<int64_t>(s.page_table.size()));
+      const auto first = static_cast<size_t>(s.length / s.page_rows);
+      shared[i] = new_rows[i] > 0 && first < s.page_table.size() &&
+                  device_states_[s.device].refs[s.page_table[first]] > 1;
+      needed[s.device] += more[i] + (shared[i] ? 1 : 0);
+    }
+    for (size_t d = 0; d < devices_.size(); ++d) {
+      const int64_t free_pages = static_cast<int64_t>(device_states_[d].free_pages.size());
+      if (needed[d] > free_pages) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "KV cache full on ", devices_[d].name, ": the rows to append need ",
+            needed[d] * page_bytes_, " bytes (", needed[d], " pages of ", page_bytes_, " bytes), ",
+            free_pages * page_bytes_,
+            " bytes free; nothing was appended. Drop idle sessions or wait for them to expire"));
+      }
+    }
+    for (size_t i = 0; i < leases.size(); ++i) {
+      Session& s = *leases[i]->session_;
+      DeviceState& state = device_states_[s.device];
+      for (int64_t p = 0; p < more[i]; ++p) s.page_table.push_back(TakePageLocked(state));
+      if (!shared[i]) continue;
+      const auto first = static_cast<size_t>(s.length / s.page_rows);
+      const int32_t own = TakePageLocked(state);
+      replaced.push_back({&s, first, s.page_table[first]});
+      if (s.length % s.page_rows != 0) copies[s.device].emplace_back(s.page_table[first], own);
+      s.page_table[first] = own;
+    }
+    PublishLocked();
+  }
+  if (replaced.empty()) return absl::OkStatus();
+  absl::Status status = absl::OkStatus();
+  for (size_t d = 0; d < devices_.size() && status.ok(); ++d) {
+    if (!copies[d].empty()) status = devices_[d].pool->CopyPages(copies[d]);
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<int64_t> needed(devices_.size(), 0);
-  std::vector<int64_t> more(leases.size(), 0);
-  for (size_t i = 0; i < leases.size(); ++i) {
-    const Session& s = *leases[i]->session_;
-    const int64_t rows = s.length + new_rows[i];
-    if (rows > std::numeric_limits<int32_t>::max()) {
-      return absl::InvalidArgumentError(absl::StrCat("session '", s.id, "': expected at most ",
-                                                     std::numeric_limits<int32_t>::max(),
-                                                     " rows, would hold ", rows));
-    }
-    more[i] = std::max<int64_t>(
-        0, PagesFor(rows, s.page_rows) - static_cast<int64_t>(s.page_table.size()));
-    needed[s.device] += more[i];
-  }
-  for (size_t d = 0; d < devices_.size(); ++d) {
-    const int64_t free_pages = static_cast<int64_t>(device_states_[d].free_pages.size());
-    if (needed[d] > free_pages) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "KV cache full on ", devices_[d].name, ": the rows to append need ",
-          needed[d] * page_bytes_, " bytes (", needed[d], " pages of ", page_bytes_, " bytes), ",
-          free_pages * page_bytes_,
-          " bytes free; nothing was appended. Drop idle sessions or wait for them to expire"));
-    }
-  }
-  for (size_t i = 0; i < leases.size(); ++i) {
-    Session& s = *leases[i]->session_;
-    std::vector<int32_t>& free_pages = device_states_[s.device].free_pages;
-    for (int64_t p = 0; p < more[i]; ++p) {
-      s.page_table.push_back(free_pages.back());
-      free_pages.pop_back();
-    }
+  for (Replaced& r : replaced) {
+    // Failed: the session holds the shared page again, and its own goes (the other pages
+    // reserved stay, unwritten, as after a failed append).
+    if (!status.ok()) std::swap(r.session->page_table[r.index], r.shared);
+    DropPageLocked(device_states_[r.session->device], r.shared);
   }
   PublishLocked();
-  return absl::OkStatus();
+  return status;
 }
 
 absl::Status SessionStore::Append(absl::Span<Lease* const> leases, absl::Span<const KvRows> rows) {
@@ -306,11 +336,11 @@ absl::Status SessionStore::Truncate(Lease& lease, int64_t length) {
                                                    s.length, " rows)"));
   }
   std::lock_guard<std::mutex> lock(mu_);
-  // The lease holds the call lock, so no call reads the pages freed here.
+  // The lease holds the call lock, so no call of this session reads the pages let go here; the
+  // ones other sessions hold stay theirs.
   const auto keep = static_cast<size_t>(PagesFor(length, s.page_rows));
-  std::vector<int32_t>& free_pages = device_states_[s.device].free_pages;
-  free_pages.insert(free_pages.end(), s.page_table.rbegin(),
-                    s.page_table.rend() - static_cast<std::ptrdiff_t>(keep));
+  DeviceState& state = device_states_[s.device];
+  for (size_t i = s.page_table.size(); i > keep; --i) DropPageLocked(state, s.page_table[i - 1]);
   s.page_table.resize(keep);
   s.length = length;
   PublishLocked();
@@ -327,9 +357,85 @@ void SessionStore::ReleaseSession(const std::shared_ptr<Session>& session) {
   }
 }
 
+absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t length) {
+  const Session& p = *parent.session_;
+  if (length < 0 || length > p.length) {
+    return absl::InvalidArgumentError(absl::StrCat("length: expected 0..", p.length, ", got ",
+                                                   length, " (session ", Quote(p.id), " holds ",
+                                                   p.length, " rows)"));
+  }
+  ASSIGN_OR_RETURN(std::string id, NewSessionId());
+  // Pages the child's rows fill are shared; a partial last one is copied; 0 rows get a fresh page.
+  const int64_t full = length / p.page_rows;
+  const bool partial = length % p.page_rows != 0;
+  const bool own_page = partial || length == 0;
+  std::pair<int32_t, int32_t> copy;
+  auto child = std::make_shared<Session>();
+  // Its call lock before the store's, as Create; the lease releases it.
+  std::unique_lock<std::mutex> call_lock(child->call_mu);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const absl::Time now = options_.clock();
+    SweepLocked(now);
+    DeviceState& state = device_states_[p.device];
+    if (own_page && state.free_pages.empty()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "KV cache full: a fork of ", length, " rows of session ", Quote(p.id), " needs ",
+          page_bytes_, " bytes (1 page) for ",
+          partial ? "a copy of its partial last page" : "its rows", ", 0 bytes free on ",
+          devices_[p.device].name, "; drop idle sessions or wait for them to expire"));
+    }
+    while (sessions_.contains(id)) {
+      ASSIGN_OR_RETURN(id, NewSessionId());
+    }
+    child->id = std::move(id);
+    child->owner = p.owner;
+    child->shape = p.shape;
+    child->device = p.device;
+    child->page_rows = p.page_rows;
+    child->last_used = now;
+    child->users = 1;
+    for (int64_t i = 0; i < full; ++i) {
+      ++state.refs[p.page_table[i]];
+      child->page_table.push_back(p.page_table[i]);
+    }
+    if (own_page) child->page_table.push_back(TakePageLocked(state));
+    if (partial) copy = {p.page_table[full], child->page_table.back()};
+    child->length = length;
+    ++state.sessions;
+    sessions_.emplace(child->id, child);
+    PublishLocked();
+  }
+  call_lock.release();  // held by the lease from now on
+  Lease lease(this, std::move(child));
+  // The parent's lease keeps its pages (the copy's source included) from being let go meanwhile.
+  if (partial) {
+    if (absl::Status copied = devices_[p.device].pool->CopyPages({copy}); !copied.ok()) {
+      // The caller never learns the id: remove the child (its pages go when the lease does).
+      Drop(p.owner, lease.id()).IgnoreError();
+      return copied;
+    }
+  }
+  return lease;
+}
+
+int32_t SessionStore::TakePageLocked(DeviceState& state) {
+  const int32_t page = state.free_pages.back();
+  state.free_pages.pop_back();
+  state.refs[page] = 1;
+  return page;
+}
+
+void SessionStore::DropPageLocked(DeviceState& state, int32_t page) {
+  if (--state.refs[page] == 0) state.free_pages.push_back(page);
+}
+
 void SessionStore::FreePagesLocked(Session& session) {
-  std::vector<int32_t>& free_pages = device_states_[session.device].free_pages;
-  free_pages.insert(free_pages.end(), session.page_table.rbegin(), session.page_table.rend());
+  DeviceState& state = device_states_[session.device];
+  // In reverse, so the stack hands a session's pages out again in their order.
+  for (auto it = session.page_table.rbegin(); it != session.page_table.rend(); ++it) {
+    DropPageLocked(state, *it);
+  }
   session.page_table.clear();
 }
 
@@ -374,6 +480,9 @@ SessionSnapshot SessionStore::SnapshotLocked(const Session& session, absl::Time 
   out.shape = session.shape;
   out.length = session.length;
   out.pages = static_cast<int64_t>(session.page_table.size());
+  const std::vector<int32_t>& refs = device_states_[session.device].refs;
+  out.shared_pages = std::count_if(session.page_table.begin(), session.page_table.end(),
+                                   [&refs](int32_t page) { return refs[page] > 1; });
   out.resident_bytes = out.pages * page_bytes_;
   // A session in use is not idle.
   out.idle = session.users > 0 ? absl::ZeroDuration() : now - session.last_used;

@@ -3,11 +3,14 @@
 // ownership by caller token, and expiry after a TTL of idleness.
 //
 // Memory: each device's pool is a fixed number of pages, allocated once at startup. A session holds
-// ceil(max(length, 1) / page_rows) pages (at least one, so creating sessions uses room). Nothing is
-// evicted to make room: a call that needs more pages than are free is refused RESOURCE_EXHAUSTED
-// with the bytes it needs and the bytes free. Idle sessions expire after `ttl` (Sweep, called by a
-// sweeper, and a lazy check on every lookup); an unknown, expired or dropped id, or the id of
-// another owner, is NOT_FOUND.
+// ceil(max(length, 1) / page_rows) pages (at least one, so creating sessions uses room). Pages are
+// reference counted: a fork (Fork) shares its parent's full pages, and a page returns to the free
+// list when its last session lets it go (Truncate, Drop, expiry). A page several sessions hold is
+// never written: an append whose first row lands in one first copies it (copy on write), so no
+// session sees another's new rows. Nothing is evicted to make room: a call that needs more pages
+// than are free is refused RESOURCE_EXHAUSTED with the bytes it needs and the bytes free. Idle
+// sessions expire after `ttl` (Sweep, called by a sweeper, and a lazy check on every lookup); an
+// unknown, expired or dropped id, or the id of another owner, is NOT_FOUND.
 //
 // Concurrency: a call holds its sessions through Leases. A lease holds the session's call lock,
 // so calls on one session run one at a time (a second call waits; nothing is rejected). A call
@@ -68,6 +71,7 @@ struct SessionSnapshot {
   KvShape shape;
   int64_t length = 0;
   int64_t pages = 0;
+  int64_t shared_pages = 0;  // of `pages`, those other sessions hold too
   int64_t resident_bytes = 0;
   absl::Duration idle;
   absl::Duration expires_in;
@@ -146,7 +150,9 @@ class SessionStore {
                                              absl::Span<const std::string> ids);
 
   // Reserves the pages for appending new_rows[i] rows to leases[i], all or nothing:
-  // RESOURCE_EXHAUSTED (bytes needed, bytes free) when a device lacks the room.
+  // RESOURCE_EXHAUSTED (bytes needed, bytes free) when a device lacks the room. A page the first
+  // new row lands in that other sessions hold too is replaced by a copy of its own first (one
+  // pool CopyPages per device; copy on write).
   absl::Status Reserve(absl::Span<Lease* const> leases, absl::Span<const int64_t> new_rows);
 
   // Writes rows[i] after the last row of leases[i]'s session into pages reserved by Create or
@@ -155,9 +161,17 @@ class SessionStore {
   absl::Status Append(absl::Span<Lease* const> leases, absl::Span<const KvRows> rows);
   absl::Status Append(Lease& lease, const KvRows& rows);  // one session
 
-  // Keeps the first `length` rows of the lease's session and frees the pages beyond them (at
-  // least one page stays). INVALID_ARGUMENT naming `length` unless 0 <= length <= its length.
+  // Keeps the first `length` rows of the lease's session and lets the pages beyond them go (freed
+  // unless other sessions hold them; at least one page stays). INVALID_ARGUMENT naming `length`
+  // unless 0 <= length <= its length.
   absl::Status Truncate(Lease& lease, int64_t length);
+
+  // A new session of the parent's owner, shape and device holding the parent's first `length`
+  // rows, held by the returned lease: it shares the parent's pages those rows fill and gets a
+  // copy of the page of its last rows when that page is partial (one pool CopyPages; a fork of 0
+  // rows gets an empty page). INVALID_ARGUMENT naming `length` unless 0 <= length <= the
+  // parent's length; RESOURCE_EXHAUSTED when the device has no page free for the copy.
+  absl::StatusOr<Lease> Fork(Lease& parent, int64_t length);
 
   // Removes a session of `owner`; NOT_FOUND as Acquire.
   absl::Status Drop(absl::string_view owner, absl::string_view id);
@@ -173,6 +187,7 @@ class SessionStore {
  private:
   struct DeviceState {
     std::vector<int32_t> free_pages;  // a stack
+    std::vector<int32_t> refs;        // per page: the sessions holding it (0: free)
     int64_t sessions = 0;
   };
 
@@ -182,6 +197,10 @@ class SessionStore {
   bool ExpiredLocked(const Session& session, absl::Time now) const;
   void RemoveLocked(const std::shared_ptr<Session>& session);
   void FreePagesLocked(Session& session);
+  // A free page of `state`, now held once; the caller checked that one is free.
+  static int32_t TakePageLocked(DeviceState& state);
+  // Lets one hold on `page` go; the last one frees it.
+  static void DropPageLocked(DeviceState& state, int32_t page);
   int SweepLocked(absl::Time now);
   SessionSnapshot SnapshotLocked(const Session& session, absl::Time now) const;
   void PublishLocked();

@@ -1,5 +1,6 @@
 // The session store (session_store.h) over small CPU page pools: allocation, exhaustion, TTL
-// expiry on a fake clock, owners, drop, truncate, device choice and concurrent appends to
+// expiry on a fake clock, owners, drop, truncate, fork (shared pages counted once, copy on write,
+// release in either order, truncate of shared pages), device choice and concurrent appends to
 // one session.
 #include "server/sessions/session_store.h"
 
@@ -106,6 +107,32 @@ class SessionStoreTest : public ::testing::Test {
     EXPECT_EQ(store_->Append(*lease, data.view), absl::OkStatus());
     return lease->id();
   }
+  // Forks session `id` of `owner` at `rows` rows; returns the child's id.
+  std::string ForkOf(const std::string& owner, const std::string& id, int64_t rows) {
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
+    EXPECT_TRUE(leases.ok()) << leases.status();
+    if (!leases.ok()) return "";
+    absl::StatusOr<SessionStore::Lease> child = store_->Fork(leases->front(), rows);
+    EXPECT_TRUE(child.ok()) << child.status();
+    return child.ok() ? child->id() : "";
+  }
+  // Session `id`'s page table, length and shared pages.
+  struct Held {
+    std::vector<int32_t> pages;
+    int64_t length = 0, shared = 0;
+  };
+  Held HeldBy(const std::string& id, const std::string& owner = "") {
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
+    EXPECT_TRUE(leases.ok()) << leases.status();
+    if (!leases.ok()) return {};
+    return {leases->front().page_table(), leases->front().length(),
+            store_->Snapshot(leases->front()).shared_pages};
+  }
+  absl::Status TruncateTo(const std::string& id, int64_t rows) {
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {id});
+    if (!leases.ok()) return leases.status();
+    return store_->Truncate(leases->front(), rows);
+  }
   absl::Status AppendRows(const std::string& owner, const std::string& id, int64_t rows) {
     Rows data(rows, rng_);
     absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
@@ -186,6 +213,154 @@ TEST_F(SessionStoreTest, TruncateKeepsTheFirstRowsAndFreesThePagesBeyond) {
   // Appending after a truncate takes pages again.
   ASSERT_EQ(AppendRows("", id, kPageRows + 1), absl::OkStatus());
   EXPECT_EQ(store_->Room().pages_free, 8);
+}
+
+TEST_F(SessionStoreTest, ForkSharesTheFullPagesAndCopiesThePartialOne) {
+  SCOPED_TRACE(seed_);
+  Make({10});
+  const std::string parent = CreateWith("owner", 3 * kPageRows + 5);  // 4 pages, the last partial
+  EXPECT_EQ(store_->Room().pages_free, 6);
+  absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("owner", {parent});
+  ASSERT_TRUE(leases.ok()) << leases.status();
+  for (const int64_t bad : {int64_t{-1}, 3 * kPageRows + 6}) {
+    absl::StatusOr<SessionStore::Lease> refused = store_->Fork(leases->front(), bad);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(refused.status().message(),
+                HasSubstr(absl::StrCat("length: expected 0..", 3 * kPageRows + 5, ", got ", bad)));
+  }
+  absl::StatusOr<SessionStore::Lease> child = store_->Fork(leases->front(), 3 * kPageRows + 5);
+  ASSERT_TRUE(child.ok()) << child.status();
+  const std::string id = child->id();
+  EXPECT_NE(id, parent);
+  EXPECT_EQ(child->shape(), kShape);
+  EXPECT_EQ(child->device(), leases->front().device());
+  const std::vector<int32_t> pages = leases->front().page_table();
+  ASSERT_EQ(child->page_table().size(), 4u);
+  EXPECT_EQ(std::vector<int32_t>(child->page_table().begin(), child->page_table().begin() + 3),
+            std::vector<int32_t>(pages.begin(), pages.begin() + 3));
+  EXPECT_NE(child->page_table()[3], pages[3]);
+  child = SessionStore::Lease();
+  leases->clear();
+  // One page more, not four: the shared pages count once in the room and the usage.
+  EXPECT_EQ(store_->Room().pages_free, 5);
+  EXPECT_EQ(HeldBy(parent, "owner").shared, 3);
+  EXPECT_EQ(HeldBy(id, "owner").shared, 3);
+  EXPECT_EQ(store_->List("owner").size(), 2u);  // the parent's owner's
+  EXPECT_TRUE(store_->List("").empty());
+  // Forks at a page's end share every page the rows fill; a fork of no rows gets an empty page.
+  const std::string at_edge = ForkOf("owner", parent, 2 * kPageRows);
+  EXPECT_EQ(store_->Room().pages_free, 5);
+  const std::string none = ForkOf("owner", parent, 0);
+  EXPECT_EQ(store_->Room().pages_free, 4);
+  absl::StatusOr<std::vector<SessionStore::Lease>> both =
+      store_->Acquire("owner", {parent, at_edge});
+  ASSERT_TRUE(both.ok()) << both.status();
+  EXPECT_EQ((*both)[1].length(), 2 * kPageRows);
+  EXPECT_EQ((*both)[1].page_table(), std::vector<int32_t>(pages.begin(), pages.begin() + 2));
+  both->clear();
+  // Another owner's session is NOT_FOUND to a fork as to every call.
+  EXPECT_EQ(store_->Acquire("other", {parent}).status().code(), absl::StatusCode::kNotFound);
+  for (const std::string& s : {parent, id, at_edge, none}) {
+    ASSERT_EQ(store_->Drop("owner", s), absl::OkStatus());
+  }
+  EXPECT_EQ(store_->Room().pages_free, 10);
+}
+
+TEST_F(SessionStoreTest, AppendsIntoASharedPageCopyItFirst) {
+  SCOPED_TRACE(seed_);
+  Make({10});
+  const std::string parent = CreateWith("", 2 * kPageRows + 5);  // 3 pages
+  const std::string child = ForkOf("", parent, 2 * kPageRows + 5);
+  EXPECT_EQ(store_->Room().pages_free, 6);
+  const Held before = HeldBy(child);
+  // Into each one's own partial page: no copy, no page.
+  ASSERT_EQ(AppendRows("", parent, 3), absl::OkStatus());
+  ASSERT_EQ(AppendRows("", child, 4), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 6);
+  EXPECT_EQ(HeldBy(child).pages, before.pages);
+  // Cut into the shared second page, each then appends there: the page is copied, the other's
+  // page table stays as it was.
+  ASSERT_EQ(TruncateTo(parent, kPageRows + 7), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 7);  // the parent's own third page
+  ASSERT_EQ(AppendRows("", parent, 2), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 6);
+  Held p = HeldBy(parent), c = HeldBy(child);
+  EXPECT_EQ(p.length, kPageRows + 9);
+  ASSERT_EQ(p.pages.size(), 2u);
+  EXPECT_EQ(p.pages[0], before.pages[0]);
+  EXPECT_NE(p.pages[1], before.pages[1]);
+  EXPECT_EQ(c.pages, before.pages);
+  EXPECT_EQ(p.shared, 1);
+  EXPECT_EQ(c.shared, 1);
+  // The child cut into its first page, shared still, and appending past it: a copy of the first,
+  // and pages of its own after it.
+  ASSERT_EQ(TruncateTo(child, 10), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 8);  // its second and third, now its alone
+  ASSERT_EQ(AppendRows("", child, kPageRows), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 6);
+  c = HeldBy(child);
+  ASSERT_EQ(c.pages.size(), 2u);
+  EXPECT_NE(c.pages[0], before.pages[0]);
+  EXPECT_EQ(c.shared, 0);
+  EXPECT_EQ(HeldBy(parent).shared, 0);
+  EXPECT_EQ(HeldBy(parent).pages[0], before.pages[0]);
+  // A cache without the page to copy into refuses the append, and both stay as they were.
+  const std::string grandchild = ForkOf("", parent, kPageRows + 9);
+  ASSERT_EQ(TruncateTo(grandchild, 3), absl::OkStatus());
+  CreateWith("", store_->Room().pages_free * kPageRows);  // fills the cache
+  ASSERT_EQ(store_->Room().pages_free, 0);
+  const absl::Status full = AppendRows("", grandchild, 1);
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(HeldBy(grandchild).pages, std::vector<int32_t>{before.pages[0]});
+  EXPECT_EQ(HeldBy(grandchild).shared, 1);
+}
+
+TEST_F(SessionStoreTest, PagesGoWithTheirLastSessionInEitherOrder) {
+  SCOPED_TRACE(seed_);
+  for (const bool parent_first : {true, false}) {
+    SCOPED_TRACE(parent_first ? "parent first" : "child first");
+    Make({12});
+    const std::string parent = CreateWith("", 4 * kPageRows + 1);  // 5 pages
+    const std::string child = ForkOf("", parent, 3 * kPageRows + 3);
+    const std::string grandchild = ForkOf("", child, 2 * kPageRows);
+    EXPECT_EQ(store_->Room().pages_free, 12 - 5 - 1);
+    ASSERT_EQ(AppendRows("", grandchild, kPageRows + 1), absl::OkStatus());  // 2 of its own
+    EXPECT_EQ(store_->Room().pages_free, 4);
+    const std::string first = parent_first ? parent : grandchild;
+    const std::string last = parent_first ? grandchild : parent;
+    ASSERT_EQ(store_->Drop("", first), absl::OkStatus());
+    // Parent first: its last two pages go (the child holds the first three); grandchild first:
+    // its own two go.
+    EXPECT_EQ(store_->Room().pages_free, 6);
+    ASSERT_EQ(store_->Drop("", child), absl::OkStatus());
+    // Then the child's copied page and, parent first, its third; grandchild first, the pages
+    // only the child and the parent held stay with the parent.
+    EXPECT_EQ(store_->Room().pages_free, parent_first ? 8 : 7);
+    // A session held by a call frees its pages when the call ends.
+    absl::StatusOr<std::vector<SessionStore::Lease>> held = store_->Acquire("", {last});
+    ASSERT_TRUE(held.ok()) << held.status();
+    ASSERT_EQ(store_->Drop("", last), absl::OkStatus());
+    EXPECT_LT(store_->Room().pages_free, 12);
+    held->clear();
+    EXPECT_EQ(store_->Room().pages_free, 12);
+  }
+}
+
+TEST_F(SessionStoreTest, ForkNeedsAFreePageForItsPartialPage) {
+  SCOPED_TRACE(seed_);
+  Make({3});
+  const std::string parent = CreateWith("", 2 * kPageRows);
+  CreateWith("", 1);  // fills the cache
+  absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {parent});
+  ASSERT_TRUE(leases.ok()) << leases.status();
+  absl::StatusOr<SessionStore::Lease> refused = store_->Fork(leases->front(), kPageRows + 1);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(),
+              AllOf(HasSubstr("needs 4096 bytes"), HasSubstr("0 bytes free on dev0")));
+  // At a page's end it needs none.
+  absl::StatusOr<SessionStore::Lease> shared = store_->Fork(leases->front(), 2 * kPageRows);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  EXPECT_EQ(store_->List("").size(), 3u);
 }
 
 TEST_F(SessionStoreTest, FullCacheRefusesWithBytesNeededAndFree) {

@@ -1,8 +1,9 @@
 // A Step's jobs over a real session store, scheduler and CPU executor (its own KV pool): the
 // launch's o and lse against a float64 reference over the session's rows, the new row appended,
 // sequences of two decode keys as two jobs of one step, and the refusals that leave the sessions
-// as they were (queries beyond the session's rows, the FLOP limit), and a Step after a truncate
-// equal to one on a session of only the kept rows.
+// as they were (queries beyond the session's rows, the FLOP limit), a Step after a truncate
+// equal to one on a session of only the kept rows, and forks stepping as fresh sessions of their
+// rows.
 #include "server/sessions/step_jobs.h"
 
 #include <cmath>
@@ -84,11 +85,13 @@ class StepJobsTest : public ::testing::Test {
   }
   ~StepJobsTest() override { scheduler_->Shutdown(); }
 
-  // A session of `rows` rows (written from `t`); its id.
-  std::string Create(const Tensors& t) {
-    absl::StatusOr<SessionStore::Lease> lease = store_->Create("", kShape, t.kv_rows.rows, 0);
+  // A session of `t`'s first `rows` rows (all: -1); its id.
+  std::string Create(const Tensors& t, int64_t rows = -1) {
+    KvRows first = t.kv_rows;  // [Hkv, all of t's rows, D] strides
+    if (rows >= 0) first.rows = rows;
+    absl::StatusOr<SessionStore::Lease> lease = store_->Create("", kShape, first.rows, 0);
     EXPECT_TRUE(lease.ok()) << lease.status();
-    EXPECT_EQ(store_->Append(*lease, t.kv_rows), absl::OkStatus());
+    EXPECT_EQ(store_->Append(*lease, first), absl::OkStatus());
     return lease->id();
   }
   int64_t Length(const std::string& id) {
@@ -183,14 +186,7 @@ TEST_F(StepJobsTest, StepAfterTruncateEqualsStepOnTheKeptRows) {
     ASSERT_TRUE(leases.ok()) << leases.status();
     ASSERT_EQ(store_->Truncate(leases->front(), 20), absl::OkStatus());
   }
-  // A session created with only the first 20 of `first`'s rows (its [Hkv, 37, D] strides).
-  absl::StatusOr<SessionStore::Lease> lease = store_->Create("", kShape, 20, 0);
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  KvRows kept = first.kv_rows;
-  kept.rows = 20;
-  ASSERT_EQ(store_->Append(*lease, kept), absl::OkStatus());
-  const std::string fresh = lease->id();
-  lease = SessionStore::Lease();
+  const std::string fresh = Create(first, 20);  // only the first 20 of `first`'s rows
   // The same step (one new row, two queries) on each.
   Tensors on_truncated(1, 2, rng_);
   Tensors on_fresh = on_truncated;
@@ -205,6 +201,51 @@ TEST_F(StepJobsTest, StepAfterTruncateEqualsStepOnTheKeptRows) {
   }
   EXPECT_EQ(on_truncated.o, on_fresh.o);  // bit for bit
   EXPECT_EQ(on_truncated.lse, on_fresh.lse);
+}
+
+// Forks of one session, and the parent cut into a page they share, in one Step with different new
+// rows each: each answers bit for bit what a session created with its rows does (the shared pages
+// read as the parent's, the copied partial pages as theirs, the parent's append copied on write).
+TEST_F(StepJobsTest, ForksStepAsFreshSessionsOfTheirRows) {
+  const Tensors first(70, 0, rng_);  // pages of 32 rows: 32, 32 and 6
+  const std::string parent = Create(first);
+  std::string child, partial;
+  {
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {parent});
+    ASSERT_TRUE(leases.ok()) << leases.status();
+    for (auto [id, rows] : {std::pair{&child, 70}, std::pair{&partial, 40}}) {
+      absl::StatusOr<SessionStore::Lease> fork = store_->Fork(leases->front(), rows);
+      ASSERT_TRUE(fork.ok()) << fork.status();
+      *id = fork->id();
+    }
+    ASSERT_EQ(store_->Truncate(leases->front(), 10), absl::OkStatus());
+  }
+  const std::pair<std::string, int64_t> forked[] = {{parent, 10}, {child, 70}, {partial, 40}};
+  std::vector<Tensors> on_forks, on_fresh;
+  std::vector<std::string> fresh;  // the sequences keep views of the ids
+  auto step = std::make_shared<TestStep>();
+  on_forks.reserve(3);
+  on_fresh.reserve(3);
+  fresh.reserve(3);
+  for (const auto& [id, rows] : forked) {
+    on_forks.emplace_back(1, 2, rng_);
+    on_fresh.push_back(on_forks.back());
+    on_fresh.back().kv_rows.k = on_fresh.back().k.data();
+    on_fresh.back().kv_rows.v = on_fresh.back().v.data();
+    step->seqs.push_back(Sequence(id, on_forks.back(), 2, key_));
+    fresh.push_back(Create(first, rows));
+    step->seqs.push_back(Sequence(fresh.back(), on_fresh.back(), 2, key_));
+  }
+  StepJobs jobs(&*store_, {}, {});
+  ASSERT_EQ(Run(step, jobs).status, absl::OkStatus());
+  for (size_t i = 0; i < 3; ++i) {
+    SCOPED_TRACE(forked[i].second);
+    EXPECT_EQ(Length(forked[i].first), forked[i].second + 1);
+    EXPECT_EQ(on_forks[i].o, on_fresh[i].o);  // bit for bit
+    EXPECT_EQ(on_forks[i].lse, on_fresh[i].lse);
+  }
+  // The child of every row against the float64 reference too.
+  ExpectMatchesReference(first, on_forks[1], on_forks[1], key_.softmax_scale);
 }
 
 TEST_F(StepJobsTest, SequencesOfTwoKeysAreTwoJobsAndEachIsObserved) {

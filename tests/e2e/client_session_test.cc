@@ -1,6 +1,8 @@
 // The C++ Session object (client/session.h) against the real server (CPU backend): decode steps
 // after appends match the float64 reference over the whole sequence, StepMany over sessions of
-// different lengths, a step after Truncate over the kept rows, the packed StepBatch and
+// different lengths, a step after Truncate over the kept rows, forks that grow apart from their
+// parent (each step against the reference over its own rows; one page used, not a session's
+// worth; copy on write after a truncate into a shared page), the packed StepBatch and
 // StepBatchAsync bit for bit equal to StepMany, LSE, ownership (drop on destruction, Release,
 // moves), NOT_FOUND after a drop, and the bearer token on session calls. (Sessions over a
 // round-robin client across two servers: tests/deploy/round_robin_failover_test.cc.)
@@ -185,6 +187,110 @@ TEST_F(ClientSessionTest, StepAfterTruncateMatchesReferenceOverTheKeptRows) {
       client::MakeTensor(seq.spec.dtype, {heads_q, 1, seq.spec.head_dim}, q), options, &k, &v);
   ASSERT_TRUE(out.ok()) << out.status();
   ExpectStepCorrect(seq, q, heads_q, options, *out);
+}
+
+// The rows of `seq`'s first `rows` rows: what a fork at `rows` or a truncate to it holds.
+Sequence FirstRows(const Sequence& seq, int64_t rows) {
+  Sequence first = seq;
+  first.k.resize(rows * seq.spec.kv_heads * seq.spec.head_dim);
+  first.v.resize(first.k.size());
+  return first;
+}
+
+TEST_F(ClientSessionTest, ForksGrowApartFromTheirParentAndShareItsFullPages) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  const int64_t heads_q = 4;
+  Sequence parent_seq{
+      .spec = {
+          .dtype = v1::DTYPE_FLOAT32, .kv_heads = 2, .head_dim = 64, .layout = v1::LAYOUT_BSHD}};
+  SessionClient sessions(client());
+  absl::StatusOr<v1::ListSessionsResponse> room = sessions.List();
+  ASSERT_TRUE(room.ok()) << room.status();
+  // Rows per page (the server's page size, in rows of 16): three pages and some.
+  const int64_t page_rows =
+      room->page_bytes() / (2 * parent_seq.spec.kv_heads * parent_seq.spec.head_dim * 4) / 16 * 16;
+  ASSERT_GT(page_rows, 0);
+  const int64_t n = 3 * page_rows + 5;
+  auto [k0, v0] = parent_seq.Grow(n, rng);
+  absl::StatusOr<Session> parent = sessions.Create(parent_seq.spec, &k0, &v0);
+  ASSERT_TRUE(parent.ok()) << parent.status();
+
+  absl::StatusOr<Session> refused = parent->Fork(n + 1);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(),
+                                absl::StrCat("length: expected 0..", n, ", got ", n + 1)))
+      << refused.status();
+  for (const std::string& id : {std::string(32, '0'), std::string()}) {
+    v1::ForkRequest request;
+    request.set_session_id(id);
+    v1::SessionInfo info;
+    const grpc::Status status = sessions.stub().Fork(sessions.NewContext({}).get(), request, &info);
+    EXPECT_EQ(status.error_code(),
+              id.empty() ? grpc::StatusCode::INVALID_ARGUMENT : grpc::StatusCode::NOT_FOUND);
+    EXPECT_TRUE(absl::StrContains(status.error_message(), id.empty() ? "session_id" : id))
+        << status.error_message();
+  }
+
+  // The fork takes one page (the copy of the partial fourth), not the four a session of its rows
+  // takes.
+  room = sessions.List();
+  ASSERT_TRUE(room.ok()) << room.status();
+  const int64_t free_before = room->pages_free();
+  absl::StatusOr<Session> child = parent->Fork();
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_NE(child->id(), parent->id());
+  EXPECT_EQ(child->length(), n);
+  room = sessions.List();
+  ASSERT_TRUE(room.ok()) << room.status();
+  const int64_t taken = free_before - room->pages_free();
+  EXPECT_EQ(taken, 1);
+  absl::StatusOr<v1::SessionInfo> info = child->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->pages(), 4);
+  EXPECT_EQ(info->shared_pages(), 3);
+  EXPECT_EQ(info->kv_heads(), 2);
+  EXPECT_EQ(info->head_dim(), 64);
+  EXPECT_EQ(info->dtype(), v1::DTYPE_FLOAT32);
+  EXPECT_LT(taken, info->pages());
+
+  // Different rows and queries to each, two steps each: each attends to its own rows alone.
+  Sequence child_seq = parent_seq;
+  const StepOptions options{.causal = true, .return_lse = true};
+  auto step = [&](Session& session, Sequence& seq) {
+    const std::vector<float> q = client::RandomNormal(heads_q * seq.spec.head_dim, rng);
+    auto [k, v] = seq.GrowForStep(rng);
+    absl::StatusOr<StepOutput> out = session.Step(
+        client::MakeTensor(seq.spec.dtype, {heads_q, 1, seq.spec.head_dim}, q), options, &k, &v);
+    ASSERT_TRUE(out.ok()) << out.status();
+    ExpectStepCorrect(seq, q, heads_q, options, *out);
+  };
+  for (int i = 0; i < 2; ++i) {
+    step(*parent, parent_seq);
+    step(*child, child_seq);
+  }
+  // A fork of the parent's first rows, ending inside its second page; then the parent cut into
+  // its first page, which the child and that fork hold too: its next row goes into a copy.
+  const int64_t kept = page_rows + 7;
+  absl::StatusOr<Session> partial = parent->Fork(kept);
+  ASSERT_TRUE(partial.ok()) << partial.status();
+  Sequence partial_seq = FirstRows(parent_seq, kept);
+  ASSERT_EQ(parent->Truncate(9), absl::OkStatus());
+  parent_seq = FirstRows(parent_seq, 9);
+  for (int i = 0; i < 2; ++i) {
+    step(*parent, parent_seq);
+    step(*partial, partial_seq);
+    step(*child, child_seq);
+  }
+  // Dropping every one gives back every page: the parent's four and what the forks and the
+  // copies took.
+  parent->Drop().IgnoreError();
+  child->Drop().IgnoreError();
+  partial->Drop().IgnoreError();
+  room = sessions.List();
+  ASSERT_TRUE(room.ok()) << room.status();
+  EXPECT_EQ(room->pages_free(), free_before + 4);
 }
 
 TEST_F(ClientSessionTest, StepManyOverSessionsOfDifferentLengths) {
@@ -415,11 +521,19 @@ TEST_F(ClientSessionTokenTest, SessionCallsCarryTheToken) {
   const v1::Tensor q = client::MakeTensor(v1::DTYPE_FLOAT32, {1, 1, 8}, std::vector<float>(8, 1));
   EXPECT_TRUE(session->Step(q, {}, &q, &q).ok());
   EXPECT_TRUE(session->Info().ok());
+  absl::StatusOr<Session> child = session->Fork();
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_EQ(child->length(), 1);
 
   SessionClient anonymous(client());  // the fixture's client sends no token
   EXPECT_EQ(anonymous.Create(spec).status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_EQ(anonymous.Drop(session->id()).code(), absl::StatusCode::kUnauthenticated);
   EXPECT_EQ(anonymous.List().status().code(), absl::StatusCode::kUnauthenticated);
+  v1::ForkRequest fork;
+  fork.set_session_id(session->id());
+  v1::SessionInfo info;
+  EXPECT_EQ(anonymous.stub().Fork(anonymous.NewContext({}).get(), fork, &info).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(session->Drop(), absl::OkStatus());
 }
 

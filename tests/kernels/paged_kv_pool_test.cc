@@ -834,6 +834,65 @@ TEST_P(PagedKvPoolWriteTest, ConcurrentWritesAndStepsFromThreads) {
   for (std::thread& thread : threads) thread.join();
 }
 
+// A forked session's partial last page: CopyPages copies it to a free page, then the source page
+// is overwritten (a write queued right after the copy, no wait between on a device pool): the copy
+// decodes as the rows it was copied from, the source as its new rows.
+TEST_P(PagedKvPoolWriteTest, CopiedPagesKeepTheRowsTheyWereCopiedFrom) {
+  const DType dtype = GetParam();
+  const uint64_t seed = NextSeed();
+  SCOPED_TRACE(SeedHint(dtype, seed));
+  std::mt19937_64 rng(seed);
+  DecodeCase c;
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.nq = {1, 1};
+  c.nk = {77, 45};  // pages of 32 rows: a partial third page, a partial second one
+  PoolSetup setup;
+  MakeSetup(c, dtype, rng, &setup);
+  if (HasFatalFailure()) return;
+  std::vector<int32_t> free_pages;
+  for (int32_t page = 0; page < setup.pool->num_pages(); ++page) {
+    bool used = false;
+    for (const Sequence& s : setup.seqs) {
+      used |= std::find(s.pages.begin(), s.pages.end(), page) != s.pages.end();
+    }
+    if (!used) free_pages.push_back(page);
+  }
+  ASSERT_GE(free_pages.size(), 2u);
+  // The copies: each sequence's pages with its last one replaced by a copy.
+  std::vector<Sequence> copies = setup.seqs;
+  std::vector<std::pair<int32_t, int32_t>> src_dst;
+  for (size_t i = 0; i < copies.size(); ++i) {
+    int32_t& last = copies[i].pages[(c.nk[i] - 1) / c.page_rows];
+    src_dst.emplace_back(last, free_pages[i]);
+    last = free_pages[i];
+  }
+  ASSERT_EQ(setup.pool->CopyPages(src_dst), absl::OkStatus());
+  // New rows for the sources' every row (their last pages included).
+  std::vector<Sequence> rewritten = setup.seqs;
+  for (Sequence& s : rewritten) {
+    for (float& x : s.k) x = -x;
+    std::reverse(s.v.begin(), s.v.end());
+  }
+  WriteSequences(*setup.pool, {dtype, c.heads_kv, c.head_dim}, rewritten, c.nk, Layout::kBHSD, 0,
+                 rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  // The copies' first pages are the sources' (rewritten): their reference is those rows, then
+  // the last page's rows as first written.
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const int64_t kept = (c.nk[i] - 1) / c.page_rows * c.page_rows;
+    for (int64_t h = 0; h < c.heads_kv; ++h) {
+      const int64_t at = h * c.nk[i] * c.head_dim;
+      std::copy_n(rewritten[i].k.begin() + at, kept * c.head_dim, copies[i].k.begin() + at);
+      std::copy_n(rewritten[i].v.begin() + at, kept * c.head_dim, copies[i].v.begin() + at);
+    }
+  }
+  ExpectMatchesReference(c, dtype, scale, copies,
+                         Decode(*setup.pool, c, dtype, scale, copies, setup.stride));
+  ExpectMatchesReference(c, dtype, scale, rewritten,
+                         Decode(*setup.pool, c, dtype, scale, rewritten, setup.stride));
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolWriteTest, kAllDtypes, DtypeTestName);
 
 class PagedKvPoolMergeTest : public PoolTest<testing::TestWithParam<DType>> {};
@@ -1057,6 +1116,20 @@ TEST_F(PagedKvPoolErrorsTest, RejectsPagesOutsideThePoolAndTooSmallPages) {
 
   p.shape.head_dim = 128;  // 8 rows per page: too small for any sequence of this shape
   EXPECT_EQ((*pool)->Decode(p).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Page copies: pages outside the pool, a destination twice, a destination also a source.
+  using Copies = std::vector<std::pair<int32_t, int32_t>>;
+  for (const auto& [copies, message] :
+       {std::pair{Copies{{0, 4}}, "page 4 is outside the pool's 4 pages"},
+        std::pair{Copies{{-1, 2}}, "page -1 is outside"},
+        std::pair{Copies{{0, 2}, {1, 2}}, "page 2 is the destination of two copies"},
+        std::pair{Copies{{0, 1}, {1, 2}}, "page 1 is both a source and a destination"}}) {
+    const absl::Status refused = (*pool)->CopyPages(copies);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << message;
+    EXPECT_THAT(refused.message(), testing::HasSubstr(message));
+  }
+  EXPECT_EQ((*pool)->CopyPages({}), absl::OkStatus());
+  EXPECT_EQ((*pool)->CopyPages(Copies{{0, 1}, {0, 2}}), absl::OkStatus());  // one source twice
 }
 
 TEST(PageRowsTest, RoundsDownToSixteenRows) {

@@ -244,6 +244,45 @@ class SessionTest(ServerTest):
             stale.truncate(0)
         self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
 
+    def test_fork_grows_apart_from_its_parent(self):
+        hq, hkv, d = 4, 2, 64
+        page_rows = self.client.list_sessions().page_bytes // (2 * hkv * d * 4) // 16 * 16
+        n = 2 * page_rows + 9  # two full pages and a partial third
+        k, v = self.rows(hkv, n, d)
+        with self.client.session(k=k, v=v) as parent:
+            with self.assertRaises(AttentionError) as e:
+                parent.fork(n + 1)
+            self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(f"length: expected 0..{n}, got {n + 1}", e.exception.details)
+            free = self.client.list_sessions().pages_free
+            with parent.fork() as child, parent.fork(page_rows + 3) as cut:
+                # The children take a page each (their partial last page's copy), not the three
+                # and two a session of their rows takes.
+                self.assertEqual(self.client.list_sessions().pages_free, free - 2)
+                info = child.info()
+                self.assertEqual((info.length, info.pages, info.shared_pages), (n, 3, 2))
+                self.assertEqual((child.kv_heads, child.head_dim, child.dtype),
+                                 (parent.kv_heads, parent.head_dim, parent.dtype))
+                self.assertEqual(cut.length, page_rows + 3)
+                rows = {parent.id: (k, v), child.id: (k, v),
+                        cut.id: (k[:, :page_rows + 3], v[:, :page_rows + 3])}
+                for step in range(2):
+                    for s in (parent, child, cut):
+                        q = self.normal(hq, 1, d)
+                        k1, v1 = self.rows(hkv, 1, d)
+                        sk, sv = (np.concatenate([x, y], axis=1) for x, y in zip(rows[s.id],
+                                                                                  (k1, v1)))
+                        rows[s.id] = (sk, sv)
+                        o, lse = s.step(q, k1, v1, causal=True, return_lse=True)
+                        ref_o, ref_lse = session_reference(q, sk, sv, causal=True)
+                        self.assertWithin(rel_error(o, ref_o), F32_BOUND, f"step {step} o")
+                        self.assertWithin(lse_error(lse, ref_lse), F32_BOUND, f"step {step} lse")
+                stale = copy.copy(child)
+            self.assertEqual(self.client.list_sessions().pages_free, free)
+        with self.assertRaises(AttentionError) as e:  # dropped on leaving the block
+            stale.fork()
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+
     def test_context_manager_drops(self):
         with self.client.session(dtype=np.float32, kv_heads=1, head_dim=16) as s:
             self.assertEqual(s.length, 0)

@@ -2,8 +2,9 @@
 built from a config with random weights (no download; GQA; 4 layers) generates the same 32 greedy
 tokens with its KV cache on the service (RemoteCache, attn_implementation=register(client)) as
 with attn_implementation="sdpa" and transformers' own cache, at batch 1 and 4 (and with a
-left-padded batch, and with prompt lookup decoding, whose rejected candidates cache.crop drops); the
-cache's sessions are gone once it is released. The weights are scaled so
+left-padded batch, with prompt lookup decoding, whose rejected candidates cache.crop drops, and
+with beam search, whose reorders fork sessions); a selected and repeated batch steps as with
+transformers' own cache; the cache's sessions are gone once it is released. The weights are scaled so
 that the greedy output is not one token repeated (checked), which would hide wrong attention.
 
 Run by ctest (label "python") with the Python of .python-env (scripts/install_deps.sh installs
@@ -23,6 +24,7 @@ except ImportError as e:
 
 from test_attention_client import SEED, ServerTest
 
+import attention_client.session
 import attention_client.transformers as remote
 
 NEW_TOKENS = 32
@@ -132,6 +134,51 @@ class TransformersTest(ServerTest):
         with self.assertRaisesRegex(ValueError, "max_length"):
             cache.crop(3)  # transformers' DynamicCache refuses a positive length too
         cache.close()
+
+    def test_beam_search_reorders_by_forks(self):
+        # After every step beam search reorders the cache: beams that continue one beam get
+        # forks of its sessions, the beams none continues are dropped.
+        ids = torch.randint(1, 256, (2, 9), generator=self.gen)
+        want = self.generate(self.local, ids, num_beams=3)
+        cache = remote.RemoteCache(self.client, self.served.config)
+        forks = []
+        fork = attention_client.session.Session.fork
+
+        def counting_fork(session, *args, **kwargs):
+            forks.append(session.id)
+            return fork(session, *args, **kwargs)
+
+        attention_client.session.Session.fork = counting_fork
+        try:
+            got = self.generate(self.served, ids, past_key_values=cache, num_beams=3)
+        finally:
+            attention_client.session.Session.fork = fork
+        self.assertTrue(forks, "no beam was continued twice")
+        self.assertEqual(got.tolist(), want.tolist(), f"seed {SEED}")
+        # One session per layer and beam: forks replaced the dropped beams'.
+        self.assertEqual(len(cache.session_ids), 4 * 2 * 3)
+        self.assertLessEqual(set(cache.session_ids), self.served_sessions())
+        cache.close()
+
+    def test_selected_and_repeated_sequences_continue_as_local(self):
+        # batch_select_indices and batch_repeat_interleave (forks for the repeated sequences):
+        # the next step's logits equal those of transformers' own cache under the same selection.
+        ids = torch.randint(1, 256, (3, 8), generator=self.gen)
+        local = transformers.DynamicCache(config=self.local.config)
+        served = remote.RemoteCache(self.client, self.served.config)
+        with torch.no_grad():
+            self.local(ids, past_key_values=local)
+            self.served(ids, past_key_values=served)
+            for cache in (local, served):
+                cache.batch_select_indices(torch.tensor([2, 0, 2]))
+                cache.batch_repeat_interleave(2)
+            step = torch.randint(1, 256, (6, 1), generator=self.gen)
+            want = self.local(step, past_key_values=local).logits
+            got = self.served(step, past_key_values=served).logits
+        err = float((got - want).norm() / want.norm())
+        self.assertLess(err, 1e-5, f"logits relative error {err:.3g} (seed {SEED})")
+        self.assertEqual(len(served.session_ids), 4 * 6)
+        served.close()
 
     def test_without_remote_cache_each_call_sends_its_keys(self):
         ids = torch.randint(1, 256, (2, 7), generator=self.gen)

@@ -3,6 +3,8 @@ decode step sends only the new queries and the new token's K/V.
 
     with client.session(k=k0, v=v0) as s:           # k0, v0: [Hkv, N, D]; dtype and shape from them
         o = s.step(q, k=k1, v=v1, causal=True)      # q: [Hq, Nq, D]; k1, v1: [Hkv, n, D] appended first
+        with s.fork() as t:                         # a child sharing s's pages; grows on its own
+            o = t.step(q, k=k2, v=v2, causal=True)
     outs = client.step_many([(s1, q1, k1, v1), (s2, q2)], causal=True)   # one Step RPC
     o = s.step(q, k=k1, v=v1, causal=True, stream=True)   # over the client's one StepStream
     o = client.step_batch([s1, s2], q, k, v, causal=True)   # a layer's batch as packed tensors:
@@ -102,6 +104,17 @@ class Session:
                                   self._metadata)
         self.length = info.length
         return self.length
+
+    def fork(self, length=None, *, timeout=None):
+        """A new Session holding this one's first `length` rows (None: all), of its dtype, shape
+        and layout, on its server (beam search, parallel sampling, a shared prompt). The server
+        shares the full pages between the two and copies only the partial last one; each then
+        grows on its own (an append into a shared page copies it first). Runs after the
+        session's calls sent before it. Use the child as a context manager too, or drop() it."""
+        request = pb.ForkRequest(session_id=self._live_id(), length=length)
+        info = self._client._call(self._client._sessions_stub.Fork, request, timeout,
+                                  self._metadata)
+        return Session(self._client, info, self.layout, self._bfloat16_bits, self._metadata)
 
     def step(self, q, k=None, v=None, *, causal=False, softmax_scale=None, window_left=None,
              window_right=None, return_lse=False, timeout=None, return_info=False, stream=False,

@@ -15,7 +15,10 @@ Without one (a DynamicCache, a StaticCache, or none) each call sends the keys it
 Attend).
 The cache's sessions are dropped when it is closed or released (and expire on the server anyway).
 Its crop() (assisted and speculative decoding drop rejected tokens so) truncates every layer's
-sessions (Sessions.Truncate).
+sessions (Sessions.Truncate); its reorder_cache() (beam search), batch_select_indices() and
+batch_repeat_interleave() (transformers' Cache dispatches them to each layer) fork the sessions
+of the sequences taken more than once (Sessions.Fork: the full pages shared on the server, only
+the partial last one copied) and drop those of the sequences no longer taken.
 
 Every keyword argument transformers passes to the attention function is either served exactly or
 refused by name (NotImplementedError): attention sinks (`s_aux`, gpt-oss) and `softcap` (Gemma 2)
@@ -410,8 +413,42 @@ class RemoteLayer(CacheLayerMixin):
     def reset(self):
         raise NotImplementedError("RemoteCache cannot be reset; make a new one")
 
+    def select(self, indices):
+        """Sequence b of the batch becomes sequence indices[b] as it was (indices: a LongTensor
+        or a bool mask over the batch, as DynamicLayer takes them). The first sequence to take an
+        old one's place takes its session, each other one a fork of it (Session.fork: on the
+        server it shares the session's full pages); the sessions no sequence takes are dropped.
+        Nothing to do before the prefill."""
+        if not self.sessions:
+            return
+        chosen = torch.arange(len(self.sessions))[torch.as_tensor(indices).cpu()].tolist()
+        taken = set()
+        sessions = []
+        for i in chosen:
+            if i in taken:
+                s = self.sessions[i].fork()
+                self._all.append(s)
+            else:
+                taken.add(i)
+                s = self.sessions[i]
+            sessions.append(s)
+        for i, s in enumerate(self.sessions):
+            if i not in taken:
+                s.drop()
+        self._all[:] = [s for s in self._all if s.id]
+        self.positions = [self.positions[i] for i in chosen]
+        self.sessions = sessions
+
     def reorder_cache(self, beam_idx):
-        raise NotImplementedError("RemoteCache does not reorder sequences (beam search)")
+        """Beam search: sequence b continues beam beam_idx[b] (select)."""
+        self.select(beam_idx)
+
+    def batch_select_indices(self, indices):
+        self.select(indices)
+
+    def batch_repeat_interleave(self, repeats):
+        """Each sequence `repeats` times in a row (select: forks of its session)."""
+        self.select(torch.arange(len(self.sessions)).repeat_interleave(repeats))
 
 
 class RemoteCache(Cache):
@@ -450,8 +487,3 @@ class RemoteCache(Cache):
         for layer in self.layers:
             layer.crop(max_length)
 
-    def batch_repeat_interleave(self, repeats):
-        raise NotImplementedError("RemoteCache does not repeat sequences")
-
-    def batch_select_indices(self, indices):
-        raise NotImplementedError("RemoteCache does not select sequences")

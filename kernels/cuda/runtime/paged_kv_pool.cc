@@ -135,6 +135,22 @@ class CudaKvPagePool : public KvPagePool {
     return status;
   }
 
+  // One device-to-device copy per page on the pool's stream, so stream order puts each after the
+  // writes queued before it and before every later write and decode step. Returns with the copies
+  // queued (as Write); they read no staging, so they do not count in enqueued_.
+  absl::Status CopyPages(absl::Span<const std::pair<int32_t, int32_t>> src_dst) override {
+    RETURN_IF_ERROR(CheckPageCopies(src_dst, num_pages_));
+    if (src_dst.empty()) return absl::OkStatus();
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    for (const auto& [src, dst] : src_dst) {
+      RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(pages_ + dst * page_bytes_, pages_ + src * page_bytes_,
+                                           page_bytes_, cudaMemcpyDeviceToDevice, stream_),
+                           "copy a KV page on the device");
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host) override {
     RETURN_IF_ERROR(RefuseOpenModelOptions(host, "cuda"));
     ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(host, page_bytes_, num_pages_));

@@ -203,6 +203,11 @@ class SessionsStub(object):
                 request_serializer=attention_dot_v1_dot_attention__pb2.TruncateRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.SessionInfo.FromString,
                 )
+        self.Fork = channel.unary_unary(
+                '/attention.v1.Sessions/Fork',
+                request_serializer=attention_dot_v1_dot_attention__pb2.ForkRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+                )
         self.Step = channel.unary_unary(
                 '/attention.v1.Sessions/Step',
                 request_serializer=attention_dot_v1_dot_attention__pb2.StepRequest.SerializeToString,
@@ -255,6 +260,17 @@ class SessionsServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fork(self, request, context):
+        """A new session of the caller's, on the parent's device, of its shape, holding its first
+        `length` rows (beam search, parallel sampling, a shared prompt): the child shares the
+        parent's full pages (copy on write: an append into a shared page first copies it) and gets a
+        copy of the partial last page, so neither ever sees the other's new rows. Runs in order with
+        the parent's other calls. Answers the child's SessionInfo.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Step(self, request, context):
         """One decode/extend step over many sessions, run as one kernel launch where possible.
         """
@@ -300,6 +316,11 @@ def add_SessionsServicer_to_server(servicer, server):
             'Truncate': grpc.unary_unary_rpc_method_handler(
                     servicer.Truncate,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.TruncateRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.SessionInfo.SerializeToString,
+            ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.ForkRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.SessionInfo.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
@@ -384,6 +405,23 @@ class Sessions(object):
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/attention.v1.Sessions/Truncate',
             attention_dot_v1_dot_attention__pb2.TruncateRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attention.v1.Sessions/Fork',
+            attention_dot_v1_dot_attention__pb2.ForkRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.SessionInfo.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
