@@ -131,11 +131,14 @@ SessionService::SessionService(const SessionServiceOptions& options, SessionStor
       events_(events),
       step_jobs_(store, {.max_request_flops = options.max_request_flops},
                  [metrics = metrics_](const JobResult& result, double flops, int64_t tokens) {
-                   metrics->StagesObserved(result.queued, result.stages);
                    metrics->Computed(result.device->name, flops, tokens,
                                      result.leads_batch ? result.batch_size : 0);
-                   metrics->DecodeStepObserved(result.device->name,
-                                               absl::Microseconds(StageSumUs(result.stages)));
+                   // A step in stream order answers before it ran: its stages are not measured
+                   // (all 0), and not observed.
+                   if (const double us = StageSumUs(result.stages); us > 0) {
+                     metrics->StagesObserved(result.queued, result.stages);
+                     metrics->DecodeStepObserved(result.device->name, absl::Microseconds(us));
+                   }
                  }) {
   if (store_ != nullptr) sweeper_ = std::thread([this] { SweeperLoop(); });
 }
