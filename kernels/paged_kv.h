@@ -146,8 +146,8 @@ struct KvStepTimes {
 // the rows of any number of sequences (a step's new tokens in one call: a device pool then moves
 // them in one copy and one kernel); it checks every write before doing any, and returns once it has
 // taken the rows: the caller may reuse its buffers, while a device pool may still be copying them,
-// ordered before every later call (a copy's failure then surfaces in a later call). CopyPages copies
-// whole pages within the pool (a forked session's partial last page, copy on write): page
+// ordered before every later call (a copy's failure then surfaces in a later call). CopyPages
+// copies whole pages within the pool (a forked session's partial last page, copy on write): page
 // src_dst[i].second becomes a copy of src_dst[i].first; it checks every pair first (pages in the
 // pool, no destination also a source or listed twice) and is ordered as a Write: after every
 // earlier call's writes, before every later call's. Decode returns

@@ -18,12 +18,11 @@ using ::testing::HasSubstr;
 struct CountingHooks {
   std::vector<int> opened, closed;
   EventHooks Hooks() {
-    return {.open =
-                [this](absl::string_view handle, int device) -> absl::StatusOr<void*> {
-                  if (handle[0] == 'x') return absl::InternalError("the driver refused it");
-                  opened.push_back(static_cast<int>(opened.size()) + 1);
-                  return static_cast<void*>(new int(opened.back() + 100 * device));
-                },
+    return {.open = [this](absl::string_view handle, int device) -> absl::StatusOr<void*> {
+              if (handle[0] == 'x') return absl::InternalError("the driver refused it");
+              opened.push_back(static_cast<int>(opened.size()) + 1);
+              return static_cast<void*>(new int(opened.back() + 100 * device));
+            },
             .close =
                 [this](void* event, int) {
                   closed.push_back(*static_cast<int*>(event));

@@ -454,7 +454,7 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
     entries = std::move(decoded.entries);
     call->packed_o = decoded.o;
     call->packed_lse = decoded.lse;
-    ASSIGN_OR_RETURN(memory, DecodeStepMemory(request, places.front().device, call));
+    ASSIGN_OR_RETURN(memory, DecodeStepMemory(request, places, call));
   } else {
     if (!request.ready_event().empty() || !request.done_event().empty()) {
       return absl::InvalidArgumentError(
@@ -519,8 +519,9 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepMemory> SessionService::DecodeStepMemory(const v1::StepRequest& request,
-                                                            int device, StepCall* call) const {
+absl::StatusOr<StepMemory> SessionService::DecodeStepMemory(
+    const v1::StepRequest& request, const std::vector<SessionStore::Place>& places,
+    StepCall* call) const {
   const RequestRegions& refs = *call->refs;
   const bool events = !request.ready_event().empty() || !request.done_event().empty();
   if (refs.cuda_refs() == 0) {
@@ -540,11 +541,15 @@ absl::StatusOr<StepMemory> SessionService::DecodeStepMemory(const v1::StepReques
                      request.return_lse() ? " and lse_ref" : "", " included), got ",
                      refs.cuda_refs(), " of ", expected, " in CUDA memory"));
   }
-  const std::string& sessions_device = scheduler_->devices()[device]->name;
-  if (absl::StrCat("cuda:", refs.cuda_device()) != sessions_device) {
-    return absl::InvalidArgumentError(absl::StrCat("q.ref: expected CUDA memory of ",
-                                                   sessions_device, " (the sessions' device), got ",
-                                                   "cuda:", refs.cuda_device()));
+  // The kernels of each session's device read and write the regions: every session on theirs.
+  const std::string regions_device = absl::StrCat("cuda:", refs.cuda_device());
+  for (size_t i = 0; i < places.size(); ++i) {
+    const std::string& device = scheduler_->devices()[places[i].device]->name;
+    if (device != regions_device) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("session_ids[", i, "]: expected a session on ", regions_device,
+                       " (where the Step's CUDA regions are), got one on ", device));
+    }
   }
   StepMemory memory{.on_device = true};
   for (const auto& [field, handle, held, event] :

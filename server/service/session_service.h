@@ -190,8 +190,10 @@ class SessionService final : public SessionsRawService {
   absl::Status DecodeStep(const std::string& owner, const v1::StepRequest& request,
                           StepCall* call) const;
   // Where a packed Step's tensors are, once decoded: the host's, or (every one of them in CUDA
-  // regions) the device of its sessions (executor `device`), with its events opened into `call`.
-  absl::StatusOr<StepMemory> DecodeStepMemory(const v1::StepRequest& request, int device,
+  // regions, on the GPU of every session at `places`) that device's, with its events opened into
+  // `call`.
+  absl::StatusOr<StepMemory> DecodeStepMemory(const v1::StepRequest& request,
+                                              const std::vector<SessionStore::Place>& places,
                                               StepCall* call) const;
   // Where each sequence's o and lse go: a packed Step's o [B, Hq, Nq, D] and lse [B, Hq, Nq] in
   // the response (unless in the caller's regions), else the response's results in entry order,
