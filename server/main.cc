@@ -163,6 +163,10 @@ ABSL_FLAG(int, max_rings, 4,
           "With --allow_shared_memory: request rings (SharedMemory.OpenRing) served at once, over "
           "every caller. Each has a thread of its own, which spins while its requests come (it "
           "sleeps after 20 ms without one). 0: no rings.");
+ABSL_FLAG(int, ring_stall_timeout_s, 30,
+          "Seconds a request ring's answer may wait for a free response slot (its client stopped "
+          "taking answers) before the ring ends DEADLINE_EXCEEDED, freeing its region and its "
+          "place among --max_rings.");
 ABSL_FLAG(double, max_request_flops, 0,
           "Work one request may ask for, FLOPs (4 * Hq * D * visible query-key pairs); more is "
           "refused RESOURCE_EXHAUSTED. 0 = the backend's default (cuda 2e15, cpu 5e13).");
@@ -393,8 +397,9 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // Request rings in the callers' regions; stopped after the server and the scheduler (below).
   std::unique_ptr<RequestRings> rings;
   if (regions != nullptr && options.shared_memory.max_rings > 0) {
-    rings = std::make_unique<RequestRings>(&stream_methods, regions.get(), &gate,
-                                           options.shared_memory.max_rings);
+    rings = std::make_unique<RequestRings>(
+        &stream_methods, regions.get(), &gate, options.shared_memory.max_rings,
+        absl::Seconds(options.shared_memory.ring_stall_timeout_s));
   }
   SharedMemoryService shared_memory(regions.get(), rings.get(), &gate);
 
@@ -620,6 +625,7 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_max_shared_memory_regions);
   options.shared_memory.limits.max_mapped_bytes = absl::GetFlag(FLAGS_max_shared_memory_bytes);
   options.shared_memory.max_rings = absl::GetFlag(FLAGS_max_rings);
+  options.shared_memory.ring_stall_timeout_s = absl::GetFlag(FLAGS_ring_stall_timeout_s);
   options.receive_memory_bytes = int64_t{absl::GetFlag(FLAGS_receive_memory_mb)} << 20;
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.service.version = ATTENTION_VERSION;

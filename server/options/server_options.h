@@ -29,6 +29,9 @@ struct SharedMemoryOptions {
   bool allow = false;  // --allow_shared_memory
   RegionLimits limits;
   int max_rings = 4;  // --max_rings: request rings served at once (streams/request_rings.h)
+  // --ring_stall_timeout_s: how long a ring's answer may wait for a free response slot (its
+  // client stopped reading) before the ring ends.
+  int ring_stall_timeout_s = 30;
 };
 
 struct ServerOptions {
