@@ -31,7 +31,6 @@
 #include <fstream>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -47,6 +46,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "git_commit.h"  // ATTENTION_GIT_COMMIT, written by the build (server/git_commit.cmake)
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -277,13 +277,12 @@ absl::StatusOr<std::vector<std::unique_ptr<Executor>>> MakeExecutors(ServerOptio
 }
 
 // The shutdown's steps (Run): how long aborted work gets to answer after the grace, the linger
-// for answers in transit, the quiet that ends the holding of refusals and its longest wait, the
-// time gRPC's GOAWAY gets before the held refusals go out, and gRPC's own close.
+// for answers in transit, the quiet that ends the holding of refusals and its longest wait, and
+// gRPC's own close.
 constexpr absl::Duration kAbortWait = absl::Seconds(2);
 constexpr absl::Duration kLinger = absl::Seconds(1);
 constexpr absl::Duration kQuiet = absl::Milliseconds(50);
 constexpr absl::Duration kMaxHold = absl::Seconds(1);
-constexpr absl::Duration kGoawayLead = absl::Milliseconds(50);
 constexpr absl::Duration kClose = absl::Milliseconds(500);
 
 int Run(ServerConfig options, const sigset_t& stop_signals) {
@@ -535,12 +534,24 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // none is half-received when gRPC shuts down; gRPC sends its GOAWAY, and only then are the held
   // calls answered UNAVAILABLE: their clients' next calls find the server gone, not cancelled.
   drain.HoldUntilQuiet(kQuiet, kMaxHold);
+  // gRPC's shutdown begins here, on this thread: grpc_server_shutdown_and_notify returns once it
+  // has stopped listening and queued a GOAWAY on every connection. A call reaching gRPC after
+  // this is cancelled by it (gRPC 1.51), so the held answers go out only now: each goes on its
+  // connection behind the GOAWAY, which its client has therefore read before the answer, and its
+  // next call goes elsewhere. (A thread calling Server::Shutdown while this one slept a fixed
+  // moment before answering could be late on a loaded host, letting answered clients call again
+  // into the shutdown.)
+  grpc::CompletionQueue shutdown_queue;
+  grpc_server_shutdown_and_notify(server->c_server(), shutdown_queue.cq(), &shutdown_queue);
+  drain.ReleaseHeld();
   // gRPC: at the deadline it cancels what is left (open streams, calls still running after the
   // grace, whose queued work the scheduler then drops) and closes connections, idle or not.
-  std::thread closer([&server] { server->Shutdown(absl::ToChronoTime(absl::Now() + kClose)); });
-  absl::SleepFor(kGoawayLead);
-  drain.ReleaseHeld();
-  closer.join();
+  server->Shutdown(absl::ToChronoTime(absl::Now() + kClose));
+  shutdown_queue.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (shutdown_queue.Next(&tag, &ok)) {
+  }
   scheduler.Shutdown();
   if (polled_streams != nullptr) polled_streams->Stop();  // after every call that could still write
   if (rings != nullptr) rings->Stop();
