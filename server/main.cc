@@ -159,6 +159,12 @@ ABSL_FLAG(bool, allow_shared_memory, false,
 ABSL_FLAG(int, max_shared_memory_regions, 64, "Shared-memory regions one caller may register.");
 ABSL_FLAG(int64_t, max_shared_memory_bytes, int64_t{64} << 30,
           "Bytes of shared memory mapped at most, over every caller.");
+ABSL_FLAG(int, region_idle_timeout_s, 300,
+          "Without --auth_token_file: seconds after which a shared-memory region no request has "
+          "used is released (its owner is a connection, whose end the server does not see).");
+ABSL_FLAG(bool, allow_foreign_regions, false,
+          "Register POSIX shared-memory objects owned by another user than the server's (refused "
+          "PERMISSION_DENIED otherwise).");
 ABSL_FLAG(int, max_rings, 4,
           "With --allow_shared_memory: request rings (SharedMemory.OpenRing) served at once, over "
           "every caller. Each has a thread of its own, which spins while its requests come (it "
@@ -635,6 +641,9 @@ int main(int argc, char** argv) {
   options.shared_memory.limits.max_regions_per_owner =
       absl::GetFlag(FLAGS_max_shared_memory_regions);
   options.shared_memory.limits.max_mapped_bytes = absl::GetFlag(FLAGS_max_shared_memory_bytes);
+  options.shared_memory.limits.idle_timeout =
+      absl::Seconds(absl::GetFlag(FLAGS_region_idle_timeout_s));
+  options.shared_memory.limits.allow_foreign = absl::GetFlag(FLAGS_allow_foreign_regions);
   options.shared_memory.max_rings = absl::GetFlag(FLAGS_max_rings);
   options.shared_memory.ring_stall_timeout_s = absl::GetFlag(FLAGS_ring_stall_timeout_s);
   options.receive_memory_bytes = int64_t{absl::GetFlag(FLAGS_receive_memory_mb)} << 20;

@@ -6,17 +6,19 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "kernels/quote.h"
 #include "server/regions/shrink_guard.h"
 
 namespace attention::server {
 
-// One registered region. `uses`, `closing` and `removed` are guarded by the registry's mu_; the
+// One registered region. `uses`, `last_used` and `waiters` are guarded by the registry's mu_; the
 // rest is fixed once inserted, but `shrunk`.
 struct RegionRegistry::Use::Region {
   RegionDescription description;
@@ -29,9 +31,15 @@ struct RegionRegistry::Use::Region {
   // (shrink_guard put zero pages there). The mapping no longer holds the object's bytes (and a
   // pinned one's pages may be the object's old ones): no request may use it from then on.
   std::atomic<bool> shrunk{false};
+  bool expires = false;  // released once unused for the registry's idle_timeout
   int uses = 0;
-  int closing = 0;       // Unregister calls waiting: no new Use while any is
-  bool removed = false;  // taken out of the registry (by one of them)
+  absl::Time last_used;  // registered, or the last Use taken or dropped
+  // Unregister calls waiting for the last Use: no new Use while any is.
+  struct Waiter {
+    absl::Time deadline;
+    absl::AnyInvocable<void(absl::Status) &&> done;
+  };
+  std::vector<Waiter> waiters;
 
   absl::Status Intact(absl::string_view field);
 };
@@ -135,9 +143,15 @@ RegionRegistry::Use::~Use() {
 }
 
 RegionRegistry::RegionRegistry(const RegionLimits& limits, RegionHooks hooks)
-    : limits_(limits), hooks_(std::move(hooks)) {}
+    : limits_(limits), hooks_(std::move(hooks)), housekeeper_([this] { Housekeep(); }) {}
 
 RegionRegistry::~RegionRegistry() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  housekeeping_.notify_all();
+  housekeeper_.join();
   for (auto& [key, region] : regions_) Unmap(*region);
 }
 
@@ -176,15 +190,15 @@ absl::StatusOr<RegionDescription> RegionRegistry::Insert(const std::string& owne
     return room;
   }
   mapped_bytes_ += d.byte_size;
+  region->last_used = absl::Now();
   regions_[{owner, d.name}] = region;
+  if (region->expires) housekeeping_.notify_all();  // its idle deadline
   return d;
 }
 
-absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(const std::string& owner,
-                                                                 const std::string& name,
-                                                                 const std::string& key,
-                                                                 int64_t offset,
-                                                                 int64_t byte_size) {
+absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(
+    const std::string& owner, bool expires, const std::string& name, const std::string& key,
+    int64_t offset, int64_t byte_size) {
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   if (absl::Status s = CheckSystemKey(key); !s.ok()) return s;
   if (absl::Status s = CheckRange(offset, byte_size); !s.ok()) return s;
@@ -209,6 +223,15 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(const std::stri
     close(fd);
     return absl::InvalidArgumentError(
         absl::StrCat("system_key: ", Quote(key), " is not a shared-memory object"));
+  }
+  // The server may open objects its clients may not (another user's, readable by the server's
+  // user or by root): a client learning such a name must not reach its bytes through us. The
+  // caller's own uid is not known over TCP, so the object must be the server's user's.
+  if (!limits_.allow_foreign && st.st_uid != geteuid()) {
+    close(fd);
+    return absl::PermissionDeniedError(absl::StrCat(
+        "system_key: ", Quote(key), " belongs to uid ", st.st_uid, ", expected the server's uid ",
+        geteuid(), " (another user's objects are refused; --allow_foreign_regions allows them)"));
   }
   if (offset + byte_size > static_cast<int64_t>(st.st_size)) {
     close(fd);
@@ -255,15 +278,14 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(const std::stri
   region->data = static_cast<char*>(base) + (offset - map_offset);
   region->fd = fd;  // kept: each reference checks the object's size
   region->guard = guard;
+  region->expires = expires;
   if (hooks_.pin_host) region->description.pinned = hooks_.pin_host(base, map_bytes);
   return Insert(owner, std::move(region));
 }
 
-absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(const std::string& owner,
-                                                               const std::string& name,
-                                                               const std::string& handle,
-                                                               int device, int64_t offset,
-                                                               int64_t byte_size) {
+absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(
+    const std::string& owner, bool expires, const std::string& name, const std::string& handle,
+    int device, int64_t offset, int64_t byte_size) {
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   if (!hooks_.open_cuda) {
     return absl::UnimplementedError(
@@ -290,6 +312,7 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(const std::string
                                           .byte_size = byte_size};
   region->map_base = opened->first;
   region->data = static_cast<char*>(opened->first) + offset;
+  region->expires = expires;
   if (offset + byte_size > opened->second) {
     Unmap(*region);
     return absl::InvalidArgumentError(
@@ -299,33 +322,87 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(const std::string
   return Insert(owner, std::move(region));
 }
 
-absl::Status RegionRegistry::Unregister(const std::string& owner, const std::string& name,
-                                        absl::Time deadline) {
-  std::shared_ptr<Region> region;
+std::shared_ptr<RegionRegistry::Region> RegionRegistry::RemoveLocked(
+    std::map<Key, std::shared_ptr<Region>>::iterator it) {
+  std::shared_ptr<Region> region = std::move(it->second);
+  regions_.erase(it);
+  mapped_bytes_ -= region->description.byte_size;
+  return region;
+}
+
+void RegionRegistry::Unregister(const std::string& owner, const std::string& name,
+                                absl::Time deadline,
+                                absl::AnyInvocable<void(absl::Status) &&> done) {
+  std::shared_ptr<Region> removed;
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find({owner, name});
     if (it == regions_.end()) {
-      return absl::NotFoundError(absl::StrCat("name: no region ", Quote(name), " of this caller"));
+      return std::move(done)(
+          absl::NotFoundError(absl::StrCat("name: no region ", Quote(name), " of this caller")));
     }
-    region = it->second;
-    ++region->closing;  // no new Use from here on
-    const bool idle = released_.wait_until(lock, absl::ToChronoTime(deadline),
-                                           [&] { return region->uses == 0 || region->removed; });
-    --region->closing;
-    if (region->removed) return absl::OkStatus();  // another Unregister of it finished first
-    if (!idle) {
-      return absl::DeadlineExceededError(absl::StrCat("region ", Quote(name), " is still used by ",
-                                                      region->uses,
-                                                      " running requests; it stays registered"));
+    if (it->second->uses > 0) {
+      // The housekeeper answers it: at the last Use (Release wakes it) or at `deadline`.
+      it->second->waiters.push_back({.deadline = deadline, .done = std::move(done)});
+      housekeeping_.notify_all();
+      return;
     }
-    region->removed = true;
-    regions_.erase({owner, name});
-    mapped_bytes_ -= region->description.byte_size;
+    removed = RemoveLocked(it);
   }
-  released_.notify_all();  // other Unregister calls of this region
-  Unmap(*region);
-  return absl::OkStatus();
+  Unmap(*removed);
+  std::move(done)(absl::OkStatus());
+}
+
+void RegionRegistry::Housekeep() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    const absl::Time now = absl::Now();
+    absl::Time next = absl::InfiniteFuture();  // the next deadline or idle end
+    std::vector<std::shared_ptr<Region>> removed;
+    std::vector<std::pair<Region::Waiter, absl::Status>> answers;
+    for (auto it = regions_.begin(); it != regions_.end();) {
+      Region& region = *it->second;
+      if (region.uses == 0 &&
+          (!region.waiters.empty() ||
+           (region.expires && now - region.last_used >= limits_.idle_timeout))) {
+        for (Region::Waiter& waiter : region.waiters) {
+          answers.emplace_back(std::move(waiter), absl::OkStatus());
+        }
+        region.waiters.clear();
+        removed.push_back(RemoveLocked(it++));
+        continue;
+      }
+      // Still used: the waiters whose deadline passed give up; the region stays.
+      for (auto w = region.waiters.begin(); w != region.waiters.end();) {
+        if (w->deadline > now) {
+          next = std::min(next, w->deadline);
+          ++w;
+          continue;
+        }
+        answers.emplace_back(std::move(*w),
+                             absl::DeadlineExceededError(absl::StrCat(
+                                 "region ", Quote(region.description.name), " is still used by ",
+                                 region.uses, " running requests; it stays registered")));
+        w = region.waiters.erase(w);
+      }
+      if (region.expires && region.uses == 0) {
+        next = std::min(next, region.last_used + limits_.idle_timeout);
+      }
+      ++it;
+    }
+    if (!removed.empty() || !answers.empty()) {
+      // Unmapped and answered off the lock: unpinning may take a while, and an answer ends a call.
+      lock.unlock();
+      for (const std::shared_ptr<Region>& region : removed) Unmap(*region);
+      removed.clear();
+      for (auto& [waiter, status] : answers) std::move(waiter.done)(std::move(status));
+      answers.clear();
+      lock.lock();
+      continue;
+    }
+    housekeeper_wakes_ = next;
+    housekeeping_.wait_until(lock, absl::ToChronoTime(next));
+  }
 }
 
 std::vector<RegionDescription> RegionRegistry::List(const std::string& owner) const {
@@ -349,7 +426,7 @@ absl::StatusOr<RegionSpan> RegionRegistry::Resolve(const std::string& owner,
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find({owner, region_name});
     // Another caller's region answers as an unknown one: names are not disclosed.
-    if (it == regions_.end() || it->second->closing > 0) {
+    if (it == regions_.end() || !it->second->waiters.empty()) {
       return absl::NotFoundError(absl::StrCat(field, ".region: no region ", Quote(region_name),
                                               " registered by this caller"));
     }
@@ -357,6 +434,7 @@ absl::StatusOr<RegionSpan> RegionRegistry::Resolve(const std::string& owner,
     span = Use::SpanOf(*region, field, offset, byte_size, alignment);
     if (!span.ok()) return span.status();
     ++region->uses;
+    region->last_used = absl::Now();
   }
   // Held from here (so mapped, its fd open) while its object's size is checked, off the lock.
   Use use(this, region);
@@ -378,11 +456,16 @@ int64_t RegionRegistry::mapped_bytes() const {
 }
 
 void RegionRegistry::Release(Region* region) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    --region->uses;
+  std::lock_guard<std::mutex> lock(mu_);
+  region->last_used = absl::Now();
+  if (--region->uses > 0) return;
+  // The last Use of a region Unregister waits for: the housekeeper removes it and answers. Of
+  // one that expires: its idle end, if the housekeeper would sleep past it (it sleeps until the
+  // earliest end it knows, so a region in steady use wakes nobody).
+  if (!region->waiters.empty() ||
+      (region->expires && region->last_used + limits_.idle_timeout < housekeeper_wakes_)) {
+    housekeeping_.notify_all();
   }
-  released_.notify_all();
 }
 
 absl::Status RegionRegistry::Use::Intact() const {

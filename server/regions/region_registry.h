@@ -8,11 +8,19 @@
 // opened once on its device through the hooks (this room holds no CUDA code).
 //
 // Security: a region belongs to the owner key that registered it (the bearer token, or the
-// client's connection); other owners see NOT_FOUND, as for an unknown name. Every reference is
+// client's connection); other owners see NOT_FOUND, as for an unknown name. A system object must
+// belong to the server's own user (st_uid), unless RegionLimits::allow_foreign. Every reference is
 // bounds-checked (offset, size, alignment) before a pointer is handed out. A request holds a Use
 // of each region it references; Unregister waits until no Use is left (bounded by its deadline),
 // so a mapping is never removed under a running request. Limits: regions per owner and the total
 // bytes mapped.
+//
+// Lifetime: an owner known only by its connection (no bearer token) may go without unregistering,
+// and the server is not told when a connection closes (gRPC 1.51 has no such callback): such a
+// region is released once no request has used it for RegionLimits::idle_timeout, so clients that
+// come and go cannot pile up mappings and fds, and a later connection that reuses the address and
+// port finds none older than that. One housekeeping thread does it, and answers the Unregister
+// calls that wait (their region's last Use, their deadline): no thread per waiting call.
 //
 // A client may shrink its object (ftruncate) after registering it: each reference checks the
 // object's size (fstat of the fd kept open) and is refused once the object is smaller than the
@@ -29,9 +37,11 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -42,6 +52,10 @@ namespace attention::server {
 struct RegionLimits {
   int max_regions_per_owner = 64;
   int64_t max_mapped_bytes = int64_t{64} << 30;  // over every owner
+  // A region registered with `expires` goes once no request has used it for this long.
+  absl::Duration idle_timeout = absl::Seconds(300);
+  // System objects of another user (st_uid not the server's) may be registered.
+  bool allow_foreign = false;
 };
 
 // What the device backend does for regions; each may be empty (then: not pinned, and CUDA
@@ -113,26 +127,33 @@ class RegionRegistry {
     std::shared_ptr<Region> region_;
   };
 
+  // Starts the housekeeping thread.
   RegionRegistry(const RegionLimits& limits, RegionHooks hooks);
-  // Unmaps every region; no Use may be left.
+  // Stops the housekeeping thread and unmaps every region; no Use and no waiting Unregister may be
+  // left.
   ~RegionRegistry();
   RegionRegistry(const RegionRegistry&) = delete;
   RegionRegistry& operator=(const RegionRegistry&) = delete;
 
   // Maps bytes [offset, offset + byte_size) of the shared-memory object `key`. INVALID_ARGUMENT
   // for a bad name, key, offset or size (naming the field), NOT_FOUND when no such object exists,
-  // ALREADY_EXISTS when the owner has a region of that name, RESOURCE_EXHAUSTED over a limit.
-  absl::StatusOr<RegionDescription> RegisterSystem(const std::string& owner,
+  // PERMISSION_DENIED for another user's object (unless allow_foreign), ALREADY_EXISTS when the
+  // owner has a region of that name, RESOURCE_EXHAUSTED over a limit. `expires`: the region goes
+  // once idle for idle_timeout (an owner without a token).
+  absl::StatusOr<RegionDescription> RegisterSystem(const std::string& owner, bool expires,
                                                    const std::string& name, const std::string& key,
                                                    int64_t offset, int64_t byte_size);
   // Opens a CUDA IPC handle (sizeof(cudaIpcMemHandle_t) bytes) on `device`; bytes [offset,
   // offset + byte_size) of its allocation. UNIMPLEMENTED without the open_cuda hook.
-  absl::StatusOr<RegionDescription> RegisterCuda(const std::string& owner, const std::string& name,
-                                                 const std::string& handle, int device,
-                                                 int64_t offset, int64_t byte_size);
-  // Removes the region once no request holds it; DEADLINE_EXCEEDED (the region stays) when
-  // requests still hold it at `deadline`. NOT_FOUND for unknown names.
-  absl::Status Unregister(const std::string& owner, const std::string& name, absl::Time deadline);
+  absl::StatusOr<RegionDescription> RegisterCuda(const std::string& owner, bool expires,
+                                                 const std::string& name, const std::string& handle,
+                                                 int device, int64_t offset, int64_t byte_size);
+  // Removes the region once no request holds it, then `done(OK)`; `done(DEADLINE_EXCEEDED)` (the
+  // region stays) when requests still hold it at `deadline`; `done(NOT_FOUND)` for unknown names.
+  // `done` runs here when the answer is known at once (an idle region, an unknown name), else on
+  // the housekeeping thread; no lock is held while it runs.
+  void Unregister(const std::string& owner, const std::string& name, absl::Time deadline,
+                  absl::AnyInvocable<void(absl::Status) &&> done);
   std::vector<RegionDescription> List(const std::string& owner) const;
 
   // Resolves bytes [offset, offset + byte_size) of the owner's region `region` for the request
@@ -153,15 +174,23 @@ class RegionRegistry {
                                int64_t bytes) const;
   absl::StatusOr<RegionDescription> Insert(const std::string& owner,
                                            std::shared_ptr<Region> region);
+  // Takes the region out of the registry (it is unmapped once the caller drops the lock). Needs
+  // mu_.
+  std::shared_ptr<Region> RemoveLocked(std::map<Key, std::shared_ptr<Region>>::iterator it);
   void Release(Region* region);
   void Unmap(Region& region);
+  // The housekeeping thread: answers waiting Unregister calls and releases idle regions.
+  void Housekeep();
 
   const RegionLimits limits_;
   const RegionHooks hooks_;
   mutable std::mutex mu_;
-  std::condition_variable released_;                // a Use went away
-  std::map<Key, std::shared_ptr<Region>> regions_;  // guarded by mu_
-  int64_t mapped_bytes_ = 0;                        // guarded by mu_
+  std::condition_variable housekeeping_;                   // a waiter to answer, or a new deadline
+  std::map<Key, std::shared_ptr<Region>> regions_;         // guarded by mu_
+  int64_t mapped_bytes_ = 0;                               // guarded by mu_
+  bool stopping_ = false;                                  // guarded by mu_
+  absl::Time housekeeper_wakes_ = absl::InfiniteFuture();  // guarded by mu_: its next wake
+  std::thread housekeeper_;
 };
 
 }  // namespace attention::server

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -514,6 +515,42 @@ TEST_F(RequestRingE2E, UnregisterWaitsForTheRing) {
   EXPECT_TRUE(ring->Ended().ok());
   const absl::Status unregistered = regions.Unregister("held");
   EXPECT_TRUE(unregistered.ok()) << unregistered;
+}
+
+// Threads of the process `pid`, from /proc/PID/status.
+int ThreadsOf(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (absl::StartsWith(line, "Threads:")) return std::stoi(line.substr(8));
+  }
+  return -1;
+}
+
+// Unregister calls waiting for a ring's region hold no server thread each: they are answered when
+// the ring ends.
+TEST_F(RequestRingE2E, UnregisterCallsWaitingForTheRingHoldNoThreadEach) {
+  std::unique_ptr<RawRing> ring = OpenRing(client(), "waited", v1::RING_METHOD_ATTEND);
+  ASSERT_NE(ring, nullptr);
+  const pid_t pid = process().pid();
+  constexpr int kWaiting = 24;
+  const int before = ThreadsOf(pid);
+  std::vector<std::future<absl::Status>> waiting;
+  for (int i = 0; i < kWaiting; ++i) {
+    waiting.push_back(std::async(std::launch::async, [this] {
+      return SharedMemoryClient(client()).Unregister("waited", {.deadline = absl::Seconds(30)});
+    }));
+  }
+  absl::SleepFor(absl::Milliseconds(500));  // every call arrived and waits
+  for (auto& w : waiting) {
+    ASSERT_EQ(w.wait_for(std::chrono::seconds(0)), std::future_status::timeout);
+  }
+  const int during = ThreadsOf(pid);
+  // gRPC may add a thread or two under a burst of calls; a thread per call would be 24.
+  EXPECT_LT(during - before, kWaiting / 3) << before << " threads before, " << during << " after";
+  ring->Close();
+  EXPECT_TRUE(ring->Ended().ok());
+  for (auto& w : waiting) EXPECT_TRUE(w.get().ok());
 }
 
 TEST_F(RequestRingE2E, ACancelledCallEndsItsRing) {
