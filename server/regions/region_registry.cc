@@ -337,17 +337,17 @@ void RegionRegistry::Unregister(const std::string& owner, const std::string& nam
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find({owner, name});
-    if (it == regions_.end()) {
-      return std::move(done)(
-          absl::NotFoundError(absl::StrCat("name: no region ", Quote(name), " of this caller")));
-    }
-    if (it->second->uses > 0) {
+    if (it != regions_.end() && it->second->uses > 0) {
       // The housekeeper answers it: at the last Use (Release wakes it) or at `deadline`.
       it->second->waiters.push_back({.deadline = deadline, .done = std::move(done)});
       housekeeping_.notify_all();
       return;
     }
-    removed = RemoveLocked(it);
+    if (it != regions_.end()) removed = RemoveLocked(it);
+  }
+  if (removed == nullptr) {
+    return std::move(done)(
+        absl::NotFoundError(absl::StrCat("name: no region ", Quote(name), " of this caller")));
   }
   Unmap(*removed);
   std::move(done)(absl::OkStatus());
