@@ -471,11 +471,8 @@ TEST_F(RequestRingE2E, OpenRingChecksItsFieldsTheRegionAndTheLimit) {
   // Another caller's region: another connection is another caller on this server (no tokens).
   std::unique_ptr<RawRing> mine = OpenRing(client(), "mine", v1::RING_METHOD_ATTEND);
   ASSERT_NE(mine, nullptr);
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  client::Client other(
-      grpc::CreateCustomChannel(process().target(), grpc::InsecureChannelCredentials(), args),
-      client::ClientOptions{});
+  std::unique_ptr<client::Client> other_client = ClientOnItsOwnConnection(process().target());
+  client::Client& other = *other_client;
   r = {};
   r.set_region("mine");
   std::unique_ptr<RawRing> theirs = OpenRing(other, "theirs", v1::RING_METHOD_ATTEND, r);
@@ -617,12 +614,8 @@ TEST(RequestRingShutdownE2E, TheServerStopsWhileARingIsServed) {
       {"--backend=cpu", "--threads=1", "--allow_shared_memory", "--shutdown_grace_s=2"});
   ASSERT_TRUE(server.ok()) << server.status();
   // The ring's connection stays open while the server stops (Stop closes only its own client).
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  client::Client ring_client(grpc::CreateCustomChannel(server->process->target(),
-                                                       grpc::InsecureChannelCredentials(), args),
-                             client::ClientOptions{});
-  std::unique_ptr<RawRing> ring = OpenRing(ring_client, "open", v1::RING_METHOD_ATTEND);
+  std::unique_ptr<client::Client> ring_client = ClientOnItsOwnConnection(server->process->target());
+  std::unique_ptr<RawRing> ring = OpenRing(*ring_client, "open", v1::RING_METHOD_ATTEND);
   ASSERT_NE(ring, nullptr);
   std::mt19937_64 rng(FreshSeed());
   absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(
@@ -644,12 +637,8 @@ TEST(RequestRingShutdownE2E, AClientThatStopsReadingNeitherSpinsNorHoldsTheExit)
   absl::StatusOr<RunningServer> server = StartServer(
       {"--backend=cpu", "--threads=1", "--allow_shared_memory", "--shutdown_grace_s=2"});
   ASSERT_TRUE(server.ok()) << server.status();
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  client::Client ring_client(grpc::CreateCustomChannel(server->process->target(),
-                                                       grpc::InsecureChannelCredentials(), args),
-                             client::ClientOptions{});
-  std::unique_ptr<RawRing> ring = OpenRing(ring_client, "unread", v1::RING_METHOD_ATTEND);
+  std::unique_ptr<client::Client> ring_client = ClientOnItsOwnConnection(server->process->target());
+  std::unique_ptr<RawRing> ring = OpenRing(*ring_client, "unread", v1::RING_METHOD_ATTEND);
   ASSERT_NE(ring, nullptr);
   std::mt19937_64 rng(FreshSeed());
   FillAndNeverRead(*ring, rng);

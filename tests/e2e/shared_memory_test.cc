@@ -504,11 +504,8 @@ TEST_F(SharedMemoryE2E, AnotherCallersRegionIsNotFound) {
   absl::StatusOr<GuardedRegion> region = MakeRegion(regions, "mine", 1 << 20);
   ASSERT_TRUE(region.ok()) << region.status();
   // Another connection: another caller (no tokens on this server).
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  client::Client other(
-      grpc::CreateCustomChannel(process().target(), grpc::InsecureChannelCredentials(), args),
-      client::ClientOptions{});
+  std::unique_ptr<client::Client> other_client = ClientOnItsOwnConnection(process().target());
+  client::Client& other = *other_client;
   SharedMemoryClient other_regions(other);
   absl::StatusOr<v1::ListRegionsResponse> list = other_regions.List();
   ASSERT_TRUE(list.ok()) << list.status();
@@ -603,12 +600,9 @@ TEST(SharedMemoryLifetimeE2E, TheRegionsOfAClientWithoutATokenAreReleasedOnceIdl
   const std::string key = (*object)->key();
   const pid_t pid = server->process->pid();
   {
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    client::Client short_lived(grpc::CreateCustomChannel(server->process->target(),
-                                                         grpc::InsecureChannelCredentials(), args),
-                               client::ClientOptions{});
-    SharedMemoryClient regions(short_lived);
+    std::unique_ptr<client::Client> short_lived =
+        ClientOnItsOwnConnection(server->process->target());
+    SharedMemoryClient regions(*short_lived);
     ASSERT_TRUE(regions.RegisterSystem("a", key, 0, 4096).ok());
     ASSERT_TRUE(regions.RegisterSystem("b", key, 4096, 4096).ok());
   }  // gone without unregistering

@@ -190,23 +190,37 @@ TEST(ShutdownTest, SigtermUnderLoadDrainsEveryAcceptedRequest) {
 constexpr client::ProblemSpec kSmallCall{
     .batch = 1, .heads_q = 2, .heads_kv = 1, .seqlen_q = 16, .seqlen_k = 16, .head_dim = 32};
 
-// `n` clients of `server`, each on its own connection, connected (one call answered) before the
+// What a drain test starts with: a server of `workers` workers and `grace_s` s of grace, a
+// blocker that keeps a worker busy for about `blocking`, a small request for the calls that keep
+// arriving, and `n` clients, each on its own connection, connected (one call answered) before the
 // signal, as long-lived clients would be.
-std::vector<std::unique_ptr<client::Client>> ConnectedClients(const e2e::RunningServer& server,
-                                                              int n, absl::Duration deadline) {
+struct DrainScene {
+  e2e::RunningServer server;
+  e2e::Blocker blocker;
+  v1::AttendRequest small;
   std::vector<std::unique_ptr<client::Client>> clients;
+};
+
+absl::StatusOr<DrainScene> StartDrainScene(int workers, int grace_s, absl::Duration blocking, int n,
+                                           std::mt19937_64& rng) {
+  absl::StatusOr<e2e::RunningServer> server =
+      e2e::StartServer({"--backend=cpu", "--threads=1", absl::StrCat("--workers=", workers),
+                        absl::StrCat("--shutdown_grace_s=", grace_s)});
+  if (!server.ok()) return server.status();
+  absl::StatusOr<e2e::Blocker> blocker = e2e::CalibratedBlocker(*server->client, blocking, rng);
+  if (!blocker.ok()) return blocker.status();
+  absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(kSmallCall, rng);
+  if (!small.ok()) return small.status();
+  DrainScene scene{
+      .server = *std::move(server), .blocker = *std::move(blocker), .small = *std::move(small)};
   for (int c = 0; c < n; ++c) {
-    // A channel of its own subchannel pool opens its own connection; channels of equal arguments
-    // would otherwise share one.
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    clients.push_back(std::make_unique<client::Client>(
-        grpc::CreateCustomChannel(server.process->target(), grpc::InsecureChannelCredentials(),
-                                  args),
-        client::ClientOptions{.target = server.process->target(), .deadline = deadline}));
-    EXPECT_TRUE(clients.back()->GetServerInfo().ok());
+    scene.clients.push_back(e2e::ClientOnItsOwnConnection(scene.server.process->target(),
+                                                          {.deadline = absl::Seconds(grace_s)}));
+    if (absl::Status connected = scene.clients.back()->GetServerInfo().status(); !connected.ok()) {
+      return connected;
+    }
   }
-  return clients;
+  return scene;
 }
 
 // Calls arriving while the server drains are refused by the service itself (UNAVAILABLE, "server
@@ -215,23 +229,17 @@ std::vector<std::unique_ptr<client::Client>> ConnectedClients(const e2e::Running
 TEST(ShutdownTest, CallsArrivingDuringTheDrainGetUnavailable) {
   constexpr int kClients = 4;
   constexpr int kGraceSeconds = 60;
-  absl::StatusOr<e2e::RunningServer> server =
-      e2e::StartServer({"--backend=cpu", "--threads=1", "--workers=1",
-                        absl::StrCat("--shutdown_grace_s=", kGraceSeconds)});
-  ASSERT_TRUE(server.ok()) << server.status();
   const uint64_t seed = e2e::FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
   std::mt19937_64 rng(seed);
   // The blocker keeps the one worker busy for about two seconds: the whole drain.
-  absl::StatusOr<e2e::Blocker> blocker =
-      e2e::CalibratedBlocker(*server->client, absl::Seconds(2), rng);
-  absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(kSmallCall, rng);
-  ASSERT_TRUE(blocker.ok()) << blocker.status();
-  ASSERT_TRUE(small.ok()) << small.status();
-
-  std::vector<std::unique_ptr<client::Client>> clients =
-      ConnectedClients(*server, kClients, absl::Seconds(kGraceSeconds));
-  ASSERT_FALSE(HasFailure()) << "a client could not connect";
+  absl::StatusOr<DrainScene> scene =
+      StartDrainScene(1, kGraceSeconds, absl::Seconds(2), kClients, rng);
+  ASSERT_TRUE(scene.ok()) << scene.status();
+  e2e::RunningServer* server = &scene->server;
+  const e2e::Blocker* blocker = &scene->blocker;
+  const v1::AttendRequest* small = &scene->small;
+  std::vector<std::unique_ptr<client::Client>>& clients = scene->clients;
 
   std::atomic<int64_t> blocker_done_ns{0};
   std::promise<absl::StatusOr<v1::AttendResponse>> blocker_result;
@@ -308,19 +316,14 @@ TEST(ShutdownTest, ClientsSendingThroughTheShutdownGetAnswersOrUnavailable) {
   SCOPED_TRACE(absl::StrCat("seed ", seed));
   for (int run = 0; run < kRuns && !HasFailure(); ++run) {
     SCOPED_TRACE(absl::StrCat("run ", run));
-    absl::StatusOr<e2e::RunningServer> server =
-        e2e::StartServer({"--backend=cpu", "--threads=1", "--workers=2",
-                          absl::StrCat("--shutdown_grace_s=", kGraceSeconds)});
-    ASSERT_TRUE(server.ok()) << server.status();
     std::mt19937_64 rng(seed + run);
-    absl::StatusOr<e2e::Blocker> blocker =
-        e2e::CalibratedBlocker(*server->client, absl::Seconds(1), rng);
-    absl::StatusOr<v1::AttendRequest> small = client::MakeRandomRequest(kSmallCall, rng);
-    ASSERT_TRUE(blocker.ok()) << blocker.status();
-    ASSERT_TRUE(small.ok()) << small.status();
-    std::vector<std::unique_ptr<client::Client>> clients =
-        ConnectedClients(*server, kClients, absl::Seconds(kGraceSeconds));
-    ASSERT_FALSE(HasFailure()) << "a client could not connect";
+    absl::StatusOr<DrainScene> scene =
+        StartDrainScene(2, kGraceSeconds, absl::Seconds(1), kClients, rng);
+    ASSERT_TRUE(scene.ok()) << scene.status();
+    e2e::RunningServer* server = &scene->server;
+    const e2e::Blocker* blocker = &scene->blocker;
+    const v1::AttendRequest* small = &scene->small;
+    std::vector<std::unique_ptr<client::Client>>& clients = scene->clients;
 
     // The blocker runs first (it must be accepted before the signal), then the clients start.
     std::future<absl::StatusOr<v1::AttendResponse>> blocked =
