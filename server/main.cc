@@ -2,8 +2,8 @@
 // reflection and Prometheus metrics. Flags are read here only and handed on as option structs.
 //
 // Shutdown on SIGTERM or SIGINT: health turns NOT_SERVING, new requests are answered UNAVAILABLE,
-// requests already accepted finish (for up to --shutdown_grace_s, then they are cancelled), and
-// the process exits 0. Idle connections and idle open streams do not hold the exit.
+// requests already accepted finish (for up to --shutdown_grace_s, then they are cancelled), open
+// streams end UNAVAILABLE, and the process exits 0. Idle connections do not hold the exit.
 //
 // --max_connection_age_s makes clients reconnect now and then (gRPC sends GOAWAY; calls in flight
 // get --max_connection_age_grace_s), so clients behind a load balancer or a Kubernetes Service
@@ -536,6 +536,10 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // among the last answered, and which sends its next one at once, is refused by the service
   // rather than cancelled by gRPC's shutdown.
   if (drained) absl::SleepFor(std::min(kLinger, grace_end - absl::Now()));
+  // The streams still open (AttendStream, StepStream, request rings) end UNAVAILABLE, each once
+  // its answers are written, rather than be cancelled by gRPC's shutdown below; a stream opened
+  // from here on has its first message refused, held as below.
+  stream_methods.EndOpenStreams(absl::UnavailableError("server is shutting down"));
   // Then the refusals are held until calls stop arriving (each client waits for its answer), so
   // none is half-received when gRPC shuts down; gRPC sends its GOAWAY, and only then are the held
   // calls answered UNAVAILABLE: their clients' next calls find the server gone, not cancelled.

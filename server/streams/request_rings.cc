@@ -5,6 +5,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -154,11 +155,13 @@ class RequestRings::Flow final : public StreamFlow<Flow>, public Ring {
   using Base = StreamFlow<Flow>;
 
  public:
+  // `closing` runs as the ring closes, before its call is answered.
   Flow(Memory memory, std::vector<RegionRegistry::Use> use, const StreamMethod& method,
        StreamProcess process, RingCall* call, v1::RingClosed* response,
-       absl::Duration stall_timeout)
+       absl::Duration stall_timeout, absl::AnyInvocable<void() &&> closing)
       : Base(method, std::move(process)),
         stall_timeout_(stall_timeout),
+        closing_(std::move(closing)),
         memory_(memory),
         use_(std::move(use)),
         call_(call),
@@ -255,10 +258,11 @@ class RequestRings::Flow final : public StreamFlow<Flow>, public Ring {
     Base::Cancelled();
   }
   // The last step: the client is told the ring is over and the call is answered.
-  void End(const grpc::Status& flow_status);
+  void Close(const grpc::Status& flow_status);
 
   // How long a response may wait for a free slot (--ring_stall_timeout_s) before the ring ends.
   const absl::Duration stall_timeout_;
+  absl::AnyInvocable<void() &&> closing_;
   Memory memory_;  // its counters: ops_mu_ for responses_posted; requests_taken the thread's
   const std::vector<RegionRegistry::Use> use_;  // the ring's region, held while it is served
   RingCall* const call_;
@@ -301,7 +305,7 @@ void RequestRings::Flow::Serve() {
         }
         Base::ReadDone(false);
       }
-      return End(*finish);
+      return Close(*finish);
     }
     if (written.has_value()) {
       Base::WriteDone(*written);
@@ -363,7 +367,7 @@ void RequestRings::Flow::Serve() {
   }
 }
 
-void RequestRings::Flow::End(const grpc::Status& flow_status) {
+void RequestRings::Flow::Close(const grpc::Status& flow_status) {
   absl::Status broken;
   {
     std::lock_guard<std::mutex> lock(ops_mu_);
@@ -376,6 +380,7 @@ void RequestRings::Flow::End(const grpc::Status& flow_status) {
   // failed request's status naming it, or CANCELLED).
   const grpc::Status status = broken.ok() ? flow_status : ToGrpcStatus(broken);
   call_->SetOnCancel(nullptr);  // drops the call's hold on this flow
+  std::move(closing_)();
   call_->Finish(status);
   std::shared_ptr<Flow> self = std::static_pointer_cast<Flow>(Base::Release());
 }
@@ -427,27 +432,26 @@ grpc::ServerUnaryReactor* RequestRings::Open(grpc::CallbackServerContext* contex
                 .header = reinterpret_cast<ring::RingHeader*>(span->data)};
 
   std::lock_guard<std::mutex> lock(mu_);
-  const int served = servers_.Reap();
+  servers_.Reap();
+  // Rings not yet closed: a ring whose call was answered no longer counts, though its thread may
+  // still be on its way out.
+  const int served = serving_.load();
   if (stopped_) return refuse(absl::UnavailableError("server is shutting down"));
   if (served >= max_rings_) {
     return refuse(absl::ResourceExhaustedError(absl::StrCat(
         "rings: ", served, " served already, at most ", max_rings_, " at once (--max_rings)")));
   }
   // The method's flow, started; the call holds it until it is answered, its thread until it ends.
-  auto flow =
-      std::make_shared<Flow>(memory, std::move(use), *method, method->open(CallbackCall(context)),
-                             call, response, stall_timeout_);
+  auto flow = std::make_shared<Flow>(
+      memory, std::move(use), *method, method->open(CallbackCall(context)), call, response,
+      stall_timeout_, [this] { metrics_->SetRequestRings(serving_.fetch_sub(1) - 1); });
   flow->Begin(flow);
   std::shared_ptr<Ring> ring = flow;
   call->SetOnCancel([ring] { ring->CallCancelled(); });
   memory.header->server_open.store(1);
   ring::RingBell(&memory.header->client_bell);
   metrics_->SetRequestRings(serving_.fetch_add(1) + 1);
-  servers_.Start([this, ring]() mutable {
-    ring->Serve();
-    ring.reset();
-    metrics_->SetRequestRings(serving_.fetch_sub(1) - 1);
-  });
+  servers_.Start([ring]() mutable { ring->Serve(); });
   return call;
 }
 

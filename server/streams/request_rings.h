@@ -81,7 +81,7 @@ class RequestRings {
   Metrics* const metrics_;  // the gate's
   std::mutex mu_;
   ServiceThreads servers_;       // guarded by mu_: a thread for each ring
-  std::atomic<int> serving_{0};  // rings not yet ended (attention_request_rings)
+  std::atomic<int> serving_{0};  // rings not yet closed (attention_request_rings, --max_rings)
   bool stopped_ = false;         // guarded by mu_
 };
 
