@@ -61,6 +61,7 @@
 #include "server/options/server_options.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/attention_service.h"
+#include "server/service/connections.h"
 #include "server/service/reflection_v1.h"
 #include "server/service/session_service.h"
 #include "server/service/shared_memory_service.h"
@@ -160,8 +161,8 @@ ABSL_FLAG(int, max_shared_memory_regions, 64, "Shared-memory regions one caller 
 ABSL_FLAG(int64_t, max_shared_memory_bytes, int64_t{64} << 30,
           "Bytes of shared memory mapped at most, over every caller.");
 ABSL_FLAG(int, region_idle_timeout_s, 300,
-          "Without --auth_token_file: seconds after which a shared-memory region no request has "
-          "used is released (its owner is a connection, whose end the server does not see).");
+          "Without --auth_token_file (a region then belongs to a connection, and goes with it): "
+          "seconds after which a shared-memory region no request has used is released too.");
 ABSL_FLAG(bool, allow_foreign_regions, false,
           "Register POSIX shared-memory objects owned by another user than the server's (refused "
           "PERMISSION_DENIED otherwise).");
@@ -366,7 +367,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   std::unique_ptr<RegionRegistry> regions;
   if (options.shared_memory.allow) {
     regions = std::make_unique<RegionRegistry>(options.shared_memory.limits,
-                                               MakeRegionHooks(options.backend));
+                                               MakeRegionHooks(options.backend), OpenConnections);
   }
   // Where a request's tensors land (their one host copy) and its results are sent from: pinned
   // for the GPUs' DMAs, freed blocks kept up to twice the message limit.

@@ -31,7 +31,9 @@ struct RegionRegistry::Use::Region {
   // (shrink_guard put zero pages there). The mapping no longer holds the object's bytes (and a
   // pinned one's pages may be the object's old ones): no request may use it from then on.
   std::atomic<bool> shrunk{false};
-  bool expires = false;  // released once unused for the registry's idle_timeout
+  RegionOwnership ownership;
+  // A connection whose id is known: released once it is no longer open.
+  bool by_known_connection() const { return ownership.by_connection && ownership.connection >= 0; }
   int uses = 0;
   absl::Time last_used;  // registered, or the last Use taken or dropped
   // Unregister calls waiting for the last Use: no new Use while any is.
@@ -90,6 +92,8 @@ absl::StatusOr<RegionSpan> RegionRegistry::Use::SpanOf(const Region& region,
 
 namespace {
 
+// How often the open connections are asked for while regions of known connections exist.
+constexpr absl::Duration kConnectionCheck = absl::Seconds(1);
 constexpr size_t kMaxRegionName = 256;
 // cudaIpcMemHandle_t is 64 bytes (CUDA_IPC_HANDLE_SIZE); this room holds no CUDA header.
 constexpr size_t kCudaIpcHandleBytes = 64;
@@ -142,8 +146,12 @@ RegionRegistry::Use::~Use() {
   if (registry_ != nullptr && region_ != nullptr) registry_->Release(region_.get());
 }
 
-RegionRegistry::RegionRegistry(const RegionLimits& limits, RegionHooks hooks)
-    : limits_(limits), hooks_(std::move(hooks)), housekeeper_([this] { Housekeep(); }) {}
+RegionRegistry::RegionRegistry(const RegionLimits& limits, RegionHooks hooks,
+                               OpenConnectionsHook open_connections)
+    : limits_(limits),
+      hooks_(std::move(hooks)),
+      open_connections_(std::move(open_connections)),
+      housekeeper_([this] { Housekeep(); }) {}
 
 RegionRegistry::~RegionRegistry() {
   {
@@ -192,23 +200,50 @@ absl::StatusOr<RegionDescription> RegionRegistry::Insert(const std::string& owne
   mapped_bytes_ += d.byte_size;
   region->last_used = absl::Now();
   regions_[{owner, d.name}] = region;
-  if (region->expires) housekeeping_.notify_all();  // its idle deadline
+  if (region->by_known_connection()) ++connection_regions_;
+  if (region->ownership.by_connection) housekeeping_.notify_all();  // its idle end, its checks
   return d;
 }
 
+std::vector<std::shared_ptr<RegionRegistry::Region>> RegionRegistry::TakeStaleLocked(
+    const std::string& owner, const RegionOwnership& ownership) {
+  std::vector<std::shared_ptr<Region>> stale;
+  if (!ownership.by_connection || ownership.connection < 0) return stale;
+  for (auto it = regions_.lower_bound({owner, ""});
+       it != regions_.end() && it->first.first == owner;) {
+    const Region& region = *it->second;
+    if (region.by_known_connection() && region.ownership.connection != ownership.connection &&
+        region.uses == 0 && region.waiters.empty()) {
+      stale.push_back(RemoveLocked(it++));
+    } else {
+      ++it;
+    }
+  }
+  return stale;
+}
+
+absl::Status RegionRegistry::Prepare(const std::string& owner, const RegionOwnership& ownership,
+                                     const std::string& name) {
+  std::vector<std::shared_ptr<Region>> stale;
+  absl::Status room;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stale = TakeStaleLocked(owner, ownership);
+    room = CheckRoomLocked(owner, name, 0);
+  }
+  for (const std::shared_ptr<Region>& region : stale) Unmap(*region);
+  return room;
+}
+
 absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(
-    const std::string& owner, bool expires, const std::string& name, const std::string& key,
-    int64_t offset, int64_t byte_size) {
+    const std::string& owner, const RegionOwnership& ownership, const std::string& name,
+    const std::string& key, int64_t offset, int64_t byte_size) {
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   if (absl::Status s = CheckSystemKey(key); !s.ok()) return s;
   if (absl::Status s = CheckRange(offset, byte_size); !s.ok()) return s;
-  {
-    // Refuse a taken name or a full caller early, before opening anything; the bytes after the
-    // object's size, so a size beyond the object is INVALID_ARGUMENT whatever the limit. Insert
-    // checks again under the same lock.
-    std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Status room = CheckRoomLocked(owner, name, 0); !room.ok()) return room;
-  }
+  // The bytes are checked after the object's size, so a size beyond the object is
+  // INVALID_ARGUMENT whatever the limit.
+  if (absl::Status room = Prepare(owner, ownership, name); !room.ok()) return room;
   // Never O_CREAT: the client made the object; the server only maps what exists.
   const int fd = shm_open(key.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
@@ -278,14 +313,14 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(
   region->data = static_cast<char*>(base) + (offset - map_offset);
   region->fd = fd;  // kept: each reference checks the object's size
   region->guard = guard;
-  region->expires = expires;
+  region->ownership = ownership;
   if (hooks_.pin_host) region->description.pinned = hooks_.pin_host(base, map_bytes);
   return Insert(owner, std::move(region));
 }
 
 absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(
-    const std::string& owner, bool expires, const std::string& name, const std::string& handle,
-    int device, int64_t offset, int64_t byte_size) {
+    const std::string& owner, const RegionOwnership& ownership, const std::string& name,
+    const std::string& handle, int device, int64_t offset, int64_t byte_size) {
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   if (!hooks_.open_cuda) {
     return absl::UnimplementedError(
@@ -297,11 +332,8 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(
                      " bytes (a cudaIpcMemHandle_t), got ", handle.size()));
   }
   if (absl::Status s = CheckRange(offset, byte_size); !s.ok()) return s;
-  {
-    // As RegisterSystem: the bytes are checked (in Insert) after the allocation's size.
-    std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Status room = CheckRoomLocked(owner, name, 0); !room.ok()) return room;
-  }
+  // As RegisterSystem: the bytes are checked (in Insert) after the allocation's size.
+  if (absl::Status room = Prepare(owner, ownership, name); !room.ok()) return room;
   absl::StatusOr<std::pair<void*, int64_t>> opened = hooks_.open_cuda(handle, device);
   if (!opened.ok()) return opened.status();
   auto region = std::make_shared<Region>();
@@ -312,7 +344,7 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(
                                           .byte_size = byte_size};
   region->map_base = opened->first;
   region->data = static_cast<char*>(opened->first) + offset;
-  region->expires = expires;
+  region->ownership = ownership;
   if (offset + byte_size > opened->second) {
     Unmap(*region);
     return absl::InvalidArgumentError(
@@ -327,6 +359,7 @@ std::shared_ptr<RegionRegistry::Region> RegionRegistry::RemoveLocked(
   std::shared_ptr<Region> region = std::move(it->second);
   regions_.erase(it);
   mapped_bytes_ -= region->description.byte_size;
+  if (region->by_known_connection()) --connection_regions_;
   return region;
 }
 
@@ -355,16 +388,33 @@ void RegionRegistry::Unregister(const std::string& owner, const std::string& nam
 
 void RegionRegistry::Housekeep() {
   std::unique_lock<std::mutex> lock(mu_);
+  absl::Time next_check = absl::InfinitePast();  // of the open connections
   while (!stopping_) {
+    // The open connections, asked off the lock; a region used or registered since may belong to
+    // a connection newer than the answer, so only regions idle since are judged by it.
+    std::optional<absl::flat_hash_set<int64_t>> open;
+    absl::Time asked = absl::InfinitePast();
+    if (open_connections_ && connection_regions_ > 0 && absl::Now() >= next_check) {
+      lock.unlock();
+      asked = absl::Now();
+      open = open_connections_();
+      lock.lock();
+      next_check = asked + kConnectionCheck;
+      if (stopping_) break;
+    }
     const absl::Time now = absl::Now();
-    absl::Time next = absl::InfiniteFuture();  // the next deadline or idle end
+    // The next deadline, idle end or check of the open connections.
+    absl::Time next =
+        connection_regions_ > 0 && open_connections_ ? next_check : absl::InfiniteFuture();
     std::vector<std::shared_ptr<Region>> removed;
     std::vector<std::pair<Region::Waiter, absl::Status>> answers;
     for (auto it = regions_.begin(); it != regions_.end();) {
       Region& region = *it->second;
+      const bool closed = open.has_value() && region.by_known_connection() &&
+                          region.last_used < asked && !open->contains(region.ownership.connection);
       if (region.uses == 0 &&
-          (!region.waiters.empty() ||
-           (region.expires && now - region.last_used >= limits_.idle_timeout))) {
+          (!region.waiters.empty() || closed ||
+           (region.ownership.by_connection && now - region.last_used >= limits_.idle_timeout))) {
         for (Region::Waiter& waiter : region.waiters) {
           answers.emplace_back(std::move(waiter), absl::OkStatus());
         }
@@ -385,7 +435,7 @@ void RegionRegistry::Housekeep() {
                                  region.uses, " running requests; it stays registered")));
         w = region.waiters.erase(w);
       }
-      if (region.expires && region.uses == 0) {
+      if (region.ownership.by_connection && region.uses == 0) {
         next = std::min(next, region.last_used + limits_.idle_timeout);
       }
       ++it;
@@ -460,10 +510,10 @@ void RegionRegistry::Release(Region* region) {
   region->last_used = absl::Now();
   if (--region->uses > 0) return;
   // The last Use of a region Unregister waits for: the housekeeper removes it and answers. Of
-  // one that expires: its idle end, if the housekeeper would sleep past it (it sleeps until the
+  // a connection's: its idle end, if the housekeeper would sleep past it (it sleeps until the
   // earliest end it knows, so a region in steady use wakes nobody).
-  if (!region->waiters.empty() ||
-      (region->expires && region->last_used + limits_.idle_timeout < housekeeper_wakes_)) {
+  if (!region->waiters.empty() || (region->ownership.by_connection &&
+                                   region->last_used + limits_.idle_timeout < housekeeper_wakes_)) {
     housekeeping_.notify_all();
   }
 }

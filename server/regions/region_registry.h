@@ -16,11 +16,15 @@
 // bytes mapped.
 //
 // Lifetime: an owner known only by its connection (no bearer token) may go without unregistering,
-// and the server is not told when a connection closes (gRPC 1.51 has no such callback): such a
-// region is released once no request has used it for RegionLimits::idle_timeout, so clients that
-// come and go cannot pile up mappings and fds, and a later connection that reuses the address and
-// port finds none older than that. One housekeeping thread does it, and answers the Unregister
-// calls that wait (their region's last Use, their deadline): no thread per waiting call.
+// and gRPC 1.51 tells the server nothing when a connection closes. Such a region is released once
+// its connection (its id, RegionOwnership::connection) is no longer among the open ones (the
+// `open_connections` hook, asked every second while such regions exist), or once no request has
+// used it for RegionLimits::idle_timeout when its connection's id is unknown or the hook cannot
+// say; a registration from a later connection with the same owner key (the same address and port)
+// drops what an earlier connection left. So clients that come and go cannot pile up mappings and
+// fds, nor hand their regions to a later connection. One housekeeping thread does it, and answers
+// the Unregister calls that wait (their region's last Use, their deadline): no thread per waiting
+// call.
 //
 // A client may shrink its object (ftruncate) after registering it: each reference checks the
 // object's size (fstat of the fd kept open) and is refused once the object is smaller than the
@@ -36,11 +40,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -52,7 +58,7 @@ namespace attention::server {
 struct RegionLimits {
   int max_regions_per_owner = 64;
   int64_t max_mapped_bytes = int64_t{64} << 30;  // over every owner
-  // A region registered with `expires` goes once no request has used it for this long.
+  // A region owned by a connection goes once no request has used it for this long.
   absl::Duration idle_timeout = absl::Seconds(300);
   // System objects of another user (st_uid not the server's) may be registered.
   bool allow_foreign = false;
@@ -82,6 +88,16 @@ struct RegionDescription {
   int64_t byte_size = 0;
   bool pinned = false;
 };
+
+// Who owns a region, beyond its owner key: a bearer token (the default) keeps its regions until it
+// unregisters them; a connection (no token) may close without a word.
+struct RegionOwnership {
+  bool by_connection = false;
+  int64_t connection = -1;  // by_connection: its id (OpenConnections); -1: unknown
+};
+
+// The ids of the open connections; nullopt when they cannot be known.
+using OpenConnectionsHook = std::function<std::optional<absl::flat_hash_set<int64_t>>()>;
 
 // Bytes of a region a reference resolved to: host memory (system) or device memory of `device`.
 struct RegionSpan {
@@ -127,8 +143,10 @@ class RegionRegistry {
     std::shared_ptr<Region> region_;
   };
 
-  // Starts the housekeeping thread.
-  RegionRegistry(const RegionLimits& limits, RegionHooks hooks);
+  // Starts the housekeeping thread. `open_connections` (may be empty) says which connections of
+  // connection-owned regions are still open.
+  RegionRegistry(const RegionLimits& limits, RegionHooks hooks,
+                 OpenConnectionsHook open_connections = {});
   // Stops the housekeeping thread and unmaps every region; no Use and no waiting Unregister may be
   // left.
   ~RegionRegistry();
@@ -138,14 +156,16 @@ class RegionRegistry {
   // Maps bytes [offset, offset + byte_size) of the shared-memory object `key`. INVALID_ARGUMENT
   // for a bad name, key, offset or size (naming the field), NOT_FOUND when no such object exists,
   // PERMISSION_DENIED for another user's object (unless allow_foreign), ALREADY_EXISTS when the
-  // owner has a region of that name, RESOURCE_EXHAUSTED over a limit. `expires`: the region goes
-  // once idle for idle_timeout (an owner without a token).
-  absl::StatusOr<RegionDescription> RegisterSystem(const std::string& owner, bool expires,
+  // owner has a region of that name, RESOURCE_EXHAUSTED over a limit. A connection's regions go
+  // with it (above).
+  absl::StatusOr<RegionDescription> RegisterSystem(const std::string& owner,
+                                                   const RegionOwnership& ownership,
                                                    const std::string& name, const std::string& key,
                                                    int64_t offset, int64_t byte_size);
   // Opens a CUDA IPC handle (sizeof(cudaIpcMemHandle_t) bytes) on `device`; bytes [offset,
   // offset + byte_size) of its allocation. UNIMPLEMENTED without the open_cuda hook.
-  absl::StatusOr<RegionDescription> RegisterCuda(const std::string& owner, bool expires,
+  absl::StatusOr<RegionDescription> RegisterCuda(const std::string& owner,
+                                                 const RegionOwnership& ownership,
                                                  const std::string& name, const std::string& handle,
                                                  int device, int64_t offset, int64_t byte_size);
   // Removes the region once no request holds it, then `done(OK)`; `done(DEADLINE_EXCEEDED)` (the
@@ -177,6 +197,14 @@ class RegionRegistry {
   // Takes the region out of the registry (it is unmapped once the caller drops the lock). Needs
   // mu_.
   std::shared_ptr<Region> RemoveLocked(std::map<Key, std::shared_ptr<Region>>::iterator it);
+  // The unused regions of `owner` that an earlier connection left (another connection id than
+  // `ownership`'s), taken out. Needs mu_.
+  std::vector<std::shared_ptr<Region>> TakeStaleLocked(const std::string& owner,
+                                                       const RegionOwnership& ownership);
+  // A registration's early checks: the caller's stale regions dropped, then a taken name or a
+  // full caller refused (before anything is opened; Insert checks again).
+  absl::Status Prepare(const std::string& owner, const RegionOwnership& ownership,
+                       const std::string& name);
   void Release(Region* region);
   void Unmap(Region& region);
   // The housekeeping thread: answers waiting Unregister calls and releases idle regions.
@@ -184,12 +212,14 @@ class RegionRegistry {
 
   const RegionLimits limits_;
   const RegionHooks hooks_;
+  const OpenConnectionsHook open_connections_;
   mutable std::mutex mu_;
   std::condition_variable housekeeping_;                   // a waiter to answer, or a new deadline
   std::map<Key, std::shared_ptr<Region>> regions_;         // guarded by mu_
   int64_t mapped_bytes_ = 0;                               // guarded by mu_
   bool stopping_ = false;                                  // guarded by mu_
   absl::Time housekeeper_wakes_ = absl::InfiniteFuture();  // guarded by mu_: its next wake
+  int connection_regions_ = 0;  // guarded by mu_: regions of a connection whose id is known
   std::thread housekeeper_;
 };
 

@@ -1,8 +1,8 @@
 // The region registry over real POSIX shared-memory objects: mapping, bounds, owners, limits, the
 // hooks, Unregister waiting for the requests that hold a region (no thread per waiting call),
-// regions of an owner without a token expiring when idle, another user's objects refused, and
-// objects their client shrinks after registering them (refused references; faulting accesses
-// repaired, not fatal).
+// regions of an owner without a token going with its connection or when idle, another user's
+// objects refused, and objects their client shrinks after registering them (refused references;
+// faulting accesses repaired, not fatal).
 #include "server/regions/region_registry.h"
 
 #include <fcntl.h>
@@ -14,6 +14,8 @@
 #include <fstream>
 #include <future>
 #include <limits>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -76,7 +78,7 @@ class ShmObject {
 TEST(RegionRegistryTest, ResolvesBytesOfTheObjectAtItsOffset) {
   ShmObject object(3 * 4096);
   RegionRegistry registry({}, {});
-  ASSERT_TRUE(registry.RegisterSystem("me", false, "r", object.key(), 5000, 4000).ok());
+  ASSERT_TRUE(registry.RegisterSystem("me", {}, "r", object.key(), 5000, 4000).ok());
   std::vector<RegionRegistry::Use> uses;
   absl::StatusOr<RegionSpan> span = registry.Resolve("me", "q.ref", "r", 100, 64, 4, &uses);
   ASSERT_TRUE(span.ok()) << span.status();
@@ -89,7 +91,7 @@ TEST(RegionRegistryTest, ResolvesBytesOfTheObjectAtItsOffset) {
 TEST(RegionRegistryTest, RefusesBadReferencesAndOtherOwners) {
   ShmObject object(8192);
   RegionRegistry registry({}, {});
-  ASSERT_TRUE(registry.RegisterSystem("me", false, "r", object.key(), 0, 4096).ok());
+  ASSERT_TRUE(registry.RegisterSystem("me", {}, "r", object.key(), 0, 4096).ok());
   std::vector<RegionRegistry::Use> uses;
   for (auto [offset, size] :
        {std::pair<int64_t, int64_t>{4090, 8}, {-1, 8}, {0, -8}, {INT64_MAX - 2, 8}, {4097, 0}}) {
@@ -113,7 +115,7 @@ TEST(RegionRegistryTest, RefusesBadReferencesAndOtherOwners) {
 TEST(RegionRegistryTest, AHeldRegionServesFurtherReferencesWithTheSameChecks) {
   ShmObject object(8192);
   RegionRegistry registry({}, {});
-  ASSERT_TRUE(registry.RegisterSystem("me", false, "r", object.key(), 1000, 4096).ok());
+  ASSERT_TRUE(registry.RegisterSystem("me", {}, "r", object.key(), 1000, 4096).ok());
   std::vector<RegionRegistry::Use> uses;
   ASSERT_TRUE(registry.Resolve("me", "entries[0].q.ref", "r", 0, 64, 4, &uses).ok());
   ASSERT_EQ(uses.size(), 1u);
@@ -139,13 +141,13 @@ TEST(RegionRegistryTest, AHeldRegionServesFurtherReferencesWithTheSameChecks) {
 TEST(RegionRegistryTest, KeepsTheLimitsOfRegionsAndBytes) {
   ShmObject object(8192);
   RegionRegistry registry({.max_regions_per_owner = 2, .max_mapped_bytes = 6000}, {});
-  ASSERT_TRUE(registry.RegisterSystem("a", false, "r1", object.key(), 0, 2000).ok());
-  ASSERT_TRUE(registry.RegisterSystem("a", false, "r2", object.key(), 0, 2000).ok());
-  EXPECT_EQ(registry.RegisterSystem("a", false, "r3", object.key(), 0, 100).status().code(),
+  ASSERT_TRUE(registry.RegisterSystem("a", {}, "r1", object.key(), 0, 2000).ok());
+  ASSERT_TRUE(registry.RegisterSystem("a", {}, "r2", object.key(), 0, 2000).ok());
+  EXPECT_EQ(registry.RegisterSystem("a", {}, "r3", object.key(), 0, 100).status().code(),
             absl::StatusCode::kResourceExhausted);  // regions per owner
-  EXPECT_EQ(registry.RegisterSystem("b", false, "r1", object.key(), 0, 2001).status().code(),
+  EXPECT_EQ(registry.RegisterSystem("b", {}, "r1", object.key(), 0, 2001).status().code(),
             absl::StatusCode::kResourceExhausted);  // bytes over every owner
-  EXPECT_TRUE(registry.RegisterSystem("b", false, "r1", object.key(), 0, 2000).ok());
+  EXPECT_TRUE(registry.RegisterSystem("b", {}, "r1", object.key(), 0, 2000).ok());
   EXPECT_EQ(registry.mapped_bytes(), 6000);
 }
 
@@ -155,10 +157,10 @@ TEST(RegionRegistryTest, ASizeBeyondTheObjectIsInvalidWhateverTheLimit) {
   for (int64_t limit : {int64_t{6000}, kMax}) {
     SCOPED_TRACE(limit);
     RegionRegistry registry({.max_mapped_bytes = limit}, {});
-    ASSERT_TRUE(registry.RegisterSystem("a", false, "r1", object.key(), 0, 2000).ok());
+    ASSERT_TRUE(registry.RegisterSystem("a", {}, "r1", object.key(), 0, 2000).ok());
     for (int64_t size : {int64_t{1} << 40, kMax - 10}) {
       const absl::Status status =
-          registry.RegisterSystem("a", false, "r2", object.key(), 8, size).status();
+          registry.RegisterSystem("a", {}, "r2", object.key(), 8, size).status();
       EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
       EXPECT_THAT(status.message(),
                   HasSubstr(absl::StrCat("byte_size: expected offset + byte_size <= the object's "
@@ -172,9 +174,8 @@ TEST(RegionRegistryTest, ASizeBeyondTheObjectIsInvalidWhateverTheLimit) {
 TEST(RegionRegistryTest, TheByteLimitSaysWhatIsMapped) {
   ShmObject object(8192);
   RegionRegistry small({.max_mapped_bytes = 6000}, {});
-  ASSERT_TRUE(small.RegisterSystem("a", false, "r1", object.key(), 0, 4000).ok());
-  const absl::Status status =
-      small.RegisterSystem("b", false, "r1", object.key(), 0, 2001).status();
+  ASSERT_TRUE(small.RegisterSystem("a", {}, "r1", object.key(), 0, 4000).ok());
+  const absl::Status status = small.RegisterSystem("b", {}, "r1", object.key(), 0, 2001).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
   EXPECT_THAT(status.message(),
               HasSubstr("byte_size: 2001 bytes more would pass the limit of 6000 bytes mapped "
@@ -192,21 +193,21 @@ TEST(RegionRegistryTest, PinsTheMappingAndUnpinsItBeforeUnmapping) {
   hooks.unpin_host = [&](void* p) { unpinned.push_back(p); };
   RegionRegistry registry({}, hooks);
   absl::StatusOr<RegionDescription> d =
-      registry.RegisterSystem("me", false, "r", object.key(), 0, 100);
+      registry.RegisterSystem("me", {}, "r", object.key(), 0, 100);
   ASSERT_TRUE(d.ok());
   EXPECT_TRUE(d->pinned);
   ASSERT_EQ(pinned.size(), 1u);
   EXPECT_TRUE(unpinned.empty());
   ASSERT_TRUE(Unregister(registry, "me", "r", absl::Now()).ok());
   EXPECT_EQ(unpinned, pinned);
-  EXPECT_EQ(registry.RegisterCuda("me", false, "c", std::string(64, 'x'), 0, 0, 8).status().code(),
+  EXPECT_EQ(registry.RegisterCuda("me", {}, "c", std::string(64, 'x'), 0, 0, 8).status().code(),
             absl::StatusCode::kUnimplemented);  // no open_cuda hook
 }
 
 TEST(RegionRegistryTest, UnregisterWaitsForUsesAndConcurrentCallsAllSucceed) {
   ShmObject object(8192);
   RegionRegistry registry({}, {});
-  ASSERT_TRUE(registry.RegisterSystem("me", false, "r", object.key(), 0, 4096).ok());
+  ASSERT_TRUE(registry.RegisterSystem("me", {}, "r", object.key(), 0, 4096).ok());
   auto uses = std::make_unique<std::vector<RegionRegistry::Use>>();
   ASSERT_TRUE(registry.Resolve("me", "q.ref", "r", 0, 8, 1, uses.get()).ok());
   EXPECT_EQ(Unregister(registry, "me", "r", absl::Now() + absl::Milliseconds(20)).code(),
@@ -242,7 +243,7 @@ int ThreadCount() {
 TEST(RegionRegistryTest, WaitingUnregisterCallsHoldNoThreadAndEachGetsItsOwnDeadline) {
   ShmObject object(8192);
   RegionRegistry registry({}, {});
-  ASSERT_TRUE(registry.RegisterSystem("me", false, "r", object.key(), 0, 4096).ok());
+  ASSERT_TRUE(registry.RegisterSystem("me", {}, "r", object.key(), 0, 4096).ok());
   auto uses = std::make_unique<std::vector<RegionRegistry::Use>>();
   ASSERT_TRUE(registry.Resolve("me", "q.ref", "r", 0, 8, 1, uses.get()).ok());
   const int threads = ThreadCount();
@@ -271,9 +272,11 @@ TEST(RegionRegistryTest, ARegionThatExpiresGoesOnceUnusedForTheIdleTimeout) {
   ShmObject object(8192);
   constexpr absl::Duration kIdle = absl::Milliseconds(200);
   RegionRegistry registry({.idle_timeout = kIdle}, {});
-  ASSERT_TRUE(registry.RegisterSystem("conn", true, "idle", object.key(), 0, 4096).ok());
-  ASSERT_TRUE(registry.RegisterSystem("conn", true, "held", object.key(), 0, 4096).ok());
-  ASSERT_TRUE(registry.RegisterSystem("token", false, "kept", object.key(), 0, 4096).ok());
+  ASSERT_TRUE(
+      registry.RegisterSystem("conn", {.by_connection = true}, "idle", object.key(), 0, 4096).ok());
+  ASSERT_TRUE(
+      registry.RegisterSystem("conn", {.by_connection = true}, "held", object.key(), 0, 4096).ok());
+  ASSERT_TRUE(registry.RegisterSystem("token", {}, "kept", object.key(), 0, 4096).ok());
   auto uses = std::make_unique<std::vector<RegionRegistry::Use>>();
   ASSERT_TRUE(registry.Resolve("conn", "q.ref", "held", 0, 8, 1, uses.get()).ok());
   auto names = [&registry](const std::string& owner) {
@@ -296,6 +299,72 @@ TEST(RegionRegistryTest, ARegionThatExpiresGoesOnceUnusedForTheIdleTimeout) {
   EXPECT_EQ(registry.mapped_bytes(), 4096);
 }
 
+// A connection's regions go once the open_connections hook no longer lists it (asked every
+// second), whatever the idle timeout; a hook that cannot say releases nothing.
+TEST(RegionRegistryTest, AConnectionsRegionsGoOnceItIsNoLongerOpen) {
+  ShmObject object(8192);
+  std::mutex mu;
+  std::optional<absl::flat_hash_set<int64_t>> open = absl::flat_hash_set<int64_t>{7, 8};
+  RegionRegistry registry({}, {}, [&]() {
+    std::lock_guard<std::mutex> lock(mu);
+    return open;
+  });
+  ASSERT_TRUE(registry
+                  .RegisterSystem("peer a", {.by_connection = true, .connection = 7}, "r",
+                                  object.key(), 0, 4096)
+                  .ok());
+  ASSERT_TRUE(registry
+                  .RegisterSystem("peer b", {.by_connection = true, .connection = 8}, "r",
+                                  object.key(), 0, 4096)
+                  .ok());
+  auto listed = [&registry](const std::string& owner) { return registry.List(owner).size(); };
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  EXPECT_EQ(listed("peer a"), 1u);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    open = std::nullopt;  // channelz cannot say: nothing is taken for closed
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  EXPECT_EQ(listed("peer a"), 1u);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    open = absl::flat_hash_set<int64_t>{8};  // connection 7 closed
+  }
+  const absl::Time closed = absl::Now();
+  while (listed("peer a") > 0 && absl::Now() - closed < absl::Seconds(10)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(listed("peer a"), 0u);
+  EXPECT_LT(absl::Now() - closed, absl::Seconds(3));
+  EXPECT_EQ(listed("peer b"), 1u);
+  EXPECT_EQ(registry.mapped_bytes(), 4096);
+}
+
+// A later connection with the same owner key (the same address and port) never sees what an
+// earlier one left: its registration drops the earlier connection's unused regions.
+TEST(RegionRegistryTest, ALaterConnectionOfTheSameAddressDropsWhatAnEarlierOneLeft) {
+  ShmObject object(8192);
+  RegionRegistry registry({}, {});
+  ASSERT_TRUE(registry
+                  .RegisterSystem("peer a", {.by_connection = true, .connection = 7}, "old",
+                                  object.key(), 0, 4096)
+                  .ok());
+  ASSERT_TRUE(registry
+                  .RegisterSystem("peer a", {.by_connection = true, .connection = 9}, "new",
+                                  object.key(), 0, 4096)
+                  .ok());
+  std::vector<std::string> names;
+  for (const RegionDescription& d : registry.List("peer a")) names.push_back(d.name);
+  EXPECT_THAT(names, ::testing::ElementsAre("new"));
+  EXPECT_EQ(registry.mapped_bytes(), 4096);
+  // The same connection registers again: its own regions stay.
+  ASSERT_TRUE(registry
+                  .RegisterSystem("peer a", {.by_connection = true, .connection = 9}, "more",
+                                  object.key(), 4096, 4096)
+                  .ok());
+  EXPECT_EQ(registry.List("peer a").size(), 2u);
+}
+
 TEST(RegionRegistryTest, AnotherUsersObjectIsRefusedUnlessAllowed) {
   if (geteuid() != 0) GTEST_SKIP() << "giving an object to another user needs root";
   ShmObject object(4096);
@@ -304,20 +373,19 @@ TEST(RegionRegistryTest, AnotherUsersObjectIsRefusedUnlessAllowed) {
   ASSERT_EQ(fchown(fd, 65534, 65534), 0);
   close(fd);
   RegionRegistry strict({}, {});
-  const absl::Status refused =
-      strict.RegisterSystem("me", false, "r", object.key(), 0, 64).status();
+  const absl::Status refused = strict.RegisterSystem("me", {}, "r", object.key(), 0, 64).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;
   EXPECT_THAT(std::string(refused.message()), HasSubstr("belongs to uid 65534"));
   EXPECT_THAT(std::string(refused.message()), HasSubstr("--allow_foreign_regions"));
   EXPECT_EQ(strict.mapped_bytes(), 0);
   RegionRegistry lenient({.allow_foreign = true}, {});
-  EXPECT_TRUE(lenient.RegisterSystem("me", false, "r", object.key(), 0, 64).ok());
+  EXPECT_TRUE(lenient.RegisterSystem("me", {}, "r", object.key(), 0, 64).ok());
 }
 
 TEST(RegionRegistryTest, RefusesEveryReferenceOnceItsObjectShrankBelowTheRegion) {
   ShmObject object(3 * 4096);
   RegionRegistry registry({}, {});
-  ASSERT_TRUE(registry.RegisterSystem("me", false, "r", object.key(), 4096, 8192).ok());
+  ASSERT_TRUE(registry.RegisterSystem("me", {}, "r", object.key(), 4096, 8192).ok());
   std::vector<RegionRegistry::Use> uses;
   ASSERT_TRUE(registry.Resolve("me", "q.ref", "r", 0, 64, 1, &uses).ok());
   object.Truncate(2 * 4096);
@@ -336,7 +404,7 @@ TEST(RegionRegistryTest, RefusesEveryReferenceOnceItsObjectShrankBelowTheRegion)
             absl::StatusCode::kFailedPrecondition);
   uses.clear();
   ASSERT_TRUE(Unregister(registry, "me", "r", absl::Now()).ok());
-  ASSERT_TRUE(registry.RegisterSystem("me", false, "r", object.key(), 4096, 8192).ok());
+  ASSERT_TRUE(registry.RegisterSystem("me", {}, "r", object.key(), 4096, 8192).ok());
   EXPECT_TRUE(registry.Resolve("me", "q.ref", "r", 0, 64, 1, &uses).ok());
 }
 
@@ -346,8 +414,8 @@ TEST(RegionRegistryTest, AnAccessPastAShrunkObjectsEndReadsZerosAndFailsItsReque
   int unpinned = 0;
   RegionRegistry registry({}, {.pin_host = [](void*, int64_t) { return true; },
                                .unpin_host = [&unpinned](void*) { ++unpinned; }});
-  ASSERT_TRUE(registry.RegisterSystem("me", false, "r", object.key(), 0, 4 * 4096).ok());
-  ASSERT_TRUE(registry.RegisterSystem("me", false, "other", other.key(), 0, 4096).ok());
+  ASSERT_TRUE(registry.RegisterSystem("me", {}, "r", object.key(), 0, 4 * 4096).ok());
+  ASSERT_TRUE(registry.RegisterSystem("me", {}, "other", other.key(), 0, 4096).ok());
   std::vector<RegionRegistry::Use> uses;
   absl::StatusOr<RegionSpan> span = registry.Resolve("me", "v.ref", "r", 0, 4 * 4096, 1, &uses);
   ASSERT_TRUE(span.ok()) << span.status();
@@ -378,7 +446,7 @@ TEST(RegionRegistryTest, AnAccessPastAShrunkObjectsEndReadsZerosAndFailsItsReque
 TEST(RegionRegistryDeathTest, AFaultOutsideEveryRegionStillKills) {
   ShmObject object(4096);
   RegionRegistry registry({}, {});
-  ASSERT_TRUE(registry.RegisterSystem("me", false, "r", object.key(), 0, 4096).ok());  // guard on
+  ASSERT_TRUE(registry.RegisterSystem("me", {}, "r", object.key(), 0, 4096).ok());  // guard on
   ShmObject unguarded(2 * 4096);
   EXPECT_DEATH(
       {
@@ -395,7 +463,7 @@ TEST(RegionRegistryDeathTest, AFaultOutsideEveryRegionStillKills) {
 TEST(RegionRegistryDeathTest, ASentSigbusStillKills) {
   ShmObject object(4096);
   RegionRegistry registry({}, {});
-  ASSERT_TRUE(registry.RegisterSystem("me", false, "r", object.key(), 0, 4096).ok());
+  ASSERT_TRUE(registry.RegisterSystem("me", {}, "r", object.key(), 0, 4096).ok());
   EXPECT_DEATH(raise(SIGBUS), "");
 }
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/service/connections.h"
 #include "server/streams/request_rings.h"
 
 namespace attention::server {
@@ -92,18 +93,21 @@ grpc::ServerUnaryReactor* SharedMemoryService::Register(grpc::CallbackServerCont
   absl::Status status = Admission(ticket);
   if (status.ok()) {
     const std::string owner = RegionOwner(*context, gate_->auth_token());
-    // An owner known by its connection alone may go without a word: its regions expire when
-    // idle (region_registry.h). A token's regions stay until unregistered.
-    const bool expires = gate_->auth_token().empty();
+    // An owner known by its connection alone may go without a word: its regions go with its
+    // connection, or once idle (region_registry.h). A token's regions stay until unregistered.
+    RegionOwnership ownership;
+    if (gate_->auth_token().empty()) {
+      ownership = {.by_connection = true, .connection = ConnectionOf(context->peer())};
+    }
     absl::StatusOr<RegionDescription> region;
     switch (request->source_case()) {
       case v1::RegisterRegionRequest::kSystemKey:
-        region = registry_->RegisterSystem(owner, expires, request->name(), request->system_key(),
+        region = registry_->RegisterSystem(owner, ownership, request->name(), request->system_key(),
                                            request->offset(), request->byte_size());
         break;
       case v1::RegisterRegionRequest::kCudaIpcHandle:
         region =
-            registry_->RegisterCuda(owner, expires, request->name(), request->cuda_ipc_handle(),
+            registry_->RegisterCuda(owner, ownership, request->name(), request->cuda_ipc_handle(),
                                     request->device(), request->offset(), request->byte_size());
         break;
       default:

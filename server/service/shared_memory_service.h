@@ -5,8 +5,8 @@
 //
 // Owners: a region belongs to the caller's bearer token when the server checks tokens, else to
 // the caller's connection (its peer address and port; RegionOwner, server/calls/call_gate.h), so
-// another client of the same host cannot use or see it. A connection's regions expire once idle
-// for --region_idle_timeout_s (the server does not learn when a connection closes).
+// another client of the same host cannot use or see it. A connection's regions go with it (its
+// channelz id, connections.h), or once idle for --region_idle_timeout_s.
 #pragma once
 
 #include <memory>

@@ -4,8 +4,8 @@
 // bit for bit); every bad reference or registration gets its documented code and writes nothing
 // outside the region (guard bytes around it are checked); an output overlapping an input or another
 // output (Attend, a Step's entries) is refused naming both; regions of one caller are invisible to
-// another; another user's object is refused; a tokenless client's regions are released once
-// idle; Unregister waits for a running request; without --allow_shared_memory everything is
+// another; another user's object is refused; a tokenless client's regions go with its connection
+// or once idle; Unregister waits for a running request; without --allow_shared_memory everything is
 // FAILED_PRECONDITION; a client that shrinks its object before or during a request gets
 // FAILED_PRECONDITION, and the server serves on.
 #include "client/shared_memory.h"
@@ -584,41 +584,63 @@ int OpenFdsOf(pid_t pid, const std::string& key) {
   return n;
 }
 
-// A client without a token that registers regions and goes away without unregistering them: the
-// server does not learn that its connection closed, but once the regions are unused for
-// --region_idle_timeout_s they are released (fds closed, bytes unmapped), so such clients cannot
-// hold --max_shared_memory_bytes forever, and a later connection on the same address and port
-// finds nothing of theirs.
-TEST(SharedMemoryLifetimeE2E, TheRegionsOfAClientWithoutATokenAreReleasedOnceIdle) {
-  absl::StatusOr<RunningServer> server =
-      StartServer({"--backend=cpu", "--threads=1", "--allow_shared_memory",
-                   "--region_idle_timeout_s=1", "--max_shared_memory_bytes=8192"});
+// Waits up to 10 s for the server `pid` to hold no fd of the object `key`; how long it took.
+absl::Duration AwaitFdsClosed(pid_t pid, const std::string& key) {
+  const absl::Time start = absl::Now();
+  while (OpenFdsOf(pid, key) > 0 && absl::Now() - start < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::Now() - start;
+}
+
+// A client without a token that registers regions and goes away without unregistering them: gRPC
+// does not tell the server that its connection closed, but the server sees it among its open
+// connections no more and releases the regions (fds closed, bytes unmapped), long before
+// --region_idle_timeout_s, so such clients cannot hold --max_shared_memory_bytes, and a later
+// connection on the same address and port finds nothing of theirs.
+TEST(SharedMemoryLifetimeE2E, TheRegionsOfAClientWithoutATokenGoWithItsConnection) {
+  absl::StatusOr<RunningServer> server = StartServer(
+      {"--backend=cpu", "--threads=1", "--allow_shared_memory", "--max_shared_memory_bytes=8192"});
   ASSERT_TRUE(server.ok()) << server.status();
   absl::StatusOr<std::unique_ptr<SharedMemoryObject>> object =
       SharedMemoryObject::Create(FreshKey("gone"), 8192);
   ASSERT_TRUE(object.ok()) << object.status();
   const std::string key = (*object)->key();
   const pid_t pid = server->process->pid();
-  {
-    std::unique_ptr<client::Client> short_lived =
-        ClientOnItsOwnConnection(server->process->target());
-    SharedMemoryClient regions(*short_lived);
-    ASSERT_TRUE(regions.RegisterSystem("a", key, 0, 4096).ok());
-    ASSERT_TRUE(regions.RegisterSystem("b", key, 4096, 4096).ok());
-  }  // gone without unregistering
-  const absl::Time gone_at = absl::Now();
+  std::unique_ptr<client::Client> short_lived = ClientOnItsOwnConnection(server->process->target());
+  ASSERT_TRUE(SharedMemoryClient(*short_lived).RegisterSystem("a", key, 0, 4096).ok());
+  ASSERT_TRUE(SharedMemoryClient(*short_lived).RegisterSystem("b", key, 4096, 4096).ok());
   EXPECT_EQ(OpenFdsOf(pid, key), 2);
   // Every byte is held: another client is refused for now.
   SharedMemoryClient regions(*server->client);
   const absl::Status full = regions.RegisterSystem("c", key, 0, 4096).status();
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
-  while (OpenFdsOf(pid, key) > 0 && absl::Now() - gone_at < absl::Seconds(10)) {
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  short_lived.reset();  // gone without unregistering: its connection closes
+  const absl::Duration released_after = AwaitFdsClosed(pid, key);
   EXPECT_EQ(OpenFdsOf(pid, key), 0) << "the gone client's regions were not released";
-  EXPECT_GE(absl::Now() - gone_at, absl::Milliseconds(900));
+  EXPECT_LT(released_after, absl::Seconds(5));  // about a second, the default idle time is 300 s
   EXPECT_TRUE(regions.RegisterSystem("c", key, 0, 8192).ok());
   EXPECT_TRUE(regions.Unregister("c").ok());
+  EXPECT_TRUE(server->Stop().ok());
+}
+
+// A connected client's region that no request uses for --region_idle_timeout_s is released.
+TEST(SharedMemoryLifetimeE2E, AnIdleRegionOfAClientWithoutATokenIsReleased) {
+  absl::StatusOr<RunningServer> server = StartServer(
+      {"--backend=cpu", "--threads=1", "--allow_shared_memory", "--region_idle_timeout_s=1"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::StatusOr<std::unique_ptr<SharedMemoryObject>> object =
+      SharedMemoryObject::Create(FreshKey("idle"), 4096);
+  ASSERT_TRUE(object.ok()) << object.status();
+  SharedMemoryClient regions(*server->client);
+  ASSERT_TRUE(regions.RegisterSystem("idle", (*object)->key(), 0, 4096).ok());
+  const absl::Duration released_after = AwaitFdsClosed(server->process->pid(), (*object)->key());
+  EXPECT_GE(released_after, absl::Milliseconds(900));
+  EXPECT_LT(released_after, absl::Seconds(5));
+  absl::StatusOr<v1::ListRegionsResponse> list = regions.List();
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->regions_size(), 0);
+  EXPECT_EQ(regions.Unregister("idle").code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(server->Stop().ok());
 }
 
