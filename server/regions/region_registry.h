@@ -22,7 +22,8 @@
 // used it for RegionLimits::idle_timeout when its connection's id is unknown or the hook cannot
 // say; a registration from a later connection with the same owner key (the same address and port)
 // drops what an earlier connection left. So clients that come and go cannot pile up mappings and
-// fds, nor hand their regions to a later connection. One housekeeping thread does it, and answers
+// fds, and a later connection could reach an earlier one's regions only in the second before the
+// check. One housekeeping thread does it, and answers
 // the Unregister calls that wait (their region's last Use, their deadline): no thread per waiting
 // call.
 //
