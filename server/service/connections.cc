@@ -49,7 +49,8 @@ std::optional<std::vector<Socket>> ServerSockets() {
   if (!servers.has_value()) return std::nullopt;
   std::vector<Socket> sockets;
   for (const Value& server : FieldOf(*servers, "server").list_value().values()) {
-    const int64_t server_id = IdOf(FieldOf(server.struct_value(), "ref").struct_value(), "serverId");
+    const int64_t server_id =
+        IdOf(FieldOf(server.struct_value(), "ref").struct_value(), "serverId");
     if (server_id < 0) return std::nullopt;
     // Pages of sockets, by ascending id, until channelz says the end.
     int64_t start = 0;
