@@ -2,8 +2,8 @@
 // reflection and Prometheus metrics. Flags are read here only and handed on as option structs.
 //
 // Shutdown on SIGTERM or SIGINT: health turns NOT_SERVING, new requests are answered UNAVAILABLE,
-// requests already accepted finish (for up to --shutdown_grace_s, then they are cancelled), and
-// the process exits 0. Idle connections and idle open streams do not hold the exit.
+// requests already accepted finish (for up to --shutdown_grace_s, then they are cancelled), open
+// streams end UNAVAILABLE, and the process exits 0. Idle connections do not hold the exit.
 //
 // --max_connection_age_s makes clients reconnect now and then (gRPC sends GOAWAY; calls in flight
 // get --max_connection_age_grace_s), so clients behind a load balancer or a Kubernetes Service
@@ -31,7 +31,6 @@
 #include <fstream>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -47,6 +46,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "git_commit.h"  // ATTENTION_GIT_COMMIT, written by the build (server/git_commit.cmake)
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -61,6 +61,7 @@
 #include "server/options/server_options.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/attention_service.h"
+#include "server/service/connections.h"
 #include "server/service/reflection_v1.h"
 #include "server/service/session_service.h"
 #include "server/service/shared_memory_service.h"
@@ -159,10 +160,20 @@ ABSL_FLAG(bool, allow_shared_memory, false,
 ABSL_FLAG(int, max_shared_memory_regions, 64, "Shared-memory regions one caller may register.");
 ABSL_FLAG(int64_t, max_shared_memory_bytes, int64_t{64} << 30,
           "Bytes of shared memory mapped at most, over every caller.");
+ABSL_FLAG(int, region_idle_timeout_s, 300,
+          "Without --auth_token_file (a region then belongs to a connection, and goes with it): "
+          "seconds after which a shared-memory region no request has used is released too.");
+ABSL_FLAG(bool, allow_foreign_regions, false,
+          "Register POSIX shared-memory objects owned by another user than the server's (refused "
+          "PERMISSION_DENIED otherwise).");
 ABSL_FLAG(int, max_rings, 4,
           "With --allow_shared_memory: request rings (SharedMemory.OpenRing) served at once, over "
           "every caller. Each has a thread of its own, which spins while its requests come (it "
           "sleeps after 20 ms without one). 0: no rings.");
+ABSL_FLAG(int, ring_stall_timeout_s, 30,
+          "Seconds a request ring's answer may wait for a free response slot (its client stopped "
+          "taking answers) before the ring ends DEADLINE_EXCEEDED, freeing its region and its "
+          "place among --max_rings.");
 ABSL_FLAG(double, max_request_flops, 0,
           "Work one request may ask for, FLOPs (4 * Hq * D * visible query-key pairs); more is "
           "refused RESOURCE_EXHAUSTED. 0 = the backend's default (cuda 2e15, cpu 5e13).");
@@ -273,13 +284,12 @@ absl::StatusOr<std::vector<std::unique_ptr<Executor>>> MakeExecutors(ServerOptio
 }
 
 // The shutdown's steps (Run): how long aborted work gets to answer after the grace, the linger
-// for answers in transit, the quiet that ends the holding of refusals and its longest wait, the
-// time gRPC's GOAWAY gets before the held refusals go out, and gRPC's own close.
+// for answers in transit, the quiet that ends the holding of refusals and its longest wait, and
+// gRPC's own close.
 constexpr absl::Duration kAbortWait = absl::Seconds(2);
 constexpr absl::Duration kLinger = absl::Seconds(1);
 constexpr absl::Duration kQuiet = absl::Milliseconds(50);
 constexpr absl::Duration kMaxHold = absl::Seconds(1);
-constexpr absl::Duration kGoawayLead = absl::Milliseconds(50);
 constexpr absl::Duration kClose = absl::Milliseconds(500);
 
 int Run(ServerConfig options, const sigset_t& stop_signals) {
@@ -357,7 +367,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   std::unique_ptr<RegionRegistry> regions;
   if (options.shared_memory.allow) {
     regions = std::make_unique<RegionRegistry>(options.shared_memory.limits,
-                                               MakeRegionHooks(options.backend));
+                                               MakeRegionHooks(options.backend), OpenConnections);
   }
   // Where a request's tensors land (their one host copy) and its results are sent from: pinned
   // for the GPUs' DMAs, freed blocks kept up to twice the message limit.
@@ -398,8 +408,9 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // Request rings in the callers' regions; stopped after the server and the scheduler (below).
   std::unique_ptr<RequestRings> rings;
   if (regions != nullptr && options.shared_memory.max_rings > 0) {
-    rings = std::make_unique<RequestRings>(&stream_methods, regions.get(), &gate,
-                                           options.shared_memory.max_rings);
+    rings = std::make_unique<RequestRings>(
+        &stream_methods, regions.get(), &gate, options.shared_memory.max_rings,
+        absl::Seconds(options.shared_memory.ring_stall_timeout_s));
   }
   SharedMemoryService shared_memory(regions.get(), rings.get(), &gate);
 
@@ -531,16 +542,32 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // among the last answered, and which sends its next one at once, is refused by the service
   // rather than cancelled by gRPC's shutdown.
   if (drained) absl::SleepFor(std::min(kLinger, grace_end - absl::Now()));
+  // The streams still open (AttendStream, StepStream, request rings) end UNAVAILABLE, each once
+  // its answers are written, rather than be cancelled by gRPC's shutdown below; a stream opened
+  // from here on has its first message refused, held as below.
+  stream_methods.EndOpenStreams(absl::UnavailableError("server is shutting down"));
   // Then the refusals are held until calls stop arriving (each client waits for its answer), so
   // none is half-received when gRPC shuts down; gRPC sends its GOAWAY, and only then are the held
   // calls answered UNAVAILABLE: their clients' next calls find the server gone, not cancelled.
   drain.HoldUntilQuiet(kQuiet, kMaxHold);
+  // gRPC's shutdown begins here, on this thread: grpc_server_shutdown_and_notify returns once it
+  // has stopped listening and queued a GOAWAY on every connection. A call reaching gRPC after
+  // this is cancelled by it (gRPC 1.51), so the held answers go out only now: each goes on its
+  // connection behind the GOAWAY, which its client has therefore read before the answer, and its
+  // next call goes elsewhere. (A thread calling Server::Shutdown while this one slept a fixed
+  // moment before answering could be late on a loaded host, letting answered clients call again
+  // into the shutdown.)
+  grpc::CompletionQueue shutdown_queue;
+  grpc_server_shutdown_and_notify(server->c_server(), shutdown_queue.cq(), &shutdown_queue);
+  drain.ReleaseHeld();
   // gRPC: at the deadline it cancels what is left (open streams, calls still running after the
   // grace, whose queued work the scheduler then drops) and closes connections, idle or not.
-  std::thread closer([&server] { server->Shutdown(absl::ToChronoTime(absl::Now() + kClose)); });
-  absl::SleepFor(kGoawayLead);
-  drain.ReleaseHeld();
-  closer.join();
+  server->Shutdown(absl::ToChronoTime(absl::Now() + kClose));
+  shutdown_queue.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (shutdown_queue.Next(&tag, &ok)) {
+  }
   scheduler.Shutdown();
   if (polled_streams != nullptr) polled_streams->Stop();  // after every call that could still write
   if (rings != nullptr) rings->Stop();
@@ -624,7 +651,11 @@ int main(int argc, char** argv) {
   options.shared_memory.limits.max_regions_per_owner =
       absl::GetFlag(FLAGS_max_shared_memory_regions);
   options.shared_memory.limits.max_mapped_bytes = absl::GetFlag(FLAGS_max_shared_memory_bytes);
+  options.shared_memory.limits.idle_timeout =
+      absl::Seconds(absl::GetFlag(FLAGS_region_idle_timeout_s));
+  options.shared_memory.limits.allow_foreign = absl::GetFlag(FLAGS_allow_foreign_regions);
   options.shared_memory.max_rings = absl::GetFlag(FLAGS_max_rings);
+  options.shared_memory.ring_stall_timeout_s = absl::GetFlag(FLAGS_ring_stall_timeout_s);
   options.receive_memory_bytes = int64_t{absl::GetFlag(FLAGS_receive_memory_mb)} << 20;
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.service.version = ATTENTION_VERSION;

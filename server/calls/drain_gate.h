@@ -5,7 +5,11 @@
 // Before gRPC's own shutdown closes the connections, main holds the refusals for a moment: a
 // client waiting for its answer sends nothing new, so once calls stop arriving no call is left
 // half-received when gRPC shuts down (gRPC 1.51 answers such calls CANCELLED, which clients do not
-// retry). The held refusals are answered UNAVAILABLE once gRPC has sent its GOAWAY.
+// retry). The held refusals are answered UNAVAILABLE once gRPC has queued its GOAWAY on every
+// connection (main answers them right after grpc_server_shutdown_and_notify returns), so each
+// client reads the GOAWAY before its answer and sends its next call elsewhere. What remains: a
+// client that waits on no answer (it pauses between calls longer than the quiet) and sends in the
+// moment between gRPC's shutdown beginning and its reading the GOAWAY.
 #pragma once
 
 #include <algorithm>

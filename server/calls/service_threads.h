@@ -1,7 +1,7 @@
-// Threads a service starts for work that outlives the gRPC handler that began it (an Unregister
-// waiting for its region's requests, a request ring's server), so that gRPC's own threads never
-// block. Each is joined once it has ended, when the owner reaps before starting the next, or at
-// JoinAll: ended threads do not pile up. No lock of its own: the owner guards it with its own.
+// Threads a service starts for work that outlives the gRPC handler that began it (a request
+// ring's server), so that gRPC's own threads never block. Each is joined once it has ended, when
+// the owner reaps before starting the next, or at JoinAll: ended threads do not pile up. No lock of
+// its own: the owner guards it with its own.
 #pragma once
 
 #include <atomic>

@@ -61,6 +61,15 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_rings: expected >= 0 (0: no request rings), got ", o.shared_memory.max_rings));
   }
+  if (o.shared_memory.limits.idle_timeout < absl::Seconds(1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--region_idle_timeout_s: expected >= 1, got ",
+                     absl::ToInt64Seconds(o.shared_memory.limits.idle_timeout)));
+  }
+  if (o.shared_memory.ring_stall_timeout_s < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--ring_stall_timeout_s: expected >= 1, got ",
+                                                   o.shared_memory.ring_stall_timeout_s));
+  }
   if (!(o.max_request_flops >= 0 && std::isfinite(o.max_request_flops))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_request_flops: expected a finite value >= 0 (0 = the backend's default), got ",

@@ -27,8 +27,13 @@ struct KvCacheOptions {
 // Shared memory for co-located clients (regions/region_registry.h).
 struct SharedMemoryOptions {
   bool allow = false;  // --allow_shared_memory
+  // --max_shared_memory_regions, --max_shared_memory_bytes, --region_idle_timeout_s,
+  // --allow_foreign_regions
   RegionLimits limits;
   int max_rings = 4;  // --max_rings: request rings served at once (streams/request_rings.h)
+  // --ring_stall_timeout_s: how long a ring's answer may wait for a free response slot (its
+  // client stopped reading) before the ring ends.
+  int ring_stall_timeout_s = 30;
 };
 
 struct ServerOptions {

@@ -68,6 +68,16 @@ TEST(CheckOptionsTest, CountsAtLeastOne) {
     o.stream_window = 0;
     ExpectInvalid(CheckOptions(o, kMessageMb), "--stream_window", "expected >= 1", "got 0");
   }
+  {
+    ServerOptions o;
+    o.shared_memory.limits.idle_timeout = absl::ZeroDuration();
+    ExpectInvalid(CheckOptions(o, kMessageMb), "--region_idle_timeout_s", "expected >= 1", "got 0");
+  }
+  {
+    ServerOptions o;
+    o.shared_memory.ring_stall_timeout_s = 0;
+    ExpectInvalid(CheckOptions(o, kMessageMb), "--ring_stall_timeout_s", "expected >= 1", "got 0");
+  }
 }
 
 TEST(CheckOptionsTest, NonNegatives) {

@@ -6,17 +6,19 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "kernels/quote.h"
 #include "server/regions/shrink_guard.h"
 
 namespace attention::server {
 
-// One registered region. `uses`, `closing` and `removed` are guarded by the registry's mu_; the
+// One registered region. `uses`, `last_used` and `waiters` are guarded by the registry's mu_; the
 // rest is fixed once inserted, but `shrunk`.
 struct RegionRegistry::Use::Region {
   RegionDescription description;
@@ -29,9 +31,17 @@ struct RegionRegistry::Use::Region {
   // (shrink_guard put zero pages there). The mapping no longer holds the object's bytes (and a
   // pinned one's pages may be the object's old ones): no request may use it from then on.
   std::atomic<bool> shrunk{false};
+  RegionOwnership ownership;
+  // A connection whose id is known: released once it is no longer open.
+  bool by_known_connection() const { return ownership.by_connection && ownership.connection >= 0; }
   int uses = 0;
-  int closing = 0;       // Unregister calls waiting: no new Use while any is
-  bool removed = false;  // taken out of the registry (by one of them)
+  absl::Time last_used;  // registered, or the last Use taken or dropped
+  // Unregister calls waiting for the last Use: no new Use while any is.
+  struct Waiter {
+    absl::Time deadline;
+    absl::AnyInvocable<void(absl::Status) &&> done;
+  };
+  std::vector<Waiter> waiters;
 
   absl::Status Intact(absl::string_view field);
 };
@@ -82,6 +92,8 @@ absl::StatusOr<RegionSpan> RegionRegistry::Use::SpanOf(const Region& region,
 
 namespace {
 
+// How often the open connections are asked for while regions of known connections exist.
+constexpr absl::Duration kConnectionCheck = absl::Seconds(1);
 constexpr size_t kMaxRegionName = 256;
 // cudaIpcMemHandle_t is 64 bytes (CUDA_IPC_HANDLE_SIZE); this room holds no CUDA header.
 constexpr size_t kCudaIpcHandleBytes = 64;
@@ -134,10 +146,20 @@ RegionRegistry::Use::~Use() {
   if (registry_ != nullptr && region_ != nullptr) registry_->Release(region_.get());
 }
 
-RegionRegistry::RegionRegistry(const RegionLimits& limits, RegionHooks hooks)
-    : limits_(limits), hooks_(std::move(hooks)) {}
+RegionRegistry::RegionRegistry(const RegionLimits& limits, RegionHooks hooks,
+                               OpenConnectionsHook open_connections)
+    : limits_(limits),
+      hooks_(std::move(hooks)),
+      open_connections_(std::move(open_connections)),
+      housekeeper_([this] { Housekeep(); }) {}
 
 RegionRegistry::~RegionRegistry() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  housekeeping_.notify_all();
+  housekeeper_.join();
   for (auto& [key, region] : regions_) Unmap(*region);
 }
 
@@ -176,25 +198,52 @@ absl::StatusOr<RegionDescription> RegionRegistry::Insert(const std::string& owne
     return room;
   }
   mapped_bytes_ += d.byte_size;
+  region->last_used = absl::Now();
   regions_[{owner, d.name}] = region;
+  if (region->by_known_connection()) ++connection_regions_;
+  if (region->ownership.by_connection) housekeeping_.notify_all();  // its idle end, its checks
   return d;
 }
 
-absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(const std::string& owner,
-                                                                 const std::string& name,
-                                                                 const std::string& key,
-                                                                 int64_t offset,
-                                                                 int64_t byte_size) {
+std::vector<std::shared_ptr<RegionRegistry::Region>> RegionRegistry::TakeStaleLocked(
+    const std::string& owner, const RegionOwnership& ownership) {
+  std::vector<std::shared_ptr<Region>> stale;
+  if (!ownership.by_connection || ownership.connection < 0) return stale;
+  for (auto it = regions_.lower_bound({owner, ""});
+       it != regions_.end() && it->first.first == owner;) {
+    const Region& region = *it->second;
+    if (region.by_known_connection() && region.ownership.connection != ownership.connection &&
+        region.uses == 0 && region.waiters.empty()) {
+      stale.push_back(RemoveLocked(it++));
+    } else {
+      ++it;
+    }
+  }
+  return stale;
+}
+
+absl::Status RegionRegistry::Prepare(const std::string& owner, const RegionOwnership& ownership,
+                                     const std::string& name) {
+  std::vector<std::shared_ptr<Region>> stale;
+  absl::Status room;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stale = TakeStaleLocked(owner, ownership);
+    room = CheckRoomLocked(owner, name, 0);
+  }
+  for (const std::shared_ptr<Region>& region : stale) Unmap(*region);
+  return room;
+}
+
+absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(
+    const std::string& owner, const RegionOwnership& ownership, const std::string& name,
+    const std::string& key, int64_t offset, int64_t byte_size) {
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   if (absl::Status s = CheckSystemKey(key); !s.ok()) return s;
   if (absl::Status s = CheckRange(offset, byte_size); !s.ok()) return s;
-  {
-    // Refuse a taken name or a full caller early, before opening anything; the bytes after the
-    // object's size, so a size beyond the object is INVALID_ARGUMENT whatever the limit. Insert
-    // checks again under the same lock.
-    std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Status room = CheckRoomLocked(owner, name, 0); !room.ok()) return room;
-  }
+  // The bytes are checked after the object's size, so a size beyond the object is
+  // INVALID_ARGUMENT whatever the limit.
+  if (absl::Status room = Prepare(owner, ownership, name); !room.ok()) return room;
   // Never O_CREAT: the client made the object; the server only maps what exists.
   const int fd = shm_open(key.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
@@ -209,6 +258,15 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(const std::stri
     close(fd);
     return absl::InvalidArgumentError(
         absl::StrCat("system_key: ", Quote(key), " is not a shared-memory object"));
+  }
+  // The server may open objects its clients may not (another user's, readable by the server's
+  // user or by root): a client learning such a name must not reach its bytes through us. The
+  // caller's own uid is not known over TCP, so the object must be the server's user's.
+  if (!limits_.allow_foreign && st.st_uid != geteuid()) {
+    close(fd);
+    return absl::PermissionDeniedError(absl::StrCat(
+        "system_key: ", Quote(key), " belongs to uid ", st.st_uid, ", expected the server's uid ",
+        geteuid(), " (another user's objects are refused; --allow_foreign_regions allows them)"));
   }
   if (offset + byte_size > static_cast<int64_t>(st.st_size)) {
     close(fd);
@@ -255,15 +313,14 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterSystem(const std::stri
   region->data = static_cast<char*>(base) + (offset - map_offset);
   region->fd = fd;  // kept: each reference checks the object's size
   region->guard = guard;
+  region->ownership = ownership;
   if (hooks_.pin_host) region->description.pinned = hooks_.pin_host(base, map_bytes);
   return Insert(owner, std::move(region));
 }
 
-absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(const std::string& owner,
-                                                               const std::string& name,
-                                                               const std::string& handle,
-                                                               int device, int64_t offset,
-                                                               int64_t byte_size) {
+absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(
+    const std::string& owner, const RegionOwnership& ownership, const std::string& name,
+    const std::string& handle, int device, int64_t offset, int64_t byte_size) {
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   if (!hooks_.open_cuda) {
     return absl::UnimplementedError(
@@ -275,11 +332,8 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(const std::string
                      " bytes (a cudaIpcMemHandle_t), got ", handle.size()));
   }
   if (absl::Status s = CheckRange(offset, byte_size); !s.ok()) return s;
-  {
-    // As RegisterSystem: the bytes are checked (in Insert) after the allocation's size.
-    std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Status room = CheckRoomLocked(owner, name, 0); !room.ok()) return room;
-  }
+  // As RegisterSystem: the bytes are checked (in Insert) after the allocation's size.
+  if (absl::Status room = Prepare(owner, ownership, name); !room.ok()) return room;
   absl::StatusOr<std::pair<void*, int64_t>> opened = hooks_.open_cuda(handle, device);
   if (!opened.ok()) return opened.status();
   auto region = std::make_shared<Region>();
@@ -290,6 +344,7 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(const std::string
                                           .byte_size = byte_size};
   region->map_base = opened->first;
   region->data = static_cast<char*>(opened->first) + offset;
+  region->ownership = ownership;
   if (offset + byte_size > opened->second) {
     Unmap(*region);
     return absl::InvalidArgumentError(
@@ -299,33 +354,105 @@ absl::StatusOr<RegionDescription> RegionRegistry::RegisterCuda(const std::string
   return Insert(owner, std::move(region));
 }
 
-absl::Status RegionRegistry::Unregister(const std::string& owner, const std::string& name,
-                                        absl::Time deadline) {
-  std::shared_ptr<Region> region;
+std::shared_ptr<RegionRegistry::Region> RegionRegistry::RemoveLocked(
+    std::map<Key, std::shared_ptr<Region>>::iterator it) {
+  std::shared_ptr<Region> region = std::move(it->second);
+  regions_.erase(it);
+  mapped_bytes_ -= region->description.byte_size;
+  if (region->by_known_connection()) --connection_regions_;
+  return region;
+}
+
+void RegionRegistry::Unregister(const std::string& owner, const std::string& name,
+                                absl::Time deadline,
+                                absl::AnyInvocable<void(absl::Status) &&> done) {
+  std::shared_ptr<Region> removed;
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find({owner, name});
-    if (it == regions_.end()) {
-      return absl::NotFoundError(absl::StrCat("name: no region ", Quote(name), " of this caller"));
+    if (it != regions_.end() && it->second->uses > 0) {
+      // The housekeeper answers it: at the last Use (Release wakes it) or at `deadline`.
+      it->second->waiters.push_back({.deadline = deadline, .done = std::move(done)});
+      housekeeping_.notify_all();
+      return;
     }
-    region = it->second;
-    ++region->closing;  // no new Use from here on
-    const bool idle = released_.wait_until(lock, absl::ToChronoTime(deadline),
-                                           [&] { return region->uses == 0 || region->removed; });
-    --region->closing;
-    if (region->removed) return absl::OkStatus();  // another Unregister of it finished first
-    if (!idle) {
-      return absl::DeadlineExceededError(absl::StrCat("region ", Quote(name), " is still used by ",
-                                                      region->uses,
-                                                      " running requests; it stays registered"));
-    }
-    region->removed = true;
-    regions_.erase({owner, name});
-    mapped_bytes_ -= region->description.byte_size;
+    if (it != regions_.end()) removed = RemoveLocked(it);
   }
-  released_.notify_all();  // other Unregister calls of this region
-  Unmap(*region);
-  return absl::OkStatus();
+  if (removed == nullptr) {
+    return std::move(done)(
+        absl::NotFoundError(absl::StrCat("name: no region ", Quote(name), " of this caller")));
+  }
+  Unmap(*removed);
+  std::move(done)(absl::OkStatus());
+}
+
+void RegionRegistry::Housekeep() {
+  std::unique_lock<std::mutex> lock(mu_);
+  absl::Time next_check = absl::InfinitePast();  // of the open connections
+  while (!stopping_) {
+    // The open connections, asked off the lock; a region used or registered since may belong to
+    // a connection newer than the answer, so only regions idle since are judged by it.
+    std::optional<absl::flat_hash_set<int64_t>> open;
+    absl::Time asked = absl::InfinitePast();
+    if (open_connections_ && connection_regions_ > 0 && absl::Now() >= next_check) {
+      lock.unlock();
+      asked = absl::Now();
+      open = open_connections_();
+      lock.lock();
+      next_check = asked + kConnectionCheck;
+      if (stopping_) break;
+    }
+    const absl::Time now = absl::Now();
+    // The next deadline, idle end or check of the open connections.
+    absl::Time next =
+        connection_regions_ > 0 && open_connections_ ? next_check : absl::InfiniteFuture();
+    std::vector<std::shared_ptr<Region>> removed;
+    std::vector<std::pair<Region::Waiter, absl::Status>> answers;
+    for (auto it = regions_.begin(); it != regions_.end();) {
+      Region& region = *it->second;
+      const bool closed = open.has_value() && region.by_known_connection() &&
+                          region.last_used < asked && !open->contains(region.ownership.connection);
+      if (region.uses == 0 &&
+          (!region.waiters.empty() || closed ||
+           (region.ownership.by_connection && now - region.last_used >= limits_.idle_timeout))) {
+        for (Region::Waiter& waiter : region.waiters) {
+          answers.emplace_back(std::move(waiter), absl::OkStatus());
+        }
+        region.waiters.clear();
+        removed.push_back(RemoveLocked(it++));
+        continue;
+      }
+      // Still used: the waiters whose deadline passed give up; the region stays.
+      for (auto w = region.waiters.begin(); w != region.waiters.end();) {
+        if (w->deadline > now) {
+          next = std::min(next, w->deadline);
+          ++w;
+          continue;
+        }
+        answers.emplace_back(std::move(*w),
+                             absl::DeadlineExceededError(absl::StrCat(
+                                 "region ", Quote(region.description.name), " is still used by ",
+                                 region.uses, " running requests; it stays registered")));
+        w = region.waiters.erase(w);
+      }
+      if (region.ownership.by_connection && region.uses == 0) {
+        next = std::min(next, region.last_used + limits_.idle_timeout);
+      }
+      ++it;
+    }
+    if (!removed.empty() || !answers.empty()) {
+      // Unmapped and answered off the lock: unpinning may take a while, and an answer ends a call.
+      lock.unlock();
+      for (const std::shared_ptr<Region>& region : removed) Unmap(*region);
+      removed.clear();
+      for (auto& [waiter, status] : answers) std::move(waiter.done)(std::move(status));
+      answers.clear();
+      lock.lock();
+      continue;
+    }
+    housekeeper_wakes_ = next;
+    housekeeping_.wait_until(lock, absl::ToChronoTime(next));
+  }
 }
 
 std::vector<RegionDescription> RegionRegistry::List(const std::string& owner) const {
@@ -349,7 +476,7 @@ absl::StatusOr<RegionSpan> RegionRegistry::Resolve(const std::string& owner,
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find({owner, region_name});
     // Another caller's region answers as an unknown one: names are not disclosed.
-    if (it == regions_.end() || it->second->closing > 0) {
+    if (it == regions_.end() || !it->second->waiters.empty()) {
       return absl::NotFoundError(absl::StrCat(field, ".region: no region ", Quote(region_name),
                                               " registered by this caller"));
     }
@@ -357,6 +484,7 @@ absl::StatusOr<RegionSpan> RegionRegistry::Resolve(const std::string& owner,
     span = Use::SpanOf(*region, field, offset, byte_size, alignment);
     if (!span.ok()) return span.status();
     ++region->uses;
+    region->last_used = absl::Now();
   }
   // Held from here (so mapped, its fd open) while its object's size is checked, off the lock.
   Use use(this, region);
@@ -378,11 +506,16 @@ int64_t RegionRegistry::mapped_bytes() const {
 }
 
 void RegionRegistry::Release(Region* region) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    --region->uses;
+  std::lock_guard<std::mutex> lock(mu_);
+  region->last_used = absl::Now();
+  if (--region->uses > 0) return;
+  // The last Use of a region Unregister waits for: the housekeeper removes it and answers. Of
+  // a connection's: its idle end, if the housekeeper would sleep past it (it sleeps until the
+  // earliest end it knows, so a region in steady use wakes nobody).
+  if (!region->waiters.empty() || (region->ownership.by_connection &&
+                                   region->last_used + limits_.idle_timeout < housekeeper_wakes_)) {
+    housekeeping_.notify_all();
   }
-  released_.notify_all();
 }
 
 absl::Status RegionRegistry::Use::Intact() const {

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/service/connections.h"
 #include "server/streams/request_rings.h"
 
 namespace attention::server {
@@ -74,15 +75,6 @@ SharedMemoryService::SharedMemoryService(RegionRegistry* registry, RequestRings*
                                          const CallGate* gate)
     : registry_(registry), rings_(rings), gate_(gate) {}
 
-SharedMemoryService::~SharedMemoryService() {
-  ServiceThreads waiters;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    waiters = std::move(waiters_);
-  }
-  waiters.JoinAll();
-}
-
 absl::Status SharedMemoryService::Admission(const CallTicket& ticket) const {
   if (!ticket.admission().ok()) return ticket.admission();
   return registry_ == nullptr ? SharedMemoryOff() : absl::OkStatus();
@@ -102,15 +94,21 @@ grpc::ServerUnaryReactor* SharedMemoryService::Register(grpc::CallbackServerCont
   absl::Status status = Admission(ticket);
   if (status.ok()) {
     const std::string owner = RegionOwner(*context, gate_->auth_token());
+    // An owner known by its connection alone may go without a word: its regions go with its
+    // connection, or once idle (region_registry.h). A token's regions stay until unregistered.
+    RegionOwnership ownership;
+    if (gate_->auth_token().empty()) {
+      ownership = {.by_connection = true, .connection = ConnectionOf(context->peer())};
+    }
     absl::StatusOr<RegionDescription> region;
     switch (request->source_case()) {
       case v1::RegisterRegionRequest::kSystemKey:
-        region = registry_->RegisterSystem(owner, request->name(), request->system_key(),
+        region = registry_->RegisterSystem(owner, ownership, request->name(), request->system_key(),
                                            request->offset(), request->byte_size());
         break;
       case v1::RegisterRegionRequest::kCudaIpcHandle:
         region =
-            registry_->RegisterCuda(owner, request->name(), request->cuda_ipc_handle(),
+            registry_->RegisterCuda(owner, ownership, request->name(), request->cuda_ipc_handle(),
                                     request->device(), request->offset(), request->byte_size());
         break;
       default:
@@ -133,21 +131,13 @@ grpc::ServerUnaryReactor* SharedMemoryService::Unregister(
     Answer(std::move(ticket), reactor, std::move(admission));
     return reactor;
   }
-  const std::string owner = RegionOwner(*context, gate_->auth_token());
-  // Most regions are idle: answer at once. One in use is waited for on a thread of its own, so
-  // gRPC's threads never block.
-  absl::Status status = registry_->Unregister(owner, request->name(), absl::Now());
-  if (!absl::IsDeadlineExceeded(status)) {
-    Answer(std::move(ticket), reactor, std::move(status));
-    return reactor;
-  }
-  const absl::Time deadline = absl::FromChrono(context->deadline());
-  std::lock_guard<std::mutex> lock(mu_);
-  waiters_.Reap();
-  waiters_.Start([this, owner, name = request->name(), deadline, reactor,
-                  ticket = std::move(ticket)]() mutable {
-    Answer(std::move(ticket), reactor, registry_->Unregister(owner, name, deadline));
-  });
+  // Most regions are idle: answered at once. One in use is answered by the registry's
+  // housekeeping thread when its last request ends or at the call's deadline; no thread waits.
+  registry_->Unregister(RegionOwner(*context, gate_->auth_token()), request->name(),
+                        absl::FromChrono(context->deadline()),
+                        [reactor, ticket = std::move(ticket)](absl::Status status) mutable {
+                          Answer(std::move(ticket), reactor, std::move(status));
+                        });
   return reactor;
 }
 

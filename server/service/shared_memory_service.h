@@ -5,18 +5,17 @@
 //
 // Owners: a region belongs to the caller's bearer token when the server checks tokens, else to
 // the caller's connection (its peer address and port; RegionOwner, server/calls/call_gate.h), so
-// another client of the same host cannot use or see it.
+// another client of the same host cannot use or see it. A connection's regions go with it (its
+// channelz id, connections.h), or once idle for --region_idle_timeout_s.
 #pragma once
 
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "server/calls/call_gate.h"
-#include "server/calls/service_threads.h"
 #include "server/regions/region_registry.h"
 #include "server/requests/tensor_refs.h"
 
@@ -67,8 +66,6 @@ class SharedMemoryService final : public v1::SharedMemory::CallbackService {
   // request rings. `registry`, `rings` and `gate` must outlive the service. Every call passes
   // `gate` (token, metrics, log; not the drain: no call here computes).
   SharedMemoryService(RegionRegistry* registry, RequestRings* rings, const CallGate* gate);
-  // Waits for the Unregister calls still waiting.
-  ~SharedMemoryService() override;
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* context,
                                      const v1::RegisterRegionRequest* request,
@@ -92,9 +89,6 @@ class SharedMemoryService final : public v1::SharedMemory::CallbackService {
   RegionRegistry* const registry_;
   RequestRings* const rings_;
   const CallGate* const gate_;
-  std::mutex mu_;
-  // Unregister calls waiting for their region's requests, off gRPC's threads.
-  ServiceThreads waiters_;  // guarded by mu_
 };
 
 }  // namespace attention::server

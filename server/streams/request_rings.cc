@@ -5,6 +5,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -154,9 +155,13 @@ class RequestRings::Flow final : public StreamFlow<Flow>, public Ring {
   using Base = StreamFlow<Flow>;
 
  public:
+  // `closing` runs as the ring closes, before its call is answered.
   Flow(Memory memory, std::vector<RegionRegistry::Use> use, const StreamMethod& method,
-       StreamProcess process, RingCall* call, v1::RingClosed* response)
+       StreamProcess process, RingCall* call, v1::RingClosed* response,
+       absl::Duration stall_timeout, absl::AnyInvocable<void() &&> closing)
       : Base(method, std::move(process)),
+        stall_timeout_(stall_timeout),
+        closing_(std::move(closing)),
         memory_(memory),
         use_(std::move(use)),
         call_(call),
@@ -177,6 +182,7 @@ class RequestRings::Flow final : public StreamFlow<Flow>, public Ring {
     {
       std::lock_guard<std::mutex> lock(ops_mu_);
       write_from_ = response;
+      write_since_ = absl::Now();
       PostLocked();  // the answering worker writes it, if a slot is free
     }
     Wake();
@@ -216,9 +222,25 @@ class RequestRings::Flow final : public StreamFlow<Flow>, public Ring {
     pending_events_.store(true);
     ring::Notify(&memory_.header->server_waiting, &memory_.header->server_bell);
   }
-  // Anything for the thread to do now? Needs ops_mu_.
+  // Whether the pending response may be posted now: a slot is free (a client that stops reading
+  // frees none; the thread then sleeps, woken by the client's bell when it takes one). Needs
+  // ops_mu_.
+  bool SlotFreeLocked() const {
+    return memory_.responses_posted - memory_.header->responses_taken.load() <
+           static_cast<uint64_t>(memory_.slots);
+  }
+  // The pending response will never be read (the call is cancelled or the ring broken): it is
+  // dropped, reported to StreamFlow as a failed write, so the flow can end. Needs ops_mu_.
+  void DropUnreadWriteLocked() {
+    if (write_from_ == nullptr || (!cancelled_.load() && broken_.ok())) return;
+    write_from_ = nullptr;
+    written_ = false;
+  }
+  // Anything for the thread to do now? A pending response only once it can be posted or dropped.
+  // Needs ops_mu_.
   bool ReadyLocked() const {
-    return finish_.has_value() || written_.has_value() || write_from_ != nullptr ||
+    return finish_.has_value() || written_.has_value() ||
+           (write_from_ != nullptr && (SlotFreeLocked() || cancelled_.load() || !broken_.ok())) ||
            (read_into_ != nullptr &&
             (memory_.header->requests_posted.load() != memory_.requests_taken ||
              memory_.header->client_closed.load() != 0));
@@ -236,17 +258,21 @@ class RequestRings::Flow final : public StreamFlow<Flow>, public Ring {
     Base::Cancelled();
   }
   // The last step: the client is told the ring is over and the call is answered.
-  void End(const grpc::Status& flow_status);
+  void Close(const grpc::Status& flow_status);
 
+  // How long a response may wait for a free slot (--ring_stall_timeout_s) before the ring ends.
+  const absl::Duration stall_timeout_;
+  absl::AnyInvocable<void() &&> closing_;
   Memory memory_;  // its counters: ops_mu_ for responses_posted; requests_taken the thread's
   const std::vector<RegionRegistry::Use> use_;  // the ring's region, held while it is served
   RingCall* const call_;
   v1::RingClosed* const response_;
   std::atomic<bool> cancelled_{false};
   std::atomic<bool> pending_events_{false};
-  std::mutex ops_mu_;  // guards the five below
+  std::mutex ops_mu_;  // guards the six below
   grpc::ByteBuffer* read_into_ = nullptr;
   const grpc::ByteBuffer* write_from_ = nullptr;
+  absl::Time write_since_;       // when write_from_ was handed over
   std::optional<bool> written_;  // a write done, not yet reported: whether it succeeded
   std::optional<grpc::Status> finish_;
   absl::Status broken_;  // why the ring ends, when it is the ring's fault
@@ -261,9 +287,12 @@ void RequestRings::Flow::Serve() {
     grpc::ByteBuffer* read_into = nullptr;
     std::optional<bool> written;
     std::optional<grpc::Status> finish;
+    bool stalled = false;
     {
       std::lock_guard<std::mutex> lock(ops_mu_);
       PostLocked();
+      DropUnreadWriteLocked();
+      stalled = write_from_ != nullptr && absl::Now() - write_since_ >= stall_timeout_;
       written = std::exchange(written_, std::nullopt);
       finish = finish_;
       read_into = read_into_;
@@ -276,10 +305,19 @@ void RequestRings::Flow::Serve() {
         }
         Base::ReadDone(false);
       }
-      return End(*finish);
+      return Close(*finish);
     }
     if (written.has_value()) {
       Base::WriteDone(*written);
+      progressed = true;
+    }
+    if (stalled) {
+      // The client took no answer for that long while one waited: it is not reading. The ring
+      // ends (its region and its place among --max_rings freed) instead of waiting on it forever.
+      Break(absl::DeadlineExceededError(absl::StrCat(
+          "ring responses: the client took none of the ", memory_.slots,
+          " answers in its response slots for ", absl::FormatDuration(stall_timeout_),
+          " while another waited for a free slot (--ring_stall_timeout_s); the ring is closed")));
       progressed = true;
     }
     if (read_into != nullptr) {
@@ -329,7 +367,7 @@ void RequestRings::Flow::Serve() {
   }
 }
 
-void RequestRings::Flow::End(const grpc::Status& flow_status) {
+void RequestRings::Flow::Close(const grpc::Status& flow_status) {
   absl::Status broken;
   {
     std::lock_guard<std::mutex> lock(ops_mu_);
@@ -342,16 +380,18 @@ void RequestRings::Flow::End(const grpc::Status& flow_status) {
   // failed request's status naming it, or CANCELLED).
   const grpc::Status status = broken.ok() ? flow_status : ToGrpcStatus(broken);
   call_->SetOnCancel(nullptr);  // drops the call's hold on this flow
+  std::move(closing_)();
   call_->Finish(status);
   std::shared_ptr<Flow> self = std::static_pointer_cast<Flow>(Base::Release());
 }
 
 RequestRings::RequestRings(const StreamMethods* methods, RegionRegistry* registry,
-                           const CallGate* gate, int max_rings)
+                           const CallGate* gate, int max_rings, absl::Duration stall_timeout)
     : methods_(methods),
       registry_(registry),
       gate_(gate),
       max_rings_(max_rings),
+      stall_timeout_(stall_timeout),
       metrics_(gate->metrics()) {}
 
 RequestRings::~RequestRings() { Stop(); }
@@ -392,26 +432,26 @@ grpc::ServerUnaryReactor* RequestRings::Open(grpc::CallbackServerContext* contex
                 .header = reinterpret_cast<ring::RingHeader*>(span->data)};
 
   std::lock_guard<std::mutex> lock(mu_);
-  const int served = servers_.Reap();
+  servers_.Reap();
+  // Rings not yet closed: a ring whose call was answered no longer counts, though its thread may
+  // still be on its way out.
+  const int served = serving_.load();
   if (stopped_) return refuse(absl::UnavailableError("server is shutting down"));
   if (served >= max_rings_) {
     return refuse(absl::ResourceExhaustedError(absl::StrCat(
         "rings: ", served, " served already, at most ", max_rings_, " at once (--max_rings)")));
   }
   // The method's flow, started; the call holds it until it is answered, its thread until it ends.
-  auto flow = std::make_shared<Flow>(memory, std::move(use), *method,
-                                     method->open(CallbackCall(context)), call, response);
+  auto flow = std::make_shared<Flow>(
+      memory, std::move(use), *method, method->open(CallbackCall(context)), call, response,
+      stall_timeout_, [this] { metrics_->SetRequestRings(serving_.fetch_sub(1) - 1); });
   flow->Begin(flow);
   std::shared_ptr<Ring> ring = flow;
   call->SetOnCancel([ring] { ring->CallCancelled(); });
   memory.header->server_open.store(1);
   ring::RingBell(&memory.header->client_bell);
   metrics_->SetRequestRings(serving_.fetch_add(1) + 1);
-  servers_.Start([this, ring]() mutable {
-    ring->Serve();
-    ring.reset();
-    metrics_->SetRequestRings(serving_.fetch_sub(1) - 1);
-  });
+  servers_.Start([ring]() mutable { ring->Serve(); });
   return call;
 }
 

@@ -15,6 +15,12 @@
 // While requests come the thread spins; after 20 ms without one it sleeps on the ring's bell,
 // waking at least every ring::kServerTickMs to see a cancelled call or a shrunk region.
 //
+// A client that stops taking answers: the answer that finds no free response slot waits (the
+// thread sleeps meanwhile; the client's bell wakes it when it takes one) at most the stall
+// timeout, after which the ring ends DEADLINE_EXCEEDED; once the call is cancelled (the client
+// went, or the server shuts down) or the ring broke, it is dropped, so the ring ends at once and
+// never holds the server's shutdown.
+//
 // The ring's region is held (a RegionRegistry::Use) while the ring is served, so Unregister waits
 // for the ring to end. The ring's words are the client's to write at any time: the thread keeps
 // its own counters, checks every word it reads, and copies a request before parsing it.
@@ -25,6 +31,7 @@
 #include <mutex>
 #include <string>
 
+#include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "server/calls/call_gate.h"
@@ -40,9 +47,11 @@ class RequestRings {
   // `methods` (a ring method whose stream method is not there is UNIMPLEMENTED), `registry` and
   // `gate` must outlive this. At most `max_rings` rings are served at once, over every
   // caller: each holds a thread, which spins while its requests come. A refused OpenRing passes
-  // `gate` (metrics, log); a ring's requests pass it as their method's calls.
+  // `gate` (metrics, log); a ring's requests pass it as their method's calls. A ring whose
+  // answer waits `stall_timeout` for a free response slot (its client stopped reading) ends
+  // DEADLINE_EXCEEDED.
   RequestRings(const StreamMethods* methods, RegionRegistry* registry, const CallGate* gate,
-               int max_rings);
+               int max_rings, absl::Duration stall_timeout);
   // Stops, if Stop has not.
   ~RequestRings();
   RequestRings(const RequestRings&) = delete;
@@ -68,10 +77,11 @@ class RequestRings {
   RegionRegistry* const registry_;
   const CallGate* const gate_;
   const int max_rings_;
+  const absl::Duration stall_timeout_;
   Metrics* const metrics_;  // the gate's
   std::mutex mu_;
   ServiceThreads servers_;       // guarded by mu_: a thread for each ring
-  std::atomic<int> serving_{0};  // rings not yet ended (attention_request_rings)
+  std::atomic<int> serving_{0};  // rings not yet closed (attention_request_rings, --max_rings)
   bool stopped_ = false;         // guarded by mu_
 };
 

@@ -8,7 +8,9 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -42,6 +44,46 @@ struct StreamExchange {
 using StreamProcess = absl::AnyInvocable<void(StreamExchange* exchange,
                                               absl::AnyInvocable<void(absl::Status) &&> done)>;
 
+// The streams open now, over every transport: once the drain is over, main ends them UNAVAILABLE
+// (each once its answers are written), instead of leaving them to gRPC's shutdown, which cancels
+// them (their clients would read CANCELLED, which clients do not retry).
+class OpenStreams {
+ public:
+  class Stream {
+   public:
+    // Reads no more, and ends with `status` once the messages it holds are answered and written
+    // (unless it ends otherwise first).
+    virtual void End(const absl::Status& status) = 0;
+
+   protected:
+    ~Stream() = default;
+  };
+
+  void Add(const std::shared_ptr<Stream>& stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_[stream.get()] = stream;
+  }
+  void Remove(Stream* stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_.erase(stream);
+  }
+  // Ends every stream open now with `status` (Stream::End), off the lock.
+  void EndAll(const absl::Status& status) {
+    std::vector<std::shared_ptr<Stream>> open;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [key, stream] : streams_) {
+        if (std::shared_ptr<Stream> held = stream.lock()) open.push_back(std::move(held));
+      }
+    }
+    for (const std::shared_ptr<Stream>& stream : open) stream->End(status);
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<Stream*, std::weak_ptr<Stream>> streams_;  // guarded by mu_
+};
+
 struct StreamMethod {
   // Messages one stream may hold at once (running, or answered and waiting to be written); further
   // reads wait, so a fast sender is slowed by flow control instead of filling the queue.
@@ -50,6 +92,8 @@ struct StreamMethod {
   std::unique_ptr<StreamExchange> (*new_exchange)() = nullptr;
   // The processing of the messages of one stream of `call`.
   std::function<StreamProcess(CallContext call)> open;
+  // Where its streams are while open (StreamMethods::Add sets it); null: nowhere.
+  OpenStreams* open_streams = nullptr;
 };
 
 // A StreamMethod whose messages each keep a `State` (default-constructible, with request_id():
@@ -75,10 +119,18 @@ StreamMethod MakeStreamMethod(int window, Process process) {
 
 class StreamMethods {
  public:
+  StreamMethods() = default;
+  // Its methods point at its open_streams_.
+  StreamMethods(const StreamMethods&) = delete;
+  StreamMethods& operator=(const StreamMethods&) = delete;
+
   // `path`: the method's full name, "/package.Service/Method".
   void Add(std::string path, StreamMethod method) {
+    method.open_streams = &open_streams_;
     methods_.emplace_back(std::move(path), std::move(method));
   }
+  // Ends every open stream of every method, over every transport, with `status` (OpenStreams).
+  void EndOpenStreams(const absl::Status& status) { open_streams_.EndAll(status); }
   // The method served at `path`, or null.
   const StreamMethod* Find(absl::string_view path) const {
     for (const auto& [p, method] : methods_) {
@@ -89,6 +141,7 @@ class StreamMethods {
 
  private:
   std::vector<std::pair<std::string, StreamMethod>> methods_;
+  OpenStreams open_streams_;
 };
 
 }  // namespace attention::server

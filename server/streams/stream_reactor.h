@@ -46,14 +46,25 @@ namespace attention::server {
 // may be needed (from Begin until its transport is done), and each request in flight holds a
 // reference too.
 template <typename Transport>
-class StreamFlow {
+class StreamFlow : public OpenStreams::Stream {
  public:
   using Done = absl::AnyInvocable<void(absl::Status) &&>;
 
   // Serves `method` (its window and exchanges) with `process`, the method's processing of this
-  // stream.
+  // stream; it is among the method's open streams from Begin to Release.
   StreamFlow(const StreamMethod& method, StreamProcess process)
-      : window_(method.window), new_exchange_(method.new_exchange), process_(std::move(process)) {}
+      : window_(method.window),
+        new_exchange_(method.new_exchange),
+        open_streams_(method.open_streams),
+        process_(std::move(process)) {}
+
+  // The drain is over (OpenStreams): as a failed request would, `status` ends the stream once
+  // the answers it holds are written.
+  void End(const absl::Status& status) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status_.ok()) status_ = status;
+    Advance();
+  }
 
   void ReadDone(bool ok) {
     std::unique_ptr<StreamExchange> exchange;
@@ -103,12 +114,14 @@ class StreamFlow {
  protected:
   // Starts the stream (its first read); `self` is the transport, held until Release.
   void Begin(std::shared_ptr<Transport> self) {
+    if (open_streams_ != nullptr) open_streams_->Add(self);
     std::lock_guard<std::mutex> lock(mu_);
     self_ = std::move(self);
     Advance();
   }
   // The transport is done: the reference Begin took, to be dropped after the lock.
   std::shared_ptr<Transport> Release() {
+    if (open_streams_ != nullptr) open_streams_->Remove(this);
     std::lock_guard<std::mutex> lock(mu_);
     return std::move(self_);
   }
@@ -154,6 +167,7 @@ class StreamFlow {
 
   const int window_;
   std::unique_ptr<StreamExchange> (*const new_exchange_)();
+  OpenStreams* const open_streams_;
   StreamProcess process_;
   std::mutex mu_;  // guards all below; a pthread lock, which ThreadSanitizer sees
   std::shared_ptr<Transport> self_;

@@ -55,6 +55,15 @@ absl::StatusOr<RunningServer> StartServer(const std::vector<std::string>& flags,
   return server;
 }
 
+std::unique_ptr<client::Client> ClientOnItsOwnConnection(const std::string& target,
+                                                         client::ClientOptions options) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  options.target = target;
+  return std::make_unique<client::Client>(
+      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args), options);
+}
+
 absl::Status RunningServer::Stop() {
   client.reset();
   return process->Stop();

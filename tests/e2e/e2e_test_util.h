@@ -36,6 +36,11 @@ absl::StatusOr<RunningServer> StartServer(const std::vector<std::string>& flags,
                                           client::ClientOptions options = {},
                                           bool environment_flags = true);
 
+// A client of `target` (plaintext) on a connection of its own: channels of equal arguments would
+// otherwise share one, and another connection is another caller to the server (regions, rings).
+std::unique_ptr<client::Client> ClientOnItsOwnConnection(const std::string& target,
+                                                         client::ClientOptions options = {});
+
 // A test suite whose tests share one server (a server per test would multiply start and drain
 // time). `Suite` names its flags: `static std::vector<std::string> ServerFlags();`.
 template <typename Suite>

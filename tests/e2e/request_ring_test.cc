@@ -6,22 +6,29 @@
 // or whose response does not fit ends with its documented code and the server serves on; a failed
 // request ends the ring naming it; OpenRing's fields, the caller's regions and the ring limit are
 // checked; Unregister waits for a ring; a cancelled call, a shrunk object and a server without
-// --allow_shared_memory end or refuse the ring.
+// --allow_shared_memory end or refuse the ring. A client that stops taking answers neither makes
+// the server spin nor holds its exit on SIGTERM, and loses its ring after --ring_stall_timeout_s.
 #include "client/request_ring.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <future>
+#include <iterator>
 #include <map>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "client/request_builder.h"
@@ -148,6 +155,42 @@ std::unique_ptr<RawRing> OpenRing(client::Client& client, const std::string& nam
          r->ended.wait_for(std::chrono::milliseconds(1)) != std::future_status::ready) {
   }
   return r;
+}
+
+// CPU seconds (user + system) the process `pid` has used, from /proc/PID/stat; -1 when unreadable.
+double CpuSeconds(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // Fields after the command (in parentheses, which may hold spaces): state is field 3, utime 14,
+  // stime 15.
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::vector<std::string> fields = absl::StrSplit(stat.substr(close + 2), ' ');
+  if (fields.size() < 13) return -1;
+  return (std::stod(fields[11]) + std::stod(fields[12])) / sysconf(_SC_CLK_TCK);
+}
+
+// Fills a ring with requests and never takes an answer: `slots` answers fill the response slots
+// and the next one waits for a free slot that never comes. The server neither spins on it nor
+// lets it hold SIGTERM's exit.
+void FillAndNeverRead(RawRing& ring, std::mt19937_64& rng) {
+  for (int i = 0; i < 2 * kSlots; ++i) {
+    while (ring.posted - ring.header->requests_taken.load() == static_cast<uint64_t>(kSlots) &&
+           ring.header->server_closed.load() == 0) {
+      absl::SleepFor(absl::Microseconds(100));
+    }
+    absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(
+        {.batch = 1, .heads_q = 2, .seqlen_q = 5, .seqlen_k = 9, .head_dim = 16}, rng);
+    ASSERT_TRUE(request.ok());
+    request->set_request_id(absl::StrCat("unread", i));
+    ring.Post(*request);
+  }
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (ring.header->responses_posted.load() < static_cast<uint64_t>(kSlots) &&
+         absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(ring.header->responses_posted.load(), static_cast<uint64_t>(kSlots));
 }
 
 class RequestRingE2E : public SharedServerTest<RequestRingE2E> {
@@ -428,11 +471,8 @@ TEST_F(RequestRingE2E, OpenRingChecksItsFieldsTheRegionAndTheLimit) {
   // Another caller's region: another connection is another caller on this server (no tokens).
   std::unique_ptr<RawRing> mine = OpenRing(client(), "mine", v1::RING_METHOD_ATTEND);
   ASSERT_NE(mine, nullptr);
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  client::Client other(
-      grpc::CreateCustomChannel(process().target(), grpc::InsecureChannelCredentials(), args),
-      client::ClientOptions{});
+  std::unique_ptr<client::Client> other_client = ClientOnItsOwnConnection(process().target());
+  client::Client& other = *other_client;
   r = {};
   r.set_region("mine");
   std::unique_ptr<RawRing> theirs = OpenRing(other, "theirs", v1::RING_METHOD_ATTEND, r);
@@ -474,6 +514,42 @@ TEST_F(RequestRingE2E, UnregisterWaitsForTheRing) {
   EXPECT_TRUE(unregistered.ok()) << unregistered;
 }
 
+// Threads of the process `pid`, from /proc/PID/status.
+int ThreadsOf(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (absl::StartsWith(line, "Threads:")) return std::stoi(line.substr(8));
+  }
+  return -1;
+}
+
+// Unregister calls waiting for a ring's region hold no server thread each: they are answered when
+// the ring ends.
+TEST_F(RequestRingE2E, UnregisterCallsWaitingForTheRingHoldNoThreadEach) {
+  std::unique_ptr<RawRing> ring = OpenRing(client(), "waited", v1::RING_METHOD_ATTEND);
+  ASSERT_NE(ring, nullptr);
+  const pid_t pid = process().pid();
+  constexpr int kWaiting = 24;
+  const int before = ThreadsOf(pid);
+  std::vector<std::future<absl::Status>> waiting;
+  for (int i = 0; i < kWaiting; ++i) {
+    waiting.push_back(std::async(std::launch::async, [this] {
+      return SharedMemoryClient(client()).Unregister("waited", {.deadline = absl::Seconds(30)});
+    }));
+  }
+  absl::SleepFor(absl::Milliseconds(500));  // every call arrived and waits
+  for (auto& w : waiting) {
+    ASSERT_EQ(w.wait_for(std::chrono::seconds(0)), std::future_status::timeout);
+  }
+  const int during = ThreadsOf(pid);
+  // gRPC may add a thread or two under a burst of calls; a thread per call would be 24.
+  EXPECT_LT(during - before, kWaiting / 3) << before << " threads before, " << during << " after";
+  ring->Close();
+  EXPECT_TRUE(ring->Ended().ok());
+  for (auto& w : waiting) EXPECT_TRUE(w.get().ok());
+}
+
 TEST_F(RequestRingE2E, ACancelledCallEndsItsRing) {
   std::unique_ptr<RawRing> ring = OpenRing(client(), "cancelled", v1::RING_METHOD_STEP);
   ASSERT_NE(ring, nullptr);
@@ -482,6 +558,23 @@ TEST_F(RequestRingE2E, ACancelledCallEndsItsRing) {
   ring->context.TryCancel();
   EXPECT_EQ(ring->Ended().error_code(), grpc::StatusCode::CANCELLED);
   const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (ring->header->server_closed.load() == 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(ring->header->server_closed.load(), 1u);
+}
+
+// A client that stops reading, then cancels: the answer waiting for a slot is dropped, the ring
+// ends at once and its region is free to unregister (TearDown).
+TEST_F(RequestRingE2E, ACancelledCallWhoseAnswersWereNeverReadEndsItsRing) {
+  std::unique_ptr<RawRing> ring = OpenRing(client(), "unread", v1::RING_METHOD_ATTEND);
+  ASSERT_NE(ring, nullptr);
+  std::mt19937_64 rng(FreshSeed());
+  FillAndNeverRead(*ring, rng);
+  absl::SleepFor(absl::Milliseconds(50));
+  ring->context.TryCancel();
+  EXPECT_EQ(ring->Ended(std::chrono::seconds(5)).error_code(), grpc::StatusCode::CANCELLED);
+  const absl::Time give_up = absl::Now() + absl::Seconds(5);
   while (ring->header->server_closed.load() == 0 && absl::Now() < give_up) {
     absl::SleepFor(absl::Milliseconds(1));
   }
@@ -521,12 +614,8 @@ TEST(RequestRingShutdownE2E, TheServerStopsWhileARingIsServed) {
       {"--backend=cpu", "--threads=1", "--allow_shared_memory", "--shutdown_grace_s=2"});
   ASSERT_TRUE(server.ok()) << server.status();
   // The ring's connection stays open while the server stops (Stop closes only its own client).
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  client::Client ring_client(grpc::CreateCustomChannel(server->process->target(),
-                                                       grpc::InsecureChannelCredentials(), args),
-                             client::ClientOptions{});
-  std::unique_ptr<RawRing> ring = OpenRing(ring_client, "open", v1::RING_METHOD_ATTEND);
+  std::unique_ptr<client::Client> ring_client = ClientOnItsOwnConnection(server->process->target());
+  std::unique_ptr<RawRing> ring = OpenRing(*ring_client, "open", v1::RING_METHOD_ATTEND);
   ASSERT_NE(ring, nullptr);
   std::mt19937_64 rng(FreshSeed());
   absl::StatusOr<v1::AttendRequest> request = client::MakeRandomRequest(
@@ -539,9 +628,77 @@ TEST(RequestRingShutdownE2E, TheServerStopsWhileARingIsServed) {
   const absl::Time start = absl::Now();
   EXPECT_TRUE(server->Stop().ok());
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  // Ended by the drain, not cancelled by gRPC's shutdown.
   const grpc::Status status = ring->Ended();
-  EXPECT_FALSE(status.ok());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("server is shutting down"));
   EXPECT_EQ(ring->header->server_closed.load(), 1u);
+}
+
+TEST(RequestRingShutdownE2E, AClientThatStopsReadingNeitherSpinsNorHoldsTheExit) {
+  absl::StatusOr<RunningServer> server = StartServer(
+      {"--backend=cpu", "--threads=1", "--allow_shared_memory", "--shutdown_grace_s=2"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::unique_ptr<client::Client> ring_client = ClientOnItsOwnConnection(server->process->target());
+  std::unique_ptr<RawRing> ring = OpenRing(*ring_client, "unread", v1::RING_METHOD_ATTEND);
+  ASSERT_NE(ring, nullptr);
+  std::mt19937_64 rng(FreshSeed());
+  FillAndNeverRead(*ring, rng);
+  // Past the thread's spin (20 ms after its last event): what it costs while the answer waits.
+  absl::SleepFor(absl::Milliseconds(100));
+  const double before = CpuSeconds(server->process->pid());
+  absl::SleepFor(absl::Seconds(1));
+  const double used = CpuSeconds(server->process->pid()) - before;
+  ASSERT_GE(before, 0);
+  EXPECT_LT(used, 0.5) << "the server spun while a ring's answer waited for a free slot";
+  EXPECT_EQ(ring->header->server_closed.load(), 0u) << "the ring ended before the signal";
+
+  const absl::Time signal_time = absl::Now();
+  ASSERT_TRUE(server->process->Signal(SIGTERM).ok());
+  absl::StatusOr<int> code = server->process->WaitForExit(absl::Seconds(20));
+  const absl::Duration exit_after = absl::Now() - signal_time;
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << server->process->Log();
+  EXPECT_EQ(*code, 0) << server->process->Log();
+  // 2 s of grace, 1 s of linger, at most 1 s of held refusals and 0.5 s for gRPC to close; the
+  // rest is slack.
+  EXPECT_LT(exit_after, absl::Seconds(10));
+  EXPECT_EQ(ring->header->server_closed.load(), 1u);
+  EXPECT_FALSE(ring->Ended().ok());
+  std::printf("unread ring: %.3f s of CPU in 1 s stalled; exit %d after %s\n", used, *code,
+              absl::FormatDuration(exit_after).c_str());
+}
+
+// A client that stops reading without cancelling: after --ring_stall_timeout_s with an answer
+// waiting for a free slot, the ring ends DEADLINE_EXCEEDED naming the flag, its slot is free
+// for another ring and its region can be unregistered.
+TEST(RequestRingShutdownE2E, AClientThatStopsReadingLosesItsRingAfterTheStallTimeout) {
+  absl::StatusOr<RunningServer> server =
+      StartServer({"--backend=cpu", "--threads=1", "--allow_shared_memory", "--max_rings=1",
+                   "--ring_stall_timeout_s=1"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::unique_ptr<RawRing> ring = OpenRing(*server->client, "stalled", v1::RING_METHOD_ATTEND);
+  ASSERT_NE(ring, nullptr);
+  std::mt19937_64 rng(FreshSeed());
+  const absl::Time filled_at = absl::Now();
+  FillAndNeverRead(*ring, rng);
+  const grpc::Status status = ring->Ended(std::chrono::seconds(10));
+  const absl::Duration ended_after = absl::Now() - filled_at;
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("--ring_stall_timeout_s"));
+  EXPECT_GE(ended_after, absl::Seconds(1));
+  EXPECT_EQ(ring->header->server_closed.load(), 1u);
+  // --max_rings=1: the ring's slot is free again, and its region is no longer held.
+  std::unique_ptr<RawRing> next = OpenRing(*server->client, "next", v1::RING_METHOD_ATTEND);
+  ASSERT_NE(next, nullptr);
+  EXPECT_EQ(next->header->server_open.load(), 1u) << next->Ended().error_message();
+  next->Close();
+  EXPECT_TRUE(next->Ended().ok());
+  SharedMemoryClient regions(*server->client);
+  EXPECT_TRUE(regions.Unregister("stalled", {.deadline = absl::Seconds(5)}).ok());
+  EXPECT_TRUE(regions.Unregister("next").ok());
+  ring.reset();
+  next.reset();
+  EXPECT_TRUE(server->Stop().ok());
 }
 
 TEST(RequestRingOffE2E, WithoutSharedMemoryOpenRingIsFailedPrecondition) {

@@ -4,7 +4,8 @@
 // bit for bit); every bad reference or registration gets its documented code and writes nothing
 // outside the region (guard bytes around it are checked); an output overlapping an input or another
 // output (Attend, a Step's entries) is refused naming both; regions of one caller are invisible to
-// another; Unregister waits for a running request; without --allow_shared_memory everything is
+// another; another user's object is refused; a tokenless client's regions go with its connection
+// or once idle; Unregister waits for a running request; without --allow_shared_memory everything is
 // FAILED_PRECONDITION; a client that shrinks its object before or during a request gets
 // FAILED_PRECONDITION, and the server serves on.
 #include "client/shared_memory.h"
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <future>
 #include <limits>
 #include <random>
@@ -502,11 +504,8 @@ TEST_F(SharedMemoryE2E, AnotherCallersRegionIsNotFound) {
   absl::StatusOr<GuardedRegion> region = MakeRegion(regions, "mine", 1 << 20);
   ASSERT_TRUE(region.ok()) << region.status();
   // Another connection: another caller (no tokens on this server).
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  client::Client other(
-      grpc::CreateCustomChannel(process().target(), grpc::InsecureChannelCredentials(), args),
-      client::ClientOptions{});
+  std::unique_ptr<client::Client> other_client = ClientOnItsOwnConnection(process().target());
+  client::Client& other = *other_client;
   SharedMemoryClient other_regions(other);
   absl::StatusOr<v1::ListRegionsResponse> list = other_regions.List();
   ASSERT_TRUE(list.ok()) << list.status();
@@ -555,6 +554,94 @@ TEST_F(SharedMemoryE2E, UnregisterWaitsForTheRequestUsingTheRegion) {
   absl::StatusOr<v1::AttendResponse> response = running.get();
   EXPECT_TRUE(response.ok()) << response.status();
   EXPECT_TRUE(region->GuardsIntact());
+}
+
+TEST_F(SharedMemoryE2E, AnotherUsersObjectIsRefused) {
+  if (geteuid() != 0) GTEST_SKIP() << "giving an object to another user needs root";
+  absl::StatusOr<std::unique_ptr<SharedMemoryObject>> object =
+      SharedMemoryObject::Create(FreshKey("foreign"), 4096);
+  ASSERT_TRUE(object.ok()) << object.status();
+  const int fd = shm_open((*object)->key().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(fchown(fd, 65534, 65534), 0);  // now nobody's, which the server (root) can still open
+  close(fd);
+  absl::StatusOr<v1::RegionInfo> info =
+      Regions().RegisterSystem("foreign", (*object)->key(), 0, 64);
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kPermissionDenied) << info.status();
+  EXPECT_THAT(std::string(info.status().message()), HasSubstr("belongs to uid 65534"));
+  EXPECT_THAT(std::string(info.status().message()), HasSubstr("--allow_foreign_regions"));
+}
+
+// Links in /proc/PID/fd of the process `pid` to the shared-memory object `key`.
+int OpenFdsOf(pid_t pid, const std::string& key) {
+  int n = 0;
+  const std::string target = "/dev/shm" + key;
+  for (const std::filesystem::directory_entry& entry :
+       std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/fd"))) {
+    std::error_code error;
+    if (std::filesystem::read_symlink(entry.path(), error).string() == target) ++n;
+  }
+  return n;
+}
+
+// Waits up to 10 s for the server `pid` to hold no fd of the object `key`; how long it took.
+absl::Duration AwaitFdsClosed(pid_t pid, const std::string& key) {
+  const absl::Time start = absl::Now();
+  while (OpenFdsOf(pid, key) > 0 && absl::Now() - start < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::Now() - start;
+}
+
+// A client without a token that registers regions and goes away without unregistering them: gRPC
+// does not tell the server that its connection closed, but the server sees it among its open
+// connections no more and releases the regions (fds closed, bytes unmapped), long before
+// --region_idle_timeout_s, so such clients cannot hold --max_shared_memory_bytes, and a later
+// connection on the same address and port finds nothing of theirs.
+TEST(SharedMemoryLifetimeE2E, TheRegionsOfAClientWithoutATokenGoWithItsConnection) {
+  absl::StatusOr<RunningServer> server = StartServer(
+      {"--backend=cpu", "--threads=1", "--allow_shared_memory", "--max_shared_memory_bytes=8192"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::StatusOr<std::unique_ptr<SharedMemoryObject>> object =
+      SharedMemoryObject::Create(FreshKey("gone"), 8192);
+  ASSERT_TRUE(object.ok()) << object.status();
+  const std::string key = (*object)->key();
+  const pid_t pid = server->process->pid();
+  std::unique_ptr<client::Client> short_lived = ClientOnItsOwnConnection(server->process->target());
+  ASSERT_TRUE(SharedMemoryClient(*short_lived).RegisterSystem("a", key, 0, 4096).ok());
+  ASSERT_TRUE(SharedMemoryClient(*short_lived).RegisterSystem("b", key, 4096, 4096).ok());
+  EXPECT_EQ(OpenFdsOf(pid, key), 2);
+  // Every byte is held: another client is refused for now.
+  SharedMemoryClient regions(*server->client);
+  const absl::Status full = regions.RegisterSystem("c", key, 0, 4096).status();
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  short_lived.reset();  // gone without unregistering: its connection closes
+  const absl::Duration released_after = AwaitFdsClosed(pid, key);
+  EXPECT_EQ(OpenFdsOf(pid, key), 0) << "the gone client's regions were not released";
+  EXPECT_LT(released_after, absl::Seconds(5));  // about a second, the default idle time is 300 s
+  EXPECT_TRUE(regions.RegisterSystem("c", key, 0, 8192).ok());
+  EXPECT_TRUE(regions.Unregister("c").ok());
+  EXPECT_TRUE(server->Stop().ok());
+}
+
+// A connected client's region that no request uses for --region_idle_timeout_s is released.
+TEST(SharedMemoryLifetimeE2E, AnIdleRegionOfAClientWithoutATokenIsReleased) {
+  absl::StatusOr<RunningServer> server = StartServer(
+      {"--backend=cpu", "--threads=1", "--allow_shared_memory", "--region_idle_timeout_s=1"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::StatusOr<std::unique_ptr<SharedMemoryObject>> object =
+      SharedMemoryObject::Create(FreshKey("idle"), 4096);
+  ASSERT_TRUE(object.ok()) << object.status();
+  SharedMemoryClient regions(*server->client);
+  ASSERT_TRUE(regions.RegisterSystem("idle", (*object)->key(), 0, 4096).ok());
+  const absl::Duration released_after = AwaitFdsClosed(server->process->pid(), (*object)->key());
+  EXPECT_GE(released_after, absl::Milliseconds(900));
+  EXPECT_LT(released_after, absl::Seconds(5));
+  absl::StatusOr<v1::ListRegionsResponse> list = regions.List();
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->regions_size(), 0);
+  EXPECT_EQ(regions.Unregister("idle").code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(server->Stop().ok());
 }
 
 TEST(SharedMemoryOffE2E, WithoutTheFlagEverythingIsFailedPrecondition) {

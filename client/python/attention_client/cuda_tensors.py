@@ -45,9 +45,10 @@ INVALID_ARGUMENT) or the driver cannot export the memory (no libcuda, memory fro
 expandable_segments), the Client remembers it and sends every later call through the host (the
 tensors copied to the host, the result copied back), as it would without this module. A call the
 server refuses with FAILED_PRECONDITION or UNIMPLEMENTED (e.g. a device it does not serve) goes
-through the host too, that call only; one refused NOT_FOUND (the server restarted, or the
-client's connection changed: regions belong to the connection without a bearer token) registers
-its segments again and is sent once more. "on": never fall back (errors raise AttentionError or
+through the host too, that call only; one refused NOT_FOUND (the server restarted, the
+client's connection changed, or a segment sat unused past the server's --region_idle_timeout_s:
+regions belong to the connection without a bearer token) registers its segments again and is sent
+once more. "on": never fall back (errors raise AttentionError or
 CudaRegionsUnavailable); "off": always the host path. Device ordinals must name the same GPUs in
 the client and the server (the same CUDA_VISIBLE_DEVICES). A Client over several addresses does
 not try ("auto" is "off" there): its regions would be on one server, its calls spread over all.
