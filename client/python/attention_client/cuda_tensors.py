@@ -276,11 +276,7 @@ def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = (torch.empty(tuple(q.shape[:3]), dtype=torch.float32, device=q.device)
            if options.get("return_lse") else None)
-    try:
-        regions.ensure([t for t in (q, k, v, o, lse) if t is not None])
-    except (CudaRegionsUnavailable, AttentionError):
-        if regions.mode == "on":
-            raise
+    if not _ensure(regions, (q, k, v, o, lse)):
         return False, None
     device = q.device.index if q.device.index is not None else 0
     ready, done, ready_handle, done_handle = _step_events(client, device)
@@ -317,6 +313,20 @@ def _lse_shape(q, layout, cu_seqlens_q):
     return tuple(q.shape[:3])  # [B, Hq, Nq]
 
 
+def _ensure(regions, tensors):
+    """Registers the segments of `tensors` (None skipped); False when the call must take the host
+    path. Refusals that say the server cannot take CUDA memory are remembered (ensure); others
+    (e.g. RESOURCE_EXHAUSTED: its region limits) send this call through the host. Mode "on"
+    raises instead."""
+    try:
+        regions.ensure([t for t in tensors if t is not None])
+        return True
+    except (CudaRegionsUnavailable, AttentionError):
+        if regions.mode == "on":
+            raise
+        return False
+
+
 def attend_on_device(client, q, k, v, options, _retried=False):
     """Client.attend of torch CUDA tensors q, k, v through CUDA regions: (True, its result), or
     (False, None) when the host path must answer instead (see the module comment). options:
@@ -337,13 +347,7 @@ def attend_on_device(client, q, k, v, options, _retried=False):
     lse = (torch.empty(_lse_shape(q, options.get("layout", "bhsd"), options.get("cu_seqlens_q")),
                        dtype=torch.float32, device=q.device)
            if options.get("return_lse") else None)
-    try:
-        regions.ensure([t for t in (q, k, v, o, lse) if t is not None])
-    except (CudaRegionsUnavailable, AttentionError):
-        # Refusals that say the server cannot take CUDA memory are remembered (ensure); others
-        # (e.g. RESOURCE_EXHAUSTED: its region limits) send this call through the host.
-        if regions.mode == "on":
-            raise
+    if not _ensure(regions, (q, k, v, o, lse)):
         return False, None
     # The server reads q, k, v once the queued kernels that write them are done.
     torch.cuda.current_stream(q.device).synchronize()

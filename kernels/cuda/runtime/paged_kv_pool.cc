@@ -59,6 +59,24 @@ size_t SegmentBytes(const WriteRun& r) {
   return (bytes + 15) / 16 * 16;
 }
 
+// `host` pointed at where the kernels find its buffers: q, o and lse packed at device addresses
+// (lse null: not computed), and device copies of cu_seqlens_q, seqlens_k and the page table.
+PagedDecodeParams OnDevice(const PagedDecodeParams& host, const void* q, void* o, float* lse,
+                           const unsigned char* cu, const unsigned char* lens,
+                           const unsigned char* table) {
+  PagedDecodeParams dev = host;
+  dev.q = q;
+  dev.o = o;
+  dev.lse = lse;
+  dev.q_seqs = nullptr;
+  dev.o_seqs = nullptr;
+  dev.lse_seqs = nullptr;
+  dev.cu_seqlens_q = reinterpret_cast<const int32_t*>(cu);
+  dev.seqlens_k = reinterpret_cast<const int32_t*>(lens);
+  dev.page_table = reinterpret_cast<const int32_t*>(table);
+  return dev;
+}
+
 class CudaKvPagePool : public KvPagePool {
  public:
   CudaKvPagePool(int device, const PagedPlanOptions& plan_options, int64_t num_pages,
@@ -197,13 +215,7 @@ class CudaKvPagePool : public KvPagePool {
         ScatterDecodeOutputs(host, l.staged + l.offsets[kO],
                              reinterpret_cast<const float*>(l.staged + l.offsets[kLse]));
         // The outputs' writes are the kernels': d2h_us stays 0.
-        double* us[2] = {&times.h2d_us, &times.compute_us};
-        for (int i = 0; i < 2 && status.ok(); ++i) {
-          float ms = 0;
-          status = CudaStatus(cudaEventElapsedTime(&ms, events[i], events[i + 1]),
-                              "cudaEventElapsedTime");
-          *us[i] = ms * 1e3;
-        }
+        status = ReadTimes(events, &times);
       }
       lock.lock();
     } else {
@@ -360,16 +372,10 @@ class CudaKvPagePool : public KvPagePool {
       if (q == nullptr) {
         RETURN_IF_ERROR(copy_rows(at(kQ), host.q_seqs, row_bytes, true));
       }
-      PagedDecodeParams dev = host;
-      dev.q = q != nullptr ? q : at(kQ);
-      dev.o = o != nullptr ? o : at(kO);
-      dev.lse = !lse ? nullptr : reinterpret_cast<float*>(lse_at != nullptr ? lse_at : at(kLse));
-      dev.q_seqs = nullptr;
-      dev.o_seqs = nullptr;
-      dev.lse_seqs = nullptr;
-      dev.cu_seqlens_q = reinterpret_cast<const int32_t*>(at(kCu));
-      dev.seqlens_k = reinterpret_cast<const int32_t*>(at(kLens));
-      dev.page_table = reinterpret_cast<const int32_t*>(at(kTable));
+      const PagedDecodeParams dev =
+          OnDevice(host, q != nullptr ? q : at(kQ), o != nullptr ? o : at(kO),
+                   !lse ? nullptr : reinterpret_cast<float*>(lse_at != nullptr ? lse_at : at(kLse)),
+                   at(kCu), at(kLens), at(kTable));
       if (options_.poison_outputs) {
         // As the host path's: all-ones bytes are NaN in every dtype.
         RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.o, 0xff, host.total_q * row_bytes, stream_),
@@ -403,13 +409,7 @@ class CudaKvPagePool : public KvPagePool {
       // No event of the caller's: the step answers once its outputs are written.
       lock.unlock();
       status = CudaStatus(cudaEventSynchronize(events[2]), "run the decode step on the device");
-      double* us[2] = {&times.h2d_us, &times.compute_us};
-      for (int i = 0; i < 2 && status.ok(); ++i) {
-        float ms = 0;
-        status =
-            CudaStatus(cudaEventElapsedTime(&ms, events[i], events[i + 1]), "cudaEventElapsedTime");
-        *us[i] = ms * 1e3;
-      }
+      if (status.ok()) status = ReadTimes(events, &times);
       lock.lock();
     } else if (!status.ok()) {
       cudaStreamSynchronize(stream_);
@@ -437,16 +437,10 @@ class CudaKvPagePool : public KvPagePool {
                        const StepEvents& events) {
     auto at = [&](int i) { return scratch_.data() + l.offsets[i]; };
     const bool lse = DecodeWantsLse(host);
-    PagedDecodeParams dev = host;
-    dev.q = at(kQ);
-    dev.o = l.staged + l.offsets[kO];
-    dev.lse = lse ? reinterpret_cast<float*>(l.staged + l.offsets[kLse]) : nullptr;
-    dev.q_seqs = nullptr;
-    dev.o_seqs = nullptr;
-    dev.lse_seqs = nullptr;
-    dev.cu_seqlens_q = reinterpret_cast<const int32_t*>(at(kCu));
-    dev.seqlens_k = reinterpret_cast<const int32_t*>(at(kLens));
-    dev.page_table = reinterpret_cast<const int32_t*>(at(kTable));
+    const PagedDecodeParams dev =
+        OnDevice(host, at(kQ), l.staged + l.offsets[kO],
+                 lse ? reinterpret_cast<float*>(l.staged + l.offsets[kLse]) : nullptr, at(kCu),
+                 at(kLens), at(kTable));
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events[0], stream_), "cudaEventRecord");
     RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(at(kQ), l.staged, l.offsets[kO], cudaMemcpyHostToDevice, stream_),
@@ -460,6 +454,18 @@ class CudaKvPagePool : public KvPagePool {
     RETURN_IF_ERROR(LaunchPagedDecode(plan, pages_, page_bytes_, extent, dev, at(kO),
                                       reinterpret_cast<int32_t*>(tickets_.data()), stream_));
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events[2], stream_), "cudaEventRecord");
+    return absl::OkStatus();
+  }
+
+  // A finished step's times: its inputs' copy (events 0 to 1) and its kernels (1 to 2).
+  static absl::Status ReadTimes(const StepEvents& events, KvStepTimes* times) {
+    double* us[2] = {&times->h2d_us, &times->compute_us};
+    for (int i = 0; i < 2; ++i) {
+      float ms = 0;
+      RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&ms, events[i], events[i + 1]),
+                           "cudaEventElapsedTime");
+      *us[i] = ms * 1e3;
+    }
     return absl::OkStatus();
   }
 
