@@ -50,6 +50,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/impl/codegen/completion_queue_tag.h"
 #include "grpcpp/resource_quota.h"
 #include "kernels/status_macros.h"
 #include "server/calls/call_gate.h"
@@ -557,8 +558,13 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // next call goes elsewhere. (A thread calling Server::Shutdown while this one slept a fixed
   // moment before answering could be late on a loaded host, letting answered clients call again
   // into the shutdown.)
+  // grpc::CompletionQueue::Next calls FinalizeResult on every tag it takes: the tag of the
+  // shutdown's notification must be a CompletionQueueTag (any other object there is read as one).
+  struct ShutdownDone final : grpc::internal::CompletionQueueTag {
+    bool FinalizeResult(void** /*tag*/, bool* /*status*/) override { return true; }
+  } shutdown_done;
   grpc::CompletionQueue shutdown_queue;
-  grpc_server_shutdown_and_notify(server->c_server(), shutdown_queue.cq(), &shutdown_queue);
+  grpc_server_shutdown_and_notify(server->c_server(), shutdown_queue.cq(), &shutdown_done);
   drain.ReleaseHeld();
   // gRPC: at the deadline it cancels what is left (open streams, calls still running after the
   // grace, whose queued work the scheduler then drops) and closes connections, idle or not.
