@@ -266,10 +266,11 @@ def packed_steps_in_stream_order(direct, host, dtypes):
                       f"bit for bit, lengths {r.lengths}, server h2d_us={t.h2d_us} "
                       f"d2h_us={t.d2h_us}")
                 # The first Step of a shape may grow the pool's buffers, which waits for its
-                # stream; later ones must not wait.
-                check(step == 0 or (pending and answered_ms < 15),
-                      f"packed Step {name} step {step}: answered in {answered_ms:.2f} ms, the "
-                      f"stream still asleep: {pending} (nothing synchronised after step 0)")
+                # stream (not checked); later ones must not wait.
+                if step > 0:
+                    check(pending and answered_ms < 15,
+                          f"packed Step {name} step {step}: answered in {answered_ms:.2f} ms, "
+                          f"the stream still asleep: {pending}")
         finally:
             for s in on_device + via_host:
                 s.drop()

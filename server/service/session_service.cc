@@ -510,7 +510,6 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
                                       .o = decoded.o,
                                       .lse = decoded.lse});
   }
-  for (StepSequence& seq : call->seqs) seq.rows.memory = memory;
   if (response_bytes > options_.max_message_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("response would be ", response_bytes,
                                                      " bytes, over the message limit of ",

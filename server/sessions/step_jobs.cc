@@ -65,6 +65,7 @@ absl::StatusOr<std::vector<DecodeSequence>> StepJobs::Prepare(StepWork& step,
     held.push_back(&leases[s]);
     new_rows.push_back(seq.rows.rows);
     rows.push_back(seq.rows);
+    rows.back().memory = group.key.memory;  // where the step's tensors are: its key says
   }
   if (options_.max_request_flops > 0 && flops > options_.max_request_flops) {
     return absl::ResourceExhaustedError(absl::StrCat(

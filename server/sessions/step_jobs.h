@@ -30,7 +30,7 @@
 namespace attention::server {
 
 // One sequence of a step. Pointers are host memory valid until the step has Finished, or device
-// memory of the session's GPU when key.memory (and rows.memory) say so.
+// memory of the session's GPU when key.memory says so (the job appends `rows` with it).
 struct StepSequence {
   absl::string_view session_id;
   int device = 0;           // the session's (SessionStore::Locate)
