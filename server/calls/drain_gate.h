@@ -8,8 +8,8 @@
 // retry). The held refusals are answered UNAVAILABLE once gRPC has queued its GOAWAY on every
 // connection (main answers them right after grpc_server_shutdown_and_notify returns), so each
 // client reads the GOAWAY before its answer and sends its next call elsewhere. What remains: a
-// client that waits on no answer (it pauses between calls longer than the quiet) and sends in the
-// moment between gRPC's shutdown beginning and its reading the GOAWAY.
+// client that waits on no answer (it pauses between calls longer than the quiet, 250 ms) and sends
+// in the moment between gRPC's shutdown beginning and its reading the GOAWAY.
 #pragma once
 
 #include <algorithm>
