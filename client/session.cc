@@ -214,6 +214,8 @@ absl::StatusOr<v1::StepRequest> SessionClient::MakeBatchRequest(
   if (tensors.lse_ref != nullptr) *request.mutable_lse_ref() = *tensors.lse_ref;
   request.set_ready_event(tensors.ready_event);
   request.set_done_event(tensors.done_event);
+  if (tensors.ready_counter != nullptr) *request.mutable_ready_counter() = *tensors.ready_counter;
+  if (tensors.done_counter != nullptr) *request.mutable_done_counter() = *tensors.done_counter;
   SetStepOptions(options, &request);
   return request;
 }

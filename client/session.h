@@ -67,7 +67,11 @@ struct StepOutput {
 // cudaEventInterprocess | cudaEventDisableTiming): the server's kernels wait on the GPU for
 // ready_event's last record and record done_event after writing o and lse, and the call answers
 // once the work is queued; the caller's stream waits for done_event before it reads o
-// (cudaStreamWaitEvent). docs/API.md: StepRequest.ready_event.
+// (cudaStreamWaitEvent). docs/API.md: StepRequest.ready_event. Or by counters (uint64s in the
+// caller's CUDA regions): the server's stream waits until ready_counter reaches its value and
+// writes done_counter's; the caller may queue its wait (cuStreamWaitValue64) before sending, so
+// it can send the Step asynchronously (StepBatchAsync) and go on. docs/API.md:
+// StepRequest.ready_counter.
 struct StepBatchTensors {
   const v1::Tensor* k = nullptr;
   const v1::Tensor* v = nullptr;
@@ -75,6 +79,8 @@ struct StepBatchTensors {
   const v1::TensorRef* lse_ref = nullptr;
   std::string ready_event;  // empty: none
   std::string done_event;
+  const v1::StreamCounter* ready_counter = nullptr;  // null: none
+  const v1::StreamCounter* done_counter = nullptr;
 };
 
 struct StepBatchOutput {

@@ -20,12 +20,13 @@ absl::Status RefuseOpenModelOptions(const PagedDecodeParams& p, const char* back
 }
 
 absl::Status RefuseDeviceMemory(const StepMemory& memory, const char* backend) {
-  if (!memory.on_device && memory.ready == nullptr && memory.done == nullptr) {
+  if (!memory.on_device && memory.ready == nullptr && memory.ready_counter == nullptr &&
+      !memory.stream_ordered()) {
     return absl::OkStatus();
   }
   return absl::UnimplementedError(absl::StrCat(
-      "tensors in device memory and stream order (CUDA regions, ready_event, done_event) are not "
-      "served by the ",
+      "tensors in device memory and stream order (CUDA regions, ready_event, done_event, "
+      "ready_counter, done_counter) are not served by the ",
       backend, " backend"));
 }
 

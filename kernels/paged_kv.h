@@ -44,10 +44,20 @@ struct StepMemory {
   bool on_device = false;
   void* ready = nullptr;
   void* done = nullptr;
+  // Stream order by counters instead (StepRequest.ready_counter, done_counter): device addresses
+  // of uint64s in the caller's memory; the stream waits until *ready_counter >= ready_value and
+  // writes done_value to *done_counter. Null when not sent.
+  uint64_t* ready_counter = nullptr;
+  uint64_t ready_value = 0;
+  uint64_t* done_counter = nullptr;
+  uint64_t done_value = 0;
 
+  bool stream_ordered() const { return done != nullptr || done_counter != nullptr; }
   // Spelled out: CUDA sources that include this compile as C++17.
   bool operator==(const StepMemory& other) const {
-    return on_device == other.on_device && ready == other.ready && done == other.done;
+    return on_device == other.on_device && ready == other.ready && done == other.done &&
+           ready_counter == other.ready_counter && ready_value == other.ready_value &&
+           done_counter == other.done_counter && done_value == other.done_value;
   }
 };
 

@@ -171,6 +171,11 @@ ABSL_FLAG(int, max_rings, 4,
           "With --allow_shared_memory: request rings (SharedMemory.OpenRing) served at once, over "
           "every caller. Each has a thread of its own, which spins while its requests come (it "
           "sleeps after 20 ms without one). 0: no rings.");
+ABSL_FLAG(int, stream_wait_timeout_s, 60,
+          "cuda: seconds a Step's work waits on the GPU for its caller's ready_counter before the "
+          "server writes the value itself, so one caller cannot hold the stream that serves every "
+          "session of its GPU (that caller's next Step naming the counter is refused: its late "
+          "Step's results are undefined).");
 ABSL_FLAG(int, ring_stall_timeout_s, 30,
           "Seconds a request ring's answer may wait for a free response slot (its client stopped "
           "taking answers) before the ring ends DEADLINE_EXCEEDED, freeing its region and its "
@@ -641,6 +646,7 @@ int main(int argc, char** argv) {
       worker_spin_us != -1 ? worker_spin_us : (options.backend == "cuda" ? 1000 : 0));
   options.cuda.streams = absl::GetFlag(FLAGS_streams);
   options.cuda.memory_fraction = absl::GetFlag(FLAGS_device_memory_fraction);
+  options.cuda.stream_wait_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_wait_timeout_s));
   for (absl::string_view ordinal :
        absl::StrSplit(absl::GetFlag(FLAGS_devices), ',', absl::SkipEmpty())) {
     int value = 0;
@@ -689,6 +695,11 @@ int main(int argc, char** argv) {
         absl::StrCat("--chunked_memory_mb and --chunked_idle_timeout_s: expected >= 1, got ",
                      options.service.chunked_memory_bytes >> 20, " and ",
                      absl::ToInt64Seconds(options.service.chunked_idle_timeout)));
+  }
+  if (valid.ok() && options.cuda.stream_wait_timeout < absl::Seconds(1)) {
+    valid = absl::InvalidArgumentError(
+        absl::StrCat("--stream_wait_timeout_s: expected >= 1, got ",
+                     absl::ToInt64Seconds(options.cuda.stream_wait_timeout)));
   }
   if (!valid.ok()) {
     std::fprintf(stderr, "attention_server: %s\n", valid.ToString().c_str());

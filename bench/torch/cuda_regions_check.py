@@ -15,7 +15,9 @@ starts attention_server --backend=cuda --allow_shared_memory from BIN_DIR and ch
    current stream behind a long GPU sleep (the server must wait for the caller's event, not read
    them early), o and lse read by the current stream at once (the caller must wait for the
    server's event), bit for bit equal to the same Steps through the host path, every dtype, three
-   steps over ragged sessions, with no host copy in the server's timing;
+   steps over ragged sessions, with no host copy in the server's timing; then three more ordered
+   by counters and posted on the ring without waiting for the answer; and a ready_counter the
+   caller never writes, which the server writes itself after --stream_wait_timeout_s;
 4. a timing table, per call (median of 20, after warm-up): CUDA regions, the host path and local
    torch SDPA, for a decode-like and a prefill-like shape.
 
@@ -45,6 +47,7 @@ from attention_client import torch as remote  # noqa: E402
 from attention_client._stubs import attention_pb2 as pb  # noqa: E402
 
 BOUND = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+STREAM_WAIT_TIMEOUT_S = 2  # the server's bound on a wait for a caller's ready_counter
 failures = []
 
 
@@ -79,7 +82,8 @@ def start_server(bin_dir, backend, log_path):
     server = subprocess.Popen(
         [os.path.join(bin_dir, "attention_server"), f"--backend={backend}", "--host=127.0.0.1",
          "--port=0", "--metrics_port=0", f"--port_file={ports}", "--allow_shared_memory",
-         "--max_message_mb=2047"], stdout=log, stderr=subprocess.STDOUT, env=env)
+         "--max_message_mb=2047", f"--stream_wait_timeout_s={STREAM_WAIT_TIMEOUT_S}"],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 60
     while not (os.path.exists(ports) and open(ports).read().strip()):
         if server.poll() is not None or time.monotonic() > deadline:
@@ -241,7 +245,10 @@ def packed_steps_in_stream_order(direct, host, dtypes):
         on_device = [direct.session(k=k, v=v) for k, v in kv]
         via_host = [host.session(k=k, v=v) for k, v in kv]
         try:
-            for step in range(3):
+            for step in range(6):
+                # Steps 0-2 by events (answered once queued); 3-5 by counters, posted on the ring
+                # without waiting for the answer (step_batch(wait=False, stream="ring")).
+                by = "events" if step < 3 else "counters"
                 q, k1, v1 = (torch.randn(b, h, 1, d, generator=gen).to(dtype)
                              for h in (hq, hkv, hkv))
                 # The inputs reach the GPU only after a ~20 ms sleep on the current stream.
@@ -252,28 +259,78 @@ def packed_steps_in_stream_order(direct, host, dtypes):
                 for dev, t in zip(inputs, (q, k1, v1)):
                     dev.copy_(t.pin_memory(), non_blocking=True)
                 start = time.perf_counter()
-                r = direct.step_batch(on_device, *inputs, causal=True, return_lse=True,
-                                      return_info=True)
+                if by == "events":
+                    r = direct.step_batch(on_device, *inputs, causal=True, return_lse=True,
+                                          return_info=True)
+                    o, lse = r.o.clone(), r.lse.clone()  # on the stream: after the server's
+                else:
+                    posted = direct.step_batch(on_device, *inputs, causal=True, return_lse=True,
+                                               return_info=True, wait=False, stream="ring")
+                    o, lse = posted.o.clone(), posted.lse.clone()
                 answered_ms = (time.perf_counter() - start) * 1e3
-                o, lse = r.o.clone(), r.lse.clone()  # on the current stream: after the server's
                 pending = not torch.cuda.current_stream().query()
+                if by == "counters":
+                    r = posted.result()
                 want = host.step_batch(via_host, q, k1, v1, causal=True, return_lse=True,
                                        return_info=True)
                 t = r.timing
                 check(same_bits(o.cpu(), want.o) and same_bits(lse.cpu(), want.lse)
                       and r.lengths == want.lengths and t.h2d_us == 0 and t.d2h_us == 0,
-                      f"packed Step {name} step {step} in stream order: o, lse equal the host path "
+                      f"packed Step {name} step {step} in stream order by {by}: o, lse equal the "
+                      f"host path "
                       f"bit for bit, lengths {r.lengths}, server h2d_us={t.h2d_us} "
                       f"d2h_us={t.d2h_us}")
                 # The first Step of a shape may grow the pool's buffers, which waits for its
                 # stream (not checked); later ones must not wait.
-                if step > 0:
+                if step % 3 > 0:
                     check(pending and answered_ms < 15,
-                          f"packed Step {name} step {step}: answered in {answered_ms:.2f} ms, "
-                          f"the stream still asleep: {pending}")
+                          f"packed Step {name} step {step} by {by}: returned in "
+                          f"{answered_ms:.2f} ms, the stream still asleep: {pending}")
         finally:
             for s in on_device + via_host:
                 s.drop()
+
+
+def late_ready_counter(direct):
+    """A ready_counter the caller never writes: the server writes it itself after
+    --stream_wait_timeout_s (so the stream serving every session goes on), and refuses the next
+    Step naming that counter by name; the Step after that is served."""
+    b, hq, hkv, d = 2, 4, 1, 64
+    sessions = [direct.session(k=torch.randn(hkv, 5, d), v=torch.randn(hkv, 5, d))
+                for _ in range(b)]
+    try:
+        q, k1, v1 = (torch.randn(b, h, 1, d, device="cuda") for h in (hq, hkv, hkv))
+        o = torch.empty_like(q)
+        counters = torch.zeros(2, dtype=torch.int64, device="cuda")
+        direct._cuda_segments.ensure([q, k1, v1, o, counters])
+        ready, done = counters[0:1], counters[1:2]
+        start = time.perf_counter()
+        direct.step_batch(sessions, q, k1, v1, causal=True, out=o, ready_counter=(ready, 7),
+                          done_counter=(done, 7))
+        answered = time.perf_counter() - start
+        while int(done.item()) != 7 and time.perf_counter() - start < 5 * STREAM_WAIT_TIMEOUT_S:
+            time.sleep(0.05)
+        waited = time.perf_counter() - start
+        check(int(done.item()) == 7 and
+              STREAM_WAIT_TIMEOUT_S * 0.9 <= waited < STREAM_WAIT_TIMEOUT_S + 2,
+              f"a ready_counter never written: answered in {answered * 1e3:.1f} ms, done written "
+              f"after {waited:.2f} s (--stream_wait_timeout_s={STREAM_WAIT_TIMEOUT_S})")
+        ready.fill_(8)
+        try:
+            direct.step_batch(sessions, q, k1, v1, causal=True, out=o, ready_counter=(ready, 8),
+                              done_counter=(done, 8))
+            check(False, "the Step after a timed-out ready_counter was served")
+        except attention_client.AttentionError as e:
+            check(e.code.name == "FAILED_PRECONDITION" and "ready_counter" in e.details,
+                  f"the Step after a timed-out ready_counter: {e.code.name}: {e.details[:120]}")
+        direct.step_batch(sessions, q, k1, v1, causal=True, out=o, ready_counter=(ready, 8),
+                          done_counter=(done, 9))
+        torch.cuda.synchronize()
+        check(int(done.item()) == 9 and bool(torch.isfinite(o).all()),
+              "the Step after the refusal is served")
+    finally:
+        for s in sessions:
+            s.drop()
 
 
 def timing(direct, host):
@@ -339,6 +396,7 @@ def main():
                 if on_gpu:
                     no_round_trip(direct)
                     packed_steps_in_stream_order(direct, host, dtypes)
+                    late_ready_counter(direct)
                     timing(direct, host)
     finally:
         server.terminate()

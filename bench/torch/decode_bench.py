@@ -25,6 +25,9 @@ steps of one token per sequence, the last `tokens` timed. Attentions (--attn):
            write o in the model's GPU memory, ordered by interprocess events, nothing
            synchronised; unary
   packed-cuda-ring  the same through the client's request ring
+  packed-cuda-pipe  the same, ordered by counters and posted without waiting for the answer
+           (step_batch(wait=False, stream="ring")): the model queues its next kernels while the
+           server works; each answer is read by the next layer's post (its failure raised there)
 The host-path attentions (packed, packed-ring, packed-overlap and the per-entry ones) use a
 Client with cuda_regions="off", so they measure what they name.
 
@@ -221,7 +224,9 @@ class ServiceSteps(Attention):
         self.server_us = dict.fromkeys(attention_client.ServerTiming._fields, 0.0)
 
     def count(self, start, timing):
-        self.call_s += time.perf_counter() - start
+        """One call's time since `start` (None: counted by the caller) and its ServerTiming."""
+        if start is not None:
+            self.call_s += time.perf_counter() - start
         for name in self.server_us:
             self.server_us[name] += getattr(timing, name)
         self.calls += 1
@@ -249,7 +254,9 @@ class ServicePacked(ServiceSteps):
 
     def __init__(self, client, transport, a, batch, context, device, dtype):
         super().__init__(client, transport, a, batch, context, device, dtype)
-        self.stream = "ring" if transport.endswith("-ring") else False
+        self.stream = "ring" if transport.endswith(("-ring", "-pipe")) else False
+        self.pipelined = transport == "packed-cuda-pipe"
+        self.posted = None  # packed-cuda-pipe: the Step posted last, its answer not yet counted
         self.overlapped = transport == "packed-overlap"
         self.halves = [[s[:batch // 2], s[batch // 2:]] for s in self.sessions]
         self.region = None
@@ -277,6 +284,13 @@ class ServicePacked(ServiceSteps):
         # q [B, 1, Hq, D] -> [B, Hq, 1, D]; k, v -> [B, Hkv, 1, D]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         start = time.perf_counter()
+        if self.pipelined:
+            step = self.client.step_batch(self.sessions[i], q, k, v, causal=True,
+                                          return_info=True, stream="ring", wait=False)
+            self.call_s += time.perf_counter() - start
+            self.settle()  # its answer was read by this post
+            self.posted = step
+            return self.record(i, step.o.transpose(1, 2))
         if self.region is None:  # host tensors, or (packed-cuda) CUDA regions in stream order
             result = self.client.step_batch(self.sessions[i], q, k, v, causal=True,
                                             return_info=True, stream=self.stream)
@@ -290,6 +304,13 @@ class ServicePacked(ServiceSteps):
             o = self.host["o"].to(q.device, copy=True)
         self.count(start, result.timing)
         return self.record(i, o.transpose(1, 2))
+
+    def settle(self):
+        """packed-cuda-pipe: counts the server's part of the Step posted last (raises its
+        failure)."""
+        if self.posted is not None:
+            timing, self.posted = self.posted.result().timing, None
+            self.count(None, timing)
 
     def start(self, i, half, q, k, v):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -310,6 +331,7 @@ class ServicePacked(ServiceSteps):
         return o
 
     def close(self):
+        self.settle()
         super().close()
         if self.region is not None:
             if self.pinned is not None:

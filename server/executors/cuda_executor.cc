@@ -33,8 +33,12 @@ namespace {
 
 class CudaExecutor final : public Executor {
  public:
-  CudaExecutor(int ordinal, DeviceDescription device, std::unique_ptr<cuda::HostRunner> runner)
-      : ordinal_(ordinal), device_(std::move(device)), runner_(std::move(runner)) {}
+  CudaExecutor(int ordinal, DeviceDescription device, std::unique_ptr<cuda::HostRunner> runner,
+               absl::Duration stream_wait_timeout)
+      : ordinal_(ordinal),
+        device_(std::move(device)),
+        runner_(std::move(runner)),
+        stream_wait_timeout_(stream_wait_timeout) {}
 
   const DeviceDescription& device() const override { return device_; }
 
@@ -86,7 +90,8 @@ class CudaExecutor final : public Executor {
   // The KV pages of sessions: one device allocation, decode steps by the split-KV kernels.
   absl::StatusOr<std::unique_ptr<KvPagePool>> CreateKvPagePool(int64_t num_pages,
                                                                int64_t page_bytes) override {
-    return cuda::MakeKvPagePool(ordinal_, num_pages, page_bytes);
+    return cuda::MakeKvPagePool(ordinal_, num_pages, page_bytes,
+                                {.stream_wait_timeout = stream_wait_timeout_});
   }
 
  private:
@@ -99,6 +104,7 @@ class CudaExecutor final : public Executor {
   const int ordinal_;
   const DeviceDescription device_;
   std::unique_ptr<cuda::HostRunner> runner_;
+  const absl::Duration stream_wait_timeout_;
   std::mutex health_mu_;
   absl::Status lost_;  // guarded by health_mu_; set once, never cleared
 };
@@ -135,7 +141,8 @@ absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal,
                                 ? options.memory_budget_bytes
                                 : static_cast<int64_t>(options.memory_fraction *
                                                        static_cast<double>(prop.totalGlobalMem))}));
-  return std::make_unique<CudaExecutor>(ordinal, std::move(device), std::move(runner));
+  return std::make_unique<CudaExecutor>(ordinal, std::move(device), std::move(runner),
+                                        options.stream_wait_timeout);
 }
 
 int CudaDeviceCount() {

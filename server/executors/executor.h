@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/attention_params.h"
 #include "kernels/paged_kv.h"
@@ -122,6 +123,9 @@ struct CudaExecutorOptions {
   double memory_fraction = 0.65;  // the server default; the KV cache takes its share beside it
   // When > 0, the budget in bytes instead of memory_fraction (tests).
   int64_t memory_budget_bytes = 0;
+  // How long a session step's stream waits for a caller's ready_counter before the server writes
+  // it itself (kernels/cuda/runtime/counter_waits.h).
+  absl::Duration stream_wait_timeout = absl::Seconds(60);
 };
 absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal,
                                                            const CudaExecutorOptions& options);

@@ -68,6 +68,12 @@ std::string KvShapeString(const KvShape& shape) {
                       " kv heads, head dim ", shape.head_dim);
 }
 
+// A Step in stream order: events or counters sent.
+bool StreamOrdered(const v1::StepRequest& request) {
+  return !request.ready_event().empty() || !request.done_event().empty() ||
+         request.has_ready_counter() || request.has_done_counter();
+}
+
 }  // namespace
 
 // One Step call: the step's state (its sequences, one per entry) and what answering it needs.
@@ -456,10 +462,10 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
     call->packed_lse = decoded.lse;
     ASSIGN_OR_RETURN(memory, DecodeStepMemory(request, places, call));
   } else {
-    if (!request.ready_event().empty() || !request.done_event().empty()) {
+    if (StreamOrdered(request)) {
       return absl::InvalidArgumentError(
-          "ready_event, done_event: expected only on a packed Step (session_ids) in CUDA regions, "
-          "got them on a Step of entries");
+          "ready_event, done_event, ready_counter, done_counter: expected only on a packed Step "
+          "(session_ids) in CUDA regions, got them on a Step of entries");
     }
     entries.reserve(n);
     for (int i = 0; i < n; ++i) {
@@ -521,13 +527,12 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
 absl::StatusOr<StepMemory> SessionService::DecodeStepMemory(
     const v1::StepRequest& request, const std::vector<SessionStore::Place>& places,
     StepCall* call) const {
-  const RequestRegions& refs = *call->refs;
-  const bool events = !request.ready_event().empty() || !request.done_event().empty();
+  RequestRegions& refs = *call->refs;
   if (refs.cuda_refs() == 0) {
-    if (events) {
+    if (StreamOrdered(request)) {
       return absl::InvalidArgumentError(
-          "ready_event, done_event: expected only with the Step's tensors in CUDA regions, got a "
-          "Step in host memory");
+          "ready_event, done_event, ready_counter, done_counter: expected only with the Step's "
+          "tensors in CUDA regions, got a Step in host memory");
     }
     return StepMemory{};
   }
@@ -561,6 +566,33 @@ absl::StatusOr<StepMemory> SessionService::DecodeStepMemory(
     }
     ASSIGN_OR_RETURN(*held, events_->Open(field, *handle, refs.cuda_device()));
     *event = held->get();
+  }
+  for (const auto& [field, event_field, has, counter, event, ptr, value] :
+       {std::tuple{"ready_counter", "ready_event", request.has_ready_counter(),
+                   &request.ready_counter(), memory.ready, &memory.ready_counter,
+                   &memory.ready_value},
+        {"done_counter", "done_event", request.has_done_counter(), &request.done_counter(),
+         memory.done, &memory.done_counter, &memory.done_value}}) {
+    if (!has) continue;
+    if (event != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": expected a counter or an event on each side, got both (",
+                       event_field, " too)"));
+    }
+    const std::string ref_field = absl::StrCat(field, ".ref");
+    if (counter->ref().byte_size() != sizeof(uint64_t)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          ref_field, ".byte_size: expected 8 (a uint64), got ", counter->ref().byte_size()));
+    }
+    const int before = refs.cuda_refs();
+    ASSIGN_OR_RETURN(char* const at, refs.Resolve(ref_field, counter->ref(), sizeof(uint64_t)));
+    if (refs.cuda_refs() == before) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(ref_field, ": expected a CUDA region on cuda:", refs.cuda_device(),
+                       " (the GPU's stream reads and writes the counter), got a system region"));
+    }
+    *ptr = reinterpret_cast<uint64_t*>(at);
+    *value = counter->value();
   }
   return memory;
 }

@@ -45,13 +45,15 @@ absl::StatusOr<char*> RequestRegions::Resolve(absl::string_view field, const v1:
                                                ref.byte_size(), alignment, &uses_);
   if (!span.ok()) return span.status();
   if (span->kind == RegionKind::kCuda) {
-    const bool served = cuda_inputs_ && (field == "q.ref" || field == "k.ref" || field == "v.ref" ||
-                                         field == "o_ref" || field == "lse_ref");
+    const bool served =
+        cuda_inputs_ &&
+        (field == "q.ref" || field == "k.ref" || field == "v.ref" || field == "o_ref" ||
+         field == "lse_ref" || field == "ready_counter.ref" || field == "done_counter.ref");
     if (!served) {
       return absl::UnimplementedError(absl::StrCat(
           field, ": region ", ref.region(),
-          " is CUDA memory, served for the q, k, v, o and lse of Attend and of a packed Step "
-          "only; use a system region here"));
+          " is CUDA memory, served for the q, k, v, o and lse of Attend and of a packed Step (and "
+          "its stream counters) only; use a system region here"));
     }
     if (cuda_device_ >= 0 && span->device != cuda_device_) {
       return absl::InvalidArgumentError(

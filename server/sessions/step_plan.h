@@ -29,7 +29,7 @@ struct DecodeKey {
   const float* sinks = nullptr;
   float softcap = 0.0f;
   int64_t chunk_size = 0;
-  // Where q, o and lse are, and the Step's events: a Step in stream order (events set) shares
+  // Where q, o and lse are, and the Step's events or counters: a Step in stream order shares
   // its launch with no other Step.
   StepMemory memory;
 

@@ -425,9 +425,22 @@ TEST_F(ClientSessionTest, StepBatchAndStepBatchAsyncEqualStepManyBitForBit) {
       sessions.StepBatch(batch_sessions, q, options, events);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
   EXPECT_NE(refused.status().message().find(
-                "ready_event, done_event: expected only with the Step's tensors in CUDA regions"),
+                "ready_event, done_event, ready_counter, done_counter: expected only with the "
+                "Step's tensors in CUDA regions"),
             std::string::npos)
       << refused.status();
+  // So are counters.
+  v1::StreamCounter counter;
+  counter.mutable_ref()->set_region("nowhere");
+  counter.mutable_ref()->set_byte_size(8);
+  counter.set_value(1);
+  const StepBatchTensors counters{.k = &kv, .v = &kv, .done_counter = &counter};
+  const absl::StatusOr<StepBatchOutput> refused_counter =
+      sessions.StepBatch(batch_sessions, q, options, counters);
+  EXPECT_EQ(refused_counter.status().code(), absl::StatusCode::kInvalidArgument)
+      << refused_counter.status();
+  EXPECT_NE(refused_counter.status().message().find("in host memory"), std::string::npos)
+      << refused_counter.status();
   for (int64_t b = 0; b < batch; ++b) EXPECT_EQ(packed[b].length(), lengths[b]);
 }
 

@@ -129,7 +129,39 @@ class PackedStepTest(ServerTest):
         self.assertTrue(np.array_equal(a, b_out), f"seed {SEED}")  # the same K/V and inputs
         self.assertEqual([s.length for s in first], [n + 1 for n in self.LENGTHS])
         with self.assertRaises(ValueError):
-            self.client.step_batch(first, q, stream="ring", wait=False)
+            self.client.step_batch(first, q, stream=True, wait=False)
+
+    def test_ring_steps_posted_without_waiting(self):
+        # Each Step returns once posted; the next post reads the one before's answer, and a
+        # failed one raises there (and from its result()), naming what failed.
+        (first, second), _ = self.two_batches()
+        b = len(self.LENGTHS)
+        q = self.normal(b, self.HQ, 1, self.D)
+        k1, v1 = self.normal(b, self.HKV, 1, self.D), self.normal(b, self.HKV, 1, self.D)
+        posted = [self.client.step_batch(batch, q, k1, v1, causal=True, wait=False,
+                                         stream="ring") for batch in (first, second)]
+        self.assertIsNone(posted[0].o)  # host tensors: o comes in the answer
+        want = self.client.step_batch(first, q, causal=True)  # the unary path, after both
+        a, b_out = (p.result() for p in posted)
+        self.assertTrue(np.array_equal(a, b_out), f"seed {SEED}")
+        self.assertEqual([s.length for s in second], [n + 1 for n in self.LENGTHS])
+        again = self.client.step_batch(first, q, causal=True, wait=False, stream="ring")
+        self.assertTrue(np.array_equal(again.result(), want), f"seed {SEED}")
+        # A Step the server refuses (q's head dim is not the sessions') fails after the call
+        # returned.
+        wrong = self.normal(b, self.HQ, 1, self.D + 8)
+        failed = self.client.step_batch(second, wrong, causal=True, wait=False, stream="ring")
+        with self.assertRaises(AttentionError) as e:
+            self.client.step_batch(first, q, causal=True, wait=False, stream="ring")
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT, e.exception.details)
+        self.assertIn("q", e.exception.details)
+        with self.assertRaises(AttentionError) as again_failed:
+            failed.result()
+        self.assertEqual(again_failed.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        # The next Step opens a new ring.
+        self.assertTrue(np.array_equal(
+            self.client.step_batch(first, q, causal=True, wait=False, stream="ring").result(),
+            want), f"seed {SEED}")
 
     def assertRefused(self, call, *words):
         with self.assertRaises(AttentionError) as e:
@@ -183,6 +215,17 @@ class PackedStepTest(ServerTest):
                 ready_event=handle), None, None)
         self.assertEqual(refused.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("on a Step of entries", refused.exception.details)
+        # So are counters (here in a system region, which the GPU's stream cannot wait on).
+        counter = pb.StreamCounter(ref=pb.TensorRef(region=region.name, offset=lse_at,
+                                                    byte_size=8), value=1)
+        packed_q = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, hq, 1, d], data=q[0].tobytes())
+        for field in ("ready_counter", "done_counter"):
+            with self.assertRaises(AttentionError) as refused:
+                self.client._call(self.client._sessions_stub.Step, pb.StepRequest(
+                    session_ids=[sessions[0].id], q=packed_q, **{field: counter}), None, None)
+            self.assertEqual(refused.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("ready_counter, done_counter", refused.exception.details)
+            self.assertIn("in host memory", refused.exception.details)
         self.assertEqual([s.length for s in sessions], lengths)
         del q_in, out, lse_over_o
 

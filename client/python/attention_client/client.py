@@ -355,6 +355,7 @@ class Client:
         # Registers nothing until used. Over several addresses "auto" is "off": the regions would
         # be on one server, the calls spread over all.
         self._step_events = {}  # (thread, device) -> step_batch's events in stream order
+        self._step_counters = {}  # (thread, device) -> step_batch's counters in stream order
         self._cuda_segments = SegmentRegions(
             self, "off" if self._several and cuda_regions == "auto" else cuda_regions)
 
@@ -546,7 +547,7 @@ class Client:
                    window_left=None, window_right=None, return_lse=False, out=None,
                    lse_out=None, timeout=None, metadata=None, request_id="", return_info=False,
                    stream=False, wait=True, sinks=None, softcap=None, chunk_size=None,
-                   ready_event=None, done_event=None):
+                   ready_event=None, done_event=None, ready_counter=None, done_counter=None):
         """One packed Step over a layer's batch: one message and one tensor each, none per
         sequence. Sequence b is sessions[b] (each at most once, all of one dtype, Hkv and D).
 
@@ -556,18 +557,27 @@ class Client:
         Tensors inside regions this client registered go by reference (no copy through the
         socket); out and lse_out, arrays in such regions, receive o and lse there (they must not
         overlap each other or an input). stream: as Session.step (False: unary; True: the
-        client's StepStream; "ring": its request ring). wait=False (unary only) returns at once
-        a concurrent.futures.Future of the result, so the caller can work meanwhile (another
-        micro-batch's MLP, say); leave the sessions and buffers alone until it is done.
+        client's StepStream; "ring": its request ring). wait=False returns at once, so the
+        caller can work meanwhile (another micro-batch's MLP, say): unary, a
+        concurrent.futures.Future of the result; on the ring, a RingStep once the Step is posted,
+        whose result() reads the answer (the next Step on the ring reads it too, and raises its
+        failure). Leave the sessions and buffers alone until it is done.
         sinks, softcap, chunk_size: as attend()'s.
 
         torch CUDA tensors (without out and lse_out) go through CUDA regions in stream order
         (attention_client.cuda_tensors): the server's kernels read q, k, v and write o where they
         are, ordered after the kernels queued on the current stream by an interprocess event,
         and the current stream waits for the server's before later work; the call returns once
-        the server has queued the step, with nothing synchronised. ready_event, done_event
-        (bytes of cudaIpcEventHandle_t) do the same for a caller whose q, k, v, out and lse_out
-        are already in CUDA regions it registered.
+        the server has queued the step, with nothing synchronised. With wait=False and
+        stream="ring" they are ordered by counters instead (StepRequest.ready_counter,
+        done_counter): the current stream waits for the server's write of the done counter,
+        queued before the server has even taken the Step, so the call returns once the Step is
+        posted and the model queues its next kernels while the server works; a Step that fails
+        has the counter written by this client (the stream goes on, o undefined) and its failure
+        raised by result() or the next Step. ready_event, done_event (bytes of
+        cudaIpcEventHandle_t) and ready_counter, done_counter ((a uint64 torch CUDA tensor of one
+        element in a registered CUDA region, value)) do the same for a caller whose q, k, v, out
+        and lse_out are already in CUDA regions it registered.
         """
         from attention_client.session import step_batch
         return step_batch(self, sessions, q, k, v, causal=causal, softmax_scale=softmax_scale,
@@ -575,7 +585,8 @@ class Client:
                           return_lse=return_lse, out=out, lse_out=lse_out, timeout=timeout,
                           metadata=metadata, request_id=request_id, return_info=return_info,
                           stream=stream, wait=wait, sinks=sinks, softcap=softcap,
-                          chunk_size=chunk_size, ready_event=ready_event, done_event=done_event)
+                          chunk_size=chunk_size, ready_event=ready_event, done_event=done_event,
+                          ready_counter=ready_counter, done_counter=done_counter)
 
     def register_shared_memory(self, name, shm, *, offset=0, size=None, timeout=None,
                                metadata=None):

@@ -36,7 +36,11 @@ Client.step_batch of torch CUDA tensors runs in stream order instead (step_batch
 interprocess event recorded on the current stream, which the server's stream waits for, and one
 the server records after its kernels, which the current stream waits for; the call returns once
 the server has queued the step, and nothing synchronises with the GPU, so a model's layers queue
-as they would with a local attention kernel.
+as they would with a local attention kernel. With wait=False on the request ring the order is kept
+by two counters in a CUDA region instead (StepRequest.ready_counter, done_counter; the driver's
+cuStreamWriteValue64 and cuStreamWaitValue64): the current stream's wait for the done value is
+queued before the server has taken the Step, so the call returns once the Step is posted, and the
+model queues its next kernels while the server works.
 
 Fallback (Client(cuda_regions=...)): "auto" (default) tries the first call on a device this way;
 when registration is refused (a server without --allow_shared_memory: FAILED_PRECONDITION; the cpu
@@ -139,6 +143,23 @@ class CudaDriver:
                         "cuIpcGetMemHandle")
             return handle.raw
         return self._in_context(device, query)
+
+
+    def write_value(self, stream, address, value):
+        """Queues on `stream` (a CUstream handle) the write of uint64 `value` at device `address`
+        (cuStreamWriteValue64)."""
+        self._check(self._cuda.cuStreamWriteValue64_v2(ctypes.c_void_p(stream),
+                                                       ctypes.c_uint64(address),
+                                                       ctypes.c_uint64(value), 0),
+                    "cuStreamWriteValue64")
+
+    def wait_value(self, stream, address, value):
+        """Queues on `stream` a wait until the uint64 at `address` reaches `value` (as int64
+        differences, cuStreamWaitValue64 GEQ)."""
+        self._check(self._cuda.cuStreamWaitValue64_v2(ctypes.c_void_p(stream),
+                                                      ctypes.c_uint64(address),
+                                                      ctypes.c_uint64(value), 0),
+                    "cuStreamWaitValue64")
 
 
 class _Segment:
@@ -255,6 +276,29 @@ def _step_events(client, device):
     return events
 
 
+class _StepCounters:
+    """A device's two counters for Steps in stream order by counters (ready, done: one int64
+    tensor of 2 on the device, in a CUDA region), the last value used, and a stream of its own
+    from which a failed Step's done value is written."""
+
+    def __init__(self, device):
+        import torch
+        self.tensor = torch.zeros(2, dtype=torch.int64, device=device)
+        self.ready, self.done = self.tensor[0:1], self.tensor[1:2]
+        self.value = 0
+        self.rescue = torch.cuda.Stream(device=device)
+
+
+def _step_counters(client, device):
+    """This thread's counters on `device` (per thread: another thread's Steps would write the
+    done counter past this one's value before this one's Step ran)."""
+    key = (threading.get_ident(), device)
+    counters = client._step_counters.get(key)
+    if counters is None:
+        counters = client._step_counters[key] = _StepCounters(device)
+    return counters
+
+
 def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
     """Client.step_batch of torch CUDA tensors q, k, v through CUDA regions, in stream order: the
     server's stream waits on the GPU for an event this call records on the current stream, its
@@ -276,13 +320,16 @@ def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = (torch.empty(tuple(q.shape[:3]), dtype=torch.float32, device=q.device)
            if options.get("return_lse") else None)
+    wait = options.get("wait", True)
+    device = q.device.index if q.device.index is not None else 0
+    if not wait and options.get("stream") == "ring":
+        return _step_by_counters(client, sessions, q, k, v, o, lse, device, options)
     if not _ensure(regions, (q, k, v, o, lse)):
         return False, None
-    device = q.device.index if q.device.index is not None else 0
     ready, done, ready_handle, done_handle = _step_events(client, device)
     stream = torch.cuda.current_stream(q.device)
     ready.record(stream)
-    wait = options.pop("wait", True)
+    options.pop("wait")
     from attention_client.session import step_batch
     try:
         result = step_batch(client, sessions, q, k, v, out=o, lse_out=lse,
@@ -302,6 +349,35 @@ def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
         future = concurrent.futures.Future()
         future.set_result(result)
         return True, future
+    return True, result
+
+
+def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
+    """step_batch_on_device with wait=False on the ring: ordered by counters, posted without
+    waiting for the answer (Client.step_batch)."""
+    import torch
+    regions = client._cuda_segments
+    counters = _step_counters(client, device)
+    if not _ensure(regions, (q, k, v, o, lse, counters.tensor)):
+        return False, None
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    driver = regions._driver
+    counters.value += 1
+    value = counters.value
+    driver.write_value(stream, counters.ready.data_ptr(), value)
+
+    def release():
+        # The Step failed: nothing will write its done value, for which the stream waits.
+        driver.write_value(counters.rescue.cuda_stream, counters.done.data_ptr(), value)
+
+    from attention_client.session import step_batch
+    # No retry or host fallback here: a failure raised now may be the previous Step's, read by
+    # this post, and this Step's own comes with its answer, after the caller went on.
+    result = step_batch(client, sessions, q, k, v, out=o, lse_out=lse,
+                        ready_counter=(counters.ready, value), done_counter=(counters.done, value),
+                        _on_error=release, **options)
+    # What runs on this stream from here on sees o and lse written, and q, k, v read.
+    driver.wait_value(stream, counters.done.data_ptr(), value)
     return True, result
 
 

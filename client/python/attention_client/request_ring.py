@@ -57,7 +57,8 @@ _libc.syscall.restype = ctypes.c_long
 class RequestRing:
     """One ring of AttendRequests ("attend") or StepRequests ("step") over `client`'s connection,
     whose regions its requests may refer to. One request in flight at a time (thread-safe:
-    callers take turns). A request that fails ends the ring (AttentionError with its code); open
+    callers take turns); submit() returns once it is posted, so the caller can work while the
+    server answers. A request that fails ends the ring (AttentionError with its code); open
     another for the next."""
 
     def __init__(self, client, method, *, slot_bytes=1 << 20, metadata=None):
@@ -78,6 +79,7 @@ class RequestRing:
         self._lock = threading.Lock()
         self._mapping_lock = threading.Lock()  # the call's end against the mapping's release
         self._posted = self._taken = 0  # this side's counters (requests_posted, responses_taken)
+        self._in_flight = None  # the RingTicket of the request posted and not yet answered
         self._closed = False  # no more requests
         self._released = False  # the region unregistered, the shared memory unlinked
         self._shm = shared_memory.SharedMemory(create=True, size=_HEADER_BYTES + 2 * slot_bytes)
@@ -121,12 +123,20 @@ class RequestRing:
 
     def request(self, message):
         """Sends one request and returns its response (an AttendResponse or a StepResponse)."""
+        return self.submit(message).response()
+
+    def submit(self, message, on_error=None):
+        """Posts one request without waiting for its response: returns a RingTicket, whose
+        response() reads it. One request is in flight at a time: a later submit (or request) first
+        reads the earlier one's response into its ticket, and raises if that request failed (the
+        failure ended the ring). `on_error()` runs once if this request fails, whoever finds it."""
         data = message.SerializeToString()
         if len(data) > self._slot_bytes - _LENGTH_BYTES:
             raise ValueError(f"request of {len(data)} serialized bytes: expected at most "
                              f"{self._slot_bytes - _LENGTH_BYTES} (slot_bytes less the length "
                              f"word); open the ring with larger slots")
         with self._lock:
+            self._settle()
             if self._closed:
                 raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION, "the ring is closed")
             self._await(lambda: self._requests_taken.value == self._posted)
@@ -136,17 +146,34 @@ class RequestRing:
             self._posted += 1
             self._requests_posted.value = self._posted  # after the slot's bytes (x86-64 order)
             self._wake(self._server_bell)
-            self._await(lambda: self._responses_posted.value > self._taken)
-            at = self._response_at
-            length = int.from_bytes(self._buf[at:at + _LENGTH_BYTES], "little")
-            if length > self._slot_bytes - _LENGTH_BYTES:
-                raise AttentionError(grpc.StatusCode.DATA_LOSS,
-                                     f"response {self._taken}: length {length} beyond its slot")
-            response = self._response_type.FromString(
-                bytes(self._buf[at + _LENGTH_BYTES:at + _LENGTH_BYTES + length]))
-            self._taken += 1
-            self._responses_taken.value = self._taken
-            return response
+            self._in_flight = RingTicket(self, on_error)
+            return self._in_flight
+
+    def _settle(self):
+        """Reads the response of the request in flight into its ticket; raises its failure.
+        Under _lock."""
+        ticket, self._in_flight = self._in_flight, None
+        if ticket is None:
+            return
+        try:
+            ticket._response = self._take()
+        except BaseException as e:
+            ticket._fail(e)
+            raise
+
+    def _take(self):
+        """The next response, once posted. Under _lock."""
+        self._await(lambda: self._responses_posted.value > self._taken)
+        at = self._response_at
+        length = int.from_bytes(self._buf[at:at + _LENGTH_BYTES], "little")
+        if length > self._slot_bytes - _LENGTH_BYTES:
+            raise AttentionError(grpc.StatusCode.DATA_LOSS,
+                                 f"response {self._taken}: length {length} beyond its slot")
+        response = self._response_type.FromString(
+            bytes(self._buf[at + _LENGTH_BYTES:at + _LENGTH_BYTES + length]))
+        self._taken += 1
+        self._responses_taken.value = self._taken
+        return response
 
     def close(self):
         """Closes the ring (the server ends its call once every request is answered), then
@@ -154,6 +181,10 @@ class RequestRing:
         with self._lock:
             if self._released:
                 return
+            try:
+                self._settle()  # the last request's answer (or its failure, to its ticket)
+            except AttentionError:
+                pass
             self._closed = True
             self._client_closed.value = 1
             self._wake(self._server_bell)
@@ -225,3 +256,37 @@ class RequestRing:
         except BufferError:
             pass  # a view of it is still held (an error's traceback): closed when that goes
         self._shm.unlink()
+
+
+class RingTicket:
+    """A request posted on a RequestRing (RequestRing.submit): response() returns its response,
+    reading it first if no later request has."""
+
+    def __init__(self, ring, on_error=None):
+        self._ring = ring
+        self._on_error = on_error
+        self._response = None
+        self._error = None
+
+    def done(self):
+        """True once the response (or the failure) has been read."""
+        return self._response is not None or self._error is not None
+
+    def response(self):
+        """The response; raises the request's failure (AttentionError)."""
+        if not self.done():
+            with self._ring._lock:
+                if self._ring._in_flight is self:
+                    try:
+                        self._ring._settle()
+                    except AttentionError:
+                        pass  # in self._error
+        if self._error is not None:
+            raise self._error
+        return self._response
+
+    def _fail(self, error):
+        self._error = error
+        if self._on_error is not None:
+            on_error, self._on_error = self._on_error, None
+            on_error()

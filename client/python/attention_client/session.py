@@ -224,22 +224,42 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
     return outputs
 
 
+def _submit_step(client, request, metadata, on_error=None):
+    """Posts one StepRequest through the client's one request ring (opened by the first) and
+    returns a function that reads its StepResponse; see RequestRing.submit."""
+    if client._step_ring is None:
+        from attention_client.request_ring import RequestRing, MAX_SLOT_BYTES
+        # Room for this Step and its answer (o is q's size), at least 1 MiB.
+        need = max(1 << 20, 2 * request.ByteSize() + 4096)
+        client._step_ring = RequestRing(client, "step", metadata=metadata,
+                                        slot_bytes=min(MAX_SLOT_BYTES, (need + 63) // 64 * 64))
+    ring = client._step_ring
+
+    def failed():
+        if client._step_ring is ring:
+            client._step_ring = None  # a failed Step ends its ring; the next opens another
+            ring.close()
+
+    try:
+        ticket = ring.submit(request, on_error)
+    except AttentionError:
+        failed()  # an earlier Step's failure, or this one's post
+        raise
+
+    def response():
+        try:
+            return ticket.response()
+        except AttentionError:
+            failed()
+            raise
+    return response
+
+
 def _send_step(client, request, stream, timeout, metadata):
     """One StepRequest to the server, unary (stream False), over the client's one StepStream
     (True) or through its one request ring ("ring"); returns the StepResponse."""
     if stream == "ring":
-        if client._step_ring is None:
-            from attention_client.request_ring import RequestRing, MAX_SLOT_BYTES
-            # Room for this Step and its answer (o is q's size), at least 1 MiB.
-            need = max(1 << 20, 2 * request.ByteSize() + 4096)
-            client._step_ring = RequestRing(client, "step", metadata=metadata,
-                                            slot_bytes=min(MAX_SLOT_BYTES, (need + 63) // 64 * 64))
-        try:
-            return client._step_ring.request(request)
-        except AttentionError:
-            client._step_ring.close()  # a failed Step ends its ring; the next opens another
-            client._step_ring = None
-            raise
+        return _submit_step(client, request, metadata)()
     if stream:
         if client._step_stream is None:
             client._step_stream = StepStream(client, metadata)
@@ -255,13 +275,14 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
                window_left=None, window_right=None, return_lse=False, out=None, lse_out=None,
                timeout=None, metadata=None, request_id="", return_info=False, stream=False,
                wait=True, sinks=None, softcap=None, chunk_size=None, ready_event=None,
-               done_event=None):
+               done_event=None, ready_counter=None, done_counter=None, _on_error=None):
     """One packed Step over a layer's batch; see Client.step_batch."""
     if (k is None) != (v is None):
         raise ValueError("k and v go together: give both or neither")
     if not sessions:
         raise ValueError("sessions: expected at least one session, got none")
-    if (out is None and lse_out is None and ready_event is None and done_event is None
+    ordered = (ready_event, done_event, ready_counter, done_counter)
+    if (out is None and lse_out is None and all(x is None for x in ordered)
             and _is_torch(q) and getattr(q, "is_cuda", False) and client._cuda_segments.usable):
         from attention_client.cuda_tensors import step_batch_on_device
         done, result = step_batch_on_device(client, sessions, q, k, v, dict(
@@ -283,6 +304,13 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
         request.ready_event = bytes(ready_event)
     if done_event is not None:
         request.done_event = bytes(done_event)
+    for field, counter in (("ready_counter", ready_counter), ("done_counter", done_counter)):
+        if counter is not None:
+            from attention_client.shared_memory import counter_ref
+            tensor, value = counter
+            message = getattr(request, field)
+            message.ref.CopyFrom(counter_ref(client, tensor, field))
+            message.value = value
     tq, kind = _to_tensor_or_ref(client, q, "q", bits)
     request.q.CopyFrom(tq)
     if k is not None:
@@ -301,9 +329,11 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
 
     if wait:
         return output(_send_step(client, request, stream, timeout, metadata))
+    if stream == "ring":
+        return RingStep(_submit_step(client, request, metadata, _on_error), output, out, lse_out)
     if stream:
-        raise ValueError("wait=False takes unary Steps only (a StepStream or a request ring "
-                         "carries one Step at a time)")
+        raise ValueError("wait=False takes unary Steps or the request ring (stream=\"ring\"); a "
+                         "StepStream carries one Step at a time")
     call = client._sessions_stub.Step.future(
         request, timeout=client.timeout if timeout is None else timeout,
         metadata=client.metadata if metadata is None else metadata)
@@ -319,6 +349,27 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
 
     call.add_done_callback(done)
     return future
+
+
+class RingStep:
+    """A Step posted on the client's request ring whose answer is read later (step_batch with
+    wait=False, stream="ring"): result() reads it, and so does the client's next Step on the ring,
+    which raises this one's failure if it failed. Until then the sessions' lengths are those
+    before it. o and lse: where the answer's o and lse are written when they are the caller's
+    (out, lse_out, or a Step of CUDA tensors in stream order, whose o later kernels on the stream
+    may read at once); None when they come in the answer."""
+
+    def __init__(self, response, output, o=None, lse=None):
+        self._response = response
+        self._output = output
+        self._result = None
+        self.o, self.lse = o, lse
+
+    def result(self):
+        """What step_batch returns with wait=True; raises the Step's failure (AttentionError)."""
+        if self._result is None:
+            self._result = (self._output(self._response()),)
+        return self._result[0]
 
 
 def _batch_output(response, sessions, kind, return_lse, out, lse_out, return_info):

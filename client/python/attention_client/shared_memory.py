@@ -189,3 +189,18 @@ def out_ref(client, out, name):
         raise ValueError(f"{name}: expected a C-contiguous array inside a region this Client "
                          "registered (Region.array, or a CUDA tensor in a CUDA region)")
     return t.ref
+
+
+def counter_ref(client, counter, name):
+    """The TensorRef of a stream counter (StepRequest.ready_counter, done_counter): `counter`, a
+    torch CUDA tensor of one 8-byte element, must lie in one of the client's CUDA regions."""
+    if not (_is_torch(counter) and counter.is_cuda and counter.numel() == 1
+            and counter.element_size() == 8):
+        raise ValueError(f"{name}: expected a torch CUDA tensor of one 8-byte element (int64), "
+                         f"got {getattr(counter, 'dtype', type(counter))} of "
+                         f"{getattr(counter, 'shape', '?')}")
+    for region in client._regions:
+        offset = region._locate(counter)
+        if offset is not None:
+            return region.ref(offset, 8)
+    raise ValueError(f"{name}: expected a tensor inside a CUDA region this Client registered")

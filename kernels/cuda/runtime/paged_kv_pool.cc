@@ -17,7 +17,8 @@
 // straight from the caller's memory, and the kernels read q and write o and lse there in place
 // (packed tensors are already in the kernels' layout; other sequences' buffers are gathered and
 // scattered by device copies). With the caller's events, the stream waits for `ready` before the
-// step's first read and records `done` after its last write, and the step returns once queued.
+// step's first read and records `done` after its last write, and the step returns once queued; with
+// its counters instead, the same by stream memory operations (counter_waits.h bounds the waits).
 #include "kernels/cuda/runtime/paged_kv_pool.h"
 
 #include <cuda_runtime_api.h>
@@ -36,7 +37,9 @@
 #include "kernels/cuda/decode/paged_decode.h"
 #include "kernels/cuda/ops/cuda_status.h"
 #include "kernels/cuda/ops/device_caps.h"
+#include "kernels/cuda/ops/stream_counters.h"
 #include "kernels/cuda/prep/kv_scatter.h"
+#include "kernels/cuda/runtime/counter_waits.h"
 #include "kernels/cuda/runtime/stream_buffers.h"
 #include "kernels/paged_kv_host.h"
 #include "kernels/status_macros.h"
@@ -120,11 +123,11 @@ class CudaKvPagePool : public KvPagePool {
     if (runs.empty()) return absl::OkStatus();
     std::unique_lock<std::mutex> lock(mu_);
     RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-    const void* waited = nullptr;  // a Step's writes share its event: one wait
+    const void* waited = nullptr;  // a Step's writes share its event or counter: one wait
     for (const KvWrite& w : writes) {
-      if (w.memory.ready == waited) continue;
+      if (ReadyKey(w.memory) == waited) continue;
       RETURN_IF_ERROR(WaitReady(w.memory));
-      waited = w.memory.ready;
+      waited = ReadyKey(w.memory);
     }
     // Rows in this device's memory need no staging of their bytes: their own chunks.
     std::vector<WriteRun> device_runs;
@@ -236,10 +239,18 @@ class CudaKvPagePool : public KvPagePool {
  private:
   // The stream waits for the caller's `ready` event, when it sent one. Under mu_.
   absl::Status WaitReady(const StepMemory& memory) {
+    if (memory.ready_counter != nullptr) {
+      return counter_waits_.Wait(stream_, memory.ready_counter, memory.ready_value);
+    }
     if (memory.ready == nullptr) return absl::OkStatus();
     RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(memory.ready), 0),
                          "wait for the caller's ready_event");
     return absl::OkStatus();
+  }
+  // What a step's stream waits on (its ready event or counter): a Step's writes share it.
+  static const void* ReadyKey(const StepMemory& memory) {
+    return memory.ready_counter != nullptr ? static_cast<const void*>(memory.ready_counter)
+                                           : memory.ready;
   }
 
   // Rows in this device's memory scattered straight from there: a segment per (page run, K or V,
@@ -401,11 +412,14 @@ class CudaKvPagePool : public KvPagePool {
         RETURN_IF_CUDA_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(host.memory.done), stream_),
                              "record the caller's done_event");
       }
+      if (host.memory.done_counter != nullptr) {
+        RETURN_IF_ERROR(WriteCounter(stream_, host.memory.done_counter, host.memory.done_value));
+      }
       return absl::OkStatus();
     }();
     ++enqueued_;
     KvStepTimes times;
-    if (status.ok() && host.memory.done == nullptr) {
+    if (status.ok() && !host.memory.stream_ordered()) {
       // No event of the caller's: the step answers once its outputs are written.
       lock.unlock();
       status = CudaStatus(cudaEventSynchronize(events[2]), "run the decode step on the device");
@@ -579,6 +593,8 @@ class CudaKvPagePool : public KvPagePool {
   GrowableBuffer staging_{GrowableBuffer::Kind::kPinned};
   size_t staging_used_ = 0;
   GrowableBuffer tickets_{GrowableBuffer::Kind::kDevice};  // int32 split tickets
+  // Last: its watcher ends the waits the destructor's synchronisation would otherwise hang on.
+  CounterWaits counter_waits_{device_, options_.stream_wait_timeout};
 };
 
 }  // namespace

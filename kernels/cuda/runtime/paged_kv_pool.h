@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "kernels/paged_kv.h"
 
 namespace attention::cuda {
@@ -20,6 +21,9 @@ struct CudaKvPoolOptions {
   // false: split CTAs merge through global memory even on a device with thread-block clusters
   // (tests reach both merges; kernels/cuda/decode/paged_decode.h).
   bool clusters = true;
+  // How long the stream waits for a caller's ready_counter before writing it itself
+  // (counter_waits.h).
+  absl::Duration stream_wait_timeout = absl::Seconds(60);
 };
 
 absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t num_pages,
