@@ -15,7 +15,7 @@ on libcuda.so.1; torch's own storage._share_cuda_() would tie every shared block
 count that only a torch consumer returns, so torch would never free those blocks). Segments are
 registered once and cached per Client, keyed by device and the driver's buffer id (unique to an
 allocation for the process's life), so repeated calls with the allocator's reused blocks register
-nothing:
+nothing, and an address seen before in a segment torch cannot free (below) needs no driver query:
 - at most `capacity` segments (default 32, within the server's 64 regions per caller) stay
   registered; the least recently used one is unregistered for a new one;
 - every segment is unregistered by Client.close().
@@ -184,6 +184,11 @@ class SegmentRegions:
         self.capacity = capacity
         self._driver = driver
         self._segments = OrderedDict()  # (device, buffer id) -> _Segment, least recently used first
+        # (device, address) -> the key of the registered segment holding it, for segments whose
+        # keep storage stops torch from freeing them: such an address stays in that allocation
+        # while it is registered, so a repeated address needs no driver query (a decode loop's
+        # tensors come back to the same few addresses every layer).
+        self._by_address = {}
         self._lock = threading.Lock()
         self.registrations = 0  # Register calls made, for tests and diagnostics
         self._names = itertools.count()
@@ -194,6 +199,8 @@ class SegmentRegions:
         return self.mode == "on" or (self.mode == "auto" and self.unavailable is None)
 
     def _unregister(self, segment):
+        key = (segment.device, segment.buffer_id)
+        self._by_address = {a: k for a, k in self._by_address.items() if k != key}
         try:
             segment.region.unregister()
         except AttentionError:
@@ -218,11 +225,17 @@ class SegmentRegions:
 
     def _ensure_one(self, t, used):
         device = t.device.index if t.device.index is not None else 0
+        address = (device, t.data_ptr())
+        key = self._by_address.get(address)
+        if key is not None and key in self._segments:
+            self._segments.move_to_end(key)
+            return key
         base, size, buffer_id = self._driver.segment(t.data_ptr(), device)
         key = (device, buffer_id)
         known = self._segments.get(key)
         if known is not None:
             self._segments.move_to_end(key)
+            self._remember(address, known)
             return key
         # Segments torch freed: this new allocation (a buffer id not seen) overlaps their
         # addresses. Their registrations go first.
@@ -248,12 +261,24 @@ class SegmentRegions:
         self.registrations += 1
         keep = t.untyped_storage() if hasattr(t, "untyped_storage") else None
         self._segments[key] = _Segment(device, base, size, buffer_id, region, keep)
+        self._remember(address, self._segments[key])
         return key
+
+    _MAX_ADDRESSES = 4096
+
+    def _remember(self, address, segment):
+        """Notes that `address` lies in `segment`, when torch cannot free that segment."""
+        if segment.keep is None:
+            return  # memory outside torch's allocator: its addresses may change hands
+        if len(self._by_address) >= self._MAX_ADDRESSES:
+            self._by_address.clear()
+        self._by_address[address] = (segment.device, segment.buffer_id)
 
     def close(self):
         """Unregisters every segment (Client.close calls it)."""
         with self._lock:
             segments, self._segments = list(self._segments.values()), OrderedDict()
+            self._by_address = {}
         for s in segments:
             self._unregister(s)
 
