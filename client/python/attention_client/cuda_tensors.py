@@ -145,21 +145,21 @@ class CudaDriver:
         return self._in_context(device, query)
 
 
-    def write_value(self, stream, address, value):
-        """Queues on `stream` (a CUstream handle) the write of uint64 `value` at device `address`
-        (cuStreamWriteValue64)."""
-        self._check(self._cuda.cuStreamWriteValue64_v2(ctypes.c_void_p(stream),
-                                                       ctypes.c_uint64(address),
-                                                       ctypes.c_uint64(value), 0),
-                    "cuStreamWriteValue64")
+    def write_value(self, device, stream, address, value):
+        """Queues on `stream` (a CUstream handle of `device`) the write of uint64 `value` at
+        device `address` (cuStreamWriteValue64)."""
+        self._in_context(device, lambda: self._check(
+            self._cuda.cuStreamWriteValue64_v2(ctypes.c_void_p(stream), ctypes.c_uint64(address),
+                                               ctypes.c_uint64(value), 0),
+            "cuStreamWriteValue64"))
 
-    def wait_value(self, stream, address, value):
+    def wait_value(self, device, stream, address, value):
         """Queues on `stream` a wait until the uint64 at `address` reaches `value` (as int64
         differences, cuStreamWaitValue64 GEQ)."""
-        self._check(self._cuda.cuStreamWaitValue64_v2(ctypes.c_void_p(stream),
-                                                      ctypes.c_uint64(address),
-                                                      ctypes.c_uint64(value), 0),
-                    "cuStreamWaitValue64")
+        self._in_context(device, lambda: self._check(
+            self._cuda.cuStreamWaitValue64_v2(ctypes.c_void_p(stream), ctypes.c_uint64(address),
+                                              ctypes.c_uint64(value), 0),
+            "cuStreamWaitValue64"))
 
 
 class _Segment:
@@ -309,9 +309,11 @@ class _StepCounters:
     def __init__(self, device):
         import torch
         self.tensor = torch.zeros(2, dtype=torch.int64, device=device)
+        # Zero before any stream waits on them: the server's stream does not wait for this one.
+        torch.cuda.current_stream(device).synchronize()
         self.ready, self.done = self.tensor[0:1], self.tensor[1:2]
         self.value = 0
-        self.rescue = torch.cuda.Stream(device=device)
+        self.rescue = torch.cuda.Stream(device=device)  # non-blocking, as torch makes its streams
 
 
 def _step_counters(client, device):
@@ -389,11 +391,11 @@ def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
     driver = regions._driver
     counters.value += 1
     value = counters.value
-    driver.write_value(stream, counters.ready.data_ptr(), value)
+    driver.write_value(device, stream, counters.ready.data_ptr(), value)
 
     def release():
         # The Step failed: nothing will write its done value, for which the stream waits.
-        driver.write_value(counters.rescue.cuda_stream, counters.done.data_ptr(), value)
+        driver.write_value(device, counters.rescue.cuda_stream, counters.done.data_ptr(), value)
 
     from attention_client.session import step_batch
     # No retry or host fallback here: a failure raised now may be the previous Step's, read by
@@ -402,7 +404,7 @@ def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
                         ready_counter=(counters.ready, value), done_counter=(counters.done, value),
                         _on_error=release, **options)
     # What runs on this stream from here on sees o and lse written, and q, k, v read.
-    driver.wait_value(stream, counters.done.data_ptr(), value)
+    driver.wait_value(device, stream, counters.done.data_ptr(), value)
     return True, result
 
 
