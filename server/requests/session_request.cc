@@ -101,11 +101,11 @@ absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& reque
   ASSIGN_OR_RETURN(decoded.rows, DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
                                               request.has_v() ? &request.v() : nullptr,
                                               request.layout(), decoded.shape, refs));
-  decoded.layers = std::max(1, request.layers());
   if (request.layers() < 0 || request.layers() > kMaxSessionLayers) {
     return absl::InvalidArgumentError(absl::StrCat("layers: expected 0..", kMaxSessionLayers,
                                                    " (0: one), got ", request.layers()));
   }
+  decoded.layers = std::max(1, request.layers());
   if (decoded.layers > 1 && decoded.rows.rows > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "k, v: expected none for a session of ", decoded.layers,

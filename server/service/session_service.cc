@@ -117,7 +117,8 @@ struct SessionService::StepCall final : StepWork {
   // A packed Step's events in stream order (StepRequest.ready_event, done_event), held open until
   // it is answered; null when not sent.
   std::shared_ptr<void> ready_event, done_event;
-  // The store's ids of the Step's layers past 0 (StepRequest.layer), which its sequences name.
+  // The store's ids of the layer the Step names (StepRequest.layer) where they are not the
+  // session ids themselves; its sequences' ids are views of them.
   std::vector<std::string> layer_ids;
 
   bool packed() const { return request->session_ids_size() > 0; }

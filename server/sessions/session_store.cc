@@ -153,7 +153,8 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
         " layers and ", initial_rows, " rows"));
   }
   ASSIGN_OR_RETURN(std::string id, NewSessionId());
-  const int64_t pages = PagesFor(initial_rows, page_rows) * layers;
+  const int64_t per_layer = PagesFor(initial_rows, page_rows);
+  const int64_t pages = per_layer * layers;
 
   auto session = std::make_shared<Session>();
   // Its call lock before the store's, the order every call takes them in; the lease releases it.
@@ -184,8 +185,7 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   session->users = 1;
   session->group = session->id;
   session->layers = layers;
-  session->page_table.push_back(TakePageLocked(state));  // pages / layers == 1 when layers > 1
-  for (int64_t p = 1; p < pages / layers; ++p) session->page_table.push_back(TakePageLocked(state));
+  for (int64_t p = 0; p < per_layer; ++p) session->page_table.push_back(TakePageLocked(state));
   // Layers 1.. are new too: nobody knows their ids, nobody holds them.
   for (int layer = 1; layer < layers; ++layer) {
     auto other = std::make_shared<Session>();
@@ -198,7 +198,7 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
     other->group = session->id;
     other->layers = layers;
     other->layer = layer;
-    other->page_table.push_back(TakePageLocked(state));
+    for (int64_t p = 0; p < per_layer; ++p) other->page_table.push_back(TakePageLocked(state));
     sessions_.emplace(other->id, std::move(other));
   }
   ++state.sessions;
@@ -209,7 +209,17 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
 }
 
 bool SessionStore::ExpiredLocked(const Session& session, absl::Time now) const {
-  return session.users == 0 && now - session.last_used >= options_.ttl;
+  if (session.users > 0 || now - session.last_used < options_.ttl) return false;
+  // A layer of a session of several expires with its group, once every layer is idle past the
+  // TTL (a layer found idle is the rare case: only then are the others looked at).
+  for (int layer = 0; layer < session.layers && session.layers > 1; ++layer) {
+    auto it = sessions_.find(LayerSessionId(session.group, layer));
+    if (it != sessions_.end() &&
+        (it->second->users > 0 || now - it->second->last_used < options_.ttl)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 std::shared_ptr<SessionStore::Session> SessionStore::FindLocked(absl::string_view owner,
@@ -508,11 +518,10 @@ absl::Status SessionStore::Drop(absl::string_view owner, absl::string_view id) {
 int SessionStore::SweepLocked(absl::Time now) {
   std::vector<std::shared_ptr<Session>> expired;
   for (const auto& [id, session] : sessions_) {
-    if (ExpiredLocked(*session, now)) expired.push_back(session);
+    // A group is looked at once, through its layer 0; RemoveLocked takes every layer.
+    if (session->layer == 0 && ExpiredLocked(*session, now)) expired.push_back(session);
   }
-  for (const auto& session : expired) {
-    if (!session->dropped) RemoveLocked(session);  // (a layer its group's removal took)
-  }
+  for (const auto& session : expired) RemoveLocked(session);
   if (!expired.empty()) {
     if (options_.on_expired) options_.on_expired(static_cast<int>(expired.size()));
     PublishLocked();
@@ -542,7 +551,8 @@ SessionSnapshot SessionStore::SnapshotLocked(const Session& session, absl::Time 
     out.pages += static_cast<int64_t>(s.page_table.size());
     out.shared_pages += std::count_if(s.page_table.begin(), s.page_table.end(),
                                       [&refs](int32_t page) { return refs[page] > 1; });
-    // A session in use is not idle; a group is as idle as its last used layer.
+    // A session in use is not idle; a group is as idle as its last used layer (it expires once
+    // every layer is idle past the TTL).
     out.idle = std::min(out.idle, s.users > 0 ? absl::ZeroDuration() : now - s.last_used);
   }
   if (out.length == std::numeric_limits<int64_t>::max()) out.length = session.length;

@@ -15,8 +15,8 @@
 // Layers: a session of a model's L layers (Create's `layers`) is L sessions of one shape, device
 // and owner: layer 0 under the id callers know, layer l under LayerSessionId(id, l). Each has its
 // own pages and length and is held by its own leases, so a model's Step of layer l holds only that
-// layer; Drop, expiry and the snapshots take the group as one (Fork and Truncate of every layer are
-// the caller's, holding every layer's lease).
+// layer; Drop, expiry (once every layer is idle past the TTL) and the snapshots take the group as
+// one (Fork and Truncate of every layer are the caller's, holding every layer's lease).
 //
 // Concurrency: a call holds its sessions through Leases. A lease holds the session's call lock,
 // so calls on one session run one at a time (a second call waits; nothing is rejected). A call

@@ -429,7 +429,7 @@ TEST_F(SessionStoreTest, IdleSessionsExpireAfterTtl) {
 
 // A session of several layers: a page per layer, each layer its own length under its own id,
 // one entry in the list (pages summed, the length every layer holds), and the group goes as one:
-// dropped, or expired once a layer expired (a layer in use keeps its pages until released).
+// dropped, or expired once every layer is idle past the TTL.
 TEST_F(SessionStoreTest, ASessionOfLayersIsKeptAndLetGoAsOne) {
   SCOPED_TRACE(seed_);
   Make({8}, absl::Seconds(10));
@@ -455,11 +455,17 @@ TEST_F(SessionStoreTest, ASessionOfLayersIsKeptAndLetGoAsOne) {
   absl::StatusOr<SessionStore::Place> place = store_->Locate("", id);
   ASSERT_TRUE(place.ok()) << place.status();
   EXPECT_EQ(place->layers, 3);
-  // Layer 1 is used now, the others 9 s ago: at 10 s they expire, and layer 1 with them.
+  // Layer 1 is used now, the others 9 s ago: at 10 s the group stays (one layer is not idle past
+  // the TTL, even looked up by an idle layer), at 19 s it goes, every layer at once.
   clock_.Advance(absl::Seconds(9));
   ASSERT_EQ(AppendRows("", LayerSessionId(id, 1), 1), absl::OkStatus());
   clock_.Advance(absl::Seconds(1));
-  EXPECT_EQ(store_->Sweep(), 2);
+  EXPECT_EQ(store_->Sweep(), 0);
+  EXPECT_EQ(AppendRows("", LayerSessionId(id, 2), 1), absl::OkStatus());
+  ASSERT_EQ(store_->List("").size(), 1u);
+  EXPECT_EQ(store_->List("")[0].expires_in, absl::Seconds(10));
+  clock_.Advance(absl::Seconds(10));
+  EXPECT_EQ(store_->Sweep(), 1);
   EXPECT_EQ(store_->Room().pages_free, 8);
   EXPECT_EQ(AppendRows("", LayerSessionId(id, 1), 1).code(), absl::StatusCode::kNotFound);
   // Dropped as one.
