@@ -73,7 +73,8 @@ void Session::SetInfo(const v1::SessionInfo& info) {
 
 void Session::SetLength(int64_t length, std::optional<int32_t> layer) {
   const auto at = static_cast<size_t>(layer.value_or(0));
-  if (at < layer_lengths_.size()) layer_lengths_[at] = length;
+  if (at >= layer_lengths_.size()) layer_lengths_.resize(at + 1, length);
+  layer_lengths_[at] = length;
   length_ = *std::min_element(layer_lengths_.begin(), layer_lengths_.end());
 }
 
