@@ -394,7 +394,8 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
                             .on_usage =
                                 [&metrics](const std::string& device, const KvCacheUsage& usage) {
                                   metrics.SetKvCache(device, usage.sessions, usage.resident_bytes,
-                                                     usage.pages_free, usage.pages_total);
+                                                     usage.pages_free, usage.pages_total,
+                                                     usage.pages_shared);
                                 }});
   }
   // CUDA events of packed Steps in stream order, opened once per handle.

@@ -448,7 +448,7 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t le
     child->last_used = now;
     child->users = 1;
     for (int64_t i = 0; i < full; ++i) {
-      ++state.refs[p.page_table[i]];
+      if (++state.refs[p.page_table[i]] == 2) ++state.shared_pages;
       child->page_table.push_back(p.page_table[i]);
     }
     if (own_page) child->page_table.push_back(TakePageLocked(state));
@@ -479,7 +479,9 @@ int32_t SessionStore::TakePageLocked(DeviceState& state) {
 }
 
 void SessionStore::DropPageLocked(DeviceState& state, int32_t page) {
-  if (--state.refs[page] == 0) state.free_pages.push_back(page);
+  const int32_t left = --state.refs[page];
+  if (left == 1) --state.shared_pages;
+  if (left == 0) state.free_pages.push_back(page);
 }
 
 void SessionStore::FreePagesLocked(Session& session) {
@@ -600,7 +602,8 @@ void SessionStore::PublishLocked() {
     options_.on_usage(devices_[d].name, {.sessions = device_states_[d].sessions,
                                          .resident_bytes = (total - free_pages) * page_bytes_,
                                          .pages_free = free_pages,
-                                         .pages_total = total});
+                                         .pages_total = total,
+                                         .pages_shared = device_states_[d].shared_pages});
   }
 }
 

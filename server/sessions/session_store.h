@@ -57,6 +57,7 @@ struct KvCacheUsage {
   int64_t resident_bytes = 0;
   int64_t pages_free = 0;
   int64_t pages_total = 0;
+  int64_t pages_shared = 0;  // held by more than one session (forks), each counted once
 };
 
 struct SessionStoreOptions {
@@ -202,6 +203,7 @@ class SessionStore {
     std::vector<int32_t> free_pages;  // a stack
     std::vector<int32_t> refs;        // per page: the sessions holding it (0: free)
     int64_t sessions = 0;
+    int64_t shared_pages = 0;  // pages more than one session holds (refs > 1)
   };
 
   void ReleaseSession(const std::shared_ptr<Session>& session);

@@ -30,6 +30,7 @@
 #include "client/tensors.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_test_util.h"
+#include "tests/e2e/metrics_scrape.h"
 
 namespace attention::e2e {
 namespace {
@@ -320,6 +321,10 @@ TEST_F(ClientSessionTest, ForksGrowApartFromTheirParentAndShareItsFullPages) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->pages(), 4);
   EXPECT_EQ(info->shared_pages(), 3);
+  // The cache counts the three pages the two share once, in its gauge of shared pages.
+  absl::StatusOr<std::string> text = HttpGet(process().metrics_port(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_EQ(SumSamples(ParseMetrics(*text), "attention_kv_pages_shared"), 3);
   EXPECT_EQ(info->kv_heads(), 2);
   EXPECT_EQ(info->head_dim(), 64);
   EXPECT_EQ(info->dtype(), v1::DTYPE_FLOAT32);
