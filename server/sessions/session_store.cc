@@ -212,14 +212,11 @@ bool SessionStore::ExpiredLocked(const Session& session, absl::Time now) const {
   if (session.users > 0 || now - session.last_used < options_.ttl) return false;
   // A layer of a session of several expires with its group, once every layer is idle past the
   // TTL (a layer found idle is the rare case: only then are the others looked at).
-  for (int layer = 0; layer < session.layers && session.layers > 1; ++layer) {
-    auto it = sessions_.find(LayerSessionId(session.group, layer));
-    if (it != sessions_.end() &&
-        (it->second->users > 0 || now - it->second->last_used < options_.ttl)) {
-      return false;
-    }
-  }
-  return true;
+  bool expired = true;
+  ForEachLayerLocked(session, [&](const std::shared_ptr<Session>& s) {
+    if (s->users > 0 || now - s->last_used < options_.ttl) expired = false;
+  });
+  return expired;
 }
 
 std::shared_ptr<SessionStore::Session> SessionStore::FindLocked(absl::string_view owner,
@@ -495,16 +492,13 @@ void SessionStore::FreePagesLocked(Session& session) {
 
 void SessionStore::RemoveLocked(const std::shared_ptr<Session>& session) {
   // Every layer of its group goes with it (one layer alone: the group is itself).
-  for (int layer = 0; layer < session->layers; ++layer) {
-    auto it = sessions_.find(LayerSessionId(session->group, layer));
-    if (it == sessions_.end()) continue;
-    const std::shared_ptr<Session> s = it->second;
-    sessions_.erase(it);
+  ForEachLayerLocked(*session, [this](std::shared_ptr<Session> s) {
+    sessions_.erase(s->id);
     if (s->layer == 0) --device_states_[s->device].sessions;
     s->dropped = true;
     // A call holding it frees the pages when it ends: they may be in use until then.
     if (s->users == 0) FreePagesLocked(*s);
-  }
+  });
 }
 
 absl::Status SessionStore::Drop(absl::string_view owner, absl::string_view id) {
@@ -544,10 +538,8 @@ SessionSnapshot SessionStore::SnapshotLocked(const Session& session, absl::Time 
   out.length = std::numeric_limits<int64_t>::max();
   out.idle = absl::InfiniteDuration();
   const std::vector<int32_t>& refs = device_states_[session.device].refs;
-  for (int layer = 0; layer < session.layers; ++layer) {
-    auto it = sessions_.find(LayerSessionId(session.group, layer));
-    if (it == sessions_.end()) continue;
-    const Session& s = *it->second;
+  ForEachLayerLocked(session, [&](const std::shared_ptr<Session>& layer) {
+    const Session& s = *layer;
     out.length = std::min(out.length, s.length);
     if (session.layers > 1) out.layer_lengths.push_back(s.length);
     out.pages += static_cast<int64_t>(s.page_table.size());
@@ -556,7 +548,7 @@ SessionSnapshot SessionStore::SnapshotLocked(const Session& session, absl::Time 
     // A session in use is not idle; a group is as idle as its last used layer (it expires once
     // every layer is idle past the TTL).
     out.idle = std::min(out.idle, s.users > 0 ? absl::ZeroDuration() : now - s.last_used);
-  }
+  });
   if (out.length == std::numeric_limits<int64_t>::max()) out.length = session.length;
   if (out.idle == absl::InfiniteDuration()) out.idle = absl::ZeroDuration();
   out.resident_bytes = out.pages * page_bytes_;

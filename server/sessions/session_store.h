@@ -207,6 +207,10 @@ class SessionStore {
   };
 
   void ReleaseSession(const std::shared_ptr<Session>& session);
+  // Calls fn(layer) for each layer of `session`'s group still in the store, in layer order (for a
+  // session of one layer, itself, looked up by its id with no new string).
+  template <typename Fn>
+  void ForEachLayerLocked(const Session& session, Fn fn) const;
   // The session `id` of `owner` that has not expired, or null (expiring it if it just did).
   std::shared_ptr<Session> FindLocked(absl::string_view owner, absl::string_view id);
   bool ExpiredLocked(const Session& session, absl::Time now) const;
@@ -258,5 +262,14 @@ absl::StatusOr<std::string> NewSessionId();
 // The store's id of layer `layer` of session `id` (layer 0: `id` itself). Callers never send
 // these: a session id with a '/' names no session of theirs.
 std::string LayerSessionId(absl::string_view id, int layer);
+
+template <typename Fn>
+void SessionStore::ForEachLayerLocked(const Session& session, Fn fn) const {
+  for (int layer = 0; layer < session.layers; ++layer) {
+    auto it = session.layers == 1 ? sessions_.find(session.id)
+                                  : sessions_.find(LayerSessionId(session.group, layer));
+    if (it != sessions_.end()) fn(it->second);
+  }
+}
 
 }  // namespace attention::server
