@@ -4,7 +4,11 @@ FlashAttention-3: tokens/s and their ratio, per batch, context and transport.
 The model is an 8B-shaped Llama in plain torch (RMSNorm, rotary embeddings, GQA attention, SwiGLU
 MLP; random weights; 16 layers by default to fit beside the server). Each layer's KV cache starts
 with `context` rows of random K/V, the same for every attention; then `warmup + tokens` greedy
-steps of one token per sequence, the last `tokens` timed. Attentions (--attn):
+steps of one token per sequence, the last `tokens` timed, in `rounds` decodes of each attention
+that alternate with as many of the anchor's (the first attention, alive throughout), so a drift
+of the machine's speed reaches both: a row's time is the median of its rounds (spread: max - min
+over the median), its ratio against the anchor's rounds that alternated with it. Attentions
+(--attn):
 
   fa3      local FlashAttention-3 flash_attn_with_kvcache over a preallocated cache (the anchor;
            the fa3-fwd wheel, `fa3_fwd_interface`)
@@ -43,6 +47,7 @@ import argparse
 import concurrent.futures
 import json
 import math
+import statistics
 import time
 
 import torch
@@ -381,6 +386,77 @@ def decode(model, attention, batch, context, a, device):
     return first, torch.cat(tokens, 1), time.perf_counter() - start
 
 
+def make_attention(name, a, batch, context, capacity, client_for, device, dtype):
+    """Attention `name` over `context` rows per sequence; a local one holds `capacity` more."""
+    if name == "fa3":
+        return LocalFA3(a, batch, context, capacity, device, dtype)
+    if name == "sdpa":
+        return LocalSDPA(a, batch, context, capacity, device, dtype)
+    if name.startswith("packed"):
+        return ServicePacked(client_for(name), name, a, batch, context, device, dtype)
+    return ServiceSteps(client_for(name), name, a, batch, context, device, dtype)
+
+
+def compare(a, model, attns, batch, context, client_for, device, dtype):
+    """The rows of one (batch, context): the anchor (attns[0]) lives throughout, and each other
+    attention's a.rounds decodes alternate with as many of the anchor's, so both see the same
+    state of the machine; each row's time is the median of its rounds, its ratio against the
+    median of the anchor's rounds that alternated with it. The first rounds (the same inputs for
+    all) are compared with the anchor's first."""
+    steps = a.warmup + a.tokens
+    capacity = steps * (1 + a.rounds * len(attns))  # rows every local cache may gain
+    anchor_attn = make_attention(attns[0], a, batch, context, capacity, client_for, device, dtype)
+    rows = []
+    try:
+        first, tokens, seconds = decode(model, anchor_attn, batch, context, a, device)
+        anchor = (first, tokens, anchor_attn.first_o)
+        anchor_rounds = [seconds]
+        for name in attns[1:]:
+            attention = make_attention(name, a, batch, context, capacity, client_for, device,
+                                       dtype)
+            try:
+                paired, rounds, mine = [], [], None
+                for _ in range(a.rounds):
+                    paired.append(decode(model, anchor_attn, batch, context, a, device)[2])
+                    out = decode(model, attention, batch, context, a, device)
+                    mine = mine or out
+                    rounds.append(out[2])
+            finally:
+                attention.close()
+            anchor_rounds += paired
+            row = timing_row(a, name, batch, context, rounds)
+            if isinstance(attention, ServiceSteps):
+                row.update(ms_per_call=1e3 * attention.call_s / attention.calls,
+                           **{f"server_{field[:-3]}_ms_per_call": 1e-3 * us / attention.calls
+                              for field, us in attention.server_us.items()})
+            # The first layer's attention (same inputs everywhere) and the logits after every
+            # layer, against the anchor's, relative to their largest.
+            row.update(ratio=statistics.median(paired) / statistics.median(rounds),
+                       attn_rel=float((attention.first_o - anchor[2]).abs().max()
+                                      / anchor[2].abs().max()),
+                       logits_rel=float((mine[0] - anchor[0]).abs().max()
+                                        / anchor[0].abs().max()),
+                       same_tokens=float((mine[1] == anchor[1]).float().mean()))
+            rows.append(row)
+            del attention
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        anchor_attn.close()
+    rows.insert(0, timing_row(a, attns[0], batch, context, anchor_rounds))
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def timing_row(a, name, batch, context, rounds):
+    """tokens/s and ms per step of the median of `rounds` (seconds of a.tokens steps each)."""
+    seconds = statistics.median(rounds)
+    return dict(context=context, batch=batch, attn=name, tok_s=batch * a.tokens / seconds,
+                ms_per_step=1e3 * seconds / a.tokens, rounds=len(rounds),
+                spread=(max(rounds) - min(rounds)) / seconds)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="127.0.0.1:50051")
@@ -389,6 +465,8 @@ def main():
     p.add_argument("--context", default="1024,4096")
     p.add_argument("--tokens", type=int, default=16, help="timed steps")
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="decodes of each attention, alternating with the anchor's (median)")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
@@ -426,55 +504,19 @@ def main():
             del warm
         for context in [int(c) for c in a.context.split(",")]:
             for batch in [int(b) for b in a.batch.split(",")]:
-                anchor = None
-                for name in attns:
-                    if name == "fa3":
-                        attention = LocalFA3(a, batch, context, steps, device, dtype)
-                    elif name == "sdpa":
-                        attention = LocalSDPA(a, batch, context, steps, device, dtype)
-                    elif name.startswith("packed"):
-                        attention = ServicePacked(client_for(name), name, a, batch, context,
-                                                  device, dtype)
-                    else:
-                        attention = ServiceSteps(client_for(name), name, a, batch, context, device,
-                                                 dtype)
-                    try:
-                        first, tokens, seconds = decode(model, attention, batch, context, a, device)
-                    finally:
-                        attention.close()
-                    row = dict(context=context, batch=batch, attn=name,
-                               tok_s=batch * a.tokens / seconds,
-                               ms_per_step=1e3 * seconds / a.tokens)
-                    if isinstance(attention, ServiceSteps):
-                        row.update(ms_per_call=1e3 * attention.call_s / attention.calls,
-                                   **{f"server_{field[:-3]}_ms_per_call": 1e-3 * us / attention.calls
-                                      for field, us in attention.server_us.items()})
-                    if anchor is None:
-                        anchor = (first, tokens, row, attention.first_o)
-                    else:
-                        # The first layer's attention (same inputs everywhere) and the logits
-                        # after every layer, against the anchor's, relative to their largest.
-                        row.update(ratio=row["tok_s"] / anchor[2]["tok_s"],
-                                   attn_rel=float((attention.first_o - anchor[3]).abs().max()
-                                                  / anchor[3].abs().max()),
-                                   logits_rel=float((first - anchor[0]).abs().max()
-                                                    / anchor[0].abs().max()),
-                                   same_tokens=float((tokens == anchor[1]).float().mean()))
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
-                    del attention
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                rows += compare(a, model, attns, batch, context, client_for, device, dtype)
     for client in clients.values():
         client.close()
     print(f"\n{a.layers} layers, hidden {a.hidden}, Hq {a.heads}, Hkv {a.kv_heads}, D {a.head_dim}, "
-          f"MLP {a.inter}, {a.dtype}; {a.tokens} timed steps; ratio against {attns[0]}")
+          f"MLP {a.inter}, {a.dtype}; {a.tokens} timed steps a round, the median of {a.rounds} "
+          f"rounds; ratio against {attns[0]}'s rounds alternating with each")
     print(f"{'context':>7} {'batch':>5} {'attn':>11} {'tok/s':>9} {'ratio':>6} {'ms/step':>8} "
+          f"{'spread':>6} "
           f"{'ms/call':>8} {'server':>7} {'prep':>6} {'run':>6} {'kernel':>6} {'attn':>8} "
           f"{'logits':>8} {'same':>5}")
     for r in rows:
         print(f"{r['context']:>7} {r['batch']:>5} {r['attn']:>11} {r['tok_s']:>9.1f} "
-              f"{r.get('ratio', 1.0):>6.2f} {r['ms_per_step']:>8.2f} "
+              f"{r.get('ratio', 1.0):>6.2f} {r['ms_per_step']:>8.2f} {r['spread']:>6.2f} "
               f"{r.get('ms_per_call', float('nan')):>8.3f} "
               f"{r.get('server_total_ms_per_call', float('nan')):>7.3f} "
               f"{r.get('server_prepare_ms_per_call', float('nan')):>6.3f} "

@@ -122,7 +122,10 @@ class SegmentCacheTest(unittest.TestCase):
         cache = SegmentRegions(client, driver=FakeDriver([(0, 0x1000, 0x1000, 1),
                                                           (0, 0x4000, 0x800, 2)]))
         for _ in range(5):
-            cache.ensure([FakeTensor(0x1000), FakeTensor(0x1400), FakeTensor(0x4100)])
+            found = cache.ensure([FakeTensor(0x1000), FakeTensor(0x1400), FakeTensor(0x4100)])
+            # Each tensor's segment, in order (what a Step's references are made from).
+            self.assertEqual([s.base for s in found], [0x1000, 0x1000, 0x4000])
+            self.assertIs(found[0].region, found[1].region)
         self.assertEqual(cache.registrations, 2)
         self.assertEqual(len(client._regions), 2)
         self.assertEqual(sorted(e[3] for e in client.log), [0x800, 0x1000])  # whole segments

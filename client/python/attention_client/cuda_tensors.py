@@ -209,15 +209,16 @@ class SegmentRegions:
 
     def ensure(self, tensors):
         """Registers the segments of `tensors` (torch CUDA tensors, contiguous) that are not yet;
-        raises CudaRegionsUnavailable (remembered in mode "auto") when the server or the driver
-        cannot share them."""
+        returns each one's _Segment (its region and base address). Raises CudaRegionsUnavailable
+        (remembered in mode "auto") when the server or the driver cannot share them."""
         with self._lock:
             try:
                 if self._driver is None:
                     self._driver = CudaDriver()
-                used = set()
+                keys = []
                 for t in tensors:
-                    used.add(self._ensure_one(t, used))
+                    keys.append(self._ensure_one(t, keys))
+                return [self._segments[key] for key in keys]
             except CudaRegionsUnavailable as e:
                 if self.mode == "auto":
                     self.unavailable = str(e)
@@ -381,31 +382,77 @@ def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
 
 def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
     """step_batch_on_device with wait=False on the ring: ordered by counters, posted without
-    waiting for the answer (Client.step_batch)."""
+    waiting for the answer (Client.step_batch). A model makes this call once per layer per token,
+    so it builds the request itself from the tensors' segments (no search of the client's
+    regions, no per-sequence work but the answer's lengths)."""
     import torch
     regions = client._cuda_segments
     counters = _step_counters(client, device)
-    if not _ensure(regions, (q, k, v, o, lse, counters.tensor)):
+    segments = _ensure(regions, (q, k, v, o, lse, counters.tensor))
+    if segments is None:
         return False, None
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    driver = regions._driver
+    from attention_client.session import RingStep, _batch_output, _packed_request, _submit_step
+    from attention_client.shared_memory import _wire_dtype_of
+    request = _packed_request(client, sessions, **{
+        name: options[name] for name in _REQUEST_OPTIONS if options.get(name) is not None})
+    dtype = _wire_dtype_of(q)
+    for name, t, segment in zip(("q", "k", "v"), (q, k, v), segments):
+        if t is not None:
+            tensor = getattr(request, name)
+            tensor.dtype = dtype
+            tensor.shape.extend(t.shape)
+            _set_ref(tensor.ref, t, segment)
+    _set_ref(request.o_ref, o, segments[3])
+    if lse is not None:
+        _set_ref(request.lse_ref, lse, segments[4])
     counters.value += 1
     value = counters.value
+    at = counters.tensor.data_ptr() - segments[5].base  # ready at `at`, done 8 bytes on
+    for counter, offset in ((request.ready_counter, at), (request.done_counter, at + 8)):
+        counter.ref.region, counter.ref.offset, counter.ref.byte_size = (
+            segments[5].region.name, offset, 8)
+        counter.value = value
+    stream = _current_stream(q.device)
+    driver = regions._driver
     driver.write_value(device, stream, counters.ready.data_ptr(), value)
 
     def release():
         # The Step failed: nothing will write its done value, for which the stream waits.
         driver.write_value(device, counters.rescue.cuda_stream, counters.done.data_ptr(), value)
 
-    from attention_client.session import step_batch
     # No retry or host fallback here: a failure raised now may be the previous Step's, read by
     # this post, and this Step's own comes with its answer, after the caller went on.
-    result = step_batch(client, sessions, q, k, v, out=o, lse_out=lse,
-                        ready_counter=(counters.ready, value), done_counter=(counters.done, value),
-                        _on_error=release, **options)
+    response = _submit_step(client, request, options.get("metadata"), release)
+    layer, return_lse, return_info = (options.get(n) for n in ("layer", "return_lse",
+                                                                "return_info"))
+    step = RingStep(response, lambda answer: _batch_output(
+        answer, sessions, ("torch", q), return_lse, o, lse, return_info, layer), o, lse)
     # What runs on this stream from here on sees o and lse written, and q, k, v read.
     driver.wait_value(device, stream, counters.done.data_ptr(), value)
-    return True, result
+    return True, step
+
+
+# step_batch's keyword arguments that a packed StepRequest carries (session._packed_request).
+_REQUEST_OPTIONS = ("request_id", "layer", "causal", "softmax_scale", "window_left",
+                    "window_right", "return_lse", "sinks", "softcap", "chunk_size")
+
+
+def _set_ref(ref, t, segment):
+    """TensorRef `ref` := contiguous CUDA tensor `t`'s bytes in `segment`'s region."""
+    ref.region = segment.region.name
+    ref.offset = t.data_ptr() - segment.base
+    ref.byte_size = t.numel() * t.element_size()
+
+
+def _current_stream(device):
+    """The CUstream handle of torch's current stream on `device` (its raw getter where torch has
+    one: this runs once per layer call)."""
+    import torch
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if raw is not None:
+        return raw(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def _lse_shape(q, layout, cu_seqlens_q):
@@ -417,17 +464,17 @@ def _lse_shape(q, layout, cu_seqlens_q):
 
 
 def _ensure(regions, tensors):
-    """Registers the segments of `tensors` (None skipped); False when the call must take the host
-    path. Refusals that say the server cannot take CUDA memory are remembered (ensure); others
-    (e.g. RESOURCE_EXHAUSTED: its region limits) send this call through the host. Mode "on"
-    raises instead."""
+    """Registers the segments of `tensors`; returns each one's _Segment (None for None), or None
+    when the call must take the host path. Refusals that say the server cannot take CUDA memory
+    are remembered (ensure); others (e.g. RESOURCE_EXHAUSTED: its region limits) send this call
+    through the host. Mode "on" raises instead."""
     try:
-        regions.ensure([t for t in tensors if t is not None])
-        return True
+        found = iter(regions.ensure([t for t in tensors if t is not None]))
+        return [None if t is None else next(found) for t in tensors]
     except (CudaRegionsUnavailable, AttentionError):
         if regions.mode == "on":
             raise
-        return False
+        return None
 
 
 def attend_on_device(client, q, k, v, options, _retried=False):

@@ -81,14 +81,18 @@ class Session:
                 if e.code != grpc.StatusCode.NOT_FOUND:  # an expired session is dropped already
                     raise
 
+    @property
+    def length(self):
+        # Worked out when read: a packed Step sets one layer's length of every sequence of its
+        # batch, once per layer call.
+        return min(self.layer_lengths)
+
     def _set_info(self, info):
-        self.length = info.length
         self.layer_lengths = list(info.layer_lengths) if self.layers > 1 else [info.length]
 
     def _set_length(self, length, layer):
         """A call's answer: `layer`'s (None: the only one's) rows are now `length`."""
         self.layer_lengths[layer or 0] = length
-        self.length = min(self.layer_lengths)
 
     def _live_id(self):
         if not self.id:
@@ -155,6 +159,7 @@ class Session:
         """Frees the session's K/V on the server; the object holds no session afterwards."""
         request = pb.DropSessionRequest(session_id=self._live_id())
         self.id = ""
+        self._client._batch_ids.clear()  # packed Steps' kept ids (_session_ids) may hold it
         self._client._call(self._client._sessions_stub.DropSession, request, timeout,
                            self._metadata)
 
@@ -309,14 +314,11 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
             wait=wait, sinks=sinks, softcap=softcap, chunk_size=chunk_size, layer=layer))
         if done:
             return result
-    for session in sessions:
-        if session._client is not client:
-            raise ValueError(f"session {session.id} belongs to another Client")
     bits = sessions[0]._bfloat16_bits
-    request = pb.StepRequest(request_id=request_id, layer=layer,
-                             session_ids=[session._live_id() for session in sessions])
-    _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
-    _set_open_model_options(request, sinks, softcap, chunk_size)
+    request = _packed_request(client, sessions, request_id=request_id, layer=layer, causal=causal,
+                              softmax_scale=softmax_scale, window_left=window_left,
+                              window_right=window_right, return_lse=return_lse, sinks=sinks,
+                              softcap=softcap, chunk_size=chunk_size)
     if ready_event is not None:
         request.ready_event = bytes(ready_event)
     if done_event is not None:
@@ -367,6 +369,38 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
 
     call.add_done_callback(done)
     return future
+
+
+def _packed_request(client, sessions, *, request_id="", layer=None, causal=False,
+                    softmax_scale=None, window_left=None, window_right=None, return_lse=False,
+                    sinks=None, softcap=None, chunk_size=None):
+    """A packed StepRequest naming `sessions` with the Step's options; its tensors are the
+    caller's to set."""
+    request = pb.StepRequest(request_id=request_id, layer=layer,
+                             session_ids=_session_ids(client, sessions))
+    _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
+    _set_open_model_options(request, sinks, softcap, chunk_size)
+    return request
+
+
+_BATCHES_KEPT = 64
+
+
+def _session_ids(client, sessions):
+    """The ids of a packed Step's sessions, each checked to be live and this client's. A model
+    names the same batch in every layer call, so the ids of the last batches are kept, by the
+    sessions' identity (Session.drop forgets them all)."""
+    key = tuple(sessions)
+    ids = client._batch_ids.get(key)
+    if ids is None:
+        for session in sessions:
+            if session._client is not client:
+                raise ValueError(f"session {session.id} belongs to another Client")
+        ids = [session._live_id() for session in sessions]
+        if len(client._batch_ids) >= _BATCHES_KEPT:
+            client._batch_ids.clear()
+        client._batch_ids[key] = ids
+    return ids
 
 
 class RingStep:
