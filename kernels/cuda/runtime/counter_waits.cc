@@ -173,13 +173,11 @@ void CounterWaits::WriteLocked(const WaitBook::Wait& w) {
   uint64_t* const target =
       counter ? static_cast<uint64_t*>(const_cast<void*>(w.key)) : gates_[w.slot].counter;
   const absl::Status status = WriteCounter(rescue_, target, w.value);
-  const std::string what =
-      counter ? absl::StrCat("a ready_counter stayed below ", w.value)
-              : std::string("a ready_event did not complete");
+  const std::string what = counter ? absl::StrCat("a ready_counter stayed below ", w.value)
+                                   : std::string("a ready_event did not complete");
   std::fprintf(stderr, "attention_server: cuda:%d: %s for %s; %s by the server%s%s\n", device_,
-               what.c_str(), absl::FormatDuration(timeout_).c_str(),
-               counter ? "written" : "passed", status.ok() ? "" : ": ",
-               status.ok() ? "" : std::string(status.message()).c_str());
+               what.c_str(), absl::FormatDuration(timeout_).c_str(), counter ? "written" : "passed",
+               status.ok() ? "" : ": ", status.ok() ? "" : std::string(status.message()).c_str());
 }
 
 void CounterWaits::Watch() {

@@ -52,8 +52,8 @@ class CounterWaits {
  private:
   struct Gate {
     cudaStream_t stream;
-    uint64_t* counter;   // device memory, in one of gate_counters_
-    uint64_t value = 0;  // the last written (counters start at 0)
+    uint64_t* counter;    // device memory, in one of gate_counters_
+    uint64_t value = 0;   // the last written (counters start at 0)
     cudaEvent_t written;  // recorded on the gate's stream after its write
   };
   static constexpr int kGatesPerBlock = 64;  // counters per cudaMalloc

@@ -26,11 +26,11 @@ absl::Status WaitBook::Admit(Kind kind, const void* key) {
   if (kind == Kind::kEvent) {
     const int stuck = stuck_gates();
     if (stuck >= max_stuck_gates_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "ready_event: expected fewer than ", max_stuck_gates_,
-          " waits for callers' events that outlasted ", bound,
-          " and have still not completed on this GPU, got ", stuck,
-          ": refused until one of those events completes"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("ready_event: expected fewer than ", max_stuck_gates_,
+                       " waits for callers' events that outlasted ", bound,
+                       " and have still not completed on this GPU, got ", stuck,
+                       ": refused until one of those events completes"));
     }
   }
   return absl::OkStatus();
