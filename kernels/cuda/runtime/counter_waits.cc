@@ -111,7 +111,7 @@ absl::Status CounterWaits::TakeGateLocked(int* gate) {
   if (gates_.size() >= kMaxGates) {
     return absl::ResourceExhaustedError(
         absl::StrCat("ready_event: expected fewer than ", kMaxGates,
-                     " Steps waiting for their callers' events on cuda:", device_, " at once, got ",
+                     " waits for callers' events in flight on cuda:", device_, " at once, got ",
                      gates_.size(), ": refused until one of those events completes"));
   }
   if (rescue_ == nullptr) {
