@@ -172,10 +172,12 @@ ABSL_FLAG(int, max_rings, 4,
           "every caller. Each has a thread of its own, which spins while its requests come (it "
           "sleeps after 20 ms without one). 0: no rings.");
 ABSL_FLAG(int, stream_wait_timeout_s, 60,
-          "cuda: seconds a Step's work waits on the GPU for its caller's ready_counter before the "
-          "server writes the value itself, so one caller cannot hold the stream that serves every "
-          "session of its GPU (that caller's next Step naming the counter is refused: its late "
-          "Step's results are undefined).");
+          "cuda: seconds a Step's work waits on the GPU for its caller's ready_counter or "
+          "ready_event before the server goes on without it (writes the counter's value itself, "
+          "or passes the event), so one caller cannot hold the stream that serves every session "
+          "of its GPU (that caller's next Step naming the counter or event is refused: its late "
+          "Step's results are undefined). At most 8 waits for events that never completed are "
+          "held at once; more ready_event Steps are refused until one completes.");
 ABSL_FLAG(int, ring_stall_timeout_s, 30,
           "Seconds a request ring's answer may wait for a free response slot (its client stopped "
           "taking answers) before the ring ends DEADLINE_EXCEEDED, freeing its region and its "

@@ -17,14 +17,15 @@ starts attention_server --backend=cuda --allow_shared_memory from BIN_DIR and ch
    server's event), bit for bit equal to the same Steps through the host path, every dtype, three
    steps over ragged sessions, with no host copy in the server's timing; then three more ordered
    by counters and posted on the ring without waiting for the answer; and a ready_counter the
-   caller never writes, which the server writes itself after --stream_wait_timeout_s;
+   caller never writes, which the server writes itself after --stream_wait_timeout_s, and a
+   ready_event that completes only after it, which the server's stream stops waiting for;
 4. a timing table, per call (median of 20, after warm-up): CUDA regions, the host path and local
    torch SDPA, for a decode-like and a prefill-like shape.
 
     python3 bench/torch/cuda_regions_check.py [BIN_DIR]       # default .device/bin
 Stubs: GEN (default build/tests/python/gen) on PYTHONPATH, or an installed attention_client.
 --device=cpu runs the checks of 1 through the host path only (a CPU-only machine, --backend=cpu).
-Exit status 0 when every check passed. About 30 s on an H200.
+Exit status 0 when every check passed. About 40 s on an H200.
 """
 import argparse
 import os
@@ -47,7 +48,7 @@ from attention_client import torch as remote  # noqa: E402
 from attention_client._stubs import attention_pb2 as pb  # noqa: E402
 
 BOUND = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-STREAM_WAIT_TIMEOUT_S = 2  # the server's bound on a wait for a caller's ready_counter
+STREAM_WAIT_TIMEOUT_S = 2  # the server's bound on a wait for a caller's ready_counter or event
 failures = []
 
 
@@ -334,6 +335,53 @@ def late_ready_counter(direct):
             s.drop()
 
 
+def late_ready_event(direct):
+    """A ready_event that completes only after --stream_wait_timeout_s (recorded behind a GPU
+    sleep of three times that): the server's stream goes on without it after the timeout (it serves
+    every session), the next Step naming that event is refused by name, and once the event
+    completed, Steps naming it are served."""
+    b, hq, hkv, d = 2, 4, 1, 64
+    sessions = [direct.session(k=torch.randn(hkv, 5, d), v=torch.randn(hkv, 5, d))
+                for _ in range(b)]
+    held = torch.cuda.Stream()
+    try:
+        q, k1, v1 = (torch.randn(b, h, 1, d, device="cuda") for h in (hq, hkv, hkv))
+        o = torch.empty_like(q)
+        direct._cuda_segments.ensure([q, k1, v1, o])
+        ready, done = (torch.cuda.Event(interprocess=True) for _ in range(2))
+        torch.cuda.synchronize()
+        with torch.cuda.stream(held):
+            torch.cuda._sleep(3 * STREAM_WAIT_TIMEOUT_S * 2_000_000_000)  # ~2 GHz
+            ready.record(held)
+        events = {"ready_event": ready.ipc_handle(), "done_event": done.ipc_handle()}
+        start = time.perf_counter()
+        direct.step_batch(sessions, q, k1, v1, causal=True, out=o, **events)
+        answered = time.perf_counter() - start
+        while not done.query() and time.perf_counter() - start < 5 * STREAM_WAIT_TIMEOUT_S:
+            time.sleep(0.05)
+        waited = time.perf_counter() - start
+        check(done.query() and not ready.query() and
+              STREAM_WAIT_TIMEOUT_S * 0.9 <= waited < STREAM_WAIT_TIMEOUT_S + 2,
+              f"a ready_event completing after the timeout: answered in {answered * 1e3:.1f} ms, "
+              f"the server went on after {waited:.2f} s, the event then still pending: "
+              f"{not ready.query()} (--stream_wait_timeout_s={STREAM_WAIT_TIMEOUT_S})")
+        try:
+            direct.step_batch(sessions, q, k1, v1, causal=True, out=o, **events)
+            check(False, "the Step after a timed-out ready_event was served")
+        except attention_client.AttentionError as e:
+            check(e.code.name == "FAILED_PRECONDITION" and "ready_event" in e.details,
+                  f"the Step after a timed-out ready_event: {e.code.name}: {e.details[:120]}")
+        held.synchronize()
+        ready.record(held)
+        direct.step_batch(sessions, q, k1, v1, causal=True, out=o, **events)
+        done.synchronize()
+        check(bool(torch.isfinite(o).all()), "the Step after the event completed is served")
+    finally:
+        held.synchronize()
+        for s in sessions:
+            s.drop()
+
+
 def timing(direct, host):
     rows = []
     shapes = {"decode B=8 Hq=32 Hkv=8 Nq=1 Nk=4096 D=128": (8, 32, 8, 1, 4096),
@@ -398,6 +446,7 @@ def main():
                     no_round_trip(direct)
                     packed_steps_in_stream_order(direct, host, dtypes)
                     late_ready_counter(direct)
+                    late_ready_event(direct)
                     timing(direct, host)
     finally:
         server.terminate()

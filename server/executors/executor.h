@@ -123,8 +123,8 @@ struct CudaExecutorOptions {
   double memory_fraction = 0.65;  // the server default; the KV cache takes its share beside it
   // When > 0, the budget in bytes instead of memory_fraction (tests).
   int64_t memory_budget_bytes = 0;
-  // How long a session step's stream waits for a caller's ready_counter before the server writes
-  // it itself (kernels/cuda/runtime/counter_waits.h).
+  // How long a session step's stream waits for a caller's ready_counter or ready_event before the
+  // server goes on without it (kernels/cuda/runtime/counter_waits.h).
   absl::Duration stream_wait_timeout = absl::Seconds(60);
 };
 absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal,

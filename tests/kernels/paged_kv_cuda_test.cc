@@ -13,9 +13,11 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/ops/stream_counters.h"
 #include "kernels/cuda/runtime/paged_kv_pool.h"
 #include "tests/kernels/paged_kv_pool_test.h"
 
@@ -84,66 +86,107 @@ PoolDeviceMemory TestPoolDeviceMemory() {
 
 namespace {
 
+// A pool with a 1 s stream_wait_timeout holding one sequence of kRows keys, the host path's
+// answer to a step of one query over them, and q and two o buffers [2][kHeadDim] in the pool's
+// device memory for the same step in stream order, with a stream of the test's own to read and
+// write them (the legacy stream would wait for the pool's).
+class CudaKvPoolStreamOrderTest : public ::testing::Test {
+ protected:
+  static constexpr int64_t kHeadDim = 64, kRows = 37;
+
+  void SetUp() override {
+    if (!PoolUnavailableReason().empty()) GTEST_SKIP() << PoolUnavailableReason();
+    absl::StatusOr<std::unique_ptr<KvPagePool>> pool =
+        cuda::MakeKvPagePool(0, 4, 64 * 2 * kHeadDim * 4,
+                             {.poison_outputs = true, .stream_wait_timeout = absl::Seconds(1)});
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = *std::move(pool);
+    std::mt19937_64 rng(std::random_device{}());
+    std::normal_distribution<float> normal;
+    k_.resize(kRows * kHeadDim);
+    v_.resize(k_.size());
+    q_.resize(kHeadDim);
+    for (std::vector<float>* x : {&k_, &v_, &q_}) {
+      for (float& e : *x) e = normal(rng);
+    }
+    const KvWrite w{.shape = shape_,
+                    .page_table = table_,
+                    .first_row = 0,
+                    .rows = kRows,
+                    .k = k_.data(),
+                    .v = v_.data(),
+                    .head_stride = kRows * kHeadDim,
+                    .row_stride = kHeadDim};
+    ASSERT_EQ(pool_->Write({w}), absl::OkStatus());
+    host_o_.resize(kHeadDim);
+    p_ = {.shape = shape_,
+          .heads_q = 1,
+          .num_seqs = 1,
+          .q = q_.data(),
+          .o = host_o_.data(),
+          .cu_seqlens_q = cu_q_,
+          .total_q = 1,
+          .max_seqlen_q = 1,
+          .seqlens_k = lens_,
+          .max_seqlen_k = kRows,
+          .page_table = table_,
+          .page_table_stride = 1,
+          .softmax_scale = 0.125f};
+    ASSERT_TRUE(pool_->Decode(p_).ok());
+    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&q_dev_), kHeadDim * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&o_dev_), 2 * kHeadDim * 4), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(q_dev_, q_.data(), kHeadDim * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), cudaSuccess);
+  }
+  void TearDown() override {
+    if (pool_ == nullptr) return;
+    if (side_ != nullptr) cudaStreamDestroy(side_);
+    cudaDeviceSynchronize();
+    cudaFree(q_dev_);
+    cudaFree(o_dev_);
+  }
+
+  // The step on the device in stream order by `memory`, writing o buffer `out`.
+  absl::Status Step(StepMemory memory, int out = 0) {
+    PagedDecodeParams d = p_;
+    d.q = q_dev_;
+    d.o = o_dev_ + out * kHeadDim;
+    memory.on_device = true;
+    d.memory = memory;
+    return pool_->Decode(d).status();
+  }
+  // o buffer `out` as the device's steps left it.
+  std::vector<float> DeviceO(int out = 0) {
+    std::vector<float> o(kHeadDim);
+    EXPECT_EQ(cudaMemcpyAsync(o.data(), o_dev_ + out * kHeadDim, kHeadDim * 4,
+                              cudaMemcpyDeviceToHost, side_),
+              cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(side_), cudaSuccess);
+    return o;
+  }
+
+  const KvShape shape_{DType::kFloat32, 1, kHeadDim};
+  const int32_t table_[1] = {0}, cu_q_[2] = {0, 1}, lens_[1] = {kRows};
+  std::vector<float> q_, k_, v_, host_o_;
+  PagedDecodeParams p_;
+  std::unique_ptr<KvPagePool> pool_;
+  float *q_dev_ = nullptr, *o_dev_ = nullptr;
+  cudaStream_t side_ = nullptr;
+};
+
 // Stream order by counters (StepMemory::ready_counter, done_counter): a step queued before its
 // ready counter is reached waits on the GPU (done stays unwritten), runs once the counter is
 // written, and answers as the host path does, bit for bit; a ready counter never written is
 // written by the pool after its stream_wait_timeout, and the next step naming it is refused
 // FAILED_PRECONDITION; the step after that is served.
-TEST(CudaKvPoolCountersTest, CountersOrderTheStepAndBoundTheWait) {
-  if (!PoolUnavailableReason().empty()) GTEST_SKIP() << PoolUnavailableReason();
-  constexpr int64_t kHeadDim = 64, kRows = 37;
-  const KvShape shape{DType::kFloat32, 1, kHeadDim};
-  absl::StatusOr<std::unique_ptr<KvPagePool>> pool =
-      cuda::MakeKvPagePool(0, 4, 64 * 2 * kHeadDim * 4, {.stream_wait_timeout = absl::Seconds(1)});
-  ASSERT_TRUE(pool.ok()) << pool.status();
-  std::mt19937_64 rng(std::random_device{}());
-  std::normal_distribution<float> normal;
-  std::vector<float> k(kRows * kHeadDim), v(k.size()), q(kHeadDim);
-  for (std::vector<float>* x : {&k, &v, &q}) {
-    for (float& e : *x) e = normal(rng);
-  }
-  const int32_t table[] = {0};
-  KvWrite w{.shape = shape,
-            .page_table = table,
-            .first_row = 0,
-            .rows = kRows,
-            .k = k.data(),
-            .v = v.data(),
-            .head_stride = kRows * kHeadDim,
-            .row_stride = kHeadDim};
-  ASSERT_EQ((*pool)->Write({w}), absl::OkStatus());
-  const int32_t cu_q[] = {0, 1}, lens[] = {kRows};
-  std::vector<float> host_o(kHeadDim);
-  PagedDecodeParams p{.shape = shape,
-                      .heads_q = 1,
-                      .num_seqs = 1,
-                      .q = q.data(),
-                      .o = host_o.data(),
-                      .cu_seqlens_q = cu_q,
-                      .total_q = 1,
-                      .max_seqlen_q = 1,
-                      .seqlens_k = lens,
-                      .max_seqlen_k = kRows,
-                      .page_table = table,
-                      .page_table_stride = 1,
-                      .softmax_scale = 0.125f};
-  ASSERT_TRUE((*pool)->Decode(p).ok());
-
-  // q and o on the device, the counters too; a stream of the test's own reads and writes them
-  // (the legacy stream would wait for the pool's).
-  float *q_dev = nullptr, *o_dev = nullptr;
+TEST_F(CudaKvPoolStreamOrderTest, CountersOrderTheStepAndBoundTheWait) {
   uint64_t* counters = nullptr;  // [ready, done]
-  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&q_dev), kHeadDim * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&o_dev), kHeadDim * 4), cudaSuccess);
   ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&counters), 16), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(q_dev, q.data(), kHeadDim * 4, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemset(counters, 0, 16), cudaSuccess);
-  cudaStream_t side = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
   auto read = [&](int i) {
     uint64_t value = ~uint64_t{0};
-    EXPECT_EQ(cudaMemcpyAsync(&value, counters + i, 8, cudaMemcpyDeviceToHost, side), cudaSuccess);
-    EXPECT_EQ(cudaStreamSynchronize(side), cudaSuccess);
+    EXPECT_EQ(cudaMemcpyAsync(&value, counters + i, 8, cudaMemcpyDeviceToHost, side_), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(side_), cudaSuccess);
     return value;
   };
   auto wait_for_done = [&](uint64_t value, absl::Duration within) {
@@ -152,15 +195,10 @@ TEST(CudaKvPoolCountersTest, CountersOrderTheStepAndBoundTheWait) {
     return read(1) == value;
   };
   auto step = [&](uint64_t ready, uint64_t done) {
-    PagedDecodeParams d = p;
-    d.q = q_dev;
-    d.o = o_dev;
-    d.memory = {.on_device = true,
-                .ready_counter = counters,
-                .ready_value = ready,
-                .done_counter = counters + 1,
-                .done_value = done};
-    return (*pool)->Decode(d).status();
+    return Step({.ready_counter = counters,
+                 .ready_value = ready,
+                 .done_counter = counters + 1,
+                 .done_value = done});
   };
 
   // Queued before its ready counter is reached: answered at once, done unwritten until then.
@@ -168,13 +206,9 @@ TEST(CudaKvPoolCountersTest, CountersOrderTheStepAndBoundTheWait) {
   absl::SleepFor(absl::Milliseconds(100));
   EXPECT_EQ(read(1), 0u);
   const uint64_t one = 1;
-  ASSERT_EQ(cudaMemcpyAsync(counters, &one, 8, cudaMemcpyHostToDevice, side), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(counters, &one, 8, cudaMemcpyHostToDevice, side_), cudaSuccess);
   ASSERT_TRUE(wait_for_done(1, absl::Seconds(10)));
-  std::vector<float> device_o(kHeadDim);
-  ASSERT_EQ(cudaMemcpyAsync(device_o.data(), o_dev, kHeadDim * 4, cudaMemcpyDeviceToHost, side),
-            cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
-  EXPECT_EQ(device_o, host_o);
+  EXPECT_EQ(DeviceO(), host_o_);
 
   // A ready counter never written: the pool writes it after its timeout (1 s).
   const absl::Time start = absl::Now();
@@ -188,12 +222,84 @@ TEST(CudaKvPoolCountersTest, CountersOrderTheStepAndBoundTheWait) {
   // Then served (its ready value reached already).
   ASSERT_EQ(step(5, 4), absl::OkStatus());
   EXPECT_TRUE(wait_for_done(4, absl::Seconds(10)));
-
-  cudaStreamDestroy(side);
   cudaDeviceSynchronize();
-  cudaFree(q_dev);
-  cudaFree(o_dev);
   cudaFree(counters);
+}
+
+// Stream order by the caller's events (StepMemory::ready, done), bounded as counters are. A step
+// whose ready event is recorded behind a counter wait the test holds (it completes only when the
+// test says) still runs once the pool's stream_wait_timeout passed, and a step queued behind it
+// whose event completed at once runs then too, answering as the host path does; the next step
+// naming the late event is refused FAILED_PRECONDITION while steps with other events are served
+// at once (the late event's gate is stuck, the pool's stream is not); once the late event
+// completed, steps naming it are served again.
+TEST_F(CudaKvPoolStreamOrderTest, ReadyEventsAreBoundedByTheTimeout) {
+  uint64_t* hold = nullptr;  // the held stream waits until it is 1
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&hold), 8), cudaSuccess);
+  ASSERT_EQ(cudaMemset(hold, 0, 8), cudaSuccess);
+  cudaStream_t held = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking), cudaSuccess);
+  cudaEvent_t late, late_done, ready, done;
+  for (cudaEvent_t* e : {&late, &late_done, &ready, &done}) {
+    ASSERT_EQ(cudaEventCreateWithFlags(e, cudaEventDisableTiming), cudaSuccess);
+  }
+  ASSERT_EQ(cuda::WaitCounter(held, hold, 1), absl::OkStatus());
+  ASSERT_EQ(cudaEventRecord(late, held), cudaSuccess);
+  // Whatever fails below, the held stream is released (the fixture's synchronisation would hang).
+  bool released = false;
+  auto release = [&] {
+    if (released) return;
+    released = true;
+    const uint64_t one = 1;
+    EXPECT_EQ(cudaMemcpyAsync(hold, &one, 8, cudaMemcpyHostToDevice, side_), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(side_), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(held), cudaSuccess);
+  };
+  absl::Cleanup release_at_exit = release;
+  auto completes = [](cudaEvent_t e, absl::Duration within) {
+    const absl::Time give_up = absl::Now() + within;
+    while (cudaEventQuery(e) == cudaErrorNotReady && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return cudaEventQuery(e) == cudaSuccess;
+  };
+
+  ASSERT_EQ(cudaEventRecord(ready, side_), cudaSuccess);
+  const absl::Time start = absl::Now();
+  ASSERT_EQ(Step({.ready = late, .done = late_done}, 0), absl::OkStatus());
+  ASSERT_EQ(Step({.ready = ready, .done = done}, 1), absl::OkStatus());
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));  // answered once queued
+  EXPECT_EQ(cudaEventQuery(done), cudaErrorNotReady);       // behind the late step
+  ASSERT_TRUE(completes(late_done, absl::Seconds(10)));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(900));
+  ASSERT_TRUE(completes(done, absl::Seconds(10)));
+  EXPECT_EQ(cudaEventQuery(late), cudaErrorNotReady);  // the pool went on without it
+  // q was on the device all along: the late step's result is right here, as the other's.
+  EXPECT_EQ(DeviceO(0), host_o_);
+  EXPECT_EQ(DeviceO(1), host_o_);
+
+  const absl::Status refused = Step({.ready = late, .done = late_done});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("ready_event"));
+  // Another event's step, while the late event's gate still waits for it: served at once.
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(cudaEventRecord(ready, side_), cudaSuccess);
+    const absl::Time queued = absl::Now();
+    ASSERT_EQ(Step({.ready = ready, .done = done}, 1), absl::OkStatus());
+    ASSERT_TRUE(completes(done, absl::Seconds(10)));
+    EXPECT_LT(absl::Now() - queued, absl::Milliseconds(500));
+    EXPECT_EQ(DeviceO(1), host_o_);
+  }
+
+  // The late event completes: steps naming it are served again.
+  release();
+  ASSERT_EQ(Step({.ready = late, .done = late_done}, 0), absl::OkStatus());
+  ASSERT_TRUE(completes(late_done, absl::Seconds(10)));
+  EXPECT_EQ(DeviceO(0), host_o_);
+
+  for (cudaEvent_t e : {late, late_done, ready, done}) cudaEventDestroy(e);
+  cudaStreamDestroy(held);
+  cudaFree(hold);
 }
 
 }  // namespace

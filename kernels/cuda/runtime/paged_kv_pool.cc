@@ -18,7 +18,8 @@
 // (packed tensors are already in the kernels' layout; other sequences' buffers are gathered and
 // scattered by device copies). With the caller's events, the stream waits for `ready` before the
 // step's first read and records `done` after its last write, and the step returns once queued; with
-// its counters instead, the same by stream memory operations (counter_waits.h bounds the waits).
+// its counters instead, the same by stream memory operations. counter_waits.h bounds the waits for
+// both (the stream waits for an event through a gate's counter, never for the event itself).
 #include "kernels/cuda/runtime/paged_kv_pool.h"
 
 #include <cuda_runtime_api.h>
@@ -243,9 +244,7 @@ class CudaKvPagePool : public KvPagePool {
       return counter_waits_.Wait(stream_, memory.ready_counter, memory.ready_value);
     }
     if (memory.ready == nullptr) return absl::OkStatus();
-    RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(memory.ready), 0),
-                         "wait for the caller's ready_event");
-    return absl::OkStatus();
+    return counter_waits_.WaitEvent(stream_, static_cast<cudaEvent_t>(memory.ready));
   }
   // What a step's stream waits on (its ready event or counter): a Step's writes share it.
   static const void* ReadyKey(const StepMemory& memory) {
@@ -593,7 +592,8 @@ class CudaKvPagePool : public KvPagePool {
   GrowableBuffer staging_{GrowableBuffer::Kind::kPinned};
   size_t staging_used_ = 0;
   GrowableBuffer tickets_{GrowableBuffer::Kind::kDevice};  // int32 split tickets
-  // Last: its watcher ends the waits the destructor's synchronisation would otherwise hang on.
+  // Last: its watcher ends the waits (counters and events) the destructor's synchronisation would
+  // otherwise hang on.
   CounterWaits counter_waits_{device_, options_.stream_wait_timeout};
 };
 

@@ -21,8 +21,8 @@ struct CudaKvPoolOptions {
   // false: split CTAs merge through global memory even on a device with thread-block clusters
   // (tests reach both merges; kernels/cuda/decode/paged_decode.h).
   bool clusters = true;
-  // How long the stream waits for a caller's ready_counter before writing it itself
-  // (counter_waits.h).
+  // How long the stream waits for a caller's ready_counter or ready_event before going on without
+  // it (counter_waits.h).
   absl::Duration stream_wait_timeout = absl::Seconds(60);
 };
 
