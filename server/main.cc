@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -605,6 +606,11 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  // Before any CUDA call: each GPU's streams (the pool's, the executor's, the gates that wait for
+  // callers' events, the rescue stream) get hardware queues of their own, up to CUDA's 32, rather
+  // than the default 8 shared ones: a stream blocked on a caller's late event or counter must not
+  // hold a stream that shares its queue. An operator's own setting stands.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
 
   // This abseil build checks every absl::Mutex lock against a global lock-order graph (its debug
   // mode, under one process-wide lock); gRPC takes many such locks per call. Off: a hot path's
