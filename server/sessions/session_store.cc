@@ -328,6 +328,29 @@ absl::Status SessionStore::Append(Lease& lease, const KvRows& rows) {
   return Append(held, absl::MakeConstSpan(&rows, 1));
 }
 
+absl::Status SessionStore::Read(const Lease& lease, int64_t first_row, int64_t rows, void* k,
+                                void* v) {
+  const Session& s = *lease.session_;
+  if (first_row < 0 || first_row > s.length) {
+    return absl::InvalidArgumentError(absl::StrCat("first_row: expected 0..", s.length, ", got ",
+                                                   first_row, " (session ", Quote(s.id), ")"));
+  }
+  if (rows < 0 || rows > s.length - first_row) {
+    return absl::InvalidArgumentError(absl::StrCat("rows: expected 0..", s.length - first_row,
+                                                   ", got ", rows, " (session ", Quote(s.id),
+                                                   " holds ", s.length, " rows)"));
+  }
+  if (rows == 0) return absl::OkStatus();
+  return devices_[s.device].pool->Read(KvRead{.shape = s.shape,
+                                              .page_table = s.page_table.data(),
+                                              .first_row = first_row,
+                                              .rows = rows,
+                                              .k = k,
+                                              .v = v,
+                                              .head_stride = rows * s.shape.head_dim,
+                                              .row_stride = s.shape.head_dim});
+}
+
 absl::Status SessionStore::Truncate(Lease& lease, int64_t length) {
   Session& s = *lease.session_;
   if (length < 0 || length > s.length) {

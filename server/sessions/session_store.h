@@ -161,6 +161,12 @@ class SessionStore {
   absl::Status Append(absl::Span<Lease* const> leases, absl::Span<const KvRows> rows);
   absl::Status Append(Lease& lease, const KvRows& rows);  // one session
 
+  // Copies rows [first_row, first_row + rows) of the lease's session out of its pages (shared
+  // ones too) into host k and v, each BHSD [Hkv, rows, D] of its dtype (a session's export, a
+  // chunk at a time). INVALID_ARGUMENT naming first_row or rows unless the range is within its
+  // length.
+  absl::Status Read(const Lease& lease, int64_t first_row, int64_t rows, void* k, void* v);
+
   // Keeps the first `length` rows of the lease's session and lets the pages beyond them go (freed
   // unless other sessions hold them; at least one page stays). INVALID_ARGUMENT naming `length`
   // unless 0 <= length <= its length.

@@ -266,6 +266,63 @@ TEST_F(SessionStoreTest, ForkSharesTheFullPagesAndCopiesThePartialOne) {
   EXPECT_EQ(store_->Room().pages_free, 10);
 }
 
+// Read gives back a session's rows bit for bit, in chunks across page edges, from its own pages
+// and from pages it shares with a fork, after a truncate; a range past its length is refused.
+TEST_F(SessionStoreTest, ReadGivesBackTheRowsInChunks) {
+  SCOPED_TRACE(seed_);
+  Make({10});
+  const int64_t n = 2 * kPageRows + 7;
+  Rows data(n, rng_);
+  absl::StatusOr<SessionStore::Lease> lease = CreateOnEmptiest(*store_, "", n);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(store_->Append(*lease, data.view), absl::OkStatus());
+  const std::string id = lease->id();
+  *lease = SessionStore::Lease();
+  const std::string child = ForkOf("", id, kPageRows + 3);
+  ASSERT_EQ(TruncateTo(id, n - 2), absl::OkStatus());
+  const int64_t d = kShape.head_dim, hkv = kShape.heads_kv;
+  // Rows [0, length) of the session in chunks of `chunk` rows, back into BHSD [Hkv, length, D].
+  const auto read_all = [&](const std::string& session, int64_t chunk) {
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {session});
+    EXPECT_TRUE(leases.ok()) << leases.status();
+    if (!leases.ok()) return std::pair<std::vector<float>, std::vector<float>>();
+    const int64_t length = leases->front().length();
+    std::vector<float> k(hkv * length * d), v(k.size()), k_part, v_part;
+    for (int64_t first = 0; first < length; first += chunk) {
+      const int64_t rows = std::min(chunk, length - first);
+      k_part.assign(hkv * rows * d, 0.0f);
+      v_part.assign(k_part.size(), 0.0f);
+      EXPECT_EQ(store_->Read(leases->front(), first, rows, k_part.data(), v_part.data()),
+                absl::OkStatus());
+      for (int64_t h = 0; h < hkv; ++h) {
+        std::copy_n(k_part.begin() + h * rows * d, rows * d, k.begin() + (h * length + first) * d);
+        std::copy_n(v_part.begin() + h * rows * d, rows * d, v.begin() + (h * length + first) * d);
+      }
+    }
+    return std::pair{k, v};
+  };
+  // The first `length` rows of data, BHSD [Hkv, length, D].
+  const auto expected = [&](int64_t length) {
+    std::vector<float> k, v;
+    for (int64_t h = 0; h < hkv; ++h) {
+      k.insert(k.end(), data.k.begin() + h * n * d, data.k.begin() + (h * n + length) * d);
+      v.insert(v.end(), data.v.begin() + h * n * d, data.v.begin() + (h * n + length) * d);
+    }
+    return std::pair{k, v};
+  };
+  for (const int64_t chunk : {int64_t{1}, int64_t{5}, kPageRows + 1, n}) {
+    EXPECT_EQ(read_all(id, chunk), expected(n - 2)) << "chunk " << chunk;
+    EXPECT_EQ(read_all(child, chunk), expected(kPageRows + 3)) << "chunk " << chunk;
+  }
+  absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {child});
+  ASSERT_TRUE(leases.ok()) << leases.status();
+  std::vector<float> out(hkv * 2 * d);
+  EXPECT_THAT(store_->Read(leases->front(), kPageRows + 2, 2, out.data(), out.data()).message(),
+              HasSubstr("rows: expected 0..1, got 2"));
+  EXPECT_THAT(store_->Read(leases->front(), -1, 1, out.data(), out.data()).message(),
+              HasSubstr(absl::StrCat("first_row: expected 0..", kPageRows + 3, ", got -1")));
+}
+
 TEST_F(SessionStoreTest, AppendsIntoASharedPageCopyItFirst) {
   SCOPED_TRACE(seed_);
   Make({10});
