@@ -1,5 +1,6 @@
 #include "client/session.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -37,6 +38,7 @@ void SetStepOptions(const StepOptions& options, v1::StepRequest* request) {
   if (options.window_left) request->set_window_left(*options.window_left);
   if (options.window_right) request->set_window_right(*options.window_right);
   request->set_return_lse(options.return_lse);
+  if (options.layer) request->set_layer(*options.layer);
 }
 
 }  // namespace
@@ -45,7 +47,8 @@ Session::Session(Session&& other) noexcept
     : client_(other.client_),
       id_(std::exchange(other.id_, "")),
       spec_(other.spec_),
-      length_(other.length_) {}
+      length_(other.length_),
+      layer_lengths_(std::move(other.layer_lengths_)) {}
 
 Session& Session::operator=(Session&& other) noexcept {
   if (this != &other) {
@@ -54,8 +57,25 @@ Session& Session::operator=(Session&& other) noexcept {
     id_ = std::exchange(other.id_, "");
     spec_ = other.spec_;
     length_ = other.length_;
+    layer_lengths_ = std::move(other.layer_lengths_);
   }
   return *this;
+}
+
+void Session::SetInfo(const v1::SessionInfo& info) {
+  length_ = info.length();
+  if (info.layers() > 1) {
+    layer_lengths_.assign(info.layer_lengths().begin(), info.layer_lengths().end());
+  } else {
+    layer_lengths_.assign(1, info.length());
+  }
+}
+
+void Session::SetLength(int64_t length, std::optional<int32_t> layer) {
+  const auto at = static_cast<size_t>(layer.value_or(0));
+  if (at >= layer_lengths_.size()) layer_lengths_.resize(at + 1, length);
+  layer_lengths_[at] = length;
+  length_ = *std::min_element(layer_lengths_.begin(), layer_lengths_.end());
 }
 
 Session::~Session() {
@@ -64,10 +84,21 @@ Session::~Session() {
 }
 
 absl::Status Session::Append(const v1::Tensor& k, const v1::Tensor& v, const CallOptions& call) {
+  return AppendRows(k, v, std::nullopt, call);
+}
+
+absl::Status Session::Append(const v1::Tensor& k, const v1::Tensor& v, int32_t layer,
+                             const CallOptions& call) {
+  return AppendRows(k, v, layer, call);
+}
+
+absl::Status Session::AppendRows(const v1::Tensor& k, const v1::Tensor& v,
+                                 std::optional<int32_t> layer, const CallOptions& call) {
   if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
   v1::AppendKvRequest request;
   request.set_session_id(id_);
   request.set_layout(spec_.layout);
+  if (layer) request.set_layer(*layer);
   *request.mutable_k() = k;
   *request.mutable_v() = v;
   return Update(&v1::Sessions::Stub::AppendKv, request, call);
@@ -92,7 +123,7 @@ absl::StatusOr<Session> Session::Fork(std::optional<int64_t> length, const CallO
       !status.ok()) {
     return status;
   }
-  return Session(client_, info.session_id(), spec_, info.length());
+  return Session(client_, info.session_id(), spec_, info);
 }
 
 template <typename Request>
@@ -103,7 +134,7 @@ absl::Status Session::Update(grpc::Status (v1::Sessions::Stub::*rpc)(grpc::Clien
   std::unique_ptr<grpc::ClientContext> context = client_->NewContext(call);
   v1::SessionInfo info;
   absl::Status status = ToAbslStatus((client_->stub().*rpc)(context.get(), request, &info));
-  if (status.ok()) length_ = info.length();
+  if (status.ok()) SetInfo(info);
   return status;
 }
 
@@ -149,6 +180,7 @@ absl::StatusOr<Session> SessionClient::Create(const SessionSpec& spec, const v1:
   request.set_kv_heads(static_cast<int32_t>(spec.kv_heads));
   request.set_head_dim(static_cast<int32_t>(spec.head_dim));
   request.set_layout(spec.layout);
+  if (spec.layers > 1) request.set_layers(spec.layers);
   if (k != nullptr) {
     *request.mutable_k() = *k;
     *request.mutable_v() = *v;
@@ -157,7 +189,7 @@ absl::StatusOr<Session> SessionClient::Create(const SessionSpec& spec, const v1:
   v1::SessionInfo info;
   grpc::Status status = stub_->CreateSession(context.get(), request, &info);
   if (!status.ok()) return ToAbslStatus(status);
-  return Session(this, info.session_id(), spec, info.length());
+  return Session(this, info.session_id(), spec, info);
 }
 
 absl::StatusOr<v1::StepRequest> SessionClient::MakeStepRequest(absl::Span<const StepItem> items,
@@ -221,14 +253,14 @@ absl::StatusOr<v1::StepRequest> SessionClient::MakeBatchRequest(
 }
 
 absl::StatusOr<StepBatchOutput> SessionClient::TakeBatchResponse(
-    absl::Span<Session* const> sessions, v1::StepResponse& response) {
+    absl::Span<Session* const> sessions, std::optional<int32_t> layer, v1::StepResponse& response) {
   if (response.lengths_size() != static_cast<int>(sessions.size())) {
     return absl::DataLossError(absl::StrCat("Step sent ", sessions.size(), " sequences and got ",
                                             response.lengths_size(), " lengths"));
   }
   StepBatchOutput output;
   output.lengths.assign(response.lengths().begin(), response.lengths().end());
-  for (size_t b = 0; b < sessions.size(); ++b) sessions[b]->length_ = output.lengths[b];
+  for (size_t b = 0; b < sessions.size(); ++b) sessions[b]->SetLength(output.lengths[b], layer);
   output.o = std::move(*response.mutable_o());
   output.lse = std::move(*response.mutable_lse());
   output.timing = response.timing();
@@ -246,7 +278,7 @@ absl::StatusOr<StepBatchOutput> SessionClient::StepBatch(absl::Span<Session* con
   v1::StepResponse response;
   grpc::Status status = stub_->Step(context.get(), *request, &response);
   if (!status.ok()) return ToAbslStatus(status);
-  return TakeBatchResponse(sessions, response);
+  return TakeBatchResponse(sessions, options.layer, response);
 }
 
 void SessionClient::StepBatchAsync(
@@ -261,18 +293,20 @@ void SessionClient::StepBatchAsync(
     v1::StepRequest request;
     v1::StepResponse response;
     std::vector<Session*> sessions;
+    std::optional<int32_t> layer;
     absl::AnyInvocable<void(absl::StatusOr<StepBatchOutput>) &&> done;
   };
   auto* pending = new Pending{.context = NewContext(call),
                               .request = *std::move(request),
                               .sessions = {sessions.begin(), sessions.end()},
+                              .layer = options.layer,
                               .done = std::move(done)};
   stub_->async()->Step(
       pending->context.get(), &pending->request, &pending->response,
       [pending](grpc::Status status) {
         std::unique_ptr<Pending> owned(pending);
         if (!status.ok()) return std::move(owned->done)(ToAbslStatus(status));
-        std::move(owned->done)(TakeBatchResponse(owned->sessions, owned->response));
+        std::move(owned->done)(TakeBatchResponse(owned->sessions, owned->layer, owned->response));
       });
 }
 
@@ -304,7 +338,7 @@ absl::StatusOr<std::vector<StepOutput>> SessionClient::StepMany(absl::Span<const
                                               result.session_id(), ", expected ",
                                               items[i].session->id()));
     }
-    items[i].session->length_ = result.length();
+    items[i].session->SetLength(result.length(), options.layer);
     outputs.push_back(ToOutput(result));
   }
   return outputs;

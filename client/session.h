@@ -40,6 +40,10 @@ struct SessionSpec {
   // Of the K/V given to Create and Append: BHSD [Hkv, n, D] or BSHD [n, Hkv, D]. (A Step's new
   // rows are always [Hkv, n, D].)
   v1::Layout layout = v1::LAYOUT_BHSD;
+  // A sequence of a model's `layers` layers, one cache each (CreateSessionRequest.layers):
+  // created empty; Append and the Steps then name the layer; Truncate, Fork and Drop take every
+  // layer.
+  int32_t layers = 1;
 };
 
 // The attention settings of a step; masks as in AttendRequest, bottom-right aligned: the
@@ -50,6 +54,8 @@ struct StepOptions {
   std::optional<int32_t> window_left;
   std::optional<int32_t> window_right;
   bool return_lse = false;
+  // The layer of every session of the Step, for sessions of several layers.
+  std::optional<int32_t> layer;
 };
 
 struct StepOutput {
@@ -106,6 +112,9 @@ class Session {
 
   // Appends rows: k and v [Hkv, n, D] (BHSD) or [n, Hkv, D] (BSHD, per the SessionSpec).
   absl::Status Append(const v1::Tensor& k, const v1::Tensor& v, const CallOptions& call = {});
+  // The same into layer `layer` of a session of several layers.
+  absl::Status Append(const v1::Tensor& k, const v1::Tensor& v, int32_t layer,
+                      const CallOptions& call = {});
   // Keeps the first `length` rows (0 <= length <= the session's; speculative decoding drops
   // rejected tokens) and frees the server's pages beyond them.
   absl::Status Truncate(int64_t length, const CallOptions& call = {});
@@ -133,13 +142,24 @@ class Session {
 
   const std::string& id() const { return id_; }
   const SessionSpec& spec() const { return spec_; }
-  // K/V rows as of this object's last call (Create, Append, Truncate or Step).
+  // K/V rows as of this object's last call (Create, Append, Truncate or Step); of a session of
+  // several layers, the rows every layer holds, and each layer's.
   int64_t length() const { return length_; }
+  const std::vector<int64_t>& layer_lengths() const { return layer_lengths_; }
 
  private:
   friend class SessionClient;
-  Session(SessionClient* client, std::string id, const SessionSpec& spec, int64_t length)
-      : client_(client), id_(std::move(id)), spec_(spec), length_(length) {}
+  Session(SessionClient* client, std::string id, const SessionSpec& spec,
+          const v1::SessionInfo& info)
+      : client_(client), id_(std::move(id)), spec_(spec) {
+    SetInfo(info);
+  }
+  // The lengths a SessionInfo gives.
+  void SetInfo(const v1::SessionInfo& info);
+  // A Step's answer: `layer`'s rows (absent: the only layer's) are now `length`.
+  void SetLength(int64_t length, std::optional<int32_t> layer);
+  absl::Status AppendRows(const v1::Tensor& k, const v1::Tensor& v, std::optional<int32_t> layer,
+                          const CallOptions& call);
   // A call answered by the session's SessionInfo (AppendKv, Truncate); sets length().
   template <typename Request>
   absl::Status Update(grpc::Status (v1::Sessions::Stub::*rpc)(grpc::ClientContext*, const Request&,
@@ -150,6 +170,7 @@ class Session {
   std::string id_;  // empty: holds no session (moved from, dropped or released)
   SessionSpec spec_;
   int64_t length_ = 0;
+  std::vector<int64_t> layer_lengths_;  // one per layer
 };
 
 // One entry of a batched step: `session` attends `q` [Hq, Nq, D] after appending k and v
@@ -222,6 +243,7 @@ class SessionClient {
                                                    const StepBatchTensors& tensors) const;
   // The answer of a packed Step: lengths checked against `sessions` and set on them.
   static absl::StatusOr<StepBatchOutput> TakeBatchResponse(absl::Span<Session* const> sessions,
+                                                           std::optional<int32_t> layer,
                                                            v1::StepResponse& response);
 
   const Client& client_;

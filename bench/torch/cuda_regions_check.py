@@ -302,6 +302,7 @@ def late_ready_counter(direct):
         q, k1, v1 = (torch.randn(b, h, 1, d, device="cuda") for h in (hq, hkv, hkv))
         o = torch.empty_like(q)
         counters = torch.zeros(2, dtype=torch.int64, device="cuda")
+        torch.cuda.synchronize()  # zero before the server's stream looks at them
         direct._cuda_segments.ensure([q, k1, v1, o, counters])
         ready, done = counters[0:1], counters[1:2]
         start = time.perf_counter()

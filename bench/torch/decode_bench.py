@@ -203,8 +203,12 @@ class LocalSDPA(Attention):
 class ServiceSteps(Attention):
     """One session per layer and sequence, created with the cache's initial K/V; each layer call
     is one Step over every sequence of the batch, one entry per sequence (`transport`: "unary",
-    "stream" for a StepStream, "ring" for a request ring). Counts the calls' time and the
-    server's part (ServerTiming, per field)."""
+    "stream" for a StepStream, "ring" for a request ring). With `layered`, one session per
+    sequence holding every layer (Client.session(layers=)), its layers' initial K/V appended, and
+    each Step names its layer. Counts the calls' time and the server's part (ServerTiming, per
+    field)."""
+
+    layered = False
 
     def __init__(self, client, transport, a, batch, context, device, dtype):
         import attention_client
@@ -214,11 +218,21 @@ class ServiceSteps(Attention):
         self.stream = {"unary": False, "stream": True, "ring": "ring"}.get(transport, False)
         self.sessions = []
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            if self.layered:
+                groups = list(pool.map(lambda j: client.session(
+                    dtype=dtype, kv_heads=a.kv_heads, head_dim=a.head_dim, layout="bshd",
+                    layers=a.layers), range(batch)))
             for i in range(a.layers):
                 k0, v0 = initial_kv(a, batch, context, i, device, dtype)
                 k0, v0 = k0.cpu(), v0.cpu()
-                self.sessions.append(list(pool.map(
-                    lambda j: client.session(k=k0[j], v=v0[j], layout="bshd"), range(batch))))
+                if self.layered:
+                    list(pool.map(lambda j: groups[j].append(k0[j], v0[j], layer=i),
+                                  range(batch)))
+                    self.sessions.append(groups)
+                else:
+                    self.sessions.append(list(pool.map(
+                        lambda j: client.session(k=k0[j], v=v0[j], layout="bshd"),
+                        range(batch))))
         self.calls = 0
         self.call_s = 0.0
         self.server_us = dict.fromkeys(attention_client.ServerTiming._fields, 0.0)
@@ -243,14 +257,18 @@ class ServiceSteps(Attention):
 
     def close(self):
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda s: s.drop(), [s for layer in self.sessions for s in layer]))
+            every = {id(s): s for layer in self.sessions for s in layer}.values()
+            list(pool.map(lambda s: s.drop(), every))
 
 
 class ServicePacked(ServiceSteps):
-    """As ServiceSteps, but each layer call is one packed Step (Client.step_batch): "packed"
-    unary; "packed-ring" through the client's request ring, q, k, v and o in a pinned
-    shared-memory region; "packed-overlap" two micro-batches in ping-pong (Model.
-    forward_overlapped), each half's Step a unary call in flight while the other half computes."""
+    """As ServiceSteps, but each layer call is one packed Step (Client.step_batch) over sessions
+    that hold every layer: "packed" unary; "packed-ring" through the client's request ring, q, k,
+    v and o in a pinned shared-memory region; "packed-overlap" two micro-batches in ping-pong
+    (Model.forward_overlapped), each half's Step a unary call in flight while the other half
+    computes."""
+
+    layered = True
 
     def __init__(self, client, transport, a, batch, context, device, dtype):
         super().__init__(client, transport, a, batch, context, device, dtype)
@@ -285,14 +303,14 @@ class ServicePacked(ServiceSteps):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         start = time.perf_counter()
         if self.pipelined:
-            step = self.client.step_batch(self.sessions[i], q, k, v, causal=True,
+            step = self.client.step_batch(self.sessions[i], q, k, v, causal=True, layer=i,
                                           return_info=True, stream="ring", wait=False)
             self.call_s += time.perf_counter() - start
             self.settle()  # its answer was read by this post
             self.posted = step
             return self.record(i, step.o.transpose(1, 2))
         if self.region is None:  # host tensors, or (packed-cuda) CUDA regions in stream order
-            result = self.client.step_batch(self.sessions[i], q, k, v, causal=True,
+            result = self.client.step_batch(self.sessions[i], q, k, v, causal=True, layer=i,
                                             return_info=True, stream=self.stream)
             o = result.o
         else:
@@ -300,7 +318,7 @@ class ServicePacked(ServiceSteps):
                 self.host[name].copy_(t)
             result = self.client.step_batch(self.sessions[i], self.host["q"], self.host["k"],
                                             self.host["v"], causal=True, out=self.host["o"],
-                                            return_info=True, stream=self.stream)
+                                            layer=i, return_info=True, stream=self.stream)
             o = self.host["o"].to(q.device, copy=True)
         self.count(start, result.timing)
         return self.record(i, o.transpose(1, 2))
@@ -314,7 +332,7 @@ class ServicePacked(ServiceSteps):
 
     def start(self, i, half, q, k, v):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        future = self.client.step_batch(self.halves[i][half], q, k, v, causal=True,
+        future = self.client.step_batch(self.halves[i][half], q, k, v, causal=True, layer=i,
                                         return_info=True, wait=False)
         return i, half, future, time.perf_counter()
 

@@ -138,6 +138,12 @@ Metrics::Metrics(const BuildInfo& build)
                         .Name("attention_kv_pages_free")
                         .Help("Free pages of the KV cache, by device.")
                         .Register(*registry_);
+  kv_pages_shared_ = &prometheus::BuildGauge()
+                          .Name("attention_kv_pages_shared")
+                          .Help(
+                              "Pages of the KV cache more than one session holds (forks share "
+                              "their parent's full pages), by device.")
+                          .Register(*registry_);
   kv_pages_total_ = &prometheus::BuildGauge()
                          .Name("attention_kv_pages_capacity")
                          .Help("Pages of the KV cache, by device (--kv_cache_fraction).")
@@ -259,12 +265,13 @@ void Metrics::SetDeviceMemoryTotal(const std::string& device, int64_t bytes) {
 }
 
 void Metrics::SetKvCache(const std::string& device, int64_t sessions, int64_t resident_bytes,
-                         int64_t pages_free, int64_t pages_total) {
+                         int64_t pages_free, int64_t pages_total, int64_t pages_shared) {
   const prometheus::Labels labels = {{"device", device}};
   sessions_resident_->Add(labels).Set(static_cast<double>(sessions));
   session_resident_bytes_->Add(labels).Set(static_cast<double>(resident_bytes));
   kv_pages_free_->Add(labels).Set(static_cast<double>(pages_free));
   kv_pages_total_->Add(labels).Set(static_cast<double>(pages_total));
+  kv_pages_shared_->Add(labels).Set(static_cast<double>(pages_shared));
 }
 
 void Metrics::SessionsExpired(int count) { session_expirations_->Increment(count); }

@@ -83,10 +83,11 @@ class Metrics {
   void SetDeviceMemoryTotal(const std::string& device, int64_t bytes);
 
   // KV-resident sessions (session_store.h), per device: sessions held, bytes of the pages they
-  // hold (a page forks share counted once), and the pool's free and total pages; expirations after
-  // the TTL; the duration of each decode step (one KvPagePool::Decode call).
+  // hold (a page forks share counted once), the pool's free and total pages and the pages more
+  // than one session holds; expirations after the TTL; the duration of each decode step (one
+  // KvPagePool::Decode call).
   void SetKvCache(const std::string& device, int64_t sessions, int64_t resident_bytes,
-                  int64_t pages_free, int64_t pages_total);
+                  int64_t pages_free, int64_t pages_total, int64_t pages_shared);
   void SessionsExpired(int count);
   void DecodeStepObserved(const std::string& device, absl::Duration elapsed);
 
@@ -135,6 +136,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* sessions_resident_ = nullptr;
   prometheus::Family<prometheus::Gauge>* session_resident_bytes_ = nullptr;
   prometheus::Family<prometheus::Gauge>* kv_pages_free_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* kv_pages_shared_ = nullptr;
   prometheus::Family<prometheus::Gauge>* kv_pages_total_ = nullptr;
   prometheus::Counter* session_expirations_ = nullptr;
   prometheus::Family<prometheus::Histogram>* decode_step_duration_ = nullptr;

@@ -1,5 +1,6 @@
 #include "server/requests/session_request.h"
 
+#include <algorithm>
 #include <set>
 #include <string>
 
@@ -100,6 +101,17 @@ absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& reque
   ASSIGN_OR_RETURN(decoded.rows, DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
                                               request.has_v() ? &request.v() : nullptr,
                                               request.layout(), decoded.shape, refs));
+  if (request.layers() < 0 || request.layers() > kMaxSessionLayers) {
+    return absl::InvalidArgumentError(absl::StrCat("layers: expected 0..", kMaxSessionLayers,
+                                                   " (0: one), got ", request.layers()));
+  }
+  decoded.layers = std::max(1, request.layers());
+  if (decoded.layers > 1 && decoded.rows.rows > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "k, v: expected none for a session of ", decoded.layers,
+        " layers (created empty: append each layer's rows with AppendKv and its layer), got ",
+        decoded.rows.rows, " rows"));
+  }
   return decoded;
 }
 

@@ -26,7 +26,10 @@ v1::DType ToProtoDType(DType dtype);
 struct DecodedCreate {
   KvShape shape;
   KvRows rows;
+  int layers = 1;  // CreateSessionRequest.layers (0 read as 1)
 };
+// CreateSessionRequest.layers at most (a model's layers: a few hundred today).
+inline constexpr int kMaxSessionLayers = 4096;
 // Tensors given by reference are resolved through `refs` in every decoder below (null: shared
 // memory is off, FAILED_PRECONDITION).
 absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& request,

@@ -418,12 +418,17 @@ bool HasOwnUnknownFields(const M& m) {
 bool HasUnknownFields(const v1::Tensor& tensor) {
   return HasOwnUnknownFields(tensor) || (tensor.has_ref() && HasOwnUnknownFields(tensor.ref()));
 }
+bool HasUnknownFields(const v1::StreamCounter& counter) {
+  return HasOwnUnknownFields(counter) || (counter.has_ref() && HasOwnUnknownFields(counter.ref()));
+}
 bool HasUnknownFields(const v1::StepRequest& step) {
   if (HasOwnUnknownFields(step) || (step.has_q() && HasUnknownFields(step.q())) ||
       (step.has_k() && HasUnknownFields(step.k())) ||
       (step.has_v() && HasUnknownFields(step.v())) ||
       (step.has_o_ref() && HasOwnUnknownFields(step.o_ref())) ||
-      (step.has_lse_ref() && HasOwnUnknownFields(step.lse_ref()))) {
+      (step.has_lse_ref() && HasOwnUnknownFields(step.lse_ref())) ||
+      (step.has_ready_counter() && HasUnknownFields(step.ready_counter())) ||
+      (step.has_done_counter() && HasUnknownFields(step.done_counter()))) {
     return true;
   }
   for (const v1::StepEntry& entry : step.entries()) {

@@ -259,13 +259,15 @@ TEST(WireMessageTest, StepFastPathKnowsEveryNestedMessage) {
       if (nested.insert(f->full_name()).second) todo.push_back(f->message_type());
     }
   }
-  EXPECT_EQ(nested,
-            (std::set<std::string>{"attention.v1.StepRequest.entries", "attention.v1.StepEntry.q",
-                                   "attention.v1.StepEntry.k", "attention.v1.StepEntry.v",
-                                   "attention.v1.StepEntry.o_ref", "attention.v1.Tensor.ref",
-                                   "attention.v1.StepRequest.q", "attention.v1.StepRequest.k",
-                                   "attention.v1.StepRequest.v", "attention.v1.StepRequest.o_ref",
-                                   "attention.v1.StepRequest.lse_ref"}));
+  EXPECT_EQ(
+      nested,
+      (std::set<std::string>{
+          "attention.v1.StepRequest.entries", "attention.v1.StepEntry.q",
+          "attention.v1.StepEntry.k", "attention.v1.StepEntry.v", "attention.v1.StepEntry.o_ref",
+          "attention.v1.Tensor.ref", "attention.v1.StepRequest.q", "attention.v1.StepRequest.k",
+          "attention.v1.StepRequest.v", "attention.v1.StepRequest.o_ref",
+          "attention.v1.StepRequest.lse_ref", "attention.v1.StepRequest.ready_counter",
+          "attention.v1.StepRequest.done_counter", "attention.v1.StreamCounter.ref"}));
 }
 
 // A string split between two pieces of the wire is checked as one: a character cut in two is

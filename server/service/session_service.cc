@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "kernels/quote.h"
 #include "kernels/status_macros.h"
 #include "server/requests/request_decoder.h"
 #include "server/service/attention_service.h"
@@ -36,6 +37,8 @@ void FillInfo(const SessionSnapshot& s, v1::SessionInfo* info) {
   info->set_idle_s(absl::ToDoubleSeconds(s.idle));
   info->set_expires_in_s(absl::ToDoubleSeconds(s.expires_in));
   info->set_device(s.device);
+  info->set_layers(s.layers);
+  for (int64_t length : s.layer_lengths) info->add_layer_lengths(length);
 }
 
 absl::Status MissingSessionId() {
@@ -68,6 +71,32 @@ std::string KvShapeString(const KvShape& shape) {
                       " kv heads, head dim ", shape.head_dim);
 }
 
+// The store's id of the layer a call names (`layer`, the request's optional layer field) of
+// session `id`, found at `place`: a session of several layers needs one, 0..layers-1; one of a
+// single layer takes none or 0.
+absl::StatusOr<std::string> LayerOf(const std::string& id, const SessionStore::Place& place,
+                                    std::optional<int> layer) {
+  if (!layer.has_value()) {
+    if (place.layers == 1) return id;
+    return absl::InvalidArgumentError(absl::StrCat("layer: expected 0..", place.layers - 1,
+                                                   " for session ", Quote(id), " of ", place.layers,
+                                                   " layers, got none"));
+  }
+  if (*layer < 0 || *layer >= place.layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: expected 0..", place.layers - 1, " for session ", Quote(id), " of ",
+                     place.layers, " layer", place.layers == 1 ? "" : "s", ", got ", *layer));
+  }
+  return LayerSessionId(id, *layer);
+}
+
+// Every layer's id of session `id` (one for a session of one layer).
+std::vector<std::string> LayerIds(const std::string& id, const SessionStore::Place& place) {
+  std::vector<std::string> ids;
+  for (int layer = 0; layer < place.layers; ++layer) ids.push_back(LayerSessionId(id, layer));
+  return ids;
+}
+
 // A Step in stream order: events or counters sent.
 bool StreamOrdered(const v1::StepRequest& request) {
   return !request.ready_event().empty() || !request.done_event().empty() ||
@@ -88,6 +117,9 @@ struct SessionService::StepCall final : StepWork {
   // A packed Step's events in stream order (StepRequest.ready_event, done_event), held open until
   // it is answered; null when not sent.
   std::shared_ptr<void> ready_event, done_event;
+  // The store's ids of the layer the Step names (StepRequest.layer) where they are not the
+  // session ids themselves; its sequences' ids are views of them.
+  std::vector<std::string> layer_ids;
 
   bool packed() const { return request->session_ids_size() > 0; }
   std::string QueriesField(int seq) const override {
@@ -333,7 +365,7 @@ void SessionService::RunCreate(const CallContext& call, const std::string& owner
   auto run = [this, owner, decoded = *decoded, device = *device, response,
               regions]() -> absl::Status {
     absl::StatusOr<SessionStore::Lease> lease =
-        store_->Create(owner, decoded.shape, decoded.rows.rows, device);
+        store_->Create(owner, decoded.shape, decoded.rows.rows, device, decoded.layers);
     if (!lease.ok()) return lease.status();
     absl::Status status = store_->Append(*lease, decoded.rows);
     // Rows read from a region that shrank meanwhile are not the client's (Intact).
@@ -360,6 +392,10 @@ void SessionService::RunAppend(const CallContext& call, const std::string& owner
   }
   absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, request.session_id());
   if (!place.ok()) return std::move(finish)(place.status());
+  absl::StatusOr<std::string> layer_id =
+      LayerOf(request.session_id(), *place,
+              request.has_layer() ? std::optional<int>(request.layer()) : std::nullopt);
+  if (!layer_id.ok()) return std::move(finish)(layer_id.status());
   auto refs = std::make_unique<RequestRegions>(regions_, call.grpc, &gate_->auth_token());
   absl::StatusOr<KvRows> rows = DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
                                              request.has_v() ? &request.v() : nullptr,
@@ -367,8 +403,7 @@ void SessionService::RunAppend(const CallContext& call, const std::string& owner
   if (!rows.ok()) return std::move(finish)(rows.status());
   const RequestRegions* regions = refs.get();  // held by `finish`, which runs after `run`
   finish = HoldingRegions(std::move(refs), std::move(finish));
-  auto run = [this, owner, id = request.session_id(), rows = *rows, response,
-              regions]() -> absl::Status {
+  auto run = [this, owner, id = *layer_id, rows = *rows, response, regions]() -> absl::Status {
     absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
     if (!leases.ok()) return leases.status();
     SessionStore::Lease& lease = leases->front();
@@ -381,20 +416,21 @@ void SessionService::RunAppend(const CallContext& call, const std::string& owner
     FillInfo(store_->Snapshot(lease), response);
     return absl::OkStatus();
   };
-  SubmitDeviceWork(call, place->device, {request.session_id()}, std::move(run), std::move(finish));
+  SubmitDeviceWork(call, place->device, {*layer_id}, std::move(run), std::move(finish));
 }
 
 void SessionService::SubmitSessionWork(
     const CallContext& call, const std::string& owner, const std::string& id,
-    absl::AnyInvocable<absl::Status(SessionStore::Lease&) &&> work, Finish finish) {
+    absl::AnyInvocable<absl::Status(std::vector<SessionStore::Lease>&) &&> work, Finish finish) {
   if (id.empty()) return std::move(finish)(MissingSessionId());
   absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, id);
   if (!place.ok()) return std::move(finish)(place.status());
-  auto run = [this, owner, id, work = std::move(work)]() mutable -> absl::Status {
-    ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases, store_->Acquire(owner, {id}));
-    return std::move(work)(leases.front());
+  std::vector<std::string> ids = LayerIds(id, *place);
+  auto run = [this, owner, ids, work = std::move(work)]() mutable -> absl::Status {
+    ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases, store_->Acquire(owner, ids));
+    return std::move(work)(leases);
   };
-  SubmitDeviceWork(call, place->device, {id}, std::move(run), std::move(finish));
+  SubmitDeviceWork(call, place->device, std::move(ids), std::move(run), std::move(finish));
 }
 
 void SessionService::RunTruncate(const CallContext& call, const std::string& owner, const Arrival&,
@@ -402,9 +438,19 @@ void SessionService::RunTruncate(const CallContext& call, const std::string& own
                                  Finish finish) {
   SubmitSessionWork(
       call, owner, request.session_id(),
-      [this, length = request.length(), response](SessionStore::Lease& lease) -> absl::Status {
-        RETURN_IF_ERROR(store_->Truncate(lease, length));
-        FillInfo(store_->Snapshot(lease), response);
+      [this, id = request.session_id(), length = request.length(),
+       response](std::vector<SessionStore::Lease>& layers) -> absl::Status {
+        // Every layer or none: the length is checked against each before any is cut (one layer:
+        // the store's own check says the same).
+        for (size_t layer = 0; layer < layers.size() && layers.size() > 1; ++layer) {
+          if (length < 0 || length > layers[layer].length()) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "length: expected 0..", layers[layer].length(), ", got ", length, " (layer ", layer,
+                " of session ", Quote(id), " holds ", layers[layer].length(), " rows)"));
+          }
+        }
+        for (SessionStore::Lease& layer : layers) RETURN_IF_ERROR(store_->Truncate(layer, length));
+        FillInfo(store_->Snapshot(layers.front()), response);
         return absl::OkStatus();
       },
       std::move(finish));
@@ -419,9 +465,19 @@ void SessionService::RunFork(const CallContext& call, const std::string& owner, 
       request.has_length() ? std::optional<int64_t>(request.length()) : std::nullopt;
   SubmitSessionWork(
       call, owner, request.session_id(),
-      [this, length, response](SessionStore::Lease& parent) -> absl::Status {
+      [this, owner, length, response](std::vector<SessionStore::Lease>& parents) -> absl::Status {
+        // Layer 0's fork names the child; the other layers join it. A failure drops what was made
+        // (the caller never learns the id).
         ASSIGN_OR_RETURN(SessionStore::Lease child,
-                         store_->Fork(parent, length.value_or(parent.length())));
+                         store_->Fork(parents.front(), length.value_or(parents.front().length())));
+        for (size_t layer = 1; layer < parents.size(); ++layer) {
+          absl::StatusOr<SessionStore::Lease> forked =
+              store_->Fork(parents[layer], length.value_or(parents[layer].length()), child.id());
+          if (!forked.ok()) {
+            store_->Drop(owner, child.id()).IgnoreError();
+            return forked.status();
+          }
+        }
         FillInfo(store_->Snapshot(child), response);
         return absl::OkStatus();
       },
@@ -439,10 +495,23 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
   auto session_id = [&request, packed](int i) -> const std::string& {
     return packed ? request.session_ids(i) : request.entries(i).session_id();
   };
+  const std::optional<int> layer =
+      request.has_layer() ? std::optional<int>(request.layer()) : std::nullopt;
   std::vector<SessionStore::Place> places;
+  std::vector<absl::string_view> ids;  // the store's id of each sequence's layer
   places.reserve(n);
+  ids.reserve(n);
+  // Ids of layers past 0 live in the call (the sequences' ids are views); reserved, so they move
+  // no more.
+  if (layer.has_value()) call->layer_ids.reserve(n);
   for (int i = 0; i < n; ++i) {
     ASSIGN_OR_RETURN(SessionStore::Place place, store_->Locate(owner, session_id(i)));
+    if (layer.value_or(0) == 0 && place.layers == 1) {
+      ids.push_back(session_id(i));  // (no copy of the id: the common case)
+    } else {
+      ASSIGN_OR_RETURN(std::string layer_id, LayerOf(session_id(i), place, layer));
+      ids.push_back(call->layer_ids.emplace_back(std::move(layer_id)));
+    }
     if (packed && i > 0 && !(place.shape == places.front().shape)) {
       return absl::InvalidArgumentError(
           absl::StrCat("session_ids[", i,
@@ -498,7 +567,7 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
     if (request.return_lse() && call->packed_lse == nullptr) {
       response_bytes += decoded.heads_q * decoded.rows_q * int64_t{sizeof(float)};
     }
-    call->seqs.push_back(StepSequence{.session_id = session_id(i),
+    call->seqs.push_back(StepSequence{.session_id = ids[i],
                                       .device = place.device,
                                       .key = {.shape = place.shape,
                                               .heads_q = decoded.heads_q,

@@ -163,11 +163,11 @@ class SessionService final : public SessionsRawService {
   void SubmitDeviceWork(const CallContext& call, int device, std::vector<std::string> sessions,
                         absl::AnyInvocable<absl::Status() &&> run, Finish finish);
   // Queues `work` as session `id`'s device work (so it runs after the session's calls queued
-  // before it), run with a lease on the session: Truncate and Fork. Refuses an empty id, and
-  // NOT_FOUND as the store, before queueing.
-  void SubmitSessionWork(const CallContext& call, const std::string& owner, const std::string& id,
-                         absl::AnyInvocable<absl::Status(SessionStore::Lease&) &&> work,
-                         Finish finish);
+  // before it), run with a lease on each of its layers (one for a session of one layer):
+  // Truncate and Fork. Refuses an empty id, and NOT_FOUND as the store, before queueing.
+  void SubmitSessionWork(
+      const CallContext& call, const std::string& owner, const std::string& id,
+      absl::AnyInvocable<absl::Status(std::vector<SessionStore::Lease>&) &&> work, Finish finish);
 
   // The unary calls' work (Handlers).
   void RunCreate(const CallContext& call, const std::string& owner, const Arrival& arrival,

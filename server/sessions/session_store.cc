@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/quote.h"
 #include "kernels/status_macros.h"
@@ -40,6 +41,10 @@ absl::StatusOr<std::string> NewSessionId() {
     got += static_cast<size_t>(n);
   }
   return absl::BytesToHexString(absl::string_view(bytes, sizeof(bytes)));
+}
+
+std::string LayerSessionId(absl::string_view id, int layer) {
+  return layer == 0 ? std::string(id) : absl::StrCat(id, "/", layer);
 }
 
 SessionStore::Lease& SessionStore::Lease::operator=(Lease&& other) noexcept {
@@ -116,15 +121,17 @@ absl::StatusOr<int> SessionStore::EmptiestDevice() {
 
 absl::StatusOr<SessionStore::Place> SessionStore::Locate(absl::string_view owner,
                                                          absl::string_view id) {
+  // A layer's own id is the store's, not a caller's (LayerSessionId).
+  if (absl::StrContains(id, '/')) return NotFound(id);
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Session> session = FindLocked(owner, id);
   if (session == nullptr) return NotFound(id);
-  return Place{.device = session->device, .shape = session->shape};
+  return Place{.device = session->device, .shape = session->shape, .layers = session->layers};
 }
 
 absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner,
                                                          const KvShape& shape, int64_t initial_rows,
-                                                         int device) {
+                                                         int device, int layers) {
   const int64_t page_rows = PageRowsFor(shape);
   if (page_rows <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -140,8 +147,14 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
     return absl::InvalidArgumentError(
         absl::StrCat("device: expected 0..", devices_.size() - 1, ", got ", device));
   }
+  if (layers < 1 || (layers > 1 && initial_rows > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layers: expected 1 or more, and a session of several layers created empty, got ", layers,
+        " layers and ", initial_rows, " rows"));
+  }
   ASSIGN_OR_RETURN(std::string id, NewSessionId());
-  const int64_t pages = PagesFor(initial_rows, page_rows);
+  const int64_t per_layer = PagesFor(initial_rows, page_rows);
+  const int64_t pages = per_layer * layers;
 
   auto session = std::make_shared<Session>();
   // Its call lock before the store's, the order every call takes them in; the lease releases it.
@@ -153,7 +166,8 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   const int64_t free_pages = static_cast<int64_t>(state.free_pages.size());
   if (pages > free_pages) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("KV cache full: a new session of ", initial_rows, " rows needs ",
+        absl::StrCat("KV cache full: a new session of ", initial_rows, " rows",
+                     layers > 1 ? absl::StrCat(" and ", layers, " layers") : "", " needs ",
                      pages * page_bytes_, " bytes (", pages, " pages of ", page_bytes_, " bytes), ",
                      free_pages * page_bytes_, " bytes free on ", devices_[device].name,
                      "; drop idle sessions or wait for them to expire"));
@@ -169,7 +183,24 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   session->page_rows = page_rows;
   session->last_used = now;
   session->users = 1;
-  for (int64_t p = 0; p < pages; ++p) session->page_table.push_back(TakePageLocked(state));
+  session->group = session->id;
+  session->layers = layers;
+  for (int64_t p = 0; p < per_layer; ++p) session->page_table.push_back(TakePageLocked(state));
+  // Layers 1.. are new too: nobody knows their ids, nobody holds them.
+  for (int layer = 1; layer < layers; ++layer) {
+    auto other = std::make_shared<Session>();
+    other->id = LayerSessionId(session->id, layer);
+    other->owner = session->owner;
+    other->shape = shape;
+    other->device = device;
+    other->page_rows = page_rows;
+    other->last_used = now;
+    other->group = session->id;
+    other->layers = layers;
+    other->layer = layer;
+    for (int64_t p = 0; p < per_layer; ++p) other->page_table.push_back(TakePageLocked(state));
+    sessions_.emplace(other->id, std::move(other));
+  }
   ++state.sessions;
   call_lock.release();  // held by the lease from now on
   sessions_.emplace(session->id, session);
@@ -178,7 +209,14 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
 }
 
 bool SessionStore::ExpiredLocked(const Session& session, absl::Time now) const {
-  return session.users == 0 && now - session.last_used >= options_.ttl;
+  if (session.users > 0 || now - session.last_used < options_.ttl) return false;
+  // A layer of a session of several expires with its group, once every layer is idle past the
+  // TTL (a layer found idle is the rare case: only then are the others looked at).
+  bool expired = true;
+  ForEachLayerLocked(session, [&](const std::shared_ptr<Session>& s) {
+    if (s->users > 0 || now - s->last_used < options_.ttl) expired = false;
+  });
+  return expired;
 }
 
 std::shared_ptr<SessionStore::Session> SessionStore::FindLocked(absl::string_view owner,
@@ -380,14 +418,22 @@ void SessionStore::ReleaseSession(const std::shared_ptr<Session>& session) {
   }
 }
 
-absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t length) {
+absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t length,
+                                                       absl::string_view group) {
   const Session& p = *parent.session_;
   if (length < 0 || length > p.length) {
     return absl::InvalidArgumentError(absl::StrCat("length: expected 0..", p.length, ", got ",
                                                    length, " (session ", Quote(p.id), " holds ",
                                                    p.length, " rows)"));
   }
-  ASSIGN_OR_RETURN(std::string id, NewSessionId());
+  if (group.empty() != (p.layer == 0)) {
+    return absl::InternalError(absl::StrCat("fork of layer ", p.layer, " of session ",
+                                            Quote(p.group), " with group ", Quote(group)));
+  }
+  std::string id = LayerSessionId(group, p.layer);
+  if (group.empty()) {
+    ASSIGN_OR_RETURN(id, NewSessionId());
+  }
   // Pages the child's rows fill are shared; a partial last one is copied; 0 rows get a fresh page.
   const int64_t full = length / p.page_rows;
   const bool partial = length % p.page_rows != 0;
@@ -408,10 +454,13 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t le
           partial ? "a copy of its partial last page" : "its rows", ", 0 bytes free on ",
           devices_[p.device].name, "; drop idle sessions or wait for them to expire"));
     }
-    while (sessions_.contains(id)) {
+    while (group.empty() && sessions_.contains(id)) {
       ASSIGN_OR_RETURN(id, NewSessionId());
     }
     child->id = std::move(id);
+    child->group = group.empty() ? child->id : std::string(group);
+    child->layers = p.layers;
+    child->layer = p.layer;
     child->owner = p.owner;
     child->shape = p.shape;
     child->device = p.device;
@@ -419,13 +468,13 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t le
     child->last_used = now;
     child->users = 1;
     for (int64_t i = 0; i < full; ++i) {
-      ++state.refs[p.page_table[i]];
+      if (++state.refs[p.page_table[i]] == 2) ++state.shared_pages;
       child->page_table.push_back(p.page_table[i]);
     }
     if (own_page) child->page_table.push_back(TakePageLocked(state));
     if (partial) copy = {p.page_table[full], child->page_table.back()};
     child->length = length;
-    ++state.sessions;
+    if (child->layer == 0) ++state.sessions;
     sessions_.emplace(child->id, child);
     PublishLocked();
   }
@@ -450,7 +499,9 @@ int32_t SessionStore::TakePageLocked(DeviceState& state) {
 }
 
 void SessionStore::DropPageLocked(DeviceState& state, int32_t page) {
-  if (--state.refs[page] == 0) state.free_pages.push_back(page);
+  const int32_t left = --state.refs[page];
+  if (left == 1) --state.shared_pages;
+  if (left == 0) state.free_pages.push_back(page);
 }
 
 void SessionStore::FreePagesLocked(Session& session) {
@@ -463,14 +514,18 @@ void SessionStore::FreePagesLocked(Session& session) {
 }
 
 void SessionStore::RemoveLocked(const std::shared_ptr<Session>& session) {
-  sessions_.erase(session->id);
-  --device_states_[session->device].sessions;
-  session->dropped = true;
-  // A call holding it frees the pages when it ends: they may be in use until then.
-  if (session->users == 0) FreePagesLocked(*session);
+  // Every layer of its group goes with it (one layer alone: the group is itself).
+  ForEachLayerLocked(*session, [this](std::shared_ptr<Session> s) {
+    sessions_.erase(s->id);
+    if (s->layer == 0) --device_states_[s->device].sessions;
+    s->dropped = true;
+    // A call holding it frees the pages when it ends: they may be in use until then.
+    if (s->users == 0) FreePagesLocked(*s);
+  });
 }
 
 absl::Status SessionStore::Drop(absl::string_view owner, absl::string_view id) {
+  if (absl::StrContains(id, '/')) return NotFound(id);  // as Locate
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Session> session = FindLocked(owner, id);
   if (session == nullptr) return NotFound(id);
@@ -482,7 +537,8 @@ absl::Status SessionStore::Drop(absl::string_view owner, absl::string_view id) {
 int SessionStore::SweepLocked(absl::Time now) {
   std::vector<std::shared_ptr<Session>> expired;
   for (const auto& [id, session] : sessions_) {
-    if (ExpiredLocked(*session, now)) expired.push_back(session);
+    // A group is looked at once, through its layer 0; RemoveLocked takes every layer.
+    if (session->layer == 0 && ExpiredLocked(*session, now)) expired.push_back(session);
   }
   for (const auto& session : expired) RemoveLocked(session);
   if (!expired.empty()) {
@@ -499,16 +555,26 @@ int SessionStore::Sweep() {
 
 SessionSnapshot SessionStore::SnapshotLocked(const Session& session, absl::Time now) const {
   SessionSnapshot out;
-  out.id = session.id;
+  out.id = session.group;
   out.shape = session.shape;
-  out.length = session.length;
-  out.pages = static_cast<int64_t>(session.page_table.size());
+  out.layers = session.layers;
+  out.length = std::numeric_limits<int64_t>::max();
+  out.idle = absl::InfiniteDuration();
   const std::vector<int32_t>& refs = device_states_[session.device].refs;
-  out.shared_pages = std::count_if(session.page_table.begin(), session.page_table.end(),
-                                   [&refs](int32_t page) { return refs[page] > 1; });
+  ForEachLayerLocked(session, [&](const std::shared_ptr<Session>& layer) {
+    const Session& s = *layer;
+    out.length = std::min(out.length, s.length);
+    if (session.layers > 1) out.layer_lengths.push_back(s.length);
+    out.pages += static_cast<int64_t>(s.page_table.size());
+    out.shared_pages += std::count_if(s.page_table.begin(), s.page_table.end(),
+                                      [&refs](int32_t page) { return refs[page] > 1; });
+    // A session in use is not idle; a group is as idle as its last used layer (it expires once
+    // every layer is idle past the TTL).
+    out.idle = std::min(out.idle, s.users > 0 ? absl::ZeroDuration() : now - s.last_used);
+  });
+  if (out.length == std::numeric_limits<int64_t>::max()) out.length = session.length;
+  if (out.idle == absl::InfiniteDuration()) out.idle = absl::ZeroDuration();
   out.resident_bytes = out.pages * page_bytes_;
-  // A session in use is not idle.
-  out.idle = session.users > 0 ? absl::ZeroDuration() : now - session.last_used;
   out.expires_in = std::max(absl::ZeroDuration(), options_.ttl - out.idle);
   out.device = devices_[session.device].name;
   return out;
@@ -520,7 +586,9 @@ std::vector<SessionSnapshot> SessionStore::List(absl::string_view owner) {
   SweepLocked(now);
   std::vector<SessionSnapshot> out;
   for (const auto& [id, session] : sessions_) {
-    if (session->owner == owner) out.push_back(SnapshotLocked(*session, now));
+    if (session->owner == owner && session->layer == 0) {
+      out.push_back(SnapshotLocked(*session, now));
+    }
   }
   return out;
 }
@@ -549,7 +617,8 @@ void SessionStore::PublishLocked() {
     options_.on_usage(devices_[d].name, {.sessions = device_states_[d].sessions,
                                          .resident_bytes = (total - free_pages) * page_bytes_,
                                          .pages_free = free_pages,
-                                         .pages_total = total});
+                                         .pages_total = total,
+                                         .pages_shared = device_states_[d].shared_pages});
   }
 }
 

@@ -12,6 +12,12 @@
 // sessions expire after `ttl` (Sweep, called by a sweeper, and a lazy check on every lookup); an
 // unknown, expired or dropped id, or the id of another owner, is NOT_FOUND.
 //
+// Layers: a session of a model's L layers (Create's `layers`) is L sessions of one shape, device
+// and owner: layer 0 under the id callers know, layer l under LayerSessionId(id, l). Each has its
+// own pages and length and is held by its own leases, so a model's Step of layer l holds only that
+// layer; Drop, expiry (once every layer is idle past the TTL) and the snapshots take the group as
+// one (Fork and Truncate of every layer are the caller's, holding every layer's lease).
+//
 // Concurrency: a call holds its sessions through Leases. A lease holds the session's call lock,
 // so calls on one session run one at a time (a second call waits; nothing is rejected). A call
 // on several sessions (a Step) locks them in id order, so two such calls cannot deadlock. Pages
@@ -51,6 +57,7 @@ struct KvCacheUsage {
   int64_t resident_bytes = 0;
   int64_t pages_free = 0;
   int64_t pages_total = 0;
+  int64_t pages_shared = 0;  // held by more than one session (forks), each counted once
 };
 
 struct SessionStoreOptions {
@@ -65,11 +72,14 @@ struct SessionStoreOptions {
   std::function<void(const std::string& device, const KvCacheUsage& usage)> on_usage;
 };
 
-// What ListSessions and SessionInfo report of a session.
+// What ListSessions and SessionInfo report of a session; of a session of several layers, the
+// group: its pages summed over the layers, `length` the rows every layer holds.
 struct SessionSnapshot {
   std::string id;
   KvShape shape;
   int64_t length = 0;
+  int layers = 1;
+  std::vector<int64_t> layer_lengths;  // per layer, when there are several
   int64_t pages = 0;
   int64_t shared_pages = 0;  // of `pages`, those other sessions hold too
   int64_t resident_bytes = 0;
@@ -130,16 +140,18 @@ class SessionStore {
   absl::StatusOr<int> EmptiestDevice();
 
   // A new session of `owner` with room for `initial_rows` on `device`, held by the returned lease
-  // (write its first rows with Append). INVALID_ARGUMENT when a page cannot hold 16 rows of
-  // `shape`; RESOURCE_EXHAUSTED when the device lacks the room.
+  // (write its first rows with Append). With `layers` > 1, that many sessions, empty (layer 0's
+  // leased; see the file comment). INVALID_ARGUMENT when a page cannot hold 16 rows of `shape`;
+  // RESOURCE_EXHAUSTED when the device lacks the room.
   absl::StatusOr<Lease> Create(absl::string_view owner, const KvShape& shape, int64_t initial_rows,
-                               int device);
+                               int device, int layers = 1);
 
   // Where session `id` of `owner` lives and its shape, without holding it (both never change);
   // NOT_FOUND as Acquire. A call uses it to queue its work for the session's device.
   struct Place {
     int device = 0;
     KvShape shape;
+    int layers = 1;
   };
   absl::StatusOr<Place> Locate(absl::string_view owner, absl::string_view id);
 
@@ -177,9 +189,11 @@ class SessionStore {
   // copy of the page of its last rows when that page is partial (one pool CopyPages; a fork of 0
   // rows gets an empty page). INVALID_ARGUMENT naming `length` unless 0 <= length <= the
   // parent's length; RESOURCE_EXHAUSTED when the device has no page free for the copy.
-  absl::StatusOr<Lease> Fork(Lease& parent, int64_t length);
+  // A layer of a session of several: `group` empty forks layer 0 (a new id), else the parent's
+  // layer joins the child `group` (the id of layer 0's fork).
+  absl::StatusOr<Lease> Fork(Lease& parent, int64_t length, absl::string_view group = {});
 
-  // Removes a session of `owner`; NOT_FOUND as Acquire.
+  // Removes a session of `owner` (every layer of one of several); NOT_FOUND as Acquire.
   absl::Status Drop(absl::string_view owner, absl::string_view id);
 
   // The sessions of `owner` (the server passes "" for every caller when it checks no tokens).
@@ -195,9 +209,14 @@ class SessionStore {
     std::vector<int32_t> free_pages;  // a stack
     std::vector<int32_t> refs;        // per page: the sessions holding it (0: free)
     int64_t sessions = 0;
+    int64_t shared_pages = 0;  // pages more than one session holds (refs > 1)
   };
 
   void ReleaseSession(const std::shared_ptr<Session>& session);
+  // Calls fn(layer) for each layer of `session`'s group still in the store, in layer order (for a
+  // session of one layer, itself, looked up by its id with no new string).
+  template <typename Fn>
+  void ForEachLayerLocked(const Session& session, Fn fn) const;
   // The session `id` of `owner` that has not expired, or null (expiring it if it just did).
   std::shared_ptr<Session> FindLocked(absl::string_view owner, absl::string_view id);
   bool ExpiredLocked(const Session& session, absl::Time now) const;
@@ -229,6 +248,10 @@ struct SessionStore::Session {
   KvShape shape;
   int device = 0;
   int64_t page_rows = 0;
+  // Of a session of several layers (the file comment): layer 0's id, their count, this one's.
+  std::string group;
+  int layers = 1;
+  int layer = 0;
 
   std::mutex call_mu;  // held by the call that holds a lease on it
   std::vector<int32_t> page_table;
@@ -241,5 +264,18 @@ struct SessionStore::Session {
 
 // 32 lower-case hex digits from 128 bits of the kernel's CSPRNG (getrandom).
 absl::StatusOr<std::string> NewSessionId();
+
+// The store's id of layer `layer` of session `id` (layer 0: `id` itself). Callers never send
+// these: a session id with a '/' names no session of theirs.
+std::string LayerSessionId(absl::string_view id, int layer);
+
+template <typename Fn>
+void SessionStore::ForEachLayerLocked(const Session& session, Fn fn) const {
+  for (int layer = 0; layer < session.layers; ++layer) {
+    auto it = session.layers == 1 ? sessions_.find(session.id)
+                                  : sessions_.find(LayerSessionId(session.group, layer));
+    if (it != sessions_.end()) fn(it->second);
+  }
+}
 
 }  // namespace attention::server

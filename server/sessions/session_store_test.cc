@@ -484,6 +484,58 @@ TEST_F(SessionStoreTest, IdleSessionsExpireAfterTtl) {
   EXPECT_EQ(store_->Room().pages_free, 4);
 }
 
+// A session of several layers: a page per layer, each layer its own length under its own id,
+// one entry in the list (pages summed, the length every layer holds), and the group goes as one:
+// dropped, or expired once every layer is idle past the TTL.
+TEST_F(SessionStoreTest, ASessionOfLayersIsKeptAndLetGoAsOne) {
+  SCOPED_TRACE(seed_);
+  Make({8}, absl::Seconds(10));
+  absl::StatusOr<SessionStore::Lease> created = store_->Create("", kShape, 0, 0, 3);
+  ASSERT_TRUE(created.ok()) << created.status();
+  const std::string id = created->id();
+  created = absl::UnknownError("released");  // the lease goes
+  EXPECT_EQ(store_->Room().pages_free, 5);
+  EXPECT_EQ(store_->Create("", kShape, 1, 0, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);  // created empty
+  ASSERT_EQ(AppendRows("", LayerSessionId(id, 2), 3), absl::OkStatus());
+  ASSERT_EQ(AppendRows("", id, 1), absl::OkStatus());
+  std::vector<SessionSnapshot> list = store_->List("");
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].id, id);
+  EXPECT_EQ(list[0].layers, 3);
+  EXPECT_EQ(list[0].layer_lengths, (std::vector<int64_t>{1, 0, 3}));
+  EXPECT_EQ(list[0].length, 0);
+  EXPECT_EQ(list[0].pages, 3);
+  // A layer's id is the store's own: callers' Locate and Drop do not find it.
+  EXPECT_EQ(store_->Locate("", LayerSessionId(id, 1)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Drop("", LayerSessionId(id, 1)).code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<SessionStore::Place> place = store_->Locate("", id);
+  ASSERT_TRUE(place.ok()) << place.status();
+  EXPECT_EQ(place->layers, 3);
+  // Layer 1 is used now, the others 9 s ago: at 10 s the group stays (one layer is not idle past
+  // the TTL, even looked up by an idle layer), at 19 s it goes, every layer at once.
+  clock_.Advance(absl::Seconds(9));
+  ASSERT_EQ(AppendRows("", LayerSessionId(id, 1), 1), absl::OkStatus());
+  clock_.Advance(absl::Seconds(1));
+  EXPECT_EQ(store_->Sweep(), 0);
+  EXPECT_EQ(AppendRows("", LayerSessionId(id, 2), 1), absl::OkStatus());
+  ASSERT_EQ(store_->List("").size(), 1u);
+  EXPECT_EQ(store_->List("")[0].expires_in, absl::Seconds(10));
+  clock_.Advance(absl::Seconds(10));
+  EXPECT_EQ(store_->Sweep(), 1);
+  EXPECT_EQ(store_->Room().pages_free, 8);
+  EXPECT_EQ(AppendRows("", LayerSessionId(id, 1), 1).code(), absl::StatusCode::kNotFound);
+  // Dropped as one.
+  absl::StatusOr<SessionStore::Lease> again = store_->Create("", kShape, 0, 0, 4);
+  ASSERT_TRUE(again.ok()) << again.status();
+  const std::string second = again->id();
+  again = absl::UnknownError("released");
+  EXPECT_EQ(store_->Room().pages_free, 4);
+  ASSERT_EQ(store_->Drop("", second), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 8);
+  EXPECT_TRUE(store_->List("").empty());
+}
+
 TEST_F(SessionStoreTest, HeldSessionsDoNotExpire) {
   SCOPED_TRACE(seed_);
   Make({2}, absl::Seconds(10));

@@ -30,6 +30,7 @@
 #include "client/tensors.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_test_util.h"
+#include "tests/e2e/metrics_scrape.h"
 
 namespace attention::e2e {
 namespace {
@@ -189,6 +190,76 @@ TEST_F(ClientSessionTest, StepAfterTruncateMatchesReferenceOverTheKeptRows) {
   ExpectStepCorrect(seq, q, heads_q, options, *out);
 }
 
+// A session of a model's several layers: each layer its own cache, appended to and stepped by
+// naming it, each step against the float64 reference of that layer's rows; a packed Step of one
+// layer; truncate and fork of every layer; one drop frees every layer's pages.
+TEST_F(ClientSessionTest, ASessionOfSeveralLayersKeepsACachePerLayer) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  constexpr int kLayers = 3;
+  const int64_t heads_q = 4;
+  const SessionSpec spec{.dtype = v1::DTYPE_FLOAT32,
+                         .kv_heads = 2,
+                         .head_dim = 32,
+                         .layout = v1::LAYOUT_BSHD,
+                         .layers = kLayers};
+  SessionClient sessions(client());
+  absl::StatusOr<v1::ListSessionsResponse> before = sessions.List();
+  ASSERT_TRUE(before.ok()) << before.status();
+  absl::StatusOr<Session> session = sessions.Create(spec);
+  ASSERT_TRUE(session.ok()) << session.status();
+  std::vector<Sequence> layers(kLayers, Sequence{.spec = spec});
+  for (int layer = 0; layer < kLayers; ++layer) {
+    auto [k, v] = layers[layer].Grow(10 + 7 * layer, rng);
+    ASSERT_EQ(session->Append(k, v, layer), absl::OkStatus());
+  }
+  EXPECT_EQ(session->layer_lengths(), (std::vector<int64_t>{10, 17, 24}));
+  EXPECT_EQ(session->length(), 10);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    const std::vector<float> q = client::RandomNormal(heads_q * spec.head_dim, rng);
+    auto [k, v] = layers[layer].GrowForStep(rng);
+    const StepOptions options{.causal = true, .return_lse = true, .layer = layer};
+    absl::StatusOr<StepOutput> out = session->Step(
+        client::MakeTensor(spec.dtype, {heads_q, 1, spec.head_dim}, q), options, &k, &v);
+    ASSERT_TRUE(out.ok()) << out.status();
+    ExpectStepCorrect(layers[layer], q, heads_q, options, *out);
+  }
+  EXPECT_EQ(session->layer_lengths(), (std::vector<int64_t>{11, 18, 25}));
+  // A Step that names no layer, or one out of range, is refused by name.
+  const v1::Tensor q = client::MakeTensor(spec.dtype, {heads_q, 1, spec.head_dim},
+                                          client::RandomNormal(heads_q * spec.head_dim, rng));
+  absl::StatusOr<StepOutput> no_layer = session->Step(q, {.causal = true});
+  EXPECT_EQ(no_layer.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(no_layer.status().message(), "layer: expected 0..2"))
+      << no_layer.status();
+  absl::StatusOr<StepOutput> past = session->Step(q, {.causal = true, .layer = kLayers});
+  EXPECT_TRUE(absl::StrContains(past.status().message(), "got 3")) << past.status();
+  // A packed Step of layer 1 over the session and a fork of it: the same rows, the same bits.
+  absl::StatusOr<Session> child = session->Fork();
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_EQ(child->layer_lengths(), session->layer_lengths());
+  std::vector<float> q2 = client::RandomNormal(heads_q * spec.head_dim, rng);
+  q2.insert(q2.end(), q2.begin(), q2.end());
+  Session* pair[] = {&*session, &*child};
+  absl::StatusOr<StepBatchOutput> both =
+      sessions.StepBatch(pair, client::MakeTensor(spec.dtype, {2, heads_q, 1, spec.head_dim}, q2),
+                         {.causal = true, .layer = 1});
+  ASSERT_TRUE(both.ok()) << both.status();
+  const std::string& o = both->o.data();
+  EXPECT_EQ(o.substr(0, o.size() / 2), o.substr(o.size() / 2));
+  // Truncate takes every layer, or none when one holds fewer rows.
+  absl::Status refused = session->Truncate(12);
+  EXPECT_TRUE(absl::StrContains(refused.message(), "layer 0")) << refused;
+  ASSERT_EQ(session->Truncate(5), absl::OkStatus());
+  EXPECT_EQ(session->layer_lengths(), (std::vector<int64_t>(kLayers, 5)));
+  ASSERT_EQ(child->Drop(), absl::OkStatus());
+  ASSERT_EQ(session->Drop(), absl::OkStatus());
+  absl::StatusOr<v1::ListSessionsResponse> after = sessions.List();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->pages_free(), before->pages_free());
+}
+
 // The rows of `seq`'s first `rows` rows: what a fork at `rows` or a truncate to it holds.
 Sequence FirstRows(const Sequence& seq, int64_t rows) {
   Sequence first = seq;
@@ -250,6 +321,10 @@ TEST_F(ClientSessionTest, ForksGrowApartFromTheirParentAndShareItsFullPages) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->pages(), 4);
   EXPECT_EQ(info->shared_pages(), 3);
+  // The cache counts the three pages the two share once, in its gauge of shared pages.
+  absl::StatusOr<std::string> text = HttpGet(process().metrics_port(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_EQ(SumSamples(ParseMetrics(*text), "attention_kv_pages_shared"), 3);
   EXPECT_EQ(info->kv_heads(), 2);
   EXPECT_EQ(info->head_dim(), 64);
   EXPECT_EQ(info->dtype(), v1::DTYPE_FLOAT32);

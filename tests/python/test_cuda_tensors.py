@@ -52,6 +52,17 @@ class FakeTensor:
         return self.storage
 
 
+class ForeignTensor:
+    """A tensor over memory outside torch's allocator: no storage keeps its segment."""
+
+    def __init__(self, ptr, device=0):
+        self.device = FakeDevice(device)
+        self._ptr = ptr
+
+    def data_ptr(self):
+        return self._ptr
+
+
 class FakeDriver:
     """Segments as the CUDA driver would report them: (base, size, buffer id) of the allocation
     holding an address; `segments` is a list of (device, base, size, buffer id) to change at
@@ -60,7 +71,10 @@ class FakeDriver:
     def __init__(self, segments):
         self.segments = segments
 
+    queries = 0
+
     def segment(self, ptr, device):
+        self.queries += 1
         for d, base, size, buffer_id in self.segments:
             if d == device and base <= ptr < base + size:
                 return base, size, buffer_id
@@ -123,20 +137,39 @@ class SegmentCacheTest(unittest.TestCase):
         self.assertEqual(client._regions, [])
         self.assertTrue(all(s.keep is None for s in segments))
 
+    def test_addresses_seen_in_a_kept_segment_need_no_driver_query(self):
+        client = RecordingClient()
+        driver = FakeDriver([(0, 0x1000, 0x1000, 1), (0, 0x4000, 0x800, 2)])
+        cache = SegmentRegions(client, capacity=1, driver=driver)
+        tensors = [FakeTensor(0x1000), FakeTensor(0x1400)]
+        cache.ensure(tensors)
+        self.assertEqual(driver.queries, 2)
+        for _ in range(3):
+            cache.ensure(tensors)
+        self.assertEqual(driver.queries, 2)
+        # Once the segment is unregistered (evicted here), torch may free it: its addresses are
+        # asked about again.
+        cache.ensure([FakeTensor(0x4000)])
+        self.assertEqual(len(client.unregistered()), 1)
+        cache.ensure(tensors[:1])
+        self.assertEqual(driver.queries, 4)
+
     def test_a_freed_segment_is_unregistered_when_its_addresses_are_reused(self):
+        # Memory outside torch's allocator (no storage keeps it): its owner may free it while it
+        # is registered.
         client = RecordingClient()
         driver = FakeDriver([(0, 0x1000, 0x1000, 1), (1, 0x1000, 0x1000, 3)])
         cache = SegmentRegions(client, driver=driver)
-        cache.ensure([FakeTensor(0x1800), FakeTensor(0x1800, device=1)])
+        cache.ensure([ForeignTensor(0x1800), ForeignTensor(0x1800, device=1)])
         first, other_device = client.registered()
-        # torch freed the segment; a larger one now starts below it (overlapping addresses).
+        # The segment was freed; a larger one now starts below it (overlapping addresses).
         driver.segments[0] = (0, 0x800, 0x2000, 2)
-        cache.ensure([FakeTensor(0x1800)])
+        cache.ensure([ForeignTensor(0x1800)])
         self.assertEqual(client.unregistered(), [first])  # the other device's stays
         self.assertEqual(cache.registrations, 3)
         # The same base and size with another buffer id: a new allocation too.
         driver.segments[0] = (0, 0x800, 0x2000, 4)
-        cache.ensure([FakeTensor(0x900)])
+        cache.ensure([ForeignTensor(0x900)])
         self.assertEqual(len(client.unregistered()), 2)
         self.assertEqual(len(client._regions), 2)
         self.assertNotIn(other_device, client.unregistered())

@@ -98,9 +98,14 @@ class ModelFamiliesTest(ServerTest):
                                  output_logits=True, return_dict_in_generate=True, **kwargs)
         return out.sequences, torch.stack(out.logits)
 
-    def check_family(self, config_fn, remote_cache=True, **kwargs):
+    def check_family(self, config_fn, remote_cache=True, modify=None, inspect=None, **kwargs):
+        """`modify(model)` changes both models after they are built; `inspect(cache)` looks at
+        each RemoteCache after its generate."""
         local = build(config_fn, "eager")
         served = build(config_fn, self.name)
+        if modify is not None:
+            modify(local)
+            modify(served)
         served.load_state_dict(local.state_dict())
         for ids, mask in self.prompts():
             want, want_logits = self.generate(local, ids, mask, **kwargs)
@@ -111,6 +116,8 @@ class ModelFamiliesTest(ServerTest):
                 extra = {} if cache is None else {"past_key_values": cache}
                 got, logits = self.generate(served, ids, mask, **extra, **kwargs)
                 if cache is not None:
+                    if inspect is not None:
+                        inspect(cache)
                     cache.close()
                 where = f"{what}, batch {ids.shape[0]}, seed {SEED}"
                 err = float((logits - want_logits).abs().max())
@@ -122,6 +129,22 @@ class ModelFamiliesTest(ServerTest):
         for family, config_fn in SERVED.items():
             with self.subTest(family=family):
                 self.check_family(config_fn)
+
+    def test_a_layer_of_another_kv_shape_keeps_sessions_of_its_own(self):
+        # Llama with one KV head in layer 1 (two in layer 0): layer 0 holds its K/V in the
+        # sessions shared by the layers, layer 1 in sessions of its own; the same tokens.
+        def one_kv_head(model):
+            attn = model.model.layers[1].self_attn
+            attn.k_proj = torch.nn.Linear(64, 16, bias=False)
+            attn.v_proj = torch.nn.Linear(64, 16, bias=False)
+            attn.num_key_value_groups = 4
+
+        def inspect(cache):
+            self.assertEqual(cache._shared.members, {0})
+            self.assertEqual(len(cache.layers[1].own), len(cache._shared.sessions))
+            self.assertTrue(all(s.layers == 2 for s in cache._shared.sessions))
+
+        self.check_family(SERVED["llama"], modify=one_kv_head, inspect=inspect)
 
     def test_static_cache_prefill_is_aligned_top_left(self):
         # The StaticCache hands the prefill all its max_cache_len keys, unwritten ones included,

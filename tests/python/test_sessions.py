@@ -17,6 +17,7 @@ from test_attention_client import (F16_BOUND, F32_BOUND, SEED, ServerTest, lse_e
 
 import grpc
 import numpy as np
+from attention_client._stubs import attention_pb2 as pb
 from attention_client import (AttentionError, Client, bfloat16_bits_to_float32,
                               float32_to_bfloat16_bits)
 
@@ -282,6 +283,77 @@ class SessionTest(ServerTest):
         with self.assertRaises(AttentionError) as e:  # dropped on leaving the block
             stale.fork()
         self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+
+    def test_a_session_of_several_layers(self):
+        """One session holding a model's layers: each layer its own cache, named by append's and
+        the Steps' layer; equal bit for bit to a session per layer; truncate, fork and drop take
+        every layer; one entry in the list; the layer is refused by name where it is wrong."""
+        hq, hkv, d, layers = 4, 2, 32, 3
+        before = self.client.list_sessions().pages_free
+        s = self.client.session(dtype="float32", kv_heads=hkv, head_dim=d, layers=layers)
+        kv = [self.rows(hkv, n, d) for n in (5, 40, 17)]
+        singles = [self.client.session(k=k, v=v) for k, v in kv]
+        for layer, (k, v) in enumerate(kv):
+            s.append(k, v, layer=layer)
+        self.assertEqual((s.layers, s.layer_lengths, s.length), (layers, [5, 40, 17], 5))
+        info = s.info()
+        self.assertEqual((info.layers, list(info.layer_lengths), info.length), (3, [5, 40, 17], 5))
+        self.assertEqual(sum(i.session_id == s.id for i in self.client.list_sessions().sessions), 1)
+        for step in range(2):
+            q = self.normal(hq, 1, d)
+            k1, v1 = self.rows(hkv, 1, d)
+            for layer in range(layers):
+                o = s.step(q, k1, v1, causal=True, layer=layer)
+                want = singles[layer].step(q, k1, v1, causal=True)
+                self.assertTrue(np.array_equal(o, want), f"step {step} layer {layer}, seed {SEED}")
+                k, v = kv[layer]
+                kv[layer] = (np.concatenate([k, k1], 1), np.concatenate([v, v1], 1))
+                ref_o, _ = session_reference(q, *kv[layer], causal=True)
+                self.assertWithin(rel_error(o, ref_o), F32_BOUND, f"layer {layer}")
+        self.assertEqual(s.layer_lengths, [7, 42, 19])
+        # A packed Step of one layer over several such sessions.
+        t = self.client.session(dtype="float32", kv_heads=hkv, head_dim=d, layers=layers)
+        t.append(*kv[1], layer=1)
+        q2 = np.stack([self.normal(hq, 1, d)] * 2)
+        o2 = self.client.step_batch([s, t], q2, causal=True, layer=1)
+        self.assertTrue(np.array_equal(o2[0], o2[1]), f"seed {SEED}")  # the same layer-1 rows
+        self.assertTrue(np.array_equal(o2[0], singles[1].step(q2[0], causal=True)))
+        # The layer, refused by name where it is missing or out of range.
+        for call, words in ((lambda: s.step(q, causal=True), "layer: expected 0..2"),
+                            (lambda: s.step(q, causal=True, layer=3), "got 3"),
+                            (lambda: s.append(k1, v1), "layer: expected 0..2"),
+                            (lambda: singles[0].step(q, causal=True, layer=1),
+                             "of 1 layer, got 1"),
+                            (lambda: self.client.session(k=k1, v=v1, layers=2), "k, v")):
+            with self.assertRaises(AttentionError) as e:
+                call()
+            self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(words, e.exception.details)
+        self.assertEqual(singles[0].step(q, causal=True, layer=0).shape, q.shape)
+        # A layer's own id is no session of the caller's.
+        with self.assertRaises(AttentionError) as e:
+            self.client._call(self.client._sessions_stub.Truncate,
+                              pb.TruncateRequest(session_id=s.id + "/1", length=0), None, None)
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+        # Fork and truncate take every layer.
+        with s.fork() as child:
+            self.assertEqual((child.layers, child.layer_lengths), (3, [7, 42, 19]))
+            q = self.normal(hq, 1, d)
+            for layer in range(layers):
+                self.assertTrue(np.array_equal(child.step(q, causal=True, layer=layer),
+                                               s.step(q, causal=True, layer=layer)))
+        with self.assertRaises(AttentionError) as e:
+            s.truncate(10)  # more than layer 0 holds
+        self.assertIn("layer 0", e.exception.details)
+        self.assertEqual(s.truncate(6), 6)
+        self.assertEqual(s.layer_lengths, [6, 6, 6])
+        for layer in range(layers):
+            singles[layer].truncate(6)
+            self.assertTrue(np.array_equal(s.step(q, causal=True, layer=layer),
+                                           singles[layer].step(q, causal=True)))
+        for x in [s, t] + singles:
+            x.drop()
+        self.assertEqual(self.client.list_sessions().pages_free, before)
 
     def test_context_manager_drops(self):
         with self.client.session(dtype=np.float32, kv_heads=1, head_dim=16) as s:

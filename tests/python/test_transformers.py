@@ -84,8 +84,9 @@ class TransformersTest(ServerTest):
         # one packed Step per layer (each sequence keeps its new position).
         self.assertEqual(calls, {"step_many": 4, "step_batch": 4 * (NEW_TOKENS - 1)})
         ids_held = set(cache.session_ids)
-        # One session per layer and sequence, all on the server while the cache lives.
-        self.assertEqual(len(ids_held), 4 * ids.shape[0])
+        # One session per sequence holding its 4 layers, all on the server while the cache lives.
+        self.assertEqual(len(ids_held), ids.shape[0])
+        self.assertTrue(all(s.layers == 4 for s in cache._sessions))
         self.assertLessEqual(ids_held, self.served_sessions())
         self.assertEqual(cache.get_seq_length(), ids.shape[1] + NEW_TOKENS - 1)
         del cache
@@ -155,8 +156,8 @@ class TransformersTest(ServerTest):
             attention_client.session.Session.fork = fork
         self.assertTrue(forks, "no beam was continued twice")
         self.assertEqual(got.tolist(), want.tolist(), f"seed {SEED}")
-        # One session per layer and beam: forks replaced the dropped beams'.
-        self.assertEqual(len(cache.session_ids), 4 * 2 * 3)
+        # One session per beam, holding every layer: forks replaced the dropped beams'.
+        self.assertEqual(len(cache.session_ids), 2 * 3)
         self.assertLessEqual(set(cache.session_ids), self.served_sessions())
         cache.close()
 
@@ -177,7 +178,7 @@ class TransformersTest(ServerTest):
             got = self.served(step, past_key_values=served).logits
         err = float((got - want).norm() / want.norm())
         self.assertLess(err, 1e-5, f"logits relative error {err:.3g} (seed {SEED})")
-        self.assertEqual(len(served.session_ids), 4 * 6)
+        self.assertEqual(len(served.session_ids), 6)
         served.close()
 
     def test_without_remote_cache_each_call_sends_its_keys(self):

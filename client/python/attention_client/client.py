@@ -513,41 +513,46 @@ class Client:
         return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout, None)
 
     def session(self, *, dtype=None, kv_heads=None, head_dim=None, k=None, v=None, layout="bhsd",
-                bfloat16_bits=False, timeout=None, metadata=None):
+                bfloat16_bits=False, timeout=None, metadata=None, layers=None):
         """A new KV-resident session on the server (attention_client.session.Session).
 
         k, v (optional first rows): [Hkv, N, D] (layout "bhsd") or [N, Hkv, D] ("bshd"); dtype,
         kv_heads and head_dim default to theirs. dtype: "float32" | "float16" | "bfloat16", or a
         numpy/torch dtype. layout also applies to append(). metadata: for every call of the
-        session (default: the client's).
+        session (default: the client's). layers: a sequence of a model's `layers` layers, one
+        cache each (created empty; append(), step(), step_many() and step_batch() then name the
+        layer; truncate, fork and drop take every layer): one create and one drop per sequence.
         """
         from attention_client.session import create_session
         return create_session(self, dtype=dtype, kv_heads=kv_heads, head_dim=head_dim, k=k, v=v,
                               layout=layout, bfloat16_bits=bfloat16_bits, timeout=timeout,
-                              metadata=metadata)
+                              metadata=metadata, layers=layers)
 
     def step_many(self, items, *, causal=False, softmax_scale=None, window_left=None,
                   window_right=None, return_lse=False, timeout=None, metadata=None,
-                  request_id="", return_info=False, sinks=None, softcap=None, chunk_size=None):
+                  request_id="", return_info=False, sinks=None, softcap=None, chunk_size=None,
+                  layer=None):
         """One Step RPC over several sessions of this client, run by the server as one launch.
 
         items: (session, q) or (session, q, k, v) tuples, each session at most once; q
         [Hq, Nq, D], k and v [Hkv, n, D] appended before attending. Returns one o (or (o, lse),
         or with return_info a StepResult) per item, in order; every session's length is updated.
         sinks, softcap, chunk_size: as attend()'s, for every item (DeviceInfo.step_options).
+        layer: the layer of every session, for sessions of several layers.
         """
         from attention_client.session import step_many
         return step_many(self, items, causal=causal, softmax_scale=softmax_scale,
                          window_left=window_left, window_right=window_right,
                          return_lse=return_lse, timeout=timeout, metadata=metadata,
                          request_id=request_id, return_info=return_info, sinks=sinks,
-                         softcap=softcap, chunk_size=chunk_size)
+                         softcap=softcap, chunk_size=chunk_size, layer=layer)
 
     def step_batch(self, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
                    window_left=None, window_right=None, return_lse=False, out=None,
                    lse_out=None, timeout=None, metadata=None, request_id="", return_info=False,
                    stream=False, wait=True, sinks=None, softcap=None, chunk_size=None,
-                   ready_event=None, done_event=None, ready_counter=None, done_counter=None):
+                   ready_event=None, done_event=None, ready_counter=None, done_counter=None,
+                   layer=None):
         """One packed Step over a layer's batch: one message and one tensor each, none per
         sequence. Sequence b is sessions[b] (each at most once, all of one dtype, Hkv and D).
 
@@ -562,7 +567,8 @@ class Client:
         concurrent.futures.Future of the result; on the ring, a RingStep once the Step is posted,
         whose result() reads the answer (the next Step on the ring reads it too, and raises its
         failure). Leave the sessions and buffers alone until it is done.
-        sinks, softcap, chunk_size: as attend()'s.
+        sinks, softcap, chunk_size: as attend()'s. layer: the layer of every session, for sessions
+        of several layers (Client.session(layers=)).
 
         torch CUDA tensors (without out and lse_out) go through CUDA regions in stream order
         (attention_client.cuda_tensors): the server's kernels read q, k, v and write o where they
@@ -586,7 +592,7 @@ class Client:
                           metadata=metadata, request_id=request_id, return_info=return_info,
                           stream=stream, wait=wait, sinks=sinks, softcap=softcap,
                           chunk_size=chunk_size, ready_event=ready_event, done_event=done_event,
-                          ready_counter=ready_counter, done_counter=done_counter)
+                          ready_counter=ready_counter, done_counter=done_counter, layer=layer)
 
     def register_shared_memory(self, name, shm, *, offset=0, size=None, timeout=None,
                                metadata=None):

@@ -15,7 +15,7 @@ on libcuda.so.1; torch's own storage._share_cuda_() would tie every shared block
 count that only a torch consumer returns, so torch would never free those blocks). Segments are
 registered once and cached per Client, keyed by device and the driver's buffer id (unique to an
 allocation for the process's life), so repeated calls with the allocator's reused blocks register
-nothing:
+nothing, and an address seen before in a segment torch cannot free (below) needs no driver query:
 - at most `capacity` segments (default 32, within the server's 64 regions per caller) stay
   registered; the least recently used one is unregistered for a new one;
 - every segment is unregistered by Client.close().
@@ -145,21 +145,21 @@ class CudaDriver:
         return self._in_context(device, query)
 
 
-    def write_value(self, stream, address, value):
-        """Queues on `stream` (a CUstream handle) the write of uint64 `value` at device `address`
-        (cuStreamWriteValue64)."""
-        self._check(self._cuda.cuStreamWriteValue64_v2(ctypes.c_void_p(stream),
-                                                       ctypes.c_uint64(address),
-                                                       ctypes.c_uint64(value), 0),
-                    "cuStreamWriteValue64")
+    def write_value(self, device, stream, address, value):
+        """Queues on `stream` (a CUstream handle of `device`) the write of uint64 `value` at
+        device `address` (cuStreamWriteValue64)."""
+        self._in_context(device, lambda: self._check(
+            self._cuda.cuStreamWriteValue64_v2(ctypes.c_void_p(stream), ctypes.c_uint64(address),
+                                               ctypes.c_uint64(value), 0),
+            "cuStreamWriteValue64"))
 
-    def wait_value(self, stream, address, value):
+    def wait_value(self, device, stream, address, value):
         """Queues on `stream` a wait until the uint64 at `address` reaches `value` (as int64
         differences, cuStreamWaitValue64 GEQ)."""
-        self._check(self._cuda.cuStreamWaitValue64_v2(ctypes.c_void_p(stream),
-                                                      ctypes.c_uint64(address),
-                                                      ctypes.c_uint64(value), 0),
-                    "cuStreamWaitValue64")
+        self._in_context(device, lambda: self._check(
+            self._cuda.cuStreamWaitValue64_v2(ctypes.c_void_p(stream), ctypes.c_uint64(address),
+                                              ctypes.c_uint64(value), 0),
+            "cuStreamWaitValue64"))
 
 
 class _Segment:
@@ -184,6 +184,11 @@ class SegmentRegions:
         self.capacity = capacity
         self._driver = driver
         self._segments = OrderedDict()  # (device, buffer id) -> _Segment, least recently used first
+        # (device, address) -> the key of the registered segment holding it, for segments whose
+        # keep storage stops torch from freeing them: such an address stays in that allocation
+        # while it is registered, so a repeated address needs no driver query (a decode loop's
+        # tensors come back to the same few addresses every layer).
+        self._by_address = {}
         self._lock = threading.Lock()
         self.registrations = 0  # Register calls made, for tests and diagnostics
         self._names = itertools.count()
@@ -194,6 +199,8 @@ class SegmentRegions:
         return self.mode == "on" or (self.mode == "auto" and self.unavailable is None)
 
     def _unregister(self, segment):
+        key = (segment.device, segment.buffer_id)
+        self._by_address = {a: k for a, k in self._by_address.items() if k != key}
         try:
             segment.region.unregister()
         except AttentionError:
@@ -218,11 +225,17 @@ class SegmentRegions:
 
     def _ensure_one(self, t, used):
         device = t.device.index if t.device.index is not None else 0
+        address = (device, t.data_ptr())
+        key = self._by_address.get(address)
+        if key is not None and key in self._segments:
+            self._segments.move_to_end(key)
+            return key
         base, size, buffer_id = self._driver.segment(t.data_ptr(), device)
         key = (device, buffer_id)
         known = self._segments.get(key)
         if known is not None:
             self._segments.move_to_end(key)
+            self._remember(address, known)
             return key
         # Segments torch freed: this new allocation (a buffer id not seen) overlaps their
         # addresses. Their registrations go first.
@@ -248,12 +261,24 @@ class SegmentRegions:
         self.registrations += 1
         keep = t.untyped_storage() if hasattr(t, "untyped_storage") else None
         self._segments[key] = _Segment(device, base, size, buffer_id, region, keep)
+        self._remember(address, self._segments[key])
         return key
+
+    _MAX_ADDRESSES = 4096
+
+    def _remember(self, address, segment):
+        """Notes that `address` lies in `segment`, when torch cannot free that segment."""
+        if segment.keep is None:
+            return  # memory outside torch's allocator: its addresses may change hands
+        if len(self._by_address) >= self._MAX_ADDRESSES:
+            self._by_address.clear()
+        self._by_address[address] = (segment.device, segment.buffer_id)
 
     def close(self):
         """Unregisters every segment (Client.close calls it)."""
         with self._lock:
             segments, self._segments = list(self._segments.values()), OrderedDict()
+            self._by_address = {}
         for s in segments:
             self._unregister(s)
 
@@ -284,9 +309,11 @@ class _StepCounters:
     def __init__(self, device):
         import torch
         self.tensor = torch.zeros(2, dtype=torch.int64, device=device)
+        # Zero before any stream waits on them: the server's stream does not wait for this one.
+        torch.cuda.current_stream(device).synchronize()
         self.ready, self.done = self.tensor[0:1], self.tensor[1:2]
         self.value = 0
-        self.rescue = torch.cuda.Stream(device=device)
+        self.rescue = torch.cuda.Stream(device=device)  # non-blocking, as torch makes its streams
 
 
 def _step_counters(client, device):
@@ -364,11 +391,11 @@ def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
     driver = regions._driver
     counters.value += 1
     value = counters.value
-    driver.write_value(stream, counters.ready.data_ptr(), value)
+    driver.write_value(device, stream, counters.ready.data_ptr(), value)
 
     def release():
         # The Step failed: nothing will write its done value, for which the stream waits.
-        driver.write_value(counters.rescue.cuda_stream, counters.done.data_ptr(), value)
+        driver.write_value(device, counters.rescue.cuda_stream, counters.done.data_ptr(), value)
 
     from attention_client.session import step_batch
     # No retry or host fallback here: a failure raised now may be the previous Step's, read by
@@ -377,7 +404,7 @@ def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
                         ready_counter=(counters.ready, value), done_counter=(counters.done, value),
                         _on_error=release, **options)
     # What runs on this stream from here on sees o and lse written, and q, k, v read.
-    driver.wait_value(stream, counters.done.data_ptr(), value)
+    driver.wait_value(device, stream, counters.done.data_ptr(), value)
     return True, result
 
 

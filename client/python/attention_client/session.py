@@ -49,13 +49,16 @@ def _wire_dtype(dtype):
 class Session:
     """One session on the server. Use it as a context manager (dropped on exit) or call drop().
 
-    id: the server's session id; length: K/V rows as of this object's last call.
+    id: the server's session id; length: K/V rows as of this object's last call. A session of a
+    model's several layers (Client.session(layers=L)): layers L, layer_lengths each layer's rows,
+    length the rows every layer holds; append and the Steps name the layer.
     """
 
     def __init__(self, client, info, layout, bfloat16_bits, metadata):
         self._client = client
         self.id = info.session_id
-        self.length = info.length
+        self.layers = max(1, info.layers)
+        self._set_info(info)
         self.dtype = info.dtype
         self.kv_heads = info.kv_heads
         self.head_dim = info.head_dim
@@ -78,21 +81,30 @@ class Session:
                 if e.code != grpc.StatusCode.NOT_FOUND:  # an expired session is dropped already
                     raise
 
+    def _set_info(self, info):
+        self.length = info.length
+        self.layer_lengths = list(info.layer_lengths) if self.layers > 1 else [info.length]
+
+    def _set_length(self, length, layer):
+        """A call's answer: `layer`'s (None: the only one's) rows are now `length`."""
+        self.layer_lengths[layer or 0] = length
+        self.length = min(self.layer_lengths)
+
     def _live_id(self):
         if not self.id:
             raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION, "the session was dropped")
         return self.id
 
-    def append(self, k, v, *, timeout=None):
-        """Appends rows: k, v [Hkv, n, D] (layout "bhsd") or [n, Hkv, D] ("bshd"). Returns the
-        new length."""
+    def append(self, k, v, *, layer=None, timeout=None):
+        """Appends rows: k, v [Hkv, n, D] (layout "bhsd") or [n, Hkv, D] ("bshd"), to `layer`
+        (0..layers-1; needed for a session of several layers). Returns the new length."""
         tk, _ = _to_tensor(k, "k", self._bfloat16_bits)
         tv, _ = _to_tensor(v, "v", self._bfloat16_bits)
         request = pb.AppendKvRequest(session_id=self._live_id(), layout=_LAYOUTS[self.layout],
-                                     k=tk, v=tv)
+                                     k=tk, v=tv, layer=layer)
         info = self._client._call(self._client._sessions_stub.AppendKv, request, timeout,
                                   self._metadata)
-        self.length = info.length
+        self._set_info(info)
         return self.length
 
     def truncate(self, length, *, timeout=None):
@@ -102,7 +114,7 @@ class Session:
         request = pb.TruncateRequest(session_id=self._live_id(), length=length)
         info = self._client._call(self._client._sessions_stub.Truncate, request, timeout,
                                   self._metadata)
-        self.length = info.length
+        self._set_info(info)
         return self.length
 
     def fork(self, length=None, *, timeout=None):
@@ -118,7 +130,7 @@ class Session:
 
     def step(self, q, k=None, v=None, *, causal=False, softmax_scale=None, window_left=None,
              window_right=None, return_lse=False, timeout=None, return_info=False, stream=False,
-             sinks=None, softcap=None, chunk_size=None):
+             sinks=None, softcap=None, chunk_size=None, layer=None):
         """Attends q [Hq, Nq, D] to the session, after appending k, v [Hkv, n, D] when given.
 
         stream=True sends the Step over the Client's one long-lived Sessions.StepStream (opened
@@ -130,13 +142,14 @@ class Session:
         The queries are the session's last Nq positions (masks bottom-right aligned, as attend()).
         Returns o [Hq, Nq, D] (same kind and dtype as q), or (o, lse) with return_lse: lse
         float32 [Hq, Nq]; with return_info a StepResult (o, lse, length, timing, device).
-        sinks, softcap, chunk_size: as Client.attend()'s.
+        sinks, softcap, chunk_size: as Client.attend()'s. layer: the layer attended to (and
+        appended to), for a session of several layers.
         """
         return step_many(self._client, [(self, q, k, v)], causal=causal,
                          softmax_scale=softmax_scale, window_left=window_left,
                          window_right=window_right, return_lse=return_lse, timeout=timeout,
                          metadata=self._metadata, return_info=return_info, stream=stream,
-                         sinks=sinks, softcap=softcap, chunk_size=chunk_size)[0]
+                         sinks=sinks, softcap=softcap, chunk_size=chunk_size, layer=layer)[0]
 
     def drop(self, *, timeout=None):
         """Frees the session's K/V on the server; the object holds no session afterwards."""
@@ -151,13 +164,13 @@ class Session:
         session_id = self._live_id()
         for info in list_sessions(self._client, timeout=timeout, metadata=self._metadata).sessions:
             if info.session_id == session_id:
-                self.length = info.length
+                self._set_info(info)
                 return info
         raise AttentionError(grpc.StatusCode.NOT_FOUND, f"session {session_id} is not on the server")
 
 
 def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, v=None,
-                   layout="bhsd", bfloat16_bits=False, timeout=None, metadata=None):
+                   layout="bhsd", bfloat16_bits=False, timeout=None, metadata=None, layers=None):
     """A new session; see Client.session."""
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
@@ -179,15 +192,18 @@ def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, 
     request.dtype = _wire_dtype(dtype)
     request.kv_heads = kv_heads
     request.head_dim = head_dim
+    if layers is not None:
+        request.layers = layers
     info = client._call(client._sessions_stub.CreateSession, request, timeout, metadata)
     return Session(client, info, layout, bfloat16_bits, metadata)
 
 
 def step_many(client, items, *, causal=False, softmax_scale=None, window_left=None,
               window_right=None, return_lse=False, timeout=None, metadata=None, request_id="",
-              return_info=False, stream=False, sinks=None, softcap=None, chunk_size=None):
+              return_info=False, stream=False, sinks=None, softcap=None, chunk_size=None,
+              layer=None):
     """One Step RPC over several sessions; see Client.step_many."""
-    request = pb.StepRequest(request_id=request_id)
+    request = pb.StepRequest(request_id=request_id, layer=layer)
     _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
     _set_open_model_options(request, sinks, softcap, chunk_size)
     kinds, sessions = [], []
@@ -214,7 +230,7 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
         if result.session_id != session.id:
             raise AttentionError(grpc.StatusCode.DATA_LOSS, f"Step result for session "
                                  f"{result.session_id} where {session.id} was expected")
-        session.length = result.length
+        session._set_length(result.length, layer)
         o = _from_tensor(result.o, kind)
         lse = _lse_from_tensor(result.lse, kind) if return_lse else None
         if return_info:
@@ -275,7 +291,8 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
                window_left=None, window_right=None, return_lse=False, out=None, lse_out=None,
                timeout=None, metadata=None, request_id="", return_info=False, stream=False,
                wait=True, sinks=None, softcap=None, chunk_size=None, ready_event=None,
-               done_event=None, ready_counter=None, done_counter=None, _on_error=None):
+               done_event=None, ready_counter=None, done_counter=None, layer=None,
+               _on_error=None):
     """One packed Step over a layer's batch; see Client.step_batch."""
     if (k is None) != (v is None):
         raise ValueError("k and v go together: give both or neither")
@@ -289,14 +306,14 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
             causal=causal, softmax_scale=softmax_scale, window_left=window_left,
             window_right=window_right, return_lse=return_lse, timeout=timeout,
             metadata=metadata, request_id=request_id, return_info=return_info, stream=stream,
-            wait=wait, sinks=sinks, softcap=softcap, chunk_size=chunk_size))
+            wait=wait, sinks=sinks, softcap=softcap, chunk_size=chunk_size, layer=layer))
         if done:
             return result
     for session in sessions:
         if session._client is not client:
             raise ValueError(f"session {session.id} belongs to another Client")
     bits = sessions[0]._bfloat16_bits
-    request = pb.StepRequest(request_id=request_id,
+    request = pb.StepRequest(request_id=request_id, layer=layer,
                              session_ids=[session._live_id() for session in sessions])
     _set_options(request, causal, softmax_scale, window_left, window_right, return_lse)
     _set_open_model_options(request, sinks, softcap, chunk_size)
@@ -325,7 +342,8 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
         from attention_client.shared_memory import out_ref
         request.lse_ref.CopyFrom(out_ref(client, lse_out, "lse_out"))
     def output(response):
-        return _batch_output(response, sessions, kind, return_lse, out, lse_out, return_info)
+        return _batch_output(response, sessions, kind, return_lse, out, lse_out, return_info,
+                             layer)
 
     if wait:
         return output(_send_step(client, request, stream, timeout, metadata))
@@ -372,13 +390,13 @@ class RingStep:
         return self._result[0]
 
 
-def _batch_output(response, sessions, kind, return_lse, out, lse_out, return_info):
+def _batch_output(response, sessions, kind, return_lse, out, lse_out, return_info, layer):
     """What step_batch returns for a packed Step's StepResponse; sets the sessions' lengths."""
     if len(response.lengths) != len(sessions):
         raise AttentionError(grpc.StatusCode.DATA_LOSS, f"Step sent {len(sessions)} sequences "
                              f"and got {len(response.lengths)} lengths")
     for session, length in zip(sessions, response.lengths):
-        session.length = length
+        session._set_length(length, layer)
     o = out if out is not None else _from_tensor(response.o, kind)
     lse = None
     if return_lse:

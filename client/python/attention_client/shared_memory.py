@@ -172,13 +172,20 @@ def as_ref(client, a):
     """pb.Tensor referring to `a` (a numpy array or torch tensor over a system region, or a torch
     CUDA tensor in a CUDA region) when its bytes lie in one of the client's regions, else None.
     bfloat16 as ml_dtypes.bfloat16 or torch.bfloat16."""
+    found = _region_of(client, a)
+    if found is None:
+        return None
+    region, offset = found
+    nbytes = a.nbytes if isinstance(a, np.ndarray) else a.numel() * a.element_size()
+    return pb.Tensor(dtype=_wire_dtype_of(a), shape=list(a.shape), ref=region.ref(offset, nbytes))
+
+
+def _region_of(client, a):
+    """(region, offset) of the client's region holding `a`'s bytes, or None."""
     for region in client._regions:
         offset = region._locate(a)
-        if offset is None:
-            continue
-        nbytes = a.nbytes if isinstance(a, np.ndarray) else a.numel() * a.element_size()
-        return pb.Tensor(dtype=_wire_dtype_of(a), shape=list(a.shape),
-                         ref=region.ref(offset, nbytes))
+        if offset is not None:
+            return region, offset
     return None
 
 
@@ -199,8 +206,8 @@ def counter_ref(client, counter, name):
         raise ValueError(f"{name}: expected a torch CUDA tensor of one 8-byte element (int64), "
                          f"got {getattr(counter, 'dtype', type(counter))} of "
                          f"{getattr(counter, 'shape', '?')}")
-    for region in client._regions:
-        offset = region._locate(counter)
-        if offset is not None:
-            return region.ref(offset, 8)
-    raise ValueError(f"{name}: expected a tensor inside a CUDA region this Client registered")
+    found = _region_of(client, counter)
+    if found is None:
+        raise ValueError(f"{name}: expected a tensor inside a CUDA region this Client registered")
+    region, offset = found
+    return region.ref(offset, 8)

@@ -9,16 +9,18 @@
 register() adds an attention function (and transformers' SDPA mask builder) under `name` to
 transformers' AttentionInterface, so every model on transformers' standard attention path (Llama,
 Qwen2, Mistral, ...) computes attention on the service. With a RemoteCache the K/V stay on the
-server: one session per layer and sequence, the prompt's K/V sent once at prefill, and each decode
-step sends only the new token's q, k and v, one Step per layer carrying every sequence of the batch.
+server: one session per sequence holding every layer (Sessions with `layers`: one create and one
+drop per sequence), the prompt's K/V sent once at prefill, and each decode step sends only the new
+token's q, k and v, one Step per layer carrying every sequence of the batch.
 Without one (a DynamicCache, a StaticCache, or none) each call sends the keys it is given (an
 Attend).
 The cache's sessions are dropped when it is closed or released (and expire on the server anyway).
-Its crop() (assisted and speculative decoding drop rejected tokens so) truncates every layer's
-sessions (Sessions.Truncate); its reorder_cache() (beam search), batch_select_indices() and
-batch_repeat_interleave() (transformers' Cache dispatches them to each layer) fork the sessions
-of the sequences taken more than once (Sessions.Fork: the full pages shared on the server, only
-the partial last one copied) and drop those of the sequences no longer taken.
+Its crop() (assisted and speculative decoding drop rejected tokens so) truncates the sessions
+(Sessions.Truncate, every layer); its reorder_cache() (beam search), batch_select_indices() and
+batch_repeat_interleave() (transformers' Cache dispatches them to each layer; the first layer acts
+for all) fork the sessions of the sequences taken more than once (Sessions.Fork: the full pages
+shared on the server, only the partial last one copied) and drop those of the sequences no longer
+taken. A layer whose K/V shape differs from the first layer's keeps sessions of its own.
 
 Every keyword argument transformers passes to the attention function is either served exactly or
 refused by name (NotImplementedError): attention sinks (`s_aux`, gpt-oss) and `softcap` (Gemma 2)
@@ -230,6 +232,20 @@ def register(client, name="attention_service"):
     return name
 
 
+class _Sequences:
+    """The sessions a RemoteCache's layers share: one per sequence, holding every layer
+    (Client.session(layers=)), made by the first layer's prefill, of its K/V's dtype, Hkv and D.
+    A selection (RemoteLayer.select), which transformers hands to each layer in turn, is made on
+    the sessions by the first layer and taken by the others (`selecting`, until each took it)."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.sessions = []
+        self.shape = None  # (dtype, Hkv, D) of the sessions
+        self.members = set()  # the layers that keep their K/V in them
+        self.selecting = None  # (indices, the layers yet to take them)
+
+
 def _drop_sessions(client, sessions):
     """Drops every session in `sessions` (a list shared with the layers), ignoring those already
     gone; runs on close() and when the cache is garbage-collected."""
@@ -256,15 +272,40 @@ class RemoteLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, client, all_sessions, index=None):
+    def __init__(self, client, all_sessions, index=None, layer=None, shared=None):
         super().__init__()
         self.client = client
         self.index = index  # for MLA layers (latent caches): the layer's index, else None
-        self.sessions = []              # one per sequence, once the prefill ran
+        self.layer = layer  # its index in the cache: its layer in the shared sessions
+        self.shared = shared  # the cache's _Sequences (None: this layer's own sessions only)
+        self.own = []                   # sessions of its own, one per sequence, when it has them
         self._all = all_sessions        # the cache's list, for dropping on release
         self.length = 0                 # positions the model has seen, padding included
         self.positions = []             # per sequence, the positions its session holds (LongTensor)
         self._pending = None
+
+    @property
+    def sessions(self):
+        """One per sequence once the prefill ran: the shared ones, or this layer's own."""
+        return self.shared.sessions if self.layer in self._members() else self.own
+
+    def _members(self):
+        return self.shared.members if self.shared is not None else ()
+
+    def _join(self, key):
+        """At prefill: keeps this layer in the shared sessions when its K/V [B, Hkv, n, D] have
+        their shape (the first layer's makes them); True when it joined."""
+        shape = (key.dtype, key.shape[1], key.shape[3])
+        if self.shared is None or (self.shared.shape not in (None, shape)):
+            return False
+        if self.shared.shape is None:
+            self.shared.shape = shape
+            self.shared.sessions = [
+                self.client.session(dtype=key.dtype, kv_heads=shape[1], head_dim=shape[2],
+                                    layers=self.shared.layers) for _ in range(key.shape[0])]
+            self._all.extend(self.shared.sessions)
+        self.shared.members.add(self.layer)
+        return True
 
     def lazy_initialization(self, key_states, value_states):
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -326,6 +367,8 @@ class RemoteLayer(CacheLayerMixin):
         if not causal and nq > 1:
             raise NotImplementedError("RemoteCache serves causal (decoder) attention only")
         prefill = not self.sessions
+        joined = prefill and self._join(key)
+        layer = self.layer if self.layer in self._members() else None
         if not prefill and len(self.sessions) != batch:
             raise ValueError(f"RemoteCache holds {len(self.sessions)} sequences, the step has "
                              f"{batch}")
@@ -342,9 +385,12 @@ class RemoteLayer(CacheLayerMixin):
                     else added
                 _check_causal(keep[b], added, keys, options, "RemoteCache")
             k, v = key[b][:, added].contiguous(), value[b][:, added].contiguous()
-            if prefill:  # a session per sequence, created with its rows
+            if prefill and joined:  # the shared session's layer gets its rows with the Step
+                self.positions.append(added + self.length)
+                item = (self.sessions[b], query[b][:, added].contiguous(), k, v)
+            elif prefill:  # a session of its own per sequence, created with its rows
                 s = self.client.session(k=k, v=v)
-                self.sessions.append(s)
+                self.own.append(s)
                 self._all.append(s)
                 self.positions.append(added + self.length)
                 item = (s, query[b][:, added].contiguous())
@@ -359,7 +405,7 @@ class RemoteLayer(CacheLayerMixin):
         self.length += new
         step_options = options.unmasked() if keep is None else options.masked()
         results = iter(self.client.step_many(items, causal=True, softmax_scale=scaling,
-                                             **step_options))
+                                             layer=layer, **step_options))
         out = torch.zeros_like(query)
         for b, rows in enumerate(rows_of):
             if rows is not None:
@@ -379,27 +425,34 @@ class RemoteLayer(CacheLayerMixin):
             self.positions[b] = torch.cat([self.positions[b], added + self.length])
         self.length += new
         step_options = options.unmasked() if keep is None else options.masked()
+        layer = self.layer if self.layer in self._members() else None
         return self.client.step_batch(self.sessions, query, key, value, causal=True,
-                                      softmax_scale=scaling, **step_options)
+                                      softmax_scale=scaling, layer=layer, **step_options)
 
     def crop(self, max_length):
         """Drops the last -max_length positions (as DynamicLayer.crop: 0 drops nothing, a
-        positive length is refused): each sequence's session keeps the rows of the positions
-        before the new length (Session.truncate)."""
+        positive length is refused): each sequence keeps the rows of the positions before the new
+        length. Returns the rows each sequence keeps; sessions of this layer's own are truncated
+        here (Session.truncate), the shared ones by RemoteCache.crop, once for every layer."""
         if max_length > 0:
             raise ValueError(f"RemoteCache.crop: max_length: expected a negative count of "
                              f"positions to drop (or 0), got {max_length}, as transformers' "
                              "DynamicCache")
         if max_length == 0 or not self.sessions:
-            return
+            return None
         if -max_length > self.length:
             raise ValueError(f"RemoteCache.crop: max_length: expected -{self.length}..0 (the "
                              f"positions held), got {max_length}")
         self.length += max_length
-        for b, s in enumerate(self.sessions):
+        rows = []
+        for b in range(len(self.sessions)):
             kept = self.positions[b][self.positions[b] < self.length]
             self.positions[b] = kept
-            s.truncate(len(kept))
+            rows.append(len(kept))
+        if self.layer not in self._members():
+            for s, n in zip(self.own, rows):
+                s.truncate(n)
+        return rows
 
     def get_mask_sizes(self, query_length):
         return self.length + query_length, 0
@@ -421,23 +474,41 @@ class RemoteLayer(CacheLayerMixin):
         Nothing to do before the prefill."""
         if not self.sessions:
             return
-        chosen = torch.arange(len(self.sessions))[torch.as_tensor(indices).cpu()].tolist()
+        chosen = torch.arange(len(self.positions))[torch.as_tensor(indices).cpu()].tolist()
+        self.positions = [self.positions[i] for i in chosen]
+        if self.layer not in self._members():
+            self.own = self._selected(self.own, chosen)
+            return
+        shared = self.shared
+        if shared.selecting is None:  # the first layer: the sessions themselves
+            shared.sessions = self._selected(shared.sessions, chosen)
+            shared.selecting = (chosen, set(shared.members) - {self.layer})
+        else:
+            if shared.selecting[0] != chosen or self.layer not in shared.selecting[1]:
+                raise RuntimeError("RemoteCache: its layers were given different selections "
+                                   "(reorder_cache / batch_select_indices) in one step")
+            shared.selecting[1].discard(self.layer)
+        if not shared.selecting[1]:
+            shared.selecting = None
+
+    def _selected(self, sessions, chosen):
+        """sessions[i] for i in chosen: the first to take one takes it, each other one a fork
+        of it; the sessions none takes are dropped."""
         taken = set()
-        sessions = []
+        out = []
         for i in chosen:
             if i in taken:
-                s = self.sessions[i].fork()
+                s = sessions[i].fork()
                 self._all.append(s)
             else:
                 taken.add(i)
-                s = self.sessions[i]
-            sessions.append(s)
-        for i, s in enumerate(self.sessions):
+                s = sessions[i]
+            out.append(s)
+        for i, s in enumerate(sessions):
             if i not in taken:
                 s.drop()
         self._all[:] = [s for s in self._all if s.id]
-        self.positions = [self.positions[i] for i in chosen]
-        self.sessions = sessions
+        return out
 
     def reorder_cache(self, beam_idx):
         """Beam search: sequence b continues beam beam_idx[b] (select)."""
@@ -448,12 +519,13 @@ class RemoteLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats):
         """Each sequence `repeats` times in a row (select: forks of its session)."""
-        self.select(torch.arange(len(self.sessions)).repeat_interleave(repeats))
+        self.select(torch.arange(len(self.positions)).repeat_interleave(repeats))
 
 
 class RemoteCache(Cache):
     """A transformers Cache whose layers keep their K/V in server sessions (RemoteLayer): one
-    session per layer and sequence. Needs the model's attn_implementation to be register()'s name.
+    session per sequence holding every layer (a layer of another K/V shape: one of its own per
+    sequence). Needs the model's attn_implementation to be register()'s name.
 
     client: an attention_client.Client; config: the model's config (num_hidden_layers). The
     sessions are dropped by close(), on leaving a `with` block, or when the cache is released."""
@@ -463,7 +535,8 @@ class RemoteCache(Cache):
         self._sessions = []  # every layer's, shared with the finalizer
         # MLA models (a kv_lora_rank: DeepSeek-V3) cache latents, held in their absorbed form.
         mla = getattr(config, "kv_lora_rank", None) is not None
-        layers = [RemoteLayer(client, self._sessions, i if mla else None)
+        self._shared = _Sequences(config.num_hidden_layers)
+        layers = [RemoteLayer(client, self._sessions, i if mla else None, i, self._shared)
                   for i in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
         self._finalizer = weakref.finalize(self, _drop_sessions, client, self._sessions)
@@ -484,6 +557,15 @@ class RemoteCache(Cache):
     def crop(self, max_length):
         """Drops the last -max_length positions of every layer's sessions (assisted and speculative
         decoding drop rejected tokens so); 0 drops nothing, as transformers' DynamicCache."""
+        shared_rows = None
         for layer in self.layers:
-            layer.crop(max_length)
+            rows = layer.crop(max_length)
+            if rows is not None and layer.layer in self._shared.members:
+                if shared_rows not in (None, rows):
+                    raise RuntimeError(f"RemoteCache.crop: layers keep different rows per "
+                                       f"sequence ({shared_rows} and {rows})")
+                shared_rows = rows
+        if shared_rows is not None:
+            for s, n in zip(self._shared.sessions, shared_rows):
+                s.truncate(n)
 

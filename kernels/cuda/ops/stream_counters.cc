@@ -21,16 +21,15 @@ struct DriverOps {
 const DriverOps& Ops() {
   static const DriverOps* ops = [] {
     auto* found = new DriverOps;
-    for (const auto& [name, fn] : {std::pair{"cuStreamWaitValue64", reinterpret_cast<void**>(
-                                                                        &found->wait)},
-                                   std::pair{"cuStreamWriteValue64",
-                                             reinterpret_cast<void**>(&found->write)}}) {
+    for (const auto& [name, fn] :
+         {std::pair{"cuStreamWaitValue64", reinterpret_cast<void**>(&found->wait)},
+          std::pair{"cuStreamWriteValue64", reinterpret_cast<void**>(&found->write)}}) {
       cudaDriverEntryPointQueryResult result{};
       const cudaError_t err =
           cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &result);
       if (err != cudaSuccess || result != cudaDriverEntryPointSuccess || *fn == nullptr) {
-        found->status = absl::UnimplementedError(absl::StrCat(
-            "cuda backend: the driver has no ", name, " (stream memory operations)"));
+        found->status = absl::UnimplementedError(
+            absl::StrCat("cuda backend: the driver has no ", name, " (stream memory operations)"));
         break;
       }
     }
@@ -49,17 +48,17 @@ absl::Status DriverStatus(CUresult result, const char* what) {
 absl::Status WaitCounter(cudaStream_t stream, const uint64_t* counter, uint64_t value) {
   const DriverOps& ops = Ops();
   if (!ops.status.ok()) return ops.status;
-  return DriverStatus(ops.wait(stream, reinterpret_cast<CUdeviceptr>(counter), value,
-                               CU_STREAM_WAIT_VALUE_GEQ),
-                      "wait for the caller's ready_counter");
+  return DriverStatus(
+      ops.wait(stream, reinterpret_cast<CUdeviceptr>(counter), value, CU_STREAM_WAIT_VALUE_GEQ),
+      "wait for the caller's ready_counter");
 }
 
 absl::Status WriteCounter(cudaStream_t stream, uint64_t* counter, uint64_t value) {
   const DriverOps& ops = Ops();
   if (!ops.status.ok()) return ops.status;
-  return DriverStatus(
-      ops.write(stream, reinterpret_cast<CUdeviceptr>(counter), value, CU_STREAM_WRITE_VALUE_DEFAULT),
-      "write the caller's done_counter");
+  return DriverStatus(ops.write(stream, reinterpret_cast<CUdeviceptr>(counter), value,
+                                CU_STREAM_WRITE_VALUE_DEFAULT),
+                      "write the caller's done_counter");
 }
 
 }  // namespace attention::cuda

@@ -6,7 +6,6 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/ops/cuda_status.h"
 #include "kernels/cuda/ops/stream_counters.h"
-#include "kernels/status_macros.h"
 
 namespace attention::cuda {
 namespace {
@@ -59,9 +58,11 @@ absl::Status CounterWaits::Wait(cudaStream_t stream, uint64_t* counter, uint64_t
     idle_events_.push_back(passed);
     return status;
   }
+  // The watcher sleeps until a wait is pending, then looks every kPoll while any is.
+  const bool first = pending_.empty();
   pending_.push_back({passed, counter, value, absl::Now() + timeout_});
   if (!watcher_.joinable()) watcher_ = std::thread([this] { Watch(); });
-  wake_.notify_all();
+  if (first) wake_.notify_all();
   return absl::OkStatus();
 }
 

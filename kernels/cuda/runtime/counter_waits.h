@@ -10,11 +10,11 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 
@@ -50,7 +50,7 @@ class CounterWaits {
   std::vector<Pending> pending_;
   std::vector<cudaEvent_t> idle_events_;
   // Counters the watcher wrote, with the value: their next Wait is refused once.
-  absl::flat_hash_map<const uint64_t*, uint64_t> timed_out_;
+  std::map<const uint64_t*, uint64_t> timed_out_;
   cudaStream_t rescue_ = nullptr;
   bool stop_ = false;
   std::thread watcher_;  // started by the first Wait
