@@ -8,6 +8,8 @@
 // snapshot: a fork of every layer taken in order with the session's other calls, dropped when
 // the export ends. Import's session exists from its header on and is dropped when the stream
 // fails, is cancelled or ends short.
+#include "server/sessions/session_transfer.h"
+
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,7 +20,6 @@
 #include "kernels/status_macros.h"
 #include "server/service/session_service.h"
 #include "server/service/wire_buffers.h"
-#include "server/sessions/session_transfer.h"
 
 namespace attention::server {
 
@@ -108,6 +109,7 @@ class SessionService::ExportReactor final : public grpc::ServerWriteReactor<grpc
   }
 
   void Write(const v1::SessionChunk& message) {
+    out_.Clear();  // the last chunk's, written
     SerializeToByteBuffer(message, &out_);
     StartWrite(&out_);
   }
@@ -138,7 +140,9 @@ class SessionService::ImportReactor final : public grpc::ServerReadReactor<grpc:
  public:
   ImportReactor(SessionService* service, grpc::CallbackServerContext* context,
                 grpc::ByteBuffer* raw_response)
-      : service_(service), context_(context), call_(CallbackCall(context)),
+      : service_(service),
+        context_(context),
+        call_(CallbackCall(context)),
         raw_response_(raw_response) {
     StartRead(&in_);
   }
@@ -183,9 +187,9 @@ class SessionService::ImportReactor final : public grpc::ServerReadReactor<grpc:
     service_->SubmitDeviceWork(
         call_, device_, {},
         [this, header = *std::move(header)]() -> absl::Status {
-          ASSIGN_OR_RETURN(SessionStore::Lease lease,
-                           service_->store_->Create(owner_, header.shape, 0, device_,
-                                                    header.layers, header.id));
+          ASSIGN_OR_RETURN(
+              SessionStore::Lease lease,
+              service_->store_->Create(owner_, header.shape, 0, device_, header.layers, header.id));
           id_ = lease.id();
           return absl::OkStatus();
         },

@@ -16,9 +16,8 @@ std::optional<RowChunk> ExportChunks::Next() {
     row_ = 0;
   }
   if (layer_ == static_cast<int>(lengths_.size())) return std::nullopt;
-  const RowChunk chunk{.layer = layer_,
-                       .first_row = row_,
-                       .rows = std::min(chunk_rows_, lengths_[layer_] - row_)};
+  const RowChunk chunk{
+      .layer = layer_, .first_row = row_, .rows = std::min(chunk_rows_, lengths_[layer_] - row_)};
   row_ += chunk.rows;
   return chunk;
 }
@@ -58,9 +57,9 @@ absl::Status ImportProgress::Take(const RowChunk& chunk) {
 
 absl::Status ImportProgress::Whole() const {
   if (layer_ == static_cast<int>(lengths_.size())) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "stream: expected every declared row before the end, got ", received_[layer_], " of layer ",
-      layer_, "'s ", lengths_[layer_], " rows (header.layer_lengths)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("stream: expected every declared row before the end, got ", received_[layer_],
+                   " of layer ", layer_, "'s ", lengths_[layer_], " rows (header.layer_lengths)"));
 }
 
 }  // namespace attention::server

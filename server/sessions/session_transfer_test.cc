@@ -13,7 +13,8 @@ using ::testing::HasSubstr;
 TEST(ExportChunks, EachLayerInOrderSkippingEmptyOnes) {
   ExportChunks chunks({5, 0, 2}, 2);
   std::vector<std::tuple<int, int64_t, int64_t>> got;
-  while (std::optional<RowChunk> c = chunks.Next()) got.emplace_back(c->layer, c->first_row, c->rows);
+  while (std::optional<RowChunk> c = chunks.Next())
+    got.emplace_back(c->layer, c->first_row, c->rows);
   EXPECT_EQ(got, (std::vector<std::tuple<int, int64_t, int64_t>>{
                      {0, 0, 2}, {0, 2, 2}, {0, 4, 1}, {2, 0, 2}}));
   EXPECT_FALSE(chunks.Next().has_value());
