@@ -536,6 +536,51 @@ TEST_F(SessionStoreTest, ASessionOfLayersIsKeptAndLetGoAsOne) {
   EXPECT_TRUE(store_->List("").empty());
 }
 
+// An import's session: created under the id it names, refused ALREADY_EXISTS when one has it
+// (another owner's too); and a fork of every layer, all or nothing.
+TEST_F(SessionStoreTest, CreateUnderAGivenIdAndForkEveryLayer) {
+  SCOPED_TRACE(seed_);
+  Make({7});
+  const std::string id(32, 'a');
+  absl::StatusOr<SessionStore::Lease> created = store_->Create("", kShape, 0, 0, 2, id);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->id(), id);
+  created = absl::UnknownError("released");
+  absl::StatusOr<SessionStore::Lease> again = store_->Create("other", kShape, 0, 0, 1, id);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(again.status().message(), HasSubstr("session_id: expected an id no session has"));
+  ASSERT_EQ(AppendRows("", id, 3), absl::OkStatus());
+  ASSERT_EQ(AppendRows("", LayerSessionId(id, 1), 5), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 5);
+
+  absl::StatusOr<std::vector<SessionStore::Lease>> parents =
+      store_->Acquire("", {id, LayerSessionId(id, 1)});
+  ASSERT_TRUE(parents.ok()) << parents.status();
+  absl::StatusOr<SessionStore::Lease> child = store_->ForkLayers(*parents, std::nullopt);
+  ASSERT_TRUE(child.ok()) << child.status();
+  const std::string child_id = child->id();
+  child = absl::UnknownError("released");
+  parents = absl::UnknownError("released");
+  std::vector<SessionSnapshot> list = store_->List("");
+  ASSERT_EQ(list.size(), 2u);
+  const SessionSnapshot& forked = list[0].id == child_id ? list[0] : list[1];
+  EXPECT_EQ(forked.layer_lengths, (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(store_->Room().pages_free, 3);  // a copy of each layer's partial page
+
+  // Room for one layer's copy only: nothing is kept.
+  ASSERT_EQ(AppendRows("", child_id, 1), absl::OkStatus());  // its own page already
+  const std::string filler = CreateWith("", 1);
+  EXPECT_EQ(store_->Room().pages_free, 2);
+  const std::string more = CreateWith("", 1);
+  EXPECT_EQ(store_->Room().pages_free, 1);
+  parents = store_->Acquire("", {id, LayerSessionId(id, 1)});
+  ASSERT_TRUE(parents.ok()) << parents.status();
+  EXPECT_EQ(store_->ForkLayers(*parents, 2).status().code(), absl::StatusCode::kResourceExhausted);
+  parents = absl::UnknownError("released");
+  EXPECT_EQ(store_->List("").size(), 4u);
+  EXPECT_EQ(store_->Room().pages_free, 1);
+}
+
 TEST_F(SessionStoreTest, HeldSessionsDoNotExpire) {
   SCOPED_TRACE(seed_);
   Make({2}, absl::Seconds(10));

@@ -167,9 +167,8 @@ TEST_F(SessionTransferTest, AnImportEqualsTheExportedSessionBitForBit) {
     EXPECT_EQ(t->id(), s->id());
     EXPECT_EQ(t->length(), 103);
     for (int64_t nq : {4, 1}) {
-      const v1::Tensor q = client::MakeTensor(dtype, {8, nq, 64}, Values({.kv_heads = 8,
-                                                                           .head_dim = 64},
-                                                                          nq));
+      const v1::Tensor q =
+          client::MakeTensor(dtype, {8, nq, 64}, Values({.kv_heads = 8, .head_dim = 64}, nq));
       const v1::Tensor k2 = tensor(nq, Values(spec, nq)), v2 = tensor(nq, Values(spec, nq));
       absl::StatusOr<StepOutput> a = s->Step(q, {.causal = true, .return_lse = true}, &k2, &v2);
       absl::StatusOr<StepOutput> b = t->Step(q, {.causal = true, .return_lse = true}, &k2, &v2);
@@ -241,7 +240,8 @@ TEST_F(SessionTransferTest, RefusedAndAbandonedImportsLeaveNothing) {
   std::swap(swapped.chunks[1], swapped.chunks[2]);
   refused = ImportAll(*peer_sessions_, swapped);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StartsWith(refused.status().message(), "first_row: expected 0")) << refused.status();
+  EXPECT_TRUE(absl::StartsWith(refused.status().message(), "first_row: expected 0"))
+      << refused.status();
   ExpectEmpty(*peer_sessions_);
 
   // An id that exists: the source's own session.
