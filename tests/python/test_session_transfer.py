@@ -231,6 +231,24 @@ class SessionTransferTest(ServerTest):
         self.assertEqual(raised.exception.code, grpc.StatusCode.NOT_FOUND)
         self.assertEmpty(self.client)
 
+    def test_an_export_reads_the_session_as_it_was_when_it_started(self):
+        convert = DTYPES[0][2]
+        k, v = self.rows(convert, 2, 50, 16)
+        with self.client.session(k=k, v=v) as s:
+            export = s.export(chunk_rows=8)
+            chunks = [next(export)]  # the header: the snapshot is taken
+            self.assertEqual(list(chunks[0].header.layer_lengths), [50])
+            s.truncate(3)  # the session changes meanwhile; the export does not
+            k1, v1 = self.rows(convert, 2, 60, 16)
+            s.append(k1, v1)
+            chunks += list(export)
+            _, ek, ev = exported_rows(chunks)
+            self.assertSame(ek[0], k, "exported k")
+            self.assertSame(ev[0], v, "exported v")
+            self.assertEqual(s.info().length, 63)
+            # Only the session is left: the export's snapshot went with it.
+            self.assertEqual([i.session_id for i in self.client.list_sessions().sessions], [s.id])
+
     def test_an_empty_session_moves(self):
         with self.client.session(dtype="bfloat16", kv_heads=4, head_dim=8) as s:
             chunks = list(s.export())
