@@ -126,6 +126,82 @@ absl::StatusOr<Session> Session::Fork(std::optional<int64_t> length, const CallO
   return Session(client_, info.session_id(), spec_, info);
 }
 
+absl::Status Session::Export(absl::FunctionRef<absl::Status(const v1::SessionChunk&)> each,
+                             int64_t chunk_rows, const CallOptions& call) const {
+  if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
+  v1::ExportRequest request;
+  request.set_session_id(id_);
+  request.set_chunk_rows(chunk_rows);
+  std::unique_ptr<grpc::ClientContext> context = client_->NewContext(call);
+  std::unique_ptr<grpc::ClientReader<v1::SessionChunk>> reader =
+      client_->stub().Export(context.get(), request);
+  v1::SessionChunk chunk;
+  while (reader->Read(&chunk)) {
+    if (absl::Status status = each(chunk); !status.ok()) {
+      context->TryCancel();
+      reader->Finish().ok();  // cancelled: the caller's error is the one to report
+      return status;
+    }
+  }
+  return ToAbslStatus(reader->Finish());
+}
+
+absl::StatusOr<Session> Session::MoveTo(SessionClient& other, int64_t chunk_rows,
+                                        const CallOptions& call) {
+  SessionImport import = other.StartImport({.layout = spec_.layout}, call);
+  if (absl::Status status =
+          Export([&import](const v1::SessionChunk& chunk) { return import.Write(chunk); },
+                 chunk_rows, call);
+      !status.ok()) {
+    return status;
+  }
+  absl::StatusOr<Session> moved = import.Finish();
+  if (!moved.ok()) return moved.status();
+  if (absl::Status status = Drop(call); !status.ok()) return status;
+  return moved;
+}
+
+SessionImport::~SessionImport() {
+  if (writer_ != nullptr) {
+    context_->TryCancel();
+    Close().IgnoreError();
+  }
+}
+
+absl::Status SessionImport::Close() {
+  absl::Status status = ToAbslStatus(writer_->Finish());
+  writer_.reset();
+  return status;
+}
+
+absl::Status SessionImport::Write(const v1::SessionChunk& chunk) {
+  if (writer_ == nullptr) return absl::FailedPreconditionError("the import has ended");
+  bool written;
+  if (std::exchange(first_, false) && options_.session_id.has_value()) {
+    v1::SessionChunk header = chunk;
+    header.mutable_header()->set_session_id(*options_.session_id);
+    written = writer_->Write(header);
+  } else {
+    written = writer_->Write(chunk);
+  }
+  if (written) return absl::OkStatus();
+  // The server ended the call: its status says why.
+  absl::Status status = Close();
+  return status.ok() ? absl::UnavailableError("the import stream closed") : status;
+}
+
+absl::StatusOr<Session> SessionImport::Finish() {
+  if (writer_ == nullptr) return absl::FailedPreconditionError("the import has ended");
+  writer_->WritesDone();
+  if (absl::Status status = Close(); !status.ok()) return status;
+  const SessionSpec spec{.dtype = info_->dtype(),
+                         .kv_heads = info_->kv_heads(),
+                         .head_dim = info_->head_dim(),
+                         .layout = options_.layout,
+                         .layers = std::max(1, info_->layers())};
+  return Session(client_, info_->session_id(), spec, *info_);
+}
+
 template <typename Request>
 absl::Status Session::Update(grpc::Status (v1::Sessions::Stub::*rpc)(grpc::ClientContext*,
                                                                      const Request&,
@@ -350,6 +426,16 @@ absl::StatusOr<v1::ListSessionsResponse> SessionClient::List(const CallOptions& 
   grpc::Status status = stub_->ListSessions(context.get(), v1::ListSessionsRequest(), &response);
   if (!status.ok()) return ToAbslStatus(status);
   return response;
+}
+
+SessionImport SessionClient::StartImport(const ImportOptions& options, const CallOptions& call) {
+  SessionImport import;
+  import.client_ = this;
+  import.options_ = options;
+  import.context_ = NewContext(call);
+  import.info_ = std::make_unique<v1::SessionInfo>();
+  import.writer_ = stub_->Import(import.context_.get(), import.info_.get());
+  return import;
 }
 
 absl::Status SessionClient::Drop(const std::string& session_id, const CallOptions& call) {

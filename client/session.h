@@ -9,6 +9,7 @@
 //   // A layer's whole batch in one message: q [B, Hq, 1, D], k1, v1 [B, Hkv, 1, D].
 //   absl::StatusOr<StepBatchOutput> batch = sessions.StepBatch(layer_sessions, q, {.causal = true},
 //                                                              {.k = &k1, .v = &v1});
+//   absl::StatusOr<Session> moved = s->MoveTo(peer_sessions);   // to another server, same id
 //
 // Every call carries the Client's deadline (or CallOptions') and bearer token over its channel
 // and credentials. Session calls are never retried (an append that reached the server before the
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -97,6 +99,7 @@ struct StepBatchOutput {
 };
 
 class SessionClient;
+class SessionImport;
 
 // One server-side session. Move-only; dropped on the server when destroyed, unless Release()d or
 // Drop()ped. Its SessionClient must outlive it. Not thread-safe: one call at a time per session
@@ -130,6 +133,18 @@ class Session {
                                   const v1::Tensor* k = nullptr, const v1::Tensor* v = nullptr,
                                   const CallOptions& call = {});
 
+  // The session as Sessions.Export streams it: `each` gets every SessionChunk in order, the
+  // header first, then each layer's rows (k and v [Hkv, n, D], at most `chunk_rows` rows; 0: what
+  // fits 4 MiB), one at a time as they arrive. A snapshot of the session when the export starts.
+  // An error from `each` ends the export (the server lets its snapshot go) and is returned.
+  absl::Status Export(absl::FunctionRef<absl::Status(const v1::SessionChunk&)> each,
+                      int64_t chunk_rows = 0, const CallOptions& call = {}) const;
+  // Moves the session to `other`'s server under the same id: exported from here, imported there
+  // chunk by chunk, then dropped here (this object then holds no session). Returns the session
+  // there.
+  absl::StatusOr<Session> MoveTo(SessionClient& other, int64_t chunk_rows = 0,
+                                 const CallOptions& call = {});
+
   // Frees the session's K/V on the server now; afterwards this object holds no session.
   absl::Status Drop(const CallOptions& call = {});
 
@@ -149,6 +164,7 @@ class Session {
 
  private:
   friend class SessionClient;
+  friend class SessionImport;
   Session(SessionClient* client, std::string id, const SessionSpec& spec,
           const v1::SessionInfo& info)
       : client_(client), id_(std::move(id)), spec_(spec) {
@@ -180,6 +196,42 @@ struct StepItem {
   const v1::Tensor* q = nullptr;
   const v1::Tensor* k = nullptr;
   const v1::Tensor* v = nullptr;
+};
+
+// How an import makes its session.
+struct ImportOptions {
+  // The new session's id (32 lower-case hex digits; "" : one the server makes); absent: the
+  // header's (an export's: the exported session's).
+  std::optional<std::string> session_id;
+  v1::Layout layout = v1::LAYOUT_BHSD;  // the Session's SessionSpec.layout
+};
+
+// One Sessions.Import in progress: Write each SessionChunk (the header first, then each layer's
+// rows in order, as an Export gives them), then Finish for the new session. Move-only; one
+// destroyed before Finish cancels the import, and the server keeps nothing of it.
+class SessionImport {
+ public:
+  SessionImport(SessionImport&&) noexcept = default;
+  SessionImport& operator=(SessionImport&&) noexcept = default;
+  ~SessionImport();
+
+  // Sends one chunk; an error (the server's status) once the stream has failed.
+  absl::Status Write(const v1::SessionChunk& chunk);
+  // Ends the stream: the new session, or the server's refusal.
+  absl::StatusOr<Session> Finish();
+
+ private:
+  friend class SessionClient;
+  SessionImport() = default;
+  // The call's status, once (writer_ is done after it).
+  absl::Status Close();
+
+  SessionClient* client_ = nullptr;
+  ImportOptions options_;
+  bool first_ = true;
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<v1::SessionInfo> info_;  // where the answer goes (stays put when moved)
+  std::unique_ptr<grpc::ClientWriter<v1::SessionChunk>> writer_;  // null once closed
 };
 
 // Sessions calls over a Client's channel, credentials, deadline and token. When the client's
@@ -221,6 +273,10 @@ class SessionClient {
   // The caller's sessions (every session when the server checks no tokens) and the cache's room.
   absl::StatusOr<v1::ListSessionsResponse> List(const CallOptions& call = {});
 
+  // A new session from the chunks of an export (another server's, or built by hand), sent as
+  // they are written (Sessions.Import).
+  SessionImport StartImport(const ImportOptions& options = {}, const CallOptions& call = {});
+
   // Drops a session by id (one released from a Session, or left by another process).
   absl::Status Drop(const std::string& session_id, const CallOptions& call = {});
 
@@ -234,6 +290,7 @@ class SessionClient {
 
  private:
   friend class Session;
+  friend class SessionImport;
   // The StepRequest for `items` and `options`; an error when an item lacks a session or q.
   static absl::StatusOr<v1::StepRequest> MakeStepRequest(absl::Span<const StepItem> items,
                                                          const StepOptions& options);

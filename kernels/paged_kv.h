@@ -88,6 +88,19 @@ struct KvWrite {
   StepMemory memory;        // KvRows's
 };
 
+// Reads rows [first_row, first_row + rows) of one sequence back out of its pages into host k and v
+// (a session's export): the mirror of KvWrite, with the same layouts, strides and checks.
+struct KvRead {
+  KvShape shape;
+  const int32_t* page_table = nullptr;  // the sequence's pages, covering first_row + rows
+  int64_t first_row = 0;
+  int64_t rows = 0;
+  void* k = nullptr;
+  void* v = nullptr;
+  int64_t head_stride = 0;  // between heads of k and v
+  int64_t row_stride = 0;   // between rows of k and v
+};
+
 // One decode/extend step over `num_seqs` sequences (one kernel launch where the backend can).
 // Sequence s has seqlens_k[s] keys (already written, including this step's new rows) and
 // Nq_s = cu_seqlens_q[s + 1] - cu_seqlens_q[s] queries, which are its last Nq_s positions: the
@@ -160,8 +173,9 @@ struct KvStepTimes {
 // copies whole pages within the pool (a forked session's partial last page, copy on write): page
 // src_dst[i].second becomes a copy of src_dst[i].first; it checks every pair first (pages in the
 // pool, no destination also a source or listed twice) and is ordered as a Write: after every
-// earlier call's writes, before every later call's. Decode returns
-// when o and lse are written. Thread-safe.
+// earlier call's writes, before every later call's. Read copies one sequence's rows out to host
+// memory, after every earlier call's writes, and returns once they are there (checked as a Write).
+// Decode returns when o and lse are written. Thread-safe.
 class KvPagePool {
  public:
   virtual ~KvPagePool() = default;
@@ -169,6 +183,7 @@ class KvPagePool {
   virtual int64_t num_pages() const = 0;
   virtual absl::Status Write(absl::Span<const KvWrite> writes) = 0;
   virtual absl::Status CopyPages(absl::Span<const std::pair<int32_t, int32_t>> src_dst) = 0;
+  virtual absl::Status Read(const KvRead& read) = 0;
   virtual absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host_params) = 0;
 };
 

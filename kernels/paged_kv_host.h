@@ -43,6 +43,21 @@ void ScatterDecodeOutputs(const PagedDecodeParams& p, const void* o, const float
 // Checks shape, pointers, strides and the pages rows [first_row, first_row + rows) land in.
 absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64_t num_pages);
 
+// The Write of the rows `read` reads (its k and v as the source): what CheckKvWrite checks and
+// ForEachPageRun walks for a Read.
+inline KvWrite AsKvWrite(const KvRead& read) {
+  KvWrite w;
+  w.shape = read.shape;
+  w.page_table = read.page_table;
+  w.first_row = read.first_row;
+  w.rows = read.rows;
+  w.k = read.k;
+  w.v = read.v;
+  w.head_stride = read.head_stride;
+  w.row_stride = read.row_stride;
+  return w;
+}
+
 // Checks CopyPages' pairs (src, dst): every page in [0, num_pages), no destination also a source or
 // twice a destination (the copies would then depend on their order).
 absl::Status CheckPageCopies(absl::Span<const std::pair<int32_t, int32_t>> src_dst,

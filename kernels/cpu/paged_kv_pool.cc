@@ -331,7 +331,7 @@ class CpuKvPagePool : public KvPagePool {
       page_rows.push_back(rows);
     }
     for (size_t i = 0; i < writes.size(); ++i) {
-      RETURN_IF_ERROR(WriteRows(writes[i], page_rows[i]));
+      RETURN_IF_ERROR(CopyRows(writes[i], page_rows[i], nullptr));
     }
     return absl::OkStatus();
   }
@@ -344,6 +344,13 @@ class CpuKvPagePool : public KvPagePool {
       std::memcpy(memory_ + dst * page_bytes_, memory_ + src * page_bytes_, page_bytes_);
     }
     return absl::OkStatus();
+  }
+
+  // The caller holds the sequence's pages, so no write into them runs meanwhile.
+  absl::Status Read(const KvRead& read) override {
+    const KvWrite w = AsKvWrite(read);
+    ASSIGN_OR_RETURN(const int64_t page_rows, CheckKvWrite(w, page_bytes_, num_pages_));
+    return CopyRows(w, page_rows, &read);
   }
 
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& given) override {
@@ -428,21 +435,32 @@ class CpuKvPagePool : public KvPagePool {
     return p;
   }
 
-  // One checked write (page_rows from CheckKvWrite).
-  absl::Status WriteRows(const KvWrite& w, int64_t page_rows) {
+  // One checked write (page_rows from CheckKvWrite) of w's rows into the pages, or with `read`
+  // (w = AsKvWrite(*read)) the same rows out of the pages into read->k and read->v.
+  absl::Status CopyRows(const KvWrite& w, int64_t page_rows, const KvRead* read) {
     const KvShape& shape = w.shape;
     const int64_t elem = static_cast<int64_t>(DTypeSize(shape.dtype));
     const int64_t row_bytes = shape.head_dim * elem;
     const int64_t v_offset = VOffset(shape, page_rows);
+    const auto copy = [&](unsigned char* page, const void* host, void* host_out) {
+      if (read == nullptr) {
+        std::memcpy(page, host, row_bytes);
+      } else {
+        std::memcpy(host_out, page, row_bytes);
+      }
+    };
     return ForEachPageRun(w, page_rows, [&](const PageRun& run) {
       unsigned char* page = memory_ + run.page * page_bytes_;
       for (int64_t h = 0; h < shape.heads_kv; ++h) {
         unsigned char* dst = page + KvRowOffset(shape, page_rows, h, run.page_row);
         for (int64_t j = 0; j < run.count; ++j) {
           const int64_t src = (h * w.head_stride + (run.src_row + j) * w.row_stride) * elem;
-          std::memcpy(dst + j * row_bytes, static_cast<const unsigned char*>(w.k) + src, row_bytes);
-          std::memcpy(dst + v_offset + j * row_bytes, static_cast<const unsigned char*>(w.v) + src,
-                      row_bytes);
+          unsigned char* k_out = read != nullptr ? static_cast<unsigned char*>(read->k) : nullptr;
+          unsigned char* v_out = read != nullptr ? static_cast<unsigned char*>(read->v) : nullptr;
+          copy(dst + j * row_bytes, static_cast<const unsigned char*>(w.k) + src,
+               k_out != nullptr ? k_out + src : nullptr);
+          copy(dst + v_offset + j * row_bytes, static_cast<const unsigned char*>(w.v) + src,
+               v_out != nullptr ? v_out + src : nullptr);
         }
       }
       return absl::OkStatus();

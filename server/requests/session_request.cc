@@ -1,8 +1,11 @@
 #include "server/requests/session_request.h"
 
 #include <algorithm>
+#include <limits>
 #include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/quote.h"
@@ -77,41 +80,134 @@ absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* 
   return rows;
 }
 
-absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& request,
-                                           const SessionLimits& limits, TensorRefResolver* refs) {
-  ASSIGN_OR_RETURN(DType dtype, ToDType(request.dtype(), "dtype"));
+namespace {
+
+// A session's dtype, kv heads, head dim and layers (0 read as 1), as CreateSession and an
+// Import's header give them; `prefix` begins the field names ("", "header.").
+absl::StatusOr<std::pair<KvShape, int>> DecodeSessionShape(absl::string_view prefix,
+                                                           v1::DType proto_dtype, int32_t kv_heads,
+                                                           int32_t head_dim, int32_t layers,
+                                                           const SessionLimits& limits) {
+  ASSIGN_OR_RETURN(DType dtype, ToDType(proto_dtype, absl::StrCat(prefix, "dtype")));
   if (dtype == DType::kFloat8E4M3) {
     // No paged KV pool or decode kernel holds float8 rows; every Step of a session then keeps
     // the session's dtype, so float8 never reaches the Sessions path past this check.
-    return absl::UnimplementedError(
+    return absl::UnimplementedError(absl::StrCat(
+        prefix,
         "dtype: DTYPE_FLOAT8_E4M3 sessions are not implemented (sessions hold DTYPE_FLOAT32, "
-        "DTYPE_FLOAT16 or DTYPE_BFLOAT16 rows; float8 inputs are served by Attend)");
+        "DTYPE_FLOAT16 or DTYPE_BFLOAT16 rows; float8 inputs are served by Attend)"));
   }
-  if (request.kv_heads() < 1) {
+  if (kv_heads < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("kv_heads: expected >= 1, got ", request.kv_heads()));
+        absl::StrCat(prefix, "kv_heads: expected >= 1, got ", kv_heads));
   }
-  if (request.head_dim() < 1 || request.head_dim() > limits.max_head_dim) {
+  if (head_dim < 1 || head_dim > limits.max_head_dim) {
     return absl::InvalidArgumentError(
-        absl::StrCat("head_dim: expected 1..", limits.max_head_dim, ", got ", request.head_dim()));
+        absl::StrCat(prefix, "head_dim: expected 1..", limits.max_head_dim, ", got ", head_dim));
   }
+  if (layers < 0 || layers > kMaxSessionLayers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "layers: expected 0..", kMaxSessionLayers, " (0: one), got ", layers));
+  }
+  return std::pair{KvShape{.dtype = dtype, .heads_kv = kv_heads, .head_dim = head_dim},
+                   std::max(1, layers)};
+}
+
+}  // namespace
+
+absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& request,
+                                           const SessionLimits& limits, TensorRefResolver* refs) {
   DecodedCreate decoded;
-  decoded.shape =
-      KvShape{.dtype = dtype, .heads_kv = request.kv_heads(), .head_dim = request.head_dim()};
+  ASSIGN_OR_RETURN(std::tie(decoded.shape, decoded.layers),
+                   DecodeSessionShape("", request.dtype(), request.kv_heads(), request.head_dim(),
+                                      request.layers(), limits));
   ASSIGN_OR_RETURN(decoded.rows, DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
                                               request.has_v() ? &request.v() : nullptr,
                                               request.layout(), decoded.shape, refs));
-  if (request.layers() < 0 || request.layers() > kMaxSessionLayers) {
-    return absl::InvalidArgumentError(absl::StrCat("layers: expected 0..", kMaxSessionLayers,
-                                                   " (0: one), got ", request.layers()));
-  }
-  decoded.layers = std::max(1, request.layers());
   if (decoded.layers > 1 && decoded.rows.rows > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "k, v: expected none for a session of ", decoded.layers,
         " layers (created empty: append each layer's rows with AppendKv and its layer), got ",
         decoded.rows.rows, " rows"));
   }
+  return decoded;
+}
+
+absl::StatusOr<int64_t> DecodeChunkRows(int64_t chunk_rows, const KvShape& shape,
+                                        int64_t max_message_bytes) {
+  // k and v of one row, and what a chunk carries besides: tags, shapes, header-free fields.
+  constexpr int64_t kChunkOverhead = 256;
+  constexpr int64_t kDefaultChunkBytes = int64_t{4} << 20;
+  const int64_t row_bytes =
+      2 * shape.heads_kv * shape.head_dim * static_cast<int64_t>(DTypeSize(shape.dtype));
+  const int64_t most = std::max<int64_t>(1, (max_message_bytes - kChunkOverhead) / row_bytes);
+  if (chunk_rows == 0) {
+    return std::max<int64_t>(
+        1, (std::min(max_message_bytes, kDefaultChunkBytes) - kChunkOverhead) / row_bytes);
+  }
+  if (chunk_rows < 0 || chunk_rows > most) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk_rows: expected 0..", most, " (0: as many as fit 4 MiB; at most what fits the ",
+        max_message_bytes, "-byte message limit at ", row_bytes, " bytes a row of k and v), got ",
+        chunk_rows));
+  }
+  return chunk_rows;
+}
+
+absl::StatusOr<DecodedImportHeader> DecodeImportHeader(const v1::SessionChunk& chunk,
+                                                       const SessionLimits& limits) {
+  if (!chunk.has_header()) {
+    return absl::InvalidArgumentError(
+        "header: expected the session's header in the first message, got none");
+  }
+  if (chunk.has_k() || chunk.has_v()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(chunk.has_k() ? "k" : "v",
+                     ": expected none in the header's message (rows come after it), "
+                     "got a tensor"));
+  }
+  const v1::SessionHeader& header = chunk.header();
+  DecodedImportHeader decoded;
+  ASSIGN_OR_RETURN(std::tie(decoded.shape, decoded.layers),
+                   DecodeSessionShape("header.", header.dtype(), header.kv_heads(),
+                                      header.head_dim(), header.layers(), limits));
+  if (header.layer_lengths_size() != decoded.layers) {
+    return absl::InvalidArgumentError(absl::StrCat("header.layer_lengths: expected ",
+                                                   decoded.layers, " lengths (one per layer), got ",
+                                                   header.layer_lengths_size()));
+  }
+  for (int layer = 0; layer < decoded.layers; ++layer) {
+    const int64_t length = header.layer_lengths(layer);
+    if (length < 0 || length > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.layer_lengths[", layer, "]: expected 0..2147483647, got ", length));
+    }
+    decoded.lengths.push_back(length);
+  }
+  const std::string& id = header.session_id();
+  if (!id.empty() && (id.size() != 32 || !std::all_of(id.begin(), id.end(), [](char c) {
+                        return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+                      }))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.session_id: expected 32 lower-case hex digits or none, got ", Quote(id)));
+  }
+  decoded.id = id;
+  return decoded;
+}
+
+absl::StatusOr<DecodedImportChunk> DecodeImportChunk(const v1::SessionChunk& chunk,
+                                                     const KvShape& shape) {
+  if (chunk.has_header()) {
+    return absl::InvalidArgumentError(
+        "header: expected it in the first message only, got one in a later message");
+  }
+  if (!chunk.has_k() && !chunk.has_v()) {
+    return absl::InvalidArgumentError("k: expected a tensor of rows, got none");
+  }
+  DecodedImportChunk decoded{.layer = chunk.layer(), .first_row = chunk.first_row()};
+  ASSIGN_OR_RETURN(decoded.rows,
+                   DecodeKvRows("", chunk.has_k() ? &chunk.k() : nullptr,
+                                chunk.has_v() ? &chunk.v() : nullptr, chunk.layout(), shape));
   return decoded;
 }
 

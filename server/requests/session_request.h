@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -35,6 +36,31 @@ inline constexpr int kMaxSessionLayers = 4096;
 absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& request,
                                            const SessionLimits& limits,
                                            TensorRefResolver* refs = nullptr);
+
+// An Export's rows per chunk (ExportRequest.chunk_rows) of a session of `shape`: as asked, at
+// most what fits `max_message_bytes` with k and v; 0: what fits 4 MiB (or that limit if less).
+absl::StatusOr<int64_t> DecodeChunkRows(int64_t chunk_rows, const KvShape& shape,
+                                        int64_t max_message_bytes);
+
+// An Import's first message (its header alone): the new session's shape, layers, each layer's
+// declared rows, and its id (empty: the server makes one).
+struct DecodedImportHeader {
+  KvShape shape;
+  int layers = 1;
+  std::vector<int64_t> lengths;  // [layers]
+  std::string id;
+};
+absl::StatusOr<DecodedImportHeader> DecodeImportHeader(const v1::SessionChunk& chunk,
+                                                       const SessionLimits& limits);
+// An Import's later message: rows of one layer of a session of `shape` (their order is the
+// stream's: sessions/session_transfer.h). Tensors by value only.
+struct DecodedImportChunk {
+  int layer = 0;
+  int64_t first_row = 0;
+  KvRows rows;
+};
+absl::StatusOr<DecodedImportChunk> DecodeImportChunk(const v1::SessionChunk& chunk,
+                                                     const KvShape& shape);
 
 // The k and v rows to append to a session of `shape`: BHSD [Hkv, n, D] or BSHD [n, Hkv, D]; both
 // absent (null) is zero rows. `prefix` begins the field names ("", "entries[2].").

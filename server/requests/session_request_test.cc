@@ -4,6 +4,7 @@
 #include "server/requests/session_request.h"
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -64,6 +65,64 @@ TEST(DecodeCreateTest, ChecksDtypeHeadsAndHeadDim) {
   bad = request;
   *bad.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {2, 5, 8});
   ExpectInvalid(DecodeCreate(bad, {}).status(), "v: expected a tensor (k and v come together)");
+}
+
+TEST(DecodeImportTest, HeaderThenChunksNamedByTheirFields) {
+  v1::SessionChunk first;
+  v1::SessionHeader* header = first.mutable_header();
+  header->set_dtype(v1::DTYPE_FLOAT16);
+  header->set_kv_heads(2);
+  header->set_head_dim(8);
+  header->set_layers(2);
+  header->add_layer_lengths(5);
+  header->add_layer_lengths(0);
+  absl::StatusOr<DecodedImportHeader> ok = DecodeImportHeader(first, {});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->layers, 2);
+  EXPECT_EQ(ok->lengths, (std::vector<int64_t>{5, 0}));
+  EXPECT_EQ(ok->id, "");
+
+  v1::SessionChunk bad = first;
+  bad.mutable_header()->set_head_dim(0);
+  ExpectInvalid(DecodeImportHeader(bad, {}).status(), "header.head_dim: expected 1..256, got 0");
+  bad = first;
+  bad.mutable_header()->set_layer_lengths(0, -1);
+  ExpectInvalid(DecodeImportHeader(bad, {}).status(),
+                "header.layer_lengths[0]: expected 0..2147483647, got -1");
+  bad = first;
+  bad.mutable_header()->set_session_id("ABC");
+  ExpectInvalid(DecodeImportHeader(bad, {}).status(),
+                "header.session_id: expected 32 lower-case hex digits or none, got 'ABC'");
+  bad.mutable_header()->set_session_id(std::string(32, 'f'));
+  EXPECT_TRUE(DecodeImportHeader(bad, {}).ok());
+  bad = first;
+  *bad.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {2, 1, 8});
+  ExpectInvalid(DecodeImportHeader(bad, {}).status(), "k: expected none in the header's message");
+  ExpectInvalid(DecodeImportHeader(v1::SessionChunk(), {}).status(),
+                "header: expected the session's header in the first message, got none");
+
+  v1::SessionChunk chunk;
+  chunk.set_layer(1);
+  chunk.set_first_row(3);
+  *chunk.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {2, 4, 8});
+  *chunk.mutable_v() = chunk.k();
+  absl::StatusOr<DecodedImportChunk> rows = DecodeImportChunk(chunk, ok->shape);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(std::tie(rows->layer, rows->first_row, rows->rows.rows), std::tuple(1, 3, 4));
+  ExpectInvalid(DecodeImportChunk(first, ok->shape).status(),
+                "header: expected it in the first message only");
+  *chunk.mutable_v() = MakeTensor(v1::DTYPE_FLOAT32, {2, 4, 8});
+  ExpectInvalid(DecodeImportChunk(chunk, ok->shape).status(),
+                "v.dtype: expected DTYPE_FLOAT16 (the session's), got DTYPE_FLOAT32");
+}
+
+TEST(DecodeChunkRowsTest, AsAskedWithinTheMessageLimit) {
+  const KvShape shape{.dtype = DType::kFloat32, .heads_kv = 2, .head_dim = 64};  // 1 KiB a row
+  EXPECT_EQ(DecodeChunkRows(7, shape, 1 << 20).value(), 7);
+  EXPECT_EQ(DecodeChunkRows(0, shape, int64_t{1} << 30).value(), 4095);  // 4 MiB less overhead
+  EXPECT_EQ(DecodeChunkRows(0, shape, 1 << 20).value(), 1023);
+  ExpectInvalid(DecodeChunkRows(1024, shape, 1 << 20).status(), "chunk_rows: expected 0..1023 ");
+  ExpectInvalid(DecodeChunkRows(-1, shape, 1 << 20).status(), "chunk_rows: expected 0..1023 ");
 }
 
 TEST(DecodeKvRowsTest, StridesFollowTheLayout) {

@@ -84,7 +84,7 @@ class GatedExecutor final : public Executor {
   std::vector<int> launch_sizes_;
 
  protected:
-  // A pool that writes and copies nothing and records each decode launch's sequence count.
+  // A pool that writes, copies and reads nothing and records each decode launch's sequence count.
   absl::StatusOr<std::unique_ptr<KvPagePool>> CreateKvPagePool(int64_t num_pages,
                                                                int64_t page_bytes) override {
     class RecordingPool final : public KvPagePool {
@@ -96,6 +96,7 @@ class GatedExecutor final : public Executor {
       absl::Status CopyPages(absl::Span<const std::pair<int32_t, int32_t>>) override {
         return absl::OkStatus();
       }
+      absl::Status Read(const KvRead&) override { return absl::OkStatus(); }
       absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& p) override {
         if (executor_->on_decode_) executor_->on_decode_();
         std::lock_guard<std::mutex> lock(executor_->mu_);

@@ -19,13 +19,8 @@
 #include "server/sessions/step_jobs.h"
 
 namespace attention::server {
-namespace {
 
-// Bytes a StepResponse carries besides its tensors and ids: tags, shapes, timing, device.
-constexpr int64_t kResponseOverhead = 1024;
-constexpr int64_t kEntryOverhead = 64;
-
-void FillInfo(const SessionSnapshot& s, v1::SessionInfo* info) {
+void FillSessionInfo(const SessionSnapshot& s, v1::SessionInfo* info) {
   info->set_session_id(s.id);
   info->set_dtype(ToProtoDType(s.shape.dtype));
   info->set_kv_heads(static_cast<int32_t>(s.shape.heads_kv));
@@ -40,6 +35,12 @@ void FillInfo(const SessionSnapshot& s, v1::SessionInfo* info) {
   info->set_layers(s.layers);
   for (int64_t length : s.layer_lengths) info->add_layer_lengths(length);
 }
+
+namespace {
+
+// Bytes a StepResponse carries besides its tensors and ids: tags, shapes, timing, device.
+constexpr int64_t kResponseOverhead = 1024;
+constexpr int64_t kEntryOverhead = 64;
 
 absl::Status MissingSessionId() {
   return absl::InvalidArgumentError("session_id: expected a session id, got none");
@@ -344,7 +345,7 @@ void SessionService::RunDrop(const CallContext&, const std::string& owner, const
 void SessionService::RunList(const CallContext&, const std::string& owner, const Arrival&,
                              const v1::ListSessionsRequest&, v1::ListSessionsResponse* response,
                              Finish finish) {
-  for (const SessionSnapshot& s : store_->List(owner)) FillInfo(s, response->add_sessions());
+  for (const SessionSnapshot& s : store_->List(owner)) FillSessionInfo(s, response->add_sessions());
   const CacheRoom room = store_->Room();
   response->set_page_bytes(room.page_bytes);
   response->set_pages_total(room.pages_total);
@@ -375,7 +376,7 @@ void SessionService::RunCreate(const CallContext& call, const std::string& owner
       store_->Drop(owner, lease->id()).IgnoreError();
       return status;
     }
-    FillInfo(store_->Snapshot(*lease), response);
+    FillSessionInfo(store_->Snapshot(*lease), response);
     return absl::OkStatus();
   };
   // A new session: no other call can hold it yet.
@@ -413,7 +414,7 @@ void SessionService::RunAppend(const CallContext& call, const std::string& owner
     RETURN_IF_ERROR(store_->Append(lease, rows));
     // Rows read from a region that shrank meanwhile are not the client's.
     RETURN_IF_ERROR(regions->Intact());
-    FillInfo(store_->Snapshot(lease), response);
+    FillSessionInfo(store_->Snapshot(lease), response);
     return absl::OkStatus();
   };
   SubmitDeviceWork(call, place->device, {*layer_id}, std::move(run), std::move(finish));
@@ -450,7 +451,7 @@ void SessionService::RunTruncate(const CallContext& call, const std::string& own
           }
         }
         for (SessionStore::Lease& layer : layers) RETURN_IF_ERROR(store_->Truncate(layer, length));
-        FillInfo(store_->Snapshot(layers.front()), response);
+        FillSessionInfo(store_->Snapshot(layers.front()), response);
         return absl::OkStatus();
       },
       std::move(finish));
@@ -465,20 +466,9 @@ void SessionService::RunFork(const CallContext& call, const std::string& owner, 
       request.has_length() ? std::optional<int64_t>(request.length()) : std::nullopt;
   SubmitSessionWork(
       call, owner, request.session_id(),
-      [this, owner, length, response](std::vector<SessionStore::Lease>& parents) -> absl::Status {
-        // Layer 0's fork names the child; the other layers join it. A failure drops what was made
-        // (the caller never learns the id).
-        ASSIGN_OR_RETURN(SessionStore::Lease child,
-                         store_->Fork(parents.front(), length.value_or(parents.front().length())));
-        for (size_t layer = 1; layer < parents.size(); ++layer) {
-          absl::StatusOr<SessionStore::Lease> forked =
-              store_->Fork(parents[layer], length.value_or(parents[layer].length()), child.id());
-          if (!forked.ok()) {
-            store_->Drop(owner, child.id()).IgnoreError();
-            return forked.status();
-          }
-        }
-        FillInfo(store_->Snapshot(child), response);
+      [this, length, response](std::vector<SessionStore::Lease>& parents) -> absl::Status {
+        ASSIGN_OR_RETURN(SessionStore::Lease child, store_->ForkLayers(parents, length));
+        FillSessionInfo(store_->Snapshot(child), response);
         return absl::OkStatus();
       },
       std::move(finish));

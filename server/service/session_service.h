@@ -62,7 +62,13 @@ using SessionsRawService =
         v1::Sessions::WithRawCallbackMethod_Truncate<v1::Sessions::WithRawCallbackMethod_Fork<
             v1::Sessions::WithRawCallbackMethod_Step<v1::Sessions::WithGenericMethod_StepStream<
                 v1::Sessions::WithRawCallbackMethod_DropSession<
-                    v1::Sessions::WithRawCallbackMethod_ListSessions<v1::Sessions::Service>>>>>>>>;
+                    v1::Sessions::WithRawCallbackMethod_ListSessions<
+                        v1::Sessions::WithRawCallbackMethod_Export<
+                            v1::Sessions::WithRawCallbackMethod_Import<
+                                v1::Sessions::Service>>>>>>>>>>;
+
+// What SessionInfo says of a session (SessionStore::Snapshot, List).
+void FillSessionInfo(const SessionSnapshot& s, v1::SessionInfo* info);
 
 class RequestRegions;
 
@@ -122,9 +128,21 @@ class SessionService final : public SessionsRawService {
   grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
                                          const grpc::ByteBuffer* request,
                                          grpc::ByteBuffer* response) override;
+  // A session's header, then its rows chunk by chunk (session_transfer.cc): each chunk a device
+  // job reading a snapshot of the session (a fork of every layer made at the start, dropped at
+  // the end), written before the next is read.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Export(grpc::CallbackServerContext* context,
+                                                     const grpc::ByteBuffer* request) override;
+  // A new session from a header, then rows chunk by chunk (session_transfer.cc): each chunk read,
+  // checked and appended as a device job before the next is read; the session dropped when the
+  // stream fails.
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Import(grpc::CallbackServerContext* context,
+                                                    grpc::ByteBuffer* response) override;
 
  private:
   struct StepCall;
+  class ExportReactor;
+  class ImportReactor;
   // How a call's body answers: `finish` once, from this thread or from a scheduler worker.
   using Finish = absl::AnyInvocable<void(absl::Status) &&>;
   // A request as Admit hands it on: when it was taken from gRPC (before it was parsed), and how

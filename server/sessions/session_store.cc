@@ -131,7 +131,8 @@ absl::StatusOr<SessionStore::Place> SessionStore::Locate(absl::string_view owner
 
 absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner,
                                                          const KvShape& shape, int64_t initial_rows,
-                                                         int device, int layers) {
+                                                         int device, int layers,
+                                                         absl::string_view id) {
   const int64_t page_rows = PageRowsFor(shape);
   if (page_rows <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -152,7 +153,10 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
         "layers: expected 1 or more, and a session of several layers created empty, got ", layers,
         " layers and ", initial_rows, " rows"));
   }
-  ASSIGN_OR_RETURN(std::string id, NewSessionId());
+  std::string new_id(id);
+  if (id.empty()) {
+    ASSIGN_OR_RETURN(new_id, NewSessionId());
+  }
   const int64_t per_layer = PagesFor(initial_rows, page_rows);
   const int64_t pages = per_layer * layers;
 
@@ -172,11 +176,15 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
                      free_pages * page_bytes_, " bytes free on ", devices_[device].name,
                      "; drop idle sessions or wait for them to expire"));
   }
-  // 128 random bits do not collide in practice; the check costs nothing.
-  while (sessions_.contains(id)) {
-    ASSIGN_OR_RETURN(id, NewSessionId());
+  if (!id.empty() && sessions_.contains(id)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("session_id: expected an id no session has, got ", Quote(id)));
   }
-  session->id = std::move(id);
+  // 128 random bits do not collide in practice; the check costs nothing.
+  while (sessions_.contains(new_id)) {
+    ASSIGN_OR_RETURN(new_id, NewSessionId());
+  }
+  session->id = std::move(new_id);
   session->owner = std::string(owner);
   session->shape = shape;
   session->device = device;
@@ -366,6 +374,29 @@ absl::Status SessionStore::Append(Lease& lease, const KvRows& rows) {
   return Append(held, absl::MakeConstSpan(&rows, 1));
 }
 
+absl::Status SessionStore::Read(const Lease& lease, int64_t first_row, int64_t rows, void* k,
+                                void* v) {
+  const Session& s = *lease.session_;
+  if (first_row < 0 || first_row > s.length) {
+    return absl::InvalidArgumentError(absl::StrCat("first_row: expected 0..", s.length, ", got ",
+                                                   first_row, " (session ", Quote(s.id), ")"));
+  }
+  if (rows < 0 || rows > s.length - first_row) {
+    return absl::InvalidArgumentError(absl::StrCat("rows: expected 0..", s.length - first_row,
+                                                   ", got ", rows, " (session ", Quote(s.id),
+                                                   " holds ", s.length, " rows)"));
+  }
+  if (rows == 0) return absl::OkStatus();
+  return devices_[s.device].pool->Read(KvRead{.shape = s.shape,
+                                              .page_table = s.page_table.data(),
+                                              .first_row = first_row,
+                                              .rows = rows,
+                                              .k = k,
+                                              .v = v,
+                                              .head_stride = rows * s.shape.head_dim,
+                                              .row_stride = s.shape.head_dim});
+}
+
 absl::Status SessionStore::Truncate(Lease& lease, int64_t length) {
   Session& s = *lease.session_;
   if (length < 0 || length > s.length) {
@@ -466,6 +497,21 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t le
     }
   }
   return lease;
+}
+
+absl::StatusOr<SessionStore::Lease> SessionStore::ForkLayers(std::vector<Lease>& parents,
+                                                             std::optional<int64_t> length) {
+  ASSIGN_OR_RETURN(Lease child, Fork(parents.front(), length.value_or(parents.front().length())));
+  for (size_t layer = 1; layer < parents.size(); ++layer) {
+    absl::StatusOr<Lease> forked =
+        Fork(parents[layer], length.value_or(parents[layer].length()), child.id());
+    if (!forked.ok()) {
+      // The caller never learns the id.
+      Drop(parents.front().session_->owner, child.id()).IgnoreError();
+      return forked.status();
+    }
+  }
+  return child;
 }
 
 int32_t SessionStore::TakePageLocked(DeviceState& state) {

@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -142,9 +143,11 @@ class SessionStore {
   // A new session of `owner` with room for `initial_rows` on `device`, held by the returned lease
   // (write its first rows with Append). With `layers` > 1, that many sessions, empty (layer 0's
   // leased; see the file comment). INVALID_ARGUMENT when a page cannot hold 16 rows of `shape`;
-  // RESOURCE_EXHAUSTED when the device lacks the room.
+  // RESOURCE_EXHAUSTED when the device lacks the room. `id`: the new session's (an import's,
+  // which the caller checked is a session id), ALREADY_EXISTS when a session has it; empty: a new
+  // random one.
   absl::StatusOr<Lease> Create(absl::string_view owner, const KvShape& shape, int64_t initial_rows,
-                               int device, int layers = 1);
+                               int device, int layers = 1, absl::string_view id = {});
 
   // Where session `id` of `owner` lives and its shape, without holding it (both never change);
   // NOT_FOUND as Acquire. A call uses it to queue its work for the session's device.
@@ -173,6 +176,12 @@ class SessionStore {
   absl::Status Append(absl::Span<Lease* const> leases, absl::Span<const KvRows> rows);
   absl::Status Append(Lease& lease, const KvRows& rows);  // one session
 
+  // Copies rows [first_row, first_row + rows) of the lease's session out of its pages (shared
+  // ones too) into host k and v, each BHSD [Hkv, rows, D] of its dtype (a session's export, a
+  // chunk at a time). INVALID_ARGUMENT naming first_row or rows unless the range is within its
+  // length.
+  absl::Status Read(const Lease& lease, int64_t first_row, int64_t rows, void* k, void* v);
+
   // Keeps the first `length` rows of the lease's session and lets the pages beyond them go (freed
   // unless other sessions hold them; at least one page stays). INVALID_ARGUMENT naming `length`
   // unless 0 <= length <= its length.
@@ -186,6 +195,10 @@ class SessionStore {
   // A layer of a session of several: `group` empty forks layer 0 (a new id), else the parent's
   // layer joins the child `group` (the id of layer 0's fork).
   absl::StatusOr<Lease> Fork(Lease& parent, int64_t length, absl::string_view group = {});
+  // Fork of every layer of a session (`parents`: a lease on each, in layer order), each holding
+  // `length` rows (absent: all of its own): layer 0's fork names the child, the other layers join
+  // it. All or nothing: a failure drops what was made.
+  absl::StatusOr<Lease> ForkLayers(std::vector<Lease>& parents, std::optional<int64_t> length);
 
   // Removes a session of `owner` (every layer of one of several); NOT_FOUND as Acquire.
   absl::Status Drop(absl::string_view owner, absl::string_view id);

@@ -266,6 +266,63 @@ TEST_F(SessionStoreTest, ForkSharesTheFullPagesAndCopiesThePartialOne) {
   EXPECT_EQ(store_->Room().pages_free, 10);
 }
 
+// Read gives back a session's rows bit for bit, in chunks across page edges, from its own pages
+// and from pages it shares with a fork, after a truncate; a range past its length is refused.
+TEST_F(SessionStoreTest, ReadGivesBackTheRowsInChunks) {
+  SCOPED_TRACE(seed_);
+  Make({10});
+  const int64_t n = 2 * kPageRows + 7;
+  Rows data(n, rng_);
+  absl::StatusOr<SessionStore::Lease> lease = CreateOnEmptiest(*store_, "", n);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(store_->Append(*lease, data.view), absl::OkStatus());
+  const std::string id = lease->id();
+  *lease = SessionStore::Lease();
+  const std::string child = ForkOf("", id, kPageRows + 3);
+  ASSERT_EQ(TruncateTo(id, n - 2), absl::OkStatus());
+  const int64_t d = kShape.head_dim, hkv = kShape.heads_kv;
+  // Rows [0, length) of the session in chunks of `chunk` rows, back into BHSD [Hkv, length, D].
+  const auto read_all = [&](const std::string& session, int64_t chunk) {
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {session});
+    EXPECT_TRUE(leases.ok()) << leases.status();
+    if (!leases.ok()) return std::pair<std::vector<float>, std::vector<float>>();
+    const int64_t length = leases->front().length();
+    std::vector<float> k(hkv * length * d), v(k.size()), k_part, v_part;
+    for (int64_t first = 0; first < length; first += chunk) {
+      const int64_t rows = std::min(chunk, length - first);
+      k_part.assign(hkv * rows * d, 0.0f);
+      v_part.assign(k_part.size(), 0.0f);
+      EXPECT_EQ(store_->Read(leases->front(), first, rows, k_part.data(), v_part.data()),
+                absl::OkStatus());
+      for (int64_t h = 0; h < hkv; ++h) {
+        std::copy_n(k_part.begin() + h * rows * d, rows * d, k.begin() + (h * length + first) * d);
+        std::copy_n(v_part.begin() + h * rows * d, rows * d, v.begin() + (h * length + first) * d);
+      }
+    }
+    return std::pair{k, v};
+  };
+  // The first `length` rows of data, BHSD [Hkv, length, D].
+  const auto expected = [&](int64_t length) {
+    std::vector<float> k, v;
+    for (int64_t h = 0; h < hkv; ++h) {
+      k.insert(k.end(), data.k.begin() + h * n * d, data.k.begin() + (h * n + length) * d);
+      v.insert(v.end(), data.v.begin() + h * n * d, data.v.begin() + (h * n + length) * d);
+    }
+    return std::pair{k, v};
+  };
+  for (const int64_t chunk : {int64_t{1}, int64_t{5}, kPageRows + 1, n}) {
+    EXPECT_EQ(read_all(id, chunk), expected(n - 2)) << "chunk " << chunk;
+    EXPECT_EQ(read_all(child, chunk), expected(kPageRows + 3)) << "chunk " << chunk;
+  }
+  absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {child});
+  ASSERT_TRUE(leases.ok()) << leases.status();
+  std::vector<float> out(hkv * 2 * d);
+  EXPECT_THAT(store_->Read(leases->front(), kPageRows + 2, 2, out.data(), out.data()).message(),
+              HasSubstr("rows: expected 0..1, got 2"));
+  EXPECT_THAT(store_->Read(leases->front(), -1, 1, out.data(), out.data()).message(),
+              HasSubstr(absl::StrCat("first_row: expected 0..", kPageRows + 3, ", got -1")));
+}
+
 TEST_F(SessionStoreTest, AppendsIntoASharedPageCopyItFirst) {
   SCOPED_TRACE(seed_);
   Make({10});
@@ -477,6 +534,51 @@ TEST_F(SessionStoreTest, ASessionOfLayersIsKeptAndLetGoAsOne) {
   ASSERT_EQ(store_->Drop("", second), absl::OkStatus());
   EXPECT_EQ(store_->Room().pages_free, 8);
   EXPECT_TRUE(store_->List("").empty());
+}
+
+// An import's session: created under the id it names, refused ALREADY_EXISTS when one has it
+// (another owner's too); and a fork of every layer, all or nothing.
+TEST_F(SessionStoreTest, CreateUnderAGivenIdAndForkEveryLayer) {
+  SCOPED_TRACE(seed_);
+  Make({7});
+  const std::string id(32, 'a');
+  absl::StatusOr<SessionStore::Lease> created = store_->Create("", kShape, 0, 0, 2, id);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->id(), id);
+  created = absl::UnknownError("released");
+  absl::StatusOr<SessionStore::Lease> again = store_->Create("other", kShape, 0, 0, 1, id);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(again.status().message(), HasSubstr("session_id: expected an id no session has"));
+  ASSERT_EQ(AppendRows("", id, 3), absl::OkStatus());
+  ASSERT_EQ(AppendRows("", LayerSessionId(id, 1), 5), absl::OkStatus());
+  EXPECT_EQ(store_->Room().pages_free, 5);
+
+  absl::StatusOr<std::vector<SessionStore::Lease>> parents =
+      store_->Acquire("", {id, LayerSessionId(id, 1)});
+  ASSERT_TRUE(parents.ok()) << parents.status();
+  absl::StatusOr<SessionStore::Lease> child = store_->ForkLayers(*parents, std::nullopt);
+  ASSERT_TRUE(child.ok()) << child.status();
+  const std::string child_id = child->id();
+  child = absl::UnknownError("released");
+  parents = absl::UnknownError("released");
+  std::vector<SessionSnapshot> list = store_->List("");
+  ASSERT_EQ(list.size(), 2u);
+  const SessionSnapshot& forked = list[0].id == child_id ? list[0] : list[1];
+  EXPECT_EQ(forked.layer_lengths, (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(store_->Room().pages_free, 3);  // a copy of each layer's partial page
+
+  // Room for one layer's copy only: nothing is kept.
+  ASSERT_EQ(AppendRows("", child_id, 1), absl::OkStatus());  // its own page already
+  const std::string filler = CreateWith("", 1);
+  EXPECT_EQ(store_->Room().pages_free, 2);
+  const std::string more = CreateWith("", 1);
+  EXPECT_EQ(store_->Room().pages_free, 1);
+  parents = store_->Acquire("", {id, LayerSessionId(id, 1)});
+  ASSERT_TRUE(parents.ok()) << parents.status();
+  EXPECT_EQ(store_->ForkLayers(*parents, 2).status().code(), absl::StatusCode::kResourceExhausted);
+  parents = absl::UnknownError("released");
+  EXPECT_EQ(store_->List("").size(), 4u);
+  EXPECT_EQ(store_->Room().pages_free, 1);
 }
 
 TEST_F(SessionStoreTest, HeldSessionsDoNotExpire) {

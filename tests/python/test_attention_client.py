@@ -104,40 +104,51 @@ def lse_error(out, ref):
     return rel_error(out[finite], ref[finite])
 
 
+class TestServer:
+    """A CPU attention_server on a free port learnt from its port file, in a temporary
+    directory; stop() ends it with SIGTERM and checks that it exited 0."""
+
+    def __init__(self, flags=()):
+        self.dir = tempfile.mkdtemp(prefix="python_client_")
+        port_file = os.path.join(self.dir, "port")
+        self.log = open(os.path.join(self.dir, "server.log"), "w+")
+        self.process = subprocess.Popen(
+            [os.environ["ATTENTION_SERVER_BINARY"], "--backend=cpu", "--host=127.0.0.1",
+             "--port=0", "--metrics_port=0", "--threads=2", f"--port_file={port_file}", *flags],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(port_file) or not open(port_file).read().strip():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                self.log.seek(0)
+                raise RuntimeError("attention_server did not start:\n" + self.log.read())
+            time.sleep(0.05)
+        self.port = int(open(port_file).read().split()[0])
+
+    def stop(self):
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=60)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        assert code == 0, f"attention_server exited with {code}"
+
+
 class ServerTest(unittest.TestCase):
-    """One CPU server for the whole class, on free ports learnt from its port file."""
+    """One CPU server for the whole class."""
 
     SERVER_FLAGS = []  # more flags for the class's server
 
     @classmethod
     def setUpClass(cls):
         cls.rng = np.random.default_rng(SEED)
-        cls.dir = tempfile.mkdtemp(prefix="python_client_")
-        port_file = os.path.join(cls.dir, "port")
-        cls.log = open(os.path.join(cls.dir, "server.log"), "w+")
-        cls.server = subprocess.Popen(
-            [os.environ["ATTENTION_SERVER_BINARY"], "--backend=cpu", "--host=127.0.0.1",
-             "--port=0", "--metrics_port=0", "--threads=2", f"--port_file={port_file}",
-             *cls.SERVER_FLAGS],
-            stdout=cls.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(port_file) or not open(port_file).read().strip():
-            if cls.server.poll() is not None or time.monotonic() > deadline:
-                cls.server.kill()
-                cls.log.seek(0)
-                raise RuntimeError("attention_server did not start:\n" + cls.log.read())
-            time.sleep(0.05)
-        cls.port = int(open(port_file).read().split()[0])
+        cls.test_server = TestServer(cls.SERVER_FLAGS)
+        cls.port = cls.test_server.port
         cls.client = Client(f"127.0.0.1:{cls.port}", timeout=60)
 
     @classmethod
     def tearDownClass(cls):
         cls.client.close()
-        cls.server.send_signal(signal.SIGTERM)
-        code = cls.server.wait(timeout=60)
-        cls.log.close()
-        shutil.rmtree(cls.dir, ignore_errors=True)
-        assert code == 0, f"attention_server exited with {code}"
+        cls.test_server.stop()
 
     def normal(self, *shape):
         return self.rng.standard_normal(shape).astype(np.float32)

@@ -620,6 +620,19 @@ class Client:
         from attention_client.shared_memory import list_regions
         return list_regions(self, timeout=timeout, metadata=metadata)
 
+    def import_session(self, chunks, *, session_id=None, layout="bhsd", bfloat16_bits=False,
+                       timeout=None, metadata=None):
+        """A new session of the caller's on this server holding exactly the rows of `chunks`
+        (pb.SessionChunk messages: another server's Session.export(), or ones built by hand:
+        the header first, then each layer's rows in order), sent as they come
+        (Sessions.Import). session_id: the new session's id (32 lower-case hex digits); None:
+        the header's (an export's: the exported session's), "": a new one the server makes. An
+        id that exists raises AttentionError ALREADY_EXISTS; a stream that fails leaves nothing
+        on the server. layout, bfloat16_bits: the Session's (as session())."""
+        from attention_client.session import import_session
+        return import_session(self, chunks, session_id=session_id, layout=layout,
+                              bfloat16_bits=bfloat16_bits, timeout=timeout, metadata=metadata)
+
     def list_sessions(self, *, timeout=None, metadata=None):
         """ListSessionsResponse: the caller's sessions (all, when the server checks no tokens),
         page_bytes, pages_total, pages_free."""

@@ -9,6 +9,8 @@ decode step sends only the new queries and the new token's K/V.
     o = s.step(q, k=k1, v=v1, causal=True, stream=True)   # over the client's one StepStream
     o = client.step_batch([s1, s2], q, k, v, causal=True)   # a layer's batch as packed tensors:
                                                             # q [B, Hq, Nq, D], k, v [B, Hkv, n, D]
+    t = s.move_to(other_client)                     # exported here, imported there (same id)
+    u = other_client.import_session(s.export())     # or by hand: the chunks of an Export
 
 Sessions are a server-side cache: a restart or --session_ttl_s idle seconds lose them, and their
 calls then raise AttentionError with code NOT_FOUND; re-create from your own copy of the sequence.
@@ -155,6 +157,35 @@ class Session:
                          metadata=self._metadata, return_info=return_info, stream=stream,
                          sinks=sinks, softcap=softcap, chunk_size=chunk_size, layer=layer)[0]
 
+    def export(self, *, chunk_rows=0, timeout=None):
+        """The session as Sessions.Export streams it: an iterator of pb.SessionChunk, first the
+        header (dtype, kv_heads, head_dim, layers, layer_lengths), then each layer's rows in
+        order, k and v [Hkv, n, D] of at most `chunk_rows` rows (0: what fits 4 MiB). A snapshot
+        of the session when the export starts; hand it to Client.import_session of another
+        server (a replica handing its sessions to a peer), or keep the chunks. Raises
+        AttentionError (NOT_FOUND for another caller's or an unknown session)."""
+        request = pb.ExportRequest(session_id=self._live_id(), chunk_rows=chunk_rows)
+        client = self._client
+        stream = client._sessions_stub.Export(
+            request, timeout=client.timeout if timeout is None else timeout,
+            metadata=client.metadata if self._metadata is None else self._metadata)
+        try:
+            yield from stream
+        except grpc.RpcError as e:
+            raise AttentionError(e.code(), e.details()) from None
+        finally:
+            stream.cancel()  # an abandoned iterator ends the server's export (a no-op once done)
+
+    def move_to(self, other, *, chunk_rows=0, timeout=None, metadata=None):
+        """Moves the session to the server of Client `other` under the same id: exported from
+        here, imported there, then dropped here. Returns the Session on `other` (this object then
+        holds no session). metadata: the caller's on `other` (default: other's)."""
+        moved = import_session(other, self.export(chunk_rows=chunk_rows, timeout=timeout),
+                               layout=self.layout, bfloat16_bits=self._bfloat16_bits,
+                               timeout=timeout, metadata=metadata)
+        self.drop(timeout=timeout)
+        return moved
+
     def drop(self, *, timeout=None):
         """Frees the session's K/V on the server; the object holds no session afterwards."""
         request = pb.DropSessionRequest(session_id=self._live_id())
@@ -201,6 +232,37 @@ def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, 
         request.layers = layers
     info = client._call(client._sessions_stub.CreateSession, request, timeout, metadata)
     return Session(client, info, layout, bfloat16_bits, metadata)
+
+
+def import_session(client, chunks, *, session_id=None, layout="bhsd", bfloat16_bits=False,
+                   timeout=None, metadata=None):
+    """A new session from the chunks of an export; see Client.import_session."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
+
+    failed = []  # what iterating `chunks` raised (an export's error), raised here instead
+
+    def messages():
+        try:
+            for i, chunk in enumerate(chunks):
+                if i == 0 and session_id is not None:
+                    chunk = pb.SessionChunk.FromString(chunk.SerializeToString())
+                    chunk.header.session_id = session_id
+                yield chunk
+        except Exception as e:  # the stream ends short: the server keeps nothing
+            failed.append(e)
+
+    try:
+        info = client._call(client._sessions_stub.Import, messages(), timeout, metadata)
+    except AttentionError:
+        if failed:
+            raise failed[0] from None
+        raise
+    session = Session(client, info, layout, bfloat16_bits, metadata)
+    if failed:  # every row came, but the source's stream failed after them
+        session.drop(timeout=timeout)
+        raise failed[0]
+    return session
 
 
 def step_many(client, items, *, causal=False, softmax_scale=None, window_left=None,

@@ -173,6 +173,38 @@ class CudaKvPagePool : public KvPagePool {
     return absl::OkStatus();
   }
 
+  // One 2D copy per (page run, K or V, head) from the page (its rows contiguous) to the host rows
+  // (row_stride apart) on the pool's stream, so stream order puts them after every write queued
+  // before; returns once they are on the host. An export's path, not a step's: no staging.
+  absl::Status Read(const KvRead& read) override {
+    const KvWrite w = AsKvWrite(read);
+    ASSIGN_OR_RETURN(const int64_t page_rows, CheckKvWrite(w, page_bytes_, num_pages_));
+    const KvShape& shape = read.shape;
+    const size_t elem = DTypeSize(shape.dtype);
+    const size_t row_bytes = shape.head_dim * elem;
+    const int64_t v_offset = VOffset(shape, page_rows);
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    RETURN_IF_ERROR(ForEachPageRun(w, page_rows, [&](const PageRun& run) -> absl::Status {
+      const unsigned char* page = pages_ + run.page * page_bytes_;
+      for (int64_t h = 0; h < shape.heads_kv; ++h) {
+        const int64_t in_page = KvRowOffset(shape, page_rows, h, run.page_row);
+        const int64_t at = (h * read.head_stride + run.src_row * read.row_stride) * elem;
+        for (const auto& [host, offset] :
+             {std::pair{read.k, in_page}, std::pair{read.v, v_offset + in_page}}) {
+          RETURN_IF_CUDA_ERROR(
+              cudaMemcpy2DAsync(static_cast<unsigned char*>(host) + at, read.row_stride * elem,
+                                page + offset, row_bytes, row_bytes, run.count,
+                                cudaMemcpyDeviceToHost, stream_),
+              "copy KV rows from the device");
+        }
+      }
+      return absl::OkStatus();
+    }));
+    RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "read KV rows from the device");
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host) override {
     RETURN_IF_ERROR(RefuseOpenModelOptions(host, "cuda"));
     ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(host, page_bytes_, num_pages_));

@@ -228,6 +228,16 @@ class SessionsStub(object):
                 request_serializer=attention_dot_v1_dot_attention__pb2.StepRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.StepResponse.FromString,
                 )
+        self.Export = channel.unary_stream(
+                '/attention.v1.Sessions/Export',
+                request_serializer=attention_dot_v1_dot_attention__pb2.ExportRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.SessionChunk.FromString,
+                )
+        self.Import = channel.stream_unary(
+                '/attention.v1.Sessions/Import',
+                request_serializer=attention_dot_v1_dot_attention__pb2.SessionChunk.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+                )
 
 
 class SessionsServicer(object):
@@ -300,6 +310,28 @@ class SessionsServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Export(self, request, context):
+        """A session's K/V and metadata, chunked (a draining replica hands its sessions to a peer): first
+        a SessionChunk with the header alone, then each layer's rows in order, `chunk_rows` at a time.
+        Only the session's owner exports. The export is a snapshot of the session when it starts (a
+        fork of every layer, sharing its pages: it needs one free page per layer whose rows end in a
+        partial page, and is listed among the owner's sessions until the export ends); the session
+        itself takes further calls meanwhile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Import(self, request_iterator, context):
+        """A new session of the caller's holding exactly the rows of the chunks (an Export's, bit for
+        bit): the header first, then each layer's rows in order, each chunk appended as it arrives.
+        The session exists from the first chunk and holds every declared row once Import answers; a
+        stream that fails, is cancelled or ends early leaves no session and no pages behind.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -342,6 +374,16 @@ def add_SessionsServicer_to_server(servicer, server):
                     servicer.StepStream,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.StepRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.StepResponse.SerializeToString,
+            ),
+            'Export': grpc.unary_stream_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.ExportRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.SessionChunk.SerializeToString,
+            ),
+            'Import': grpc.stream_unary_rpc_method_handler(
+                    servicer.Import,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.SessionChunk.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.SessionInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -491,6 +533,40 @@ class Sessions(object):
         return grpc.experimental.stream_stream(request_iterator, target, '/attention.v1.Sessions/StepStream',
             attention_dot_v1_dot_attention__pb2.StepRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.StepResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/attention.v1.Sessions/Export',
+            attention_dot_v1_dot_attention__pb2.ExportRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.SessionChunk.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Import(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(request_iterator, target, '/attention.v1.Sessions/Import',
+            attention_dot_v1_dot_attention__pb2.SessionChunk.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.SessionInfo.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
