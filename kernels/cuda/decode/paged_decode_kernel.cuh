@@ -25,6 +25,14 @@
 // SIMT path (float32, and head dims the tensor path lacks; PagedSimtKernel): a warp per row, keys
 // one at a time (lanes split D, a shuffle reduction per key). Correct, not fast.
 //
+// Open-model options, as the CPU kernel and the float64 reference have them: a chunk size narrows
+// each row's keys before any is read (PagedVisibleKeys: the CTA's key range, the element masks);
+// a softcap rewrites every logit before the mask (Softcap: tanhf, in the log2 domain, the softmax
+// then at scale 1), in the tensor-core kernel's kSoftcap instance (the plain one has none of it)
+// and by a branch in the SIMT kernel; sinks join a row's denominator once its (max, sum) are
+// final (AddSink: with one split in the epilogue, with several where the splits merge, so the
+// partials stay sink-free), changing o by one factor and lse, never the key loop.
+//
 // Keys a row cannot see never reach it, even when their K or V is Inf or NaN (rows of a dropped
 // sequence left in a reused page, the unused tail of the last page, keys outside the window). Keys
 // past a sequence's length are never read (zero-filled by cp.async; the SIMT path stops at them).
