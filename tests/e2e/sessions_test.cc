@@ -330,6 +330,37 @@ struct StepCase {
   v1::Layout layout = v1::LAYOUT_BHSD;
 };
 
+// Runs each case on a session of its own: the case's step, then one more decode step, each
+// answered for its session (id, length, the server's device) and matching the reference.
+void ExpectStepCasesMatchTheReference(SessionsStub& stub, const std::vector<StepCase>& cases,
+                                      std::mt19937_64& rng) {
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const StepCase& k = cases[c];
+    SCOPED_TRACE(absl::StrCat("case ", c));
+    absl::StatusOr<TestSession> s =
+        CreateSession(stub, k.dtype, k.hkv, k.d, k.initial, k.layout, rng);
+    ASSERT_TRUE(s.ok()) << s.status();
+    // The step of the case, then one more decode step on the same session.
+    for (const auto& [append, nq] : {std::pair{k.append, k.nq}, {int64_t{1}, int64_t{1}}}) {
+      v1::StepRequest r;
+      r.set_request_id(absl::StrCat("case-", c));
+      SetMask(k.mask, &r);
+      const std::vector<float> q = AddEntry(*s, k.hq, nq, append, rng, &r);
+      absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+      ASSERT_TRUE(out.ok()) << out.status();
+      EXPECT_EQ(out->request_id(), r.request_id());
+      EXPECT_EQ(out->device(), stub.ServerDevice());
+      EXPECT_GT(out->timing().total_us(), 0);
+      ASSERT_EQ(out->results_size(), 1);
+      EXPECT_EQ(out->results(0).session_id(), s->id);
+      EXPECT_EQ(out->results(0).length(), s->seq.length());
+      ExpectMatchesReference(ReferenceRequest(k.dtype, s->seq, q, k.hq, nq, k.mask),
+                             out->results(0));
+    }
+    EXPECT_EQ(stub.Drop(s->id), absl::OkStatus());
+  }
+}
+
 TEST_F(SessionsE2E, StepsMatchTheReference) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
@@ -381,31 +412,7 @@ TEST_F(SessionsE2E, StepsMatchTheReference) {
        1,
        {.causal = true, .window_left = 31, .return_lse = true}},
   };
-  for (size_t c = 0; c < cases.size(); ++c) {
-    const StepCase& k = cases[c];
-    SCOPED_TRACE(absl::StrCat("case ", c));
-    absl::StatusOr<TestSession> s =
-        CreateSession(stub, k.dtype, k.hkv, k.d, k.initial, k.layout, rng);
-    ASSERT_TRUE(s.ok()) << s.status();
-    // The step of the case, then one more decode step on the same session.
-    for (const auto& [append, nq] : {std::pair{k.append, k.nq}, {int64_t{1}, int64_t{1}}}) {
-      v1::StepRequest r;
-      r.set_request_id(absl::StrCat("case-", c));
-      SetMask(k.mask, &r);
-      const std::vector<float> q = AddEntry(*s, k.hq, nq, append, rng, &r);
-      absl::StatusOr<v1::StepResponse> out = stub.Step(r);
-      ASSERT_TRUE(out.ok()) << out.status();
-      EXPECT_EQ(out->request_id(), r.request_id());
-      EXPECT_EQ(out->device(), stub.ServerDevice());
-      EXPECT_GT(out->timing().total_us(), 0);
-      ASSERT_EQ(out->results_size(), 1);
-      EXPECT_EQ(out->results(0).session_id(), s->id);
-      EXPECT_EQ(out->results(0).length(), s->seq.length());
-      ExpectMatchesReference(ReferenceRequest(k.dtype, s->seq, q, k.hq, nq, k.mask),
-                             out->results(0));
-    }
-    EXPECT_EQ(stub.Drop(s->id), absl::OkStatus());
-  }
+  ExpectStepCasesMatchTheReference(stub, cases, rng);
 }
 
 // The open-model options the server's device serves on Step (DeviceInfo.step_options: all three
@@ -487,24 +494,7 @@ TEST_F(SessionsE2E, StepsWithOpenModelOptionsMatchTheReference) {
         .softcap = 20.0f,
         .chunk_size = 64}},
   };
-  for (size_t c = 0; c < cases.size(); ++c) {
-    const StepCase& k = cases[c];
-    SCOPED_TRACE(absl::StrCat("case ", c));
-    absl::StatusOr<TestSession> s =
-        CreateSession(stub, k.dtype, k.hkv, k.d, k.initial, k.layout, rng);
-    ASSERT_TRUE(s.ok()) << s.status();
-    for (const auto& [append, nq] : {std::pair{k.append, k.nq}, {int64_t{1}, int64_t{1}}}) {
-      v1::StepRequest r;
-      SetMask(k.mask, &r);
-      const std::vector<float> q = AddEntry(*s, k.hq, nq, append, rng, &r);
-      absl::StatusOr<v1::StepResponse> out = stub.Step(r);
-      ASSERT_TRUE(out.ok()) << out.status();
-      ASSERT_EQ(out->results_size(), 1);
-      ExpectMatchesReference(ReferenceRequest(k.dtype, s->seq, q, k.hq, nq, k.mask),
-                             out->results(0));
-    }
-    EXPECT_EQ(stub.Drop(s->id), absl::OkStatus());
-  }
+  ExpectStepCasesMatchTheReference(stub, cases, rng);
 }
 
 TEST_F(SessionsE2E, OneStepOverRaggedSessionsOfSeveralShapes) {
