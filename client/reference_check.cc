@@ -92,6 +92,7 @@ absl::StatusOr<int> ParallelForward(const AttentionParams& p, std::vector<double
       one.q = static_cast<const char*>(p.q) + (b * p.q_batch_stride + h * p.q_head_stride) * width;
       one.k = static_cast<const char*>(p.k) + (b * p.k_batch_stride + hk * p.k_head_stride) * width;
       one.v = static_cast<const char*>(p.v) + (b * p.v_batch_stride + hk * p.v_head_stride) * width;
+      if (p.sinks != nullptr) one.sinks = p.sinks + h;  // the pair's one head's sink
       if (varlen) {
         one.cu_seqlens_q = p.cu_seqlens_q + b;
         one.cu_seqlens_k = p.cu_seqlens_k + b;
@@ -194,6 +195,10 @@ absl::StatusOr<CheckResult> CheckResponse(const v1::AttendRequest& request,
   if (request.has_q_descale()) p.q_descale = request.q_descale();
   if (request.has_k_descale()) p.k_descale = request.k_descale();
   if (request.has_v_descale()) p.v_descale = request.v_descale();
+  // The open-model options (a V head dim of its own is not mapped: v is taken of q's head dim).
+  if (request.sinks_size() > 0) p.sinks = request.sinks().data();
+  if (request.has_softcap()) p.softcap = request.softcap();
+  if (request.has_chunk_size()) p.chunk_size = request.chunk_size();
 
   std::vector<double> ref_o, ref_lse;
   const int64_t lse_size = varlen ? p.heads_q * p.total_q : p.batch * p.heads_q * p.seqlen_q;

@@ -11,14 +11,6 @@ int64_t PageRows(int64_t page_bytes, DType dtype, int64_t heads_kv, int64_t head
   return page_bytes / row_bytes / 16 * 16;
 }
 
-absl::Status RefuseOpenModelOptions(const PagedDecodeParams& p, const char* backend) {
-  AttentionParams options;  // head dims 0 and 0: no V head dim of its own
-  options.sinks = p.sinks;
-  options.softcap = p.softcap;
-  options.chunk_size = p.chunk_size;
-  return RefuseOpenModelOptions(options, backend);
-}
-
 absl::Status RefuseDeviceMemory(const StepMemory& memory, const char* backend) {
   if (!memory.on_device && memory.ready == nullptr && memory.ready_counter == nullptr &&
       !memory.stream_ordered()) {

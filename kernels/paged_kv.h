@@ -150,9 +150,6 @@ struct PagedDecodeParams {
   StepMemory memory;
 };
 
-// OK when p sets no open-model option, else UNIMPLEMENTED naming them and `backend`.
-absl::Status RefuseOpenModelOptions(const PagedDecodeParams& p, const char* backend);
-
 // OK when `memory` is the host's with no events, else UNIMPLEMENTED naming `backend` (a pool
 // without a device).
 absl::Status RefuseDeviceMemory(const StepMemory& memory, const char* backend);

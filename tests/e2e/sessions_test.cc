@@ -5,7 +5,8 @@
 // their LSEs equal one session holding all of it; errors (NOT_FOUND, INVALID_ARGUMENT changing
 // nothing, RESOURCE_EXHAUSTED, UNAUTHENTICATED), expiry after the TTL, the metrics, no page
 // leaked over 10,000 create, append, drop cycles, and StepStream (many Steps on one stream, a
-// Step on a dropped session ending it, a cancelled stream leaving its sessions free).
+// Step on a dropped session ending it, a cancelled stream leaving its sessions free); the
+// open-model options the device lists (DeviceInfo.step_options) against the reference.
 #include <unistd.h>
 
 #include <algorithm>
@@ -57,13 +58,14 @@ class SessionsStub {
         token_(std::move(token)) {}
 
   // The server's first device ("cpu", or "cuda:0" when the suite runs against --backend=cuda).
-  std::string ServerDevice() {
+  v1::DeviceInfo FirstDevice() {
     absl::StatusOr<v1::ServerInfo> info =
         Call(&v1::Attention::Stub::GetServerInfo, v1::GetServerInfoRequest(), v1::ServerInfo(),
              attention_.get());
     EXPECT_TRUE(info.ok()) << info.status();
-    return info.ok() && info->devices_size() > 0 ? info->devices(0).name() : "";
+    return info.ok() && info->devices_size() > 0 ? info->devices(0) : v1::DeviceInfo();
   }
+  std::string ServerDevice() { return FirstDevice().name(); }
 
   absl::StatusOr<v1::SessionInfo> Create(const v1::CreateSessionRequest& r) {
     return Call(&v1::Sessions::Stub::CreateSession, r, v1::SessionInfo());
@@ -163,18 +165,27 @@ std::vector<float> ToBshd(const std::vector<float>& bhsd, int64_t hkv, int64_t n
   return out;
 }
 
+// The mask, scale, LSE and open-model options a Step and its reference Attend share.
 struct MaskSpec {
   bool causal = false;
   std::optional<float> softmax_scale;
   std::optional<int32_t> window_left;
   bool return_lse = false;
+  std::vector<float> sinks;  // one per query head; empty: none
+  std::optional<float> softcap;
+  std::optional<int32_t> chunk_size;
 };
 
-void SetMask(const MaskSpec& m, v1::StepRequest* r) {
+// Sets `m` on a StepRequest or an AttendRequest (the fields are named alike).
+template <typename Request>
+void SetMask(const MaskSpec& m, Request* r) {
   r->set_causal(m.causal);
   if (m.softmax_scale) r->set_softmax_scale(*m.softmax_scale);
   if (m.window_left) r->set_window_left(*m.window_left);
   r->set_return_lse(m.return_lse);
+  for (float sink : m.sinks) r->add_sinks(sink);
+  if (m.softcap) r->set_softcap(*m.softcap);
+  if (m.chunk_size) r->set_chunk_size(*m.chunk_size);
 }
 
 // The AttendRequest whose answer a step's result must match: q [1, Hq, Nq, D] over the whole
@@ -187,10 +198,7 @@ v1::AttendRequest ReferenceRequest(v1::DType dtype, const Sequence& seq,
   *r.mutable_q() = client::MakeTensor(dtype, {1, hq, nq, d}, q);
   *r.mutable_k() = client::MakeTensor(dtype, {1, hkv, n, d}, seq.Rows(seq.k, 0, n));
   *r.mutable_v() = client::MakeTensor(dtype, {1, hkv, n, d}, seq.Rows(seq.v, 0, n));
-  r.set_causal(m.causal);
-  if (m.softmax_scale) r.set_softmax_scale(*m.softmax_scale);
-  if (m.window_left) r.set_window_left(*m.window_left);
-  r.set_return_lse(m.return_lse);
+  SetMask(m, &r);
   return r;
 }
 
@@ -322,6 +330,37 @@ struct StepCase {
   v1::Layout layout = v1::LAYOUT_BHSD;
 };
 
+// Runs each case on a session of its own: the case's step, then one more decode step, each
+// answered for its session (id, length, the server's device) and matching the reference.
+void ExpectStepCasesMatchTheReference(SessionsStub& stub, const std::vector<StepCase>& cases,
+                                      std::mt19937_64& rng) {
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const StepCase& k = cases[c];
+    SCOPED_TRACE(absl::StrCat("case ", c));
+    absl::StatusOr<TestSession> s =
+        CreateSession(stub, k.dtype, k.hkv, k.d, k.initial, k.layout, rng);
+    ASSERT_TRUE(s.ok()) << s.status();
+    // The step of the case, then one more decode step on the same session.
+    for (const auto& [append, nq] : {std::pair{k.append, k.nq}, {int64_t{1}, int64_t{1}}}) {
+      v1::StepRequest r;
+      r.set_request_id(absl::StrCat("case-", c));
+      SetMask(k.mask, &r);
+      const std::vector<float> q = AddEntry(*s, k.hq, nq, append, rng, &r);
+      absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+      ASSERT_TRUE(out.ok()) << out.status();
+      EXPECT_EQ(out->request_id(), r.request_id());
+      EXPECT_EQ(out->device(), stub.ServerDevice());
+      EXPECT_GT(out->timing().total_us(), 0);
+      ASSERT_EQ(out->results_size(), 1);
+      EXPECT_EQ(out->results(0).session_id(), s->id);
+      EXPECT_EQ(out->results(0).length(), s->seq.length());
+      ExpectMatchesReference(ReferenceRequest(k.dtype, s->seq, q, k.hq, nq, k.mask),
+                             out->results(0));
+    }
+    EXPECT_EQ(stub.Drop(s->id), absl::OkStatus());
+  }
+}
+
 TEST_F(SessionsE2E, StepsMatchTheReference) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
@@ -373,31 +412,89 @@ TEST_F(SessionsE2E, StepsMatchTheReference) {
        1,
        {.causal = true, .window_left = 31, .return_lse = true}},
   };
-  for (size_t c = 0; c < cases.size(); ++c) {
-    const StepCase& k = cases[c];
-    SCOPED_TRACE(absl::StrCat("case ", c));
-    absl::StatusOr<TestSession> s =
-        CreateSession(stub, k.dtype, k.hkv, k.d, k.initial, k.layout, rng);
-    ASSERT_TRUE(s.ok()) << s.status();
-    // The step of the case, then one more decode step on the same session.
-    for (const auto& [append, nq] : {std::pair{k.append, k.nq}, {int64_t{1}, int64_t{1}}}) {
-      v1::StepRequest r;
-      r.set_request_id(absl::StrCat("case-", c));
-      SetMask(k.mask, &r);
-      const std::vector<float> q = AddEntry(*s, k.hq, nq, append, rng, &r);
-      absl::StatusOr<v1::StepResponse> out = stub.Step(r);
-      ASSERT_TRUE(out.ok()) << out.status();
-      EXPECT_EQ(out->request_id(), r.request_id());
-      EXPECT_EQ(out->device(), stub.ServerDevice());
-      EXPECT_GT(out->timing().total_us(), 0);
-      ASSERT_EQ(out->results_size(), 1);
-      EXPECT_EQ(out->results(0).session_id(), s->id);
-      EXPECT_EQ(out->results(0).length(), s->seq.length());
-      ExpectMatchesReference(ReferenceRequest(k.dtype, s->seq, q, k.hq, nq, k.mask),
-                             out->results(0));
-    }
-    EXPECT_EQ(stub.Drop(s->id), absl::OkStatus());
-  }
+  ExpectStepCasesMatchTheReference(stub, cases, rng);
+}
+
+// The open-model options the server's device serves on Step (DeviceInfo.step_options: all three
+// on the CPU and the CUDA backends) against the reference: gpt-oss's sinks (far above, far below
+// and near the rows' LSE), Gemma 2's softcap of 50 and Grok-1's 30 on logits that reach the cap
+// (head dims 128, 64 and 256), Llama 4's chunks with extend steps, all of them with a window; each
+// case's step (extending by nq rows with nq queries), then a decode step.
+TEST_F(SessionsE2E, StepsWithOpenModelOptionsMatchTheReference) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub = Stub();
+  const v1::DeviceInfo device = stub.FirstDevice();
+  std::vector<std::string> served(device.step_options().begin(), device.step_options().end());
+  std::sort(served.begin(), served.end());
+  EXPECT_EQ(served, (std::vector<std::string>{"chunk_size", "sinks", "softcap"})) << device.name();
+  const std::vector<float> sinks8 = {25.0f, -25.0f, 9.0f, -9.0f, 6.0f, 0.0f, 2.5f, -80.0f};
+  const std::vector<StepCase> cases = {
+      {v1::DTYPE_BFLOAT16,
+       8,
+       2,
+       64,
+       300,
+       1,
+       1,
+       {.causal = true, .return_lse = true, .sinks = sinks8}},
+      {v1::DTYPE_FLOAT16,
+       8,
+       2,
+       128,
+       129,
+       1,
+       1,
+       {.softmax_scale = 2.5f, .return_lse = true, .softcap = 50.0f}},
+      {v1::DTYPE_FLOAT32,
+       4,
+       1,
+       64,
+       97,
+       3,
+       3,
+       {.causal = true,
+        .softmax_scale = 2.5f,
+        .window_left = 40,
+        .return_lse = true,
+        .softcap = 30.0f}},
+      {v1::DTYPE_BFLOAT16,
+       2,
+       1,
+       256,
+       40,
+       1,
+       1,
+       {.causal = true,
+        .softmax_scale = 2.0f,
+        .return_lse = true,
+        .sinks = {3.0f, -3.0f},
+        .softcap = 50.0f}},
+      {v1::DTYPE_BFLOAT16,
+       4,
+       2,
+       64,
+       70,
+       4,
+       4,
+       {.causal = true, .return_lse = true, .chunk_size = 32}},
+      {v1::DTYPE_FLOAT16,
+       8,
+       2,
+       64,
+       200,
+       2,
+       2,
+       {.causal = true,
+        .softmax_scale = 0.5f,
+        .window_left = 50,
+        .return_lse = true,
+        .sinks = sinks8,
+        .softcap = 20.0f,
+        .chunk_size = 64}},
+  };
+  ExpectStepCasesMatchTheReference(stub, cases, rng);
 }
 
 TEST_F(SessionsE2E, OneStepOverRaggedSessionsOfSeveralShapes) {

@@ -1,6 +1,7 @@
 // The CUDA backend's host-side rules, without a GPU: the forward plan (variant names, forcing,
 // what a device's caps rule out; hand-made caps, so no CUDA call), the host runner's float8 path,
-// the CUDA status codes, the specialised head dims, and the wgmma descriptor arithmetic.
+// the CUDA status codes, the specialised head dims, the paged decode plan's kernel and kernel
+// params for the open-model options, and the wgmma descriptor arithmetic.
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -8,6 +9,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/attention_params.h"
+#include "kernels/cuda/decode/paged_decode.h"
 #include "kernels/cuda/forward/forward_plan.h"
 #include "kernels/cuda/forward/sm90_schedule.h"
 #include "kernels/cuda/ops/cuda_status.h"
@@ -307,6 +309,97 @@ TEST(SpecialisedHeadDimsTest, AscendingEndingAtTheLimits) {
   ASSERT_FALSE(paged.empty());
   EXPECT_TRUE(std::is_sorted(paged.begin(), paged.end()));
   EXPECT_LE(paged.back(), kPagedMaxHeadDim);
+}
+
+// A paged decode step of one sequence (one query, 300 keys) of `dtype` and head dim `d` with Hq =
+// 8, Hkv = 2, planned for an H200 (host arrays only: PlanPagedDecode reads no device memory).
+struct PagedStep {
+  int32_t cu_q[2] = {0, 1};
+  int32_t seqlens_k[1] = {300};
+  float sinks[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  PagedDecodeParams p;
+  DecodeExtent extent{.page_rows = 64, .max_seqlen_q = 1, .max_seqlen_k = 300};
+
+  PagedStep(DType dtype, int64_t d) {
+    p.shape = {dtype, 2, d};
+    p.heads_q = 8;
+    p.num_seqs = 1;
+    p.cu_seqlens_q = cu_q;
+    p.total_q = 1;
+    p.max_seqlen_q = 1;
+    p.seqlens_k = seqlens_k;
+    p.max_seqlen_k = 300;
+  }
+  PagedDecodePlan Plan() const {
+    const absl::StatusOr<PagedDecodePlan> plan =
+        PlanPagedDecode(p, extent, {.sm_count = 132, .clusters = true});
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    return plan.value_or(PagedDecodePlan{});
+  }
+};
+
+// A softcapped step runs on the one tile instantiated with the softcap (kPagedSoftcapHeadDim),
+// whatever head dim a tensor-core tile holds; plain steps keep their own tile; float32 and head
+// dims no tile holds run on the SIMT kernel, which caps by a branch. Sinks and chunks take no
+// kernel of their own.
+TEST(PlanPagedDecodeTest, SoftcapRunsOnTheSoftcapTileOthersOnTheirOwn) {
+  struct Case {
+    DType dtype;
+    int64_t d;
+    float softcap;
+    int kernel_head_dim;
+    bool softcap_kernel;
+  };
+  for (const Case& c :
+       {Case{DType::kBFloat16, 64, 0.0f, 64, false},
+        Case{DType::kBFloat16, 64, 30.0f, kPagedSoftcapHeadDim, true},
+        Case{DType::kFloat16, 40, 50.0f, kPagedSoftcapHeadDim, true},
+        Case{DType::kFloat16, 128, 0.0f, 128, false}, Case{DType::kBFloat16, 128, 50.0f, 128, true},
+        Case{DType::kBFloat16, 256, 50.0f, 0, false}, Case{DType::kFloat32, 64, 30.0f, 0, false},
+        Case{DType::kFloat16, 20, 30.0f, 0, false}}) {
+    SCOPED_TRACE(testing::Message()
+                 << DTypeName(c.dtype) << " D=" << c.d << " softcap=" << c.softcap);
+    PagedStep step(c.dtype, c.d);
+    step.p.softcap = c.softcap;
+    step.p.sinks = step.sinks;
+    step.p.chunk_size = 32;
+    const PagedDecodePlan plan = step.Plan();
+    EXPECT_EQ(plan.launch.kernel_head_dim, c.kernel_head_dim);
+    EXPECT_EQ(plan.launch.softcap, c.softcap_kernel);
+    // The key tile is the chosen kernel's (64 keys at D = 128 and on the SIMT kernel, 128 at 64).
+    EXPECT_EQ(plan.key_tile, c.kernel_head_dim == 64 ? 128 : 64);
+  }
+}
+
+// The kernel params carry the options as the kernels take them: the sinks' device pointer, the
+// softcap in the log2 domain with the scale of q.k to s / softcap (|softmax_scale|: a negative
+// scale negates q), and the chunk size clamped to 2^30; absent options are 0 / null.
+TEST(PagedKernelParamsTest, OptionsReachTheKernelParams) {
+  PagedStep step(DType::kBFloat16, 128);
+  step.p.softmax_scale = -0.125f;
+  const PagedDecodePlan plain_plan = step.Plan();
+  const PagedKernelParams plain =
+      ToPagedKernelParams(plain_plan, nullptr, 1 << 20, step.extent, step.p, nullptr, nullptr);
+  EXPECT_EQ(plain.sinks, nullptr);
+  EXPECT_EQ(plain.softcap_log2, 0.0f);
+  EXPECT_EQ(plain.chunk_size, 0);
+  EXPECT_TRUE(plain.negate_q);
+
+  step.p.sinks = step.sinks;  // stands for the pool's device copy
+  step.p.softcap = 30.0f;
+  step.p.chunk_size = 48;
+  const PagedDecodePlan plan = step.Plan();
+  PagedKernelParams k =
+      ToPagedKernelParams(plan, nullptr, 1 << 20, step.extent, step.p, nullptr, nullptr);
+  EXPECT_EQ(k.sinks, step.sinks);
+  EXPECT_FLOAT_EQ(k.softcap_log2, 30.0f * 1.4426950408889634f);
+  EXPECT_FLOAT_EQ(k.softcap_scale, 0.125f / 30.0f);
+  EXPECT_TRUE(k.negate_q);
+  EXPECT_EQ(k.chunk_size, 48);
+  // A chunk of 2^30 keys or more sees as any larger one does (lengths stay below 2^30).
+  step.p.chunk_size = int64_t{1} << 40;
+  k = ToPagedKernelParams(plan, nullptr, 1 << 20, step.extent, step.p, nullptr, nullptr);
+  EXPECT_EQ(k.chunk_size, 1 << 30);
 }
 
 // The Hopper kernel builds each wgmma k-step's descriptor as its tile's first moved on by the

@@ -1,6 +1,7 @@
 #include "kernels/cuda/decode/paged_decode.h"
 
 #include <algorithm>
+#include <cmath>
 #include <iterator>
 #include <limits>
 
@@ -42,9 +43,14 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
         kMaxGridYZ, " sequences and ", kMaxGridYZ, " kv heads x 16-row blocks; got max_seqlen_k=",
         extent.max_seqlen_k, " max_seqlen_q=", extent.max_seqlen_q, " num_seqs=", host.num_seqs));
   }
-  // The smallest tensor-core tile that holds head_dim, if any.
+  // The smallest tensor-core tile that holds head_dim, if any; with a softcap, the tile that has a
+  // softcap instance (kPagedSoftcapHeadDim, which holds every head dim a tile does).
   if (shape.dtype != DType::kFloat32 && shape.head_dim % 8 == 0) {
     plan.launch.kernel_head_dim = SpecialisationFor(kPagedTensorHeadDims, shape.head_dim);
+    if (plan.launch.kernel_head_dim != 0 && host.softcap > 0.0f) {
+      plan.launch.kernel_head_dim = kPagedSoftcapHeadDim;
+      plan.launch.softcap = true;
+    }
   }
   const bool tensor = plan.launch.kernel_head_dim != 0;
   // Key tiles of the tensor-core kernels (paged_decode_launch.cuh): 32 KiB of K+V per stage.
@@ -114,6 +120,12 @@ PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* p
   k.negate_q = scale.negate_q;
   k.window_left = ClampWindow(dev.window_left, extent.max_seqlen_k);
   k.window_right = ClampWindow(dev.window_right, extent.max_seqlen_q);
+  k.sinks = dev.sinks;
+  if (dev.softcap > 0.0f) {
+    k.softcap_log2 = dev.softcap * kLog2e;
+    k.softcap_scale = std::fabs(dev.softmax_scale) / dev.softcap;  // q.k to s / softcap
+  }
+  k.chunk_size = static_cast<int>(std::min(dev.chunk_size, kMaxLength));
   k.m_blocks = plan.m_blocks;
   k.splits = plan.splits;
   k.split_keys = plan.split_keys;

@@ -67,7 +67,7 @@ PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* p
                                       int32_t* tickets);
 
 // Enqueues the step on `stream`: one kernel launch. dev: PagedDecodeParams with device pointers
-// (q, o, lse, cu_seqlens_q, seqlens_k, page_table); pool: the device pages; workspace:
+// (q, o, lse, cu_seqlens_q, seqlens_k, page_table, sinks); pool: the device pages; workspace:
 // plan.workspace_bytes of device memory (256-byte aligned); tickets: plan.tickets int32 of device
 // memory, all zero, which the step leaves zero (keep them for the next step; no memset per step).
 absl::Status LaunchPagedDecode(const PagedDecodePlan& plan, const void* pool, int64_t page_bytes,

@@ -25,6 +25,14 @@
 // SIMT path (float32, and head dims the tensor path lacks; PagedSimtKernel): a warp per row, keys
 // one at a time (lanes split D, a shuffle reduction per key). Correct, not fast.
 //
+// Open-model options, as the CPU kernel and the float64 reference have them: a chunk size narrows
+// each row's keys before any is read (PagedVisibleKeys: the CTA's key range, the element masks);
+// a softcap rewrites every logit before the mask (Softcap: tanhf, in the log2 domain, the softmax
+// then at scale 1), in the tensor-core kernel's kSoftcap instance (the plain one has none of it)
+// and by a branch in the SIMT kernel; sinks join a row's denominator once its (max, sum) are
+// final (AddSink: with one split in the epilogue, with several where the splits merge, so the
+// partials stay sink-free), changing o by one factor and lse, never the key loop.
+//
 // Keys a row cannot see never reach it, even when their K or V is Inf or NaN (rows of a dropped
 // sequence left in a reused page, the unused tail of the last page, keys outside the window). Keys
 // past a sequence's length are never read (zero-filled by cp.async; the SIMT path stops at them).
@@ -113,11 +121,53 @@ struct PagedTile {
 struct PagedRow {
   int64_t index;  // heads_q * q0 + head * nq + query
   int query;
+  int head;
 };
 __device__ __forceinline__ PagedRow GetPagedRow(const PagedKernelParams& p, int q0, int nq, int hk,
                                                 int m) {
   const int query = m / p.group, head = hk * p.group + m % p.group;
-  return {static_cast<int64_t>(p.heads_q) * q0 + static_cast<int64_t>(head) * nq + query, query};
+  return {static_cast<int64_t>(p.heads_q) * q0 + static_cast<int64_t>(head) * nq + query, query,
+          head};
+}
+
+// The keys [lo, hi) that rows [row_first, row_last] may see (VisibleKeys, masks.cuh), cut to the
+// chunks with a chunk size: a row also sees only the keys in the chunk of its diagonal key (floor
+// division: the diagonal is negative when Nq > Nk), lo from the first row's chunk and hi from the
+// last's, both nondecreasing in the row (kernels/attention_params.h's VisibleKeys on the host).
+// Called with the rows swapped it gives the keys every row of the block sees (lo > hi: none).
+__device__ __forceinline__ KeyRange PagedVisibleKeys(const PagedKernelParams& p, int nq, int nk,
+                                                     int row_first, int row_last) {
+  KeyRange keys = VisibleKeys(p, nq, nk, row_first, row_last);
+  if (p.chunk_size > 0) {
+    const int diag = nk - nq, chunk = p.chunk_size;
+    auto chunk_start = [chunk](int key) {
+      return (key / chunk - (key % chunk < 0 ? 1 : 0)) * chunk;  // in (-2^31, 2^30]
+    };
+    keys.lo = max(keys.lo, chunk_start(row_first + diag));
+    keys.hi = static_cast<int>(
+        min(static_cast<int64_t>(keys.hi), int64_t{chunk_start(row_last + diag)} + chunk));
+  }
+  return keys;
+}
+
+// The sink logit `sink` (natural log) of a finished row's query head joins its softmax
+// denominator: the row's log2-sum-exp lse2 (-inf: it saw no key) becomes log2(2^lse2 + 2^(sink
+// log2 e)), and its normalised o scales by the returned 2^(old lse2 - new lse2): 0 for a row that
+// saw no key, whose o is then 0 and lse the sink (as kernels/reference has it).
+__device__ __forceinline__ float AddSink(float sink, float& lse2) {
+  const float sink2 = sink * kLog2e;
+  const float mx = fmaxf(lse2, sink2);
+  if (mx == -INFINITY) return 1.f;
+  const float total = mx + log2f(exp2f(lse2 - mx) + exp2f(sink2 - mx));
+  const float o_scale = exp2f(lse2 - total);
+  lse2 = total;
+  return o_scale;
+}
+
+// A logit of the raw q.k products (negated q for a negative scale) capped, in the log2 domain:
+// softcap tanh(scale q.k / softcap) log2(e), which the softmax then takes at scale 1.
+__device__ __forceinline__ float Softcap(const PagedKernelParams& p, float s) {
+  return p.softcap_log2 * tanhf(s * p.softcap_scale);
 }
 
 // Element i of o, rounded to T.
@@ -215,11 +265,14 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
   // The warp's rows m0 + warp + k * warps, `batch` at a time.
   for (int m = m0 + warp; m < row_end; m += batch * warps) {
     int64_t r[kMergeBatch];
+    int head[kMergeBatch];
     float mx[kMergeBatch], sum[kMergeBatch];
     const int n = min(batch, (row_end - 1 - m) / warps + 1);  // rows of this batch
 #pragma unroll
     for (int b = 0; b < kMergeBatch; ++b) {
-      r[b] = b < n ? GetPagedRow(p, q0, nq, hk, m + b * warps).index : 0;
+      const PagedRow row = GetPagedRow(p, q0, nq, hk, b < n ? m + b * warps : m);
+      r[b] = row.index;
+      head[b] = row.head;
       mx[b] = -INFINITY;
       sum[b] = 0.f;
     }
@@ -246,6 +299,14 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
 #pragma unroll
       for (int x = 16; x >= 1; x /= 2) sum[b] += __shfl_xor_sync(0xffffffffu, sum[b], x);
     }
+    // Each row's 1 / sum and log2-sum-exp (the sink joins them here), in every lane.
+    float inv[kMergeBatch], lse2[kMergeBatch];
+#pragma unroll
+    for (int b = 0; b < kMergeBatch; ++b) {
+      inv[b] = sum[b] > 0.f ? 1.f / sum[b] : 0.f;
+      lse2[b] = sum[b] > 0.f ? mx[b] + log2f(sum[b]) : -INFINITY;
+      if (p.sinks != nullptr && b < n) inv[b] *= AddSink(p.sinks[head[b]], lse2[b]);
+    }
     __syncwarp();
     // Lane l sums columns 4l..4l+3 (+128 c) over the splits, every row's loads in flight together.
     if (p.head_dim % 4 == 0) {
@@ -267,9 +328,9 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
 #pragma unroll
         for (int b = 0; b < kMergeBatch; ++b) {
           if (b >= n) break;
-          const float inv = sum[b] > 0.f ? 1.f / sum[b] : 0.f;
-          StoreO4<T>(p.o, r[b] * p.head_dim + col,
-                     make_float4(o[b].x * inv, o[b].y * inv, o[b].z * inv, o[b].w * inv));
+          StoreO4<T>(
+              p.o, r[b] * p.head_dim + col,
+              make_float4(o[b].x * inv[b], o[b].y * inv[b], o[b].z * inv[b], o[b].w * inv[b]));
         }
       }
     } else {
@@ -281,14 +342,14 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
 #pragma unroll 8
           for (int s = 0; s < splits; ++s)
             o += w[b * splits + s] * __ldcg(p.part_o + s * split_stride + r[b] * p.head_dim + col);
-          StoreO<T>(p.o, r[b] * p.head_dim + col, sum[b] > 0.f ? o / sum[b] : 0.f);
+          StoreO<T>(p.o, r[b] * p.head_dim + col, o * inv[b]);
         }
       }
     }
     if (lane == 0 && p.lse != nullptr) {
 #pragma unroll
       for (int b = 0; b < kMergeBatch; ++b) {
-        if (b < n) p.lse[r[b]] = sum[b] > 0.f ? (mx[b] + log2f(sum[b])) * kLn2 : -INFINITY;
+        if (b < n) p.lse[r[b]] = lse2[b] == -INFINITY ? -INFINITY : lse2[b] * kLn2;
       }
     }
     __syncwarp();  // every lane is done with w before the next batch's weights
@@ -337,19 +398,23 @@ __device__ __forceinline__ void MergeSplitsInCluster(const PagedKernelParams& p,
       sum += w;
       o.x += w * x[s].x, o.y += w * x[s].y, o.z += w * x[s].z, o.w += w * x[s].w;
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int64_t index = GetPagedRow(p, q0, nq, hk, m0 + r).index;
-    StoreO4<T>(p.o, index * p.head_dim + col,
+    float inv = sum > 0.f ? 1.f / sum : 0.f;
+    float lse2 = sum > 0.f ? mx + log2f(sum) : -INFINITY;
+    const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
+    if (p.sinks != nullptr) inv *= AddSink(p.sinks[row.head], lse2);
+    StoreO4<T>(p.o, row.index * p.head_dim + col,
                make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv));
     if (col == 0 && p.lse != nullptr) {
-      p.lse[index] = sum > 0.f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
+      p.lse[row.index] = lse2 == -INFINITY ? -INFINITY : lse2 * kLn2;
     }
   }
   cluster.sync();  // the others are done reading this CTA's shared memory
 #endif
 }
 
-template <typename Tile>
+// kSoftcap: the logits are capped (Softcap) before the mask, and the softmax runs at scale 1 on
+// them; the plain instance has no instruction of it.
+template <typename Tile, bool kSoftcap = false>
 __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
     PagedDecodeKernel(const PagedKernelParams p) {
   using T = typename Tile::Element;
@@ -388,7 +453,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
   const int first_query = m0 / p.group, last_query = row_last / p.group;
 
   // This CTA's keys: its split, cut to what its queries may see; whole kBc tiles from tile_begin.
-  const KeyRange vis = VisibleKeys(p, nq, nk, first_query, last_query);
+  const KeyRange vis = PagedVisibleKeys(p, nq, nk, first_query, last_query);
   const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
   const int tile_begin = k_lo / kBc;
   const int n_tiles = k_hi > k_lo ? (k_hi + kBc - 1) / kBc - tile_begin : 0;
@@ -476,10 +541,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int query = (m0 + g + half * 8) / p.group;
-    row_keys[half] = VisibleKeys(p, nq, nk, query, query);
+    row_keys[half] = PagedVisibleKeys(p, nq, nk, query, query);
   }
-  // Tiles needing no element mask: inside every row's window and below nk.
-  const KeyRange all_rows = VisibleKeys(p, nq, nk, last_query, first_query);
+  // Tiles needing no element mask: inside every row's window (and chunk) and below nk.
+  const KeyRange all_rows = PagedVisibleKeys(p, nq, nk, last_query, first_query);
 
   float acc_o[kDTiles][4];
 #pragma unroll
@@ -487,7 +552,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc_o[dt][i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-  const float scale_log2 = p.scale_log2;
+  // Capped logits are in the log2 domain already.
+  const float scale_log2 = kSoftcap ? 1.f : p.scale_log2;
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     // Tile `tile` has landed; every warp is past tile - 1, whose stage the next load reuses.
@@ -538,6 +604,12 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
         Mma16816<T>(acc_s[2 * np], q_frag[kk], kb[0], kb[1]);
         Mma16816<T>(acc_s[2 * np + 1], q_frag[kk], kb[2], kb[3]);
       }
+    }
+    if constexpr (kSoftcap) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_s[nt][i] = Softcap(p, acc_s[nt][i]);
     }
 
     if (masked) {
@@ -620,8 +692,14 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
       sum += weight * m_sum[w * kPagedRows + r];
       m_max[w * kPagedRows + r] = weight;
     }
-    m_sum[r] = sum > 0.f ? 1.f / sum : 0.f;
-    m_sum[kPagedRows + r] = sum > 0.f ? mx * scale_log2 + log2f(sum) : -INFINITY;
+    float inv = sum > 0.f ? 1.f / sum : 0.f;
+    float lse2 = sum > 0.f ? mx * scale_log2 + log2f(sum) : -INFINITY;
+    // One split: the sink joins the row here (several: where the splits merge).
+    if (p.sinks != nullptr && p.splits == 1 && m0 + r <= row_last) {
+      inv *= AddSink(p.sinks[GetPagedRow(p, q0, nq, hk, m0 + r).head], lse2);
+    }
+    m_sum[r] = inv;
+    m_sum[kPagedRows + r] = lse2;
   }
   __syncthreads();
   for (int i = threadIdx.x; i < kPagedRows * kD / 4; i += kThreads) {
@@ -673,9 +751,11 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
   const int64_t head_offset = static_cast<int64_t>(hk) * p.page_rows * p.head_dim;
   const int64_t v_offset = static_cast<int64_t>(p.heads_kv) * p.page_rows * p.head_dim;
   const float sign = p.negate_q ? -1.f : 1.f;
+  const bool softcap = p.softcap_log2 > 0.f;
+  const float scale_log2 = softcap ? 1.f : p.scale_log2;  // capped logits are log2 already
   for (int m = m0 + warp; m < min(m0 + kPagedRows, rows); m += kPagedThreads / 32) {
     const PagedRow row = GetPagedRow(p, q0, nq, hk, m);
-    const KeyRange vis = VisibleKeys(p, nq, nk, row.query, row.query);
+    const KeyRange vis = PagedVisibleKeys(p, nq, nk, row.query, row.query);
     const int split_lo = blockIdx.x * p.split_keys;
     const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
     float q[kMaxCols], acc[kMaxCols];
@@ -701,8 +781,9 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
       }
 #pragma unroll
       for (int x = 16; x >= 1; x /= 2) s += __shfl_xor_sync(0xffffffffu, s, x);
+      if (softcap) s = Softcap(p, s);
       float rescale;
-      const float pk = OnlineSoftmaxKey(s, mx, sum, p.scale_log2, rescale);
+      const float pk = OnlineSoftmaxKey(s, mx, sum, scale_log2, rescale);
 #pragma unroll
       for (int c = 0; c < kMaxCols; ++c) {
         const int col = lane + 32 * c;
@@ -710,13 +791,16 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
                  (col < p.head_dim ? pk * static_cast<float>(k[v_offset + col]) : 0.f);
       }
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    float inv = sum > 0.f ? 1.f / sum : 0.f;
+    float lse2 = sum > 0.f ? mx * scale_log2 + log2f(sum) : -INFINITY;
+    // One split: the sink joins the row here (several: where the splits merge).
+    if (p.sinks != nullptr && p.splits == 1) inv *= AddSink(p.sinks[row.head], lse2);
 #pragma unroll
     for (int c = 0; c < kMaxCols; ++c) {
       const int col = lane + 32 * c;
       if (col < p.head_dim) StoreOut<T>(p, row.index, col, acc[c] * inv);
     }
-    if (lane == 0) StoreLse(p, row.index, sum > 0.f ? mx * p.scale_log2 + log2f(sum) : -INFINITY);
+    if (lane == 0) StoreLse(p, row.index, lse2);
   }
   if (p.splits > 1) MergeSplitsIfLast<T>(p, &merge_weights[0][0]);
 }

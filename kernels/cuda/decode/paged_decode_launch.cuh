@@ -32,9 +32,9 @@ struct PagedTileFor<T, 128> {
 static_assert(PagedTileFor<__half, 64>::Tile::kResidentCtas == PagedCtasPerSm(64));
 static_assert(PagedTileFor<__half, 128>::Tile::kResidentCtas == PagedCtasPerSm(128));
 
-template <typename Tile>
+template <typename Tile, bool kSoftcap = false>
 cudaError_t LaunchPagedTile(const PagedKernelParams& p, dim3 grid, cudaStream_t stream) {
-  auto* kernel = PagedDecodeKernel<Tile>;
+  auto* kernel = PagedDecodeKernel<Tile, kSoftcap>;
   static std::atomic<uint64_t> smem_set_on{0};
   if (cudaError_t err = OptInSharedMemory(kernel, Tile::kSmemBytes, smem_set_on);
       err != cudaSuccess) {
@@ -70,7 +70,10 @@ cudaError_t LaunchPagedDecodeFor(const PagedKernelParams& p, const PagedLaunch& 
         err = LaunchPagedTile<typename PagedTileFor<T, 64>::Tile>(p, grid, stream);
         break;
       case 128:
-        err = LaunchPagedTile<typename PagedTileFor<T, 128>::Tile>(p, grid, stream);
+        static_assert(kPagedSoftcapHeadDim == 128);
+        err = launch.softcap
+                  ? LaunchPagedTile<typename PagedTileFor<T, 128>::Tile, true>(p, grid, stream)
+                  : LaunchPagedTile<typename PagedTileFor<T, 128>::Tile>(p, grid, stream);
         break;
       default:
         PagedSimtKernel<T><<<grid, kPagedThreads, 0, stream>>>(p);

@@ -17,10 +17,18 @@ namespace attention::cuda {
 // (paged_decode_launch.cuh checks both).
 constexpr int PagedCtasPerSm(int kernel_head_dim) { return kernel_head_dim == 128 ? 1 : 2; }
 
+// The one tensor-core tile instantiated with the logit softcap (Gemma 2 and Grok-1 cap at D = 128;
+// Gemma 2's D = 256 runs on the SIMT kernel): a softcapped step of any head dim a tile serves runs
+// in it, so the softcap costs the build two kernels (float16, bfloat16), not one per tile.
+inline constexpr int kPagedSoftcapHeadDim = 128;
+
 // What the grid needs beyond the kernel params.
 struct PagedLaunch {
   int num_seqs = 0;
   int kernel_head_dim = 0;  // 64 or 128: the tensor-core tile of that D; 0: the SIMT kernel
+  // The tensor-core tile's softcap instance (kernel_head_dim kPagedSoftcapHeadDim); the SIMT
+  // kernel caps by a branch on the params.
+  bool softcap = false;
 };
 
 cudaError_t LaunchPagedDecodeF16(const PagedKernelParams& p, const PagedLaunch& launch,

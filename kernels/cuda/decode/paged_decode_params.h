@@ -31,6 +31,16 @@ struct PagedKernelParams {
   float scale_log2;
   bool negate_q;
   int window_left, window_right;
+  // The open-model options (kernels/paged_kv.h). sinks: float32 [Hq] natural-log sink logits on
+  // the device, nullptr: none (the finished rows' softmax denominators gain them: AddSink).
+  // softcap_log2 > 0: the logits are capped, s2 = softcap_log2 * tanh(q.k * softcap_scale) in the
+  // log2 domain (softcap_log2 = softcap log2(e), softcap_scale = |softmax_scale| / softcap, q
+  // negated as for scale_log2; the tensor-core kernel has an instance for it,
+  // PagedLaunch::softcap). chunk_size > 0: a row also sees only the keys in its diagonal key's
+  // chunk; at most 2^30 (no larger chunk sees otherwise: the planner keeps lengths below 2^30).
+  const float* sinks;
+  float softcap_log2, softcap_scale;
+  int chunk_size;
   // Grid: x = splits, y = heads_kv * m_blocks (16-row blocks of group * Nq), z = sequences.
   int m_blocks;
   int splits;

@@ -63,11 +63,17 @@ size_t SegmentBytes(const WriteRun& r) {
   return (bytes + 15) / 16 * 16;
 }
 
+// A step's sinks (float32 [Hq]; none: 0 bytes), staged with its small arrays.
+size_t SinkBytes(const PagedDecodeParams& host) {
+  return host.sinks != nullptr ? host.heads_q * sizeof(float) : 0;
+}
+
 // `host` pointed at where the kernels find its buffers: q, o and lse packed at device addresses
-// (lse null: not computed), and device copies of cu_seqlens_q, seqlens_k and the page table.
+// (lse null: not computed), and device copies of cu_seqlens_q, seqlens_k, the page table and the
+// sinks (used only when the step has sinks).
 PagedDecodeParams OnDevice(const PagedDecodeParams& host, const void* q, void* o, float* lse,
                            const unsigned char* cu, const unsigned char* lens,
-                           const unsigned char* table) {
+                           const unsigned char* table, const unsigned char* sinks) {
   PagedDecodeParams dev = host;
   dev.q = q;
   dev.o = o;
@@ -78,6 +84,7 @@ PagedDecodeParams OnDevice(const PagedDecodeParams& host, const void* q, void* o
   dev.cu_seqlens_q = reinterpret_cast<const int32_t*>(cu);
   dev.seqlens_k = reinterpret_cast<const int32_t*>(lens);
   dev.page_table = reinterpret_cast<const int32_t*>(table);
+  dev.sinks = host.sinks != nullptr ? reinterpret_cast<const float*>(sinks) : nullptr;
   return dev;
 }
 
@@ -206,7 +213,6 @@ class CudaKvPagePool : public KvPagePool {
   }
 
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host) override {
-    RETURN_IF_ERROR(RefuseOpenModelOptions(host, "cuda"));
     ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(host, page_bytes_, num_pages_));
     if (host.num_seqs == 0 || host.total_q == 0) return KvStepTimes{};
     ASSIGN_OR_RETURN(const PagedDecodePlan plan, PlanPagedDecode(host, extent, plan_options_));
@@ -222,18 +228,20 @@ class CudaKvPagePool : public KvPagePool {
     const size_t cu_bytes = (host.num_seqs + 1) * sizeof(int32_t);
     const size_t lens_bytes = host.num_seqs * sizeof(int32_t);
     const size_t table_bytes = host.num_seqs * host.page_table_stride * sizeof(int32_t);
-    // Staging: the inputs q | cu_seqlens_q | seqlens_k | page_table, then the outputs o | lse.
-    // Scratch: the inputs laid out the same (one copy from staging), then the kernels' workspace.
+    // Staging: the inputs q | cu_seqlens_q | seqlens_k | page_table | sinks, then the outputs o |
+    // lse. Scratch: the inputs laid out the same (one copy from staging), then the kernels'
+    // workspace.
     StepLayout l;
-    const size_t sizes[6] = {q_bytes, cu_bytes, lens_bytes, table_bytes, q_bytes, lse_bytes};
-    for (int i = 0; i < 6; ++i) l.offsets[i + 1] = l.offsets[i] + RoundUp(sizes[i]);
+    const size_t sizes[kEnd] = {q_bytes,         cu_bytes, lens_bytes, table_bytes,
+                                SinkBytes(host), q_bytes,  lse_bytes};
+    for (int i = 0; i < kEnd; ++i) l.offsets[i + 1] = l.offsets[i] + RoundUp(sizes[i]);
     RETURN_IF_ERROR(Reserve(l.offsets[kO] + plan.workspace_bytes));
     RETURN_IF_ERROR(ReserveTickets(plan.tickets));
     ASSIGN_OR_RETURN(l.staged, Stage(l.offsets[kEnd], lock));
     GatherDecodeQ(host, l.staged + l.offsets[kQ]);
-    const void* arrays[] = {host.cu_seqlens_q, host.seqlens_k, host.page_table};
-    for (int i = kCu; i <= kTable; ++i) {
-      std::memcpy(l.staged + l.offsets[i], arrays[i - kCu], sizes[i]);
+    const void* arrays[] = {host.cu_seqlens_q, host.seqlens_k, host.page_table, host.sinks};
+    for (int i = kCu; i <= kSinks; ++i) {
+      if (sizes[i] > 0) std::memcpy(l.staged + l.offsets[i], arrays[i - kCu], sizes[i]);
     }
     ASSIGN_OR_RETURN(const StepEvents events, TakeEvents());
 
@@ -372,12 +380,13 @@ class CudaKvPagePool : public KvPagePool {
         lse ? const_cast<unsigned char*>(packed(reinterpret_cast<const void* const*>(host.lse_seqs),
                                                 host.lse, lse_row_bytes))
             : nullptr;
-    // Scratch: cu_seqlens_q | seqlens_k | page_table (copied from staging), then q, o and lse
-    // where they are not packed, then the kernels' workspace.
-    enum { kCu, kLens, kTable, kQ, kO, kLse, kWork };
+    // Scratch: cu_seqlens_q | seqlens_k | page_table | sinks (copied from staging), then q, o and
+    // lse where they are not packed, then the kernels' workspace.
+    enum { kCu, kLens, kTable, kSinks, kQ, kO, kLse, kWork };
     const size_t sizes[kWork] = {(host.num_seqs + 1) * sizeof(int32_t),
                                  host.num_seqs * sizeof(int32_t),
                                  host.num_seqs * host.page_table_stride * sizeof(int32_t),
+                                 SinkBytes(host),
                                  q != nullptr ? 0 : host.total_q * row_bytes,
                                  o != nullptr ? 0 : host.total_q * row_bytes,
                                  lse && lse_at == nullptr ? host.total_q * lse_row_bytes : 0};
@@ -386,8 +395,10 @@ class CudaKvPagePool : public KvPagePool {
     RETURN_IF_ERROR(Reserve(offsets[kWork] + plan.workspace_bytes));
     RETURN_IF_ERROR(ReserveTickets(plan.tickets));
     ASSIGN_OR_RETURN(unsigned char* const staged, Stage(offsets[kQ], lock));
-    const void* arrays[] = {host.cu_seqlens_q, host.seqlens_k, host.page_table};
-    for (int i = kCu; i <= kTable; ++i) std::memcpy(staged + offsets[i], arrays[i], sizes[i]);
+    const void* arrays[] = {host.cu_seqlens_q, host.seqlens_k, host.page_table, host.sinks};
+    for (int i = kCu; i <= kSinks; ++i) {
+      if (sizes[i] > 0) std::memcpy(staged + offsets[i], arrays[i], sizes[i]);
+    }
     auto at = [&](int i) { return scratch_.data() + offsets[i]; };
     ASSIGN_OR_RETURN(const StepEvents events, TakeEvents());
     absl::Status status = [&]() -> absl::Status {
@@ -417,7 +428,7 @@ class CudaKvPagePool : public KvPagePool {
       const PagedDecodeParams dev =
           OnDevice(host, q != nullptr ? q : at(kQ), o != nullptr ? o : at(kO),
                    !lse ? nullptr : reinterpret_cast<float*>(lse_at != nullptr ? lse_at : at(kLse)),
-                   at(kCu), at(kLens), at(kTable));
+                   at(kCu), at(kLens), at(kTable), at(kSinks));
       if (options_.poison_outputs) {
         // As the host path's: all-ones bytes are NaN in every dtype.
         RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.o, 0xff, host.total_q * row_bytes, stream_),
@@ -464,10 +475,10 @@ class CudaKvPagePool : public KvPagePool {
     return times;
   }
 
-  // Where a decode step's buffers lie: offsets of q | cu_seqlens_q | seqlens_k | page_table | o |
-  // lse in the step's staging; the device scratch holds the inputs at the same offsets, then the
-  // workspace (at offsets[kO]).
-  enum { kQ, kCu, kLens, kTable, kO, kLse, kEnd };
+  // Where a decode step's buffers lie: offsets of q | cu_seqlens_q | seqlens_k | page_table |
+  // sinks | o | lse in the step's staging; the device scratch holds the inputs at the same offsets,
+  // then the workspace (at offsets[kO]).
+  enum { kQ, kCu, kLens, kTable, kSinks, kO, kLse, kEnd };
   struct StepLayout {
     size_t offsets[kEnd + 1] = {0};
     unsigned char* staged = nullptr;
@@ -485,7 +496,7 @@ class CudaKvPagePool : public KvPagePool {
     const PagedDecodeParams dev =
         OnDevice(host, at(kQ), l.staged + l.offsets[kO],
                  lse ? reinterpret_cast<float*>(l.staged + l.offsets[kLse]) : nullptr, at(kCu),
-                 at(kLens), at(kTable));
+                 at(kLens), at(kTable), at(kSinks));
     RETURN_IF_CUDA_ERROR(cudaEventRecord(events[0], stream_), "cudaEventRecord");
     RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(at(kQ), l.staged, l.offsets[kO], cudaMemcpyHostToDevice, stream_),
