@@ -229,6 +229,25 @@ class PackedStepTest(ServerTest):
         self.assertEqual([s.length for s in sessions], lengths)
         del q_in, out, lse_over_o
 
+    def test_a_dropped_session_in_a_batch_stepped_before_is_refused_by_the_client(self):
+        # The client keeps the ids of the batches it stepped (a model names the same batch in
+        # every layer call); a drop forgets them, so the same list is checked again.
+        sessions = [self.client.session(k=self.normal(self.HKV, 3, self.D),
+                                        v=self.normal(self.HKV, 3, self.D)) for _ in range(3)]
+        q = self.normal(3, self.HQ, 1, self.D)
+        self.client.step_batch(sessions, q)
+        sessions[1].drop()
+        for s in (sessions[0], sessions[2]):
+            self.addCleanup(s.drop)
+        with self.assertRaises(AttentionError) as refused:
+            self.client.step_batch(sessions, q)
+        self.assertEqual(refused.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("dropped", refused.exception.details)
+        other = Client(f"127.0.0.1:{self.port}")
+        self.addCleanup(other.close)
+        with self.assertRaises(ValueError):  # another Client's sessions, even a batch seen before
+            other.step_batch(sessions[:1], q[:1])
+
     def test_regions_of_another_client_are_not_found(self):
         """A packed Step's reference into a region another client (another connection, no token)
         registered is NOT_FOUND naming the field, and appends nothing. (Channels of one process
