@@ -9,6 +9,7 @@
 # PYTHON (default python3) needs torch, numpy, grpcio and protobuf; the anchor needs the fa3-fwd
 # wheel (docs/gpu-host.md), installed from .whl/ when that folder is there. BACKEND=cpu runs the
 # server on the CPU (a trial with small flags and --device=cpu --attn=sdpa,unary).
+# PROFILE=1 samples the model's process with py-spy (its wheel in .whl/) into decode_client.svg.
 set -uo pipefail
 bin=${1:-.device/bin}
 shift || true
@@ -34,9 +35,16 @@ trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
 for _ in $(seq 100); do [[ -s $ports ]] && break; sleep 0.1; done
 [[ -s $ports ]] || { echo "run_decode.sh: attention_server did not start"; cat "$out/decode_bench_server.log"; exit 1; }
 port=$(cut -d' ' -f1 "$ports")
-PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/client/python:$PWD/$gen${PYTHONPATH:+:$PYTHONPATH} "$python" \
-  bench/torch/decode_bench.py --target=127.0.0.1:$port "$@" 2>"$out/decode_bench.log" \
-  | tee "$out/decode_bench.txt"
+# PROFILE=1: the model's process under py-spy (a wheel in .whl/), sampled with its native frames,
+# as a flame graph in $OUT/decode_client.svg: where the client's part of a layer call goes.
+profiler=()
+if [[ -n ${PROFILE:-} ]] && compgen -G ".whl/py_spy-*.whl" >/dev/null &&
+  "$python" -m pip install -q --no-index --no-deps --target /tmp/py-spy-site .whl/py_spy-*.whl; then
+  profiler=(/tmp/py-spy-site/bin/py-spy record --native --rate 250 -o "$out/decode_client.svg" --)
+fi
+PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/client/python:$PWD/$gen${PYTHONPATH:+:$PYTHONPATH} \
+  "${profiler[@]}" "$python" bench/torch/decode_bench.py --target=127.0.0.1:$port "$@" \
+  2>"$out/decode_bench.log" | tee "$out/decode_bench.txt"
 rc=${PIPESTATUS[0]}
 [[ $rc == 0 ]] || tail -20 "$out/decode_bench.log"
 exit "$rc"
