@@ -9,11 +9,12 @@ names, gRPC service names and labels they mention exist in the project and agree
 executables of the CMake build, the proto's service).
 
   check_deploy_config.py --root=REPOSITORY_ROOT [--kubectl=KUBECTL]
-      [--docker_compose=DOCKER_COMPOSE] [--docker=DOCKER] [TEST ...]
+      [--docker_compose=DOCKER_COMPOSE] [--compose_v2=COMPOSE_V2] [--docker=DOCKER] [TEST ...]
 
 With --kubectl, KustomizeRenderTest also renders the kustomizations with `kubectl kustomize`.
-With --docker_compose (Debian's docker-compose 1.29) and --docker (compose v2, `docker compose`,
-where that plugin is installed), ComposeCliTest has each validate the compose files.
+With --docker_compose (Debian's docker-compose 1.29) and --compose_v2 (compose v2's own binary) or
+--docker (compose v2 as `docker compose`, where that plugin is installed), ComposeCliTest has each
+validate the compose files.
 """
 
 import argparse
@@ -32,6 +33,7 @@ ROOT = ""  # set by main()
 KUBECTL = ""  # set by main(): --kubectl, for KustomizeRenderTest
 DOCKER_COMPOSE = ""  # set by main(): --docker_compose, for ComposeCliTest
 DOCKER = ""  # set by main(): --docker, for ComposeCliTest
+COMPOSE_V2 = ""  # set by main(): --compose_v2, for ComposeCliTest
 
 # Flags abseil itself defines for every binary.
 ABSL_BUILTIN_FLAGS = {"help", "helpfull", "helpshort", "helppackage", "version", "flagfile",
@@ -625,7 +627,8 @@ class ComposeTest(unittest.TestCase):
 
 class ComposeCliTest(unittest.TestCase):
     """`config -q` of both files, alone and with the GPU override, by docker-compose 1.29
-    (--docker_compose) and compose v2 (--docker, when `docker compose` runs); skipped without."""
+    (--docker_compose) and compose v2 (--compose_v2, or --docker when `docker compose` runs);
+    skipped without."""
 
     def validate(self, command):
         for files in (COMPOSE_FILES[:1], COMPOSE_FILES):
@@ -641,10 +644,17 @@ class ComposeCliTest(unittest.TestCase):
         self.validate([DOCKER_COMPOSE])
 
     def test_compose_v2(self):
-        if not os.access(DOCKER, os.X_OK) or subprocess.run(
-                [DOCKER, "compose", "version"], capture_output=True).returncode != 0:
-            self.skipTest("no --docker given, or it has no compose v2 plugin")
-        self.validate([DOCKER, "compose"])
+        if COMPOSE_V2:
+            command = [COMPOSE_V2]
+        elif os.access(DOCKER, os.X_OK) and subprocess.run(
+                [DOCKER, "compose", "version"], capture_output=True).returncode == 0:
+            command = [DOCKER, "compose"]
+        else:
+            self.skipTest("no --compose_v2 given, nor a --docker with the compose v2 plugin")
+        version = subprocess.run(command + ["version"], capture_output=True, text=True,
+                                 timeout=60).stdout
+        self.assertRegex(version, r"version v?2\.", f"{command} is not compose v2")
+        self.validate(command)
 
 
 def markdown_anchors(text):
@@ -704,17 +714,19 @@ class ReadmeTest(unittest.TestCase):
                 self.assertEqual(unknown_flags(words, commands[m.group(1)]), [], line)
 
 def main():
-    global ROOT, PROJECT, KUBECTL, DOCKER_COMPOSE, DOCKER
+    global ROOT, PROJECT, KUBECTL, DOCKER_COMPOSE, DOCKER, COMPOSE_V2
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", required=True, help="the repository root")
     parser.add_argument("--kubectl", default="", help="kubectl, to render the kustomizations")
     parser.add_argument("--docker_compose", default="", help="docker-compose 1.29")
+    parser.add_argument("--compose_v2", default="", help="compose v2's docker-compose binary")
     parser.add_argument("--docker", default="", help="docker, for `docker compose` (v2)")
     args, rest = parser.parse_known_args()
     ROOT = os.path.abspath(args.root)
     KUBECTL = args.kubectl
     DOCKER_COMPOSE = args.docker_compose
     DOCKER = args.docker
+    COMPOSE_V2 = args.compose_v2
     PROJECT = Project()
     unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
 
