@@ -36,7 +36,9 @@ The host-path attentions (packed, packed-ring, packed-overlap and the per-entry 
 Client with cuda_regions="off", so they measure what they name.
 
 Prints one JSON line per (batch, context, attention), then the ratio table against fa3 (or the
-first attention given), with the server's part of a layer call (ServerTiming: total, prepare,
+first attention given), with the client's time in a layer call (ms/call; wait: of it, the
+Step posted without waiting still waiting for the server's previous answer or slot), the
+server's part of a layer call (ServerTiming: total, prepare,
 run, kernel). Against the anchor: the first layer's attention output at step 0 (the same inputs
 for every attention) and the first step's logits after all layers (max |diff| / max |value|),
 and the share of equal greedy tokens.
@@ -280,6 +282,7 @@ class ServicePacked(ServiceSteps):
         self.stream = "ring" if transport.endswith(("-ring", "-pipe")) else False
         self.pipelined = transport == "packed-cuda-pipe"
         self.posted = None  # packed-cuda-pipe: the Step posted last, its answer not yet counted
+        self.wait_s = 0.0  # packed-cuda-pipe: of call_s, the posts' waits for the server
         self.overlapped = transport == "packed-overlap"
         self.halves = [[s[:batch // 2], s[batch // 2:]] for s in self.sessions]
         self.region = None
@@ -308,9 +311,14 @@ class ServicePacked(ServiceSteps):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         start = time.perf_counter()
         if self.pipelined:
+            ring = self.client._step_ring
+            waited = ring.waited_s if ring is not None else 0.0
             step = self.client.step_batch(self.sessions[i], q, k, v, causal=True, layer=i,
                                           return_info=True, stream="ring", wait=False)
             self.call_s += time.perf_counter() - start
+            # Of which waiting for the server (the previous Step's answer, or its slot).
+            self.wait_s += self.client._step_ring.waited_s - (
+                waited if self.client._step_ring is ring else 0.0)
             self.settle()  # its answer was read by this post
             self.posted = step
             return self.record(i, step.o.transpose(1, 2))
@@ -425,6 +433,8 @@ def compare(a, model, attns, batch, context, client_for, device, dtype):
                 attention.close()
             anchor_rounds += paired
             row = timing_row(a, name, batch, context, rounds)
+            if isinstance(attention, ServicePacked) and attention.pipelined:
+                row.update(wait_ms_per_call=1e3 * attention.wait_s / attention.calls)
             if isinstance(attention, ServiceSteps):
                 row.update(ms_per_call=1e3 * attention.call_s / attention.calls,
                            **{f"server_{field[:-3]}_ms_per_call": 1e-3 * us / attention.calls
@@ -512,12 +522,14 @@ def main():
           f"rounds; ratio against {attns[0]}'s rounds alternating with each")
     print(f"{'context':>7} {'batch':>5} {'attn':>11} {'tok/s':>9} {'ratio':>6} {'ms/step':>8} "
           f"{'spread':>6} "
-          f"{'ms/call':>8} {'server':>7} {'prep':>6} {'run':>6} {'kernel':>6} {'attn':>8} "
+          f"{'ms/call':>8} {'wait':>6} {'server':>7} {'prep':>6} {'run':>6} {'kernel':>6} "
+          f"{'attn':>8} "
           f"{'logits':>8} {'same':>5}")
     for r in rows:
         print(f"{r['context']:>7} {r['batch']:>5} {r['attn']:>11} {r['tok_s']:>9.1f} "
               f"{r.get('ratio', 1.0):>6.2f} {r['ms_per_step']:>8.2f} {r['spread']:>6.2f} "
               f"{r.get('ms_per_call', float('nan')):>8.3f} "
+              f"{r.get('wait_ms_per_call', float('nan')):>6.3f} "
               f"{r.get('server_total_ms_per_call', float('nan')):>7.3f} "
               f"{r.get('server_prepare_ms_per_call', float('nan')):>6.3f} "
               f"{r.get('server_run_ms_per_call', float('nan')):>6.3f} "

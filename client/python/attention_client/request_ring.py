@@ -82,6 +82,9 @@ class RequestRing:
         self._in_flight = None  # the RingTicket of the request posted and not yet answered
         self._closed = False  # no more requests
         self._released = False  # the region unregistered, the shared memory unlinked
+        # Seconds spent waiting for the server (a slot it had not taken, an answer not yet
+        # posted): what a caller that posts without waiting for answers still waits.
+        self.waited_s = 0.0
         self._shm = shared_memory.SharedMemory(create=True, size=_HEADER_BYTES + 2 * slot_bytes)
         buf = self._shm.buf
         self._buf = buf
@@ -197,18 +200,24 @@ class RequestRing:
 
     def _await(self, ready):
         """Spins, then sleeps on the client bell, until `ready()`; raises once the ring ended
-        without it."""
-        spin_until = time.monotonic() + _SPIN_S
-        while not ready():
-            if self._server_closed.value or self._call.done():
-                if ready():
-                    return
-                self._raise_end()
-            if time.monotonic() > spin_until:
-                self._client_waiting.value = 1
-                if not ready():
-                    self._sleep()
-                self._client_waiting.value = 0
+        without it. Counts the time in waited_s."""
+        if ready():
+            return
+        start = time.monotonic()
+        spin_until = start + _SPIN_S
+        try:
+            while not ready():
+                if self._server_closed.value or self._call.done():
+                    if ready():
+                        return
+                    self._raise_end()
+                if time.monotonic() > spin_until:
+                    self._client_waiting.value = 1
+                    if not ready():
+                        self._sleep()
+                    self._client_waiting.value = 0
+        finally:
+            self.waited_s += time.monotonic() - start
 
     def _raise_end(self):
         self._closed = True
