@@ -72,13 +72,27 @@ bool PrefixIndex::Evict(std::vector<int32_t>* freed) {
   return true;
 }
 
-void PrefixIndex::Remove(Block* block, std::vector<int32_t>* freed) {
-  // The blocks under it: their chains pass through it, so nothing finds them once it is gone.
-  while (!block->children.empty()) Remove(block->children.back(), freed);
-  if (block->parent != nullptr) {
-    std::vector<Block*>& siblings = block->parent->children;
-    siblings.erase(std::find(siblings.begin(), siblings.end(), block));
+void PrefixIndex::Remove(Block* root, std::vector<int32_t>* freed) {
+  if (root->parent != nullptr) {
+    std::vector<Block*>& siblings = root->parent->children;
+    siblings.erase(std::find(siblings.begin(), siblings.end(), root));
   }
+  // The blocks under it go too: their chains pass through it, so nothing finds them once it is
+  // gone. Children first, by a stack of our own (a chain of a long prompt is thousands deep).
+  std::vector<Block*> stack = {root};
+  while (!stack.empty()) {
+    Block* block = stack.back();
+    if (!block->children.empty()) {
+      stack.push_back(block->children.back());
+      block->children.pop_back();
+      continue;
+    }
+    stack.pop_back();
+    Erase(block, freed);
+  }
+}
+
+void PrefixIndex::Erase(Block* block, std::vector<int32_t>* freed) {
   if (block->in_lru) {
     lru_.erase(block->lru);
     unheld_pages_ -= static_cast<int64_t>(block->pages.size());

@@ -83,7 +83,9 @@ class PrefixIndex {
   };
 
   static Key MakeKey(uint64_t parent, absl::string_view scope, absl::Span<const int64_t> tokens);
-  void Remove(Block* block, std::vector<int32_t>* freed);
+  // Removes `root` and every block under it; Erase: one block, its children gone already.
+  void Remove(Block* root, std::vector<int32_t>* freed);
+  void Erase(Block* block, std::vector<int32_t>* freed);
 
   absl::node_hash_map<Key, Block, absl::Hash<Key>> index_;
   absl::flat_hash_map<uint64_t, Block*> blocks_;  // by serial
