@@ -1,6 +1,7 @@
 """Shared prefixes over real gRPC (CPU backend): a session created from prefix_tokens holds the
 full pages another session appended with the same token ids, costs only its own new pages, and
-steps bit for bit as a session of the same rows made from scratch; cached pages no session holds
+steps bit for bit as a session of the same rows made from scratch (of one layer and of several,
+whose blocks are cached once every layer holds them); cached pages no session holds
 are taken back least recently released first when the pool is full, never a page a session holds;
 tokens of the wrong count and prefix_tokens with k and v are refused by name. Inputs are fresh
 random each run; the seed is printed, and a failure message repeats it.
@@ -28,7 +29,8 @@ class PrefixTest(ServerTest):
 
     def tearDown(self):
         for info in self.client.list_sessions().sessions:
-            self.client._sessions_stub.DropSession(pb.DropSessionRequest(session_id=info.session_id))
+            request = pb.DropSessionRequest(session_id=info.session_id)
+            self.client._sessions_stub.DropSession(request)
 
     def rows(self, n):
         return self.normal(HKV, n, D), self.normal(HKV, n, D)
@@ -61,7 +63,8 @@ class PrefixTest(ServerTest):
             free, _ = self.room()
             with self.create(prefix_tokens=prompt) as second:
                 # The three full pages are shared, the partial fourth is not: no page taken yet.
-                self.assertEqual((second.prefix_rows, second.length), (3 * PAGE_ROWS, 3 * PAGE_ROWS))
+                self.assertEqual((second.prefix_rows, second.length),
+                                 (3 * PAGE_ROWS, 3 * PAGE_ROWS))
                 self.assertEqual(self.room()[0], free)
                 second.append(k[:, 3 * PAGE_ROWS:], v[:, 3 * PAGE_ROWS:],
                               tokens=prompt[3 * PAGE_ROWS:])
@@ -82,6 +85,33 @@ class PrefixTest(ServerTest):
             other[PAGE_ROWS + 1] += 1
             with self.create(prefix_tokens=other) as third:
                 self.assertEqual(third.prefix_rows, PAGE_ROWS)
+
+    def test_a_sequence_of_layers_shares_each_layers_pages(self):
+        n, layers = 2 * PAGE_ROWS + 3, 2
+        prompt = self.tokens(n)
+        rows = [self.rows(n) for _ in range(layers)]
+        with self.create(layers=layers) as first:
+            # Cached once every layer holds the rows: after layer 0 alone nothing is found yet.
+            first.append(*rows[0], layer=0, tokens=prompt)
+            with self.create(layers=layers, prefix_tokens=prompt) as early:
+                self.assertEqual(early.prefix_rows, 0)
+            first.append(*rows[1], layer=1, tokens=prompt)
+            free, _ = self.room()
+            with self.create(layers=layers, prefix_tokens=prompt) as second, \
+                    self.create(layers=layers) as scratch:
+                self.assertEqual((second.prefix_rows, second.layer_lengths),
+                                 (2 * PAGE_ROWS, [2 * PAGE_ROWS] * layers))
+                self.assertEqual(self.room()[0], free - layers)  # scratch's first pages only
+                for layer, (k, v) in enumerate(rows):
+                    second.append(k[:, 2 * PAGE_ROWS:], v[:, 2 * PAGE_ROWS:], layer=layer,
+                                  tokens=prompt[2 * PAGE_ROWS:])
+                    scratch.append(k, v, layer=layer)
+                for layer in range(layers):
+                    q, (kn, vn) = self.normal(HQ, 1, D), self.rows(1)
+                    o_a, lse_a = second.step(q, kn, vn, layer=layer, return_lse=True)
+                    o_b, lse_b = scratch.step(q, kn, vn, layer=layer, return_lse=True)
+                    self.assertSame(o_a, o_b, f"o of layer {layer}")
+                    self.assertSame(lse_a, lse_b, f"lse of layer {layer}")
 
     def test_cached_pages_go_least_recently_released_first_and_held_ones_never(self):
         prompt, other = self.tokens(3 * PAGE_ROWS), self.tokens(2 * PAGE_ROWS)
