@@ -30,8 +30,8 @@ TEST(PrefixIndexTest, FindsABlockByItsParentTokensAndScope) {
   EXPECT_EQ(index.Find(0, "a", first), chain[0]);
   EXPECT_EQ(index.Find(chain[0], "a", second), chain[1]);
   EXPECT_EQ(index.Find(chain[0], "ignored under a parent", second), chain[1]);
-  EXPECT_EQ(index.Find(0, "b", first), 0u);       // another scope
-  EXPECT_EQ(index.Find(0, "a", second), 0u);      // not a first block
+  EXPECT_EQ(index.Find(0, "b", first), 0u);   // another scope
+  EXPECT_EQ(index.Find(0, "a", second), 0u);  // not a first block
   EXPECT_EQ(index.Find(chain[1], "a", second), 0u);
   EXPECT_EQ(index.Pages(chain[1]), std::vector<int32_t>{1});
   EXPECT_TRUE(index.Cached(1));

@@ -19,7 +19,7 @@
 // layer; Drop, expiry (once every layer is idle past the TTL) and the snapshots take the group as
 // one (Fork and Truncate of every layer are the caller's, holding every layer's lease).
 //
-// Shared prefixes: rows appended with their token ids (Append's `tokens`) make, page by full page,
+// Shared prefixes: rows whose token ids the caller names (NameTokens) make, page by full page,
 // the blocks of each device's PrefixIndex (prefix_index.h; a session of several layers: once
 // every layer holds the block, one page a layer). Create's `prefix_tokens` starts a session
 // holding the longest chain of those blocks its tokens begin with (of its owner, shape and
@@ -68,7 +68,7 @@ struct KvCacheUsage {
   int64_t resident_bytes = 0;
   int64_t pages_free = 0;
   int64_t pages_total = 0;
-  int64_t pages_shared = 0;  // held by more than one session (forks), each counted once
+  int64_t pages_shared = 0;  // held by more than one session (forks, prefixes), each counted once
   int64_t pages_cached = 0;  // in the prefix index and no session's: free once taken
 };
 
