@@ -48,7 +48,8 @@ Session::Session(Session&& other) noexcept
       id_(std::exchange(other.id_, "")),
       spec_(other.spec_),
       length_(other.length_),
-      layer_lengths_(std::move(other.layer_lengths_)) {}
+      layer_lengths_(std::move(other.layer_lengths_)),
+      prefix_rows_(other.prefix_rows_) {}
 
 Session& Session::operator=(Session&& other) noexcept {
   if (this != &other) {
@@ -58,6 +59,7 @@ Session& Session::operator=(Session&& other) noexcept {
     spec_ = other.spec_;
     length_ = other.length_;
     layer_lengths_ = std::move(other.layer_lengths_);
+    prefix_rows_ = other.prefix_rows_;
   }
   return *this;
 }
@@ -84,21 +86,29 @@ Session::~Session() {
 }
 
 absl::Status Session::Append(const v1::Tensor& k, const v1::Tensor& v, const CallOptions& call) {
-  return AppendRows(k, v, std::nullopt, call);
+  return AppendRows(k, v, {}, std::nullopt, call);
 }
 
 absl::Status Session::Append(const v1::Tensor& k, const v1::Tensor& v, int32_t layer,
                              const CallOptions& call) {
-  return AppendRows(k, v, layer, call);
+  return AppendRows(k, v, {}, layer, call);
+}
+
+absl::Status Session::Append(const v1::Tensor& k, const v1::Tensor& v,
+                             absl::Span<const int64_t> tokens, std::optional<int32_t> layer,
+                             const CallOptions& call) {
+  return AppendRows(k, v, tokens, layer, call);
 }
 
 absl::Status Session::AppendRows(const v1::Tensor& k, const v1::Tensor& v,
-                                 std::optional<int32_t> layer, const CallOptions& call) {
+                                 absl::Span<const int64_t> tokens, std::optional<int32_t> layer,
+                                 const CallOptions& call) {
   if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
   v1::AppendKvRequest request;
   request.set_session_id(id_);
   request.set_layout(spec_.layout);
   if (layer) request.set_layer(*layer);
+  request.mutable_tokens()->Add(tokens.begin(), tokens.end());
   *request.mutable_k() = k;
   *request.mutable_v() = v;
   return Update(&v1::Sessions::Stub::AppendKv, request, call);
@@ -250,8 +260,30 @@ SessionClient::SessionClient(const Client& client)
 
 absl::StatusOr<Session> SessionClient::Create(const SessionSpec& spec, const v1::Tensor* k,
                                               const v1::Tensor* v, const CallOptions& call) {
+  return CreateSession(spec, k, v, {}, {}, call);
+}
+
+absl::StatusOr<Session> SessionClient::Create(const SessionSpec& spec, const v1::Tensor& k,
+                                              const v1::Tensor& v, absl::Span<const int64_t> tokens,
+                                              const CallOptions& call) {
+  return CreateSession(spec, &k, &v, tokens, {}, call);
+}
+
+absl::StatusOr<Session> SessionClient::CreateFromPrefix(const SessionSpec& spec,
+                                                        absl::Span<const int64_t> prefix_tokens,
+                                                        const CallOptions& call) {
+  return CreateSession(spec, nullptr, nullptr, {}, prefix_tokens, call);
+}
+
+absl::StatusOr<Session> SessionClient::CreateSession(const SessionSpec& spec, const v1::Tensor* k,
+                                                     const v1::Tensor* v,
+                                                     absl::Span<const int64_t> tokens,
+                                                     absl::Span<const int64_t> prefix_tokens,
+                                                     const CallOptions& call) {
   if (absl::Status pair = CheckPair(k, v); !pair.ok()) return pair;
   v1::CreateSessionRequest request;
+  request.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  request.mutable_prefix_tokens()->Add(prefix_tokens.begin(), prefix_tokens.end());
   request.set_dtype(spec.dtype);
   request.set_kv_heads(static_cast<int32_t>(spec.kv_heads));
   request.set_head_dim(static_cast<int32_t>(spec.head_dim));

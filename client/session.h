@@ -118,6 +118,10 @@ class Session {
   // The same into layer `layer` of a session of several layers.
   absl::Status Append(const v1::Tensor& k, const v1::Tensor& v, int32_t layer,
                       const CallOptions& call = {});
+  // The same with the token id of each row (one per row), so later sessions of this caller can
+  // share their full pages (SessionClient::CreateFromPrefix).
+  absl::Status Append(const v1::Tensor& k, const v1::Tensor& v, absl::Span<const int64_t> tokens,
+                      std::optional<int32_t> layer = std::nullopt, const CallOptions& call = {});
   // Keeps the first `length` rows (0 <= length <= the session's; speculative decoding drops
   // rejected tokens) and frees the server's pages beyond them.
   absl::Status Truncate(int64_t length, const CallOptions& call = {});
@@ -161,20 +165,23 @@ class Session {
   // several layers, the rows every layer holds, and each layer's.
   int64_t length() const { return length_; }
   const std::vector<int64_t>& layer_lengths() const { return layer_lengths_; }
+  // The rows its creation found cached (SessionClient::CreateFromPrefix; SessionInfo.prefix_rows).
+  int64_t prefix_rows() const { return prefix_rows_; }
 
  private:
   friend class SessionClient;
   friend class SessionImport;
   Session(SessionClient* client, std::string id, const SessionSpec& spec,
           const v1::SessionInfo& info)
-      : client_(client), id_(std::move(id)), spec_(spec) {
+      : client_(client), id_(std::move(id)), spec_(spec), prefix_rows_(info.prefix_rows()) {
     SetInfo(info);
   }
   // The lengths a SessionInfo gives.
   void SetInfo(const v1::SessionInfo& info);
   // A Step's answer: `layer`'s rows (absent: the only layer's) are now `length`.
   void SetLength(int64_t length, std::optional<int32_t> layer);
-  absl::Status AppendRows(const v1::Tensor& k, const v1::Tensor& v, std::optional<int32_t> layer,
+  absl::Status AppendRows(const v1::Tensor& k, const v1::Tensor& v,
+                          absl::Span<const int64_t> tokens, std::optional<int32_t> layer,
                           const CallOptions& call);
   // A call answered by the session's SessionInfo (AppendKv, Truncate); sets length().
   template <typename Request>
@@ -187,6 +194,7 @@ class Session {
   SessionSpec spec_;
   int64_t length_ = 0;
   std::vector<int64_t> layer_lengths_;  // one per layer
+  int64_t prefix_rows_ = 0;
 };
 
 // One entry of a batched step: `session` attends `q` [Hq, Nq, D] after appending k and v
@@ -245,6 +253,16 @@ class SessionClient {
   // A new session, with its first rows when k and v are given (both or neither).
   absl::StatusOr<Session> Create(const SessionSpec& spec, const v1::Tensor* k = nullptr,
                                  const v1::Tensor* v = nullptr, const CallOptions& call = {});
+  // The same with the token id of each row of k and v (one per row; see Session::Append).
+  absl::StatusOr<Session> Create(const SessionSpec& spec, const v1::Tensor& k, const v1::Tensor& v,
+                                 absl::Span<const int64_t> tokens, const CallOptions& call = {});
+  // A new session holding the rows of the longest run of full pages of `prefix_tokens` (the
+  // sequence's first token ids) that this caller's sessions of this spec's shape and layers
+  // appended with their tokens and the server still caches, shared with them (copy on write);
+  // Session::prefix_rows() says how many: append the rest, with their tokens.
+  absl::StatusOr<Session> CreateFromPrefix(const SessionSpec& spec,
+                                           absl::Span<const int64_t> prefix_tokens,
+                                           const CallOptions& call = {});
 
   // One Step RPC for several sessions of this client (each at most once), which the server runs
   // as one launch where it can. Results come in the order of `items`; each session's length() is
@@ -291,6 +309,11 @@ class SessionClient {
  private:
   friend class Session;
   friend class SessionImport;
+  // CreateSession with every optional field: first rows and their tokens, or a prefix.
+  absl::StatusOr<Session> CreateSession(const SessionSpec& spec, const v1::Tensor* k,
+                                        const v1::Tensor* v, absl::Span<const int64_t> tokens,
+                                        absl::Span<const int64_t> prefix_tokens,
+                                        const CallOptions& call);
   // The StepRequest for `items` and `options`; an error when an item lacks a session or q.
   static absl::StatusOr<v1::StepRequest> MakeStepRequest(absl::Span<const StepItem> items,
                                                          const StepOptions& options);

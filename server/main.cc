@@ -398,7 +398,16 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
                                 [&metrics](const std::string& device, const KvCacheUsage& usage) {
                                   metrics.SetKvCache(device, usage.sessions, usage.resident_bytes,
                                                      usage.pages_free, usage.pages_total,
-                                                     usage.pages_shared);
+                                                     usage.pages_shared, usage.pages_cached);
+                                },
+                            .on_prefix =
+                                [&metrics](const std::string& device, const PrefixLookup& lookup) {
+                                  metrics.PrefixLookedUp(device, lookup.hit_blocks,
+                                                         lookup.missed_blocks, lookup.shared_bytes);
+                                },
+                            .on_evicted =
+                                [&metrics](const std::string& device, int64_t pages) {
+                                  metrics.PrefixPagesEvicted(device, pages);
                                 }});
   }
   // CUDA events of packed Steps in stream order, opened once per handle.

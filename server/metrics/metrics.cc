@@ -144,6 +144,28 @@ Metrics::Metrics(const BuildInfo& build)
                               "Pages of the KV cache more than one session holds (forks share "
                               "their parent's full pages), by device.")
                           .Register(*registry_);
+  kv_pages_cached_ = &prometheus::BuildGauge()
+                          .Name("attention_kv_pages_cached")
+                          .Help(
+                              "Pages of cached prefixes no session holds (taken back, least "
+                              "recently used first, when no page is free), by device.")
+                          .Register(*registry_);
+  kv_prefix_blocks_ = &prometheus::BuildCounter()
+                           .Name("attention_kv_prefix_blocks_total")
+                           .Help(
+                               "Full pages of CreateSession prefixes looked up, by device and "
+                               "result (hit: cached and shared; miss).")
+                           .Register(*registry_);
+  kv_prefix_shared_bytes_ = &prometheus::BuildCounter()
+                                 .Name("attention_kv_prefix_shared_bytes_total")
+                                 .Help(
+                                     "Bytes of cached prefix pages new sessions shared instead of "
+                                     "holding their own, by device.")
+                                 .Register(*registry_);
+  kv_prefix_evicted_pages_ = &prometheus::BuildCounter()
+                                  .Name("attention_kv_prefix_evicted_pages_total")
+                                  .Help("Cached prefix pages taken back for room, by device.")
+                                  .Register(*registry_);
   kv_pages_total_ = &prometheus::BuildGauge()
                          .Name("attention_kv_pages_capacity")
                          .Help("Pages of the KV cache, by device (--kv_cache_fraction).")
@@ -265,13 +287,28 @@ void Metrics::SetDeviceMemoryTotal(const std::string& device, int64_t bytes) {
 }
 
 void Metrics::SetKvCache(const std::string& device, int64_t sessions, int64_t resident_bytes,
-                         int64_t pages_free, int64_t pages_total, int64_t pages_shared) {
+                         int64_t pages_free, int64_t pages_total, int64_t pages_shared,
+                         int64_t pages_cached) {
   const prometheus::Labels labels = {{"device", device}};
   sessions_resident_->Add(labels).Set(static_cast<double>(sessions));
   session_resident_bytes_->Add(labels).Set(static_cast<double>(resident_bytes));
   kv_pages_free_->Add(labels).Set(static_cast<double>(pages_free));
   kv_pages_total_->Add(labels).Set(static_cast<double>(pages_total));
   kv_pages_shared_->Add(labels).Set(static_cast<double>(pages_shared));
+  kv_pages_cached_->Add(labels).Set(static_cast<double>(pages_cached));
+}
+
+void Metrics::PrefixLookedUp(const std::string& device, int64_t hit_blocks, int64_t missed_blocks,
+                             int64_t shared_bytes) {
+  kv_prefix_blocks_->Add({{"device", device}, {"result", "hit"}})
+      .Increment(static_cast<double>(hit_blocks));
+  kv_prefix_blocks_->Add({{"device", device}, {"result", "miss"}})
+      .Increment(static_cast<double>(missed_blocks));
+  kv_prefix_shared_bytes_->Add({{"device", device}}).Increment(static_cast<double>(shared_bytes));
+}
+
+void Metrics::PrefixPagesEvicted(const std::string& device, int64_t pages) {
+  kv_prefix_evicted_pages_->Add({{"device", device}}).Increment(static_cast<double>(pages));
 }
 
 void Metrics::SessionsExpired(int count) { session_expirations_->Increment(count); }

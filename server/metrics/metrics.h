@@ -84,10 +84,16 @@ class Metrics {
 
   // KV-resident sessions (session_store.h), per device: sessions held, bytes of the pages they
   // hold (a page forks share counted once), the pool's free and total pages and the pages more
-  // than one session holds; expirations after the TTL; the duration of each decode step (one
-  // KvPagePool::Decode call).
+  // than one session holds, and the cached prefix pages no session holds; expirations after the
+  // TTL; the duration of each decode step (one KvPagePool::Decode call).
   void SetKvCache(const std::string& device, int64_t sessions, int64_t resident_bytes,
-                  int64_t pages_free, int64_t pages_total, int64_t pages_shared);
+                  int64_t pages_free, int64_t pages_total, int64_t pages_shared,
+                  int64_t pages_cached);
+  // Shared prefixes (CreateSessionRequest.prefix_tokens), per device: a lookup's full pages of
+  // the prefix found cached and not, and the bytes of pages it shared; cached pages taken back.
+  void PrefixLookedUp(const std::string& device, int64_t hit_blocks, int64_t missed_blocks,
+                      int64_t shared_bytes);
+  void PrefixPagesEvicted(const std::string& device, int64_t pages);
   void SessionsExpired(int count);
   void DecodeStepObserved(const std::string& device, absl::Duration elapsed);
 
@@ -138,6 +144,10 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* kv_pages_free_ = nullptr;
   prometheus::Family<prometheus::Gauge>* kv_pages_shared_ = nullptr;
   prometheus::Family<prometheus::Gauge>* kv_pages_total_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* kv_pages_cached_ = nullptr;
+  prometheus::Family<prometheus::Counter>* kv_prefix_blocks_ = nullptr;
+  prometheus::Family<prometheus::Counter>* kv_prefix_shared_bytes_ = nullptr;
+  prometheus::Family<prometheus::Counter>* kv_prefix_evicted_pages_ = nullptr;
   prometheus::Counter* session_expirations_ = nullptr;
   prometheus::Family<prometheus::Histogram>* decode_step_duration_ = nullptr;
   // The stage histograms, looked up once.

@@ -130,7 +130,22 @@ absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& reque
         " layers (created empty: append each layer's rows with AppendKv and its layer), got ",
         decoded.rows.rows, " rows"));
   }
+  RETURN_IF_ERROR(CheckTokens("tokens", request.tokens_size(), decoded.rows.rows));
+  if (request.prefix_tokens_size() > 0 && decoded.rows.rows > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "k, v: expected none with prefix_tokens (append the rows after SessionInfo.prefix_rows), "
+        "got ",
+        decoded.rows.rows, " rows"));
+  }
+  decoded.tokens.assign(request.tokens().begin(), request.tokens().end());
+  decoded.prefix_tokens.assign(request.prefix_tokens().begin(), request.prefix_tokens().end());
   return decoded;
+}
+
+absl::Status CheckTokens(absl::string_view field, int tokens, int64_t rows) {
+  if (tokens == 0 || tokens == rows) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": expected none or ", rows, " (one token id per row of k and v), got ", tokens));
 }
 
 absl::StatusOr<int64_t> DecodeChunkRows(int64_t chunk_rows, const KvShape& shape,

@@ -27,7 +27,9 @@ v1::DType ToProtoDType(DType dtype);
 struct DecodedCreate {
   KvShape shape;
   KvRows rows;
-  int layers = 1;  // CreateSessionRequest.layers (0 read as 1)
+  int layers = 1;                      // CreateSessionRequest.layers (0 read as 1)
+  std::vector<int64_t> tokens;         // of `rows`: none, or one a row
+  std::vector<int64_t> prefix_tokens;  // with no rows
 };
 // CreateSessionRequest.layers at most (a model's layers: a few hundred today).
 inline constexpr int kMaxSessionLayers = 4096;
@@ -61,6 +63,10 @@ struct DecodedImportChunk {
 };
 absl::StatusOr<DecodedImportChunk> DecodeImportChunk(const v1::SessionChunk& chunk,
                                                      const KvShape& shape);
+
+// AppendKvRequest.tokens (CreateSessionRequest.tokens: `field` names it): none, or one per row of
+// the `rows` appended.
+absl::Status CheckTokens(absl::string_view field, int tokens, int64_t rows);
 
 // The k and v rows to append to a session of `shape`: BHSD [Hkv, n, D] or BSHD [n, Hkv, D]; both
 // absent (null) is zero rows. `prefix` begins the field names ("", "entries[2].").

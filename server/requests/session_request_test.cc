@@ -1,6 +1,6 @@
 // Checks of Sessions requests (session_request.h): each malformed field is refused
-// INVALID_ARGUMENT with a message naming the field, the expected and the actual value; valid
-// rows come out with the strides of their layout.
+// INVALID_ARGUMENT with a message naming the field, the expected and the actual value (token ids:
+// one per row, and a prefix without rows); valid rows come out with the strides of their layout.
 #include "server/requests/session_request.h"
 
 #include <string>
@@ -65,6 +65,39 @@ TEST(DecodeCreateTest, ChecksDtypeHeadsAndHeadDim) {
   bad = request;
   *bad.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {2, 5, 8});
   ExpectInvalid(DecodeCreate(bad, {}).status(), "v: expected a tensor (k and v come together)");
+}
+
+TEST(DecodeCreateTest, TokensOnePerRowAndAPrefixWithoutRows) {
+  v1::CreateSessionRequest request;
+  request.set_dtype(v1::DTYPE_FLOAT16);
+  request.set_kv_heads(2);
+  request.set_head_dim(8);
+  *request.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {2, 3, 8});
+  *request.mutable_v() = MakeTensor(v1::DTYPE_FLOAT16, {2, 3, 8});
+  for (int64_t t : {7, 8, 9}) request.add_tokens(t);
+  absl::StatusOr<DecodedCreate> named = DecodeCreate(request, {});
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(named->tokens, (std::vector<int64_t>{7, 8, 9}));
+
+  v1::CreateSessionRequest bad = request;
+  bad.add_tokens(10);
+  ExpectInvalid(DecodeCreate(bad, {}).status(),
+                "tokens: expected none or 3 (one token id per row of k and v), got 4");
+  bad = request;
+  bad.add_prefix_tokens(7);
+  ExpectInvalid(DecodeCreate(bad, {}).status(), "k, v: expected none with prefix_tokens");
+  // A prefix alone, on a session of several layers too.
+  v1::CreateSessionRequest prefix;
+  prefix.set_dtype(v1::DTYPE_FLOAT16);
+  prefix.set_kv_heads(2);
+  prefix.set_head_dim(8);
+  prefix.set_layers(3);
+  for (int64_t t : {7, 8}) prefix.add_prefix_tokens(t);
+  absl::StatusOr<DecodedCreate> found = DecodeCreate(prefix, {});
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->prefix_tokens, (std::vector<int64_t>{7, 8}));
+  EXPECT_EQ(found->layers, 3);
+  EXPECT_TRUE(found->tokens.empty());
 }
 
 TEST(DecodeImportTest, HeaderThenChunksNamedByTheirFields) {

@@ -34,6 +34,7 @@ void FillSessionInfo(const SessionSnapshot& s, v1::SessionInfo* info) {
   info->set_device(s.device);
   info->set_layers(s.layers);
   for (int64_t length : s.layer_lengths) info->add_layer_lengths(length);
+  info->set_prefix_rows(s.prefix_rows);
 }
 
 namespace {
@@ -350,6 +351,7 @@ void SessionService::RunList(const CallContext&, const std::string& owner, const
   response->set_page_bytes(room.page_bytes);
   response->set_pages_total(room.pages_total);
   response->set_pages_free(room.pages_free);
+  response->set_pages_cached(room.pages_cached);
   std::move(finish)(absl::OkStatus());
 }
 
@@ -361,16 +363,21 @@ void SessionService::RunCreate(const CallContext& call, const std::string& owner
   if (!decoded.ok()) return std::move(finish)(decoded.status());
   const RequestRegions* regions = refs.get();  // held by `finish`, which runs after `run`
   finish = HoldingRegions(std::move(refs), std::move(finish));
-  absl::StatusOr<int> device = store_->EmptiestDevice();
+  // A prefix goes where it is cached.
+  absl::StatusOr<int> device =
+      decoded->prefix_tokens.empty()
+          ? store_->EmptiestDevice()
+          : store_->PrefixDevice(owner, decoded->shape, decoded->layers, decoded->prefix_tokens);
   if (!device.ok()) return std::move(finish)(device.status());
-  auto run = [this, owner, decoded = *decoded, device = *device, response,
+  auto run = [this, owner, decoded = *std::move(decoded), device = *device, response,
               regions]() -> absl::Status {
-    absl::StatusOr<SessionStore::Lease> lease =
-        store_->Create(owner, decoded.shape, decoded.rows.rows, device, decoded.layers);
+    absl::StatusOr<SessionStore::Lease> lease = store_->Create(
+        owner, decoded.shape, decoded.rows.rows, device, decoded.layers, {}, decoded.prefix_tokens);
     if (!lease.ok()) return lease.status();
     absl::Status status = store_->Append(*lease, decoded.rows);
-    // Rows read from a region that shrank meanwhile are not the client's (Intact).
+    // Rows read from a region that shrank meanwhile are not the client's (Intact), nor cached.
     if (status.ok()) status = regions->Intact();
+    if (status.ok()) status = store_->NameTokens(*lease, decoded.tokens);
     if (!status.ok()) {
       // The caller never learns the id: remove the session (its pages go when the lease does).
       store_->Drop(owner, lease->id()).IgnoreError();
@@ -402,9 +409,15 @@ void SessionService::RunAppend(const CallContext& call, const std::string& owner
                                              request.has_v() ? &request.v() : nullptr,
                                              request.layout(), place->shape, refs.get());
   if (!rows.ok()) return std::move(finish)(rows.status());
+  if (absl::Status tokens = CheckTokens("tokens", request.tokens_size(), rows->rows);
+      !tokens.ok()) {
+    return std::move(finish)(tokens);
+  }
   const RequestRegions* regions = refs.get();  // held by `finish`, which runs after `run`
   finish = HoldingRegions(std::move(refs), std::move(finish));
-  auto run = [this, owner, id = *layer_id, rows = *rows, response, regions]() -> absl::Status {
+  auto run = [this, owner, id = *layer_id, rows = *rows, response, regions,
+              tokens = std::vector<int64_t>(request.tokens().begin(),
+                                            request.tokens().end())]() -> absl::Status {
     absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
     if (!leases.ok()) return leases.status();
     SessionStore::Lease& lease = leases->front();
@@ -412,8 +425,9 @@ void SessionService::RunAppend(const CallContext& call, const std::string& owner
     const int64_t new_rows[] = {rows.rows};
     RETURN_IF_ERROR(store_->Reserve(held, new_rows));
     RETURN_IF_ERROR(store_->Append(lease, rows));
-    // Rows read from a region that shrank meanwhile are not the client's.
+    // Rows read from a region that shrank meanwhile are not the client's, nor cached.
     RETURN_IF_ERROR(regions->Intact());
+    RETURN_IF_ERROR(store_->NameTokens(lease, tokens));
     FillSessionInfo(store_->Snapshot(lease), response);
     return absl::OkStatus();
   };

@@ -27,6 +27,14 @@ int64_t PagesFor(int64_t rows, int64_t page_rows) {
   return std::max<int64_t>(1, CeilDiv(rows, page_rows));
 }
 
+// What a chain's first block is keyed by besides its tokens: sessions of one owner (tenants never
+// share), shape and layer count (a block holds one page a layer). The owner's length first, so
+// no owner's bytes read as another's followed by a shape.
+std::string PrefixScope(absl::string_view owner, const KvShape& shape, int layers) {
+  return absl::StrCat(owner.size(), ":", owner, "/", DTypeName(shape.dtype), "/", shape.heads_kv,
+                      "/", shape.head_dim, "/", layers);
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> NewSessionId() {
@@ -74,11 +82,10 @@ const std::vector<int32_t>& SessionStore::Lease::page_table() const { return ses
 SessionStore::SessionStore(std::vector<KvDevice> devices, const SessionStoreOptions& options)
     : options_(options), devices_(std::move(devices)) {
   page_bytes_ = devices_.front().pool->page_bytes();
-  device_states_.resize(devices_.size());
+  device_states_.reserve(devices_.size());
   for (size_t d = 0; d < devices_.size(); ++d) {
     const int64_t pages = devices_[d].pool->num_pages();
-    std::vector<int32_t>& free_pages = device_states_[d].free_pages;
-    device_states_[d].refs.assign(pages, 0);
+    std::vector<int32_t>& free_pages = device_states_.emplace_back(pages).free_pages;
     free_pages.reserve(pages);
     // A stack: page 0 is handed out first.
     for (int64_t p = pages - 1; p >= 0; --p) free_pages.push_back(static_cast<int32_t>(p));
@@ -108,8 +115,8 @@ absl::StatusOr<int> SessionStore::EmptiestDevice() {
   SweepLocked(options_.clock());
   int device = -1;
   for (size_t d = 0; d < device_states_.size(); ++d) {
-    if (usable[d] && (device < 0 || device_states_[d].free_pages.size() >
-                                        device_states_[device].free_pages.size())) {
+    if (usable[d] &&
+        (device < 0 || RoomLocked(device_states_[d]) > RoomLocked(device_states_[device]))) {
       device = static_cast<int>(d);
     }
   }
@@ -117,6 +124,45 @@ absl::StatusOr<int> SessionStore::EmptiestDevice() {
     return absl::UnavailableError("every device is out of service; the server needs a restart");
   }
   return device;
+}
+
+absl::StatusOr<int> SessionStore::PrefixDevice(absl::string_view owner, const KvShape& shape,
+                                               int layers,
+                                               absl::Span<const int64_t> prefix_tokens) {
+  const int64_t page_rows = PageRowsFor(shape);
+  if (page_rows > 0 && static_cast<int64_t>(prefix_tokens.size()) >= page_rows) {
+    const std::string scope = PrefixScope(owner, shape, layers);
+    int device = -1;
+    size_t longest = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t d = 0; d < device_states_.size(); ++d) {
+        const size_t found = MatchLocked(device_states_[d], scope, page_rows, prefix_tokens).size();
+        if (found > longest) {
+          longest = found;
+          device = static_cast<int>(d);
+        }
+      }
+    }
+    // Outside the store's lock, as EmptiestDevice: the check may probe the device.
+    if (device >= 0 && (!devices_[device].health || devices_[device].health().ok())) {
+      return device;
+    }
+  }
+  return EmptiestDevice();
+}
+
+std::vector<uint64_t> SessionStore::MatchLocked(const DeviceState& state, absl::string_view scope,
+                                                int64_t page_rows,
+                                                absl::Span<const int64_t> tokens) {
+  std::vector<uint64_t> chain;
+  uint64_t parent = 0;
+  for (size_t first = 0; first + page_rows <= tokens.size(); first += page_rows) {
+    parent = state.prefixes.Find(parent, scope, tokens.subspan(first, page_rows));
+    if (parent == 0) break;
+    chain.push_back(parent);
+  }
+  return chain;
 }
 
 absl::StatusOr<SessionStore::Place> SessionStore::Locate(absl::string_view owner,
@@ -132,7 +178,8 @@ absl::StatusOr<SessionStore::Place> SessionStore::Locate(absl::string_view owner
 absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner,
                                                          const KvShape& shape, int64_t initial_rows,
                                                          int device, int layers,
-                                                         absl::string_view id) {
+                                                         absl::string_view id,
+                                                         absl::Span<const int64_t> prefix_tokens) {
   const int64_t page_rows = PageRowsFor(shape);
   if (page_rows <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -153,12 +200,17 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
         "layers: expected 1 or more, and a session of several layers created empty, got ", layers,
         " layers and ", initial_rows, " rows"));
   }
+  if (!prefix_tokens.empty() && initial_rows > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "k, v: expected none with prefix_tokens (the rows after the cached prefix are appended), "
+        "got ",
+        initial_rows, " rows"));
+  }
   std::string new_id(id);
   if (id.empty()) {
     ASSIGN_OR_RETURN(new_id, NewSessionId());
   }
-  const int64_t per_layer = PagesFor(initial_rows, page_rows);
-  const int64_t pages = per_layer * layers;
+  std::string scope = PrefixScope(owner, shape, layers);
 
   auto session = std::make_shared<Session>();
   // Its call lock before the store's, the order every call takes them in; the lease releases it.
@@ -167,7 +219,15 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   const absl::Time now = options_.clock();
   SweepLocked(now);
   DeviceState& state = device_states_[device];
-  const int64_t free_pages = static_cast<int64_t>(state.free_pages.size());
+  const std::vector<uint64_t> found = MatchLocked(state, scope, page_rows, prefix_tokens);
+  // Rows of a found chain need no page; none found, the session's first page is new.
+  const int64_t per_layer = found.empty() ? PagesFor(initial_rows, page_rows) : 0;
+  const int64_t pages = per_layer * layers;
+  // The found blocks no session holds are room no more once this session holds them.
+  int64_t free_pages = RoomLocked(state);
+  for (uint64_t block : found) {
+    if (state.prefixes.Unheld(block)) free_pages -= layers;
+  }
   if (pages > free_pages) {
     return absl::ResourceExhaustedError(
         absl::StrCat("KV cache full: a new session of ", initial_rows, " rows",
@@ -193,25 +253,52 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   session->users = 1;
   session->group = session->id;
   session->layers = layers;
-  for (int64_t p = 0; p < per_layer; ++p) session->page_table.push_back(TakePageLocked(state));
-  // Layers 1.. are new too: nobody knows their ids, nobody holds them.
-  for (int layer = 1; layer < layers; ++layer) {
-    auto other = std::make_shared<Session>();
-    other->id = LayerSessionId(session->id, layer);
-    other->owner = session->owner;
-    other->shape = shape;
-    other->device = device;
-    other->page_rows = page_rows;
-    other->last_used = now;
-    other->group = session->id;
-    other->layers = layers;
-    other->layer = layer;
-    for (int64_t p = 0; p < per_layer; ++p) other->page_table.push_back(TakePageLocked(state));
-    sessions_.emplace(other->id, std::move(other));
+  const int64_t prefix_rows = static_cast<int64_t>(found.size()) * page_rows;
+  // Each layer holds its page of every block found first (so no page of theirs is taken back for
+  // the new ones), then its new pages. Layers 1.. are new too: nobody knows their ids, nobody
+  // holds them.
+  std::vector<std::shared_ptr<Session>> group = {session};
+  for (int layer = 0; layer < layers; ++layer) {
+    if (layer > 0) {
+      auto& other = group.emplace_back(std::make_shared<Session>());
+      other->id = LayerSessionId(session->id, layer);
+      other->owner = session->owner;
+      other->shape = shape;
+      other->device = device;
+      other->page_rows = page_rows;
+      other->last_used = now;
+      other->group = session->id;
+      other->layers = layers;
+      other->layer = layer;
+    }
+    Session& s = *group.back();
+    s.scope = scope;
+    s.chain = found;
+    s.tokens.assign(prefix_tokens.begin(), prefix_tokens.begin() + prefix_rows);
+    s.length = prefix_rows;
+    s.prefix_rows = prefix_rows;
+    for (uint64_t block : found) {
+      s.page_table.push_back(state.prefixes.Pages(block)[layer]);
+      HoldPageLocked(state, s.page_table.back());
+    }
+  }
+  for (const auto& s : group) {
+    for (int64_t p = 0; p < per_layer; ++p) s->page_table.push_back(TakePageLocked(device));
+  }
+  for (size_t layer = 1; layer < group.size(); ++layer) {
+    sessions_.emplace(group[layer]->id, std::move(group[layer]));
   }
   ++state.sessions;
   call_lock.release();  // held by the lease from now on
   sessions_.emplace(session->id, session);
+  if (!prefix_tokens.empty() && options_.on_prefix) {
+    const auto found_blocks = static_cast<int64_t>(found.size());
+    options_.on_prefix(
+        devices_[device].name,
+        {.hit_blocks = found_blocks,
+         .missed_blocks = static_cast<int64_t>(prefix_tokens.size()) / page_rows - found_blocks,
+         .shared_bytes = found_blocks * layers * page_bytes_});
+  }
   PublishLocked();
   return Lease(this, std::move(session));
 }
@@ -297,12 +384,15 @@ absl::Status SessionStore::Reserve(absl::Span<Lease* const> leases,
       more[i] = std::max<int64_t>(
           0, PagesFor(rows, s.page_rows) - static_cast<int64_t>(s.page_table.size()));
       const auto first = static_cast<size_t>(s.length / s.page_rows);
-      shared[i] = new_rows[i] > 0 && first < s.page_table.size() &&
-                  device_states_[s.device].refs[s.page_table[first]] > 1;
+      // A cached page no other session holds is copied too: its index entry stays true.
+      const DeviceState& state = device_states_[s.device];
+      shared[i] =
+          new_rows[i] > 0 && first < s.page_table.size() &&
+          (state.refs[s.page_table[first]] > 1 || state.prefixes.Cached(s.page_table[first]));
       needed[s.device] += more[i] + (shared[i] ? 1 : 0);
     }
     for (size_t d = 0; d < devices_.size(); ++d) {
-      const int64_t free_pages = static_cast<int64_t>(device_states_[d].free_pages.size());
+      const int64_t free_pages = RoomLocked(device_states_[d]);
       if (needed[d] > free_pages) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "KV cache full on ", devices_[d].name, ": the rows to append need ",
@@ -313,11 +403,10 @@ absl::Status SessionStore::Reserve(absl::Span<Lease* const> leases,
     }
     for (size_t i = 0; i < leases.size(); ++i) {
       Session& s = *leases[i]->session_;
-      DeviceState& state = device_states_[s.device];
-      for (int64_t p = 0; p < more[i]; ++p) s.page_table.push_back(TakePageLocked(state));
+      for (int64_t p = 0; p < more[i]; ++p) s.page_table.push_back(TakePageLocked(s.device));
       if (!shared[i]) continue;
       const auto first = static_cast<size_t>(s.length / s.page_rows);
-      const int32_t own = TakePageLocked(state);
+      const int32_t own = TakePageLocked(s.device);
       replaced.push_back({&s, first, s.page_table[first]});
       if (s.length % s.page_rows != 0) copies[s.device].emplace_back(s.page_table[first], own);
       s.page_table[first] = own;
@@ -374,6 +463,58 @@ absl::Status SessionStore::Append(Lease& lease, const KvRows& rows) {
   return Append(held, absl::MakeConstSpan(&rows, 1));
 }
 
+absl::Status SessionStore::NameTokens(Lease& lease, absl::Span<const int64_t> tokens) {
+  Session& s = *lease.session_;
+  const auto named = static_cast<int64_t>(tokens.size());
+  if (named > s.length) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens: expected at most ", s.length,
+                                                   " (the rows of session ", Quote(s.id), "), got ",
+                                                   named));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  // Rows of unknown tokens before them end what the index can know of the session (until a
+  // truncate cuts those rows).
+  if (named == 0 || static_cast<int64_t>(s.tokens.size()) != s.length - named) {
+    return absl::OkStatus();
+  }
+  s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
+  CachePrefixLocked(s);
+  PublishLocked();
+  return absl::OkStatus();
+}
+
+void SessionStore::CachePrefixLocked(Session& session) {
+  if (session.dropped) return;
+  PrefixIndex& index = device_states_[session.device].prefixes;
+  const auto page_rows = static_cast<size_t>(session.page_rows);
+  const auto layers = static_cast<size_t>(session.layers);
+  for (size_t b = session.chain.size(); (b + 1) * page_rows <= session.tokens.size(); ++b) {
+    const uint64_t parent = b == 0 ? 0 : session.chain[b - 1];
+    // A block evicted under it: the chain is found from the root no more, nor what follows.
+    if (parent != 0 && !index.Contains(parent)) return;
+    const auto tokens = absl::MakeConstSpan(session.tokens).subspan(b * page_rows, page_rows);
+    uint64_t block = index.Find(parent, session.scope, tokens);
+    if (block == 0) {
+      // Cached once every layer holds the block's rows: each layer's chain then takes it.
+      std::vector<int32_t> pages;
+      std::vector<Session*> waiting;
+      ForEachLayerLocked(session, [&](const std::shared_ptr<Session>& layer) {
+        Session& l = *layer;
+        if (l.chain.size() == b && l.tokens.size() >= (b + 1) * page_rows &&
+            std::equal(tokens.begin(), tokens.end(), l.tokens.begin() + b * page_rows) &&
+            !index.Cached(l.page_table[b])) {
+          pages.push_back(l.page_table[b]);
+          if (&l != &session) waiting.push_back(&l);
+        }
+      });
+      if (pages.size() != layers) return;
+      block = index.Insert(parent, session.scope, tokens, std::move(pages));
+      for (Session* l : waiting) l->chain.push_back(block);
+    }
+    session.chain.push_back(block);
+  }
+}
+
 absl::Status SessionStore::Read(const Lease& lease, int64_t first_row, int64_t rows, void* k,
                                 void* v) {
   const Session& s = *lease.session_;
@@ -412,6 +553,9 @@ absl::Status SessionStore::Truncate(Lease& lease, int64_t length) {
   for (size_t i = s.page_table.size(); i > keep; --i) DropPageLocked(state, s.page_table[i - 1]);
   s.page_table.resize(keep);
   s.length = length;
+  // A kept page of a cached block stays cached: the next append into it copies it first.
+  if (static_cast<int64_t>(s.tokens.size()) > length) s.tokens.resize(length);
+  s.chain.resize(std::min(s.chain.size(), static_cast<size_t>(length / s.page_rows)));
   PublishLocked();
   return absl::OkStatus();
 }
@@ -455,7 +599,7 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t le
     const absl::Time now = options_.clock();
     SweepLocked(now);
     DeviceState& state = device_states_[p.device];
-    if (own_page && state.free_pages.empty()) {
+    if (own_page && RoomLocked(state) == 0) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "KV cache full: a fork of ", length, " rows of session ", Quote(p.id), " needs ",
           page_bytes_, " bytes (1 page) for ",
@@ -476,10 +620,15 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t le
     child->last_used = now;
     child->users = 1;
     for (int64_t i = 0; i < full; ++i) {
-      if (++state.refs[p.page_table[i]] == 2) ++state.shared_pages;
+      HoldPageLocked(state, p.page_table[i]);
       child->page_table.push_back(p.page_table[i]);
     }
-    if (own_page) child->page_table.push_back(TakePageLocked(state));
+    if (own_page) child->page_table.push_back(TakePageLocked(p.device));
+    // The parent's prefix up to the child's rows is the child's.
+    child->scope = p.scope;
+    child->tokens.assign(p.tokens.begin(),
+                         p.tokens.begin() + std::min<int64_t>(length, p.tokens.size()));
+    child->chain.assign(p.chain.begin(), p.chain.begin() + std::min<int64_t>(full, p.chain.size()));
     if (partial) copy = {p.page_table[full], child->page_table.back()};
     child->length = length;
     if (child->layer == 0) ++state.sessions;
@@ -514,17 +663,40 @@ absl::StatusOr<SessionStore::Lease> SessionStore::ForkLayers(std::vector<Lease>&
   return child;
 }
 
-int32_t SessionStore::TakePageLocked(DeviceState& state) {
+int64_t SessionStore::RoomLocked(const DeviceState& state) {
+  return static_cast<int64_t>(state.free_pages.size()) + state.prefixes.unheld_pages();
+}
+
+int32_t SessionStore::TakePageLocked(int device) {
+  DeviceState& state = device_states_[device];
+  if (state.free_pages.empty()) {
+    state.prefixes.Evict(&state.free_pages);
+    if (options_.on_evicted) {
+      options_.on_evicted(devices_[device].name, static_cast<int64_t>(state.free_pages.size()));
+    }
+  }
   const int32_t page = state.free_pages.back();
   state.free_pages.pop_back();
   state.refs[page] = 1;
   return page;
 }
 
+void SessionStore::HoldPageLocked(DeviceState& state, int32_t page) {
+  const int32_t held = ++state.refs[page];
+  if (held == 1) state.prefixes.Held(page);
+  if (held == 2) ++state.shared_pages;
+}
+
 void SessionStore::DropPageLocked(DeviceState& state, int32_t page) {
   const int32_t left = --state.refs[page];
   if (left == 1) --state.shared_pages;
-  if (left == 0) state.free_pages.push_back(page);
+  if (left > 0) return;
+  // A cached page waits, unheld, to be found again or taken back (TakePageLocked).
+  if (state.prefixes.Cached(page)) {
+    state.prefixes.Released(page);
+  } else {
+    state.free_pages.push_back(page);
+  }
 }
 
 void SessionStore::FreePagesLocked(Session& session) {
@@ -598,6 +770,7 @@ SessionSnapshot SessionStore::SnapshotLocked(const Session& session, absl::Time 
   if (out.length == std::numeric_limits<int64_t>::max()) out.length = session.length;
   if (out.idle == absl::InfiniteDuration()) out.idle = absl::ZeroDuration();
   out.resident_bytes = out.pages * page_bytes_;
+  out.prefix_rows = session.prefix_rows;
   out.expires_in = std::max(absl::ZeroDuration(), options_.ttl - out.idle);
   out.device = devices_[session.device].name;
   return out;
@@ -623,6 +796,7 @@ CacheRoom SessionStore::Room() {
   for (size_t d = 0; d < devices_.size(); ++d) {
     room.pages_total += devices_[d].pool->num_pages();
     room.pages_free += static_cast<int64_t>(device_states_[d].free_pages.size());
+    room.pages_cached += device_states_[d].prefixes.unheld_pages();
   }
   return room;
 }
@@ -637,11 +811,13 @@ void SessionStore::PublishLocked() {
   for (size_t d = 0; d < devices_.size(); ++d) {
     const int64_t total = devices_[d].pool->num_pages();
     const int64_t free_pages = static_cast<int64_t>(device_states_[d].free_pages.size());
-    options_.on_usage(devices_[d].name, {.sessions = device_states_[d].sessions,
-                                         .resident_bytes = (total - free_pages) * page_bytes_,
-                                         .pages_free = free_pages,
-                                         .pages_total = total,
-                                         .pages_shared = device_states_[d].shared_pages});
+    options_.on_usage(devices_[d].name,
+                      {.sessions = device_states_[d].sessions,
+                       .resident_bytes = (total - free_pages) * page_bytes_,
+                       .pages_free = free_pages,
+                       .pages_total = total,
+                       .pages_shared = device_states_[d].shared_pages,
+                       .pages_cached = device_states_[d].prefixes.unheld_pages()});
   }
 }
 

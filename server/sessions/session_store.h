@@ -7,8 +7,9 @@
 // reference counted: a fork (Fork) shares its parent's full pages, and a page returns to the free
 // list when its last session lets it go (Truncate, Drop, expiry). A page several sessions hold is
 // never written: an append whose first row lands in one first copies it (copy on write), so no
-// session sees another's new rows. Nothing is evicted to make room: a call that needs more pages
-// than are free is refused RESOURCE_EXHAUSTED with the bytes it needs and the bytes free. Idle
+// session sees another's new rows. A call that needs more pages than are free is refused
+// RESOURCE_EXHAUSTED with the bytes it needs and the bytes free, after the prefix cache's
+// unheld pages (below) were counted as room and taken, least recently released first. Idle
 // sessions expire after `ttl` (Sweep, called by a sweeper, and a lazy check on every lookup); an
 // unknown, expired or dropped id, or the id of another owner, is NOT_FOUND.
 //
@@ -17,6 +18,14 @@
 // own pages and length and is held by its own leases, so a model's Step of layer l holds only that
 // layer; Drop, expiry (once every layer is idle past the TTL) and the snapshots take the group as
 // one (Fork and Truncate of every layer are the caller's, holding every layer's lease).
+//
+// Shared prefixes: rows whose token ids the caller names (NameTokens) make, page by full page,
+// the blocks of each device's PrefixIndex (prefix_index.h; a session of several layers: once
+// every layer holds the block, one page a layer). Create's `prefix_tokens` starts a session
+// holding the longest chain of those blocks its tokens begin with (of its owner, shape and
+// layers): the pages are shared as a fork's, so an append into one copies it first. A cached
+// page no session holds any longer stays, unheld, until an allocation needs it (it is never
+// written while cached: a session whose append would land in it copies it, as a shared page).
 //
 // Concurrency: a call holds its sessions through Leases. A lease holds the session's call lock,
 // so calls on one session run one at a time (a second call waits; nothing is rejected). A call
@@ -40,6 +49,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/paged_kv.h"
+#include "server/sessions/prefix_index.h"
 
 namespace attention::server {
 
@@ -58,7 +68,16 @@ struct KvCacheUsage {
   int64_t resident_bytes = 0;
   int64_t pages_free = 0;
   int64_t pages_total = 0;
-  int64_t pages_shared = 0;  // held by more than one session (forks), each counted once
+  int64_t pages_shared = 0;  // held by more than one session (forks, prefixes), each counted once
+  int64_t pages_cached = 0;  // in the prefix index and no session's: free once taken
+};
+
+// One Create's prefix lookup (Create's `prefix_tokens`), as the store reports it: the full
+// pages of the prefix found cached and not, and the bytes of the pages it shares instead.
+struct PrefixLookup {
+  int64_t hit_blocks = 0;
+  int64_t missed_blocks = 0;
+  int64_t shared_bytes = 0;
 };
 
 struct SessionStoreOptions {
@@ -71,6 +90,10 @@ struct SessionStoreOptions {
   std::function<void(int count)> on_expired;
   // A device's (by name) usage after sessions or pages changed:
   std::function<void(const std::string& device, const KvCacheUsage& usage)> on_usage;
+  // A Create with a prefix looked it up on `device`:
+  std::function<void(const std::string& device, const PrefixLookup& lookup)> on_prefix;
+  // Cached pages `count` taken back for room on `device`:
+  std::function<void(const std::string& device, int64_t count)> on_evicted;
 };
 
 // What ListSessions and SessionInfo report of a session; of a session of several layers, the
@@ -83,6 +106,7 @@ struct SessionSnapshot {
   std::vector<int64_t> layer_lengths;  // per layer, when there are several
   int64_t pages = 0;
   int64_t shared_pages = 0;  // of `pages`, those other sessions hold too
+  int64_t prefix_rows = 0;   // rows its Create found cached (prefix_tokens)
   int64_t resident_bytes = 0;
   absl::Duration idle;
   absl::Duration expires_in;
@@ -94,6 +118,7 @@ struct CacheRoom {
   int64_t page_bytes = 0;
   int64_t pages_total = 0;
   int64_t pages_free = 0;
+  int64_t pages_cached = 0;  // prefix pages no session holds: room once taken
 };
 
 class SessionStore {
@@ -139,15 +164,22 @@ class SessionStore {
   // The device in service with the most free pages (expired sessions' pages count as free), where
   // a new session goes; UNAVAILABLE when every device is out of service.
   absl::StatusOr<int> EmptiestDevice();
+  // Where a new session of `owner` created from `prefix_tokens` goes: the device in service with
+  // the longest cached chain of them, or the emptiest when none holds a block of them.
+  absl::StatusOr<int> PrefixDevice(absl::string_view owner, const KvShape& shape, int layers,
+                                   absl::Span<const int64_t> prefix_tokens);
 
   // A new session of `owner` with room for `initial_rows` on `device`, held by the returned lease
   // (write its first rows with Append). With `layers` > 1, that many sessions, empty (layer 0's
   // leased; see the file comment). INVALID_ARGUMENT when a page cannot hold 16 rows of `shape`;
   // RESOURCE_EXHAUSTED when the device lacks the room. `id`: the new session's (an import's,
   // which the caller checked is a session id), ALREADY_EXISTS when a session has it; empty: a new
-  // random one.
+  // random one. `prefix_tokens` (with no initial rows): the session starts holding every layer's
+  // rows of the longest chain of full pages cached on `device` that they begin with (see the
+  // file comment; SessionSnapshot::prefix_rows), and needs no new page when it found one.
   absl::StatusOr<Lease> Create(absl::string_view owner, const KvShape& shape, int64_t initial_rows,
-                               int device, int layers = 1, absl::string_view id = {});
+                               int device, int layers = 1, absl::string_view id = {},
+                               absl::Span<const int64_t> prefix_tokens = {});
 
   // Where session `id` of `owner` lives and its shape, without holding it (both never change);
   // NOT_FOUND as Acquire. A call uses it to queue its work for the session's device.
@@ -175,6 +207,12 @@ class SessionStore {
   // The sessions' lengths grow only when every write was taken.
   absl::Status Append(absl::Span<Lease* const> leases, absl::Span<const KvRows> rows);
   absl::Status Append(Lease& lease, const KvRows& rows);  // one session
+
+  // The token ids of the last tokens.size() rows of the lease's session, called once the caller
+  // knows those rows are the client's (a region read may have shrunk meanwhile): the full pages of
+  // rows whose tokens are all known, from its first row on, join the prefix index (see the file
+  // comment). INVALID_ARGUMENT naming tokens when the session holds fewer rows.
+  absl::Status NameTokens(Lease& lease, absl::Span<const int64_t> tokens);
 
   // Copies rows [first_row, first_row + rows) of the lease's session out of its pages (shared
   // ones too) into host k and v, each BHSD [Hkv, rows, D] of its dtype (a session's export, a
@@ -213,10 +251,12 @@ class SessionStore {
 
  private:
   struct DeviceState {
+    explicit DeviceState(int64_t pages) : refs(pages, 0), prefixes(pages) {}
     std::vector<int32_t> free_pages;  // a stack
-    std::vector<int32_t> refs;        // per page: the sessions holding it (0: free)
+    std::vector<int32_t> refs;        // per page: the sessions holding it (0: free or cached)
     int64_t sessions = 0;
     int64_t shared_pages = 0;  // pages more than one session holds (refs > 1)
+    PrefixIndex prefixes;
   };
 
   void ReleaseSession(const std::shared_ptr<Session>& session);
@@ -229,10 +269,20 @@ class SessionStore {
   bool ExpiredLocked(const Session& session, absl::Time now) const;
   void RemoveLocked(const std::shared_ptr<Session>& session);
   void FreePagesLocked(Session& session);
-  // A free page of `state`, now held once; the caller checked that one is free.
-  static int32_t TakePageLocked(DeviceState& state);
-  // Lets one hold on `page` go; the last one frees it.
+  // Pages free or cached unheld (taken back when no page is free).
+  static int64_t RoomLocked(const DeviceState& state);
+  // A free page of `device`, now held once, after taking back the least recently released cached
+  // pages when none is free; the caller checked RoomLocked.
+  int32_t TakePageLocked(int device);
+  // One more hold on `page`; one less, the last one freeing it unless it is cached.
+  static void HoldPageLocked(DeviceState& state, int32_t page);
   static void DropPageLocked(DeviceState& state, int32_t page);
+  // The full pages of `session`'s rows of known tokens not yet in its device's prefix index join
+  // it (of a session of several layers, each block once every layer holds it).
+  void CachePrefixLocked(Session& session);
+  // The chain of cached blocks of `scope` that `tokens` begin with on `state`.
+  static std::vector<uint64_t> MatchLocked(const DeviceState& state, absl::string_view scope,
+                                           int64_t page_rows, absl::Span<const int64_t> tokens);
   int SweepLocked(absl::Time now);
   SessionSnapshot SnapshotLocked(const Session& session, absl::Time now) const;
   void PublishLocked();
@@ -267,6 +317,14 @@ struct SessionStore::Session {
   absl::Time last_used;
   int users = 0;  // leases on it, held or waiting
   bool dropped = false;
+
+  // Its prefix (guarded by mu_): the chain's scope (owner, shape, layers: PrefixScope), the token
+  // of each of its first rows (the rows appended with tokens, from row 0 on, none after a row of
+  // unknown token), the index's block of each full page of them, and the rows Create found.
+  std::string scope;
+  std::vector<int64_t> tokens;
+  std::vector<uint64_t> chain;
+  int64_t prefix_rows = 0;
 };
 
 // 32 lower-case hex digits from 128 bits of the kernel's CSPRNG (getrandom).

@@ -1,7 +1,8 @@
 // The session store (session_store.h) over small CPU page pools: allocation, exhaustion, TTL
 // expiry on a fake clock, owners, drop, truncate, fork (shared pages counted once, copy on write,
-// release in either order, truncate of shared pages), device choice and concurrent appends to
-// one session.
+// release in either order, truncate of shared pages), device choice, concurrent appends to one
+// session, and shared prefixes (chains of full pages found, owners apart, cached pages taken back
+// least recently released first and never while held, copy before an append into one, layers).
 #include "server/sessions/session_store.h"
 
 #include <atomic>
@@ -11,6 +12,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -689,6 +691,219 @@ TEST_F(SessionStoreTest, ConcurrentCallsOnOneSessionRunOneAtATime) {
   ASSERT_EQ(list.size(), 1u);
   EXPECT_EQ(list[0].length, kThreads * kAppends);
   EXPECT_EQ(list[0].pages, (kThreads * kAppends + kPageRows - 1) / kPageRows);
+}
+
+// Shared prefixes (Create's prefix_tokens over rows named by NameTokens).
+class PrefixTest : public SessionStoreTest {
+ protected:
+  // `n` distinct fresh token ids.
+  std::vector<int64_t> Tokens(int64_t n) {
+    std::vector<int64_t> tokens(n);
+    for (int64_t& t : tokens) t = static_cast<int64_t>(rng_() >> 1);
+    return tokens;
+  }
+  // A session of `owner` holding rows of `tokens` (each named); returns its id.
+  std::string CreateNamed(const std::string& owner, const std::vector<int64_t>& tokens) {
+    const std::string id = CreateWith(owner, static_cast<int64_t>(tokens.size()));
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
+    EXPECT_TRUE(leases.ok()) << leases.status();
+    if (leases.ok()) EXPECT_EQ(store_->NameTokens(leases->front(), tokens), absl::OkStatus());
+    return id;
+  }
+  absl::StatusOr<SessionStore::Lease> FromPrefix(const std::string& owner,
+                                                 absl::Span<const int64_t> prefix, int layers = 1,
+                                                 const KvShape& shape = kShape) {
+    return store_->Create(owner, shape, 0, 0, layers, {}, prefix);
+  }
+  // Rows [0, rows) of session `id`'s k, BHSD [Hkv, rows, D].
+  std::vector<float> KOf(const std::string& id, int64_t rows, const std::string& owner = "") {
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire(owner, {id});
+    EXPECT_TRUE(leases.ok()) << leases.status();
+    if (!leases.ok()) return {};
+    std::vector<float> k(kShape.heads_kv * rows * kShape.head_dim), v(k.size());
+    EXPECT_EQ(store_->Read(leases->front(), 0, rows, k.data(), v.data()), absl::OkStatus());
+    return k;
+  }
+  CacheRoom Room() { return store_->Room(); }
+  // Pages free, and cached that no session holds.
+  std::pair<int64_t, int64_t> FreeAndCached() {
+    const CacheRoom room = store_->Room();
+    return {room.pages_free, room.pages_cached};
+  }
+  // The rows a new session of `owner` from `prefix` found (the session stays, unleased).
+  int64_t FoundRows(absl::Span<const int64_t> prefix, const std::string& owner = "") {
+    absl::StatusOr<SessionStore::Lease> lease = FromPrefix(owner, prefix);
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    return lease.ok() ? lease->length() : -1;
+  }
+  // A store of `pages` pages holding one session of two full pages of named rows.
+  struct TwoPages {
+    std::vector<int64_t> tokens;
+    std::string id;
+    std::vector<float> k;  // its rows' k, BHSD [Hkv, 2 * kPageRows, D]
+  };
+  TwoPages MakeWithTwoPages(int64_t pages) {
+    Make({pages});
+    TwoPages out;
+    out.tokens = Tokens(2 * kPageRows);
+    out.id = CreateNamed("", out.tokens);
+    out.k = KOf(out.id, 2 * kPageRows);
+    return out;
+  }
+  // The id of a new session from `prefix` (unleased).
+  std::string FromPrefixId(absl::Span<const int64_t> prefix) {
+    absl::StatusOr<SessionStore::Lease> lease = FromPrefix("", prefix);
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    return lease.ok() ? lease->id() : "";
+  }
+};
+
+TEST_F(PrefixTest, ASessionFromAPrefixSharesTheFullPagesFound) {
+  SCOPED_TRACE(seed_);
+  Make({10});
+  const std::vector<int64_t> tokens = Tokens(3 * kPageRows + 5);
+  const std::string first = CreateNamed("", tokens);  // 4 pages, 3 of them full: 3 blocks
+  EXPECT_EQ(Room().pages_free, 6);
+  absl::StatusOr<SessionStore::Lease> second = FromPrefix("", tokens);
+  ASSERT_TRUE(second.ok()) << second.status();
+  // The partial last page is never shared; the three full ones are, and cost no page.
+  EXPECT_EQ(second->length(), 3 * kPageRows);
+  EXPECT_EQ(store_->Snapshot(*second).prefix_rows, 3 * kPageRows);
+  const std::vector<int32_t> pages = HeldBy(first).pages;
+  EXPECT_EQ(second->page_table(), std::vector<int32_t>(pages.begin(), pages.begin() + 3));
+  EXPECT_EQ(Room().pages_free, 6);
+  const std::string id = second->id();
+  *second = SessionStore::Lease();
+  EXPECT_EQ(KOf(id, 3 * kPageRows), KOf(first, 3 * kPageRows));
+  // A prefix that differs in its second page finds only the first; one shorter than a page finds
+  // none and the session gets its own empty page.
+  std::vector<int64_t> other = tokens;
+  other[kPageRows + 7] ^= 1;
+  EXPECT_EQ(FoundRows(other), kPageRows);
+  absl::StatusOr<SessionStore::Lease> none =
+      FromPrefix("", absl::MakeConstSpan(tokens).first(kPageRows - 1));
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->length(), 0);
+  EXPECT_EQ(store_->Snapshot(*none).prefix_rows, 0);
+  EXPECT_EQ(Room().pages_free, 5);
+  *none = SessionStore::Lease();
+  // k, v and a prefix together are refused.
+  absl::StatusOr<SessionStore::Lease> both = store_->Create("", kShape, 1, 0, 1, {}, tokens);
+  EXPECT_EQ(both.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(both.status().message(), HasSubstr("k, v: expected none with prefix_tokens"));
+  // More tokens than rows are refused by name.
+  absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {id});
+  ASSERT_TRUE(leases.ok()) << leases.status();
+  EXPECT_THAT(store_->NameTokens(leases->front(), Tokens(3 * kPageRows + 1)).message(),
+              HasSubstr(absl::StrCat("tokens: expected at most ", 3 * kPageRows, " (the rows")));
+}
+
+TEST_F(PrefixTest, OwnersShapesAndLayerCountsNeverShare) {
+  SCOPED_TRACE(seed_);
+  Make({10});
+  const std::vector<int64_t> tokens = Tokens(2 * kPageRows);
+  CreateNamed("tenant-a", tokens);
+  for (const auto& [owner, layers, shape] :
+       {std::tuple<std::string, int, KvShape>{"tenant-b", 1, kShape},
+        {"", 1, kShape},
+        {"tenant-a", 2, kShape},
+        {"tenant-a", 1, KvShape{.dtype = DType::kFloat32, .heads_kv = 1, .head_dim = 16}}}) {
+    absl::StatusOr<SessionStore::Lease> lease = FromPrefix(owner, tokens, layers, shape);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->length(), 0) << owner << " " << layers;
+  }
+  EXPECT_EQ(FoundRows(tokens, "tenant-a"), 2 * kPageRows);
+}
+
+TEST_F(PrefixTest, UnheldCachedPagesAreTakenBackLeastRecentlyReleasedFirst) {
+  SCOPED_TRACE(seed_);
+  Make({6});
+  const std::vector<int64_t> kept = Tokens(3 * kPageRows), lost = Tokens(2 * kPageRows);
+  ASSERT_EQ(store_->Drop("", CreateNamed("", kept)), absl::OkStatus());
+  EXPECT_EQ(FreeAndCached(), (std::pair<int64_t, int64_t>(3, 3)));
+  ASSERT_EQ(store_->Drop("", CreateNamed("", lost)), absl::OkStatus());
+  EXPECT_EQ(FreeAndCached(), (std::pair<int64_t, int64_t>(1, 5)));
+  // Found again, `kept` is used later than `lost`: `lost`'s pages go first.
+  absl::StatusOr<SessionStore::Lease> again = FromPrefix("", kept);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->length(), 3 * kPageRows);
+  EXPECT_EQ(Room().pages_cached, 2);
+  ASSERT_EQ(store_->Drop("", again->id()), absl::OkStatus());
+  *again = SessionStore::Lease();
+  EXPECT_EQ(Room().pages_cached, 5);
+  // 3 pages: the free one and `lost`'s two.
+  const std::string big = CreateWith("", 3 * kPageRows);
+  EXPECT_EQ(FreeAndCached(), (std::pair<int64_t, int64_t>(0, 3)));
+  EXPECT_EQ(FoundRows(lost), 0);
+  EXPECT_EQ(Room().pages_cached, 2);
+  // Its new page was `kept`'s last block's (the first of them released): the rest stays found.
+  EXPECT_EQ(FoundRows(kept), 2 * kPageRows);
+}
+
+TEST_F(PrefixTest, PagesASessionHoldsAreNeverTakenBack) {
+  SCOPED_TRACE(seed_);
+  const auto [tokens, first, k] = MakeWithTwoPages(4);
+  const std::string id = FromPrefixId(tokens);
+  ASSERT_EQ(store_->Drop("", first), absl::OkStatus());  // `id` still holds both pages
+  EXPECT_EQ(Room().pages_cached, 0);
+  CreateWith("", 2 * kPageRows);
+  absl::StatusOr<SessionStore::Lease> refused = CreateOnEmptiest(*store_, "", 1);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(KOf(id, 2 * kPageRows), k);
+}
+
+TEST_F(PrefixTest, AnAppendIntoACachedPageCopiesItFirst) {
+  SCOPED_TRACE(seed_);
+  const auto [tokens, first, k] = MakeWithTwoPages(10);
+  // Cut into the second cached page and appended to: by its only holder, then by one of two.
+  for (const bool alone : {false, true}) {
+    SCOPED_TRACE(alone);
+    const std::string id = FromPrefixId(tokens);
+    if (alone) ASSERT_EQ(store_->Drop("", first), absl::OkStatus());
+    ASSERT_EQ(TruncateTo(id, kPageRows + 3), absl::OkStatus());
+    ASSERT_EQ(AppendRows("", id, 10), absl::OkStatus());
+    // Its rows kept: the first kPageRows + 3 of each head's.
+    std::vector<float> kept;
+    const int64_t head = 2 * kPageRows * kShape.head_dim;
+    for (int64_t h = 0; h < kShape.heads_kv; ++h) {
+      kept.insert(kept.end(), k.begin() + h * head,
+                  k.begin() + h * head + (kPageRows + 3) * kShape.head_dim);
+    }
+    EXPECT_EQ(KOf(id, kPageRows + 3), kept);
+    const std::string found = FromPrefixId(tokens);
+    EXPECT_EQ(HeldBy(found).length, 2 * kPageRows);
+    EXPECT_EQ(KOf(found, 2 * kPageRows), k);
+    ASSERT_EQ(store_->Drop("", found), absl::OkStatus());
+    ASSERT_EQ(store_->Drop("", id), absl::OkStatus());
+  }
+}
+
+TEST_F(PrefixTest, ABlockOfSeveralLayersIsCachedOnceEveryLayerHoldsIt) {
+  SCOPED_TRACE(seed_);
+  Make({10});
+  const std::vector<int64_t> tokens = Tokens(kPageRows);
+  absl::StatusOr<SessionStore::Lease> created = store_->Create("", kShape, 0, 0, 2);
+  ASSERT_TRUE(created.ok()) << created.status();
+  const std::string id = created->id();
+  *created = SessionStore::Lease();
+  std::vector<int32_t> pages;
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::string layer_id = LayerSessionId(id, layer);
+    ASSERT_EQ(AppendRows("", layer_id, kPageRows), absl::OkStatus());
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {layer_id});
+    ASSERT_TRUE(leases.ok()) << leases.status();
+    ASSERT_EQ(store_->NameTokens(leases->front(), tokens), absl::OkStatus());
+    pages.push_back(leases->front().page_table()[0]);
+    leases->clear();
+    absl::StatusOr<SessionStore::Lease> lease = FromPrefix("", tokens, 2);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->length(), layer == 0 ? 0 : kPageRows);
+    ASSERT_EQ(store_->Drop("", lease->id()), absl::OkStatus());
+  }
+  absl::StatusOr<SessionStore::Lease> found = FromPrefix("", tokens, 2);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->page_table(), std::vector<int32_t>{pages[0]});
+  EXPECT_EQ(HeldBy(LayerSessionId(found->id(), 1)).pages, std::vector<int32_t>{pages[1]});
 }
 
 }  // namespace

@@ -4,8 +4,9 @@
 // parent (each step against the reference over its own rows; one page used, not a session's
 // worth; copy on write after a truncate into a shared page), the packed StepBatch and
 // StepBatchAsync bit for bit equal to StepMany, LSE, ownership (drop on destruction, Release,
-// moves), NOT_FOUND after a drop, and the bearer token on session calls. (Sessions over a
-// round-robin client across two servers: tests/deploy/round_robin_failover_test.cc.)
+// moves), NOT_FOUND after a drop, the bearer token on session calls, and a session from a
+// cached prefix (its full pages shared, Steps as on one from scratch, bit for bit). (Sessions over
+// a round-robin client across two servers: tests/deploy/round_robin_failover_test.cc.)
 //
 // The reference of a step is an Attend problem over the session's rows: q [1, 1, Hq, D] (one
 // decode query, so [Hq, 1, D] as the step sends it) against k, v [1, N, Hkv, D], built by
@@ -268,20 +269,28 @@ Sequence FirstRows(const Sequence& seq, int64_t rows) {
   return first;
 }
 
+// The sessions of the page tests: float32 rows of 2 KV heads of 64, BSHD.
+constexpr SessionSpec kPagedSpec{
+    .dtype = v1::DTYPE_FLOAT32, .kv_heads = 2, .head_dim = 64, .layout = v1::LAYOUT_BSHD};
+
+// Rows of a float32 session of `spec` a page of the server holds (its page size, in rows of 16);
+// 0 when ListSessions fails.
+int64_t PageRows(SessionClient& sessions, const SessionSpec& spec) {
+  absl::StatusOr<v1::ListSessionsResponse> room = sessions.List();
+  EXPECT_TRUE(room.ok()) << room.status();
+  if (!room.ok()) return 0;
+  return room->page_bytes() / (2 * spec.kv_heads * spec.head_dim * 4) / 16 * 16;
+}
+
 TEST_F(ClientSessionTest, ForksGrowApartFromTheirParentAndShareItsFullPages) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
   std::mt19937_64 rng(seed);
   const int64_t heads_q = 4;
-  Sequence parent_seq{
-      .spec = {
-          .dtype = v1::DTYPE_FLOAT32, .kv_heads = 2, .head_dim = 64, .layout = v1::LAYOUT_BSHD}};
+  Sequence parent_seq{.spec = kPagedSpec};
   SessionClient sessions(client());
-  absl::StatusOr<v1::ListSessionsResponse> room = sessions.List();
-  ASSERT_TRUE(room.ok()) << room.status();
-  // Rows per page (the server's page size, in rows of 16): three pages and some.
-  const int64_t page_rows =
-      room->page_bytes() / (2 * parent_seq.spec.kv_heads * parent_seq.spec.head_dim * 4) / 16 * 16;
+  // Three pages and some.
+  const int64_t page_rows = PageRows(sessions, parent_seq.spec);
   ASSERT_GT(page_rows, 0);
   const int64_t n = 3 * page_rows + 5;
   auto [k0, v0] = parent_seq.Grow(n, rng);
@@ -306,7 +315,7 @@ TEST_F(ClientSessionTest, ForksGrowApartFromTheirParentAndShareItsFullPages) {
 
   // The fork takes one page (the copy of the partial fourth), not the four a session of its rows
   // takes.
-  room = sessions.List();
+  absl::StatusOr<v1::ListSessionsResponse> room = sessions.List();
   ASSERT_TRUE(room.ok()) << room.status();
   const int64_t free_before = room->pages_free();
   absl::StatusOr<Session> child = parent->Fork();
@@ -623,6 +632,88 @@ TEST_F(ClientSessionTokenTest, SessionCallsCarryTheToken) {
   EXPECT_EQ(anonymous.stub().Fork(anonymous.NewContext({}).get(), fork, &info).error_code(),
             grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(session->Drop(), absl::OkStatus());
+}
+
+// Shared prefixes on a server of their own (their cached pages stay after the test).
+class ClientPrefixTest : public SharedServerTest<ClientPrefixTest> {
+ public:
+  static std::vector<std::string> ServerFlags() { return {"--backend=cpu"}; }
+};
+
+TEST_F(ClientPrefixTest, ASessionFromAPrefixSharesItsFullPagesAndStepsAsOneFromScratch) {
+  SessionClient sessions(client());
+  const int64_t page_rows = PageRows(sessions, kPagedSpec);
+  ASSERT_GT(page_rows, 0);
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  Sequence seq{.spec = kPagedSpec};
+  const int64_t heads_q = 4;
+  const int64_t n = 2 * page_rows + 3;
+  std::vector<int64_t> tokens(n);
+  for (int64_t& t : tokens) t = static_cast<int64_t>(rng() >> 2);
+  auto [k, v] = seq.Grow(n, rng);
+  absl::StatusOr<Session> first = sessions.Create(seq.spec, k, v, tokens);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->prefix_rows(), 0);
+  absl::StatusOr<v1::ListSessionsResponse> room = sessions.List();
+  ASSERT_TRUE(room.ok()) << room.status();
+  const int64_t free_before = room->pages_free();
+
+  // The two full pages are found and shared: no page taken; the rest is appended with its tokens.
+  absl::StatusOr<Session> second = sessions.CreateFromPrefix(seq.spec, tokens);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->prefix_rows(), 2 * page_rows);
+  EXPECT_EQ(second->length(), 2 * page_rows);
+  room = sessions.List();
+  ASSERT_TRUE(room.ok()) << room.status();
+  EXPECT_EQ(room->pages_free(), free_before);
+  const Sequence rest = [&] {
+    Sequence tail = seq;
+    const int64_t skip = 2 * page_rows * seq.spec.kv_heads * seq.spec.head_dim;
+    tail.k.erase(tail.k.begin(), tail.k.begin() + skip);
+    tail.v.erase(tail.v.begin(), tail.v.begin() + skip);
+    return tail;
+  }();
+  const std::vector<int64_t> shape = {rest.rows(), seq.spec.kv_heads, seq.spec.head_dim};
+  ASSERT_EQ(second->Append(client::MakeTensor(seq.spec.dtype, shape, rest.k),
+                           client::MakeTensor(seq.spec.dtype, shape, rest.v),
+                           absl::MakeConstSpan(tokens).subspan(2 * page_rows)),
+            absl::OkStatus());
+  EXPECT_EQ(second->length(), n);
+  // Tokens of another count are refused by name.
+  EXPECT_TRUE(absl::StrContains(
+      second
+          ->Append(client::MakeTensor(seq.spec.dtype, shape, rest.k),
+                   client::MakeTensor(seq.spec.dtype, shape, rest.v), {1, 2})
+          .message(),
+      absl::StrCat("tokens: expected none or ", rest.rows(), " (one token id per row")));
+  absl::StatusOr<std::string> text = HttpGet(process().metrics_port(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  const std::vector<MetricSample> samples = ParseMetrics(*text);
+  EXPECT_EQ(SumSamples(samples, "attention_kv_prefix_blocks_total", {{"result", "hit"}}), 2);
+  EXPECT_EQ(SumSamples(samples, "attention_kv_pages_shared"), 2);
+
+  // Steps on it against the float64 reference, and bit for bit as on a session from scratch.
+  const std::vector<int64_t> all = {n, seq.spec.kv_heads, seq.spec.head_dim};
+  const v1::Tensor k0 = client::MakeTensor(seq.spec.dtype, all, seq.k);
+  const v1::Tensor v0 = client::MakeTensor(seq.spec.dtype, all, seq.v);
+  absl::StatusOr<Session> scratch = sessions.Create(seq.spec, &k0, &v0);
+  ASSERT_TRUE(scratch.ok()) << scratch.status();
+  const StepOptions options{.causal = true, .return_lse = true};
+  for (int i = 0; i < 2; ++i) {
+    const std::vector<float> q = client::RandomNormal(heads_q * seq.spec.head_dim, rng);
+    const v1::Tensor q_tensor =
+        client::MakeTensor(seq.spec.dtype, {heads_q, 1, seq.spec.head_dim}, q);
+    auto [k1, v1_rows] = seq.GrowForStep(rng);
+    absl::StatusOr<StepOutput> shared = second->Step(q_tensor, options, &k1, &v1_rows);
+    absl::StatusOr<StepOutput> own = scratch->Step(q_tensor, options, &k1, &v1_rows);
+    ASSERT_TRUE(shared.ok()) << shared.status();
+    ASSERT_TRUE(own.ok()) << own.status();
+    ExpectStepCorrect(seq, q, heads_q, options, *shared);
+    EXPECT_EQ(shared->o.data(), own->o.data());
+    EXPECT_EQ(shared->lse.data(), own->lse.data());
+  }
 }
 
 }  // namespace

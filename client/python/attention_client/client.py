@@ -514,7 +514,8 @@ class Client:
         return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout, None)
 
     def session(self, *, dtype=None, kv_heads=None, head_dim=None, k=None, v=None, layout="bhsd",
-                bfloat16_bits=False, timeout=None, metadata=None, layers=None):
+                bfloat16_bits=False, timeout=None, metadata=None, layers=None, tokens=None,
+                prefix_tokens=None):
         """A new KV-resident session on the server (attention_client.session.Session).
 
         k, v (optional first rows): [Hkv, N, D] (layout "bhsd") or [N, Hkv, D] ("bshd"); dtype,
@@ -523,11 +524,18 @@ class Client:
         session (default: the client's). layers: a sequence of a model's `layers` layers, one
         cache each (created empty; append(), step(), step_many() and step_batch() then name the
         layer; truncate, fork and drop take every layer): one create and one drop per sequence.
+        tokens: the token id of each row of k and v (so later sessions can share their pages).
+        prefix_tokens (without k and v): the sequence's first token ids; the session starts
+        holding the rows of the longest run of full pages of them that this caller's sessions of
+        this shape and layer count appended with their tokens and the server still caches
+        (shared with those sessions; Session.prefix_rows says how many): append the rest, with
+        their tokens.
         """
         from attention_client.session import create_session
         return create_session(self, dtype=dtype, kv_heads=kv_heads, head_dim=head_dim, k=k, v=v,
                               layout=layout, bfloat16_bits=bfloat16_bits, timeout=timeout,
-                              metadata=metadata, layers=layers)
+                              metadata=metadata, layers=layers, tokens=tokens,
+                              prefix_tokens=prefix_tokens)
 
     def step_many(self, items, *, causal=False, softmax_scale=None, window_left=None,
                   window_right=None, return_lse=False, timeout=None, metadata=None,

@@ -53,13 +53,15 @@ class Session:
 
     id: the server's session id; length: K/V rows as of this object's last call. A session of a
     model's several layers (Client.session(layers=L)): layers L, layer_lengths each layer's rows,
-    length the rows every layer holds; append and the Steps name the layer.
+    length the rows every layer holds; append and the Steps name the layer. prefix_rows: the rows
+    its creation found cached (Client.session(prefix_tokens=)), shared with other sessions.
     """
 
     def __init__(self, client, info, layout, bfloat16_bits, metadata):
         self._client = client
         self.id = info.session_id
         self.layers = max(1, info.layers)
+        self.prefix_rows = info.prefix_rows
         self._set_info(info)
         self.dtype = info.dtype
         self.kv_heads = info.kv_heads
@@ -101,13 +103,15 @@ class Session:
             raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION, "the session was dropped")
         return self.id
 
-    def append(self, k, v, *, layer=None, timeout=None):
+    def append(self, k, v, *, layer=None, tokens=None, timeout=None):
         """Appends rows: k, v [Hkv, n, D] (layout "bhsd") or [n, Hkv, D] ("bshd"), to `layer`
-        (0..layers-1; needed for a session of several layers). Returns the new length."""
+        (0..layers-1; needed for a session of several layers); tokens: the token id of each row
+        (so later sessions can share their full pages: Client.session(prefix_tokens=)). Returns
+        the new length."""
         tk, _ = _to_tensor(k, "k", self._bfloat16_bits)
         tv, _ = _to_tensor(v, "v", self._bfloat16_bits)
         request = pb.AppendKvRequest(session_id=self._live_id(), layout=_LAYOUTS[self.layout],
-                                     k=tk, v=tv, layer=layer)
+                                     k=tk, v=tv, layer=layer, tokens=_token_ids(tokens))
         info = self._client._call(self._client._sessions_stub.AppendKv, request, timeout,
                                   self._metadata)
         self._set_info(info)
@@ -205,8 +209,18 @@ class Session:
         raise AttentionError(grpc.StatusCode.NOT_FOUND, f"session {session_id} is not on the server")
 
 
+def _token_ids(tokens):
+    """Token ids as the wire's int64s (a list, numpy or torch ints; None: none)."""
+    if tokens is None:
+        return []
+    if hasattr(tokens, "tolist"):
+        tokens = tokens.tolist()
+    return [int(t) for t in tokens]
+
+
 def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, v=None,
-                   layout="bhsd", bfloat16_bits=False, timeout=None, metadata=None, layers=None):
+                   layout="bhsd", bfloat16_bits=False, timeout=None, metadata=None, layers=None,
+                   tokens=None, prefix_tokens=None):
     """A new session; see Client.session."""
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
@@ -230,6 +244,8 @@ def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, 
     request.head_dim = head_dim
     if layers is not None:
         request.layers = layers
+    request.tokens.extend(_token_ids(tokens))
+    request.prefix_tokens.extend(_token_ids(prefix_tokens))
     info = client._call(client._sessions_stub.CreateSession, request, timeout, metadata)
     return Session(client, info, layout, bfloat16_bits, metadata)
 
