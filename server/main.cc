@@ -234,9 +234,12 @@ absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
       return std::vector<KvDevice>{};
     }
     if (!pool.ok()) return pool.status();
-    devices.push_back(KvDevice{.name = device.name, .pool = *pool, .health = [e = executor.get()] {
-                                 return e->Health();
-                               }});
+    const bool v_head_dim = std::find(device.step_options.begin(), device.step_options.end(),
+                                      "v_head_dim") != device.step_options.end();
+    devices.push_back(KvDevice{.name = device.name,
+                               .pool = *pool,
+                               .health = [e = executor.get()] { return e->Health(); },
+                               .v_head_dim = v_head_dim});
   }
   return devices;
 }
