@@ -519,12 +519,13 @@ class Client:
 
         k, v (optional first rows): [Hkv, N, D] (layout "bhsd") or [N, Hkv, D] ("bshd"), v with
         Dv for D; dtype, kv_heads, head_dim and v_head_dim default to theirs. v_head_dim: Dv,
-        the head dim of v and of the Steps' o where it is not D (MLA models; None: D; where the
-        device's DeviceInfo.step_options list "v_head_dim", else AttentionError UNIMPLEMENTED). dtype: "float32" | "float16" | "bfloat16", or a
-        numpy/torch dtype. layout also applies to append(). metadata: for every call of the
-        session (default: the client's). layers: a sequence of a model's `layers` layers, one
-        cache each (created empty; append(), step(), step_many() and step_batch() then name the
-        layer; truncate, fork and drop take every layer): one create and one drop per sequence.
+        the head dim of v and of the Steps' o where it is not D (MLA models; None: D), served
+        where the device's DeviceInfo.step_options list "v_head_dim" (else AttentionError
+        UNIMPLEMENTED). dtype: "float32" | "float16" | "bfloat16", or a numpy/torch dtype.
+        layout also applies to append(). metadata: for every call of the session (default: the
+        client's). layers: a sequence of a model's `layers` layers, one cache each (created
+        empty; append(), step(), step_many() and step_batch() then name the layer; truncate, fork
+        and drop take every layer): one create and one drop per sequence.
         """
         from attention_client.session import create_session
         return create_session(self, dtype=dtype, kv_heads=kv_heads, head_dim=head_dim, k=k, v=v,
