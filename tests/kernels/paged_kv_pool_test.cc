@@ -1265,6 +1265,12 @@ TEST_F(PagedKvPoolErrorsTest, RejectsPagesOutsideThePoolAndTooSmallPages) {
   good.page_table = good_table;
   EXPECT_EQ((*pool)->Write({good}), absl::OkStatus());
   EXPECT_EQ((*pool)->Write({good, w}).code(), absl::StatusCode::kInvalidArgument);
+  // Strides of part rows: v's (VStride) would not be whole rows of Dv.
+  KvWrite part_rows = good;
+  part_rows.row_stride = 100;
+  const absl::Status strides = (*pool)->Write({part_rows});
+  EXPECT_EQ(strides.code(), absl::StatusCode::kInvalidArgument) << strides;
+  EXPECT_THAT(strides.message(), testing::HasSubstr("strides must be multiples of head_dim (64)"));
 
   std::vector<uint16_t> q(2 * 64), o(2 * 64);
   const int32_t cu_q[] = {0, 1}, seqlens_k[] = {17};

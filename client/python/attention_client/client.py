@@ -539,8 +539,9 @@ class Client:
         """One Step RPC over several sessions of this client, run by the server as one launch.
 
         items: (session, q) or (session, q, k, v) tuples, each session at most once; q
-        [Hq, Nq, D], k [Hkv, n, D] and v [Hkv, n, Dv] appended before attending (o [Hq, Nq, Dv]). Returns one o (or (o, lse),
-        or with return_info a StepResult) per item, in order; every session's length is updated.
+        [Hq, Nq, D], k [Hkv, n, D] and v [Hkv, n, Dv] appended before attending. Returns one o
+        [Hq, Nq, Dv] (or (o, lse), or with return_info a StepResult) per item, in order; every
+        session's length is updated.
         sinks, softcap, chunk_size: as attend()'s, for every item (DeviceInfo.step_options).
         layer: the layer of every session, for sessions of several layers.
         """
@@ -561,8 +562,9 @@ class Client:
         sequence. Sequence b is sessions[b] (each at most once, all of one dtype, Hkv, D and Dv).
 
         q [B, Hq, Nq, D]; k [B, Hkv, n, D] and v [B, Hkv, n, Dv] appended to each sequence before
-        it attends. Returns o [B, Hq, Nq, Dv] (q's kind and dtype; Dv the sessions' v_head_dim), or (o, lse) with return_lse (lse float32
-        [B, Hq, Nq]), or with return_info a StepBatchResult; every session's length is updated.
+        it attends. Returns o [B, Hq, Nq, Dv] (q's kind and dtype; Dv the sessions' v_head_dim),
+        or (o, lse) with return_lse (lse float32 [B, Hq, Nq]), or with return_info a
+        StepBatchResult; every session's length is updated.
         Tensors inside regions this client registered go by reference (no copy through the
         socket); out and lse_out, arrays in such regions, receive o and lse there (they must not
         overlap each other or an input). stream: as Session.step (False: unary; True: the

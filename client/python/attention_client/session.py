@@ -151,8 +151,9 @@ class Session:
         Step, the lowest latency.
 
         The queries are the session's last Nq positions (masks bottom-right aligned, as attend()).
-        Returns o [Hq, Nq, Dv] (same kind and dtype as q; Dv = v_head_dim), or (o, lse) with return_lse: lse
-        float32 [Hq, Nq]; with return_info a StepResult (o, lse, length, timing, device).
+        Returns o [Hq, Nq, Dv] (same kind and dtype as q; Dv = v_head_dim), or (o, lse) with
+        return_lse: lse float32 [Hq, Nq]; with return_info a StepResult (o, lse, length, timing,
+        device).
         sinks, softcap, chunk_size: as Client.attend()'s. layer: the layer attended to (and
         appended to), for a session of several layers.
         """
@@ -165,10 +166,11 @@ class Session:
     def export(self, *, chunk_rows=0, timeout=None):
         """The session as Sessions.Export streams it: an iterator of pb.SessionChunk, first the
         header (dtype, kv_heads, head_dim, v_head_dim, layers, layer_lengths), then each layer's
-        rows in order, k [Hkv, n, D] and v [Hkv, n, Dv] of at most `chunk_rows` rows (0: what fits 4 MiB). A snapshot
-        of the session when the export starts; hand it to Client.import_session of another
-        server (a replica handing its sessions to a peer), or keep the chunks. Raises
-        AttentionError (NOT_FOUND for another caller's or an unknown session)."""
+        rows in order, k [Hkv, n, D] and v [Hkv, n, Dv] of at most `chunk_rows` rows (0: what
+        fits 4 MiB). A snapshot of the session when the export starts; hand it to
+        Client.import_session of another server (a replica handing its sessions to a peer), or
+        keep the chunks. Raises AttentionError (NOT_FOUND for another caller's or an unknown
+        session)."""
         request = pb.ExportRequest(session_id=self._live_id(), chunk_rows=chunk_rows)
         client = self._client
         stream = client._sessions_stub.Export(

@@ -348,9 +348,10 @@ class RemoteLayer(CacheLayerMixin):
     def attend_absorbed(self, module, query, attention_mask, scaling, causal, options):
         """MLA (DeepSeek-V3) in its absorbed form: update() got the latents kv [B, 1, n, R] (after
         its norm) and k_rot [B, 1, n, P]; the session holds one KV head of K = [kv, k_rot] (R + P
-        features) and V = kv (R; attend pads it to R + P where sessions take one head dim). query [B, H, Nq, Dn + P] is [q_nope, q_rot]; with kv_b_proj's
-        weight W [H, Dn + Dv, R], q_nope . (W_k kv) = (q_nope W_k) . kv, so q = [q_nope W_k, q_rot]
-        attends to K with the model's scale, and o = o_latent[:R] W_v^T, [B, H, Nq, Dv]."""
+        features) and V = kv (R; attend pads it to R + P where sessions take one head dim).
+        query [B, H, Nq, Dn + P] is [q_nope, q_rot]; with kv_b_proj's weight W [H, Dn + Dv, R],
+        q_nope . (W_k kv) = (q_nope W_k) . kv, so q = [q_nope W_k, q_rot] attends to K with the
+        model's scale, and o = o_latent[:R] W_v^T, [B, H, Nq, Dv]."""
         kv, k_rot = self._pending
         proj = module.kv_b_proj
         if proj.bias is not None:
@@ -432,8 +433,8 @@ class RemoteLayer(CacheLayerMixin):
 
     def _step_packed(self, query, key, value, keep, scaling, options):
         """A decode step in which every sequence keeps all its new positions: one packed Step
-        (Client.step_batch: q [B, Hq, Nq, D], k [B, Hkv, n, D], v [B, Hkv, n, Dv]) instead of one entry per
-        sequence; the same Step, bit for bit, in one message and one tensor each."""
+        (Client.step_batch: q [B, Hq, Nq, D], k [B, Hkv, n, D], v [B, Hkv, n, Dv]) instead of one
+        entry per sequence; the same Step, bit for bit, in one message and one tensor each."""
         new = key.shape[2]
         added = torch.arange(new)
         for b in range(len(self.sessions)):
