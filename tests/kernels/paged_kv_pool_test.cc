@@ -312,29 +312,24 @@ std::vector<DecodeCase> Cases() {
   // V head dims of their own (served where PoolServesVHeadDim): DeepSeek-V3's expanded MLA
   // (QK 192, V 128; ragged, GQA, causal extend, BSHD writes) and its absorbed decode (one KV head
   // of QK 576 and V 512, 16 query heads, long enough for splits).
-  c = {};
-  c.name = "mla_d192_dv128_gqa2_causal";
-  c.heads_q = 4;
-  c.heads_kv = 2;
-  c.head_dim = 192;
-  c.v_head_dim = 128;
-  c.nq = {1, 3, 5, 1};
-  c.nk = {1, 17, 70, 130};
-  c.window_right = 0;
-  c.write_layout = Layout::kBSHD;
-  cases.push_back(c);
-
-  c = {};
-  c.name = "mla_absorbed_d576_dv512";
-  c.heads_q = 16;
-  c.heads_kv = 1;
-  c.head_dim = 576;
-  c.v_head_dim = 512;
-  c.nq = {1, 2};
-  c.nk = {1100, 33};
-  c.window_right = 0;
-  c.page_rows = 16;
-  cases.push_back(c);
+  cases.push_back({.name = "mla_d192_dv128_gqa2_causal",
+                   .heads_q = 4,
+                   .heads_kv = 2,
+                   .head_dim = 192,
+                   .v_head_dim = 128,
+                   .nq = {1, 3, 5, 1},
+                   .nk = {1, 17, 70, 130},
+                   .window_right = 0,
+                   .write_layout = Layout::kBSHD});
+  cases.push_back({.name = "mla_absorbed_d576_dv512",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .nq = {1, 2},
+                   .nk = {1100, 33},
+                   .window_right = 0,
+                   .page_rows = 16});
 
   c = {};
   c.name = "single_row_writes_100";
