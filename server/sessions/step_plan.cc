@@ -59,9 +59,7 @@ absl::Status CheckQueriesFit(absl::FunctionRef<std::string()> field, int64_t row
 }
 
 double DecodeFlops(const DecodeKey& key, const DecodeSequence& seq) {
-  // 2 flops per multiply-add of q.k (D) and of p.v (Dv) per visible pair and query head.
-  return 2.0 * static_cast<double>(key.heads_q) *
-         static_cast<double>(key.shape.head_dim + key.shape.value_head_dim()) *
+  return 4.0 * static_cast<double>(key.heads_q) * static_cast<double>(key.shape.head_dim) *
          static_cast<double>(
              VisibleKeyPairs(seq.rows_q, seq.length, key.window_left, key.window_right));
 }
