@@ -208,7 +208,8 @@ absl::StatusOr<Session> SessionImport::Finish() {
                          .kv_heads = info_->kv_heads(),
                          .head_dim = info_->head_dim(),
                          .layout = options_.layout,
-                         .layers = std::max(1, info_->layers())};
+                         .layers = std::max(1, info_->layers()),
+                         .v_head_dim = info_->v_head_dim()};
   return Session(client_, info_->session_id(), spec, *info_);
 }
 
@@ -289,6 +290,7 @@ absl::StatusOr<Session> SessionClient::CreateSession(const SessionSpec& spec, co
   request.set_head_dim(static_cast<int32_t>(spec.head_dim));
   request.set_layout(spec.layout);
   if (spec.layers > 1) request.set_layers(spec.layers);
+  request.set_v_head_dim(static_cast<int32_t>(spec.v_head_dim));
   if (k != nullptr) {
     *request.mutable_k() = *k;
     *request.mutable_v() = *v;

@@ -46,6 +46,9 @@ struct SessionSpec {
   // created empty; Append and the Steps then name the layer; Truncate, Fork and Drop take every
   // layer.
   int32_t layers = 1;
+  // Dv, the head dim of v and of the Steps' o where it is not D (CreateSessionRequest.v_head_dim:
+  // MLA models); 0: D.
+  int64_t v_head_dim = 0;
 };
 
 // The attention settings of a step; masks as in AttendRequest, bottom-right aligned: the

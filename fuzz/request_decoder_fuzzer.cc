@@ -9,8 +9,8 @@
 //      and, for what it accepts, the CPU kernel itself; the same bytes also as an AttendChunk
 //      (ParseAttendChunk);
 //   1  CreateSessionRequest (DecodeCreate);
-//   2  AppendKvRequest (DecodeKvRows) against a session whose shape and length come from the
-//      next 4 bytes (SessionFromBytes);
+//   2  AppendKvRequest (DecodeKvRows) against a session whose shape (V head dim included) and
+//      length come from the next 4 bytes (SessionFromBytes);
 //   3  StepRequest (CheckStep, then DecodeStepEntry for every entry) against such a session.
 // The rest of the input is the serialized message.
 //
@@ -186,17 +186,22 @@ struct FuzzedSession {
   attention::KvShape shape;
   int64_t length = 0;
 };
+// Byte 0: the dtype (% 3) and, where (bytes[0] / 3) % 2 is 1, a V head dim of its own (half
+// the head dim, rounded up); byte 1: kv heads; byte 2: the head dim; byte 3: the length.
 FuzzedSession SessionFromBytes(const uint8_t* bytes) {
   constexpr attention::DType kDTypes[] = {attention::DType::kFloat32, attention::DType::kFloat16,
                                           attention::DType::kBFloat16};
+  const int64_t head_dim = 1 + bytes[2];
   return {.shape = {.dtype = kDTypes[bytes[0] % 3],
                     .heads_kv = 1 + bytes[1] % 8,
-                    .head_dim = 1 + bytes[2]},
+                    .head_dim = head_dim,
+                    .v_head_dim = bytes[0] / 3 % 2 == 1 ? (head_dim + 1) / 2 : head_dim},
           .length = bytes[3]};
 }
 
-// Reads every element [head, row, 0..D) that `rows`' strides reach in k and v, as the KV write
-// does, and checks that the byte counts match the tensors the rows came from.
+// Reads every element [head, row, 0..D) (of v: 0..Dv, at VStride's strides) that `rows`' strides
+// reach in k and v, as the KV write does, and checks that the byte counts match the tensors the
+// rows came from.
 void CheckKvRows(const attention::KvRows& rows, const attention::v1::Tensor* k,
                  const attention::v1::Tensor* v, const attention::KvShape& shape) {
   if (rows.rows < 0) Fail("negative KV rows");
@@ -209,24 +214,32 @@ void CheckKvRows(const attention::KvRows& rows, const attention::v1::Tensor* k,
     Fail("KV pointers outside the request's tensors");
   }
   const int64_t element = static_cast<int64_t>(attention::DTypeSize(shape.dtype));
-  const int64_t bytes = rows.rows * shape.heads_kv * shape.head_dim * element;
-  if (static_cast<int64_t>(k->data().size()) != bytes ||
-      static_cast<int64_t>(v->data().size()) != bytes) {
-    Fail("KV rows do not cover their tensors' bytes exactly");
-  }
-  const int64_t last = (shape.heads_kv - 1) * rows.head_stride + (rows.rows - 1) * rows.row_stride +
-                       shape.head_dim - 1;
-  if (rows.head_stride < 1 || rows.row_stride < 1 || (last + 1) * element > bytes) {
-    Fail("KV strides reach outside the tensors");
-  }
+  // k's (D) and v's (Dv): each tensor's bytes, its strides and its row's elements.
+  struct Side {
+    const void* base;
+    const attention::v1::Tensor* tensor;
+    int64_t head_stride, row_stride, dim;
+  };
+  const Side sides[] = {{rows.k, k, rows.head_stride, rows.row_stride, shape.head_dim},
+                        {rows.v, v, attention::VStride(shape, rows.head_stride),
+                         attention::VStride(shape, rows.row_stride), shape.value_head_dim()}};
   // Touch what the strides reach, so AddressSanitizer sees any read outside the buffers.
   volatile uint8_t sink = 0;
-  for (const void* base : {rows.k, rows.v}) {
-    const auto* p = static_cast<const uint8_t*>(base);
+  for (const Side& side : sides) {
+    const int64_t bytes = rows.rows * shape.heads_kv * side.dim * element;
+    if (static_cast<int64_t>(side.tensor->data().size()) != bytes) {
+      Fail("KV rows do not cover their tensors' bytes exactly");
+    }
+    const int64_t last =
+        (shape.heads_kv - 1) * side.head_stride + (rows.rows - 1) * side.row_stride + side.dim - 1;
+    if (side.head_stride < 1 || side.row_stride < 1 || (last + 1) * element > bytes) {
+      Fail("KV strides reach outside the tensors");
+    }
+    const auto* p = static_cast<const uint8_t*>(side.base);
     for (int64_t h = 0; h < shape.heads_kv; ++h) {
       for (int64_t r = 0; r < rows.rows; ++r) {
-        const int64_t first = (h * rows.head_stride + r * rows.row_stride) * element;
-        sink = sink + p[first] + p[first + shape.head_dim * element - 1];
+        const int64_t first = (h * side.head_stride + r * side.row_stride) * element;
+        sink = sink + p[first] + p[first + side.dim * element - 1];
       }
     }
   }
@@ -241,7 +254,10 @@ void FuzzCreate(const uint8_t* data, size_t size) {
   if (!decoded.ok()) return CheckSessionRefusal(decoded.status());
   const attention::KvShape& shape = decoded->shape;
   if (shape.heads_kv != request.kv_heads() || shape.head_dim != request.head_dim() ||
-      shape.heads_kv < 1 || shape.head_dim < 1 || shape.head_dim > limits.max_head_dim) {
+      shape.heads_kv < 1 || shape.head_dim < 1 || shape.head_dim > limits.max_head_dim ||
+      shape.value_head_dim() !=
+          (request.v_head_dim() > 0 ? request.v_head_dim() : shape.head_dim) ||
+      shape.value_head_dim() > limits.max_head_dim) {
     Fail("a created session's shape is not the request's, or out of range");
   }
   if (attention::server::ToProtoDType(shape.dtype) != request.dtype()) Fail("dtype changed");
@@ -283,11 +299,13 @@ void FuzzPackedStep(const attention::v1::StepRequest& request, const FuzzedSessi
   for (int64_t b = 0; b < batch; ++b) {
     const attention::server::DecodedEntry& entry = packed->entries[b];
     if (entry.q != q + b * q_bytes) Fail("a packed Step's sequence q is not its slice of q");
-    const int64_t kv_bytes = entry.rows.rows * shape.heads_kv * shape.head_dim * element;
+    const int64_t k_bytes = entry.rows.rows * shape.heads_kv * shape.head_dim * element;
+    const int64_t v_bytes = entry.rows.rows * shape.heads_kv * shape.value_head_dim() * element;
     if (entry.rows.rows > 0 &&
-        (entry.rows.k != request.k().data().data() + b * kv_bytes ||
-         entry.rows.v != request.v().data().data() + b * kv_bytes ||
-         batch * kv_bytes != static_cast<int64_t>(request.k().data().size()))) {
+        (entry.rows.k != request.k().data().data() + b * k_bytes ||
+         entry.rows.v != request.v().data().data() + b * v_bytes ||
+         batch * k_bytes != static_cast<int64_t>(request.k().data().size()) ||
+         batch * v_bytes != static_cast<int64_t>(request.v().data().size()))) {
       Fail("a packed Step's sequence rows are not their slice of k and v");
     }
     const absl::Status fits =

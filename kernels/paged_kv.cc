@@ -4,10 +4,13 @@
 
 namespace attention {
 
-int64_t PageRows(int64_t page_bytes, DType dtype, int64_t heads_kv, int64_t head_dim) {
-  if (page_bytes <= 0 || heads_kv <= 0 || head_dim <= 0) return 0;
+int64_t PageRows(int64_t page_bytes, const KvShape& shape) {
+  if (page_bytes <= 0 || shape.heads_kv <= 0 || shape.head_dim <= 0 || shape.v_head_dim < 0) {
+    return 0;
+  }
   // One row of a page: K and V of every kv head.
-  const int64_t row_bytes = 2 * heads_kv * head_dim * static_cast<int64_t>(DTypeSize(dtype));
+  const int64_t row_bytes = shape.heads_kv * (shape.head_dim + shape.value_head_dim()) *
+                            static_cast<int64_t>(DTypeSize(shape.dtype));
   return page_bytes / row_bytes / 16 * 16;
 }
 

@@ -4,9 +4,10 @@
 //
 // A page holds `page_rows` rows of one sequence, K then V:
 //   page p starts at pool + p * page_bytes;
-//   K: [Hkv, page_rows, D] of `dtype`, then V: [Hkv, page_rows, D] right after it.
-// page_rows = page_bytes / (2 * Hkv * D * DTypeSize(dtype)), rounded down to a multiple of 16, so
-// one pool serves sequences of any shape (a shape whose page_rows would be 0 cannot use the pool).
+//   K: [Hkv, page_rows, D] of `dtype`, then V: [Hkv, page_rows, Dv] right after it (Dv, the V
+//   head dim, is D unless the shape says otherwise: MLA models cache k of 192 and v of 128).
+// page_rows = page_bytes / (Hkv * (D + Dv) * DTypeSize(dtype)), rounded down to a multiple of 16,
+// so one pool serves sequences of any shape (a shape whose page_rows would be 0 cannot use it).
 // Row r of a sequence is row r % page_rows of page page_table[r / page_rows].
 #pragma once
 
@@ -20,19 +21,24 @@
 
 namespace attention {
 
-// Rows per page for sequences of this shape in pages of `page_bytes`; 0 when a page is too small.
-int64_t PageRows(int64_t page_bytes, DType dtype, int64_t heads_kv, int64_t head_dim);
-
 // The shape every sequence of one step shares.
 struct KvShape {
   DType dtype = DType::kFloat16;
   int64_t heads_kv = 0;
-  int64_t head_dim = 0;
+  int64_t head_dim = 0;  // D, of q and k
+  // Dv, of v and o; 0: D. Only a pool whose backend lists "v_head_dim" in its step options serves
+  // Dv != D (the CPU's); the others refuse it by name.
+  int64_t v_head_dim = 0;
 
+  int64_t value_head_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }
   bool operator==(const KvShape& other) const {
-    return dtype == other.dtype && heads_kv == other.heads_kv && head_dim == other.head_dim;
+    return dtype == other.dtype && heads_kv == other.heads_kv && head_dim == other.head_dim &&
+           value_head_dim() == other.value_head_dim();
   }
 };
+
+// Rows per page for sequences of `shape` in pages of `page_bytes`; 0 when a page is too small.
+int64_t PageRows(int64_t page_bytes, const KvShape& shape);
 
 // Where a step's tensors are. Host memory by default: the pool reads and writes them before its
 // call returns. `on_device`: the pool's own GPU memory (a co-located caller's CUDA regions), read
@@ -62,8 +68,8 @@ struct StepMemory {
 };
 
 // Rows to append to a sequence: k and v host pointers with element strides, as KvWrite takes them
-// (BHSD [Hkv, rows, D] or BSHD [rows, Hkv, D]). What the server's request decoder makes of a
-// message's k and v, and what its session store appends.
+// (BHSD [Hkv, rows, D] or BSHD [rows, Hkv, D]; v with Dv). What the server's request decoder makes
+// of a message's k and v, and what its session store appends.
 struct KvRows {
   const void* k = nullptr;
   const void* v = nullptr;
@@ -74,8 +80,9 @@ struct KvRows {
 };
 
 // Writes rows [first_row, first_row + rows) of one sequence into its pages (all host pointers
-// except the pool's). k and v are [Hkv, rows, D] (BHSD) or [rows, Hkv, D] (BSHD) of shape.dtype;
-// the strides say which (elements).
+// except the pool's). k is [Hkv, rows, D] (BHSD) or [rows, Hkv, D] (BSHD) of shape.dtype, v the
+// same with Dv; the strides say which: k's, in elements, multiples of D (v's are k's / D * Dv,
+// VStride: v is laid out as k, with rows of Dv).
 struct KvWrite {
   KvShape shape;
   const int32_t* page_table = nullptr;  // the sequence's pages, covering first_row + rows
@@ -83,8 +90,8 @@ struct KvWrite {
   int64_t rows = 0;
   const void* k = nullptr;
   const void* v = nullptr;
-  int64_t head_stride = 0;  // between heads of k and v
-  int64_t row_stride = 0;   // between rows of k and v
+  int64_t head_stride = 0;  // between heads of k (of v: VStride)
+  int64_t row_stride = 0;   // between rows of k (of v: VStride)
   StepMemory memory;        // KvRows's
 };
 
@@ -97,9 +104,15 @@ struct KvRead {
   int64_t rows = 0;
   void* k = nullptr;
   void* v = nullptr;
-  int64_t head_stride = 0;  // between heads of k and v
-  int64_t row_stride = 0;   // between rows of k and v
+  int64_t head_stride = 0;  // between heads of k (of v: VStride)
+  int64_t row_stride = 0;   // between rows of k (of v: VStride)
 };
+
+// v's stride (elements) where k's is `k_stride` (a multiple of D): v is laid out as k, with rows
+// of Dv.
+inline int64_t VStride(const KvShape& shape, int64_t k_stride) {
+  return k_stride / shape.head_dim * shape.value_head_dim();
+}
 
 // One decode/extend step over `num_seqs` sequences (one kernel launch where the backend can).
 // Sequence s has seqlens_k[s] keys (already written, including this step's new rows) and
@@ -107,12 +120,12 @@ struct KvRead {
 // mask is AttentionParams's bottom-right aligned window (causal = window_right 0).
 //
 // q of sequence s: [Hq, Nq_s, D] contiguous, starting at element Hq * cu_seqlens_q[s] * D; o the
-// same; lse (optional, float32, natural log): [Hq, Nq_s] starting at Hq * cu_seqlens_q[s]. Or, with
-// q_seqs set (q, o and lse then null), each sequence's own buffers of those shapes: q_seqs[s],
-// o_seqs[s] and, when lse_seqs is set, lse_seqs[s]. A Step's sequences keep their rows apart, and
-// a device pool gathers them straight into its pinned staging and scatters o and lse from there:
-// packing them first would be one more copy of every row each way.
-// Query head h reads kv head h / (Hq / Hkv).
+// same with Dv (shape.value_head_dim()) for D; lse (optional, float32, natural log): [Hq, Nq_s]
+// starting at Hq * cu_seqlens_q[s]. Or, with q_seqs set (q, o and lse then null), each sequence's
+// own buffers of those shapes: q_seqs[s], o_seqs[s] and, when lse_seqs is set, lse_seqs[s]. A
+// Step's sequences keep their rows apart, and a device pool gathers them straight into its pinned
+// staging and scatters o and lse from there: packing them first would be one more copy of every row
+// each way. Query head h reads kv head h / (Hq / Hkv).
 struct PagedDecodeParams {
   KvShape shape;
   int64_t heads_q = 0;
@@ -137,8 +150,8 @@ struct PagedDecodeParams {
   float softmax_scale = 1.0f;
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
-  // AttentionParams's open-model options (not the V head dim: a page holds K and V of one D):
-  // per query head sink logits (float32 [Hq], host memory), a logit softcap, a chunk size.
+  // AttentionParams's open-model options (the V head dim is the shape's): per query head sink
+  // logits (float32 [Hq], host memory), a logit softcap, a chunk size.
   const float* sinks = nullptr;
   float softcap = 0.0f;
   int64_t chunk_size = 0;

@@ -11,15 +11,17 @@ namespace attention {
 namespace {
 
 absl::StatusOr<int64_t> CheckShape(const KvShape& shape, int64_t page_bytes) {
-  if (shape.heads_kv <= 0 || shape.head_dim <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kv shape must be positive: heads_kv=", shape.heads_kv, " head_dim=", shape.head_dim));
+  if (shape.heads_kv <= 0 || shape.head_dim <= 0 || shape.v_head_dim < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv shape must be positive: heads_kv=", shape.heads_kv,
+                     " head_dim=", shape.head_dim, " v_head_dim=", shape.v_head_dim));
   }
-  const int64_t page_rows = PageRows(page_bytes, shape.dtype, shape.heads_kv, shape.head_dim);
+  const int64_t page_rows = PageRows(page_bytes, shape);
   if (page_rows == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pages of ", page_bytes, " bytes hold fewer than 16 rows of ", DTypeName(shape.dtype),
-        " heads_kv=", shape.heads_kv, " head_dim=", shape.head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat("pages of ", page_bytes, " bytes hold fewer than 16 rows of ",
+                     DTypeName(shape.dtype), " heads_kv=", shape.heads_kv,
+                     " head_dim=", shape.head_dim, " v_head_dim=", shape.value_head_dim()));
   }
   return page_rows;
 }
@@ -115,7 +117,7 @@ void GatherDecodeQ(const PagedDecodeParams& p, void* dst) {
 
 void ScatterDecodeOutputs(const PagedDecodeParams& p, const void* o, const float* lse) {
   const int64_t row_bytes =
-      p.heads_q * p.shape.head_dim * static_cast<int64_t>(DTypeSize(p.shape.dtype));
+      p.heads_q * p.shape.value_head_dim() * static_cast<int64_t>(DTypeSize(p.shape.dtype));
   const auto* from = static_cast<const unsigned char*>(o);
   if (p.q_seqs == nullptr) {
     std::memcpy(p.o, from, p.total_q * row_bytes);
@@ -139,6 +141,12 @@ absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64
         "first_row, rows and strides must be >= 0: first_row=", w.first_row, " rows=", w.rows,
         " head_stride=", w.head_stride, " row_stride=", w.row_stride));
   }
+  if (w.head_stride % w.shape.head_dim != 0 || w.row_stride % w.shape.head_dim != 0) {
+    // v's strides are k's scaled to Dv (VStride), which needs whole rows of D.
+    return absl::InvalidArgumentError(
+        absl::StrCat("strides must be multiples of head_dim (", w.shape.head_dim,
+                     "): head_stride=", w.head_stride, " row_stride=", w.row_stride));
+  }
   if (w.rows == 0) return page_rows;
   if (!w.page_table || !w.k || !w.v) {
     return absl::InvalidArgumentError("page_table, k and v must all be set");
@@ -147,6 +155,13 @@ absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64
     RETURN_IF_ERROR(CheckPage(w.page_table[i], num_pages, 0, i));
   }
   return page_rows;
+}
+
+absl::Status RefuseVHeadDim(const KvShape& shape, const char* backend) {
+  if (shape.value_head_dim() == shape.head_dim) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat("v_head_dim: expected ", shape.head_dim,
+                                               " (head_dim) on the ", backend, " backend, got ",
+                                               shape.value_head_dim()));
 }
 
 absl::Status CheckPageCopies(absl::Span<const std::pair<int32_t, int32_t>> src_dst,

@@ -36,7 +36,7 @@ inline bool DecodeWantsLse(const PagedDecodeParams& p) {
 // from its own buffer (q_seqs), or q at once when it is packed already.
 void GatherDecodeQ(const PagedDecodeParams& p, void* dst);
 
-// Copies packed o ([Hq * total_q, D]) and, when the step asks for it, lse ([Hq * total_q]) out to
+// Copies packed o ([Hq * total_q, Dv]) and, when the step asks for it, lse ([Hq * total_q]) out to
 // where the step keeps them.
 void ScatterDecodeOutputs(const PagedDecodeParams& p, const void* o, const float* lse);
 
@@ -72,13 +72,21 @@ struct PageRun {
 absl::Status ForEachPageRun(const KvWrite& w, int64_t page_rows,
                             const std::function<absl::Status(const PageRun&)>& fn);
 
-// Byte offsets inside a page of sequences of `shape` with `page_rows` rows: K of (head, row) and
-// where V starts.
+// Byte offsets inside a page of sequences of `shape` with `page_rows` rows (kernels/paged_kv.h):
+// K of (head, row), where V starts, and V of (head, row).
 inline int64_t KvRowOffset(const KvShape& shape, int64_t page_rows, int64_t head, int64_t row) {
   return (head * page_rows + row) * shape.head_dim * static_cast<int64_t>(DTypeSize(shape.dtype));
 }
 inline int64_t VOffset(const KvShape& shape, int64_t page_rows) {
   return KvRowOffset(shape, page_rows, shape.heads_kv, 0);
 }
+inline int64_t VRowOffset(const KvShape& shape, int64_t page_rows, int64_t head, int64_t row) {
+  return VOffset(shape, page_rows) + (head * page_rows + row) * shape.value_head_dim() *
+                                         static_cast<int64_t>(DTypeSize(shape.dtype));
+}
+
+// OK when `shape` has one head dim for K and V, else UNIMPLEMENTED naming v_head_dim and `backend`
+// (a pool whose kernels read V rows of D).
+absl::Status RefuseVHeadDim(const KvShape& shape, const char* backend);
 
 }  // namespace attention

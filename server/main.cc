@@ -95,6 +95,9 @@ ABSL_FLAG(int, receive_memory_mb, 0,
           "beyond it the stream being filled is cancelled, so a request over the message limit "
           "costs at most this. 0 = --max_message_mb + 64.");
 ABSL_FLAG(int, max_queue, 256, "Requests that may wait for a device; more are refused.");
+ABSL_FLAG(int, max_head_dim, 256,
+          "Largest head dim (q, k and v) served, 1..1024: the CUDA kernels take 256 at most, the "
+          "CPU backend any (MLA's absorbed decode: QK 576, V 512). Reported in ServerInfo.");
 ABSL_FLAG(int, max_batch, 1,
           "Requests per kernel launch at most (dynamic batching; reported in ServerInfo).");
 ABSL_FLAG(int, max_queue_delay_us, 0,
@@ -234,9 +237,12 @@ absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
       return std::vector<KvDevice>{};
     }
     if (!pool.ok()) return pool.status();
-    devices.push_back(KvDevice{.name = device.name, .pool = *pool, .health = [e = executor.get()] {
-                                 return e->Health();
-                               }});
+    const bool v_head_dim = std::find(device.step_options.begin(), device.step_options.end(),
+                                      "v_head_dim") != device.step_options.end();
+    devices.push_back(KvDevice{.name = device.name,
+                               .pool = *pool,
+                               .health = [e = executor.get()] { return e->Health(); },
+                               .v_head_dim = v_head_dim});
   }
   return devices;
 }
@@ -681,6 +687,8 @@ int main(int argc, char** argv) {
   options.kv_cache.page_bytes = absl::GetFlag(FLAGS_kv_page_bytes);
   options.kv_cache.ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
   options.max_request_flops = absl::GetFlag(FLAGS_max_request_flops);
+  options.max_head_dim = absl::GetFlag(FLAGS_max_head_dim);
+  options.service.max_head_dim = options.max_head_dim;
   options.shared_memory.allow = absl::GetFlag(FLAGS_allow_shared_memory);
   options.shared_memory.limits.max_regions_per_owner =
       absl::GetFlag(FLAGS_max_shared_memory_regions);

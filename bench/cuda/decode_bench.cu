@@ -291,7 +291,8 @@ bool PrintTrace(const Config& c, int64_t ctas, const Flush& flush, Step step) {
 
 bool TimeConfig(const Config& c, const Device& device, const Flush& flush) {
   const int sm_count = device.sm_count;
-  const int64_t page_rows = attention::PageRows(c.page_bytes, DType::kBFloat16, kHeadsKv, kHeadDim);
+  const int64_t page_rows =
+      attention::PageRows(c.page_bytes, attention::KvShape{DType::kBFloat16, kHeadsKv, kHeadDim});
   const int64_t pages_per_seq = (c.nk + page_rows - 1) / page_rows;
   const int64_t num_pages = kBatch * pages_per_seq;
   std::vector<int32_t> table(num_pages);

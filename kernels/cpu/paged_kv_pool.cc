@@ -119,22 +119,23 @@ struct DecodeJob {
   const unsigned char* pool;
   int64_t page_bytes, page_rows;
   int64_t splits, split_keys;
-  // splits > 1: [splits, Hq * total_q, d] normalised partial o and [splits, Hq * total_q]
+  // splits > 1: [splits, Hq * total_q, Dv] normalised partial o and [splits, Hq * total_q]
   // log2-sum-exp.
   float* part_o;
   float* part_lse;
 };
 
-// Per-thread buffers (d_pad = head_dim rounded up to 8).
+// Per-thread buffers (d_pad, dv_pad = the QK and V head dims rounded up to 8): q and k rows of
+// d_pad, v and o rows of dv_pad.
 struct Scratch {
   std::vector<float> q, o, m, l, k, v, s;
-  void Prepare(int64_t rows, int64_t d_pad) {
+  void Prepare(int64_t rows, int64_t d_pad, int64_t dv_pad) {
     q.resize(rows * d_pad);
-    o.assign(rows * d_pad, 0.0f);
+    o.assign(rows * dv_pad, 0.0f);
     m.assign(rows, kNegInf);
     l.assign(rows, 0.0f);
     k.resize(kTileKeys * d_pad);
-    v.resize(kTileKeys * d_pad);
+    v.resize(kTileKeys * dv_pad);
     s.resize(kTileKeys);
   }
 };
@@ -168,6 +169,7 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
   const PagedDecodeParams& p = *job.p;
   const KvShape& shape = p.shape;
   const int64_t hkv = shape.heads_kv, d = shape.head_dim, d_pad = RoundUp(d, 8);
+  const int64_t dv = shape.value_head_dim(), dv_pad = RoundUp(dv, 8);
   const int64_t seq = item / (hkv * job.splits);
   const int64_t hk = item / job.splits % hkv;
   const int64_t split = item % job.splits;
@@ -177,11 +179,11 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
   const int64_t rows = group * nq;  // row r: query head hk * group + r % group, query r / group
   if (rows == 0) return;
   const size_t elem = DTypeSize(shape.dtype);
-  // Element offset of row r in q, o (times d) and lse.
+  // Element offset of row r in q (times d), o (times dv) and lse.
   auto row_index = [&](int64_t r) {
     return p.heads_q * q0 + (hk * group + r % group) * nq + r / group;
   };
-  sc.Prepare(rows, d_pad);
+  sc.Prepare(rows, d_pad, dv_pad);
   for (int64_t r = 0; r < rows; ++r) {
     ConvertPaddedRow(shape.dtype, static_cast<const unsigned char*>(p.q) + row_index(r) * d * elem,
                      d, d_pad, p.softmax_scale * kLog2e, sc.q.data() + r * d_pad);
@@ -198,17 +200,17 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
   hi = std::min(hi, row_keys(nq - 1).hi + 1);
   // Softcapping in the log2 domain: c tanh(s / c) on natural-log logits is c2 tanh(s2 / c2).
   const float softcap2 = p.softcap * kLog2e;
-  const int64_t v_offset = VOffset(shape, job.page_rows);
   for (int64_t key0 = lo; key0 < hi;) {
     const int64_t page_row = key0 % job.page_rows;
     const int64_t kn = std::min({kTileKeys, hi - key0, job.page_rows - page_row});
     const unsigned char* page =
         job.pool + p.page_table[seq * p.page_table_stride + key0 / job.page_rows] * job.page_bytes;
     const unsigned char* k_rows = page + KvRowOffset(shape, job.page_rows, hk, page_row);
+    const unsigned char* v_rows = page + VRowOffset(shape, job.page_rows, hk, page_row);
     for (int64_t j = 0; j < kn; ++j) {
       ConvertPaddedRow(shape.dtype, k_rows + j * d * elem, d, d_pad, 1.0f, sc.k.data() + j * d_pad);
-      ConvertPaddedRow(shape.dtype, k_rows + v_offset + j * d * elem, d, d_pad, 1.0f,
-                       sc.v.data() + j * d_pad);
+      ConvertPaddedRow(shape.dtype, v_rows + j * dv * elem, dv, dv_pad, 1.0f,
+                       sc.v.data() + j * dv_pad);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const RowKeys keys = row_keys(r / group);
@@ -232,10 +234,10 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
         sum += sc.s[j];
       }
       // o = o * alpha + P V, 8 columns at a time over the tile's keys (o stays in a register).
-      float* o = sc.o.data() + r * d_pad;
-      for (int64_t x = 0; x < d_pad; x += 8) {
+      float* o = sc.o.data() + r * dv_pad;
+      for (int64_t x = 0; x < dv_pad; x += 8) {
         Vec8 acc = Load(o + x) * alpha;
-        for (int64_t j = jlo; j < jhi; ++j) acc += sc.s[j] * Load(sc.v.data() + j * d_pad + x);
+        for (int64_t j = jlo; j < jhi; ++j) acc += sc.s[j] * Load(sc.v.data() + j * dv_pad + x);
         Store(o + x, acc);
       }
       sc.l[r] = sc.l[r] * alpha + sum;
@@ -253,14 +255,14 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
     }
     const float inv = l > 0.0f ? o_scale / l : 0.0f;
     const float lse2 = l > 0.0f ? m + std::log2(l) : kNegInf;
-    const float* o = sc.o.data() + r * d_pad;
+    const float* o = sc.o.data() + r * dv_pad;
     const int64_t at = row_index(r);
     if (job.splits == 1) {
-      StoreRow(o, d, inv, shape.dtype, static_cast<unsigned char*>(p.o) + at * d * elem);
+      StoreRow(o, dv, inv, shape.dtype, static_cast<unsigned char*>(p.o) + at * dv * elem);
       if (p.lse != nullptr) p.lse[at] = lse2 == kNegInf ? kNegInf : lse2 * kLn2;
     } else {
       const int64_t part = split * p.heads_q * p.total_q + at;
-      for (int64_t x = 0; x < d; ++x) job.part_o[part * d + x] = o[x] * inv;
+      for (int64_t x = 0; x < dv; ++x) job.part_o[part * dv + x] = o[x] * inv;
       job.part_lse[part] = lse2;
     }
   }
@@ -277,7 +279,7 @@ int64_t HeadOfRow(const PagedDecodeParams& p, int64_t r) {
 // Merges the splits of rows [first, last) of o and lse by their log2-sum-exp (and the sinks).
 void MergeSplits(const DecodeJob& job, int64_t first, int64_t last) {
   const PagedDecodeParams& p = *job.p;
-  const int64_t d = p.shape.head_dim, stride = p.heads_q * p.total_q;
+  const int64_t d = p.shape.value_head_dim(), stride = p.heads_q * p.total_q;
   std::vector<float> acc(d);
   for (int64_t r = first; r < last; ++r) {
     float mx = kNegInf;
@@ -374,7 +376,7 @@ class CpuKvPagePool : public KvPagePool {
                   .part_lse = nullptr};
     const int64_t rows = p.heads_q * p.total_q;
     if (splits > 1) {
-      part_o_.resize(splits * rows * p.shape.head_dim);
+      part_o_.resize(splits * rows * p.shape.value_head_dim());
       part_lse_.resize(splits * rows);
       job.part_o = part_o_.data();
       job.part_lse = part_lse_.data();
@@ -422,9 +424,9 @@ class CpuKvPagePool : public KvPagePool {
       return p;
     }
     const size_t rows = p.heads_q * p.total_q;
-    const size_t bytes = rows * p.shape.head_dim * DTypeSize(p.shape.dtype);
-    q_packed_.resize(bytes);
-    o_packed_.resize(bytes);
+    const size_t elem = DTypeSize(p.shape.dtype);
+    q_packed_.resize(rows * p.shape.head_dim * elem);
+    o_packed_.resize(rows * p.shape.value_head_dim() * elem);
     GatherDecodeQ(given, q_packed_.data());
     p.q = q_packed_.data();
     p.o = o_packed_.data();
@@ -436,31 +438,37 @@ class CpuKvPagePool : public KvPagePool {
   }
 
   // One checked write (page_rows from CheckKvWrite) of w's rows into the pages, or with `read`
-  // (w = AsKvWrite(*read)) the same rows out of the pages into read->k and read->v.
+  // (w = AsKvWrite(*read)) the same rows out of the pages into read->k and read->v. K rows are D
+  // elements, V rows Dv, at v's strides (VStride).
   absl::Status CopyRows(const KvWrite& w, int64_t page_rows, const KvRead* read) {
     const KvShape& shape = w.shape;
     const int64_t elem = static_cast<int64_t>(DTypeSize(shape.dtype));
-    const int64_t row_bytes = shape.head_dim * elem;
-    const int64_t v_offset = VOffset(shape, page_rows);
-    const auto copy = [&](unsigned char* page, const void* host, void* host_out) {
+    const int64_t k_row_bytes = shape.head_dim * elem;
+    const int64_t v_row_bytes = shape.value_head_dim() * elem;
+    const int64_t v_head_stride = VStride(shape, w.head_stride);
+    const int64_t v_row_stride = VStride(shape, w.row_stride);
+    // Copies `bytes` from host to page, or with `read` from page to the same offset of host_out.
+    const auto copy = [&](unsigned char* page, const void* host, void* host_out, int64_t offset,
+                          int64_t bytes) {
       if (read == nullptr) {
-        std::memcpy(page, host, row_bytes);
+        std::memcpy(page, static_cast<const unsigned char*>(host) + offset, bytes);
       } else {
-        std::memcpy(host_out, page, row_bytes);
+        std::memcpy(static_cast<unsigned char*>(host_out) + offset, page, bytes);
       }
     };
+    void* k_out = read != nullptr ? read->k : nullptr;
+    void* v_out = read != nullptr ? read->v : nullptr;
     return ForEachPageRun(w, page_rows, [&](const PageRun& run) {
       unsigned char* page = memory_ + run.page * page_bytes_;
       for (int64_t h = 0; h < shape.heads_kv; ++h) {
-        unsigned char* dst = page + KvRowOffset(shape, page_rows, h, run.page_row);
+        unsigned char* k_dst = page + KvRowOffset(shape, page_rows, h, run.page_row);
+        unsigned char* v_dst = page + VRowOffset(shape, page_rows, h, run.page_row);
         for (int64_t j = 0; j < run.count; ++j) {
-          const int64_t src = (h * w.head_stride + (run.src_row + j) * w.row_stride) * elem;
-          unsigned char* k_out = read != nullptr ? static_cast<unsigned char*>(read->k) : nullptr;
-          unsigned char* v_out = read != nullptr ? static_cast<unsigned char*>(read->v) : nullptr;
-          copy(dst + j * row_bytes, static_cast<const unsigned char*>(w.k) + src,
-               k_out != nullptr ? k_out + src : nullptr);
-          copy(dst + v_offset + j * row_bytes, static_cast<const unsigned char*>(w.v) + src,
-               v_out != nullptr ? v_out + src : nullptr);
+          const int64_t row = run.src_row + j;
+          copy(k_dst + j * k_row_bytes, w.k, k_out, (h * w.head_stride + row * w.row_stride) * elem,
+               k_row_bytes);
+          copy(v_dst + j * v_row_bytes, w.v, v_out, (h * v_head_stride + row * v_row_stride) * elem,
+               v_row_bytes);
         }
       }
       return absl::OkStatus();

@@ -40,9 +40,9 @@ DeviceDescription DescribeHost(std::string name) {
   if (device.description.empty()) device.description = "unknown CPU";
   device.multiprocessors = static_cast<int>(std::thread::hardware_concurrency());
   device.fast_head_dims = cpu::SpecialisedHeadDims();
-  // kernels/cpu serves every option; the paged pool holds one head dim for K and V.
+  // kernels/cpu serves every option, on Attend and on the paged pool's steps.
   device.attend_options = {"sinks", "softcap", "chunk_size", "v_head_dim"};
-  device.step_options = {"sinks", "softcap", "chunk_size"};
+  device.step_options = {"sinks", "softcap", "chunk_size", "v_head_dim"};
   // "MemTotal:       16318428 kB"
   int64_t kib = 0;
   if (absl::SimpleAtoi(absl::StripSuffix(ProcField("/proc/meminfo", "MemTotal", ':'), " kB"),

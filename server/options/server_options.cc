@@ -31,6 +31,10 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
       return absl::InvalidArgumentError(absl::StrCat(name, ": expected >= 1, got ", value));
     }
   }
+  if (o.max_head_dim < 1 || o.max_head_dim > kMaxHeadDimLimit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_head_dim: expected 1..", kMaxHeadDimLimit, ", got ", o.max_head_dim));
+  }
   // A TCP port is 16 bits: gRPC would bind a larger number modulo 65536, somewhere unasked.
   for (const auto& [name, value] :
        {std::pair{"--port", o.port}, {"--metrics_port", o.metrics_port}}) {

@@ -36,6 +36,9 @@ struct SharedMemoryOptions {
   int ring_stall_timeout_s = 30;
 };
 
+// --max_head_dim at most: a bound of sanity (today's largest head dim, MLA's absorbed QK, is 576).
+inline constexpr int kMaxHeadDimLimit = 1024;
+
 struct ServerOptions {
   std::string host = "0.0.0.0";
   int port = 50051;
@@ -55,6 +58,9 @@ struct ServerOptions {
   // Messages one AttendStream or StepStream may hold at once; 1: the next read only once the
   // last answer is written (stream_reactor.h).
   int stream_window = 16;
+  // Head dims (q and k's D, v's Dv) served up to this: the CUDA kernels take 256 at most, the CPU
+  // backend any (MLA's absorbed decode: QK 576, V 512). Reported in ServerLimits.
+  int max_head_dim = 256;
   SchedulerOptions scheduler;
   KvCacheOptions kv_cache;
   SharedMemoryOptions shared_memory;

@@ -80,6 +80,17 @@ TEST(CheckOptionsTest, CountsAtLeastOne) {
   }
 }
 
+TEST(CheckOptionsTest, MaxHeadDim) {
+  ServerOptions o;
+  o.max_head_dim = 576;
+  EXPECT_TRUE(CheckOptions(o, kMessageMb).ok());
+  for (const int bad : {0, 1025}) {
+    o.max_head_dim = bad;
+    ExpectInvalid(CheckOptions(o, kMessageMb), "--max_head_dim", "expected 1..1024",
+                  absl::StrCat("got ", bad));
+  }
+}
+
 TEST(CheckOptionsTest, NonNegatives) {
   const auto negative = [](ServerOptions& o, int which) {
     switch (which) {

@@ -52,23 +52,28 @@ absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* 
                                                      " (the session's), got ",
                                                      DTypeString(t->dtype())));
     }
-    RETURN_IF_ERROR(CheckTensor(field, *t, 3, bshd ? "[n, Hkv, D] for LAYOUT_BSHD" : "[Hkv, n, D]",
-                                DTypeSize(shape.dtype))
-                        .status());
+    const bool is_k = t == k;
+    const char* expected_shape =
+        bshd ? (is_k ? "[n, Hkv, D] for LAYOUT_BSHD" : "[n, Hkv, Dv] for LAYOUT_BSHD")
+             : (is_k ? "[Hkv, n, D]" : "[Hkv, n, Dv]");
+    RETURN_IF_ERROR(CheckTensor(field, *t, 3, expected_shape, DTypeSize(shape.dtype)).status());
     if (t->shape(head_axis) != shape.heads_kv) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ".shape[", head_axis, "] (kv heads): expected ", shape.heads_kv,
                        " (the session's), got ", t->shape(head_axis)));
     }
-    if (t->shape(2) != shape.head_dim) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".shape[2] (head dim): expected ",
-                                                     shape.head_dim, " (the session's), got ",
-                                                     t->shape(2)));
+    // k's last dim is the session's head_dim, v's its v_head_dim.
+    const int64_t dim = is_k ? shape.head_dim : shape.value_head_dim();
+    if (t->shape(2) != dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".shape[2] (", is_k ? "head dim" : "v head dim", "): expected ", dim,
+          " (the session's ", is_k ? "head_dim" : "v_head_dim", "), got ", t->shape(2)));
     }
   }
   if (k->shape(row_axis) != v->shape(row_axis)) {
-    return absl::InvalidArgumentError(absl::StrCat(prefix, "v.shape: expected ", ShapeString(*k),
-                                                   " (as k), got ", ShapeString(*v)));
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "v.shape[", row_axis,
+                                                   "] (rows): expected ", k->shape(row_axis),
+                                                   " (as k), got ", v->shape(row_axis)));
   }
   KvRows rows;
   const int64_t alignment = static_cast<int64_t>(DTypeSize(shape.dtype));
@@ -82,12 +87,16 @@ absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* 
 
 namespace {
 
-// A session's dtype, kv heads, head dim and layers (0 read as 1), as CreateSession and an
-// Import's header give them; `prefix` begins the field names ("", "header.").
+// A session's dtype, kv heads, head dims and layers (0 read as 1), as CreateSession and an
+// Import's header give them (v_head_dim 0: head_dim); `prefix` begins the field names ("",
+// "header.").
+template <typename Message>
 absl::StatusOr<std::pair<KvShape, int>> DecodeSessionShape(absl::string_view prefix,
-                                                           v1::DType proto_dtype, int32_t kv_heads,
-                                                           int32_t head_dim, int32_t layers,
+                                                           const Message& m,
                                                            const SessionLimits& limits) {
+  const int32_t kv_heads = m.kv_heads(), head_dim = m.head_dim(), layers = m.layers();
+  const int32_t v_head_dim = m.v_head_dim();
+  const v1::DType proto_dtype = m.dtype();
   ASSIGN_OR_RETURN(DType dtype, ToDType(proto_dtype, absl::StrCat(prefix, "dtype")));
   if (dtype == DType::kFloat8E4M3) {
     // No paged KV pool or decode kernel holds float8 rows; every Step of a session then keeps
@@ -105,11 +114,19 @@ absl::StatusOr<std::pair<KvShape, int>> DecodeSessionShape(absl::string_view pre
     return absl::InvalidArgumentError(
         absl::StrCat(prefix, "head_dim: expected 1..", limits.max_head_dim, ", got ", head_dim));
   }
+  if (v_head_dim < 0 || v_head_dim > limits.max_head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "v_head_dim: expected 0..",
+                                                   limits.max_head_dim, " (0: head_dim), got ",
+                                                   v_head_dim));
+  }
   if (layers < 0 || layers > kMaxSessionLayers) {
     return absl::InvalidArgumentError(
         absl::StrCat(prefix, "layers: expected 0..", kMaxSessionLayers, " (0: one), got ", layers));
   }
-  return std::pair{KvShape{.dtype = dtype, .heads_kv = kv_heads, .head_dim = head_dim},
+  return std::pair{KvShape{.dtype = dtype,
+                           .heads_kv = kv_heads,
+                           .head_dim = head_dim,
+                           .v_head_dim = v_head_dim > 0 ? v_head_dim : head_dim},
                    std::max(1, layers)};
 }
 
@@ -119,8 +136,7 @@ absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& reque
                                            const SessionLimits& limits, TensorRefResolver* refs) {
   DecodedCreate decoded;
   ASSIGN_OR_RETURN(std::tie(decoded.shape, decoded.layers),
-                   DecodeSessionShape("", request.dtype(), request.kv_heads(), request.head_dim(),
-                                      request.layers(), limits));
+                   DecodeSessionShape("", request, limits));
   ASSIGN_OR_RETURN(decoded.rows, DecodeKvRows("", request.has_k() ? &request.k() : nullptr,
                                               request.has_v() ? &request.v() : nullptr,
                                               request.layout(), decoded.shape, refs));
@@ -153,8 +169,8 @@ absl::StatusOr<int64_t> DecodeChunkRows(int64_t chunk_rows, const KvShape& shape
   // k and v of one row, and what a chunk carries besides: tags, shapes, header-free fields.
   constexpr int64_t kChunkOverhead = 256;
   constexpr int64_t kDefaultChunkBytes = int64_t{4} << 20;
-  const int64_t row_bytes =
-      2 * shape.heads_kv * shape.head_dim * static_cast<int64_t>(DTypeSize(shape.dtype));
+  const int64_t row_bytes = shape.heads_kv * (shape.head_dim + shape.value_head_dim()) *
+                            static_cast<int64_t>(DTypeSize(shape.dtype));
   const int64_t most = std::max<int64_t>(1, (max_message_bytes - kChunkOverhead) / row_bytes);
   if (chunk_rows == 0) {
     return std::max<int64_t>(
@@ -184,8 +200,7 @@ absl::StatusOr<DecodedImportHeader> DecodeImportHeader(const v1::SessionChunk& c
   const v1::SessionHeader& header = chunk.header();
   DecodedImportHeader decoded;
   ASSIGN_OR_RETURN(std::tie(decoded.shape, decoded.layers),
-                   DecodeSessionShape("header.", header.dtype(), header.kv_heads(),
-                                      header.head_dim(), header.layers(), limits));
+                   DecodeSessionShape("header.", header, limits));
   if (header.layer_lengths_size() != decoded.layers) {
     return absl::InvalidArgumentError(absl::StrCat("header.layer_lengths: expected ",
                                                    decoded.layers, " lengths (one per layer), got ",
@@ -336,10 +351,12 @@ absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& ent
   decoded.rows_q = q.shape(1);
   decoded.rows = rows;
   decoded.q_bytes = decoded.heads_q * decoded.rows_q * shape.head_dim * element_bytes;
-  decoded.kv_bytes = shape.heads_kv * rows.rows * shape.head_dim * element_bytes;
+  decoded.o_bytes = decoded.heads_q * decoded.rows_q * shape.value_head_dim() * element_bytes;
+  decoded.k_bytes = shape.heads_kv * rows.rows * shape.head_dim * element_bytes;
+  decoded.v_bytes = shape.heads_kv * rows.rows * shape.value_head_dim() * element_bytes;
   if (entry.has_o_ref()) {
     ASSIGN_OR_RETURN(decoded.o, OutputRef(absl::StrCat(prefix, "o_ref"), entry.o_ref(),
-                                          decoded.q_bytes, element_bytes, refs));
+                                          decoded.o_bytes, element_bytes, refs));
   }
   return decoded;
 }
@@ -351,10 +368,10 @@ absl::Status CheckEntriesApart(const std::vector<DecodedEntry>& entries) {
   for (size_t i = 0; i < entries.size(); ++i) {
     const DecodedEntry& e = entries[i];
     const std::string prefix = absl::StrCat("entries[", i, "].");
-    outputs.push_back({absl::StrCat(prefix, "o_ref"), e.o, e.q_bytes});
+    outputs.push_back({absl::StrCat(prefix, "o_ref"), e.o, e.o_bytes});
     inputs.push_back({absl::StrCat(prefix, "q"), static_cast<const char*>(e.q), e.q_bytes});
-    inputs.push_back({absl::StrCat(prefix, "k"), static_cast<const char*>(e.rows.k), e.kv_bytes});
-    inputs.push_back({absl::StrCat(prefix, "v"), static_cast<const char*>(e.rows.v), e.kv_bytes});
+    inputs.push_back({absl::StrCat(prefix, "k"), static_cast<const char*>(e.rows.k), e.k_bytes});
+    inputs.push_back({absl::StrCat(prefix, "v"), static_cast<const char*>(e.rows.v), e.v_bytes});
   }
   return CheckOutputsApart(outputs, inputs);
 }
@@ -386,9 +403,11 @@ absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, c
   }
   DecodedPacked packed{.batch = batch, .heads_q = q.shape(1), .rows_q = q.shape(2)};
   const int64_t q_bytes = packed.heads_q * packed.rows_q * shape.head_dim * element_bytes;
+  const int64_t o_bytes = packed.heads_q * packed.rows_q * shape.value_head_dim() * element_bytes;
   ASSIGN_OR_RETURN(const char* q_data, TensorData("q", q, element_bytes, refs));
 
-  // k, v [B, Hkv, n, D]: sequence b's rows are [Hkv, n, D] at b * Hkv * n * D.
+  // k [B, Hkv, n, D], v [B, Hkv, n, Dv]: sequence b's rows are [Hkv, n, D] at b * Hkv * n * D
+  // and [Hkv, n, Dv] at b * Hkv * n * Dv.
   const char* k_data = nullptr;
   const char* v_data = nullptr;
   int64_t rows = 0;
@@ -404,14 +423,21 @@ absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, c
                                                        DTypeString(dtype), " (the sessions'), got ",
                                                        DTypeString(t->dtype())));
       }
-      RETURN_IF_ERROR(CheckTensor(name, *t, 4, "[B, Hkv, n, D]", element_bytes).status());
-      const int64_t expected[] = {batch, shape.heads_kv, request.k().shape(2), shape.head_dim};
-      const char* meaning[] = {"batch", "kv heads", "rows", "head dim"};
+      const bool is_k = t == &request.k();
+      RETURN_IF_ERROR(
+          CheckTensor(name, *t, 4, is_k ? "[B, Hkv, n, D]" : "[B, Hkv, n, Dv]", element_bytes)
+              .status());
+      const int64_t expected[] = {batch, shape.heads_kv, request.k().shape(2),
+                                  is_k ? shape.head_dim : shape.value_head_dim()};
+      const char* meaning[] = {"batch", "kv heads", "rows", is_k ? "head dim" : "v head dim"};
       for (int axis = 0; axis < 4; ++axis) {
         if (t->shape(axis) != expected[axis]) {
           return absl::InvalidArgumentError(absl::StrCat(
               name, ".shape[", axis, "] (", meaning[axis], "): expected ", expected[axis],
-              axis == 2 ? " (as k)" : (axis == 0 ? " (one per session_ids)" : " (the sessions')"),
+              axis == 2   ? " (as k)"
+              : axis == 0 ? " (one per session_ids)"
+              : axis == 3 ? (is_k ? " (the sessions' head_dim)" : " (the sessions' v_head_dim)")
+                          : " (the sessions')",
               ", got ", t->shape(axis)));
         }
       }
@@ -420,12 +446,13 @@ absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, c
     ASSIGN_OR_RETURN(k_data, TensorData("k", request.k(), element_bytes, refs));
     ASSIGN_OR_RETURN(v_data, TensorData("v", request.v(), element_bytes, refs));
   }
-  const int64_t kv_bytes = shape.heads_kv * rows * shape.head_dim * element_bytes;
+  const int64_t k_bytes = shape.heads_kv * rows * shape.head_dim * element_bytes;
+  const int64_t v_bytes = shape.heads_kv * rows * shape.value_head_dim() * element_bytes;
 
   const int64_t lse_bytes = packed.heads_q * packed.rows_q * int64_t{sizeof(float)};
   if (request.has_o_ref()) {
     ASSIGN_OR_RETURN(packed.o,
-                     OutputRef("o_ref", request.o_ref(), batch * q_bytes, element_bytes, refs));
+                     OutputRef("o_ref", request.o_ref(), batch * o_bytes, element_bytes, refs));
   }
   if (request.has_lse_ref()) {
     if (!request.return_lse()) {
@@ -437,11 +464,11 @@ absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, c
     packed.lse = reinterpret_cast<float*>(lse);
   }
   RETURN_IF_ERROR(
-      CheckOutputsApart({{"o_ref", packed.o, batch * q_bytes},
+      CheckOutputsApart({{"o_ref", packed.o, batch * o_bytes},
                          {"lse_ref", reinterpret_cast<const char*>(packed.lse), batch * lse_bytes}},
                         {{"q", q_data, batch * q_bytes},
-                         {"k", k_data, batch * kv_bytes},
-                         {"v", v_data, batch * kv_bytes}}));
+                         {"k", k_data, batch * k_bytes},
+                         {"v", v_data, batch * v_bytes}}));
 
   packed.entries.resize(batch);
   for (int64_t b = 0; b < batch; ++b) {
@@ -450,15 +477,17 @@ absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, c
     entry.heads_q = packed.heads_q;
     entry.rows_q = packed.rows_q;
     entry.q_bytes = q_bytes;
-    entry.kv_bytes = kv_bytes;
+    entry.o_bytes = o_bytes;
+    entry.k_bytes = k_bytes;
+    entry.v_bytes = v_bytes;
     if (rows > 0) {
-      entry.rows = KvRows{.k = k_data + b * kv_bytes,
-                          .v = v_data + b * kv_bytes,
+      entry.rows = KvRows{.k = k_data + b * k_bytes,
+                          .v = v_data + b * v_bytes,
                           .rows = rows,
                           .head_stride = rows * shape.head_dim,
                           .row_stride = shape.head_dim};
     }
-    if (packed.o != nullptr) entry.o = packed.o + b * q_bytes;
+    if (packed.o != nullptr) entry.o = packed.o + b * o_bytes;
   }
   return packed;
 }

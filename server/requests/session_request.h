@@ -68,8 +68,9 @@ absl::StatusOr<DecodedImportChunk> DecodeImportChunk(const v1::SessionChunk& chu
 // the `rows` appended.
 absl::Status CheckTokens(absl::string_view field, int tokens, int64_t rows);
 
-// The k and v rows to append to a session of `shape`: BHSD [Hkv, n, D] or BSHD [n, Hkv, D]; both
-// absent (null) is zero rows. `prefix` begins the field names ("", "entries[2].").
+// The k and v rows to append to a session of `shape`: BHSD [Hkv, n, D] or BSHD [n, Hkv, D] (v with
+// the session's Dv for D); both absent (null) is zero rows. `prefix` begins the field names ("",
+// "entries[2].").
 absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* k,
                                     const v1::Tensor* v, v1::Layout layout, const KvShape& shape,
                                     TensorRefResolver* refs = nullptr);
@@ -85,13 +86,15 @@ struct DecodedEntry {
   int64_t heads_q = 0;
   int64_t rows_q = 0;  // Nq
   KvRows rows;         // appended first
-  // Where the step's results go: o [Hq, Nq, D] (with o_ref the region's bytes, else null until
+  // Where the step's results go: o [Hq, Nq, Dv] (with o_ref the region's bytes, else null until
   // the service points it into the response), lse [Hq, Nq] (null: not asked for).
   char* o = nullptr;
   float* lse = nullptr;
-  // Bytes of q (and of o, shaped and typed as q) and of each of k and v, for the overlap check.
+  // Bytes of q, o (q's dtype), k and v, for the overlap check.
   int64_t q_bytes = 0;
-  int64_t kv_bytes = 0;
+  int64_t o_bytes = 0;
+  int64_t k_bytes = 0;
+  int64_t v_bytes = 0;
 };
 absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& entry,
                                              const KvShape& shape,
@@ -101,14 +104,15 @@ absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& ent
 // apart from every input's, got bytes that overlap entries[0].q's").
 absl::Status CheckEntriesApart(const std::vector<DecodedEntry>& entries);
 // A packed Step (StepRequest.session_ids): the batch's tensors checked against its sessions' one
-// `shape` and cut into one entry per sequence pointing into them (q [Hq, Nq, D] and k, v
-// [Hkv, n, D] of sequence b; with o_ref, its o), so the rest of the Step runs as for `entries`.
+// `shape` and cut into one entry per sequence pointing into them (q [Hq, Nq, D], k [Hkv, n, D]
+// and v [Hkv, n, Dv] of sequence b; with o_ref, its o), so the rest of the Step runs as for
+// `entries`.
 struct DecodedPacked {
   int64_t batch = 0;
   int64_t heads_q = 0;
   int64_t rows_q = 0;
   std::vector<DecodedEntry> entries;  // [B]
-  char* o = nullptr;                  // o_ref's bytes [B, Hq, Nq, D], or null: o in the response
+  char* o = nullptr;                  // o_ref's bytes [B, Hq, Nq, Dv], or null: o in the response
   float* lse = nullptr;               // lse_ref's bytes float32 [B, Hq, Nq], or null
 };
 absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, const KvShape& shape,

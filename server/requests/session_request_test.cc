@@ -65,6 +65,37 @@ TEST(DecodeCreateTest, ChecksDtypeHeadsAndHeadDim) {
   bad = request;
   *bad.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {2, 5, 8});
   ExpectInvalid(DecodeCreate(bad, {}).status(), "v: expected a tensor (k and v come together)");
+  bad = request;
+  bad.set_v_head_dim(-1);
+  ExpectInvalid(DecodeCreate(bad, {.max_head_dim = 256}).status(),
+                "v_head_dim: expected 0..256 (0: head_dim), got -1");
+  bad.set_v_head_dim(257);
+  ExpectInvalid(DecodeCreate(bad, {.max_head_dim = 256}).status(),
+                "v_head_dim: expected 0..256 (0: head_dim), got 257");
+}
+
+TEST(DecodeCreateTest, VHeadDimOfItsOwn) {
+  v1::CreateSessionRequest request;
+  request.set_dtype(v1::DTYPE_FLOAT16);
+  request.set_kv_heads(2);
+  request.set_head_dim(8);
+  // Absent: v's head dim is head_dim.
+  EXPECT_EQ(DecodeCreate(request, {}).value().shape.value_head_dim(), 8);
+  request.set_v_head_dim(4);
+  *request.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {5, 2, 8});
+  *request.mutable_v() = MakeTensor(v1::DTYPE_FLOAT16, {5, 2, 4});
+  request.set_layout(v1::LAYOUT_BSHD);
+  absl::StatusOr<DecodedCreate> ok = DecodeCreate(request, {});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->shape.value_head_dim(), 4);
+  EXPECT_EQ(ok->rows.rows, 5);
+  EXPECT_EQ(ok->rows.head_stride, 8);  // k's: v's are VStride's, 4 and 2 * 4
+  EXPECT_EQ(ok->rows.row_stride, 2 * 8);
+  EXPECT_EQ(VStride(ok->shape, ok->rows.row_stride), 2 * 4);
+  // v of the QK head dim where the session's Dv is 4.
+  *request.mutable_v() = MakeTensor(v1::DTYPE_FLOAT16, {5, 2, 8});
+  ExpectInvalid(DecodeCreate(request, {}).status(),
+                "v.shape[2] (v head dim): expected 4 (the session's v_head_dim), got 8");
 }
 
 TEST(DecodeCreateTest, TokensOnePerRowAndAPrefixWithoutRows) {
@@ -180,7 +211,7 @@ TEST(DecodeKvRowsTest, NamesTheFieldExpectedAndActual) {
                 "entries[1].k.shape[0] (kv heads): expected 2 (the session's), got 3");
   const v1::Tensor dim = MakeTensor(v1::DTYPE_FLOAT16, {2, 5, 16});
   ExpectInvalid(DecodeKvRows("", &good, &dim, v1::LAYOUT_BHSD, kShape).status(),
-                "v.shape[2] (head dim): expected 8 (the session's), got 16");
+                "v.shape[2] (v head dim): expected 8 (the session's v_head_dim), got 16");
   const v1::Tensor f32 = MakeTensor(v1::DTYPE_FLOAT32, {2, 5, 8});
   ExpectInvalid(DecodeKvRows("", &f32, &f32, v1::LAYOUT_BHSD, kShape).status(),
                 "k.dtype: expected DTYPE_FLOAT16 (the session's), got DTYPE_FLOAT32");
@@ -190,7 +221,7 @@ TEST(DecodeKvRowsTest, NamesTheFieldExpectedAndActual) {
                 "v.data: expected 160 bytes");
   const v1::Tensor other_rows = MakeTensor(v1::DTYPE_FLOAT16, {2, 6, 8});
   ExpectInvalid(DecodeKvRows("", &good, &other_rows, v1::LAYOUT_BHSD, kShape).status(),
-                "v.shape: expected [2, 5, 8] (as k), got [2, 6, 8]");
+                "v.shape[1] (rows): expected 5 (as k), got 6");
   const v1::Tensor rank2 = MakeTensor(v1::DTYPE_FLOAT16, {2, 40});
   ExpectInvalid(DecodeKvRows("", &rank2, &rank2, v1::LAYOUT_BHSD, kShape).status(),
                 "k.shape: expected rank 3 ([Hkv, n, D]), got rank 2 [2, 40]");
@@ -271,6 +302,41 @@ TEST(DecodeStepEntryTest, ChecksQueriesAgainstTheSession) {
   bad.clear_v();
   ExpectInvalid(DecodeStepEntry(0, bad, kShape).status(),
                 "entries[0].v: expected a tensor (k and v come together), got none");
+}
+
+TEST(DecodeStepEntryTest, VAndOTakeTheSessionsVHeadDim) {
+  KvShape shape = kShape;
+  shape.v_head_dim = 4;
+  v1::StepEntry entry = TwoEntries().entries(0);  // q [4, 1, 8]
+  *entry.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {2, 3, 8});
+  *entry.mutable_v() = MakeTensor(v1::DTYPE_FLOAT16, {2, 3, 4});
+  absl::StatusOr<DecodedEntry> ok = DecodeStepEntry(0, entry, shape);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->q_bytes, 4 * 1 * 8 * 2);
+  EXPECT_EQ(ok->o_bytes, 4 * 1 * 4 * 2);
+  EXPECT_EQ(ok->k_bytes, 2 * 3 * 8 * 2);
+  EXPECT_EQ(ok->v_bytes, 2 * 3 * 4 * 2);
+  *entry.mutable_v() = MakeTensor(v1::DTYPE_FLOAT16, {2, 3, 8});
+  ExpectInvalid(DecodeStepEntry(1, entry, shape).status(),
+                "entries[1].v.shape[2] (v head dim): expected 4 (the session's v_head_dim), got 8");
+
+  // Packed: v [B, Hkv, n, Dv], and o [B, Hq, Nq, Dv] (o_bytes per sequence).
+  v1::StepRequest packed;
+  packed.add_session_ids("a");
+  packed.add_session_ids("b");
+  *packed.mutable_q() = MakeTensor(v1::DTYPE_FLOAT16, {2, 4, 1, 8});
+  *packed.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {2, 2, 1, 8});
+  *packed.mutable_v() = MakeTensor(v1::DTYPE_FLOAT16, {2, 2, 1, 4});
+  absl::StatusOr<DecodedPacked> step = DecodePackedStep(packed, shape);
+  ASSERT_TRUE(step.ok()) << step.status();
+  ASSERT_EQ(step->entries.size(), 2u);
+  EXPECT_EQ(step->entries[1].o_bytes, 4 * 1 * 4 * 2);
+  EXPECT_EQ(static_cast<const char*>(step->entries[1].rows.v) -
+                static_cast<const char*>(step->entries[0].rows.v),
+            2 * 1 * 4 * 2);
+  *packed.mutable_v() = MakeTensor(v1::DTYPE_FLOAT16, {2, 2, 1, 8});
+  ExpectInvalid(DecodePackedStep(packed, shape).status(),
+                "v.shape[3] (v head dim): expected 4 (the sessions' v_head_dim), got 8");
 }
 
 }  // namespace

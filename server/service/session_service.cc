@@ -25,6 +25,7 @@ void FillSessionInfo(const SessionSnapshot& s, v1::SessionInfo* info) {
   info->set_dtype(ToProtoDType(s.shape.dtype));
   info->set_kv_heads(static_cast<int32_t>(s.shape.heads_kv));
   info->set_head_dim(static_cast<int32_t>(s.shape.head_dim));
+  info->set_v_head_dim(static_cast<int32_t>(s.shape.value_head_dim()));
   info->set_length(s.length);
   info->set_pages(s.pages);
   info->set_shared_pages(s.shared_pages);
@@ -67,10 +68,14 @@ google::protobuf::ArenaOptions StartingIn(char* block, size_t size) {
   return options;
 }
 
-// "DTYPE_BFLOAT16, 8 kv heads, head dim 128": a session's shape in an error message.
+// "DTYPE_BFLOAT16, 8 kv heads, head dim 128" (", v head dim 96" where Dv differs): a session's
+// shape in an error message.
 std::string KvShapeString(const KvShape& shape) {
   return absl::StrCat(DTypeString(ToProtoDType(shape.dtype)), ", ", shape.heads_kv,
-                      " kv heads, head dim ", shape.head_dim);
+                      " kv heads, head dim ", shape.head_dim,
+                      shape.value_head_dim() != shape.head_dim
+                          ? absl::StrCat(", v head dim ", shape.value_head_dim())
+                          : "");
 }
 
 // The store's id of the layer a call names (`layer`, the request's optional layer field) of
@@ -520,7 +525,7 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
       return absl::InvalidArgumentError(
           absl::StrCat("session_ids[", i,
                        "]: expected a session of session_ids[0]'s dtype, kv heads and "
-                       "head dim (",
+                       "head dims (",
                        KvShapeString(places.front().shape), "), got ", KvShapeString(place.shape)));
     }
     places.push_back(place);
@@ -564,9 +569,7 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
       ASSIGN_OR_RETURN(open, DecodeOpenModelOptions(request, decoded.heads_q));
       decoded_for = {place.shape.head_dim, decoded.heads_q};
     }
-    const int64_t o_bytes = decoded.heads_q * decoded.rows_q * place.shape.head_dim *
-                            static_cast<int64_t>(DTypeSize(place.shape.dtype));
-    response_bytes += (decoded.o != nullptr ? 0 : o_bytes) +
+    response_bytes += (decoded.o != nullptr ? 0 : decoded.o_bytes) +
                       static_cast<int64_t>(session_id(i).size()) + kEntryOverhead;
     if (request.return_lse() && call->packed_lse == nullptr) {
       response_bytes += decoded.heads_q * decoded.rows_q * int64_t{sizeof(float)};
@@ -675,15 +678,16 @@ void SessionService::AddResults(const v1::StepRequest& request, StepCall* call,
   std::vector<StepSequence>& seqs = call->seqs;
   const int n = static_cast<int>(seqs.size());
   if (call->packed()) {
-    // o [B, Hq, Nq, D] and lse [B, Hq, Nq], the response's or the caller's regions'.
+    // o [B, Hq, Nq, Dv] and lse [B, Hq, Nq], the response's or the caller's regions'.
     const v1::Tensor& q = request.q();
     const StepSequence& first = seqs.front();
-    const int64_t o_bytes = first.key.heads_q * first.rows_q * first.key.shape.head_dim *
+    const int64_t o_bytes = first.key.heads_q * first.rows_q * first.key.shape.value_head_dim() *
                             DTypeSize(first.key.shape.dtype);
     const int64_t lse_floats = first.key.heads_q * first.rows_q;
     v1::Tensor* o = response->mutable_o();
     o->set_dtype(q.dtype());
     o->mutable_shape()->CopyFrom(q.shape());
+    o->set_shape(3, first.key.shape.value_head_dim());
     if (call->packed_o == nullptr) o->mutable_data()->resize(n * o_bytes);
     float* lse = call->packed_lse;
     if (request.return_lse() && lse == nullptr) {
@@ -700,7 +704,7 @@ void SessionService::AddResults(const v1::StepRequest& request, StepCall* call,
     }
     return;
   }
-  // The results in entry order, o shaped as q and lse [Hq, Nq].
+  // The results in entry order, o shaped as q with Dv for D and lse [Hq, Nq].
   for (int i = 0; i < n; ++i) {
     const v1::Tensor& q = request.entries(i).q();
     StepSequence& seq = seqs[i];
@@ -709,8 +713,9 @@ void SessionService::AddResults(const v1::StepRequest& request, StepCall* call,
     v1::Tensor* o = result->mutable_o();
     o->set_dtype(q.dtype());
     o->mutable_shape()->CopyFrom(q.shape());
+    o->set_shape(2, seq.key.shape.value_head_dim());
     if (seq.o == nullptr) {  // else it goes into a region (o_ref)
-      o->mutable_data()->resize(seq.key.heads_q * seq.rows_q * seq.key.shape.head_dim *
+      o->mutable_data()->resize(seq.key.heads_q * seq.rows_q * seq.key.shape.value_head_dim() *
                                 DTypeSize(seq.key.shape.dtype));
       seq.o = o->mutable_data()->data();
     }

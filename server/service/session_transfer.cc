@@ -76,6 +76,7 @@ class SessionService::ExportReactor final : public grpc::ServerWriteReactor<grpc
     header->set_dtype(ToProtoDType(shape_.dtype));
     header->set_kv_heads(static_cast<int32_t>(shape_.heads_kv));
     header->set_head_dim(static_cast<int32_t>(shape_.head_dim));
+    header->set_v_head_dim(static_cast<int32_t>(shape_.value_head_dim()));
     header->set_layers(static_cast<int32_t>(layers.size()));
     std::vector<int64_t> lengths;
     for (const SessionStore::Lease& layer : layers) {
@@ -86,8 +87,8 @@ class SessionService::ExportReactor final : public grpc::ServerWriteReactor<grpc
     return absl::OkStatus();
   }
 
-  // On the session's device: `chunk`'s rows of the snapshot into chunk_, k and v BHSD
-  // [Hkv, rows, D].
+  // On the session's device: `chunk`'s rows of the snapshot into chunk_, k BHSD [Hkv, rows, D]
+  // and v [Hkv, rows, Dv].
   absl::Status Read(const RowChunk& chunk) {
     const std::string id = LayerSessionId(snapshot_id_, chunk.layer);
     ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases,
@@ -96,13 +97,13 @@ class SessionService::ExportReactor final : public grpc::ServerWriteReactor<grpc
     chunk_.set_layer(chunk.layer);
     chunk_.set_first_row(chunk.first_row);
     chunk_.set_layout(v1::LAYOUT_BHSD);
-    const size_t bytes = static_cast<size_t>(chunk.rows * shape_.heads_kv * shape_.head_dim) *
-                         DTypeSize(shape_.dtype);
     void* data[2];
     for (auto [i, t] : {std::pair{0, chunk_.mutable_k()}, {1, chunk_.mutable_v()}}) {
+      const int64_t dim = i == 0 ? shape_.head_dim : shape_.value_head_dim();
       t->set_dtype(ToProtoDType(shape_.dtype));
-      for (int64_t d : {shape_.heads_kv, chunk.rows, shape_.head_dim}) t->add_shape(d);
-      t->mutable_data()->resize(bytes);
+      for (int64_t d : {shape_.heads_kv, chunk.rows, dim}) t->add_shape(d);
+      t->mutable_data()->resize(static_cast<size_t>(chunk.rows * shape_.heads_kv * dim) *
+                                DTypeSize(shape_.dtype));
       data[i] = t->mutable_data()->data();
     }
     return service_->store_->Read(leases.front(), chunk.first_row, chunk.rows, data[0], data[1]);

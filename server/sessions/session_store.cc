@@ -28,11 +28,12 @@ int64_t PagesFor(int64_t rows, int64_t page_rows) {
 }
 
 // What a chain's first block is keyed by besides its tokens: sessions of one owner (tenants never
-// share), shape and layer count (a block holds one page a layer). The owner's length first, so
-// no owner's bytes read as another's followed by a shape.
+// share), shape (both head dims: a page's rows hold K of D and V of Dv) and layer count (a block
+// holds one page a layer). The owner's length first, so no owner's bytes read as another's
+// followed by a shape.
 std::string PrefixScope(absl::string_view owner, const KvShape& shape, int layers) {
   return absl::StrCat(owner.size(), ":", owner, "/", DTypeName(shape.dtype), "/", shape.heads_kv,
-                      "/", shape.head_dim, "/", layers);
+                      "/", shape.head_dim, "/", shape.value_head_dim(), "/", layers);
 }
 
 }  // namespace
@@ -95,7 +96,7 @@ SessionStore::SessionStore(std::vector<KvDevice> devices, const SessionStoreOpti
 }
 
 int64_t SessionStore::PageRowsFor(const KvShape& shape) const {
-  return PageRows(page_bytes_, shape.dtype, shape.heads_kv, shape.head_dim);
+  return PageRows(page_bytes_, shape);
 }
 
 absl::Status SessionStore::NotFound(absl::string_view id) const {
@@ -183,9 +184,10 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   const int64_t page_rows = PageRowsFor(shape);
   if (page_rows <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "kv_heads * head_dim: expected a shape of which a ", page_bytes_,
+        "kv_heads * (head_dim + v_head_dim): expected a shape of which a ", page_bytes_,
         "-byte page (--kv_page_bytes) holds at least 16 rows of K and V, got kv_heads ",
-        shape.heads_kv, " * head_dim ", shape.head_dim, " of ", DTypeName(shape.dtype)));
+        shape.heads_kv, " * (head_dim ", shape.head_dim, " + v_head_dim ", shape.value_head_dim(),
+        ") of ", DTypeName(shape.dtype)));
   }
   if (initial_rows > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(
@@ -194,6 +196,12 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   if (device < 0 || device >= static_cast<int>(devices_.size())) {
     return absl::InvalidArgumentError(
         absl::StrCat("device: expected 0..", devices_.size() - 1, ", got ", device));
+  }
+  if (shape.value_head_dim() != shape.head_dim && !devices_[device].v_head_dim) {
+    return absl::UnimplementedError(
+        absl::StrCat("v_head_dim: expected ", shape.head_dim, " (head_dim) for a session on ",
+                     devices_[device].name, ", whose kernels read V rows of the QK head dim, got ",
+                     shape.value_head_dim(), " (the CPU backend serves a V head dim of its own)"));
   }
   if (layers < 1 || (layers > 1 && initial_rows > 0)) {
     return absl::InvalidArgumentError(absl::StrCat(

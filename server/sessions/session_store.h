@@ -13,6 +13,9 @@
 // sessions expire after `ttl` (Sweep, called by a sweeper, and a lazy check on every lookup); an
 // unknown, expired or dropped id, or the id of another owner, is NOT_FOUND.
 //
+// Shapes: a session's V head dim may differ from its QK head dim (KvShape::v_head_dim, MLA models)
+// on a device whose pool serves it (KvDevice::v_head_dim); Create refuses it elsewhere by name.
+//
 // Layers: a session of a model's L layers (Create's `layers`) is L sessions of one shape, device
 // and owner: layer 0 under the id callers know, layer l under LayerSessionId(id, l). Each has its
 // own pages and length and is held by its own leases, so a model's Step of layer l holds only that
@@ -60,6 +63,9 @@ struct KvDevice {
   // OK while the device can run work (Executor::Health); a device that fails it gets no new
   // sessions. Empty: always OK.
   std::function<absl::Status()> health;
+  // Whether its pool serves sessions whose V head dim is not the QK head dim (its backend lists
+  // "v_head_dim" in its step options); Create refuses them elsewhere, UNIMPLEMENTED.
+  bool v_head_dim = false;
 };
 
 // One device's share of the cache, as the store reports it after each change.
@@ -215,9 +221,9 @@ class SessionStore {
   absl::Status NameTokens(Lease& lease, absl::Span<const int64_t> tokens);
 
   // Copies rows [first_row, first_row + rows) of the lease's session out of its pages (shared
-  // ones too) into host k and v, each BHSD [Hkv, rows, D] of its dtype (a session's export, a
-  // chunk at a time). INVALID_ARGUMENT naming first_row or rows unless the range is within its
-  // length.
+  // ones too) into host k and v, BHSD [Hkv, rows, D] and [Hkv, rows, Dv] of its dtype (a session's
+  // export, a chunk at a time). INVALID_ARGUMENT naming first_row or rows unless the range is
+  // within its length.
   absl::Status Read(const Lease& lease, int64_t first_row, int64_t rows, void* k, void* v);
 
   // Keeps the first `length` rows of the lease's session and lets the pages beyond them go (freed

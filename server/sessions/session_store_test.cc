@@ -325,6 +325,40 @@ TEST_F(SessionStoreTest, ReadGivesBackTheRowsInChunks) {
               HasSubstr(absl::StrCat("first_row: expected 0..", kPageRows + 3, ", got -1")));
 }
 
+// A V head dim of its own (MLA): refused by name on a device whose pool does not serve it; on one
+// that does, pages hold rows of D and Dv (fewer per page than two rows of D) and read back as
+// written, k [Hkv, n, D] and v [Hkv, n, Dv].
+TEST_F(SessionStoreTest, VHeadDimOnlyWhereTheDeviceServesIt) {
+  std::vector<KvDevice> devices = pools_.Devices({4, 4});
+  devices[1].v_head_dim = true;
+  SessionStore store(std::move(devices), SessionStoreOptions{});
+  KvShape shape = kShape;
+  shape.v_head_dim = 24;  // 2 heads * (8 + 24) float32: 256 bytes a row, 16 rows a page
+  const absl::Status refused = store.Create("", shape, 1, /*device=*/0).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnimplemented) << refused;
+  EXPECT_THAT(refused.message(),
+              HasSubstr("v_head_dim: expected 8 (head_dim) for a session on dev0"));
+  EXPECT_THAT(refused.message(), HasSubstr("got 24"));
+
+  const int64_t n = 37, hkv = shape.heads_kv, d = shape.head_dim, dv = 24;
+  std::vector<float> k(hkv * n * d), v(hkv * n * dv);
+  std::normal_distribution<float> normal;
+  for (float& x : k) x = normal(rng_);
+  for (float& x : v) x = normal(rng_);
+  absl::StatusOr<SessionStore::Lease> lease = store.Create("", shape, n, /*device=*/1);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(store.Snapshot(*lease).pages, 3);  // 37 rows of 16 a page
+  ASSERT_EQ(
+      store.Append(
+          *lease,
+          KvRows{.k = k.data(), .v = v.data(), .rows = n, .head_stride = n * d, .row_stride = d}),
+      absl::OkStatus());
+  std::vector<float> k_out(k.size()), v_out(v.size());
+  ASSERT_EQ(store.Read(*lease, 0, n, k_out.data(), v_out.data()), absl::OkStatus());
+  EXPECT_EQ(k_out, k);
+  EXPECT_EQ(v_out, v);
+}
+
 TEST_F(SessionStoreTest, AppendsIntoASharedPageCopyItFirst) {
   SCOPED_TRACE(seed_);
   Make({10});
@@ -800,14 +834,21 @@ TEST_F(PrefixTest, ASessionFromAPrefixSharesTheFullPagesFound) {
 
 TEST_F(PrefixTest, OwnersShapesAndLayerCountsNeverShare) {
   SCOPED_TRACE(seed_);
-  Make({10});
+  std::vector<KvDevice> devices = pools_.Devices({10});
+  devices[0].v_head_dim = true;
+  store_ = std::make_unique<SessionStore>(std::move(devices), SessionStoreOptions{});
   const std::vector<int64_t> tokens = Tokens(2 * kPageRows);
   CreateNamed("tenant-a", tokens);
+  // The last shape differs only in its V head dim, with as many rows a page (2 * (8 + 7) float32s
+  // a row: 34 rows, 32 when rounded down to 16s).
   for (const auto& [owner, layers, shape] :
        {std::tuple<std::string, int, KvShape>{"tenant-b", 1, kShape},
         {"", 1, kShape},
         {"tenant-a", 2, kShape},
-        {"tenant-a", 1, KvShape{.dtype = DType::kFloat32, .heads_kv = 1, .head_dim = 16}}}) {
+        {"tenant-a", 1, KvShape{.dtype = DType::kFloat32, .heads_kv = 1, .head_dim = 16}},
+        {"tenant-a", 1,
+         KvShape{.dtype = DType::kFloat32, .heads_kv = 2, .head_dim = 8, .v_head_dim = 7}}}) {
+    ASSERT_EQ(store_->PageRowsFor(shape), kPageRows);
     absl::StatusOr<SessionStore::Lease> lease = FromPrefix(owner, tokens, layers, shape);
     ASSERT_TRUE(lease.ok()) << lease.status();
     EXPECT_EQ(lease->length(), 0) << owner << " " << layers;

@@ -34,8 +34,7 @@ struct DecodeKey {
   StepMemory memory;
 
   bool operator==(const DecodeKey& other) const {
-    return shape.dtype == other.shape.dtype && shape.heads_kv == other.shape.heads_kv &&
-           shape.head_dim == other.shape.head_dim && heads_q == other.heads_q &&
+    return shape == other.shape && heads_q == other.heads_q &&
            softmax_scale == other.softmax_scale && window_left == other.window_left &&
            window_right == other.window_right && lse == other.lse && sinks == other.sinks &&
            softcap == other.softcap && chunk_size == other.chunk_size && memory == other.memory;

@@ -4,21 +4,24 @@
 // parent (each step against the reference over its own rows; one page used, not a session's
 // worth; copy on write after a truncate into a shared page), the packed StepBatch and
 // StepBatchAsync bit for bit equal to StepMany, LSE, ownership (drop on destruction, Release,
-// moves), NOT_FOUND after a drop, the bearer token on session calls, and a session from a
-// cached prefix (its full pages shared, Steps as on one from scratch, bit for bit). (Sessions over
-// a round-robin client across two servers: tests/deploy/round_robin_failover_test.cc.)
+// moves), NOT_FOUND after a drop, the bearer token on session calls, a session from a cached
+// prefix (its full pages shared, Steps as on one from scratch, bit for bit), and a session of a V
+// head dim of its own stepping as an Attend of its rows. (Sessions over a round-robin client across
+// two servers: tests/deploy/round_robin_failover_test.cc.)
 //
 // The reference of a step is an Attend problem over the session's rows: q [1, 1, Hq, D] (one
 // decode query, so [Hq, 1, D] as the step sends it) against k, v [1, N, Hkv, D], built by
 // MakeRequest from the same float values, so both sides round them to the dtype alike.
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -161,6 +164,75 @@ TEST_F(ClientSessionTest, DecodeAfterAppendsMatchesReference) {
     EXPECT_EQ(info->head_dim(), 128);
     EXPECT_GT(info->resident_bytes(), 0);
   }
+}
+
+// SessionSpec::v_head_dim (MLA: v of a head dim of its own): the session echoes it, its Steps' o
+// has it, and a Step equals an Attend of the same q over the same rows (the CPU backend serves
+// both; within the float32 bound, the two kernels summing in different orders).
+TEST_F(ClientSessionTest, ASessionOfItsOwnVHeadDimStepsAsAnAttend) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  const int64_t hq = 4, hkv = 2, d = 96, dv = 64, n = 40;
+  const SessionSpec spec{
+      .dtype = v1::DTYPE_FLOAT32, .kv_heads = hkv, .head_dim = d, .v_head_dim = dv};
+  // BHSD rows: k [Hkv, n, D], v [Hkv, n, Dv], then one more row of each for the Step.
+  std::vector<float> k = client::RandomNormal(hkv * n * d, rng);
+  std::vector<float> v = client::RandomNormal(hkv * n * dv, rng);
+  const std::vector<float> k1 = client::RandomNormal(hkv * d, rng);
+  const std::vector<float> v1 = client::RandomNormal(hkv * dv, rng);
+  const std::vector<float> q = client::RandomNormal(hq * d, rng);
+  SessionClient sessions(client());
+  const v1::Tensor k0 = client::MakeTensor(spec.dtype, {hkv, n, d}, k);
+  const v1::Tensor v0 = client::MakeTensor(spec.dtype, {hkv, n, dv}, v);
+  absl::StatusOr<Session> session = sessions.Create(spec, &k0, &v0);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const v1::Tensor k_step = client::MakeTensor(spec.dtype, {hkv, 1, d}, k1);
+  const v1::Tensor v_step = client::MakeTensor(spec.dtype, {hkv, 1, dv}, v1);
+  absl::StatusOr<StepOutput> out = session->Step(client::MakeTensor(spec.dtype, {hq, 1, d}, q),
+                                                 {.causal = true}, &k_step, &v_step);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(std::vector<int64_t>(out->o.shape().begin(), out->o.shape().end()),
+            (std::vector<int64_t>{hq, 1, dv}));
+  absl::StatusOr<v1::SessionInfo> info = session->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(std::pair(info->head_dim(), info->v_head_dim()), std::pair(int32_t{96}, int32_t{64}));
+
+  // The Attend: q [1, Hq, 1, D] over the session's n + 1 rows, k [1, Hkv, n + 1, D] and v
+  // [1, Hkv, n + 1, Dv] (each head's n rows, then its step row).
+  std::vector<float> all_k, all_v;
+  for (int64_t h = 0; h < hkv; ++h) {
+    all_k.insert(all_k.end(), k.begin() + h * n * d, k.begin() + (h + 1) * n * d);
+    all_k.insert(all_k.end(), k1.begin() + h * d, k1.begin() + (h + 1) * d);
+    all_v.insert(all_v.end(), v.begin() + h * n * dv, v.begin() + (h + 1) * n * dv);
+    all_v.insert(all_v.end(), v1.begin() + h * dv, v1.begin() + (h + 1) * dv);
+  }
+  v1::AttendRequest attend;
+  *attend.mutable_q() = client::MakeTensor(spec.dtype, {1, hq, 1, d}, q);
+  *attend.mutable_k() = client::MakeTensor(spec.dtype, {1, hkv, n + 1, d}, all_k);
+  *attend.mutable_v() = client::MakeTensor(spec.dtype, {1, hkv, n + 1, dv}, all_v);
+  attend.set_causal(true);
+  absl::StatusOr<v1::AttendResponse> attended = client().Attend(attend);
+  ASSERT_TRUE(attended.ok()) << attended.status();
+  absl::StatusOr<std::vector<float>> step_o = client::TensorToFloat(out->o);
+  absl::StatusOr<std::vector<float>> attend_o = client::TensorToFloat(attended->o());
+  ASSERT_TRUE(step_o.ok() && attend_o.ok());
+  ASSERT_EQ(step_o->size(), attend_o->size());
+  double err2 = 0, ref2 = 0;
+  for (size_t i = 0; i < step_o->size(); ++i) {
+    err2 += ((*step_o)[i] - (*attend_o)[i]) * ((*step_o)[i] - (*attend_o)[i]);
+    ref2 += (*attend_o)[i] * (*attend_o)[i];
+  }
+  EXPECT_LE(std::sqrt(err2), client::ErrorBound(spec.dtype) * std::sqrt(ref2));
+
+  // v of the QK head dim is refused by name, and appends nothing.
+  const v1::Tensor wrong_v = client::MakeTensor(spec.dtype, {hkv, 1, d}, k1);
+  const absl::Status refused = session->Append(k_step, wrong_v);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
+  EXPECT_TRUE(absl::StrContains(
+      refused.message(), "v.shape[2] (v head dim): expected 64 (the session's v_head_dim), got 96"))
+      << refused;
+  EXPECT_EQ(session->Info()->length(), n + 1);
 }
 
 TEST_F(ClientSessionTest, StepAfterTruncateMatchesReferenceOverTheKeptRows) {

@@ -49,6 +49,7 @@ struct DecodeCase {
   int64_t heads_q = 4;
   int64_t heads_kv = 1;
   int64_t head_dim = 64;
+  int64_t v_head_dim = 0;   // Dv, of v and o; 0: head_dim
   std::vector<int32_t> nq;  // per sequence: queries of this step
   std::vector<int32_t> nk;  // per sequence: keys (including this step's)
   int64_t window_left = kUnboundedWindow;
@@ -65,6 +66,11 @@ struct DecodeCase {
 };
 
 void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
+
+int64_t ValueDim(const DecodeCase& c) { return c.v_head_dim > 0 ? c.v_head_dim : c.head_dim; }
+KvShape ShapeOf(const DecodeCase& c, DType dtype) {
+  return {dtype, c.heads_kv, c.head_dim, ValueDim(c)};
+}
 
 std::vector<DecodeCase> Cases() {
   std::vector<DecodeCase> cases;
@@ -303,6 +309,28 @@ std::vector<DecodeCase> Cases() {
   c.page_rows = 128;
   cases.push_back(c);
 
+  // V head dims of their own (served where PoolServesVHeadDim): DeepSeek-V3's expanded MLA
+  // (QK 192, V 128; ragged, GQA, causal extend, BSHD writes) and its absorbed decode (one KV head
+  // of QK 576 and V 512, 16 query heads, long enough for splits).
+  cases.push_back({.name = "mla_d192_dv128_gqa2_causal",
+                   .heads_q = 4,
+                   .heads_kv = 2,
+                   .head_dim = 192,
+                   .v_head_dim = 128,
+                   .nq = {1, 3, 5, 1},
+                   .nk = {1, 17, 70, 130},
+                   .window_right = 0,
+                   .write_layout = Layout::kBSHD});
+  cases.push_back({.name = "mla_absorbed_d576_dv512",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .nq = {1, 2},
+                   .nk = {1100, 33},
+                   .window_right = 0,
+                   .page_rows = 16});
+
   c = {};
   c.name = "single_row_writes_100";
   c.heads_q = 4;
@@ -337,36 +365,33 @@ std::vector<float> RandomRounded(size_t n, DType dtype, std::mt19937_64& rng) {
 // One sequence: its rows and pages.
 struct Sequence {
   std::vector<float> q;        // [Hq, nq, D]
-  std::vector<float> k, v;     // [Hkv, nk, D]
+  std::vector<float> k, v;     // [Hkv, nk, D], [Hkv, nk, Dv]
   std::vector<int32_t> pages;  // page_table_stride entries, -1 past its pages
 };
 
 // Writes the sequences' K/V (nk[i] rows each) into the pool from BHSD [Hkv, nk, D] or BSHD
-// [nk, Hkv, D] host rows, in rounds: each round's Write takes the next chunk of every sequence not
-// yet written in full (as a step appends a token to each of its sessions), `chunk` rows (0: random
-// sizes of 1-40 rows per sequence and round).
-// Writes every sequence's K/V in rounds of one Write each (`chunk` rows per sequence and round,
-// or random chunks), from host memory, or with `device` from device memory (each round's rows
-// behind a recorded ready event).
+// [nk, Hkv, D] host rows (v's with Dv), in rounds: each round's Write takes the next chunk of every
+// sequence not yet written in full (as a step appends a token to each of its sessions), `chunk`
+// rows (0: random sizes of 1-40 rows per sequence and round). Writes every sequence's K/V in rounds
+// of one Write each (`chunk` rows per sequence and round, or random chunks), from host memory, or
+// with `device` from device memory (each round's rows behind a recorded ready event).
 void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Sequence>& seqs,
                     const std::vector<int32_t>& nks, Layout layout, int64_t chunk,
                     std::mt19937_64& rng, const PoolDeviceMemory* device = nullptr) {
   const int64_t hkv = shape.heads_kv, d = shape.head_dim;
   std::vector<std::vector<unsigned char>> kb, vb;
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    const Sequence& s = seqs[i];
-    const int64_t nk = nks[i];
-    std::vector<float> k(s.k.size()), v(s.v.size());
+  // [Hkv, nk, dim] as `layout` lays it out.
+  const auto laid_out = [&](const std::vector<float>& x, int64_t nk, int64_t dim) {
+    if (layout == Layout::kBHSD) return Encode(x, shape.dtype);
+    std::vector<float> out(x.size());
     for (int64_t h = 0; h < hkv; ++h)
       for (int64_t r = 0; r < nk; ++r)
-        for (int64_t x = 0; x < d; ++x) {
-          const int64_t from = (h * nk + r) * d + x;
-          const int64_t to = layout == Layout::kBHSD ? from : (r * hkv + h) * d + x;
-          k[to] = s.k[from];
-          v[to] = s.v[from];
-        }
-    kb.push_back(Encode(k, shape.dtype));
-    vb.push_back(Encode(v, shape.dtype));
+        for (int64_t e = 0; e < dim; ++e) out[(r * hkv + h) * dim + e] = x[(h * nk + r) * dim + e];
+    return Encode(out, shape.dtype);
+  };
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    kb.push_back(laid_out(seqs[i].k, nks[i], d));
+    vb.push_back(laid_out(seqs[i].v, nks[i], shape.value_head_dim()));
   }
   std::vector<void*> on_device;  // [2 * seqs]: each sequence's k, v uploaded
   for (size_t i = 0; device != nullptr && i < seqs.size(); ++i) {
@@ -388,9 +413,10 @@ void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Se
       w.first_row = r0;
       w.rows = std::min(nk - r0, chunk > 0 ? chunk : random_chunk(rng));
       const size_t at = r0 * row_stride * DTypeSize(shape.dtype);
+      const size_t v_at = r0 * VStride(shape, row_stride) * DTypeSize(shape.dtype);
       w.k = (device != nullptr ? static_cast<unsigned char*>(on_device[2 * i]) : kb[i].data()) + at;
       w.v = (device != nullptr ? static_cast<unsigned char*>(on_device[2 * i + 1]) : vb[i].data()) +
-            at;
+            v_at;
       w.memory = {.on_device = device != nullptr, .ready = ready};
       w.head_stride = layout == Layout::kBHSD ? nk * d : d;
       w.row_stride = row_stride;
@@ -405,7 +431,7 @@ void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Se
   for (void* buffer : on_device) device->free(buffer);  // after the pool's scatters read them
 }
 
-// The reference of one sequence: o [Hq, nq, D] and lse [Hq, nq] in float64.
+// The reference of one sequence: o [Hq, nq, Dv] and lse [Hq, nq] in float64.
 void Reference(const DecodeCase& c, float scale, const Sequence& s, int64_t nq, int64_t nk,
                std::vector<double>* o, std::vector<double>* lse) {
   AttentionParams p;
@@ -420,6 +446,7 @@ void Reference(const DecodeCase& c, float scale, const Sequence& s, int64_t nq, 
   p.seqlen_q = nq;
   p.seqlen_k = nk;
   p.head_dim = c.head_dim;
+  p.v_head_dim = ValueDim(c);
   p.softmax_scale = scale;
   p.window_left = c.window_left;
   p.window_right = c.window_right;
@@ -476,10 +503,10 @@ StepResult Decode(KvPagePool& pool, const DecodeCase& c, DType dtype, float scal
   }
   const std::vector<unsigned char> qb = Encode(q, dtype);
   StepResult r;
-  r.o = Encode(std::vector<float>(q.size(), kNaN), dtype);
+  r.o = Encode(std::vector<float>(c.heads_q * cu_q.back() * ValueDim(c), kNaN), dtype);
   r.lse.assign(c.return_lse ? c.heads_q * cu_q.back() : 0, kNaN);
   PagedDecodeParams p;
-  p.shape = {dtype, c.heads_kv, c.head_dim};
+  p.shape = ShapeOf(c, dtype);
   p.heads_q = c.heads_q;
   p.num_seqs = n;
   p.q = qb.data();
@@ -500,6 +527,7 @@ StepResult Decode(KvPagePool& pool, const DecodeCase& c, DType dtype, float scal
   p.chunk_size = c.chunk_size;
   // Per sequence: copies of its q, and o and lse poisoned as the packed ones are.
   const int64_t row_bytes = c.heads_q * c.head_dim * static_cast<int64_t>(DTypeSize(dtype));
+  const int64_t o_row_bytes = c.heads_q * ValueDim(c) * static_cast<int64_t>(DTypeSize(dtype));
   std::vector<std::vector<unsigned char>> q_own, o_own;
   std::vector<std::vector<float>> lse_own;
   std::vector<const void*> q_seqs;
@@ -509,7 +537,8 @@ StepResult Decode(KvPagePool& pool, const DecodeCase& c, DType dtype, float scal
     for (int64_t i = 0; i < n; ++i) {
       const int64_t first = cu_q[i], rows = c.nq[i];
       q_own.emplace_back(qb.begin() + first * row_bytes, qb.begin() + (first + rows) * row_bytes);
-      o_own.emplace_back(r.o.begin() + first * row_bytes, r.o.begin() + (first + rows) * row_bytes);
+      o_own.emplace_back(r.o.begin() + first * o_row_bytes,
+                         r.o.begin() + (first + rows) * o_row_bytes);
       lse_own.emplace_back(c.return_lse ? c.heads_q * rows : 0, kNaN);
     }
     for (int64_t i = 0; i < n; ++i) {
@@ -575,7 +604,7 @@ StepResult Decode(KvPagePool& pool, const DecodeCase& c, DType dtype, float scal
   }
   EXPECT_TRUE(times.ok()) << times.status();
   for (int64_t i = 0; per_seq && i < n; ++i) {
-    std::copy(o_own[i].begin(), o_own[i].end(), r.o.begin() + cu_q[i] * row_bytes);
+    std::copy(o_own[i].begin(), o_own[i].end(), r.o.begin() + cu_q[i] * o_row_bytes);
     if (c.return_lse) {
       std::copy(lse_own[i].begin(), lse_own[i].end(), r.lse.begin() + c.heads_q * cu_q[i]);
     }
@@ -597,9 +626,10 @@ void ExpectMatchesReference(
     for (int64_t row = 0; row < c.heads_q * c.nq[i]; ++row) {
       if (skip(i, row % c.nq[i])) continue;  // row = head * nq + query
       const bool empty = std::isinf(ref_lse[row]);
-      for (int64_t x = 0; x < c.head_dim; ++x) {
-        const double got = LoadAsFloat(r.o.data(), (q_row0 + row) * c.head_dim + x, dtype);
-        o_err.Add(got, ref_o[row * c.head_dim + x]);
+      const int64_t dv = ValueDim(c);
+      for (int64_t x = 0; x < dv; ++x) {
+        const double got = LoadAsFloat(r.o.data(), (q_row0 + row) * dv + x, dtype);
+        o_err.Add(got, ref_o[row * dv + x]);
         if (empty && got != 0.0) ++o_err.bad_empty;
       }
       if (c.return_lse) {
@@ -624,9 +654,10 @@ struct PoolSetup {
   int64_t stride = 0;
 };
 void MakeSetup(const DecodeCase& c, DType dtype, std::mt19937_64& rng, PoolSetup* setup) {
-  const KvShape shape{dtype, c.heads_kv, c.head_dim};
-  const int64_t page_bytes = c.page_rows * 2 * c.heads_kv * c.head_dim * DTypeSize(dtype);
-  ASSERT_EQ(PageRows(page_bytes, dtype, c.heads_kv, c.head_dim), c.page_rows);
+  const KvShape shape = ShapeOf(c, dtype);
+  const int64_t page_bytes =
+      c.page_rows * c.heads_kv * (c.head_dim + ValueDim(c)) * DTypeSize(dtype);
+  ASSERT_EQ(PageRows(page_bytes, shape), c.page_rows);
   int64_t needed = 0;
   for (int32_t nk : c.nk) {
     const int64_t pages = (nk + c.page_rows - 1) / c.page_rows;
@@ -647,7 +678,7 @@ void MakeSetup(const DecodeCase& c, DType dtype, std::mt19937_64& rng, PoolSetup
     Sequence s;
     s.q = RandomRounded(c.heads_q * c.nq[i] * c.head_dim, dtype, rng);
     s.k = RandomRounded(c.heads_kv * c.nk[i] * c.head_dim, dtype, rng);
-    s.v = RandomRounded(c.heads_kv * c.nk[i] * c.head_dim, dtype, rng);
+    s.v = RandomRounded(c.heads_kv * c.nk[i] * ValueDim(c), dtype, rng);
     s.pages.assign(setup->stride, -1);
     for (int64_t j = 0; j < (c.nk[i] + c.page_rows - 1) / c.page_rows; ++j)
       s.pages[j] = *next_page++;
@@ -681,6 +712,19 @@ TEST_P(PagedKvPoolTest, DecodeMatchesReference) {
   SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
   std::mt19937_64 rng(seed);
   const float scale = c.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
+  if (ValueDim(c) != c.head_dim && !PoolServesVHeadDim()) {
+    // Its Write, Read and Decode refuse such a shape by name before touching the pool.
+    absl::StatusOr<std::unique_ptr<KvPagePool>> pool = MakeTestPool(4, 1 << 20);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    const std::vector<int32_t> table = {0};
+    std::vector<unsigned char> rows(1 << 16);
+    KvWrite w{.shape = ShapeOf(c, dtype), .page_table = table.data(), .rows = 1};
+    w.k = w.v = rows.data();
+    const absl::Status status = (*pool)->Write({w});
+    EXPECT_TRUE(absl::IsUnimplemented(status)) << status;
+    EXPECT_THAT(status.message(), testing::HasSubstr("v_head_dim"));
+    return;
+  }
   PoolSetup setup;
   MakeSetup(c, dtype, rng, &setup);
   if (HasFatalFailure()) return;
@@ -826,7 +870,7 @@ TEST_P(PagedKvPoolWriteTest, OneWriteOfTwoShapes) {
   for (int i = 0; i < 2; ++i) {
     const DecodeCase& c = cases[i];
     const int64_t nk = c.nk[0];
-    const int64_t page_rows = PageRows(page_bytes, dtype, c.heads_kv, c.head_dim);
+    const int64_t page_rows = PageRows(page_bytes, ShapeOf(c, dtype));
     ASSERT_GT(page_rows, 0);
     seqs[i].q = RandomRounded(c.heads_q * c.nq[0] * c.head_dim, dtype, rng);
     seqs[i].k = RandomRounded(c.heads_kv * nk * c.head_dim, dtype, rng);
@@ -1216,6 +1260,12 @@ TEST_F(PagedKvPoolErrorsTest, RejectsPagesOutsideThePoolAndTooSmallPages) {
   good.page_table = good_table;
   EXPECT_EQ((*pool)->Write({good}), absl::OkStatus());
   EXPECT_EQ((*pool)->Write({good, w}).code(), absl::StatusCode::kInvalidArgument);
+  // Strides of part rows: v's (VStride) would not be whole rows of Dv.
+  KvWrite part_rows = good;
+  part_rows.row_stride = 100;
+  const absl::Status strides = (*pool)->Write({part_rows});
+  EXPECT_EQ(strides.code(), absl::StatusCode::kInvalidArgument) << strides;
+  EXPECT_THAT(strides.message(), testing::HasSubstr("strides must be multiples of head_dim (64)"));
 
   std::vector<uint16_t> q(2 * 64), o(2 * 64);
   const int32_t cu_q[] = {0, 1}, seqlens_k[] = {17};
@@ -1271,12 +1321,16 @@ TEST_F(PagedKvPoolErrorsTest, RejectsPagesOutsideThePoolAndTooSmallPages) {
 }
 
 TEST(PageRowsTest, RoundsDownToSixteenRows) {
-  EXPECT_EQ(PageRows(256 << 10, DType::kBFloat16, 8, 128), 64);
-  EXPECT_EQ(PageRows(1 << 20, DType::kBFloat16, 8, 128), 256);
-  EXPECT_EQ(PageRows(256 << 10, DType::kFloat32, 8, 128), 32);
-  EXPECT_EQ(PageRows(256 << 10, DType::kFloat16, 3, 100), 208);  // 218.45 rows
-  EXPECT_EQ(PageRows(4096, DType::kFloat16, 8, 128), 0);
-  EXPECT_EQ(PageRows(0, DType::kFloat16, 8, 128), 0);
+  EXPECT_EQ(PageRows(256 << 10, {DType::kBFloat16, 8, 128}), 64);
+  EXPECT_EQ(PageRows(1 << 20, {DType::kBFloat16, 8, 128}), 256);
+  EXPECT_EQ(PageRows(256 << 10, {DType::kFloat32, 8, 128}), 32);
+  EXPECT_EQ(PageRows(256 << 10, {DType::kFloat16, 3, 100}), 208);  // 218.45 rows
+  EXPECT_EQ(PageRows(4096, {DType::kFloat16, 8, 128}), 0);
+  EXPECT_EQ(PageRows(0, {DType::kFloat16, 8, 128}), 0);
+  // K and V of their own head dims: a row of 8 heads of 192 + 128 bf16 is 5,120 bytes.
+  EXPECT_EQ(PageRows(256 << 10, {DType::kBFloat16, 8, 192, 128}), 48);   // 51.2 rows
+  EXPECT_EQ(PageRows(256 << 10, {DType::kBFloat16, 8, 192, 192}), 32);   // 34.1 rows
+  EXPECT_EQ(PageRows(256 << 10, {DType::kBFloat16, 1, 576, 512}), 112);  // 120.5 rows
 }
 
 }  // namespace

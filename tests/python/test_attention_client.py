@@ -431,7 +431,8 @@ class OpenModelOptionsTest(ServerTest):
         device = self.client.server_info().devices[0]
         self.assertEqual(sorted(device.attend_options),
                          ["chunk_size", "sinks", "softcap", "v_head_dim"])
-        self.assertEqual(sorted(device.step_options), ["chunk_size", "sinks", "softcap"])
+        self.assertEqual(sorted(device.step_options),
+                         ["chunk_size", "sinks", "softcap", "v_head_dim"])
 
     def test_bad_options_name_the_field(self):
         q, k, v = self.qkv()

@@ -13,6 +13,7 @@ when torch or transformers is missing.
 """
 import sys
 import unittest
+from unittest import mock
 
 try:
     import torch
@@ -145,6 +146,26 @@ class ModelFamiliesTest(ServerTest):
             self.assertTrue(all(s.layers == 2 for s in cache._shared.sessions))
 
         self.check_family(SERVED["llama"], modify=one_kv_head, inspect=inspect)
+
+    def test_mla_sessions_hold_v_of_its_own_head_dim(self):
+        # DeepSeek-V3 through a RemoteCache on a server whose sessions take a V head dim of their
+        # own (the CPU backend): one KV head of K = [latent 32, rotary 8] and V = the latent,
+        # no zero padding; the same tokens as eager.
+        def inspect(cache):
+            self.assertEqual(cache._shared.shape[1:], (1, 40, 32))
+            self.assertTrue(all((s.head_dim, s.v_head_dim) == (40, 32)
+                                for s in cache._shared.sessions))
+
+        self.check_family(SERVED["deepseek_v3"], inspect=inspect)
+
+    def test_mla_on_a_server_whose_sessions_take_one_head_dim(self):
+        # As a CUDA server answers (no "v_head_dim" in its devices' options): v padded with zero
+        # features to the QK head dim, sessions of one head dim 40; the same tokens.
+        def inspect(cache):
+            self.assertEqual(cache._shared.shape[1:], (1, 40, 40))
+
+        with mock.patch.object(remote, "_serves_v_head_dim", return_value=False):
+            self.check_family(SERVED["deepseek_v3"], inspect=inspect)
 
     def test_static_cache_prefill_is_aligned_top_left(self):
         # The StaticCache hands the prefill all its max_cache_len keys, unwritten ones included,

@@ -30,15 +30,15 @@ WIRE = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_FLOAT16: np.float16, pb.DTYPE_BFL
 
 
 def exported_rows(chunks):
-    """The header and each layer's k and v [Hkv, N, D] (raw: bfloat16 as uint16 bits) of an
-    export's chunks, checking their order on the way."""
+    """The header and each layer's k [Hkv, N, D] and v [Hkv, N, Dv] (raw: bfloat16 as uint16
+    bits) of an export's chunks, checking their order on the way."""
     header = chunks[0].header
     headers = [c.HasField("header") for c in chunks]
     assert headers == [True] + [False] * (len(chunks) - 1), headers
     layers = max(1, header.layers)
-    shape = (header.kv_heads, 0, header.head_dim)
-    k = [np.zeros(shape, WIRE[header.dtype]) for _ in range(layers)]
-    v = [np.zeros(shape, WIRE[header.dtype]) for _ in range(layers)]
+    dv = header.v_head_dim or header.head_dim
+    k = [np.zeros((header.kv_heads, 0, header.head_dim), WIRE[header.dtype]) for _ in range(layers)]
+    v = [np.zeros((header.kv_heads, 0, dv), WIRE[header.dtype]) for _ in range(layers)]
     for c in chunks[1:]:
         assert c.first_row == k[c.layer].shape[1], (c.layer, c.first_row)
         for out, t in ((k, c.k), (v, c.v)):
@@ -116,6 +116,29 @@ class SessionTransferTest(ServerTest):
                             self.assertSame(o_t, o_s, f"{name}: o after {nq} queries")
                             self.assertSame(lse_t, lse_s, f"{name}: lse after {nq} queries")
                         self.assertEqual(t.length, s.length)
+
+    def test_a_session_of_its_own_v_head_dim_moves_bit_for_bit(self):
+        # MLA's expanded cache (QK 192, V 128): the header names v_head_dim, v comes as
+        # [Hkv, n, Dv], and the imported session steps as the exported one.
+        hq, hkv, d, dv = 4, 2, 192, 128
+        k = self.rng.standard_normal((hkv, 70, d)).astype(np.float32)
+        v = self.rng.standard_normal((hkv, 70, dv)).astype(np.float32)
+        with self.client.session(k=k, v=v) as s:
+            chunks = list(s.export(chunk_rows=32))
+            header, ek, ev = exported_rows(chunks)
+            self.assertEqual((header.head_dim, header.v_head_dim), (d, dv))
+            self.assertSame(ek[0], k, "exported k")
+            self.assertSame(ev[0], v, "exported v")
+            with self.peer.import_session(chunks) as t:
+                self.assertEqual((t.length, t.head_dim, t.v_head_dim), (70, d, dv))
+                for nq in (3, 1):
+                    q = self.rng.standard_normal((hq, nq, d)).astype(np.float32)
+                    k1 = self.rng.standard_normal((hkv, nq, d)).astype(np.float32)
+                    v1 = self.rng.standard_normal((hkv, nq, dv)).astype(np.float32)
+                    o_s = s.step(q, k1, v1, causal=True)
+                    o_t = t.step(q, k1, v1, causal=True)
+                    self.assertEqual(o_t.shape, (hq, nq, dv))
+                    self.assertSame(o_t, o_s, f"o after {nq} queries")
 
     def test_move_a_session_of_several_layers(self):
         hq, hkv, d, layers = 4, 2, 32, 3

@@ -391,6 +391,91 @@ class SessionTest(ServerTest):
             self.assertWithin(rel_error(o.numpy(), ref_o), F32_BOUND, "torch o")
 
 
+class VHeadDimSessionTest(ServerTest):
+    """Sessions whose V head dim is their own (CreateSessionRequest.v_head_dim): MLA's expanded
+    cache (QK 192, V 128, DeepSeek-V3's prefill) and its absorbed decode (one KV head of QK 576
+    whose first 512 features are V, as FlashMLA holds it). A server of --max_head_dim 576."""
+
+    SERVER_FLAGS = ["--max_head_dim=576"]
+
+    def check(self, o, q, k, v, what, **kwargs):
+        """o of q against the reference and against one Attend over the same k and v."""
+        ref_o, _ = session_reference(q, k, v, **kwargs)
+        self.assertEqual(o.shape, ref_o.shape, what)
+        self.assertWithin(rel_error(o, ref_o), F32_BOUND, f"{what}: o")
+        options = dict(kwargs)
+        options["softmax_scale"] = options.pop("scale", None)
+        attended = self.client.attend(q[None], k[None], v[None], **options)[0]
+        self.assertWithin(rel_error(o, attended), F32_BOUND, f"{what}: o against Attend")
+
+    def test_expanded_mla_steps(self):
+        hq, hkv, d, dv = 8, 2, 192, 128
+        k, v = self.normal(hkv, 45, d), self.normal(hkv, 45, dv)
+        with self.client.session(k=k, v=v) as s:  # Dv from v
+            self.assertEqual((s.head_dim, s.v_head_dim), (d, dv))
+            self.assertEqual(s.info().v_head_dim, dv)
+            self.assertIn("v_head_dim=128", repr(s))
+            k1, v1 = self.normal(hkv, 6, d), self.normal(hkv, 6, dv)
+            s.append(k1, v1)
+            k, v = np.concatenate([k, k1], axis=1), np.concatenate([v, v1], axis=1)
+            for nq in (5, 1, 1):  # an extend step, then decode steps
+                q = self.normal(hq, nq, d)
+                k1, v1 = self.normal(hkv, nq, d), self.normal(hkv, nq, dv)
+                k, v = np.concatenate([k, k1], axis=1), np.concatenate([v, v1], axis=1)
+                o, lse = s.step(q, k1, v1, causal=True, return_lse=True)
+                self.check(o, q, k, v, f"{nq} queries", causal=True)
+                self.assertWithin(lse_error(lse, session_reference(q, k, v, causal=True)[1]),
+                                  F32_BOUND, f"{nq} queries: lse")
+
+    def test_absorbed_mla_decode_packed(self):
+        # One KV head: K [1, n, 576] = [latent 512, rotary 64], V its first 512 features.
+        hq, d, dv, batch = 16, 576, 512, 2
+        rows = [300, 41]
+        keys = [self.normal(1, n, d) for n in rows]
+        sessions = [self.client.session(k=k, v=k[..., :dv].copy(), v_head_dim=dv) for k in keys]
+        try:
+            for step in range(2):
+                q = self.normal(batch, hq, 1, d)
+                k1 = self.normal(batch, 1, 1, d)
+                v1 = k1[..., :dv].copy()
+                keys = [np.concatenate([keys[b], k1[b]], axis=1) for b in range(batch)]
+                o = self.client.step_batch(sessions, q, k1, v1, causal=True,
+                                           softmax_scale=0.07)
+                self.assertEqual(o.shape, (batch, hq, 1, dv))
+                for b in range(batch):
+                    self.check(o[b], q[b], keys[b], keys[b][..., :dv], f"step {step} seq {b}",
+                               causal=True, scale=0.07)
+        finally:
+            for s in sessions:
+                s.drop()
+
+    def test_refusals_name_v_head_dim(self):
+        hq, hkv, d, dv = 4, 2, 192, 128
+        with self.client.session(dtype="float32", kv_heads=hkv, head_dim=d, v_head_dim=dv) as s:
+            self.assertEqual((s.length, s.v_head_dim), (0, dv))
+            cases = [
+                (lambda: s.append(self.normal(hkv, 2, d), self.normal(hkv, 2, d)),
+                 r"^v\.shape\[2\] \(v head dim\): expected 128 \(the session's v_head_dim\), "
+                 "got 192"),
+                (lambda: s.step(self.normal(hq, 1, d), self.normal(hkv, 1, d),
+                                self.normal(hkv, 1, d)),
+                 r"^entries\[0\]\.v\.shape\[2\] \(v head dim\): expected 128"),
+                (lambda: self.client.step_batch([s], self.normal(1, hq, 1, d),
+                                                self.normal(1, hkv, 1, d),
+                                                self.normal(1, hkv, 1, d)),
+                 r"^v\.shape\[3\] \(v head dim\): expected 128 \(the sessions' v_head_dim\)"),
+                (lambda: self.client.session(dtype="float32", kv_heads=1, head_dim=d,
+                                             v_head_dim=600),
+                 r"^v_head_dim: expected 0\.\.576 \(0: head_dim\), got 600"),
+            ]
+            for call, message in cases:
+                with self.assertRaises(AttentionError) as raised:
+                    call()
+                self.assertEqual(raised.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertRegex(raised.exception.details, message)
+            self.assertEqual(s.info().length, 0)  # nothing appended by a refused call
+
+
 if __name__ == "__main__":
     print(f"python_sessions: seed {SEED}", flush=True)
     unittest.main()

@@ -515,15 +515,18 @@ class Client:
 
     def session(self, *, dtype=None, kv_heads=None, head_dim=None, k=None, v=None, layout="bhsd",
                 bfloat16_bits=False, timeout=None, metadata=None, layers=None, tokens=None,
-                prefix_tokens=None):
+                prefix_tokens=None, v_head_dim=None):
         """A new KV-resident session on the server (attention_client.session.Session).
 
-        k, v (optional first rows): [Hkv, N, D] (layout "bhsd") or [N, Hkv, D] ("bshd"); dtype,
-        kv_heads and head_dim default to theirs. dtype: "float32" | "float16" | "bfloat16", or a
-        numpy/torch dtype. layout also applies to append(). metadata: for every call of the
-        session (default: the client's). layers: a sequence of a model's `layers` layers, one
-        cache each (created empty; append(), step(), step_many() and step_batch() then name the
-        layer; truncate, fork and drop take every layer): one create and one drop per sequence.
+        k, v (optional first rows): [Hkv, N, D] (layout "bhsd") or [N, Hkv, D] ("bshd"), v with
+        Dv for D; dtype, kv_heads, head_dim and v_head_dim default to theirs. v_head_dim: Dv,
+        the head dim of v and of the Steps' o where it is not D (MLA models; None: D), served
+        where the device's DeviceInfo.step_options list "v_head_dim" (else AttentionError
+        UNIMPLEMENTED). dtype: "float32" | "float16" | "bfloat16", or a numpy/torch dtype.
+        layout also applies to append(). metadata: for every call of the session (default: the
+        client's). layers: a sequence of a model's `layers` layers, one cache each (created
+        empty; append(), step(), step_many() and step_batch() then name the layer; truncate, fork
+        and drop take every layer): one create and one drop per sequence.
         tokens: the token id of each row of k and v (so later sessions can share their pages).
         prefix_tokens (without k and v): the sequence's first token ids; the session starts
         holding the rows of the longest run of full pages of them that this caller's sessions of
@@ -535,7 +538,7 @@ class Client:
         return create_session(self, dtype=dtype, kv_heads=kv_heads, head_dim=head_dim, k=k, v=v,
                               layout=layout, bfloat16_bits=bfloat16_bits, timeout=timeout,
                               metadata=metadata, layers=layers, tokens=tokens,
-                              prefix_tokens=prefix_tokens)
+                              prefix_tokens=prefix_tokens, v_head_dim=v_head_dim)
 
     def step_many(self, items, *, causal=False, softmax_scale=None, window_left=None,
                   window_right=None, return_lse=False, timeout=None, metadata=None,
@@ -544,8 +547,9 @@ class Client:
         """One Step RPC over several sessions of this client, run by the server as one launch.
 
         items: (session, q) or (session, q, k, v) tuples, each session at most once; q
-        [Hq, Nq, D], k and v [Hkv, n, D] appended before attending. Returns one o (or (o, lse),
-        or with return_info a StepResult) per item, in order; every session's length is updated.
+        [Hq, Nq, D], k [Hkv, n, D] and v [Hkv, n, Dv] appended before attending. Returns one o
+        [Hq, Nq, Dv] (or (o, lse), or with return_info a StepResult) per item, in order; every
+        session's length is updated.
         sinks, softcap, chunk_size: as attend()'s, for every item (DeviceInfo.step_options).
         layer: the layer of every session, for sessions of several layers.
         """
@@ -563,11 +567,12 @@ class Client:
                    ready_event=None, done_event=None, ready_counter=None, done_counter=None,
                    layer=None):
         """One packed Step over a layer's batch: one message and one tensor each, none per
-        sequence. Sequence b is sessions[b] (each at most once, all of one dtype, Hkv and D).
+        sequence. Sequence b is sessions[b] (each at most once, all of one dtype, Hkv, D and Dv).
 
-        q [B, Hq, Nq, D]; k, v [B, Hkv, n, D] appended to each sequence before it attends.
-        Returns o [B, Hq, Nq, D] (q's kind and dtype), or (o, lse) with return_lse (lse float32
-        [B, Hq, Nq]), or with return_info a StepBatchResult; every session's length is updated.
+        q [B, Hq, Nq, D]; k [B, Hkv, n, D] and v [B, Hkv, n, Dv] appended to each sequence before
+        it attends. Returns o [B, Hq, Nq, Dv] (q's kind and dtype; Dv the sessions' v_head_dim),
+        or (o, lse) with return_lse (lse float32 [B, Hq, Nq]), or with return_info a
+        StepBatchResult; every session's length is updated.
         Tensors inside regions this client registered go by reference (no copy through the
         socket); out and lse_out, arrays in such regions, receive o and lse there (they must not
         overlap each other or an input). stream: as Session.step (False: unary; True: the

@@ -345,7 +345,8 @@ def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
     if min(t.numel() for t in inputs) == 0:
         return False, None
     q, k, v = (t.detach().contiguous() if t is not None else None for t in (q, k, v))
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # o [B, Hq, Nq, Dv]: the sessions' V head dim.
+    o = torch.empty((*q.shape[:3], sessions[0].v_head_dim), dtype=q.dtype, device=q.device)
     lse = (torch.empty(tuple(q.shape[:3]), dtype=torch.float32, device=q.device)
            if options.get("return_lse") else None)
     wait = options.get("wait", True)

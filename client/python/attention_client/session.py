@@ -51,7 +51,8 @@ def _wire_dtype(dtype):
 class Session:
     """One session on the server. Use it as a context manager (dropped on exit) or call drop().
 
-    id: the server's session id; length: K/V rows as of this object's last call. A session of a
+    id: the server's session id; length: K/V rows as of this object's last call; head_dim and
+    v_head_dim: D of q and k, Dv of v and o (D unless created with another). A session of a
     model's several layers (Client.session(layers=L)): layers L, layer_lengths each layer's rows,
     length the rows every layer holds; append and the Steps name the layer. prefix_rows: the rows
     its creation found cached (Client.session(prefix_tokens=)), shared with other sessions.
@@ -66,13 +67,15 @@ class Session:
         self.dtype = info.dtype
         self.kv_heads = info.kv_heads
         self.head_dim = info.head_dim
+        self.v_head_dim = info.v_head_dim or info.head_dim  # 0 from a server that predates it
         self.layout = layout
         self._bfloat16_bits = bfloat16_bits
         self._metadata = metadata
 
     def __repr__(self):
+        dv = "" if self.v_head_dim == self.head_dim else f", v_head_dim={self.v_head_dim}"
         return (f"Session({self.id}, length={self.length}, kv_heads={self.kv_heads}, "
-                f"head_dim={self.head_dim})")
+                f"head_dim={self.head_dim}{dv})")
 
     def __enter__(self):
         return self
@@ -104,10 +107,10 @@ class Session:
         return self.id
 
     def append(self, k, v, *, layer=None, tokens=None, timeout=None):
-        """Appends rows: k, v [Hkv, n, D] (layout "bhsd") or [n, Hkv, D] ("bshd"), to `layer`
-        (0..layers-1; needed for a session of several layers); tokens: the token id of each row
-        (so later sessions can share their full pages: Client.session(prefix_tokens=)). Returns
-        the new length."""
+        """Appends rows: k, v [Hkv, n, D] (layout "bhsd") or [n, Hkv, D] ("bshd"; v with Dv,
+        v_head_dim, for D), to `layer` (0..layers-1; needed for a session of several layers);
+        tokens: the token id of each row (so later sessions can share their full pages:
+        Client.session(prefix_tokens=)). Returns the new length."""
         tk, _ = _to_tensor(k, "k", self._bfloat16_bits)
         tv, _ = _to_tensor(v, "v", self._bfloat16_bits)
         request = pb.AppendKvRequest(session_id=self._live_id(), layout=_LAYOUTS[self.layout],
@@ -141,7 +144,8 @@ class Session:
     def step(self, q, k=None, v=None, *, causal=False, softmax_scale=None, window_left=None,
              window_right=None, return_lse=False, timeout=None, return_info=False, stream=False,
              sinks=None, softcap=None, chunk_size=None, layer=None):
-        """Attends q [Hq, Nq, D] to the session, after appending k, v [Hkv, n, D] when given.
+        """Attends q [Hq, Nq, D] to the session, after appending k [Hkv, n, D] and v
+        [Hkv, n, Dv] when given.
 
         stream=True sends the Step over the Client's one long-lived Sessions.StepStream (opened
         on first use; no per-call setup), one Step in flight at a time; timeout does not apply
@@ -150,8 +154,9 @@ class Session:
         Step, the lowest latency.
 
         The queries are the session's last Nq positions (masks bottom-right aligned, as attend()).
-        Returns o [Hq, Nq, D] (same kind and dtype as q), or (o, lse) with return_lse: lse
-        float32 [Hq, Nq]; with return_info a StepResult (o, lse, length, timing, device).
+        Returns o [Hq, Nq, Dv] (same kind and dtype as q; Dv = v_head_dim), or (o, lse) with
+        return_lse: lse float32 [Hq, Nq]; with return_info a StepResult (o, lse, length, timing,
+        device).
         sinks, softcap, chunk_size: as Client.attend()'s. layer: the layer attended to (and
         appended to), for a session of several layers.
         """
@@ -163,11 +168,12 @@ class Session:
 
     def export(self, *, chunk_rows=0, timeout=None):
         """The session as Sessions.Export streams it: an iterator of pb.SessionChunk, first the
-        header (dtype, kv_heads, head_dim, layers, layer_lengths), then each layer's rows in
-        order, k and v [Hkv, n, D] of at most `chunk_rows` rows (0: what fits 4 MiB). A snapshot
-        of the session when the export starts; hand it to Client.import_session of another
-        server (a replica handing its sessions to a peer), or keep the chunks. Raises
-        AttentionError (NOT_FOUND for another caller's or an unknown session)."""
+        header (dtype, kv_heads, head_dim, v_head_dim, layers, layer_lengths), then each layer's
+        rows in order, k [Hkv, n, D] and v [Hkv, n, Dv] of at most `chunk_rows` rows (0: what
+        fits 4 MiB). A snapshot of the session when the export starts; hand it to
+        Client.import_session of another server (a replica handing its sessions to a peer), or
+        keep the chunks. Raises AttentionError (NOT_FOUND for another caller's or an unknown
+        session)."""
         request = pb.ExportRequest(session_id=self._live_id(), chunk_rows=chunk_rows)
         client = self._client
         stream = client._sessions_stub.Export(
@@ -220,7 +226,7 @@ def _token_ids(tokens):
 
 def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, v=None,
                    layout="bhsd", bfloat16_bits=False, timeout=None, metadata=None, layers=None,
-                   tokens=None, prefix_tokens=None):
+                   tokens=None, prefix_tokens=None, v_head_dim=None):
     """A new session; see Client.session."""
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
@@ -236,6 +242,8 @@ def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, 
             heads_axis = 0 if layout == "bhsd" else 1
             kv_heads = tk.shape[heads_axis] if kv_heads is None else kv_heads
             head_dim = tk.shape[2] if head_dim is None else head_dim
+        if len(tv.shape) == 3 and v_head_dim is None and tv.shape[2] != head_dim:
+            v_head_dim = tv.shape[2]
         dtype = tk.dtype if dtype is None else dtype
     if dtype is None or kv_heads is None or head_dim is None:
         raise ValueError("dtype, kv_heads and head_dim are needed when k and v are not given")
@@ -246,6 +254,8 @@ def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, 
         request.layers = layers
     request.tokens.extend(_token_ids(tokens))
     request.prefix_tokens.extend(_token_ids(prefix_tokens))
+    if v_head_dim is not None:
+        request.v_head_dim = v_head_dim
     info = client._call(client._sessions_stub.CreateSession, request, timeout, metadata)
     return Session(client, info, layout, bfloat16_bits, metadata)
 

@@ -111,12 +111,13 @@ def key_padding(attn_mask, lead, heads, nq, nk, fn="scaled_dot_product_attention
 
 
 def _attend_packed(client, q, k, v, keys, causal, scale, mask_alignment, **options):
-    """q [B, Hq, L, D], k and v [B, Hkv, S, D], keys: per item the key indices it keeps (a
-    LongTensor each). One varlen Attend over the kept keys (options: more of Client.attend's,
-    the window and chunks over the kept keys); o [B, Hq, L, D]. Items that keep no key get NaN
-    rows, as torch's SDPA gives them."""
-    batch, heads, nq, d = q.shape
-    out = torch.full_like(q, float("nan"))
+    """q [B, Hq, L, D], k [B, Hkv, S, D] and v [B, Hkv, S, Dv], keys: per item the key indices it
+    keeps (a LongTensor each). One varlen Attend over the kept keys (options: more of
+    Client.attend's, the window and chunks over the kept keys); o [B, Hq, L, Dv]. Items that keep
+    no key get NaN rows, as torch's SDPA gives them."""
+    batch, heads, nq, _ = q.shape
+    dv = v.shape[-1]
+    out = q.new_full((batch, heads, nq, dv), float("nan"))
     items = [b for b in range(batch) if len(keys[b]) > 0]
     if not items:
         return out
@@ -129,7 +130,7 @@ def _attend_packed(client, q, k, v, keys, causal, scale, mask_alignment, **optio
         cu_k.append(cu_k[-1] + len(keys[b]))
     o = client.attend(qp, kp, vp, causal=causal, softmax_scale=scale, cu_seqlens_q=cu_q,
                       cu_seqlens_k=cu_k, mask_alignment=mask_alignment, **options)
-    o = o.reshape(len(items), nq, heads, d).transpose(1, 2)
+    o = o.reshape(len(items), nq, heads, dv).transpose(1, 2)
     out[items] = o
     return out
 

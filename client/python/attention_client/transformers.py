@@ -26,10 +26,13 @@ Every keyword argument transformers passes to the attention function is either s
 refused by name (NotImplementedError): attention sinks (`s_aux`, gpt-oss) and `softcap` (Gemma 2)
 go to the service as its sinks and softcap; a `sliding_window` (Mistral, Gemma, gpt-oss) becomes
 the window and a chunked layer (Llama 4's `attention_chunk_size`) the chunk size, both checked
-against the mask; a V head dim other than the QK head dim (MLA, DeepSeek-V3) is served by
-zero-padding to one head dim, and a RemoteCache holds an MLA model's latents (absorbed: one KV
-head of the latent and its rotary key, the queries taken through kv_b_proj; attend_absorbed). Attention weights, packed sequences and keywords this module does
-not know are refused, as is a mask that is not causal with padding (and the window or chunks).
+against the mask; a V head dim other than the QK head dim (MLA, DeepSeek-V3) is sent as it is
+where the server's devices list "v_head_dim" (DeviceInfo.attend_options for Attend, step_options
+for a RemoteCache's sessions: the CPU backend), else zero-padded to one head dim; a RemoteCache
+holds an MLA model's latents (absorbed: one KV head of the latent and its rotary key, QK 576 and
+V its first 512 features for DeepSeek-V3, the queries taken through kv_b_proj;
+attend_absorbed). Attention weights, packed sequences and keywords this module does not know
+are refused, as is a mask that is not causal with padding (and the window or chunks).
 """
 from dataclasses import dataclass
 import threading
@@ -169,16 +172,24 @@ def _padded_causal(keep, options, fn):
 
 def _one_head_dim(query, key, value):
     """q [.., Dqk], k [.., Dqk], v [.., Dv] padded with zero features to one head dim max(Dqk, Dv)
-    (MLA models have Dv != Dqk): zeros change neither q.k nor o's first Dv features."""
+    (MLA models have Dv != Dqk) for a server that takes one: zeros change neither q.k nor o's
+    first Dv features."""
     d = max(query.shape[-1], value.shape[-1])
     return tuple(torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
 
 
+def _serves_v_head_dim(client, options):
+    """Whether every device of the client's server lists "v_head_dim" in its DeviceInfo
+    `options` ("attend_options" or "step_options"): v and o may then have a head dim of their
+    own; else _one_head_dim pads them."""
+    return all("v_head_dim" in getattr(d, options) for d in client.server_info().devices)
+
+
 def _attend(client, query, key, value, attention_mask, scaling, is_causal, options):
-    """query [B, Hq, Nq, D], key and value [B, Hkv, Nk, D] (all the keys): one Attend, with SDPA's
-    semantics: without a mask, is_causal aligns top-left (a StaticCache's prefill hands over keys
-    past the queries' that are not written yet); with one, the keys and queries it shows take part.
-    o [B, Hq, Nq, D]; padded query rows get 0."""
+    """query [B, Hq, Nq, D], key [B, Hkv, Nk, D] and value [B, Hkv, Nk, Dv] (all the keys): one
+    Attend, with SDPA's semantics: without a mask, is_causal aligns top-left (a StaticCache's
+    prefill hands over keys past the queries' that are not written yet); with one, the keys and
+    queries it shows take part. o [B, Hq, Nq, Dv]; padded query rows get 0."""
     batch, _, nq, _ = query.shape
     nk = key.shape[2]
     keep = _mask_rows(attention_mask, batch, nq, nk)
@@ -187,7 +198,7 @@ def _attend(client, query, key, value, attention_mask, scaling, is_causal, optio
         return client.attend(query.contiguous(), key.contiguous(), value.contiguous(),
                              causal=causal, softmax_scale=scaling, mask_alignment="top_left",
                              **options.unmasked())
-    out = torch.zeros_like(query)
+    out = query.new_zeros(*query.shape[:3], value.shape[-1])
     for b in range(batch):  # padded rows differ per item: one varlen item each
         rows, keys = _padded_causal(keep[b], options, "attention_service")
         if len(rows) > 0:
@@ -201,6 +212,7 @@ def register(client, name="attention_service"):
     """Registers the service's attention under `name` with transformers' AttentionInterface (and
     transformers' SDPA mask builder under the same name, so padded batches bring their mask).
     Returns name, for attn_implementation=name. client: an attention_client.Client."""
+    own_v_head_dim = []  # [whether Attend takes v of its own head dim], asked at the first call
 
     def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                           is_causal=None, sliding_window=None, s_aux=None, softcap=None,
@@ -223,8 +235,11 @@ def register(client, name="attention_service"):
             elif layer is not None:
                 o = layer.attend(query, key, value, attention_mask, scaling, causal, options)
             else:
-                o = _attend(client, *_one_head_dim(query, key, value), attention_mask, scaling,
-                            causal, options)
+                if query.shape[-1] != dv and not own_v_head_dim:
+                    own_v_head_dim.append(_serves_v_head_dim(client, "attend_options"))
+                if query.shape[-1] != dv and not own_v_head_dim[0]:
+                    query, key, value = _one_head_dim(query, key, value)
+                o = _attend(client, query, key, value, attention_mask, scaling, causal, options)
         return o[..., :dv].transpose(1, 2).contiguous(), None  # [B, Nq, Hq, Dv], as sdpa's
 
     AttentionInterface.register(name, attention_forward)
@@ -238,10 +253,12 @@ class _Sequences:
     A selection (RemoteLayer.select), which transformers hands to each layer in turn, is made on
     the sessions by the first layer and taken by the others (`selecting`, until each took it)."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, own_v_head_dim):
         self.layers = layers
+        # Whether the server's sessions take v of its own head dim (else it is padded to D).
+        self.own_v_head_dim = own_v_head_dim
         self.sessions = []
-        self.shape = None  # (dtype, Hkv, D) of the sessions
+        self.shape = None  # (dtype, Hkv, D, Dv) of the sessions
         self.members = set()  # the layers that keep their K/V in them
         self.selecting = None  # (indices, the layers yet to take them)
 
@@ -292,17 +309,18 @@ class RemoteLayer(CacheLayerMixin):
     def _members(self):
         return self.shared.members if self.shared is not None else ()
 
-    def _join(self, key):
-        """At prefill: keeps this layer in the shared sessions when its K/V [B, Hkv, n, D] have
-        their shape (the first layer's makes them); True when it joined."""
-        shape = (key.dtype, key.shape[1], key.shape[3])
+    def _join(self, key, value):
+        """At prefill: keeps this layer in the shared sessions when its k [B, Hkv, n, D] and v
+        [B, Hkv, n, Dv] have their shape (the first layer's makes them); True when it joined."""
+        shape = (key.dtype, key.shape[1], key.shape[3], value.shape[3])
         if self.shared is None or (self.shared.shape not in (None, shape)):
             return False
         if self.shared.shape is None:
             self.shared.shape = shape
             self.shared.sessions = [
                 self.client.session(dtype=key.dtype, kv_heads=shape[1], head_dim=shape[2],
-                                    layers=self.shared.layers) for _ in range(key.shape[0])]
+                                    v_head_dim=shape[3], layers=self.shared.layers)
+                for _ in range(key.shape[0])]
             self._all.extend(self.shared.sessions)
         self.shared.members.add(self.layer)
         return True
@@ -329,10 +347,11 @@ class RemoteLayer(CacheLayerMixin):
 
     def attend_absorbed(self, module, query, attention_mask, scaling, causal, options):
         """MLA (DeepSeek-V3) in its absorbed form: update() got the latents kv [B, 1, n, R] (after
-        its norm) and k_rot [B, 1, n, P]; the session holds one KV head of K = [kv, k_rot] and V =
-        [kv, 0] (R + P features). query [B, H, Nq, Dn + P] is [q_nope, q_rot]; with kv_b_proj's
-        weight W [H, Dn + Dv, R], q_nope . (W_k kv) = (q_nope W_k) . kv, so q = [q_nope W_k, q_rot]
-        attends to K with the model's scale, and o = o_latent[:R] W_v^T, [B, H, Nq, Dv]."""
+        its norm) and k_rot [B, 1, n, P]; the session holds one KV head of K = [kv, k_rot] (R + P
+        features) and V = kv (R; attend pads it to R + P where sessions take one head dim).
+        query [B, H, Nq, Dn + P] is [q_nope, q_rot]; with kv_b_proj's weight W [H, Dn + Dv, R],
+        q_nope . (W_k kv) = (q_nope W_k) . kv, so q = [q_nope W_k, q_rot] attends to K with the
+        model's scale, and o = o_latent[:R] W_v^T, [B, H, Nq, Dv]."""
         kv, k_rot = self._pending
         proj = module.kv_b_proj
         if proj.bias is not None:
@@ -344,20 +363,20 @@ class RemoteLayer(CacheLayerMixin):
         q = torch.cat([torch.einsum("bhnd,hdr->bhnr", query[..., :nope], w[:, :nope]),
                        query[..., nope:]], dim=-1)
         key = torch.cat([kv, k_rot], dim=-1)
-        value = torch.nn.functional.pad(kv, (0, k_rot.shape[-1]))
-        self._pending = (key, value)
-        o = self.attend(q, key, value, attention_mask, scaling, causal, options)
+        self._pending = (key, kv)
+        o = self.attend(q, key, kv, attention_mask, scaling, causal, options)
         return torch.einsum("bhnr,hvr->bhnv", o[..., :rank], w[:, nope:])
 
     def attend(self, query, key, value, attention_mask, scaling, causal, options):
-        """Sends the pending K/V and the queries; o [B, Hq, Nq, D]. The queries are the new
+        """Sends the pending K/V and the queries; o [B, Hq, Nq, Dv]. The queries are the new
         positions; a position takes part when its query sees its own key (padding hides both),
         and every item's mask must be causal (with the window) over the positions it kept."""
         if self._pending is None or self._pending[0] is not key:
             raise RuntimeError("RemoteCache: attention was called with keys this cache did not "
                                "hand out")
         self._pending = None
-        query, key, value = _one_head_dim(query, key, value)
+        if self.shared is None or not self.shared.own_v_head_dim:
+            query, key, value = _one_head_dim(query, key, value)
         batch, _, nq, _ = query.shape
         new = key.shape[2]
         if nq != new:
@@ -367,7 +386,7 @@ class RemoteLayer(CacheLayerMixin):
         if not causal and nq > 1:
             raise NotImplementedError("RemoteCache serves causal (decoder) attention only")
         prefill = not self.sessions
-        joined = prefill and self._join(key)
+        joined = prefill and self._join(key, value)
         layer = self.layer if self.layer in self._members() else None
         if not prefill and len(self.sessions) != batch:
             raise ValueError(f"RemoteCache holds {len(self.sessions)} sequences, the step has "
@@ -406,7 +425,7 @@ class RemoteLayer(CacheLayerMixin):
         step_options = options.unmasked() if keep is None else options.masked()
         results = iter(self.client.step_many(items, causal=True, softmax_scale=scaling,
                                              layer=layer, **step_options))
-        out = torch.zeros_like(query)
+        out = query.new_zeros(*query.shape[:3], value.shape[-1])  # [B, Hq, Nq, Dv]
         for b, rows in enumerate(rows_of):
             if rows is not None:
                 out[b][:, rows] = next(results)
@@ -414,8 +433,8 @@ class RemoteLayer(CacheLayerMixin):
 
     def _step_packed(self, query, key, value, keep, scaling, options):
         """A decode step in which every sequence keeps all its new positions: one packed Step
-        (Client.step_batch: q [B, Hq, Nq, D], k, v [B, Hkv, n, D]) instead of one entry per
-        sequence; the same Step, bit for bit, in one message and one tensor each."""
+        (Client.step_batch: q [B, Hq, Nq, D], k [B, Hkv, n, D], v [B, Hkv, n, Dv]) instead of one
+        entry per sequence; the same Step, bit for bit, in one message and one tensor each."""
         new = key.shape[2]
         added = torch.arange(new)
         for b in range(len(self.sessions)):
@@ -535,7 +554,8 @@ class RemoteCache(Cache):
         self._sessions = []  # every layer's, shared with the finalizer
         # MLA models (a kv_lora_rank: DeepSeek-V3) cache latents, held in their absorbed form.
         mla = getattr(config, "kv_lora_rank", None) is not None
-        self._shared = _Sequences(config.num_hidden_layers)
+        self._shared = _Sequences(config.num_hidden_layers,
+                                  _serves_v_head_dim(client, "step_options"))
         layers = [RemoteLayer(client, self._sessions, i if mla else None, i, self._shared)
                   for i in range(config.num_hidden_layers)]
         super().__init__(layers=layers)

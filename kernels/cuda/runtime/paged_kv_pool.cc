@@ -122,6 +122,8 @@ class CudaKvPagePool : public KvPagePool {
   absl::Status Write(absl::Span<const KvWrite> writes) override {
     std::vector<WriteRun> runs;
     for (const KvWrite& w : writes) {
+      // The scatter and the decode kernels take V rows of D (sessions refuse others first).
+      RETURN_IF_ERROR(RefuseVHeadDim(w.shape, "cuda"));
       ASSIGN_OR_RETURN(const int64_t page_rows, CheckKvWrite(w, page_bytes_, num_pages_));
       RETURN_IF_ERROR(ForEachPageRun(w, page_rows, [&](const PageRun& run) {
         runs.push_back({&w, page_rows, run});
@@ -185,6 +187,7 @@ class CudaKvPagePool : public KvPagePool {
   // before; returns once they are on the host. An export's path, not a step's: no staging.
   absl::Status Read(const KvRead& read) override {
     const KvWrite w = AsKvWrite(read);
+    RETURN_IF_ERROR(RefuseVHeadDim(w.shape, "cuda"));
     ASSIGN_OR_RETURN(const int64_t page_rows, CheckKvWrite(w, page_bytes_, num_pages_));
     const KvShape& shape = read.shape;
     const size_t elem = DTypeSize(shape.dtype);
@@ -213,6 +216,7 @@ class CudaKvPagePool : public KvPagePool {
   }
 
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host) override {
+    RETURN_IF_ERROR(RefuseVHeadDim(host.shape, "cuda"));
     ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(host, page_bytes_, num_pages_));
     if (host.num_seqs == 0 || host.total_q == 0) return KvStepTimes{};
     ASSIGN_OR_RETURN(const PagedDecodePlan plan, PlanPagedDecode(host, extent, plan_options_));
