@@ -353,18 +353,19 @@ def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
     device = q.device.index if q.device.index is not None else 0
     if not wait and options.get("stream") == "ring":
         return _step_by_counters(client, sessions, q, k, v, o, lse, device, options)
-    if not _ensure(regions, (q, k, v, o, lse)):
+    segments = _ensure(regions, (q, k, v, o, lse))
+    if segments is None:
         return False, None
+    from attention_client.session import _batch_output, _send_step
+    request = _device_request(client, sessions, q, k, v, o, lse, segments, options)
     ready, done, ready_handle, done_handle = _step_events(client, device)
+    request.ready_event, request.done_event = bytes(ready_handle), bytes(done_handle)
     stream = torch.cuda.current_stream(q.device)
     ready.record(stream)
-    options.pop("wait")
-    from attention_client.session import step_batch
     try:
-        result = step_batch(client, sessions, q, k, v, out=o, lse_out=lse,
-                            ready_event=ready_handle, done_event=done_handle, **options)
+        answer = _send_step(client, request, options.get("stream"), options.get("timeout"),
+                            options.get("metadata"))
     except AttentionError as e:
-        options["wait"] = wait
         if e.code == grpc.StatusCode.NOT_FOUND and not _retried:
             regions.close()  # the server lost the regions: register them again, once
             return step_batch_on_device(client, sessions, q, k, v, options, _retried=True)
@@ -373,6 +374,8 @@ def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
         raise
     # What runs on this stream from here on sees o and lse written, and q, k, v read.
     stream.wait_event(done)
+    result = _batch_output(answer, sessions, ("torch", q), options.get("return_lse"), o, lse,
+                           options.get("return_info"), options.get("layer"))
     if not wait:
         import concurrent.futures
         future = concurrent.futures.Future()
@@ -381,18 +384,11 @@ def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
     return True, result
 
 
-def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
-    """step_batch_on_device with wait=False on the ring: ordered by counters, posted without
-    waiting for the answer (Client.step_batch). A model makes this call once per layer per token,
-    so it builds the request itself from the tensors' segments (no search of the client's
-    regions, no per-sequence work but the answer's lengths)."""
-    import torch
-    regions = client._cuda_segments
-    counters = _step_counters(client, device)
-    segments = _ensure(regions, (q, k, v, o, lse, counters.tensor))
-    if segments is None:
-        return False, None
-    from attention_client.session import RingStep, _batch_output, _packed_request, _submit_step
+def _device_request(client, sessions, q, k, v, o, lse, segments, options):
+    """The packed StepRequest of CUDA tensors q, k, v, o, lse (k, v, lse may be None) in their
+    `segments` (_ensure's, in that order), with step_batch's `options`. A model makes this call
+    once per layer per token: no search of the client's regions, no per-sequence work."""
+    from attention_client.session import _packed_request
     from attention_client.shared_memory import _wire_dtype_of
     request = _packed_request(client, sessions, **{
         name: options[name] for name in _REQUEST_OPTIONS if options.get(name) is not None})
@@ -406,6 +402,19 @@ def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
     _set_ref(request.o_ref, o, segments[3])
     if lse is not None:
         _set_ref(request.lse_ref, lse, segments[4])
+    return request
+
+
+def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
+    """step_batch_on_device with wait=False on the ring: ordered by counters, posted without
+    waiting for the answer (Client.step_batch)."""
+    regions = client._cuda_segments
+    counters = _step_counters(client, device)
+    segments = _ensure(regions, (q, k, v, o, lse, counters.tensor))
+    if segments is None:
+        return False, None
+    from attention_client.session import RingStep, _batch_output, _submit_step
+    request = _device_request(client, sessions, q, k, v, o, lse, segments, options)
     counters.value += 1
     value = counters.value
     at = counters.tensor.data_ptr() - segments[5].base  # ready at `at`, done 8 bytes on
