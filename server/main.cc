@@ -61,6 +61,7 @@
 #include "server/executors/region_hooks.h"
 #include "server/metrics/metrics.h"
 #include "server/options/server_options.h"
+#include "server/requests/session_request.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/attention_service.h"
 #include "server/service/connections.h"
@@ -159,6 +160,10 @@ ABSL_FLAG(int64_t, kv_cache_bytes, 0,
 ABSL_FLAG(int64_t, kv_page_bytes, 524288,
           "Bytes per KV page (a multiple of 256); a page holds rows of one session.");
 ABSL_FLAG(int, session_ttl_s, 600, "Seconds after which an idle session expires.");
+ABSL_FLAG(std::string, replica_name, "",
+          "This replica's name (1..32 of a-z, 0-9, '-'; empty: none): every session id it makes "
+          "starts with it and a '.', and ServerInfo reports it, so a router in front of several "
+          "replicas sends a session's calls (their attention-session-owner header) to its owner.");
 ABSL_FLAG(bool, allow_shared_memory, false,
           "Serve attention.v1.SharedMemory: co-located clients register POSIX shared-memory "
           "objects and reference tensors in them. Only for trusted clients on this host.");
@@ -399,6 +404,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
     session_store = std::make_unique<SessionStore>(
         *std::move(kv_devices),
         SessionStoreOptions{.ttl = absl::Seconds(options.kv_cache.ttl_s),
+                            .replica_name = options.replica_name,
                             .on_expired = [&metrics](int count) { metrics.SessionsExpired(count); },
                             .on_usage =
                                 [&metrics](const std::string& device, const KvCacheUsage& usage) {
@@ -686,6 +692,8 @@ int main(int argc, char** argv) {
   options.kv_cache.bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   options.kv_cache.page_bytes = absl::GetFlag(FLAGS_kv_page_bytes);
   options.kv_cache.ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
+  options.replica_name = absl::GetFlag(FLAGS_replica_name);
+  options.service.replica_name = options.replica_name;
   options.max_request_flops = absl::GetFlag(FLAGS_max_request_flops);
   options.max_head_dim = absl::GetFlag(FLAGS_max_head_dim);
   options.service.max_head_dim = options.max_head_dim;
@@ -727,6 +735,12 @@ int main(int argc, char** argv) {
     valid = absl::InvalidArgumentError(
         absl::StrCat("--stream_wait_timeout_s: expected >= 1, got ",
                      absl::ToInt64Seconds(options.cuda.stream_wait_timeout)));
+  }
+  if (valid.ok() && !options.replica_name.empty() &&
+      !attention::server::IsReplicaName(options.replica_name)) {
+    valid = absl::InvalidArgumentError(
+        absl::StrCat("--replica_name: expected 1..32 characters of a-z, 0-9 and '-', got \"",
+                     options.replica_name, "\""));
   }
   if (!valid.ok()) {
     std::fprintf(stderr, "attention_server: %s\n", valid.ToString().c_str());

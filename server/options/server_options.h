@@ -63,6 +63,8 @@ struct ServerOptions {
   int max_head_dim = 256;
   SchedulerOptions scheduler;
   KvCacheOptions kv_cache;
+  // --replica_name: the prefix of the session ids this replica makes (empty: none).
+  std::string replica_name;
   SharedMemoryOptions shared_memory;
   // Work one request may ask for (--max_request_flops); 0: the backend's default
   // (DefaultMaxRequestFlops).

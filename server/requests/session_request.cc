@@ -185,6 +185,12 @@ absl::StatusOr<int64_t> DecodeChunkRows(int64_t chunk_rows, const KvShape& shape
   return chunk_rows;
 }
 
+bool IsReplicaName(absl::string_view name) {
+  return !name.empty() && name.size() <= 32 && std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-';
+  });
+}
+
 absl::StatusOr<DecodedImportHeader> DecodeImportHeader(const v1::SessionChunk& chunk,
                                                        const SessionLimits& limits) {
   if (!chunk.has_header()) {
@@ -215,11 +221,20 @@ absl::StatusOr<DecodedImportHeader> DecodeImportHeader(const v1::SessionChunk& c
     decoded.lengths.push_back(length);
   }
   const std::string& id = header.session_id();
-  if (!id.empty() && (id.size() != 32 || !std::all_of(id.begin(), id.end(), [](char c) {
-                        return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
-                      }))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "header.session_id: expected 32 lower-case hex digits or none, got ", Quote(id)));
+  // An id a server made: 32 hex digits, after its replica's name and a '.' when it had one.
+  const size_t dot = id.find('.');
+  const absl::string_view random =
+      dot == std::string::npos ? absl::string_view(id) : absl::string_view(id).substr(dot + 1);
+  const bool named =
+      dot == std::string::npos || IsReplicaName(absl::string_view(id).substr(0, dot));
+  if (!id.empty() &&
+      (!named || random.size() != 32 || !std::all_of(random.begin(), random.end(), [](char c) {
+        return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+      }))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.session_id: expected 32 lower-case hex digits, alone or after a "
+                     "replica name and a '.', or none, got ",
+                     Quote(id)));
   }
   decoded.id = id;
   return decoded;

@@ -44,6 +44,11 @@ absl::StatusOr<DecodedCreate> DecodeCreate(const v1::CreateSessionRequest& reque
 absl::StatusOr<int64_t> DecodeChunkRows(int64_t chunk_rows, const KvShape& shape,
                                         int64_t max_message_bytes);
 
+// A replica's name (--replica_name, the prefix of the session ids it makes): 1..32 characters of
+// a-z, 0-9 and '-' (a DNS label's, so it can be a host or backend name, and no '.': the id's owner
+// is what comes before its first '.').
+bool IsReplicaName(absl::string_view name);
+
 // An Import's first message (its header alone): the new session's shape, layers, each layer's
 // declared rows, and its id (empty: the server makes one).
 struct DecodedImportHeader {

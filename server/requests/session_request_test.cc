@@ -34,6 +34,17 @@ void ExpectInvalid(const absl::Status& status, const std::string& text) {
   EXPECT_THAT(status.message(), HasSubstr(text));
 }
 
+TEST(ReplicaNameTest, OneToThirtyTwoOfLowerCaseDigitsAndDash) {
+  EXPECT_TRUE(IsReplicaName("r1"));
+  EXPECT_TRUE(IsReplicaName("attention-0"));
+  EXPECT_TRUE(IsReplicaName(std::string(32, 'a')));
+  EXPECT_FALSE(IsReplicaName(""));
+  EXPECT_FALSE(IsReplicaName(std::string(33, 'a')));
+  EXPECT_FALSE(IsReplicaName("R1"));
+  EXPECT_FALSE(IsReplicaName("r.1"));
+  EXPECT_FALSE(IsReplicaName("r_1"));
+}
+
 TEST(DecodeCreateTest, ChecksDtypeHeadsAndHeadDim) {
   v1::CreateSessionRequest request;
   request.set_dtype(v1::DTYPE_FLOAT16);
@@ -155,10 +166,22 @@ TEST(DecodeImportTest, HeaderThenChunksNamedByTheirFields) {
                 "header.layer_lengths[0]: expected 0..2147483647, got -1");
   bad = first;
   bad.mutable_header()->set_session_id("ABC");
+  const std::string expected =
+      "header.session_id: expected 32 lower-case hex digits, alone or after a replica name and a "
+      "'.', or none, got ";
+  ExpectInvalid(DecodeImportHeader(bad, {}).status(), expected + "'ABC'");
+  bad.mutable_header()->set_session_id("R1." + std::string(32, 'f'));
   ExpectInvalid(DecodeImportHeader(bad, {}).status(),
-                "header.session_id: expected 32 lower-case hex digits or none, got 'ABC'");
+                expected + "'R1." + std::string(32, 'f') + "'");
+  bad.mutable_header()->set_session_id("r1." + std::string(31, 'f'));
+  ExpectInvalid(DecodeImportHeader(bad, {}).status(),
+                expected + "'r1." + std::string(31, 'f') + "'");
   bad.mutable_header()->set_session_id(std::string(32, 'f'));
   EXPECT_TRUE(DecodeImportHeader(bad, {}).ok());
+  bad.mutable_header()->set_session_id("r-1." + std::string(32, 'f'));
+  absl::StatusOr<DecodedImportHeader> named = DecodeImportHeader(bad, {});
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(named->id, "r-1." + std::string(32, 'f'));
   bad = first;
   *bad.mutable_k() = MakeTensor(v1::DTYPE_FLOAT16, {2, 1, 8});
   ExpectInvalid(DecodeImportHeader(bad, {}).status(), "k: expected none in the header's message");

@@ -252,6 +252,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   v1::ServerInfo* response = &info;
   response->set_version(options_.version);
   response->set_backend(options_.backend);
+  response->set_replica_name(options_.replica_name);
   for (const DeviceDescription* device : scheduler_->devices()) {
     v1::DeviceInfo* info = response->add_devices();
     info->set_name(device->name);

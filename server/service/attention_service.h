@@ -46,6 +46,7 @@ namespace attention::server {
 struct ServiceOptions {
   std::string version;
   std::string backend = "cpu";  // "cpu" or "cuda"
+  std::string replica_name;     // --replica_name (ServerInfo.replica_name)
   int64_t max_message_bytes = int64_t{1024} << 20;
   // Largest q + k + v (and o + lse) of one AttendChunked request; its chunks are messages, each
   // under max_message_bytes.

@@ -38,7 +38,7 @@ std::string PrefixScope(absl::string_view owner, const KvShape& shape, int layer
 
 }  // namespace
 
-absl::StatusOr<std::string> NewSessionId() {
+absl::StatusOr<std::string> NewSessionId(absl::string_view replica_name) {
   char bytes[kIdBytes];
   size_t got = 0;
   while (got < sizeof(bytes)) {
@@ -49,7 +49,8 @@ absl::StatusOr<std::string> NewSessionId() {
     }
     got += static_cast<size_t>(n);
   }
-  return absl::BytesToHexString(absl::string_view(bytes, sizeof(bytes)));
+  std::string hex = absl::BytesToHexString(absl::string_view(bytes, sizeof(bytes)));
+  return replica_name.empty() ? hex : absl::StrCat(replica_name, ".", hex);
 }
 
 std::string LayerSessionId(absl::string_view id, int layer) {
@@ -216,7 +217,7 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   }
   std::string new_id(id);
   if (id.empty()) {
-    ASSIGN_OR_RETURN(new_id, NewSessionId());
+    ASSIGN_OR_RETURN(new_id, NewSessionId(options_.replica_name));
   }
   std::string scope = PrefixScope(owner, shape, layers);
 
@@ -250,7 +251,7 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   }
   // 128 random bits do not collide in practice; the check costs nothing.
   while (sessions_.contains(new_id)) {
-    ASSIGN_OR_RETURN(new_id, NewSessionId());
+    ASSIGN_OR_RETURN(new_id, NewSessionId(options_.replica_name));
   }
   session->id = std::move(new_id);
   session->owner = std::string(owner);
@@ -592,7 +593,7 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t le
   }
   std::string id = LayerSessionId(group, p.layer);
   if (group.empty()) {
-    ASSIGN_OR_RETURN(id, NewSessionId());
+    ASSIGN_OR_RETURN(id, NewSessionId(options_.replica_name));
   }
   // Pages the child's rows fill are shared; a partial last one is copied; 0 rows get a fresh page.
   const int64_t full = length / p.page_rows;
@@ -615,7 +616,7 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t le
           devices_[p.device].name, "; drop idle sessions or wait for them to expire"));
     }
     while (group.empty() && sessions_.contains(id)) {
-      ASSIGN_OR_RETURN(id, NewSessionId());
+      ASSIGN_OR_RETURN(id, NewSessionId(options_.replica_name));
     }
     child->id = std::move(id);
     child->group = group.empty() ? child->id : std::string(group);

@@ -89,6 +89,8 @@ struct PrefixLookup {
 struct SessionStoreOptions {
   // Idle time after which a session expires.
   absl::Duration ttl = absl::Seconds(600);
+  // The server's --replica_name (empty: none), the prefix of every id the store makes.
+  std::string replica_name;
   // The time now; tests pass a fake clock.
   std::function<absl::Time()> clock = [] { return absl::Now(); };
   // How the store reports, called with its lock held (main.cc points them at the metrics, so
@@ -333,8 +335,11 @@ struct SessionStore::Session {
   int64_t prefix_rows = 0;
 };
 
-// 32 lower-case hex digits from 128 bits of the kernel's CSPRNG (getrandom).
-absl::StatusOr<std::string> NewSessionId();
+// 32 lower-case hex digits from 128 bits of the kernel's CSPRNG (getrandom), after
+// `replica_name` and a '.' when the server has one (--replica_name): the id names its owner, so a
+// router in front of several replicas sends the session's calls to it (the clients send the part
+// before the first '.' as the attention-session-owner header).
+absl::StatusOr<std::string> NewSessionId(absl::string_view replica_name);
 
 // The store's id of layer `layer` of session `id` (layer 0: `id` itself). Callers never send
 // these: a session id with a '/' names no session of theirs.

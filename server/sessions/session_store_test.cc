@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/paged_kv_pool.h"
@@ -95,10 +96,12 @@ struct Rows {
 
 class SessionStoreTest : public ::testing::Test {
  protected:
-  void Make(std::vector<int64_t> pages, absl::Duration ttl = absl::Seconds(60)) {
+  void Make(std::vector<int64_t> pages, absl::Duration ttl = absl::Seconds(60),
+            std::string replica_name = "") {
     store_ = std::make_unique<SessionStore>(
         pools_.Devices(std::move(pages)),
-        SessionStoreOptions{.ttl = ttl, .clock = [this] { return clock_.Now(); }});
+        SessionStoreOptions{
+            .ttl = ttl, .replica_name = replica_name, .clock = [this] { return clock_.Now(); }});
   }
   // Creates a session of `owner` holding `rows` rows; returns its id.
   std::string CreateWith(const std::string& owner, int64_t rows) {
@@ -155,13 +158,36 @@ class SessionStoreTest : public ::testing::Test {
 TEST(SessionIdTest, Is32HexDigitsAndFresh) {
   std::set<std::string> ids;
   for (int i = 0; i < 100; ++i) {
-    absl::StatusOr<std::string> id = NewSessionId();
+    absl::StatusOr<std::string> id = NewSessionId("");
     ASSERT_TRUE(id.ok()) << id.status();
     ASSERT_EQ(id->size(), 32u);
     for (char c : *id) EXPECT_TRUE(absl::ascii_isxdigit(c)) << *id;
     ids.insert(*id);
   }
   EXPECT_EQ(ids.size(), 100u);
+}
+
+TEST(SessionIdTest, StartsWithTheReplicaName) {
+  absl::StatusOr<std::string> id = NewSessionId("r-7");
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_EQ(id->size(), 4u + 32u) << *id;
+  EXPECT_EQ(id->substr(0, 4), "r-7.");
+  for (char c : id->substr(4)) EXPECT_TRUE(absl::ascii_isxdigit(c)) << *id;
+}
+
+// Every id the store makes names the replica: a created session's, its fork's, an import's
+// (Create with no id); an id given (an Import keeping an exported id) is kept as it came.
+TEST_F(SessionStoreTest, IdsItMakesNameTheReplica) {
+  SCOPED_TRACE(seed_);
+  Make({10}, absl::Seconds(60), "r2");
+  const std::string id = CreateWith("", 3);
+  EXPECT_TRUE(absl::StartsWith(id, "r2.")) << id;
+  const std::string child = ForkOf("", id, 2);
+  EXPECT_TRUE(absl::StartsWith(child, "r2.")) << child;
+  const std::string kept = "r1.0123456789abcdef0123456789abcdef";
+  absl::StatusOr<SessionStore::Lease> imported = store_->Create("", kShape, 0, 0, 1, kept);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_EQ(imported->id(), kept);
 }
 
 TEST_F(SessionStoreTest, AllocatesPagesForRowsAndAtLeastOne) {
