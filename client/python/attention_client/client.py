@@ -349,7 +349,9 @@ class Client:
         # channel (one server).
         self._shm_stub = pb_grpc.SharedMemoryStub(self._sessions_channel or self._channel)
         self._regions = []
-        self._step_stream = None  # opened by the first session.step(..., stream=True)
+        # Opened by the first session.step(..., stream=True) of each session owner (its
+        # attention-session-owner header; "" for a server without --replica_name).
+        self._step_streams = {}
         self._step_ring = None  # opened by the first session.step(..., stream="ring")
         from attention_client.cuda_tensors import SegmentRegions
         # Registers nothing until used. Over several addresses "auto" is "off": the regions would
@@ -375,8 +377,8 @@ class Client:
 
     def close(self):
         self._cuda_segments.close()
-        if self._step_stream is not None:
-            self._step_stream.close()
+        for step_stream in self._step_streams.values():
+            step_stream.close()
         if self._step_ring is not None:
             self._step_ring.close()
         self._channel.close()

@@ -48,6 +48,38 @@ def _wire_dtype(dtype):
     return _DTYPE_NAMES[name]
 
 
+# The gRPC metadata key every call about an existing session carries (Step, AppendKv, Truncate,
+# Fork, Export, DropSession, Session.info's ListSessions): its owner, the part of the session id
+# before its first '.' (the server's --replica_name), so a router in front of several replicas
+# (deploy/README.md) sends the call to the replica holding the session.
+OWNER_HEADER = "attention-session-owner"
+
+
+def session_owner(session_id):
+    """The replica named by a session id: its part before the first '.' ("" for an id of a
+    server without --replica_name)."""
+    owner, dot, _ = session_id.partition(".")
+    return owner if dot else ""
+
+
+def _owner_metadata(client, metadata, session_ids):
+    """The metadata of a call about the sessions `session_ids` (metadata None: the client's):
+    with their one owner as the attention-session-owner header when their ids name one. A call
+    reaches one replica, so sessions of two owners are a ValueError naming both."""
+    owner, first = "", None
+    for session_id in session_ids:
+        this = session_owner(session_id)
+        if first is not None and this != owner:
+            raise ValueError(f"a Step's sessions must all have one owner ({OWNER_HEADER}): "
+                             f"session {first} is of {owner!r}, session {session_id} of "
+                             f"{this!r}")
+        owner, first = this, first or session_id
+    base = client.metadata if metadata is None else metadata
+    if not owner:
+        return base
+    return [*(base or ()), (OWNER_HEADER, owner)]
+
+
 class Session:
     """One session on the server. Use it as a context manager (dropped on exit) or call drop().
 
@@ -101,6 +133,10 @@ class Session:
         """A call's answer: `layer`'s (None: the only one's) rows are now `length`."""
         self.layer_lengths[layer or 0] = length
 
+    def _call_metadata(self):
+        """The metadata of a call about this session: its own (or the client's) with its owner."""
+        return _owner_metadata(self._client, self._metadata, [self._live_id()])
+
     def _live_id(self):
         if not self.id:
             raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION, "the session was dropped")
@@ -116,7 +152,7 @@ class Session:
         request = pb.AppendKvRequest(session_id=self._live_id(), layout=_LAYOUTS[self.layout],
                                      k=tk, v=tv, layer=layer, tokens=_token_ids(tokens))
         info = self._client._call(self._client._sessions_stub.AppendKv, request, timeout,
-                                  self._metadata)
+                                  self._call_metadata())
         self._set_info(info)
         return self.length
 
@@ -126,7 +162,7 @@ class Session:
         session's calls sent before it. Returns the new length."""
         request = pb.TruncateRequest(session_id=self._live_id(), length=length)
         info = self._client._call(self._client._sessions_stub.Truncate, request, timeout,
-                                  self._metadata)
+                                  self._call_metadata())
         self._set_info(info)
         return self.length
 
@@ -138,7 +174,7 @@ class Session:
         session's calls sent before it. Use the child as a context manager too, or drop() it."""
         request = pb.ForkRequest(session_id=self._live_id(), length=length)
         info = self._client._call(self._client._sessions_stub.Fork, request, timeout,
-                                  self._metadata)
+                                  self._call_metadata())
         return Session(self._client, info, self.layout, self._bfloat16_bits, self._metadata)
 
     def step(self, q, k=None, v=None, *, causal=False, softmax_scale=None, window_left=None,
@@ -174,17 +210,8 @@ class Session:
         Client.import_session of another server (a replica handing its sessions to a peer), or
         keep the chunks. Raises AttentionError (NOT_FOUND for another caller's or an unknown
         session)."""
-        request = pb.ExportRequest(session_id=self._live_id(), chunk_rows=chunk_rows)
-        client = self._client
-        stream = client._sessions_stub.Export(
-            request, timeout=client.timeout if timeout is None else timeout,
-            metadata=client.metadata if self._metadata is None else self._metadata)
-        try:
-            yield from stream
-        except grpc.RpcError as e:
-            raise AttentionError(e.code(), e.details()) from None
-        finally:
-            stream.cancel()  # an abandoned iterator ends the server's export (a no-op once done)
+        return export_session(self._client, self._live_id(), chunk_rows=chunk_rows,
+                              timeout=timeout, metadata=self._metadata)
 
     def move_to(self, other, *, chunk_rows=0, timeout=None, metadata=None):
         """Moves the session to the server of Client `other` under the same id: exported from
@@ -199,16 +226,18 @@ class Session:
     def drop(self, *, timeout=None):
         """Frees the session's K/V on the server; the object holds no session afterwards."""
         request = pb.DropSessionRequest(session_id=self._live_id())
+        metadata = self._call_metadata()
         self.id = ""
         self._client._batch_ids.clear()  # packed Steps' kept ids (_session_ids) may hold it
-        self._client._call(self._client._sessions_stub.DropSession, request, timeout,
-                           self._metadata)
+        self._client._call(self._client._sessions_stub.DropSession, request, timeout, metadata)
 
     def info(self, *, timeout=None):
         """The server's SessionInfo (length, pages, resident_bytes, idle_s, expires_in_s, device);
         raises AttentionError NOT_FOUND when the session is gone."""
         session_id = self._live_id()
-        for info in list_sessions(self._client, timeout=timeout, metadata=self._metadata).sessions:
+        # ListSessions with the owner's header: a router sends it to the replica holding it.
+        for info in list_sessions(self._client, timeout=timeout,
+                                  metadata=self._call_metadata()).sessions:
             if info.session_id == session_id:
                 self._set_info(info)
                 return info
@@ -258,6 +287,21 @@ def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, 
         request.v_head_dim = v_head_dim
     info = client._call(client._sessions_stub.CreateSession, request, timeout, metadata)
     return Session(client, info, layout, bfloat16_bits, metadata)
+
+
+def export_session(client, session_id, *, chunk_rows=0, timeout=None, metadata=None):
+    """Sessions.Export of session `session_id` of the client's server (its owner's header added):
+    an iterator of pb.SessionChunk; see Session.export."""
+    request = pb.ExportRequest(session_id=session_id, chunk_rows=chunk_rows)
+    stream = client._sessions_stub.Export(
+        request, timeout=client.timeout if timeout is None else timeout,
+        metadata=_owner_metadata(client, metadata, [session_id]))
+    try:
+        yield from stream
+    except grpc.RpcError as e:
+        raise AttentionError(e.code(), e.details()) from None
+    finally:
+        stream.cancel()  # an abandoned iterator ends the server's export (a no-op once done)
 
 
 def import_session(client, chunks, *, session_id=None, layout="bhsd", bfloat16_bits=False,
@@ -313,6 +357,7 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
             entry.v.CopyFrom(_to_tensor(v, "v", session._bfloat16_bits)[0])
         kinds.append(kind)
         sessions.append(session)
+    metadata = _owner_metadata(client, metadata, [entry.session_id for entry in request.entries])
     response = _send_step(client, request, stream, timeout, metadata)
     if len(response.results) != len(sessions):
         raise AttentionError(grpc.StatusCode.DATA_LOSS, f"Step sent {len(sessions)} entries and "
@@ -370,12 +415,16 @@ def _send_step(client, request, stream, timeout, metadata):
     if stream == "ring":
         return _submit_step(client, request, metadata)()
     if stream:
-        if client._step_stream is None:
-            client._step_stream = StepStream(client, metadata)
+        # One stream per owner: a router sends a whole stream to the replica its header names.
+        owner = dict(metadata or ()).get(OWNER_HEADER, "")
+        step_stream = client._step_streams.get(owner)
+        if step_stream is None:
+            step_stream = client._step_streams[owner] = StepStream(client, metadata)
         try:
-            return client._step_stream.step(request)
+            return step_stream.step(request)
         except AttentionError:
-            client._step_stream = None  # a failed Step ends its stream; the next opens another
+            # A failed Step ends its stream; the next opens another.
+            client._step_streams.pop(owner, None)
             raise
     return client._call(client._sessions_stub.Step, request, timeout, metadata)
 
@@ -391,6 +440,7 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
         raise ValueError("k and v go together: give both or neither")
     if not sessions:
         raise ValueError("sessions: expected at least one session, got none")
+    metadata = _owner_metadata(client, metadata, _session_ids(client, sessions))
     ordered = (ready_event, done_event, ready_counter, done_counter)
     if (out is None and lse_out is None and all(x is None for x in ordered)
             and _is_torch(q) and getattr(q, "is_cuda", False) and client._cuda_segments.usable):
@@ -444,7 +494,7 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
                          "StepStream carries one Step at a time")
     call = client._sessions_stub.Step.future(
         request, timeout=client.timeout if timeout is None else timeout,
-        metadata=client.metadata if metadata is None else metadata)
+        metadata=metadata)
     future = concurrent.futures.Future()
 
     def done(call):
