@@ -2,10 +2,17 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
 namespace attention::client {
+
+absl::string_view SessionOwner(absl::string_view id) {
+  const size_t dot = id.find('.');
+  return dot == absl::string_view::npos ? absl::string_view() : id.substr(0, dot);
+}
+
 namespace {
 
 // The client's channel, unless it balances calls over several servers: a session lives on one.
@@ -127,7 +134,7 @@ absl::StatusOr<Session> Session::Fork(std::optional<int64_t> length, const CallO
   v1::ForkRequest request;
   request.set_session_id(id_);
   if (length) request.set_length(*length);
-  std::unique_ptr<grpc::ClientContext> context = client_->NewContext(call);
+  std::unique_ptr<grpc::ClientContext> context = client_->OwnerContext(SessionOwner(id_), call);
   v1::SessionInfo info;
   if (absl::Status status = ToAbslStatus(client_->stub().Fork(context.get(), request, &info));
       !status.ok()) {
@@ -142,7 +149,7 @@ absl::Status Session::Export(absl::FunctionRef<absl::Status(const v1::SessionChu
   v1::ExportRequest request;
   request.set_session_id(id_);
   request.set_chunk_rows(chunk_rows);
-  std::unique_ptr<grpc::ClientContext> context = client_->NewContext(call);
+  std::unique_ptr<grpc::ClientContext> context = client_->OwnerContext(SessionOwner(id_), call);
   std::unique_ptr<grpc::ClientReader<v1::SessionChunk>> reader =
       client_->stub().Export(context.get(), request);
   v1::SessionChunk chunk;
@@ -218,7 +225,7 @@ absl::Status Session::Update(grpc::Status (v1::Sessions::Stub::*rpc)(grpc::Clien
                                                                      const Request&,
                                                                      v1::SessionInfo*),
                              const Request& request, const CallOptions& call) {
-  std::unique_ptr<grpc::ClientContext> context = client_->NewContext(call);
+  std::unique_ptr<grpc::ClientContext> context = client_->OwnerContext(SessionOwner(id_), call);
   v1::SessionInfo info;
   absl::Status status = ToAbslStatus((client_->stub().*rpc)(context.get(), request, &info));
   if (status.ok()) SetInfo(info);
@@ -246,7 +253,7 @@ absl::Status Session::Drop(const CallOptions& call) {
 
 absl::StatusOr<v1::SessionInfo> Session::Info(const CallOptions& call) const {
   if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
-  absl::StatusOr<v1::ListSessionsResponse> list = client_->List(call);
+  absl::StatusOr<v1::ListSessionsResponse> list = client_->ListOn(SessionOwner(id_), call);
   if (!list.ok()) return list.status();
   for (const v1::SessionInfo& info : list->sessions()) {
     if (info.session_id() == id_) return info;
@@ -384,7 +391,9 @@ absl::StatusOr<StepBatchOutput> SessionClient::StepBatch(absl::Span<Session* con
                                                          const CallOptions& call) {
   absl::StatusOr<v1::StepRequest> request = MakeBatchRequest(sessions, q, options, tensors);
   if (!request.ok()) return request.status();
-  std::unique_ptr<grpc::ClientContext> context = NewContext(call);
+  absl::StatusOr<std::string> owner = StepOwner(*request);
+  if (!owner.ok()) return owner.status();
+  std::unique_ptr<grpc::ClientContext> context = OwnerContext(*owner, call);
   v1::StepResponse response;
   grpc::Status status = stub_->Step(context.get(), *request, &response);
   if (!status.ok()) return ToAbslStatus(status);
@@ -397,6 +406,8 @@ void SessionClient::StepBatchAsync(
     absl::AnyInvocable<void(absl::StatusOr<StepBatchOutput>) &&> done) {
   absl::StatusOr<v1::StepRequest> request = MakeBatchRequest(sessions, q, options, tensors);
   if (!request.ok()) return std::move(done)(request.status());
+  absl::StatusOr<std::string> owner = StepOwner(*request);
+  if (!owner.ok()) return std::move(done)(owner.status());
   // What the call needs until gRPC answers it, freed by the callback.
   struct Pending {
     std::unique_ptr<grpc::ClientContext> context;
@@ -406,7 +417,7 @@ void SessionClient::StepBatchAsync(
     std::optional<int32_t> layer;
     absl::AnyInvocable<void(absl::StatusOr<StepBatchOutput>) &&> done;
   };
-  auto* pending = new Pending{.context = NewContext(call),
+  auto* pending = new Pending{.context = OwnerContext(*owner, call),
                               .request = *std::move(request),
                               .sessions = {sessions.begin(), sessions.end()},
                               .layer = options.layer,
@@ -431,7 +442,9 @@ absl::StatusOr<std::vector<StepOutput>> SessionClient::StepMany(absl::Span<const
           absl::StrCat("session ", item.session->id(), " belongs to another SessionClient"));
     }
   }
-  std::unique_ptr<grpc::ClientContext> context = NewContext(call);
+  absl::StatusOr<std::string> owner = StepOwner(*request);
+  if (!owner.ok()) return owner.status();
+  std::unique_ptr<grpc::ClientContext> context = OwnerContext(*owner, call);
   v1::StepResponse response;
   grpc::Status status = stub_->Step(context.get(), *request, &response);
   if (!status.ok()) return ToAbslStatus(status);
@@ -455,11 +468,37 @@ absl::StatusOr<std::vector<StepOutput>> SessionClient::StepMany(absl::Span<const
 }
 
 absl::StatusOr<v1::ListSessionsResponse> SessionClient::List(const CallOptions& call) {
-  std::unique_ptr<grpc::ClientContext> context = NewContext(call);
+  return ListOn("", call);
+}
+
+absl::StatusOr<v1::ListSessionsResponse> SessionClient::ListOn(absl::string_view owner,
+                                                               const CallOptions& call) {
+  std::unique_ptr<grpc::ClientContext> context = OwnerContext(owner, call);
   v1::ListSessionsResponse response;
   grpc::Status status = stub_->ListSessions(context.get(), v1::ListSessionsRequest(), &response);
   if (!status.ok()) return ToAbslStatus(status);
   return response;
+}
+
+std::unique_ptr<grpc::ClientContext> SessionClient::OwnerContext(absl::string_view owner,
+                                                                 const CallOptions& call) const {
+  std::unique_ptr<grpc::ClientContext> context = NewContext(call);
+  if (!owner.empty()) context->AddMetadata(kSessionOwnerHeader, std::string(owner));
+  return context;
+}
+
+absl::StatusOr<std::string> SessionClient::StepOwner(const v1::StepRequest& request) {
+  std::vector<absl::string_view> ids(request.session_ids().begin(), request.session_ids().end());
+  for (const v1::StepEntry& entry : request.entries()) ids.push_back(entry.session_id());
+  for (absl::string_view id : ids) {
+    if (SessionOwner(id) != SessionOwner(ids.front())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a Step's sessions must all have one owner (", kSessionOwnerHeader,
+                       "): session ", ids.front(), " is of '", SessionOwner(ids.front()),
+                       "', session ", id, " of '", SessionOwner(id), "'"));
+    }
+  }
+  return ids.empty() ? std::string() : std::string(SessionOwner(ids.front()));
 }
 
 SessionImport SessionClient::StartImport(const ImportOptions& options, const CallOptions& call) {
@@ -475,7 +514,7 @@ SessionImport SessionClient::StartImport(const ImportOptions& options, const Cal
 absl::Status SessionClient::Drop(const std::string& session_id, const CallOptions& call) {
   v1::DropSessionRequest request;
   request.set_session_id(session_id);
-  std::unique_ptr<grpc::ClientContext> context = NewContext(call);
+  std::unique_ptr<grpc::ClientContext> context = OwnerContext(SessionOwner(session_id), call);
   v1::DropSessionResponse response;
   return ToAbslStatus(stub_->DropSession(context.get(), request, &response));
 }

@@ -12,10 +12,13 @@
 //   absl::StatusOr<Session> moved = s->MoveTo(peer_sessions);   // to another server, same id
 //
 // Every call carries the Client's deadline (or CallOptions') and bearer token over its channel
-// and credentials. Session calls are never retried (an append that reached the server before the
-// connection dropped would be applied twice). Sessions are a server-side cache: after a server
-// restart or --session_ttl_s idle seconds a session is gone and its calls get NOT_FOUND; the
-// caller re-creates it from its own copy of the sequence.
+// and credentials; every call about an existing session also carries its owner (the session id's
+// part before its first '.', a server's --replica_name) as the attention-session-owner header,
+// so a router in front of several replicas sends it to the replica holding the session
+// (deploy/README.md, "Routing sessions across replicas"). Session calls are never retried (an
+// append that reached the server before the connection dropped would be applied twice). Sessions
+// are a server-side cache: after a server restart or --session_ttl_s idle seconds a session is gone
+// and its calls get NOT_FOUND; the caller re-creates it from its own copy of the sequence.
 #pragma once
 
 #include <cstdint>
@@ -28,11 +31,19 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "client/attention_client.h"
 
 namespace attention::client {
+
+// The gRPC metadata key of a session's owner on every call about an existing session.
+inline constexpr char kSessionOwnerHeader[] = "attention-session-owner";
+
+// The replica that made session id `id`: its part before the first '.'; empty for an id of a
+// server without --replica_name.
+absl::string_view SessionOwner(absl::string_view id);
 
 // The shape of a session's K/V rows, fixed at creation.
 struct SessionSpec {
@@ -267,17 +278,18 @@ class SessionClient {
                                            absl::Span<const int64_t> prefix_tokens,
                                            const CallOptions& call = {});
 
-  // One Step RPC for several sessions of this client (each at most once), which the server runs
-  // as one launch where it can. Results come in the order of `items`; each session's length() is
+  // One Step RPC for several sessions of this client (each at most once, all of one owner:
+  // INVALID_ARGUMENT naming both owners otherwise), which the server runs as one launch where
+  // it can. Results come in the order of `items`; each session's length() is
   // updated.
   absl::StatusOr<std::vector<StepOutput>> StepMany(absl::Span<const StepItem> items,
                                                    const StepOptions& options = {},
                                                    const CallOptions& call = {});
 
   // One packed Step over a layer's batch: sessions[b] (each at most once, all of one dtype, Hkv
-  // and D) attends q[b] of q [B, Hq, Nq, D], after appending row b of tensors.k and tensors.v.
-  // One message and one tensor each for the whole batch; tensors given by reference (Tensor.ref)
-  // are not copied. Each session's length() is updated.
+  // and D, and of one owner) attends q[b] of q [B, Hq, Nq, D], after appending row b of tensors.k
+  // and tensors.v. One message and one tensor each for the whole batch; tensors given by reference
+  // (Tensor.ref) are not copied. Each session's length() is updated.
   absl::StatusOr<StepBatchOutput> StepBatch(absl::Span<Session* const> sessions,
                                             const v1::Tensor& q, const StepOptions& options = {},
                                             const StepBatchTensors& tensors = {},
@@ -298,7 +310,8 @@ class SessionClient {
   // they are written (Sessions.Import).
   SessionImport StartImport(const ImportOptions& options = {}, const CallOptions& call = {});
 
-  // Drops a session by id (one released from a Session, or left by another process).
+  // Drops a session by id (one released from a Session, or left by another process), sent to
+  // its owner.
   absl::Status Drop(const std::string& session_id, const CallOptions& call = {});
 
   // The channel sessions calls use, and a stub on it (for callers driving the RPCs themselves,
@@ -312,6 +325,15 @@ class SessionClient {
  private:
   friend class Session;
   friend class SessionImport;
+  // A context for a call about sessions of owner `owner` (SessionOwner of their ids): with the
+  // attention-session-owner header unless `owner` is empty.
+  std::unique_ptr<grpc::ClientContext> OwnerContext(absl::string_view owner,
+                                                    const CallOptions& call) const;
+  // The one owner of a Step's sessions (its entries' or packed session_ids); INVALID_ARGUMENT
+  // naming two sessions of different owners.
+  static absl::StatusOr<std::string> StepOwner(const v1::StepRequest& request);
+  // ListSessions, sent to `owner` (Session::Info; empty: anywhere).
+  absl::StatusOr<v1::ListSessionsResponse> ListOn(absl::string_view owner, const CallOptions& call);
   // CreateSession with every optional field: first rows and their tokens, or a prefix.
   absl::StatusOr<Session> CreateSession(const SessionSpec& spec, const v1::Tensor* k,
                                         const v1::Tensor* v, absl::Span<const int64_t> tokens,

@@ -16,12 +16,28 @@
 // other one is NOT_FOUND. The test finds each session on exactly one replica through each
 // replica's own ListSessions, and checks every Step through the round-robin client against the
 // float64 reference.
+//
+// Sessions through a router: two replicas (--replica_name r1 and r2) behind a real HAProxy
+// (Debian's haproxy on PATH; the test skips without it), configured by
+// deploy/haproxy/haproxy_routing.py config. Session ids name their replica; the C++ client's calls
+// about a session (Append, Step, Truncate, Fork, Export, Info, Drop, StepMany, StepBatch) carry its
+// owner in the attention-session-owner header, so through the proxy, which spreads everything else
+// (CreateSession) leastconn over both, each reaches the replica holding the session: all succeed
+// and every Step matches the float64 reference. A Step over sessions of both owners is refused
+// INVALID_ARGUMENT naming both.
+#include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -33,6 +49,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -449,6 +466,216 @@ TEST(RoundRobinSessionsTest, RoundRobinClientKeepsSessionsOnOneServer) {
   created.clear();  // drops the sessions
   balanced.reset();
   direct.clear();
+  for (auto& server : servers) EXPECT_TRUE(server->Stop().ok()) << server->Log();
+}
+
+// A free TCP port on loopback (bound and released: the proxy binds it next).
+absl::StatusOr<int> FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return absl::InternalError("socket failed");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  close(fd);
+  if (!ok) return absl::InternalError("bind to 127.0.0.1:0 failed");
+  return ntohs(address.sin_port);
+}
+
+// HAProxy in the foreground in front of `replicas` (name, "host:port"), its config rendered by
+// deploy/haproxy/haproxy_routing.py into a temporary directory; stopped (SIGTERM) on destruction.
+class Haproxy {
+ public:
+  static absl::StatusOr<std::unique_ptr<Haproxy>> Start(
+      const std::vector<std::pair<std::string, std::string>>& replicas) {
+    char dir_template[] = "/tmp/owner_routing_XXXXXX";
+    if (mkdtemp(dir_template) == nullptr) return absl::InternalError("mkdtemp failed");
+    const std::string dir = dir_template;
+    absl::StatusOr<int> port = FreePort();
+    if (!port.ok()) return port.status();
+    std::string render = absl::StrCat(ATTENTION_PYTHON3, " ", HAPROXY_ROUTING_SCRIPT, " config",
+                                      " --bind 127.0.0.1:", *port, " --admin_socket ", dir,
+                                      "/admin.sock --dir ", dir);
+    for (const auto& [name, target] : replicas)
+      absl::StrAppend(&render, " --replica ", name, "=", target);
+    if (std::system(render.c_str()) != 0) return absl::InternalError("failed: " + render);
+    const std::string config = dir + "/haproxy.cfg";
+    const std::string log = dir + "/haproxy.log";
+    const pid_t pid = fork();
+    if (pid < 0) return absl::InternalError("fork failed");
+    if (pid == 0) {
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, STDOUT_FILENO);
+      dup2(fd, STDERR_FILENO);
+      execlp("haproxy", "haproxy", "-db", "-f", config.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    auto proxy = std::unique_ptr<Haproxy>(new Haproxy(pid, dir, *port));
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (!proxy->Listening()) {
+      if (waitpid(pid, nullptr, WNOHANG) == pid || absl::Now() > deadline) {
+        proxy->pid_ = 0;
+        return absl::InternalError("haproxy did not start; see " + log);
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return proxy;
+  }
+
+  ~Haproxy() {
+    if (pid_ > 0) {
+      kill(pid_, SIGTERM);
+      waitpid(pid_, nullptr, 0);
+    }
+    std::filesystem::remove_all(dir_);
+  }
+
+  std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
+
+ private:
+  Haproxy(pid_t pid, std::string dir, int port) : pid_(pid), dir_(std::move(dir)), port_(port) {}
+
+  bool Listening() const {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    address.sin_port = htons(port_);
+    const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+    close(fd);
+    return ok;
+  }
+
+  pid_t pid_;
+  std::string dir_;
+  int port_;
+};
+
+TEST(OwnerRoutingTest, SessionCallsThroughHaproxyReachTheirOwner) {
+  if (std::system("command -v haproxy > /dev/null") != 0) {
+    GTEST_SKIP() << "haproxy is not on PATH (scripts/install_deps.sh test installs it)";
+  }
+  const uint64_t seed = e2e::FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<std::string> names = {"r1", "r2"};
+  constexpr int kSessions = 6;
+  constexpr int kSteps = 3;
+  constexpr int64_t kHeadsQ = 4;
+  const client::SessionSpec spec{
+      .dtype = v1::DTYPE_FLOAT32, .kv_heads = 2, .head_dim = 16, .layout = v1::LAYOUT_BSHD};
+
+  std::vector<std::unique_ptr<ServerProcess>> servers;
+  std::vector<std::pair<std::string, std::string>> replicas;
+  for (const std::string& name : names) {
+    absl::StatusOr<std::unique_ptr<ServerProcess>> server =
+        ServerProcess::Start({.flags = {"--backend=cpu", "--threads=1", "--replica_name=" + name}});
+    ASSERT_TRUE(server.ok()) << server.status();
+    replicas.emplace_back(name, (*server)->target());
+    servers.push_back(*std::move(server));
+  }
+  for (size_t i = 0; i < names.size(); ++i) {
+    client::Client direct({.target = servers[i]->target(), .deadline = absl::Seconds(20)});
+    absl::StatusOr<v1::ServerInfo> info = direct.GetServerInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->replica_name(), names[i]);
+  }
+  absl::StatusOr<std::unique_ptr<Haproxy>> proxy = Haproxy::Start(replicas);
+  ASSERT_TRUE(proxy.ok()) << proxy.status();
+  auto through = std::make_unique<client::Client>(
+      client::ClientOptions{.target = (*proxy)->target(), .deadline = absl::Seconds(20)});
+  client::SessionClient sessions(*through);
+
+  // Created through the proxy: on both replicas, each id its replica's name, a '.', 32 hex digits.
+  std::vector<client::Session> created;
+  std::vector<SessionRows> rows(kSessions);
+  std::set<std::string> owners;
+  for (int s = 0; s < kSessions; ++s) {
+    const int64_t n = 1 + static_cast<int64_t>(rng() % 20);
+    auto [k, v] = GrowRows(rows[s], spec, n, {n, spec.kv_heads, spec.head_dim}, rng);
+    absl::StatusOr<client::Session> session = sessions.Create(spec, &k, &v);
+    ASSERT_TRUE(session.ok()) << session.status();
+    const std::string owner(client::SessionOwner(session->id()));
+    EXPECT_NE(std::find(names.begin(), names.end(), owner), names.end()) << session->id();
+    EXPECT_EQ(session->id().size(), owner.size() + 1 + 32) << session->id();
+    owners.insert(owner);
+    created.push_back(*std::move(session));
+  }
+  ASSERT_EQ(owners.size(), names.size()) << "leastconn put every session on one replica";
+
+  // Every call about a session reaches its owner: Append, Steps, Truncate, Info, Fork, Export.
+  for (int step = 0; step < kSteps; ++step) {
+    for (int s = 0; s < kSessions; ++s) {
+      SCOPED_TRACE(absl::StrCat("step ", step, " of session ", created[s].id()));
+      auto [k1, v1] = GrowRows(rows[s], spec, 2, {2, spec.kv_heads, spec.head_dim}, rng);
+      ASSERT_EQ(created[s].Append(k1, v1), absl::OkStatus());
+      const std::vector<float> q = client::RandomNormal(kHeadsQ * spec.head_dim, rng);
+      auto [k, v] = GrowRows(rows[s], spec, 1, {spec.kv_heads, 1, spec.head_dim}, rng);
+      absl::StatusOr<client::StepOutput> out = created[s].Step(
+          client::MakeTensor(spec.dtype, {kHeadsQ, 1, spec.head_dim}, q), {.causal = true}, &k, &v);
+      ASSERT_TRUE(out.ok()) << out.status();
+      EXPECT_EQ(out->length, rows[s].length(spec));
+      EXPECT_TRUE(CheckStepOutput(spec, rows[s], q, kHeadsQ, out->o).ok())
+          << CheckStepOutput(spec, rows[s], q, kHeadsQ, out->o);
+    }
+  }
+  for (int s = 0; s < kSessions; ++s) {
+    SCOPED_TRACE(created[s].id());
+    const int64_t kept = rows[s].length(spec) - 1;
+    ASSERT_EQ(created[s].Truncate(kept), absl::OkStatus());
+    rows[s].k.resize(kept * spec.kv_heads * spec.head_dim);
+    rows[s].v.resize(kept * spec.kv_heads * spec.head_dim);
+    absl::StatusOr<v1::SessionInfo> info = created[s].Info();
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->length(), kept);
+    absl::StatusOr<client::Session> child = created[s].Fork();
+    ASSERT_TRUE(child.ok()) << child.status();
+    EXPECT_EQ(client::SessionOwner(child->id()), client::SessionOwner(created[s].id()));
+    const std::vector<float> q = client::RandomNormal(kHeadsQ * spec.head_dim, rng);
+    absl::StatusOr<client::StepOutput> out =
+        child->Step(client::MakeTensor(spec.dtype, {kHeadsQ, 1, spec.head_dim}, q));
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(child->Drop(), absl::OkStatus());
+    int chunks = 0;
+    EXPECT_EQ(created[s].Export([&chunks](const v1::SessionChunk&) {
+      ++chunks;
+      return absl::OkStatus();
+    }),
+              absl::OkStatus());
+    EXPECT_GE(chunks, 2);
+  }
+
+  // A Step reaches one replica: sessions of two owners are refused before anything is sent.
+  const auto other = std::find_if(created.begin(), created.end(), [&](const client::Session& s) {
+    return client::SessionOwner(s.id()) != client::SessionOwner(created[0].id());
+  });
+  ASSERT_NE(other, created.end());
+  const v1::Tensor q = client::MakeTensor(spec.dtype, {kHeadsQ, 1, spec.head_dim},
+                                          std::vector<float>(kHeadsQ * spec.head_dim, 1));
+  const client::StepItem items[] = {{&created[0], &q}, {&*other, &q}};
+  absl::StatusOr<std::vector<client::StepOutput>> mixed = sessions.StepMany(items);
+  EXPECT_EQ(mixed.status().code(), absl::StatusCode::kInvalidArgument) << mixed.status();
+  for (const client::Session* session : {&created[0], &*other}) {
+    const std::string owner(client::SessionOwner(session->id()));
+    EXPECT_TRUE(absl::StrContains(mixed.status().message(), "'" + owner + "'")) << mixed.status();
+  }
+  client::Session* const batch[] = {&created[0], &*other};
+  const v1::Tensor packed = client::MakeTensor(spec.dtype, {2, kHeadsQ, 1, spec.head_dim},
+                                               std::vector<float>(2 * kHeadsQ * spec.head_dim, 1));
+  EXPECT_EQ(sessions.StepBatch(batch, packed).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Dropped through the proxy, each on its owner: nothing is left on either replica.
+  for (client::Session& session : created) EXPECT_EQ(session.Drop(), absl::OkStatus());
+  for (const auto& server : servers) {
+    client::Client direct({.target = server->target(), .deadline = absl::Seconds(20)});
+    absl::StatusOr<v1::ListSessionsResponse> list = client::SessionClient(direct).List();
+    ASSERT_TRUE(list.ok()) << list.status();
+    EXPECT_EQ(list->sessions_size(), 0);
+  }
+  through.reset();
+  proxy->reset();
   for (auto& server : servers) EXPECT_TRUE(server->Stop().ok()) << server->Log();
 }
 
