@@ -222,8 +222,9 @@ struct StepItem {
 
 // How an import makes its session.
 struct ImportOptions {
-  // The new session's id (32 lower-case hex digits; "" : one the server makes); absent: the
-  // header's (an export's: the exported session's).
+  // The new session's id (an id a server made: 32 lower-case hex digits, after a replica name and
+  // a '.' where that server had --replica_name; "" : one the server makes, of its replica name);
+  // absent: the header's (an export's: the exported session's).
   std::optional<std::string> session_id;
   v1::Layout layout = v1::LAYOUT_BHSD;  // the Session's SessionSpec.layout
 };

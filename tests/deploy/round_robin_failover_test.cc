@@ -343,6 +343,22 @@ absl::Status CheckStepOutput(const client::SessionSpec& spec, const SessionRows&
   return absl::OkStatus();
 }
 
+// One decode step of `session`: a new random row (kept in `rows`) appended and a random query of
+// `heads_q` heads, its o checked against the reference over the session's rows.
+absl::Status StepChecked(client::Session& session, SessionRows& rows,
+                         const client::SessionSpec& spec, int64_t heads_q, std::mt19937_64& rng) {
+  const std::vector<float> q = client::RandomNormal(heads_q * spec.head_dim, rng);
+  auto [k, v] = GrowRows(rows, spec, 1, {spec.kv_heads, 1, spec.head_dim}, rng);
+  absl::StatusOr<client::StepOutput> out = session.Step(
+      client::MakeTensor(spec.dtype, {heads_q, 1, spec.head_dim}, q), {.causal = true}, &k, &v);
+  if (!out.ok()) return out.status();
+  if (out->length != rows.length(spec)) {
+    return absl::InternalError(
+        absl::StrCat("the step answered length ", out->length, ", expected ", rows.length(spec)));
+  }
+  return CheckStepOutput(spec, rows, q, heads_q, out->o);
+}
+
 TEST(RoundRobinSessionsTest, RoundRobinClientKeepsSessionsOnOneServer) {
   const uint64_t seed = e2e::FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
@@ -428,14 +444,7 @@ TEST(RoundRobinSessionsTest, RoundRobinClientKeepsSessionsOnOneServer) {
     std::shuffle(order.begin(), order.end(), rng);
     for (int s : order) {
       SCOPED_TRACE(absl::StrCat("step ", step, " of session ", s));
-      const std::vector<float> q = client::RandomNormal(kHeadsQ * spec.head_dim, rng);
-      auto [k, v] = GrowRows(rows[s], spec, 1, {spec.kv_heads, 1, spec.head_dim}, rng);
-      absl::StatusOr<client::StepOutput> out = created[s].Step(
-          client::MakeTensor(spec.dtype, {kHeadsQ, 1, spec.head_dim}, q), {.causal = true}, &k, &v);
-      ASSERT_TRUE(out.ok()) << out.status();
-      EXPECT_EQ(out->length, rows[s].length(spec));
-      EXPECT_TRUE(CheckStepOutput(spec, rows[s], q, kHeadsQ, out->o).ok())
-          << CheckStepOutput(spec, rows[s], q, kHeadsQ, out->o);
+      EXPECT_EQ(StepChecked(created[s], rows[s], spec, kHeadsQ, rng), absl::OkStatus());
     }
   }
 
@@ -611,14 +620,7 @@ TEST(OwnerRoutingTest, SessionCallsThroughHaproxyReachTheirOwner) {
       SCOPED_TRACE(absl::StrCat("step ", step, " of session ", created[s].id()));
       auto [k1, v1] = GrowRows(rows[s], spec, 2, {2, spec.kv_heads, spec.head_dim}, rng);
       ASSERT_EQ(created[s].Append(k1, v1), absl::OkStatus());
-      const std::vector<float> q = client::RandomNormal(kHeadsQ * spec.head_dim, rng);
-      auto [k, v] = GrowRows(rows[s], spec, 1, {spec.kv_heads, 1, spec.head_dim}, rng);
-      absl::StatusOr<client::StepOutput> out = created[s].Step(
-          client::MakeTensor(spec.dtype, {kHeadsQ, 1, spec.head_dim}, q), {.causal = true}, &k, &v);
-      ASSERT_TRUE(out.ok()) << out.status();
-      EXPECT_EQ(out->length, rows[s].length(spec));
-      EXPECT_TRUE(CheckStepOutput(spec, rows[s], q, kHeadsQ, out->o).ok())
-          << CheckStepOutput(spec, rows[s], q, kHeadsQ, out->o);
+      EXPECT_EQ(StepChecked(created[s], rows[s], spec, kHeadsQ, rng), absl::OkStatus());
     }
   }
   for (int s = 0; s < kSessions; ++s) {

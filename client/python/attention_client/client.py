@@ -640,8 +640,10 @@ class Client:
         """A new session of the caller's on this server holding exactly the rows of `chunks`
         (pb.SessionChunk messages: another server's Session.export(), or ones built by hand:
         the header first, then each layer's rows in order), sent as they come
-        (Sessions.Import). session_id: the new session's id (32 lower-case hex digits); None:
-        the header's (an export's: the exported session's), "": a new one the server makes. An
+        (Sessions.Import). session_id: the new session's id (an id a server made: 32 lower-case
+        hex digits, after a replica name and a '.' where that server had --replica_name); None:
+        the header's (an export's: the exported session's), "": a new one the server makes (of
+        this server's replica name). An
         id that exists raises AttentionError ALREADY_EXISTS; a stream that fails leaves nothing
         on the server. layout, bfloat16_bits: the Session's (as session())."""
         from attention_client.session import import_session
