@@ -227,6 +227,32 @@ TEST_F(CudaKvPoolStreamOrderTest, CountersOrderTheStepAndBoundTheWait) {
   cudaFree(counters);
 }
 
+// Stream order by the caller's events (StepMemory::ready, done) that complete in time, through
+// the pool's gates (a gate stream waits for the event and writes the counter the pool's stream
+// waits on): q written by the caller's stream just before its ready event is read by the step,
+// and done completes once o is written, bit for bit the host path's; every step's o buffer was
+// poisoned by the caller first. Steps one after another reuse the gates. (No stream is held here,
+// so compute-sanitizer, which serialises launches, runs this one; the late event's test below
+// holds a stream on purpose.)
+TEST_F(CudaKvPoolStreamOrderTest, ReadyEventsOrderTheStep) {
+  cudaEvent_t ready, done;
+  for (cudaEvent_t* e : {&ready, &done}) {
+    ASSERT_EQ(cudaEventCreateWithFlags(e, cudaEventDisableTiming), cudaSuccess);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const int out = i % 2;
+    ASSERT_EQ(cudaMemsetAsync(q_dev_, 0xff, kHeadDim * 4, side_), cudaSuccess);  // NaN
+    ASSERT_EQ(cudaMemsetAsync(o_dev_ + out * kHeadDim, 0xff, kHeadDim * 4, side_), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(q_dev_, q_.data(), kHeadDim * 4, cudaMemcpyHostToDevice, side_),
+              cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(ready, side_), cudaSuccess);
+    ASSERT_EQ(Step({.ready = ready, .done = done}, out), absl::OkStatus());
+    ASSERT_EQ(cudaEventSynchronize(done), cudaSuccess);
+    EXPECT_EQ(DeviceO(out), host_o_) << "step " << i;
+  }
+  for (cudaEvent_t e : {ready, done}) cudaEventDestroy(e);
+}
+
 // Stream order by the caller's events (StepMemory::ready, done), bounded as counters are. A step
 // whose ready event is recorded behind a counter wait the test holds (it completes only when the
 // test says) still runs once the pool's stream_wait_timeout passed, and a step queued behind it
