@@ -77,6 +77,12 @@ absl::Status CounterWaits::Wait(cudaStream_t stream, uint64_t* counter, uint64_t
 absl::Status CounterWaits::WaitEvent(cudaStream_t stream, cudaEvent_t event) {
   std::lock_guard<std::mutex> lock(mu_);
   RETURN_IF_ERROR(book_.Admit(Kind::kEvent, event));
+  // An event complete already needs no wait, so no gate: the common case in a decode loop, where
+  // the caller's kernels before its record finished while its Step was on the way. (Its last
+  // record is what a wait would wait for; the caller records again only for a later Step.)
+  if (const cudaError_t query = cudaEventQuery(event); query != cudaErrorNotReady) {
+    return CudaStatus(query, "query the caller's ready_event");
+  }
   int g;
   RETURN_IF_ERROR(TakeGateLocked(&g));
   Gate& gate = gates_[g];

@@ -46,7 +46,7 @@ class CounterWaits {
   // Queues on `stream` the wait until *counter >= value (stream_counters.h), watched.
   absl::Status Wait(cudaStream_t stream, uint64_t* counter, uint64_t value);
   // Queues on `stream` the wait for the caller's `event` (its last record), through a gate,
-  // watched.
+  // watched; nothing when the event completed already.
   absl::Status WaitEvent(cudaStream_t stream, cudaEvent_t event);
 
  private:
