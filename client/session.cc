@@ -142,11 +142,11 @@ absl::StatusOr<Session> Session::Fork(std::optional<int64_t> length, const CallO
   request.set_session_id(id_);
   if (length) request.set_length(*length);
   v1::SessionInfo info;
-  if (absl::Status status = ToAbslStatus(client_->OwnerCall(
-          SessionOwner(id_), call,
-          [&](grpc::ClientContext* context) {
-            return client_->stub().Fork(context, request, &info);
-          }));
+  if (absl::Status status = ToAbslStatus(client_->OwnerCall(SessionOwner(id_), call,
+                                                            [&](grpc::ClientContext* context) {
+                                                              return client_->stub().Fork(
+                                                                  context, request, &info);
+                                                            }));
       !status.ok()) {
     return status;
   }

@@ -448,8 +448,7 @@ void SessionService::SubmitSessionWork(
   if (!place.ok()) return std::move(finish)(place.status());
   std::vector<std::string> ids = LayerIds(id, *place);
   auto run = [this, owner, ids, access, work = std::move(work)]() mutable -> absl::Status {
-    ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases,
-                     store_->Acquire(owner, ids, access));
+    ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases, store_->Acquire(owner, ids, access));
     return std::move(work)(leases);
   };
   SubmitDeviceWork(call, place->device, std::move(ids), std::move(run), std::move(finish));
