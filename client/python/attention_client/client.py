@@ -399,9 +399,10 @@ class Client:
             return grpc.insecure_channel(self._target, options=opts)
         return grpc.secure_channel(self._target, self._credentials, options=opts)
 
-    def _call(self, method, request, timeout, metadata):
-        """A unary call (a sealed session's refusal retried: retry_sealed)."""
+    def _call(self, method, request, timeout, metadata, retry=True):
+        """A unary call; with retry, a sealed session's refusal is retried (retry_sealed)."""
         metadata = self.metadata if metadata is None else metadata
+        timeout = self.timeout if timeout is None else timeout
 
         def send(seconds_left):
             try:
@@ -409,7 +410,7 @@ class Client:
             except grpc.RpcError as e:
                 raise AttentionError(e.code(), e.details()) from None
 
-        return retry_sealed(send, self.timeout if timeout is None else timeout)
+        return retry_sealed(send, timeout) if retry else send(timeout)
 
     def close(self):
         self._cuda_segments.close()

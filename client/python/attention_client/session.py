@@ -415,9 +415,10 @@ def _submit_step(client, request, metadata, on_error=None):
     return response
 
 
-def _send_step(client, request, stream, timeout, metadata):
+def _send_step(client, request, stream, timeout, metadata, retry=True):
     """One StepRequest to the server, unary (stream False), over the client's one StepStream
-    (True) or through its one request ring ("ring"); returns the StepResponse."""
+    (True) or through its one request ring ("ring"); returns the StepResponse. retry: a sealed
+    session's refusal is retried (retry_sealed; never on the ring)."""
     if stream == "ring":
         return _submit_step(client, request, metadata)()
     if stream:
@@ -435,8 +436,9 @@ def _send_step(client, request, stream, timeout, metadata):
                 client._step_streams.pop(owner, None)
                 raise
 
-        return retry_sealed(send, client.timeout if timeout is None else timeout)
-    return client._call(client._sessions_stub.Step, request, timeout, metadata)
+        timeout = client.timeout if timeout is None else timeout
+        return retry_sealed(send, timeout) if retry else send(timeout)
+    return client._call(client._sessions_stub.Step, request, timeout, metadata, retry)
 
 
 def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
