@@ -4,13 +4,20 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace attention::client {
 
 absl::string_view SessionOwner(absl::string_view id) {
   const size_t dot = id.find('.');
   return dot == absl::string_view::npos ? absl::string_view() : id.substr(0, dot);
+}
+
+bool IsSealed(const grpc::Status& status) {
+  return status.error_code() == grpc::StatusCode::UNAVAILABLE &&
+         absl::StrContains(status.error_message(), kSealedMarker);
 }
 
 namespace {
@@ -134,9 +141,12 @@ absl::StatusOr<Session> Session::Fork(std::optional<int64_t> length, const CallO
   v1::ForkRequest request;
   request.set_session_id(id_);
   if (length) request.set_length(*length);
-  std::unique_ptr<grpc::ClientContext> context = client_->OwnerContext(SessionOwner(id_), call);
   v1::SessionInfo info;
-  if (absl::Status status = ToAbslStatus(client_->stub().Fork(context.get(), request, &info));
+  if (absl::Status status = ToAbslStatus(client_->OwnerCall(SessionOwner(id_), call,
+                                                            [&](grpc::ClientContext* context) {
+                                                              return client_->stub().Fork(
+                                                                  context, request, &info);
+                                                            }));
       !status.ok()) {
     return status;
   }
@@ -144,11 +154,12 @@ absl::StatusOr<Session> Session::Fork(std::optional<int64_t> length, const CallO
 }
 
 absl::Status Session::Export(absl::FunctionRef<absl::Status(const v1::SessionChunk&)> each,
-                             int64_t chunk_rows, const CallOptions& call) const {
+                             int64_t chunk_rows, const CallOptions& call, bool seal) const {
   if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
   v1::ExportRequest request;
   request.set_session_id(id_);
   request.set_chunk_rows(chunk_rows);
+  request.set_seal(seal);
   std::unique_ptr<grpc::ClientContext> context = client_->OwnerContext(SessionOwner(id_), call);
   std::unique_ptr<grpc::ClientReader<v1::SessionChunk>> reader =
       client_->stub().Export(context.get(), request);
@@ -164,11 +175,11 @@ absl::Status Session::Export(absl::FunctionRef<absl::Status(const v1::SessionChu
 }
 
 absl::StatusOr<Session> Session::MoveTo(SessionClient& other, int64_t chunk_rows,
-                                        const CallOptions& call) {
+                                        const CallOptions& call, bool seal) {
   SessionImport import = other.StartImport({.layout = spec_.layout}, call);
   if (absl::Status status =
           Export([&import](const v1::SessionChunk& chunk) { return import.Write(chunk); },
-                 chunk_rows, call);
+                 chunk_rows, call, seal);
       !status.ok()) {
     return status;
   }
@@ -225,9 +236,11 @@ absl::Status Session::Update(grpc::Status (v1::Sessions::Stub::*rpc)(grpc::Clien
                                                                      const Request&,
                                                                      v1::SessionInfo*),
                              const Request& request, const CallOptions& call) {
-  std::unique_ptr<grpc::ClientContext> context = client_->OwnerContext(SessionOwner(id_), call);
   v1::SessionInfo info;
-  absl::Status status = ToAbslStatus((client_->stub().*rpc)(context.get(), request, &info));
+  absl::Status status =
+      ToAbslStatus(client_->OwnerCall(SessionOwner(id_), call, [&](grpc::ClientContext* context) {
+        return (client_->stub().*rpc)(context, request, &info);
+      }));
   if (status.ok()) SetInfo(info);
   return status;
 }
@@ -393,9 +406,10 @@ absl::StatusOr<StepBatchOutput> SessionClient::StepBatch(absl::Span<Session* con
   if (!request.ok()) return request.status();
   absl::StatusOr<std::string> owner = StepOwner(*request);
   if (!owner.ok()) return owner.status();
-  std::unique_ptr<grpc::ClientContext> context = OwnerContext(*owner, call);
   v1::StepResponse response;
-  grpc::Status status = stub_->Step(context.get(), *request, &response);
+  grpc::Status status = OwnerCall(*owner, call, [&](grpc::ClientContext* context) {
+    return stub_->Step(context, *request, &response);
+  });
   if (!status.ok()) return ToAbslStatus(status);
   return TakeBatchResponse(sessions, options.layer, response);
 }
@@ -444,9 +458,10 @@ absl::StatusOr<std::vector<StepOutput>> SessionClient::StepMany(absl::Span<const
   }
   absl::StatusOr<std::string> owner = StepOwner(*request);
   if (!owner.ok()) return owner.status();
-  std::unique_ptr<grpc::ClientContext> context = OwnerContext(*owner, call);
   v1::StepResponse response;
-  grpc::Status status = stub_->Step(context.get(), *request, &response);
+  grpc::Status status = OwnerCall(*owner, call, [&](grpc::ClientContext* context) {
+    return stub_->Step(context, *request, &response);
+  });
   if (!status.ok()) return ToAbslStatus(status);
   if (response.results_size() != static_cast<int>(items.size())) {
     return absl::DataLossError(absl::StrCat("Step sent ", items.size(), " entries and got ",
@@ -485,6 +500,24 @@ std::unique_ptr<grpc::ClientContext> SessionClient::OwnerContext(absl::string_vi
   std::unique_ptr<grpc::ClientContext> context = NewContext(call);
   if (!owner.empty()) context->AddMetadata(kSessionOwnerHeader, std::string(owner));
   return context;
+}
+
+grpc::Status SessionClient::OwnerCall(
+    absl::string_view owner, const CallOptions& call,
+    absl::FunctionRef<grpc::Status(grpc::ClientContext*)> rpc) const {
+  const absl::Duration timeout =
+      call.deadline > absl::ZeroDuration() ? call.deadline : client_.options().deadline;
+  const bool none = timeout == absl::InfiniteDuration();  // each try has none either
+  const absl::Time deadline = absl::Now() + (none ? absl::Seconds(30) : timeout);
+  absl::Duration wait = absl::Milliseconds(10);
+  while (true) {
+    const CallOptions left{
+        .deadline = none ? timeout : std::max(deadline - absl::Now(), absl::Milliseconds(1))};
+    grpc::Status status = rpc(OwnerContext(owner, left).get());
+    if (!IsSealed(status) || absl::Now() + wait > deadline) return status;
+    absl::SleepFor(wait);
+    wait = std::min(2 * wait, absl::Milliseconds(200));
+  }
 }
 
 absl::StatusOr<std::string> SessionClient::StepOwner(const v1::StepRequest& request) {

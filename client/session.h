@@ -45,6 +45,15 @@ inline constexpr char kSessionOwnerHeader[] = "attention-session-owner";
 // server without --replica_name.
 absl::string_view SessionOwner(absl::string_view id);
 
+// The start of the message of a call refused UNAVAILABLE because its session is sealed (an
+// Export moving it to another replica sealed it: v1::ExportRequest::seal, docs/API.md). Such a
+// call changed nothing; the session calls (AppendKv, Truncate, Fork, StepMany, StepBatch) send it
+// again, 10 ms doubling to 200 ms apart, until their deadline (30 s without one), as the router
+// sends it to the session's new owner once the drain switched it. No other UNAVAILABLE is retried
+// (a Step may have been applied); StepBatchAsync returns the refusal.
+inline constexpr absl::string_view kSealedMarker = "session sealed: ";
+bool IsSealed(const grpc::Status& status);
+
 // The shape of a session's K/V rows, fixed at creation.
 struct SessionSpec {
   v1::DType dtype = v1::DTYPE_FLOAT16;
@@ -155,13 +164,16 @@ class Session {
   // header first, then each layer's rows (k and v [Hkv, n, D], at most `chunk_rows` rows; 0: what
   // fits 4 MiB), one at a time as they arrive. A snapshot of the session when the export starts.
   // An error from `each` ends the export (the server lets its snapshot go) and is returned.
+  // `seal`: the server seals the session first (v1::ExportRequest::seal): its later changes there
+  // are refused (kSealedMarker), so no row lands there that the export lacks; it stays sealed.
   absl::Status Export(absl::FunctionRef<absl::Status(const v1::SessionChunk&)> each,
-                      int64_t chunk_rows = 0, const CallOptions& call = {}) const;
-  // Moves the session to `other`'s server under the same id: exported from here, imported there
-  // chunk by chunk, then dropped here (this object then holds no session). Returns the session
-  // there.
+                      int64_t chunk_rows = 0, const CallOptions& call = {},
+                      bool seal = false) const;
+  // Moves the session to `other`'s server under the same id: exported from here (sealed unless
+  // `seal` is false), imported there chunk by chunk, then dropped here (this object then holds no
+  // session). Returns the session there.
   absl::StatusOr<Session> MoveTo(SessionClient& other, int64_t chunk_rows = 0,
-                                 const CallOptions& call = {});
+                                 const CallOptions& call = {}, bool seal = true);
 
   // Frees the session's K/V on the server now; afterwards this object holds no session.
   absl::Status Drop(const CallOptions& call = {});
@@ -330,6 +342,9 @@ class SessionClient {
   // attention-session-owner header unless `owner` is empty.
   std::unique_ptr<grpc::ClientContext> OwnerContext(absl::string_view owner,
                                                     const CallOptions& call) const;
+  // rpc(context) with an OwnerContext, again while a session is sealed (kSealedMarker).
+  grpc::Status OwnerCall(absl::string_view owner, const CallOptions& call,
+                         absl::FunctionRef<grpc::Status(grpc::ClientContext*)> rpc) const;
   // The one owner of a Step's sessions (its entries' or packed session_ids); INVALID_ARGUMENT
   // naming two sessions of different owners.
   static absl::StatusOr<std::string> StepOwner(const v1::StepRequest& request);

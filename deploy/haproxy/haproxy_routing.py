@@ -12,8 +12,9 @@
 `config` renders haproxy.cfg.template (next to this file) for the replicas (each started with
 --replica_name NAME) into DIR/haproxy.cfg and DIR/owners.map (each replica's name -> its
 backend). `drain` takes replica `--owner` out of the pool new sessions go to, moves its sessions
-to `--target` under their ids (attention_client.replicas.drain), then points the owner's name at
-the target's backend (the runtime API's `set map`, and the map file, so a reload keeps it) before
+to `--target` under their ids, each sealed on the source by its export (so the source refuses
+their changes from then on, which the clients retry: attention_client.replicas.drain), then
+points the owner's name at the target's backend (the runtime API's `set map`, and the map file, so a reload keeps it) before
 it drops them on the source. See deploy/README.md, "Routing sessions across replicas".
 """
 import argparse

@@ -441,13 +441,14 @@ void SessionService::RunAppend(const CallContext& call, const std::string& owner
 
 void SessionService::SubmitSessionWork(
     const CallContext& call, const std::string& owner, const std::string& id,
-    absl::AnyInvocable<absl::Status(std::vector<SessionStore::Lease>&) &&> work, Finish finish) {
+    absl::AnyInvocable<absl::Status(std::vector<SessionStore::Lease>&) &&> work, Finish finish,
+    SessionStore::Access access) {
   if (id.empty()) return std::move(finish)(MissingSessionId());
   absl::StatusOr<SessionStore::Place> place = store_->Locate(owner, id);
   if (!place.ok()) return std::move(finish)(place.status());
   std::vector<std::string> ids = LayerIds(id, *place);
-  auto run = [this, owner, ids, work = std::move(work)]() mutable -> absl::Status {
-    ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases, store_->Acquire(owner, ids));
+  auto run = [this, owner, ids, access, work = std::move(work)]() mutable -> absl::Status {
+    ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases, store_->Acquire(owner, ids, access));
     return std::move(work)(leases);
   };
   SubmitDeviceWork(call, place->device, std::move(ids), std::move(run), std::move(finish));

@@ -182,10 +182,12 @@ class SessionService final : public SessionsRawService {
                         absl::AnyInvocable<absl::Status() &&> run, Finish finish);
   // Queues `work` as session `id`'s device work (so it runs after the session's calls queued
   // before it), run with a lease on each of its layers (one for a session of one layer):
-  // Truncate and Fork. Refuses an empty id, and NOT_FOUND as the store, before queueing.
+  // Truncate, Fork and Export (`access`: the store's refusal of a sealed session). Refuses an
+  // empty id, and NOT_FOUND as the store, before queueing.
   void SubmitSessionWork(
       const CallContext& call, const std::string& owner, const std::string& id,
-      absl::AnyInvocable<absl::Status(std::vector<SessionStore::Lease>&) &&> work, Finish finish);
+      absl::AnyInvocable<absl::Status(std::vector<SessionStore::Lease>&) &&> work, Finish finish,
+      SessionStore::Access access = SessionStore::Access::kChange);
 
   // The unary calls' work (Handlers).
   void RunCreate(const CallContext& call, const std::string& owner, const Arrival& arrival,

@@ -39,7 +39,8 @@ class SessionService::ExportReactor final : public grpc::ServerWriteReactor<grpc
               [this](absl::Status status) {
                 if (!status.ok()) return End(std::move(status));
                 Write(header_);
-              });
+              },
+              SessionStore::Access::kExport);
         },
         [this](absl::Status status) { Finish(ToGrpcStatus(status)); });
   }
@@ -60,13 +61,17 @@ class SessionService::ExportReactor final : public grpc::ServerWriteReactor<grpc
   void OnDone() override { delete this; }
 
  private:
-  // On the session's device, holding every layer: checks chunk_rows, forks the snapshot and
-  // fills the header.
+  // On the session's device, holding every layer: checks chunk_rows, seals the session when
+  // asked (before its rows are read, under the leases an append needs: no append lands after
+  // the snapshot), forks the snapshot and fills the header.
   absl::Status Snapshot(std::vector<SessionStore::Lease>& layers) {
     const SessionStore::Lease& first = layers.front();
     ASSIGN_OR_RETURN(const int64_t chunk_rows,
                      DecodeChunkRows(request_.chunk_rows(), first.shape(),
                                      service_->options_.max_message_bytes));
+    if (request_.seal()) {
+      for (SessionStore::Lease& layer : layers) service_->store_->Seal(layer);
+    }
     ASSIGN_OR_RETURN(SessionStore::Lease snapshot, service_->store_->ForkLayers(layers, {}));
     snapshot_id_ = snapshot.id();
     device_ = snapshot.device();

@@ -107,6 +107,13 @@ absl::Status SessionStore::NotFound(absl::string_view id) const {
                    " idle (sessions are also lost when the server restarts); create it again"));
 }
 
+absl::Status SealedError(absl::string_view id) {
+  return absl::UnavailableError(absl::StrCat(
+      kSealedMarker, "session ", Quote(id),
+      " was sealed by an Export for a move to another replica; retry: the router sends the call "
+      "to its new owner"));
+}
+
 absl::StatusOr<int> SessionStore::EmptiestDevice() {
   // Before the store's lock: a health check may probe the device.
   std::vector<bool> usable(devices_.size());
@@ -338,7 +345,7 @@ std::shared_ptr<SessionStore::Session> SessionStore::FindLocked(absl::string_vie
 }
 
 absl::StatusOr<std::vector<SessionStore::Lease>> SessionStore::Acquire(
-    absl::string_view owner, absl::Span<const std::string> ids) {
+    absl::string_view owner, absl::Span<const std::string> ids, Access access) {
   std::vector<std::shared_ptr<Session>> found;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -362,8 +369,16 @@ absl::StatusOr<std::vector<SessionStore::Lease>> SessionStore::Acquire(
   std::vector<Lease> leases;
   leases.reserve(found.size());
   for (auto& s : found) leases.emplace_back(this, std::move(s));
+  if (access == Access::kChange) {
+    for (const Lease& lease : leases) {
+      const Session& s = *lease.session_;
+      if (s.sealed) return SealedError(s.layers == 1 ? s.id : s.group);  // releases them all
+    }
+  }
   return leases;
 }
+
+void SessionStore::Seal(Lease& lease) { lease.session_->sealed = true; }
 
 absl::Status SessionStore::Reserve(absl::Span<Lease* const> leases,
                                    absl::Span<const int64_t> new_rows) {

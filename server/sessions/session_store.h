@@ -198,11 +198,23 @@ class SessionStore {
   };
   absl::StatusOr<Place> Locate(absl::string_view owner, absl::string_view id);
 
+  // What a call does with the sessions it holds: changes them or reads rows a new owner may get
+  // (kChange: AppendKv, Step, Truncate, Fork), refused on a sealed session; or exports them
+  // (kExport), which a sealed session still takes.
+  enum class Access { kChange, kExport };
+
   // Holds the sessions `ids` (distinct) of `owner`, in the order given; waits for calls that hold
   // any of them. NOT_FOUND names the first id that is unknown, expired, dropped or another
-  // owner's.
+  // owner's. With kChange, UNAVAILABLE (SealedError) when one of them is sealed (Seal), nothing
+  // held.
   absl::StatusOr<std::vector<Lease>> Acquire(absl::string_view owner,
-                                             absl::Span<const std::string> ids);
+                                             absl::Span<const std::string> ids,
+                                             Access access = Access::kChange);
+
+  // Seals the lease's session (one layer; an export seals each) for good: from now on Acquire
+  // with kChange refuses it. Held under its lease, so no call that changes it runs after the
+  // holder read its rows. A sealed session is about to move and be dropped: nothing unseals it.
+  void Seal(Lease& lease);
 
   // Reserves the pages for appending new_rows[i] rows to leases[i], all or nothing:
   // RESOURCE_EXHAUSTED (bytes needed, bytes free) when a device lacks the room. A page the first
@@ -321,6 +333,7 @@ struct SessionStore::Session {
   std::mutex call_mu;  // held by the call that holds a lease on it
   std::vector<int32_t> page_table;
   int64_t length = 0;
+  bool sealed = false;  // (Seal) written and read holding call_mu
 
   absl::Time last_used;
   int users = 0;  // leases on it, held or waiting
@@ -340,6 +353,12 @@ struct SessionStore::Session {
 // router in front of several replicas sends the session's calls to it (the clients send the part
 // before the first '.' as the attention-session-owner header).
 absl::StatusOr<std::string> NewSessionId(absl::string_view replica_name);
+
+// The message of a call refused because session `id` is sealed (SessionStore::Seal): UNAVAILABLE,
+// beginning with kSealedMarker, which clients look for to retry (the router sends the retry to
+// the session's new owner; docs/API.md).
+inline constexpr absl::string_view kSealedMarker = "session sealed: ";
+absl::Status SealedError(absl::string_view id);
 
 // The store's id of layer `layer` of session `id` (layer 0: `id` itself). Callers never send
 // these: a session id with a '/' names no session of theirs.

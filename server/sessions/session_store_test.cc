@@ -17,6 +17,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/paged_kv_pool.h"
@@ -641,6 +642,44 @@ TEST_F(SessionStoreTest, CreateUnderAGivenIdAndForkEveryLayer) {
   parents = absl::UnknownError("released");
   EXPECT_EQ(store_->List("").size(), 4u);
   EXPECT_EQ(store_->Room().pages_free, 1);
+}
+
+// A sealed session (an export's, for a move): every layer refuses a change, UNAVAILABLE naming
+// the session (not the layer), with nothing held; an export still holds it, and Drop drops it.
+TEST_F(SessionStoreTest, ASealedSessionRefusesChangesButNotExports) {
+  SCOPED_TRACE(seed_);
+  Make({7});
+  const std::string id(32, 'b');
+  ASSERT_TRUE(store_->Create("", kShape, 0, 0, 2, id).ok());
+  ASSERT_EQ(AppendRows("", id, 3), absl::OkStatus());
+  const std::string other = CreateWith("", 2);
+  const std::vector<std::string> layers = {id, LayerSessionId(id, 1)};
+  {
+    absl::StatusOr<std::vector<SessionStore::Lease>> held =
+        store_->Acquire("", layers, SessionStore::Access::kExport);
+    ASSERT_TRUE(held.ok()) << held.status();
+    for (SessionStore::Lease& layer : *held) store_->Seal(layer);
+  }
+  for (const std::vector<std::string>& ids :
+       {layers, std::vector<std::string>{LayerSessionId(id, 1)}, {other, id}}) {
+    absl::StatusOr<std::vector<SessionStore::Lease>> refused = store_->Acquire("", ids);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << ids.size();
+    EXPECT_TRUE(absl::StartsWith(refused.status().message(),
+                                 absl::StrCat(kSealedMarker, "session '", id,
+                                              "' was sealed by an Export for a move to another "
+                                              "replica")))
+        << refused.status();
+  }
+  EXPECT_EQ(AppendRows("", id, 1).code(), absl::StatusCode::kUnavailable);
+  // Nothing was left held: the other session takes a change, the sealed one an export.
+  EXPECT_EQ(AppendRows("", other, 1), absl::OkStatus());
+  absl::StatusOr<std::vector<SessionStore::Lease>> exported =
+      store_->Acquire("", layers, SessionStore::Access::kExport);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_EQ(exported->front().length(), 3);
+  exported = absl::UnknownError("released");
+  EXPECT_EQ(store_->Drop("", id), absl::OkStatus());
+  EXPECT_EQ(store_->List("").size(), 1u);
 }
 
 TEST_F(SessionStoreTest, HeldSessionsDoNotExpire) {

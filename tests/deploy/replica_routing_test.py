@@ -8,8 +8,11 @@ the float64 reference; a Step over sessions of two owners is refused by name. Th
 holding the first session is drained as an operator would (deploy/haproxy/haproxy_routing.py
 drain: out of the pool, its sessions exported and imported into a peer under their ids, the
 owner map pointed at the peer over HAProxy's runtime API, the sessions dropped on it) and
-stopped, while a thread steps every session through the proxy the whole time: no Step fails, and
-every answer is bit for bit the answer before the drain. Afterwards the moved sessions take
+stopped, while a thread steps every session through the proxy the whole time, each Step a decode
+step appending a new k/v row: the drain's export seals each session on the drained replica, so
+its Steps there are refused (the client retries them until the proxy sends them to the peer); no
+Step fails, every answer matches the float64 reference of every row the client appended, and
+each session's length on its owner afterwards is those rows. Afterwards the moved sessions take
 appends and Steps through the proxy (against the reference) and new sessions avoid the drained
 replica. Inputs are fresh random each run (the seed is printed).
 
@@ -100,6 +103,24 @@ class Proxy:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def decode_step(session, rows, rng):
+    """One decode Step of session through the proxy: a new k/v row appended (to rows, k, v
+    [Hkv, N, D], once the Step answered) and two queries attending, checked against the float64
+    reference of every row appended. Returns what was wrong ("": nothing)."""
+    q, k1, v1 = (rng.standard_normal(shape).astype(np.float32)
+                 for shape in ((HQ, 2, D), (HKV, 1, D), (HKV, 1, D)))
+    o = session.step(q, k=k1, v=v1, causal=True)
+    rows[0] = np.concatenate([rows[0], k1], axis=1)
+    rows[1] = np.concatenate([rows[1], v1], axis=1)
+    ref_o, _ = reference(q[None], rows[0][None], rows[1][None], causal=True)
+    err = rel_error(o, ref_o[0])
+    if err > F32_BOUND:
+        return f"{session.id}: o's relative error {err:.3g} over {F32_BOUND} (seed {SEED})"
+    if session.length != rows[0].shape[1]:
+        return f"{session.id}: {session.length} rows, {rows[0].shape[1]} appended"
+    return ""
+
+
 class ReplicaRoutingTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -134,13 +155,7 @@ class ReplicaRoutingTest(unittest.TestCase):
     def check_step(self, session, rows, what):
         """One Step of session (appending a row) through the proxy against the reference of its
         rows (k, v [Hkv, N, D], grown here)."""
-        q, k1, v1 = self.normal(HQ, 2, D), self.normal(HKV, 1, D), self.normal(HKV, 1, D)
-        rows[0] = np.concatenate([rows[0], k1], axis=1)
-        rows[1] = np.concatenate([rows[1], v1], axis=1)
-        o = session.step(q, k=k1, v=v1, causal=True)
-        ref_o, _ = reference(q[None], rows[0][None], rows[1][None], causal=True)
-        self.assertWithin(rel_error(o, ref_o[0]), f"{what}: o of session {session.id}")
-        self.assertEqual(session.length, rows[0].shape[1])
+        self.assertEqual(decode_step(session, rows, self.rng), "", what)
 
     def assertWithin(self, err, what):
         self.assertLessEqual(err, F32_BOUND, f"{what}: relative error {err:.3g} (seed {SEED})")
@@ -181,30 +196,29 @@ class ReplicaRoutingTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             self.client.step_batch([sessions[0], two], self.normal(2, HQ, 1, D))
 
-        # Read-only Steps (no k, v): the same answer, bit for bit, before, during and after.
-        queries = {s.id: self.normal(HQ, 1, D) for s in sessions}
-        expected = {s.id: s.step(queries[s.id]) for s in sessions}
-        for s in sessions:
-            ref_o, _ = reference(queries[s.id][None], rows[s.id][0][None], rows[s.id][1][None])
-            self.assertWithin(rel_error(expected[s.id], ref_o[0]), "read-only step")
+        # Decode Steps (each appending a row) before, during and after the drain: the drain's
+        # sealed export makes the source refuse them from the export on (the client retries),
+        # so every row lands on the session's one owner and every answer matches the reference.
         failures, rounds = [], [0]
         stop = threading.Event()
+        stepper_rng = np.random.default_rng(self.rng.integers(1 << 62))
 
         def step_all():
             while not stop.is_set():
                 for s in sessions:
                     try:
-                        o = s.step(queries[s.id])
-                        if not np.array_equal(o, expected[s.id]):
-                            failures.append(f"{s.id}: o differs from before the drain")
+                        wrong = decode_step(s, rows[s.id], stepper_rng)
                     except Exception as e:  # noqa: BLE001: every failure is the test's finding
-                        failures.append(f"{s.id}: {e!r}")
+                        wrong = f"{s.id}: {e!r}"
+                    if wrong:
+                        failures.append(wrong)
+                        return  # whether its row landed is unknown: the rows are no reference
                 rounds[0] += 1
 
         stepper = threading.Thread(target=step_all)
         stepper.start()
         try:
-            while rounds[0] < 3:
+            while rounds[0] < 3 and not failures:
                 time.sleep(0.01)
             drained = owners[sessions[0].id]
             peer = next(n for n in self.names if n != drained)
@@ -216,12 +230,13 @@ class ReplicaRoutingTest(unittest.TestCase):
             self.assertEqual(self.held_by([drained])[drained], set())
             at_stop = rounds[0]
             self.servers[drained].stop()
-            while rounds[0] < at_stop + 5:
+            while rounds[0] < at_stop + 5 and not failures:
                 time.sleep(0.01)
         finally:
             stop.set()
             stepper.join()
         self.assertEqual(failures, [], f"Steps through the proxy during the drain (seed {SEED})")
+        self.assertGreaterEqual(rounds[0], 3 + 5)
         with open(self.proxy.owner_map) as f:
             self.assertIn(f"{drained} {peer}\n", f.read())  # a reload keeps the route
 
@@ -232,6 +247,8 @@ class ReplicaRoutingTest(unittest.TestCase):
         for s in sessions:
             where = peer if owners[s.id] == drained else owners[s.id]
             self.assertEqual([n for n in alive if s.id in held[n]], [where], s.id)
+            # Every row the client appended, before, during and after the drain, is there.
+            self.assertEqual(s.info().length, rows[s.id][0].shape[1], s.id)
             k2, v2 = self.normal(HKV, 3, D), self.normal(HKV, 3, D)
             rows[s.id] = [np.concatenate([rows[s.id][0], k2], axis=1),
                           np.concatenate([rows[s.id][1], v2], axis=1)]

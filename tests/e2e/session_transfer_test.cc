@@ -1,12 +1,15 @@
 // Sessions moved between two real servers (CPU backend) through the C++ client: Session::Export,
 // SessionClient::StartImport and Session::MoveTo. The exported rows are the rows appended (bytes
 // compared), an imported session answers the same Steps as its original bit for bit (float32,
-// float16, bfloat16; a session of several layers), and a refused or abandoned import leaves
-// neither a session nor a page behind.
+// float16, bfloat16; a session of several layers), a refused or abandoned import leaves
+// neither a session nor a page behind, and a sealed session's changes are retried by the client
+// and refused by name.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -176,6 +179,49 @@ TEST_F(SessionTransferTest, AnImportEqualsTheExportedSessionBitForBit) {
       ExpectSameBits(*a, *b, absl::StrCat(nq, " queries"));
     }
   }
+}
+
+// An Export with seal: the client retries each change the server refuses (Append, Truncate,
+// Fork, Step) until the call's deadline, then returns the refusal, UNAVAILABLE naming the
+// session; the session still exports its rows, unchanged, and drops.
+TEST_F(SessionTransferTest, ASealedSessionRefusesChangesTheClientRetriesThem) {
+  SCOPED_TRACE(absl::StrCat("seed ", seed_));
+  const SessionSpec spec{.dtype = v1::DTYPE_FLOAT32, .kv_heads = 2, .head_dim = 16};
+  const v1::Tensor k = client::MakeTensor(spec.dtype, {2, 10, 16}, Values(spec, 10));
+  const v1::Tensor v = client::MakeTensor(spec.dtype, {2, 10, 16}, Values(spec, 10));
+  absl::StatusOr<Session> s = sessions_->Create(spec, &k, &v);
+  ASSERT_TRUE(s.ok()) << s.status();
+  int chunks = 0;
+  auto count = [&chunks](const v1::SessionChunk&) {
+    ++chunks;
+    return absl::OkStatus();
+  };
+  ASSERT_EQ(s->Export(count, 4, {}, /*seal=*/true), absl::OkStatus());
+  EXPECT_EQ(chunks, 1 + 3);
+  const client::CallOptions short_call{.deadline = absl::Milliseconds(300)};
+  const v1::Tensor q =
+      client::MakeTensor(spec.dtype, {4, 1, 16}, Values({.kv_heads = 4, .head_dim = 16}, 1));
+  const std::vector<std::pair<std::string, std::function<absl::Status()>>> calls = {
+      {"Append", [&] { return s->Append(k, v, short_call); }},
+      {"Truncate", [&] { return s->Truncate(1, short_call); }},
+      {"Fork", [&] { return s->Fork(std::nullopt, short_call).status(); }},
+      {"Step", [&] { return s->Step(q, {}, nullptr, nullptr, short_call).status(); }},
+  };
+  for (const auto& [name, call] : calls) {
+    const absl::Time started = absl::Now();
+    const absl::Status status = call();
+    // Retried 10, 20, 40 and 80 ms apart (the next wait would pass the deadline).
+    EXPECT_GE(absl::Now() - started, absl::Milliseconds(150)) << name;
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << name << ": " << status;
+    EXPECT_TRUE(absl::StartsWith(status.message(), absl::StrCat(client::kSealedMarker, "session '",
+                                                                s->id(), "' was sealed")))
+        << name << ": " << status;
+  }
+  absl::StatusOr<Exported> again = ExportAll(*s, 0);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->Bytes(again->k_heads, 0), k.data());
+  EXPECT_EQ(s->Drop(), absl::OkStatus());
+  ExpectEmpty(*sessions_);
 }
 
 TEST_F(SessionTransferTest, MoveToTakesEveryLayerAndDropsTheOriginal) {

@@ -5,7 +5,10 @@ Session.move_to).
 An imported session equals the exported one bit for bit: the exported rows are the rows appended
 (raw bytes compared), and the same Steps on both servers give the same bytes. Sessions of several
 layers, after fork and truncate, of float32, float16 and bfloat16 rows; every refusal of Import
-names its field and leaves no session and no pages behind, as does a cancelled import. Inputs are
+names its field and leaves no session and no pages behind, as does a cancelled import. An Export
+with seal leaves the session refusing AppendKv, Step, Truncate and Fork UNAVAILABLE by name (the
+client retrying until its deadline), still exportable and droppable; one without changes nothing.
+Inputs are
 fresh random each run; the seed is printed, and a failure message repeats it.
 
 Run by ctest (label "python") like test_attention_client.py. Exits 77 (skipped) when grpcio or
@@ -271,6 +274,57 @@ class SessionTransferTest(ServerTest):
             self.assertEqual(s.info().length, 63)
             # Only the session is left: the export's snapshot went with it.
             self.assertEqual([i.session_id for i in self.client.list_sessions().sessions], [s.id])
+
+    def test_a_sealed_export_refuses_changes_until_dropped(self):
+        # An Export with seal: the session refuses every call that would change it or read rows
+        # for its new owner, UNAVAILABLE naming it; Export again, ListSessions and DropSession
+        # still work. An Export without seal changes nothing.
+        from attention_client.client import SEALED_MARKER, _to_tensor
+        convert = DTYPES[0][2]
+        k, v = self.rows(convert, 2, 20, 16)
+        k1, v1 = self.rows(convert, 2, 1, 16)
+        q = self.rng.standard_normal((4, 1, 16)).astype(np.float32)
+        stub = self.client._sessions_stub
+        with self.client.session(k=k, v=v) as s:
+            _, ek, _ = exported_rows(list(s.export(chunk_rows=8)))  # no seal
+            self.assertSame(ek[0], k, "exported k")
+            self.assertEqual(s.append(k1, v1), 21)
+            s.step(q, causal=True)
+            self.assertEqual(s.truncate(20), 20)
+            with s.fork():
+                pass
+            _, ek, _ = exported_rows(list(s.export(chunk_rows=8, seal=True)))
+            self.assertSame(ek[0], k, "sealed export's k")
+            tk, tv = _to_tensor(k1, "k", False)[0], _to_tensor(v1, "v", False)[0]
+            calls = {
+                "AppendKv": lambda: stub.AppendKv(pb.AppendKvRequest(session_id=s.id, k=tk, v=tv)),
+                "Step": lambda: stub.Step(pb.StepRequest(entries=[pb.StepEntry(
+                    session_id=s.id, q=_to_tensor(q, "q", False)[0])])),
+                "Step with k, v": lambda: stub.Step(pb.StepRequest(entries=[pb.StepEntry(
+                    session_id=s.id, q=_to_tensor(q, "q", False)[0], k=tk, v=tv)])),
+                "Truncate": lambda: stub.Truncate(pb.TruncateRequest(session_id=s.id, length=1)),
+                "Fork": lambda: stub.Fork(pb.ForkRequest(session_id=s.id)),
+            }
+            for name, call in calls.items():
+                with self.assertRaises(grpc.RpcError, msg=name) as raised:
+                    call()
+                self.assertEqual(raised.exception.code(), grpc.StatusCode.UNAVAILABLE, name)
+                self.assertTrue(raised.exception.details().startswith(
+                    f"{SEALED_MARKER}session '{s.id}' was sealed by an Export for a move to "
+                    "another replica"), f"{name}: {raised.exception.details()}")
+            # The client retries the refusal while the next wait (10, 20, 40, 80 ms) fits the
+            # call's deadline, then raises it.
+            started = time.monotonic()
+            with self.assertRaises(AttentionError) as raised:
+                s.append(k1, v1, timeout=0.3)
+            self.assertGreaterEqual(time.monotonic() - started, 0.15)
+            self.assertEqual(raised.exception.code, grpc.StatusCode.UNAVAILABLE)
+            self.assertIn(SEALED_MARKER, raised.exception.details)
+            # Nothing changed it: it exports the same rows again, and lists as it was.
+            _, ek, ev = exported_rows(list(s.export(chunk_rows=8)))
+            self.assertSame(ek[0], k, "k exported again")
+            self.assertEqual(s.info().length, 20)
+        self.assertEmpty(self.client)  # dropped
 
     def test_an_empty_session_moves(self):
         with self.client.session(dtype="bfloat16", kv_heads=4, head_dim=8) as s:

@@ -25,16 +25,18 @@ attention_client.torch (torch SDPA and flash_attn drop-ins), attention_client.tr
 client) are imported on first use, so `import attention_client` stays free of torch.
 """
 import importlib
-from attention_client.client import (AttendResult, AttentionError, Client, ServerTiming,
-                                     StepBatchResult, StepResult, attend, bfloat16_bits_to_float32,
-                                     float8_e4m3_bits_to_float32, float32_to_bfloat16_bits,
-                                     float32_to_float8_e4m3_bits)
+from attention_client.client import (SEALED_MARKER, AttendResult, AttentionError, Client,
+                                     ServerTiming, StepBatchResult, StepResult, attend,
+                                     bfloat16_bits_to_float32, float8_e4m3_bits_to_float32,
+                                     float32_to_bfloat16_bits, float32_to_float8_e4m3_bits,
+                                     is_sealed)
 from attention_client.session import Session, StepStream
 from attention_client.shared_memory import Region
 
 __all__ = ["AttendResult", "AttentionError", "Client", "ServerTiming", "StepBatchResult",
            "StepResult", "attend", "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "float8_e4m3_bits_to_float32",
-           "float32_to_float8_e4m3_bits", "Region", "Session", "StepStream"]
+           "float32_to_float8_e4m3_bits", "Region", "Session", "StepStream", "SEALED_MARKER",
+           "is_sealed"]
 
 _SUBMODULES = ("aio", "torch", "transformers")
 

@@ -4,6 +4,7 @@ torch is imported only when a torch tensor or dtype is handed in: importing it t
 and a broken install raises on import (not only ImportError), which must not break numpy use.
 """
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -116,6 +117,36 @@ class AttentionError(Exception):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+
+
+# The start of the message of a call refused UNAVAILABLE because its session is sealed: an Export
+# moving it to another replica sealed it (ExportRequest.seal; docs/API.md), and the router sends
+# the call to the session's new owner once the drain switched it. Such a call changed nothing, so
+# it is sent again (retry_sealed); no other UNAVAILABLE is (a Step may have been applied).
+SEALED_MARKER = "session sealed: "
+_SEALED_WAITS = (0.01, 0.2)  # seconds: the first wait between tries, doubling up to the second
+_SEALED_DEADLINE = 30.0  # seconds of retries for a call without a deadline
+
+
+def is_sealed(error):
+    """Whether AttentionError `error` is a refusal of a sealed session (SEALED_MARKER)."""
+    return error.code == grpc.StatusCode.UNAVAILABLE and SEALED_MARKER in (error.details or "")
+
+
+def retry_sealed(send, timeout):
+    """send(seconds left) again, after 10 ms doubling to 200 ms, while it raises a sealed
+    session's refusal (is_sealed), until `timeout` seconds (None: 30) have passed; then that
+    refusal is raised."""
+    deadline = time.monotonic() + (_SEALED_DEADLINE if timeout is None else timeout)
+    wait = _SEALED_WAITS[0]
+    while True:
+        try:
+            return send(max(deadline - time.monotonic(), 0.001))
+        except AttentionError as e:
+            if not is_sealed(e) or time.monotonic() + wait > deadline:
+                raise
+        time.sleep(wait)
+        wait = min(2 * wait, _SEALED_WAITS[1])
 
 
 def float32_to_bfloat16_bits(x):
@@ -368,12 +399,18 @@ class Client:
             return grpc.insecure_channel(self._target, options=opts)
         return grpc.secure_channel(self._target, self._credentials, options=opts)
 
-    def _call(self, method, request, timeout, metadata):
-        try:
-            return method(request, timeout=self.timeout if timeout is None else timeout,
-                          metadata=self.metadata if metadata is None else metadata)
-        except grpc.RpcError as e:
-            raise AttentionError(e.code(), e.details()) from None
+    def _call(self, method, request, timeout, metadata, retry=True):
+        """A unary call; with retry, a sealed session's refusal is retried (retry_sealed)."""
+        metadata = self.metadata if metadata is None else metadata
+        timeout = self.timeout if timeout is None else timeout
+
+        def send(seconds_left):
+            try:
+                return method(request, timeout=seconds_left, metadata=metadata)
+            except grpc.RpcError as e:
+                raise AttentionError(e.code(), e.details()) from None
+
+        return retry_sealed(send, timeout) if retry else send(timeout)
 
     def close(self):
         self._cuda_segments.close()

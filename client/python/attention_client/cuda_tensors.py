@@ -363,8 +363,9 @@ def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
     stream = torch.cuda.current_stream(q.device)
     ready.record(stream)
     try:
+        # A sealed session's refusal is raised, not retried: this Step's events are recorded.
         answer = _send_step(client, request, options.get("stream"), options.get("timeout"),
-                            options.get("metadata"))
+                            options.get("metadata"), retry=False)
     except AttentionError as e:
         if e.code == grpc.StatusCode.NOT_FOUND and not _retried:
             regions.close()  # the server lost the regions: register them again, once

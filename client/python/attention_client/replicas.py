@@ -18,21 +18,22 @@ from attention_client.session import (_owner_metadata, export_session, import_se
 def drain(source, target, *, switch=None, chunk_rows=0, timeout=None, metadata=None):
     """Moves every session `source` lists to `target` under the same ids and returns the ids.
 
-    First each session is exported from `source` and imported into `target` (Sessions.Export,
-    Sessions.Import: the rows bit for bit), while `source` still answers its calls; then
-    `switch()` (when given) sends the sessions' calls to `target`; then each is dropped on
-    `source`. A call that only reads a session (a Step without k and v) is answered the same by
-    either copy throughout. Rows appended on `source` after a session's export and before the
-    switch are not on `target`: pause a session's appends while it moves (the Step's answered
-    length tells a client which rows a replica holds). metadata: the caller's on both servers
+    First each session is exported from `source` sealed (ExportRequest.seal: from its export on,
+    `source` refuses the session's AppendKv, Step, Truncate and Fork UNAVAILABLE, which the
+    clients retry) and imported into `target` (Sessions.Import: the rows bit for bit); then
+    `switch()` (when given) sends the sessions' calls to `target`, where the retries land; then
+    each is dropped on `source`. So no row is appended on `source` that `target` lacks; a
+    session's calls wait (retrying) from its export until the switch. metadata: the caller's on
+    both servers
     (None: each client's own); the server checking tokens lists and moves only that caller's
-    sessions. Raises AttentionError of the first call that fails: the sessions imported so far
-    stay on both replicas, and nothing was switched."""
+    sessions. Raises AttentionError of the first call that fails: nothing was switched, and the
+    sessions exported so far stay sealed on `source` (their changes refused there: run the drain
+    again, to this or another peer) and imported on `target`."""
     listed = list_sessions(source, timeout=timeout, metadata=metadata).sessions
     ids = [info.session_id for info in listed]
     for session_id in ids:
         import_session(target, export_session(source, session_id, chunk_rows=chunk_rows,
-                                              timeout=timeout, metadata=metadata),
+                                              timeout=timeout, metadata=metadata, seal=True),
                        timeout=timeout, metadata=metadata)
     if switch is not None:
         switch()

@@ -26,7 +26,7 @@ from attention_client._stubs import attention_pb2 as pb
 from attention_client.client import (_LAYOUTS, AttentionError, ServerTiming, StepBatchResult,
                                      StepResult, _from_tensor, _is_torch, _lse_from_tensor,
                                      _set_open_model_options, _set_options, _to_tensor,
-                                     _to_tensor_or_ref)
+                                     _to_tensor_or_ref, retry_sealed)
 
 _DTYPE_NAMES = {"float32": pb.DTYPE_FLOAT32, "fp32": pb.DTYPE_FLOAT32,
                 "float16": pb.DTYPE_FLOAT16, "fp16": pb.DTYPE_FLOAT16, "half": pb.DTYPE_FLOAT16,
@@ -202,22 +202,28 @@ class Session:
                          metadata=self._metadata, return_info=return_info, stream=stream,
                          sinks=sinks, softcap=softcap, chunk_size=chunk_size, layer=layer)[0]
 
-    def export(self, *, chunk_rows=0, timeout=None):
+    def export(self, *, chunk_rows=0, timeout=None, seal=False):
         """The session as Sessions.Export streams it: an iterator of pb.SessionChunk, first the
         header (dtype, kv_heads, head_dim, v_head_dim, layers, layer_lengths), then each layer's
         rows in order, k [Hkv, n, D] and v [Hkv, n, Dv] of at most `chunk_rows` rows (0: what
         fits 4 MiB). A snapshot of the session when the export starts; hand it to
         Client.import_session of another server (a replica handing its sessions to a peer), or
         keep the chunks. Raises AttentionError (NOT_FOUND for another caller's or an unknown
-        session)."""
+        session). seal=True seals the session here first (ExportRequest.seal): its later
+        AppendKv, Step, Truncate and Fork are refused UNAVAILABLE (SEALED_MARKER; the clients
+        retry them until the router sends them to the new owner), so no row lands here that the
+        export lacks; it stays sealed until dropped."""
         return export_session(self._client, self._live_id(), chunk_rows=chunk_rows,
-                              timeout=timeout, metadata=self._metadata)
+                              timeout=timeout, metadata=self._metadata, seal=seal)
 
-    def move_to(self, other, *, chunk_rows=0, timeout=None, metadata=None):
+    def move_to(self, other, *, chunk_rows=0, timeout=None, metadata=None, seal=True):
         """Moves the session to the server of Client `other` under the same id: exported from
-        here, imported there, then dropped here. Returns the Session on `other` (this object then
-        holds no session). metadata: the caller's on `other` (default: other's)."""
-        moved = import_session(other, self.export(chunk_rows=chunk_rows, timeout=timeout),
+        here (sealed first unless seal=False: no call of another thread changes it here after
+        the export; see export), imported there, then dropped here. Returns the Session on
+        `other` (this object then holds no session). metadata: the caller's on `other` (default:
+        other's)."""
+        moved = import_session(other, self.export(chunk_rows=chunk_rows, timeout=timeout,
+                                                  seal=seal),
                                layout=self.layout, bfloat16_bits=self._bfloat16_bits,
                                timeout=timeout, metadata=metadata)
         self.drop(timeout=timeout)
@@ -289,10 +295,10 @@ def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, 
     return Session(client, info, layout, bfloat16_bits, metadata)
 
 
-def export_session(client, session_id, *, chunk_rows=0, timeout=None, metadata=None):
+def export_session(client, session_id, *, chunk_rows=0, timeout=None, metadata=None, seal=False):
     """Sessions.Export of session `session_id` of the client's server (its owner's header added):
     an iterator of pb.SessionChunk; see Session.export."""
-    request = pb.ExportRequest(session_id=session_id, chunk_rows=chunk_rows)
+    request = pb.ExportRequest(session_id=session_id, chunk_rows=chunk_rows, seal=seal)
     stream = client._sessions_stub.Export(
         request, timeout=client.timeout if timeout is None else timeout,
         metadata=_owner_metadata(client, metadata, [session_id]))
@@ -409,24 +415,30 @@ def _submit_step(client, request, metadata, on_error=None):
     return response
 
 
-def _send_step(client, request, stream, timeout, metadata):
+def _send_step(client, request, stream, timeout, metadata, retry=True):
     """One StepRequest to the server, unary (stream False), over the client's one StepStream
-    (True) or through its one request ring ("ring"); returns the StepResponse."""
+    (True) or through its one request ring ("ring"); returns the StepResponse. retry: a sealed
+    session's refusal is retried (retry_sealed; never on the ring)."""
     if stream == "ring":
         return _submit_step(client, request, metadata)()
     if stream:
         # One stream per owner: a router sends a whole stream to the replica its header names.
         owner = dict(metadata or ()).get(OWNER_HEADER, "")
-        step_stream = client._step_streams.get(owner)
-        if step_stream is None:
-            step_stream = client._step_streams[owner] = StepStream(client, metadata)
-        try:
-            return step_stream.step(request)
-        except AttentionError:
-            # A failed Step ends its stream; the next opens another.
-            client._step_streams.pop(owner, None)
-            raise
-    return client._call(client._sessions_stub.Step, request, timeout, metadata)
+
+        def send(_):
+            step_stream = client._step_streams.get(owner)
+            if step_stream is None:
+                step_stream = client._step_streams[owner] = StepStream(client, metadata)
+            try:
+                return step_stream.step(request)
+            except AttentionError:
+                # A failed Step ends its stream; the next (a sealed session's retry) opens another.
+                client._step_streams.pop(owner, None)
+                raise
+
+        timeout = client.timeout if timeout is None else timeout
+        return retry_sealed(send, timeout) if retry else send(timeout)
+    return client._call(client._sessions_stub.Step, request, timeout, metadata, retry)
 
 
 def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,

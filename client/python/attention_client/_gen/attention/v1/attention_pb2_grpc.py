@@ -316,7 +316,7 @@ class SessionsServicer(object):
         Only the session's owner exports. The export is a snapshot of the session when it starts (a
         fork of every layer, sharing its pages: it needs one free page per layer whose rows end in a
         partial page, and is listed among the owner's sessions until the export ends); the session
-        itself takes further calls meanwhile.
+        itself takes further calls meanwhile, unless the request seals it (ExportRequest.seal).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
