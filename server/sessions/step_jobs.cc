@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
 
@@ -51,7 +52,19 @@ absl::StatusOr<std::vector<DecodeSequence>> StepJobs::Prepare(StepWork& step,
   std::vector<std::string> ids;
   ids.reserve(group.seqs.size());
   for (int i : group.seqs) ids.emplace_back(step.seqs[i].session_id);
-  ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases, store_->Acquire(step.owner, ids));
+  absl::StatusOr<std::vector<SessionStore::Lease>> acquired = store_->Acquire(step.owner, ids);
+  if (!acquired.ok() && step.groups_.size() > 1 &&
+      absl::StartsWith(acquired.status().message(), kSealedMarker)) {
+    // Clients retry a sealed refusal as a whole, but the Step's other jobs (other devices or
+    // shapes) may have appended their rows already: a retry would append them twice. Not
+    // retryable, then, and said so.
+    return absl::AbortedError(absl::StrCat(
+        acquired.status().message().substr(kSealedMarker.size()), "; this Step's ",
+        step.groups_.size(),
+        " launches (its sessions on other devices or of other shapes) may have appended their "
+        "rows: not to be retried as it was"));
+  }
+  ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases, std::move(acquired));
   std::vector<SessionStore::Lease*> held;
   std::vector<int64_t> new_rows;
   std::vector<KvRows> rows;

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -298,6 +299,41 @@ TEST_F(StepJobsTest, RefusalsOnTheWorkerAppendNothing) {
               HasSubstr("over the limit of 1 per request (--max_request_flops); nothing was "
                         "appended"));
   EXPECT_EQ(Length(id), 3);
+}
+
+// A sealed session (an export of it is moving it to another replica) refuses a Step of one
+// launch UNAVAILABLE with the marker clients retry on; in a Step of several launches the others
+// may have appended their rows, so the refusal is ABORTED, without the marker.
+TEST_F(StepJobsTest, ASealedSessionInAStepOfSeveralLaunchesIsNotRetryable) {
+  const Tensors a_rows(5, 0, rng_), b_rows(9, 0, rng_);
+  const std::string a = Create(a_rows), b = Create(b_rows);
+  {
+    absl::StatusOr<std::vector<SessionStore::Lease>> held = store_->Acquire("", {b});
+    ASSERT_TRUE(held.ok()) << held.status();
+    store_->Seal(held->front());
+  }
+  Tensors a_step(1, 1, rng_), b_step(1, 1, rng_);
+  StepJobs jobs(&*store_, {}, {});
+  auto alone = std::make_shared<TestStep>();
+  alone->seqs.push_back(Sequence(b, b_step, 1, key_));
+  StepOutcome outcome = Run(alone, jobs);
+  EXPECT_EQ(outcome.status.code(), absl::StatusCode::kUnavailable) << outcome.status;
+  EXPECT_TRUE(absl::StartsWith(outcome.status.message(), kSealedMarker)) << outcome.status;
+
+  DecodeKey other = key_;
+  other.softmax_scale = 0.25f;
+  auto both = std::make_shared<TestStep>();
+  both->seqs.push_back(Sequence(a, a_step, 1, key_));
+  both->seqs.push_back(Sequence(b, b_step, 1, other));
+  outcome = Run(both, jobs);
+  EXPECT_EQ(outcome.status.code(), absl::StatusCode::kAborted) << outcome.status;
+  EXPECT_FALSE(absl::StrContains(outcome.status.message(), kSealedMarker)) << outcome.status;
+  EXPECT_THAT(outcome.status.message(), HasSubstr("2 launches"));
+  EXPECT_THAT(outcome.status.message(), HasSubstr(b));
+  absl::StatusOr<std::vector<SessionStore::Lease>> sealed =
+      store_->Acquire("", {b}, SessionStore::Access::kExport);
+  ASSERT_TRUE(sealed.ok()) << sealed.status();
+  EXPECT_EQ(sealed->front().length(), 9);  // nothing appended to it
 }
 
 }  // namespace
