@@ -343,6 +343,11 @@ absl::Status CheckStepOutput(const client::SessionSpec& spec, const SessionRows&
   return absl::OkStatus();
 }
 
+// The sessions of the tests below (float32, 2 KV heads of 16, BSHD rows), queried by 4 heads.
+constexpr int64_t kHeadsQ = 4;
+const client::SessionSpec kSessionSpec{
+    .dtype = v1::DTYPE_FLOAT32, .kv_heads = 2, .head_dim = 16, .layout = v1::LAYOUT_BSHD};
+
 // One decode step of `session`: a new random row (kept in `rows`) appended and a random query of
 // `heads_q` heads, its o checked against the reference over the session's rows.
 absl::Status StepChecked(client::Session& session, SessionRows& rows,
@@ -368,9 +373,7 @@ TEST(RoundRobinSessionsTest, RoundRobinClientKeepsSessionsOnOneServer) {
   // cannot match where the sessions are by chance.
   constexpr int kSessions = 5;
   constexpr int kSteps = 4;
-  constexpr int64_t kHeadsQ = 4;
-  const client::SessionSpec spec{
-      .dtype = v1::DTYPE_FLOAT32, .kv_heads = 2, .head_dim = 16, .layout = v1::LAYOUT_BSHD};
+  const client::SessionSpec& spec = kSessionSpec;
 
   std::vector<std::unique_ptr<ServerProcess>> servers;
   for (int i = 0; i < kServers; ++i) {
@@ -572,9 +575,7 @@ TEST(OwnerRoutingTest, SessionCallsThroughHaproxyReachTheirOwner) {
   const std::vector<std::string> names = {"r1", "r2"};
   constexpr int kSessions = 6;
   constexpr int kSteps = 3;
-  constexpr int64_t kHeadsQ = 4;
-  const client::SessionSpec spec{
-      .dtype = v1::DTYPE_FLOAT32, .kv_heads = 2, .head_dim = 16, .layout = v1::LAYOUT_BSHD};
+  const client::SessionSpec& spec = kSessionSpec;
 
   std::vector<std::unique_ptr<ServerProcess>> servers;
   std::vector<std::pair<std::string, std::string>> replicas;

@@ -389,7 +389,7 @@ class Client:
         # be on one server, the calls spread over all.
         self._step_events = {}  # (thread, device) -> step_batch's events in stream order
         self._step_counters = {}  # (thread, device) -> step_batch's counters in stream order
-        self._batch_ids = {}  # sessions of a packed Step -> their ids (session._session_ids)
+        self._batch_ids = {}  # sessions of a packed Step -> (ids, owner) (session._batch)
         self._cuda_segments = SegmentRegions(
             self, "off" if self._several and cuda_regions == "auto" else cuda_regions)
 

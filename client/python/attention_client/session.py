@@ -62,10 +62,9 @@ def session_owner(session_id):
     return owner if dot else ""
 
 
-def _owner_metadata(client, metadata, session_ids):
-    """The metadata of a call about the sessions `session_ids` (metadata None: the client's):
-    with their one owner as the attention-session-owner header when their ids name one. A call
-    reaches one replica, so sessions of two owners are a ValueError naming both."""
+def _owner_of(session_ids):
+    """The one owner of the sessions `session_ids` ("" when their ids name none). A call reaches
+    one replica, so sessions of two owners are a ValueError naming both."""
     owner, first = "", None
     for session_id in session_ids:
         this = session_owner(session_id)
@@ -74,10 +73,21 @@ def _owner_metadata(client, metadata, session_ids):
                              f"session {first} is of {owner!r}, session {session_id} of "
                              f"{this!r}")
         owner, first = this, first or session_id
+    return owner
+
+
+def _with_owner(client, metadata, owner):
+    """The metadata of a call about sessions of `owner` (metadata None: the client's), with the
+    attention-session-owner header when there is an owner."""
     base = client.metadata if metadata is None else metadata
     if not owner:
         return base
     return [*(base or ()), (OWNER_HEADER, owner)]
+
+
+def _owner_metadata(client, metadata, session_ids):
+    """The metadata of a call about the sessions `session_ids` (_owner_of, _with_owner)."""
+    return _with_owner(client, metadata, _owner_of(session_ids))
 
 
 class Session:
@@ -452,7 +462,7 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
         raise ValueError("k and v go together: give both or neither")
     if not sessions:
         raise ValueError("sessions: expected at least one session, got none")
-    metadata = _owner_metadata(client, metadata, _session_ids(client, sessions))
+    metadata = _with_owner(client, metadata, _batch(client, sessions)[1])
     ordered = (ready_event, done_event, ready_counter, done_counter)
     if (out is None and lse_out is None and all(x is None for x in ordered)
             and _is_torch(q) and getattr(q, "is_cuda", False) and client._cuda_segments.usable):
@@ -536,21 +546,27 @@ def _packed_request(client, sessions, *, request_id="", layer=None, causal=False
 _BATCHES_KEPT = 64
 
 
-def _session_ids(client, sessions):
-    """The ids of a packed Step's sessions, each checked to be live and this client's. A model
-    names the same batch in every layer call, so the ids of the last batches are kept, by the
-    sessions' identity (Session.drop forgets them all)."""
+def _batch(client, sessions):
+    """(ids, owner) of a packed Step's sessions, each checked to be live and this client's, of
+    one owner (_owner_of). A model names the same batch in every layer call, so those of the last
+    batches are kept, by the sessions' identity (Session.drop forgets them all)."""
     key = tuple(sessions)
-    ids = client._batch_ids.get(key)
-    if ids is None:
+    batch = client._batch_ids.get(key)
+    if batch is None:
         for session in sessions:
             if session._client is not client:
                 raise ValueError(f"session {session.id} belongs to another Client")
         ids = [session._live_id() for session in sessions]
+        batch = (ids, _owner_of(ids))
         if len(client._batch_ids) >= _BATCHES_KEPT:
             client._batch_ids.clear()
-        client._batch_ids[key] = ids
-    return ids
+        client._batch_ids[key] = batch
+    return batch
+
+
+def _session_ids(client, sessions):
+    """The ids of a packed Step's sessions (_batch)."""
+    return _batch(client, sessions)[0]
 
 
 class RingStep:
