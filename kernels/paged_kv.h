@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -174,6 +175,20 @@ struct KvStepTimes {
   double d2h_us = 0;
 };
 
+// One page of a pool and the host memory (page_bytes of it) it moves to or from: the session
+// store's host tier, where cold sessions' pages wait while the pool is full.
+struct HostPage {
+  int32_t page = 0;
+  unsigned char* host = nullptr;
+};
+
+// Host memory of a host tier (KvPagePool::AllocateHost), freed when the last copy goes.
+using HostBuffer = std::shared_ptr<unsigned char>;
+
+// OK when every page is in [0, num_pages), listed once, with host memory; else INVALID_ARGUMENT
+// naming it.
+absl::Status CheckHostPages(absl::Span<const HostPage> pages, int64_t num_pages);
+
 // A pool of `num_pages` pages of `page_bytes` on one device. Write and Decode take host pointers
 // (q, o, lse, page tables, lengths), or device pointers where their StepMemory says so. Write takes
 // the rows of any number of sequences (a step's new tokens in one call: a device pool then moves
@@ -195,6 +210,17 @@ class KvPagePool {
   virtual absl::Status CopyPages(absl::Span<const std::pair<int32_t, int32_t>> src_dst) = 0;
   virtual absl::Status Read(const KvRead& read) = 0;
   virtual absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host_params) = 0;
+
+  // The host tier (the session store's, see server/sessions/session_store.h). AllocateHost:
+  // `bytes` of host memory the pool copies pages to and from at its fastest (pinned on a GPU's
+  // pool, plain on the CPU's). SavePages copies each pages[i].page to pages[i].host, after every
+  // earlier call's writes, and returns once the bytes are on the host (the page may then be
+  // reused). LoadPages copies each pages[i].host into pages[i].page, before every later call's
+  // reads, and returns once copied (the host memory may then be reused). Both are checked by
+  // CheckHostPages first. A pool without a host tier answers UNIMPLEMENTED (these defaults).
+  virtual absl::StatusOr<HostBuffer> AllocateHost(int64_t bytes);
+  virtual absl::Status SavePages(absl::Span<const HostPage> pages);
+  virtual absl::Status LoadPages(absl::Span<const HostPage> pages);
 };
 
 }  // namespace attention

@@ -355,6 +355,33 @@ class CpuKvPagePool : public KvPagePool {
     return CopyRows(w, page_rows, &read);
   }
 
+  // The host tier in plain host memory, mapped as the pool is (committed only as pages land in
+  // it). Copies are plain and synchronous: the caller (the session store) holds the pages, so no
+  // write or step touches them meanwhile.
+  absl::StatusOr<HostBuffer> AllocateHost(int64_t bytes) override {
+    void* memory = bytes > 0 ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+                             : MAP_FAILED;
+    if (memory == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cpu backend: cannot map ", bytes, " bytes for the KV host tier"));
+    }
+    return HostBuffer(static_cast<unsigned char*>(memory),
+                      [bytes](unsigned char* p) { munmap(p, bytes); });
+  }
+  absl::Status SavePages(absl::Span<const HostPage> pages) override {
+    RETURN_IF_ERROR(CheckHostPages(pages, num_pages_));
+    for (const HostPage& p : pages)
+      std::memcpy(p.host, memory_ + p.page * page_bytes_, page_bytes_);
+    return absl::OkStatus();
+  }
+  absl::Status LoadPages(absl::Span<const HostPage> pages) override {
+    RETURN_IF_ERROR(CheckHostPages(pages, num_pages_));
+    for (const HostPage& p : pages)
+      std::memcpy(memory_ + p.page * page_bytes_, p.host, page_bytes_);
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& given) override {
     RETURN_IF_ERROR(RefuseDeviceMemory(given.memory, "cpu"));
     ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(given, page_bytes_, num_pages_));

@@ -91,6 +91,13 @@ SessionStore::SessionStore(std::vector<KvDevice> devices, const SessionStoreOpti
     free_pages.reserve(pages);
     // A stack: page 0 is handed out first.
     for (int64_t p = pages - 1; p >= 0; --p) free_pages.push_back(static_cast<int32_t>(p));
+    DeviceState& state = device_states_.back();
+    if (devices_[d].host_tier != nullptr)
+      state.host_slots = devices_[d].host_tier_bytes / page_bytes_;
+    // A stack as well: slot 0 first, so pages moved together take consecutive slots.
+    for (int64_t slot = state.host_slots - 1; slot >= 0; --slot) {
+      state.free_slots.push_back(static_cast<int32_t>(slot));
+    }
   }
   std::lock_guard<std::mutex> lock(mu_);
   PublishLocked();
@@ -240,17 +247,19 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   const int64_t per_layer = found.empty() ? PagesFor(initial_rows, page_rows) : 0;
   const int64_t pages = per_layer * layers;
   // The found blocks no session holds are room no more once this session holds them.
-  int64_t free_pages = RoomLocked(state);
+  int64_t taken = 0;
   for (uint64_t block : found) {
-    if (state.prefixes.Unheld(block)) free_pages -= layers;
+    if (state.prefixes.Unheld(block)) taken += layers;
   }
+  RETURN_IF_ERROR(MakeRoomLocked(device, pages + taken));
+  const int64_t free_pages = RoomLocked(state) - taken;
   if (pages > free_pages) {
     return absl::ResourceExhaustedError(
         absl::StrCat("KV cache full: a new session of ", initial_rows, " rows",
                      layers > 1 ? absl::StrCat(" and ", layers, " layers") : "", " needs ",
                      pages * page_bytes_, " bytes (", pages, " pages of ", page_bytes_, " bytes), ",
                      free_pages * page_bytes_, " bytes free on ", devices_[device].name,
-                     "; drop idle sessions or wait for them to expire"));
+                     BudgetsLocked(device), "; drop idle sessions or wait for them to expire"));
   }
   if (!id.empty() && sessions_.contains(id)) {
     return absl::AlreadyExistsError(
@@ -375,6 +384,12 @@ absl::StatusOr<std::vector<SessionStore::Lease>> SessionStore::Acquire(
       if (s.sealed) return SealedError(s.layers == 1 ? s.id : s.group);  // releases them all
     }
   }
+  // Held (users > 0), none of them moves to the host tier any more; those there come back.
+  for (Lease& lease : leases) {
+    if (lease.session_->host_slots.empty()) continue;
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_ERROR(RestoreLocked(*lease.session_));
+  }
   return leases;
 }
 
@@ -416,13 +431,14 @@ absl::Status SessionStore::Reserve(absl::Span<Lease* const> leases,
       needed[s.device] += more[i] + (shared[i] ? 1 : 0);
     }
     for (size_t d = 0; d < devices_.size(); ++d) {
+      RETURN_IF_ERROR(MakeRoomLocked(static_cast<int>(d), needed[d]));
       const int64_t free_pages = RoomLocked(device_states_[d]);
       if (needed[d] > free_pages) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "KV cache full on ", devices_[d].name, ": the rows to append need ",
             needed[d] * page_bytes_, " bytes (", needed[d], " pages of ", page_bytes_, " bytes), ",
-            free_pages * page_bytes_,
-            " bytes free; nothing was appended. Drop idle sessions or wait for them to expire"));
+            free_pages * page_bytes_, " bytes free", BudgetsLocked(static_cast<int>(d)),
+            "; nothing was appended. Drop idle sessions or wait for them to expire"));
       }
     }
     for (size_t i = 0; i < leases.size(); ++i) {
@@ -526,7 +542,7 @@ void SessionStore::CachePrefixLocked(Session& session) {
         Session& l = *layer;
         if (l.chain.size() == b && l.tokens.size() >= (b + 1) * page_rows &&
             std::equal(tokens.begin(), tokens.end(), l.tokens.begin() + b * page_rows) &&
-            !index.Cached(l.page_table[b])) {
+            l.page_table[b] != kOnHost && !index.Cached(l.page_table[b])) {
           pages.push_back(l.page_table[b]);
           if (&l != &session) waiting.push_back(&l);
         }
@@ -623,12 +639,14 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t le
     const absl::Time now = options_.clock();
     SweepLocked(now);
     DeviceState& state = device_states_[p.device];
+    if (own_page) RETURN_IF_ERROR(MakeRoomLocked(p.device, 1));
     if (own_page && RoomLocked(state) == 0) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "KV cache full: a fork of ", length, " rows of session ", Quote(p.id), " needs ",
-          page_bytes_, " bytes (1 page) for ",
-          partial ? "a copy of its partial last page" : "its rows", ", 0 bytes free on ",
-          devices_[p.device].name, "; drop idle sessions or wait for them to expire"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("KV cache full: a fork of ", length, " rows of session ", Quote(p.id),
+                       " needs ", page_bytes_, " bytes (1 page) for ",
+                       partial ? "a copy of its partial last page" : "its rows",
+                       ", 0 bytes free on ", devices_[p.device].name, BudgetsLocked(p.device),
+                       "; drop idle sessions or wait for them to expire"));
     }
     while (group.empty() && sessions_.contains(id)) {
       ASSIGN_OR_RETURN(id, NewSessionId(options_.replica_name));
@@ -691,6 +709,149 @@ int64_t SessionStore::RoomLocked(const DeviceState& state) {
   return static_cast<int64_t>(state.free_pages.size()) + state.prefixes.unheld_pages();
 }
 
+unsigned char* SessionStore::SlotLocked(int device, int32_t slot) const {
+  return devices_[device].host_tier.get() + static_cast<size_t>(slot) * page_bytes_;
+}
+
+std::string SessionStore::BudgetsLocked(int device) const {
+  const DeviceState& state = device_states_[device];
+  const std::string pool =
+      absl::StrCat(" (its KV pool: ", devices_[device].pool->num_pages() * page_bytes_,
+                   " bytes, --kv_cache_bytes or --kv_cache_fraction; ");
+  if (state.host_slots == 0) return absl::StrCat(pool, "no host tier, --kv_host_bytes 0)");
+  return absl::StrCat(
+      pool, "its host tier: ", static_cast<int64_t>(state.free_slots.size()) * page_bytes_, " of ",
+      state.host_slots * page_bytes_,
+      " bytes free, --kv_host_bytes, which takes only pages of sessions no call "
+      "holds, shared with no other session or prefix)");
+}
+
+absl::Status SessionStore::MakeRoomLocked(int device, int64_t needed) {
+  DeviceState& state = device_states_[device];
+  const int64_t short_by = needed - RoomLocked(state);
+  if (short_by <= 0 || short_by > static_cast<int64_t>(state.free_slots.size())) {
+    return absl::OkStatus();
+  }
+  // The sessions no call holds or waits for, least recently used first (by id on a tie, so the
+  // choice is the same every time).
+  std::vector<Session*> cold;
+  for (const auto& [id, session] : sessions_) {
+    if (session->device == device && session->users == 0) cold.push_back(session.get());
+  }
+  std::sort(cold.begin(), cold.end(), [](const Session* a, const Session* b) {
+    return a->last_used != b->last_used ? a->last_used < b->last_used : a->id < b->id;
+  });
+  struct Move {
+    Session* session;
+    size_t index;  // in its page table
+    int32_t slot;
+  };
+  std::vector<Move> moves;
+  std::vector<HostPage> copies;
+  for (Session* s : cold) {
+    for (size_t i = 0; i < s->page_table.size() && static_cast<int64_t>(moves.size()) < short_by;
+         ++i) {
+      const int32_t page = s->page_table[i];
+      // A page other sessions hold, or a prefix block caches, is not only this cold session's.
+      if (page == kOnHost || state.refs[page] != 1 || state.prefixes.Cached(page)) continue;
+      const int32_t slot = state.free_slots[state.free_slots.size() - 1 - moves.size()];
+      moves.push_back({s, i, slot});
+      copies.push_back({page, SlotLocked(device, slot)});
+    }
+  }
+  if (static_cast<int64_t>(moves.size()) < short_by) return absl::OkStatus();  // moves nothing
+  RETURN_IF_ERROR(devices_[device].pool->SavePages(copies));
+  state.free_slots.resize(state.free_slots.size() - moves.size());
+  // Nobody holds these sessions, and a call takes the store's lock to hold one (users), so their
+  // page tables change here under the store's lock alone.
+  for (const Move& m : moves) {
+    Session& s = *m.session;
+    if (s.host_slots.empty()) s.host_slots.assign(s.page_table.size(), -1);
+    s.host_slots[m.index] = m.slot;
+    DropPageLocked(state, s.page_table[m.index]);  // its only hold, not cached: free
+    s.page_table[m.index] = kOnHost;
+  }
+  if (options_.on_host_tier) {
+    options_.on_host_tier(devices_[device].name,
+                          {.spilled_pages = static_cast<int64_t>(moves.size())});
+  }
+  PublishLocked();
+  return absl::OkStatus();
+}
+
+absl::Status SessionStore::RestoreLocked(Session& session) {
+  const absl::Time start = absl::Now();
+  DeviceState& state = device_states_[session.device];
+  const auto count = static_cast<int64_t>(
+      std::count(session.page_table.begin(), session.page_table.end(), kOnHost));
+  RETURN_IF_ERROR(MakeRoomLocked(session.device, count));
+  // The host tier too full for what must move out: the session's own slots take it, its pages
+  // waiting meanwhile in plain host memory (`bounce`, page i of it the i-th page on the host).
+  std::vector<unsigned char> bounce;
+  std::vector<int32_t> slots;  // the session's, in its page table's order
+  for (size_t i = 0; i < session.page_table.size(); ++i) {
+    if (session.page_table[i] == kOnHost) slots.push_back(session.host_slots[i]);
+  }
+  if (count > RoomLocked(state)) {
+    bounce.resize(static_cast<size_t>(count * page_bytes_));
+    for (size_t i = 0; i < slots.size(); ++i) {
+      std::memcpy(bounce.data() + i * page_bytes_, SlotLocked(session.device, slots[i]),
+                  page_bytes_);
+    }
+    state.free_slots.insert(state.free_slots.end(), slots.rbegin(), slots.rend());
+    absl::Status made = MakeRoomLocked(session.device, count);
+    if (!made.ok() || count > RoomLocked(state)) {
+      // Nothing moved (or a failed copy wrote into the slots): the session keeps its slots, its
+      // bytes put back.
+      state.free_slots.resize(state.free_slots.size() - slots.size());
+      for (size_t i = 0; i < slots.size(); ++i) {
+        std::memcpy(SlotLocked(session.device, slots[i]), bounce.data() + i * page_bytes_,
+                    page_bytes_);
+      }
+      RETURN_IF_ERROR(made);
+    }
+  }
+  if (count > RoomLocked(state)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV cache full: session ", Quote(session.layers == 1 ? session.id : session.group), " has ",
+        count * page_bytes_, " bytes (", count, " pages) on the host tier to bring back, ",
+        RoomLocked(state) * page_bytes_, " bytes free on ", devices_[session.device].name,
+        BudgetsLocked(session.device), "; drop idle sessions or wait for them to expire"));
+  }
+  std::vector<HostPage> copies;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    copies.push_back({TakePageLocked(session.device), bounce.empty()
+                                                          ? SlotLocked(session.device, slots[i])
+                                                          : bounce.data() + i * page_bytes_});
+  }
+  const absl::Status loaded = devices_[session.device].pool->LoadPages(copies);
+  if (!loaded.ok() && bounce.empty()) {
+    for (const HostPage& copy : copies) DropPageLocked(state, copy.page);
+    PublishLocked();
+    return loaded;
+  }
+  auto copy = copies.begin();
+  for (int32_t& page : session.page_table) {
+    if (page == kOnHost) page = (copy++)->page;
+  }
+  if (bounce.empty()) state.free_slots.insert(state.free_slots.end(), slots.rbegin(), slots.rend());
+  session.host_slots.clear();
+  if (!loaded.ok()) {
+    // Through the bounce, its slots hold other sessions' pages now: its rows are lost with the
+    // device's fault, and so is the session (NOT_FOUND from now on, not wrong rows).
+    if (auto it = sessions_.find(session.id); it != sessions_.end()) RemoveLocked(it->second);
+    PublishLocked();
+    return loaded;
+  }
+  if (options_.on_host_tier) {
+    options_.on_host_tier(
+        devices_[session.device].name,
+        {.restored_pages = count, .restore_seconds = absl::ToDoubleSeconds(absl::Now() - start)});
+  }
+  PublishLocked();
+  return absl::OkStatus();
+}
+
 int32_t SessionStore::TakePageLocked(int device) {
   DeviceState& state = device_states_[device];
   if (state.free_pages.empty()) {
@@ -726,10 +887,15 @@ void SessionStore::DropPageLocked(DeviceState& state, int32_t page) {
 void SessionStore::FreePagesLocked(Session& session) {
   DeviceState& state = device_states_[session.device];
   // In reverse, so the stack hands a session's pages out again in their order.
-  for (auto it = session.page_table.rbegin(); it != session.page_table.rend(); ++it) {
-    DropPageLocked(state, *it);
+  for (size_t i = session.page_table.size(); i-- > 0;) {
+    if (session.page_table[i] == kOnHost) {
+      state.free_slots.push_back(session.host_slots[i]);
+    } else {
+      DropPageLocked(state, session.page_table[i]);
+    }
   }
   session.page_table.clear();
+  session.host_slots.clear();
 }
 
 void SessionStore::RemoveLocked(const std::shared_ptr<Session>& session) {
@@ -785,15 +951,17 @@ SessionSnapshot SessionStore::SnapshotLocked(const Session& session, absl::Time 
     out.length = std::min(out.length, s.length);
     if (session.layers > 1) out.layer_lengths.push_back(s.length);
     out.pages += static_cast<int64_t>(s.page_table.size());
-    out.shared_pages += std::count_if(s.page_table.begin(), s.page_table.end(),
-                                      [&refs](int32_t page) { return refs[page] > 1; });
+    out.host_pages += std::count(s.page_table.begin(), s.page_table.end(), kOnHost);
+    out.shared_pages +=
+        std::count_if(s.page_table.begin(), s.page_table.end(),
+                      [&refs](int32_t page) { return page != kOnHost && refs[page] > 1; });
     // A session in use is not idle; a group is as idle as its last used layer (it expires once
     // every layer is idle past the TTL).
     out.idle = std::min(out.idle, s.users > 0 ? absl::ZeroDuration() : now - s.last_used);
   });
   if (out.length == std::numeric_limits<int64_t>::max()) out.length = session.length;
   if (out.idle == absl::InfiniteDuration()) out.idle = absl::ZeroDuration();
-  out.resident_bytes = out.pages * page_bytes_;
+  out.resident_bytes = (out.pages - out.host_pages) * page_bytes_;
   out.prefix_rows = session.prefix_rows;
   out.expires_in = std::max(absl::ZeroDuration(), options_.ttl - out.idle);
   out.device = devices_[session.device].name;
@@ -834,14 +1002,18 @@ void SessionStore::PublishLocked() {
   if (!options_.on_usage) return;
   for (size_t d = 0; d < devices_.size(); ++d) {
     const int64_t total = devices_[d].pool->num_pages();
-    const int64_t free_pages = static_cast<int64_t>(device_states_[d].free_pages.size());
+    const DeviceState& state = device_states_[d];
+    const int64_t free_pages = static_cast<int64_t>(state.free_pages.size());
+    const int64_t free_slots = static_cast<int64_t>(state.free_slots.size());
     options_.on_usage(devices_[d].name,
-                      {.sessions = device_states_[d].sessions,
+                      {.sessions = state.sessions,
                        .resident_bytes = (total - free_pages) * page_bytes_,
                        .pages_free = free_pages,
                        .pages_total = total,
-                       .pages_shared = device_states_[d].shared_pages,
-                       .pages_cached = device_states_[d].prefixes.unheld_pages()});
+                       .pages_shared = state.shared_pages,
+                       .pages_cached = state.prefixes.unheld_pages(),
+                       .host_bytes_used = (state.host_slots - free_slots) * page_bytes_,
+                       .host_bytes_total = state.host_slots * page_bytes_});
   }
 }
 

@@ -13,6 +13,19 @@
 // sessions expire after `ttl` (Sweep, called by a sweeper, and a lazy check on every lookup); an
 // unknown, expired or dropped id, or the id of another owner, is NOT_FOUND.
 //
+// Host tier (KvDevice::host_tier, --kv_host_bytes): when a call needs more pages than are free
+// (and cached unheld), the pages of cold sessions move to host memory first: sessions no call
+// holds or waits for (Lease, Acquire), least recently used first, page by page, only pages no
+// other session holds and no prefix block caches (a shared or cached page stays in the pool:
+// moving it would take it from sessions that are not cold). Nothing is moved unless the room
+// then suffices, so a refused call moves nothing. The pool copies (KvPagePool::SavePages,
+// synchronous: the pages are reused only once their bytes are on the host); the session's page
+// table holds kOnHost where a page was. Acquire brings a session's pages back before its call
+// runs (Step, AppendKv, Truncate, Fork, each chunk of Export), which may in turn move other
+// cold sessions out (into the slots it leaves when the host tier is full: its pages then wait in
+// plain host memory meanwhile). The copies run under the store's lock, so other calls on the
+// store wait for them. RESOURCE_EXHAUSTED names both budgets when neither has the room.
+//
 // Shapes: a session's V head dim may differ from its QK head dim (KvShape::v_head_dim, MLA models)
 // on a device whose pool serves it (KvDevice::v_head_dim); Create refuses it elsewhere by name.
 //
@@ -66,6 +79,10 @@ struct KvDevice {
   // Whether its pool serves sessions whose V head dim is not the QK head dim (its backend lists
   // "v_head_dim" in its step options); Create refuses them elsewhere, UNIMPLEMENTED.
   bool v_head_dim = false;
+  // The host tier (see the file comment): pages of cold sessions wait here while the pool is full;
+  // host_tier_bytes / page_bytes pages of it (the pool's AllocateHost). Null: none.
+  HostBuffer host_tier;
+  int64_t host_tier_bytes = 0;
 };
 
 // One device's share of the cache, as the store reports it after each change.
@@ -76,6 +93,16 @@ struct KvCacheUsage {
   int64_t pages_total = 0;
   int64_t pages_shared = 0;  // held by more than one session (forks, prefixes), each counted once
   int64_t pages_cached = 0;  // in the prefix index and no session's: free once taken
+  int64_t host_bytes_used = 0;  // the host tier's pages holding sessions' rows
+  int64_t host_bytes_total = 0;
+};
+
+// Pages moved between a device's pool and its host tier by one spill or one session's restore,
+// as the store reports them.
+struct HostTierMove {
+  int64_t spilled_pages = 0;
+  int64_t restored_pages = 0;
+  double restore_seconds = 0;  // a restore's copy and bookkeeping
 };
 
 // One Create's prefix lookup (Create's `prefix_tokens`), as the store reports it: the full
@@ -102,6 +129,8 @@ struct SessionStoreOptions {
   std::function<void(const std::string& device, const PrefixLookup& lookup)> on_prefix;
   // Cached pages `count` taken back for room on `device`:
   std::function<void(const std::string& device, int64_t count)> on_evicted;
+  // Pages moved to or from the host tier of `device`:
+  std::function<void(const std::string& device, const HostTierMove& move)> on_host_tier;
 };
 
 // What ListSessions and SessionInfo report of a session; of a session of several layers, the
@@ -113,9 +142,10 @@ struct SessionSnapshot {
   int layers = 1;
   std::vector<int64_t> layer_lengths;  // per layer, when there are several
   int64_t pages = 0;
-  int64_t shared_pages = 0;  // of `pages`, those other sessions hold too
-  int64_t prefix_rows = 0;   // rows its Create found cached (prefix_tokens)
-  int64_t resident_bytes = 0;
+  int64_t shared_pages = 0;    // of `pages`, those other sessions hold too
+  int64_t prefix_rows = 0;     // rows its Create found cached (prefix_tokens)
+  int64_t resident_bytes = 0;  // of its pages in the pool
+  int64_t host_pages = 0;      // of `pages`, those on the host tier
   absl::Duration idle;
   absl::Duration expires_in;
   std::string device;
@@ -269,6 +299,9 @@ class SessionStore {
   // Expires every idle session past the TTL; returns how many.
   int Sweep();
 
+  // A page table's entry for a page on the host tier (Session::host_slots says where).
+  static constexpr int32_t kOnHost = -1;
+
  private:
   struct DeviceState {
     explicit DeviceState(int64_t pages) : refs(pages, 0), prefixes(pages) {}
@@ -277,6 +310,8 @@ class SessionStore {
     int64_t sessions = 0;
     int64_t shared_pages = 0;  // pages more than one session holds (refs > 1)
     PrefixIndex prefixes;
+    std::vector<int32_t> free_slots;  // of the host tier, a stack (page_bytes each)
+    int64_t host_slots = 0;
   };
 
   void ReleaseSession(const std::shared_ptr<Session>& session);
@@ -291,6 +326,14 @@ class SessionStore {
   void FreePagesLocked(Session& session);
   // Pages free or cached unheld (taken back when no page is free).
   static int64_t RoomLocked(const DeviceState& state);
+  // Moves pages of cold sessions of `device` to its host tier (the file comment) until
+  // RoomLocked is at least `needed`; moves none when it cannot reach that.
+  absl::Status MakeRoomLocked(int device, int64_t needed);
+  // Brings the lease's session's pages on the host tier back into the pool.
+  absl::Status RestoreLocked(Session& session);
+  // The budgets a RESOURCE_EXHAUSTED names: the pool's bytes and the host tier's.
+  std::string BudgetsLocked(int device) const;
+  unsigned char* SlotLocked(int device, int32_t slot) const;
   // A free page of `device`, now held once, after taking back the least recently released cached
   // pages when none is free; the caller checked RoomLocked.
   int32_t TakePageLocked(int device);
@@ -330,8 +373,11 @@ struct SessionStore::Session {
   int layers = 1;
   int layer = 0;
 
-  std::mutex call_mu;  // held by the call that holds a lease on it
-  std::vector<int32_t> page_table;
+  std::mutex call_mu;               // held by the call that holds a lease on it
+  std::vector<int32_t> page_table;  // kOnHost where a page is on the host tier
+  // Beside page_table while some of its pages are on the host tier: each one's slot there (-1
+  // for a page in the pool); empty when every page is in the pool.
+  std::vector<int32_t> host_slots;
   int64_t length = 0;
   bool sealed = false;  // (Seal) written and read holding call_mu
 

@@ -2,7 +2,9 @@
 // expiry on a fake clock, owners, drop, truncate, fork (shared pages counted once, copy on write,
 // release in either order, truncate of shared pages), device choice, concurrent appends to one
 // session, and shared prefixes (chains of full pages found, owners apart, cached pages taken back
-// least recently released first and never while held, copy before an append into one, layers).
+// least recently released first and never while held, copy before an append into one, layers),
+// and the host tier (cold sessions' pages moved out and back bit for bit, held ones never, shared
+// ones never, both budgets named when both are full).
 #include "server/sessions/session_store.h"
 
 #include <atomic>
@@ -50,10 +52,10 @@ class FakeClock {
 };
 
 // Page pools of `pages[d]` pages, kept for the test's life as executors keep theirs for the
-// server's: the store only points at them.
+// server's: the store only points at them; each with a host tier of `host_pages` pages.
 class Pools {
  public:
-  std::vector<KvDevice> Devices(std::vector<int64_t> pages) {
+  std::vector<KvDevice> Devices(std::vector<int64_t> pages, int64_t host_pages = 0) {
     std::vector<KvDevice> devices;
     for (size_t d = 0; d < pages.size(); ++d) {
       absl::StatusOr<std::unique_ptr<KvPagePool>> pool =
@@ -62,6 +64,12 @@ class Pools {
       if (!pool.ok()) continue;
       owned_.push_back(*std::move(pool));
       devices.push_back(KvDevice{.name = "dev" + std::to_string(d), .pool = owned_.back().get()});
+      if (host_pages == 0) continue;
+      absl::StatusOr<HostBuffer> host = owned_.back()->AllocateHost(host_pages * kPageBytes);
+      EXPECT_TRUE(host.ok()) << host.status();
+      if (!host.ok()) continue;
+      devices.back().host_tier = *std::move(host);
+      devices.back().host_tier_bytes = host_pages * kPageBytes;
     }
     return devices;
   }
@@ -98,11 +106,21 @@ struct Rows {
 class SessionStoreTest : public ::testing::Test {
  protected:
   void Make(std::vector<int64_t> pages, absl::Duration ttl = absl::Seconds(60),
-            std::string replica_name = "") {
+            std::string replica_name = "", int64_t host_pages = 0) {
     store_ = std::make_unique<SessionStore>(
-        pools_.Devices(std::move(pages)),
-        SessionStoreOptions{
-            .ttl = ttl, .replica_name = replica_name, .clock = [this] { return clock_.Now(); }});
+        pools_.Devices(std::move(pages), host_pages),
+        SessionStoreOptions{.ttl = ttl,
+                            .replica_name = replica_name,
+                            .clock = [this] { return clock_.Now(); },
+                            .on_usage =
+                                [this](const std::string&, const KvCacheUsage& usage) {
+                                  host_bytes_used_ = usage.host_bytes_used;
+                                },
+                            .on_host_tier =
+                                [this](const std::string&, const HostTierMove& move) {
+                                  spilled_ += move.spilled_pages;
+                                  restored_ += move.restored_pages;
+                                }});
   }
   // Creates a session of `owner` holding `rows` rows; returns its id.
   std::string CreateWith(const std::string& owner, int64_t rows) {
@@ -154,6 +172,8 @@ class SessionStoreTest : public ::testing::Test {
   FakeClock clock_;
   Pools pools_;  // before the store, which points at its pools
   std::unique_ptr<SessionStore> store_;
+  // What the store reported (its callbacks run under its lock).
+  int64_t host_bytes_used_ = 0, spilled_ = 0, restored_ = 0;
 };
 
 TEST(SessionIdTest, Is32HexDigitsAndFresh) {
@@ -1010,6 +1030,171 @@ TEST_F(PrefixTest, ABlockOfSeveralLayersIsCachedOnceEveryLayerHoldsIt) {
   ASSERT_TRUE(found.ok()) << found.status();
   EXPECT_EQ(found->page_table(), std::vector<int32_t>{pages[0]});
   EXPECT_EQ(HeldBy(LayerSessionId(found->id(), 1)).pages, std::vector<int32_t>{pages[1]});
+}
+
+// The host tier (session_store.h): sessions of known rows over a pool of 4 pages and a host tier
+// of 4, each created a second after the last, so the least recently used is the first.
+class HostTierTest : public SessionStoreTest {
+ protected:
+  void SetUp() override { Make({4}, absl::Seconds(600), "", 4); }
+
+  struct Written {
+    std::string id;
+    std::vector<float> k, v;
+  };
+  // A session of `rows` random rows, created and released a second after the last.
+  Written CreateKnown(int64_t rows) {
+    clock_.Advance(absl::Seconds(1));
+    Rows data(rows, rng_);
+    absl::StatusOr<SessionStore::Lease> lease = store_->Create("", kShape, rows, 0);
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    if (!lease.ok()) return {};
+    EXPECT_EQ(store_->Append(*lease, data.view), absl::OkStatus());
+    return {lease->id(), data.k, data.v};
+  }
+  // Its rows as Read gives them (Acquire brings them back first), equal bit for bit.
+  void ExpectRows(const Written& s, int64_t rows) {
+    clock_.Advance(absl::Seconds(1));
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {s.id});
+    ASSERT_TRUE(leases.ok()) << leases.status();
+    ASSERT_EQ(leases->front().length(), rows);
+    std::vector<float> k(s.k.size()), v(s.v.size());
+    ASSERT_EQ(store_->Read(leases->front(), 0, rows, k.data(), v.data()), absl::OkStatus());
+    EXPECT_EQ(std::memcmp(k.data(), s.k.data(), k.size() * sizeof(float)), 0) << s.id;
+    EXPECT_EQ(std::memcmp(v.data(), s.v.data(), v.size() * sizeof(float)), 0) << s.id;
+  }
+  SessionSnapshot SnapshotOf(const std::string& id) {
+    for (const SessionSnapshot& s : store_->List("")) {
+      if (s.id == id) return s;
+    }
+    ADD_FAILURE() << id << " not listed";
+    return {};
+  }
+};
+
+TEST_F(HostTierTest, ColdSessionsMoveOutAndComeBackBitForBit) {
+  SCOPED_TRACE(seed_);
+  const Written a = CreateKnown(2 * kPageRows);  // 2 pages each
+  const Written b = CreateKnown(2 * kPageRows - 3);
+  EXPECT_EQ(store_->Room().pages_free, 0);
+  // The pool is full: the least recently used session's pages go to the host tier.
+  const Written c = CreateKnown(kPageRows + 1);
+  EXPECT_EQ(SnapshotOf(a.id).host_pages, 2);
+  EXPECT_EQ(SnapshotOf(a.id).resident_bytes, 0);
+  EXPECT_EQ(SnapshotOf(b.id).host_pages, 0);
+  EXPECT_EQ(spilled_, 2);
+  EXPECT_EQ(host_bytes_used_, 2 * kPageBytes);
+  // Each session's next call brings it back, moving the coldest other one out.
+  ExpectRows(a, 2 * kPageRows);
+  EXPECT_EQ(SnapshotOf(a.id).host_pages, 0);
+  EXPECT_EQ(SnapshotOf(b.id).host_pages, 2);
+  EXPECT_EQ(restored_, 2);
+  EXPECT_EQ(spilled_, 4);
+  ExpectRows(b, 2 * kPageRows - 3);
+  ExpectRows(c, kPageRows + 1);
+  ExpectRows(a, 2 * kPageRows);
+  // A session appended to after its return holds its old rows and the new ones.
+  ASSERT_EQ(AppendRows("", b.id, 2), absl::OkStatus());
+  EXPECT_EQ(SnapshotOf(b.id).length, 2 * kPageRows - 1);
+  // Dropping a session on the host tier frees its slots there.
+  const int64_t used = host_bytes_used_;
+  const std::string on_host = SnapshotOf(a.id).host_pages > 0 ? a.id : c.id;
+  ASSERT_GT(SnapshotOf(on_host).host_pages, 0);
+  const int64_t its = SnapshotOf(on_host).host_pages * kPageBytes;
+  EXPECT_EQ(store_->Drop("", on_host), absl::OkStatus());
+  EXPECT_EQ(host_bytes_used_, used - its);
+}
+
+TEST_F(HostTierTest, AHeldSessionNeverMoves) {
+  SCOPED_TRACE(seed_);
+  const Written a = CreateKnown(2 * kPageRows);
+  const Written b = CreateKnown(2 * kPageRows);
+  // The coldest session is in use: the next coldest moves instead.
+  absl::StatusOr<std::vector<SessionStore::Lease>> held = store_->Acquire("", {a.id});
+  ASSERT_TRUE(held.ok()) << held.status();
+  const std::vector<int32_t> pages = held->front().page_table();
+  const Written c = CreateKnown(2 * kPageRows);
+  EXPECT_EQ(held->front().page_table(), pages);
+  EXPECT_EQ(SnapshotOf(b.id).host_pages, 2);
+  // With every other session held too, nothing can move: refused, nothing moved.
+  absl::StatusOr<std::vector<SessionStore::Lease>> more = store_->Acquire("", {c.id});
+  ASSERT_TRUE(more.ok()) << more.status();
+  absl::StatusOr<SessionStore::Lease> refused = store_->Create("", kShape, 1, 0);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(SnapshotOf(b.id).host_pages, 2);
+  // A held session's append takes room from the cold ones only.
+  SessionStore::Lease* leases[] = {&held->front()};
+  const int64_t new_rows[] = {1};
+  EXPECT_EQ(store_->Reserve(leases, new_rows).code(), absl::StatusCode::kResourceExhausted);
+  held->clear();
+  more->clear();
+  ExpectRows(a, 2 * kPageRows);
+  ExpectRows(b, 2 * kPageRows);
+  ExpectRows(c, 2 * kPageRows);
+}
+
+TEST_F(HostTierTest, BothFullIsRefusedNamingBothBudgets) {
+  SCOPED_TRACE(seed_);
+  const Written a = CreateKnown(2 * kPageRows);
+  const Written b = CreateKnown(2 * kPageRows);
+  const Written c = CreateKnown(2 * kPageRows);
+  const Written d = CreateKnown(2 * kPageRows);
+  EXPECT_EQ(host_bytes_used_, 4 * kPageBytes);
+  for (const int64_t rows : {int64_t{1}, 2 * kPageRows}) {
+    absl::StatusOr<SessionStore::Lease> refused = store_->Create("", kShape, rows, 0);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(refused.status().message(),
+                AllOf(HasSubstr("KV cache full"),
+                      HasSubstr(absl::StrCat("its KV pool: ", 4 * kPageBytes, " bytes")),
+                      HasSubstr(absl::StrCat("its host tier: 0 of ", 4 * kPageBytes,
+                                             " bytes free, --kv_host_bytes"))))
+        << refused.status();
+  }
+  // Nothing moved for the refused calls; a session on the host tier still comes back (the
+  // coldest in the pool takes its place), and every one holds its rows.
+  EXPECT_EQ(SnapshotOf(a.id).host_pages + SnapshotOf(b.id).host_pages, 4);
+  ExpectRows(a, 2 * kPageRows);
+  ExpectRows(b, 2 * kPageRows);
+  ExpectRows(c, 2 * kPageRows);
+  ExpectRows(d, 2 * kPageRows);
+  // Without a host tier the message says so.
+  Make({1});
+  absl::StatusOr<SessionStore::Lease> refused = store_->Create("", kShape, 2 * kPageRows, 0);
+  EXPECT_THAT(refused.status().message(), HasSubstr("no host tier, --kv_host_bytes 0"));
+}
+
+// Pages a fork shares stay in the pool (they are not only the cold session's); a session on the
+// host tier is forked, truncated and exported after coming back.
+TEST_F(HostTierTest, SharedPagesStayAndSpilledSessionsForkAndTruncate) {
+  SCOPED_TRACE(seed_);
+  const Written a = CreateKnown(kPageRows + 3);           // 2 pages, the last partial
+  const std::string child = ForkOf("", a.id, kPageRows);  // shares a's first page
+  clock_.Advance(absl::Seconds(1));
+  const Written b = CreateKnown(1);
+  // Pool: a's 2 pages (one shared with the child), b's and one free. The next session needs 2:
+  // a's unshared page moves (the child's only page is the shared one; b is the warmest).
+  const Written c = CreateKnown(2 * kPageRows);
+  const SessionSnapshot parent = SnapshotOf(a.id);
+  EXPECT_EQ(parent.host_pages, 1);
+  EXPECT_EQ(parent.shared_pages, 1);
+  EXPECT_EQ(SnapshotOf(child).host_pages, 0);  // its only page is the shared one
+  // Fork and truncate of the session on the host tier, then its rows read back.
+  const std::string grandchild = ForkOf("", a.id, kPageRows + 1);
+  ASSERT_FALSE(grandchild.empty());
+  ASSERT_EQ(TruncateTo(a.id, kPageRows + 2), absl::OkStatus());
+  Written cut = a;
+  for (std::vector<float>* t : {&cut.k, &cut.v}) {
+    // BHSD [Hkv, rows, D]: the first kPageRows + 2 rows of each head.
+    std::vector<float> kept;
+    for (int64_t h = 0; h < kShape.heads_kv; ++h) {
+      const auto head = t->begin() + h * (kPageRows + 3) * kShape.head_dim;
+      kept.insert(kept.end(), head, head + (kPageRows + 2) * kShape.head_dim);
+    }
+    *t = kept;
+  }
+  ExpectRows(cut, kPageRows + 2);
+  ExpectRows(b, 1);
+  ExpectRows(c, 2 * kPageRows);
 }
 
 }  // namespace

@@ -41,6 +41,7 @@
 #include "kernels/cuda/ops/stream_counters.h"
 #include "kernels/cuda/prep/kv_scatter.h"
 #include "kernels/cuda/runtime/counter_waits.h"
+#include "kernels/cuda/runtime/page_transfer.h"
 #include "kernels/cuda/runtime/stream_buffers.h"
 #include "kernels/paged_kv_host.h"
 #include "kernels/status_macros.h"
@@ -213,6 +214,24 @@ class CudaKvPagePool : public KvPagePool {
     }));
     RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_), "read KV rows from the device");
     return absl::OkStatus();
+  }
+
+  // The host tier (page_transfer.h): pinned memory, copies on the pool's stream under its lock.
+  absl::StatusOr<HostBuffer> AllocateHost(int64_t bytes) override {
+    RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    return AllocatePinnedHost(bytes);
+  }
+  absl::Status SavePages(absl::Span<const HostPage> pages) override {
+    return CopyHost(pages, /*to_host=*/true);
+  }
+  absl::Status LoadPages(absl::Span<const HostPage> pages) override {
+    return CopyHost(pages, /*to_host=*/false);
+  }
+  absl::Status CopyHost(absl::Span<const HostPage> pages, bool to_host) {
+    RETURN_IF_ERROR(CheckHostPages(pages, num_pages_));
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    return CopyHostPages(stream_, pages_, page_bytes_, pages, to_host);
   }
 
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host) override {
