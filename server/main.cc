@@ -15,7 +15,8 @@
 //
 // KV-resident sessions (session_service.h): --kv_cache_fraction of each device's memory is held
 // as pages of --kv_page_bytes from the executor's page pool; idle sessions expire after
-// --session_ttl_s. Health reports attention.v1.Sessions NOT_SERVING when there is no pool.
+// --session_ttl_s; with --kv_host_bytes, cold sessions' pages wait in host memory while the pool is
+// full. Health reports attention.v1.Sessions NOT_SERVING when there is no pool.
 //
 // A device whose CUDA context a fault corrupted is taken out of service
 // (attention_device_in_service turns 0); when none is left, health turns NOT_SERVING and calls get
@@ -159,6 +160,10 @@ ABSL_FLAG(int64_t, kv_cache_bytes, 0,
           "--kv_cache_fraction.");
 ABSL_FLAG(int64_t, kv_page_bytes, 524288,
           "Bytes per KV page (a multiple of 256); a page holds rows of one session.");
+ABSL_FLAG(int64_t, kv_host_bytes, 0,
+          "Bytes of host memory per device (pinned on a GPU) where the pages of cold sessions (no "
+          "call holds them; least recently used first) wait while the KV pool is full, coming "
+          "back on the session's next call; 0 = none: a full pool refuses new rows.");
 ABSL_FLAG(int, session_ttl_s, 600, "Seconds after which an idle session expires.");
 ABSL_FLAG(std::string, replica_name, "",
           "This replica's name (1..32 of a-z, 0-9, '-'; empty: none): every session id it makes "
@@ -244,10 +249,15 @@ absl::StatusOr<std::vector<KvDevice>> MakeKvDevices(
     if (!pool.ok()) return pool.status();
     const bool v_head_dim = std::find(device.step_options.begin(), device.step_options.end(),
                                       "v_head_dim") != device.step_options.end();
-    devices.push_back(KvDevice{.name = device.name,
-                               .pool = *pool,
-                               .health = [e = executor.get()] { return e->Health(); },
-                               .v_head_dim = v_head_dim});
+    KvDevice& kv =
+        devices.emplace_back(KvDevice{.name = device.name,
+                                      .pool = *pool,
+                                      .health = [e = executor.get()] { return e->Health(); },
+                                      .v_head_dim = v_head_dim});
+    if (o.host_bytes > 0) {
+      ASSIGN_OR_RETURN(kv.host_tier, (*pool)->AllocateHost(o.host_bytes));
+      kv.host_tier_bytes = o.host_bytes;
+    }
   }
   return devices;
 }
@@ -403,24 +413,28 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   if (!kv_devices->empty()) {
     session_store = std::make_unique<SessionStore>(
         *std::move(kv_devices),
-        SessionStoreOptions{.ttl = absl::Seconds(options.kv_cache.ttl_s),
-                            .replica_name = options.replica_name,
-                            .on_expired = [&metrics](int count) { metrics.SessionsExpired(count); },
-                            .on_usage =
-                                [&metrics](const std::string& device, const KvCacheUsage& usage) {
-                                  metrics.SetKvCache(device, usage.sessions, usage.resident_bytes,
-                                                     usage.pages_free, usage.pages_total,
-                                                     usage.pages_shared, usage.pages_cached);
-                                },
-                            .on_prefix =
-                                [&metrics](const std::string& device, const PrefixLookup& lookup) {
-                                  metrics.PrefixLookedUp(device, lookup.hit_blocks,
-                                                         lookup.missed_blocks, lookup.shared_bytes);
-                                },
-                            .on_evicted =
-                                [&metrics](const std::string& device, int64_t pages) {
-                                  metrics.PrefixPagesEvicted(device, pages);
-                                }});
+        SessionStoreOptions{
+            .ttl = absl::Seconds(options.kv_cache.ttl_s),
+            .replica_name = options.replica_name,
+            .on_expired = [&metrics](int count) { metrics.SessionsExpired(count); },
+            .on_usage =
+                [&metrics](const std::string& device, const KvCacheUsage& usage) {
+                  metrics.SetKvCache(device, usage.sessions, usage.resident_bytes, usage.pages_free,
+                                     usage.pages_total, usage.pages_shared, usage.pages_cached);
+                  metrics.SetKvHostTier(device, usage.host_bytes_used, usage.host_bytes_total);
+                },
+            .on_prefix =
+                [&metrics](const std::string& device, const PrefixLookup& lookup) {
+                  metrics.PrefixLookedUp(device, lookup.hit_blocks, lookup.missed_blocks,
+                                         lookup.shared_bytes);
+                },
+            .on_evicted = [&metrics](const std::string& device,
+                                     int64_t pages) { metrics.PrefixPagesEvicted(device, pages); },
+            .on_host_tier =
+                [&metrics](const std::string& device, const HostTierMove& move) {
+                  metrics.KvHostTierMoved(device, move.spilled_pages, move.restored_pages,
+                                          move.restore_seconds);
+                }});
   }
   // CUDA events of packed Steps in stream order, opened once per handle.
   std::unique_ptr<IpcEvents> events;
@@ -692,6 +706,7 @@ int main(int argc, char** argv) {
   options.kv_cache.bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   options.kv_cache.page_bytes = absl::GetFlag(FLAGS_kv_page_bytes);
   options.kv_cache.ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
+  options.kv_cache.host_bytes = absl::GetFlag(FLAGS_kv_host_bytes);
   options.replica_name = absl::GetFlag(FLAGS_replica_name);
   options.service.replica_name = options.replica_name;
   options.max_request_flops = absl::GetFlag(FLAGS_max_request_flops);

@@ -166,6 +166,28 @@ Metrics::Metrics(const BuildInfo& build)
                                   .Name("attention_kv_prefix_evicted_pages_total")
                                   .Help("Cached prefix pages taken back for room, by device.")
                                   .Register(*registry_);
+  kv_host_bytes_used_ = &prometheus::BuildGauge()
+                             .Name("attention_kv_host_bytes_used")
+                             .Help(
+                                 "Bytes of the KV host tier holding pages of cold sessions, by "
+                                 "device (--kv_host_bytes).")
+                             .Register(*registry_);
+  kv_host_bytes_total_ = &prometheus::BuildGauge()
+                              .Name("attention_kv_host_bytes_capacity")
+                              .Help("Bytes of the KV host tier, by device (--kv_host_bytes).")
+                              .Register(*registry_);
+  kv_host_pages_moved_ = &prometheus::BuildCounter()
+                              .Name("attention_kv_host_pages_total")
+                              .Help(
+                                  "KV pages moved to the host tier (direction spilled) and back "
+                                  "into the pool (restored), by device.")
+                              .Register(*registry_);
+  kv_host_restore_duration_ = &prometheus::BuildHistogram()
+                                   .Name("attention_kv_host_restore_duration_seconds")
+                                   .Help(
+                                       "Bringing one session's pages back from the host tier "
+                                       "(copies and bookkeeping), by device.")
+                                   .Register(*registry_);
   kv_pages_total_ = &prometheus::BuildGauge()
                          .Name("attention_kv_pages_capacity")
                          .Help("Pages of the KV cache, by device (--kv_cache_fraction).")
@@ -309,6 +331,29 @@ void Metrics::PrefixLookedUp(const std::string& device, int64_t hit_blocks, int6
 
 void Metrics::PrefixPagesEvicted(const std::string& device, int64_t pages) {
   kv_prefix_evicted_pages_->Add({{"device", device}}).Increment(static_cast<double>(pages));
+}
+
+void Metrics::SetKvHostTier(const std::string& device, int64_t bytes_used, int64_t bytes_total) {
+  const prometheus::Labels labels = {{"device", device}};
+  kv_host_bytes_used_->Add(labels).Set(static_cast<double>(bytes_used));
+  kv_host_bytes_total_->Add(labels).Set(static_cast<double>(bytes_total));
+}
+
+void Metrics::KvHostTierMoved(const std::string& device, int64_t spilled_pages,
+                              int64_t restored_pages, double restore_seconds) {
+  if (spilled_pages > 0) {
+    kv_host_pages_moved_->Add({{"device", device}, {"direction", "spilled"}})
+        .Increment(static_cast<double>(spilled_pages));
+  }
+  if (restored_pages == 0) return;
+  kv_host_pages_moved_->Add({{"device", device}, {"direction", "restored"}})
+      .Increment(static_cast<double>(restored_pages));
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  prometheus::Histogram*& duration = ForDevice(device).host_restore_duration;
+  if (duration == nullptr) {
+    duration = &kv_host_restore_duration_->Add({{"device", device}}, SecondsBuckets());
+  }
+  duration->Observe(restore_seconds);
 }
 
 void Metrics::SessionsExpired(int count) { session_expirations_->Increment(count); }

@@ -94,6 +94,11 @@ class Metrics {
   void PrefixLookedUp(const std::string& device, int64_t hit_blocks, int64_t missed_blocks,
                       int64_t shared_bytes);
   void PrefixPagesEvicted(const std::string& device, int64_t pages);
+  // The host tier (--kv_host_bytes), per device: its bytes holding pages of cold sessions and its
+  // capacity; pages moved out to it and back (counters), and each session's restore's duration.
+  void SetKvHostTier(const std::string& device, int64_t bytes_used, int64_t bytes_total);
+  void KvHostTierMoved(const std::string& device, int64_t spilled_pages, int64_t restored_pages,
+                       double restore_seconds);
   void SessionsExpired(int count);
   void DecodeStepObserved(const std::string& device, absl::Duration elapsed);
 
@@ -148,6 +153,10 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* kv_prefix_blocks_ = nullptr;
   prometheus::Family<prometheus::Counter>* kv_prefix_shared_bytes_ = nullptr;
   prometheus::Family<prometheus::Counter>* kv_prefix_evicted_pages_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* kv_host_bytes_used_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* kv_host_bytes_total_ = nullptr;
+  prometheus::Family<prometheus::Counter>* kv_host_pages_moved_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* kv_host_restore_duration_ = nullptr;
   prometheus::Counter* session_expirations_ = nullptr;
   prometheus::Family<prometheus::Histogram>* decode_step_duration_ = nullptr;
   // The stage histograms, looked up once.
@@ -172,6 +181,7 @@ class Metrics {
     // Added at their first observation, so a device shows no series it never fed.
     prometheus::Histogram* batch_size = nullptr;
     prometheus::Histogram* decode_step_duration = nullptr;
+    prometheus::Histogram* host_restore_duration = nullptr;
   };
   RpcMetrics& ForRpc(absl::string_view rpc);            // needs cache_mu_
   DeviceMetrics& ForDevice(const std::string& device);  // needs cache_mu_

@@ -116,6 +116,11 @@ absl::Status CheckKvCacheOptions(const KvCacheOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--kv_page_bytes: expected a multiple of 256 from 256 to 2^30, got ", o.page_bytes));
   }
+  if (o.host_bytes != 0 && o.host_bytes < o.page_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_host_bytes: expected 0 (no host tier) or at least one page of --kv_page_bytes ",
+        o.page_bytes, ", got ", o.host_bytes));
+  }
   if (o.ttl_s < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--session_ttl_s: expected >= 1, got ", o.ttl_s));

@@ -22,6 +22,9 @@ struct KvCacheOptions {
   int64_t bytes = 0;       // > 0: this many bytes of each device's memory instead of `fraction`
   int64_t page_bytes = 524288;
   int ttl_s = 600;
+  // Bytes of host memory per device (pinned on a GPU) where cold sessions' pages wait while the
+  // pool is full (the store's host tier); 0: none, a full pool refuses.
+  int64_t host_bytes = 0;
 };
 
 // Shared memory for co-located clients (regions/region_registry.h).

@@ -204,6 +204,18 @@ TEST(CheckKvCacheOptionsTest, EachField) {
     o.ttl_s = 0;
     ExpectInvalid(CheckKvCacheOptions(o), "--session_ttl_s", "expected >= 1", "got 0");
   }
+  for (int64_t bad : {int64_t{-1}, int64_t{1}, int64_t{524287}}) {
+    KvCacheOptions o;
+    o.host_bytes = bad;
+    ExpectInvalid(CheckKvCacheOptions(o), "--kv_host_bytes",
+                  "expected 0 (no host tier) or at least one page of --kv_page_bytes 524288",
+                  absl::StrCat("got ", bad));
+  }
+  for (int64_t good : {int64_t{0}, int64_t{524288}, int64_t{1} << 40}) {
+    KvCacheOptions o;
+    o.host_bytes = good;
+    EXPECT_EQ(CheckKvCacheOptions(o), absl::OkStatus()) << good;
+  }
 }
 
 TEST(KvCachePagesTest, NoSessionsIsZeroPages) {

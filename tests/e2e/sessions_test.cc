@@ -6,7 +6,10 @@
 // nothing, RESOURCE_EXHAUSTED, UNAUTHENTICATED), expiry after the TTL, the metrics, no page
 // leaked over 10,000 create, append, drop cycles, and StepStream (many Steps on one stream, a
 // Step on a dropped session ending it, a cancelled stream leaving its sessions free); the
-// open-model options the device lists (DeviceInfo.step_options) against the reference.
+// open-model options the device lists (DeviceInfo.step_options) against the reference; the host
+// tier (--kv_host_bytes): more sessions than the pool holds stepped round robin against the
+// reference, a spilled session exported bit for bit, a Step's own sessions never moved for each
+// other, and both budgets named when both are full.
 #include <unistd.h>
 
 #include <algorithm>
@@ -1545,6 +1548,173 @@ TEST_F(SessionsLimitsE2E, IdleSessionsExpire) {
   absl::StatusOr<v1::StepResponse> out = stub.Step(r);
   EXPECT_EQ(out.status().code(), absl::StatusCode::kNotFound) << out.status();
   EXPECT_THAT(std::string(out.status().message()), HasSubstr("expired"));
+}
+
+// The host tier (--kv_host_bytes): a pool of 8 pages of 4 KiB and a host tier of 16. float16,
+// Hkv 1, D 64: 256 bytes a row (K and V), 16 rows a page, so a session of up to 32 rows holds 2
+// pages and the pool 4 such sessions. With ATTENTION_E2E_EXTRA_FLAGS=--backend=cuda, the same on a
+// GPU (the CUDA pool, a pinned host tier).
+class HostTierE2E : public SharedServerTest<HostTierE2E> {
+ public:
+  static constexpr int64_t kPageBytes = 4096, kPoolPages = 8, kHostPages = 16;
+  static constexpr int64_t kRows = 28, kHq = 4, kHkv = 1, kD = 64;
+  static std::vector<std::string> ServerFlags() {
+    return {"--backend=cpu", "--threads=2", absl::StrCat("--kv_page_bytes=", kPageBytes),
+            absl::StrCat("--kv_cache_bytes=", kPoolPages * kPageBytes),
+            absl::StrCat("--kv_host_bytes=", kHostPages * kPageBytes)};
+  }
+
+ protected:
+  SessionsStub Stub() { return SessionsStub(client().channel()); }
+  double Metric(const std::string& name, const std::map<std::string, std::string>& labels = {}) {
+    return ScrapeMetric(process().metrics_port(), name, labels).value_or(-1);
+  }
+  // `count` sessions of kRows random rows, created in order (the first is the least recently
+  // used).
+  std::vector<TestSession> CreateSessions(SessionsStub& stub, int count, std::mt19937_64& rng) {
+    std::vector<TestSession> out;
+    for (int i = 0; i < count; ++i) {
+      absl::StatusOr<TestSession> s =
+          CreateSession(stub, v1::DTYPE_FLOAT16, kHkv, kD, kRows, v1::LAYOUT_BHSD, rng);
+      EXPECT_TRUE(s.ok()) << "session " << i << ": " << s.status();
+      if (s.ok()) out.push_back(*std::move(s));
+    }
+    return out;
+  }
+  // One Step over `sessions` (each appends a row and asks one query); each result checked against
+  // the reference over every row of its session. The Step's status.
+  absl::Status StepAll(SessionsStub& stub, std::vector<TestSession*> sessions,
+                       std::mt19937_64& rng) {
+    const MaskSpec mask{.causal = true, .return_lse = true};
+    v1::StepRequest r;
+    SetMask(mask, &r);
+    std::vector<std::vector<float>> qs;
+    for (TestSession* s : sessions) qs.push_back(AddEntry(*s, kHq, 1, 1, rng, &r));
+    absl::StatusOr<v1::StepResponse> out = stub.Step(r);
+    if (!out.ok()) {
+      // Nothing appended: the sessions' rows are as before.
+      for (TestSession* s : sessions) {
+        for (auto* kv : {&s->seq.k, &s->seq.v}) {
+          for (std::vector<float>& head : *kv) head.resize(head.size() - kD);
+        }
+      }
+      return out.status();
+    }
+    EXPECT_EQ(out->results_size(), static_cast<int>(sessions.size()));
+    for (size_t i = 0; i < sessions.size() && i < static_cast<size_t>(out->results_size()); ++i) {
+      SCOPED_TRACE(sessions[i]->id);
+      EXPECT_EQ(out->results(i).session_id(), sessions[i]->id);
+      EXPECT_EQ(out->results(i).length(), sessions[i]->seq.length());
+      ExpectMatchesReference(
+          ReferenceRequest(sessions[i]->dtype, sessions[i]->seq, qs[i], kHq, 1, mask),
+          out->results(i));
+    }
+    return absl::OkStatus();
+  }
+  void DropAll(SessionsStub& stub, const std::vector<TestSession>& sessions) {
+    for (const TestSession& s : sessions) EXPECT_EQ(stub.Drop(s.id), absl::OkStatus()) << s.id;
+  }
+};
+
+TEST_F(HostTierE2E, RoundRobinStepsOverMoreSessionsThanThePoolHolds) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub = Stub();
+  const std::string device = stub.ServerDevice();
+  const double spilled = Metric("attention_kv_host_pages_total", {{"direction", "spilled"}});
+  const double restored = Metric("attention_kv_host_pages_total", {{"direction", "restored"}});
+  EXPECT_EQ(Metric("attention_kv_host_bytes_capacity", {{"device", device}}),
+            kHostPages * kPageBytes);
+  // 9 sessions of 2 pages: 18 pages, the pool holds 8.
+  std::vector<TestSession> sessions = CreateSessions(stub, 9, rng);
+  ASSERT_EQ(sessions.size(), 9u);
+  EXPECT_GT(Metric("attention_kv_host_bytes_used", {{"device", device}}), 0);
+  for (int round = 0; round < 3; ++round) {
+    for (TestSession& s : sessions) {
+      SCOPED_TRACE(absl::StrCat("round ", round));
+      EXPECT_EQ(StepAll(stub, {&s}, rng), absl::OkStatus());
+    }
+  }
+  EXPECT_GT(Metric("attention_kv_host_pages_total", {{"direction", "spilled"}}), spilled);
+  const double restored_by_steps =
+      Metric("attention_kv_host_pages_total", {{"direction", "restored"}});
+  EXPECT_GT(restored_by_steps, restored);
+  EXPECT_GT(Metric("attention_kv_host_restore_duration_seconds_count", {{"device", device}}), 0);
+  // The first session is the least recently used: on the host tier. Its export brings it back
+  // and holds its rows bit for bit.
+  const TestSession& cold = sessions.front();
+  grpc::ClientContext context;
+  v1::ExportRequest request;
+  request.set_session_id(cold.id);
+  request.set_chunk_rows(10);
+  std::unique_ptr<v1::Sessions::Stub> raw = v1::Sessions::NewStub(client().channel());
+  std::unique_ptr<grpc::ClientReader<v1::SessionChunk>> reader = raw->Export(&context, request);
+  v1::SessionChunk chunk;
+  int64_t rows = 0;
+  while (reader->Read(&chunk)) {
+    if (chunk.has_header()) continue;
+    const int64_t n = chunk.k().shape(1);
+    EXPECT_EQ(chunk.first_row(), rows);
+    for (const auto& [got, kv] : {std::pair{&chunk.k(), &cold.seq.k}, {&chunk.v(), &cold.seq.v}}) {
+      const v1::Tensor want =
+          client::MakeTensor(cold.dtype, {kHkv, n, kD}, cold.seq.Rows(*kv, rows, rows + n));
+      EXPECT_TRUE(got->data() == want.data()) << "rows " << rows << ".." << rows + n;
+    }
+    rows += n;
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(rows, cold.seq.length());
+  EXPECT_GT(Metric("attention_kv_host_pages_total", {{"direction", "restored"}}),
+            restored_by_steps);
+  DropAll(stub, sessions);
+  EXPECT_EQ(Metric("attention_kv_host_bytes_used", {{"device", device}}), 0);
+}
+
+// A Step holds its sessions: bringing one back moves other sessions out, never another of the
+// Step's. Four sessions fill the pool exactly, so one Step over the four least recently used
+// (all on the host tier) fits only if none of them moves for another; five never fit.
+TEST_F(HostTierE2E, AStepsOwnSessionsNeverMoveForEachOther) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub = Stub();
+  std::vector<TestSession> sessions = CreateSessions(stub, 10, rng);  // 20 pages
+  ASSERT_EQ(sessions.size(), 10u);
+  EXPECT_EQ(StepAll(stub, {&sessions[0], &sessions[1], &sessions[2], &sessions[3]}, rng),
+            absl::OkStatus());
+  absl::Status refused =
+      StepAll(stub, {&sessions[4], &sessions[5], &sessions[6], &sessions[7], &sessions[8]}, rng);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_THAT(std::string(refused.message()),
+              AllOf(HasSubstr("KV cache full"), HasSubstr("--kv_cache_bytes"),
+                    HasSubstr("--kv_host_bytes")));
+  // Nothing lost or mixed up: every session steps alone against its own rows.
+  for (TestSession& s : sessions) {
+    EXPECT_EQ(stub.Length(s.id), s.seq.length()) << s.id;
+    EXPECT_EQ(StepAll(stub, {&s}, rng), absl::OkStatus());
+  }
+  DropAll(stub, sessions);
+}
+
+// Pool and host tier full (24 pages: 12 sessions): a new session is refused naming both budgets;
+// a session on the host tier still steps (the coldest in the pool takes its slots).
+TEST_F(HostTierE2E, BothFullRefusesNamingBothBudgets) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub = Stub();
+  std::vector<TestSession> sessions = CreateSessions(stub, 12, rng);
+  ASSERT_EQ(sessions.size(), 12u);
+  absl::StatusOr<TestSession> refused =
+      CreateSession(stub, v1::DTYPE_FLOAT16, kHkv, kD, kRows, v1::LAYOUT_BHSD, rng);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              AllOf(HasSubstr(absl::StrCat("its KV pool: ", kPoolPages * kPageBytes, " bytes")),
+                    HasSubstr(absl::StrCat("its host tier: 0 of ", kHostPages * kPageBytes,
+                                           " bytes free, --kv_host_bytes"))));
+  for (TestSession& s : sessions) EXPECT_EQ(StepAll(stub, {&s}, rng), absl::OkStatus());
+  DropAll(stub, sessions);
 }
 
 }  // namespace

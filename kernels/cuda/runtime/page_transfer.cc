@@ -10,11 +10,10 @@ absl::StatusOr<HostBuffer> AllocatePinnedHost(int64_t bytes) {
   if (bytes <= 0 ||
       cudaHostAlloc(&memory, static_cast<size_t>(bytes), cudaHostAllocPortable) != cudaSuccess) {
     cudaGetLastError();  // not sticky: clear it
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate ", bytes, " bytes of pinned host memory for the KV host tier"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate ", bytes, " bytes of pinned host memory for the KV host tier"));
   }
-  return HostBuffer(static_cast<unsigned char*>(memory),
-                    [](unsigned char* p) { cudaFreeHost(p); });
+  return HostBuffer(static_cast<unsigned char*>(memory), [](unsigned char* p) { cudaFreeHost(p); });
 }
 
 absl::Status CopyHostPages(cudaStream_t stream, unsigned char* pool, int64_t page_bytes,
@@ -36,9 +35,9 @@ absl::Status CopyHostPages(cudaStream_t stream, unsigned char* pool, int64_t pag
         to_host ? "copy KV pages to the host tier" : "copy KV pages back from the host tier");
     first = last;
   }
-  RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream),
-                       to_host ? "copy KV pages to the host tier"
-                               : "copy KV pages back from the host tier");
+  RETURN_IF_CUDA_ERROR(
+      cudaStreamSynchronize(stream),
+      to_host ? "copy KV pages to the host tier" : "copy KV pages back from the host tier");
   return absl::OkStatus();
 }
 
