@@ -12,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -1084,6 +1085,79 @@ TEST_P(PagedKvPoolWriteTest, ReadGivesBackTheWrittenRows) {
   past.head_stride = d;
   past.row_stride = d;
   EXPECT_FALSE(setup.pool->Read(past).ok());
+}
+
+// The host tier's copies (KvPagePool::SavePages, LoadPages): every page of the sequences saved to
+// host memory (slots in a shuffled order, so some pages are consecutive in both places and some
+// are not), the pages then overwritten with other rows, and the saved ones loaded into a
+// permutation of them: the sequences' tables after the permutation decode as the rows first
+// written. Pages outside the pool, listed twice or without host memory are refused.
+TEST_P(PagedKvPoolWriteTest, PagesSavedToTheHostAndLoadedElsewhereDecodeAsBefore) {
+  const DType dtype = GetParam();
+  const uint64_t seed = NextSeed();
+  SCOPED_TRACE(SeedHint(dtype, seed));
+  std::mt19937_64 rng(seed);
+  DecodeCase c;
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.nq = {1, 1};
+  c.nk = {77, 45};
+  PoolSetup setup;
+  MakeSetup(c, dtype, rng, &setup);
+  if (HasFatalFailure()) return;
+  KvPagePool& pool = *setup.pool;
+  std::vector<int32_t> pages;
+  for (const Sequence& seq : setup.seqs) {
+    for (int32_t page : seq.pages) {
+      if (page >= 0) pages.push_back(page);
+    }
+  }
+  const auto count = static_cast<int64_t>(pages.size());
+  absl::StatusOr<HostBuffer> host = pool.AllocateHost(count * pool.page_bytes());
+  ASSERT_TRUE(host.ok()) << host.status();
+  std::vector<int64_t> slots(count);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.begin() + count / 2, rng);  // the rest stay in order
+  std::vector<HostPage> saved;
+  for (int64_t i = 0; i < count; ++i) {
+    saved.push_back({pages[i], host->get() + slots[i] * pool.page_bytes()});
+  }
+  ASSERT_EQ(pool.SavePages(saved), absl::OkStatus());
+  std::vector<Sequence> rewritten = setup.seqs;
+  for (Sequence& seq : rewritten) {
+    for (float& x : seq.k) x = -x;
+    std::reverse(seq.v.begin(), seq.v.end());
+  }
+  WriteSequences(pool, {dtype, c.heads_kv, c.head_dim}, rewritten, c.nk, Layout::kBHSD, 0, rng);
+  // Page pages[i] is loaded into moved[pages[i]].
+  std::vector<int32_t> permuted = pages;
+  std::shuffle(permuted.begin(), permuted.end(), rng);
+  std::map<int32_t, int32_t> moved;
+  std::vector<HostPage> loaded;
+  for (int64_t i = 0; i < count; ++i) {
+    moved[pages[i]] = permuted[i];
+    loaded.push_back({permuted[i], saved[i].host});
+  }
+  ASSERT_EQ(pool.LoadPages(loaded), absl::OkStatus());
+  std::vector<Sequence> restored = setup.seqs;
+  for (Sequence& seq : restored) {
+    for (int32_t& page : seq.pages) {
+      if (page >= 0) page = moved[page];
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  ExpectMatchesReference(c, dtype, scale, restored,
+                         Decode(pool, c, dtype, scale, restored, setup.stride));
+  // Refused before any copy.
+  unsigned char* slot = host->get();
+  for (const std::vector<HostPage>& bad :
+       {std::vector<HostPage>{{static_cast<int32_t>(pool.num_pages()), slot}},
+        std::vector<HostPage>{{-1, slot}},
+        std::vector<HostPage>{{pages[0], slot}, {pages[0], slot + pool.page_bytes()}},
+        std::vector<HostPage>{{pages[0], nullptr}}}) {
+    EXPECT_EQ(pool.SavePages(bad).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(pool.LoadPages(bad).code(), absl::StatusCode::kInvalidArgument);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolWriteTest, kAllDtypes, DtypeTestName);
