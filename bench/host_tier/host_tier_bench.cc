@@ -151,14 +151,14 @@ absl::Status Run(const Options& o) {
   ASSIGN_OR_RETURN(std::unique_ptr<KvPagePool> pool, MakePool(o, 2 * pages));
   ASSIGN_OR_RETURN(HostBuffer host, pool->AllocateHost(2 * pages * o.page_bytes));
   std::vector<double> restores;
-  SessionStore store({{.name = o.backend,
-                       .pool = pool.get(),
-                       .host_tier = host,
-                       .host_tier_bytes = 2 * pages * o.page_bytes}},
-                     {.on_host_tier = [&restores](const std::string&,
-                                                  const server::HostTierMove& move) {
-                       if (move.restored_pages > 0) restores.push_back(move.restore_seconds * 1e3);
-                     }});
+  SessionStore store(
+      {{.name = o.backend,
+        .pool = pool.get(),
+        .host_tier = host,
+        .host_tier_bytes = 2 * pages * o.page_bytes}},
+      {.on_host_tier = [&restores](const std::string&, const server::HostTierMove& move) {
+        if (move.restored_pages > 0) restores.push_back(move.restore_seconds * 1e3);
+      }});
   // bfloat16 1.0 everywhere: the values do not change what the copies and the kernel move.
   const std::vector<uint16_t> kv(kShape.heads_kv * rows * kShape.head_dim, 0x3f80);
   const std::vector<uint16_t> row(kShape.heads_kv * kShape.head_dim, 0x3f80);

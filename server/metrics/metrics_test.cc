@@ -36,8 +36,19 @@ TEST(MetricsTest, ExportsTheContractNamesAndLabels) {
   metrics.Computed("cpu", 1e9, 128);
   metrics.SetQueueDepth(3);
   metrics.SetDeviceMemoryTotal("cpu", 1 << 30);
+  metrics.SetKvHostTier("cpu", 8192, 65536);
+  metrics.KvHostTierMoved("cpu", 3, 0, 0);
+  metrics.KvHostTierMoved("cpu", 0, 2, 50e-6);
 
   const std::string text = metrics.Scrape();
+  EXPECT_THAT(text, HasSubstr("attention_kv_host_bytes_used{device=\"cpu\"} 8192"));
+  EXPECT_THAT(text, HasSubstr("attention_kv_host_bytes_capacity{device=\"cpu\"} 65536"));
+  EXPECT_THAT(text,
+              HasSubstr("attention_kv_host_pages_total{device=\"cpu\",direction=\"spilled\"} 3"));
+  EXPECT_THAT(text,
+              HasSubstr("attention_kv_host_pages_total{device=\"cpu\",direction=\"restored\"} 2"));
+  EXPECT_THAT(text,
+              HasSubstr("attention_kv_host_restore_duration_seconds_count{device=\"cpu\"} 1"));
   EXPECT_THAT(text, HasSubstr("attention_requests_total{code=\"OK\",rpc=\"Attend\"} 1"));
   EXPECT_THAT(text,
               HasSubstr("attention_requests_total{code=\"INVALID_ARGUMENT\",rpc=\"Attend\"} 1"));
