@@ -964,6 +964,18 @@ TEST_P(PagedKvPoolWriteTest, ConcurrentWritesAndStepsFromThreads) {
   for (std::thread& thread : threads) thread.join();
 }
 
+// `seqs` holding other rows (k negated, v reversed), the same pages, written into `pool`.
+std::vector<Sequence> Rewrite(KvPagePool& pool, const DecodeCase& c, DType dtype,
+                              const std::vector<Sequence>& seqs, std::mt19937_64& rng) {
+  std::vector<Sequence> rewritten = seqs;
+  for (Sequence& s : rewritten) {
+    for (float& x : s.k) x = -x;
+    std::reverse(s.v.begin(), s.v.end());
+  }
+  WriteSequences(pool, {dtype, c.heads_kv, c.head_dim}, rewritten, c.nk, Layout::kBHSD, 0, rng);
+  return rewritten;
+}
+
 // A forked session's partial last page: CopyPages copies it to a free page, then the source page
 // is overwritten (a write queued right after the copy, no wait between on a device pool): the copy
 // decodes as the rows it was copied from, the source as its new rows.
@@ -999,13 +1011,7 @@ TEST_P(PagedKvPoolWriteTest, CopiedPagesKeepTheRowsTheyWereCopiedFrom) {
   }
   ASSERT_EQ(setup.pool->CopyPages(src_dst), absl::OkStatus());
   // New rows for the sources' every row (their last pages included).
-  std::vector<Sequence> rewritten = setup.seqs;
-  for (Sequence& s : rewritten) {
-    for (float& x : s.k) x = -x;
-    std::reverse(s.v.begin(), s.v.end());
-  }
-  WriteSequences(*setup.pool, {dtype, c.heads_kv, c.head_dim}, rewritten, c.nk, Layout::kBHSD, 0,
-                 rng);
+  const std::vector<Sequence> rewritten = Rewrite(*setup.pool, c, dtype, setup.seqs, rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   // The copies' first pages are the sources' (rewritten): their reference is those rows, then
   // the last page's rows as first written.
@@ -1098,10 +1104,10 @@ TEST_P(PagedKvPoolWriteTest, PagesSavedToTheHostAndLoadedElsewhereDecodeAsBefore
   SCOPED_TRACE(SeedHint(dtype, seed));
   std::mt19937_64 rng(seed);
   DecodeCase c;
-  c.heads_q = 4;
+  c.heads_q = 8;
   c.heads_kv = 2;
-  c.nq = {1, 1};
-  c.nk = {77, 45};
+  c.nq = {1, 2, 1};
+  c.nk = {130, 1, 64};  // pages of 32 rows: 5 pages, the last of one row; one row; 2 full pages
   PoolSetup setup;
   MakeSetup(c, dtype, rng, &setup);
   if (HasFatalFailure()) return;
@@ -1123,12 +1129,7 @@ TEST_P(PagedKvPoolWriteTest, PagesSavedToTheHostAndLoadedElsewhereDecodeAsBefore
     saved.push_back({pages[i], host->get() + slots[i] * pool.page_bytes()});
   }
   ASSERT_EQ(pool.SavePages(saved), absl::OkStatus());
-  std::vector<Sequence> rewritten = setup.seqs;
-  for (Sequence& seq : rewritten) {
-    for (float& x : seq.k) x = -x;
-    std::reverse(seq.v.begin(), seq.v.end());
-  }
-  WriteSequences(pool, {dtype, c.heads_kv, c.head_dim}, rewritten, c.nk, Layout::kBHSD, 0, rng);
+  Rewrite(pool, c, dtype, setup.seqs, rng);
   // Page pages[i] is loaded into moved[pages[i]].
   std::vector<int32_t> permuted = pages;
   std::shuffle(permuted.begin(), permuted.end(), rng);
