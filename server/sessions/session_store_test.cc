@@ -4,7 +4,7 @@
 // session, and shared prefixes (chains of full pages found, owners apart, cached pages taken back
 // least recently released first and never while held, copy before an append into one, layers),
 // and the host tier (cold sessions' pages moved out and back bit for bit, held ones never, shared
-// ones never, both budgets named when both are full).
+// ones never, both budgets named when both are full, concurrent calls while pages move).
 #include "server/sessions/session_store.h"
 
 #include <atomic>
@@ -1195,6 +1195,90 @@ TEST_F(HostTierTest, SharedPagesStayAndSpilledSessionsForkAndTruncate) {
   ExpectRows(cut, kPageRows + 2);
   ExpectRows(b, 1);
   ExpectRows(c, 2 * kPageRows);
+}
+
+// Threads appending to and reading back sessions of their own while the pool is too small for
+// all of them (8 pages, 6 sessions growing to 2 pages each, a host tier of 16): every read under a
+// lease gives the session's own rows bit for bit, however its pages and the others' moved between
+// calls.
+TEST_F(HostTierTest, ConcurrentCallsReadTheirOwnRowsWhilePagesMove) {
+  SCOPED_TRACE(seed_);
+  Make({8}, absl::Seconds(600), "", 16);
+  // Each session grows from 20 rows (1 page) to 50 (2 pages) by 30 appends.
+  constexpr int kThreads = 3, kAppends = 60;
+  constexpr int64_t kInitial = 20;
+  // Per session: its id and each kv head's rows (k, v), [Hkv][rows * D].
+  struct Known {
+    std::string id;
+    std::vector<std::vector<float>> k, v;
+  };
+  std::vector<Known> sessions;
+  for (int i = 0; i < 2 * kThreads; ++i) {
+    const Written w = CreateKnown(kInitial);
+    Known& known = sessions.emplace_back(Known{w.id, {}, {}});
+    for (int64_t h = 0; h < kShape.heads_kv; ++h) {
+      const auto at = h * kInitial * kShape.head_dim;
+      known.k.emplace_back(w.k.begin() + at, w.k.begin() + at + kInitial * kShape.head_dim);
+      known.v.emplace_back(w.v.begin() + at, w.v.begin() + at + kInitial * kShape.head_dim);
+    }
+  }
+  // Empty when the lease's session reads as `s` holds it, else what differs.
+  auto differs = [this](const Known& s, const SessionStore::Lease& lease) -> std::string {
+    const int64_t rows = lease.length(), d = kShape.head_dim;
+    std::vector<float> k(kShape.heads_kv * rows * d), v(k.size());
+    if (absl::Status read = store_->Read(lease, 0, rows, k.data(), v.data()); !read.ok()) {
+      return read.ToString();
+    }
+    for (int64_t h = 0; h < kShape.heads_kv; ++h) {
+      const size_t bytes = rows * d * sizeof(float);
+      if (s.k[h].size() != static_cast<size_t>(rows * d) ||
+          std::memcmp(k.data() + h * rows * d, s.k[h].data(), bytes) != 0 ||
+          std::memcmp(v.data() + h * rows * d, s.v[h].data(), bytes) != 0) {
+        return absl::StrCat("session ", s.id, " head ", h, " at ", rows, " rows");
+      }
+    }
+    return "";
+  };
+  std::vector<std::thread> threads;
+  std::vector<std::string> failures(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(seed_ + t);
+      for (int i = 0; i < kAppends && failures[t].empty(); ++i) {
+        Known& s = sessions[2 * t + i % 2];
+        Rows row(1, rng);
+        absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {s.id});
+        if (!leases.ok()) {
+          failures[t] = leases.status().ToString();
+          break;
+        }
+        SessionStore::Lease* held[] = {&leases->front()};
+        const int64_t one[] = {1};
+        absl::Status status = store_->Reserve(held, one);
+        if (status.ok()) status = store_->Append(leases->front(), row.view);
+        if (!status.ok()) {
+          failures[t] = status.ToString();
+          break;
+        }
+        for (int64_t h = 0; h < kShape.heads_kv; ++h) {
+          const auto d = kShape.head_dim;
+          s.k[h].insert(s.k[h].end(), row.k.begin() + h * d, row.k.begin() + (h + 1) * d);
+          s.v[h].insert(s.v[h].end(), row.v.begin() + h * d, row.v.begin() + (h + 1) * d);
+        }
+        failures[t] = differs(s, leases->front());
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const std::string& failure : failures) EXPECT_EQ(failure, "");
+  EXPECT_GT(spilled_, 0);
+  // 12 pages over a pool of 8: reading each session once more brings some back.
+  for (const Known& s : sessions) {
+    absl::StatusOr<std::vector<SessionStore::Lease>> leases = store_->Acquire("", {s.id});
+    ASSERT_TRUE(leases.ok()) << leases.status();
+    EXPECT_EQ(differs(s, leases->front()), "");
+  }
+  EXPECT_GT(restored_, 0);
 }
 
 }  // namespace
