@@ -8,8 +8,8 @@
 // Step on a dropped session ending it, a cancelled stream leaving its sessions free); the
 // open-model options the device lists (DeviceInfo.step_options) against the reference; the host
 // tier (--kv_host_bytes): more sessions than the pool holds stepped round robin against the
-// reference, a spilled session exported bit for bit, a Step's own sessions never moved for each
-// other, and both budgets named when both are full.
+// reference (by one client and by three at once), a spilled session exported bit for bit, a
+// Step's own sessions never moved for each other, and both budgets named when both are full.
 #include <unistd.h>
 
 #include <algorithm>
@@ -1694,6 +1694,34 @@ TEST_F(HostTierE2E, AStepsOwnSessionsNeverMoveForEachOther) {
     EXPECT_EQ(stub.Length(s.id), s.seq.length()) << s.id;
     EXPECT_EQ(StepAll(stub, {&s}, rng), absl::OkStatus());
   }
+  DropAll(stub, sessions);
+}
+
+// Three clients stepping three sessions each at once (18 pages over a pool of 8): pages move
+// between the pool and the host tier while other Steps run, and every answer matches the
+// reference over its own session's rows.
+TEST_F(HostTierE2E, ConcurrentClientsSteppingTheirOwnSessionsMatchTheReference) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  SessionsStub stub = Stub();
+  constexpr int kClients = 3;
+  std::vector<TestSession> sessions = CreateSessions(stub, 3 * kClients, rng);
+  ASSERT_EQ(sessions.size(), 3u * kClients);
+  const double restored = Metric("attention_kv_host_pages_total", {{"direction", "restored"}});
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&, c] {
+      std::mt19937_64 client_rng(seed + 1 + c);
+      SessionsStub own = Stub();
+      for (int i = 0; i < 9; ++i) {
+        TestSession& s = sessions[3 * c + i % 3];
+        EXPECT_EQ(StepAll(own, {&s}, client_rng), absl::OkStatus()) << "client " << c;
+      }
+    });
+  }
+  for (std::thread& client : clients) client.join();
+  EXPECT_GT(Metric("attention_kv_host_pages_total", {{"direction", "restored"}}), restored);
   DropAll(stub, sessions);
 }
 
