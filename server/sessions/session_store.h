@@ -362,7 +362,8 @@ class SessionStore {
 
 // A session's state. Writes to page_table and length hold both mu_ and call_mu; reads hold
 // either. (A move to the host tier writes page_table and host_slots under mu_ alone: only of a
-// session no lease holds or waits for, which no call can lock without taking mu_ first.) The rest (last_used, users, dropped) is guarded by the store's mu_.
+// session no lease holds or waits for, which no call can lock without taking mu_ first.) The rest
+// (last_used, users, dropped) is guarded by the store's mu_.
 struct SessionStore::Session {
   std::string id;
   std::string owner;
