@@ -2,7 +2,8 @@
 shared memory allowed) while the Python client steps it through a router, over every Step path
 the CPU backend serves: the request ring (wait=True, and wait=False answered by the next post),
 a unary Step with wait=False (a future), and the StepStream (a stream open on the old replica
-before the move, and one idle while its replica stopped).
+before the move, one idle through the move, whose replica refuses the session dropped there as
+moved, and one idle while its replica stopped).
 
 The router is a small gRPC proxy in this process (OwnerRouter): each call goes, as raw bytes, to
 the replica its attention-session-owner header names through an owner map, as deploy/haproxy does
@@ -126,11 +127,14 @@ class SealedRetryTest(unittest.TestCase):
     def setUp(self):
         self.router.owners = {name: name for name in self.servers}
         self.router.default = "r1"
-        # The client's one request ring serves the replica it was opened on (that of an earlier
-        # test's owner map): each test opens its own.
+        # The client's request ring and StepStreams stay on the replica they were opened on
+        # (by an earlier test's owner map): each test opens its own.
         if self.client._step_ring is not None:
             self.client._step_ring.close()
             self.client._step_ring = None
+        for stream in self.client._step_streams.values():
+            stream.close()
+        self.client._step_streams.clear()
 
     def normal(self, *shape):
         return self.rng.standard_normal(shape).astype(np.float32)
@@ -236,6 +240,22 @@ class SealedRetryTest(unittest.TestCase):
         self.assertWithin(s.step(q, k=k1, v=v1, causal=True, stream=True), ref, "moving")
         self.assertMoved(s, rows, "r2", switch, started)
         self.assertIsNot(self.client._step_streams["r1"], old)
+        s.drop()
+
+    def test_a_stream_idle_through_the_move_is_refused_as_moved_and_opened_again(self):
+        # Stepped before the move only, its replica still up: the session was dropped there, but
+        # the replica refuses it as sealed (moved away), not NOT_FOUND, and the client opens
+        # another stream, which the router sends to the new owner.
+        s, rows = self.new_session()
+        q, k1, v1, ref = self.decode_inputs(rows)
+        self.assertWithin(s.step(q, k=k1, v=v1, causal=True, stream=True), ref, "before")
+        old = self.client._step_streams["r1"]
+        self.move(s, "r1", "r2").join()
+        self.assertFalse(old.ended())
+        q, k1, v1, ref = self.decode_inputs(rows)
+        self.assertWithin(s.step(q, k=k1, v=v1, causal=True, stream=True), ref, "after")
+        self.assertIsNot(self.client._step_streams["r1"], old)
+        self.assertEqual(s.info().length, rows[0].shape[1])
         s.drop()
 
     def test_a_stream_idle_while_its_replica_stopped_is_opened_again(self):
