@@ -36,7 +36,8 @@ if shutil.which("haproxy") is None:
           "(scripts/install_deps.sh test installs Debian's haproxy)")
     sys.exit(77)
 
-from test_attention_client import F32_BOUND, SEED, TestServer, reference, rel_error
+from test_attention_client import (F32_BOUND, SEED, reference, rel_error, start_replicas,
+                                   stop_replicas)
 
 import numpy as np
 from attention_client import Client
@@ -138,11 +139,9 @@ class ReplicaRoutingTest(unittest.TestCase):
     def setUpClass(cls):
         cls.rng = np.random.default_rng(SEED)
         cls.names = ["r1", "r2", "r3"]
-        cls.servers, cls.direct, cls.proxy, cls.client = {}, {}, None, None
+        cls.servers, cls.direct = start_replicas(cls.names)
+        cls.proxy, cls.client = None, None
         try:
-            for name in cls.names:
-                cls.servers[name] = TestServer([f"--replica_name={name}"])
-                cls.direct[name] = Client(f"127.0.0.1:{cls.servers[name].port}", timeout=60)
             cls.proxy = Proxy([(n, f"127.0.0.1:{cls.servers[n].port}") for n in cls.names])
             cls.client = Client(f"127.0.0.1:{cls.proxy.port}", timeout=60)
         except BaseException:
@@ -153,13 +152,9 @@ class ReplicaRoutingTest(unittest.TestCase):
     def tearDownClass(cls):
         if cls.client is not None:
             cls.client.close()
-        for client in cls.direct.values():
-            client.close()
         if cls.proxy is not None:
             cls.proxy.stop()
-        for server in cls.servers.values():
-            if server.process.poll() is None:
-                server.stop()
+        stop_replicas(cls.servers, cls.direct)
 
     def normal(self, *shape):
         return self.rng.standard_normal(shape).astype(np.float32)

@@ -13,7 +13,8 @@ numpy is missing.
 import socket
 import unittest
 
-from test_attention_client import F32_BOUND, SEED, TestServer, reference, rel_error
+from test_attention_client import (F32_BOUND, SEED, reference, rel_error, start_replicas,
+                                   stop_replicas)
 
 import grpc
 import numpy as np
@@ -30,23 +31,12 @@ class PlacementTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.rng = np.random.default_rng(SEED)
-        cls.servers, cls.clients = {}, {}
-        try:
-            for name in NAMES:
-                cls.servers[name] = TestServer([
-                    f"--replica_name={name}", f"--kv_page_bytes={PAGE_ROWS * 1024}",
-                    f"--kv_cache_bytes={PAGES * PAGE_ROWS * 1024}"])
-                cls.clients[name] = Client(f"127.0.0.1:{cls.servers[name].port}", timeout=60)
-        except BaseException:
-            cls.tearDownClass()
-            raise
+        cls.servers, cls.clients = start_replicas(NAMES, [
+            f"--kv_page_bytes={PAGE_ROWS * 1024}", f"--kv_cache_bytes={PAGES * PAGE_ROWS * 1024}"])
 
     @classmethod
     def tearDownClass(cls):
-        for client in cls.clients.values():
-            client.close()
-        for server in cls.servers.values():
-            server.stop()
+        stop_replicas(cls.servers, cls.clients)
 
     def setUp(self):
         self.held = []

@@ -23,7 +23,8 @@ import threading
 import time
 import unittest
 
-from test_attention_client import F32_BOUND, SEED, TestServer, reference, rel_error
+from test_attention_client import (F32_BOUND, SEED, reference, rel_error, start_replicas,
+                                   stop_replicas)
 
 import grpc
 import numpy as np
@@ -99,12 +100,9 @@ class SealedRetryTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.rng = np.random.default_rng(SEED)
-        cls.servers, cls.direct, cls.router, cls.client = {}, {}, None, None
+        cls.servers, cls.direct = start_replicas(("r1", "r2", "r3"), ["--allow_shared_memory"])
+        cls.router, cls.client = None, None
         try:
-            for name in ("r1", "r2", "r3"):
-                cls.servers[name] = TestServer([f"--replica_name={name}",
-                                                "--allow_shared_memory"])
-                cls.direct[name] = Client(f"127.0.0.1:{cls.servers[name].port}", timeout=60)
             cls.router = OwnerRouter({n: f"127.0.0.1:{s.port}" for n, s in cls.servers.items()},
                                      default="r1")
             cls.client = Client(f"127.0.0.1:{cls.router.port}", timeout=60)
@@ -116,13 +114,9 @@ class SealedRetryTest(unittest.TestCase):
     def tearDownClass(cls):
         if cls.client is not None:
             cls.client.close()
-        for client in cls.direct.values():
-            client.close()
         if cls.router is not None:
             cls.router.stop()
-        for server in cls.servers.values():
-            if server.process.poll() is None:
-                server.stop()
+        stop_replicas(cls.servers, cls.direct)
 
     def setUp(self):
         self.router.owners = {name: name for name in self.servers}
@@ -229,11 +223,16 @@ class SealedRetryTest(unittest.TestCase):
         self.assertMoved(s, rows, "r2", switch, started)
         s.drop()
 
-    def test_a_stream_on_the_old_replica_is_opened_again(self):
+    def stepped_on_a_stream(self):
+        """A new session (of the router's default replica) and its rows, stepped once over the
+        client's StepStream of its owner, and that stream."""
         s, rows = self.new_session()
         q, k1, v1, ref = self.decode_inputs(rows)
         self.assertWithin(s.step(q, k=k1, v=v1, causal=True, stream=True), ref, "before")
-        old = self.client._step_streams["r1"]
+        return s, rows, self.client._step_streams[self.router.default]
+
+    def test_a_stream_on_the_old_replica_is_opened_again(self):
+        s, rows, old = self.stepped_on_a_stream()
         switch = self.move(s, "r1", "r2")
         started = time.monotonic()
         q, k1, v1, ref = self.decode_inputs(rows)
@@ -246,10 +245,7 @@ class SealedRetryTest(unittest.TestCase):
         # Stepped before the move only, its replica still up: the session was dropped there, but
         # the replica refuses it as sealed (moved away), not NOT_FOUND, and the client opens
         # another stream, which the router sends to the new owner.
-        s, rows = self.new_session()
-        q, k1, v1, ref = self.decode_inputs(rows)
-        self.assertWithin(s.step(q, k=k1, v=v1, causal=True, stream=True), ref, "before")
-        old = self.client._step_streams["r1"]
+        s, rows, old = self.stepped_on_a_stream()
         self.move(s, "r1", "r2").join()
         self.assertFalse(old.ended())
         q, k1, v1, ref = self.decode_inputs(rows)
@@ -262,10 +258,7 @@ class SealedRetryTest(unittest.TestCase):
         # Stepped before the move only: its replica's stop ends it, and the next Step opens
         # another (on the new owner) instead of failing on the ended one.
         self.router.default = "r3"
-        s, rows = self.new_session()
-        q, k1, v1, ref = self.decode_inputs(rows)
-        self.assertWithin(s.step(q, k=k1, v=v1, causal=True, stream=True), ref, "before")
-        stream = self.client._step_streams["r3"]
+        s, rows, stream = self.stepped_on_a_stream()
         self.move(s, "r3", "r2").join()
         self.servers["r3"].stop()
         deadline = time.monotonic() + 10
