@@ -550,6 +550,7 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
     for (int i = 0; i < n; ++i) {
       ASSIGN_OR_RETURN(DecodedEntry decoded,
                        DecodeStepEntry(i, request.entries(i), places[i].shape, call->refs.get()));
+      RETURN_IF_ERROR(CheckStepTokens(i, request.entries(i), decoded.rows.rows));
       entries.push_back(decoded);
     }
     RETURN_IF_ERROR(CheckEntriesApart(entries));
@@ -588,6 +589,9 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
                                               .chunk_size = open.chunk_size,
                                               .memory = memory},
                                       .rows = decoded.rows,
+                                      .tokens = packed ? absl::Span<const int64_t>()
+                                                       : absl::MakeConstSpan(
+                                                             request.entries(i).tokens()),
                                       .q = decoded.q,
                                       .rows_q = decoded.rows_q,
                                       .o = decoded.o,

@@ -642,8 +642,9 @@ class Client:
                   layer=None):
         """One Step RPC over several sessions of this client, run by the server as one launch.
 
-        items: (session, q) or (session, q, k, v) tuples, each session at most once; q
-        [Hq, Nq, D], k [Hkv, n, D] and v [Hkv, n, Dv] appended before attending. Returns one o
+        items: (session, q), (session, q, k, v) or (session, q, k, v, tokens) tuples, each
+        session at most once; q [Hq, Nq, D], k [Hkv, n, D] and v [Hkv, n, Dv] appended before
+        attending, tokens their token ids (as Session.append's). Returns one o
         [Hq, Nq, Dv] (or (o, lse), or with return_info a StepResult) per item, in order; every
         session's length is updated.
         sinks, softcap, chunk_size: as attend()'s, for every item (DeviceInfo.step_options).

@@ -189,9 +189,10 @@ class Session:
 
     def step(self, q, k=None, v=None, *, causal=False, softmax_scale=None, window_left=None,
              window_right=None, return_lse=False, timeout=None, return_info=False, stream=False,
-             sinks=None, softcap=None, chunk_size=None, layer=None):
+             sinks=None, softcap=None, chunk_size=None, layer=None, tokens=None):
         """Attends q [Hq, Nq, D] to the session, after appending k [Hkv, n, D] and v
-        [Hkv, n, Dv] when given.
+        [Hkv, n, Dv] when given; tokens: the token id of each appended row, as append()'s (its
+        full pages are then cached for later sessions' prefix_tokens).
 
         stream=True sends the Step over the Client's one long-lived Sessions.StepStream (opened
         on first use; no per-call setup), one Step in flight at a time; timeout does not apply
@@ -206,7 +207,7 @@ class Session:
         sinks, softcap, chunk_size: as Client.attend()'s. layer: the layer attended to (and
         appended to), for a session of several layers.
         """
-        return step_many(self._client, [(self, q, k, v)], causal=causal,
+        return step_many(self._client, [(self, q, k, v, tokens)], causal=causal,
                          softmax_scale=softmax_scale, window_left=window_left,
                          window_right=window_right, return_lse=return_lse, timeout=timeout,
                          metadata=self._metadata, return_info=return_info, stream=stream,
@@ -361,13 +362,14 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
     _set_open_model_options(request, sinks, softcap, chunk_size)
     kinds, sessions = [], []
     for item in items:
-        session, q, k, v = (tuple(item) + (None, None))[:4]
+        session, q, k, v, tokens = (tuple(item) + (None, None, None))[:5]
         if (k is None) != (v is None):
             raise ValueError("k and v go together: give both or neither")
         if session._client is not client:
             raise ValueError(f"session {session.id} belongs to another Client")
         tq, kind = _to_tensor(q, "q", session._bfloat16_bits)
-        entry = request.entries.add(session_id=session._live_id(), q=tq)
+        entry = request.entries.add(session_id=session._live_id(), q=tq,
+                                    tokens=_token_ids(tokens))
         if k is not None:
             entry.k.CopyFrom(_to_tensor(k, "k", session._bfloat16_bits)[0])
             entry.v.CopyFrom(_to_tensor(v, "v", session._bfloat16_bits)[0])
