@@ -168,10 +168,11 @@ absl::Status CheckStepTokens(int index, const v1::StepEntry& entry, int64_t rows
   const std::string field = absl::StrCat("entries[", index, "].tokens");
   RETURN_IF_ERROR(CheckTokens(field, entry.tokens_size(), rows));
   if (entry.tokens_size() > 0 && (entry.k().has_ref() || entry.v().has_ref())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": expected only with k and v in the message (rows read from a region are not "
-               "cached), got ",
-        entry.k().has_ref() ? "k" : "v", " by reference"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field,
+                     ": expected only with k and v in the message (rows read from a region are not "
+                     "cached), got ",
+                     entry.k().has_ref() ? "k" : "v", " by reference"));
   }
   return absl::OkStatus();
 }

@@ -589,13 +589,11 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
                                               .chunk_size = open.chunk_size,
                                               .memory = memory},
                                       .rows = decoded.rows,
-                                      .tokens = packed ? absl::Span<const int64_t>()
-                                                       : absl::MakeConstSpan(
-                                                             request.entries(i).tokens()),
                                       .q = decoded.q,
                                       .rows_q = decoded.rows_q,
                                       .o = decoded.o,
                                       .lse = decoded.lse});
+    if (!packed) call->seqs.back().tokens = absl::MakeConstSpan(request.entries(i).tokens());
   }
   if (response_bytes > options_.max_message_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("response would be ", response_bytes,
