@@ -180,7 +180,12 @@ def retry_sealed_later(start, finish, timeout):
     retries = _SealedRetries(timeout)
 
     def attempt():
-        start(retries.left()).add_done_callback(done)
+        try:
+            call = start(retries.left())
+        except Exception as e:  # a closed channel, say: the future must still resolve
+            future.set_exception(e)
+            return
+        call.add_done_callback(done)
 
     def done(call):
         try:
