@@ -54,7 +54,7 @@ COPY --from=build /out/runtime-packages.txt /tmp/runtime-packages.txt
 RUN apt-get update -qq \
     && xargs -a /tmp/runtime-packages.txt apt-get install -y -qq --no-install-recommends \
     && rm -rf /var/lib/apt/lists/* /tmp/runtime-packages.txt
-# A fixed numeric uid, so Kubernetes' runAsNonRoot can verify it (deploy/k8s/deployment.yaml).
+# A fixed numeric uid, so Kubernetes' runAsNonRoot can verify it (deploy/k8s/statefulset.yaml).
 RUN groupadd --system --gid 10001 attention \
     && useradd --system --uid 10001 --gid attention --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin attention

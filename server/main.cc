@@ -408,7 +408,6 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   const std::unique_ptr<HostMemory> host_memory =
       options.backend == "cuda" ? MakePinnedHostMemory(2 * options.service.max_message_bytes)
                                 : MakePageableHostMemory();
-  AttentionService service(options.service, &scheduler, &gate, host_memory.get(), regions.get());
   std::unique_ptr<SessionStore> session_store;
   if (!kv_devices->empty()) {
     session_store = std::make_unique<SessionStore>(
@@ -436,6 +435,8 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
                                           move.restore_seconds);
                 }});
   }
+  AttentionService service(options.service, &scheduler, &gate, host_memory.get(), regions.get(),
+                           session_store.get());
   // CUDA events of packed Steps in stream order, opened once per handle.
   std::unique_ptr<IpcEvents> events;
   if (options.shared_memory.allow) {

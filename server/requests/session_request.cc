@@ -164,6 +164,19 @@ absl::Status CheckTokens(absl::string_view field, int tokens, int64_t rows) {
       field, ": expected none or ", rows, " (one token id per row of k and v), got ", tokens));
 }
 
+absl::Status CheckStepTokens(int index, const v1::StepEntry& entry, int64_t rows) {
+  const std::string field = absl::StrCat("entries[", index, "].tokens");
+  RETURN_IF_ERROR(CheckTokens(field, entry.tokens_size(), rows));
+  if (entry.tokens_size() > 0 && (entry.k().has_ref() || entry.v().has_ref())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field,
+                     ": expected only with k and v in the message (rows read from a region are not "
+                     "cached), got ",
+                     entry.k().has_ref() ? "k" : "v", " by reference"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> DecodeChunkRows(int64_t chunk_rows, const KvShape& shape,
                                         int64_t max_message_bytes) {
   // k and v of one row, and what a chunk carries besides: tags, shapes, header-free fields.

@@ -73,6 +73,11 @@ absl::StatusOr<DecodedImportChunk> DecodeImportChunk(const v1::SessionChunk& chu
 // the `rows` appended.
 absl::Status CheckTokens(absl::string_view field, int tokens, int64_t rows);
 
+// StepEntry `index`'s tokens: none, or one per appended row (CheckTokens), and then k and v in
+// the message: rows read from a region are checked (RequestRegions::Intact) only once the Step
+// ran, after their pages would be cached.
+absl::Status CheckStepTokens(int index, const v1::StepEntry& entry, int64_t rows);
+
 // The k and v rows to append to a session of `shape`: BHSD [Hkv, n, D] or BSHD [n, Hkv, D] (v with
 // the session's Dv for D); both absent (null) is zero rows. `prefix` begins the field names ("",
 // "entries[2].").

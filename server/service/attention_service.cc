@@ -21,7 +21,7 @@ using v1::AttendResponse;
 
 AttentionService::AttentionService(const ServiceOptions& options, Scheduler* scheduler,
                                    const CallGate* gate, HostMemory* memory,
-                                   RegionRegistry* regions)
+                                   RegionRegistry* regions, SessionStore* sessions)
     : options_(options),
       decode_options_{.max_message_bytes = options.max_message_bytes,
                       .max_head_dim = options.max_head_dim,
@@ -34,7 +34,8 @@ AttentionService::AttentionService(const ServiceOptions& options, Scheduler* sch
       metrics_(gate->metrics()),
       own_memory_(memory == nullptr ? MakePageableHostMemory() : nullptr),
       memory_(memory == nullptr ? own_memory_.get() : memory),
-      regions_(regions) {}
+      regions_(regions),
+      sessions_(sessions) {}
 
 absl::Status AttentionService::Prepare(const grpc::ServerContextBase* context,
                                        const grpc::ByteBuffer& request, Call* call) {
@@ -253,6 +254,13 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   response->set_version(options_.version);
   response->set_backend(options_.backend);
   response->set_replica_name(options_.replica_name);
+  if (sessions_ != nullptr) {
+    const CacheRoom room = sessions_->Room();
+    response->set_kv_page_bytes(room.page_bytes);
+    response->set_kv_pages_total(room.pages_total);
+    response->set_kv_pages_free(room.pages_free);
+    response->set_kv_pages_cached(room.pages_cached);
+  }
   for (const DeviceDescription* device : scheduler_->devices()) {
     v1::DeviceInfo* info = response->add_devices();
     info->set_name(device->name);

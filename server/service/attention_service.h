@@ -39,6 +39,7 @@
 #include "server/requests/wire_message.h"
 #include "server/scheduling/scheduler.h"
 #include "server/service/shared_memory_service.h"
+#include "server/sessions/session_store.h"
 #include "server/streams/stream_methods.h"
 
 namespace attention::server {
@@ -82,9 +83,11 @@ class AttentionService final : public AttentionRawService {
   // is off. Every call and every message of a stream passes `gate` (its token, drain, metrics and
   // log): once the drain closes, every new request, and every new message on an open stream, is
   // answered UNAVAILABLE; requests already accepted run to the end (their responses handed to
-  // gRPC) before it reads drained.
+  // gRPC) before it reads drained. `sessions`: the session store whose room ServerInfo reports
+  // (kv_pages_*); null: none (no sessions served).
   AttentionService(const ServiceOptions& options, Scheduler* scheduler, const CallGate* gate,
-                   HostMemory* memory = nullptr, RegionRegistry* regions = nullptr);
+                   HostMemory* memory = nullptr, RegionRegistry* regions = nullptr,
+                   SessionStore* sessions = nullptr);
 
   // One request on its way: what was parsed and decoded, the host block holding its tensors
   // (q | k | v | o | lse, each 256-byte aligned) and the response's other fields. An
@@ -157,6 +160,7 @@ class AttentionService final : public AttentionRawService {
   std::unique_ptr<HostMemory> own_memory_;  // when none was given
   HostMemory* const memory_;
   RegionRegistry* const regions_;
+  SessionStore* const sessions_;  // ServerInfo's kv_pages_*; null: none
   // Bytes the blocks of unfinished AttendChunked calls hold (ServiceOptions::chunked_memory_bytes).
   std::atomic<int64_t> chunked_bytes_{0};
 };

@@ -550,6 +550,7 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
     for (int i = 0; i < n; ++i) {
       ASSIGN_OR_RETURN(DecodedEntry decoded,
                        DecodeStepEntry(i, request.entries(i), places[i].shape, call->refs.get()));
+      RETURN_IF_ERROR(CheckStepTokens(i, request.entries(i), decoded.rows.rows));
       entries.push_back(decoded);
     }
     RETURN_IF_ERROR(CheckEntriesApart(entries));
@@ -592,6 +593,7 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
                                       .rows_q = decoded.rows_q,
                                       .o = decoded.o,
                                       .lse = decoded.lse});
+    if (!packed) call->seqs.back().tokens = absl::MakeConstSpan(request.entries(i).tokens());
   }
   if (response_bytes > options_.max_message_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("response would be ", response_bytes,

@@ -114,6 +114,10 @@ absl::Status SessionStore::NotFound(absl::string_view id) const {
                    " idle (sessions are also lost when the server restarts); create it again"));
 }
 
+absl::Status SessionStore::MissingLocked(absl::string_view owner, absl::string_view id) const {
+  return moved_.contains(absl::StrCat(owner, "\n", id)) ? SealedError(id) : NotFound(id);
+}
+
 absl::Status SealedError(absl::string_view id) {
   return absl::UnavailableError(absl::StrCat(
       kSealedMarker, "session ", Quote(id),
@@ -187,7 +191,7 @@ absl::StatusOr<SessionStore::Place> SessionStore::Locate(absl::string_view owner
   if (absl::StrContains(id, '/')) return NotFound(id);
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Session> session = FindLocked(owner, id);
-  if (session == nullptr) return NotFound(id);
+  if (session == nullptr) return MissingLocked(owner, id);
   return Place{.device = session->device, .shape = session->shape, .layers = session->layers};
 }
 
@@ -268,6 +272,9 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   // 128 random bits do not collide in practice; the check costs nothing.
   while (sessions_.contains(new_id)) {
     ASSIGN_OR_RETURN(new_id, NewSessionId(options_.replica_name));
+  }
+  if (!id.empty() && moved_.erase(absl::StrCat(owner, "\n", id)) > 0) {
+    std::erase(moved_order_, absl::StrCat(owner, "\n", id));  // moved back: its own again
   }
   session->id = std::move(new_id);
   session->owner = std::string(owner);
@@ -363,7 +370,7 @@ absl::StatusOr<std::vector<SessionStore::Lease>> SessionStore::Acquire(
       std::shared_ptr<Session> session = FindLocked(owner, id);
       if (session == nullptr) {
         for (const auto& s : found) --s->users;  // none was locked yet
-        return NotFound(id);
+        return MissingLocked(owner, id);
       }
       ++session->users;  // cannot expire while held or waited for
       session->last_used = now;
@@ -914,6 +921,14 @@ absl::Status SessionStore::Drop(absl::string_view owner, absl::string_view id) {
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Session> session = FindLocked(owner, id);
   if (session == nullptr) return NotFound(id);
+  if (session->sealed) {  // moved away (layer 0 stands for the group: every layer is sealed)
+    std::string key = absl::StrCat(owner, "\n", id);
+    if (moved_.insert(key).second) moved_order_.push_back(std::move(key));
+    if (moved_order_.size() > kMovedKept) {
+      moved_.erase(moved_order_.front());
+      moved_order_.pop_front();
+    }
+  }
   RemoveLocked(session);
   PublishLocked();
   return absl::OkStatus();

@@ -50,11 +50,13 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -350,6 +352,9 @@ class SessionStore {
   SessionSnapshot SnapshotLocked(const Session& session, absl::Time now) const;
   void PublishLocked();
   absl::Status NotFound(absl::string_view id) const;
+  // NOT_FOUND for a session `owner` does not hold here, or the sealed refusal when it was moved
+  // away (moved_).
+  absl::Status MissingLocked(absl::string_view owner, absl::string_view id) const;
 
   const SessionStoreOptions options_;
   std::vector<KvDevice> devices_;
@@ -358,6 +363,13 @@ class SessionStore {
   std::mutex mu_;
   std::vector<DeviceState> device_states_;                                 // guarded by mu_
   std::map<std::string, std::shared_ptr<Session>, std::less<>> sessions_;  // by id; guarded by mu_
+  // Sessions dropped while sealed, i.e. moved to another replica by a drain (owner '\n' id): a
+  // call naming one that still reaches this replica (over a stream or ring opened here before
+  // the router's switch) is refused as sealed, which clients retry where the router sends it
+  // now, rather than NOT_FOUND. The last kMovedKept; an id created here again is forgotten.
+  static constexpr size_t kMovedKept = 1 << 16;
+  std::set<std::string, std::less<>> moved_;  // guarded by mu_
+  std::deque<std::string> moved_order_;       // oldest first; guarded by mu_
 };
 
 // A session's state. Writes to page_table and length hold both mu_ and call_mu; reads hold

@@ -702,6 +702,40 @@ TEST_F(SessionStoreTest, ASealedSessionRefusesChangesButNotExports) {
   EXPECT_EQ(store_->List("").size(), 1u);
 }
 
+TEST_F(SessionStoreTest, ASessionDroppedSealedIsRefusedAsSealedUntilCreatedAgain) {
+  // Moved away by a drain (sealed, then dropped): calls that still reach this store get the
+  // sealed refusal, which clients retry where the router sends them now; another owner, and a
+  // session dropped unsealed, get NOT_FOUND; an id created here again is an ordinary one.
+  SCOPED_TRACE(seed_);
+  Make({8});
+  const std::string moved(32, 'c');
+  ASSERT_TRUE(store_->Create("", kShape, 0, 0, 1, moved).ok());
+  const std::string dropped = CreateWith("", 1);
+  {
+    absl::StatusOr<std::vector<SessionStore::Lease>> held =
+        store_->Acquire("", {moved}, SessionStore::Access::kExport);
+    ASSERT_TRUE(held.ok()) << held.status();
+    store_->Seal(held->front());
+  }
+  ASSERT_EQ(store_->Drop("", moved), absl::OkStatus());
+  ASSERT_EQ(store_->Drop("", dropped), absl::OkStatus());
+  const std::string sealed = absl::StrCat(kSealedMarker, "session '", moved, "' was sealed");
+  absl::StatusOr<SessionStore::Place> located = store_->Locate("", moved);
+  EXPECT_EQ(located.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StartsWith(located.status().message(), sealed)) << located.status();
+  EXPECT_EQ(AppendRows("", moved, 1).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(store_->Acquire("", {moved}, SessionStore::Access::kExport).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(store_->Locate("other", moved).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Locate("", dropped).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Drop("", moved).code(), absl::StatusCode::kNotFound);
+  // Moved back here (an Import under its id): an ordinary session, NOT_FOUND once dropped.
+  ASSERT_TRUE(store_->Create("", kShape, 0, 0, 1, moved).ok());
+  EXPECT_EQ(AppendRows("", moved, 2), absl::OkStatus());
+  ASSERT_EQ(store_->Drop("", moved), absl::OkStatus());
+  EXPECT_EQ(store_->Locate("", moved).status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(SessionStoreTest, HeldSessionsDoNotExpire) {
   SCOPED_TRACE(seed_);
   Make({2}, absl::Seconds(10));

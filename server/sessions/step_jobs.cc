@@ -90,7 +90,8 @@ absl::StatusOr<std::vector<DecodeSequence>> StepJobs::Prepare(StepWork& step,
   RETURN_IF_ERROR(store_->Append(held, rows));
   for (size_t s = 0; s < group.seqs.size(); ++s) {
     StepSequence& seq = step.seqs[group.seqs[s]];
-    const SessionStore::Lease& lease = leases[s];
+    SessionStore::Lease& lease = leases[s];
+    RETURN_IF_ERROR(store_->NameTokens(lease, seq.tokens));
     seq.length = lease.length();
     group.launched.push_back(DecodeSequence{.pages = lease.page_table(),
                                             .length = lease.length(),

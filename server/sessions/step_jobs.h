@@ -33,9 +33,12 @@ namespace attention::server {
 // memory of the session's GPU when key.memory says so (the job appends `rows` with it).
 struct StepSequence {
   absl::string_view session_id;
-  int device = 0;           // the session's (SessionStore::Locate)
-  DecodeKey key;            // its shape is the session's
-  KvRows rows;              // appended before the queries attend
+  int device = 0;  // the session's (SessionStore::Locate)
+  DecodeKey key;   // its shape is the session's
+  KvRows rows;     // appended before the queries attend
+  // The token id of each appended row (StepEntry.tokens), or none: named to the store
+  // (SessionStore::NameTokens), so its full pages are cached as shared prefixes.
+  absl::Span<const int64_t> tokens;
   const void* q = nullptr;  // [Hq, Nq, D] of the key's dtype
   int64_t rows_q = 0;       // Nq: the session's last Nq positions
   void* o = nullptr;        // [Hq, Nq, D], written by the launch

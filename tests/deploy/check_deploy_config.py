@@ -401,21 +401,38 @@ class KubernetesTest(unittest.TestCase):
                     cls.rule_jobs |= set(re.findall(r'job="(\w+)"', yaml.safe_dump(doc)))
                 if isinstance(doc, dict) and "scrape_configs" in doc:
                     cls.prometheus_jobs |= {j["job_name"] for j in doc["scrape_configs"]}
-        deployments = docs_of_kind(cls.k8s, "Deployment")
-        assert len(deployments) == 1, "deploy/k8s: expected one Deployment"
-        cls.deployment = deployments[0][1]
-        cls.pod = cls.deployment["spec"]["template"]
+        # A StatefulSet: stable pod names and DNS names, for routing sessions to their owner.
+        workloads = docs_of_kind(cls.k8s, "StatefulSet")
+        assert len(workloads) == 1, "deploy/k8s: expected one StatefulSet"
+        assert docs_of_kind(cls.k8s, "Deployment") == [], "deploy/k8s: a Deployment"
+        cls.workload = workloads[0][1]
+        cls.pod = cls.workload["spec"]["template"]
         cls.container = server_containers(cls.pod["spec"], cls.docker.tag)[0]
         cls.args = cls.container.get("args", [])
         cls.flags = flag_values(cls.args)
         cls.ports = {p["name"]: p["containerPort"] for p in cls.container["ports"]}
 
-    def test_deployment_runs_the_image_with_existing_flags(self):
+    def test_each_pod_names_its_sessions_after_itself(self):
+        # --replica_name is the pod's name, through the downward API (Kubernetes expands $(VAR)
+        # in args), and fits the flag: 1..32 of a-z, 0-9 and '-' for every ordinal up to 9999.
+        self.assertEqual(self.flags.get("replica_name"), "$(POD_NAME)")
+        env = {e["name"]: e for e in self.container.get("env", [])}
+        self.assertEqual(env["POD_NAME"].get("valueFrom"),
+                         {"fieldRef": {"fieldPath": "metadata.name"}})
+        longest = f"{self.workload['metadata']['name']}-9999"
+        self.assertRegex(longest, r"^[a-z0-9-]{1,32}$")
+        # Each pod's DNS name, NAME.SERVICE.NAMESPACE.svc, comes from the headless Service.
+        services = {s["metadata"]["name"]: s for _, s in docs_of_kind(self.k8s, "Service")}
+        service = services.get(self.workload["spec"].get("serviceName"))
+        self.assertIsNotNone(service, "serviceName: not a Service of deploy/k8s")
+        self.assertEqual(service["spec"].get("clusterIP"), "None")
+
+    def test_workload_runs_the_image_with_existing_flags(self):
         self.assertEqual(image_repository(self.container["image"]),
                          image_repository(self.docker.tag))
         self.assertNotIn("command", self.container, "the image's ENTRYPOINT is the server")
         self.assertEqual(unknown_flags(self.args, PROJECT.server_flags), [])
-        self.assertTrue(is_subset(self.deployment["spec"]["selector"]["matchLabels"],
+        self.assertTrue(is_subset(self.workload["spec"]["selector"]["matchLabels"],
                                   self.pod["metadata"]["labels"]))
 
     def test_container_ports_match_the_flags(self):
@@ -560,7 +577,7 @@ class KustomizeTest(unittest.TestCase):
         self.assertEqual(operator_kinds(documents), [],
                          f"{BASE} needs the Prometheus Operator's CRDs")
         self.assertEqual(sorted(d["kind"] for d in documents),
-                         ["Deployment", "PodDisruptionBudget", "Service"])
+                         ["PodDisruptionBudget", "Service", "StatefulSet"])
 
     def test_operator_component_adds_the_service_monitor(self):
         spec = kustomization(OPERATOR_COMPONENT)
@@ -598,7 +615,7 @@ class KustomizeRenderTest(unittest.TestCase):
         documents = self.render(BASE)
         self.assertEqual(operator_kinds(documents), [])
         self.assertEqual(sorted(d["kind"] for d in documents),
-                         ["Deployment", "PodDisruptionBudget", "Service"])
+                         ["PodDisruptionBudget", "Service", "StatefulSet"])
 
     def test_operator_overlay_renders_the_base_and_the_service_monitor(self):
         base = self.render(BASE)

@@ -133,6 +133,30 @@ class TestServer:
         assert code == 0, f"attention_server exited with {code}"
 
 
+def start_replicas(names, flags=()):
+    """A TestServer per name, run with --replica_name=NAME and `flags`, and a Client calling
+    each directly: ({name: server}, {name: client}) (servers and clients, name by name). Stops
+    what it started when one fails to start."""
+    servers, clients = {}, {}
+    try:
+        for name in names:
+            servers[name] = TestServer([f"--replica_name={name}", *flags])
+            clients[name] = Client(f"127.0.0.1:{servers[name].port}", timeout=60)
+    except BaseException:
+        stop_replicas(servers, clients)
+        raise
+    return servers, clients
+
+
+def stop_replicas(servers, clients):
+    """Closes the clients and stops the servers (of start_replicas) still running."""
+    for client in clients.values():
+        client.close()
+    for server in servers.values():
+        if server.process.poll() is None:
+            server.stop()
+
+
 class ServerTest(unittest.TestCase):
     """One CPU server for the whole class."""
 

@@ -1,7 +1,8 @@
 """Shared prefixes over real gRPC (CPU backend): a session created from prefix_tokens holds the
 full pages another session appended with the same token ids, costs only its own new pages, and
 steps bit for bit as a session of the same rows made from scratch (of one layer and of several,
-whose blocks are cached once every layer holds them); cached pages no session holds
+whose blocks are cached once every layer holds them; rows appended by Steps naming their tokens
+too); cached pages no session holds
 are taken back least recently released first when the pool is full, never a page a session holds;
 tokens of the wrong count and prefix_tokens with k and v are refused by name. Inputs are fresh
 random each run; the seed is printed, and a failure message repeats it.
@@ -85,6 +86,47 @@ class PrefixTest(ServerTest):
             other[PAGE_ROWS + 1] += 1
             with self.create(prefix_tokens=other) as third:
                 self.assertEqual(third.prefix_rows, PAGE_ROWS)
+
+    def test_rows_a_step_appends_with_tokens_are_cached_too(self):
+        # A session built by Steps alone (a prefill Step, then decode Steps of one row each)
+        # naming their tokens: its full pages are found by a new session's prefix_tokens, as
+        # AppendKv's are, and that session's Steps equal, bit for bit, one's made from scratch.
+        n = 2 * PAGE_ROWS + 3
+        k, v = self.rows(n)
+        prompt = self.tokens(n)
+        prefill = PAGE_ROWS + 4
+        with self.create() as first:
+            first.step(self.normal(HQ, 2, D), k[:, :prefill], v[:, :prefill], causal=True,
+                       tokens=prompt[:prefill])
+            for row in range(prefill, n):
+                first.step(self.normal(HQ, 1, D), k[:, row:row + 1], v[:, row:row + 1],
+                           causal=True, tokens=prompt[row:row + 1])
+            free, _ = self.room()
+            with self.create(prefix_tokens=prompt) as second:
+                self.assertEqual((second.prefix_rows, second.length),
+                                 (2 * PAGE_ROWS, 2 * PAGE_ROWS))
+                self.assertEqual(self.room()[0], free)  # both pages shared: none taken
+                second.append(k[:, 2 * PAGE_ROWS:], v[:, 2 * PAGE_ROWS:],
+                              tokens=prompt[2 * PAGE_ROWS:])
+                with self.client.session(k=k, v=v) as scratch:
+                    q, (kn, vn) = self.normal(HQ, 3, D), self.rows(3)
+                    self.assertSame(second.step(q, kn, vn, causal=True),
+                                    scratch.step(q, kn, vn, causal=True), "o")
+        # A Step's rows without tokens end what is cached: only the prefill's full page is found.
+        other = self.tokens(n)
+        with self.create() as first:
+            first.step(self.normal(HQ, 1, D), k[:, :prefill], v[:, :prefill],
+                       tokens=other[:prefill])
+            first.step(self.normal(HQ, 1, D), k[:, prefill:], v[:, prefill:])
+            with self.create(prefix_tokens=other) as second:
+                self.assertEqual(second.prefix_rows, PAGE_ROWS)
+        with self.create() as s:
+            with self.assertRaises(AttentionError) as raised:
+                s.step(self.normal(HQ, 1, D), *self.rows(2), tokens=prompt[:3])
+            self.assertEqual(raised.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("entries[0].tokens: expected none or 2 (one token id per row of k and "
+                          "v), got 3", raised.exception.details)
+            self.assertEqual(s.info().length, 0)
 
     def test_a_sequence_of_layers_shares_each_layers_pages(self):
         n, layers = 2 * PAGE_ROWS + 3, 2

@@ -4,7 +4,8 @@
 Inputs in a multiprocessing.shared_memory region, outputs written by the server into the region
 (out=, lse_out=), compared with the numpy float64 reference; a bad output array is refused before
 anything is sent; Steps over StepStream match the reference, and a Step on a dropped session
-raises NOT_FOUND and the next Step opens a new stream. Fresh random inputs; the seed is printed.
+raises NOT_FOUND and the next Step opens a new stream; a Step naming the tokens of rows by
+reference is refused by name. Fresh random inputs; the seed is printed.
 
 Run by ctest (label "python"). Exits 77 (skipped) when grpcio or numpy is missing.
 """
@@ -161,6 +162,29 @@ class SharedMemoryTest(ServerTest):
             self.client.request_ring("attend", slot_bytes=100)
         with self.assertRaises(ValueError):
             self.client.request_ring("decode")
+
+    def test_a_step_naming_tokens_of_rows_by_reference_is_refused(self):
+        # Rows read from a region are checked only after the Step ran, too late to cache them.
+        k0 = self.normal(2, 3, 16)
+        region = self.client.register_shared_memory("py-step-tokens", self.shm)
+        try:
+            region.array(k0.shape, np.float32)[...] = k0
+            with self.client.session(dtype="float32", kv_heads=2, head_dim=16) as s:
+                by_ref = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=k0.shape,
+                                   ref=region.ref(0, k0.nbytes))
+                inline = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=k0.shape, data=k0.tobytes())
+                q = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=(4, 1, 16),
+                              data=self.normal(4, 1, 16).tobytes())
+                with self.assertRaises(grpc.RpcError) as e:
+                    self.client._sessions_stub.Step(pb.StepRequest(entries=[pb.StepEntry(
+                        session_id=s.id, q=q, k=by_ref, v=inline, tokens=[1, 2, 3])]))
+                self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertIn("entries[0].tokens: expected only with k and v in the message "
+                              "(rows read from a region are not cached), got k by reference",
+                              e.exception.details())
+                self.assertEqual(s.info().length, 0)
+        finally:
+            region.unregister()
 
 
 class RequestRingOffTest(ServerTest):

@@ -3,7 +3,9 @@
 torch is imported only when a torch tensor or dtype is handed in: importing it takes seconds,
 and a broken install raises on import (not only ImportError), which must not break numpy use.
 """
+import concurrent.futures
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
@@ -133,20 +135,80 @@ def is_sealed(error):
     return error.code == grpc.StatusCode.UNAVAILABLE and SEALED_MARKER in (error.details or "")
 
 
+class _SealedRetries:
+    """The waits between the tries of one call refused for a sealed session: 10 ms doubling to
+    200 ms, while the next wait fits before the deadline, `timeout` seconds (None: 30) on."""
+
+    def __init__(self, timeout):
+        self._deadline = time.monotonic() + (_SEALED_DEADLINE if timeout is None else timeout)
+        self._wait = _SEALED_WAITS[0]
+
+    def left(self):
+        """Seconds left for the next try."""
+        return max(self._deadline - time.monotonic(), 0.001)
+
+    def wait_after(self, error):
+        """Seconds to wait before trying again after AttentionError `error`; None when it is
+        to be raised (not a sealed session's refusal, or no time left)."""
+        if not is_sealed(error) or time.monotonic() + self._wait > self._deadline:
+            return None
+        wait, self._wait = self._wait, min(2 * self._wait, _SEALED_WAITS[1])
+        return wait
+
+
 def retry_sealed(send, timeout):
     """send(seconds left) again, after 10 ms doubling to 200 ms, while it raises a sealed
     session's refusal (is_sealed), until `timeout` seconds (None: 30) have passed; then that
     refusal is raised."""
-    deadline = time.monotonic() + (_SEALED_DEADLINE if timeout is None else timeout)
-    wait = _SEALED_WAITS[0]
+    retries = _SealedRetries(timeout)
     while True:
         try:
-            return send(max(deadline - time.monotonic(), 0.001))
+            return send(retries.left())
         except AttentionError as e:
-            if not is_sealed(e) or time.monotonic() + wait > deadline:
+            wait = retries.wait_after(e)
+            if wait is None:
                 raise
         time.sleep(wait)
-        wait = min(2 * wait, _SEALED_WAITS[1])
+
+
+def retry_sealed_later(start, finish, timeout):
+    """retry_sealed for a call answered later: start(seconds left) starts it and returns its gRPC
+    future; the answer goes through finish(response). Returns a concurrent.futures.Future of
+    finish's result, or of the failure (AttentionError); a sealed session's refusal starts the
+    call again after the same waits (on a timer thread, nothing blocks meanwhile)."""
+    future = concurrent.futures.Future()
+    retries = _SealedRetries(timeout)
+
+    def attempt():
+        try:
+            call = start(retries.left())
+        except Exception as e:  # a closed channel, say: the future must still resolve
+            future.set_exception(e)
+            return
+        call.add_done_callback(done)
+
+    def done(call):
+        try:
+            try:
+                response = call.result()
+            except grpc.RpcError as e:
+                raise AttentionError(e.code(), e.details()) from None
+        except AttentionError as e:
+            wait = retries.wait_after(e)
+            if wait is None:
+                future.set_exception(e)
+            else:
+                timer = threading.Timer(wait, attempt)
+                timer.daemon = True
+                timer.start()
+            return
+        try:
+            future.set_result(finish(response))
+        except Exception as e:  # the answer did not fit the request
+            future.set_exception(e)
+
+    attempt()
+    return future
 
 
 def float32_to_bfloat16_bits(x):
@@ -399,8 +461,8 @@ class Client:
             return grpc.insecure_channel(self._target, options=opts)
         return grpc.secure_channel(self._target, self._credentials, options=opts)
 
-    def _call(self, method, request, timeout, metadata, retry=True):
-        """A unary call; with retry, a sealed session's refusal is retried (retry_sealed)."""
+    def _call(self, method, request, timeout, metadata):
+        """A unary call; a sealed session's refusal is retried (retry_sealed)."""
         metadata = self.metadata if metadata is None else metadata
         timeout = self.timeout if timeout is None else timeout
 
@@ -410,7 +472,7 @@ class Client:
             except grpc.RpcError as e:
                 raise AttentionError(e.code(), e.details()) from None
 
-        return retry_sealed(send, timeout) if retry else send(timeout)
+        return retry_sealed(send, timeout)
 
     def close(self):
         self._cuda_segments.close()
@@ -585,8 +647,9 @@ class Client:
                   layer=None):
         """One Step RPC over several sessions of this client, run by the server as one launch.
 
-        items: (session, q) or (session, q, k, v) tuples, each session at most once; q
-        [Hq, Nq, D], k [Hkv, n, D] and v [Hkv, n, Dv] appended before attending. Returns one o
+        items: (session, q), (session, q, k, v) or (session, q, k, v, tokens) tuples, each
+        session at most once; q [Hq, Nq, D], k [Hkv, n, D] and v [Hkv, n, Dv] appended before
+        attending, tokens their token ids (as Session.append's). Returns one o
         [Hq, Nq, Dv] (or (o, lse), or with return_info a StepResult) per item, in order; every
         session's length is updated.
         sinks, softcap, chunk_size: as attend()'s, for every item (DeviceInfo.step_options).

@@ -363,9 +363,11 @@ def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
     stream = torch.cuda.current_stream(q.device)
     ready.record(stream)
     try:
-        # A sealed session's refusal is raised, not retried: this Step's events are recorded.
+        # A sealed session's refusal is retried as on the host path (_send_step; it came before
+        # the server waited on `ready` or recorded `done`, and `ready`'s record stands for the
+        # retry: no other Step of this thread records it meanwhile).
         answer = _send_step(client, request, options.get("stream"), options.get("timeout"),
-                            options.get("metadata"), retry=False)
+                            options.get("metadata"))
     except AttentionError as e:
         if e.code == grpc.StatusCode.NOT_FOUND and not _retried:
             regions.close()  # the server lost the regions: register them again, once
@@ -431,9 +433,13 @@ def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
         # The Step failed: nothing will write its done value, for which the stream waits.
         driver.write_value(device, counters.rescue.cuda_stream, counters.done.data_ptr(), value)
 
-    # No retry or host fallback here: a failure raised now may be the previous Step's, read by
-    # this post, and this Step's own comes with its answer, after the caller went on.
-    response = _submit_step(client, request, options.get("metadata"), release)
+    # No host fallback here: a failure raised now may be the previous Step's, read by this post,
+    # and this Step's own comes with its answer, after the caller went on. A sealed session's
+    # refusal is sent again as a unary Step (_submit_step, as on the host path): it carries the
+    # same counters, whose ready value is written, so the retry writes o and then done; release
+    # runs only if the retry fails too.
+    response = _submit_step(client, request, options.get("metadata"), release,
+                            options.get("timeout"))
     layer, return_lse, return_info = (options.get(n) for n in ("layer", "return_lse",
                                                                 "return_info"))
     step = RingStep(response, lambda answer: _batch_output(

@@ -1,8 +1,11 @@
-"""Draining a replica: every session of one attention_server moved to a peer under its id, as an
-operator's script does before the replica stops (deploy/README.md, "Draining a replica").
+"""Several replicas of attention_server: placing a new session on the one with the most free KV
+pages, and draining a replica (every session moved to a peer under its id, as an operator's script
+does before the replica stops; deploy/README.md, "Draining a replica").
 
     from attention_client import Client, replicas
-    moved = replicas.drain(Client("r3-host:50051"), Client("r2-host:50051"),
+    pool = [Client("r1-host:50051"), Client("r2-host:50051"), Client("r3-host:50051")]
+    s = replicas.place_session(pool, k=k0, v=v0)        # on the replica with the most room
+    moved = replicas.drain(pool[2], pool[1],
                            switch=lambda: point_owner_at("r3", "r2"))   # the router's update
 
 Both clients call their replica directly, not through the router. A moved session keeps its id,
@@ -10,9 +13,48 @@ so its id still names the drained replica (its attention-session-owner header): 
 the router learns that the drained replica's sessions now live on the peer (with HAProxy:
 deploy/haproxy/haproxy_routing.py drain, which sets the owner map over HAProxy's runtime API).
 """
+import grpc
+
 from attention_client._stubs import attention_pb2 as pb
+from attention_client.client import AttentionError
 from attention_client.session import (_owner_metadata, export_session, import_session,
                                       list_sessions)
+
+
+def emptiest(clients, *, timeout=None):
+    """The Client of `clients` whose server has the most room for a new session: its free KV
+    pages and those of cached prefixes no session holds, taken back when needed (ServerInfo's
+    kv_pages_free + kv_pages_cached; pages of its own size), the first of equals, asking every
+    server at once. A server that does not
+    answer, or serves no sessions (no pages at all), is passed over; AttentionError
+    (UNAVAILABLE, naming each server's failure) when none is left."""
+    calls = [c._stub.GetServerInfo.future(pb.GetServerInfoRequest(),
+                                          timeout=c.timeout if timeout is None else timeout,
+                                          metadata=c.metadata) for c in clients]
+    best, most, failures = None, -1, []
+    for client, call in zip(clients, calls):
+        try:
+            info = call.result()
+        except grpc.RpcError as e:
+            failures.append(f"{client._target}: {e.code().name}: {e.details()}")
+            continue
+        if info.kv_pages_total == 0:
+            failures.append(f"{client._target}: serves no sessions (no KV pages)")
+            continue
+        free = info.kv_pages_free + info.kv_pages_cached
+        if free > most:
+            best, most = client, free
+    if best is None:
+        raise AttentionError(grpc.StatusCode.UNAVAILABLE,
+                             "no replica to place a session on: " + "; ".join(failures))
+    return best
+
+
+def place_session(clients, *, timeout=None, **session_args):
+    """A new session (Client.session(**session_args), timeout too) on the server of `clients`
+    with the most room (emptiest). Behind a router every call about it then carries its owner's
+    name, so the Client of the replica it landed on need not be the one used later."""
+    return emptiest(clients, timeout=timeout).session(timeout=timeout, **session_args)
 
 
 def drain(source, target, *, switch=None, chunk_rows=0, timeout=None, metadata=None):

@@ -128,11 +128,14 @@ class RequestRing:
         """Sends one request and returns its response (an AttendResponse or a StepResponse)."""
         return self.submit(message).response()
 
-    def submit(self, message, on_error=None):
+    def submit(self, message, on_error=None, recover=None):
         """Posts one request without waiting for its response: returns a RingTicket, whose
         response() reads it. One request is in flight at a time: a later submit (or request) first
         reads the earlier one's response into its ticket, and raises if that request failed (the
-        failure ended the ring). `on_error()` runs once if this request fails, whoever finds it."""
+        failure ended the ring). recover(error), when given, runs once if this request fails,
+        whoever finds it: what it returns stands for the response (the request answered another
+        way), and what it raises for the failure. `on_error()` runs once if this request fails
+        (and recover raised), whoever finds it."""
         data = message.SerializeToString()
         if len(data) > self._slot_bytes - _LENGTH_BYTES:
             raise ValueError(f"request of {len(data)} serialized bytes: expected at most "
@@ -149,12 +152,20 @@ class RequestRing:
             self._posted += 1
             self._requests_posted.value = self._posted  # after the slot's bytes (x86-64 order)
             self._wake(self._server_bell)
-            self._in_flight = RingTicket(self, on_error)
+            self._in_flight = RingTicket(self, on_error, recover)
             return self._in_flight
 
+    def settle(self):
+        """Reads the response of the request in flight, if any, into its ticket; raises its
+        failure unless its recover answered it. Returns whether the ring takes more requests (a
+        failure ends it, answered by recover or not)."""
+        with self._lock:
+            self._settle()
+            return not self._closed
+
     def _settle(self):
-        """Reads the response of the request in flight into its ticket; raises its failure.
-        Under _lock."""
+        """Reads the response of the request in flight into its ticket; raises its failure
+        (unless recovered). Under _lock."""
         ticket, self._in_flight = self._in_flight, None
         if ticket is None:
             return
@@ -162,7 +173,8 @@ class RequestRing:
             ticket._response = self._take()
         except BaseException as e:
             ticket._fail(e)
-            raise
+            if ticket._error is not None:
+                raise ticket._error from None
 
     def _take(self):
         """The next response, once posted. Under _lock."""
@@ -271,9 +283,10 @@ class RingTicket:
     """A request posted on a RequestRing (RequestRing.submit): response() returns its response,
     reading it first if no later request has."""
 
-    def __init__(self, ring, on_error=None):
+    def __init__(self, ring, on_error=None, recover=None):
         self._ring = ring
         self._on_error = on_error
+        self._recover = recover
         self._response = None
         self._error = None
 
@@ -295,6 +308,13 @@ class RingTicket:
         return self._response
 
     def _fail(self, error):
+        if self._recover is not None and isinstance(error, AttentionError):
+            recover, self._recover = self._recover, None
+            try:
+                self._response = recover(error)
+                return
+            except AttentionError as e:
+                error = e
         self._error = error
         if self._on_error is not None:
             on_error, self._on_error = self._on_error, None

@@ -15,7 +15,6 @@ decode step sends only the new queries and the new token's K/V.
 Sessions are a server-side cache: a restart or --session_ttl_s idle seconds lose them, and their
 calls then raise AttentionError with code NOT_FOUND; re-create from your own copy of the sequence.
 """
-import concurrent.futures
 import queue
 import threading
 
@@ -26,7 +25,8 @@ from attention_client._stubs import attention_pb2 as pb
 from attention_client.client import (_LAYOUTS, AttentionError, ServerTiming, StepBatchResult,
                                      StepResult, _from_tensor, _is_torch, _lse_from_tensor,
                                      _set_open_model_options, _set_options, _to_tensor,
-                                     _to_tensor_or_ref, retry_sealed)
+                                     _to_tensor_or_ref, is_sealed, retry_sealed,
+                                     retry_sealed_later)
 
 _DTYPE_NAMES = {"float32": pb.DTYPE_FLOAT32, "fp32": pb.DTYPE_FLOAT32,
                 "float16": pb.DTYPE_FLOAT16, "fp16": pb.DTYPE_FLOAT16, "half": pb.DTYPE_FLOAT16,
@@ -189,9 +189,10 @@ class Session:
 
     def step(self, q, k=None, v=None, *, causal=False, softmax_scale=None, window_left=None,
              window_right=None, return_lse=False, timeout=None, return_info=False, stream=False,
-             sinks=None, softcap=None, chunk_size=None, layer=None):
+             sinks=None, softcap=None, chunk_size=None, layer=None, tokens=None):
         """Attends q [Hq, Nq, D] to the session, after appending k [Hkv, n, D] and v
-        [Hkv, n, Dv] when given.
+        [Hkv, n, Dv] when given; tokens: the token id of each appended row, as append()'s (its
+        full pages are then cached for later sessions' prefix_tokens).
 
         stream=True sends the Step over the Client's one long-lived Sessions.StepStream (opened
         on first use; no per-call setup), one Step in flight at a time; timeout does not apply
@@ -206,7 +207,7 @@ class Session:
         sinks, softcap, chunk_size: as Client.attend()'s. layer: the layer attended to (and
         appended to), for a session of several layers.
         """
-        return step_many(self._client, [(self, q, k, v)], causal=causal,
+        return step_many(self._client, [(self, q, k, v, tokens)], causal=causal,
                          softmax_scale=softmax_scale, window_left=window_left,
                          window_right=window_right, return_lse=return_lse, timeout=timeout,
                          metadata=self._metadata, return_info=return_info, stream=stream,
@@ -361,13 +362,14 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
     _set_open_model_options(request, sinks, softcap, chunk_size)
     kinds, sessions = [], []
     for item in items:
-        session, q, k, v = (tuple(item) + (None, None))[:4]
+        session, q, k, v, tokens = (tuple(item) + (None, None, None))[:5]
         if (k is None) != (v is None):
             raise ValueError("k and v go together: give both or neither")
         if session._client is not client:
             raise ValueError(f"session {session.id} belongs to another Client")
         tq, kind = _to_tensor(q, "q", session._bfloat16_bits)
-        entry = request.entries.add(session_id=session._live_id(), q=tq)
+        entry = request.entries.add(session_id=session._live_id(), q=tq,
+                                    tokens=_token_ids(tokens))
         if k is not None:
             entry.k.CopyFrom(_to_tensor(k, "k", session._bfloat16_bits)[0])
             entry.v.CopyFrom(_to_tensor(v, "v", session._bfloat16_bits)[0])
@@ -394,50 +396,69 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
     return outputs
 
 
-def _submit_step(client, request, metadata, on_error=None):
+def _submit_step(client, request, metadata, on_error=None, timeout=None):
     """Posts one StepRequest through the client's one request ring (opened by the first) and
-    returns a function that reads its StepResponse; see RequestRing.submit."""
-    if client._step_ring is None:
-        from attention_client.request_ring import RequestRing, MAX_SLOT_BYTES
-        # Room for this Step and its answer (o is q's size), at least 1 MiB.
-        need = max(1 << 20, 2 * request.ByteSize() + 4096)
-        client._step_ring = RequestRing(client, "step", metadata=metadata,
-                                        slot_bytes=min(MAX_SLOT_BYTES, (need + 63) // 64 * 64))
-    ring = client._step_ring
+    returns a function that reads its StepResponse; see RequestRing.submit.
 
-    def failed():
+    A ring stays on the server that opened it, so a sealed session's refusal there (is_sealed:
+    refused before anything was appended) is not retried on the ring: the Step goes again as a
+    unary Step, retried as every unary call is (retry_sealed, `timeout` seconds; None: the
+    client's), where the router now sends the session's calls, whoever reads its answer (this
+    call's reader or the next Step's post). The refusal ended the ring: the next Step opens
+    another, which its owner header routes to the owner of then."""
+    from attention_client.request_ring import RequestRing, MAX_SLOT_BYTES
+
+    def recover(error):
+        if not is_sealed(error):
+            raise error
+        return client._call(client._sessions_stub.Step, request, timeout, metadata)
+
+    def failed(ring):
         if client._step_ring is ring:
             client._step_ring = None  # a failed Step ends its ring; the next opens another
             ring.close()
 
+    ring = client._step_ring
     try:
-        ticket = ring.submit(request, on_error)
+        if ring is not None and not ring.settle():
+            failed(ring)  # ended by the failure of the Step before, which recover answered
+            ring = None
+        if ring is None:
+            # Room for this Step and its answer (o is q's size), at least 1 MiB.
+            need = max(1 << 20, 2 * request.ByteSize() + 4096)
+            ring = client._step_ring = RequestRing(
+                client, "step", metadata=metadata,
+                slot_bytes=min(MAX_SLOT_BYTES, (need + 63) // 64 * 64))
+        ticket = ring.submit(request, on_error, recover)
     except AttentionError:
-        failed()  # an earlier Step's failure, or this one's post
+        if ring is not None:
+            failed(ring)  # an earlier Step's failure, or this one's post
         raise
 
     def response():
         try:
             return ticket.response()
         except AttentionError:
-            failed()
+            failed(ring)
             raise
     return response
 
 
-def _send_step(client, request, stream, timeout, metadata, retry=True):
-    """One StepRequest to the server, unary (stream False), over the client's one StepStream
-    (True) or through its one request ring ("ring"); returns the StepResponse. retry: a sealed
-    session's refusal is retried (retry_sealed; never on the ring)."""
+def _send_step(client, request, stream, timeout, metadata):
+    """One StepRequest to the server, unary (stream False), over the client's StepStream of the
+    sessions' owner (True) or through its one request ring ("ring"); returns the StepResponse. A
+    sealed session's refusal is retried (retry_sealed; on the ring: _submit_step)."""
     if stream == "ring":
-        return _submit_step(client, request, metadata)()
+        return _submit_step(client, request, metadata, timeout=timeout)()
     if stream:
         # One stream per owner: a router sends a whole stream to the replica its header names.
         owner = dict(metadata or ()).get(OWNER_HEADER, "")
 
         def send(_):
             step_stream = client._step_streams.get(owner)
-            if step_stream is None:
+            if step_stream is None or step_stream.ended():
+                # None yet, or ended since its last Step (its replica stopped: a drained one),
+                # so this Step was not sent on it: a new one goes where the router sends now.
                 step_stream = client._step_streams[owner] = StepStream(client, metadata)
             try:
                 return step_stream.step(request)
@@ -447,8 +468,8 @@ def _send_step(client, request, stream, timeout, metadata, retry=True):
                 raise
 
         timeout = client.timeout if timeout is None else timeout
-        return retry_sealed(send, timeout) if retry else send(timeout)
-    return client._call(client._sessions_stub.Step, request, timeout, metadata, retry)
+        return retry_sealed(send, timeout)
+    return client._call(client._sessions_stub.Step, request, timeout, metadata)
 
 
 def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
@@ -510,25 +531,15 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
     if wait:
         return output(_send_step(client, request, stream, timeout, metadata))
     if stream == "ring":
-        return RingStep(_submit_step(client, request, metadata, _on_error), output, out, lse_out)
+        return RingStep(_submit_step(client, request, metadata, _on_error, timeout), output, out,
+                        lse_out)
     if stream:
         raise ValueError("wait=False takes unary Steps or the request ring (stream=\"ring\"); a "
                          "StepStream carries one Step at a time")
-    call = client._sessions_stub.Step.future(
-        request, timeout=client.timeout if timeout is None else timeout,
-        metadata=metadata)
-    future = concurrent.futures.Future()
-
-    def done(call):
-        try:
-            future.set_result(output(call.result()))
-        except grpc.RpcError as e:
-            future.set_exception(AttentionError(e.code(), e.details()))
-        except Exception as e:  # the answer did not fit the request
-            future.set_exception(e)
-
-    call.add_done_callback(done)
-    return future
+    return retry_sealed_later(
+        lambda seconds_left: client._sessions_stub.Step.future(request, timeout=seconds_left,
+                                                               metadata=metadata),
+        output, client.timeout if timeout is None else timeout)
 
 
 def _packed_request(client, sessions, *, request_id="", layer=None, causal=False,
@@ -645,6 +656,10 @@ class StepStream:
                                      f"StepStream answered {response.request_id!r} where "
                                      f"{request.request_id!r} was expected")
             return response
+
+    def ended(self):
+        """Whether the stream has ended (its server ended it, or a Step failed)."""
+        return self._call.done()
 
     def close(self):
         """Ends the stream (the server finishes it once every Step is answered)."""
