@@ -291,7 +291,8 @@ class ServicePacked(ServiceSteps):
             import numpy as np
             shapes = dict(q=(batch, a.heads, 1, a.head_dim), k=(batch, a.kv_heads, 1, a.head_dim),
                           v=(batch, a.kv_heads, 1, a.head_dim), o=(batch, a.heads, 1, a.head_dim))
-            sizes = {n: (math.prod(sh) * 2 + 4095) // 4096 * 4096 for n, sh in shapes.items()}
+            width = torch.empty((), dtype=dtype).element_size()
+            sizes = {n: (math.prod(sh) * width + 4095) // 4096 * 4096 for n, sh in shapes.items()}
             self.shm = shared_memory.SharedMemory(create=True, size=sum(sizes.values()))
             self.region = client.register_shared_memory(f"decode-{id(self)}", self.shm)
             self.host, at = {}, 0
