@@ -312,14 +312,15 @@ class ServicePacked(ServiceSteps):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         start = time.perf_counter()
         if self.pipelined:
-            ring = self.client._step_ring
+            rings = self.client._step_rings  # one: the server has one owner name
+            ring = next(iter(rings.values()), None)
             waited = ring.waited_s if ring is not None else 0.0
             step = self.client.step_batch(self.sessions[i], q, k, v, causal=True, layer=i,
                                           return_info=True, stream="ring", wait=False)
             self.call_s += time.perf_counter() - start
             # Of which waiting for the server (the previous Step's answer, or its slot).
-            self.wait_s += self.client._step_ring.waited_s - (
-                waited if self.client._step_ring is ring else 0.0)
+            now = next(iter(rings.values()))
+            self.wait_s += now.waited_s - (waited if now is ring else 0.0)
             self.settle()  # its answer was read by this post
             self.posted = step
             return self.record(i, step.o.transpose(1, 2))

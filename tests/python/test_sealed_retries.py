@@ -1,9 +1,10 @@
 """A session moved between two real attention_servers (CPU backend, --replica_name r1 and r2,
 shared memory allowed) while the Python client steps it through a router, over every Step path
-the CPU backend serves: the request ring (wait=True, and wait=False answered by the next post),
-a unary Step with wait=False (a future), and the StepStream (a stream open on the old replica
-before the move, one idle through the move, whose replica refuses the session dropped there as
-moved, and one idle while its replica stopped).
+the CPU backend serves: the request ring (wait=True, and wait=False answered by the next post; one
+ring per owner, Steps of two owners' sessions in turn), a unary Step with wait=False (a future),
+and the StepStream (a stream open on the old replica before the move, one idle through the move,
+whose replica refuses the session dropped there as moved, and one idle while its replica
+stopped).
 
 The router is a small gRPC proxy in this process (OwnerRouter): each call goes, as raw bytes, to
 the replica its attention-session-owner header names through an owner map, as deploy/haproxy does
@@ -123,9 +124,9 @@ class SealedRetryTest(unittest.TestCase):
         self.router.default = "r1"
         # The client's request ring and StepStreams stay on the replica they were opened on
         # (by an earlier test's owner map): each test opens its own.
-        if self.client._step_ring is not None:
-            self.client._step_ring.close()
-            self.client._step_ring = None
+        for ring in self.client._step_rings.values():
+            ring.close()
+        self.client._step_rings.clear()
         for stream in self.client._step_streams.values():
             stream.close()
         self.client._step_streams.clear()
@@ -181,7 +182,7 @@ class SealedRetryTest(unittest.TestCase):
         s, rows = self.new_session()
         q, k1, v1, ref = self.decode_inputs(rows)
         self.assertWithin(s.step(q, k=k1, v=v1, causal=True, stream="ring"), ref, "before")
-        ring = self.client._step_ring
+        ring = self.client._step_rings.get("r1")
         switch = self.move(s, "r1", "r2")
         started = time.monotonic()
         q, k1, v1, ref = self.decode_inputs(rows)
@@ -189,9 +190,31 @@ class SealedRetryTest(unittest.TestCase):
         self.assertMoved(s, rows, "r2", switch, started)
         q, k1, v1, ref = self.decode_inputs(rows)
         self.assertWithin(s.step(q, k=k1, v=v1, causal=True, stream="ring"), ref, "after")
-        self.assertIsNot(self.client._step_ring, ring)  # the refusal ended r1's ring
+        self.assertIsNot(self.client._step_rings.get("r1"), ring)  # the refusal ended r1's ring
         self.assertEqual(s.info().length, rows[0].shape[1])
         s.drop()
+
+    def test_ring_steps_of_two_owners_go_through_a_ring_each(self):
+        # A ring stays on the replica that opened it: Steps of sessions of r1 and r2 in turn, one
+        # posted without waiting, each through its owner's ring (a single ring would have sent
+        # r2's Steps to r1, which does not hold the session: NOT_FOUND).
+        a, rows_a = self.new_session()
+        self.router.default = "r2"
+        b, rows_b = self.new_session()
+        self.assertEqual((a.id.split(".")[0], b.id.split(".")[0]), ("r1", "r2"))
+        for turn in range(3):
+            first = self.decode_inputs(rows_a)
+            posted = self.client.step_batch([a], first[0][None], first[1][None], first[2][None],
+                                            causal=True, stream="ring", wait=False)
+            q, k1, v1, ref = self.decode_inputs(rows_b)
+            self.assertWithin(b.step(q, k=k1, v=v1, causal=True, stream="ring"), ref,
+                              f"r2's Step {turn}")
+            self.assertWithin(posted.result()[0], first[3], f"r1's posted Step {turn}")
+        self.assertEqual(sorted(self.client._step_rings), ["r1", "r2"])
+        self.assertEqual((a.info().length, b.info().length),
+                         (rows_a[0].shape[1], rows_b[0].shape[1]))
+        a.drop()
+        b.drop()
 
     def test_a_posted_ring_step_is_answered_before_the_next_post(self):
         # wait=False on the ring: the refusal is found by the next Step's post, which sends the

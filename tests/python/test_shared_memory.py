@@ -118,7 +118,7 @@ class SharedMemoryTest(ServerTest):
         k, v = self.normal(hkv, 13, d), self.normal(hkv, 13, d)
         with self.client.session(k=k, v=v) as s:
             k, v = self.steps_match_the_reference(s, k, v, 12, "ring")
-            first_ring = self.client._step_ring
+            first_ring = self.client._step_rings.get("")
             self.assertIsNotNone(first_ring)
             # Its region is listed while it is served.
             self.assertEqual(len(self.client.list_shared_memory()), 1)
@@ -129,14 +129,14 @@ class SharedMemoryTest(ServerTest):
             with self.assertRaises(AttentionError) as e:
                 s.step(self.normal(hq, 1, d), stream="ring")
             self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
-            self.assertIsNone(self.client._step_ring)
+            self.assertIsNone(self.client._step_rings.get(""))
             self.assertEqual(len(self.client.list_shared_memory()), 0)
         with self.client.session(k=k, v=v) as s2:
             q = self.normal(hq, 1, d)
             o = s2.step(q, causal=True, stream="ring")
             ref_o = reference(q[None], k[None], v[None], causal=True)[0][0]
             self.assertWithin(rel_error(o, ref_o), F32_BOUND, "o on a new ring")
-            self.assertIsNot(self.client._step_ring, first_ring)
+            self.assertIsNot(self.client._step_rings.get(""), first_ring)
 
     def test_attend_requests_over_a_request_ring(self):
         from attention_client.client import _attend_request

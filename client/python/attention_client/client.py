@@ -445,7 +445,9 @@ class Client:
         # Opened by the first session.step(..., stream=True) of each session owner (its
         # attention-session-owner header; "" for a server without --replica_name).
         self._step_streams = {}
-        self._step_ring = None  # opened by the first session.step(..., stream="ring")
+        # Request rings for Steps, one per session owner as the StepStreams (a ring stays on the
+        # server that opened it): opened by the owner's first session.step(..., stream="ring").
+        self._step_rings = {}
         from attention_client.cuda_tensors import SegmentRegions
         # Registers nothing until used. Over several addresses "auto" is "off": the regions would
         # be on one server, the calls spread over all.
@@ -478,8 +480,8 @@ class Client:
         self._cuda_segments.close()
         for step_stream in self._step_streams.values():
             step_stream.close()
-        if self._step_ring is not None:
-            self._step_ring.close()
+        for step_ring in self._step_rings.values():
+            step_ring.close()
         self._channel.close()
         for channel in self._more_channels:
             channel.close()

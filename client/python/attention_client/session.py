@@ -194,9 +194,10 @@ class Session:
         [Hkv, n, Dv] when given; tokens: the token id of each appended row, as append()'s (its
         full pages are then cached for later sessions' prefix_tokens).
 
-        stream=True sends the Step over the Client's one long-lived Sessions.StepStream (opened
-        on first use; no per-call setup), one Step in flight at a time; timeout does not apply
-        there. stream="ring" sends it through the Client's one request ring instead (a server on
+        stream=True sends the Step over the Client's long-lived Sessions.StepStream of the
+        session's owner (opened on first use; no per-call setup), one Step in flight at a time;
+        timeout does not apply there. stream="ring" sends it through the Client's request ring
+        of that owner instead (a server on
         this host with --allow_shared_memory; attention_client.request_ring): no gRPC message per
         Step, the lowest latency.
 
@@ -397,8 +398,9 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
 
 
 def _submit_step(client, request, metadata, on_error=None, timeout=None):
-    """Posts one StepRequest through the client's one request ring (opened by the first) and
-    returns a function that reads its StepResponse; see RequestRing.submit.
+    """Posts one StepRequest through the client's request ring of the sessions' owner (opened by
+    the owner's first; metadata's owner header names it) and returns a function that reads its
+    StepResponse; see RequestRing.submit.
 
     A ring stays on the server that opened it, so a sealed session's refusal there (is_sealed:
     refused before anything was appended) is not retried on the ring: the Step goes again as a
@@ -413,12 +415,15 @@ def _submit_step(client, request, metadata, on_error=None, timeout=None):
             raise error
         return client._call(client._sessions_stub.Step, request, timeout, metadata)
 
+    # One ring per owner (the header the router routes on), as one StepStream per owner.
+    owner = dict(metadata or ()).get(OWNER_HEADER, "")
+
     def failed(ring):
-        if client._step_ring is ring:
-            client._step_ring = None  # a failed Step ends its ring; the next opens another
+        if client._step_rings.get(owner) is ring:
+            del client._step_rings[owner]  # a failed Step ends its ring; the next opens another
             ring.close()
 
-    ring = client._step_ring
+    ring = client._step_rings.get(owner)
     try:
         if ring is not None and not ring.settle():
             failed(ring)  # ended by the failure of the Step before, which recover answered
@@ -426,7 +431,7 @@ def _submit_step(client, request, metadata, on_error=None, timeout=None):
         if ring is None:
             # Room for this Step and its answer (o is q's size), at least 1 MiB.
             need = max(1 << 20, 2 * request.ByteSize() + 4096)
-            ring = client._step_ring = RequestRing(
+            ring = client._step_rings[owner] = RequestRing(
                 client, "step", metadata=metadata,
                 slot_bytes=min(MAX_SLOT_BYTES, (need + 63) // 64 * 64))
         ticket = ring.submit(request, on_error, recover)
@@ -446,8 +451,9 @@ def _submit_step(client, request, metadata, on_error=None, timeout=None):
 
 def _send_step(client, request, stream, timeout, metadata):
     """One StepRequest to the server, unary (stream False), over the client's StepStream of the
-    sessions' owner (True) or through its one request ring ("ring"); returns the StepResponse. A
-    sealed session's refusal is retried (retry_sealed; on the ring: _submit_step)."""
+    sessions' owner (True) or through its request ring of that owner ("ring"); returns the
+    StepResponse. A sealed session's refusal is retried (retry_sealed; on the ring:
+    _submit_step)."""
     if stream == "ring":
         return _submit_step(client, request, metadata, timeout=timeout)()
     if stream:
