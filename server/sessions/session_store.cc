@@ -36,6 +36,11 @@ std::string PrefixScope(absl::string_view owner, const KvShape& shape, int layer
                       "/", shape.head_dim, "/", shape.value_head_dim(), "/", layers);
 }
 
+// A session's key in SessionStore::moved_: its owner, a '\n' and its id.
+std::string MovedKey(absl::string_view owner, absl::string_view id) {
+  return absl::StrCat(owner, "\n", id);
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> NewSessionId(absl::string_view replica_name) {
@@ -115,7 +120,7 @@ absl::Status SessionStore::NotFound(absl::string_view id) const {
 }
 
 absl::Status SessionStore::MissingLocked(absl::string_view owner, absl::string_view id) const {
-  return moved_.contains(absl::StrCat(owner, "\n", id)) ? SealedError(id) : NotFound(id);
+  return moved_.contains(MovedKey(owner, id)) ? SealedError(id) : NotFound(id);
 }
 
 absl::Status SealedError(absl::string_view id) {
@@ -273,8 +278,8 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
   while (sessions_.contains(new_id)) {
     ASSIGN_OR_RETURN(new_id, NewSessionId(options_.replica_name));
   }
-  if (!id.empty() && moved_.erase(absl::StrCat(owner, "\n", id)) > 0) {
-    std::erase(moved_order_, absl::StrCat(owner, "\n", id));  // moved back: its own again
+  if (std::string key = MovedKey(owner, id); !id.empty() && moved_.erase(key) > 0) {
+    std::erase(moved_order_, key);  // moved back: its own again
   }
   session->id = std::move(new_id);
   session->owner = std::string(owner);
@@ -922,7 +927,7 @@ absl::Status SessionStore::Drop(absl::string_view owner, absl::string_view id) {
   std::shared_ptr<Session> session = FindLocked(owner, id);
   if (session == nullptr) return NotFound(id);
   if (session->sealed) {  // moved away (layer 0 stands for the group: every layer is sealed)
-    std::string key = absl::StrCat(owner, "\n", id);
+    std::string key = MovedKey(owner, id);
     if (moved_.insert(key).second) moved_order_.push_back(std::move(key));
     if (moved_order_.size() > kMovedKept) {
       moved_.erase(moved_order_.front());

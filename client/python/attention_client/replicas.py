@@ -25,9 +25,8 @@ def emptiest(clients, *, timeout=None):
     """The Client of `clients` whose server has the most room for a new session: its free KV
     pages and those of cached prefixes no session holds, taken back when needed (ServerInfo's
     kv_pages_free + kv_pages_cached; pages of its own size), the first of equals, asking every
-    server at once. A server that does not
-    answer, or serves no sessions (no pages at all), is passed over; AttentionError
-    (UNAVAILABLE, naming each server's failure) when none is left."""
+    server at once. A server that does not answer, or serves no sessions (no pages at all), is
+    passed over; AttentionError (UNAVAILABLE, naming each server's failure) when none is left."""
     calls = [c._stub.GetServerInfo.future(pb.GetServerInfoRequest(),
                                           timeout=c.timeout if timeout is None else timeout,
                                           metadata=c.metadata) for c in clients]
