@@ -309,9 +309,10 @@ std::vector<DecodeCase> Cases() {
   c.page_rows = 128;
   cases.push_back(c);
 
-  // V head dims of their own (served where PoolServesVHeadDim): DeepSeek-V3's expanded MLA
-  // (QK 192, V 128; ragged, GQA, causal extend, BSHD writes) and its absorbed decode (one KV head
-  // of QK 576 and V 512, 16 query heads, long enough for splits).
+  // V head dims of their own: DeepSeek-V3's expanded MLA (QK 192, V 128; ragged, GQA, causal
+  // extend, BSHD writes), Dv > D, and its absorbed decode (one KV head of QK 576 and V 512) with 16
+  // and 128 query heads: ragged lengths at pages +- 1, causal extend steps (up to 128 x 3 rows of
+  // one KV head), long enough for splits.
   cases.push_back({.name = "mla_d192_dv128_gqa2_causal",
                    .heads_q = 4,
                    .heads_kv = 2,
@@ -321,6 +322,13 @@ std::vector<DecodeCase> Cases() {
                    .nk = {1, 17, 70, 130},
                    .window_right = 0,
                    .write_layout = Layout::kBSHD});
+  cases.push_back({.name = "d64_dv128_gqa4",
+                   .heads_q = 8,
+                   .heads_kv = 2,
+                   .head_dim = 64,
+                   .v_head_dim = 128,
+                   .nq = {1, 2},
+                   .nk = {33, 300}});
   cases.push_back({.name = "mla_absorbed_d576_dv512",
                    .heads_q = 16,
                    .heads_kv = 1,
@@ -330,6 +338,40 @@ std::vector<DecodeCase> Cases() {
                    .nk = {1100, 33},
                    .window_right = 0,
                    .page_rows = 16});
+  cases.push_back({.name = "mla_absorbed_d576_dv512_hq16_ragged",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .nq = {1, 1, 1, 1, 1, 1, 1},
+                   .nk = {1, 31, 32, 33, 63, 65, 257},
+                   .page_rows = 32});
+  cases.push_back({.name = "mla_absorbed_d576_dv512_hq128_causal",
+                   .heads_q = 128,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .nq = {1, 3, 1, 2, 1},
+                   .nk = {15, 16, 17, 33, 700},
+                   .window_right = 0,
+                   .page_rows = 16,
+                   .write_layout = Layout::kBSHD});
+  // D = 512 with V of D (the SIMT kernel's wide instance): MQA and GQA, pages +- 1, causal extend.
+  cases.push_back({.name = "d512_mqa16_ragged",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 512,
+                   .nq = {1, 1, 1, 1},
+                   .nk = {15, 16, 17, 600},
+                   .page_rows = 16});
+  cases.push_back({.name = "d512_gqa4_causal",
+                   .heads_q = 8,
+                   .heads_kv = 2,
+                   .head_dim = 512,
+                   .nq = {4, 1, 2},
+                   .nk = {40, 31, 129},
+                   .window_right = 0,
+                   .page_rows = 32});
 
   c = {};
   c.name = "single_row_writes_100";
@@ -341,16 +383,6 @@ std::vector<DecodeCase> Cases() {
   c.write_layout = Layout::kBSHD;
   cases.push_back(c);
   return cases;
-}
-
-// The cases the pool serves: those of a V head dim of their own only where PoolServesVHeadDim
-// (DecodeMatchesReference checks the others are refused by name).
-std::vector<DecodeCase> ServedCases() {
-  std::vector<DecodeCase> served;
-  for (DecodeCase& c : Cases()) {
-    if (ValueDim(c) == c.head_dim || PoolServesVHeadDim()) served.push_back(std::move(c));
-  }
-  return served;
 }
 
 double Tolerance(DType dtype) { return dtype == DType::kFloat32 ? 1e-5 : 1e-2; }
@@ -722,19 +754,6 @@ TEST_P(PagedKvPoolTest, DecodeMatchesReference) {
   SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
   std::mt19937_64 rng(seed);
   const float scale = c.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
-  if (ValueDim(c) != c.head_dim && !PoolServesVHeadDim()) {
-    // Its Write, Read and Decode refuse such a shape by name before touching the pool.
-    absl::StatusOr<std::unique_ptr<KvPagePool>> pool = MakeTestPool(4, 1 << 20);
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    const std::vector<int32_t> table = {0};
-    std::vector<unsigned char> rows(1 << 16);
-    KvWrite w{.shape = ShapeOf(c, dtype), .page_table = table.data(), .rows = 1};
-    w.k = w.v = rows.data();
-    const absl::Status status = (*pool)->Write({w});
-    EXPECT_TRUE(absl::IsUnimplemented(status)) << status;
-    EXPECT_THAT(status.message(), testing::HasSubstr("v_head_dim"));
-    return;
-  }
   PoolSetup setup;
   MakeSetup(c, dtype, rng, &setup);
   if (HasFatalFailure()) return;
@@ -1174,7 +1193,7 @@ TEST_P(PagedKvPoolMergeTest, RepeatedStepsRepeatTheFirst) {
 // keep them) answers bit for bit what the packed step does, sequences of several query counts.
 TEST_P(PagedKvPoolMergeTest, PerSequenceBuffersAnswerAsPacked) {
   const DType dtype = GetParam();
-  for (const DecodeCase& c : ServedCases()) {
+  for (const DecodeCase& c : Cases()) {
     if (c.nq.size() < 2) continue;
     const uint64_t seed = NextSeed();
     SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
@@ -1207,7 +1226,7 @@ class PagedKvPoolDeviceMemoryTest : public PoolTest<testing::TestWithParam<DType
 TEST_P(PagedKvPoolDeviceMemoryTest, AnswersAsFromHostMemory) {
   const DType dtype = GetParam();
   const PoolDeviceMemory device = TestPoolDeviceMemory();
-  for (const DecodeCase& c : ServedCases()) {
+  for (const DecodeCase& c : Cases()) {
     const uint64_t seed = NextSeed();
     SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
     std::mt19937_64 rng(seed);

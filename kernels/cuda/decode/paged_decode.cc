@@ -23,13 +23,14 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
                                                 const DecodeExtent& extent,
                                                 const PagedPlanOptions& options) {
   const KvShape& shape = host.shape;
-  if (shape.head_dim > kPagedMaxHeadDim) {
+  const int64_t dv = shape.value_head_dim();
+  if (shape.head_dim > kPagedMaxHeadDim || dv > kPagedMaxHeadDim) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "head_dim ", shape.head_dim,
-        " is not supported by the cuda KV pool (it takes head dims "
-        "up to ",
-        kPagedMaxHeadDim, "; float16/bfloat16 multiples of 8 up to ",
-        kPagedTensorHeadDims[std::size(kPagedTensorHeadDims) - 1], " on tensor cores)"));
+        "head_dim ", shape.head_dim, " / v_head_dim ", dv,
+        ": the cuda KV pool takes head dims up to ", kPagedMaxHeadDim,
+        " (float16/bfloat16 multiples of 8 up to ",
+        kPagedTensorHeadDims[std::size(kPagedTensorHeadDims) - 1],
+        " with v_head_dim = head_dim on tensor cores)"));
   }
   PagedDecodePlan plan;
   plan.launch.num_seqs = static_cast<int>(host.num_seqs);
@@ -44,8 +45,9 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
         extent.max_seqlen_k, " max_seqlen_q=", extent.max_seqlen_q, " num_seqs=", host.num_seqs));
   }
   // The smallest tensor-core tile that holds head_dim, if any; with a softcap, the tile that has a
-  // softcap instance (kPagedSoftcapHeadDim, which holds every head dim a tile does).
-  if (shape.dtype != DType::kFloat32 && shape.head_dim % 8 == 0) {
+  // softcap instance (kPagedSoftcapHeadDim, which holds every head dim a tile does). The tiles
+  // read V rows of D: a V head dim of its own runs on the SIMT kernel.
+  if (shape.dtype != DType::kFloat32 && shape.head_dim % 8 == 0 && dv == shape.head_dim) {
     plan.launch.kernel_head_dim = SpecialisationFor(kPagedTensorHeadDims, shape.head_dim);
     if (plan.launch.kernel_head_dim != 0 && host.softcap > 0.0f) {
       plan.launch.kernel_head_dim = kPagedSoftcapHeadDim;
@@ -53,6 +55,7 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
     }
   }
   const bool tensor = plan.launch.kernel_head_dim != 0;
+  plan.launch.simt_wide = !tensor && std::max(shape.head_dim, dv) > kPagedSimtNarrowHeadDim;
   // Key tiles of the tensor-core kernels (paged_decode_launch.cuh): 32 KiB of K+V per stage.
   plan.key_tile = options.key_tile > 0                ? options.key_tile
                   : !tensor                           ? 64
@@ -89,7 +92,7 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
                  plan.launch.kernel_head_dim != 0;
   if (plan.splits > 1 && !plan.cluster) {
     const size_t rows = static_cast<size_t>(host.heads_q * host.total_q);
-    const size_t part_o = plan.splits * rows * shape.head_dim * sizeof(float);
+    const size_t part_o = plan.splits * rows * dv * sizeof(float);
     plan.workspace_bytes = (part_o + 255) / 256 * 256 + plan.splits * rows * sizeof(float);
     plan.tickets = base;
   }
@@ -115,6 +118,7 @@ PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* p
   k.heads_kv = static_cast<int>(dev.shape.heads_kv);
   k.group = static_cast<int>(dev.heads_q / dev.shape.heads_kv);
   k.head_dim = static_cast<int>(dev.shape.head_dim);
+  k.v_head_dim = static_cast<int>(dev.shape.value_head_dim());
   const Log2Scale scale = ToLog2Scale(dev.softmax_scale);
   k.scale_log2 = scale.scale_log2;
   k.negate_q = scale.negate_q;
@@ -132,7 +136,7 @@ PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* p
   k.total_rows = dev.heads_q * dev.total_q;
   k.cluster = plan.cluster;
   if (plan.splits > 1 && !plan.cluster) {
-    const size_t part_o = plan.splits * k.total_rows * k.head_dim * sizeof(float);
+    const size_t part_o = plan.splits * k.total_rows * k.v_head_dim * sizeof(float);
     k.part_o = static_cast<float*>(workspace);
     k.part_lse =
         reinterpret_cast<float*>(static_cast<char*>(workspace) + (part_o + 255) / 256 * 256);

@@ -2,9 +2,10 @@
 // which kernel) and its launch on a stream. The CUDA pool (paged_kv_pool.cc) and the decode bench
 // (bench/cuda/decode_bench.cu) call it with device pointers.
 //
-// Head dims: float16 and bfloat16 with head_dim a multiple of 8 up to 128 run on tensor cores
-// (tiles for D = 64 and 128); every other head dim up to 256, and float32, run on the SIMT kernel
-// (correct, not fast). Larger head dims are INVALID_ARGUMENT.
+// Head dims: float16 and bfloat16 with head_dim a multiple of 8 up to 128 and V of the same head
+// dim run on tensor cores (tiles for D = 64 and 128); every other head dim up to 576, a V head dim
+// of its own (Dv != D, up to 576: MLA, QK 192 / V 128 or the absorbed QK 576 / V 512), and
+// float32, run on the SIMT kernel (correct, not fast). Larger head dims are INVALID_ARGUMENT.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -22,8 +22,9 @@
 // row block) after them (MergeSplitsIfLast), and the last to arrive merges the splits by LSE into
 // o and lse and zeroes the ticket again.
 //
-// SIMT path (float32, and head dims the tensor path lacks; PagedSimtKernel): a warp per row, keys
-// one at a time (lanes split D, a shuffle reduction per key). Correct, not fast.
+// SIMT path (float32, head dims the tensor path lacks, and a V head dim of its own, Dv != D:
+// PagedSimtKernel): a warp per row, keys one at a time (lanes split D and Dv, a shuffle reduction
+// per key). Correct, not fast.
 //
 // Open-model options, as the CPU kernel and the float64 reference have them: a chunk size narrows
 // each row's keys before any is read (PagedVisibleKeys: the CTA's key range, the element masks);
@@ -117,7 +118,8 @@ struct PagedTile {
   static_assert(kD % 64 == 0, "the swizzle needs rows of >= 8 chunks");
 };
 
-// Row r of a CTA's 16 rows: its element offset in q and o (times head_dim) and in lse.
+// Row r of a CTA's 16 rows: its element offset in q (times head_dim), in o (times v_head_dim) and in
+// lse.
 struct PagedRow {
   int64_t index;  // heads_q * q0 + head * nq + query
   int query;
@@ -205,19 +207,19 @@ template <typename T>
 __device__ __forceinline__ void StoreOut(const PagedKernelParams& p, int64_t index, int col,
                                          float x) {
   if (p.splits == 1) {
-    StoreO<T>(p.o, index * p.head_dim + col, x);
+    StoreO<T>(p.o, index * p.v_head_dim + col, x);
   } else {
-    p.part_o[(blockIdx.x * p.total_rows + index) * p.head_dim + col] = x;
+    p.part_o[(blockIdx.x * p.total_rows + index) * p.v_head_dim + col] = x;
   }
 }
-// StoreOut of columns col..col+3 (head_dim and col multiples of 4).
+// StoreOut of columns col..col+3 (v_head_dim and col multiples of 4).
 template <typename T>
 __device__ __forceinline__ void StoreOut4(const PagedKernelParams& p, int64_t index, int col,
                                           float4 x) {
   if (p.splits == 1) {
-    StoreO4<T>(p.o, index * p.head_dim + col, x);
+    StoreO4<T>(p.o, index * p.v_head_dim + col, x);
   } else {
-    *reinterpret_cast<float4*>(p.part_o + (blockIdx.x * p.total_rows + index) * p.head_dim + col) =
+    *reinterpret_cast<float4*>(p.part_o + (blockIdx.x * p.total_rows + index) * p.v_head_dim + col) =
         x;
   }
 }
@@ -261,7 +263,7 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
   const int splits = p.splits;
   const int batch = max(1, min(kMergeBatch, kPagedMaxSplits / splits));
   float* w = weights + warp * kPagedMaxSplits;  // [batch][splits]
-  const int64_t split_stride = p.total_rows * p.head_dim;
+  const int64_t split_stride = p.total_rows * p.v_head_dim;
   // The warp's rows m0 + warp + k * warps, `batch` at a time.
   for (int m = m0 + warp; m < row_end; m += batch * warps) {
     int64_t r[kMergeBatch];
@@ -309,8 +311,8 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
     }
     __syncwarp();
     // Lane l sums columns 4l..4l+3 (+128 c) over the splits, every row's loads in flight together.
-    if (p.head_dim % 4 == 0) {
-      for (int col = 4 * lane; col < p.head_dim; col += 128) {
+    if (p.v_head_dim % 4 == 0) {
+      for (int col = 4 * lane; col < p.v_head_dim; col += 128) {
         float4 o[kMergeBatch];
 #pragma unroll
         for (int b = 0; b < kMergeBatch; ++b) o[b] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -320,7 +322,7 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
           for (int b = 0; b < kMergeBatch; ++b) {
             if (b >= n) break;
             const float4 x = __ldcg(reinterpret_cast<const float4*>(p.part_o + s * split_stride +
-                                                                    r[b] * p.head_dim + col));
+                                                                    r[b] * p.v_head_dim + col));
             const float ws = w[b * splits + s];
             o[b].x += ws * x.x, o[b].y += ws * x.y, o[b].z += ws * x.z, o[b].w += ws * x.w;
           }
@@ -329,20 +331,20 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
         for (int b = 0; b < kMergeBatch; ++b) {
           if (b >= n) break;
           StoreO4<T>(
-              p.o, r[b] * p.head_dim + col,
+              p.o, r[b] * p.v_head_dim + col,
               make_float4(o[b].x * inv[b], o[b].y * inv[b], o[b].z * inv[b], o[b].w * inv[b]));
         }
       }
     } else {
-      for (int col = lane; col < p.head_dim; col += 32) {
+      for (int col = lane; col < p.v_head_dim; col += 32) {
 #pragma unroll
         for (int b = 0; b < kMergeBatch; ++b) {
           if (b >= n) break;
           float o = 0.f;
 #pragma unroll 8
           for (int s = 0; s < splits; ++s)
-            o += w[b * splits + s] * __ldcg(p.part_o + s * split_stride + r[b] * p.head_dim + col);
-          StoreO<T>(p.o, r[b] * p.head_dim + col, o * inv[b]);
+            o += w[b * splits + s] * __ldcg(p.part_o + s * split_stride + r[b] * p.v_head_dim + col);
+          StoreO<T>(p.o, r[b] * p.v_head_dim + col, o * inv[b]);
         }
       }
     }
@@ -378,7 +380,7 @@ __device__ __forceinline__ void MergeSplitsInCluster(const PagedKernelParams& p,
   for (int i = static_cast<int>(cluster.block_rank()) * blockDim.x + threadIdx.x; i < items;
        i += splits * blockDim.x) {
     const int r = i / (kD / 4), col = i % (kD / 4) * 4;
-    if (col >= p.head_dim) continue;
+    if (col >= p.v_head_dim) continue;
     float lse[kPagedMaxClusterSplits];
     float4 x[kPagedMaxClusterSplits];
     float mx = -INFINITY;
@@ -402,7 +404,7 @@ __device__ __forceinline__ void MergeSplitsInCluster(const PagedKernelParams& p,
     float lse2 = sum > 0.f ? mx + log2f(sum) : -INFINITY;
     const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
     if (p.sinks != nullptr) inv *= AddSink(p.sinks[row.head], lse2);
-    StoreO4<T>(p.o, row.index * p.head_dim + col,
+    StoreO4<T>(p.o, row.index * p.v_head_dim + col,
                make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv));
     if (col == 0 && p.lse != nullptr) {
       p.lse[row.index] = lse2 == -INFINITY ? -INFINITY : lse2 * kLn2;
@@ -704,7 +706,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
   __syncthreads();
   for (int i = threadIdx.x; i < kPagedRows * kD / 4; i += kThreads) {
     const int r = i / (kD / 4), col = i % (kD / 4) * 4;
-    if (m0 + r > row_last || col >= p.head_dim) continue;
+    if (m0 + r > row_last || col >= p.v_head_dim) continue;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < Tile::kWarps; ++w) {
@@ -734,12 +736,13 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
 }
 
 // The SIMT path: warp w computes rows w, w + 4, ... of the CTA's 16, lane l owning columns
-// l + 32 c. Any head dim up to 32 * kMaxCols.
+// l + 32 c of q and k (D) and of v and o (Dv). Any head dims up to 32 * kMaxCols: kMaxCols 8 (up
+// to 256, every plain head dim) or 18 (MLA's absorbed decode, QK 576 / V 512), compiled apart so
+// that the narrow instance keeps its registers.
 // __launch_bounds__(threads, 1): without a minimum of resident CTAs ptxas held this kernel to 64
 // registers and spilled 8 bytes; it runs at most 16 warps per SM anyway.
-template <typename T>
+template <typename T, int kMaxCols>
 __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedKernelParams p) {
-  constexpr int kMaxCols = 8;
   const int seq = blockIdx.z;
   const int hk = blockIdx.y / p.m_blocks, m0 = blockIdx.y % p.m_blocks * kPagedRows;
   const int q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
@@ -748,8 +751,10 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ float merge_weights[kPagedThreads / 32][kPagedMaxSplits];
   const int32_t* page_table = p.page_table + seq * p.page_table_stride;
-  const int64_t head_offset = static_cast<int64_t>(hk) * p.page_rows * p.head_dim;
-  const int64_t v_offset = static_cast<int64_t>(p.heads_kv) * p.page_rows * p.head_dim;
+  // Elements from a page's start: this kv head's K rows, and its V rows after every head's K.
+  const int64_t k_offset = static_cast<int64_t>(hk) * p.page_rows * p.head_dim;
+  const int64_t v_offset = static_cast<int64_t>(p.heads_kv) * p.page_rows * p.head_dim +
+                           static_cast<int64_t>(hk) * p.page_rows * p.v_head_dim;
   const float sign = p.negate_q ? -1.f : 1.f;
   const bool softcap = p.softcap_log2 > 0.f;
   const float scale_log2 = softcap ? 1.f : p.scale_log2;  // capped logits are log2 already
@@ -770,9 +775,11 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
     }
     float mx = -INFINITY, sum = 0.f;
     for (int key = k_lo; key < k_hi; ++key) {
-      const T* k =
-          reinterpret_cast<const T*>(p.pool + page_table[key / p.page_rows] * p.page_bytes) +
-          head_offset + static_cast<int64_t>(key % p.page_rows) * p.head_dim;
+      const T* page =
+          reinterpret_cast<const T*>(p.pool + page_table[key / p.page_rows] * p.page_bytes);
+      const int64_t page_row = key % p.page_rows;
+      const T* k = page + k_offset + page_row * p.head_dim;
+      const T* v = page + v_offset + page_row * p.v_head_dim;
       float s = 0.f;
 #pragma unroll
       for (int c = 0; c < kMaxCols; ++c) {
@@ -787,8 +794,7 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
 #pragma unroll
       for (int c = 0; c < kMaxCols; ++c) {
         const int col = lane + 32 * c;
-        acc[c] = acc[c] * rescale +
-                 (col < p.head_dim ? pk * static_cast<float>(k[v_offset + col]) : 0.f);
+        acc[c] = acc[c] * rescale + (col < p.v_head_dim ? pk * static_cast<float>(v[col]) : 0.f);
       }
     }
     float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -798,7 +804,7 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
 #pragma unroll
     for (int c = 0; c < kMaxCols; ++c) {
       const int col = lane + 32 * c;
-      if (col < p.head_dim) StoreOut<T>(p, row.index, col, acc[c] * inv);
+      if (col < p.v_head_dim) StoreOut<T>(p, row.index, col, acc[c] * inv);
     }
     if (lane == 0) StoreLse(p, row.index, lse2);
   }

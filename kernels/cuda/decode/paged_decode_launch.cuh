@@ -56,14 +56,27 @@ cudaError_t LaunchPagedTile(const PagedKernelParams& p, dim3 grid, cudaStream_t 
   return cudaLaunchKernelEx(&config, kernel, p);
 }
 
+// The SIMT kernel (PagedSimtKernel): columns per lane for head dims up to kPagedSimtNarrowHeadDim,
+// or up to kPagedMaxHeadDim (launch.simt_wide).
+template <typename T>
+cudaError_t LaunchPagedSimt(const PagedKernelParams& p, const PagedLaunch& launch, dim3 grid,
+                            cudaStream_t stream) {
+  constexpr int kNarrow = kPagedSimtNarrowHeadDim / 32, kWide = (kPagedMaxHeadDim + 31) / 32;
+  if (launch.simt_wide) {
+    PagedSimtKernel<T, kWide><<<grid, kPagedThreads, 0, stream>>>(p);
+  } else {
+    PagedSimtKernel<T, kNarrow><<<grid, kPagedThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t LaunchPagedDecodeFor(const PagedKernelParams& p, const PagedLaunch& launch,
                                  cudaStream_t stream) {
   const dim3 grid(p.splits, p.heads_kv * p.m_blocks, launch.num_seqs);
   cudaError_t err = cudaSuccess;
   if constexpr (std::is_same_v<T, float>) {
-    PagedSimtKernel<T><<<grid, kPagedThreads, 0, stream>>>(p);
-    err = cudaGetLastError();
+    err = LaunchPagedSimt<T>(p, launch, grid, stream);
   } else {
     switch (launch.kernel_head_dim) {
       case 64:
@@ -76,8 +89,7 @@ cudaError_t LaunchPagedDecodeFor(const PagedKernelParams& p, const PagedLaunch& 
                   : LaunchPagedTile<typename PagedTileFor<T, 128>::Tile>(p, grid, stream);
         break;
       default:
-        PagedSimtKernel<T><<<grid, kPagedThreads, 0, stream>>>(p);
-        err = cudaGetLastError();
+        err = LaunchPagedSimt<T>(p, launch, grid, stream);
     }
   }
   return err;

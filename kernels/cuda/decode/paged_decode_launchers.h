@@ -29,6 +29,9 @@ struct PagedLaunch {
   // The tensor-core tile's softcap instance (kernel_head_dim kPagedSoftcapHeadDim); the SIMT
   // kernel caps by a branch on the params.
   bool softcap = false;
+  // The SIMT kernel's wide instance (kernel_head_dim 0, D or Dv over kPagedSimtNarrowHeadDim: 18
+  // columns per lane instead of 8).
+  bool simt_wide = false;
 };
 
 cudaError_t LaunchPagedDecodeF16(const PagedKernelParams& p, const PagedLaunch& launch,
