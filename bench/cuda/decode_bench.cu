@@ -20,7 +20,8 @@
 // sent), so the step reads B * NK * Hkv * (D + Dv) * 2 bytes: "kv_tbps" is that over the time;
 // "latent_tbps" counts K's bytes alone (B * NK * Hkv * D * 2), the traffic of a kernel that takes V
 // from the first Dv columns of K (FlashMLA's; V counted once), for comparison with the HBM
-// roofline and FlashMLA's figures.
+// roofline and FlashMLA's figures. "kernel": "wide" (the wide tensor-core tile, where the GPU's
+// blocks may opt in to its shared memory) or "simt".
 //
 // The roofline anchor ("anchor" lines, both flushes): a read-only kernel over the same pool (at
 // Hkv = 8 the pool is exactly the step's K/V bytes), 16-byte loads, 8 in flight per thread,
@@ -260,6 +261,7 @@ struct Device {
   // Compute capability 9.0: the kernels' sm_90a code runs, with the cluster merge
   // (paged_kv_pool.cc).
   bool clusters = false;
+  int smem_per_block = 0;  // shared memory a block may opt in to (the wide tile's room)
 };
 
 #ifdef ATTENTION_PAGED_TILE_SWEEP
@@ -345,7 +347,8 @@ bool TimeConfig(const Config& c, const Device& device, const Flush& flush) {
        .splits = c.splits,
        .ctas_per_sm = c.variant ? c.variant->ctas_per_sm : 0,
        .key_tile = c.variant ? c.variant->key_tile : 0,
-       .clusters = device.clusters && c.clusters && (!c.variant || c.variant->clusters)});
+       .clusters = device.clusters && c.clusters && (!c.variant || c.variant->clusters),
+       .smem_per_block = device.smem_per_block});
   if (!plan.ok()) {
     std::fprintf(stderr, "%s\n", std::string(plan.status().message()).c_str());
     return false;
@@ -414,9 +417,10 @@ bool TimeConfig(const Config& c, const Device& device, const Flush& flush) {
       char buf[256];
       std::snprintf(buf, sizeof(buf),
                     "\"shape\": \"%s\", \"batch\": %lld, \"hq\": %lld, \"hkv\": %lld, "
-                    "\"d\": %lld, \"dv\": %lld, \"latent_tbps\": %.3f, ",
+                    "\"d\": %lld, \"dv\": %lld, \"kernel\": \"%s\", \"latent_tbps\": %.3f, ",
                     sh.name, (long long)sh.batch, (long long)sh.heads_q, (long long)sh.heads_kv,
-                    (long long)sh.head_dim, (long long)sh.v_head_dim, k_bytes / us / 1e6);
+                    (long long)sh.head_dim, (long long)sh.v_head_dim,
+                    plan->launch.wide_head_dim != 0 ? "wide" : "simt", k_bytes / us / 1e6);
       named = buf;
     }
     std::printf(
@@ -433,8 +437,7 @@ bool TimeConfig(const Config& c, const Device& device, const Flush& flush) {
     return false;
   }
 #ifdef ATTENTION_PAGED_TILE_SWEEP
-  if (c.variant->trace &&
-      !PrintTrace(c, ctas, flush, step)) {
+  if (c.variant->trace && !PrintTrace(c, ctas, flush, step)) {
     return false;
   }
 #endif
@@ -514,6 +517,8 @@ bool Main(const std::vector<int64_t>& nks, bool shapes) {
   CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
   device.clusters = major == 9 && minor == 0;
+  CHECK_CUDA(
+      cudaDeviceGetAttribute(&device.smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
   Flush flush;
   CHECK_CUDA(cudaMalloc(&flush.buffer, flush.bytes));
   CHECK_CUDA(cudaMalloc(&flush.sink, sizeof(uint32_t)));
@@ -557,6 +562,7 @@ int main(int argc, char** argv) {
       nks.push_back(std::atoll(argv[i]));
     }
   }
-  if (nks.empty()) nks = shapes ? std::vector<int64_t>{4096, 32768} : std::vector<int64_t>{4096, 32768, 131072};
+  if (nks.empty())
+    nks = shapes ? std::vector<int64_t>{4096, 32768} : std::vector<int64_t>{4096, 32768, 131072};
   return Main(nks, shapes) ? 0 : 1;
 }

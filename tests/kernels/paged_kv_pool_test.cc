@@ -781,7 +781,8 @@ INSTANTIATE_TEST_SUITE_P(Grid, PagedKvPoolTest, testing::ValuesIn(Params()),
 // a dropped sequence, so the unused tail of each sequence's last page is stale NaN; and K and V
 // are NaN at keys outside every query's window and at keys that only some queries see (the left
 // window edge of the first query, the last key, which causal hides from all but the last query).
-// Queries that see a NaN key are not compared; all others must match the reference.
+// Queries that see a NaN key are not compared; all others must match the reference. At D = 64 and
+// at MLA's absorbed shape (QK 576, V 512: the CUDA pool's wide tile).
 class PagedKvPoolPoisonTest : public PoolTest<testing::TestWithParam<DType>> {};
 
 TEST_P(PagedKvPoolPoisonTest, StaleAndMaskedRowsDoNotLeak) {
@@ -789,77 +790,83 @@ TEST_P(PagedKvPoolPoisonTest, StaleAndMaskedRowsDoNotLeak) {
   const uint64_t seed = NextSeed();
   SCOPED_TRACE(SeedHint(dtype, seed));
   std::mt19937_64 rng(seed);
-  DecodeCase c;
-  c.heads_q = 8;
-  c.heads_kv = 2;
-  c.nq = {3, 1, 4, 3};
-  c.nk = {100, 70, 130, 64};
-  c.window_left = 40;
-  c.window_right = 0;
-  const KvShape shape{dtype, c.heads_kv, c.head_dim};
-  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  for (int64_t page_rows : {32, 64}) {
-    SCOPED_TRACE(absl::StrCat("page_rows=", page_rows));
-    c.page_rows = page_rows;
-    const int64_t page_bytes = page_rows * 2 * c.heads_kv * c.head_dim * DTypeSize(dtype);
-    int64_t needed = 0, stride = 0;
-    for (int32_t nk : c.nk) {
-      needed += (nk + page_rows - 1) / page_rows;
-      stride = std::max<int64_t>(stride, (nk + page_rows - 1) / page_rows + 1);
-    }
-    const int64_t num_pages = needed + 2;
-    absl::StatusOr<std::unique_ptr<KvPagePool>> pool = MakeTestPool(num_pages, page_bytes);
-    ASSERT_TRUE(pool.ok()) << pool.status();
+  DecodeCase plain;
+  plain.heads_q = 8;
+  plain.heads_kv = 2;
+  plain.nq = {3, 1, 4, 3};
+  plain.nk = {100, 70, 130, 64};
+  plain.window_left = 40;
+  plain.window_right = 0;
+  DecodeCase mla = plain;
+  mla.heads_q = 16;
+  mla.heads_kv = 1;
+  mla.head_dim = 576;
+  mla.v_head_dim = 512;
+  for (DecodeCase c : {plain, mla}) {
+    const int64_t dv = ValueDim(c);
+    const KvShape shape = ShapeOf(c, dtype);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    for (int64_t page_rows : {32, 64}) {
+      SCOPED_TRACE(absl::StrCat("D=", c.head_dim, " Dv=", dv, " page_rows=", page_rows));
+      c.page_rows = page_rows;
+      const int64_t page_bytes = page_rows * c.heads_kv * (c.head_dim + dv) * DTypeSize(dtype);
+      int64_t needed = 0, stride = 0;
+      for (int32_t nk : c.nk) {
+        needed += (nk + page_rows - 1) / page_rows;
+        stride = std::max<int64_t>(stride, (nk + page_rows - 1) / page_rows + 1);
+      }
+      const int64_t num_pages = needed + 2;
+      absl::StatusOr<std::unique_ptr<KvPagePool>> pool = MakeTestPool(num_pages, page_bytes);
+      ASSERT_TRUE(pool.ok()) << pool.status();
 
-    // The dropped sequence: every row of every page NaN.
-    Sequence dropped;
-    const int32_t dropped_rows = static_cast<int32_t>(num_pages * page_rows);
-    dropped.k.assign(c.heads_kv * dropped_rows * c.head_dim, kNaN);
-    dropped.v = dropped.k;
-    dropped.pages.resize(num_pages);
-    std::iota(dropped.pages.begin(), dropped.pages.end(), 0);
-    WriteSequences(**pool, shape, {dropped}, {dropped_rows}, Layout::kBHSD, 0, rng);
-    if (HasFatalFailure()) return;
+      // The dropped sequence: every row of every page NaN.
+      Sequence dropped;
+      const int32_t dropped_rows = static_cast<int32_t>(num_pages * page_rows);
+      dropped.k.assign(c.heads_kv * dropped_rows * c.head_dim, kNaN);
+      dropped.v.assign(c.heads_kv * dropped_rows * dv, kNaN);
+      dropped.pages.resize(num_pages);
+      std::iota(dropped.pages.begin(), dropped.pages.end(), 0);
+      WriteSequences(**pool, shape, {dropped}, {dropped_rows}, Layout::kBHSD, 0, rng);
+      if (HasFatalFailure()) return;
 
-    // The live sequences, on the dropped sequence's pages in shuffled order.
-    std::vector<int32_t> order(num_pages);
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    auto next_page = order.begin();
-    std::vector<Sequence> seqs;
-    std::vector<std::vector<int64_t>> poisoned(c.nk.size());
-    for (size_t i = 0; i < c.nk.size(); ++i) {
-      const int64_t nq = c.nq[i], nk = c.nk[i];
-      Sequence s;
-      s.q = RandomRounded(c.heads_q * nq * c.head_dim, dtype, rng);
-      s.k = RandomRounded(c.heads_kv * nk * c.head_dim, dtype, rng);
-      s.v = RandomRounded(c.heads_kv * nk * c.head_dim, dtype, rng);
-      s.pages.assign(stride, -1);
-      for (int64_t j = 0; j < (nk + page_rows - 1) / page_rows; ++j) s.pages[j] = *next_page++;
-      // Query i sees keys [i + nk - nq - window_left, i + nk - nq]: `first` is the first query's
-      // lowest key, seen by it alone; first - 1 and key 0 are seen by none.
-      const int64_t first = nk - nq - c.window_left;
-      poisoned[i] = {0, first - 1};
-      if (nq > 2) poisoned[i].insert(poisoned[i].end(), {first, nk - 1});
-      for (int64_t key : poisoned[i]) {
-        for (int64_t h = 0; h < c.heads_kv; ++h) {
-          for (int64_t x = 0; x < c.head_dim; ++x) {
-            s.k[(h * nk + key) * c.head_dim + x] = kNaN;
-            s.v[(h * nk + key) * c.head_dim + x] = kNaN;
+      // The live sequences, on the dropped sequence's pages in shuffled order.
+      std::vector<int32_t> order(num_pages);
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      auto next_page = order.begin();
+      std::vector<Sequence> seqs;
+      std::vector<std::vector<int64_t>> poisoned(c.nk.size());
+      for (size_t i = 0; i < c.nk.size(); ++i) {
+        const int64_t nq = c.nq[i], nk = c.nk[i];
+        Sequence s;
+        s.q = RandomRounded(c.heads_q * nq * c.head_dim, dtype, rng);
+        s.k = RandomRounded(c.heads_kv * nk * c.head_dim, dtype, rng);
+        s.v = RandomRounded(c.heads_kv * nk * dv, dtype, rng);
+        s.pages.assign(stride, -1);
+        for (int64_t j = 0; j < (nk + page_rows - 1) / page_rows; ++j) s.pages[j] = *next_page++;
+        // Query i sees keys [i + nk - nq - window_left, i + nk - nq]: `first` is the first query's
+        // lowest key, seen by it alone; first - 1 and key 0 are seen by none.
+        const int64_t first = nk - nq - c.window_left;
+        poisoned[i] = {0, first - 1};
+        if (nq > 2) poisoned[i].insert(poisoned[i].end(), {first, nk - 1});
+        for (int64_t key : poisoned[i]) {
+          for (int64_t h = 0; h < c.heads_kv; ++h) {
+            for (int64_t x = 0; x < c.head_dim; ++x) s.k[(h * nk + key) * c.head_dim + x] = kNaN;
+            for (int64_t x = 0; x < dv; ++x) s.v[(h * nk + key) * dv + x] = kNaN;
           }
         }
+        seqs.push_back(std::move(s));
       }
-      seqs.push_back(std::move(s));
-    }
-    WriteSequences(**pool, shape, seqs, c.nk, Layout::kBSHD, 0, rng);
-    if (HasFatalFailure()) return;
+      WriteSequences(**pool, shape, seqs, c.nk, Layout::kBSHD, 0, rng);
+      if (HasFatalFailure()) return;
 
-    const StepResult r = Decode(**pool, c, dtype, scale, seqs, stride);
-    ExpectMatchesReference(c, dtype, scale, seqs, r, [&](size_t i, int64_t query) {
-      const int64_t lo = query + c.nk[i] - c.nq[i] - c.window_left, hi = lo + c.window_left;
-      return std::any_of(poisoned[i].begin(), poisoned[i].end(),
-                         [&](int64_t key) { return key >= lo && key <= hi; });
-    });
+      const StepResult r = Decode(**pool, c, dtype, scale, seqs, stride);
+      ExpectMatchesReference(c, dtype, scale, seqs, r, [&](size_t i, int64_t query) {
+        const int64_t lo = query + c.nk[i] - c.nq[i] - c.window_left, hi = lo + c.window_left;
+        return std::any_of(poisoned[i].begin(), poisoned[i].end(),
+                           [&](int64_t key) { return key >= lo && key <= hi; });
+      });
+    }
   }
 }
 

@@ -118,8 +118,8 @@ struct PagedTile {
   static_assert(kD % 64 == 0, "the swizzle needs rows of >= 8 chunks");
 };
 
-// Row r of a CTA's 16 rows: its element offset in q (times head_dim), in o (times v_head_dim) and in
-// lse.
+// Row r of a CTA's 16 rows: its element offset in q (times head_dim), in o (times v_head_dim) and
+// in lse.
 struct PagedRow {
   int64_t index;  // heads_q * q0 + head * nq + query
   int query;
@@ -219,8 +219,8 @@ __device__ __forceinline__ void StoreOut4(const PagedKernelParams& p, int64_t in
   if (p.splits == 1) {
     StoreO4<T>(p.o, index * p.v_head_dim + col, x);
   } else {
-    *reinterpret_cast<float4*>(p.part_o + (blockIdx.x * p.total_rows + index) * p.v_head_dim + col) =
-        x;
+    *reinterpret_cast<float4*>(p.part_o + (blockIdx.x * p.total_rows + index) * p.v_head_dim +
+                               col) = x;
   }
 }
 // Writes a finished row's log2-sum-exp (-inf: saw no key): natural-log lse, or the partial's.
@@ -240,8 +240,9 @@ __device__ __forceinline__ void StoreLse(const PagedKernelParams& p, int64_t ind
 // once (as many as `weights` holds), so their loads from L2 are in flight together: one round trip
 // for the log-sum-exps, one for the partials (the merge ends the step: its latency is the step's).
 // weights: shared memory for blockDim.x / 32 x kPagedMaxSplits floats. The CTA's coordinates are
-// read again here rather than kept live through the key loop.
-template <typename T>
+// read again here rather than kept live through the key loop. kRows: the CTA's rows (16; the wide
+// tile's 64, paged_decode_wide_kernel.cuh).
+template <typename T, int kRows = kPagedRows>
 __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, float* weights) {
   constexpr int kMergeBatch = 4;
   __shared__ bool last;
@@ -256,9 +257,9 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
   if (!last) return;
   __threadfence();
   const int seq = blockIdx.z;
-  const int hk = blockIdx.y / p.m_blocks, m0 = blockIdx.y % p.m_blocks * kPagedRows;
+  const int hk = blockIdx.y / p.m_blocks, m0 = blockIdx.y % p.m_blocks * kRows;
   const int q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
-  const int row_end = min(m0 + kPagedRows, p.group * nq);
+  const int row_end = min(m0 + kRows, p.group * nq);
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int splits = p.splits;
   const int batch = max(1, min(kMergeBatch, kPagedMaxSplits / splits));
@@ -343,7 +344,8 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
           float o = 0.f;
 #pragma unroll 8
           for (int s = 0; s < splits; ++s)
-            o += w[b * splits + s] * __ldcg(p.part_o + s * split_stride + r[b] * p.v_head_dim + col);
+            o +=
+                w[b * splits + s] * __ldcg(p.part_o + s * split_stride + r[b] * p.v_head_dim + col);
           StoreO<T>(p.o, r[b] * p.v_head_dim + col, o * inv[b]);
         }
       }

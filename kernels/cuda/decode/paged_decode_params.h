@@ -20,7 +20,7 @@ struct PagedKernelParams {
   int page_rows;
   const void* q;  // [Hq, Nq_s, D] per sequence, packed (kernels/paged_kv.h)
   void* o;        // [Hq, Nq_s, Dv] per sequence, packed
-  float* lse;  // nullptr: not computed
+  float* lse;     // nullptr: not computed
   const int32_t* cu_seqlens_q;
   const int32_t* seqlens_k;
   const int32_t* page_table;

@@ -24,6 +24,10 @@ inline constexpr int kPagedTensorHeadDims[] = {64, 128};
 // instance (8 columns per lane), larger ones in its wide one (paged_decode_launch.cuh).
 inline constexpr int kPagedMaxHeadDim = 576;
 inline constexpr int kPagedSimtNarrowHeadDim = 256;
+// The wide tensor-core tile's (QK, V) head dims (float16, bfloat16; paged_decode_wide_kernel.cuh):
+// MLA's absorbed decode and D = 512, on devices whose blocks may opt in to its shared memory.
+inline constexpr int kPagedWideHeadDims[] = {512, 576};
+inline constexpr int kPagedWideVHeadDim = 512;
 
 // The specialisation that serves head_dim: the smallest of `dims` (ascending) >= head_dim, or 0
 // when none is.

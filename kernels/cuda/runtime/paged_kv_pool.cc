@@ -331,8 +331,8 @@ class CudaKvPagePool : public KvPagePool {
         const int64_t row_bytes = static_cast<int64_t>(side.row_bytes);
         unit = std::gcd(unit, static_cast<int>(row_bytes));
         for (int64_t h = 0; h < shape.heads_kv; ++h) {
-          const int64_t dst = r.run.page * page_bytes_ +
-                              PageOffset(shape, r.page_rows, kv, h, r.run.page_row);
+          const int64_t dst =
+              r.run.page * page_bytes_ + PageOffset(shape, r.page_rows, kv, h, r.run.page_row);
           for (int64_t j = 0; j < (contiguous ? 1 : r.run.count); ++j) {
             const unsigned char* from =
                 side.src + (h * side.head_stride + (r.run.src_row + j) * side.row_stride) * elem;
@@ -466,8 +466,8 @@ class CudaKvPagePool : public KvPagePool {
       RETURN_IF_ERROR(LaunchPagedDecode(plan, pages_, page_bytes_, extent, dev, at(kWork),
                                         reinterpret_cast<int32_t*>(tickets_.data()), stream_));
       if (o == nullptr) {
-        RETURN_IF_ERROR(
-            copy_rows(at(kO), reinterpret_cast<const void* const*>(host.o_seqs), o_row_bytes, false));
+        RETURN_IF_ERROR(copy_rows(at(kO), reinterpret_cast<const void* const*>(host.o_seqs),
+                                  o_row_bytes, false));
       }
       if (lse && lse_at == nullptr) {
         RETURN_IF_ERROR(copy_rows(at(kLse), reinterpret_cast<const void* const*>(host.lse_seqs),
@@ -587,10 +587,10 @@ class CudaKvPagePool : public KvPagePool {
                 side.src + (h * side.head_stride + (r.run.src_row + j) * side.row_stride) * elem,
                 row_bytes);
           }
-          table[n++] = {static_cast<int64_t>(at),
-                        r.run.page * page_bytes_ +
-                            PageOffset(shape, r.page_rows, kv, h, r.run.page_row),
-                        static_cast<int64_t>(r.run.count * row_bytes)};
+          table[n++] = {
+              static_cast<int64_t>(at),
+              r.run.page * page_bytes_ + PageOffset(shape, r.page_rows, kv, h, r.run.page_row),
+              static_cast<int64_t>(r.run.count * row_bytes)};
           at += SegmentBytes(r, kv);
         }
       }
@@ -684,7 +684,8 @@ absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t n
   const PagedPlanOptions plan_options = {
       .sm_count = caps.sm_count,
       .splits = options.splits,
-      .clusters = caps.compute_capability == kClusterCapability && options.clusters};
+      .clusters = caps.compute_capability == kClusterCapability && options.clusters,
+      .smem_per_block = caps.smem_per_block_optin};
   const size_t bytes = static_cast<size_t>(num_pages) * page_bytes;
   void* pages = nullptr;
   if (cudaError_t err = cudaMalloc(&pages, bytes); err != cudaSuccess) {
