@@ -40,8 +40,8 @@ struct PagedWideTile {
   static constexpr int kParts = kWarps / kMBlocks;  // warps per row block
   static constexpr int kBc = 32;
   static constexpr int kStages = 2;
-  static constexpr int kWarpKeys = kBc / kParts;   // S keys per warp
-  static constexpr int kWarpCols = kDv / kParts;   // O columns per warp
+  static constexpr int kWarpKeys = kBc / kParts;  // S keys per warp
+  static constexpr int kWarpCols = kDv / kParts;  // O columns per warp
   static constexpr int kKRowBytes = kD * 2, kVRowBytes = kDv * 2;
   static constexpr int kKChunks = kD / 8, kVChunks = kDv / 8;
   static constexpr int kKTileBytes = kBc * kKRowBytes, kVTileBytes = kBc * kVRowBytes;
@@ -71,10 +71,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
   constexpr int kKRowBytes = Tile::kKRowBytes, kVRowBytes = Tile::kVRowBytes;
   constexpr int kKChunks = Tile::kKChunks, kVChunks = Tile::kVChunks;
   constexpr int kPRowBytes = Tile::kPRowBytes;
-  constexpr int kKSteps = kD / 16;                   // k-steps of Q K^T
-  constexpr int kNTiles = Tile::kWarpKeys / 8;       // 8-key column tiles of a warp's S
-  constexpr int kOTiles = Tile::kWarpCols / 8;       // 8-wide column tiles of a warp's O
-  constexpr int kPvSteps = kBc / 16;                 // k-steps of P V
+  constexpr int kKSteps = kD / 16;              // k-steps of Q K^T
+  constexpr int kNTiles = Tile::kWarpKeys / 8;  // 8-key column tiles of a warp's S
+  constexpr int kOTiles = Tile::kWarpCols / 8;  // 8-wide column tiles of a warp's O
+  constexpr int kPvSteps = kBc / 16;            // k-steps of P V
 
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t s_q = SmemAddress(smem);
@@ -82,9 +82,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
   const uint32_t s_p = s_kv + kStages * Tile::kStageBytes;
   float* const stats =
       reinterpret_cast<float*>(smem + Tile::kQBytes + kStages * Tile::kStageBytes + Tile::kPBytes);
-  float* const s_max = stats;                     // [kParts][kRows]: the tile's max per part
-  float* const s_sum = s_max + kParts * kRows;    // [kParts][kRows]: the final sums per part
-  float* const s_lse = s_sum + kParts * kRows;    // [kRows]
+  float* const s_max = stats;                   // [kParts][kRows]: the tile's max per part
+  float* const s_sum = s_max + kParts * kRows;  // [kParts][kRows]: the final sums per part
+  float* const s_lse = s_sum + kParts * kRows;  // [kRows]
   uint32_t* const s_flags = reinterpret_cast<uint32_t*>(s_lse + kRows);  // [kWarps]
 
   const int seq = blockIdx.z;
