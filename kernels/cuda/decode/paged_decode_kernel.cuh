@@ -232,6 +232,104 @@ __device__ __forceinline__ void StoreLse(const PagedKernelParams& p, int64_t ind
   }
 }
 
+// A tensor-core CTA's rows and keys: rows [m0, row_last] of its sequence's group x Nq, and its
+// split's keys cut to what those rows' queries may see, as n_tiles whole tiles of kBc keys from
+// tile tile_begin. False when the sequence has no row from m0 on (fewer rows than the grid).
+struct PagedCtaWork {
+  int q0, nq, nk, row_last, first_query, last_query, tile_begin, n_tiles;
+};
+template <int kRows, int kBc>
+__device__ __forceinline__ bool GetPagedCtaWork(const PagedKernelParams& p, int seq, int m0,
+                                                int split_lo, PagedCtaWork& w) {
+  w.q0 = p.cu_seqlens_q[seq];
+  w.nq = p.cu_seqlens_q[seq + 1] - w.q0;
+  w.nk = p.seqlens_k[seq];
+  const int rows = p.group * w.nq;
+  if (m0 >= rows) return false;
+  w.row_last = min(m0 + kRows, rows) - 1;
+  w.first_query = m0 / p.group;
+  w.last_query = w.row_last / p.group;
+  const KeyRange vis = PagedVisibleKeys(p, w.nq, w.nk, w.first_query, w.last_query);
+  const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
+  w.tile_begin = k_lo / kBc;
+  w.n_tiles = k_hi > k_lo ? (k_hi + kBc - 1) / kBc - w.tile_begin : 0;
+  return true;
+}
+
+// The keys this lane's rows m + g and m + g + 8 (of a 16-row block from m; g = lane / 4) may see,
+// and those every row of the CTA's [first_query, last_query] sees (`all`: a key tile inside it
+// needs no element mask).
+__device__ __forceinline__ void PagedLaneKeys(const PagedKernelParams& p, int nq, int nk, int m,
+                                              int g, int first_query, int last_query,
+                                              KeyRange (&rows)[2], KeyRange& all) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int query = (m + g + half * 8) / p.group;
+    rows[half] = PagedVisibleKeys(p, nq, nk, query, query);
+  }
+  all = PagedVisibleKeys(p, nq, nk, last_query, first_query);
+}
+
+// O += P V over 16 keys: acc_o's 8-column tiles take pa (P of 16 rows x the 16 keys, as an A
+// fragment) times V's 16 key rows at s_v_rows (swizzled, ldmatrix.trans from the lane offset
+// off_v: SwizzledOffset(lane & 15, lane >> 4)), pair dp of 16 columns at a time.
+template <typename T, int kOTiles>
+__device__ __forceinline__ void MmaPV(float (&acc_o)[kOTiles][4], const uint32_t (&pa)[4],
+                                      uint32_t s_v_rows, uint32_t off_v) {
+#pragma unroll
+  for (int dp = 0; dp < kOTiles / 2; ++dp) {
+    uint32_t vb[4];
+    LdMatrixX4Trans(vb, s_v_rows + PairOffset(off_v, dp));
+    Mma16816<T>(acc_o[2 * dp], pa, vb[0], vb[1]);
+    Mma16816<T>(acc_o[2 * dp + 1], pa, vb[2], vb[3]);
+  }
+}
+
+// Rows [m0, row_last] of q, kRows of them, into the swizzled shared tile at s_q (rows of kChunks
+// 16-byte chunks, zeros for missing rows and for columns past head_dim), negated for a negative
+// scale; by kThreads threads.
+template <typename T, int kRows, int kChunks, int kThreads>
+__device__ __forceinline__ void LoadPagedQ(const PagedKernelParams& p, uint32_t s_q, int q0, int nq,
+                                           int hk, int m0, int row_last) {
+  const uint32_t sign = p.negate_q ? 0x80008000u : 0u;
+  const int d_chunks = p.head_dim / 8;
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (m0 + r <= row_last && c < d_chunks) {
+      const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
+      x = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + row.index * p.head_dim +
+                                          c * 8);
+      x.x ^= sign, x.y ^= sign, x.z ^= sign, x.w ^= sign;
+    }
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                     s_q + SwizzledOffset<kChunks * 16>(r, c)),
+                 "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
+  }
+}
+
+// Zeroes the Inf and NaN elements of the 16-byte chunks first, first + step, ... below `chunks` of
+// the shared rows at `base` (row_chunks chunks a row; the swizzle permutes chunks within a row
+// only) and returns the rows where this thread found any (bit r for row r).
+template <typename T>
+__device__ __forceinline__ uint32_t ZeroNonFiniteRows(uint32_t base, int chunks, int row_chunks,
+                                                      int first, int step) {
+  uint32_t rows = 0;
+  for (int i = first; i < chunks; i += step) {
+    const uint32_t addr = base + i * 16;
+    uint4 x;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "r"(addr));
+    if (ZeroNonFinite<T>(x)) {
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x.x), "r"(x.y),
+                   "r"(x.z), "r"(x.w));
+      rows |= 1u << (i / row_chunks);
+    }
+  }
+  return rows;
+}
+
 // Called by every thread of a split CTA (splits > 1) once its partials of its 16 rows are stored.
 // The CTA takes a ticket of its (sequence, grid row); the last split to take one merges the splits'
 // partials of those rows by LSE into o (and lse), a warp per row, and resets the ticket for the
@@ -449,18 +547,11 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
     const int at = (split_lo + s * kBc) / p.page_rows;
     first_pages[s] = at < p.page_table_stride ? page_table[at] : 0;
   }
-  const int q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
-  const int nk = p.seqlens_k[seq];
-  const int rows = p.group * nq;
-  if (m0 >= rows) return;  // this sequence has fewer rows than the grid
-  const int row_last = min(m0 + kPagedRows, rows) - 1;
-  const int first_query = m0 / p.group, last_query = row_last / p.group;
-
-  // This CTA's keys: its split, cut to what its queries may see; whole kBc tiles from tile_begin.
-  const KeyRange vis = PagedVisibleKeys(p, nq, nk, first_query, last_query);
-  const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
-  const int tile_begin = k_lo / kBc;
-  const int n_tiles = k_hi > k_lo ? (k_hi + kBc - 1) / kBc - tile_begin : 0;
+  PagedCtaWork work;
+  if (!GetPagedCtaWork<kPagedRows, kBc>(p, seq, m0, split_lo, work)) return;
+  const int q0 = work.q0, nq = work.nq, nk = work.nk, row_last = work.row_last;
+  const int first_query = work.first_query, last_query = work.last_query;
+  const int tile_begin = work.tile_begin, n_tiles = work.n_tiles;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -515,23 +606,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
     CpAsyncCommit();
   }
 
-  // Q rows -> shared memory (zeros for missing rows and columns), negated for a negative scale.
-  {
-    const uint32_t sign = p.negate_q ? 0x80008000u : 0u;
-    for (int i = threadIdx.x; i < kPagedRows * Tile::kChunks; i += kThreads) {
-      const int r = i / Tile::kChunks, c = i % Tile::kChunks;
-      uint4 x = make_uint4(0, 0, 0, 0);
-      if (m0 + r < rows && c < d_chunks) {
-        const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
-        x = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + row.index * p.head_dim +
-                                            c * Tile::kChunkElems);
-        x.x ^= sign, x.y ^= sign, x.z ^= sign, x.w ^= sign;
-      }
-      asm volatile(
-          "st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(s_q + SwizzledOffset<kRowBytes>(r, c)),
-          "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
-    }
-  }
+  LoadPagedQ<T, kPagedRows, Tile::kChunks, kThreads>(p, s_q, q0, nq, hk, m0, row_last);
   __syncthreads();
   const uint32_t off_a = SwizzledOffset<kRowBytes>(lane & 15, lane >> 4);
   const uint32_t off_b =
@@ -540,15 +615,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
 #pragma unroll
   for (int kk = 0; kk < kKSteps; ++kk) LdMatrixX4(q_frag[kk], s_q + PairOffset(off_a, kk));
 
-  // The mask of rows g and g + 8 of the 16: their queries' visible keys.
-  KeyRange row_keys[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int query = (m0 + g + half * 8) / p.group;
-    row_keys[half] = PagedVisibleKeys(p, nq, nk, query, query);
-  }
-  // Tiles needing no element mask: inside every row's window (and chunk) and below nk.
-  const KeyRange all_rows = PagedVisibleKeys(p, nq, nk, last_query, first_query);
+  // The mask of rows g and g + 8 of the 16, and the keys every row sees (tiles inside them need
+  // no element mask: inside every row's window and chunk, and below nk).
+  KeyRange row_keys[2], all_rows;
+  PagedLaneKeys(p, nq, nk, m0, g, first_query, last_query, row_keys, all_rows);
 
   float acc_o[kDTiles][4];
 #pragma unroll
@@ -578,18 +648,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
     const bool masked = n0 < all_rows.lo || n0 + kWarpKeys > all_rows.hi;
     uint32_t nonfinite = 0;
     if (masked) {
-      for (int i = lane; i < kWarpKeys * Tile::kChunks; i += 32) {
-        const uint32_t addr = s_v + i * 16;
-        uint4 x;
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                     : "r"(addr));
-        if (ZeroNonFinite<T>(x)) {
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x.x), "r"(x.y),
-                       "r"(x.z), "r"(x.w));
-          nonfinite |= 1u << (i / Tile::kChunks);
-        }
-      }
+      nonfinite = ZeroNonFiniteRows<T>(s_v, kWarpKeys * Tile::kChunks, Tile::kChunks, lane, 32);
       nonfinite = __reduce_or_sync(0xffffffffu, nonfinite);
       __syncwarp();  // the zeroed V is visible to the whole warp before P V
     }
@@ -647,13 +706,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
       pa[1] = PackPair<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
       pa[2] = PackPair<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
       pa[3] = PackPair<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
-#pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t vb[4];
-        LdMatrixX4Trans(vb, s_v + kk * 16 * kRowBytes + PairOffset(off_a, dp));
-        Mma16816<T>(acc_o[2 * dp], pa, vb[0], vb[1]);
-        Mma16816<T>(acc_o[2 * dp + 1], pa, vb[2], vb[3]);
-      }
+      MmaPV<T>(acc_o, pa, s_v + kk * 16 * kRowBytes, off_a);
     }
   }
   CpAsyncWait<0>();

@@ -91,23 +91,13 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
   const int hk = blockIdx.y / p.m_blocks, m0 = blockIdx.y % p.m_blocks * kRows;
   const int split_lo = blockIdx.x * p.split_keys;
   const int32_t* page_table = p.page_table + seq * p.page_table_stride;
-  const int q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
-  const int nk = p.seqlens_k[seq];
-  const int rows = p.group * nq;
-  if (m0 >= rows) return;  // this sequence has fewer rows than the grid
-  const int row_last = min(m0 + kRows, rows) - 1;
-  const int first_query = m0 / p.group, last_query = row_last / p.group;
-
-  // This CTA's keys: its split, cut to what its queries may see; whole kBc tiles from tile_begin.
-  const KeyRange vis = PagedVisibleKeys(p, nq, nk, first_query, last_query);
-  const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
-  const int tile_begin = k_lo / kBc;
-  const int n_tiles = k_hi > k_lo ? (k_hi + kBc - 1) / kBc - tile_begin : 0;
+  PagedCtaWork w;  // rows [m0, w.row_last], keys from tile w.tile_begin
+  if (!GetPagedCtaWork<kRows, kBc>(p, seq, m0, split_lo, w)) return;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int mb = warp % Tile::kMBlocks, part = warp / Tile::kMBlocks;
-  const bool live = m0 + mb * 16 <= row_last;  // this warp's row block holds a real row
+  const bool live = m0 + mb * 16 <= w.row_last;  // this warp's row block holds a real row
 
   // K of this kv head, and V after every head's K (kernels/paged_kv.h), bytes from a page's start.
   const int64_t k_head = static_cast<int64_t>(hk) * p.page_rows * kKRowBytes;
@@ -117,12 +107,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
   // key zero-filled.
   auto load_tile = [&](int stage, int tile) {
     const uint32_t s_k = s_kv + stage * Tile::kStageBytes, s_v = s_k + Tile::kKTileBytes;
-    const int n0 = (tile_begin + tile) * kBc;
+    const int n0 = (w.tile_begin + tile) * kBc;
     auto load = [&](uint32_t dst, int chunks, int64_t head, int row_bytes, auto row_bytes_c) {
       constexpr int kRowBytesC = decltype(row_bytes_c)::value;
       for (int i = threadIdx.x; i < kBc * chunks; i += kThreads) {
         const int r = i / chunks, c = i % chunks, key = n0 + r;
-        const bool valid = key < nk;
+        const bool valid = key < w.nk;
         const unsigned char* src = p.pool;
         if (valid) {
           src += page_table[key / p.page_rows] * p.page_bytes + head +
@@ -134,25 +124,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
     load(s_k, kKChunks, k_head, kKRowBytes, std::integral_constant<int, kKRowBytes>());
     load(s_v, kVChunks, v_head, kVRowBytes, std::integral_constant<int, kVRowBytes>());
   };
-  if (n_tiles > 0) load_tile(0, 0);
+  if (w.n_tiles > 0) load_tile(0, 0);
   CpAsyncCommit();
 
-  // Q rows -> shared memory (zeros for missing rows), negated for a negative scale.
-  {
-    const uint32_t sign = p.negate_q ? 0x80008000u : 0u;
-    for (int i = threadIdx.x; i < kRows * kKChunks; i += kThreads) {
-      const int r = i / kKChunks, c = i % kKChunks;
-      uint4 x = make_uint4(0, 0, 0, 0);
-      if (m0 + r <= row_last) {
-        const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
-        x = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + row.index * kD + c * 8);
-        x.x ^= sign, x.y ^= sign, x.z ^= sign, x.w ^= sign;
-      }
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                       s_q + SwizzledOffset<kKRowBytes>(r, c)),
-                   "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
-    }
-  }
+  LoadPagedQ<T, kRows, kKChunks, kThreads>(p, s_q, w.q0, w.nq, hk, m0, w.row_last);
 
   // ldmatrix lane offsets (paged_decode_kernel.cuh's): A (Q rows of this row block; V rows as the
   // transposed B) and B (K rows).
@@ -162,15 +137,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
   const uint32_t off_v = SwizzledOffset<kVRowBytes>(lane & 15, lane >> 4);
   const uint32_t off_p = s_p + (mb * 16 + (lane & 15)) * kPRowBytes + (lane >> 4) * 16;
 
-  // The rows g and g + 8 of this warp's row block: their queries' visible keys.
-  KeyRange row_keys[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int query = (m0 + mb * 16 + g + half * 8) / p.group;
-    row_keys[half] = PagedVisibleKeys(p, nq, nk, query, query);
-  }
-  // Tiles needing no element mask: inside every row's window (and chunk) and below nk.
-  const KeyRange all_rows = PagedVisibleKeys(p, nq, nk, last_query, first_query);
+  // The rows g and g + 8 of this warp's row block: their queries' visible keys; and the keys every
+  // row sees (tiles inside them need no element mask).
+  KeyRange row_keys[2], all_rows;
+  PagedLaneKeys(p, w.nq, w.nk, m0 + mb * 16, g, w.first_query, w.last_query, row_keys, all_rows);
 
   float acc_o[kOTiles][4];
 #pragma unroll
@@ -180,17 +150,17 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   const float scale_log2 = p.scale_log2;
 
-  for (int tile = 0; tile < n_tiles; ++tile) {
+  for (int tile = 0; tile < w.n_tiles; ++tile) {
     // Tile `tile` has landed (and Q, on the first); every warp is past tile - 1, whose stage the
     // next load reuses, and whose P, maxes and flags this tile overwrites.
     CpAsyncWait<0>();
     __syncthreads();
-    if (tile + 1 < n_tiles) load_tile((tile + 1) % kStages, tile + 1);
+    if (tile + 1 < w.n_tiles) load_tile((tile + 1) % kStages, tile + 1);
     CpAsyncCommit();
 
     const uint32_t s_k = s_kv + (tile % kStages) * Tile::kStageBytes;
     const uint32_t s_v = s_k + Tile::kKTileBytes;
-    const int n0 = (tile_begin + tile) * kBc;
+    const int n0 = (w.tile_begin + tile) * kBc;
     const int w0 = n0 + part * Tile::kWarpKeys;  // this warp's first key of S
 
     // Masked tiles: zero the Inf and NaN of the tile's V (as stored: the swizzle permutes chunks
@@ -198,24 +168,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
     const bool masked = n0 < all_rows.lo || n0 + kBc > all_rows.hi;
     uint32_t nonfinite = 0;
     if (masked) {
-      uint32_t mine = 0;
-      for (int i = threadIdx.x; i < kBc * kVChunks; i += kThreads) {
-        const uint32_t addr = s_v + i * 16;
-        uint4 x;
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                     : "r"(addr));
-        if (ZeroNonFinite<T>(x)) {
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x.x), "r"(x.y),
-                       "r"(x.z), "r"(x.w));
-          mine |= 1u << (i / kVChunks);
-        }
-      }
+      uint32_t mine = ZeroNonFiniteRows<T>(s_v, kBc * kVChunks, kVChunks, threadIdx.x, kThreads);
       mine = __reduce_or_sync(0xffffffffu, mine);
       if (lane == 0) s_flags[warp] = mine;
       __syncthreads();  // the zeroed V and every warp's flags
 #pragma unroll
-      for (int w = 0; w < Tile::kWarps; ++w) nonfinite |= s_flags[w];
+      for (int x = 0; x < Tile::kWarps; ++x) nonfinite |= s_flags[x];
     }
 
     // S of this warp's 16 keys for its 16 rows, and their max.
@@ -301,13 +259,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
       for (int kk = 0; kk < kPvSteps; ++kk) {
         uint32_t pa[4];
         LdMatrixX4(pa, off_p + kk * 32);
-#pragma unroll
-        for (int dp = 0; dp < kOTiles / 2; ++dp) {
-          uint32_t vb[4];
-          LdMatrixX4Trans(vb, s_vw + kk * 16 * kVRowBytes + PairOffset(off_v, dp));
-          Mma16816<T>(acc_o[2 * dp], pa, vb[0], vb[1]);
-          Mma16816<T>(acc_o[2 * dp + 1], pa, vb[2], vb[3]);
-        }
+        MmaPV<T>(acc_o, pa, s_vw + kk * 16 * kVRowBytes, off_v);
       }
     }
   }
@@ -333,8 +285,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
       float inv = sum > 0.f ? 1.f / sum : 0.f;
       float lse2 = sum > 0.f ? row_max[half] * scale_log2 + log2f(sum) : -INFINITY;
       // One split: the sink joins the row here (several: where the splits merge).
-      if (p.sinks != nullptr && p.splits == 1 && m0 + r <= row_last) {
-        inv *= AddSink(p.sinks[GetPagedRow(p, q0, nq, hk, m0 + r).head], lse2);
+      if (p.sinks != nullptr && p.splits == 1 && m0 + r <= w.row_last) {
+        inv *= AddSink(p.sinks[GetPagedRow(p, w.q0, w.nq, hk, m0 + r).head], lse2);
       }
       if (part == 0 && t == 0) s_lse[r] = lse2;
 #pragma unroll
@@ -348,8 +300,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
   __syncthreads();
   for (int i = threadIdx.x; i < kRows * kDv / 4; i += kThreads) {
     const int r = i / (kDv / 4), col = i % (kDv / 4) * 4;
-    if (m0 + r > row_last) break;  // rows ascend with i
-    const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
+    if (m0 + r > w.row_last) break;  // rows ascend with i
+    const PagedRow row = GetPagedRow(p, w.q0, w.nq, hk, m0 + r);
     StoreOut4<T>(p, row.index, col, *reinterpret_cast<const float4*>(o_s + r * kDv + col));
     if (col == 0) StoreLse(p, row.index, s_lse[r]);
   }
