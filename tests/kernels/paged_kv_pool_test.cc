@@ -1055,61 +1055,74 @@ TEST_P(PagedKvPoolWriteTest, ReadGivesBackTheWrittenRows) {
   const uint64_t seed = NextSeed();
   SCOPED_TRACE(SeedHint(dtype, seed));
   std::mt19937_64 rng(seed);
-  DecodeCase c;
-  c.heads_q = 4;
-  c.heads_kv = 2;
-  c.nq = {1, 1, 1};
-  c.nk = {1, 33, 101};  // pages of 32 rows: one row, a page and one, a prime
-  PoolSetup setup;
-  MakeSetup(c, dtype, rng, &setup);
-  if (HasFatalFailure()) return;
-  const KvShape shape{dtype, c.heads_kv, c.head_dim};
-  const int64_t hkv = c.heads_kv, d = c.head_dim, elem = DTypeSize(dtype);
-  for (size_t i = 0; i < c.nk.size(); ++i) {
-    const Sequence& s = setup.seqs[i];
-    const int64_t nk = c.nk[i];
-    const std::vector<unsigned char> k = Encode(s.k, dtype), v = Encode(s.v, dtype);
-    for (int trial = 0; trial < 8; ++trial) {
-      const int64_t first = trial == 0 ? 0 : std::uniform_int_distribution<int64_t>(0, nk - 1)(rng);
-      const int64_t rows =
-          trial == 0 ? nk : std::uniform_int_distribution<int64_t>(1, nk - first)(rng);
-      const bool bhsd = trial % 2 == 0;
-      std::vector<unsigned char> k_out(hkv * rows * d * elem), v_out(k_out.size());
-      KvRead read;
-      read.shape = shape;
-      read.page_table = s.pages.data();
-      read.first_row = first;
-      read.rows = rows;
-      read.k = k_out.data();
-      read.v = v_out.data();
-      read.head_stride = bhsd ? rows * d : d;
-      read.row_stride = bhsd ? d : hkv * d;
-      ASSERT_EQ(setup.pool->Read(read), absl::OkStatus());
-      for (int64_t h = 0; h < hkv; ++h) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t from = ((h * nk) + first + r) * d * elem;
-          const int64_t to = (h * read.head_stride + r * read.row_stride) * elem;
-          ASSERT_EQ(std::memcmp(k_out.data() + to, k.data() + from, d * elem), 0)
-              << "k of sequence " << i << " row " << first + r << " head " << h;
-          ASSERT_EQ(std::memcmp(v_out.data() + to, v.data() + from, d * elem), 0)
-              << "v of sequence " << i << " row " << first + r << " head " << h;
+  // V of the QK head dim, and of one of its own (MLA's QK 192 / V 128).
+  for (const int64_t dv : {int64_t{0}, int64_t{128}}) {
+    SCOPED_TRACE(absl::StrCat("v_head_dim=", dv));
+    DecodeCase c;
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    if (dv > 0) c.head_dim = 192;
+    c.v_head_dim = dv;
+    c.nq = {1, 1, 1};
+    c.nk = {1, 33, 101};  // pages of 32 rows: one row, a page and one, a prime
+    PoolSetup setup;
+    MakeSetup(c, dtype, rng, &setup);
+    if (HasFatalFailure()) return;
+    const KvShape shape = ShapeOf(c, dtype);
+    const int64_t hkv = c.heads_kv, d = c.head_dim, vd = ValueDim(c), elem = DTypeSize(dtype);
+    for (size_t i = 0; i < c.nk.size(); ++i) {
+      const Sequence& s = setup.seqs[i];
+      const int64_t nk = c.nk[i];
+      const std::vector<unsigned char> k = Encode(s.k, dtype), v = Encode(s.v, dtype);
+      for (int trial = 0; trial < 8; ++trial) {
+        const int64_t first =
+            trial == 0 ? 0 : std::uniform_int_distribution<int64_t>(0, nk - 1)(rng);
+        const int64_t rows =
+            trial == 0 ? nk : std::uniform_int_distribution<int64_t>(1, nk - first)(rng);
+        const bool bhsd = trial % 2 == 0;
+        std::vector<unsigned char> k_out(hkv * rows * d * elem), v_out(hkv * rows * vd * elem);
+        KvRead read;
+        read.shape = shape;
+        read.page_table = s.pages.data();
+        read.first_row = first;
+        read.rows = rows;
+        read.k = k_out.data();
+        read.v = v_out.data();
+        read.head_stride = bhsd ? rows * d : d;
+        read.row_stride = bhsd ? d : hkv * d;
+        ASSERT_EQ(setup.pool->Read(read), absl::OkStatus());
+        // v is laid out as k, with rows of Dv (VStride).
+        const int64_t v_head_stride = VStride(shape, read.head_stride);
+        const int64_t v_row_stride = VStride(shape, read.row_stride);
+        for (int64_t h = 0; h < hkv; ++h) {
+          for (int64_t r = 0; r < rows; ++r) {
+            ASSERT_EQ(
+                std::memcmp(k_out.data() + (h * read.head_stride + r * read.row_stride) * elem,
+                            k.data() + ((h * nk) + first + r) * d * elem, d * elem),
+                0)
+                << "k of sequence " << i << " row " << first + r << " head " << h;
+            ASSERT_EQ(std::memcmp(v_out.data() + (h * v_head_stride + r * v_row_stride) * elem,
+                                  v.data() + ((h * nk) + first + r) * vd * elem, vd * elem),
+                      0)
+                << "v of sequence " << i << " row " << first + r << " head " << h;
+          }
         }
       }
     }
+    // A row in a page the table does not hold (-1 past sequence 0's one page) is refused, as a
+    // Write's.
+    std::vector<unsigned char> out(hkv * std::max(d, vd) * elem);
+    KvRead past;
+    past.shape = shape;
+    past.page_table = setup.seqs[0].pages.data();
+    past.first_row = c.page_rows;
+    past.rows = 1;
+    past.k = out.data();
+    past.v = out.data();
+    past.head_stride = d;
+    past.row_stride = d;
+    EXPECT_FALSE(setup.pool->Read(past).ok());
   }
-  // A row in a page the table does not hold (-1 past sequence 0's one page) is refused, as a
-  // Write's.
-  std::vector<unsigned char> out(hkv * d * elem);
-  KvRead past;
-  past.shape = shape;
-  past.page_table = setup.seqs[0].pages.data();
-  past.first_row = c.page_rows;
-  past.rows = 1;
-  past.k = out.data();
-  past.v = out.data();
-  past.head_stride = d;
-  past.row_stride = d;
-  EXPECT_FALSE(setup.pool->Read(past).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolWriteTest, kAllDtypes, DtypeTestName);
