@@ -356,6 +356,30 @@ std::vector<DecodeCase> Cases() {
                    .window_right = 0,
                    .page_rows = 16,
                    .write_layout = Layout::kBSHD});
+  // The open-model options at MLA's absorbed shape: sinks, a left window and chunks (the CUDA
+  // wide tile's epilogue and merge), and a softcap (which the CUDA pool runs on the SIMT kernel).
+  cases.push_back({.name = "mla_absorbed_sinks_window_chunk",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .nq = {3, 1, 2},
+                   .nk = {300, 65, 1000},
+                   .window_left = 100,
+                   .window_right = 0,
+                   .sinks = {1.5f, -0.7f, 3.0f, 0.2f, -4.0f, 0.9f, 6.0f, -1.1f, 0.0f, 2.0f, -2.0f,
+                             4.5f, -3.0f, 1.0f, 0.5f, -0.5f},
+                   .chunk_size = 64});
+  cases.push_back({.name = "mla_absorbed_softcap",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .nq = {1, 2},
+                   .nk = {129, 40},
+                   .window_right = 0,
+                   .softmax_scale = 0.1f,
+                   .softcap = 30.0f});
   // D = 512 with V of D (the SIMT kernel's wide instance): MQA and GQA, pages +- 1, causal extend.
   cases.push_back({.name = "d512_mqa16_ragged",
                    .heads_q = 16,
