@@ -445,6 +445,13 @@ void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Se
                     const std::vector<int32_t>& nks, Layout layout, int64_t chunk,
                     std::mt19937_64& rng, const PoolDeviceMemory* device = nullptr) {
   const int64_t hkv = shape.heads_kv, d = shape.head_dim;
+  // The rows laid out below are of `shape`: a shape that is not the rows' (v of D where they hold
+  // Dv) would read and write past them.
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    ASSERT_EQ(seqs[i].k.size(), hkv * nks[i] * d) << "k of sequence " << i << " against the shape";
+    ASSERT_EQ(seqs[i].v.size(), hkv * nks[i] * shape.value_head_dim())
+        << "v of sequence " << i << " against the shape";
+  }
   std::vector<std::vector<unsigned char>> kb, vb;
   // [Hkv, nk, dim] as `layout` lays it out.
   const auto laid_out = [&](const std::vector<float>& x, int64_t nk, int64_t dim) {
@@ -1264,46 +1271,52 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolMergeTest, kAllDtypes, DtypeTestName
 // A step whose tensors are in the pool's device memory (rows written from there; q read and o and
 // lse written there, packed in place behind the caller's events, and per sequence through the
 // pool's copies) answers bit for bit what the same step from host memory answers. A backend
-// without device memory refuses such steps UNIMPLEMENTED.
+// without device memory refuses such steps UNIMPLEMENTED; there the second pool is written from
+// host memory (in chunks of other sizes) and answers as the first. Every case, V head dims of their
+// own too (the second pool's writes take the case's shape: v of Dv).
 class PagedKvPoolDeviceMemoryTest : public PoolTest<testing::TestWithParam<DType>> {};
 
 TEST_P(PagedKvPoolDeviceMemoryTest, AnswersAsFromHostMemory) {
   const DType dtype = GetParam();
   const PoolDeviceMemory device = TestPoolDeviceMemory();
+  const PoolDeviceMemory* from_device = device.upload ? &device : nullptr;
   for (const DecodeCase& c : Cases()) {
     const uint64_t seed = NextSeed();
     SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
     std::mt19937_64 rng(seed);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    const float scale = c.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
     PoolSetup setup;
     MakeSetup(c, dtype, rng, &setup);
     if (HasFatalFailure()) return;
     const StepResult host = Decode(*setup.pool, c, dtype, scale, setup.seqs, setup.stride);
-    if (!device.upload) {
-      StepMemory on_device{.on_device = true};
-      KvWrite w{.shape = {dtype, c.heads_kv, c.head_dim}, .memory = on_device};
-      EXPECT_EQ(setup.pool->Write({w}).code(), absl::StatusCode::kUnimplemented);
-      PagedDecodeParams p{.shape = w.shape, .memory = on_device};
-      EXPECT_EQ(setup.pool->Decode(p).status().code(), absl::StatusCode::kUnimplemented);
-      return;
-    }
-    // The same pages of a second pool, written from device memory.
-    absl::StatusOr<std::unique_ptr<KvPagePool>> again =
-        MakeTestPool(setup.pool->num_pages(), setup.pool->page_bytes());
-    ASSERT_TRUE(again.ok()) << again.status();
-    WriteSequences(**again, {dtype, c.heads_kv, c.head_dim}, setup.seqs, c.nk, c.write_layout,
-                   c.write_chunk, rng, &device);
-    if (HasFatalFailure()) return;
-    for (bool per_seq : {false, true}) {
-      SCOPED_TRACE(per_seq ? "per sequence" : "packed, in stream order");
-      const StepResult r =
-          Decode(**again, c, dtype, scale, setup.seqs, setup.stride, per_seq, &device);
+    auto expect_as_host = [&](const StepResult& r) {
       ASSERT_TRUE(r.status.ok()) << r.status;
       EXPECT_EQ(r.o, host.o);
       ASSERT_EQ(r.lse.size(), host.lse.size());
       if (!host.lse.empty()) {
         EXPECT_EQ(std::memcmp(r.lse.data(), host.lse.data(), host.lse.size() * sizeof(float)), 0);
       }
+    };
+    // The same pages of a second pool, written from device memory where the backend has it.
+    absl::StatusOr<std::unique_ptr<KvPagePool>> again =
+        MakeTestPool(setup.pool->num_pages(), setup.pool->page_bytes());
+    ASSERT_TRUE(again.ok()) << again.status();
+    WriteSequences(**again, ShapeOf(c, dtype), setup.seqs, c.nk, c.write_layout, c.write_chunk, rng,
+                   from_device);
+    if (HasFatalFailure()) return;
+    if (from_device == nullptr) {
+      StepMemory on_device{.on_device = true};
+      KvWrite w{.shape = ShapeOf(c, dtype), .memory = on_device};
+      EXPECT_EQ((*again)->Write({w}).code(), absl::StatusCode::kUnimplemented);
+      PagedDecodeParams p{.shape = w.shape, .memory = on_device};
+      EXPECT_EQ((*again)->Decode(p).status().code(), absl::StatusCode::kUnimplemented);
+      expect_as_host(Decode(**again, c, dtype, scale, setup.seqs, setup.stride));
+      continue;
+    }
+    for (bool per_seq : {false, true}) {
+      SCOPED_TRACE(per_seq ? "per sequence" : "packed, in stream order");
+      expect_as_host(
+          Decode(**again, c, dtype, scale, setup.seqs, setup.stride, per_seq, from_device));
     }
   }
 }
