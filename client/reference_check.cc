@@ -69,7 +69,7 @@ absl::StatusOr<int> ParallelForward(const AttentionParams& p, std::vector<double
   const int64_t rows = varlen ? p.total_q : p.seqlen_q;
   const int64_t batch_extent = varlen ? 1 : p.batch;
   o->assign((batch_extent - 1) * p.o_batch_stride + (p.heads_q - 1) * p.o_head_stride +
-                (rows - 1) * p.o_row_stride + p.head_dim,
+                (rows - 1) * p.o_row_stride + p.value_head_dim(),
             0.0);
   if (lse != nullptr) {
     lse->assign(batch_extent * p.heads_q * rows, -std::numeric_limits<double>::infinity());
@@ -105,7 +105,7 @@ absl::StatusOr<int> ParallelForward(const AttentionParams& p, std::vector<double
       const int64_t q0 = varlen ? p.cu_seqlens_q[b] : 0;
       const int64_t nq = varlen ? p.cu_seqlens_q[b + 1] - q0 : p.seqlen_q;
       for (int64_t i = q0; i < q0 + nq; ++i) {
-        std::copy_n(pair_o.begin() + i * p.o_row_stride, p.head_dim,
+        std::copy_n(pair_o.begin() + i * p.o_row_stride, p.value_head_dim(),
                     o->begin() + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride);
         if (lse) (*lse)[b * p.lse_batch_stride + h * p.lse_head_stride + i] = pair_lse[i];
       }
@@ -182,6 +182,11 @@ absl::StatusOr<CheckResult> CheckResponse(const v1::AttendRequest& request,
     p.seqlen_k = k.shape(bshd ? 1 : 2);
     p.head_dim = q.shape(3);
   }
+  // v's last dim: a V head dim of its own (MLA), o's too.
+  const v1::Tensor& v = request.v();
+  if (v.shape_size() == q.shape_size() && v.shape(v.shape_size() - 1) != p.head_dim) {
+    p.v_head_dim = v.shape(v.shape_size() - 1);
+  }
   p.SetContiguousStrides(bshd ? Layout::kBSHD : Layout::kBHSD);
   p.softmax_scale = request.has_softmax_scale()
                         ? request.softmax_scale()
@@ -195,7 +200,7 @@ absl::StatusOr<CheckResult> CheckResponse(const v1::AttendRequest& request,
   if (request.has_q_descale()) p.q_descale = request.q_descale();
   if (request.has_k_descale()) p.k_descale = request.k_descale();
   if (request.has_v_descale()) p.v_descale = request.v_descale();
-  // The open-model options (a V head dim of its own is not mapped: v is taken of q's head dim).
+  // The open-model options.
   if (request.sinks_size() > 0) p.sinks = request.sinks().data();
   if (request.has_softcap()) p.softcap = request.softcap();
   if (request.has_chunk_size()) p.chunk_size = request.chunk_size();
@@ -206,10 +211,12 @@ absl::StatusOr<CheckResult> CheckResponse(const v1::AttendRequest& request,
       ParallelForward(p, &ref_o, request.return_lse() ? &ref_lse : nullptr);
   if (!threads.ok()) return threads.status();
 
-  const std::vector<int64_t> q_shape(q.shape().begin(), q.shape().end());
+  // o is shaped as q but for its last dim, V's head dim.
+  std::vector<int64_t> o_shape(q.shape().begin(), q.shape().end());
+  o_shape.back() = p.value_head_dim();
   // o comes back in bfloat16 for float8 inputs, else in q's dtype.
   const v1::DType o_dtype = q.dtype() == v1::DTYPE_FLOAT8_E4M3 ? v1::DTYPE_BFLOAT16 : q.dtype();
-  if (absl::Status s = ExpectShape("o", response.o(), o_dtype, q_shape); !s.ok()) return s;
+  if (absl::Status s = ExpectShape("o", response.o(), o_dtype, o_shape); !s.ok()) return s;
   absl::StatusOr<std::vector<float>> o = TensorToFloat(response.o());
   if (!o.ok()) return o.status();
   ref_o.resize(o->size());

@@ -28,7 +28,7 @@ struct KvShape {
   int64_t heads_kv = 0;
   int64_t head_dim = 0;  // D, of q and k
   // Dv, of v and o; 0: D. Only a pool whose backend lists "v_head_dim" in its step options serves
-  // Dv != D (the CPU's); the others refuse it by name.
+  // Dv != D (the CPU's and the CUDA's); the others refuse it by name.
   int64_t v_head_dim = 0;
 
   int64_t value_head_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }

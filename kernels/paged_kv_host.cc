@@ -157,13 +157,6 @@ absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64
   return page_rows;
 }
 
-absl::Status RefuseVHeadDim(const KvShape& shape, const char* backend) {
-  if (shape.value_head_dim() == shape.head_dim) return absl::OkStatus();
-  return absl::UnimplementedError(absl::StrCat("v_head_dim: expected ", shape.head_dim,
-                                               " (head_dim) on the ", backend, " backend, got ",
-                                               shape.value_head_dim()));
-}
-
 absl::Status CheckPageCopies(absl::Span<const std::pair<int32_t, int32_t>> src_dst,
                              int64_t num_pages) {
   std::vector<int32_t> sources, destinations;

@@ -85,8 +85,4 @@ inline int64_t VRowOffset(const KvShape& shape, int64_t page_rows, int64_t head,
                                          static_cast<int64_t>(DTypeSize(shape.dtype));
 }
 
-// OK when `shape` has one head dim for K and V, else UNIMPLEMENTED naming v_head_dim and `backend`
-// (a pool whose kernels read V rows of D).
-absl::Status RefuseVHeadDim(const KvShape& shape, const char* backend);
-
 }  // namespace attention

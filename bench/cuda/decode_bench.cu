@@ -2,6 +2,7 @@
 // the split-KV kernel, whose last split per row block merges the splits; no host copies) and prints
 // one JSON line per configuration:
 //   decode_bench [NK...]   default NK in {4096, 32768, 131072}
+//   decode_bench --shapes [NK...]   default NK in {4096, 32768}: the shapes below instead
 // Shape: bfloat16, B = 8 sequences of NK keys, Hq = 32, Hkv = 8, D = 128, one query each. Pages
 // of 256 KiB, 512 KiB and 1 MiB (64, 128, 256 rows) with the planner's splits, and 256 KiB pages
 // with forced split counts. Each sequence's pages are a random permutation of the pool. Each
@@ -11,6 +12,16 @@
 // planned configurations are also timed after the memset and a read of the same 256 MiB, which
 // leaves clean lines only ("flush": "clean"). "kv_tbps" = bytes of K and V read
 // (B * NK * Hkv * D * 2 * 2) / time. decode_bench.py runs torch SDPA beside it.
+//
+// --shapes: the head dims beyond the tensor-core tiles, bfloat16, one query per sequence, B in
+// {1, 8, 32, 64}, 512 KiB pages, the planner's splits, the memset flush: MLA's absorbed decode (one
+// KV head, QK 576, V 512) with Hq 128 and 16 ("mla_hq128", "mla_hq16"), and D = 512 with V of D
+// (Hq 32, Hkv 4: "d512_gqa8"). The pool holds V apart from K (the session API's layout: v as
+// sent), so the step reads B * NK * Hkv * (D + Dv) * 2 bytes: "kv_tbps" is that over the time;
+// "latent_tbps" counts K's bytes alone (B * NK * Hkv * D * 2), the traffic of a kernel that takes V
+// from the first Dv columns of K (FlashMLA's; V counted once), for comparison with the HBM
+// roofline and FlashMLA's figures. "kernel": "wide" (the wide tensor-core tile, where the GPU's
+// blocks may opt in to its shared memory) or "simt".
 //
 // The roofline anchor ("anchor" lines, both flushes): a read-only kernel over the same pool (at
 // Hkv = 8 the pool is exactly the step's K/V bytes), 16-byte loads, 8 in flight per thread,
@@ -50,7 +61,12 @@ namespace {
 
 using attention::DType;
 
-constexpr int64_t kBatch = 8, kHeadsQ = 32, kHeadsKv = 8, kHeadDim = 128;
+// A step's shape: B sequences of one query each, Hq query heads over Hkv kv heads, head dims D
+// (q, k) and Dv (v, o). The default is the grid's; --shapes times the named ones.
+struct Shape {
+  const char* name = nullptr;  // printed when set
+  int64_t batch = 8, heads_q = 32, heads_kv = 8, head_dim = 128, v_head_dim = 128;
+};
 
 // Uniform values in [-2, 2) from a hash of the index (the inputs' distribution does not change
 // what a memory-bound kernel reads).
@@ -237,6 +253,7 @@ struct Config {
   // Splits merge in thread-block clusters where the GPU runs the cluster merge (else through the
   // global workspace and tickets).
   bool clusters = true;
+  Shape shape = {};
 };
 
 struct Device {
@@ -244,6 +261,7 @@ struct Device {
   // Compute capability 9.0: the kernels' sm_90a code runs, with the cluster merge
   // (paged_kv_pool.cc).
   bool clusters = false;
+  int smem_per_block = 0;  // shared memory a block may opt in to (the wide tile's room)
 };
 
 #ifdef ATTENTION_PAGED_TILE_SWEEP
@@ -291,29 +309,30 @@ bool PrintTrace(const Config& c, int64_t ctas, const Flush& flush, Step step) {
 
 bool TimeConfig(const Config& c, const Device& device, const Flush& flush) {
   const int sm_count = device.sm_count;
-  const int64_t page_rows =
-      attention::PageRows(c.page_bytes, attention::KvShape{DType::kBFloat16, kHeadsKv, kHeadDim});
+  const Shape& sh = c.shape;
+  const attention::KvShape kv_shape{DType::kBFloat16, sh.heads_kv, sh.head_dim, sh.v_head_dim};
+  const int64_t page_rows = attention::PageRows(c.page_bytes, kv_shape);
   const int64_t pages_per_seq = (c.nk + page_rows - 1) / page_rows;
-  const int64_t num_pages = kBatch * pages_per_seq;
+  const int64_t num_pages = sh.batch * pages_per_seq;
   std::vector<int32_t> table(num_pages);
   std::iota(table.begin(), table.end(), 0);
   std::shuffle(table.begin(), table.end(), std::mt19937(42));
-  std::vector<int32_t> cu_q(kBatch + 1), seqlens(kBatch, static_cast<int32_t>(c.nk));
+  std::vector<int32_t> cu_q(sh.batch + 1), seqlens(sh.batch, static_cast<int32_t>(c.nk));
   std::iota(cu_q.begin(), cu_q.end(), 0);
 
   attention::PagedDecodeParams host;
-  host.shape = {DType::kBFloat16, kHeadsKv, kHeadDim};
-  host.heads_q = kHeadsQ;
-  host.num_seqs = kBatch;
+  host.shape = kv_shape;
+  host.heads_q = sh.heads_q;
+  host.num_seqs = sh.batch;
   host.cu_seqlens_q = cu_q.data();
-  host.total_q = kBatch;
+  host.total_q = sh.batch;
   host.max_seqlen_q = 1;
   host.seqlens_k = seqlens.data();
   host.max_seqlen_k = c.nk;
   host.page_table = table.data();
   host.page_table_stride = pages_per_seq;
-  host.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
-  std::vector<uint16_t> dummy(kBatch * kHeadsQ * kHeadDim);
+  host.softmax_scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
+  std::vector<uint16_t> dummy(sh.batch * sh.heads_q * std::max(sh.head_dim, sh.v_head_dim));
   host.q = dummy.data();
   host.o = dummy.data();
   const absl::StatusOr<attention::DecodeExtent> extent =
@@ -328,19 +347,21 @@ bool TimeConfig(const Config& c, const Device& device, const Flush& flush) {
        .splits = c.splits,
        .ctas_per_sm = c.variant ? c.variant->ctas_per_sm : 0,
        .key_tile = c.variant ? c.variant->key_tile : 0,
-       .clusters = device.clusters && c.clusters && (!c.variant || c.variant->clusters)});
+       .clusters = device.clusters && c.clusters && (!c.variant || c.variant->clusters),
+       .smem_per_block = device.smem_per_block});
   if (!plan.ok()) {
     std::fprintf(stderr, "%s\n", std::string(plan.status().message()).c_str());
     return false;
   }
 
   const size_t pool_bytes = static_cast<size_t>(num_pages) * c.page_bytes;
-  const size_t q_elems = kBatch * kHeadsQ * kHeadDim;
+  const size_t q_elems = sh.batch * sh.heads_q * sh.head_dim;
+  const size_t o_elems = sh.batch * sh.heads_q * sh.v_head_dim;
   void *pool, *q, *o, *lse, *meta, *workspace = nullptr, *tickets = nullptr;
   CHECK_CUDA(cudaMalloc(&pool, pool_bytes));
   CHECK_CUDA(cudaMalloc(&q, q_elems * 2));
-  CHECK_CUDA(cudaMalloc(&o, q_elems * 2));
-  CHECK_CUDA(cudaMalloc(&lse, kBatch * kHeadsQ * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&o, o_elems * 2));
+  CHECK_CUDA(cudaMalloc(&lse, sh.batch * sh.heads_q * sizeof(float)));
   CHECK_CUDA(cudaMalloc(&meta, (table.size() + cu_q.size() + seqlens.size()) * sizeof(int32_t)));
   if (plan->workspace_bytes) CHECK_CUDA(cudaMalloc(&workspace, plan->workspace_bytes));
   if (plan->tickets) {
@@ -381,29 +402,42 @@ bool TimeConfig(const Config& c, const Device& device, const Flush& flush) {
     return false;
 #endif
   };
-  const double kv_bytes = 2.0 * kBatch * c.nk * kHeadsKv * kHeadDim * 2;
-  // Forced split counts only after the memset (the planner's rows after both flushes).
+  // K's bytes, and V's after them (the pool's layout keeps V apart even where it is part of K).
+  const double k_bytes = 2.0 * sh.batch * c.nk * sh.heads_kv * sh.head_dim;
+  const double kv_bytes = k_bytes + 2.0 * sh.batch * c.nk * sh.heads_kv * sh.v_head_dim;
+  const int64_t ctas = int64_t{plan->splits} * sh.heads_kv * plan->m_blocks * sh.batch;
+  // Forced split counts only after the memset (the planner's rows after both flushes; a named
+  // shape's after the memset only).
   for (bool clean : {false, true}) {
-    if (clean && c.splits != 0) break;
+    if (clean && (c.splits != 0 || sh.name != nullptr)) break;
     double us = 0;
     if (!MedianUs(flush, clean, step, &us)) return false;
+    std::string named;
+    if (sh.name != nullptr) {
+      char buf[256];
+      std::snprintf(buf, sizeof(buf),
+                    "\"shape\": \"%s\", \"batch\": %lld, \"hq\": %lld, \"hkv\": %lld, "
+                    "\"d\": %lld, \"dv\": %lld, \"kernel\": \"%s\", \"latent_tbps\": %.3f, ",
+                    sh.name, (long long)sh.batch, (long long)sh.heads_q, (long long)sh.heads_kv,
+                    (long long)sh.head_dim, (long long)sh.v_head_dim,
+                    plan->launch.wide_head_dim != 0 ? "wide" : "simt", k_bytes / us / 1e6);
+      named = buf;
+    }
     std::printf(
-        "{%s\"nk\": %lld, \"page_bytes\": %lld, \"page_rows\": %lld, \"splits\": %d, "
+        "{%s%s\"nk\": %lld, \"page_bytes\": %lld, \"page_rows\": %lld, \"splits\": %d, "
         "\"forced_splits\": %s, \"cluster\": %s, \"ctas\": %lld, \"flush\": \"%s\", "
         "\"us\": %.2f, \"kv_tbps\": %.3f}\n",
-        c.variant ? ("\"tile\": \"" + c.variant->name + "\", ").c_str() : "", (long long)c.nk,
-        (long long)c.page_bytes, (long long)page_rows, plan->splits, c.splits ? "true" : "false",
-        plan->cluster ? "true" : "false",
-        (long long)plan->splits * kHeadsKv * plan->m_blocks * kBatch, FlushName(clean), us,
-        kv_bytes / us / 1e6);
+        c.variant ? ("\"tile\": \"" + c.variant->name + "\", ").c_str() : "", named.c_str(),
+        (long long)c.nk, (long long)c.page_bytes, (long long)page_rows, plan->splits,
+        c.splits ? "true" : "false", plan->cluster ? "true" : "false", (long long)ctas,
+        FlushName(clean), us, kv_bytes / us / 1e6);
     std::fflush(stdout);
   }
   if (c.anchors && !TimeAnchors(c.nk, pool, pool_bytes, c.page_bytes, m, sm_count, flush)) {
     return false;
   }
 #ifdef ATTENTION_PAGED_TILE_SWEEP
-  if (c.variant->trace &&
-      !PrintTrace(c, int64_t{plan->splits} * kHeadsKv * plan->m_blocks * kBatch, flush, step)) {
+  if (c.variant->trace && !PrintTrace(c, ctas, flush, step)) {
     return false;
   }
 #endif
@@ -459,13 +493,32 @@ std::vector<Variant> Variants() {
 }
 #endif
 
-bool Main(const std::vector<int64_t>& nks) {
+// --shapes's configurations (see the top of the file).
+std::vector<Config> ShapeConfigs(int64_t nk) {
+  const Shape shapes[] = {{"mla_hq128", 0, 128, 1, 576, 512},
+                          {"mla_hq16", 0, 16, 1, 576, 512},
+                          {"d512_gqa8", 0, 32, 4, 512, 512}};
+  std::vector<Config> configs;
+  for (const Shape& shape : shapes) {
+    for (int64_t batch : {1, 8, 32, 64}) {
+      Config c{nk, 512 << 10, 0};
+      c.shape = shape;
+      c.shape.batch = batch;
+      configs.push_back(c);
+    }
+  }
+  return configs;
+}
+
+bool Main(const std::vector<int64_t>& nks, bool shapes) {
   Device device;
   int major = 0, minor = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&device.sm_count, cudaDevAttrMultiProcessorCount, 0));
   CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
   device.clusters = major == 9 && minor == 0;
+  CHECK_CUDA(
+      cudaDeviceGetAttribute(&device.smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
   Flush flush;
   CHECK_CUDA(cudaMalloc(&flush.buffer, flush.bytes));
   CHECK_CUDA(cudaMalloc(&flush.sink, sizeof(uint32_t)));
@@ -474,6 +527,12 @@ bool Main(const std::vector<int64_t>& nks) {
 #endif
   for (int64_t nk : nks) {
     std::vector<Config> configs;
+    if (shapes) {
+      for (const Config& c : ShapeConfigs(nk)) {
+        if (!TimeConfig(c, device, flush)) return false;
+      }
+      continue;
+    }
 #ifdef ATTENTION_PAGED_TILE_SWEEP
     for (const Variant& v : variants) configs.push_back({nk, 256 << 10, 0, &v});
 #else
@@ -495,7 +554,15 @@ bool Main(const std::vector<int64_t>& nks) {
 
 int main(int argc, char** argv) {
   std::vector<int64_t> nks;
-  for (int i = 1; i < argc; ++i) nks.push_back(std::atoll(argv[i]));
-  if (nks.empty()) nks = {4096, 32768, 131072};
-  return Main(nks) ? 0 : 1;
+  bool shapes = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--shapes") {
+      shapes = true;
+    } else {
+      nks.push_back(std::atoll(argv[i]));
+    }
+  }
+  if (nks.empty())
+    nks = shapes ? std::vector<int64_t>{4096, 32768} : std::vector<int64_t>{4096, 32768, 131072};
+  return Main(nks, shapes) ? 0 : 1;
 }

@@ -222,10 +222,10 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
         absl::StrCat("device: expected 0..", devices_.size() - 1, ", got ", device));
   }
   if (shape.value_head_dim() != shape.head_dim && !devices_[device].v_head_dim) {
-    return absl::UnimplementedError(
-        absl::StrCat("v_head_dim: expected ", shape.head_dim, " (head_dim) for a session on ",
-                     devices_[device].name, ", whose kernels read V rows of the QK head dim, got ",
-                     shape.value_head_dim(), " (the CPU backend serves a V head dim of its own)"));
+    return absl::UnimplementedError(absl::StrCat(
+        "v_head_dim: expected ", shape.head_dim, " (head_dim) for a session on ",
+        devices_[device].name, ", whose kernels read V rows of the QK head dim, got ",
+        shape.value_head_dim(), " (the CPU and CUDA backends serve a V head dim of its own)"));
   }
   if (layers < 1 || (layers > 1 && initial_rows > 0)) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "kernels/attention_params.h"
 #include "kernels/cuda/decode/paged_decode.h"
@@ -369,6 +371,62 @@ TEST(PlanPagedDecodeTest, SoftcapRunsOnTheSoftcapTileOthersOnTheirOwn) {
     // The key tile is the chosen kernel's (64 keys at D = 128 and on the SIMT kernel, 128 at 64).
     EXPECT_EQ(plan.key_tile, c.kernel_head_dim == 64 ? 128 : 64);
   }
+}
+
+// (D, Dv) = (576, 512) (MLA's absorbed decode) and (512, 512) of float16 and bfloat16 run on the
+// wide tile where the device's blocks may opt in to its shared memory (an H200's 227 KiB; not an
+// A100's 163), in CTAs of kPagedWideRows rows and tiles of 32 keys, one CTA per SM; a softcap,
+// float32, other V head dims and smaller devices take the SIMT kernel, its wide instance past
+// head dim 256. The kernel params carry Dv.
+TEST(PlanPagedDecodeTest, WideTileServesMlaAndD512WhereItsSharedMemoryFits) {
+  struct Case {
+    DType dtype;
+    int64_t d, dv;
+    float softcap;
+    int smem_per_block;
+    int wide_head_dim;
+    bool simt_wide;
+  };
+  constexpr int kH200 = 232448, kA100 = 166912;
+  for (const Case& c : {Case{DType::kBFloat16, 576, 512, 0.0f, kH200, 576, false},
+                        Case{DType::kFloat16, 576, 512, 0.0f, kH200, 576, false},
+                        Case{DType::kBFloat16, 512, 512, 0.0f, kH200, 512, false},
+                        Case{DType::kBFloat16, 576, 512, 0.0f, kA100, 0, true},
+                        Case{DType::kBFloat16, 576, 512, 0.0f, 0, 0, true},
+                        Case{DType::kBFloat16, 576, 512, 30.0f, kH200, 0, true},
+                        Case{DType::kFloat32, 576, 512, 0.0f, kH200, 0, true},
+                        Case{DType::kBFloat16, 576, 576, 0.0f, kH200, 0, true},
+                        Case{DType::kBFloat16, 192, 128, 0.0f, kH200, 0, false},
+                        Case{DType::kBFloat16, 64, 128, 0.0f, kH200, 0, false}}) {
+    SCOPED_TRACE(testing::Message() << DTypeName(c.dtype) << " D=" << c.d << " Dv=" << c.dv
+                                    << " softcap=" << c.softcap << " smem=" << c.smem_per_block);
+    PagedStep step(c.dtype, c.d);
+    step.p.shape = {c.dtype, 1, c.d, c.dv};
+    step.p.heads_q = 128;
+    step.p.softcap = c.softcap;
+    const absl::StatusOr<PagedDecodePlan> plan =
+        PlanPagedDecode(step.p, step.extent,
+                        {.sm_count = 132, .clusters = true, .smem_per_block = c.smem_per_block});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->launch.wide_head_dim, c.wide_head_dim);
+    EXPECT_EQ(plan->launch.kernel_head_dim, 0);
+    EXPECT_EQ(plan->launch.simt_wide, c.simt_wide);
+    const bool wide = c.wide_head_dim != 0;
+    EXPECT_EQ(plan->m_blocks, wide ? 128 / kPagedWideRows : 128 / 16);
+    EXPECT_EQ(plan->key_tile, wide ? 32 : 64);
+    EXPECT_FALSE(plan->cluster);
+    const PagedKernelParams k =
+        ToPagedKernelParams(*plan, nullptr, 1 << 20, step.extent, step.p, nullptr, nullptr);
+    EXPECT_EQ(std::pair(k.head_dim, k.v_head_dim),
+              std::pair(static_cast<int>(c.d), static_cast<int>(c.dv)));
+  }
+  // Past the SIMT kernel's 576 columns: INVALID_ARGUMENT naming both head dims.
+  PagedStep step(DType::kBFloat16, 640);
+  const absl::StatusOr<PagedDecodePlan> refused =
+      PlanPagedDecode(step.p, step.extent, {.sm_count = 132});
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "head_dim 640 / v_head_dim 640"))
+      << refused.status();
 }
 
 // The kernel params carry the options as the kernels take them: the sinks' device pointer, the

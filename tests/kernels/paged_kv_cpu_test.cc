@@ -10,8 +10,6 @@ absl::StatusOr<std::unique_ptr<KvPagePool>> MakeTestPool(int64_t num_pages, int6
 
 std::string PoolUnavailableReason() { return ""; }
 
-bool PoolServesVHeadDim() { return true; }
-
 PoolDeviceMemory TestPoolDeviceMemory() { return {}; }
 
 }  // namespace attention::kernel_test

@@ -39,9 +39,6 @@ std::string PoolUnavailableReason() {
   return "no CUDA device visible: GPU test skipped";
 }
 
-// The scatter and decode kernels read V rows of D.
-bool PoolServesVHeadDim() { return false; }
-
 PoolDeviceMemory TestPoolDeviceMemory() {
   // GPU 0, the pool's; failures abort (a test helper with no status to return).
   auto check = [](cudaError_t err) {

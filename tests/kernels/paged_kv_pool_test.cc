@@ -310,9 +310,10 @@ std::vector<DecodeCase> Cases() {
   c.page_rows = 128;
   cases.push_back(c);
 
-  // V head dims of their own (served where PoolServesVHeadDim): DeepSeek-V3's expanded MLA
-  // (QK 192, V 128; ragged, GQA, causal extend, BSHD writes) and its absorbed decode (one KV head
-  // of QK 576 and V 512, 16 query heads, long enough for splits).
+  // V head dims of their own: DeepSeek-V3's expanded MLA (QK 192, V 128; ragged, GQA, causal
+  // extend, BSHD writes), Dv > D, and its absorbed decode (one KV head of QK 576 and V 512) with 16
+  // and 128 query heads: ragged lengths at pages +- 1, causal extend steps (up to 128 x 3 rows of
+  // one KV head), long enough for splits.
   cases.push_back({.name = "mla_d192_dv128_gqa2_causal",
                    .heads_q = 4,
                    .heads_kv = 2,
@@ -322,6 +323,13 @@ std::vector<DecodeCase> Cases() {
                    .nk = {1, 17, 70, 130},
                    .window_right = 0,
                    .write_layout = Layout::kBSHD});
+  cases.push_back({.name = "d64_dv128_gqa4",
+                   .heads_q = 8,
+                   .heads_kv = 2,
+                   .head_dim = 64,
+                   .v_head_dim = 128,
+                   .nq = {1, 2},
+                   .nk = {33, 300}});
   cases.push_back({.name = "mla_absorbed_d576_dv512",
                    .heads_q = 16,
                    .heads_kv = 1,
@@ -331,6 +339,64 @@ std::vector<DecodeCase> Cases() {
                    .nk = {1100, 33},
                    .window_right = 0,
                    .page_rows = 16});
+  cases.push_back({.name = "mla_absorbed_d576_dv512_hq16_ragged",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .nq = {1, 1, 1, 1, 1, 1, 1},
+                   .nk = {1, 31, 32, 33, 63, 65, 257},
+                   .page_rows = 32});
+  cases.push_back({.name = "mla_absorbed_d576_dv512_hq128_causal",
+                   .heads_q = 128,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .nq = {1, 3, 1, 2, 1},
+                   .nk = {15, 16, 17, 33, 700},
+                   .window_right = 0,
+                   .page_rows = 16,
+                   .write_layout = Layout::kBSHD});
+  // The open-model options at MLA's absorbed shape: sinks, a left window and chunks (the CUDA
+  // wide tile's epilogue and merge), and a softcap (which the CUDA pool runs on the SIMT kernel).
+  cases.push_back({.name = "mla_absorbed_sinks_window_chunk",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .nq = {3, 1, 2},
+                   .nk = {300, 65, 1000},
+                   .window_left = 100,
+                   .window_right = 0,
+                   .sinks = {1.5f, -0.7f, 3.0f, 0.2f, -4.0f, 0.9f, 6.0f, -1.1f, 0.0f, 2.0f, -2.0f,
+                             4.5f, -3.0f, 1.0f, 0.5f, -0.5f},
+                   .chunk_size = 64});
+  cases.push_back({.name = "mla_absorbed_softcap",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .nq = {1, 2},
+                   .nk = {129, 40},
+                   .window_right = 0,
+                   .softmax_scale = 0.1f,
+                   .softcap = 30.0f});
+  // D = 512 with V of D (the SIMT kernel's wide instance): MQA and GQA, pages +- 1, causal extend.
+  cases.push_back({.name = "d512_mqa16_ragged",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 512,
+                   .nq = {1, 1, 1, 1},
+                   .nk = {15, 16, 17, 600},
+                   .page_rows = 16});
+  cases.push_back({.name = "d512_gqa4_causal",
+                   .heads_q = 8,
+                   .heads_kv = 2,
+                   .head_dim = 512,
+                   .nq = {4, 1, 2},
+                   .nk = {40, 31, 129},
+                   .window_right = 0,
+                   .page_rows = 32});
 
   c = {};
   c.name = "single_row_writes_100";
@@ -342,16 +408,6 @@ std::vector<DecodeCase> Cases() {
   c.write_layout = Layout::kBSHD;
   cases.push_back(c);
   return cases;
-}
-
-// The cases the pool serves: those of a V head dim of their own only where PoolServesVHeadDim
-// (DecodeMatchesReference checks the others are refused by name).
-std::vector<DecodeCase> ServedCases() {
-  std::vector<DecodeCase> served;
-  for (DecodeCase& c : Cases()) {
-    if (ValueDim(c) == c.head_dim || PoolServesVHeadDim()) served.push_back(std::move(c));
-  }
-  return served;
 }
 
 double Tolerance(DType dtype) { return dtype == DType::kFloat32 ? 1e-5 : 1e-2; }
@@ -390,6 +446,13 @@ void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Se
                     const std::vector<int32_t>& nks, Layout layout, int64_t chunk,
                     std::mt19937_64& rng, const PoolDeviceMemory* device = nullptr) {
   const int64_t hkv = shape.heads_kv, d = shape.head_dim;
+  // The rows laid out below are of `shape`: a shape that is not the rows' (v of D where they hold
+  // Dv) would read and write past them.
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    ASSERT_EQ(seqs[i].k.size(), hkv * nks[i] * d) << "k of sequence " << i << " against the shape";
+    ASSERT_EQ(seqs[i].v.size(), hkv * nks[i] * shape.value_head_dim())
+        << "v of sequence " << i << " against the shape";
+  }
   std::vector<std::vector<unsigned char>> kb, vb;
   // [Hkv, nk, dim] as `layout` lays it out.
   const auto laid_out = [&](const std::vector<float>& x, int64_t nk, int64_t dim) {
@@ -723,19 +786,6 @@ TEST_P(PagedKvPoolTest, DecodeMatchesReference) {
   SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
   std::mt19937_64 rng(seed);
   const float scale = c.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
-  if (ValueDim(c) != c.head_dim && !PoolServesVHeadDim()) {
-    // Its Write, Read and Decode refuse such a shape by name before touching the pool.
-    absl::StatusOr<std::unique_ptr<KvPagePool>> pool = MakeTestPool(4, 1 << 20);
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    const std::vector<int32_t> table = {0};
-    std::vector<unsigned char> rows(1 << 16);
-    KvWrite w{.shape = ShapeOf(c, dtype), .page_table = table.data(), .rows = 1};
-    w.k = w.v = rows.data();
-    const absl::Status status = (*pool)->Write({w});
-    EXPECT_TRUE(absl::IsUnimplemented(status)) << status;
-    EXPECT_THAT(status.message(), testing::HasSubstr("v_head_dim"));
-    return;
-  }
   PoolSetup setup;
   MakeSetup(c, dtype, rng, &setup);
   if (HasFatalFailure()) return;
@@ -763,7 +813,8 @@ INSTANTIATE_TEST_SUITE_P(Grid, PagedKvPoolTest, testing::ValuesIn(Params()),
 // a dropped sequence, so the unused tail of each sequence's last page is stale NaN; and K and V
 // are NaN at keys outside every query's window and at keys that only some queries see (the left
 // window edge of the first query, the last key, which causal hides from all but the last query).
-// Queries that see a NaN key are not compared; all others must match the reference.
+// Queries that see a NaN key are not compared; all others must match the reference. At D = 64 and
+// at MLA's absorbed shape (QK 576, V 512: the CUDA pool's wide tile).
 class PagedKvPoolPoisonTest : public PoolTest<testing::TestWithParam<DType>> {};
 
 TEST_P(PagedKvPoolPoisonTest, StaleAndMaskedRowsDoNotLeak) {
@@ -771,77 +822,83 @@ TEST_P(PagedKvPoolPoisonTest, StaleAndMaskedRowsDoNotLeak) {
   const uint64_t seed = NextSeed();
   SCOPED_TRACE(SeedHint(dtype, seed));
   std::mt19937_64 rng(seed);
-  DecodeCase c;
-  c.heads_q = 8;
-  c.heads_kv = 2;
-  c.nq = {3, 1, 4, 3};
-  c.nk = {100, 70, 130, 64};
-  c.window_left = 40;
-  c.window_right = 0;
-  const KvShape shape{dtype, c.heads_kv, c.head_dim};
-  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  for (int64_t page_rows : {32, 64}) {
-    SCOPED_TRACE(absl::StrCat("page_rows=", page_rows));
-    c.page_rows = page_rows;
-    const int64_t page_bytes = page_rows * 2 * c.heads_kv * c.head_dim * DTypeSize(dtype);
-    int64_t needed = 0, stride = 0;
-    for (int32_t nk : c.nk) {
-      needed += (nk + page_rows - 1) / page_rows;
-      stride = std::max<int64_t>(stride, (nk + page_rows - 1) / page_rows + 1);
-    }
-    const int64_t num_pages = needed + 2;
-    absl::StatusOr<std::unique_ptr<KvPagePool>> pool = MakeTestPool(num_pages, page_bytes);
-    ASSERT_TRUE(pool.ok()) << pool.status();
+  DecodeCase plain;
+  plain.heads_q = 8;
+  plain.heads_kv = 2;
+  plain.nq = {3, 1, 4, 3};
+  plain.nk = {100, 70, 130, 64};
+  plain.window_left = 40;
+  plain.window_right = 0;
+  DecodeCase mla = plain;
+  mla.heads_q = 16;
+  mla.heads_kv = 1;
+  mla.head_dim = 576;
+  mla.v_head_dim = 512;
+  for (DecodeCase c : {plain, mla}) {
+    const int64_t dv = ValueDim(c);
+    const KvShape shape = ShapeOf(c, dtype);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    for (int64_t page_rows : {32, 64}) {
+      SCOPED_TRACE(absl::StrCat("D=", c.head_dim, " Dv=", dv, " page_rows=", page_rows));
+      c.page_rows = page_rows;
+      const int64_t page_bytes = page_rows * c.heads_kv * (c.head_dim + dv) * DTypeSize(dtype);
+      int64_t needed = 0, stride = 0;
+      for (int32_t nk : c.nk) {
+        needed += (nk + page_rows - 1) / page_rows;
+        stride = std::max<int64_t>(stride, (nk + page_rows - 1) / page_rows + 1);
+      }
+      const int64_t num_pages = needed + 2;
+      absl::StatusOr<std::unique_ptr<KvPagePool>> pool = MakeTestPool(num_pages, page_bytes);
+      ASSERT_TRUE(pool.ok()) << pool.status();
 
-    // The dropped sequence: every row of every page NaN.
-    Sequence dropped;
-    const int32_t dropped_rows = static_cast<int32_t>(num_pages * page_rows);
-    dropped.k.assign(c.heads_kv * dropped_rows * c.head_dim, kNaN);
-    dropped.v = dropped.k;
-    dropped.pages.resize(num_pages);
-    std::iota(dropped.pages.begin(), dropped.pages.end(), 0);
-    WriteSequences(**pool, shape, {dropped}, {dropped_rows}, Layout::kBHSD, 0, rng);
-    if (HasFatalFailure()) return;
+      // The dropped sequence: every row of every page NaN.
+      Sequence dropped;
+      const int32_t dropped_rows = static_cast<int32_t>(num_pages * page_rows);
+      dropped.k.assign(c.heads_kv * dropped_rows * c.head_dim, kNaN);
+      dropped.v.assign(c.heads_kv * dropped_rows * dv, kNaN);
+      dropped.pages.resize(num_pages);
+      std::iota(dropped.pages.begin(), dropped.pages.end(), 0);
+      WriteSequences(**pool, shape, {dropped}, {dropped_rows}, Layout::kBHSD, 0, rng);
+      if (HasFatalFailure()) return;
 
-    // The live sequences, on the dropped sequence's pages in shuffled order.
-    std::vector<int32_t> order(num_pages);
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    auto next_page = order.begin();
-    std::vector<Sequence> seqs;
-    std::vector<std::vector<int64_t>> poisoned(c.nk.size());
-    for (size_t i = 0; i < c.nk.size(); ++i) {
-      const int64_t nq = c.nq[i], nk = c.nk[i];
-      Sequence s;
-      s.q = RandomRounded(c.heads_q * nq * c.head_dim, dtype, rng);
-      s.k = RandomRounded(c.heads_kv * nk * c.head_dim, dtype, rng);
-      s.v = RandomRounded(c.heads_kv * nk * c.head_dim, dtype, rng);
-      s.pages.assign(stride, -1);
-      for (int64_t j = 0; j < (nk + page_rows - 1) / page_rows; ++j) s.pages[j] = *next_page++;
-      // Query i sees keys [i + nk - nq - window_left, i + nk - nq]: `first` is the first query's
-      // lowest key, seen by it alone; first - 1 and key 0 are seen by none.
-      const int64_t first = nk - nq - c.window_left;
-      poisoned[i] = {0, first - 1};
-      if (nq > 2) poisoned[i].insert(poisoned[i].end(), {first, nk - 1});
-      for (int64_t key : poisoned[i]) {
-        for (int64_t h = 0; h < c.heads_kv; ++h) {
-          for (int64_t x = 0; x < c.head_dim; ++x) {
-            s.k[(h * nk + key) * c.head_dim + x] = kNaN;
-            s.v[(h * nk + key) * c.head_dim + x] = kNaN;
+      // The live sequences, on the dropped sequence's pages in shuffled order.
+      std::vector<int32_t> order(num_pages);
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      auto next_page = order.begin();
+      std::vector<Sequence> seqs;
+      std::vector<std::vector<int64_t>> poisoned(c.nk.size());
+      for (size_t i = 0; i < c.nk.size(); ++i) {
+        const int64_t nq = c.nq[i], nk = c.nk[i];
+        Sequence s;
+        s.q = RandomRounded(c.heads_q * nq * c.head_dim, dtype, rng);
+        s.k = RandomRounded(c.heads_kv * nk * c.head_dim, dtype, rng);
+        s.v = RandomRounded(c.heads_kv * nk * dv, dtype, rng);
+        s.pages.assign(stride, -1);
+        for (int64_t j = 0; j < (nk + page_rows - 1) / page_rows; ++j) s.pages[j] = *next_page++;
+        // Query i sees keys [i + nk - nq - window_left, i + nk - nq]: `first` is the first query's
+        // lowest key, seen by it alone; first - 1 and key 0 are seen by none.
+        const int64_t first = nk - nq - c.window_left;
+        poisoned[i] = {0, first - 1};
+        if (nq > 2) poisoned[i].insert(poisoned[i].end(), {first, nk - 1});
+        for (int64_t key : poisoned[i]) {
+          for (int64_t h = 0; h < c.heads_kv; ++h) {
+            for (int64_t x = 0; x < c.head_dim; ++x) s.k[(h * nk + key) * c.head_dim + x] = kNaN;
+            for (int64_t x = 0; x < dv; ++x) s.v[(h * nk + key) * dv + x] = kNaN;
           }
         }
+        seqs.push_back(std::move(s));
       }
-      seqs.push_back(std::move(s));
-    }
-    WriteSequences(**pool, shape, seqs, c.nk, Layout::kBSHD, 0, rng);
-    if (HasFatalFailure()) return;
+      WriteSequences(**pool, shape, seqs, c.nk, Layout::kBSHD, 0, rng);
+      if (HasFatalFailure()) return;
 
-    const StepResult r = Decode(**pool, c, dtype, scale, seqs, stride);
-    ExpectMatchesReference(c, dtype, scale, seqs, r, [&](size_t i, int64_t query) {
-      const int64_t lo = query + c.nk[i] - c.nq[i] - c.window_left, hi = lo + c.window_left;
-      return std::any_of(poisoned[i].begin(), poisoned[i].end(),
-                         [&](int64_t key) { return key >= lo && key <= hi; });
-    });
+      const StepResult r = Decode(**pool, c, dtype, scale, seqs, stride);
+      ExpectMatchesReference(c, dtype, scale, seqs, r, [&](size_t i, int64_t query) {
+        const int64_t lo = query + c.nk[i] - c.nq[i] - c.window_left, hi = lo + c.window_left;
+        return std::any_of(poisoned[i].begin(), poisoned[i].end(),
+                           [&](int64_t key) { return key >= lo && key <= hi; });
+      });
+    }
   }
 }
 
@@ -1036,61 +1093,74 @@ TEST_P(PagedKvPoolWriteTest, ReadGivesBackTheWrittenRows) {
   const uint64_t seed = NextSeed();
   SCOPED_TRACE(SeedHint(dtype, seed));
   std::mt19937_64 rng(seed);
-  DecodeCase c;
-  c.heads_q = 4;
-  c.heads_kv = 2;
-  c.nq = {1, 1, 1};
-  c.nk = {1, 33, 101};  // pages of 32 rows: one row, a page and one, a prime
-  PoolSetup setup;
-  MakeSetup(c, dtype, rng, &setup);
-  if (HasFatalFailure()) return;
-  const KvShape shape{dtype, c.heads_kv, c.head_dim};
-  const int64_t hkv = c.heads_kv, d = c.head_dim, elem = DTypeSize(dtype);
-  for (size_t i = 0; i < c.nk.size(); ++i) {
-    const Sequence& s = setup.seqs[i];
-    const int64_t nk = c.nk[i];
-    const std::vector<unsigned char> k = Encode(s.k, dtype), v = Encode(s.v, dtype);
-    for (int trial = 0; trial < 8; ++trial) {
-      const int64_t first = trial == 0 ? 0 : std::uniform_int_distribution<int64_t>(0, nk - 1)(rng);
-      const int64_t rows =
-          trial == 0 ? nk : std::uniform_int_distribution<int64_t>(1, nk - first)(rng);
-      const bool bhsd = trial % 2 == 0;
-      std::vector<unsigned char> k_out(hkv * rows * d * elem), v_out(k_out.size());
-      KvRead read;
-      read.shape = shape;
-      read.page_table = s.pages.data();
-      read.first_row = first;
-      read.rows = rows;
-      read.k = k_out.data();
-      read.v = v_out.data();
-      read.head_stride = bhsd ? rows * d : d;
-      read.row_stride = bhsd ? d : hkv * d;
-      ASSERT_EQ(setup.pool->Read(read), absl::OkStatus());
-      for (int64_t h = 0; h < hkv; ++h) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t from = ((h * nk) + first + r) * d * elem;
-          const int64_t to = (h * read.head_stride + r * read.row_stride) * elem;
-          ASSERT_EQ(std::memcmp(k_out.data() + to, k.data() + from, d * elem), 0)
-              << "k of sequence " << i << " row " << first + r << " head " << h;
-          ASSERT_EQ(std::memcmp(v_out.data() + to, v.data() + from, d * elem), 0)
-              << "v of sequence " << i << " row " << first + r << " head " << h;
+  // V of the QK head dim, and of one of its own (MLA's QK 192 / V 128).
+  for (const int64_t dv : {int64_t{0}, int64_t{128}}) {
+    SCOPED_TRACE(absl::StrCat("v_head_dim=", dv));
+    DecodeCase c;
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    if (dv > 0) c.head_dim = 192;
+    c.v_head_dim = dv;
+    c.nq = {1, 1, 1};
+    c.nk = {1, 33, 101};  // pages of 32 rows: one row, a page and one, a prime
+    PoolSetup setup;
+    MakeSetup(c, dtype, rng, &setup);
+    if (HasFatalFailure()) return;
+    const KvShape shape = ShapeOf(c, dtype);
+    const int64_t hkv = c.heads_kv, d = c.head_dim, vd = ValueDim(c), elem = DTypeSize(dtype);
+    for (size_t i = 0; i < c.nk.size(); ++i) {
+      const Sequence& s = setup.seqs[i];
+      const int64_t nk = c.nk[i];
+      const std::vector<unsigned char> k = Encode(s.k, dtype), v = Encode(s.v, dtype);
+      for (int trial = 0; trial < 8; ++trial) {
+        const int64_t first =
+            trial == 0 ? 0 : std::uniform_int_distribution<int64_t>(0, nk - 1)(rng);
+        const int64_t rows =
+            trial == 0 ? nk : std::uniform_int_distribution<int64_t>(1, nk - first)(rng);
+        const bool bhsd = trial % 2 == 0;
+        std::vector<unsigned char> k_out(hkv * rows * d * elem), v_out(hkv * rows * vd * elem);
+        KvRead read;
+        read.shape = shape;
+        read.page_table = s.pages.data();
+        read.first_row = first;
+        read.rows = rows;
+        read.k = k_out.data();
+        read.v = v_out.data();
+        read.head_stride = bhsd ? rows * d : d;
+        read.row_stride = bhsd ? d : hkv * d;
+        ASSERT_EQ(setup.pool->Read(read), absl::OkStatus());
+        // v is laid out as k, with rows of Dv (VStride).
+        const int64_t v_head_stride = VStride(shape, read.head_stride);
+        const int64_t v_row_stride = VStride(shape, read.row_stride);
+        for (int64_t h = 0; h < hkv; ++h) {
+          for (int64_t r = 0; r < rows; ++r) {
+            ASSERT_EQ(
+                std::memcmp(k_out.data() + (h * read.head_stride + r * read.row_stride) * elem,
+                            k.data() + ((h * nk) + first + r) * d * elem, d * elem),
+                0)
+                << "k of sequence " << i << " row " << first + r << " head " << h;
+            ASSERT_EQ(std::memcmp(v_out.data() + (h * v_head_stride + r * v_row_stride) * elem,
+                                  v.data() + ((h * nk) + first + r) * vd * elem, vd * elem),
+                      0)
+                << "v of sequence " << i << " row " << first + r << " head " << h;
+          }
         }
       }
     }
+    // A row in a page the table does not hold (-1 past sequence 0's one page) is refused, as a
+    // Write's.
+    std::vector<unsigned char> out(hkv * std::max(d, vd) * elem);
+    KvRead past;
+    past.shape = shape;
+    past.page_table = setup.seqs[0].pages.data();
+    past.first_row = c.page_rows;
+    past.rows = 1;
+    past.k = out.data();
+    past.v = out.data();
+    past.head_stride = d;
+    past.row_stride = d;
+    EXPECT_FALSE(setup.pool->Read(past).ok());
   }
-  // A row in a page the table does not hold (-1 past sequence 0's one page) is refused, as a
-  // Write's.
-  std::vector<unsigned char> out(hkv * d * elem);
-  KvRead past;
-  past.shape = shape;
-  past.page_table = setup.seqs[0].pages.data();
-  past.first_row = c.page_rows;
-  past.rows = 1;
-  past.k = out.data();
-  past.v = out.data();
-  past.head_stride = d;
-  past.row_stride = d;
-  EXPECT_FALSE(setup.pool->Read(past).ok());
 }
 
 // The host tier's copies (KvPagePool::SavePages, LoadPages): every page of the sequences saved to
@@ -1249,7 +1319,7 @@ TEST_P(PagedKvPoolMergeTest, RepeatedStepsRepeatTheFirst) {
 // keep them) answers bit for bit what the packed step does, sequences of several query counts.
 TEST_P(PagedKvPoolMergeTest, PerSequenceBuffersAnswerAsPacked) {
   const DType dtype = GetParam();
-  for (const DecodeCase& c : ServedCases()) {
+  for (const DecodeCase& c : Cases()) {
     if (c.nq.size() < 2) continue;
     const uint64_t seed = NextSeed();
     SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
@@ -1276,46 +1346,52 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, PagedKvPoolMergeTest, kAllDtypes, DtypeTestName
 // A step whose tensors are in the pool's device memory (rows written from there; q read and o and
 // lse written there, packed in place behind the caller's events, and per sequence through the
 // pool's copies) answers bit for bit what the same step from host memory answers. A backend
-// without device memory refuses such steps UNIMPLEMENTED.
+// without device memory refuses such steps UNIMPLEMENTED; there the second pool is written from
+// host memory (in chunks of other sizes) and answers as the first. Every case, V head dims of their
+// own too (the second pool's writes take the case's shape: v of Dv).
 class PagedKvPoolDeviceMemoryTest : public PoolTest<testing::TestWithParam<DType>> {};
 
 TEST_P(PagedKvPoolDeviceMemoryTest, AnswersAsFromHostMemory) {
   const DType dtype = GetParam();
   const PoolDeviceMemory device = TestPoolDeviceMemory();
-  for (const DecodeCase& c : ServedCases()) {
+  const PoolDeviceMemory* from_device = device.upload ? &device : nullptr;
+  for (const DecodeCase& c : Cases()) {
     const uint64_t seed = NextSeed();
     SCOPED_TRACE(absl::StrCat(c.name, " ", SeedHint(dtype, seed)));
     std::mt19937_64 rng(seed);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    const float scale = c.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
     PoolSetup setup;
     MakeSetup(c, dtype, rng, &setup);
     if (HasFatalFailure()) return;
     const StepResult host = Decode(*setup.pool, c, dtype, scale, setup.seqs, setup.stride);
-    if (!device.upload) {
-      StepMemory on_device{.on_device = true};
-      KvWrite w{.shape = {dtype, c.heads_kv, c.head_dim}, .memory = on_device};
-      EXPECT_EQ(setup.pool->Write({w}).code(), absl::StatusCode::kUnimplemented);
-      PagedDecodeParams p{.shape = w.shape, .memory = on_device};
-      EXPECT_EQ(setup.pool->Decode(p).status().code(), absl::StatusCode::kUnimplemented);
-      return;
-    }
-    // The same pages of a second pool, written from device memory.
-    absl::StatusOr<std::unique_ptr<KvPagePool>> again =
-        MakeTestPool(setup.pool->num_pages(), setup.pool->page_bytes());
-    ASSERT_TRUE(again.ok()) << again.status();
-    WriteSequences(**again, {dtype, c.heads_kv, c.head_dim}, setup.seqs, c.nk, c.write_layout,
-                   c.write_chunk, rng, &device);
-    if (HasFatalFailure()) return;
-    for (bool per_seq : {false, true}) {
-      SCOPED_TRACE(per_seq ? "per sequence" : "packed, in stream order");
-      const StepResult r =
-          Decode(**again, c, dtype, scale, setup.seqs, setup.stride, per_seq, &device);
+    auto expect_as_host = [&](const StepResult& r) {
       ASSERT_TRUE(r.status.ok()) << r.status;
       EXPECT_EQ(r.o, host.o);
       ASSERT_EQ(r.lse.size(), host.lse.size());
       if (!host.lse.empty()) {
         EXPECT_EQ(std::memcmp(r.lse.data(), host.lse.data(), host.lse.size() * sizeof(float)), 0);
       }
+    };
+    // The same pages of a second pool, written from device memory where the backend has it.
+    absl::StatusOr<std::unique_ptr<KvPagePool>> again =
+        MakeTestPool(setup.pool->num_pages(), setup.pool->page_bytes());
+    ASSERT_TRUE(again.ok()) << again.status();
+    WriteSequences(**again, ShapeOf(c, dtype), setup.seqs, c.nk, c.write_layout, c.write_chunk, rng,
+                   from_device);
+    if (HasFatalFailure()) return;
+    if (from_device == nullptr) {
+      StepMemory on_device{.on_device = true};
+      KvWrite w{.shape = ShapeOf(c, dtype), .memory = on_device};
+      EXPECT_EQ((*again)->Write({w}).code(), absl::StatusCode::kUnimplemented);
+      PagedDecodeParams p{.shape = w.shape, .memory = on_device};
+      EXPECT_EQ((*again)->Decode(p).status().code(), absl::StatusCode::kUnimplemented);
+      expect_as_host(Decode(**again, c, dtype, scale, setup.seqs, setup.stride));
+      continue;
+    }
+    for (bool per_seq : {false, true}) {
+      SCOPED_TRACE(per_seq ? "per sequence" : "packed, in stream order");
+      expect_as_host(
+          Decode(**again, c, dtype, scale, setup.seqs, setup.stride, per_seq, from_device));
     }
   }
 }

@@ -17,9 +17,6 @@ namespace attention::kernel_test {
 absl::StatusOr<std::unique_ptr<KvPagePool>> MakeTestPool(int64_t num_pages, int64_t page_bytes);
 // Empty when the backend can run here; otherwise why not (the tests skip with it).
 std::string PoolUnavailableReason();
-// Whether the pool serves a V head dim other than the QK head dim (KvShape::v_head_dim); where
-// not, the grid's cases of one expect it refused UNIMPLEMENTED naming v_head_dim.
-bool PoolServesVHeadDim();
 
 // The memory of the GPU the backend's pool is on, for steps whose tensors are there
 // (StepMemory::on_device). All unset where the backend has none (its pool must refuse them).

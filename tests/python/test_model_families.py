@@ -149,7 +149,7 @@ class ModelFamiliesTest(ServerTest):
 
     def test_mla_sessions_hold_v_of_its_own_head_dim(self):
         # DeepSeek-V3 through a RemoteCache on a server whose sessions take a V head dim of their
-        # own (the CPU backend): one KV head of K = [latent 32, rotary 8] and V = the latent,
+        # own (the CPU and CUDA backends): one KV head of K = [latent 32, rotary 8] and V = the latent,
         # no zero padding; the same tokens as eager.
         def inspect(cache):
             self.assertEqual(cache._shared.shape[1:], (1, 40, 32))

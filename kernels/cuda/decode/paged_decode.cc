@@ -23,18 +23,28 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
                                                 const DecodeExtent& extent,
                                                 const PagedPlanOptions& options) {
   const KvShape& shape = host.shape;
-  if (shape.head_dim > kPagedMaxHeadDim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head_dim ", shape.head_dim,
-        " is not supported by the cuda KV pool (it takes head dims "
-        "up to ",
-        kPagedMaxHeadDim, "; float16/bfloat16 multiples of 8 up to ",
-        kPagedTensorHeadDims[std::size(kPagedTensorHeadDims) - 1], " on tensor cores)"));
+  const int64_t dv = shape.value_head_dim();
+  if (shape.head_dim > kPagedMaxHeadDim || dv > kPagedMaxHeadDim) {
+    return absl::InvalidArgumentError(absl::StrCat("head_dim ", shape.head_dim, " / v_head_dim ",
+                                                   dv, ": the cuda KV pool takes head dims up to ",
+                                                   kPagedMaxHeadDim));
   }
   PagedDecodePlan plan;
   plan.launch.num_seqs = static_cast<int>(host.num_seqs);
+  const bool sixteen_bit = shape.dtype == DType::kFloat16 || shape.dtype == DType::kBFloat16;
+  // The wide tile: its head dims exactly, no softcap, and room for its shared memory.
+  if (sixteen_bit && host.softcap == 0.0f && dv == kPagedWideVHeadDim &&
+      std::find(std::begin(kPagedWideHeadDims), std::end(kPagedWideHeadDims), shape.head_dim) !=
+          std::end(kPagedWideHeadDims) &&
+      PagedWideSmemBytes(static_cast<int>(shape.head_dim), static_cast<int>(dv)) <=
+          options.smem_per_block) {
+    plan.launch.wide_head_dim = static_cast<int>(shape.head_dim);
+  }
+  const bool wide = plan.launch.wide_head_dim != 0;
+  const int cta_rows = wide ? kPagedWideRows : 16;
   const int group = static_cast<int>(host.heads_q / shape.heads_kv);
-  plan.m_blocks = static_cast<int>(std::max<int64_t>(1, (group * extent.max_seqlen_q + 15) / 16));
+  plan.m_blocks = static_cast<int>(
+      std::max<int64_t>(1, (group * extent.max_seqlen_q + cta_rows - 1) / cta_rows));
   if (extent.max_seqlen_k >= kMaxLength || extent.max_seqlen_q >= kMaxLength ||
       host.num_seqs > kMaxGridYZ || shape.heads_kv * plan.m_blocks > kMaxGridYZ ||
       extent.page_rows > std::numeric_limits<int32_t>::max()) {
@@ -44,8 +54,9 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
         extent.max_seqlen_k, " max_seqlen_q=", extent.max_seqlen_q, " num_seqs=", host.num_seqs));
   }
   // The smallest tensor-core tile that holds head_dim, if any; with a softcap, the tile that has a
-  // softcap instance (kPagedSoftcapHeadDim, which holds every head dim a tile does).
-  if (shape.dtype != DType::kFloat32 && shape.head_dim % 8 == 0) {
+  // softcap instance (kPagedSoftcapHeadDim, which holds every head dim a tile does). The tiles
+  // read V rows of D: a V head dim of its own runs on the SIMT kernel.
+  if (sixteen_bit && !wide && shape.head_dim % 8 == 0 && dv == shape.head_dim) {
     plan.launch.kernel_head_dim = SpecialisationFor(kPagedTensorHeadDims, shape.head_dim);
     if (plan.launch.kernel_head_dim != 0 && host.softcap > 0.0f) {
       plan.launch.kernel_head_dim = kPagedSoftcapHeadDim;
@@ -53,8 +64,12 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
     }
   }
   const bool tensor = plan.launch.kernel_head_dim != 0;
-  // Key tiles of the tensor-core kernels (paged_decode_launch.cuh): 32 KiB of K+V per stage.
+  plan.launch.simt_wide =
+      !tensor && !wide && std::max(shape.head_dim, dv) > kPagedSimtNarrowHeadDim;
+  // Key tiles of the tensor-core kernels (paged_decode_launch.cuh): 32 KiB of K+V per stage; the
+  // wide tile's 32 keys (68 KiB at D = 576).
   plan.key_tile = options.key_tile > 0                ? options.key_tile
+                  : wide                              ? 32
                   : !tensor                           ? 64
                   : plan.launch.kernel_head_dim == 64 ? 128
                                                       : 64;
@@ -70,9 +85,11 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
   };
   int64_t splits = std::clamp<int64_t>(options.splits, 1, most);
   if (options.splits <= 0) {
-    const int64_t slots = int64_t{options.sm_count} *
-                          (options.ctas_per_sm > 0 ? options.ctas_per_sm
-                                                   : PagedCtasPerSm(plan.launch.kernel_head_dim));
+    // The wide tile: one CTA per SM (its shared memory).
+    const int64_t slots =
+        int64_t{options.sm_count} * (options.ctas_per_sm > 0 ? options.ctas_per_sm
+                                     : wide                  ? 1
+                                            : PagedCtasPerSm(plan.launch.kernel_head_dim));
     auto fill = [&](int64_t s) {
       const int64_t ctas = base * actual(s);
       return static_cast<double>(ctas) / (((ctas + slots - 1) / slots) * slots);
@@ -85,11 +102,11 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
   const int64_t tiles_per_split = (tiles + splits - 1) / splits;
   plan.splits = static_cast<int>(actual(splits));
   plan.split_keys = static_cast<int>(tiles_per_split * plan.key_tile);
-  plan.cluster = options.clusters && plan.splits > 1 && plan.splits <= kPagedMaxClusterSplits &&
-                 plan.launch.kernel_head_dim != 0;
+  plan.cluster =
+      options.clusters && plan.splits > 1 && plan.splits <= kPagedMaxClusterSplits && tensor;
   if (plan.splits > 1 && !plan.cluster) {
     const size_t rows = static_cast<size_t>(host.heads_q * host.total_q);
-    const size_t part_o = plan.splits * rows * shape.head_dim * sizeof(float);
+    const size_t part_o = plan.splits * rows * dv * sizeof(float);
     plan.workspace_bytes = (part_o + 255) / 256 * 256 + plan.splits * rows * sizeof(float);
     plan.tickets = base;
   }
@@ -115,6 +132,7 @@ PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* p
   k.heads_kv = static_cast<int>(dev.shape.heads_kv);
   k.group = static_cast<int>(dev.heads_q / dev.shape.heads_kv);
   k.head_dim = static_cast<int>(dev.shape.head_dim);
+  k.v_head_dim = static_cast<int>(dev.shape.value_head_dim());
   const Log2Scale scale = ToLog2Scale(dev.softmax_scale);
   k.scale_log2 = scale.scale_log2;
   k.negate_q = scale.negate_q;
@@ -132,7 +150,7 @@ PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* p
   k.total_rows = dev.heads_q * dev.total_q;
   k.cluster = plan.cluster;
   if (plan.splits > 1 && !plan.cluster) {
-    const size_t part_o = plan.splits * k.total_rows * k.head_dim * sizeof(float);
+    const size_t part_o = plan.splits * k.total_rows * k.v_head_dim * sizeof(float);
     k.part_o = static_cast<float*>(workspace);
     k.part_lse =
         reinterpret_cast<float*>(static_cast<char*>(workspace) + (part_o + 255) / 256 * 256);

@@ -2,9 +2,13 @@
 // which kernel) and its launch on a stream. The CUDA pool (paged_kv_pool.cc) and the decode bench
 // (bench/cuda/decode_bench.cu) call it with device pointers.
 //
-// Head dims: float16 and bfloat16 with head_dim a multiple of 8 up to 128 run on tensor cores
-// (tiles for D = 64 and 128); every other head dim up to 256, and float32, run on the SIMT kernel
-// (correct, not fast). Larger head dims are INVALID_ARGUMENT.
+// Head dims: float16 and bfloat16 with head_dim a multiple of 8 up to 128 and V of the same head
+// dim run on tensor cores (tiles for D = 64 and 128), and so do (D, Dv) = (576, 512) (MLA's
+// absorbed decode) and (512, 512) without a softcap, on the wide tile (64 rows per CTA) where the
+// device's blocks may opt in to its shared memory (Hopper; PagedPlanOptions::smem_per_block);
+// every other head dim up to 576, a V head dim of its own (Dv != D, up to 576: MLA's QK 192 / V
+// 128), and float32, run on the SIMT kernel (correct, not fast). Larger head dims are
+// INVALID_ARGUMENT.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -47,6 +51,9 @@ struct PagedPlanOptions {
   // Whether the kernels may merge splits in thread-block clusters: the device runs their sm_90a
   // code (compute capability 9.0), where the cluster merge is compiled.
   bool clusters = false;
+  // Bytes of shared memory a block may opt in to on the device: the wide tile
+  // (PagedWideSmemBytes) runs where it fits; 0: nowhere.
+  int smem_per_block = 0;
 };
 
 // Plans a step checked by CheckPagedDecode (host params: reads cu_seqlens_q[0]). Splits (at most

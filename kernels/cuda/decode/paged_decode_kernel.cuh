@@ -22,8 +22,9 @@
 // row block) after them (MergeSplitsIfLast), and the last to arrive merges the splits by LSE into
 // o and lse and zeroes the ticket again.
 //
-// SIMT path (float32, and head dims the tensor path lacks; PagedSimtKernel): a warp per row, keys
-// one at a time (lanes split D, a shuffle reduction per key). Correct, not fast.
+// SIMT path (float32, head dims the tensor path lacks, and a V head dim of its own, Dv != D:
+// PagedSimtKernel): a warp per row, keys one at a time (lanes split D and Dv, a shuffle reduction
+// per key). Correct, not fast.
 //
 // Open-model options, as the CPU kernel and the float64 reference have them: a chunk size narrows
 // each row's keys before any is read (PagedVisibleKeys: the CTA's key range, the element masks);
@@ -117,7 +118,8 @@ struct PagedTile {
   static_assert(kD % 64 == 0, "the swizzle needs rows of >= 8 chunks");
 };
 
-// Row r of a CTA's 16 rows: its element offset in q and o (times head_dim) and in lse.
+// Row r of a CTA's 16 rows: its element offset in q (times head_dim), in o (times v_head_dim) and
+// in lse.
 struct PagedRow {
   int64_t index;  // heads_q * q0 + head * nq + query
   int query;
@@ -205,20 +207,20 @@ template <typename T>
 __device__ __forceinline__ void StoreOut(const PagedKernelParams& p, int64_t index, int col,
                                          float x) {
   if (p.splits == 1) {
-    StoreO<T>(p.o, index * p.head_dim + col, x);
+    StoreO<T>(p.o, index * p.v_head_dim + col, x);
   } else {
-    p.part_o[(blockIdx.x * p.total_rows + index) * p.head_dim + col] = x;
+    p.part_o[(blockIdx.x * p.total_rows + index) * p.v_head_dim + col] = x;
   }
 }
-// StoreOut of columns col..col+3 (head_dim and col multiples of 4).
+// StoreOut of columns col..col+3 (v_head_dim and col multiples of 4).
 template <typename T>
 __device__ __forceinline__ void StoreOut4(const PagedKernelParams& p, int64_t index, int col,
                                           float4 x) {
   if (p.splits == 1) {
-    StoreO4<T>(p.o, index * p.head_dim + col, x);
+    StoreO4<T>(p.o, index * p.v_head_dim + col, x);
   } else {
-    *reinterpret_cast<float4*>(p.part_o + (blockIdx.x * p.total_rows + index) * p.head_dim + col) =
-        x;
+    *reinterpret_cast<float4*>(p.part_o + (blockIdx.x * p.total_rows + index) * p.v_head_dim +
+                               col) = x;
   }
 }
 // Writes a finished row's log2-sum-exp (-inf: saw no key): natural-log lse, or the partial's.
@@ -230,6 +232,104 @@ __device__ __forceinline__ void StoreLse(const PagedKernelParams& p, int64_t ind
   }
 }
 
+// A tensor-core CTA's rows and keys: rows [m0, row_last] of its sequence's group x Nq, and its
+// split's keys cut to what those rows' queries may see, as n_tiles whole tiles of kBc keys from
+// tile tile_begin. False when the sequence has no row from m0 on (fewer rows than the grid).
+struct PagedCtaWork {
+  int q0, nq, nk, row_last, first_query, last_query, tile_begin, n_tiles;
+};
+template <int kRows, int kBc>
+__device__ __forceinline__ bool GetPagedCtaWork(const PagedKernelParams& p, int seq, int m0,
+                                                int split_lo, PagedCtaWork& w) {
+  w.q0 = p.cu_seqlens_q[seq];
+  w.nq = p.cu_seqlens_q[seq + 1] - w.q0;
+  w.nk = p.seqlens_k[seq];
+  const int rows = p.group * w.nq;
+  if (m0 >= rows) return false;
+  w.row_last = min(m0 + kRows, rows) - 1;
+  w.first_query = m0 / p.group;
+  w.last_query = w.row_last / p.group;
+  const KeyRange vis = PagedVisibleKeys(p, w.nq, w.nk, w.first_query, w.last_query);
+  const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
+  w.tile_begin = k_lo / kBc;
+  w.n_tiles = k_hi > k_lo ? (k_hi + kBc - 1) / kBc - w.tile_begin : 0;
+  return true;
+}
+
+// The keys this lane's rows m + g and m + g + 8 (of a 16-row block from m; g = lane / 4) may see,
+// and those every row of the CTA's [first_query, last_query] sees (`all`: a key tile inside it
+// needs no element mask).
+__device__ __forceinline__ void PagedLaneKeys(const PagedKernelParams& p, int nq, int nk, int m,
+                                              int g, int first_query, int last_query,
+                                              KeyRange (&rows)[2], KeyRange& all) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int query = (m + g + half * 8) / p.group;
+    rows[half] = PagedVisibleKeys(p, nq, nk, query, query);
+  }
+  all = PagedVisibleKeys(p, nq, nk, last_query, first_query);
+}
+
+// O += P V over 16 keys: acc_o's 8-column tiles take pa (P of 16 rows x the 16 keys, as an A
+// fragment) times V's 16 key rows at s_v_rows (swizzled, ldmatrix.trans from the lane offset
+// off_v: SwizzledOffset(lane & 15, lane >> 4)), pair dp of 16 columns at a time.
+template <typename T, int kOTiles>
+__device__ __forceinline__ void MmaPV(float (&acc_o)[kOTiles][4], const uint32_t (&pa)[4],
+                                      uint32_t s_v_rows, uint32_t off_v) {
+#pragma unroll
+  for (int dp = 0; dp < kOTiles / 2; ++dp) {
+    uint32_t vb[4];
+    LdMatrixX4Trans(vb, s_v_rows + PairOffset(off_v, dp));
+    Mma16816<T>(acc_o[2 * dp], pa, vb[0], vb[1]);
+    Mma16816<T>(acc_o[2 * dp + 1], pa, vb[2], vb[3]);
+  }
+}
+
+// Rows [m0, row_last] of q, kRows of them, into the swizzled shared tile at s_q (rows of kChunks
+// 16-byte chunks, zeros for missing rows and for columns past head_dim), negated for a negative
+// scale; by kThreads threads.
+template <typename T, int kRows, int kChunks, int kThreads>
+__device__ __forceinline__ void LoadPagedQ(const PagedKernelParams& p, uint32_t s_q, int q0, int nq,
+                                           int hk, int m0, int row_last) {
+  const uint32_t sign = p.negate_q ? 0x80008000u : 0u;
+  const int d_chunks = p.head_dim / 8;
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (m0 + r <= row_last && c < d_chunks) {
+      const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
+      x = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + row.index * p.head_dim +
+                                          c * 8);
+      x.x ^= sign, x.y ^= sign, x.z ^= sign, x.w ^= sign;
+    }
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                     s_q + SwizzledOffset<kChunks * 16>(r, c)),
+                 "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
+  }
+}
+
+// Zeroes the Inf and NaN elements of the 16-byte chunks first, first + step, ... below `chunks` of
+// the shared rows at `base` (row_chunks chunks a row; the swizzle permutes chunks within a row
+// only) and returns the rows where this thread found any (bit r for row r).
+template <typename T>
+__device__ __forceinline__ uint32_t ZeroNonFiniteRows(uint32_t base, int chunks, int row_chunks,
+                                                      int first, int step) {
+  uint32_t rows = 0;
+  for (int i = first; i < chunks; i += step) {
+    const uint32_t addr = base + i * 16;
+    uint4 x;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "r"(addr));
+    if (ZeroNonFinite<T>(x)) {
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x.x), "r"(x.y),
+                   "r"(x.z), "r"(x.w));
+      rows |= 1u << (i / row_chunks);
+    }
+  }
+  return rows;
+}
+
 // Called by every thread of a split CTA (splits > 1) once its partials of its 16 rows are stored.
 // The CTA takes a ticket of its (sequence, grid row); the last split to take one merges the splits'
 // partials of those rows by LSE into o (and lse), a warp per row, and resets the ticket for the
@@ -238,8 +338,9 @@ __device__ __forceinline__ void StoreLse(const PagedKernelParams& p, int64_t ind
 // once (as many as `weights` holds), so their loads from L2 are in flight together: one round trip
 // for the log-sum-exps, one for the partials (the merge ends the step: its latency is the step's).
 // weights: shared memory for blockDim.x / 32 x kPagedMaxSplits floats. The CTA's coordinates are
-// read again here rather than kept live through the key loop.
-template <typename T>
+// read again here rather than kept live through the key loop. kRows: the CTA's rows (16; the wide
+// tile's 64, paged_decode_wide_kernel.cuh).
+template <typename T, int kRows = kPagedRows>
 __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, float* weights) {
   constexpr int kMergeBatch = 4;
   __shared__ bool last;
@@ -254,14 +355,14 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
   if (!last) return;
   __threadfence();
   const int seq = blockIdx.z;
-  const int hk = blockIdx.y / p.m_blocks, m0 = blockIdx.y % p.m_blocks * kPagedRows;
+  const int hk = blockIdx.y / p.m_blocks, m0 = blockIdx.y % p.m_blocks * kRows;
   const int q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
-  const int row_end = min(m0 + kPagedRows, p.group * nq);
+  const int row_end = min(m0 + kRows, p.group * nq);
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int splits = p.splits;
   const int batch = max(1, min(kMergeBatch, kPagedMaxSplits / splits));
   float* w = weights + warp * kPagedMaxSplits;  // [batch][splits]
-  const int64_t split_stride = p.total_rows * p.head_dim;
+  const int64_t split_stride = p.total_rows * p.v_head_dim;
   // The warp's rows m0 + warp + k * warps, `batch` at a time.
   for (int m = m0 + warp; m < row_end; m += batch * warps) {
     int64_t r[kMergeBatch];
@@ -309,8 +410,8 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
     }
     __syncwarp();
     // Lane l sums columns 4l..4l+3 (+128 c) over the splits, every row's loads in flight together.
-    if (p.head_dim % 4 == 0) {
-      for (int col = 4 * lane; col < p.head_dim; col += 128) {
+    if (p.v_head_dim % 4 == 0) {
+      for (int col = 4 * lane; col < p.v_head_dim; col += 128) {
         float4 o[kMergeBatch];
 #pragma unroll
         for (int b = 0; b < kMergeBatch; ++b) o[b] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -320,7 +421,7 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
           for (int b = 0; b < kMergeBatch; ++b) {
             if (b >= n) break;
             const float4 x = __ldcg(reinterpret_cast<const float4*>(p.part_o + s * split_stride +
-                                                                    r[b] * p.head_dim + col));
+                                                                    r[b] * p.v_head_dim + col));
             const float ws = w[b * splits + s];
             o[b].x += ws * x.x, o[b].y += ws * x.y, o[b].z += ws * x.z, o[b].w += ws * x.w;
           }
@@ -329,20 +430,21 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedKernelParams& p, fl
         for (int b = 0; b < kMergeBatch; ++b) {
           if (b >= n) break;
           StoreO4<T>(
-              p.o, r[b] * p.head_dim + col,
+              p.o, r[b] * p.v_head_dim + col,
               make_float4(o[b].x * inv[b], o[b].y * inv[b], o[b].z * inv[b], o[b].w * inv[b]));
         }
       }
     } else {
-      for (int col = lane; col < p.head_dim; col += 32) {
+      for (int col = lane; col < p.v_head_dim; col += 32) {
 #pragma unroll
         for (int b = 0; b < kMergeBatch; ++b) {
           if (b >= n) break;
           float o = 0.f;
 #pragma unroll 8
           for (int s = 0; s < splits; ++s)
-            o += w[b * splits + s] * __ldcg(p.part_o + s * split_stride + r[b] * p.head_dim + col);
-          StoreO<T>(p.o, r[b] * p.head_dim + col, o * inv[b]);
+            o +=
+                w[b * splits + s] * __ldcg(p.part_o + s * split_stride + r[b] * p.v_head_dim + col);
+          StoreO<T>(p.o, r[b] * p.v_head_dim + col, o * inv[b]);
         }
       }
     }
@@ -378,7 +480,7 @@ __device__ __forceinline__ void MergeSplitsInCluster(const PagedKernelParams& p,
   for (int i = static_cast<int>(cluster.block_rank()) * blockDim.x + threadIdx.x; i < items;
        i += splits * blockDim.x) {
     const int r = i / (kD / 4), col = i % (kD / 4) * 4;
-    if (col >= p.head_dim) continue;
+    if (col >= p.v_head_dim) continue;
     float lse[kPagedMaxClusterSplits];
     float4 x[kPagedMaxClusterSplits];
     float mx = -INFINITY;
@@ -402,7 +504,7 @@ __device__ __forceinline__ void MergeSplitsInCluster(const PagedKernelParams& p,
     float lse2 = sum > 0.f ? mx + log2f(sum) : -INFINITY;
     const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
     if (p.sinks != nullptr) inv *= AddSink(p.sinks[row.head], lse2);
-    StoreO4<T>(p.o, row.index * p.head_dim + col,
+    StoreO4<T>(p.o, row.index * p.v_head_dim + col,
                make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv));
     if (col == 0 && p.lse != nullptr) {
       p.lse[row.index] = lse2 == -INFINITY ? -INFINITY : lse2 * kLn2;
@@ -445,18 +547,11 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
     const int at = (split_lo + s * kBc) / p.page_rows;
     first_pages[s] = at < p.page_table_stride ? page_table[at] : 0;
   }
-  const int q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
-  const int nk = p.seqlens_k[seq];
-  const int rows = p.group * nq;
-  if (m0 >= rows) return;  // this sequence has fewer rows than the grid
-  const int row_last = min(m0 + kPagedRows, rows) - 1;
-  const int first_query = m0 / p.group, last_query = row_last / p.group;
-
-  // This CTA's keys: its split, cut to what its queries may see; whole kBc tiles from tile_begin.
-  const KeyRange vis = PagedVisibleKeys(p, nq, nk, first_query, last_query);
-  const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
-  const int tile_begin = k_lo / kBc;
-  const int n_tiles = k_hi > k_lo ? (k_hi + kBc - 1) / kBc - tile_begin : 0;
+  PagedCtaWork work;
+  if (!GetPagedCtaWork<kPagedRows, kBc>(p, seq, m0, split_lo, work)) return;
+  const int q0 = work.q0, nq = work.nq, nk = work.nk, row_last = work.row_last;
+  const int first_query = work.first_query, last_query = work.last_query;
+  const int tile_begin = work.tile_begin, n_tiles = work.n_tiles;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -511,23 +606,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
     CpAsyncCommit();
   }
 
-  // Q rows -> shared memory (zeros for missing rows and columns), negated for a negative scale.
-  {
-    const uint32_t sign = p.negate_q ? 0x80008000u : 0u;
-    for (int i = threadIdx.x; i < kPagedRows * Tile::kChunks; i += kThreads) {
-      const int r = i / Tile::kChunks, c = i % Tile::kChunks;
-      uint4 x = make_uint4(0, 0, 0, 0);
-      if (m0 + r < rows && c < d_chunks) {
-        const PagedRow row = GetPagedRow(p, q0, nq, hk, m0 + r);
-        x = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + row.index * p.head_dim +
-                                            c * Tile::kChunkElems);
-        x.x ^= sign, x.y ^= sign, x.z ^= sign, x.w ^= sign;
-      }
-      asm volatile(
-          "st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(s_q + SwizzledOffset<kRowBytes>(r, c)),
-          "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
-    }
-  }
+  LoadPagedQ<T, kPagedRows, Tile::kChunks, kThreads>(p, s_q, q0, nq, hk, m0, row_last);
   __syncthreads();
   const uint32_t off_a = SwizzledOffset<kRowBytes>(lane & 15, lane >> 4);
   const uint32_t off_b =
@@ -536,15 +615,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
 #pragma unroll
   for (int kk = 0; kk < kKSteps; ++kk) LdMatrixX4(q_frag[kk], s_q + PairOffset(off_a, kk));
 
-  // The mask of rows g and g + 8 of the 16: their queries' visible keys.
-  KeyRange row_keys[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int query = (m0 + g + half * 8) / p.group;
-    row_keys[half] = PagedVisibleKeys(p, nq, nk, query, query);
-  }
-  // Tiles needing no element mask: inside every row's window (and chunk) and below nk.
-  const KeyRange all_rows = PagedVisibleKeys(p, nq, nk, last_query, first_query);
+  // The mask of rows g and g + 8 of the 16, and the keys every row sees (tiles inside them need
+  // no element mask: inside every row's window and chunk, and below nk).
+  KeyRange row_keys[2], all_rows;
+  PagedLaneKeys(p, nq, nk, m0, g, first_query, last_query, row_keys, all_rows);
 
   float acc_o[kDTiles][4];
 #pragma unroll
@@ -574,18 +648,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
     const bool masked = n0 < all_rows.lo || n0 + kWarpKeys > all_rows.hi;
     uint32_t nonfinite = 0;
     if (masked) {
-      for (int i = lane; i < kWarpKeys * Tile::kChunks; i += 32) {
-        const uint32_t addr = s_v + i * 16;
-        uint4 x;
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                     : "r"(addr));
-        if (ZeroNonFinite<T>(x)) {
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x.x), "r"(x.y),
-                       "r"(x.z), "r"(x.w));
-          nonfinite |= 1u << (i / Tile::kChunks);
-        }
-      }
+      nonfinite = ZeroNonFiniteRows<T>(s_v, kWarpKeys * Tile::kChunks, Tile::kChunks, lane, 32);
       nonfinite = __reduce_or_sync(0xffffffffu, nonfinite);
       __syncwarp();  // the zeroed V is visible to the whole warp before P V
     }
@@ -643,13 +706,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
       pa[1] = PackPair<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
       pa[2] = PackPair<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
       pa[3] = PackPair<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
-#pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t vb[4];
-        LdMatrixX4Trans(vb, s_v + kk * 16 * kRowBytes + PairOffset(off_a, dp));
-        Mma16816<T>(acc_o[2 * dp], pa, vb[0], vb[1]);
-        Mma16816<T>(acc_o[2 * dp + 1], pa, vb[2], vb[3]);
-      }
+      MmaPV<T>(acc_o, pa, s_v + kk * 16 * kRowBytes, off_a);
     }
   }
   CpAsyncWait<0>();
@@ -704,7 +761,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
   __syncthreads();
   for (int i = threadIdx.x; i < kPagedRows * kD / 4; i += kThreads) {
     const int r = i / (kD / 4), col = i % (kD / 4) * 4;
-    if (m0 + r > row_last || col >= p.head_dim) continue;
+    if (m0 + r > row_last || col >= p.v_head_dim) continue;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < Tile::kWarps; ++w) {
@@ -734,12 +791,13 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
 }
 
 // The SIMT path: warp w computes rows w, w + 4, ... of the CTA's 16, lane l owning columns
-// l + 32 c. Any head dim up to 32 * kMaxCols.
+// l + 32 c of q and k (D) and of v and o (Dv). Any head dims up to 32 * kMaxCols: kMaxCols 8 (up
+// to 256, every plain head dim) or 18 (MLA's absorbed decode, QK 576 / V 512), compiled apart so
+// that the narrow instance keeps its registers.
 // __launch_bounds__(threads, 1): without a minimum of resident CTAs ptxas held this kernel to 64
 // registers and spilled 8 bytes; it runs at most 16 warps per SM anyway.
-template <typename T>
+template <typename T, int kMaxCols>
 __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedKernelParams p) {
-  constexpr int kMaxCols = 8;
   const int seq = blockIdx.z;
   const int hk = blockIdx.y / p.m_blocks, m0 = blockIdx.y % p.m_blocks * kPagedRows;
   const int q0 = p.cu_seqlens_q[seq], nq = p.cu_seqlens_q[seq + 1] - q0;
@@ -748,8 +806,10 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ float merge_weights[kPagedThreads / 32][kPagedMaxSplits];
   const int32_t* page_table = p.page_table + seq * p.page_table_stride;
-  const int64_t head_offset = static_cast<int64_t>(hk) * p.page_rows * p.head_dim;
-  const int64_t v_offset = static_cast<int64_t>(p.heads_kv) * p.page_rows * p.head_dim;
+  // Elements from a page's start: this kv head's K rows, and its V rows after every head's K.
+  const int64_t k_offset = static_cast<int64_t>(hk) * p.page_rows * p.head_dim;
+  const int64_t v_offset = static_cast<int64_t>(p.heads_kv) * p.page_rows * p.head_dim +
+                           static_cast<int64_t>(hk) * p.page_rows * p.v_head_dim;
   const float sign = p.negate_q ? -1.f : 1.f;
   const bool softcap = p.softcap_log2 > 0.f;
   const float scale_log2 = softcap ? 1.f : p.scale_log2;  // capped logits are log2 already
@@ -770,9 +830,11 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
     }
     float mx = -INFINITY, sum = 0.f;
     for (int key = k_lo; key < k_hi; ++key) {
-      const T* k =
-          reinterpret_cast<const T*>(p.pool + page_table[key / p.page_rows] * p.page_bytes) +
-          head_offset + static_cast<int64_t>(key % p.page_rows) * p.head_dim;
+      const T* page =
+          reinterpret_cast<const T*>(p.pool + page_table[key / p.page_rows] * p.page_bytes);
+      const int64_t page_row = key % p.page_rows;
+      const T* k = page + k_offset + page_row * p.head_dim;
+      const T* v = page + v_offset + page_row * p.v_head_dim;
       float s = 0.f;
 #pragma unroll
       for (int c = 0; c < kMaxCols; ++c) {
@@ -787,8 +849,7 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
 #pragma unroll
       for (int c = 0; c < kMaxCols; ++c) {
         const int col = lane + 32 * c;
-        acc[c] = acc[c] * rescale +
-                 (col < p.head_dim ? pk * static_cast<float>(k[v_offset + col]) : 0.f);
+        acc[c] = acc[c] * rescale + (col < p.v_head_dim ? pk * static_cast<float>(v[col]) : 0.f);
       }
     }
     float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -798,7 +859,7 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
 #pragma unroll
     for (int c = 0; c < kMaxCols; ++c) {
       const int col = lane + 32 * c;
-      if (col < p.head_dim) StoreOut<T>(p, row.index, col, acc[c] * inv);
+      if (col < p.v_head_dim) StoreOut<T>(p, row.index, col, acc[c] * inv);
     }
     if (lane == 0) StoreLse(p, row.index, lse2);
   }

@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/decode/paged_decode_kernel.cuh"
 #include "kernels/cuda/decode/paged_decode_launchers.h"
+#include "kernels/cuda/decode/paged_decode_wide_kernel.cuh"
 #include "kernels/cuda/ops/smem_opt_in.h"
 
 namespace attention::cuda {
@@ -56,14 +57,50 @@ cudaError_t LaunchPagedTile(const PagedKernelParams& p, dim3 grid, cudaStream_t 
   return cudaLaunchKernelEx(&config, kernel, p);
 }
 
+// The host's view of the wide tile (PagedWideSmemBytes, kPagedWideRows) is the tile's.
+static_assert(PagedWideTile<__half, 576, 512>::kSmemBytes == PagedWideSmemBytes(576, 512));
+static_assert(PagedWideTile<__half, 512, 512>::kSmemBytes == PagedWideSmemBytes(512, 512));
+static_assert(PagedWideTile<__half, 576, 512>::kRows == kPagedWideRows);
+
+template <typename Tile>
+cudaError_t LaunchPagedWide(const PagedKernelParams& p, dim3 grid, cudaStream_t stream) {
+  auto* kernel = PagedWideKernel<Tile>;
+  static std::atomic<uint64_t> smem_set_on{0};
+  if (cudaError_t err = OptInSharedMemory(kernel, Tile::kSmemBytes, smem_set_on);
+      err != cudaSuccess) {
+    return err;
+  }
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The SIMT kernel (PagedSimtKernel): columns per lane for head dims up to kPagedSimtNarrowHeadDim,
+// or up to kPagedMaxHeadDim (launch.simt_wide).
+template <typename T>
+cudaError_t LaunchPagedSimt(const PagedKernelParams& p, const PagedLaunch& launch, dim3 grid,
+                            cudaStream_t stream) {
+  constexpr int kNarrow = kPagedSimtNarrowHeadDim / 32, kWide = (kPagedMaxHeadDim + 31) / 32;
+  if (launch.simt_wide) {
+    PagedSimtKernel<T, kWide><<<grid, kPagedThreads, 0, stream>>>(p);
+  } else {
+    PagedSimtKernel<T, kNarrow><<<grid, kPagedThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t LaunchPagedDecodeFor(const PagedKernelParams& p, const PagedLaunch& launch,
                                  cudaStream_t stream) {
   const dim3 grid(p.splits, p.heads_kv * p.m_blocks, launch.num_seqs);
   cudaError_t err = cudaSuccess;
   if constexpr (std::is_same_v<T, float>) {
-    PagedSimtKernel<T><<<grid, kPagedThreads, 0, stream>>>(p);
-    err = cudaGetLastError();
+    err = LaunchPagedSimt<T>(p, launch, grid, stream);
+  } else if (launch.wide_head_dim != 0) {
+    static_assert(kPagedWideVHeadDim == 512 && kPagedWideHeadDims[0] == 512 &&
+                  kPagedWideHeadDims[1] == 576);
+    err = launch.wide_head_dim == 576
+              ? LaunchPagedWide<PagedWideTile<T, 576, 512>>(p, grid, stream)
+              : LaunchPagedWide<PagedWideTile<T, 512, 512>>(p, grid, stream);
   } else {
     switch (launch.kernel_head_dim) {
       case 64:
@@ -76,8 +113,7 @@ cudaError_t LaunchPagedDecodeFor(const PagedKernelParams& p, const PagedLaunch& 
                   : LaunchPagedTile<typename PagedTileFor<T, 128>::Tile>(p, grid, stream);
         break;
       default:
-        PagedSimtKernel<T><<<grid, kPagedThreads, 0, stream>>>(p);
-        err = cudaGetLastError();
+        err = LaunchPagedSimt<T>(p, launch, grid, stream);
     }
   }
   return err;

@@ -22,6 +22,15 @@ constexpr int PagedCtasPerSm(int kernel_head_dim) { return kernel_head_dim == 12
 // in it, so the softcap costs the build two kernels (float16, bfloat16), not one per tile.
 inline constexpr int kPagedSoftcapHeadDim = 128;
 
+// The wide tile's rows per CTA (PagedWideTile::kRows) and its shared memory at QK head dim d and V
+// head dim dv (PagedWideTile::kSmemBytes; paged_decode_launch.cuh checks both): Q [64][d], two
+// stages of 32 K rows of d and V rows of dv, P [64][32] in rows of 80 bytes, and its statistics.
+inline constexpr int kPagedWideRows = 64;
+constexpr int PagedWideSmemBytes(int d, int dv) {
+  return kPagedWideRows * d * 2 + 2 * 32 * (d + dv) * 2 + kPagedWideRows * 80 +
+         (4 * kPagedWideRows + kPagedWideRows + 8) * 4;
+}
+
 // What the grid needs beyond the kernel params.
 struct PagedLaunch {
   int num_seqs = 0;
@@ -29,6 +38,12 @@ struct PagedLaunch {
   // The tensor-core tile's softcap instance (kernel_head_dim kPagedSoftcapHeadDim); the SIMT
   // kernel caps by a branch on the params.
   bool softcap = false;
+  // The SIMT kernel's wide instance (kernel_head_dim 0, D or Dv over kPagedSimtNarrowHeadDim: 18
+  // columns per lane instead of 8).
+  bool simt_wide = false;
+  // > 0: the wide tensor-core tile of this QK head dim (kPagedWideHeadDims, V kPagedWideVHeadDim;
+  // kernel_head_dim 0); its CTAs hold kPagedWideRows rows.
+  int wide_head_dim = 0;
 };
 
 cudaError_t LaunchPagedDecodeF16(const PagedKernelParams& p, const PagedLaunch& launch,

@@ -19,13 +19,15 @@ struct PagedKernelParams {
   int64_t page_bytes;
   int page_rows;
   const void* q;  // [Hq, Nq_s, D] per sequence, packed (kernels/paged_kv.h)
-  void* o;
-  float* lse;  // nullptr: not computed
+  void* o;        // [Hq, Nq_s, Dv] per sequence, packed
+  float* lse;     // nullptr: not computed
   const int32_t* cu_seqlens_q;
   const int32_t* seqlens_k;
   const int32_t* page_table;
   int64_t page_table_stride;
-  int heads_q, heads_kv, group, head_dim;
+  // head_dim: D, of q and k; v_head_dim: Dv, of v and o (MLA; D elsewhere). A page holds K
+  // [Hkv, page_rows, D], then V [Hkv, page_rows, Dv].
+  int heads_q, heads_kv, group, head_dim, v_head_dim;
   // As KernelParams: exp2(scale_log2 * (q.k - max)) with scale_log2 > 0, Q negated for a negative
   // scale; window bounds -1 = unbounded.
   float scale_log2;
@@ -48,7 +50,7 @@ struct PagedKernelParams {
   // splits > 1 with cluster: the splits of a (sequence, grid row) form one thread-block cluster
   // (Hopper) and merge through distributed shared memory (MergeSplitsInCluster); no workspace.
   bool cluster;
-  // splits > 1 without cluster: per split, a normalised float32 o [total_rows, D] and its
+  // splits > 1 without cluster: per split, a normalised float32 o [total_rows, Dv] and its
   // log2-sum-exp [total_rows] (-inf where the split saw no key); the last split CTA of each
   // (sequence, grid row) to finish merges them (MergeSplitsIfLast), counted by tickets
   // [sequences, grid y]: zero before the step, zero again after it (the merging CTA resets its

@@ -19,8 +19,15 @@ inline constexpr int kMaxHeadDim = kSpecialisedHeadDims[std::size(kSpecialisedHe
 // Paged decode (paged_decode_launch.cuh): head dims with a tensor-core tile (float16 and
 // bfloat16), ascending; any multiple of 8 below one of them runs in it.
 inline constexpr int kPagedTensorHeadDims[] = {64, 128};
-// Largest head dim of the paged SIMT path (every dtype, any head dim up to this).
-inline constexpr int kPagedMaxHeadDim = 256;
+// Largest QK and V head dim of the paged SIMT path (every dtype, any head dim up to this; MLA's
+// absorbed decode: QK 576, V 512). Head dims up to kPagedSimtNarrowHeadDim run in its narrow
+// instance (8 columns per lane), larger ones in its wide one (paged_decode_launch.cuh).
+inline constexpr int kPagedMaxHeadDim = 576;
+inline constexpr int kPagedSimtNarrowHeadDim = 256;
+// The wide tensor-core tile's (QK, V) head dims (float16, bfloat16; paged_decode_wide_kernel.cuh):
+// MLA's absorbed decode and D = 512, on devices whose blocks may opt in to its shared memory.
+inline constexpr int kPagedWideHeadDims[] = {512, 576};
+inline constexpr int kPagedWideVHeadDim = 512;
 
 // The specialisation that serves head_dim: the smallest of `dims` (ascending) >= head_dim, or 0
 // when none is.

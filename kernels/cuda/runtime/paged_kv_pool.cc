@@ -58,9 +58,31 @@ struct WriteRun {
   int64_t page_rows;
   PageRun run;
 };
-// Staged bytes of each of a run's segments: its rows, rounded up to 16 for the next one.
-size_t SegmentBytes(const WriteRun& r) {
-  const size_t bytes = r.run.count * r.write->shape.head_dim * DTypeSize(r.write->shape.dtype);
+// Where K (kv 0) or V (kv 1) of a write's rows are: the source, its strides (v's: VStride), bytes
+// per row (D or Dv elements), and the page offset of (head, page row).
+struct KvSide {
+  const unsigned char* src;
+  int64_t head_stride, row_stride;
+  size_t row_bytes;
+};
+KvSide SideOf(const KvWrite& w, int kv) {
+  const KvShape& shape = w.shape;
+  const size_t elem = DTypeSize(shape.dtype);
+  if (kv == 0) {
+    return {static_cast<const unsigned char*>(w.k), w.head_stride, w.row_stride,
+            shape.head_dim * elem};
+  }
+  return {static_cast<const unsigned char*>(w.v), VStride(shape, w.head_stride),
+          VStride(shape, w.row_stride), shape.value_head_dim() * elem};
+}
+int64_t PageOffset(const KvShape& shape, int64_t page_rows, int kv, int64_t head, int64_t row) {
+  return kv == 0 ? KvRowOffset(shape, page_rows, head, row)
+                 : VRowOffset(shape, page_rows, head, row);
+}
+// Staged bytes of one of a run's K (kv 0) or V (kv 1) segments: its rows, rounded up to 16 for the
+// next one.
+size_t SegmentBytes(const WriteRun& r, int kv) {
+  const size_t bytes = r.run.count * SideOf(*r.write, kv).row_bytes;
   return (bytes + 15) / 16 * 16;
 }
 
@@ -123,8 +145,6 @@ class CudaKvPagePool : public KvPagePool {
   absl::Status Write(absl::Span<const KvWrite> writes) override {
     std::vector<WriteRun> runs;
     for (const KvWrite& w : writes) {
-      // The scatter and the decode kernels take V rows of D (sessions refuse others first).
-      RETURN_IF_ERROR(RefuseVHeadDim(w.shape, "cuda"));
       ASSIGN_OR_RETURN(const int64_t page_rows, CheckKvWrite(w, page_bytes_, num_pages_));
       RETURN_IF_ERROR(ForEachPageRun(w, page_rows, [&](const PageRun& run) {
         runs.push_back({&w, page_rows, run});
@@ -152,7 +172,7 @@ class CudaKvPagePool : public KvPagePool {
       size_t last = first, segments = 0, data_bytes = 0;
       while (last < runs.size()) {
         const WriteRun& r = runs[last];
-        const size_t bytes = 2 * r.write->shape.heads_kv * SegmentBytes(r);
+        const size_t bytes = r.write->shape.heads_kv * (SegmentBytes(r, 0) + SegmentBytes(r, 1));
         if (last > first && data_bytes + bytes > kWriteChunkBytes) break;
         data_bytes += bytes;
         segments += 2 * r.write->shape.heads_kv;
@@ -188,25 +208,22 @@ class CudaKvPagePool : public KvPagePool {
   // before; returns once they are on the host. An export's path, not a step's: no staging.
   absl::Status Read(const KvRead& read) override {
     const KvWrite w = AsKvWrite(read);
-    RETURN_IF_ERROR(RefuseVHeadDim(w.shape, "cuda"));
     ASSIGN_OR_RETURN(const int64_t page_rows, CheckKvWrite(w, page_bytes_, num_pages_));
     const KvShape& shape = read.shape;
     const size_t elem = DTypeSize(shape.dtype);
-    const size_t row_bytes = shape.head_dim * elem;
-    const int64_t v_offset = VOffset(shape, page_rows);
     std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     RETURN_IF_ERROR(ForEachPageRun(w, page_rows, [&](const PageRun& run) -> absl::Status {
       const unsigned char* page = pages_ + run.page * page_bytes_;
-      for (int64_t h = 0; h < shape.heads_kv; ++h) {
-        const int64_t in_page = KvRowOffset(shape, page_rows, h, run.page_row);
-        const int64_t at = (h * read.head_stride + run.src_row * read.row_stride) * elem;
-        for (const auto& [host, offset] :
-             {std::pair{read.k, in_page}, std::pair{read.v, v_offset + in_page}}) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const KvSide side = SideOf(w, kv);  // its src: where the rows go on the host
+        for (int64_t h = 0; h < shape.heads_kv; ++h) {
+          const int64_t at = (h * side.head_stride + run.src_row * side.row_stride) * elem;
           RETURN_IF_CUDA_ERROR(
-              cudaMemcpy2DAsync(static_cast<unsigned char*>(host) + at, read.row_stride * elem,
-                                page + offset, row_bytes, row_bytes, run.count,
-                                cudaMemcpyDeviceToHost, stream_),
+              cudaMemcpy2DAsync(const_cast<unsigned char*>(side.src) + at, side.row_stride * elem,
+                                page + PageOffset(shape, page_rows, kv, h, run.page_row),
+                                side.row_bytes, side.row_bytes, run.count, cudaMemcpyDeviceToHost,
+                                stream_),
               "copy KV rows from the device");
         }
       }
@@ -235,7 +252,6 @@ class CudaKvPagePool : public KvPagePool {
   }
 
   absl::StatusOr<KvStepTimes> Decode(const PagedDecodeParams& host) override {
-    RETURN_IF_ERROR(RefuseVHeadDim(host.shape, "cuda"));
     ASSIGN_OR_RETURN(const DecodeExtent extent, CheckPagedDecode(host, page_bytes_, num_pages_));
     if (host.num_seqs == 0 || host.total_q == 0) return KvStepTimes{};
     ASSIGN_OR_RETURN(const PagedDecodePlan plan, PlanPagedDecode(host, extent, plan_options_));
@@ -246,6 +262,7 @@ class CudaKvPagePool : public KvPagePool {
     RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     const size_t elem = DTypeSize(host.shape.dtype);
     const size_t q_bytes = host.heads_q * host.total_q * host.shape.head_dim * elem;
+    const size_t o_bytes = host.heads_q * host.total_q * host.shape.value_head_dim() * elem;
     const bool lse = DecodeWantsLse(host);
     const size_t lse_bytes = lse ? host.heads_q * host.total_q * sizeof(float) : 0;
     const size_t cu_bytes = (host.num_seqs + 1) * sizeof(int32_t);
@@ -256,7 +273,7 @@ class CudaKvPagePool : public KvPagePool {
     // workspace.
     StepLayout l;
     const size_t sizes[kEnd] = {q_bytes,         cu_bytes, lens_bytes, table_bytes,
-                                SinkBytes(host), q_bytes,  lse_bytes};
+                                SinkBytes(host), o_bytes,  lse_bytes};
     for (int i = 0; i < kEnd; ++i) l.offsets[i + 1] = l.offsets[i] + RoundUp(sizes[i]);
     RETURN_IF_ERROR(Reserve(l.offsets[kO] + plan.workspace_bytes));
     RETURN_IF_ERROR(ReserveTickets(plan.tickets));
@@ -327,17 +344,17 @@ class CudaKvPagePool : public KvPagePool {
       const KvWrite& w = *r.write;
       const KvShape& shape = w.shape;
       const size_t elem = DTypeSize(shape.dtype);
-      const int64_t row_bytes = shape.head_dim * static_cast<int64_t>(elem);
-      const bool contiguous = w.row_stride == shape.head_dim;
-      unit = std::gcd(unit, static_cast<int>(row_bytes));
+      const bool contiguous = w.row_stride == shape.head_dim;  // v's then Dv (VStride)
       for (int kv = 0; kv < 2; ++kv) {
-        const auto* src = static_cast<const unsigned char*>(kv == 0 ? w.k : w.v);
-        const int64_t page = r.run.page * page_bytes_ + (kv == 0 ? 0 : VOffset(shape, r.page_rows));
+        const KvSide side = SideOf(w, kv);
+        const int64_t row_bytes = static_cast<int64_t>(side.row_bytes);
+        unit = std::gcd(unit, static_cast<int>(row_bytes));
         for (int64_t h = 0; h < shape.heads_kv; ++h) {
-          const int64_t dst = page + KvRowOffset(shape, r.page_rows, h, r.run.page_row);
+          const int64_t dst =
+              r.run.page * page_bytes_ + PageOffset(shape, r.page_rows, kv, h, r.run.page_row);
           for (int64_t j = 0; j < (contiguous ? 1 : r.run.count); ++j) {
             const unsigned char* from =
-                src + (h * w.head_stride + (r.run.src_row + j) * w.row_stride) * elem;
+                side.src + (h * side.head_stride + (r.run.src_row + j) * side.row_stride) * elem;
             unit = std::gcd(unit, static_cast<int>(reinterpret_cast<uintptr_t>(from) % 16));
             segments.push_back({from, KvSegment{0, dst + j * row_bytes,
                                                 (contiguous ? r.run.count : 1) * row_bytes}});
@@ -377,7 +394,10 @@ class CudaKvPagePool : public KvPagePool {
                                              const DecodeExtent& extent) {
     std::unique_lock<std::mutex> lock(mu_);
     RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    // Bytes per query row of q (D) and of o (Dv).
     const size_t row_bytes = host.heads_q * host.shape.head_dim * DTypeSize(host.shape.dtype);
+    const size_t o_row_bytes =
+        host.heads_q * host.shape.value_head_dim() * DTypeSize(host.shape.dtype);
     const size_t lse_row_bytes = host.heads_q * sizeof(float);
     const bool lse = DecodeWantsLse(host);
     // The start of the step's buffers of `bytes_per_row` per query row when they are one packed
@@ -398,7 +418,7 @@ class CudaKvPagePool : public KvPagePool {
     };
     const unsigned char* q = packed(host.q_seqs, host.q, row_bytes);
     auto* o = const_cast<unsigned char*>(
-        packed(reinterpret_cast<const void* const*>(host.o_seqs), host.o, row_bytes));
+        packed(reinterpret_cast<const void* const*>(host.o_seqs), host.o, o_row_bytes));
     auto* lse_at =
         lse ? const_cast<unsigned char*>(packed(reinterpret_cast<const void* const*>(host.lse_seqs),
                                                 host.lse, lse_row_bytes))
@@ -411,7 +431,7 @@ class CudaKvPagePool : public KvPagePool {
                                  host.num_seqs * host.page_table_stride * sizeof(int32_t),
                                  SinkBytes(host),
                                  q != nullptr ? 0 : host.total_q * row_bytes,
-                                 o != nullptr ? 0 : host.total_q * row_bytes,
+                                 o != nullptr ? 0 : host.total_q * o_row_bytes,
                                  lse && lse_at == nullptr ? host.total_q * lse_row_bytes : 0};
     size_t offsets[kWork + 1] = {0};
     for (int i = 0; i < kWork; ++i) offsets[i + 1] = offsets[i] + RoundUp(sizes[i]);
@@ -454,7 +474,7 @@ class CudaKvPagePool : public KvPagePool {
                    at(kCu), at(kLens), at(kTable), at(kSinks));
       if (options_.poison_outputs) {
         // As the host path's: all-ones bytes are NaN in every dtype.
-        RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.o, 0xff, host.total_q * row_bytes, stream_),
+        RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.o, 0xff, host.total_q * o_row_bytes, stream_),
                              "poison o");
         if (lse) {
           RETURN_IF_CUDA_ERROR(
@@ -465,8 +485,8 @@ class CudaKvPagePool : public KvPagePool {
       RETURN_IF_ERROR(LaunchPagedDecode(plan, pages_, page_bytes_, extent, dev, at(kWork),
                                         reinterpret_cast<int32_t*>(tickets_.data()), stream_));
       if (o == nullptr) {
-        RETURN_IF_ERROR(
-            copy_rows(at(kO), reinterpret_cast<const void* const*>(host.o_seqs), row_bytes, false));
+        RETURN_IF_ERROR(copy_rows(at(kO), reinterpret_cast<const void* const*>(host.o_seqs),
+                                  o_row_bytes, false));
       }
       if (lse && lse_at == nullptr) {
         RETURN_IF_ERROR(copy_rows(at(kLse), reinterpret_cast<const void* const*>(host.lse_seqs),
@@ -575,21 +595,22 @@ class CudaKvPagePool : public KvPagePool {
       const KvWrite& w = *r.write;
       const KvShape& shape = w.shape;
       const size_t elem = DTypeSize(shape.dtype);
-      const size_t row_bytes = shape.head_dim * elem;
-      unit = std::gcd(unit, static_cast<int>(row_bytes));
       for (int kv = 0; kv < 2; ++kv) {
-        const auto* src = static_cast<const unsigned char*>(kv == 0 ? w.k : w.v);
-        const int64_t page = r.run.page * page_bytes_ + (kv == 0 ? 0 : VOffset(shape, r.page_rows));
+        const KvSide side = SideOf(w, kv);
+        const size_t row_bytes = side.row_bytes;
+        unit = std::gcd(unit, static_cast<int>(row_bytes));
         for (int64_t h = 0; h < shape.heads_kv; ++h) {
           for (int64_t j = 0; j < r.run.count; ++j) {
-            std::memcpy(staged + at + j * row_bytes,
-                        src + (h * w.head_stride + (r.run.src_row + j) * w.row_stride) * elem,
-                        row_bytes);
+            std::memcpy(
+                staged + at + j * row_bytes,
+                side.src + (h * side.head_stride + (r.run.src_row + j) * side.row_stride) * elem,
+                row_bytes);
           }
-          table[n++] = {static_cast<int64_t>(at),
-                        page + KvRowOffset(shape, r.page_rows, h, r.run.page_row),
-                        static_cast<int64_t>(r.run.count * row_bytes)};
-          at += SegmentBytes(r);
+          table[n++] = {
+              static_cast<int64_t>(at),
+              r.run.page * page_bytes_ + PageOffset(shape, r.page_rows, kv, h, r.run.page_row),
+              static_cast<int64_t>(r.run.count * row_bytes)};
+          at += SegmentBytes(r, kv);
         }
       }
     }
@@ -682,7 +703,8 @@ absl::StatusOr<std::unique_ptr<KvPagePool>> MakeKvPagePool(int device, int64_t n
   const PagedPlanOptions plan_options = {
       .sm_count = caps.sm_count,
       .splits = options.splits,
-      .clusters = caps.compute_capability == kClusterCapability && options.clusters};
+      .clusters = caps.compute_capability == kClusterCapability && options.clusters,
+      .smem_per_block = caps.smem_per_block_optin};
   const size_t bytes = static_cast<size_t>(num_pages) * page_bytes;
   void* pages = nullptr;
   if (cudaError_t err = cudaMalloc(&pages, bytes); err != cudaSuccess) {
