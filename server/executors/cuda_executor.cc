@@ -132,8 +132,10 @@ absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal,
   device.multiprocessors = prop.multiProcessorCount;
   device.compute_capability = absl::StrCat(prop.major, ".", prop.minor);
   device.fast_head_dims = cuda::SpecialisedHeadDims();
-  // The paged decode kernels serve every open-model option of a Step (a page holds one head dim
-  // for K and V); the forward kernels serve none, so Attend refuses them by name.
+  // The forward kernels (Attend) and the paged decode kernels (a Step: a page holds one head dim
+  // for K and V) serve every open-model option but a V head dim of its own, which they refuse by
+  // name (cuda::RefuseUnservedOptions).
+  device.attend_options = {"sinks", "softcap", "chunk_size"};
   device.step_options = {"sinks", "softcap", "chunk_size"};
   ASSIGN_OR_RETURN(std::unique_ptr<cuda::HostRunner> runner,
                    cuda::HostRunner::Create(

@@ -1,5 +1,7 @@
 // The CUDA backend against the float64 reference: the standard grid in every dtype, larger
-// multi-tile cases, and the errors it returns. Every case runs once per forward kernel variant
+// multi-tile cases, the open-model options it serves (sinks, softcap, chunk_size: the kernels'
+// options instances) on small and multi-tile cases, and the errors it returns (a V head dim of
+// its own refused by name). Every case runs once per forward kernel variant
 // (kForwardVariants), forced, the variant named in the test name. Tests that need a GPU skip, with
 // a message, on machines without one, and a variant skips on a GPU it cannot run on; the error
 // checks run everywhere.
@@ -7,6 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -49,8 +52,8 @@ absl::StatusOr<cuda::HostRunner*> Runner(cuda::ForwardVariant variant) {
 // dim padded to a multiple of 8), else why not: FAILED_PRECONDITION when the device lacks what the
 // variant needs (compute capability, shared memory), INVALID_ARGUMENT for a dtype the variant does
 // not take (the unforced plan runs those on the next variant: wgmma_sm90 leaves float32 to
-// mma_sm80). float8 the variant does not read natively runs its bfloat16 kernel on dequantised
-// copies (HostRunner): that plan then.
+// mma_sm80). float8 the variant does not read natively (with options: never) runs its bfloat16
+// kernel on dequantised copies (HostRunner): that plan then.
 absl::StatusOr<cuda::ForwardPlan> DevicePlan(cuda::ForwardVariant variant, const AttentionCase& c,
                                              DType dtype) {
   const absl::StatusOr<cuda::DeviceCaps> caps = cuda::GetDeviceCaps(0);
@@ -60,6 +63,10 @@ absl::StatusOr<cuda::ForwardPlan> DevicePlan(cuda::ForwardVariant variant, const
   probe.head_dim = (c.head_dim + 7) / 8 * 8;
   static constexpr int32_t kVarlen[1] = {0};  // the plan only asks whether the call is varlen
   if (c.is_varlen()) probe.cu_seqlens_q = probe.cu_seqlens_k = kVarlen;
+  static constexpr float kSink[1] = {0.0f};  // the plan only asks whether there are sinks
+  probe.sinks = c.sinks ? kSink : nullptr;
+  probe.softcap = c.softcap;
+  probe.chunk_size = c.chunk_size;
   absl::StatusOr<cuda::ForwardPlan> plan = cuda::PlanFlashForward(probe, *caps, variant);
   if (dtype == DType::kFloat8E4M3 && absl::IsInvalidArgument(plan.status())) {
     probe.dtype = DType::kBFloat16;
@@ -185,6 +192,115 @@ INSTANTIATE_TEST_SUITE_P(Large, CudaAttentionTest,
                                           testing::ValuesIn(cuda::kForwardVariants)),
                          ParamName);
 
+// The open-model options the kernels serve, on the shared grid's small cases (every option alone
+// and together, ragged, Nq != Nk, GQA, causal, windows, varlen top-left with NaN in V outside
+// rows' chunks).
+INSTANTIATE_TEST_SUITE_P(OpenModelGrid, CudaAttentionTest,
+                         testing::Combine(testing::ValuesIn(OpenModelGridSameVHeadDim()),
+                                          testing::Values(DType::kFloat32, DType::kFloat16,
+                                                          DType::kBFloat16, DType::kFloat8E4M3),
+                                          testing::ValuesIn(cuda::kForwardVariants)),
+                         ParamName);
+
+// The options over many key and query tiles of each kernel's tiles: chunks of 1 key, one off
+// either side of a key tile (mma_sm80: 64 keys at D 64 and 128, 32 at 256; wgmma_sm90: 128, and 80
+// at 256) and of a query tile (wgmma_sm90 at D 64: 192 rows), primes, longer than Nk; with causal
+// and windowed masks in both alignments, GQA, Nq != Nk both ways (rows that see no key: o = 0,
+// lse = the sink), BSHD, varlen, negative scales and softcaps that bite (logits well past them).
+std::vector<AttentionCase> LargeOptionCases() {
+  struct Spec {
+    const char* name;
+    int64_t nq, nk, hq, hkv, d, window_left, window_right;
+    bool sinks;
+    float softcap;
+    int64_t chunk;
+  };
+  constexpr int64_t kNone = kUnboundedWindow;
+  const Spec specs[] = {
+      {"n1000_d64_causal_chunk1_sinks", 1000, 1000, 2, 1, 64, kNone, 0, true, 0, 1},
+      {"n1000_d64_causal_chunk63_sinks", 1000, 1000, 2, 2, 64, kNone, 0, true, 0, 63},
+      {"n1000_d64_chunk65_softcap", 1000, 1000, 2, 2, 64, kNone, kNone, false, 5, 65},
+      {"n1500_d64_causal_chunk191", 1500, 1500, 1, 1, 64, kNone, 0, false, 0, 191},
+      {"n1500_d64_chunk193_sinks_softcap", 1500, 1500, 2, 1, 64, kNone, kNone, true, 5, 193},
+      {"n1000_d128_causal_chunk127_softcap_sinks", 1000, 1000, 2, 2, 128, kNone, 0, true, 5, 127},
+      {"n1000_d128_chunk129", 1000, 1000, 2, 2, 128, kNone, kNone, false, 0, 129},
+      {"n1000_d128_softcap", 1000, 1000, 2, 1, 128, kNone, kNone, false, 2.5f, 0},
+      {"n1000_d128_causal_sinks", 1000, 1000, 4, 2, 128, kNone, 0, true, 0, 0},
+      {"n1000_d128_causal_chunk5000_sinks", 1000, 1000, 2, 2, 128, kNone, 0, true, 0, 5000},
+      {"nq300_nk1000_d128_chunk97_gqa", 300, 1000, 4, 2, 128, kNone, kNone, false, 0, 97},
+      {"nq1000_nk300_d64_causal_chunk131_sinks", 1000, 300, 2, 2, 64, kNone, 0, true, 0, 131},
+      {"n2000_d128_window_300_40_chunk256_all", 2000, 2000, 2, 2, 128, 300, 40, true, 5, 256},
+      {"n700_d256_causal_chunk79_softcap", 700, 700, 2, 2, 256, kNone, 0, false, 5, 79},
+      {"n700_d256_chunk81_sinks", 700, 700, 2, 1, 256, kNone, kNone, true, 0, 81},
+      {"n700_d256_causal_chunk31_all", 700, 700, 2, 2, 256, kNone, 0, true, 5, 31},
+      {"n777_d200_causal_chunk33_all", 777, 777, 2, 2, 200, kNone, 0, true, 5, 33},
+  };
+  std::vector<AttentionCase> cases;
+  for (const Spec& spec : specs) {
+    AttentionCase c;
+    c.name = spec.name;
+    c.heads_q = spec.hq;
+    c.heads_kv = spec.hkv;
+    c.seqlen_q = spec.nq;
+    c.seqlen_k = spec.nk;
+    c.head_dim = spec.d;
+    c.window_left = spec.window_left;
+    c.window_right = spec.window_right;
+    c.sinks = spec.sinks;
+    c.softcap = spec.softcap;
+    c.chunk_size = spec.chunk;
+    c.return_lse = true;
+    // Logits of a few units, so that softcaps of 2.5 and 5 bend them.
+    if (spec.softcap > 0) c.input_scale = 2.0f;
+    cases.push_back(c);
+  }
+  AttentionCase c = cases[2];
+  c.name = "nq1000_nk1500_d64_topleft_causal_chunk100_bshd_softcap";
+  c.seqlen_k = 1500;
+  c.window_right = 0;
+  c.mask_alignment = MaskAlignment::kTopLeft;
+  c.chunk_size = 100;
+  c.layout = Layout::kBSHD;
+  cases.push_back(c);
+  c = cases[5];
+  c.name = "n500_d128_causal_negative_scale_all";
+  c.seqlen_q = c.seqlen_k = 500;
+  c.softmax_scale = -0.3f;
+  cases.push_back(c);
+  // Non-finite K and V at keys outside some rows' chunks (no window: the chunks alone mask them).
+  c = cases[6];
+  c.name = "n1000_d128_chunk129_poison_v_inf";
+  c.poison_target = AttentionCase::PoisonTarget::kV;
+  c.poison = std::numeric_limits<float>::infinity();
+  c.poison_keys = {5, 300, 999};
+  cases.push_back(c);
+  c.name = "n1000_d128_chunk129_poison_k_nan";
+  c.poison_target = AttentionCase::PoisonTarget::kK;
+  c.poison = std::numeric_limits<float>::quiet_NaN();
+  cases.push_back(c);
+  c = AttentionCase();
+  c.name = "varlen_long_d64_causal_chunk200_all";
+  c.heads_q = 2;
+  c.heads_kv = 1;
+  c.varlen_q = {1500, 3, 700};
+  c.varlen_k = {1500, 900, 2100};
+  c.window_right = 0;
+  c.chunk_size = 200;
+  c.sinks = true;
+  c.softcap = 5.0f;
+  c.input_scale = 2.0f;
+  c.return_lse = true;
+  cases.push_back(c);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(LargeOptions, CudaAttentionTest,
+                         testing::Combine(testing::ValuesIn(LargeOptionCases()),
+                                          testing::Values(DType::kFloat32, DType::kFloat16,
+                                                          DType::kBFloat16),
+                                          testing::ValuesIn(cuda::kForwardVariants)),
+                         ParamName);
+
 // Forward's own checks, before any device work (so they run without a GPU): fake device pointers.
 AttentionParams FakeParams(DType dtype, int64_t head_dim) {
   AttentionParams p;
@@ -215,6 +331,41 @@ TEST(CudaAttentionErrorsTest, MisalignedPointerIsUnimplemented) {
   const absl::Status s = cuda::Forward(p, nullptr, {});
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
   EXPECT_NE(s.message().find("aligned"), std::string::npos) << s;
+}
+
+TEST(CudaAttentionErrorsTest, OwnVHeadDimIsRefusedByName) {
+  AttentionParams p = FakeParams(DType::kBFloat16, 64);
+  p.v_head_dim = 32;
+  p.softcap = 5.0f;  // served: not named
+  const absl::Status s = cuda::Forward(p, nullptr, {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_NE(s.message().find("v_head_dim"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("cuda"), std::string::npos) << s;
+  EXPECT_EQ(s.message().find("softcap"), std::string::npos) << s;
+}
+
+// The served options reach the kernels' params: the softcap in the log2 domain (the softmax then
+// at scale 1), chunks (the longest as 2^31 - 1), sinks left to LaunchForward.
+TEST(CudaAttentionErrorsTest, ServedOptionsBecomeKernelParams) {
+  AttentionParams p = FakeParams(DType::kFloat16, 64);
+  const float sinks[1] = {0.5f};
+  p.sinks = sinks;
+  p.softcap = 4.0f;
+  p.softmax_scale = -0.5f;
+  p.chunk_size = int64_t{1} << 40;
+  const absl::StatusOr<cuda::KernelParams> k = cuda::ToKernelParams(p);
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_FLOAT_EQ(k->softcap_log2, 4.0f * cuda::kLog2e);
+  EXPECT_FLOAT_EQ(k->softcap_scale, 0.5f / 4.0f);
+  EXPECT_EQ(k->scale_log2, 1.0f);
+  EXPECT_TRUE(k->negate_q);
+  EXPECT_EQ(k->chunk_size, 2147483647);
+  EXPECT_EQ(k->sinks, nullptr);
+  p.chunk_size = 0;
+  p.softcap = 0.0f;
+  const absl::StatusOr<cuda::KernelParams> plain = cuda::ToKernelParams(p);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_FALSE(cuda::HasOptions(*plain));  // sinks join at launch (LaunchForward)
 }
 
 TEST(CudaAttentionErrorsTest, BadParamsAreInvalidArgument) {

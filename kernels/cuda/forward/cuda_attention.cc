@@ -3,6 +3,8 @@
 // variant (PlanFlashForward) and launches it for the dtype.
 #include "kernels/cuda/forward/cuda_attention.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -13,8 +15,6 @@
 
 namespace attention::cuda {
 namespace {
-
-constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on gridDim.y and gridDim.z
 
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
@@ -61,9 +61,17 @@ cudaError_t LaunchVariant(const ForwardPlan& plan, const KernelParams& k, cudaSt
 
 }  // namespace
 
+absl::Status RefuseUnservedOptions(const AttentionParams& p) {
+  AttentionParams unserved = p;
+  unserved.sinks = nullptr;
+  unserved.softcap = 0.0f;
+  unserved.chunk_size = 0;
+  return RefuseOpenModelOptions(unserved, "cuda");
+}
+
 absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   RETURN_IF_ERROR(CheckParams(p));
-  RETURN_IF_ERROR(RefuseOpenModelOptions(p, "cuda"));
+  RETURN_IF_ERROR(RefuseUnservedOptions(p));
   if (p.head_dim % 8 != 0 || p.head_dim > kMaxHeadDim) {
     return absl::UnimplementedError(
         absl::StrCat("head_dim ", p.head_dim,
@@ -73,9 +81,9 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   }
   constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
   if (p.seqlen_q > kMaxInt || p.seqlen_k > kMaxInt || p.total_q > kMaxInt || p.total_k > kMaxInt ||
-      p.heads_q > kMaxGridYZ || p.batch > kMaxGridYZ) {
+      p.heads_q > kMaxForwardHeads || p.batch > kMaxForwardHeads) {
     return absl::UnimplementedError(absl::StrCat(
-        "the cuda backend takes at most ", kMaxGridYZ,
+        "the cuda backend takes at most ", kMaxForwardHeads,
         " heads and batch items and 2^31-1 rows; "
         "got batch=",
         p.batch, " heads_q=", p.heads_q, " seqlen_q=", p.seqlen_q, " seqlen_k=", p.seqlen_k));
@@ -133,6 +141,16 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   k.window_right = ClampWindow(p.window_right, k.mask_top_left ? p.seqlen_k : p.seqlen_q);
   k.cu_seqlens_q = p.cu_seqlens_q;
   k.cu_seqlens_k = p.cu_seqlens_k;
+  // Options (kernel_params.h). The capped logits are in the log2 domain already: the softmax
+  // takes them at scale 1. sinks stay null here: LaunchForward copies them to the device.
+  if (p.softcap > 0.0f) {
+    k.softcap_log2 = p.softcap * kLog2e;
+    k.softcap_scale = std::fabs(EffectiveSoftmaxScale(p)) / p.softcap;  // q.k to s / softcap
+    k.scale_log2 = 1.0f;
+  }
+  // Keys and diagonal keys lie in (-2^31 + 1, 2^31 - 1) (lengths fit int32), where any chunk of
+  // 2^31 - 1 keys or more has its one boundary at key 0: such chunks run as 2^31 - 1.
+  k.chunk_size = static_cast<int>(std::min<int64_t>(p.chunk_size, kMaxInt));
   return k;
 }
 
@@ -141,26 +159,34 @@ absl::StatusOr<ForwardLaunch> PrepareForward(const AttentionParams& p,
   ASSIGN_OR_RETURN(const KernelParams k, ToKernelParams(p));
   ASSIGN_OR_RETURN(const DeviceCaps caps, CurrentDeviceCaps());
   ASSIGN_OR_RETURN(const ForwardPlan plan, PlanFlashForward(p, caps, variant));
-  return ForwardLaunch{k, plan};
+  return ForwardLaunch{k, plan, p.sinks};
 }
 
 absl::StatusOr<ForwardScratch> AllocateForwardScratch() {
   ForwardScratch scratch;
   constexpr size_t kBytes = 2 * sizeof(int32_t);
-  RETURN_IF_ERROR(CudaStatus(cudaMalloc(reinterpret_cast<void**>(&scratch.tile_counters), kBytes),
-                             "allocate the forward kernel's tile counters"));
-  if (const absl::Status zeroed =
-          CudaStatus(cudaMemset(scratch.tile_counters, 0, kBytes), "zero the tile counters");
-      !zeroed.ok()) {
+  absl::Status status =
+      CudaStatus(cudaMalloc(reinterpret_cast<void**>(&scratch.tile_counters), kBytes),
+                 "allocate the forward kernel's tile counters");
+  if (status.ok()) {
+    status = CudaStatus(cudaMemset(scratch.tile_counters, 0, kBytes), "zero the tile counters");
+  }
+  if (status.ok()) {
+    status = CudaStatus(
+        cudaMalloc(reinterpret_cast<void**>(&scratch.sinks), kMaxForwardHeads * sizeof(float)),
+        "allocate the forward kernel's sinks");
+  }
+  if (!status.ok()) {
     FreeForwardScratch(scratch);
-    return zeroed;
+    return status;
   }
   return scratch;
 }
 
 void FreeForwardScratch(ForwardScratch& scratch) {
   if (scratch.tile_counters != nullptr) cudaFree(scratch.tile_counters);
-  scratch.tile_counters = nullptr;
+  if (scratch.sinks != nullptr) cudaFree(scratch.sinks);
+  scratch = ForwardScratch{};
 }
 
 absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream,
@@ -171,6 +197,18 @@ absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream,
   if (launch.plan.variant == ForwardVariant::kWgmmaSm90 && params.tile_counters == nullptr) {
     return absl::InternalError(
         "forward kernel wgmma_sm90 launched without a ForwardScratch (tile counters)");
+  }
+  if (launch.sinks != nullptr) {
+    if (scratch.sinks == nullptr) {
+      return absl::InternalError("forward kernel launched with sinks without a ForwardScratch");
+    }
+    // Pageable or pinned host memory: the copy has read it when the call returns, and runs
+    // before the kernel in stream order (after any earlier launch that read the array).
+    RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(scratch.sinks, launch.sinks, params.heads_q * sizeof(float),
+                                   cudaMemcpyHostToDevice, stream),
+                   "copy the sinks to the device"));
+    params.sinks = scratch.sinks;
   }
   if (launch.plan.workspace_bytes > 0 && workspace == nullptr) {
     return absl::InternalError(absl::StrCat("forward kernel ",

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #include "kernels/cuda/ops/kernel_params.h"
 
@@ -49,6 +50,40 @@ __device__ __forceinline__ KeyRange VisibleKeys(const Params& p, int nq, int nk,
   return {lo, hi};
 }
 
+// The keys [lo, hi) that rows [row_first, row_last] may see (VisibleKeys), cut to the chunks with a
+// chunk size (p.chunk_size > 0): a row also sees only the keys in the chunk of its diagonal key
+// (floor division: the diagonal is negative when Nq > Nk), lo from the first row's chunk and hi
+// from the last's, both nondecreasing in the row (kernels/attention_params.h's VisibleKeys on the
+// host). Called with the rows swapped it gives the keys every row of the block sees (lo > hi:
+// none). Params: kernel params with window_left, window_right and chunk_size.
+template <typename Params>
+__device__ __forceinline__ KeyRange ChunkedVisibleKeys(const Params& p, int nq, int nk,
+                                                       int row_first, int row_last) {
+  KeyRange keys = VisibleKeys(p, nq, nk, row_first, row_last);
+  if (p.chunk_size > 0) {
+    const int diag = MaskDiagonal(p, nq, nk), chunk = p.chunk_size;
+    auto chunk_start = [chunk](int key) {
+      return (key / chunk - (key % chunk < 0 ? 1 : 0)) * chunk;  // in (-2^31, 2^30]
+    };
+    keys.lo = max(keys.lo, chunk_start(row_first + diag));
+    keys.hi = static_cast<int>(
+        min(static_cast<int64_t>(keys.hi), int64_t{chunk_start(row_last + diag)} + chunk));
+  }
+  return keys;
+}
+
+// The forward kernels' keys of rows [row_first, row_last]: with kOptions (the options instances)
+// cut to the chunks, else VisibleKeys (the plain instances read no chunk size).
+template <bool kOptions>
+__device__ __forceinline__ KeyRange ForwardVisibleKeys(const KernelParams& p, int nq, int nk,
+                                                       int row_first, int row_last) {
+  if constexpr (kOptions) {
+    return ChunkedVisibleKeys(p, nq, nk, row_first, row_last);
+  } else {
+    return VisibleKeys(p, nq, nk, row_first, row_last);
+  }
+}
+
 // Whether key tile [n0, n0 + tile) needs per-element masks for rows [row_first, row_last]: it
 // runs past the keys, or crosses the window edge of the first or the last row.
 __device__ __forceinline__ bool TileNeedsMask(const KernelParams& p, const ItemExtent& e,
@@ -57,6 +92,21 @@ __device__ __forceinline__ bool TileNeedsMask(const KernelParams& p, const ItemE
   return n0 + tile > e.nk ||
          (p.window_right >= 0 && n0 + tile - 1 > row_first + diag + p.window_right) ||
          (p.window_left >= 0 && n0 < row_last + diag - p.window_left);
+}
+
+// TileNeedsMask of the forward kernels: with kOptions, whether the tile holds a key that some row
+// of [row_first, row_last] does not see (outside the keys every row sees: ChunkedVisibleKeys with
+// the rows swapped, which also cuts at the item's last key); else TileNeedsMask.
+template <bool kOptions>
+__device__ __forceinline__ bool ForwardTileNeedsMask(const KernelParams& p, const ItemExtent& e,
+                                                     int row_first, int row_last, int n0,
+                                                     int tile) {
+  if constexpr (kOptions) {
+    const KeyRange all_rows = ChunkedVisibleKeys(p, e.nq, e.nk, row_last, row_first);
+    return n0 < all_rows.lo || n0 + tile > all_rows.hi;
+  } else {
+    return TileNeedsMask(p, e, row_first, row_last, n0, tile);
+  }
 }
 
 // Sets the logits of one row (s[.][2 half + i]) outside its visible keys `vis` to -inf; s starts

@@ -10,6 +10,8 @@
 
 #include <cmath>
 
+#include "kernels/cuda/ops/kernel_params.h"
+
 namespace attention::cuda {
 
 // 2^x on the special-function unit; 2^-inf = +0, which masked logits rely on.
@@ -82,6 +84,44 @@ __device__ __forceinline__ float OnlineSoftmaxKey(float s, float& row_max, float
   row_sum = row_sum * rescale + p;
   row_max = new_max;
   return p;
+}
+
+// A finished row's log2-sum-exp from its running max (raw logits) and sum l of exp2(scale_log2 (s
+// - max) + log2_gain): -inf for a row that saw no key (l = 0).
+__device__ __forceinline__ float RowLse2(float row_max, float l, float scale_log2,
+                                         int log2_gain = 0) {
+  return l > 0.f ? row_max * scale_log2 + log2f(l) - log2_gain : -INFINITY;
+}
+
+// The sink logit `sink` (natural log) of a finished row's query head joins its softmax
+// denominator: the row's log2-sum-exp lse2 (-inf: it saw no key) becomes log2(2^lse2 + 2^(sink
+// log2 e)), and its normalised o scales by the returned 2^(old lse2 - new lse2): 0 for a row that
+// saw no key, whose o is then 0 and lse the sink (as kernels/reference has it).
+__device__ __forceinline__ float AddSink(float sink, float& lse2) {
+  const float sink2 = sink * kLog2e;
+  const float mx = fmaxf(lse2, sink2);
+  if (mx == -INFINITY) return 1.f;
+  const float total = mx + log2f(exp2f(lse2 - mx) + exp2f(sink2 - mx));
+  const float o_scale = exp2f(lse2 - total);
+  lse2 = total;
+  return o_scale;
+}
+
+// A logit of the raw q.k products (negated q for a negative scale) capped, in the log2 domain:
+// softcap tanh(scale q.k / softcap) log2(e), which the softmax then takes at scale 1. Params:
+// kernel params with softcap_log2 and softcap_scale.
+template <typename Params>
+__device__ __forceinline__ float Softcap(const Params& p, float s) {
+  return p.softcap_log2 * tanhf(s * p.softcap_scale);
+}
+
+// Softcap on every logit of an S block (float s[kNTiles][4], the mma accumulator layout).
+template <typename Params, int kNTiles>
+__device__ __forceinline__ void SoftcapTile(const Params& p, float (&s)[kNTiles][4]) {
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[nt][i] = Softcap(p, s[nt][i]);
 }
 
 }  // namespace attention::cuda

@@ -244,7 +244,7 @@ absl::StatusOr<HostRunTimes> HostRunner::RunBatch(absl::Span<const AttentionPara
   if (items.empty()) return absl::InvalidArgumentError("RunBatch: no items");
   for (const AttentionParams& item : items) {
     RETURN_IF_ERROR(CheckParams(item));
-    RETURN_IF_ERROR(RefuseOpenModelOptions(item, "cuda"));
+    RETURN_IF_ERROR(RefuseUnservedOptions(item));
     if (!CanShareLaunch(items[0], item)) {
       return absl::InvalidArgumentError("RunBatch: items cannot share a launch");
     }

@@ -18,7 +18,8 @@ bool Packable(const AttentionParams& p) { return p.is_varlen() || IsBshd(p); }
 // Whether the mask hides some keys from some rows (a causal or window mask). Without one, the only
 // keys a row cannot see are those past Nk, which the kernel zero-fills.
 bool Masked(const AttentionParams& p) {
-  return p.window_left != kUnboundedWindow || p.window_right != kUnboundedWindow;
+  return p.window_left != kUnboundedWindow || p.window_right != kUnboundedWindow ||
+         p.chunk_size > 0;
 }
 
 bool CopiesDirectly(Home home) { return home != Home::kPageable; }
