@@ -83,6 +83,10 @@ TEST(PlanVScanTest, UnmaskedScansNothingMaskedScansWhereVIs) {
   p.window_left = 8;  // a window on one side masks too
   EXPECT_EQ(PlanVScan(std::vector<AttentionParams>{p}, std::vector<TensorHomes>{homes[0]}),
             std::vector<VScan>{VScan::kHost});
+  p.window_left = kUnboundedWindow;
+  p.chunk_size = 5;  // and so do chunks
+  EXPECT_EQ(PlanVScan(std::vector<AttentionParams>{p}, std::vector<TensorHomes>{homes[1]}),
+            std::vector<VScan>{VScan::kDevice});
 }
 
 TEST(PlanLaunchTest, EqualDenseItemsAreConcatenatedAlongB) {
