@@ -208,90 +208,207 @@ INSTANTIATE_TEST_SUITE_P(OpenModelGrid, CudaAttentionTest,
 // and windowed masks in both alignments, GQA, Nq != Nk both ways (rows that see no key: o = 0,
 // lse = the sink), BSHD, varlen, negative scales and softcaps that bite (logits well past them).
 std::vector<AttentionCase> LargeOptionCases() {
-  struct Spec {
-    const char* name;
-    int64_t nq, nk, hq, hkv, d, window_left, window_right;
-    bool sinks;
-    float softcap;
-    int64_t chunk;
-  };
-  constexpr int64_t kNone = kUnboundedWindow;
-  const Spec specs[] = {
-      {"n1000_d64_causal_chunk1_sinks", 1000, 1000, 2, 1, 64, kNone, 0, true, 0, 1},
-      {"n1000_d64_causal_chunk63_sinks", 1000, 1000, 2, 2, 64, kNone, 0, true, 0, 63},
-      {"n1000_d64_chunk65_softcap", 1000, 1000, 2, 2, 64, kNone, kNone, false, 5, 65},
-      {"n1500_d64_causal_chunk191", 1500, 1500, 1, 1, 64, kNone, 0, false, 0, 191},
-      {"n1500_d64_chunk193_sinks_softcap", 1500, 1500, 2, 1, 64, kNone, kNone, true, 5, 193},
-      {"n1000_d128_causal_chunk127_softcap_sinks", 1000, 1000, 2, 2, 128, kNone, 0, true, 5, 127},
-      {"n1000_d128_chunk129", 1000, 1000, 2, 2, 128, kNone, kNone, false, 0, 129},
-      {"n1000_d128_softcap", 1000, 1000, 2, 1, 128, kNone, kNone, false, 2.5f, 0},
-      {"n1000_d128_causal_sinks", 1000, 1000, 4, 2, 128, kNone, 0, true, 0, 0},
-      {"n1000_d128_causal_chunk5000_sinks", 1000, 1000, 2, 2, 128, kNone, 0, true, 0, 5000},
-      {"nq300_nk1000_d128_chunk97_gqa", 300, 1000, 4, 2, 128, kNone, kNone, false, 0, 97},
-      {"nq1000_nk300_d64_causal_chunk131_sinks", 1000, 300, 2, 2, 64, kNone, 0, true, 0, 131},
-      {"n2000_d128_window_300_40_chunk256_all", 2000, 2000, 2, 2, 128, 300, 40, true, 5, 256},
-      {"n700_d256_causal_chunk79_softcap", 700, 700, 2, 2, 256, kNone, 0, false, 5, 79},
-      {"n700_d256_chunk81_sinks", 700, 700, 2, 1, 256, kNone, kNone, true, 0, 81},
-      {"n700_d256_causal_chunk31_all", 700, 700, 2, 2, 256, kNone, 0, true, 5, 31},
-      {"n777_d200_causal_chunk33_all", 777, 777, 2, 2, 200, kNone, 0, true, 5, 33},
-  };
-  std::vector<AttentionCase> cases;
-  for (const Spec& spec : specs) {
-    AttentionCase c;
-    c.name = spec.name;
-    c.heads_q = spec.hq;
-    c.heads_kv = spec.hkv;
-    c.seqlen_q = spec.nq;
-    c.seqlen_k = spec.nk;
-    c.head_dim = spec.d;
-    c.window_left = spec.window_left;
-    c.window_right = spec.window_right;
-    c.sinks = spec.sinks;
-    c.softcap = spec.softcap;
-    c.chunk_size = spec.chunk;
+  constexpr auto kV = AttentionCase::PoisonTarget::kV;
+  constexpr auto kK = AttentionCase::PoisonTarget::kK;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+  // Every case returns its LSE; one with a softcap gets logits of a few units (inputs times 2),
+  // so that softcaps of 2.5 and 5 bend them.
+  auto with_lse = [](AttentionCase c) {
     c.return_lse = true;
-    // Logits of a few units, so that softcaps of 2.5 and 5 bend them.
-    if (spec.softcap > 0) c.input_scale = 2.0f;
-    cases.push_back(c);
-  }
-  AttentionCase c = cases[2];
-  c.name = "nq1000_nk1500_d64_topleft_causal_chunk100_bshd_softcap";
-  c.seqlen_k = 1500;
-  c.window_right = 0;
-  c.mask_alignment = MaskAlignment::kTopLeft;
-  c.chunk_size = 100;
-  c.layout = Layout::kBSHD;
-  cases.push_back(c);
-  c = cases[5];
-  c.name = "n500_d128_causal_negative_scale_all";
-  c.seqlen_q = c.seqlen_k = 500;
-  c.softmax_scale = -0.3f;
-  cases.push_back(c);
-  // Non-finite K and V at keys outside some rows' chunks (no window: the chunks alone mask them).
-  c = cases[6];
-  c.name = "n1000_d128_chunk129_poison_v_inf";
-  c.poison_target = AttentionCase::PoisonTarget::kV;
-  c.poison = std::numeric_limits<float>::infinity();
-  c.poison_keys = {5, 300, 999};
-  cases.push_back(c);
-  c.name = "n1000_d128_chunk129_poison_k_nan";
-  c.poison_target = AttentionCase::PoisonTarget::kK;
-  c.poison = std::numeric_limits<float>::quiet_NaN();
-  cases.push_back(c);
-  c = AttentionCase();
-  c.name = "varlen_long_d64_causal_chunk200_all";
-  c.heads_q = 2;
-  c.heads_kv = 1;
-  c.varlen_q = {1500, 3, 700};
-  c.varlen_k = {1500, 900, 2100};
-  c.window_right = 0;
-  c.chunk_size = 200;
-  c.sinks = true;
-  c.softcap = 5.0f;
-  c.input_scale = 2.0f;
-  c.return_lse = true;
-  cases.push_back(c);
-  return cases;
+    if (c.softcap > 0) c.input_scale = 2.0f;
+    return c;
+  };
+  const AttentionCase cases[] = {
+      {.name = "n1000_d64_causal_chunk1_sinks",
+       .heads_q = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .window_right = 0,
+       .sinks = true,
+       .chunk_size = 1},
+      {.name = "n1000_d64_causal_chunk63_sinks",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .window_right = 0,
+       .sinks = true,
+       .chunk_size = 63},
+      {.name = "n1000_d64_chunk65_softcap",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .softcap = 5,
+       .chunk_size = 65},
+      {.name = "n1500_d64_causal_chunk191",
+       .seqlen_q = 1500,
+       .seqlen_k = 1500,
+       .window_right = 0,
+       .chunk_size = 191},
+      {.name = "n1500_d64_chunk193_sinks_softcap",
+       .heads_q = 2,
+       .seqlen_q = 1500,
+       .seqlen_k = 1500,
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 193},
+      {.name = "nq1000_nk1500_d64_topleft_causal_chunk100_bshd_softcap",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1500,
+       .layout = Layout::kBSHD,
+       .window_right = 0,
+       .mask_alignment = MaskAlignment::kTopLeft,
+       .softcap = 5,
+       .chunk_size = 100},
+      {.name = "nq1000_nk300_d64_causal_chunk131_sinks",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 300,
+       .window_right = 0,
+       .sinks = true,
+       .chunk_size = 131},
+      {.name = "n1000_d128_causal_chunk127_softcap_sinks",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .window_right = 0,
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 127},
+      {.name = "n500_d128_causal_negative_scale_all",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 500,
+       .seqlen_k = 500,
+       .head_dim = 128,
+       .window_right = 0,
+       .softmax_scale = -0.3f,
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 127},
+      {.name = "n1000_d128_chunk129",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .chunk_size = 129},
+      {.name = "n1000_d128_softcap",
+       .heads_q = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .softcap = 2.5f},
+      {.name = "n1000_d128_causal_sinks",
+       .heads_q = 4,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .window_right = 0,
+       .sinks = true},
+      {.name = "n1000_d128_causal_chunk5000_sinks",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .window_right = 0,
+       .sinks = true,
+       .chunk_size = 5000},
+      {.name = "nq300_nk1000_d128_chunk97_gqa",
+       .heads_q = 4,
+       .heads_kv = 2,
+       .seqlen_q = 300,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .chunk_size = 97},
+      {.name = "n2000_d128_window_300_40_chunk256_all",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 2000,
+       .seqlen_k = 2000,
+       .head_dim = 128,
+       .window_left = 300,
+       .window_right = 40,
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 256},
+      // Non-finite V and K at keys outside some rows' chunks (no window: the chunks alone mask
+      // them).
+      {.name = "n1000_d128_chunk129_poison_v_inf",
+       .heads_q = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .chunk_size = 129,
+       .poison_target = kV,
+       .poison = kInf,
+       .poison_keys = {5, 300, 999}},
+      {.name = "n1000_d128_chunk129_poison_k_nan",
+       .heads_q = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .chunk_size = 129,
+       .poison_target = kK,
+       .poison = kNan,
+       .poison_keys = {5, 300, 999}},
+      {.name = "n700_d256_causal_chunk79_softcap",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 700,
+       .seqlen_k = 700,
+       .head_dim = 256,
+       .window_right = 0,
+       .softcap = 5,
+       .chunk_size = 79},
+      {.name = "n700_d256_chunk81_sinks",
+       .heads_q = 2,
+       .seqlen_q = 700,
+       .seqlen_k = 700,
+       .head_dim = 256,
+       .sinks = true,
+       .chunk_size = 81},
+      {.name = "n700_d256_causal_chunk31_all",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 700,
+       .seqlen_k = 700,
+       .head_dim = 256,
+       .window_right = 0,
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 31},
+      {.name = "n777_d200_causal_chunk33_all",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 777,
+       .seqlen_k = 777,
+       .head_dim = 200,
+       .window_right = 0,
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 33},
+      {.name = "varlen_long_d64_causal_chunk200_all",
+       .heads_q = 2,
+       .window_right = 0,
+       .varlen_q = {1500, 3, 700},
+       .varlen_k = {1500, 900, 2100},
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 200},
+  };
+  std::vector<AttentionCase> out;
+  for (const AttentionCase& c : cases) out.push_back(with_lse(c));
+  return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(LargeOptions, CudaAttentionTest,
