@@ -27,9 +27,9 @@
 //
 // Open-model options, as the CPU kernel and the float64 reference have them: a chunk size narrows
 // each row's keys before any is read (ChunkedVisibleKeys: the CTA's key range, the element masks);
-// a softcap rewrites every logit before the mask (Softcap: tanhf, in the log2 domain, the softmax
-// then at scale 1), in the tensor-core kernel's kSoftcap instance (the plain one has none of it)
-// and by a branch in the SIMT kernel; sinks join a row's denominator once its (max, sum) are
+// a softcap rewrites every logit before the mask (Softcap: FastTanh, in the log2 domain, the
+// softmax then at scale 1), in the tensor-core kernel's kSoftcap instance (the plain one has none
+// of it) and by a branch in the SIMT kernel; sinks join a row's denominator once its (max, sum) are
 // final (AddSink: with one split in the epilogue, with several where the splits merge, so the
 // partials stay sink-free), changing o by one factor and lse, never the key loop.
 //

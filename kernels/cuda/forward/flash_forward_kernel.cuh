@@ -26,6 +26,11 @@
 // different 16-byte bank groups (no bank conflicts, no padding).
 // Head dims below kD are served by the same kernel: columns >= head_dim are zero-filled on load
 // (adding nothing to Q K^T) and not stored.
+// Open-model options (FlashTile::kOptions, one instance per tile beside the plain one, which has
+// none of this code): chunks cut each row's keys as windows do (ChunkedVisibleKeys: the CTA's key
+// range, the tiles that need element masks, the masks), the softcap rewrites S before the mask
+// (Softcap, in the log2 domain: the softmax then runs at scale 1), and the head's sink joins l in
+// the epilogue (AddSink: one factor on o, and the LSE).
 //
 // Current speed (v5, 2026-11-30; H200, bfloat16/float16 TFLOP/s on the FlashAttention grid of
 // bench/README.md, against torch SDPA's FlashAttention-2 in the same run): D=64 causal 174-321

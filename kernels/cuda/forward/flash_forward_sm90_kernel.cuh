@@ -46,6 +46,11 @@
 // next one are masked and their V is finite: HostRunner sends requests with a non-finite V to the
 // exact CPU path), windows and both mask alignments, LSE, head dims that are multiples of 8 up to
 // 256 (columns past head_dim read as zeros and are not stored).
+// Open-model options (Sm90Tile::kOptions: the 16-bit tiles once more, the plain ones having none
+// of this code; float8 calls with options are dequantised to bfloat16 first): chunks cut the keys
+// of the work tile, of each warpgroup and of each row as windows do (ChunkedVisibleKeys), the
+// softcap rewrites S before the mask (Softcap: the softmax then at scale 1), and the head's sink
+// joins l in the epilogue (AddSink).
 // Falls back to mma_sm80 (the plan's rule, forward_plan.cc): float32, and devices other than
 // compute capability 9.0. float8 e4m3 at head dim 64, at head dims whose padding to 8 is not a
 // multiple of 16, and varlen float8 calls run here (or on mma_sm80) after HostRunner's
