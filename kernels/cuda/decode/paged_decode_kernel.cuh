@@ -504,7 +504,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
     row_keys[half] = ChunkedVisibleKeys(p, nq, nk, query, query);
   }
   // Tiles needing no element mask: inside every row's window (and chunk) and below nk.
-  const KeyRange all_rows = ChunkedVisibleKeys(p, nq, nk, last_query, first_query);
+  const KeyRange all_rows = ChunkedKeysOfEveryRow(p, nq, nk, first_query, last_query);
 
   float acc_o[kDTiles][4];
 #pragma unroll

@@ -50,24 +50,56 @@ __device__ __forceinline__ KeyRange VisibleKeys(const Params& p, int nq, int nk,
   return {lo, hi};
 }
 
-// The keys [lo, hi) that rows [row_first, row_last] may see (VisibleKeys), cut to the chunks with a
-// chunk size (p.chunk_size > 0): a row also sees only the keys in the chunk of its diagonal key
-// (floor division: the diagonal is negative when Nq > Nk), lo from the first row's chunk and hi
-// from the last's, both nondecreasing in the row (kernels/attention_params.h's VisibleKeys on the
-// host). Called with the rows swapped it gives the keys every row of the block sees (lo > hi:
-// none). Params: kernel params with window_left, window_right and chunk_size.
+// Chunked attention's pieces, in int32 (the Hopper kernel's producer computes its work tiles'
+// keys on 24 registers, which int64 bounds and a second signed division spilled past): the first
+// key of `key`'s chunk (floor division: diagonal keys are negative when Nq > Nk), and min(hi, end +
+// chunk) for a chunk starting at `end` (end + chunk overflows only where it exceeds hi).
+__device__ __forceinline__ int ChunkStart(int key, int chunk) {
+  return (key / chunk - (key % chunk < 0 ? 1 : 0)) * chunk;  // in (-2^31, 2^31)
+}
+__device__ __forceinline__ int MinChunkEnd(int hi, int end, int chunk) {
+  return hi >= end && static_cast<unsigned>(hi) - static_cast<unsigned>(end) >
+                          static_cast<unsigned>(chunk)
+             ? end + chunk
+             : hi;
+}
+
+// The keys [lo, hi) that rows row_first <= row_last of an item may see (VisibleKeys), cut to the
+// chunks with a chunk size (p.chunk_size > 0): a row also sees only the keys in the chunk of its
+// diagonal key, lo from the first row's chunk and hi from the last's, both nondecreasing in the
+// row (kernels/attention_params.h's VisibleKeys on the host). The last row's chunk is the first's
+// moved on by whole chunks (an unsigned division). Params: kernel params with window_left,
+// window_right and chunk_size.
 template <typename Params>
 __device__ __forceinline__ KeyRange ChunkedVisibleKeys(const Params& p, int nq, int nk,
                                                        int row_first, int row_last) {
   KeyRange keys = VisibleKeys(p, nq, nk, row_first, row_last);
   if (p.chunk_size > 0) {
     const int diag = MaskDiagonal(p, nq, nk), chunk = p.chunk_size;
-    auto chunk_start = [chunk](int key) {
-      return (key / chunk - (key % chunk < 0 ? 1 : 0)) * chunk;  // in (-2^31, 2^30]
-    };
-    keys.lo = max(keys.lo, chunk_start(row_first + diag));
-    keys.hi = static_cast<int>(
-        min(static_cast<int64_t>(keys.hi), int64_t{chunk_start(row_last + diag)} + chunk));
+    const int start = ChunkStart(row_first + diag, chunk);
+    keys.lo = max(keys.lo, start);
+    const unsigned span = static_cast<unsigned>(row_last - row_first) +
+                          static_cast<unsigned>(row_first + diag - start);
+    const int end = static_cast<int>(static_cast<unsigned>(start) +
+                                     span / static_cast<unsigned>(chunk) * chunk);
+    keys.hi = MinChunkEnd(keys.hi, end, chunk);
+  }
+  return keys;
+}
+
+// The keys [lo, hi) that every row of row_first <= row_last sees (lo >= hi: none): the window's
+// (VisibleKeys with the rows swapped) cut to the rows' chunk when they share one, else none.
+template <typename Params>
+__device__ __forceinline__ KeyRange ChunkedKeysOfEveryRow(const Params& p, int nq, int nk,
+                                                          int row_first, int row_last) {
+  KeyRange keys = VisibleKeys(p, nq, nk, row_last, row_first);
+  if (p.chunk_size > 0) {
+    const int diag = MaskDiagonal(p, nq, nk), chunk = p.chunk_size;
+    const int start = ChunkStart(row_first + diag, chunk);
+    keys.lo = max(keys.lo, start);
+    const bool one_chunk = static_cast<unsigned>(row_last + diag) - static_cast<unsigned>(start) <
+                           static_cast<unsigned>(chunk);
+    keys.hi = one_chunk ? MinChunkEnd(keys.hi, start, chunk) : min(keys.hi, keys.lo);
   }
   return keys;
 }
@@ -95,14 +127,14 @@ __device__ __forceinline__ bool TileNeedsMask(const KernelParams& p, const ItemE
 }
 
 // TileNeedsMask of the forward kernels: with kOptions, whether the tile holds a key that some row
-// of [row_first, row_last] does not see (outside the keys every row sees: ChunkedVisibleKeys with
-// the rows swapped, which also cuts at the item's last key); else TileNeedsMask.
+// of [row_first, row_last] does not see (outside ChunkedKeysOfEveryRow, which also cuts at the
+// item's last key); else TileNeedsMask.
 template <bool kOptions>
 __device__ __forceinline__ bool ForwardTileNeedsMask(const KernelParams& p, const ItemExtent& e,
                                                      int row_first, int row_last, int n0,
                                                      int tile) {
   if constexpr (kOptions) {
-    const KeyRange all_rows = ChunkedVisibleKeys(p, e.nq, e.nk, row_last, row_first);
+    const KeyRange all_rows = ChunkedKeysOfEveryRow(p, e.nq, e.nk, row_first, row_last);
     return n0 < all_rows.lo || n0 + tile > all_rows.hi;
   } else {
     return TileNeedsMask(p, e, row_first, row_last, n0, tile);
