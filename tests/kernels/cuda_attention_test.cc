@@ -462,7 +462,8 @@ TEST(CudaAttentionErrorsTest, OwnVHeadDimIsRefusedByName) {
 }
 
 // The served options reach the kernels' params: the softcap in the log2 domain (the softmax then
-// at scale 1), chunks (the longest as 2^31 - 1), sinks left to LaunchForward.
+// at scale 1), chunks (the longest as 2^30), sinks left to LaunchForward; chunks on sequences of
+// 2^30 rows or more are refused by name.
 TEST(CudaAttentionErrorsTest, ServedOptionsBecomeKernelParams) {
   AttentionParams p = FakeParams(DType::kFloat16, 64);
   const float sinks[1] = {0.5f};
@@ -476,13 +477,18 @@ TEST(CudaAttentionErrorsTest, ServedOptionsBecomeKernelParams) {
   EXPECT_FLOAT_EQ(k->softcap_scale, 0.5f / 4.0f);
   EXPECT_EQ(k->scale_log2, 1.0f);
   EXPECT_TRUE(k->negate_q);
-  EXPECT_EQ(k->chunk_size, 2147483647);
+  EXPECT_EQ(k->chunk_size, 1 << 30);
   EXPECT_EQ(k->sinks, nullptr);
   p.chunk_size = 0;
   p.softcap = 0.0f;
   const absl::StatusOr<cuda::KernelParams> plain = cuda::ToKernelParams(p);
   ASSERT_TRUE(plain.ok()) << plain.status();
   EXPECT_FALSE(cuda::HasOptions(*plain));  // sinks join at launch (LaunchForward)
+  p.chunk_size = 16;
+  p.seqlen_k = int64_t{1} << 30;
+  const absl::Status long_chunked = cuda::ToKernelParams(p).status();
+  EXPECT_EQ(long_chunked.code(), absl::StatusCode::kUnimplemented) << long_chunked;
+  EXPECT_NE(long_chunked.message().find("chunk_size"), std::string::npos) << long_chunked;
 }
 
 TEST(CudaAttentionErrorsTest, BadParamsAreInvalidArgument) {

@@ -16,6 +16,9 @@
 namespace attention::cuda {
 namespace {
 
+// Sequences with chunks are shorter than this, so that chunk bounds fit int32 (masks.cuh).
+constexpr int64_t kMaxChunkedLength = int64_t{1} << 30;
+
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // ForwardVariant::kMmaSm80: the mma.sync kernel of the dtype (launchers.h).
@@ -88,6 +91,12 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
         "got batch=",
         p.batch, " heads_q=", p.heads_q, " seqlen_q=", p.seqlen_q, " seqlen_k=", p.seqlen_k));
   }
+  if (p.chunk_size > 0 && (p.seqlen_q >= kMaxChunkedLength || p.seqlen_k >= kMaxChunkedLength)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "chunk_size: the cuda backend takes chunked attention on sequences of fewer than 2^30 "
+        "rows; got seqlen_q=",
+        p.seqlen_q, " seqlen_k=", p.seqlen_k));
+  }
   // 16-byte cp.async and vector stores: every row, head and batch start must be 16-byte aligned
   // (true for contiguous tensors with head_dim % 8 == 0 from cudaMalloc).
   const int64_t elems16 = 16 / static_cast<int64_t>(DTypeSize(p.dtype));
@@ -148,9 +157,10 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
     k.softcap_scale = std::fabs(EffectiveSoftmaxScale(p)) / p.softcap;  // q.k to s / softcap
     k.scale_log2 = 1.0f;
   }
-  // Keys and diagonal keys lie in (-2^31 + 1, 2^31 - 1) (lengths fit int32), where any chunk of
-  // 2^31 - 1 keys or more has its one boundary at key 0: such chunks run as 2^31 - 1.
-  k.chunk_size = static_cast<int>(std::min<int64_t>(p.chunk_size, kMaxInt));
+  // Keys and diagonal keys lie in (-2^30, 2^30) (the lengths' bound with chunks, above), where any
+  // chunk of 2^30 keys or more has its one boundary at key 0: such chunks run as 2^30, which keeps
+  // every chunk bound in int32 (masks.cuh).
+  k.chunk_size = static_cast<int>(std::min(p.chunk_size, kMaxChunkedLength));
   return k;
 }
 

@@ -55,7 +55,8 @@ __device__ __forceinline__ KeyRange VisibleKeys(const Params& p, int nq, int nk,
 // key of `key`'s chunk (floor division: diagonal keys are negative when Nq > Nk), and min(hi, end +
 // chunk) for a chunk starting at `end` (end + chunk overflows only where it exceeds hi).
 __device__ __forceinline__ int ChunkStart(int key, int chunk) {
-  return (key / chunk - (key % chunk < 0 ? 1 : 0)) * chunk;  // in (-2^31, 2^31)
+  // Keys in (-2^30, 2^30) and chunks of at most 2^30 (the launchers' bound): in (-2^31, 2^30).
+  return (key / chunk - (key % chunk < 0 ? 1 : 0)) * chunk;
 }
 __device__ __forceinline__ int MinChunkEnd(int hi, int end, int chunk) {
   return hi >= end && static_cast<unsigned>(hi) - static_cast<unsigned>(end) >
