@@ -245,9 +245,9 @@ absl::StatusOr<HostRunTimes> HostRunner::RunBatch(absl::Span<const AttentionPara
   for (const AttentionParams& item : items) {
     RETURN_IF_ERROR(CheckParams(item));
     RETURN_IF_ERROR(RefuseUnservedOptions(item));
-    if (!CanShareLaunch(items[0], item)) {
-      return absl::InvalidArgumentError("RunBatch: items cannot share a launch");
-    }
+  }
+  if (!IsOneLaunch(items)) {
+    return absl::InvalidArgumentError("RunBatch: items cannot share a launch");
   }
   // The budget first, before any stream or memory is taken.
   if (const int64_t need = DeviceBytes(items); RoundUp(need, kGrowStep) > budget_) {

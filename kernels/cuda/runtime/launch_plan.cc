@@ -40,6 +40,11 @@ bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) {
   return same_dense || (Packable(a) && Packable(b));
 }
 
+bool IsOneLaunch(absl::Span<const AttentionParams> items) {
+  return std::all_of(items.begin() + 1, items.end(),
+                     [&](const AttentionParams& item) { return CanShareLaunch(items[0], item); });
+}
+
 std::vector<VScan> PlanVScan(absl::Span<const AttentionParams> items,
                              absl::Span<const TensorHomes> homes) {
   std::vector<VScan> scan(items.size(), VScan::kNone);
