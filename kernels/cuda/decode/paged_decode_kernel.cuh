@@ -27,7 +27,7 @@
 //
 // Open-model options, as the CPU kernel and the float64 reference have them: a chunk size narrows
 // each row's keys before any is read (ChunkedVisibleKeys: the CTA's key range, the element masks);
-// a softcap rewrites every logit before the mask (Softcap: FastTanh, in the log2 domain, the
+// a softcap rewrites every logit before the mask (Softcap: tanhf, in the log2 domain, the
 // softmax then at scale 1), in the tensor-core kernel's kSoftcap instance (the plain one has none
 // of it) and by a branch in the SIMT kernel; sinks join a row's denominator once its (max, sum) are
 // final (AddSink: with one split in the epilogue, with several where the splits merge, so the
@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
         Mma16816<T>(acc_s[2 * np + 1], q_frag[kk], kb[2], kb[3]);
       }
     }
-    if constexpr (kSoftcap) SoftcapTile(p, acc_s);
+    if constexpr (kSoftcap) SoftcapTile</*kApprox=*/false>(p, acc_s);
 
     if (masked) {
 #pragma unroll
@@ -736,7 +736,7 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
       }
 #pragma unroll
       for (int x = 16; x >= 1; x /= 2) s += __shfl_xor_sync(0xffffffffu, s, x);
-      if (softcap) s = Softcap(p, s);
+      if (softcap) s = Softcap</*kApprox=*/false>(p, s);
       float rescale;
       const float pk = OnlineSoftmaxKey(s, mx, sum, scale_log2, rescale);
 #pragma unroll

@@ -212,8 +212,12 @@ absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream,
     if (scratch.sinks == nullptr) {
       return absl::InternalError("forward kernel launched with sinks without a ForwardScratch");
     }
-    // Pageable or pinned host memory: the copy has read it when the call returns, and runs
-    // before the kernel in stream order (after any earlier launch that read the array).
+    // Host memory, [Hq] floats. The copy runs before the kernel in stream order, after any
+    // earlier launch on this stream that read the array. Pageable memory is read (into the
+    // driver's staging) before the call returns; pinned memory only when the stream reaches the
+    // copy, so the caller keeps it until then (HostRunner waits for its stream before it returns).
+    // One small DMA per launch: a fixed cost of a few microseconds, the only one sinks add
+    // outside the epilogue's AddSink.
     RETURN_IF_ERROR(
         CudaStatus(cudaMemcpyAsync(scratch.sinks, launch.sinks, params.heads_q * sizeof(float),
                                    cudaMemcpyHostToDevice, stream),

@@ -29,8 +29,9 @@
 // Open-model options (FlashTile::kOptions, one instance per tile beside the plain one, which has
 // none of this code): chunks cut each row's keys as windows do (ChunkedVisibleKeys: the CTA's key
 // range, the tiles that need element masks, the masks), the softcap rewrites S before the mask
-// (Softcap, in the log2 domain: the softmax then runs at scale 1), and the head's sink joins l in
-// the epilogue (AddSink: one factor on o, and the LSE).
+// (Softcap, in the log2 domain: the softmax then runs at scale 1; tanh.approx in 16-bit tiles,
+// tanhf in float32 ones), and the head's sink joins l in the epilogue (AddSink: one factor on o,
+// and the LSE).
 //
 // Current speed (v5, 2026-11-30; H200, bfloat16/float16 TFLOP/s on the FlashAttention grid of
 // bench/README.md, against torch SDPA's FlashAttention-2 in the same run): D=64 causal 174-321
@@ -317,7 +318,7 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
       if constexpr (Tile::kOptions) {
         if (p.softcap_log2 > 0.f) {
 #pragma unroll
-          for (int ms = 0; ms < kMSteps; ++ms) SoftcapTile(p, acc_s[ms]);
+          for (int ms = 0; ms < kMSteps; ++ms) SoftcapTile</*kApprox=*/!kF32>(p, acc_s[ms]);
         }
       }
 
@@ -430,8 +431,12 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
       }
     };
     for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
-      const bool with_mask =
-          ForwardTileNeedsMask<Tile::kOptions>(p, e, m0, row_last, n_block * kBc, kBc);
+      // The rows' keys per tile, not once per CTA as the Hopper kernel has them: held across the
+      // loop, their two registers made the D = 128 16-bit options tile spill 112 bytes on sm_80
+      // (none when computed here; a chunk size's division is one per tile, not per logit).
+      const bool with_mask = ForwardTileNeedsMask<Tile::kOptions>(
+          p, e, ForwardKeysOfEveryRow<Tile::kOptions>(p, e, m0, row_last), m0, row_last,
+          n_block * kBc, kBc);
       if constexpr (Tile::kMaskVariants) {
         if (with_mask) {
           tile_step(n_block, it, std::true_type());

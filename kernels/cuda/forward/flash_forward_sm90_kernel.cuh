@@ -49,8 +49,8 @@
 // Open-model options (Sm90Tile::kOptions: the 16-bit tiles once more, the plain ones having none
 // of this code; float8 calls with options are dequantised to bfloat16 first): chunks cut the keys
 // of the work tile, of each warpgroup and of each row as windows do (ChunkedVisibleKeys), the
-// softcap rewrites S before the mask (Softcap: the softmax then at scale 1), and the head's sink
-// joins l in the epilogue (AddSink).
+// softcap rewrites S before the mask (Softcap by tanh.approx, one MUFU op: the softmax then at
+// scale 1), and the head's sink joins l in the epilogue (AddSink).
 // Falls back to mma_sm80 (the plan's rule, forward_plan.cc): float32, and devices other than
 // compute capability 9.0. float8 e4m3 at head dim 64, at head dims whose padding to 8 is not a
 // multiple of 16, and varlen float8 calls run here (or on mma_sm80) after HostRunner's
@@ -449,6 +449,20 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       }
     };
     pass_over(0, i0);
+    // Once per work tile, not per key tile: the keys every row of the warpgroup sees (the tiles
+    // that need no element mask) and, in the options instance, the keys of this thread's two rows
+    // (its element masks); the chunk bounds hold integer divisions. The plain instance computes
+    // its rows' keys (VisibleKeys, no division) on the tiles that need them.
+    const KeyRange every_row =
+        ForwardKeysOfEveryRow<Tile::kOptions>(p, e, wg_row_first, wg_row_last);
+    auto row_of = [&](int half) { return wg_row0 + warp * 16 + g + half * 8; };
+    KeyRange chunked_row_keys[2] = {};
+    if constexpr (Tile::kOptions) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        chunked_row_keys[half] = ChunkedVisibleKeys(p, e.nq, e.nk, row_of(half), row_of(half));
+      }
+    }
 
     float acc_o[kDTiles][4];
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
@@ -535,14 +549,16 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       auto softmax = [&](int i, float(&acc_s)[kNTiles][4], float(&rescale)[2]) {
         const int n0 = first_key(i);
         if constexpr (Tile::kOptions) {
-          if (p.softcap_log2 > 0.f) SoftcapTile(p, acc_s);
+          if (p.softcap_log2 > 0.f) SoftcapTile</*kApprox=*/true>(p, acc_s);
         }
-        if (ForwardTileNeedsMask<Tile::kOptions>(p, e, wg_row_first, wg_row_last, n0, kBc)) {
+        if (ForwardTileNeedsMask<Tile::kOptions>(p, e, every_row, wg_row_first, wg_row_last, n0,
+                                                 kBc)) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int row = wg_row0 + warp * 16 + g + half * 8;
-            MaskRow(acc_s, half, ForwardVisibleKeys<Tile::kOptions>(p, e.nq, e.nk, row, row), n0,
-                    t);
+            MaskRow(acc_s, half,
+                    Tile::kOptions ? chunked_row_keys[half]
+                                   : VisibleKeys(p, e.nq, e.nk, row_of(half), row_of(half)),
+                    n0, t);
           }
         }
 #pragma unroll

@@ -127,16 +127,29 @@ __device__ __forceinline__ bool TileNeedsMask(const KernelParams& p, const ItemE
          (p.window_left >= 0 && n0 < row_last + diag - p.window_left);
 }
 
-// TileNeedsMask of the forward kernels: with kOptions, whether the tile holds a key that some row
-// of [row_first, row_last] does not see (outside ChunkedKeysOfEveryRow, which also cuts at the
-// item's last key); else TileNeedsMask.
+// The keys every row of [row_first, row_last] sees, which ForwardTileNeedsMask tests tiles
+// against: with kOptions ChunkedKeysOfEveryRow, whose chunk bounds cost integer divisions, so the
+// kernels compute it once per block of rows, out of the key loop; the plain instances read none.
+template <bool kOptions>
+__device__ __forceinline__ KeyRange ForwardKeysOfEveryRow(const KernelParams& p,
+                                                          const ItemExtent& e, int row_first,
+                                                          int row_last) {
+  if constexpr (kOptions) {
+    return ChunkedKeysOfEveryRow(p, e.nq, e.nk, row_first, row_last);
+  } else {
+    return {0, 0};
+  }
+}
+
+// TileNeedsMask of the forward kernels: with kOptions, whether the tile holds a key outside
+// `every_row` (ForwardKeysOfEveryRow of the same rows, which also cuts at the item's last key):
+// two compares per tile; else TileNeedsMask.
 template <bool kOptions>
 __device__ __forceinline__ bool ForwardTileNeedsMask(const KernelParams& p, const ItemExtent& e,
-                                                     int row_first, int row_last, int n0,
-                                                     int tile) {
+                                                     const KeyRange& every_row, int row_first,
+                                                     int row_last, int n0, int tile) {
   if constexpr (kOptions) {
-    const KeyRange all_rows = ChunkedKeysOfEveryRow(p, e.nq, e.nk, row_first, row_last);
-    return n0 < all_rows.lo || n0 + tile > all_rows.hi;
+    return n0 < every_row.lo || n0 + tile > every_row.hi;
   } else {
     return TileNeedsMask(p, e, row_first, row_last, n0, tile);
   }

@@ -107,33 +107,42 @@ __device__ __forceinline__ float AddSink(float sink, float& lse2) {
   return o_scale;
 }
 
-// tanh(x) as 1 - 2 / (1 + e^2x) with ex2.approx and rcp.approx: tanhf's own formula for |x| >=
-// 0.6, where it also computes a polynomial for small |x| and selects (about 16 instructions
-// against 5 here, the same two on the special-function unit). Near 0 this loses tanh's relative
-// accuracy but keeps the absolute error within ~1e-6, which is what a softcap needs: it multiplies
-// tanh by the cap, so a logit's error is absolute. Large |x| give exactly +-1 (e^2x = inf or 0);
-// NaN stays NaN.
-__device__ __forceinline__ float FastTanh(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + FastExp2(x * (2.f * kLog2e))));
-  return fmaf(-2.f, r, 1.f);
+// tanh(x) in one instruction on the special-function unit (tanh.approx.f32, sm_75 on;
+// FlashAttention-3's cutlass::fast_tanh is the same instruction): max relative error 2^-10.987
+// (PTX ISA). The 16-bit forward kernels cap with it: on top of the softmax's exp2 it is one more
+// MUFU op per logit, where tanhf's ex2 + rcp (and its small-|x| polynomial) are two and ~16
+// instructions. Its error, carried into o and lse, is set out at Softcap.
+__device__ __forceinline__ float ApproxTanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // A logit of the raw q.k products (negated q for a negative scale) capped, in the log2 domain:
 // softcap tanh(scale q.k / softcap) log2(e), which the softmax then takes at scale 1. Params:
 // kernel params with softcap_log2 and softcap_scale.
-template <typename Params>
+// kApprox: tanh by ApproxTanh (the 16-bit forward kernels), else tanhf (float32, whose 1e-5
+// tolerance a 2^-11 tanh would break, and the paged decode kernels, memory-bound). ApproxTanh's
+// relative error e <= 2^-10.987 moves a natural-log logit c tanh(x) by at most c e |tanh x| < c e
+// (c the softcap): 2.4e-3 at c = 5, 0.015 at c = 30, 0.024 at c = 50. A row's lse moves by at most
+// that (lse is a smooth max of the logits), and each weight P_j by the factor exp(d_j - d), d_j
+// its logit's error and d their P-weighted mean: o's relative error is at most about 2 c e where
+// the errors are correlated (logits saturated alike) and far less for independent ones, beside
+// bfloat16's rounding of P (2^-9) and of o (2^-9). The tests' caps (2.5 and 5) keep it below 5e-3
+// of their 1e-2 bound for o and far below it for lse (|lse| of a few units).
+template <bool kApprox, typename Params>
 __device__ __forceinline__ float Softcap(const Params& p, float s) {
-  return p.softcap_log2 * FastTanh(s * p.softcap_scale);
+  const float x = s * p.softcap_scale;
+  return p.softcap_log2 * (kApprox ? ApproxTanh(x) : tanhf(x));
 }
 
 // Softcap on every logit of an S block (float s[kNTiles][4], the mma accumulator layout).
-template <typename Params, int kNTiles>
+template <bool kApprox, typename Params, int kNTiles>
 __device__ __forceinline__ void SoftcapTile(const Params& p, float (&s)[kNTiles][4]) {
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) s[nt][i] = Softcap(p, s[nt][i]);
+    for (int i = 0; i < 4; ++i) s[nt][i] = Softcap<kApprox>(p, s[nt][i]);
 }
 
 }  // namespace attention::cuda
