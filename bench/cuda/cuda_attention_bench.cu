@@ -9,8 +9,15 @@
 //                               {1024, 4096}
 //   cuda_attention_bench [--variant NAME] one DTYPE D N CAUSAL   one shape of the grid (DTYPE
 //                               float16, bfloat16 or float8_e4m3)
+//   cuda_attention_bench [--variant NAME] [--list] options   the grid's shapes, each timed plain
+//                               and then with each open-model option (softcap, sinks, chunk: the
+//                               kernels' options instances), one line per (shape, option) with
+//                               "slowdown" = option ms / plain ms
 // --sustain_s S runs each shape back to back for S seconds before timing it, so the timed runs see
 // the clocks the GPU holds under sustained load (a server kept busy), not those of a rested one.
+// --option NAME (softcap, sinks or chunk) times every shape with that option set: softcap 50
+// (Gemma 2's), sinks 0.5 for every head, chunks of N keys (Llama 4's kind of mask, cutting no key
+// here, so that the time is the option's cost alone: the options instance against the plain one).
 // --variant forces a forward kernel variant (ForwardVariantName, e.g. mma_sm80) instead of the
 // planner's choice; each JSON line names the variant that ran ("variant"). --list prints the
 // shapes (dtype, d, N, B, H, causal) without running anything, so no GPU is needed.
@@ -115,6 +122,24 @@ std::string ShapeFields(const Shape& s) {
 
 using attention::cuda::ForwardVariant;
 
+// The open-model options the bench sets (--option, the options mode).
+enum class BenchOption { kNone, kSoftcap, kSinks, kChunk };
+constexpr BenchOption kBenchOptions[] = {BenchOption::kSoftcap, BenchOption::kSinks,
+                                         BenchOption::kChunk};
+const char* BenchOptionName(BenchOption option) {
+  switch (option) {
+    case BenchOption::kNone:
+      return "none";
+    case BenchOption::kSoftcap:
+      return "softcap";
+    case BenchOption::kSinks:
+      return "sinks";
+    case BenchOption::kChunk:
+      return "chunk";
+  }
+  return "unknown";
+}
+
 // Runs one forward pass and returns the name of what ran it (the variant's name, see TimeShape).
 using Runner = std::function<absl::StatusOr<std::string>(const AttentionParams&)>;
 
@@ -208,8 +233,12 @@ Runner ForwardRunner(std::optional<ForwardVariant> variant) {
 
 double g_sustain_s = 0;  // --sustain_s
 
-// Times `run` on shape s; `label` (if any) is added to the JSON line as "tile".
-bool TimeShape(const Shape& s, const Runner& run, const std::string& label = "") {
+// Times `run` on shape s with `option` set (--option); `label` (if any) is added to the JSON line
+// as "tile", `extra` as it is (more fields, each followed by ", "). Returns the median ms, or
+// nothing on failure.
+std::optional<double> TimeShape(const Shape& s, const Runner& run, const std::string& label = "",
+                                BenchOption option = BenchOption::kNone,
+                                const std::function<std::string(double)>& extra = nullptr) {
   AttentionParams p;
   p.dtype = s.dtype;
   p.batch = s.b;
@@ -219,6 +248,20 @@ bool TimeShape(const Shape& s, const Runner& run, const std::string& label = "")
   p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(s.d));
   p.window_right = s.causal ? 0 : attention::kUnboundedWindow;
   p.SetContiguousStrides(attention::Layout::kBHSD);
+  const std::vector<float> sinks(s.h, 0.5f);  // host memory, as AttentionParams has it
+  switch (option) {
+    case BenchOption::kNone:
+      break;
+    case BenchOption::kSoftcap:
+      p.softcap = 50.0f;
+      break;
+    case BenchOption::kSinks:
+      p.sinks = sinks.data();
+      break;
+    case BenchOption::kChunk:
+      p.chunk_size = s.n;
+      break;
+  }
   const int64_t elems = s.b * s.h * s.n * s.d;
   const size_t bytes = elems * attention::DTypeSize(s.dtype);
   void* buf[4];
@@ -259,21 +302,27 @@ bool TimeShape(const Shape& s, const Runner& run, const std::string& label = "")
     cudaEventElapsedTime(&t, start, stop);
     if (rep >= 3) ms.push_back(t);
   }
+  double median = 0;
   if (ok) {
     std::sort(ms.begin(), ms.end());
-    const double median = ms[ms.size() / 2];
+    median = ms[ms.size() / 2];
     double flops = 4.0 * s.b * s.h * s.n * s.n * s.d;
     if (s.causal) flops /= 2;
+    std::string fields = label.empty() ? "" : "\"tile\": \"" + label + "\", ";
+    if (option != BenchOption::kNone) {
+      fields += std::string("\"option\": \"") + BenchOptionName(option) + "\", ";
+    }
+    if (extra) fields += extra(median);
     std::printf("{%s, \"variant\": \"%s\", %s\"ms\": %.4f, \"TFLOPs\": %.1f}\n",
-                ShapeFields(s).c_str(), variant.c_str(),
-                label.empty() ? "" : ("\"tile\": \"" + label + "\", ").c_str(), median,
+                ShapeFields(s).c_str(), variant.c_str(), fields.c_str(), median,
                 flops / median / 1e9);
     std::fflush(stdout);
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   for (void* b : buf) cudaFree(b);
-  return ok;
+  if (!ok) return std::nullopt;
+  return median;
 }
 
 #ifdef ATTENTION_TILE_SWEEP
@@ -333,6 +382,7 @@ int main(int argc, char** argv) {
 #endif
   const char* program = argv[0];
   std::optional<ForwardVariant> variant;
+  BenchOption option = BenchOption::kNone;
   bool list = false;
   while (argc > 1 && std::strncmp(argv[1], "--", 2) == 0) {
     if (std::strcmp(argv[1], "--list") == 0) {
@@ -341,6 +391,17 @@ int main(int argc, char** argv) {
       argv += 1;
     } else if (argc > 2 && std::strcmp(argv[1], "--sustain_s") == 0) {
       g_sustain_s = std::atof(argv[2]);
+      argc -= 2;
+      argv += 2;
+    } else if (argc > 2 && std::strcmp(argv[1], "--option") == 0) {
+      const auto named = std::find_if(
+          std::begin(kBenchOptions), std::end(kBenchOptions),
+          [&](BenchOption o) { return std::strcmp(argv[2], BenchOptionName(o)) == 0; });
+      if (named == std::end(kBenchOptions)) {
+        std::fprintf(stderr, "--option: expected softcap, sinks or chunk; got %s\n", argv[2]);
+        return 2;
+      }
+      option = *named;
       argc -= 2;
       argv += 2;
     } else if (argc > 2 && std::strcmp(argv[1], "--variant") == 0) {
@@ -360,7 +421,7 @@ int main(int argc, char** argv) {
   std::vector<Shape> shapes;
   if (std::strcmp(which, "fp32") == 0) {
     for (int64_t n : {1024, 4096}) shapes.push_back({DType::kFloat32, 16, 12, n, 64, false});
-  } else if (std::strcmp(which, "grid") == 0) {
+  } else if (std::strcmp(which, "grid") == 0 || std::strcmp(which, "options") == 0) {
     for (DType dt : {DType::kBFloat16, DType::kFloat16})
       for (int64_t d : {64, 128, 256})
         for (int64_t n : {512, 1024, 2048, 4096, 8192, 16384})
@@ -391,8 +452,9 @@ int main(int argc, char** argv) {
     shapes.push_back({dt, 16384 / n, 2048 / d, n, d, std::strcmp(argv[5], "true") == 0});
   } else {
     std::fprintf(stderr,
-                 "usage: %s [--sustain_s S] [--variant NAME] [--list] grid|fp8|fp32|one "
-                 "{float16|bfloat16|float8_e4m3} D N {true|false}\n",
+                 "usage: %s [--sustain_s S] [--variant NAME] [--option softcap|sinks|chunk] "
+                 "[--list] grid|fp8|fp32|options|one {float16|bfloat16|float8_e4m3} D N "
+                 "{true|false}\n",
                  program);
     return 2;
   }
@@ -401,8 +463,22 @@ int main(int argc, char** argv) {
     return 0;
   }
   const Runner run = ForwardRunner(variant);
+  const bool options = std::strcmp(which, "options") == 0;
   for (const Shape& s : shapes) {
-    if (!TimeShape(s, run)) return 1;
+    const std::optional<double> plain_ms =
+        TimeShape(s, run, "", options ? BenchOption::kNone : option);
+    if (!plain_ms) return 1;
+    if (!options) continue;
+    // Each option right after the plain run of the same shape and inputs: its cost as a ratio.
+    for (BenchOption o : kBenchOptions) {
+      auto slowdown = [&](double ms) {
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), "\"plain_ms\": %.4f, \"slowdown\": %.4f, ", *plain_ms,
+                      ms / *plain_ms);
+        return std::string(buf);
+      };
+      if (!TimeShape(s, run, "", o, slowdown)) return 1;
+    }
   }
   return 0;
 }

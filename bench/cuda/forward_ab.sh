@@ -3,6 +3,8 @@
 # alike: for each shape (B = 16384/N, H = 2048/D, as the FlashAttention grid) and round, every
 # build's `cuda_attention_bench one` in turn; prints each build's median ms and TFLOP/s per shape.
 #   bench/cuda/forward_ab.sh ROUNDS NAME=BENCH_BINARY [NAME=BENCH_BINARY ...]
+# A BENCH_BINARY may carry the bench's flags, split on spaces (quote the NAME=... argument), e.g.
+# "softcap=build/bench/cuda/cuda_attention_bench --option softcap": the same build with an option.
 # SHAPES="dtype:D:N:causal ..." overrides the shapes (default: bf16 and f16, D 64/128/256, N 4096,
 # causal and not).
 set -uo pipefail
@@ -23,7 +25,8 @@ for shape in $shapes; do
   for r in $(seq "$rounds"); do
     for build in "$@"; do
       name=${build%%=*}
-      line=$("${build#*=}" one "$dtype" "$d" "$n" "$causal" 2>/dev/null | tail -1)
+      read -ra cmd <<<"${build#*=}"
+      line=$("${cmd[@]}" one "$dtype" "$d" "$n" "$causal" 2>/dev/null | tail -1)
       echo "{\"build\": \"$name\", \"round\": $r, \"result\": ${line:-null}}" >>"$out/forward_ab.jsonl"
     done
   done

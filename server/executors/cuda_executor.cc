@@ -132,8 +132,10 @@ absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal,
   device.multiprocessors = prop.multiProcessorCount;
   device.compute_capability = absl::StrCat(prop.major, ".", prop.minor);
   device.fast_head_dims = cuda::SpecialisedHeadDims();
-  // The paged decode kernels serve every open-model option of a Step and sessions of a V head dim
-  // of their own (MLA); the forward kernels serve none, so Attend refuses them by name.
+  // The forward kernels (Attend) serve every open-model option but a V head dim of its own, which
+  // they refuse by name (cuda::RefuseUnservedOptions); the paged decode kernels (a Step) serve all
+  // of them, sessions of a V head dim of their own (MLA) included.
+  device.attend_options = {"sinks", "softcap", "chunk_size"};
   device.step_options = {"sinks", "softcap", "chunk_size", "v_head_dim"};
   ASSIGN_OR_RETURN(std::unique_ptr<cuda::HostRunner> runner,
                    cuda::HostRunner::Create(

@@ -442,6 +442,19 @@ std::vector<AttentionCase> OpenModelGrid() {
   return grid;
 }
 
+std::vector<AttentionCase> OpenModelGridSameVHeadDim() {
+  std::vector<AttentionCase> grid;
+  for (AttentionCase c : OpenModelGrid()) {
+    if (c.v_head_dim != 0) {
+      if (!c.sinks && c.softcap == 0.0f && c.chunk_size == 0) continue;
+      c.v_head_dim = 0;
+      c.name += "_same_dv";
+    }
+    grid.push_back(std::move(c));
+  }
+  return grid;
+}
+
 double DefaultTolerance(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:

@@ -80,6 +80,10 @@ std::vector<AttentionCase> StandardGrid();
 // The open-model options (sinks, softcap, chunk size, V head dim other than QK's) on ragged sizes,
 // GQA, causal, windows, varlen and poisoned keys: for backends that serve them.
 std::vector<AttentionCase> OpenModelGrid();
+// OpenModelGrid for backends that serve sinks, softcap and chunk_size but not a V head dim of its
+// own: its cases without one, and those that combine one with other options again with V's head
+// dim equal to QK's (named "..._same_dv").
+std::vector<AttentionCase> OpenModelGridSameVHeadDim();
 
 // Relative error bound for inputs of `dtype`: 1e-5 for float32, 1e-2 for float16 and bfloat16,
 // 2^-7 for float8 e4m3 (whose o is bfloat16; attention_test_grid.cc says why).

@@ -1,5 +1,7 @@
 // The CUDA backend against the float64 reference: the standard grid in every dtype, larger
-// multi-tile cases, and the errors it returns. Every case runs once per forward kernel variant
+// multi-tile cases, the open-model options it serves (sinks, softcap, chunk_size: the kernels'
+// options instances) on small and multi-tile cases, and the errors it returns (a V head dim of
+// its own refused by name). Every case runs once per forward kernel variant
 // (kForwardVariants), forced, the variant named in the test name. Tests that need a GPU skip, with
 // a message, on machines without one, and a variant skips on a GPU it cannot run on; the error
 // checks run everywhere.
@@ -7,6 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -49,8 +52,8 @@ absl::StatusOr<cuda::HostRunner*> Runner(cuda::ForwardVariant variant) {
 // dim padded to a multiple of 8), else why not: FAILED_PRECONDITION when the device lacks what the
 // variant needs (compute capability, shared memory), INVALID_ARGUMENT for a dtype the variant does
 // not take (the unforced plan runs those on the next variant: wgmma_sm90 leaves float32 to
-// mma_sm80). float8 the variant does not read natively runs its bfloat16 kernel on dequantised
-// copies (HostRunner): that plan then.
+// mma_sm80). float8 the variant does not read natively (with options: never) runs its bfloat16
+// kernel on dequantised copies (HostRunner): that plan then.
 absl::StatusOr<cuda::ForwardPlan> DevicePlan(cuda::ForwardVariant variant, const AttentionCase& c,
                                              DType dtype) {
   const absl::StatusOr<cuda::DeviceCaps> caps = cuda::GetDeviceCaps(0);
@@ -60,6 +63,10 @@ absl::StatusOr<cuda::ForwardPlan> DevicePlan(cuda::ForwardVariant variant, const
   probe.head_dim = (c.head_dim + 7) / 8 * 8;
   static constexpr int32_t kVarlen[1] = {0};  // the plan only asks whether the call is varlen
   if (c.is_varlen()) probe.cu_seqlens_q = probe.cu_seqlens_k = kVarlen;
+  static constexpr float kSink[1] = {0.0f};  // the plan only asks whether there are sinks
+  probe.sinks = c.sinks ? kSink : nullptr;
+  probe.softcap = c.softcap;
+  probe.chunk_size = c.chunk_size;
   absl::StatusOr<cuda::ForwardPlan> plan = cuda::PlanFlashForward(probe, *caps, variant);
   if (dtype == DType::kFloat8E4M3 && absl::IsInvalidArgument(plan.status())) {
     probe.dtype = DType::kBFloat16;
@@ -185,6 +192,232 @@ INSTANTIATE_TEST_SUITE_P(Large, CudaAttentionTest,
                                           testing::ValuesIn(cuda::kForwardVariants)),
                          ParamName);
 
+// The open-model options the kernels serve, on the shared grid's small cases (every option alone
+// and together, ragged, Nq != Nk, GQA, causal, windows, varlen top-left with NaN in V outside
+// rows' chunks).
+INSTANTIATE_TEST_SUITE_P(OpenModelGrid, CudaAttentionTest,
+                         testing::Combine(testing::ValuesIn(OpenModelGridSameVHeadDim()),
+                                          testing::Values(DType::kFloat32, DType::kFloat16,
+                                                          DType::kBFloat16, DType::kFloat8E4M3),
+                                          testing::ValuesIn(cuda::kForwardVariants)),
+                         ParamName);
+
+// The options over many key and query tiles of each kernel's tiles: chunks of 1 key, one off
+// either side of a key tile (mma_sm80: 64 keys at D 64 and 128, 32 at 256; wgmma_sm90: 128, and 80
+// at 256) and of a query tile (wgmma_sm90 at D 64: 192 rows), primes, longer than Nk; with causal
+// and windowed masks in both alignments, GQA, Nq != Nk both ways (rows that see no key: o = 0,
+// lse = the sink), BSHD, varlen, negative scales and softcaps that bite (logits well past them).
+std::vector<AttentionCase> LargeOptionCases() {
+  constexpr auto kV = AttentionCase::PoisonTarget::kV;
+  constexpr auto kK = AttentionCase::PoisonTarget::kK;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+  // Every case returns its LSE; one with a softcap gets logits of a few units (inputs times 2),
+  // so that softcaps of 2.5 and 5 bend them.
+  auto with_lse = [](AttentionCase c) {
+    c.return_lse = true;
+    if (c.softcap > 0) c.input_scale = 2.0f;
+    return c;
+  };
+  const AttentionCase cases[] = {
+      {.name = "n1000_d64_causal_chunk1_sinks",
+       .heads_q = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .window_right = 0,
+       .sinks = true,
+       .chunk_size = 1},
+      {.name = "n1000_d64_causal_chunk63_sinks",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .window_right = 0,
+       .sinks = true,
+       .chunk_size = 63},
+      {.name = "n1000_d64_chunk65_softcap",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .softcap = 5,
+       .chunk_size = 65},
+      {.name = "n1500_d64_causal_chunk191",
+       .seqlen_q = 1500,
+       .seqlen_k = 1500,
+       .window_right = 0,
+       .chunk_size = 191},
+      {.name = "n1500_d64_chunk193_sinks_softcap",
+       .heads_q = 2,
+       .seqlen_q = 1500,
+       .seqlen_k = 1500,
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 193},
+      {.name = "nq1000_nk1500_d64_topleft_causal_chunk100_bshd_softcap",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1500,
+       .layout = Layout::kBSHD,
+       .window_right = 0,
+       .mask_alignment = MaskAlignment::kTopLeft,
+       .softcap = 5,
+       .chunk_size = 100},
+      {.name = "nq1000_nk300_d64_causal_chunk131_sinks",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 300,
+       .window_right = 0,
+       .sinks = true,
+       .chunk_size = 131},
+      {.name = "n1000_d128_causal_chunk127_softcap_sinks",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .window_right = 0,
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 127},
+      {.name = "n500_d128_causal_negative_scale_all",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 500,
+       .seqlen_k = 500,
+       .head_dim = 128,
+       .window_right = 0,
+       .softmax_scale = -0.3f,
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 127},
+      {.name = "n1000_d128_chunk129",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .chunk_size = 129},
+      {.name = "n1000_d128_softcap",
+       .heads_q = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .softcap = 2.5f},
+      {.name = "n1000_d128_causal_sinks",
+       .heads_q = 4,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .window_right = 0,
+       .sinks = true},
+      {.name = "n1000_d128_causal_chunk5000_sinks",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .window_right = 0,
+       .sinks = true,
+       .chunk_size = 5000},
+      {.name = "nq300_nk1000_d128_chunk97_gqa",
+       .heads_q = 4,
+       .heads_kv = 2,
+       .seqlen_q = 300,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .chunk_size = 97},
+      {.name = "n2000_d128_window_300_40_chunk256_all",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 2000,
+       .seqlen_k = 2000,
+       .head_dim = 128,
+       .window_left = 300,
+       .window_right = 40,
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 256},
+      // Non-finite V and K at keys outside some rows' chunks (no window: the chunks alone mask
+      // them).
+      {.name = "n1000_d128_chunk129_poison_v_inf",
+       .heads_q = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .chunk_size = 129,
+       .poison_target = kV,
+       .poison = kInf,
+       .poison_keys = {5, 300, 999}},
+      {.name = "n1000_d128_chunk129_poison_k_nan",
+       .heads_q = 2,
+       .seqlen_q = 1000,
+       .seqlen_k = 1000,
+       .head_dim = 128,
+       .chunk_size = 129,
+       .poison_target = kK,
+       .poison = kNan,
+       .poison_keys = {5, 300, 999}},
+      {.name = "n700_d256_causal_chunk79_softcap",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 700,
+       .seqlen_k = 700,
+       .head_dim = 256,
+       .window_right = 0,
+       .softcap = 5,
+       .chunk_size = 79},
+      {.name = "n700_d256_chunk81_sinks",
+       .heads_q = 2,
+       .seqlen_q = 700,
+       .seqlen_k = 700,
+       .head_dim = 256,
+       .sinks = true,
+       .chunk_size = 81},
+      {.name = "n700_d256_causal_chunk31_all",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 700,
+       .seqlen_k = 700,
+       .head_dim = 256,
+       .window_right = 0,
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 31},
+      {.name = "n777_d200_causal_chunk33_all",
+       .heads_q = 2,
+       .heads_kv = 2,
+       .seqlen_q = 777,
+       .seqlen_k = 777,
+       .head_dim = 200,
+       .window_right = 0,
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 33},
+      {.name = "varlen_long_d64_causal_chunk200_all",
+       .heads_q = 2,
+       .window_right = 0,
+       .varlen_q = {1500, 3, 700},
+       .varlen_k = {1500, 900, 2100},
+       .sinks = true,
+       .softcap = 5,
+       .chunk_size = 200},
+  };
+  std::vector<AttentionCase> out;
+  for (const AttentionCase& c : cases) out.push_back(with_lse(c));
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(LargeOptions, CudaAttentionTest,
+                         testing::Combine(testing::ValuesIn(LargeOptionCases()),
+                                          testing::Values(DType::kFloat32, DType::kFloat16,
+                                                          DType::kBFloat16),
+                                          testing::ValuesIn(cuda::kForwardVariants)),
+                         ParamName);
+
 // Forward's own checks, before any device work (so they run without a GPU): fake device pointers.
 AttentionParams FakeParams(DType dtype, int64_t head_dim) {
   AttentionParams p;
@@ -215,6 +448,47 @@ TEST(CudaAttentionErrorsTest, MisalignedPointerIsUnimplemented) {
   const absl::Status s = cuda::Forward(p, nullptr, {});
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
   EXPECT_NE(s.message().find("aligned"), std::string::npos) << s;
+}
+
+TEST(CudaAttentionErrorsTest, OwnVHeadDimIsRefusedByName) {
+  AttentionParams p = FakeParams(DType::kBFloat16, 64);
+  p.v_head_dim = 32;
+  p.softcap = 5.0f;  // served: not named
+  const absl::Status s = cuda::Forward(p, nullptr, {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_NE(s.message().find("v_head_dim"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("cuda"), std::string::npos) << s;
+  EXPECT_EQ(s.message().find("softcap"), std::string::npos) << s;
+}
+
+// The served options reach the kernels' params: the softcap in the log2 domain (the softmax then
+// at scale 1), chunks (the longest as 2^30), sinks left to LaunchForward; chunks on sequences of
+// 2^30 rows or more are refused by name.
+TEST(CudaAttentionErrorsTest, ServedOptionsBecomeKernelParams) {
+  AttentionParams p = FakeParams(DType::kFloat16, 64);
+  const float sinks[1] = {0.5f};
+  p.sinks = sinks;
+  p.softcap = 4.0f;
+  p.softmax_scale = -0.5f;
+  p.chunk_size = int64_t{1} << 40;
+  const absl::StatusOr<cuda::KernelParams> k = cuda::ToKernelParams(p);
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_FLOAT_EQ(k->softcap_log2, 4.0f * cuda::kLog2e);
+  EXPECT_FLOAT_EQ(k->softcap_scale, 0.5f / 4.0f);
+  EXPECT_EQ(k->scale_log2, 1.0f);
+  EXPECT_TRUE(k->negate_q);
+  EXPECT_EQ(k->chunk_size, 1 << 30);
+  EXPECT_EQ(k->sinks, nullptr);
+  p.chunk_size = 0;
+  p.softcap = 0.0f;
+  const absl::StatusOr<cuda::KernelParams> plain = cuda::ToKernelParams(p);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_FALSE(cuda::HasOptions(*plain));  // sinks join at launch (LaunchForward)
+  p.chunk_size = 16;
+  p.seqlen_k = int64_t{1} << 30;
+  const absl::Status long_chunked = cuda::ToKernelParams(p).status();
+  EXPECT_EQ(long_chunked.code(), absl::StatusCode::kUnimplemented) << long_chunked;
+  EXPECT_NE(long_chunked.message().find("chunk_size"), std::string::npos) << long_chunked;
 }
 
 TEST(CudaAttentionErrorsTest, BadParamsAreInvalidArgument) {

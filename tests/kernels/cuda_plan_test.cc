@@ -244,6 +244,17 @@ TEST(PlanFloat8Test, EveryOtherFloat8CallIsDequantisedToBfloat16) {
   EXPECT_TRUE(dequantised({Float8Call(128), Float8Call(128, 32)}, kH200));
   EXPECT_TRUE(dequantised({Float8Call(128)}, kSm86));  // no wgmma before Hopper
   EXPECT_TRUE(dequantised({Float8Call(128)}, kH200, ForwardVariant::kMmaSm80));
+  // The kernels' options instances are 16-bit only.
+  AttentionParams capped = Float8Call(128);
+  capped.softcap = 30.0f;
+  EXPECT_TRUE(dequantised({capped}, kH200));
+  AttentionParams chunked = Float8Call(256);
+  chunked.chunk_size = 64;
+  EXPECT_TRUE(dequantised({chunked}, kH200));
+  const absl::StatusOr<ForwardPlan> refused =
+      PlanFlashForward(capped, kH200, ForwardVariant::kWgmmaSm90);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_TRUE(Mentions(refused.status(), "softcap")) << refused.status();
 }
 
 TEST(PlanFloat8Test, OtherDtypesTakeNoFloat8Path) {

@@ -69,6 +69,29 @@ TEST(CanShareLaunchTest, DenseOfEqualLengthsOrPackableRows) {
   EXPECT_FALSE(CanShareLaunch(a, causal));
 }
 
+TEST(CanShareLaunchTest, ARequestWithOptionsRunsAloneAndSharesWithNoOther) {
+  const float sinks[4] = {0.5f, -1.0f, 2.0f, 0.0f};
+  AttentionParams with_sinks = Dense(1, 97, 97, 64), with_softcap = with_sinks,
+                  with_chunks = with_sinks;
+  with_sinks.sinks = sinks;
+  with_softcap.softcap = 30.0f;
+  with_chunks.chunk_size = 16;
+  const AttentionParams plain = Dense(1, 97, 97, 64);
+  for (const AttentionParams& p : {with_sinks, with_softcap, with_chunks}) {
+    // Alone, it is one launch (RunBatch of a single request).
+    EXPECT_TRUE(IsOneLaunch(std::vector<AttentionParams>{p}));
+    // With any other request, even one with the same options, it is not.
+    EXPECT_FALSE(CanShareLaunch(p, plain));
+    EXPECT_FALSE(CanShareLaunch(plain, p));
+    EXPECT_FALSE(IsOneLaunch(std::vector<AttentionParams>{p, p}));
+    EXPECT_FALSE(IsOneLaunch(std::vector<AttentionParams>{p, plain}));
+    EXPECT_FALSE(IsOneLaunch(std::vector<AttentionParams>{plain, p}));
+  }
+  EXPECT_TRUE(IsOneLaunch(std::vector<AttentionParams>{plain}));
+  EXPECT_TRUE(IsOneLaunch(std::vector<AttentionParams>{plain, Dense(2, 97, 97, 64)}));
+  EXPECT_FALSE(IsOneLaunch(std::vector<AttentionParams>{plain, Dense(2, 97, 97, 128)}));
+}
+
 TEST(PlanVScanTest, UnmaskedScansNothingMaskedScansWhereVIs) {
   AttentionParams p = Dense(1, 16, 16, 64);
   const std::vector<AttentionParams> items = {p, p};
@@ -83,6 +106,10 @@ TEST(PlanVScanTest, UnmaskedScansNothingMaskedScansWhereVIs) {
   p.window_left = 8;  // a window on one side masks too
   EXPECT_EQ(PlanVScan(std::vector<AttentionParams>{p}, std::vector<TensorHomes>{homes[0]}),
             std::vector<VScan>{VScan::kHost});
+  p.window_left = kUnboundedWindow;
+  p.chunk_size = 5;  // and so do chunks
+  EXPECT_EQ(PlanVScan(std::vector<AttentionParams>{p}, std::vector<TensorHomes>{homes[1]}),
+            std::vector<VScan>{VScan::kDevice});
 }
 
 TEST(PlanLaunchTest, EqualDenseItemsAreConcatenatedAlongB) {

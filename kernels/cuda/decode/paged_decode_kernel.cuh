@@ -27,10 +27,10 @@
 // per key). Correct, not fast.
 //
 // Open-model options, as the CPU kernel and the float64 reference have them: a chunk size narrows
-// each row's keys before any is read (PagedVisibleKeys: the CTA's key range, the element masks);
-// a softcap rewrites every logit before the mask (Softcap: tanhf, in the log2 domain, the softmax
-// then at scale 1), in the tensor-core kernel's kSoftcap instance (the plain one has none of it)
-// and by a branch in the SIMT kernel; sinks join a row's denominator once its (max, sum) are
+// each row's keys before any is read (ChunkedVisibleKeys: the CTA's key range, the element masks);
+// a softcap rewrites every logit before the mask (Softcap: tanhf, in the log2 domain, the
+// softmax then at scale 1), in the tensor-core kernel's kSoftcap instance (the plain one has none
+// of it) and by a branch in the SIMT kernel; sinks join a row's denominator once its (max, sum) are
 // final (AddSink: with one split in the epilogue, with several where the splits merge, so the
 // partials stay sink-free), changing o by one factor and lse, never the key loop.
 //
@@ -132,46 +132,6 @@ __device__ __forceinline__ PagedRow GetPagedRow(const PagedKernelParams& p, int 
           head};
 }
 
-// The keys [lo, hi) that rows [row_first, row_last] may see (VisibleKeys, masks.cuh), cut to the
-// chunks with a chunk size: a row also sees only the keys in the chunk of its diagonal key (floor
-// division: the diagonal is negative when Nq > Nk), lo from the first row's chunk and hi from the
-// last's, both nondecreasing in the row (kernels/attention_params.h's VisibleKeys on the host).
-// Called with the rows swapped it gives the keys every row of the block sees (lo > hi: none).
-__device__ __forceinline__ KeyRange PagedVisibleKeys(const PagedKernelParams& p, int nq, int nk,
-                                                     int row_first, int row_last) {
-  KeyRange keys = VisibleKeys(p, nq, nk, row_first, row_last);
-  if (p.chunk_size > 0) {
-    const int diag = nk - nq, chunk = p.chunk_size;
-    auto chunk_start = [chunk](int key) {
-      return (key / chunk - (key % chunk < 0 ? 1 : 0)) * chunk;  // in (-2^31, 2^30]
-    };
-    keys.lo = max(keys.lo, chunk_start(row_first + diag));
-    keys.hi = static_cast<int>(
-        min(static_cast<int64_t>(keys.hi), int64_t{chunk_start(row_last + diag)} + chunk));
-  }
-  return keys;
-}
-
-// The sink logit `sink` (natural log) of a finished row's query head joins its softmax
-// denominator: the row's log2-sum-exp lse2 (-inf: it saw no key) becomes log2(2^lse2 + 2^(sink
-// log2 e)), and its normalised o scales by the returned 2^(old lse2 - new lse2): 0 for a row that
-// saw no key, whose o is then 0 and lse the sink (as kernels/reference has it).
-__device__ __forceinline__ float AddSink(float sink, float& lse2) {
-  const float sink2 = sink * kLog2e;
-  const float mx = fmaxf(lse2, sink2);
-  if (mx == -INFINITY) return 1.f;
-  const float total = mx + log2f(exp2f(lse2 - mx) + exp2f(sink2 - mx));
-  const float o_scale = exp2f(lse2 - total);
-  lse2 = total;
-  return o_scale;
-}
-
-// A logit of the raw q.k products (negated q for a negative scale) capped, in the log2 domain:
-// softcap tanh(scale q.k / softcap) log2(e), which the softmax then takes at scale 1.
-__device__ __forceinline__ float Softcap(const PagedKernelParams& p, float s) {
-  return p.softcap_log2 * tanhf(s * p.softcap_scale);
-}
-
 // Element i of o, rounded to T.
 template <typename T>
 __device__ __forceinline__ void StoreO(void* o, int64_t i, float x) {
@@ -249,7 +209,7 @@ __device__ __forceinline__ bool GetPagedCtaWork(const PagedKernelParams& p, int 
   w.row_last = min(m0 + kRows, rows) - 1;
   w.first_query = m0 / p.group;
   w.last_query = w.row_last / p.group;
-  const KeyRange vis = PagedVisibleKeys(p, w.nq, w.nk, w.first_query, w.last_query);
+  const KeyRange vis = ChunkedVisibleKeys(p, w.nq, w.nk, w.first_query, w.last_query);
   const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
   w.tile_begin = k_lo / kBc;
   w.n_tiles = k_hi > k_lo ? (k_hi + kBc - 1) / kBc - w.tile_begin : 0;
@@ -265,9 +225,9 @@ __device__ __forceinline__ void PagedLaneKeys(const PagedKernelParams& p, int nq
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int query = (m + g + half * 8) / p.group;
-    rows[half] = PagedVisibleKeys(p, nq, nk, query, query);
+    rows[half] = ChunkedVisibleKeys(p, nq, nk, query, query);
   }
-  all = PagedVisibleKeys(p, nq, nk, last_query, first_query);
+  all = ChunkedKeysOfEveryRow(p, nq, nk, first_query, last_query);
 }
 
 // O += P V over 16 keys: acc_o's 8-column tiles take pa (P of 16 rows x the 16 keys, as an A
@@ -668,12 +628,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinCtasPerSm)
         Mma16816<T>(acc_s[2 * np + 1], q_frag[kk], kb[2], kb[3]);
       }
     }
-    if constexpr (kSoftcap) {
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc_s[nt][i] = Softcap(p, acc_s[nt][i]);
-    }
+    if constexpr (kSoftcap) SoftcapTile</*kApprox=*/false>(p, acc_s);
 
     if (masked) {
 #pragma unroll
@@ -815,7 +770,7 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
   const float scale_log2 = softcap ? 1.f : p.scale_log2;  // capped logits are log2 already
   for (int m = m0 + warp; m < min(m0 + kPagedRows, rows); m += kPagedThreads / 32) {
     const PagedRow row = GetPagedRow(p, q0, nq, hk, m);
-    const KeyRange vis = PagedVisibleKeys(p, nq, nk, row.query, row.query);
+    const KeyRange vis = ChunkedVisibleKeys(p, nq, nk, row.query, row.query);
     const int split_lo = blockIdx.x * p.split_keys;
     const int k_lo = max(vis.lo, split_lo), k_hi = min(vis.hi, split_lo + p.split_keys);
     float q[kMaxCols], acc[kMaxCols];
@@ -843,7 +798,7 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
       }
 #pragma unroll
       for (int x = 16; x >= 1; x /= 2) s += __shfl_xor_sync(0xffffffffu, s, x);
-      if (softcap) s = Softcap(p, s);
+      if (softcap) s = Softcap</*kApprox=*/false>(p, s);
       float rescale;
       const float pk = OnlineSoftmaxKey(s, mx, sum, scale_log2, rescale);
 #pragma unroll

@@ -3,6 +3,8 @@
 // variant (PlanFlashForward) and launches it for the dtype.
 #include "kernels/cuda/forward/cuda_attention.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -14,7 +16,8 @@
 namespace attention::cuda {
 namespace {
 
-constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on gridDim.y and gridDim.z
+// Sequences with chunks are shorter than this, so that chunk bounds fit int32 (masks.cuh).
+constexpr int64_t kMaxChunkedLength = int64_t{1} << 30;
 
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
@@ -61,9 +64,17 @@ cudaError_t LaunchVariant(const ForwardPlan& plan, const KernelParams& k, cudaSt
 
 }  // namespace
 
+absl::Status RefuseUnservedOptions(const AttentionParams& p) {
+  AttentionParams unserved = p;
+  unserved.sinks = nullptr;
+  unserved.softcap = 0.0f;
+  unserved.chunk_size = 0;
+  return RefuseOpenModelOptions(unserved, "cuda");
+}
+
 absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   RETURN_IF_ERROR(CheckParams(p));
-  RETURN_IF_ERROR(RefuseOpenModelOptions(p, "cuda"));
+  RETURN_IF_ERROR(RefuseUnservedOptions(p));
   if (p.head_dim % 8 != 0 || p.head_dim > kMaxHeadDim) {
     return absl::UnimplementedError(
         absl::StrCat("head_dim ", p.head_dim,
@@ -73,12 +84,18 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   }
   constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
   if (p.seqlen_q > kMaxInt || p.seqlen_k > kMaxInt || p.total_q > kMaxInt || p.total_k > kMaxInt ||
-      p.heads_q > kMaxGridYZ || p.batch > kMaxGridYZ) {
+      p.heads_q > kMaxForwardHeads || p.batch > kMaxForwardHeads) {
     return absl::UnimplementedError(absl::StrCat(
-        "the cuda backend takes at most ", kMaxGridYZ,
+        "the cuda backend takes at most ", kMaxForwardHeads,
         " heads and batch items and 2^31-1 rows; "
         "got batch=",
         p.batch, " heads_q=", p.heads_q, " seqlen_q=", p.seqlen_q, " seqlen_k=", p.seqlen_k));
+  }
+  if (p.chunk_size > 0 && (p.seqlen_q >= kMaxChunkedLength || p.seqlen_k >= kMaxChunkedLength)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "chunk_size: the cuda backend takes chunked attention on sequences of fewer than 2^30 "
+        "rows; got seqlen_q=",
+        p.seqlen_q, " seqlen_k=", p.seqlen_k));
   }
   // 16-byte cp.async and vector stores: every row, head and batch start must be 16-byte aligned
   // (true for contiguous tensors with head_dim % 8 == 0 from cudaMalloc).
@@ -133,6 +150,17 @@ absl::StatusOr<KernelParams> ToKernelParams(const AttentionParams& p) {
   k.window_right = ClampWindow(p.window_right, k.mask_top_left ? p.seqlen_k : p.seqlen_q);
   k.cu_seqlens_q = p.cu_seqlens_q;
   k.cu_seqlens_k = p.cu_seqlens_k;
+  // Options (kernel_params.h). The capped logits are in the log2 domain already: the softmax
+  // takes them at scale 1. sinks stay null here: LaunchForward copies them to the device.
+  if (p.softcap > 0.0f) {
+    k.softcap_log2 = p.softcap * kLog2e;
+    k.softcap_scale = std::fabs(EffectiveSoftmaxScale(p)) / p.softcap;  // q.k to s / softcap
+    k.scale_log2 = 1.0f;
+  }
+  // Keys and diagonal keys lie in (-2^30, 2^30) (the lengths' bound with chunks, above), where any
+  // chunk of 2^30 keys or more has its one boundary at key 0: such chunks run as 2^30, which keeps
+  // every chunk bound in int32 (masks.cuh).
+  k.chunk_size = static_cast<int>(std::min(p.chunk_size, kMaxChunkedLength));
   return k;
 }
 
@@ -141,26 +169,34 @@ absl::StatusOr<ForwardLaunch> PrepareForward(const AttentionParams& p,
   ASSIGN_OR_RETURN(const KernelParams k, ToKernelParams(p));
   ASSIGN_OR_RETURN(const DeviceCaps caps, CurrentDeviceCaps());
   ASSIGN_OR_RETURN(const ForwardPlan plan, PlanFlashForward(p, caps, variant));
-  return ForwardLaunch{k, plan};
+  return ForwardLaunch{k, plan, p.sinks};
 }
 
 absl::StatusOr<ForwardScratch> AllocateForwardScratch() {
   ForwardScratch scratch;
   constexpr size_t kBytes = 2 * sizeof(int32_t);
-  RETURN_IF_ERROR(CudaStatus(cudaMalloc(reinterpret_cast<void**>(&scratch.tile_counters), kBytes),
-                             "allocate the forward kernel's tile counters"));
-  if (const absl::Status zeroed =
-          CudaStatus(cudaMemset(scratch.tile_counters, 0, kBytes), "zero the tile counters");
-      !zeroed.ok()) {
+  absl::Status status =
+      CudaStatus(cudaMalloc(reinterpret_cast<void**>(&scratch.tile_counters), kBytes),
+                 "allocate the forward kernel's tile counters");
+  if (status.ok()) {
+    status = CudaStatus(cudaMemset(scratch.tile_counters, 0, kBytes), "zero the tile counters");
+  }
+  if (status.ok()) {
+    status = CudaStatus(
+        cudaMalloc(reinterpret_cast<void**>(&scratch.sinks), kMaxForwardHeads * sizeof(float)),
+        "allocate the forward kernel's sinks");
+  }
+  if (!status.ok()) {
     FreeForwardScratch(scratch);
-    return zeroed;
+    return status;
   }
   return scratch;
 }
 
 void FreeForwardScratch(ForwardScratch& scratch) {
   if (scratch.tile_counters != nullptr) cudaFree(scratch.tile_counters);
-  scratch.tile_counters = nullptr;
+  if (scratch.sinks != nullptr) cudaFree(scratch.sinks);
+  scratch = ForwardScratch{};
 }
 
 absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream,
@@ -171,6 +207,22 @@ absl::Status LaunchForward(const ForwardLaunch& launch, cudaStream_t stream,
   if (launch.plan.variant == ForwardVariant::kWgmmaSm90 && params.tile_counters == nullptr) {
     return absl::InternalError(
         "forward kernel wgmma_sm90 launched without a ForwardScratch (tile counters)");
+  }
+  if (launch.sinks != nullptr) {
+    if (scratch.sinks == nullptr) {
+      return absl::InternalError("forward kernel launched with sinks without a ForwardScratch");
+    }
+    // Host memory, [Hq] floats. The copy runs before the kernel in stream order, after any
+    // earlier launch on this stream that read the array. Pageable memory is read (into the
+    // driver's staging) before the call returns; pinned memory only when the stream reaches the
+    // copy, so the caller keeps it until then (HostRunner waits for its stream before it returns).
+    // One small DMA per launch: a fixed cost of a few microseconds, the only one sinks add
+    // outside the epilogue's AddSink.
+    RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(scratch.sinks, launch.sinks, params.heads_q * sizeof(float),
+                                   cudaMemcpyHostToDevice, stream),
+                   "copy the sinks to the device"));
+    params.sinks = scratch.sinks;
   }
   if (launch.plan.workspace_bytes > 0 && workspace == nullptr) {
     return absl::InternalError(absl::StrCat("forward kernel ",

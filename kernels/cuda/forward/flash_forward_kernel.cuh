@@ -26,6 +26,12 @@
 // different 16-byte bank groups (no bank conflicts, no padding).
 // Head dims below kD are served by the same kernel: columns >= head_dim are zero-filled on load
 // (adding nothing to Q K^T) and not stored.
+// Open-model options (FlashTile::kOptions, one instance per tile beside the plain one, which has
+// none of this code): chunks cut each row's keys as windows do (ChunkedVisibleKeys: the CTA's key
+// range, the tiles that need element masks, the masks), the softcap rewrites S before the mask
+// (Softcap, in the log2 domain: the softmax then runs at scale 1; tanh.approx in 16-bit tiles,
+// tanhf in float32 ones), and the head's sink joins l in the epilogue (AddSink: one factor on o,
+// and the LSE).
 //
 // Current speed (v5, 2026-11-30; H200, bfloat16/float16 TFLOP/s on the FlashAttention grid of
 // bench/README.md, against torch SDPA's FlashAttention-2 in the same run): D=64 causal 174-321
@@ -51,7 +57,8 @@
 
 namespace attention::cuda {
 
-template <typename T, int kD_, int kBr_, int kBc_, int kWarps_, bool kMaskVariants_ = false>
+template <typename T, int kD_, int kBr_, int kBc_, int kWarps_, bool kMaskVariants_ = false,
+          bool kOptions_ = false>
 struct FlashTile {
   using Element = T;
   static constexpr bool kF32 = std::is_same_v<T, float>;
@@ -68,6 +75,10 @@ struct FlashTile {
   // block (more code, more registers live at once: D=128 spills); false: one copy that branches
   // to the mask. Only the tile sweep (bench/cuda) instantiates true.
   static constexpr bool kMaskVariants = kMaskVariants_;
+  // true: the open-model options instance (KernelParams' sinks, softcap and chunk_size, read at
+  // run time); false: the plain one, which has none of their code. Options is the same tile's.
+  static constexpr bool kOptions = kOptions_;
+  using Options = FlashTile<T, kD_, kBr_, kBc_, kWarps_, kMaskVariants_, true>;
   // Q fragments stay in registers when they are few (D = 64); otherwise they are re-read from
   // shared memory per k-step, which keeps registers for the O accumulator.
   static constexpr bool kQInRegisters = kMSteps * kD <= 128;
@@ -160,7 +171,7 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
   T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride +
          static_cast<int64_t>(e.q_start + m0) * p.o_row_stride;
 
-  const KeyRange keys = VisibleKeys(p, e.nq, e.nk, m0, row_last);
+  const KeyRange keys = ForwardVisibleKeys<Tile::kOptions>(p, e.nq, e.nk, m0, row_last);
   const int n_block_min = max(keys.lo, 0) / kBc;
   const int n_block_max = keys.hi > keys.lo ? (keys.hi + kBc - 1) / kBc : n_block_min;
 
@@ -303,6 +314,14 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
         }
       }
 
+      // The softcap (options instance) rewrites every logit before the mask.
+      if constexpr (Tile::kOptions) {
+        if (p.softcap_log2 > 0.f) {
+#pragma unroll
+          for (int ms = 0; ms < kMSteps; ++ms) SoftcapTile</*kApprox=*/!kF32>(p, acc_s[ms]);
+        }
+      }
+
       // Masked logits become -inf. Only tiles on a mask edge or past the last key take this
       // variant; the rest run the softmax below with no per-element mask work.
       if (with_mask) {
@@ -311,7 +330,8 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int row = m0 + block_row(ms) + g + half * 8;
-            MaskRow(acc_s[ms], half, VisibleKeys(p, e.nq, e.nk, row, row), n0, t);
+            MaskRow(acc_s[ms], half, ForwardVisibleKeys<Tile::kOptions>(p, e.nq, e.nk, row, row),
+                    n0, t);
           }
         }
       }
@@ -411,7 +431,12 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
       }
     };
     for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
-      const bool with_mask = TileNeedsMask(p, e, m0, row_last, n_block * kBc, kBc);
+      // The rows' keys per tile, not once per CTA as the Hopper kernel has them: held across the
+      // loop, their two registers made the D = 128 16-bit options tile spill 112 bytes on sm_80
+      // (none when computed here; a chunk size's division is one per tile, not per logit).
+      const bool with_mask = ForwardTileNeedsMask<Tile::kOptions>(
+          p, e, ForwardKeysOfEveryRow<Tile::kOptions>(p, e, m0, row_last), m0, row_last,
+          n_block * kBc, kBc);
       if constexpr (Tile::kMaskVariants) {
         if (with_mask) {
           tile_step(n_block, it, std::true_type());
@@ -426,13 +451,19 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
   }
 
   // Epilogue: O = acc * o_scale / l (0 for rows that saw no key), staged through this warp's own
-  // rows of the Q tile (no other warp reads them) so global stores are whole 16-byte chunks.
+  // rows of the Q tile (no other warp reads them) so global stores are whole 16-byte chunks. The
+  // options instance adds the head's sink to l (AddSink) and takes the LSE from it.
 #pragma unroll
   for (int ms = 0; ms < kMSteps; ++ms) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float l = QuadSum(row_sum[ms][half]);
-      const float inv = l > 0.f ? p.o_scale / l : 0.f;
+      float inv = l > 0.f ? p.o_scale / l : 0.f;
+      float lse2 = 0.f;  // options: the row's log2-sum-exp, the sink in it
+      if constexpr (Tile::kOptions) {
+        lse2 = RowLse2(row_max[ms][half], l, p.scale_log2);
+        if (p.sinks != nullptr) inv *= AddSink(p.sinks[h], lse2);
+      }
       const int r = block_row(ms) + g + half * 8;  // row within the tile
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
@@ -448,8 +479,9 @@ __global__ void __launch_bounds__(Tile::kThreads) FlashForwardKernel(const Kerne
       }
       if (p.lse != nullptr && t == 0 && m0 + r < e.nq) {
         // Natural-log LSE: scale_log2 * row_max is max(scale * s) * log2(e).
-        const float lse =
-            l > 0.f ? (row_max[ms][half] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+        const float lse = Tile::kOptions ? lse2 * kLn2
+                          : l > 0.f      ? (row_max[ms][half] * p.scale_log2 + log2f(l)) * kLn2
+                                         : -INFINITY;
         p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + e.q_start + m0 + r] = lse;
       }
     }

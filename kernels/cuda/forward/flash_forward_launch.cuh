@@ -68,10 +68,14 @@ auto WithFlashTile(int head_dim, F&& f) {
       head_dim, [&](auto d) { return f(typename FlashTileFor<T, decltype(d)::value>::Tile()); });
 }
 
+// The tile's options instance where p sets an open-model option (HasOptions), else the plain one.
 template <typename T>
 cudaError_t LaunchFlashForward(const KernelParams& p, cudaStream_t stream) {
-  return WithFlashTile<T>(p.head_dim,
-                          [&](auto tile) { return LaunchFlashTile<decltype(tile)>(p, stream); });
+  return WithFlashTile<T>(p.head_dim, [&](auto tile) {
+    using Tile = decltype(tile);
+    return HasOptions(p) ? LaunchFlashTile<typename Tile::Options>(p, stream)
+                         : LaunchFlashTile<Tile>(p, stream);
+  });
 }
 
 template <typename T>

@@ -46,6 +46,11 @@
 // next one are masked and their V is finite: HostRunner sends requests with a non-finite V to the
 // exact CPU path), windows and both mask alignments, LSE, head dims that are multiples of 8 up to
 // 256 (columns past head_dim read as zeros and are not stored).
+// Open-model options (Sm90Tile::kOptions: the 16-bit tiles once more, the plain ones having none
+// of this code; float8 calls with options are dequantised to bfloat16 first): chunks cut the keys
+// of the work tile, of each warpgroup and of each row as windows do (ChunkedVisibleKeys), the
+// softcap rewrites S before the mask (Softcap by tanh.approx, one MUFU op: the softmax then at
+// scale 1), and the head's sink joins l in the epilogue (AddSink).
 // Falls back to mma_sm80 (the plan's rule, forward_plan.cc): float32, and devices other than
 // compute capability 9.0. float8 e4m3 at head dim 64, at head dims whose padding to 8 is not a
 // multiple of 16, and varlen float8 calls run here (or on mma_sm80) after HostRunner's
@@ -85,7 +90,8 @@ struct Sm90Params {
   bool o_by_tma;        // the tile stores O by TMA and o's address and strides allow it
 };
 
-template <typename T, int kD_, int kBc_, int kStages_, int kConsumers_, int kQBuffers_ = 1>
+template <typename T, int kD_, int kBc_, int kStages_, int kConsumers_, int kQBuffers_ = 1,
+          bool kOptions_ = false>
 struct Sm90Tile {
   using Element = T;
   // float8 e4m3: Q and K as they come, V transposed (KernelParams::v_transposed), P rounded to
@@ -112,6 +118,11 @@ struct Sm90Tile {
   // Q buffers: with two, the producer loads the next work tile's Q while the consumers still
   // run the current one's last key tiles (with one, only after their last Q K^T).
   static constexpr int kQBuffers = kQBuffers_;
+  // true: the open-model options instance (KernelParams' sinks, softcap and chunk_size, read at
+  // run time; 16-bit only); false: the plain one, which has none of their code. Options is the
+  // same tile's.
+  static constexpr bool kOptions = kOptions_;
+  using Options = Sm90Tile<T, kD_, kBc_, kStages_, kConsumers_, kQBuffers_, true>;
   // The barriers: q_full and q_empty per Q buffer, k_full, v_full, k_empty and v_empty per
   // stage, and o_empty (used where kOInV).
   static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages + 1;
@@ -147,6 +158,7 @@ struct Sm90Tile {
   // float8 V^T stages are boxes of 128 keys (one swizzled row) by kD rows.
   static_assert(!kFloat8 || kBc % 128 == 0);
   static_assert(kConsumers == 2 || kConsumers == 3);
+  static_assert(!kOptions || !kFloat8, "float8 calls with options are dequantised first");
   static_assert(kQBuffers == 1 || kQBuffers == 2);
   static_assert(kSmemBytes <= 227 * 1024, "the most shared memory a CTA may take");
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536);
@@ -169,7 +181,7 @@ struct Sm90WorkTile {
   __device__ int n_tiles() const { return n_block_max - n_block_min; }
 };
 
-template <int kBr, int kBc>
+template <int kBr, int kBc, bool kOptions>
 __device__ __forceinline__ Sm90WorkTile GetWorkTile(const KernelParams& p, const Sm90Schedule& sc,
                                                     int pos) {
   Sm90WorkTile wt;
@@ -180,7 +192,8 @@ __device__ __forceinline__ Sm90WorkTile GetWorkTile(const KernelParams& p, const
   wt.m0 = wt.e.nq - (sc.m_blocks - at.m_block) * kBr;
   wt.n_block_min = wt.n_block_max = 0;
   if (wt.m0 + kBr <= 0) return wt;  // varlen: this item is shorter than the grid
-  const KeyRange keys = VisibleKeys(p, wt.e.nq, wt.e.nk, max(wt.m0, 0), wt.m0 + kBr - 1);
+  const KeyRange keys =
+      ForwardVisibleKeys<kOptions>(p, wt.e.nq, wt.e.nk, max(wt.m0, 0), wt.m0 + kBr - 1);
   wt.n_block_min = max(keys.lo, 0) / kBc;
   wt.n_block_max = keys.hi > keys.lo ? (keys.hi + kBc - 1) / kBc : wt.n_block_min;
   return wt;
@@ -322,7 +335,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       const int qb = q_buffer(round);
       const bool last = pos >= schedule.work_tiles;
       Sm90WorkTile wt{};
-      if (!last) wt = GetWorkTile<kBr, kBc>(p, schedule, pos);
+      if (!last) wt = GetWorkTile<kBr, kBc, Tile::kOptions>(p, schedule, pos);
       MbarWait(q_empty(qb), q_parity(round) ^ 1);
       PublishWorkTile(tile_slot(qb), pos, wt);
       if (last) {
@@ -420,7 +433,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     // cores to the other consumers.
     int i0 = n_tiles, i1 = n_tiles;
     if (wg_row_last >= 0) {
-      const KeyRange keys = VisibleKeys(p, e.nq, e.nk, wg_row_first, wg_row_last);
+      const KeyRange keys =
+          ForwardVisibleKeys<Tile::kOptions>(p, e.nq, e.nk, wg_row_first, wg_row_last);
       if (keys.hi > keys.lo) {
         i0 = min(max(wt.n_block_max - (keys.hi + kBc - 1) / kBc, 0), n_tiles);
         i1 = min(max(wt.n_block_max - max(keys.lo, 0) / kBc, i0), n_tiles);
@@ -435,6 +449,20 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       }
     };
     pass_over(0, i0);
+    // Once per work tile, not per key tile: the keys every row of the warpgroup sees (the tiles
+    // that need no element mask) and, in the options instance, the keys of this thread's two rows
+    // (its element masks); the chunk bounds hold integer divisions. The plain instance computes
+    // its rows' keys (VisibleKeys, no division) on the tiles that need them.
+    const KeyRange every_row =
+        ForwardKeysOfEveryRow<Tile::kOptions>(p, e, wg_row_first, wg_row_last);
+    auto row_of = [&](int half) { return wg_row0 + warp * 16 + g + half * 8; };
+    KeyRange chunked_row_keys[2] = {};
+    if constexpr (Tile::kOptions) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        chunked_row_keys[half] = ChunkedVisibleKeys(p, e.nq, e.nk, row_of(half), row_of(half));
+      }
+    }
 
     float acc_o[kDTiles][4];
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
@@ -516,15 +544,21 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         MbarArrive(k_empty(stage(it0 + i)));
         if (i == i1 - 1) MbarArrive(q_empty(qb));
       };
-      // Mask (on tiles that need it) and online softmax of key tile i's logits, in place; per
-      // row the rescale of the earlier terms.
+      // Softcap (options instance), mask (on tiles that need it) and online softmax of key tile
+      // i's logits, in place; per row the rescale of the earlier terms.
       auto softmax = [&](int i, float(&acc_s)[kNTiles][4], float(&rescale)[2]) {
         const int n0 = first_key(i);
-        if (TileNeedsMask(p, e, wg_row_first, wg_row_last, n0, kBc)) {
+        if constexpr (Tile::kOptions) {
+          if (p.softcap_log2 > 0.f) SoftcapTile</*kApprox=*/true>(p, acc_s);
+        }
+        if (ForwardTileNeedsMask<Tile::kOptions>(p, e, every_row, wg_row_first, wg_row_last, n0,
+                                                 kBc)) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int row = wg_row0 + warp * 16 + g + half * 8;
-            MaskRow(acc_s, half, VisibleKeys(p, e.nq, e.nk, row, row), n0, t);
+            MaskRow(acc_s, half,
+                    Tile::kOptions ? chunked_row_keys[half]
+                                   : VisibleKeys(p, e.nq, e.nk, row_of(half), row_of(half)),
+                    n0, t);
           }
         }
 #pragma unroll
@@ -621,11 +655,16 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     // at negative rows by TMA failed with an illegal instruction on the H200), and the other tiles,
     // store straight from the accumulators: each quad writes 16 contiguous bytes of a row per
     // 8-column tile.
-    float l[2], inv[2];
+    // The options instance adds the head's sink to l (AddSink) and takes the LSE from it.
+    float l[2], inv[2], lse2[2] = {};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       l[half] = QuadSum(row_sum[half]);
       inv[half] = l[half] > 0.f ? p.o_scale / l[half] : 0.f;
+      if constexpr (Tile::kOptions) {
+        lse2[half] = RowLse2(row_max[half], l[half], p.scale_log2);
+        if (p.sinks != nullptr) inv[half] *= AddSink(p.sinks[wt.h], lse2[half]);
+      }
     }
     // O in the V stages (Tile::kOInV; only in work tiles with keys, the ones whose V loads wait
     // for o_empty): once every consumer's last P V has read them.
@@ -687,7 +726,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         if (row < 0) continue;
         // Natural-log LSE: scale_log2 * row_max is max(scale * s) * log2(e).
         const float lse =
-            l[half] > 0.f
+            Tile::kOptions ? lse2[half] * kLn2
+            : l[half] > 0.f
                 ? (row_max[half] * p.scale_log2 + log2f(l[half]) - Tile::kPLog2Gain) * kLn2
                 : -INFINITY;
         p.lse[wt.b * p.lse_batch_stride + wt.h * p.lse_head_stride + e.q_start + row] = lse;

@@ -169,10 +169,19 @@ auto WithSm90Tiles(int head_dim, F&& f) {
                                 [&](auto d) { return f(Sm90TileFor<T, decltype(d)::value>()); });
 }
 
+// The tile's options instance where p sets an open-model option (HasOptions; 16-bit types only,
+// the plan dequantises float8 calls with options), else the plain one.
 template <typename T>
 cudaError_t LaunchFlashForwardSm90(const KernelParams& p, cudaStream_t stream) {
   return WithSm90Tiles<T>(p.head_dim, [&](auto tiles) {
-    return LaunchSm90Tile<typename decltype(tiles)::Tile>(p, stream);
+    using Tile = typename decltype(tiles)::Tile;
+    if constexpr (Tile::kFloat8) {
+      if (HasOptions(p)) return cudaErrorInvalidValue;
+      return LaunchSm90Tile<Tile>(p, stream);
+    } else {
+      return HasOptions(p) ? LaunchSm90Tile<typename Tile::Options>(p, stream)
+                           : LaunchSm90Tile<Tile>(p, stream);
+    }
   });
 }
 

@@ -105,6 +105,12 @@ absl::StatusOr<ForwardPlan> PlanWgmmaSm90(const AttentionParams& p, const Device
           p.is_varlen() ? "a varlen call" : "a dense call", " at head_dim ", p.head_dim,
           " (HostRunner dequantises such calls to bfloat16)"));
     }
+    // The options instances are 16-bit only (flash_forward_sm90_launch.cuh).
+    if (p.has_open_model_options()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "forward variant ", name, " takes float8_e4m3 without open-model options; got ",
+          OpenModelOptionNames(p), " (HostRunner dequantises such calls to bfloat16)"));
+    }
     plan.smem_bytes = FlashForwardSm90F8SmemBytes(head_dim);
     plan.workspace_bytes = TransposedVBytes(p.batch, p.heads_kv, p.head_dim, p.seqlen_k);
   }

@@ -47,6 +47,16 @@ struct KernelParams {
   bool mask_top_left;
   const int32_t* cu_seqlens_q;  // device, batch + 1 entries; nullptr when not varlen
   const int32_t* cu_seqlens_k;
+  // The open-model options (AttentionParams), read only by the kernels' options instances
+  // (HasOptions picks them; the plain ones have none of this code). sinks: float32 [Hq] natural-log
+  // sink logits in device memory (ForwardScratch::sinks), nullptr: none. softcap_log2 > 0: the
+  // logits are capped, s2 = softcap_log2 * tanh(q.k * softcap_scale) in the log2 domain
+  // (softcap_log2 = softcap log2(e), softcap_scale = |scale| / softcap, q negated for a negative
+  // scale), and scale_log2 is 1. chunk_size > 0: a row also sees only the keys in its diagonal
+  // key's chunk (ChunkedVisibleKeys, masks.cuh).
+  const float* sinks;
+  float softcap_log2, softcap_scale;
+  int chunk_size;
   // Device, 2 entries, zero at launch and left zero: the wgmma kernel's dynamic tile scheduler
   // (ForwardScratch, cuda_attention.h); the mma.sync kernels ignore it.
   int32_t* tile_counters;
@@ -54,6 +64,11 @@ struct KernelParams {
   // launch's workspace: ForwardPlan::workspace_bytes), written by the launcher before the kernel.
   void* v_transposed;
 };
+
+// Whether p sets an open-model option: the launchers then run the kernels' options instances.
+inline bool HasOptions(const KernelParams& p) {
+  return p.sinks != nullptr || p.softcap_log2 > 0.f || p.chunk_size > 0;
+}
 
 // The kernels' form of a softmax scale (KernelParams::scale_log2 and negate_q).
 struct Log2Scale {

@@ -10,6 +10,8 @@
 
 #include <cmath>
 
+#include "kernels/cuda/ops/kernel_params.h"
+
 namespace attention::cuda {
 
 // 2^x on the special-function unit; 2^-inf = +0, which masked logits rely on.
@@ -82,6 +84,65 @@ __device__ __forceinline__ float OnlineSoftmaxKey(float s, float& row_max, float
   row_sum = row_sum * rescale + p;
   row_max = new_max;
   return p;
+}
+
+// A finished row's log2-sum-exp from its running max (raw logits) and sum l of exp2(scale_log2 (s
+// - max) + log2_gain): -inf for a row that saw no key (l = 0).
+__device__ __forceinline__ float RowLse2(float row_max, float l, float scale_log2,
+                                         int log2_gain = 0) {
+  return l > 0.f ? row_max * scale_log2 + log2f(l) - log2_gain : -INFINITY;
+}
+
+// The sink logit `sink` (natural log) of a finished row's query head joins its softmax
+// denominator: the row's log2-sum-exp lse2 (-inf: it saw no key) becomes log2(2^lse2 + 2^(sink
+// log2 e)), and its normalised o scales by the returned 2^(old lse2 - new lse2): 0 for a row that
+// saw no key, whose o is then 0 and lse the sink (as kernels/reference has it).
+__device__ __forceinline__ float AddSink(float sink, float& lse2) {
+  const float sink2 = sink * kLog2e;
+  const float mx = fmaxf(lse2, sink2);
+  if (mx == -INFINITY) return 1.f;
+  const float total = mx + log2f(exp2f(lse2 - mx) + exp2f(sink2 - mx));
+  const float o_scale = exp2f(lse2 - total);
+  lse2 = total;
+  return o_scale;
+}
+
+// tanh(x) in one instruction on the special-function unit (tanh.approx.f32, sm_75 on;
+// FlashAttention-3's cutlass::fast_tanh is the same instruction): max relative error 2^-10.987
+// (PTX ISA). The 16-bit forward kernels cap with it: on top of the softmax's exp2 it is one more
+// MUFU op per logit, where tanhf's ex2 + rcp (and its small-|x| polynomial) are two and ~16
+// instructions. Its error, carried into o and lse, is set out at Softcap.
+__device__ __forceinline__ float ApproxTanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A logit of the raw q.k products (negated q for a negative scale) capped, in the log2 domain:
+// softcap tanh(scale q.k / softcap) log2(e), which the softmax then takes at scale 1. Params:
+// kernel params with softcap_log2 and softcap_scale.
+// kApprox: tanh by ApproxTanh (the 16-bit forward kernels), else tanhf (float32, whose 1e-5
+// tolerance a 2^-11 tanh would break, and the paged decode kernels, memory-bound). ApproxTanh's
+// relative error e <= 2^-10.987 moves a natural-log logit c tanh(x) by at most c e |tanh x| < c e
+// (c the softcap): 2.4e-3 at c = 5, 0.015 at c = 30, 0.024 at c = 50. A row's lse moves by at most
+// that (lse is a smooth max of the logits), and each weight P_j by the factor exp(d_j - d), d_j
+// its logit's error and d their P-weighted mean: o's relative error is at most about 2 c e where
+// the errors are correlated (logits saturated alike) and far less for independent ones, beside
+// bfloat16's rounding of P (2^-9) and of o (2^-9). The tests' caps (2.5 and 5) keep it below 5e-3
+// of their 1e-2 bound for o and far below it for lse (|lse| of a few units).
+template <bool kApprox, typename Params>
+__device__ __forceinline__ float Softcap(const Params& p, float s) {
+  const float x = s * p.softcap_scale;
+  return p.softcap_log2 * (kApprox ? ApproxTanh(x) : tanhf(x));
+}
+
+// Softcap on every logit of an S block (float s[kNTiles][4], the mma accumulator layout).
+template <bool kApprox, typename Params, int kNTiles>
+__device__ __forceinline__ void SoftcapTile(const Params& p, float (&s)[kNTiles][4]) {
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[nt][i] = Softcap<kApprox>(p, s[nt][i]);
 }
 
 }  // namespace attention::cuda

@@ -244,10 +244,10 @@ absl::StatusOr<HostRunTimes> HostRunner::RunBatch(absl::Span<const AttentionPara
   if (items.empty()) return absl::InvalidArgumentError("RunBatch: no items");
   for (const AttentionParams& item : items) {
     RETURN_IF_ERROR(CheckParams(item));
-    RETURN_IF_ERROR(RefuseOpenModelOptions(item, "cuda"));
-    if (!CanShareLaunch(items[0], item)) {
-      return absl::InvalidArgumentError("RunBatch: items cannot share a launch");
-    }
+    RETURN_IF_ERROR(RefuseUnservedOptions(item));
+  }
+  if (!IsOneLaunch(items)) {
+    return absl::InvalidArgumentError("RunBatch: items cannot share a launch");
   }
   // The budget first, before any stream or memory is taken.
   if (const int64_t need = DeviceBytes(items); RoundUp(need, kGrowStep) > budget_) {

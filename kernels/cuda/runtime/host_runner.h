@@ -32,20 +32,20 @@
 // that poison the whole CUDA context (an illegal address in a kernel) fail every later call on the
 // device too; nothing short of a new process recovers from those.
 //
-// What falls back: a masked request (causal or a window) whose V holds an Inf or NaN is computed on
-// the CPU (cpu::CpuBackend, the exact kernel) instead of the GPU and its result returned as this
-// backend's; the rest of its batch still runs on the GPU. Such inputs are pathological (a poisoned
-// tensor), and the tensor-core kernel cannot compute them exactly: its P V multiplies a masked
-// key's P = 0 by V (0 * NaN = NaN) for every row of a tile, while the reference keeps a key a row
-// cannot see out of that row. So they are slower here but exact. Before each masked call the
-// runner scans V's exponent bits where V is: on the host (HoldsNonFinite, kernels/non_finite.h:
-// ~2.5-3 ms for a 64 MiB bfloat16 V on one core of the dev machine), or, for V in this device's
-// memory, on the device with the same bit test (kernels/cuda/prep/non_finite_scan.h), so a request
-// from device memory takes the path the same request from the host takes. One that falls back
-// copies its device tensors to host buffers, runs the CPU kernel on them and copies o and lse back:
-// the same bytes in, the same answer out, bit for bit. Unmasked calls skip the scan (their only
-// unseen keys, past Nk, are zero-filled on the device). The times of a fallen-back call count the
-// CPU run (and its copies) as compute_us.
+// What falls back: a masked request (causal, a window or chunks) whose V holds an Inf or NaN is
+// computed on the CPU (cpu::CpuBackend, the exact kernel) instead of the GPU and its result
+// returned as this backend's; the rest of its batch still runs on the GPU. Such inputs are
+// pathological (a poisoned tensor), and the tensor-core kernel cannot compute them exactly: its P V
+// multiplies a masked key's P = 0 by V (0 * NaN = NaN) for every row of a tile, while the reference
+// keeps a key a row cannot see out of that row. So they are slower here but exact. Before each
+// masked call the runner scans V's exponent bits where V is: on the host (HoldsNonFinite,
+// kernels/non_finite.h: ~2.5-3 ms for a 64 MiB bfloat16 V on one core of the dev machine), or, for
+// V in this device's memory, on the device with the same bit test
+// (kernels/cuda/prep/non_finite_scan.h), so a request from device memory takes the path the same
+// request from the host takes. One that falls back copies its device tensors to host buffers, runs
+// the CPU kernel on them and copies o and lse back: the same bytes in, the same answer out, bit for
+// bit. Unmasked calls skip the scan (their only unseen keys, past Nk, are zero-filled on the
+// device). The times of a fallen-back call count the CPU run (and its copies) as compute_us.
 //
 // float8 e4m3 inputs are served as the forward plan decides (PlanFlashForward): dense calls at head
 // dims 128 and 256 on a Hopper GPU (an sm_90a build) run on the wgmma_sm90 kernel's own e4m3 path,

@@ -18,7 +18,8 @@ bool Packable(const AttentionParams& p) { return p.is_varlen() || IsBshd(p); }
 // Whether the mask hides some keys from some rows (a causal or window mask). Without one, the only
 // keys a row cannot see are those past Nk, which the kernel zero-fills.
 bool Masked(const AttentionParams& p) {
-  return p.window_left != kUnboundedWindow || p.window_right != kUnboundedWindow;
+  return p.window_left != kUnboundedWindow || p.window_right != kUnboundedWindow ||
+         p.chunk_size > 0;
 }
 
 bool CopiesDirectly(Home home) { return home != Home::kPageable; }
@@ -37,6 +38,11 @@ bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b) {
   const bool same_dense = !a.is_varlen() && !b.is_varlen() && IsBshd(a) == IsBshd(b) &&
                           a.seqlen_q == b.seqlen_q && a.seqlen_k == b.seqlen_k;
   return same_dense || (Packable(a) && Packable(b));
+}
+
+bool IsOneLaunch(absl::Span<const AttentionParams> items) {
+  return std::all_of(items.begin() + 1, items.end(),
+                     [&](const AttentionParams& item) { return CanShareLaunch(items[0], item); });
 }
 
 std::vector<VScan> PlanVScan(absl::Span<const AttentionParams> items,

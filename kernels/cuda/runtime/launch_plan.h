@@ -37,7 +37,14 @@ namespace attention::cuda {
 // window and lse request, and either both dense in the same layout with equal lengths (concatenated
 // along B) or both BSHD-or-varlen (packed as varlen). Host-side and cheap; the scheduler groups by
 // it.
+// A request with open-model options (sinks, softcap, chunks) shares with no other request: the
+// launch carries one request's options, and its sinks are that request's own array.
 bool CanShareLaunch(const AttentionParams& a, const AttentionParams& b);
+
+// Whether `items` (not empty) run as one launch: each item after the first CanShareLaunch with
+// items[0]. items[0] is not compared with itself, so a lone request runs whatever CanShareLaunch
+// says of it (a request with options shares with no other, but alone it is a launch).
+bool IsOneLaunch(absl::Span<const AttentionParams> items);
 
 // Query rows and key rows of p over all its sequences.
 inline int64_t RowsQ(const AttentionParams& p) {
