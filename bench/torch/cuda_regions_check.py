@@ -19,7 +19,10 @@ starts attention_server --backend=cuda --allow_shared_memory from BIN_DIR and ch
    by counters and posted on the ring without waiting for the answer; and a ready_counter the
    caller never writes, which the server writes itself after --stream_wait_timeout_s, and a
    ready_event that completes only after it, which the server's stream stops waiting for;
-4. a timing table, per call (median of 20, after warm-up): CUDA regions, the host path and local
+4. attention_client.transformers' RemoteCache on CUDA tensors (where transformers is installed):
+   a tiny Llama's decode Steps posted on the ring in stream order, the tokens and logits of the
+   host path bit for bit, and a session dropped behind its back failing the forward that steps it;
+5. a timing table, per call (median of 20, after warm-up): CUDA regions, the host path and local
    torch SDPA, for a decode-like and a prefill-like shape.
 
     python3 bench/torch/cuda_regions_check.py [BIN_DIR]       # default .device/bin
@@ -33,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,6 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [os.path.join(ROOT, "client", "python"),
                 os.path.join(ROOT, os.environ.get("GEN", "build/tests/python/gen"))]
 
+import grpc  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -292,6 +297,64 @@ def packed_steps_in_stream_order(direct, host, dtypes):
                 s.drop()
 
 
+def remote_cache_in_stream_order(direct, host):
+    """attention_client.transformers' RemoteCache on CUDA tensors: a tiny Llama (random weights,
+    float32) generates through register()'s attention with its K/V in sessions, each decode layer's
+    packed Step posted on the ring in stream order without waiting (client._step_rings opened),
+    the same tokens and logits bit for bit as the same cache through the host path; then a
+    session dropped behind the cache's back fails the next forward with the server's refusal
+    (raised in that forward, not later, and no hang). Skipped where transformers is missing."""
+    try:
+        import transformers
+        from attention_client import transformers as remote_tf
+    except ImportError as e:
+        print(f"SKIP RemoteCache in stream order: {e}")
+        return
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2, initializer_range=0.2)
+    ids = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(7)).cuda()
+    results = {}
+    for name, client in (("direct", direct), ("host", host)):
+        config._attn_implementation = remote_tf.register(client)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).float().eval().cuda()
+        with remote_tf.RemoteCache(client, config) as cache:
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache,
+                                 output_logits=True, return_dict_in_generate=True)
+            results[name] = (out.sequences.cpu(), torch.stack(out.logits).cpu())
+        check(name != "direct" or bool(client._step_rings),
+              "RemoteCache on CUDA tensors: its decode Steps went through the request ring")
+    (tokens, logits), (want_tokens, want_logits) = results["direct"], results["host"]
+    check(torch.equal(tokens, want_tokens) and same_bits(logits, want_logits),
+          "RemoteCache in stream order: the tokens and logits of the host path, bit for bit")
+    # A session gone from under the cache: the next decode forward raises NOT_FOUND.
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval().cuda()
+    cache = remote_tf.RemoteCache(direct, config)
+    raised = []
+
+    def forward():
+        try:
+            with torch.no_grad():
+                first = model(ids, past_key_values=cache, use_cache=True)
+                direct._call(direct._sessions_stub.DropSession,
+                             pb.DropSessionRequest(session_id=cache.session_ids[0]), None, None)
+                model(first.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+                torch.cuda.synchronize()
+        except attention_client.AttentionError as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    check(not thread.is_alive() and len(raised) == 1
+          and raised[0].code == grpc.StatusCode.NOT_FOUND,
+          f"RemoteCache in stream order: a dropped session fails the forward that steps it "
+          f"({'hung' if thread.is_alive() else raised})")
+    cache.close()
+
+
 def late_ready_counter(direct):
     """A ready_counter the caller never writes: the server writes it itself after
     --stream_wait_timeout_s (so the stream serving every session goes on), and refuses the next
@@ -445,6 +508,7 @@ def main():
                 if on_gpu:
                     no_round_trip(direct)
                     packed_steps_in_stream_order(direct, host, dtypes)
+                    remote_cache_in_stream_order(direct, host)
                     late_ready_counter(direct)
                     late_ready_event(direct)
                     timing(direct, host)

@@ -430,7 +430,14 @@ def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
     driver.write_value(device, stream, counters.ready.data_ptr(), value)
 
     def release():
-        # The Step failed: nothing will write its done value, for which the stream waits.
+        # The Step failed: nothing will write o, lse or the done value, for which the stream
+        # waits. o and lse become NaN first (on the same stream as the done value), so what the
+        # stream computes from them before the caller reads the failure is no answer.
+        import torch
+        with torch.cuda.stream(counters.rescue):
+            o.fill_(float("nan"))
+            if lse is not None:
+                lse.fill_(float("nan"))
         driver.write_value(device, counters.rescue.cuda_stream, counters.done.data_ptr(), value)
 
     # No host fallback here: a failure raised now may be the previous Step's, read by this post,

@@ -178,6 +178,12 @@ def _one_head_dim(query, key, value):
     return tuple(torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (query, key, value))
 
 
+def _in_stream_order(client, query):
+    """Whether a Step of `query` may go in stream order through CUDA regions (torch CUDA tensors,
+    the client's regions not found unusable): step_batch then writes o in place."""
+    return bool(getattr(query, "is_cuda", False)) and client._cuda_segments.usable
+
+
 def _serves_v_head_dim(client, options):
     """Whether every device of the client's server lists "v_head_dim" in its DeviceInfo
     `options` ("attend_options" or "step_options"): v and o may then have a head dim of their
@@ -261,6 +267,15 @@ class _Sequences:
         self.shape = None  # (dtype, Hkv, D, Dv) of the sessions
         self.members = set()  # the layers that keep their K/V in them
         self.selecting = None  # (indices, the layers yet to take them)
+        # The packed Step of CUDA tensors posted last without waiting for its answer (a
+        # RingStep; RemoteLayer._step_packed), or None.
+        self.posted = None
+
+    def settle(self):
+        """Reads the answer of the Step posted last, raising its failure (AttentionError)."""
+        posted, self.posted = self.posted, None
+        if posted is not None:
+            posted.result()
 
 
 def _drop_sessions(client, sessions):
@@ -375,6 +390,11 @@ class RemoteLayer(CacheLayerMixin):
             raise RuntimeError("RemoteCache: attention was called with keys this cache did not "
                                "hand out")
         self._pending = None
+        if self.shared is not None:
+            # Before anything here can synchronise with the GPU: a failed Step posted without
+            # waiting leaves the stream waiting until its answer is read (its rescue writes the
+            # done value), and its failure is raised now, in the forward that made it.
+            self.shared.settle()
         if self.shared is None or not self.shared.own_v_head_dim:
             query, key, value = _one_head_dim(query, key, value)
         batch, _, nq, _ = query.shape
@@ -445,8 +465,20 @@ class RemoteLayer(CacheLayerMixin):
         self.length += new
         step_options = options.unmasked() if keep is None else options.masked()
         layer = self.layer if self.layer in self._members() else None
-        return self.client.step_batch(self.sessions, query, key, value, causal=True,
-                                      softmax_scale=scaling, layer=layer, **step_options)
+        if layer is None or not _in_stream_order(self.client, query):
+            return self.client.step_batch(self.sessions, query, key, value, causal=True,
+                                          softmax_scale=scaling, layer=layer, **step_options)
+        # CUDA tensors of a co-located server: the Step in stream order by counters, posted on
+        # the request ring without waiting for its answer (o is written in place before the
+        # stream's next kernels run), read at the next layer's attend; the model's last layer
+        # reads its own, so a failure is raised in the forward that made it, before the logits.
+        step = self.client.step_batch(self.sessions, query, key, value, causal=True,
+                                      softmax_scale=scaling, layer=layer, stream="ring",
+                                      wait=False, **step_options)
+        if step.o is None or layer == max(self._members()):
+            return step.result()  # the host path answered (o in the answer), or the last layer
+        self.shared.posted = step
+        return step.o
 
     def crop(self, max_length):
         """Drops the last -max_length positions (as DynamicLayer.crop: 0 drops nothing, a
@@ -459,6 +491,8 @@ class RemoteLayer(CacheLayerMixin):
                              "DynamicCache")
         if max_length == 0 or not self.sessions:
             return None
+        if self.shared is not None:
+            self.shared.settle()  # no Step of the sessions left in flight
         if -max_length > self.length:
             raise ValueError(f"RemoteCache.crop: max_length: expected -{self.length}..0 (the "
                              f"positions held), got {max_length}")
@@ -493,6 +527,8 @@ class RemoteLayer(CacheLayerMixin):
         Nothing to do before the prefill."""
         if not self.sessions:
             return
+        if self.shared is not None:
+            self.shared.settle()  # no Step of the sessions left in flight
         chosen = torch.arange(len(self.positions))[torch.as_tensor(indices).cpu()].tolist()
         self.positions = [self.positions[i] for i in chosen]
         if self.layer not in self._members():
