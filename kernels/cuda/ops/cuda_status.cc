@@ -9,10 +9,10 @@ namespace attention::cuda {
 absl::Status CudaError(cudaError_t err, absl::string_view what) {
   const std::string message = absl::StrCat("cuda backend: ", what, ": ", cudaGetErrorName(err),
                                            ": ", cudaGetErrorString(err));
-  if (err == cudaErrorMemoryAllocation) {
-    cudaGetLastError();
-    return absl::ResourceExhaustedError(message);
-  }
+  // Reported once: a later launch check (cudaGetLastError) must not report this error again as
+  // its own. A sticky error (the context is lost) stays: every later call still returns it.
+  cudaGetLastError();
+  if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(message);
   return absl::InternalError(message);
 }
 

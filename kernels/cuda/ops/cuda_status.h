@@ -11,9 +11,9 @@
 namespace attention::cuda {
 
 // err != cudaSuccess as a Status: "cuda backend: <what>: <error name>: <description>",
-// RESOURCE_EXHAUSTED for cudaErrorMemoryAllocation (which it also clears from cudaGetLastError:
-// an allocation failure is not sticky, and a later launch check must not report it again),
-// INTERNAL otherwise.
+// RESOURCE_EXHAUSTED for cudaErrorMemoryAllocation, INTERNAL otherwise. It clears the error from
+// cudaGetLastError: a non-sticky error (an allocation failure, an invalid argument) is reported
+// once, not again by a later launch check as that launch's.
 absl::Status CudaError(cudaError_t err, absl::string_view what);
 
 // OK for cudaSuccess, else CudaError(err, what).

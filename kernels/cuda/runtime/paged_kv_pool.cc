@@ -473,12 +473,30 @@ class CudaKvPagePool : public KvPagePool {
                    !lse ? nullptr : reinterpret_cast<float*>(lse_at != nullptr ? lse_at : at(kLse)),
                    at(kCu), at(kLens), at(kTable), at(kSinks));
       if (options_.poison_outputs) {
-        // As the host path's: all-ones bytes are NaN in every dtype.
-        RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dev.o, 0xff, host.total_q * o_row_bytes, stream_),
-                             "poison o");
+        // As the host path's: all-ones bytes are NaN in every dtype. Where the caller gave each
+        // sequence's rows, one memset per sequence: rows found packed may still lie in separate
+        // allocations that happen to abut, which the kernels' stores may cross but a memset not.
+        auto poison = [&](void* whole, const void* const* seqs, size_t bytes_per_row,
+                          bool in_scratch, const char* what) -> absl::Status {
+          if (seqs == nullptr || in_scratch) {
+            RETURN_IF_CUDA_ERROR(
+                cudaMemsetAsync(whole, 0xff, host.total_q * bytes_per_row, stream_), what);
+            return absl::OkStatus();
+          }
+          for (int64_t s = 0; s < host.num_seqs; ++s) {
+            const int64_t rows = host.cu_seqlens_q[s + 1] - host.cu_seqlens_q[s];
+            if (rows == 0) continue;
+            RETURN_IF_CUDA_ERROR(
+                cudaMemsetAsync(const_cast<void*>(seqs[s]), 0xff, rows * bytes_per_row, stream_),
+                what);
+          }
+          return absl::OkStatus();
+        };
+        RETURN_IF_ERROR(poison(dev.o, reinterpret_cast<const void* const*>(host.o_seqs),
+                               o_row_bytes, o == nullptr, "poison o"));
         if (lse) {
-          RETURN_IF_CUDA_ERROR(
-              cudaMemsetAsync(dev.lse, 0xff, host.total_q * lse_row_bytes, stream_), "poison lse");
+          RETURN_IF_ERROR(poison(dev.lse, reinterpret_cast<const void* const*>(host.lse_seqs),
+                                 lse_row_bytes, lse_at == nullptr, "poison lse"));
         }
       }
       RETURN_IF_CUDA_ERROR(cudaEventRecord(events[1], stream_), "cudaEventRecord");
