@@ -76,8 +76,15 @@ install_venv() {
   echo "install_deps: installing $what into $dir"
   rm -rf "${root:?}/$dir"
   "$python" -m venv "${venv_flags[@]}" "$root/$dir"
-  "$root/$dir/bin/pip" install -q --disable-pip-version-check --no-deps "${pip_flags[@]}" \
-    -r "$requirements"
+  # Three tries: a download cut short fails its hash check (seen on PyPI's CDN); pip keeps what
+  # it installed, so a retry fetches only what is missing.
+  local try
+  for try in 1 2 3; do
+    "$root/$dir/bin/pip" install -q --disable-pip-version-check --no-deps "${pip_flags[@]}" \
+      -r "$requirements" && break
+    [ "$try" -lt 3 ] || return 1
+    echo "install_deps: pip failed (try $try of 3); trying again"
+  done
   cp "$requirements" "$root/$dir/requirements.txt"
 }
 
