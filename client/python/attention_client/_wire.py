@@ -10,6 +10,8 @@ field's tag, length and bytes), so the bytes are copied once, by the join. The r
 the protobuf-built request: protobuf reads fields in any order, and the head holds none of the
 tensor fields.
 """
+import functools
+
 from attention_client._stubs import attention_pb2 as pb
 
 _LENGTH_DELIMITED = 2  # the wire type of bytes and message fields
@@ -32,6 +34,15 @@ def _key(number, length):
     return _varint(number << 3 | _LENGTH_DELIMITED) + _varint(length)
 
 
+@functools.lru_cache(maxsize=256)
+def _tensor_prefix(number, dtype, shape, size):
+    """What precedes a tensor's `size` bytes of data in Tensor field `number`: the field's tag
+    and length, the Tensor's dtype and shape, the data field's tag and length. Kept for the
+    shapes seen last: a model sends the same ones in every layer call."""
+    small = pb.Tensor(dtype=dtype, shape=shape).SerializeToString() + _key(_DATA, size)
+    return _key(number, len(small) + size) + small
+
+
 class WireMessage:
     """A request message (`head`, without the tensor fields set here) and tensor fields whose
     bytes stay in the caller's buffers until the first SerializeToString joins them. Sent by any
@@ -51,11 +62,9 @@ class WireMessage:
     def set_tensor(self, field, dtype, shape, data):
         """Sets Tensor field `field` (a name of the head's type) to dtype, shape and the bytes of
         `data` (a C-contiguous buffer: a numpy array; kept, not copied, until serialised)."""
-        number = self.head.DESCRIPTOR.fields_by_name[field].number
         data = memoryview(data).cast("B")
-        small = pb.Tensor(dtype=dtype, shape=list(shape)).SerializeToString()
-        small += _key(_DATA, len(data))
-        self._pieces += [_key(number, len(small) + len(data)) + small, data]
+        number = self.head.DESCRIPTOR.fields_by_name[field].number
+        self._pieces += [_tensor_prefix(number, dtype, tuple(shape), len(data)), data]
 
     @property
     def request_id(self):
