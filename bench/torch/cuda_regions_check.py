@@ -14,8 +14,10 @@ starts attention_server --backend=cuda --allow_shared_memory from BIN_DIR and ch
 3. packed Steps (Client.step_batch) of CUDA tensors in stream order: the inputs written by the
    current stream behind a long GPU sleep (the server must wait for the caller's event, not read
    them early), o and lse read by the current stream at once (the caller must wait for the
-   server's event), bit for bit equal to the same Steps through the host path, every dtype, three
-   steps over ragged sessions, with no host copy in the server's timing; then three more ordered
+   server's event), bit for bit equal to the same Steps through the host path (given host
+   tensors, and given CUDA views written behind a GPU sleep, which the host path copies to host
+   after the stream's work), every dtype, three steps over ragged sessions, with no host copy in
+   the server's timing; then three more ordered
    by counters and posted on the ring without waiting for the answer; and a ready_counter the
    caller never writes, which the server writes itself after --stream_wait_timeout_s, and a
    ready_event that completes only after it, which the server's stream stops waiting for;
@@ -250,6 +252,7 @@ def packed_steps_in_stream_order(direct, host, dtypes):
                torch.randn(hkv, n, d, generator=gen).to(dtype)) for n in lengths]
         on_device = [direct.session(k=k, v=v) for k, v in kv]
         via_host = [host.session(k=k, v=v) for k, v in kv]
+        cuda_via_host = [host.session(k=k, v=v) for k, v in kv]
         try:
             for step in range(6):
                 # Steps 0-2 by events (answered once queued); 3-5 by counters, posted on the ring
@@ -286,6 +289,21 @@ def packed_steps_in_stream_order(direct, host, dtypes):
                       f"host path "
                       f"bit for bit, lengths {r.lengths}, server h2d_us={t.h2d_us} "
                       f"d2h_us={t.d2h_us}")
+                # The host path given CUDA tensors (a Client without CUDA regions): views of one
+                # projection's output as a model hands them, written behind a sleep on the
+                # current stream; step_batch copies them to host after it (one pinned buffer,
+                # one wait) and o, lse come back on the GPU.
+                y = torch.cat([x.transpose(1, 2).reshape(b, 1, -1) for x in (q, k1, v1)], -1)
+                on_gpu = torch.full(y.shape, float("nan"), dtype=dtype, device="cuda")
+                torch.cuda._sleep(40_000_000)
+                on_gpu.copy_(y.pin_memory(), non_blocking=True)
+                views = [x.view(b, 1, -1, d).transpose(1, 2)
+                         for x in on_gpu.split([hq * d, hkv * d, hkv * d], -1)]
+                via_cuda = host.step_batch(cuda_via_host, *views, causal=True, return_lse=True)
+                check(all(x.is_cuda and same_bits(x.cpu(), w)
+                          for x, w in zip(via_cuda, (want.o, want.lse))),
+                      f"packed Step {name} step {step}, CUDA views through the host path: o, lse "
+                      f"on the GPU, equal the host path's of host tensors bit for bit")
                 # The first Step of a shape may grow the pool's buffers, which waits for its
                 # stream (not checked); later ones must not wait.
                 if step % 3 > 0:
@@ -293,7 +311,7 @@ def packed_steps_in_stream_order(direct, host, dtypes):
                           f"packed Step {name} step {step} by {by}: returned in "
                           f"{answered_ms:.2f} ms, the stream still asleep: {pending}")
         finally:
-            for s in on_device + via_host:
+            for s in on_device + via_host + cuda_via_host:
                 s.drop()
 
 

@@ -2,7 +2,10 @@
 [B, Hkv, n, D]) through the Python client against the real attention_server (CPU backend,
 --allow_shared_memory): equal bit for bit to the same Steps sent as one entry per session, over
 every transport (unary, StepStream, request ring) and with tensors by reference in a shared-memory
-region; bad buffers refused by name with nothing appended. Fresh random inputs; the seed is printed.
+region; bad buffers refused by name with nothing appended. The request step_batch writes by hand
+(q, k, v joined onto the wire from their buffers: attention_client._wire.WireMessage) parses as
+the protobuf-built one and is answered bit for bit alike, its bad buffers are refused by name, and
+a resend sends its first bytes. Fresh random inputs; the seed is printed.
 
 Run by ctest (label "python"). Exits 77 (skipped) when grpcio or numpy is missing.
 """
@@ -20,8 +23,9 @@ from test_sessions import session_reference
 
 import grpc
 import numpy as np
-from attention_client import AttentionError, Client
+from attention_client import AttentionError, Client, float32_to_bfloat16_bits
 from attention_client._stubs import attention_pb2 as pb
+from attention_client._wire import WireMessage
 
 
 class PackedStepTest(ServerTest):
@@ -162,6 +166,83 @@ class PackedStepTest(ServerTest):
         self.assertTrue(np.array_equal(
             self.client.step_batch(first, q, causal=True, wait=False, stream="ring").result(),
             want), f"seed {SEED}")
+
+    def test_the_hand_encoded_request_is_the_protobuf_built_one(self):
+        # step_batch joins q, k and v onto the wire from their buffers (WireMessage); the same
+        # Step built through protobuf (each tensor's bytes copied into its message) parses to an
+        # equal request, and the server answers the two bit for bit alike, in each dtype the
+        # sessions hold, with head fields numbered below the tensors' (layer) and above them (a
+        # done_counter, refused by name on a Step in host memory).
+        b = len(self.LENGTHS)
+        for dtype, bits in (("float32", False), ("bfloat16", True)):
+            wire = float32_to_bfloat16_bits if bits else (lambda x: x)
+            kv = [(wire(self.normal(self.HKV, n, self.D)), wire(self.normal(self.HKV, n, self.D)))
+                  for n in self.LENGTHS]
+            hand, built = ([self.client.session(dtype=dtype, kv_heads=self.HKV, head_dim=self.D,
+                                                layers=2, bfloat16_bits=bits) for _ in kv]
+                           for _ in range(2))
+            for pair in zip(hand, built, kv):
+                for s in pair[:2]:
+                    self.addCleanup(s.drop)
+                    for layer in (0, 1):
+                        s.append(*pair[2], layer=layer)
+            wire_dtype = pb.DTYPE_BFLOAT16 if bits else pb.DTYPE_FLOAT32
+            for step in range(2):
+                q = wire(self.normal(b, self.HQ, 1, self.D))
+                k1, v1 = (wire(self.normal(b, self.HKV, 1, self.D)) for _ in range(2))
+                tensors = dict(q=q, k=k1, v=v1)
+
+                def head(sessions):
+                    return pb.StepRequest(session_ids=[s.id for s in sessions], causal=True,
+                                          return_lse=True, layer=1)
+                request = head(built)
+                message = WireMessage(head(built))
+                for name, x in tensors.items():
+                    getattr(request, name).CopyFrom(
+                        pb.Tensor(dtype=wire_dtype, shape=x.shape, data=x.tobytes()))
+                    message.set_tensor(name, wire_dtype, x.shape, x)
+                self.assertEqual(pb.StepRequest.FromString(message.SerializeToString()), request)
+                want = self.client._call(self.client._sessions_stub.Step, request, None, None)
+                got = self.client.step_batch(hand, q, k1, v1, causal=True, return_lse=True,
+                                             layer=1, return_info=True)
+                what = f"{dtype} step {step} (seed {SEED})"
+                self.assertEqual(got.o.tobytes(), want.o.data, what)
+                self.assertEqual(got.lse.tobytes(), want.lse.data, what)
+                self.assertEqual(got.lengths, list(want.lengths), what)
+            late = WireMessage(head(hand))
+            late.head.done_counter.CopyFrom(pb.StreamCounter(
+                ref=pb.TensorRef(region="none", byte_size=8), value=1))
+            late.set_tensor("q", wire_dtype, q.shape, q)
+            self.assertRefused(lambda: self.client._call(self.client._step, late, None, None),
+                               "ready_counter, done_counter")
+
+    def test_hand_encoded_bad_buffers_are_refused_by_name(self):
+        # q's bytes one element short of its shape, and a message cut inside q's bytes.
+        (sessions, _), _ = self.two_batches()
+        q = self.normal(len(sessions), self.HQ, 1, self.D)
+        short = WireMessage(pb.StepRequest(session_ids=[s.id for s in sessions]))
+        short.set_tensor("q", pb.DTYPE_FLOAT32, q.shape, q.reshape(-1)[:-1])
+        self.assertRefused(lambda: self.client._call(self.client._step, short, None, None),
+                           "q.data", f"expected {q.nbytes} bytes", f"got {q.nbytes - 4}")
+        whole = WireMessage(pb.StepRequest(session_ids=[s.id for s in sessions]))
+        whole.set_tensor("q", pb.DTYPE_FLOAT32, q.shape, q)
+        cut = self.client._channel.unary_unary("/attention.v1.Sessions/Step")
+        self.assertRefused(lambda: self.client._call(cut, whole.SerializeToString()[:-10], None,
+                                                     None), "q: undecodable bytes", "truncated")
+        self.assertEqual([s.info().length for s in sessions], list(self.LENGTHS))
+
+    def test_a_hand_encoded_request_sent_again_sends_its_first_bytes(self):
+        # A call sent again after it returned (a sealed session's retry of wait=False) sends what
+        # it first sent, though the caller has since reused its buffers.
+        q = self.normal(2, self.HQ, 1, self.D)
+        message = WireMessage(pb.StepRequest(session_ids=["a", "b"]))
+        message.set_tensor("q", pb.DTYPE_FLOAT32, q.shape, q)
+        first = message.SerializeToString()
+        self.assertEqual(message.ByteSize(), len(first))
+        sent = q.tobytes()
+        q[...] = 0
+        self.assertEqual(message.SerializeToString(), first)
+        self.assertEqual(pb.StepRequest.FromString(first).q.data, sent)
 
     def assertRefused(self, call, *words):
         with self.assertRaises(AttentionError) as e:

@@ -229,6 +229,40 @@ class TorchTest(ServerTest):
         listed = {s.session_id for s in self.client.list_sessions().sessions}
         self.assertFalse(listed & set(ids), "the cache's sessions outlived it")
 
+    def test_packed_step_of_a_models_views_equals_the_protobuf_built_step(self):
+        # A decode layer's q, k, v as a model hands them (decode_bench.py: split from one
+        # projection, [B, 1, H, D] transposed to [B, H, 1, D]), here all strided views, go onto
+        # the wire from their host copies (step_batch's WireMessage); the same Step built through
+        # protobuf from contiguous copies is answered bit for bit alike, o back as q's dtype and
+        # device.
+        from attention_client._stubs import attention_pb2 as pb
+        b, hq, hkv, d = 5, 8, 2, 32
+        for dtype, wire in ((torch.bfloat16, pb.DTYPE_BFLOAT16),
+                            (torch.float16, pb.DTYPE_FLOAT16)):
+            hand, built = ([self.client.session(dtype=dtype, kv_heads=hkv, head_dim=d)
+                            for _ in range(b)] for _ in range(2))
+            for i, (s, t) in enumerate(zip(hand, built)):
+                k0, v0 = (self.randn(hkv, 7 + i, d, dtype=dtype) for _ in range(2))
+                s.append(k0, v0)
+                t.append(k0, v0)
+            y = self.randn(b, 1, (hq + 2 * hkv) * d, dtype=dtype)
+            q, k, v = y.split([hq * d, hkv * d, hkv * d], -1)
+            q, k, v = (x.view(b, 1, -1, d).transpose(1, 2) for x in (q, k, v))  # strided views
+            self.assertFalse(any(x.is_contiguous() for x in (q, k, v)))
+            request = pb.StepRequest(session_ids=[s.id for s in built], causal=True)
+            for name, x in (("q", q), ("k", k), ("v", v)):
+                getattr(request, name).CopyFrom(pb.Tensor(
+                    dtype=wire, shape=x.shape,
+                    data=x.contiguous().view(torch.int16).numpy().tobytes()))
+            want = self.client._call(self.client._sessions_stub.Step, request, None, None)
+            o = self.client.step_batch(hand, q, k, v, causal=True)
+            self.assertEqual((o.dtype, o.device, o.shape), (dtype, q.device, q.shape))
+            self.assertEqual(o.view(torch.int16).numpy().tobytes(), want.o.data,
+                             f"{dtype} (seed {SEED})")
+            o += 1  # the output is the caller's: writable
+            for s in hand + built:
+                s.drop()
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -250,55 +250,100 @@ def float8_e4m3_bits_to_float32(bits):
     return np.where(b & 0x80, -magnitude, magnitude).astype(np.float32)
 
 
-def _to_tensor(x, name, bfloat16_bits, float8_bits=False):
-    """One input as (pb.Tensor, kind) where kind says how to return the output."""
+def _host_array(x, name, bfloat16_bits, float8_bits=False, host=None):
+    """One input as (pb dtype, shape, array, kind): array holds the bytes the wire carries (host
+    memory, row-major, little-endian; x itself, or a view of it, where x is so already), kind says
+    how to return the output. host: x's contiguous copy in host memory where the caller made one
+    (a torch CUDA tensor's, _to_host); else one is made here where needed."""
     if _is_torch(x):
         import torch
-        t = x.detach().contiguous().cpu()
+        t = x.detach().contiguous().cpu() if host is None else host
         if t.dtype == torch.bfloat16:
-            return _tensor(pb.DTYPE_BFLOAT16, t.shape, t.view(torch.int16).numpy()), ("torch", x)
+            return pb.DTYPE_BFLOAT16, t.shape, t.view(torch.int16).numpy(), ("torch", x)
         if t.dtype == getattr(torch, "float8_e4m3fn", None):  # o comes back as torch.bfloat16
-            return _tensor(pb.DTYPE_FLOAT8_E4M3, t.shape, t.view(torch.uint8).numpy()), ("torch", x)
+            return pb.DTYPE_FLOAT8_E4M3, t.shape, t.view(torch.uint8).numpy(), ("torch", x)
         if t.dtype not in (torch.float32, torch.float16):
             raise TypeError(f"{name}: torch dtype {t.dtype} is not float32, float16, bfloat16 "
                             "or float8_e4m3fn")
-        return _tensor(_NUMPY_DTYPES[np.dtype(t.numpy().dtype)], t.shape, t.numpy()), ("torch", x)
+        a = t.numpy()
+        return _NUMPY_DTYPES[a.dtype], t.shape, _little_endian(a), ("torch", x)
     a = np.asarray(x)
+    ml = ("ml_bfloat16", None)  # o comes back as ml_dtypes.bfloat16
     if _ML_BFLOAT16 is not None and a.dtype == _ML_BFLOAT16:
-        return _tensor(pb.DTYPE_BFLOAT16, a.shape, a.view(np.uint16)), ("ml_bfloat16", None)
+        return pb.DTYPE_BFLOAT16, a.shape, _little_endian(a.view(np.uint16)), ml
     if _ML_FLOAT8_E4M3 is not None and a.dtype == _ML_FLOAT8_E4M3:
-        return _tensor(pb.DTYPE_FLOAT8_E4M3, a.shape, a.view(np.uint8)), ("ml_bfloat16", None)
+        return pb.DTYPE_FLOAT8_E4M3, a.shape, _little_endian(a.view(np.uint8)), ml
     if a.dtype == np.uint16 and bfloat16_bits:
-        return _tensor(pb.DTYPE_BFLOAT16, a.shape, a), ("bits", None)
+        return pb.DTYPE_BFLOAT16, a.shape, _little_endian(a), ("bits", None)
     if a.dtype == np.uint8 and float8_bits:  # o comes back as uint16 bfloat16 bits
-        return _tensor(pb.DTYPE_FLOAT8_E4M3, a.shape, a), ("bits", None)
+        return pb.DTYPE_FLOAT8_E4M3, a.shape, _little_endian(a), ("bits", None)
     if a.dtype not in _NUMPY_DTYPES:
         raise TypeError(f"{name}: dtype {a.dtype} is not float32, float16, bfloat16 or "
                         "float8_e4m3 (ml_dtypes, torch, uint16 bits with bfloat16_bits=True, or "
                         "uint8 bits with float8_bits=True)")
-    return _tensor(_NUMPY_DTYPES[a.dtype], a.shape, a), ("numpy", None)
+    return _NUMPY_DTYPES[a.dtype], a.shape, _little_endian(a), ("numpy", None)
+
+
+def _little_endian(a):
+    """a as the wire holds it: row-major, little-endian (a itself where it is so)."""
+    a = np.ascontiguousarray(a)
+    return a.astype(a.dtype.newbyteorder("<"), copy=False)
+
+
+def _to_host(xs):
+    """Host copies of inputs xs, None for those that are not torch CUDA tensors (they need none).
+
+    The CUDA tensors are copied into parts of one pinned buffer, queued on their streams without
+    waiting, then one wait per device: a .cpu() each would wait for the stream once per tensor
+    and copy through pageable memory (staged by the driver). The buffer goes back to torch's
+    pinned-memory cache when the copies are dropped."""
+    cuda = [x for x in xs if _is_torch(x) and x.is_cuda]
+    if not cuda:
+        return [None] * len(xs)
+    import torch
+    sizes = [x.numel() * x.element_size() for x in cuda]
+    starts = [0]
+    for size in sizes:  # each part 64-byte aligned, so it views as any dtype
+        starts.append(starts[-1] + (size + 63) // 64 * 64)
+    buffer = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=True)
+    hosts = {}
+    for x, at, size in zip(cuda, starts, sizes):
+        host = buffer[at:at + size].view(x.dtype).view(x.shape)
+        host.copy_(x.detach(), non_blocking=True)
+        hosts[id(x)] = host
+    for device in {x.device for x in cuda}:
+        torch.cuda.current_stream(device).synchronize()
+    return [hosts.get(id(x)) for x in xs]
+
+
+def _to_tensor(x, name, bfloat16_bits, float8_bits=False):
+    """One input as (pb.Tensor, kind) where kind says how to return the output."""
+    dtype, shape, a, kind = _host_array(x, name, bfloat16_bits, float8_bits)
+    return pb.Tensor(dtype=dtype, shape=list(shape), data=a.tobytes()), kind
+
+
+def _ref_of(client, x):
+    """(pb.Tensor by reference, kind) of x where its bytes lie in one of the client's regions,
+    else None."""
+    if not client._regions:
+        return None
+    from attention_client.shared_memory import as_ref
+    t = as_ref(client, x)
+    if t is None:
+        return None
+    if _is_torch(x):
+        return t, ("torch", x)
+    return t, ("ml_bfloat16" if t.dtype == pb.DTYPE_BFLOAT16 else "numpy", None)
 
 
 def _to_tensor_or_ref(client, x, name, bfloat16_bits, float8_bits=False):
     """As _to_tensor, but a numpy array inside one of the client's regions goes by reference."""
-    if client._regions:
-        from attention_client.shared_memory import as_ref
-        t = as_ref(client, x)
-        if t is not None:
-            if _is_torch(x):
-                return t, ("torch", x)
-            return t, ("ml_bfloat16" if t.dtype == pb.DTYPE_BFLOAT16 else "numpy", None)
-    return _to_tensor(x, name, bfloat16_bits, float8_bits)
-
-
-def _tensor(dtype, shape, array):
-    # The wire format is little-endian, row-major.
-    a = np.ascontiguousarray(array)
-    a = a.astype(a.dtype.newbyteorder("<"), copy=False)
-    return pb.Tensor(dtype=dtype, shape=list(shape), data=a.tobytes())
+    return _ref_of(client, x) or _to_tensor(x, name, bfloat16_bits, float8_bits)
 
 
 def _from_tensor(t, kind):
+    """A response tensor as the output's kind: numpy, or torch on the input's device (_torch_of),
+    each a copy of the message's bytes (which are read-only)."""
     shape = tuple(t.shape)
     if t.dtype == pb.DTYPE_FLOAT32:
         a = np.frombuffer(t.data, dtype="<f4").reshape(shape)
@@ -310,24 +355,30 @@ def _from_tensor(t, kind):
             a = a.view(_ML_BFLOAT16)
     else:
         raise AttentionError(grpc.StatusCode.INTERNAL, f"response tensor has dtype {t.dtype}")
-    a = a.copy()  # frombuffer views are read-only
     if kind[0] == "torch":
         import torch
         if t.dtype == pb.DTYPE_BFLOAT16:  # torch has no uint16: reinterpret through int16
-            out = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        else:
-            out = torch.from_numpy(a.astype(a.dtype.newbyteorder("=")))
-        return out.to(kind[1].device)
-    return a
+            return _torch_of(a.view(np.int16), kind[1].device).view(torch.bfloat16)
+        return _torch_of(a.astype(a.dtype.newbyteorder("="), copy=False), kind[1].device)
+    return a.copy()
 
 
 def _lse_from_tensor(t, kind):
     """A float32 LSE tensor as numpy, or torch on the device of the input when kind is torch."""
-    lse = np.frombuffer(t.data, dtype="<f4").reshape(tuple(t.shape)).copy()
+    lse = np.frombuffer(t.data, dtype="<f4").reshape(tuple(t.shape))
     if kind[0] == "torch":
-        import torch
-        lse = torch.from_numpy(lse.astype(np.float32)).to(kind[1].device)
-    return lse
+        return _torch_of(lse.astype(np.float32, copy=False), kind[1].device)
+    return lse.copy()
+
+
+def _torch_of(a, device):
+    """numpy array a (read-only: a message's bytes) as a new torch tensor on `device`, copied
+    once: to a GPU straight from a's bytes (torch.tensor's host-to-device copy, no host copy
+    first); to the host by numpy (torch.tensor's host copy took ~2x as long at 512 KiB)."""
+    import torch
+    if device.type == "cpu":
+        return torch.from_numpy(a.copy())
+    return torch.tensor(a, device=device)
 
 
 def _attend_request(q, k, v, *, causal, softmax_scale, window_left, window_right, layout,
@@ -438,6 +489,17 @@ class Client:
         # channel of their own, so every call of a session reaches the server holding it.
         self._sessions_channel = self._open_channel(self._base_options) if self._several else None
         self._sessions_stub = pb_grpc.SessionsStub(self._sessions_channel or self._channel)
+        # Sessions.Step and StepStream for every Step this client sends: a request goes out by its
+        # own SerializeToString, so a packed Step's _wire.WireMessage (its tensors' bytes joined
+        # once from the caller's buffers) travels as a pb.StepRequest does.
+        from attention_client._wire import serialize
+        sessions = f"/{pb.DESCRIPTOR.services_by_name['Sessions'].full_name}/"
+        self._step = (self._sessions_channel or self._channel).unary_unary(
+            sessions + "Step", request_serializer=serialize,
+            response_deserializer=pb.StepResponse.FromString)
+        self._step_stream = (self._sessions_channel or self._channel).stream_stream(
+            sessions + "StepStream", request_serializer=serialize,
+            response_deserializer=pb.StepResponse.FromString)
         # Shared memory: regions are the connection's (or the token's), so they use the sessions'
         # channel (one server).
         self._shm_stub = pb_grpc.SharedMemoryStub(self._sessions_channel or self._channel)

@@ -23,10 +23,11 @@ import numpy as np
 
 from attention_client._stubs import attention_pb2 as pb
 from attention_client.client import (_LAYOUTS, AttentionError, ServerTiming, StepBatchResult,
-                                     StepResult, _from_tensor, _is_torch, _lse_from_tensor,
-                                     _set_open_model_options, _set_options, _to_tensor,
-                                     _to_tensor_or_ref, is_sealed, retry_sealed,
+                                     StepResult, _from_tensor, _host_array, _is_torch,
+                                     _lse_from_tensor, _ref_of, _set_open_model_options,
+                                     _set_options, _to_host, _to_tensor, is_sealed, retry_sealed,
                                      retry_sealed_later)
+from attention_client._wire import WireMessage
 
 _DTYPE_NAMES = {"float32": pb.DTYPE_FLOAT32, "fp32": pb.DTYPE_FLOAT32,
                 "float16": pb.DTYPE_FLOAT16, "fp16": pb.DTYPE_FLOAT16, "half": pb.DTYPE_FLOAT16,
@@ -413,7 +414,7 @@ def _submit_step(client, request, metadata, on_error=None, timeout=None):
     def recover(error):
         if not is_sealed(error):
             raise error
-        return client._call(client._sessions_stub.Step, request, timeout, metadata)
+        return client._call(client._step, request, timeout, metadata)
 
     # One ring per owner (the header the router routes on), as one StepStream per owner.
     owner = dict(metadata or ()).get(OWNER_HEADER, "")
@@ -475,7 +476,7 @@ def _send_step(client, request, stream, timeout, metadata):
 
         timeout = client.timeout if timeout is None else timeout
         return retry_sealed(send, timeout)
-    return client._call(client._sessions_stub.Step, request, timeout, metadata)
+    return client._call(client._step, request, timeout, metadata)
 
 
 def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_scale=None,
@@ -517,11 +518,22 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
             message = getattr(request, field)
             message.ref.CopyFrom(counter_ref(client, tensor, field))
             message.value = value
-    tq, kind = _to_tensor_or_ref(client, q, "q", bits)
-    request.q.CopyFrom(tq)
-    if k is not None:
-        request.k.CopyFrom(_to_tensor_or_ref(client, k, "k", bits)[0])
-        request.v.CopyFrom(_to_tensor_or_ref(client, v, "v", bits)[0])
+    # q, k and v by reference where they lie in the client's regions; else their bytes travel in
+    # the message, joined onto the wire from their buffers (WireMessage), torch CUDA ones first
+    # copied to host together (_to_host).
+    inputs = [("q", q)] + ([("k", k), ("v", v)] if k is not None else [])
+    refs = [_ref_of(client, x) for _, x in inputs]
+    hosts = _to_host([x if ref is None else None for (_, x), ref in zip(inputs, refs)])
+    message, kinds = WireMessage(request), []
+    for (name, x), ref, host in zip(inputs, refs, hosts):
+        if ref is not None:
+            getattr(request, name).CopyFrom(ref[0])
+            kinds.append(ref[1])
+        else:
+            dtype, shape, data, kind = _host_array(x, name, bits, host=host)
+            message.set_tensor(name, dtype, shape, data)
+            kinds.append(kind)
+    kind = kinds[0]  # o is returned as q
     if out is not None:
         from attention_client.shared_memory import out_ref
         request.o_ref.CopyFrom(out_ref(client, out, "out"))
@@ -535,16 +547,16 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
                              layer)
 
     if wait:
-        return output(_send_step(client, request, stream, timeout, metadata))
+        return output(_send_step(client, message, stream, timeout, metadata))
     if stream == "ring":
-        return RingStep(_submit_step(client, request, metadata, _on_error, timeout), output, out,
+        return RingStep(_submit_step(client, message, metadata, _on_error, timeout), output, out,
                         lse_out)
     if stream:
         raise ValueError("wait=False takes unary Steps or the request ring (stream=\"ring\"); a "
                          "StepStream carries one Step at a time")
     return retry_sealed_later(
-        lambda seconds_left: client._sessions_stub.Step.future(request, timeout=seconds_left,
-                                                               metadata=metadata),
+        lambda seconds_left: client._step.future(message, timeout=seconds_left,
+                                                 metadata=metadata),
         output, client.timeout if timeout is None else timeout)
 
 
@@ -639,7 +651,7 @@ class StepStream:
         self._requests = queue.Queue()
         self._lock = threading.Lock()
         self._count = 0
-        self._call = client._sessions_stub.StepStream(
+        self._call = client._step_stream(
             iter(self._requests.get, None),
             metadata=client.metadata if metadata is None else metadata)
 
