@@ -367,42 +367,55 @@ absl::StatusOr<v1::AttendResponse> Client::AttendChunked(const v1::AttendRequest
   return response;
 }
 
-void Client::AttendAsync(const v1::AttendRequest& request, AttendCallback done,
-                         const CallOptions& call) {
-  // The callback API needs context, request and response alive until the call completes; they
-  // live in one heap object that the completion callback frees before it calls `done`: the
-  // context holds a reference to the channel, and were it released after `done` let the caller
-  // drop its Client, the channel's last reference would go on gRPC's callback thread, where
-  // gRPC 1.51 then shuts its library down under that thread (a crash).
+namespace {
+
+// Starts a unary call on gRPC's callback API: start(context, &request, &response, on_done) is the
+// stub's async method. The callback API needs context, request and response alive until the call
+// completes; they live in one heap object that the completion callback frees before it calls
+// `done`: the context holds a reference to the channel, and were it released after `done` let the
+// caller drop its Client, the channel's last reference would go on gRPC's callback thread, where
+// gRPC 1.51 then shuts its library down under that thread (a crash).
+template <typename Request, typename Response, typename Start>
+void UnaryAsync(std::unique_ptr<grpc::ClientContext> context, Request request, Start start,
+                std::function<void(absl::StatusOr<Response>)> done) {
   struct Call {
     std::unique_ptr<grpc::ClientContext> context;
-    v1::AttendRequest request;
-    v1::AttendResponse response;
-    AttendCallback done;
+    Request request;
+    Response response;
+    std::function<void(absl::StatusOr<Response>)> done;
   };
-  auto* state = new Call{NewContext(call), request, {}, std::move(done)};
-  stub_->async()->Attend(
-      state->context.get(), &state->request, &state->response, [state](grpc::Status status) {
-        std::unique_ptr<Call> owned(state);
-        AttendCallback done = std::move(owned->done);
-        absl::StatusOr<v1::AttendResponse> result =
-            status.ok() ? absl::StatusOr<v1::AttendResponse>(std::move(owned->response))
-                        : ToAbslStatus(status);
-        owned.reset();
-        done(std::move(result));
-      });
+  auto* state = new Call{std::move(context), std::move(request), {}, std::move(done)};
+  start(state->context.get(), &state->request, &state->response, [state](grpc::Status status) {
+    std::unique_ptr<Call> owned(state);
+    std::function<void(absl::StatusOr<Response>)> done = std::move(owned->done);
+    absl::StatusOr<Response> result =
+        status.ok() ? absl::StatusOr<Response>(std::move(owned->response)) : ToAbslStatus(status);
+    owned.reset();
+    done(std::move(result));
+  });
+}
+
+// A callback that sets `*future`'s value.
+template <typename T>
+std::function<void(T)> Fulfil(std::future<T>* future) {
+  auto promise = std::make_shared<std::promise<T>>();
+  *future = promise->get_future();
+  return [promise](T value) { promise->set_value(std::move(value)); };
+}
+
+}  // namespace
+
+void Client::AttendAsync(const v1::AttendRequest& request, AttendCallback done,
+                         const CallOptions& call) {
+  UnaryAsync<v1::AttendRequest, v1::AttendResponse>(
+      NewContext(call), request,
+      [this](auto... args) { stub_->async()->Attend(std::move(args)...); }, std::move(done));
 }
 
 std::future<absl::StatusOr<v1::AttendResponse>> Client::AttendAsync(
     const v1::AttendRequest& request, const CallOptions& call) {
-  auto promise = std::make_shared<std::promise<absl::StatusOr<v1::AttendResponse>>>();
-  std::future<absl::StatusOr<v1::AttendResponse>> future = promise->get_future();
-  AttendAsync(
-      request,
-      [promise](absl::StatusOr<v1::AttendResponse> result) {
-        promise->set_value(std::move(result));
-      },
-      call);
+  std::future<absl::StatusOr<v1::AttendResponse>> future;
+  AttendAsync(request, Fulfil(&future), call);
   return future;
 }
 
@@ -439,6 +452,15 @@ absl::StatusOr<v1::ServerInfo> Client::GetServerInfo(const CallOptions& call) {
   grpc::Status status = stub_->GetServerInfo(context.get(), v1::GetServerInfoRequest(), &info);
   if (!status.ok()) return ToAbslStatus(status);
   return info;
+}
+
+std::future<absl::StatusOr<v1::ServerInfo>> Client::GetServerInfoAsync(
+    const CallOptions& call) const {
+  std::future<absl::StatusOr<v1::ServerInfo>> future;
+  UnaryAsync<v1::GetServerInfoRequest, v1::ServerInfo>(
+      NewContext(call), v1::GetServerInfoRequest(),
+      [this](auto... args) { stub_->async()->GetServerInfo(std::move(args)...); }, Fulfil(&future));
+  return future;
 }
 
 absl::StatusOr<HealthStatus> Client::CheckHealth(const std::string& service,

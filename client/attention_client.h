@@ -121,6 +121,10 @@ class Client {
       absl::Span<const v1::AttendRequest> requests, const CallOptions& call = {});
 
   absl::StatusOr<v1::ServerInfo> GetServerInfo(const CallOptions& call = {});
+  // The same without waiting (gRPC's callback API): asking several servers at once
+  // (client/replicas.h, Emptiest).
+  std::future<absl::StatusOr<v1::ServerInfo>> GetServerInfoAsync(
+      const CallOptions& call = {}) const;
 
   // grpc.health.v1.Health/Check for `service` ("" = the whole server).
   absl::StatusOr<HealthStatus> CheckHealth(const std::string& service = "",

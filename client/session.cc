@@ -156,34 +156,14 @@ absl::StatusOr<Session> Session::Fork(std::optional<int64_t> length, const CallO
 absl::Status Session::Export(absl::FunctionRef<absl::Status(const v1::SessionChunk&)> each,
                              int64_t chunk_rows, const CallOptions& call, bool seal) const {
   if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
-  v1::ExportRequest request;
-  request.set_session_id(id_);
-  request.set_chunk_rows(chunk_rows);
-  request.set_seal(seal);
-  std::unique_ptr<grpc::ClientContext> context = client_->OwnerContext(SessionOwner(id_), call);
-  std::unique_ptr<grpc::ClientReader<v1::SessionChunk>> reader =
-      client_->stub().Export(context.get(), request);
-  v1::SessionChunk chunk;
-  while (reader->Read(&chunk)) {
-    if (absl::Status status = each(chunk); !status.ok()) {
-      context->TryCancel();
-      reader->Finish().ok();  // cancelled: the caller's error is the one to report
-      return status;
-    }
-  }
-  return ToAbslStatus(reader->Finish());
+  return client_->Export(id_, each, chunk_rows, call, seal);
 }
 
 absl::StatusOr<Session> Session::MoveTo(SessionClient& other, int64_t chunk_rows,
                                         const CallOptions& call, bool seal) {
-  SessionImport import = other.StartImport({.layout = spec_.layout}, call);
-  if (absl::Status status =
-          Export([&import](const v1::SessionChunk& chunk) { return import.Write(chunk); },
-                 chunk_rows, call, seal);
-      !status.ok()) {
-    return status;
-  }
-  absl::StatusOr<Session> moved = import.Finish();
+  if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
+  absl::StatusOr<Session> moved =
+      client_->CopyTo(id_, other, {.layout = spec_.layout}, chunk_rows, call, seal);
   if (!moved.ok()) return moved.status();
   if (absl::Status status = Drop(call); !status.ok()) return status;
   return moved;
@@ -532,6 +512,40 @@ absl::StatusOr<std::string> SessionClient::StepOwner(const v1::StepRequest& requ
     }
   }
   return ids.empty() ? std::string() : std::string(SessionOwner(ids.front()));
+}
+
+absl::Status SessionClient::Export(const std::string& session_id,
+                                   absl::FunctionRef<absl::Status(const v1::SessionChunk&)> each,
+                                   int64_t chunk_rows, const CallOptions& call, bool seal) const {
+  v1::ExportRequest request;
+  request.set_session_id(session_id);
+  request.set_chunk_rows(chunk_rows);
+  request.set_seal(seal);
+  std::unique_ptr<grpc::ClientContext> context = OwnerContext(SessionOwner(session_id), call);
+  std::unique_ptr<grpc::ClientReader<v1::SessionChunk>> reader =
+      stub_->Export(context.get(), request);
+  v1::SessionChunk chunk;
+  while (reader->Read(&chunk)) {
+    if (absl::Status status = each(chunk); !status.ok()) {
+      context->TryCancel();
+      reader->Finish().ok();  // cancelled: the caller's error is the one to report
+      return status;
+    }
+  }
+  return ToAbslStatus(reader->Finish());
+}
+
+absl::StatusOr<Session> SessionClient::CopyTo(const std::string& session_id, SessionClient& to,
+                                              const ImportOptions& options, int64_t chunk_rows,
+                                              const CallOptions& call, bool seal) const {
+  SessionImport import = to.StartImport(options, call);
+  if (absl::Status status = Export(
+          session_id, [&import](const v1::SessionChunk& chunk) { return import.Write(chunk); },
+          chunk_rows, call, seal);
+      !status.ok()) {
+    return status;
+  }
+  return import.Finish();
 }
 
 SessionImport SessionClient::StartImport(const ImportOptions& options, const CallOptions& call) {

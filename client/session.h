@@ -323,10 +323,28 @@ class SessionClient {
   // they are written (Sessions.Import).
   SessionImport StartImport(const ImportOptions& options = {}, const CallOptions& call = {});
 
+  // Session `session_id` of this client's server as Sessions.Export streams it, sent to its owner
+  // (Session::Export, which calls this, says how); for sessions known by id (List's, as Drain
+  // moves them: client/replicas.h).
+  absl::Status Export(const std::string& session_id,
+                      absl::FunctionRef<absl::Status(const v1::SessionChunk&)> each,
+                      int64_t chunk_rows = 0, const CallOptions& call = {},
+                      bool seal = false) const;
+  // Session `session_id` exported from here (sealed when `seal`), imported into `to`'s server
+  // chunk by chunk as they arrive (under the same id unless `options` names another). Returns the
+  // session there; the one here stays (Session::MoveTo drops it; Drain drops them all after its
+  // switch).
+  absl::StatusOr<Session> CopyTo(const std::string& session_id, SessionClient& to,
+                                 const ImportOptions& options = {}, int64_t chunk_rows = 0,
+                                 const CallOptions& call = {}, bool seal = false) const;
+
   // Drops a session by id (one released from a Session, or left by another process), sent to
   // its owner.
   absl::Status Drop(const std::string& session_id, const CallOptions& call = {});
 
+  // The Client whose channel, deadline and token these calls use (client/replicas.h asks its
+  // server's room).
+  const Client& client() const { return client_; }
   // The channel sessions calls use, and a stub on it (for callers driving the RPCs themselves,
   // as attn_bench does).
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
