@@ -44,12 +44,12 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <thread>
 #include <variant>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -236,8 +236,10 @@ class Scheduler {
   std::condition_variable arrivals_;  // a job was queued (the collecting worker waits on it)
   std::vector<Slot> slots_;
   std::deque<Queued> queue_;  // guarded by mu_
-  // Sessions held by running jobs; guarded by mu_.
-  std::set<std::string, std::less<>> held_sessions_;
+  // Sessions held by running jobs: views of their Job::sessions, whose strings stay where they
+  // are while the job moves from the queue into its batch (a vector's move keeps its elements),
+  // until RunBatch erases them; guarded by mu_. Hashed: a Step holds as many as its sequences.
+  absl::flat_hash_set<absl::string_view> held_sessions_;
   bool stopping_ = false;    // guarded by mu_
   bool collecting_ = false;  // guarded by mu_: a worker is collecting a batch
   bool spinning_ = false;    // guarded by mu_: a worker is polling for work (worker_spin)

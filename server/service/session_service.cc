@@ -448,7 +448,9 @@ void SessionService::SubmitSessionWork(
   if (!place.ok()) return std::move(finish)(place.status());
   std::vector<std::string> ids = LayerIds(id, *place);
   auto run = [this, owner, ids, access, work = std::move(work)]() mutable -> absl::Status {
-    ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases, store_->Acquire(owner, ids, access));
+    const std::vector<absl::string_view> layers(ids.begin(), ids.end());
+    ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases,
+                     store_->Acquire(owner, layers, access));
     return std::move(work)(leases);
   };
   SubmitDeviceWork(call, place->device, std::move(ids), std::move(run), std::move(finish));

@@ -80,6 +80,30 @@ void SessionStore::Lease::Release() {
   session_.reset();
 }
 
+void SessionStore::Release(absl::Span<Lease> leases) {
+  for (Lease& lease : leases) {
+    if (lease.session_ != nullptr) lease.session_->call_mu.unlock();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const absl::Time now = options_.clock();
+    bool freed = false;
+    for (Lease& lease : leases) {
+      if (lease.session_ == nullptr) continue;
+      Session& session = *lease.session_;
+      --session.users;
+      session.last_used = now;
+      if (session.dropped && session.users == 0) {
+        FreePagesLocked(session);
+        freed = true;
+      }
+    }
+    if (freed) PublishLocked();
+  }
+  // Outside the lock, as a lease's own release: the last reference frees the session.
+  for (Lease& lease : leases) lease.session_.reset();
+}
+
 const std::string& SessionStore::Lease::id() const { return session_->id; }
 const KvShape& SessionStore::Lease::shape() const { return session_->shape; }
 int SessionStore::Lease::device() const { return session_->device; }
@@ -366,12 +390,13 @@ std::shared_ptr<SessionStore::Session> SessionStore::FindLocked(absl::string_vie
 }
 
 absl::StatusOr<std::vector<SessionStore::Lease>> SessionStore::Acquire(
-    absl::string_view owner, absl::Span<const std::string> ids, Access access) {
+    absl::string_view owner, absl::Span<const absl::string_view> ids, Access access) {
   std::vector<std::shared_ptr<Session>> found;
+  found.reserve(ids.size());
   {
     std::lock_guard<std::mutex> lock(mu_);
     const absl::Time now = options_.clock();
-    for (const std::string& id : ids) {
+    for (absl::string_view id : ids) {
       std::shared_ptr<Session> session = FindLocked(owner, id);
       if (session == nullptr) {
         for (const auto& s : found) --s->users;  // none was locked yet
@@ -382,10 +407,11 @@ absl::StatusOr<std::vector<SessionStore::Lease>> SessionStore::Acquire(
       found.push_back(std::move(session));
     }
   }
-  // Lock in id order, so calls on overlapping sets cannot deadlock.
+  // Lock in address order (every call's), so calls on overlapping sets cannot deadlock.
   std::vector<Session*> order;
+  order.reserve(found.size());
   for (const auto& s : found) order.push_back(s.get());
-  std::sort(order.begin(), order.end(), [](Session* a, Session* b) { return a->id < b->id; });
+  std::sort(order.begin(), order.end(), std::less<Session*>());
   for (Session* s : order) s->call_mu.lock();
   std::vector<Lease> leases;
   leases.reserve(found.size());
@@ -463,7 +489,10 @@ absl::Status SessionStore::Reserve(absl::Span<Lease* const> leases,
       if (s.length % s.page_rows != 0) copies[s.device].emplace_back(s.page_table[first], own);
       s.page_table[first] = own;
     }
-    PublishLocked();
+    // Most decode steps take no page (their rows fit the sessions' last pages): nothing to tell.
+    if (std::any_of(needed.begin(), needed.end(), [](int64_t n) { return n > 0; })) {
+      PublishLocked();
+    }
   }
   if (replaced.empty()) return absl::OkStatus();
   absl::Status status = absl::OkStatus();
@@ -523,10 +552,11 @@ absl::Status SessionStore::NameTokens(Lease& lease, absl::Span<const int64_t> to
                                                    " (the rows of session ", Quote(s.id), "), got ",
                                                    named));
   }
+  if (named == 0) return absl::OkStatus();  // (most Steps: no store lock)
   std::lock_guard<std::mutex> lock(mu_);
   // Rows of unknown tokens before them end what the index can know of the session (until a
   // truncate cuts those rows).
-  if (named == 0 || static_cast<int64_t>(s.tokens.size()) != s.length - named) {
+  if (static_cast<int64_t>(s.tokens.size()) != s.length - named) {
     return absl::OkStatus();
   }
   s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
@@ -998,6 +1028,9 @@ std::vector<SessionSnapshot> SessionStore::List(absl::string_view owner) {
       out.push_back(SnapshotLocked(*session, now));
     }
   }
+  // In id order (the table is hashed).
+  std::sort(out.begin(), out.end(),
+            [](const SessionSnapshot& a, const SessionSnapshot& b) { return a.id < b.id; });
   return out;
 }
 

@@ -45,14 +45,14 @@
 //
 // Concurrency: a call holds its sessions through Leases. A lease holds the session's call lock,
 // so calls on one session run one at a time (a second call waits; nothing is rejected). A call
-// on several sessions (a Step) locks them in id order, so two such calls cannot deadlock. Pages
-// of a session dropped while a call holds it are freed when the call ends.
+// on several sessions (a Step) locks them in one order every call follows (their addresses), so
+// two such calls cannot deadlock. Pages of a session dropped while a call holds it are freed when
+// the call ends.
 #pragma once
 
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -60,6 +60,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -240,8 +241,11 @@ class SessionStore {
   // owner's. With kChange, UNAVAILABLE (SealedError) when one of them is sealed (Seal), nothing
   // held.
   absl::StatusOr<std::vector<Lease>> Acquire(absl::string_view owner,
-                                             absl::Span<const std::string> ids,
+                                             absl::Span<const absl::string_view> ids,
                                              Access access = Access::kChange);
+  // Releases every lease of `leases` (as their destruction does, under one lock of the store
+  // rather than one each: a Step's many sessions), leaving them empty.
+  void Release(absl::Span<Lease> leases);
 
   // Seals the lease's session (one layer; an export seals each) for good: from now on Acquire
   // with kChange refuses it. Held under its lease, so no call that changes it runs after the
@@ -361,8 +365,9 @@ class SessionStore {
   int64_t page_bytes_ = 0;
 
   std::mutex mu_;
-  std::vector<DeviceState> device_states_;                                 // guarded by mu_
-  std::map<std::string, std::shared_ptr<Session>, std::less<>> sessions_;  // by id; guarded by mu_
+  std::vector<DeviceState> device_states_;  // guarded by mu_
+  // By id; guarded by mu_. Hashed: a Step looks up each of its sessions twice (Locate, Acquire).
+  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_;
   // Sessions dropped while sealed, i.e. moved to another replica by a drain (owner '\n' id): a
   // call naming one that still reaches this replica (over a stream or ring opened here before
   // the router's switch) is refused as sealed, which clients retry where the router sends it
