@@ -140,6 +140,7 @@ struct SessionService::StepCall final : StepWork {
     if (outcome.status.ok()) outcome.status = refs->Intact();
     if (outcome.status.ok()) {
       // Each sequence's length after the step: a packed Step's lengths [B], else its results'.
+      if (packed()) response->mutable_lengths()->Reserve(static_cast<int>(seqs.size()));
       for (size_t i = 0; i < seqs.size(); ++i) {
         if (packed()) {
           response->add_lengths(seqs[i].length);
@@ -509,20 +510,23 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
   };
   const std::optional<int> layer =
       request.has_layer() ? std::optional<int>(request.layer()) : std::nullopt;
-  std::vector<SessionStore::Place> places;
-  std::vector<absl::string_view> ids;  // the store's id of each sequence's layer
-  places.reserve(n);
+  // Each sequence's session id, then the store's id of its layer.
+  std::vector<absl::string_view> ids;
   ids.reserve(n);
+  for (int i = 0; i < n; ++i) ids.push_back(session_id(i));
+  // Every session's place under one lock of the store; a refusal counts where its entry comes.
+  SessionStore::Places located = store_->Locate(owner, ids);
+  const std::vector<SessionStore::Place>& places = located.places;
   // Ids of layers past 0 live in the call (the sequences' ids are views); reserved, so they move
   // no more.
   if (layer.has_value()) call->layer_ids.reserve(n);
   for (int i = 0; i < n; ++i) {
-    ASSIGN_OR_RETURN(SessionStore::Place place, store_->Locate(owner, session_id(i)));
-    if (layer.value_or(0) == 0 && place.layers == 1) {
-      ids.push_back(session_id(i));  // (no copy of the id: the common case)
-    } else {
+    if (i == static_cast<int>(places.size())) return located.refused;
+    const SessionStore::Place& place = places[i];
+    // A session of one layer is its own (the common case: no copy of the id).
+    if (layer.value_or(0) != 0 || place.layers != 1) {
       ASSIGN_OR_RETURN(std::string layer_id, LayerOf(session_id(i), place, layer));
-      ids.push_back(call->layer_ids.emplace_back(std::move(layer_id)));
+      ids[i] = call->layer_ids.emplace_back(std::move(layer_id));
     }
     if (packed && i > 0 && !(place.shape == places.front().shape)) {
       return absl::InvalidArgumentError(
@@ -531,7 +535,6 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
                        "head dims (",
                        KvShapeString(places.front().shape), "), got ", KvShapeString(place.shape)));
     }
-    places.push_back(place);
   }
   std::vector<DecodedEntry> entries;
   StepMemory memory;
@@ -628,8 +631,9 @@ absl::StatusOr<StepMemory> SessionService::DecodeStepMemory(
   }
   // The kernels of each session's device read and write the regions: every session on theirs.
   const std::string regions_device = absl::StrCat("cuda:", refs.cuda_device());
+  const std::vector<const DeviceDescription*> devices = scheduler_->devices();
   for (size_t i = 0; i < places.size(); ++i) {
-    const std::string& device = scheduler_->devices()[places[i].device]->name;
+    const std::string& device = devices[places[i].device]->name;
     if (device != regions_device) {
       return absl::InvalidArgumentError(
           absl::StrCat("session_ids[", i, "]: expected a session on ", regions_device,

@@ -214,14 +214,37 @@ std::vector<uint64_t> SessionStore::MatchLocked(const DeviceState& state, absl::
   return chain;
 }
 
-absl::StatusOr<SessionStore::Place> SessionStore::Locate(absl::string_view owner,
-                                                         absl::string_view id) {
+absl::StatusOr<SessionStore::Place> SessionStore::LocateLocked(absl::string_view owner,
+                                                               absl::string_view id,
+                                                               absl::Time now) {
   // A layer's own id is the store's, not a caller's (LayerSessionId).
   if (absl::StrContains(id, '/')) return NotFound(id);
-  std::lock_guard<std::mutex> lock(mu_);
-  std::shared_ptr<Session> session = FindLocked(owner, id);
+  std::shared_ptr<Session> session = FindLocked(owner, id, now);
   if (session == nullptr) return MissingLocked(owner, id);
   return Place{.device = session->device, .shape = session->shape, .layers = session->layers};
+}
+
+absl::StatusOr<SessionStore::Place> SessionStore::Locate(absl::string_view owner,
+                                                         absl::string_view id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return LocateLocked(owner, id, options_.clock());
+}
+
+SessionStore::Places SessionStore::Locate(absl::string_view owner,
+                                          absl::Span<const absl::string_view> ids) {
+  Places out;
+  out.places.reserve(ids.size());
+  std::lock_guard<std::mutex> lock(mu_);
+  const absl::Time now = options_.clock();
+  for (absl::string_view id : ids) {
+    absl::StatusOr<Place> place = LocateLocked(owner, id, now);
+    if (!place.ok()) {
+      out.refused = std::move(place).status();
+      break;
+    }
+    out.places.push_back(*std::move(place));
+  }
+  return out;
 }
 
 absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner,
@@ -376,11 +399,12 @@ bool SessionStore::ExpiredLocked(const Session& session, absl::Time now) const {
 }
 
 std::shared_ptr<SessionStore::Session> SessionStore::FindLocked(absl::string_view owner,
-                                                                absl::string_view id) {
+                                                                absl::string_view id,
+                                                                absl::Time now) {
   auto it = sessions_.find(id);
   if (it == sessions_.end() || it->second->owner != owner) return nullptr;
   std::shared_ptr<Session> session = it->second;
-  if (ExpiredLocked(*session, options_.clock())) {
+  if (ExpiredLocked(*session, now)) {
     RemoveLocked(session);
     if (options_.on_expired) options_.on_expired(1);
     PublishLocked();
@@ -397,7 +421,7 @@ absl::StatusOr<std::vector<SessionStore::Lease>> SessionStore::Acquire(
     std::lock_guard<std::mutex> lock(mu_);
     const absl::Time now = options_.clock();
     for (absl::string_view id : ids) {
-      std::shared_ptr<Session> session = FindLocked(owner, id);
+      std::shared_ptr<Session> session = FindLocked(owner, id, now);
       if (session == nullptr) {
         for (const auto& s : found) --s->users;  // none was locked yet
         return MissingLocked(owner, id);
@@ -954,7 +978,7 @@ void SessionStore::RemoveLocked(const std::shared_ptr<Session>& session) {
 absl::Status SessionStore::Drop(absl::string_view owner, absl::string_view id) {
   if (absl::StrContains(id, '/')) return NotFound(id);  // as Locate
   std::lock_guard<std::mutex> lock(mu_);
-  std::shared_ptr<Session> session = FindLocked(owner, id);
+  std::shared_ptr<Session> session = FindLocked(owner, id, options_.clock());
   if (session == nullptr) return NotFound(id);
   if (session->sealed) {  // moved away (layer 0 stands for the group: every layer is sealed)
     std::string key = MovedKey(owner, id);

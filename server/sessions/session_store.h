@@ -230,6 +230,13 @@ class SessionStore {
     int layers = 1;
   };
   absl::StatusOr<Place> Locate(absl::string_view owner, absl::string_view id);
+  // Locate of each of `ids` in turn under one lock of the store (a Step's many sessions): the
+  // places of the first ids, up to the first one refused, and that refusal (OK when none was).
+  struct Places {
+    std::vector<Place> places;
+    absl::Status refused;
+  };
+  Places Locate(absl::string_view owner, absl::Span<const absl::string_view> ids);
 
   // What a call does with the sessions it holds: changes them or reads rows a new owner may get
   // (kChange: AppendKv, Step, Truncate, Fork), refused on a sealed session; or exports them
@@ -325,9 +332,12 @@ class SessionStore {
   // session of one layer, itself, looked up by its id with no new string).
   template <typename Fn>
   void ForEachLayerLocked(const Session& session, Fn fn) const;
-  // The session `id` of `owner` that has not expired, or null (expiring it if it just did).
-  std::shared_ptr<Session> FindLocked(absl::string_view owner, absl::string_view id);
+  // The session `id` of `owner` that has not expired by `now`, or null (expiring it if it just
+  // did).
+  std::shared_ptr<Session> FindLocked(absl::string_view owner, absl::string_view id,
+                                      absl::Time now);
   bool ExpiredLocked(const Session& session, absl::Time now) const;
+  absl::StatusOr<Place> LocateLocked(absl::string_view owner, absl::string_view id, absl::Time now);
   void RemoveLocked(const std::shared_ptr<Session>& session);
   void FreePagesLocked(Session& session);
   // Pages free or cached unheld (taken back when no page is free).
