@@ -1,7 +1,8 @@
 """One-in-flight Steps from the Python client (client/python): --sessions sessions of --nk rows
-(bf16, Hq 32, Hkv 8, D 128, or --heads and --head_dim), one query each per Step, causal, each Step appending its token: the
-shape of attn_bench --mode=decode --shape=8,32,1,128 --nk=32768 --kv_heads=8. The tensors travel
-in the messages: the Python client's Steps take none by reference.
+(bf16, Hq 32, Hkv 8, D 128, or --heads and --head_dim), one query each per Step, causal, each
+Step appending its token: the shape of attn_bench --mode=decode --shape=8,32,1,128 --nk=32768
+--kv_heads=8. The tensors travel in the messages: the Python client's Steps take none by
+reference.
 
     PYTHONPATH=client/python:build/tests/python/gen python3 bench/colo/py_step_bench.py \
         --target=127.0.0.1:50051 [--nk=32768] [--warmup_s=1] [--duration_s=2]
@@ -16,11 +17,12 @@ send them: --sessions sessions of L layers each (Client.session(layers=L)), and 
 packed Step (Client.step_batch) over all of them for one layer, layer by layer, appending one row
 to each. Its JSON lines add the server's stages' p50s (decode_us: arrival to queued, parse and
 the sessions' look-ups included; prepare_us: the leases, the append and the launch plan; run_us:
-the executor's run, compute_us its kernel; answer_us: total_us less the others, the response's
-fill and the wait for the worker). With --nk small and the CPU backend the kernel is small and
-the rest is the server's host path:
+the executor's run, compute_us its kernel; answer_us: total_us less the others, the hand-offs
+and the work after the run up to the answer: leases released, metrics). With --nk small, few
+heads and the CPU backend the kernel is small and the rest is the server's host path (a
+development machine's figures: compare servers in alternating runs of the same command):
 
-    build/server/attention_server --port=50051 --backend=cpu --threads=1 --kv_cache_bytes=4294967296 &
+    build/server/attention_server --backend=cpu --threads=1 --kv_cache_bytes=4294967296 &
     PYTHONPATH=client/python:build/tests/python/gen python3 bench/colo/py_step_bench.py \
         --layers=4 --nk=16 --heads=4,1 --head_dim=16 --sessions=64 --variants=unary --duration_s=5
 """
@@ -120,8 +122,8 @@ def main():
 
     rng = np.random.default_rng(1)
     # Every session starts from the same rows (as attn_bench's): values do not change the time.
-    k0, v0 = (float32_to_bfloat16_bits(rng.standard_normal((hkv, a.nk, a.head_dim), dtype=np.float32))
-              for _ in range(2))
+    k0, v0 = (float32_to_bfloat16_bits(
+        rng.standard_normal((hkv, a.nk, a.head_dim), dtype=np.float32)) for _ in range(2))
     with Client(a.target) as client:
         sessions = []
         try:
