@@ -208,7 +208,7 @@ void SessionService::SweeperLoop() {
   }
 }
 
-template <typename Request, typename Response>
+template <typename Request, typename Response, typename Messages>
 grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
                                                 grpc::CallbackServerContext* context,
                                                 const grpc::ByteBuffer* raw_request,
@@ -216,13 +216,13 @@ grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
                                                 Handler<Request, Response> handler) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // The call's messages, kept by its answer until it is given.
-  auto messages = std::make_shared<std::pair<Request, Response>>();
+  auto messages = std::make_shared<Messages>();
   Admit(
-      rpc, context, *raw_request, &messages->first, &messages->second, raw_response,
+      rpc, context, *raw_request, &messages->request, &messages->response, raw_response,
       [this, handler, context, messages](const std::string& owner, const Arrival& arrival,
                                          Finish finish) {
-        (this->*handler)(CallbackCall(context), owner, arrival, messages->first, &messages->second,
-                         std::move(finish));
+        (this->*handler)(CallbackCall(context), owner, arrival, messages->request,
+                         &messages->response, std::move(finish));
       },
       [reactor, messages](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
@@ -305,7 +305,8 @@ grpc::ServerUnaryReactor* SessionService::Fork(grpc::CallbackServerContext* cont
 grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* context,
                                                const grpc::ByteBuffer* request,
                                                grpc::ByteBuffer* response) {
-  return Serve("Step", context, request, response, &SessionService::RunStep);
+  return Serve<v1::StepRequest, v1::StepResponse, StepMessages>("Step", context, request, response,
+                                                                &SessionService::RunStep);
 }
 
 grpc::ServerUnaryReactor* SessionService::DropSession(grpc::CallbackServerContext* context,
