@@ -78,13 +78,13 @@ std::string KvShapeString(const KvShape& shape) {
                           : "");
 }
 
-// The store's id of the layer a call names (`layer`, the request's optional layer field) of
-// session `id`, found at `place`: a session of several layers needs one, 0..layers-1; one of a
-// single layer takes none or 0.
-absl::StatusOr<std::string> LayerOf(const std::string& id, const SessionStore::Place& place,
-                                    std::optional<int> layer) {
+// Whether a call may name `layer` (the request's optional layer field) of session `id`, found at
+// `place`: a session of several layers needs one, 0..layers-1; one of a single layer takes none
+// or 0.
+absl::Status CheckLayer(const std::string& id, const SessionStore::Place& place,
+                        std::optional<int> layer) {
   if (!layer.has_value()) {
-    if (place.layers == 1) return id;
+    if (place.layers == 1) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat("layer: expected 0..", place.layers - 1,
                                                    " for session ", Quote(id), " of ", place.layers,
                                                    " layers, got none"));
@@ -94,7 +94,14 @@ absl::StatusOr<std::string> LayerOf(const std::string& id, const SessionStore::P
         absl::StrCat("layer: expected 0..", place.layers - 1, " for session ", Quote(id), " of ",
                      place.layers, " layer", place.layers == 1 ? "" : "s", ", got ", *layer));
   }
-  return LayerSessionId(id, *layer);
+  return absl::OkStatus();
+}
+
+// The store's id of the layer a call names of session `id` (CheckLayer's refusals).
+absl::StatusOr<std::string> LayerOf(const std::string& id, const SessionStore::Place& place,
+                                    std::optional<int> layer) {
+  RETURN_IF_ERROR(CheckLayer(id, place, layer));
+  return LayerSessionId(id, layer.value_or(0));
 }
 
 // Every layer's id of session `id` (one for a session of one layer).
@@ -124,9 +131,10 @@ struct SessionService::StepCall final : StepWork {
   // A packed Step's events in stream order (StepRequest.ready_event, done_event), held open until
   // it is answered; null when not sent.
   std::shared_ptr<void> ready_event, done_event;
-  // The store's ids of the layer the Step names (StepRequest.layer) where they are not the
-  // session ids themselves; its sequences' ids are views of them.
-  std::vector<std::string> layer_ids;
+  // The store's id of each sequence's session (of the layer the Step names, StepRequest.layer),
+  // one after another in one buffer rather than a string each: the sequences' ids, and their
+  // jobs' (which outlive the request), are views of it.
+  std::string ids;
 
   bool packed() const { return request->session_ids_size() > 0; }
   std::string QueriesField(int seq) const override {
@@ -268,7 +276,9 @@ void SessionService::SubmitDeviceWork(const CallContext& call, int device,
     return StageTimes{.h2d_us = absl::ToDoubleMicroseconds(absl::Now() - start)};
   }};
   job.device = device;
-  job.sessions = std::move(sessions);
+  auto kept = std::make_shared<const std::vector<std::string>>(std::move(sessions));
+  job.sessions.assign(kept->begin(), kept->end());
+  job.keeps = std::move(kept);
   job.deadline = absl::FromChrono(call.grpc->deadline());
   job.cancelled = [cancelled = call.cancelled] { return cancelled(); };
   job.done = [this, finish = std::move(finish)](JobResult result) mutable {
@@ -514,21 +524,24 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
   // Each sequence's session id, then the store's id of its layer.
   std::vector<absl::string_view> ids;
   ids.reserve(n);
-  for (int i = 0; i < n; ++i) ids.push_back(session_id(i));
+  size_t id_bytes = 0;
+  for (int i = 0; i < n; ++i) {
+    ids.push_back(session_id(i));
+    id_bytes += ids.back().size();
+  }
   // Every session's place under one lock of the store; a refusal counts where its entry comes.
   SessionStore::Places located = store_->Locate(owner, ids);
   const std::vector<SessionStore::Place>& places = located.places;
-  // Ids of layers past 0 live in the call (the sequences' ids are views); reserved, so they move
-  // no more.
-  if (layer.has_value()) call->layer_ids.reserve(n);
+  // The store's ids live in the call; room for all of them is reserved, so the buffer never
+  // moves.
+  call->ids.reserve(id_bytes + (layer.has_value() ? n * kLayerSuffixBytes : 0));
   for (int i = 0; i < n; ++i) {
     if (i == static_cast<int>(places.size())) return located.refused;
     const SessionStore::Place& place = places[i];
-    // A session of one layer is its own (the common case: no copy of the id).
-    if (layer.value_or(0) != 0 || place.layers != 1) {
-      ASSIGN_OR_RETURN(std::string layer_id, LayerOf(session_id(i), place, layer));
-      ids[i] = call->layer_ids.emplace_back(std::move(layer_id));
-    }
+    RETURN_IF_ERROR(CheckLayer(session_id(i), place, layer));
+    const size_t at = call->ids.size();
+    AppendLayerSessionId(&call->ids, session_id(i), layer.value_or(0));
+    ids[i] = absl::string_view(call->ids).substr(at);
     if (packed && i > 0 && !(place.shape == places.front().shape)) {
       return absl::InvalidArgumentError(
           absl::StrCat("session_ids[", i,

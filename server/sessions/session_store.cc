@@ -59,7 +59,17 @@ absl::StatusOr<std::string> NewSessionId(absl::string_view replica_name) {
 }
 
 std::string LayerSessionId(absl::string_view id, int layer) {
-  return layer == 0 ? std::string(id) : absl::StrCat(id, "/", layer);
+  std::string out;
+  AppendLayerSessionId(&out, id, layer);
+  return out;
+}
+
+void AppendLayerSessionId(std::string* out, absl::string_view id, int layer) {
+  if (layer == 0) {
+    out->append(id.data(), id.size());
+  } else {
+    absl::StrAppend(out, id, "/", layer);
+  }
 }
 
 SessionStore::Lease& SessionStore::Lease::operator=(Lease&& other) noexcept {

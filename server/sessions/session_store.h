@@ -438,6 +438,10 @@ absl::Status SealedError(absl::string_view id);
 // The store's id of layer `layer` of session `id` (layer 0: `id` itself). Callers never send
 // these: a session id with a '/' names no session of theirs.
 std::string LayerSessionId(absl::string_view id, int layer);
+// Appends LayerSessionId(id, layer) (layer >= 0) to `out`, at most id.size() + kLayerSuffixBytes
+// bytes: a Step's many ids in one buffer.
+void AppendLayerSessionId(std::string* out, absl::string_view id, int layer);
+inline constexpr size_t kLayerSuffixBytes = 11;  // '/' and up to 10 digits
 
 template <typename Fn>
 void SessionStore::ForEachLayerLocked(const Session& session, Fn fn) const {

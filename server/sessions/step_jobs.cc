@@ -36,7 +36,9 @@ std::vector<Job> StepJobs::Jobs(const std::shared_ptr<StepWork>& step, absl::Tim
   for (StepWork::Group& group : groups) {
     Job job;
     job.device = group.device;
-    for (int i : group.seqs) job.sessions.emplace_back(step->seqs[i].session_id);
+    job.sessions.reserve(group.seqs.size());
+    for (int i : group.seqs) job.sessions.push_back(step->seqs[i].session_id);
+    job.keeps = step;  // what the ids view
     job.work = DecodeWork{.key = group.key,
                           .prepare = [this, step, &group] { return Prepare(*step, group); }};
     job.deadline = deadline;
