@@ -42,27 +42,37 @@ def percentile(values, p):
     return float(np.percentile(values, p))
 
 
-def run(client, sessions, stream, warmup_s, duration_s, room_rows, rng, heads, d):
-    """Steps one at a time for warmup_s, then duration_s timed, or until the sessions have grown
-    by room_rows (the pool's room): (e2e us, ServerTiming) of the timed ones."""
-    q, k, v = (float32_to_bfloat16_bits(rng.standard_normal((h, 1, d), dtype=np.float32))
-               for h in (heads[0], heads[1], heads[1]))
-    items = [(s, q, k, v) for s in sessions]
+def timed(step, more, warmup_s, duration_s):
+    """Calls step(i) (i = 0, 1, ...; it returns the call's ServerTiming) one at a time while
+    more(i): for warmup_s, then duration_s timed. (e2e us, ServerTiming) of the timed calls."""
     e2e, timings = [], []
-    first = sessions[0].length
     start = time.monotonic()
     end_warmup, end = start + warmup_s, start + warmup_s + duration_s
-    while sessions[0].length - first < room_rows:
+    call = 0
+    while more(call):
         t0 = time.perf_counter_ns()
-        r = step_many(client, items, causal=True, return_info=True, stream=stream)[0]
+        timing = step(call)
         t1 = time.perf_counter_ns()
         now = time.monotonic()
         if now >= end:
             break
         if now >= end_warmup:
             e2e.append((t1 - t0) / 1e3)
-            timings.append(r.timing)
+            timings.append(timing)
+        call += 1
     return e2e, timings
+
+
+def run(client, sessions, stream, warmup_s, duration_s, room_rows, rng, heads, d):
+    """Steps one at a time for warmup_s, then duration_s timed, or until the sessions have grown
+    by room_rows (the pool's room): (e2e us, ServerTiming) of the timed ones."""
+    q, k, v = (float32_to_bfloat16_bits(rng.standard_normal((h, 1, d), dtype=np.float32))
+               for h in (heads[0], heads[1], heads[1]))
+    items = [(s, q, k, v) for s in sessions]
+    first = sessions[0].length
+    return timed(lambda _: step_many(client, items, causal=True, return_info=True,
+                                     stream=stream)[0].timing,
+                 lambda _: sessions[0].length - first < room_rows, warmup_s, duration_s)
 
 
 def run_packed(client, sessions, layers, stream, warmup_s, duration_s, room_rows, rng, heads,
@@ -72,21 +82,10 @@ def run_packed(client, sessions, layers, stream, warmup_s, duration_s, room_rows
     batch = len(sessions)
     q, k, v = (float32_to_bfloat16_bits(rng.standard_normal((batch, h, 1, d), dtype=np.float32))
                for h in (heads[0], heads[1], heads[1]))
-    e2e, timings = [], []
-    start = time.monotonic()
-    end_warmup, end = start + warmup_s, start + warmup_s + duration_s
-    for call in range(room_rows * layers):
-        t0 = time.perf_counter_ns()
-        r = client.step_batch(sessions, q, k, v, causal=True, layer=call % layers,
-                              return_info=True, stream=stream)
-        t1 = time.perf_counter_ns()
-        now = time.monotonic()
-        if now >= end:
-            break
-        if now >= end_warmup:
-            e2e.append((t1 - t0) / 1e3)
-            timings.append(r.timing)
-    return e2e, timings
+    return timed(lambda call: client.step_batch(sessions, q, k, v, causal=True,
+                                                layer=call % layers, return_info=True,
+                                                stream=stream).timing,
+                 lambda call: call < room_rows * layers, warmup_s, duration_s)
 
 
 def stages(timings):
