@@ -2,11 +2,11 @@
 
 #include <algorithm>
 #include <limits>
-#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/quote.h"
 #include "kernels/status_macros.h"
@@ -278,7 +278,8 @@ absl::Status CheckPackedStep(const v1::StepRequest& request) {
         absl::StrCat("entries: expected none in a packed Step (session_ids holds ",
                      request.session_ids_size(), " sequences), got ", request.entries_size()));
   }
-  std::set<absl::string_view> seen;
+  absl::flat_hash_set<absl::string_view> seen;
+  seen.reserve(request.session_ids_size());
   for (int b = 0; b < request.session_ids_size(); ++b) {
     const std::string& id = request.session_ids(b);
     if (id.empty()) {
@@ -324,7 +325,8 @@ absl::Status CheckStep(const v1::StepRequest& request) {
     return absl::InvalidArgumentError(
         "entries: expected at least one entry (or the packed form's session_ids), got none");
   }
-  std::set<absl::string_view> seen;
+  absl::flat_hash_set<absl::string_view> seen;
+  seen.reserve(request.entries_size());
   for (int i = 0; i < request.entries_size(); ++i) {
     const v1::StepEntry& entry = request.entries(i);
     if (entry.session_id().empty()) {

@@ -218,7 +218,7 @@ absl::Status NobodyWaits(const Job& job, absl::Time now, std::optional<absl::Dur
 
 bool Scheduler::RunnableLocked(const Job& job) const {
   return std::none_of(job.sessions.begin(), job.sessions.end(),
-                      [this](const std::string& id) { return held_sessions_.contains(id); });
+                      [this](absl::string_view id) { return held_sessions_.contains(id); });
 }
 
 bool Scheduler::AnyRunnableLocked() const {
@@ -232,17 +232,10 @@ bool Scheduler::CanJoin(const std::vector<Queued>& batch, const Job& job) const 
   if (const auto* params = std::get_if<AttentionParams>(&job.work)) {
     return slots_.front().executor->CanShareLaunch(std::get<AttentionParams>(lead.work), *params);
   }
+  // One launch holds each session once: a job sharing one with the batch is not asked, as its
+  // members' sessions are held (RunnableLocked).
   const auto* decode = std::get_if<DecodeWork>(&job.work);
-  if (decode == nullptr || !(decode->key == std::get<DecodeWork>(lead.work).key)) return false;
-  // One launch holds each session once.
-  for (const Queued& member : batch) {
-    for (const std::string& id : member.first.sessions) {
-      if (std::find(job.sessions.begin(), job.sessions.end(), id) != job.sessions.end()) {
-        return false;
-      }
-    }
-  }
-  return true;
+  return decode != nullptr && decode->key == std::get<DecodeWork>(lead.work).key;
 }
 
 std::vector<Scheduler::Queued> Scheduler::CollectBatch(
@@ -427,7 +420,7 @@ void Scheduler::RunBatch(std::vector<Queued> batch) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const Queued& queued : batch) {
-      for (const std::string& id : queued.first.sessions) held_sessions_.erase(id);
+      for (absl::string_view id : queued.first.sessions) held_sessions_.erase(id);
     }
     wake = stopping_ || AnyRunnableLocked();
   }

@@ -44,14 +44,15 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <thread>
 #include <variant>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kernels/attention_params.h"
 #include "server/executors/executor.h"
@@ -102,8 +103,12 @@ struct Job {
   // The executor, by its index in the scheduler's order, that must run it (where its sessions'
   // pages are); -1: the least-loaded. Decode and device work must name one.
   int device = -1;
-  // Sessions the job holds while it runs (distinct); jobs sharing one never run at once.
-  std::vector<std::string> sessions;
+  // Sessions the job holds while it runs (distinct); jobs sharing one never run at once. Views of
+  // strings that `keeps` holds (or that outlive the job).
+  std::vector<absl::string_view> sessions;
+  // What `sessions` views (a Step's state, say), held until the job is destroyed, after the
+  // scheduler's last look at its sessions.
+  std::shared_ptr<const void> keeps;
   // The caller's deadline; a job still queued when it passes is answered DEADLINE_EXCEEDED.
   absl::Time deadline = absl::InfiniteFuture();
   // True once the caller has gone; a queued job is then answered CANCELLED. May be empty.
@@ -236,8 +241,9 @@ class Scheduler {
   std::condition_variable arrivals_;  // a job was queued (the collecting worker waits on it)
   std::vector<Slot> slots_;
   std::deque<Queued> queue_;  // guarded by mu_
-  // Sessions held by running jobs; guarded by mu_.
-  std::set<std::string, std::less<>> held_sessions_;
+  // Sessions held by running jobs (their Job::sessions, kept by the jobs until RunBatch has
+  // erased them); guarded by mu_. Hashed: a Step holds as many as its sequences.
+  absl::flat_hash_set<absl::string_view> held_sessions_;
   bool stopping_ = false;    // guarded by mu_
   bool collecting_ = false;  // guarded by mu_: a worker is collecting a batch
   bool spinning_ = false;    // guarded by mu_: a worker is polling for work (worker_spin)

@@ -421,7 +421,9 @@ struct DecodeOutcome : Outcome {
   Job MakeDecodeJob(const std::string& id, const DecodeKey& key) {
     Job job = MakeJob();
     job.device = 0;
-    job.sessions = {id};
+    auto kept = std::make_shared<const std::string>(id);
+    job.sessions = {*kept};
+    job.keeps = std::move(kept);
     job.work = DecodeWork{
         .key = key, .prepare = [this]() -> absl::StatusOr<std::vector<DecodeSequence>> {
           return std::vector<DecodeSequence>{
@@ -503,7 +505,9 @@ TEST(SchedulerTest, JobsOnOneSessionRunOneAtATimeWhileOthersPass) {
   auto device_job = [](Outcome& outcome, std::string id, absl::AnyInvocable<void()> body) {
     Job job = outcome.MakeJob();
     job.device = 0;
-    job.sessions = {std::move(id)};
+    auto kept = std::make_shared<const std::string>(std::move(id));
+    job.sessions = {*kept};
+    job.keeps = std::move(kept);
     job.work = DeviceWork{.run = [body = std::move(body)]() mutable -> absl::StatusOr<StageTimes> {
       body();
       return StageTimes{.h2d_us = 1};

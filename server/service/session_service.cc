@@ -78,13 +78,13 @@ std::string KvShapeString(const KvShape& shape) {
                           : "");
 }
 
-// The store's id of the layer a call names (`layer`, the request's optional layer field) of
-// session `id`, found at `place`: a session of several layers needs one, 0..layers-1; one of a
-// single layer takes none or 0.
-absl::StatusOr<std::string> LayerOf(const std::string& id, const SessionStore::Place& place,
-                                    std::optional<int> layer) {
+// Whether a call may name `layer` (the request's optional layer field) of session `id`, found at
+// `place`: a session of several layers needs one, 0..layers-1; one of a single layer takes none
+// or 0.
+absl::Status CheckLayer(const std::string& id, const SessionStore::Place& place,
+                        std::optional<int> layer) {
   if (!layer.has_value()) {
-    if (place.layers == 1) return id;
+    if (place.layers == 1) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat("layer: expected 0..", place.layers - 1,
                                                    " for session ", Quote(id), " of ", place.layers,
                                                    " layers, got none"));
@@ -94,7 +94,14 @@ absl::StatusOr<std::string> LayerOf(const std::string& id, const SessionStore::P
         absl::StrCat("layer: expected 0..", place.layers - 1, " for session ", Quote(id), " of ",
                      place.layers, " layer", place.layers == 1 ? "" : "s", ", got ", *layer));
   }
-  return LayerSessionId(id, *layer);
+  return absl::OkStatus();
+}
+
+// The store's id of the layer a call names of session `id` (CheckLayer's refusals).
+absl::StatusOr<std::string> LayerOf(const std::string& id, const SessionStore::Place& place,
+                                    std::optional<int> layer) {
+  RETURN_IF_ERROR(CheckLayer(id, place, layer));
+  return LayerSessionId(id, layer.value_or(0));
 }
 
 // Every layer's id of session `id` (one for a session of one layer).
@@ -124,9 +131,10 @@ struct SessionService::StepCall final : StepWork {
   // A packed Step's events in stream order (StepRequest.ready_event, done_event), held open until
   // it is answered; null when not sent.
   std::shared_ptr<void> ready_event, done_event;
-  // The store's ids of the layer the Step names (StepRequest.layer) where they are not the
-  // session ids themselves; its sequences' ids are views of them.
-  std::vector<std::string> layer_ids;
+  // The store's id of each sequence's session (of the layer the Step names, StepRequest.layer),
+  // one after another in one buffer rather than a string each: the sequences' ids, and their
+  // jobs' (which outlive the request), are views of it.
+  std::string ids;
 
   bool packed() const { return request->session_ids_size() > 0; }
   std::string QueriesField(int seq) const override {
@@ -140,6 +148,7 @@ struct SessionService::StepCall final : StepWork {
     if (outcome.status.ok()) outcome.status = refs->Intact();
     if (outcome.status.ok()) {
       // Each sequence's length after the step: a packed Step's lengths [B], else its results'.
+      if (packed()) response->mutable_lengths()->Reserve(static_cast<int>(seqs.size()));
       for (size_t i = 0; i < seqs.size(); ++i) {
         if (packed()) {
           response->add_lengths(seqs[i].length);
@@ -207,7 +216,7 @@ void SessionService::SweeperLoop() {
   }
 }
 
-template <typename Request, typename Response>
+template <typename Request, typename Response, typename Messages>
 grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
                                                 grpc::CallbackServerContext* context,
                                                 const grpc::ByteBuffer* raw_request,
@@ -215,13 +224,13 @@ grpc::ServerUnaryReactor* SessionService::Serve(absl::string_view rpc,
                                                 Handler<Request, Response> handler) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // The call's messages, kept by its answer until it is given.
-  auto messages = std::make_shared<std::pair<Request, Response>>();
+  auto messages = std::make_shared<Messages>();
   Admit(
-      rpc, context, *raw_request, &messages->first, &messages->second, raw_response,
+      rpc, context, *raw_request, &messages->request, &messages->response, raw_response,
       [this, handler, context, messages](const std::string& owner, const Arrival& arrival,
                                          Finish finish) {
-        (this->*handler)(CallbackCall(context), owner, arrival, messages->first, &messages->second,
-                         std::move(finish));
+        (this->*handler)(CallbackCall(context), owner, arrival, messages->request,
+                         &messages->response, std::move(finish));
       },
       [reactor, messages](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
@@ -267,7 +276,9 @@ void SessionService::SubmitDeviceWork(const CallContext& call, int device,
     return StageTimes{.h2d_us = absl::ToDoubleMicroseconds(absl::Now() - start)};
   }};
   job.device = device;
-  job.sessions = std::move(sessions);
+  auto kept = std::make_shared<const std::vector<std::string>>(std::move(sessions));
+  job.sessions.assign(kept->begin(), kept->end());
+  job.keeps = std::move(kept);
   job.deadline = absl::FromChrono(call.grpc->deadline());
   job.cancelled = [cancelled = call.cancelled] { return cancelled(); };
   job.done = [this, finish = std::move(finish)](JobResult result) mutable {
@@ -304,7 +315,8 @@ grpc::ServerUnaryReactor* SessionService::Fork(grpc::CallbackServerContext* cont
 grpc::ServerUnaryReactor* SessionService::Step(grpc::CallbackServerContext* context,
                                                const grpc::ByteBuffer* request,
                                                grpc::ByteBuffer* response) {
-  return Serve("Step", context, request, response, &SessionService::RunStep);
+  return Serve<v1::StepRequest, v1::StepResponse, StepMessages>("Step", context, request, response,
+                                                                &SessionService::RunStep);
 }
 
 grpc::ServerUnaryReactor* SessionService::DropSession(grpc::CallbackServerContext* context,
@@ -448,7 +460,9 @@ void SessionService::SubmitSessionWork(
   if (!place.ok()) return std::move(finish)(place.status());
   std::vector<std::string> ids = LayerIds(id, *place);
   auto run = [this, owner, ids, access, work = std::move(work)]() mutable -> absl::Status {
-    ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases, store_->Acquire(owner, ids, access));
+    const std::vector<absl::string_view> layers(ids.begin(), ids.end());
+    ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases,
+                     store_->Acquire(owner, layers, access));
     return std::move(work)(leases);
   };
   SubmitDeviceWork(call, place->device, std::move(ids), std::move(run), std::move(finish));
@@ -507,21 +521,27 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
   };
   const std::optional<int> layer =
       request.has_layer() ? std::optional<int>(request.layer()) : std::nullopt;
-  std::vector<SessionStore::Place> places;
-  std::vector<absl::string_view> ids;  // the store's id of each sequence's layer
-  places.reserve(n);
+  // Each sequence's session id, then the store's id of its layer.
+  std::vector<absl::string_view> ids;
   ids.reserve(n);
-  // Ids of layers past 0 live in the call (the sequences' ids are views); reserved, so they move
-  // no more.
-  if (layer.has_value()) call->layer_ids.reserve(n);
+  size_t id_bytes = 0;
   for (int i = 0; i < n; ++i) {
-    ASSIGN_OR_RETURN(SessionStore::Place place, store_->Locate(owner, session_id(i)));
-    if (layer.value_or(0) == 0 && place.layers == 1) {
-      ids.push_back(session_id(i));  // (no copy of the id: the common case)
-    } else {
-      ASSIGN_OR_RETURN(std::string layer_id, LayerOf(session_id(i), place, layer));
-      ids.push_back(call->layer_ids.emplace_back(std::move(layer_id)));
-    }
+    ids.push_back(session_id(i));
+    id_bytes += ids.back().size();
+  }
+  // Every session's place under one lock of the store; a refusal counts where its entry comes.
+  SessionStore::Places located = store_->Locate(owner, ids);
+  const std::vector<SessionStore::Place>& places = located.places;
+  // The store's ids live in the call; room for all of them is reserved, so the buffer never
+  // moves.
+  call->ids.reserve(id_bytes + (layer.has_value() ? n * kLayerSuffixBytes : 0));
+  for (int i = 0; i < n; ++i) {
+    if (i == static_cast<int>(places.size())) return located.refused;
+    const SessionStore::Place& place = places[i];
+    RETURN_IF_ERROR(CheckLayer(session_id(i), place, layer));
+    const size_t at = call->ids.size();
+    AppendLayerSessionId(&call->ids, session_id(i), layer.value_or(0));
+    ids[i] = absl::string_view(call->ids).substr(at);
     if (packed && i > 0 && !(place.shape == places.front().shape)) {
       return absl::InvalidArgumentError(
           absl::StrCat("session_ids[", i,
@@ -529,7 +549,6 @@ absl::Status SessionService::DecodeStep(const std::string& owner, const v1::Step
                        "head dims (",
                        KvShapeString(places.front().shape), "), got ", KvShapeString(place.shape)));
     }
-    places.push_back(place);
   }
   std::vector<DecodedEntry> entries;
   StepMemory memory;
@@ -626,8 +645,9 @@ absl::StatusOr<StepMemory> SessionService::DecodeStepMemory(
   }
   // The kernels of each session's device read and write the regions: every session on theirs.
   const std::string regions_device = absl::StrCat("cuda:", refs.cuda_device());
+  const std::vector<const DeviceDescription*> devices = scheduler_->devices();
   for (size_t i = 0; i < places.size(); ++i) {
-    const std::string& device = scheduler_->devices()[places[i].device]->name;
+    const std::string& device = devices[places[i].device]->name;
     if (device != regions_device) {
       return absl::InvalidArgumentError(
           absl::StrCat("session_ids[", i, "]: expected a session on ", regions_device,

@@ -103,10 +103,11 @@ class SessionService final : public SessionsRawService {
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
                                  const grpc::ByteBuffer* request,
                                  grpc::ByteBuffer* response) override;
-  // One StepStream message's parsed request and its response, on an arena of their own whose
-  // first block is inside the struct: a Step of 8 entries by reference parses into ~70 messages
-  // and strings and answers with ~30 more (7.7 KB in all), which one by one were as many heap
-  // allocations to make and to free.
+  // One Step's (a unary call's or a StepStream message's) parsed request and its response, on an
+  // arena of their own whose first block is inside the struct: a Step of 8 entries by reference
+  // parses into ~70 messages and strings and answers with ~30 more (7.7 KB in all), and a packed
+  // Step's session ids are a string each, which one by one were as many heap allocations to make
+  // and to free.
   struct StepMessages {
     StepMessages();
     const std::string& request_id() const { return request.request_id(); }
@@ -160,9 +161,16 @@ class SessionService final : public SessionsRawService {
   using Handler = void (SessionService::*)(const CallContext& call, const std::string& owner,
                                            const Arrival& arrival, const Request& request,
                                            Response* response, Finish finish);
-  // Answers one unary call through Admit and its default reactor: `handler` runs over the parsed
-  // request and a response, which Admit serializes into `raw_response`.
+  // A unary call's parsed request and its response (a Step's: StepMessages, on an arena).
   template <typename Request, typename Response>
+  struct UnaryMessages {
+    Request request;
+    Response response;
+  };
+  // Answers one unary call through Admit and its default reactor: `handler` runs over the parsed
+  // request and a response (held in a `Messages`), which Admit serializes into `raw_response`.
+  template <typename Request, typename Response,
+            typename Messages = UnaryMessages<Request, Response>>
   grpc::ServerUnaryReactor* Serve(absl::string_view rpc, grpc::CallbackServerContext* context,
                                   const grpc::ByteBuffer* raw_request,
                                   grpc::ByteBuffer* raw_response,

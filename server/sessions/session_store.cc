@@ -59,7 +59,17 @@ absl::StatusOr<std::string> NewSessionId(absl::string_view replica_name) {
 }
 
 std::string LayerSessionId(absl::string_view id, int layer) {
-  return layer == 0 ? std::string(id) : absl::StrCat(id, "/", layer);
+  std::string out;
+  AppendLayerSessionId(&out, id, layer);
+  return out;
+}
+
+void AppendLayerSessionId(std::string* out, absl::string_view id, int layer) {
+  if (layer == 0) {
+    out->append(id.data(), id.size());
+  } else {
+    absl::StrAppend(out, id, "/", layer);
+  }
 }
 
 SessionStore::Lease& SessionStore::Lease::operator=(Lease&& other) noexcept {
@@ -78,6 +88,30 @@ void SessionStore::Lease::Release() {
   session_->call_mu.unlock();
   store_->ReleaseSession(session_);
   session_.reset();
+}
+
+void SessionStore::Release(absl::Span<Lease> leases) {
+  for (Lease& lease : leases) {
+    if (lease.session_ != nullptr) lease.session_->call_mu.unlock();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const absl::Time now = options_.clock();
+    bool freed = false;
+    for (Lease& lease : leases) {
+      if (lease.session_ == nullptr) continue;
+      Session& session = *lease.session_;
+      --session.users;
+      session.last_used = now;
+      if (session.dropped && session.users == 0) {
+        FreePagesLocked(session);
+        freed = true;
+      }
+    }
+    if (freed) PublishLocked();
+  }
+  // Outside the lock, as a lease's own release: the last reference frees the session.
+  for (Lease& lease : leases) lease.session_.reset();
 }
 
 const std::string& SessionStore::Lease::id() const { return session_->id; }
@@ -190,14 +224,37 @@ std::vector<uint64_t> SessionStore::MatchLocked(const DeviceState& state, absl::
   return chain;
 }
 
-absl::StatusOr<SessionStore::Place> SessionStore::Locate(absl::string_view owner,
-                                                         absl::string_view id) {
+absl::StatusOr<SessionStore::Place> SessionStore::LocateLocked(absl::string_view owner,
+                                                               absl::string_view id,
+                                                               absl::Time now) {
   // A layer's own id is the store's, not a caller's (LayerSessionId).
   if (absl::StrContains(id, '/')) return NotFound(id);
-  std::lock_guard<std::mutex> lock(mu_);
-  std::shared_ptr<Session> session = FindLocked(owner, id);
+  std::shared_ptr<Session> session = FindLocked(owner, id, now);
   if (session == nullptr) return MissingLocked(owner, id);
   return Place{.device = session->device, .shape = session->shape, .layers = session->layers};
+}
+
+absl::StatusOr<SessionStore::Place> SessionStore::Locate(absl::string_view owner,
+                                                         absl::string_view id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return LocateLocked(owner, id, options_.clock());
+}
+
+SessionStore::Places SessionStore::Locate(absl::string_view owner,
+                                          absl::Span<const absl::string_view> ids) {
+  Places out;
+  out.places.reserve(ids.size());
+  std::lock_guard<std::mutex> lock(mu_);
+  const absl::Time now = options_.clock();
+  for (absl::string_view id : ids) {
+    absl::StatusOr<Place> place = LocateLocked(owner, id, now);
+    if (!place.ok()) {
+      out.refused = std::move(place).status();
+      break;
+    }
+    out.places.push_back(*std::move(place));
+  }
+  return out;
 }
 
 absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner,
@@ -352,11 +409,12 @@ bool SessionStore::ExpiredLocked(const Session& session, absl::Time now) const {
 }
 
 std::shared_ptr<SessionStore::Session> SessionStore::FindLocked(absl::string_view owner,
-                                                                absl::string_view id) {
+                                                                absl::string_view id,
+                                                                absl::Time now) {
   auto it = sessions_.find(id);
   if (it == sessions_.end() || it->second->owner != owner) return nullptr;
   std::shared_ptr<Session> session = it->second;
-  if (ExpiredLocked(*session, options_.clock())) {
+  if (ExpiredLocked(*session, now)) {
     RemoveLocked(session);
     if (options_.on_expired) options_.on_expired(1);
     PublishLocked();
@@ -366,13 +424,14 @@ std::shared_ptr<SessionStore::Session> SessionStore::FindLocked(absl::string_vie
 }
 
 absl::StatusOr<std::vector<SessionStore::Lease>> SessionStore::Acquire(
-    absl::string_view owner, absl::Span<const std::string> ids, Access access) {
+    absl::string_view owner, absl::Span<const absl::string_view> ids, Access access) {
   std::vector<std::shared_ptr<Session>> found;
+  found.reserve(ids.size());
   {
     std::lock_guard<std::mutex> lock(mu_);
     const absl::Time now = options_.clock();
-    for (const std::string& id : ids) {
-      std::shared_ptr<Session> session = FindLocked(owner, id);
+    for (absl::string_view id : ids) {
+      std::shared_ptr<Session> session = FindLocked(owner, id, now);
       if (session == nullptr) {
         for (const auto& s : found) --s->users;  // none was locked yet
         return MissingLocked(owner, id);
@@ -382,10 +441,11 @@ absl::StatusOr<std::vector<SessionStore::Lease>> SessionStore::Acquire(
       found.push_back(std::move(session));
     }
   }
-  // Lock in id order, so calls on overlapping sets cannot deadlock.
+  // Lock in address order (every call's), so calls on overlapping sets cannot deadlock.
   std::vector<Session*> order;
+  order.reserve(found.size());
   for (const auto& s : found) order.push_back(s.get());
-  std::sort(order.begin(), order.end(), [](Session* a, Session* b) { return a->id < b->id; });
+  std::sort(order.begin(), order.end(), std::less<Session*>());
   for (Session* s : order) s->call_mu.lock();
   std::vector<Lease> leases;
   leases.reserve(found.size());
@@ -463,7 +523,10 @@ absl::Status SessionStore::Reserve(absl::Span<Lease* const> leases,
       if (s.length % s.page_rows != 0) copies[s.device].emplace_back(s.page_table[first], own);
       s.page_table[first] = own;
     }
-    PublishLocked();
+    // Most decode steps take no page (their rows fit the sessions' last pages): nothing to tell.
+    if (std::any_of(needed.begin(), needed.end(), [](int64_t n) { return n > 0; })) {
+      PublishLocked();
+    }
   }
   if (replaced.empty()) return absl::OkStatus();
   absl::Status status = absl::OkStatus();
@@ -523,10 +586,11 @@ absl::Status SessionStore::NameTokens(Lease& lease, absl::Span<const int64_t> to
                                                    " (the rows of session ", Quote(s.id), "), got ",
                                                    named));
   }
+  if (named == 0) return absl::OkStatus();  // (most Steps: no store lock)
   std::lock_guard<std::mutex> lock(mu_);
   // Rows of unknown tokens before them end what the index can know of the session (until a
   // truncate cuts those rows).
-  if (named == 0 || static_cast<int64_t>(s.tokens.size()) != s.length - named) {
+  if (static_cast<int64_t>(s.tokens.size()) != s.length - named) {
     return absl::OkStatus();
   }
   s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
@@ -924,7 +988,7 @@ void SessionStore::RemoveLocked(const std::shared_ptr<Session>& session) {
 absl::Status SessionStore::Drop(absl::string_view owner, absl::string_view id) {
   if (absl::StrContains(id, '/')) return NotFound(id);  // as Locate
   std::lock_guard<std::mutex> lock(mu_);
-  std::shared_ptr<Session> session = FindLocked(owner, id);
+  std::shared_ptr<Session> session = FindLocked(owner, id, options_.clock());
   if (session == nullptr) return NotFound(id);
   if (session->sealed) {  // moved away (layer 0 stands for the group: every layer is sealed)
     std::string key = MovedKey(owner, id);
@@ -998,6 +1062,9 @@ std::vector<SessionSnapshot> SessionStore::List(absl::string_view owner) {
       out.push_back(SnapshotLocked(*session, now));
     }
   }
+  // In id order (the table is hashed).
+  std::sort(out.begin(), out.end(),
+            [](const SessionSnapshot& a, const SessionSnapshot& b) { return a.id < b.id; });
   return out;
 }
 

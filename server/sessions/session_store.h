@@ -45,14 +45,14 @@
 //
 // Concurrency: a call holds its sessions through Leases. A lease holds the session's call lock,
 // so calls on one session run one at a time (a second call waits; nothing is rejected). A call
-// on several sessions (a Step) locks them in id order, so two such calls cannot deadlock. Pages
-// of a session dropped while a call holds it are freed when the call ends.
+// on several sessions (a Step) locks them in one order every call follows (their addresses), so
+// two such calls cannot deadlock. Pages of a session dropped while a call holds it are freed when
+// the call ends.
 #pragma once
 
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -60,6 +60,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -229,6 +230,13 @@ class SessionStore {
     int layers = 1;
   };
   absl::StatusOr<Place> Locate(absl::string_view owner, absl::string_view id);
+  // Locate of each of `ids` in turn under one lock of the store (a Step's many sessions): the
+  // places of the first ids, up to the first one refused, and that refusal (OK when none was).
+  struct Places {
+    std::vector<Place> places;
+    absl::Status refused;
+  };
+  Places Locate(absl::string_view owner, absl::Span<const absl::string_view> ids);
 
   // What a call does with the sessions it holds: changes them or reads rows a new owner may get
   // (kChange: AppendKv, Step, Truncate, Fork), refused on a sealed session; or exports them
@@ -240,8 +248,11 @@ class SessionStore {
   // owner's. With kChange, UNAVAILABLE (SealedError) when one of them is sealed (Seal), nothing
   // held.
   absl::StatusOr<std::vector<Lease>> Acquire(absl::string_view owner,
-                                             absl::Span<const std::string> ids,
+                                             absl::Span<const absl::string_view> ids,
                                              Access access = Access::kChange);
+  // Releases every lease of `leases` (as their destruction does, under one lock of the store
+  // rather than one each: a Step's many sessions), leaving them empty.
+  void Release(absl::Span<Lease> leases);
 
   // Seals the lease's session (one layer; an export seals each) for good: from now on Acquire
   // with kChange refuses it. Held under its lease, so no call that changes it runs after the
@@ -321,9 +332,12 @@ class SessionStore {
   // session of one layer, itself, looked up by its id with no new string).
   template <typename Fn>
   void ForEachLayerLocked(const Session& session, Fn fn) const;
-  // The session `id` of `owner` that has not expired, or null (expiring it if it just did).
-  std::shared_ptr<Session> FindLocked(absl::string_view owner, absl::string_view id);
+  // The session `id` of `owner` that has not expired by `now`, or null (expiring it if it just
+  // did).
+  std::shared_ptr<Session> FindLocked(absl::string_view owner, absl::string_view id,
+                                      absl::Time now);
   bool ExpiredLocked(const Session& session, absl::Time now) const;
+  absl::StatusOr<Place> LocateLocked(absl::string_view owner, absl::string_view id, absl::Time now);
   void RemoveLocked(const std::shared_ptr<Session>& session);
   void FreePagesLocked(Session& session);
   // Pages free or cached unheld (taken back when no page is free).
@@ -361,8 +375,9 @@ class SessionStore {
   int64_t page_bytes_ = 0;
 
   std::mutex mu_;
-  std::vector<DeviceState> device_states_;                                 // guarded by mu_
-  std::map<std::string, std::shared_ptr<Session>, std::less<>> sessions_;  // by id; guarded by mu_
+  std::vector<DeviceState> device_states_;  // guarded by mu_
+  // By id; guarded by mu_. Hashed: a Step looks up each of its sessions twice (Locate, Acquire).
+  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_;
   // Sessions dropped while sealed, i.e. moved to another replica by a drain (owner '\n' id): a
   // call naming one that still reaches this replica (over a stream or ring opened here before
   // the router's switch) is refused as sealed, which clients retry where the router sends it
@@ -423,6 +438,10 @@ absl::Status SealedError(absl::string_view id);
 // The store's id of layer `layer` of session `id` (layer 0: `id` itself). Callers never send
 // these: a session id with a '/' names no session of theirs.
 std::string LayerSessionId(absl::string_view id, int layer);
+// Appends LayerSessionId(id, layer) (layer >= 0) to `out`, at most id.size() + kLayerSuffixBytes
+// bytes: a Step's many ids in one buffer.
+void AppendLayerSessionId(std::string* out, absl::string_view id, int layer);
+inline constexpr size_t kLayerSuffixBytes = 11;  // '/' and up to 10 digits
 
 template <typename Fn>
 void SessionStore::ForEachLayerLocked(const Session& session, Fn fn) const {

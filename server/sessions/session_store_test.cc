@@ -673,15 +673,16 @@ TEST_F(SessionStoreTest, ASealedSessionRefusesChangesButNotExports) {
   ASSERT_TRUE(store_->Create("", kShape, 0, 0, 2, id).ok());
   ASSERT_EQ(AppendRows("", id, 3), absl::OkStatus());
   const std::string other = CreateWith("", 2);
-  const std::vector<std::string> layers = {id, LayerSessionId(id, 1)};
+  const std::string layer1 = LayerSessionId(id, 1);
+  const std::vector<absl::string_view> layers = {id, layer1};
   {
     absl::StatusOr<std::vector<SessionStore::Lease>> held =
         store_->Acquire("", layers, SessionStore::Access::kExport);
     ASSERT_TRUE(held.ok()) << held.status();
     for (SessionStore::Lease& layer : *held) store_->Seal(layer);
   }
-  for (const std::vector<std::string>& ids :
-       {layers, std::vector<std::string>{LayerSessionId(id, 1)}, {other, id}}) {
+  for (const std::vector<absl::string_view>& ids :
+       {layers, std::vector<absl::string_view>{layer1}, {other, id}}) {
     absl::StatusOr<std::vector<SessionStore::Lease>> refused = store_->Acquire("", ids);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << ids.size();
     EXPECT_TRUE(absl::StartsWith(refused.status().message(),

@@ -36,7 +36,9 @@ std::vector<Job> StepJobs::Jobs(const std::shared_ptr<StepWork>& step, absl::Tim
   for (StepWork::Group& group : groups) {
     Job job;
     job.device = group.device;
-    for (int i : group.seqs) job.sessions.emplace_back(step->seqs[i].session_id);
+    job.sessions.reserve(group.seqs.size());
+    for (int i : group.seqs) job.sessions.push_back(step->seqs[i].session_id);
+    job.keeps = step;  // what the ids view
     job.work = DecodeWork{.key = group.key,
                           .prepare = [this, step, &group] { return Prepare(*step, group); }};
     job.deadline = deadline;
@@ -49,9 +51,9 @@ std::vector<Job> StepJobs::Jobs(const std::shared_ptr<StepWork>& step, absl::Tim
 
 absl::StatusOr<std::vector<DecodeSequence>> StepJobs::Prepare(StepWork& step,
                                                               StepWork::Group& group) const {
-  std::vector<std::string> ids;
+  std::vector<absl::string_view> ids;
   ids.reserve(group.seqs.size());
-  for (int i : group.seqs) ids.emplace_back(step.seqs[i].session_id);
+  for (int i : group.seqs) ids.push_back(step.seqs[i].session_id);
   absl::StatusOr<std::vector<SessionStore::Lease>> acquired = store_->Acquire(step.owner, ids);
   if (!acquired.ok() && step.groups_.size() > 1 &&
       absl::StartsWith(acquired.status().message(), kSealedMarker)) {
@@ -65,9 +67,14 @@ absl::StatusOr<std::vector<DecodeSequence>> StepJobs::Prepare(StepWork& step,
         "rows: not to be retried as it was"));
   }
   ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases, std::move(acquired));
+  const size_t n = group.seqs.size();
   std::vector<SessionStore::Lease*> held;
   std::vector<int64_t> new_rows;
   std::vector<KvRows> rows;
+  held.reserve(n);
+  new_rows.reserve(n);
+  rows.reserve(n);
+  group.launched.reserve(n);
   double flops = 0;
   for (size_t s = 0; s < group.seqs.size(); ++s) {
     const StepSequence& seq = step.seqs[group.seqs[s]];
@@ -105,7 +112,8 @@ absl::StatusOr<std::vector<DecodeSequence>> StepJobs::Prepare(StepWork& step,
 }
 
 void StepJobs::Answered(StepWork& step, StepWork::Group& group, const JobResult& result) const {
-  group.leases.clear();  // first: the sessions' next calls may run
+  store_->Release(absl::MakeSpan(group.leases));  // first: the sessions' next calls may run
+  group.leases.clear();
   if (result.status.ok() && observe_) {
     double flops = 0;
     int64_t tokens = 0;

@@ -32,6 +32,8 @@ namespace attention::server {
 // One sequence of a step. Pointers are host memory valid until the step has Finished, or device
 // memory of the session's GPU when key.memory says so (the job appends `rows` with it).
 struct StepSequence {
+  // The store's id of its session (of its layer): a string the StepWork keeps (its jobs view it
+  // until they are destroyed, after the step has Finished).
   absl::string_view session_id;
   int device = 0;  // the session's (SessionStore::Locate)
   DecodeKey key;   // its shape is the session's

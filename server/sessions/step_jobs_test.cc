@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -69,6 +70,7 @@ struct TestStep final : StepWork {
   std::mutex mu;
   std::condition_variable done;
   std::optional<StepOutcome> outcome;
+  std::deque<std::string> ids;  // what the sequences' session_id view (a deque: they stay put)
 };
 
 class StepJobsTest : public ::testing::Test {
@@ -100,10 +102,11 @@ class StepJobsTest : public ::testing::Test {
     EXPECT_TRUE(leases.ok()) << leases.status();
     return leases.ok() ? leases->front().length() : -1;
   }
-  // Sequence of session `id`: `t`'s rows appended, its last `rows_q` positions queried.
-  static StepSequence Sequence(const std::string& id, Tensors& t, int64_t rows_q,
+  // Sequence of session `id` in `step` (which keeps the id its jobs view): `t`'s rows appended,
+  // its last `rows_q` positions queried.
+  static StepSequence Sequence(TestStep& step, const std::string& id, Tensors& t, int64_t rows_q,
                                const DecodeKey& key) {
-    return {.session_id = id,
+    return {.session_id = step.ids.emplace_back(id),
             .key = key,
             .rows = t.kv_rows,
             .q = t.q.data(),
@@ -169,7 +172,7 @@ TEST_F(StepJobsTest, AppendsTheNewRowsAndAttendsToEveryRow) {
   const std::string id = Create(first);
   Tensors step_rows(1, 2, rng_);  // one new row, two queries (the session's last two positions)
   auto step = std::make_shared<TestStep>();
-  step->seqs.push_back(Sequence(id, step_rows, 2, key_));
+  step->seqs.push_back(Sequence(*step, id, step_rows, 2, key_));
   StepJobs jobs(&*store_, {}, {});
   const StepOutcome outcome = Run(step, jobs);
   ASSERT_EQ(outcome.status, absl::OkStatus());
@@ -195,7 +198,7 @@ TEST_F(StepJobsTest, StepAfterTruncateEqualsStepOnTheKeptRows) {
   on_fresh.kv_rows.v = on_fresh.v.data();
   for (auto [id, t] : {std::pair{truncated, &on_truncated}, std::pair{fresh, &on_fresh}}) {
     auto step = std::make_shared<TestStep>();
-    step->seqs.push_back(Sequence(id, *t, 2, key_));
+    step->seqs.push_back(Sequence(*step, id, *t, 2, key_));
     StepJobs jobs(&*store_, {}, {});
     ASSERT_EQ(Run(step, jobs).status, absl::OkStatus());
     EXPECT_EQ(Length(id), 21);
@@ -233,9 +236,9 @@ TEST_F(StepJobsTest, ForksStepAsFreshSessionsOfTheirRows) {
     on_fresh.push_back(on_forks.back());
     on_fresh.back().kv_rows.k = on_fresh.back().k.data();
     on_fresh.back().kv_rows.v = on_fresh.back().v.data();
-    step->seqs.push_back(Sequence(id, on_forks.back(), 2, key_));
+    step->seqs.push_back(Sequence(*step, id, on_forks.back(), 2, key_));
     fresh.push_back(Create(first, rows));
-    step->seqs.push_back(Sequence(fresh.back(), on_fresh.back(), 2, key_));
+    step->seqs.push_back(Sequence(*step, fresh.back(), on_fresh.back(), 2, key_));
   }
   StepJobs jobs(&*store_, {}, {});
   ASSERT_EQ(Run(step, jobs).status, absl::OkStatus());
@@ -256,8 +259,8 @@ TEST_F(StepJobsTest, SequencesOfTwoKeysAreTwoJobsAndEachIsObserved) {
   DecodeKey other = key_;
   other.softmax_scale = 0.25f;
   auto step = std::make_shared<TestStep>();
-  step->seqs.push_back(Sequence(a, a_step, 1, key_));
-  step->seqs.push_back(Sequence(b, b_step, 1, other));
+  step->seqs.push_back(Sequence(*step, a, a_step, 1, key_));
+  step->seqs.push_back(Sequence(*step, b, b_step, 1, other));
   std::mutex mu;
   int observed = 0;
   int64_t tokens = 0;
@@ -281,7 +284,7 @@ TEST_F(StepJobsTest, RefusalsOnTheWorkerAppendNothing) {
   Tensors step_rows(1, 5, rng_);  // five queries, but the session holds 4 rows after the append
   auto make_step = [&] {
     auto step = std::make_shared<TestStep>();
-    step->seqs.push_back(Sequence(id, step_rows, 5, key_));
+    step->seqs.push_back(Sequence(*step, id, step_rows, 5, key_));
     return step;
   };
   StepJobs jobs(&*store_, {}, {});
@@ -315,7 +318,7 @@ TEST_F(StepJobsTest, ASealedSessionInAStepOfSeveralLaunchesIsNotRetryable) {
   Tensors a_step(1, 1, rng_), b_step(1, 1, rng_);
   StepJobs jobs(&*store_, {}, {});
   auto alone = std::make_shared<TestStep>();
-  alone->seqs.push_back(Sequence(b, b_step, 1, key_));
+  alone->seqs.push_back(Sequence(*alone, b, b_step, 1, key_));
   StepOutcome outcome = Run(alone, jobs);
   EXPECT_EQ(outcome.status.code(), absl::StatusCode::kUnavailable) << outcome.status;
   EXPECT_TRUE(absl::StartsWith(outcome.status.message(), kSealedMarker)) << outcome.status;
@@ -323,8 +326,8 @@ TEST_F(StepJobsTest, ASealedSessionInAStepOfSeveralLaunchesIsNotRetryable) {
   DecodeKey other = key_;
   other.softmax_scale = 0.25f;
   auto both = std::make_shared<TestStep>();
-  both->seqs.push_back(Sequence(a, a_step, 1, key_));
-  both->seqs.push_back(Sequence(b, b_step, 1, other));
+  both->seqs.push_back(Sequence(*both, a, a_step, 1, key_));
+  both->seqs.push_back(Sequence(*both, b, b_step, 1, other));
   outcome = Run(both, jobs);
   EXPECT_EQ(outcome.status.code(), absl::StatusCode::kAborted) << outcome.status;
   EXPECT_FALSE(absl::StrContains(outcome.status.message(), kSealedMarker)) << outcome.status;
