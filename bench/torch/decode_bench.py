@@ -12,6 +12,8 @@ over the median), its ratio against the anchor's rounds that alternated with it.
 
   fa3      local FlashAttention-3 flash_attn_with_kvcache over a preallocated cache (the anchor;
            the fa3-fwd wheel, `fa3_fwd_interface`)
+  fa3-graph  the same, each step after the first replayed from one CUDA graph (no launch
+           costs of eager torch: the model's GPU time alone; the strongest local anchor)
   sdpa     local torch SDPA over a preallocated cache (a second column)
   unary    the service: one session per layer and sequence, one Step RPC per layer per token
            with an entry per sequence
@@ -181,6 +183,14 @@ class LocalFA3(Attention):
         if i == self.layers - 1:
             self.lengths += 1
         return self.record(i, o[0] if isinstance(o, tuple) else o)
+
+
+class LocalFA3Graph(LocalFA3):
+    """As fa3, the whole step (every layer, the logits) replayed from one CUDA graph after the
+    first step ran eagerly: the model's GPU time without the launches of eager torch, the
+    strongest local anchor (how vLLM-class engines decode)."""
+
+    graphed = True
 
 
 class LocalSDPA(Attention):
@@ -382,16 +392,30 @@ def decode(model, attention, batch, context, a, device):
     g = torch.Generator(device="cpu").manual_seed(a.seed + batch)
     ids = torch.randint(0, a.vocab, (batch, 1), generator=g).to(device)
     tokens, first = [], None
+    graph = None
     for t in range(a.warmup + a.tokens):
         if t == a.warmup:
             sync()
             start = time.perf_counter()
-        forward = model.forward_overlapped if attention.overlapped else model.forward
-        logits = forward(ids, torch.tensor([context + t], device=device), attention)
+        if graph is not None:  # fa3-graph after its first step
+            graph_ids.copy_(ids)
+            graph_pos.fill_(context + t)
+            graph.replay()
+            logits = graph_logits
+        else:
+            forward = model.forward_overlapped if attention.overlapped else model.forward
+            logits = forward(ids, torch.tensor([context + t], device=device), attention)
         if first is None:
             first = logits.float()
         ids = logits.argmax(-1, keepdim=True)
         tokens.append(ids)
+        if t == 0 and getattr(attention, "graphed", False):
+            # The next steps' work captured once (nothing runs during the capture), on the
+            # inputs' buffers that each replay refills.
+            graph_ids, graph_pos = ids.clone(), torch.tensor([context + 1], device=device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                graph_logits = model.forward(graph_ids, graph_pos, attention)
     sync()
     return first, torch.cat(tokens, 1), time.perf_counter() - start
 
@@ -400,6 +424,8 @@ def make_attention(name, a, batch, context, capacity, client_for, device, dtype)
     """Attention `name` over `context` rows per sequence; a local one holds `capacity` more."""
     if name == "fa3":
         return LocalFA3(a, batch, context, capacity, device, dtype)
+    if name == "fa3-graph":
+        return LocalFA3Graph(a, batch, context, capacity, device, dtype)
     if name == "sdpa":
         return LocalSDPA(a, batch, context, capacity, device, dtype)
     if name.startswith("packed"):

@@ -10,6 +10,9 @@
 # wheel (docs/gpu-host.md), installed from .whl/ when that folder is there. BACKEND=cpu runs the
 # server on the CPU (a trial with small flags and --device=cpu --attn=sdpa,unary).
 # PROFILE=1 samples the model's process with py-spy (its wheel in .whl/) into decode_client.svg.
+# MPS=1 runs the server and the model under a CUDA MPS control daemon of their own (started here,
+# stopped at exit), as co-located deployments should (README.md, co-located clients): without it
+# the GPU switches between the two processes' contexts at every layer call.
 set -uo pipefail
 bin=${1:-.device/bin}
 shift || true
@@ -23,6 +26,13 @@ if compgen -G ".whl/fa3_fwd-*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/fa3-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 ports=$(mktemp)
+mps_stop=:
+if [[ -n ${MPS:-} ]]; then
+  export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+  nvidia-cuda-mps-control -d || { echo "run_decode.sh: the MPS control daemon did not start"; exit 1; }
+  mps_stop='echo quit | nvidia-cuda-mps-control'
+  echo "run_decode.sh: under MPS (pipe directory $CUDA_MPS_PIPE_DIRECTORY)" >&2
+fi
 # The model process keeps its weights and, for the local anchors, its own KV cache on the same
 # GPU: the server holds a quarter of the device as KV pages (16 layers x 64 sequences x 4096 rows
 # need 17 GB) and a tenth for request buffers.
@@ -31,7 +41,7 @@ ports=$(mktemp)
   --device_memory_fraction=0.1 --kv_cache_fraction=0.25 --session_ttl_s=3600 \
   >"$out/decode_bench_server.log" 2>&1 &
 server=$!
-trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; eval "$mps_stop"' EXIT
 for _ in $(seq 100); do [[ -s $ports ]] && break; sleep 0.1; done
 [[ -s $ports ]] || { echo "run_decode.sh: attention_server did not start"; cat "$out/decode_bench_server.log"; exit 1; }
 port=$(cut -d' ' -f1 "$ports")

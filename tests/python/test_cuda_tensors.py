@@ -6,6 +6,9 @@ cache and the choice between CUDA regions and the host path.
   remembers it (usable turns False: every later call takes the host path), "on" raises, "off"
   never tries, nor does "auto" over several addresses. The CUDA driver cannot run here, so a
   stand-in gives each tensor's segment.
+- A decode loop's Step in stream order by counters, serialised from its kept plan: the bytes
+  parse as the protobuf-built request, for every combination of layer, k and v, lse and options;
+  a plan is kept per batch and shapes and forgotten with the batch.
 - The cache's bookkeeping over a recording SharedMemory stand-in (registering a CUDA region needs
   a GPU): one registration per segment however often it is used, a segment whose addresses a
   new allocation overlaps (torch freed it) unregistered before the new one is registered, the
@@ -15,6 +18,7 @@ The GPU host runs the real thing: bench/torch/cuda_regions_check.py.
 
 Run by ctest (label "python"). Exits 77 (skipped) when grpcio or numpy is missing.
 """
+import math
 import sys
 import unittest
 
@@ -29,6 +33,7 @@ from test_attention_client import ServerTest
 
 from attention_client import AttentionError, Client
 from attention_client._stubs import attention_pb2 as pb
+from attention_client import cuda_tensors
 from attention_client.cuda_tensors import CudaRegionsUnavailable, SegmentRegions
 
 
@@ -212,6 +217,115 @@ class SegmentCacheTest(unittest.TestCase):
         self.assertFalse(SegmentRegions(client, mode="off").usable)
         with self.assertRaises(ValueError):
             SegmentRegions(client, mode="sometimes")
+
+
+class ShapedTensor(FakeTensor):
+    """A FakeTensor with what a Step's request reads: shape, dtype, size."""
+
+    def __init__(self, ptr, shape, dtype="float16"):
+        super().__init__(ptr)
+        self.shape = tuple(shape)
+        self.dtype = numpy.dtype(dtype)
+
+    def numel(self):
+        return math.prod(self.shape)
+
+    def element_size(self):
+        return self.dtype.itemsize
+
+
+class FakeSession:
+    def __init__(self, client, id):
+        self._client, self.id = client, id
+
+    def _live_id(self):
+        return self.id
+
+
+class CounterPlanTest(unittest.TestCase):
+    """_step_by_counters' request, made from a plan kept per batch: equal to the protobuf-built
+    one (the fields every call repeats, serialised once, then the call's own)."""
+
+    def setUp(self):
+        self.client = RecordingClient()
+        self.client._batch_ids = {}
+        self.sessions = [FakeSession(self.client, f"r1.s{i}") for i in range(3)]
+        region = pb.RegionInfo(name="torch-1-cuda0-a000-0")
+        self.segment = cuda_tensors._Segment(0, 0xA000, 0x10000, 1, region, None)
+        counters_region = pb.RegionInfo(name="torch-1-cuda0-f000-1")
+        self.counter_segment = cuda_tensors._Segment(0, 0xF000, 0x1000, 2, counters_region, None)
+
+    def built(self, q, k, v, o, lse, options, value):
+        """The request as protobuf builds it (the fields of _device_request, the counters)."""
+        from attention_client.session import _packed_request
+        request = _packed_request(self.client, self.sessions, **options)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t is not None:
+                tensor = getattr(request, name)
+                tensor.dtype = pb.DTYPE_FLOAT16
+                tensor.shape.extend(t.shape)
+                tensor.ref.CopyFrom(self.ref(t))
+        request.o_ref.CopyFrom(self.ref(o))
+        if lse is not None:
+            request.lse_ref.CopyFrom(self.ref(lse))
+        for counter, offset in ((request.ready_counter, 0x40), (request.done_counter, 0x48)):
+            counter.ref.CopyFrom(pb.TensorRef(region=self.counter_segment.region.name,
+                                              offset=offset, byte_size=8))
+            counter.value = value
+        return request
+
+    def ref(self, t):
+        return pb.TensorRef(region=self.segment.region.name, offset=t.data_ptr() - 0xA000,
+                            byte_size=t.numel() * t.element_size())
+
+    def planned(self, q, k, v, o, lse, options, value):
+        from attention_client.session import _batch
+        counters = type("Counters", (), {})()
+        counters.tensor = FakeTensor(0xF040)
+        self.counters = getattr(self, "counters", counters)
+        plan = cuda_tensors._counter_plan(
+            self.client, self.sessions, _batch(self.client, self.sessions), q, k, v, lse,
+            self.counter_segment, self.counters, options)
+        segments = [self.segment if t is not None else None for t in (q, k, v, o, lse)]
+        data = plan.request(options.get("layer"), (q, k, v, o, lse), segments, value)
+        return plan, pb.StepRequest.FromString(data.SerializeToString())
+
+    def test_the_planned_request_is_the_protobuf_built_one(self):
+        q = ShapedTensor(0xA000, (3, 8, 1, 64))
+        k, v = ShapedTensor(0xB000, (3, 2, 1, 64)), ShapedTensor(0xB400, (3, 2, 1, 64))
+        o = ShapedTensor(0xC000, (3, 8, 1, 64))
+        lse = ShapedTensor(0xD000, (3, 8, 1), "float32")
+        for options in (dict(causal=True, layer=0), dict(causal=True, layer=15),
+                        dict(layer=None), dict(causal=True, softmax_scale=0.125, window_left=7,
+                                               window_right=0, softcap=30.0, chunk_size=64,
+                                               request_id="r", layer=3),
+                        dict(causal=True, return_lse=True, layer=200)):
+            for kv in ((k, v), (None, None)):
+                for value in (1, 2, 1 << 40):
+                    with_lse = lse if options.get("return_lse") else None
+                    _, got = self.planned(q, *kv, o, with_lse, options, value)
+                    self.assertEqual(got, self.built(q, *kv, o, with_lse, options, value),
+                                     f"{options} k={kv[0] is not None} value={value}")
+
+    def test_a_plan_is_kept_per_batch_shapes_and_options_and_forgotten_with_the_batch(self):
+        q, o = ShapedTensor(0xA000, (3, 8, 1, 64)), ShapedTensor(0xC000, (3, 8, 1, 64))
+        first, _ = self.planned(q, None, None, o, None, dict(causal=True, layer=0), 1)
+        again, got = self.planned(ShapedTensor(0xA800, (3, 8, 1, 64)), None, None, o, None,
+                                  dict(causal=True, layer=5), 2)
+        self.assertIs(again, first)  # another layer and other addresses: the same plan
+        self.assertEqual(got.q.ref.offset, 0x800)
+        other, _ = self.planned(q, None, None, o, None, dict(causal=False, layer=0), 3)
+        self.assertIsNot(other, first)
+        wider, _ = self.planned(ShapedTensor(0xA000, (3, 8, 2, 64)), None, None, o, None,
+                                dict(causal=True, layer=0), 4)
+        self.assertIsNot(wider, first)
+        # Sinks are not compared: planned every call.
+        sinks = dict(causal=True, layer=0, sinks=[0.5] * 8)
+        self.assertIsNot(self.planned(q, None, None, o, None, sinks, 5)[0],
+                         self.planned(q, None, None, o, None, sinks, 6)[0])
+        self.client._batch_ids.clear()  # what Session.drop does
+        self.assertIsNot(self.planned(q, None, None, o, None, dict(causal=True, layer=0), 7)[0],
+                         first)
 
 
 def register_one_segment(test, target, **client_args):

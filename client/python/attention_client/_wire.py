@@ -16,6 +16,7 @@ from attention_client._stubs import attention_pb2 as pb
 
 _LENGTH_DELIMITED = 2  # the wire type of bytes and message fields
 _DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+_REF = pb.Tensor.DESCRIPTOR.fields_by_name["ref"].number
 
 
 def _varint(n):
@@ -89,3 +90,57 @@ class WireMessage:
 def serialize(message):
     """A request's bytes by its own SerializeToString: a protobuf message's, or a WireMessage's."""
     return message.SerializeToString()
+
+
+class Encoded:
+    """A request already serialised, sent as a message is (the ring and the Step callables call
+    SerializeToString; the ring's sizing ByteSize)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data):
+        self._data = data
+
+    def ByteSize(self):  # noqa: N802 (protobuf's name)
+        return len(self._data)
+
+    def SerializeToString(self):  # noqa: N802 (protobuf's name)
+        return self._data
+
+
+def varint_field(number, value):
+    """Varint field `number` (an int32 or int64 >= 0) with its tag."""
+    return _varint(number << 3) + _varint(value)
+
+
+def message_field(number, encoded):
+    """Message field `number` holding the `encoded` bytes of its message."""
+    return _key(number, len(encoded)) + encoded
+
+
+@functools.lru_cache(maxsize=256)
+def _region_field(region):
+    """TensorRef.region = `region`, encoded (the regions of a decode loop are few)."""
+    name = region.encode()
+    return _key(pb.TensorRef.DESCRIPTOR.fields_by_name["region"].number, len(name)) + name
+
+
+_OFFSET = pb.TensorRef.DESCRIPTOR.fields_by_name["offset"].number
+_BYTE_SIZE = pb.TensorRef.DESCRIPTOR.fields_by_name["byte_size"].number
+
+
+# A decode loop's tensors come back to the same few addresses (the caching allocator's blocks):
+# their fields are kept.
+@functools.lru_cache(maxsize=4096)
+def ref_field(number, region, offset, byte_size):
+    """TensorRef field `number`: bytes [offset, offset + byte_size) of `region`."""
+    return message_field(number, _region_field(region) + varint_field(_OFFSET, offset) +
+                         varint_field(_BYTE_SIZE, byte_size))
+
+
+@functools.lru_cache(maxsize=4096)
+def tensor_ref_field(number, region, offset, byte_size):
+    """Tensor field `number` holding only its ref: its dtype and shape come in another
+    occurrence of the field in the same message, which protobuf merges with this one (a message
+    field that appears twice parses as the merge of both)."""
+    return message_field(number, ref_field(_REF, region, offset, byte_size))

@@ -65,6 +65,8 @@ from collections import OrderedDict
 
 import grpc
 
+from attention_client import _wire
+from attention_client._stubs import attention_pb2 as pb
 from attention_client.client import AttentionError
 
 MODES = ("auto", "on", "off")
@@ -327,13 +329,88 @@ def _step_counters(client, device):
     return counters
 
 
-def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
+# A decode loop's plans kept per batch of sessions (shapes, options, threads' counters).
+_PLANS_KEPT = 16
+
+
+def _counter_plan(client, sessions, batch, q, k, v, lse, counter_segment, counters, options):
+    """The _CounterPlan of a Step on `batch` (session._Batch) with these tensors' shapes, the
+    calling thread's `counters` and `options`; kept on the batch (a model makes this call once
+    per layer per token with the same ones). Options with sinks are planned each call (their
+    values are not compared)."""
+    names = [n for n in _REQUEST_OPTIONS if n != "layer" and options.get(n) is not None]
+    key = None
+    if options.get("sinks") is None:
+        key = (tuple((n, options[n]) for n in names), q.shape, q.dtype,
+               None if k is None else (k.shape, v.shape), lse is not None, id(counters),
+               counter_segment.region.name)
+        plan = batch.plans.get(key)
+        if plan is not None:
+            return plan
+    plan = _CounterPlan(client, sessions, q, k, v, counter_segment,
+                        counters.tensor.data_ptr() - counter_segment.base,
+                        {n: options[n] for n in names})
+    if key is not None:
+        if len(batch.plans) >= _PLANS_KEPT:
+            batch.plans.clear()
+        batch.plans[key] = plan
+    return plan
+
+
+class _CounterPlan:
+    """A packed Step in stream order by counters, as a decode loop repeats it on one batch of
+    sessions: what every such call sends alike (the sessions' ids, the options, q, k, v's dtype
+    and shape, the counters' refs) serialised once, in `head`; request() adds what changes: the
+    layer, the tensors' refs and the counters' value. A model makes this call once per layer per
+    token: no protobuf message is built for it, nothing per sequence."""
+
+    _FIELDS = {n: pb.StepRequest.DESCRIPTOR.fields_by_name[n].number
+               for n in ("layer", "q", "k", "v", "o_ref", "lse_ref", "ready_counter",
+                         "done_counter")}
+    _VALUE = pb.StreamCounter.DESCRIPTOR.fields_by_name["value"].number
+    _TENSORS = ("q", "k", "v", "o_ref", "lse_ref")  # Tensors with their refs, then TensorRefs
+    _ENCODERS = (_wire.tensor_ref_field,) * 3 + (_wire.ref_field,) * 2
+
+    def __init__(self, client, sessions, q, k, v, counter_segment, at, options):
+        from attention_client.session import _packed_request
+        from attention_client.shared_memory import _wire_dtype_of
+        request = _packed_request(client, sessions, **options)
+        dtype = _wire_dtype_of(q)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t is not None:
+                tensor = getattr(request, name)
+                tensor.dtype = dtype
+                tensor.shape.extend(t.shape)
+        # ready at `at` in the counters' region, done 8 bytes on; their values come with each call.
+        for counter, offset in ((request.ready_counter, at), (request.done_counter, at + 8)):
+            counter.ref.region, counter.ref.offset, counter.ref.byte_size = (
+                counter_segment.region.name, offset, 8)
+        self.head = request.SerializeToString()
+
+    def request(self, layer, tensors, segments, value):
+        """The StepRequest (serialised) of a call: `layer` (None: none), q, k, v, o, lse (k, v,
+        lse may be None) in their `segments`, the counters' `value`."""
+        fields = self._FIELDS
+        parts = [self.head]
+        if layer is not None:
+            parts.append(_wire.varint_field(fields["layer"], layer))
+        for name, encode, t, segment in zip(self._TENSORS, self._ENCODERS, tensors, segments):
+            if t is not None:
+                parts.append(encode(fields[name], segment.region.name,
+                                    t.data_ptr() - segment.base, t.numel() * t.element_size()))
+        value = _wire.varint_field(self._VALUE, value)  # a StreamCounter's value
+        parts += [_wire.message_field(fields["ready_counter"], value),
+                  _wire.message_field(fields["done_counter"], value)]
+        return _wire.Encoded(b"".join(parts))
+
+
+def step_batch_on_device(client, sessions, q, k, v, options, batch, _retried=False):
     """Client.step_batch of torch CUDA tensors q, k, v through CUDA regions, in stream order: the
     server's stream waits on the GPU for an event this call records on the current stream, its
     kernels read q, k, v and write o (and lse) in place, and the current stream waits for its
     event before anything later runs, so neither side synchronises with the GPU. (True, result)
     or (False, None) when the host path must answer (as attend_on_device). options: step_batch's
-    keyword arguments but out and lse_out."""
+    keyword arguments but out and lse_out; batch: the sessions' session._Batch."""
     import torch
     regions = client._cuda_segments
     if not regions.usable:
@@ -352,7 +429,7 @@ def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
     wait = options.get("wait", True)
     device = q.device.index if q.device.index is not None else 0
     if not wait and options.get("stream") == "ring":
-        return _step_by_counters(client, sessions, q, k, v, o, lse, device, options)
+        return _step_by_counters(client, sessions, q, k, v, o, lse, device, options, batch)
     segments = _ensure(regions, (q, k, v, o, lse))
     if segments is None:
         return False, None
@@ -371,7 +448,7 @@ def step_batch_on_device(client, sessions, q, k, v, options, _retried=False):
     except AttentionError as e:
         if e.code == grpc.StatusCode.NOT_FOUND and not _retried:
             regions.close()  # the server lost the regions: register them again, once
-            return step_batch_on_device(client, sessions, q, k, v, options, _retried=True)
+            return step_batch_on_device(client, sessions, q, k, v, options, batch, _retried=True)
         if regions.mode == "auto" and e.code in _CALL_REFUSED:
             return False, None
         raise
@@ -408,7 +485,7 @@ def _device_request(client, sessions, q, k, v, o, lse, segments, options):
     return request
 
 
-def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
+def _step_by_counters(client, sessions, q, k, v, o, lse, device, options, batch):
     """step_batch_on_device with wait=False on the ring: ordered by counters, posted without
     waiting for the answer (Client.step_batch)."""
     regions = client._cuda_segments
@@ -417,14 +494,11 @@ def _step_by_counters(client, sessions, q, k, v, o, lse, device, options):
     if segments is None:
         return False, None
     from attention_client.session import RingStep, _batch_output, _submit_step
-    request = _device_request(client, sessions, q, k, v, o, lse, segments, options)
     counters.value += 1
     value = counters.value
-    at = counters.tensor.data_ptr() - segments[5].base  # ready at `at`, done 8 bytes on
-    for counter, offset in ((request.ready_counter, at), (request.done_counter, at + 8)):
-        counter.ref.region, counter.ref.offset, counter.ref.byte_size = (
-            segments[5].region.name, offset, 8)
-        counter.value = value
+    request = _counter_plan(client, sessions, batch, q, k, v, lse, segments[5], counters,
+                            options).request(options.get("layer"), (q, k, v, o, lse), segments,
+                                             value)
     stream = _current_stream(q.device)
     driver = regions._driver
     driver.write_value(device, stream, counters.ready.data_ptr(), value)

@@ -490,7 +490,8 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
         raise ValueError("k and v go together: give both or neither")
     if not sessions:
         raise ValueError("sessions: expected at least one session, got none")
-    metadata = _with_owner(client, metadata, _batch(client, sessions)[1])
+    batch = _batch(client, sessions)
+    metadata = _with_owner(client, metadata, batch.owner)
     ordered = (ready_event, done_event, ready_counter, done_counter)
     if (out is None and lse_out is None and all(x is None for x in ordered)
             and _is_torch(q) and getattr(q, "is_cuda", False) and client._cuda_segments.usable):
@@ -499,7 +500,7 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
             causal=causal, softmax_scale=softmax_scale, window_left=window_left,
             window_right=window_right, return_lse=return_lse, timeout=timeout,
             metadata=metadata, request_id=request_id, return_info=return_info, stream=stream,
-            wait=wait, sinks=sinks, softcap=softcap, chunk_size=chunk_size, layer=layer))
+            wait=wait, sinks=sinks, softcap=softcap, chunk_size=chunk_size, layer=layer), batch)
         if done:
             return result
     bits = sessions[0]._bfloat16_bits
@@ -575,18 +576,29 @@ def _packed_request(client, sessions, *, request_id="", layer=None, causal=False
 _BATCHES_KEPT = 64
 
 
+class _Batch:
+    """A packed Step's sessions as its calls see them: their ids, their owner (_owner_of), and
+    what calls on them keep (plans: cuda_tensors' serialised Steps in stream order)."""
+
+    __slots__ = ("ids", "owner", "plans")
+
+    def __init__(self, ids):
+        self.ids = ids
+        self.owner = _owner_of(ids)
+        self.plans = {}
+
+
 def _batch(client, sessions):
-    """(ids, owner) of a packed Step's sessions, each checked to be live and this client's, of
-    one owner (_owner_of). A model names the same batch in every layer call, so those of the last
-    batches are kept, by the sessions' identity (Session.drop forgets them all)."""
+    """The _Batch of a packed Step's sessions, each checked to be live and this client's, of one
+    owner. A model names the same batch in every layer call, so those of the last batches are
+    kept, by the sessions' identity (Session.drop forgets them all)."""
     key = tuple(sessions)
     batch = client._batch_ids.get(key)
     if batch is None:
         for session in sessions:
             if session._client is not client:
                 raise ValueError(f"session {session.id} belongs to another Client")
-        ids = [session._live_id() for session in sessions]
-        batch = (ids, _owner_of(ids))
+        batch = _Batch([session._live_id() for session in sessions])
         if len(client._batch_ids) >= _BATCHES_KEPT:
             client._batch_ids.clear()
         client._batch_ids[key] = batch
@@ -595,7 +607,7 @@ def _batch(client, sessions):
 
 def _session_ids(client, sessions):
     """The ids of a packed Step's sessions (_batch)."""
-    return _batch(client, sessions)[0]
+    return _batch(client, sessions).ids
 
 
 class RingStep:
@@ -624,8 +636,9 @@ def _batch_output(response, sessions, kind, return_lse, out, lse_out, return_inf
     if len(response.lengths) != len(sessions):
         raise AttentionError(grpc.StatusCode.DATA_LOSS, f"Step sent {len(sessions)} sequences "
                              f"and got {len(response.lengths)} lengths")
+    at = layer or 0
     for session, length in zip(sessions, response.lengths):
-        session._set_length(length, layer)
+        session.layer_lengths[at] = length  # Session._set_length's, inlined: per sequence
     o = out if out is not None else _from_tensor(response.o, kind)
     lse = None
     if return_lse:
