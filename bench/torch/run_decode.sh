@@ -29,7 +29,10 @@ ports=$(mktemp)
 mps_stop=:
 if [[ -n ${MPS:-} ]]; then
   export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
-  nvidia-cuda-mps-control -d || { echo "run_decode.sh: the MPS control daemon did not start"; exit 1; }
+  if ! nvidia-cuda-mps-control -d; then
+    echo "run_decode.sh: the MPS control daemon did not start"
+    exit 1
+  fi
   mps_stop='echo quit | nvidia-cuda-mps-control'
   echo "run_decode.sh: under MPS (pipe directory $CUDA_MPS_PIPE_DIRECTORY)" >&2
 fi
