@@ -440,6 +440,33 @@ TEST(PlanPagedDecodeTest, WideTileServesMlaAndD512WhereItsSharedMemoryFits) {
       << refused.status();
 }
 
+// The wide tile's splits stop where the merge of their partial o (up to 64 rows x Dv floats each,
+// read by one CTA) would outlast a split's own reads, S^2 <= NK (D + Dv) / (2 R Dv) with R the
+// block's live rows: MLA at batch 1 takes 8 splits over 4096 keys (64 rows, Hq 128), 16 at Hq 16
+// (16 live rows), 23 and 45 over 32768 keys (whole key tiles per split), where filling the SMs
+// alone gave 64-128; at batch 8 the fill asks no more than the cap and is kept.
+TEST(PlanPagedDecodeTest, WideTileSplitsStopWhereTheirMergeWouldOutlastThem) {
+  struct Case {
+    int64_t heads_q, batch, nk;
+    int splits;
+  };
+  for (const Case& c : {Case{128, 1, 4096, 8}, Case{16, 1, 4096, 16}, Case{128, 1, 32768, 23},
+                        Case{16, 1, 32768, 45}, Case{128, 8, 4096, 8}}) {
+    SCOPED_TRACE(testing::Message() << "Hq=" << c.heads_q << " B=" << c.batch << " NK=" << c.nk);
+    PagedStep step(DType::kBFloat16, 576);
+    step.p.shape = {DType::kBFloat16, 1, 576, 512};
+    step.p.heads_q = c.heads_q;
+    step.p.num_seqs = c.batch;
+    step.p.total_q = c.batch;
+    step.extent.max_seqlen_k = c.nk;
+    const absl::StatusOr<PagedDecodePlan> plan =
+        PlanPagedDecode(step.p, step.extent, {.sm_count = 132, .smem_per_block = 232448});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_EQ(plan->launch.wide_head_dim, 576);
+    EXPECT_EQ(plan->splits, c.splits);
+  }
+}
+
 // The kernel params carry the options as the kernels take them: the sinks' device pointer, the
 // softcap in the log2 domain with the scale of q.k to s / softcap (|softmax_scale|: a negative
 // scale negates q), and the chunk size clamped to 2^30; absent options are 0 / null.
