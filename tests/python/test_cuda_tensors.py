@@ -244,7 +244,8 @@ class FakeSession:
 
 class CounterPlanTest(unittest.TestCase):
     """_step_by_counters' request, made from a plan kept per batch: equal to the protobuf-built
-    one (the fields every call repeats, serialised once, then the call's own)."""
+    one (the fields every call repeats, serialised once, then the call's own); and the request of
+    the same Step ordered by events (_device_request)."""
 
     def setUp(self):
         self.client = RecordingClient()
@@ -304,8 +305,17 @@ class CounterPlanTest(unittest.TestCase):
                 for value in (1, 2, 1 << 40):
                     with_lse = lse if options.get("return_lse") else None
                     _, got = self.planned(q, *kv, o, with_lse, options, value)
-                    self.assertEqual(got, self.built(q, *kv, o, with_lse, options, value),
-                                     f"{options} k={kv[0] is not None} value={value}")
+                    want = self.built(q, *kv, o, with_lse, options, value)
+                    what = f"{options} k={kv[0] is not None} value={value}"
+                    self.assertEqual(got, want, what)
+                    # The same Step ordered by events (built through protobuf, no counters).
+                    segments = [self.segment if t is not None else None
+                                for t in (q, *kv, o, with_lse)]
+                    by_events = cuda_tensors._device_request(
+                        self.client, self.sessions, q, *kv, o, with_lse, segments, options)
+                    for field in ("ready_counter", "done_counter"):
+                        want.ClearField(field)
+                    self.assertEqual(by_events, want, what)
 
     def test_a_plan_is_kept_per_batch_shapes_and_options_and_forgotten_with_the_batch(self):
         q, o = ShapedTensor(0xA000, (3, 8, 1, 64)), ShapedTensor(0xC000, (3, 8, 1, 64))

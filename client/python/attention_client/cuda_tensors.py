@@ -329,6 +329,21 @@ def _step_counters(client, device):
     return counters
 
 
+def _shaped_request(client, sessions, q, k, v, options):
+    """The packed StepRequest naming `sessions` with `options` (step_batch's, those it carries)
+    and q, k, v's dtype and shape (k and v may be None); their refs are the caller's to set."""
+    from attention_client.session import _packed_request
+    from attention_client.shared_memory import _wire_dtype_of
+    request = _packed_request(client, sessions, **options)
+    dtype = _wire_dtype_of(q)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is not None:
+            tensor = getattr(request, name)
+            tensor.dtype = dtype
+            tensor.shape.extend(t.shape)
+    return request
+
+
 # A decode loop's plans kept per batch of sessions (shapes, options, threads' counters).
 _PLANS_KEPT = 16
 
@@ -372,15 +387,7 @@ class _CounterPlan:
     _ENCODERS = (_wire.tensor_ref_field,) * 3 + (_wire.ref_field,) * 2
 
     def __init__(self, client, sessions, q, k, v, counter_segment, at, options):
-        from attention_client.session import _packed_request
-        from attention_client.shared_memory import _wire_dtype_of
-        request = _packed_request(client, sessions, **options)
-        dtype = _wire_dtype_of(q)
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t is not None:
-                tensor = getattr(request, name)
-                tensor.dtype = dtype
-                tensor.shape.extend(t.shape)
+        request = _shaped_request(client, sessions, q, k, v, options)
         # ready at `at` in the counters' region, done 8 bytes on; their values come with each call.
         for counter, offset in ((request.ready_counter, at), (request.done_counter, at + 8)):
             counter.ref.region, counter.ref.offset, counter.ref.byte_size = (
@@ -468,17 +475,11 @@ def _device_request(client, sessions, q, k, v, o, lse, segments, options):
     """The packed StepRequest of CUDA tensors q, k, v, o, lse (k, v, lse may be None) in their
     `segments` (_ensure's, in that order), with step_batch's `options`. A model makes this call
     once per layer per token: no search of the client's regions, no per-sequence work."""
-    from attention_client.session import _packed_request
-    from attention_client.shared_memory import _wire_dtype_of
-    request = _packed_request(client, sessions, **{
+    request = _shaped_request(client, sessions, q, k, v, {
         name: options[name] for name in _REQUEST_OPTIONS if options.get(name) is not None})
-    dtype = _wire_dtype_of(q)
     for name, t, segment in zip(("q", "k", "v"), (q, k, v), segments):
         if t is not None:
-            tensor = getattr(request, name)
-            tensor.dtype = dtype
-            tensor.shape.extend(t.shape)
-            _set_ref(tensor.ref, t, segment)
+            _set_ref(getattr(request, name).ref, t, segment)
     _set_ref(request.o_ref, o, segments[3])
     if lse is not None:
         _set_ref(request.lse_ref, lse, segments[4])
