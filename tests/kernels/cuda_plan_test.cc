@@ -441,20 +441,23 @@ TEST(PlanPagedDecodeTest, WideTileServesMlaAndD512WhereItsSharedMemoryFits) {
 }
 
 // The wide tile's splits stop where the merge of their partial o (up to 64 rows x Dv floats each,
-// read by one CTA) would outlast a split's own reads, S^2 <= NK (D + Dv) / (2 R Dv) with R the
-// block's live rows: MLA at batch 1 takes 8 splits over 4096 keys (64 rows, Hq 128), 16 at Hq 16
-// (16 live rows), 23 and 45 over 32768 keys (whole key tiles per split), where filling the SMs
-// alone gave 64-128; at batch 8 the fill asks no more than the cap and is kept.
+// read by one CTA) would read four times a split's own K/V, S^2 <= 2 NK (D + Dv) / (R Dv) with R
+// the block's live rows (whole key tiles per split): MLA at batch 1 takes 16 splits over 4096 keys
+// (64 rows, Hq 128) and 32 at Hq 16 (16 live rows), 45 and 86 over 32768 keys, where filling the
+// SMs alone gave 64-128. Where the fill asks fewer (MLA at batch 8, D = 512 with its 8 live rows)
+// it is kept: the splits of the unchanged planner, 8 and 32.
 TEST(PlanPagedDecodeTest, WideTileSplitsStopWhereTheirMergeWouldOutlastThem) {
   struct Case {
-    int64_t heads_q, batch, nk;
+    int64_t d, heads_kv, heads_q, batch, nk;
     int splits;
   };
-  for (const Case& c : {Case{128, 1, 4096, 8}, Case{16, 1, 4096, 16}, Case{128, 1, 32768, 23},
-                        Case{16, 1, 32768, 45}, Case{128, 8, 4096, 8}}) {
-    SCOPED_TRACE(testing::Message() << "Hq=" << c.heads_q << " B=" << c.batch << " NK=" << c.nk);
-    PagedStep step(DType::kBFloat16, 576);
-    step.p.shape = {DType::kBFloat16, 1, 576, 512};
+  for (const Case& c : {Case{576, 1, 128, 1, 4096, 16}, Case{576, 1, 16, 1, 4096, 32},
+                        Case{576, 1, 128, 1, 32768, 45}, Case{576, 1, 16, 1, 32768, 86},
+                        Case{576, 1, 128, 8, 4096, 8}, Case{512, 4, 32, 1, 4096, 32}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "D=" << c.d << " Hq=" << c.heads_q << " B=" << c.batch << " NK=" << c.nk);
+    PagedStep step(DType::kBFloat16, c.d);
+    step.p.shape = {DType::kBFloat16, c.heads_kv, c.d, 512};
     step.p.heads_q = c.heads_q;
     step.p.num_seqs = c.batch;
     step.p.total_q = c.batch;
@@ -462,7 +465,7 @@ TEST(PlanPagedDecodeTest, WideTileSplitsStopWhereTheirMergeWouldOutlastThem) {
     const absl::StatusOr<PagedDecodePlan> plan =
         PlanPagedDecode(step.p, step.extent, {.sm_count = 132, .smem_per_block = 232448});
     ASSERT_TRUE(plan.ok()) << plan.status();
-    ASSERT_EQ(plan->launch.wide_head_dim, 576);
+    ASSERT_EQ(plan->launch.wide_head_dim, c.d);
     EXPECT_EQ(plan->splits, c.splits);
   }
 }

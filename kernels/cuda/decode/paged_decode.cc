@@ -100,17 +100,18 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
     while (fill(splits) < kWaveFill * best) ++splits;
     if (wide) {
       // The wide tile's splits write partial o of up to 64 rows x Dv floats each (128 KiB at MLA's
-      // Dv 512), which the last CTA of a row block reads alone: S splits cost it S of those, while
-      // each split reads max_seqlen_k / S keys of D + Dv halves. Past S^2 = NK (D + Dv) / (2 R Dv)
-      // (R the block's live rows) that merge outlasts a split's own reads: at batch 1 over 4096
-      // keys the fill alone gave MLA 64-128 splits, and the step took 2.3-2.6x batch 8's time
-      // (an H100, 2026-12-06). The cap's own speed is not yet measured on a GPU.
+      // Dv 512), which the last CTA of a row block reads alone: S splits cost that CTA S of those,
+      // while each split reads max_seqlen_k / S keys of D + Dv halves. S stops where the merge's
+      // reads pass four times a split's own, S^2 <= 2 NK (D + Dv) / (R Dv) (R the block's live
+      // rows): at batch 1 over 4096 keys the fill alone gave MLA 64-128 splits, and the step took
+      // 2.3-2.6x batch 8's time (an H100, 2026-12-06). The cap's own speed is not yet measured on
+      // a GPU; it leaves D = 512's splits (8 live rows) as they were at 4096 keys.
       const int64_t live_rows =
           std::min<int64_t>(cta_rows, int64_t{group} * std::max<int64_t>(1, extent.max_seqlen_q));
-      const double balance = static_cast<double>(extent.max_seqlen_k) *
-                             static_cast<double>(shape.head_dim + dv) /
-                             (2.0 * static_cast<double>(live_rows) * static_cast<double>(dv));
-      splits = std::clamp<int64_t>(static_cast<int64_t>(std::sqrt(balance)), 1, splits);
+      const double cap_squared = 2.0 * static_cast<double>(extent.max_seqlen_k) *
+                                 static_cast<double>(shape.head_dim + dv) /
+                                 (static_cast<double>(live_rows) * static_cast<double>(dv));
+      splits = std::clamp<int64_t>(static_cast<int64_t>(std::sqrt(cap_squared)), 1, splits);
     }
   }
   const int64_t tiles_per_split = (tiles + splits - 1) / splits;
