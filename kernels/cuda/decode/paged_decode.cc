@@ -104,8 +104,8 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
       // while each split reads max_seqlen_k / S keys of D + Dv halves. S stops where the merge's
       // reads pass four times a split's own, S^2 <= 2 NK (D + Dv) / (R Dv) (R the block's live
       // rows): at batch 1 over 4096 keys the fill alone gave MLA 64-128 splits, and the step took
-      // 2.3-2.6x batch 8's time (an H100, 2026-12-06). The cap's own speed is not yet measured on
-      // a GPU; it leaves D = 512's splits (8 live rows) as they were at 4096 keys.
+      // 2.3-2.6x batch 8's time (an H100, 2026-12-06). D = 512's splits (8 live rows) stay as the
+      // fill gives them at 4096 keys.
       const int64_t live_rows =
           std::min<int64_t>(cta_rows, int64_t{group} * std::max<int64_t>(1, extent.max_seqlen_q));
       const double cap_squared = 2.0 * static_cast<double>(extent.max_seqlen_k) *
