@@ -153,6 +153,7 @@ class Attention:
 
     first_o = None
     overlapped = False
+    graphed = False  # each step after the first replayed from one CUDA graph (decode)
 
     def record(self, i, o):
         if i == 0 and self.first_o is None:
@@ -409,7 +410,7 @@ def decode(model, attention, batch, context, a, device):
             first = logits.float()
         ids = logits.argmax(-1, keepdim=True)
         tokens.append(ids)
-        if t == 0 and getattr(attention, "graphed", False):
+        if t == 0 and attention.graphed:
             # The next steps' work captured once (nothing runs during the capture), on the
             # inputs' buffers that each replay refills.
             graph_ids, graph_pos = ids.clone(), torch.tensor([context + 1], device=device)
