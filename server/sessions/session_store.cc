@@ -84,10 +84,7 @@ SessionStore::Lease& SessionStore::Lease::operator=(Lease&& other) noexcept {
 SessionStore::Lease::~Lease() { Release(); }
 
 void SessionStore::Lease::Release() {
-  if (session_ == nullptr) return;
-  session_->call_mu.unlock();
-  store_->ReleaseSession(session_);
-  session_.reset();
+  if (session_ != nullptr) store_->Release(absl::MakeSpan(this, 1));
 }
 
 void SessionStore::Release(absl::Span<Lease> leases) {
@@ -674,16 +671,6 @@ absl::Status SessionStore::Truncate(Lease& lease, int64_t length) {
   s.chain.resize(std::min(s.chain.size(), static_cast<size_t>(length / s.page_rows)));
   PublishLocked();
   return absl::OkStatus();
-}
-
-void SessionStore::ReleaseSession(const std::shared_ptr<Session>& session) {
-  std::lock_guard<std::mutex> lock(mu_);
-  --session->users;
-  session->last_used = options_.clock();
-  if (session->dropped && session->users == 0) {
-    FreePagesLocked(*session);
-    PublishLocked();
-  }
 }
 
 absl::StatusOr<SessionStore::Lease> SessionStore::Fork(Lease& parent, int64_t length,

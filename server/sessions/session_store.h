@@ -250,8 +250,8 @@ class SessionStore {
   absl::StatusOr<std::vector<Lease>> Acquire(absl::string_view owner,
                                              absl::Span<const absl::string_view> ids,
                                              Access access = Access::kChange);
-  // Releases every lease of `leases` (as their destruction does, under one lock of the store
-  // rather than one each: a Step's many sessions), leaving them empty.
+  // Releases every lease of `leases` under one lock of the store (a Step's many sessions; a
+  // lease's own release is this of one), leaving them empty.
   void Release(absl::Span<Lease> leases);
 
   // Seals the lease's session (one layer; an export seals each) for good: from now on Acquire
@@ -327,7 +327,6 @@ class SessionStore {
     int64_t host_slots = 0;
   };
 
-  void ReleaseSession(const std::shared_ptr<Session>& session);
   // Calls fn(layer) for each layer of `session`'s group still in the store, in layer order (for a
   // session of one layer, itself, looked up by its id with no new string).
   template <typename Fn>

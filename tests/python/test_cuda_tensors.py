@@ -255,6 +255,8 @@ class CounterPlanTest(unittest.TestCase):
         self.segment = cuda_tensors._Segment(0, 0xA000, 0x10000, 1, region, None)
         counters_region = pb.RegionInfo(name="torch-1-cuda0-f000-1")
         self.counter_segment = cuda_tensors._Segment(0, 0xF000, 0x1000, 2, counters_region, None)
+        # A thread's _StepCounters as the plan reads them: ready at 0x40 of their segment.
+        self.counters = type("Counters", (), {"tensor": FakeTensor(0xF040)})()
 
     def built(self, q, k, v, o, lse, options, value):
         """The request as protobuf builds it (the fields of _device_request, the counters)."""
@@ -281,9 +283,6 @@ class CounterPlanTest(unittest.TestCase):
 
     def planned(self, q, k, v, o, lse, options, value):
         from attention_client.session import _batch
-        counters = type("Counters", (), {})()
-        counters.tensor = FakeTensor(0xF040)
-        self.counters = getattr(self, "counters", counters)
         plan = cuda_tensors._counter_plan(
             self.client, self.sessions, _batch(self.client, self.sessions), q, k, v, lse,
             self.counter_segment, self.counters, options)

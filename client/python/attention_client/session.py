@@ -636,9 +636,8 @@ def _batch_output(response, sessions, kind, return_lse, out, lse_out, return_inf
     if len(response.lengths) != len(sessions):
         raise AttentionError(grpc.StatusCode.DATA_LOSS, f"Step sent {len(sessions)} sequences "
                              f"and got {len(response.lengths)} lengths")
-    at = layer or 0
     for session, length in zip(sessions, response.lengths):
-        session.layer_lengths[at] = length  # Session._set_length's, inlined: per sequence
+        session._set_length(length, layer)
     o = out if out is not None else _from_tensor(response.o, kind)
     lse = None
     if return_lse:
