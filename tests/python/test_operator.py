@@ -204,7 +204,14 @@ class AttnClientTest(unittest.TestCase):
                 self.assertNotIn("problem:", p.stdout)
 
     def test_deadline_and_dead_target_say_what_to_do(self):
-        p = run(CLIENT, self.server.target, "--shape=1,2,64,32", "--causal", "--deadline_ms=1")
+        # A call of ~4 GFLOPs, which no CPU answers within 1 ms (the class's server, limited to
+        # 1e6 FLOPs a request, answered one small enough for it in under 1 ms at times): a server
+        # of its own, without that limit.
+        unlimited = Server()
+        try:
+            p = run(CLIENT, unlimited.target, "--shape=1,8,2048,64", "--causal", "--deadline_ms=1")
+        finally:
+            unlimited.stop()
         self.assertEqual(p.returncode, 1, p.stderr)
         self.assertIn("DEADLINE_EXCEEDED", p.stderr)
         self.assertIn("the call took longer than --deadline_ms=1: raise it", p.stderr)
