@@ -13,6 +13,7 @@
 # MPS=1 runs the server and the model under a CUDA MPS control daemon of their own (started here,
 # stopped at exit), as co-located deployments should (README.md, co-located clients): without it
 # the GPU switches between the two processes' contexts at every layer call.
+# SERVER_FLAGS adds flags to attention_server's (e.g. SERVER_FLAGS=--malloc_keep_mb=0).
 set -uo pipefail
 bin=${1:-.device/bin}
 shift || true
@@ -41,7 +42,7 @@ fi
 # need 17 GB) and a tenth for request buffers.
 "$bin/attention_server" --backend="${BACKEND:-cuda}" --host=127.0.0.1 --port=0 --metrics_port=0 \
   --port_file="$ports" --max_message_mb=2047 --allow_shared_memory \
-  --device_memory_fraction=0.1 --kv_cache_fraction=0.25 --session_ttl_s=3600 \
+  --device_memory_fraction=0.1 --kv_cache_fraction=0.25 --session_ttl_s=3600 ${SERVER_FLAGS:-} \
   >"$out/decode_bench_server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; eval "$mps_stop"' EXIT

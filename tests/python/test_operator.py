@@ -82,12 +82,13 @@ class PortsTest(unittest.TestCase):
         self.assertIn(f"metrics: cannot listen on 127.0.0.1:{self.server.metrics_port} "
                       "(--metrics_port)", p.stderr)
 
-    def test_ports_out_of_range_or_shared_are_refused(self):
+    def test_bad_ports_and_values_are_refused(self):
         for flags, reason in (
                 (["--port=65536"], "--port: expected a TCP port 0..65535 (0 picks a free one), "
                                    "got 65536"),
                 (["--port=-1"], "--port: expected a TCP port 0..65535"),
                 (["--metrics_port=70000"], "--metrics_port: expected a TCP port 0..65535"),
+                (["--malloc_keep_mb=-1"], "--malloc_keep_mb: expected >= 0, got -1"),
                 (["--port=9999", "--metrics_port=9999"],
                  "--port and --metrics_port: expected two different ports, got 9999 for both")):
             with self.subTest(flags=flags):
