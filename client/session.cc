@@ -33,9 +33,11 @@ std::shared_ptr<grpc::Channel> SessionChannel(const Client& client) {
                                    MakeChannelArguments(sticky));
 }
 
+// k and v together, or k alone (a session whose v is k's first features: the server refuses it
+// for any other, naming the field).
 absl::Status CheckPair(const v1::Tensor* k, const v1::Tensor* v) {
-  if ((k == nullptr) != (v == nullptr)) {
-    return absl::InvalidArgumentError("k and v go together: give both or neither");
+  if (k == nullptr && v != nullptr) {
+    return absl::InvalidArgumentError("k and v go together: give both, k alone or neither");
   }
   return absl::OkStatus();
 }
@@ -100,21 +102,26 @@ Session::~Session() {
 }
 
 absl::Status Session::Append(const v1::Tensor& k, const v1::Tensor& v, const CallOptions& call) {
-  return AppendRows(k, v, {}, std::nullopt, call);
+  return AppendRows(k, &v, {}, std::nullopt, call);
 }
 
 absl::Status Session::Append(const v1::Tensor& k, const v1::Tensor& v, int32_t layer,
                              const CallOptions& call) {
-  return AppendRows(k, v, {}, layer, call);
+  return AppendRows(k, &v, {}, layer, call);
 }
 
 absl::Status Session::Append(const v1::Tensor& k, const v1::Tensor& v,
                              absl::Span<const int64_t> tokens, std::optional<int32_t> layer,
                              const CallOptions& call) {
-  return AppendRows(k, v, tokens, layer, call);
+  return AppendRows(k, &v, tokens, layer, call);
 }
 
-absl::Status Session::AppendRows(const v1::Tensor& k, const v1::Tensor& v,
+absl::Status Session::AppendK(const v1::Tensor& k, std::optional<int32_t> layer,
+                              const CallOptions& call) {
+  return AppendRows(k, nullptr, {}, layer, call);
+}
+
+absl::Status Session::AppendRows(const v1::Tensor& k, const v1::Tensor* v,
                                  absl::Span<const int64_t> tokens, std::optional<int32_t> layer,
                                  const CallOptions& call) {
   if (id_.empty()) return absl::FailedPreconditionError("the session was dropped or released");
@@ -124,7 +131,7 @@ absl::Status Session::AppendRows(const v1::Tensor& k, const v1::Tensor& v,
   if (layer) request.set_layer(*layer);
   request.mutable_tokens()->Add(tokens.begin(), tokens.end());
   *request.mutable_k() = k;
-  *request.mutable_v() = v;
+  if (v != nullptr) *request.mutable_v() = *v;
   return Update(&v1::Sessions::Stub::AppendKv, request, call);
 }
 
@@ -207,7 +214,8 @@ absl::StatusOr<Session> SessionImport::Finish() {
                          .head_dim = info_->head_dim(),
                          .layout = options_.layout,
                          .layers = std::max(1, info_->layers()),
-                         .v_head_dim = info_->v_head_dim()};
+                         .v_head_dim = info_->v_head_dim(),
+                         .v_from_k = info_->v_from_k()};
   return Session(client_, info_->session_id(), spec, *info_);
 }
 
@@ -291,10 +299,9 @@ absl::StatusOr<Session> SessionClient::CreateSession(const SessionSpec& spec, co
   request.set_layout(spec.layout);
   if (spec.layers > 1) request.set_layers(spec.layers);
   request.set_v_head_dim(static_cast<int32_t>(spec.v_head_dim));
-  if (k != nullptr) {
-    *request.mutable_k() = *k;
-    *request.mutable_v() = *v;
-  }
+  request.set_v_from_k(spec.v_from_k);
+  if (k != nullptr) *request.mutable_k() = *k;
+  if (v != nullptr) *request.mutable_v() = *v;
   std::unique_ptr<grpc::ClientContext> context = NewContext(call);
   v1::SessionInfo info;
   grpc::Status status = stub_->CreateSession(context.get(), request, &info);
@@ -318,10 +325,8 @@ absl::StatusOr<v1::StepRequest> SessionClient::MakeStepRequest(absl::Span<const 
     v1::StepEntry* entry = request.add_entries();
     entry->set_session_id(item.session->id());
     *entry->mutable_q() = *item.q;
-    if (item.k != nullptr) {
-      *entry->mutable_k() = *item.k;
-      *entry->mutable_v() = *item.v;
-    }
+    if (item.k != nullptr) *entry->mutable_k() = *item.k;
+    if (item.v != nullptr) *entry->mutable_v() = *item.v;
   }
   SetStepOptions(options, &request);
   return request;
@@ -348,10 +353,8 @@ absl::StatusOr<v1::StepRequest> SessionClient::MakeBatchRequest(
     request.add_session_ids(session->id());
   }
   *request.mutable_q() = q;
-  if (tensors.k != nullptr) {
-    *request.mutable_k() = *tensors.k;
-    *request.mutable_v() = *tensors.v;
-  }
+  if (tensors.k != nullptr) *request.mutable_k() = *tensors.k;
+  if (tensors.v != nullptr) *request.mutable_v() = *tensors.v;
   if (tensors.o_ref != nullptr) *request.mutable_o_ref() = *tensors.o_ref;
   if (tensors.lse_ref != nullptr) *request.mutable_lse_ref() = *tensors.lse_ref;
   request.set_ready_event(tensors.ready_event);

@@ -69,6 +69,9 @@ struct SessionSpec {
   // Dv, the head dim of v and of the Steps' o where it is not D (CreateSessionRequest.v_head_dim:
   // MLA models); 0: D.
   int64_t v_head_dim = 0;
+  // v is k's first Dv features, kept once (CreateSessionRequest.v_from_k: MLA's latent cache):
+  // Create, AppendK and the Steps then take k without v.
+  bool v_from_k = false;
 };
 
 // The attention settings of a step; masks as in AttendRequest, bottom-right aligned: the
@@ -145,6 +148,10 @@ class Session {
   // share their full pages (SessionClient::CreateFromPrefix).
   absl::Status Append(const v1::Tensor& k, const v1::Tensor& v, absl::Span<const int64_t> tokens,
                       std::optional<int32_t> layer = std::nullopt, const CallOptions& call = {});
+  // Appends rows of k alone, to a session whose v is k's first Dv features (SessionSpec::v_from_k;
+  // any other refuses it, INVALID_ARGUMENT naming k and v).
+  absl::Status AppendK(const v1::Tensor& k, std::optional<int32_t> layer = std::nullopt,
+                       const CallOptions& call = {});
   // Keeps the first `length` rows (0 <= length <= the session's; speculative decoding drops
   // rejected tokens) and frees the server's pages beyond them.
   absl::Status Truncate(int64_t length, const CallOptions& call = {});
@@ -206,7 +213,7 @@ class Session {
   void SetInfo(const v1::SessionInfo& info);
   // A Step's answer: `layer`'s rows (absent: the only layer's) are now `length`.
   void SetLength(int64_t length, std::optional<int32_t> layer);
-  absl::Status AppendRows(const v1::Tensor& k, const v1::Tensor& v,
+  absl::Status AppendRows(const v1::Tensor& k, const v1::Tensor* v,
                           absl::Span<const int64_t> tokens, std::optional<int32_t> layer,
                           const CallOptions& call);
   // A call answered by the session's SessionInfo (AppendKv, Truncate); sets length().

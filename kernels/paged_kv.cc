@@ -11,9 +11,9 @@ int64_t PageRows(int64_t page_bytes, const KvShape& shape) {
   if (page_bytes <= 0 || shape.heads_kv <= 0 || shape.head_dim <= 0 || shape.v_head_dim < 0) {
     return 0;
   }
-  // One row of a page: K and V of every kv head.
-  const int64_t row_bytes = shape.heads_kv * (shape.head_dim + shape.value_head_dim()) *
-                            static_cast<int64_t>(DTypeSize(shape.dtype));
+  // One row of a page: K and V of every kv head (K alone where V lies in it).
+  const int64_t row_bytes =
+      shape.heads_kv * shape.stored_dims() * static_cast<int64_t>(DTypeSize(shape.dtype));
   return page_bytes / row_bytes / 16 * 16;
 }
 

@@ -8,6 +8,9 @@
 //   head dim, is D unless the shape says otherwise: MLA models cache k of 192 and v of 128).
 // page_rows = page_bytes / (Hkv * (D + Dv) * DTypeSize(dtype)), rounded down to a multiple of 16,
 // so one pool serves sequences of any shape (a shape whose page_rows would be 0 cannot use it).
+// A shape whose V is K's first Dv features (v_from_k: MLA's latent cache, k of 576 whose first 512
+// are v, as FlashMLA reads it) keeps K alone: page_rows = page_bytes / (Hkv * D * size), and V's
+// rows are K's, D apart.
 // Row r of a sequence is row r % page_rows of page page_table[r / page_rows].
 #pragma once
 
@@ -30,11 +33,18 @@ struct KvShape {
   // Dv, of v and o; 0: D. Only a pool whose backend lists "v_head_dim" in its step options serves
   // Dv != D (the CPU's and the CUDA's); the others refuse it by name.
   int64_t v_head_dim = 0;
+  // V is K's first Dv features, stored once (Dv < D; served where v_head_dim is): writes carry k
+  // alone, and a pool reads V from K's rows.
+  bool v_from_k = false;
 
   int64_t value_head_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }
+  // Elements of a page's row of V to the next: Dv, or D when V lies in K's rows.
+  int64_t v_row_pitch() const { return v_from_k ? head_dim : value_head_dim(); }
+  // Elements a page holds per row and kv head: K's D, and Dv more unless V lies in K.
+  int64_t stored_dims() const { return head_dim + (v_from_k ? 0 : value_head_dim()); }
   bool operator==(const KvShape& other) const {
     return dtype == other.dtype && heads_kv == other.heads_kv && head_dim == other.head_dim &&
-           value_head_dim() == other.value_head_dim();
+           value_head_dim() == other.value_head_dim() && v_from_k == other.v_from_k;
   }
 };
 
@@ -69,8 +79,9 @@ struct StepMemory {
 };
 
 // Rows to append to a sequence: k and v host pointers with element strides, as KvWrite takes them
-// (BHSD [Hkv, rows, D] or BSHD [rows, Hkv, D]; v with Dv). What the server's request decoder makes
-// of a message's k and v, and what its session store appends.
+// (BHSD [Hkv, rows, D] or BSHD [rows, Hkv, D]; v with Dv; v null where the shape's v_from_k).
+// What the server's request decoder makes of a message's k and v, and what its session store
+// appends.
 struct KvRows {
   const void* k = nullptr;
   const void* v = nullptr;
@@ -83,7 +94,8 @@ struct KvRows {
 // Writes rows [first_row, first_row + rows) of one sequence into its pages (all host pointers
 // except the pool's). k is [Hkv, rows, D] (BHSD) or [rows, Hkv, D] (BSHD) of shape.dtype, v the
 // same with Dv; the strides say which: k's, in elements, multiples of D (v's are k's / D * Dv,
-// VStride: v is laid out as k, with rows of Dv).
+// VStride: v is laid out as k, with rows of Dv). Where the shape's v_from_k, v is null: k's rows
+// hold it.
 struct KvWrite {
   KvShape shape;
   const int32_t* page_table = nullptr;  // the sequence's pages, covering first_row + rows
@@ -97,7 +109,8 @@ struct KvWrite {
 };
 
 // Reads rows [first_row, first_row + rows) of one sequence back out of its pages into host k and v
-// (a session's export): the mirror of KvWrite, with the same layouts, strides and checks.
+// (a session's export): the mirror of KvWrite, with the same layouts, strides and checks (v null
+// where the shape's v_from_k: k holds it).
 struct KvRead {
   KvShape shape;
   const int32_t* page_table = nullptr;  // the sequence's pages, covering first_row + rows

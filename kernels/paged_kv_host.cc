@@ -16,6 +16,11 @@ absl::StatusOr<int64_t> CheckShape(const KvShape& shape, int64_t page_bytes) {
         absl::StrCat("kv shape must be positive: heads_kv=", shape.heads_kv,
                      " head_dim=", shape.head_dim, " v_head_dim=", shape.v_head_dim));
   }
+  if (shape.v_from_k && shape.value_head_dim() > shape.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("v_from_k: v_head_dim ", shape.value_head_dim(),
+                                                   " must be at most head_dim ", shape.head_dim,
+                                                   " (v is k's first features)"));
+  }
   const int64_t page_rows = PageRows(page_bytes, shape);
   if (page_rows == 0) {
     return absl::InvalidArgumentError(
@@ -148,8 +153,11 @@ absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64
                      "): head_stride=", w.head_stride, " row_stride=", w.row_stride));
   }
   if (w.rows == 0) return page_rows;
-  if (!w.page_table || !w.k || !w.v) {
+  if (!w.page_table || !w.k || (!w.v && !w.shape.v_from_k)) {
     return absl::InvalidArgumentError("page_table, k and v must all be set");
+  }
+  if (w.v && w.shape.v_from_k) {
+    return absl::InvalidArgumentError("v: expected none where v is k's first features (v_from_k)");
   }
   for (int64_t i = w.first_row / page_rows; i <= (w.first_row + w.rows - 1) / page_rows; ++i) {
     RETURN_IF_ERROR(CheckPage(w.page_table[i], num_pages, 0, i));

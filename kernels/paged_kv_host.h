@@ -40,6 +40,9 @@ void GatherDecodeQ(const PagedDecodeParams& p, void* dst);
 // where the step keeps them.
 void ScatterDecodeOutputs(const PagedDecodeParams& p, const void* o, const float* lse);
 
+// K and V (2), or K alone where V lies in it (1): the parts of a row a Write copies.
+inline int KvParts(const KvShape& shape) { return shape.v_from_k ? 1 : 2; }
+
 // Checks shape, pointers, strides and the pages rows [first_row, first_row + rows) land in.
 absl::StatusOr<int64_t> CheckKvWrite(const KvWrite& w, int64_t page_bytes, int64_t num_pages);
 
@@ -73,7 +76,8 @@ absl::Status ForEachPageRun(const KvWrite& w, int64_t page_rows,
                             const std::function<absl::Status(const PageRun&)>& fn);
 
 // Byte offsets inside a page of sequences of `shape` with `page_rows` rows (kernels/paged_kv.h):
-// K of (head, row), where V starts, and V of (head, row).
+// K of (head, row), where V starts, and V of (head, row) (K's, where V lies in K's rows; its rows
+// are then shape.v_row_pitch() elements apart).
 inline int64_t KvRowOffset(const KvShape& shape, int64_t page_rows, int64_t head, int64_t row) {
   return (head * page_rows + row) * shape.head_dim * static_cast<int64_t>(DTypeSize(shape.dtype));
 }
@@ -81,6 +85,7 @@ inline int64_t VOffset(const KvShape& shape, int64_t page_rows) {
   return KvRowOffset(shape, page_rows, shape.heads_kv, 0);
 }
 inline int64_t VRowOffset(const KvShape& shape, int64_t page_rows, int64_t head, int64_t row) {
+  if (shape.v_from_k) return KvRowOffset(shape, page_rows, head, row);
   return VOffset(shape, page_rows) + (head * page_rows + row) * shape.value_head_dim() *
                                          static_cast<int64_t>(DTypeSize(shape.dtype));
 }

@@ -16,12 +16,13 @@
 // --shapes: the head dims beyond the tensor-core tiles, bfloat16, one query per sequence, B in
 // {1, 8, 32, 64}, 512 KiB pages, the planner's splits, the memset flush: MLA's absorbed decode (one
 // KV head, QK 576, V 512) with Hq 128 and 16 ("mla_hq128", "mla_hq16"), and D = 512 with V of D
-// (Hq 32, Hkv 4: "d512_gqa8"). The pool holds V apart from K (the session API's layout: v as
-// sent), so the step reads B * NK * Hkv * (D + Dv) * 2 bytes: "kv_tbps" is that over the time;
-// "latent_tbps" counts K's bytes alone (B * NK * Hkv * D * 2), the traffic of a kernel that takes V
-// from the first Dv columns of K (FlashMLA's; V counted once), for comparison with the HBM
-// roofline and FlashMLA's figures. "kernel": "wide" (the wide tensor-core tile, where the GPU's
-// blocks may opt in to its shared memory) or "simt".
+// (Hq 32, Hkv 4: "d512_gqa8"). The pool holds V apart from K (a session's v as sent), so the step
+// reads B * NK * Hkv * (D + Dv) * 2 bytes: "kv_tbps" is that over the time; "latent_tbps" counts
+// K's bytes alone (B * NK * Hkv * D * 2), the traffic of a kernel that takes V from the first Dv
+// columns of K (FlashMLA's; V counted once), for comparison with the HBM roofline and FlashMLA's
+// figures. "mla_latent_hq128" and "mla_latent_hq16" are MLA's shapes with V in K's rows (a session
+// created with v_from_k: K alone stored and read, kv_tbps = latent_tbps). "kernel": "wide" (the
+// wide tensor-core tile, where the GPU's blocks may opt in to its shared memory) or "simt".
 //
 // The roofline anchor ("anchor" lines, both flushes): a read-only kernel over the same pool (at
 // Hkv = 8 the pool is exactly the step's K/V bytes), 16-byte loads, 8 in flight per thread,
@@ -66,6 +67,7 @@ using attention::DType;
 struct Shape {
   const char* name = nullptr;  // printed when set
   int64_t batch = 8, heads_q = 32, heads_kv = 8, head_dim = 128, v_head_dim = 128;
+  bool v_from_k = false;  // V is K's first Dv columns, kept once
 };
 
 // Uniform values in [-2, 2) from a hash of the index (the inputs' distribution does not change
@@ -310,7 +312,8 @@ bool PrintTrace(const Config& c, int64_t ctas, const Flush& flush, Step step) {
 bool TimeConfig(const Config& c, const Device& device, const Flush& flush) {
   const int sm_count = device.sm_count;
   const Shape& sh = c.shape;
-  const attention::KvShape kv_shape{DType::kBFloat16, sh.heads_kv, sh.head_dim, sh.v_head_dim};
+  const attention::KvShape kv_shape{DType::kBFloat16, sh.heads_kv, sh.head_dim, sh.v_head_dim,
+                                    sh.v_from_k};
   const int64_t page_rows = attention::PageRows(c.page_bytes, kv_shape);
   const int64_t pages_per_seq = (c.nk + page_rows - 1) / page_rows;
   const int64_t num_pages = sh.batch * pages_per_seq;
@@ -402,9 +405,10 @@ bool TimeConfig(const Config& c, const Device& device, const Flush& flush) {
     return false;
 #endif
   };
-  // K's bytes, and V's after them (the pool's layout keeps V apart even where it is part of K).
+  // K's bytes, and V's after them (apart from K unless the shape keeps V in K's rows).
   const double k_bytes = 2.0 * sh.batch * c.nk * sh.heads_kv * sh.head_dim;
-  const double kv_bytes = k_bytes + 2.0 * sh.batch * c.nk * sh.heads_kv * sh.v_head_dim;
+  const double kv_bytes =
+      k_bytes + (sh.v_from_k ? 0.0 : 2.0 * sh.batch * c.nk * sh.heads_kv * sh.v_head_dim);
   const int64_t ctas = int64_t{plan->splits} * sh.heads_kv * plan->m_blocks * sh.batch;
   // Forced split counts only after the memset (the planner's rows after both flushes; a named
   // shape's after the memset only).
@@ -497,6 +501,8 @@ std::vector<Variant> Variants() {
 std::vector<Config> ShapeConfigs(int64_t nk) {
   const Shape shapes[] = {{"mla_hq128", 0, 128, 1, 576, 512},
                           {"mla_hq16", 0, 16, 1, 576, 512},
+                          {"mla_latent_hq128", 0, 128, 1, 576, 512, true},
+                          {"mla_latent_hq16", 0, 16, 1, 576, 512, true},
                           {"d512_gqa8", 0, 32, 4, 512, 512}};
   std::vector<Config> configs;
   for (const Shape& shape : shapes) {

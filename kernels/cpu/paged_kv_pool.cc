@@ -209,7 +209,7 @@ ATTENTION_PAGED_MULTIVERSIONED void DecodeItem(const DecodeJob& job, int64_t ite
     const unsigned char* v_rows = page + VRowOffset(shape, job.page_rows, hk, page_row);
     for (int64_t j = 0; j < kn; ++j) {
       ConvertPaddedRow(shape.dtype, k_rows + j * d * elem, d, d_pad, 1.0f, sc.k.data() + j * d_pad);
-      ConvertPaddedRow(shape.dtype, v_rows + j * dv * elem, dv, dv_pad, 1.0f,
+      ConvertPaddedRow(shape.dtype, v_rows + j * shape.v_row_pitch() * elem, dv, dv_pad, 1.0f,
                        sc.v.data() + j * dv_pad);
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -466,7 +466,7 @@ class CpuKvPagePool : public KvPagePool {
 
   // One checked write (page_rows from CheckKvWrite) of w's rows into the pages, or with `read`
   // (w = AsKvWrite(*read)) the same rows out of the pages into read->k and read->v. K rows are D
-  // elements, V rows Dv, at v's strides (VStride).
+  // elements, V rows Dv, at v's strides (VStride); none where V lies in K's rows (v_from_k).
   absl::Status CopyRows(const KvWrite& w, int64_t page_rows, const KvRead* read) {
     const KvShape& shape = w.shape;
     const int64_t elem = static_cast<int64_t>(DTypeSize(shape.dtype));
@@ -494,6 +494,7 @@ class CpuKvPagePool : public KvPagePool {
           const int64_t row = run.src_row + j;
           copy(k_dst + j * k_row_bytes, w.k, k_out, (h * w.head_stride + row * w.row_stride) * elem,
                k_row_bytes);
+          if (shape.v_from_k) continue;
           copy(v_dst + j * v_row_bytes, w.v, v_out, (h * v_head_stride + row * v_row_stride) * elem,
                v_row_bytes);
         }

@@ -42,7 +42,7 @@ DeviceDescription DescribeHost(std::string name) {
   device.fast_head_dims = cpu::SpecialisedHeadDims();
   // kernels/cpu serves every option, on Attend and on the paged pool's steps.
   device.attend_options = {"sinks", "softcap", "chunk_size", "v_head_dim"};
-  device.step_options = {"sinks", "softcap", "chunk_size", "v_head_dim"};
+  device.step_options = {"sinks", "softcap", "chunk_size", "v_head_dim", "v_from_k"};
   // "MemTotal:       16318428 kB"
   int64_t kib = 0;
   if (absl::SimpleAtoi(absl::StripSuffix(ProcField("/proc/meminfo", "MemTotal", ':'), " kB"),

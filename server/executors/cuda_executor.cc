@@ -136,7 +136,7 @@ absl::StatusOr<std::unique_ptr<Executor>> MakeCudaExecutor(int ordinal,
   // they refuse by name (cuda::RefuseUnservedOptions); the paged decode kernels (a Step) serve all
   // of them, sessions of a V head dim of their own (MLA) included.
   device.attend_options = {"sinks", "softcap", "chunk_size"};
-  device.step_options = {"sinks", "softcap", "chunk_size", "v_head_dim"};
+  device.step_options = {"sinks", "softcap", "chunk_size", "v_head_dim", "v_from_k"};
   ASSIGN_OR_RETURN(std::unique_ptr<cuda::HostRunner> runner,
                    cuda::HostRunner::Create(
                        {.device = ordinal,

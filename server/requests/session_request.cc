@@ -31,7 +31,14 @@ v1::DType ToProtoDType(DType dtype) {
 absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* k,
                                     const v1::Tensor* v, v1::Layout layout, const KvShape& shape,
                                     TensorRefResolver* refs) {
-  if ((k == nullptr) != (v == nullptr)) {
+  if (shape.v_from_k) {
+    // The session keeps v as k's first Dv features: rows come as k alone.
+    if (v != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, "v: expected none (the session's v is k's first ",
+                       shape.value_head_dim(), " features: v_from_k), got a tensor"));
+    }
+  } else if ((k == nullptr) != (v == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, k == nullptr ? "k" : "v",
                                                    ": expected a tensor (k and v come together), "
                                                    "got none"));
@@ -46,6 +53,7 @@ absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* 
   const int head_axis = bshd ? 1 : 0;
   const int row_axis = bshd ? 0 : 1;
   for (const auto& [name, t] : {std::pair{"k", k}, {"v", v}}) {
+    if (t == nullptr) continue;  // v of a v_from_k session
     const std::string field = absl::StrCat(prefix, name);
     if (t->dtype() != dtype) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: expected ", DTypeString(dtype),
@@ -70,7 +78,7 @@ absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* 
           " (the session's ", is_k ? "head_dim" : "v_head_dim", "), got ", t->shape(2)));
     }
   }
-  if (k->shape(row_axis) != v->shape(row_axis)) {
+  if (v != nullptr && k->shape(row_axis) != v->shape(row_axis)) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, "v.shape[", row_axis,
                                                    "] (rows): expected ", k->shape(row_axis),
                                                    " (as k), got ", v->shape(row_axis)));
@@ -78,7 +86,9 @@ absl::StatusOr<KvRows> DecodeKvRows(absl::string_view prefix, const v1::Tensor* 
   KvRows rows;
   const int64_t alignment = static_cast<int64_t>(DTypeSize(shape.dtype));
   ASSIGN_OR_RETURN(rows.k, TensorData(absl::StrCat(prefix, "k"), *k, alignment, refs));
-  ASSIGN_OR_RETURN(rows.v, TensorData(absl::StrCat(prefix, "v"), *v, alignment, refs));
+  if (v != nullptr) {
+    ASSIGN_OR_RETURN(rows.v, TensorData(absl::StrCat(prefix, "v"), *v, alignment, refs));
+  }
   rows.rows = k->shape(row_axis);
   rows.head_stride = bshd ? shape.head_dim : rows.rows * shape.head_dim;
   rows.row_stride = bshd ? shape.heads_kv * shape.head_dim : shape.head_dim;
@@ -119,6 +129,11 @@ absl::StatusOr<std::pair<KvShape, int>> DecodeSessionShape(absl::string_view pre
                                                    limits.max_head_dim, " (0: head_dim), got ",
                                                    v_head_dim));
   }
+  if (m.v_from_k() && v_head_dim > head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, "v_head_dim: expected 0..", head_dim,
+        " (head_dim) with v_from_k (v is k's first v_head_dim features), got ", v_head_dim));
+  }
   if (layers < 0 || layers > kMaxSessionLayers) {
     return absl::InvalidArgumentError(
         absl::StrCat(prefix, "layers: expected 0..", kMaxSessionLayers, " (0: one), got ", layers));
@@ -126,7 +141,8 @@ absl::StatusOr<std::pair<KvShape, int>> DecodeSessionShape(absl::string_view pre
   return std::pair{KvShape{.dtype = dtype,
                            .heads_kv = kv_heads,
                            .head_dim = head_dim,
-                           .v_head_dim = v_head_dim > 0 ? v_head_dim : head_dim},
+                           .v_head_dim = v_head_dim > 0 ? v_head_dim : head_dim,
+                           .v_from_k = m.v_from_k()},
                    std::max(1, layers)};
 }
 
@@ -182,8 +198,8 @@ absl::StatusOr<int64_t> DecodeChunkRows(int64_t chunk_rows, const KvShape& shape
   // k and v of one row, and what a chunk carries besides: tags, shapes, header-free fields.
   constexpr int64_t kChunkOverhead = 256;
   constexpr int64_t kDefaultChunkBytes = int64_t{4} << 20;
-  const int64_t row_bytes = shape.heads_kv * (shape.head_dim + shape.value_head_dim()) *
-                            static_cast<int64_t>(DTypeSize(shape.dtype));
+  const int64_t row_bytes =
+      shape.heads_kv * shape.stored_dims() * static_cast<int64_t>(DTypeSize(shape.dtype));
   const int64_t most = std::max<int64_t>(1, (max_message_bytes - kChunkOverhead) / row_bytes);
   if (chunk_rows == 0) {
     return std::max<int64_t>(
@@ -383,7 +399,8 @@ absl::StatusOr<DecodedEntry> DecodeStepEntry(int index, const v1::StepEntry& ent
   decoded.q_bytes = decoded.heads_q * decoded.rows_q * shape.head_dim * element_bytes;
   decoded.o_bytes = decoded.heads_q * decoded.rows_q * shape.value_head_dim() * element_bytes;
   decoded.k_bytes = shape.heads_kv * rows.rows * shape.head_dim * element_bytes;
-  decoded.v_bytes = shape.heads_kv * rows.rows * shape.value_head_dim() * element_bytes;
+  decoded.v_bytes =
+      rows.v != nullptr ? shape.heads_kv * rows.rows * shape.value_head_dim() * element_bytes : 0;
   if (entry.has_o_ref()) {
     ASSIGN_OR_RETURN(decoded.o, OutputRef(absl::StrCat(prefix, "o_ref"), entry.o_ref(),
                                           decoded.o_bytes, element_bytes, refs));
@@ -441,13 +458,21 @@ absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, c
   const char* k_data = nullptr;
   const char* v_data = nullptr;
   int64_t rows = 0;
-  if (request.has_k() != request.has_v()) {
+  if (shape.v_from_k) {
+    // v is k's first Dv features: the new rows come as k alone.
+    if (request.has_v()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("v: expected none (the sessions' v is k's first ", shape.value_head_dim(),
+                       " features: v_from_k), got a tensor"));
+    }
+  } else if (request.has_k() != request.has_v()) {
     return absl::InvalidArgumentError(absl::StrCat(request.has_k() ? "v" : "k",
                                                    ": expected a tensor (k and v come together), "
                                                    "got none"));
   }
   if (request.has_k()) {
     for (const auto& [name, t] : {std::pair{"k", &request.k()}, {"v", &request.v()}}) {
+      if (t == &request.v() && !request.has_v()) continue;  // v_from_k
       if (t->dtype() != dtype) {
         return absl::InvalidArgumentError(absl::StrCat(name, ".dtype: expected ",
                                                        DTypeString(dtype), " (the sessions'), got ",
@@ -474,10 +499,13 @@ absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, c
     }
     rows = request.k().shape(2);
     ASSIGN_OR_RETURN(k_data, TensorData("k", request.k(), element_bytes, refs));
-    ASSIGN_OR_RETURN(v_data, TensorData("v", request.v(), element_bytes, refs));
+    if (request.has_v()) {
+      ASSIGN_OR_RETURN(v_data, TensorData("v", request.v(), element_bytes, refs));
+    }
   }
   const int64_t k_bytes = shape.heads_kv * rows * shape.head_dim * element_bytes;
-  const int64_t v_bytes = shape.heads_kv * rows * shape.value_head_dim() * element_bytes;
+  const int64_t v_bytes =
+      v_data != nullptr ? shape.heads_kv * rows * shape.value_head_dim() * element_bytes : 0;
 
   const int64_t lse_bytes = packed.heads_q * packed.rows_q * int64_t{sizeof(float)};
   if (request.has_o_ref()) {
@@ -512,7 +540,7 @@ absl::StatusOr<DecodedPacked> DecodePackedStep(const v1::StepRequest& request, c
     entry.v_bytes = v_bytes;
     if (rows > 0) {
       entry.rows = KvRows{.k = k_data + b * k_bytes,
-                          .v = v_data + b * v_bytes,
+                          .v = v_data != nullptr ? v_data + b * v_bytes : nullptr,
                           .rows = rows,
                           .head_stride = rows * shape.head_dim,
                           .row_stride = shape.head_dim};

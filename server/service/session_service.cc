@@ -26,6 +26,7 @@ void FillSessionInfo(const SessionSnapshot& s, v1::SessionInfo* info) {
   info->set_kv_heads(static_cast<int32_t>(s.shape.heads_kv));
   info->set_head_dim(static_cast<int32_t>(s.shape.head_dim));
   info->set_v_head_dim(static_cast<int32_t>(s.shape.value_head_dim()));
+  info->set_v_from_k(s.shape.v_from_k);
   info->set_length(s.length);
   info->set_pages(s.pages);
   info->set_shared_pages(s.shared_pages);

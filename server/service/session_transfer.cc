@@ -82,6 +82,7 @@ class SessionService::ExportReactor final : public grpc::ServerWriteReactor<grpc
     header->set_kv_heads(static_cast<int32_t>(shape_.heads_kv));
     header->set_head_dim(static_cast<int32_t>(shape_.head_dim));
     header->set_v_head_dim(static_cast<int32_t>(shape_.value_head_dim()));
+    header->set_v_from_k(shape_.v_from_k);
     header->set_layers(static_cast<int32_t>(layers.size()));
     std::vector<int64_t> lengths;
     for (const SessionStore::Lease& layer : layers) {
@@ -93,7 +94,7 @@ class SessionService::ExportReactor final : public grpc::ServerWriteReactor<grpc
   }
 
   // On the session's device: `chunk`'s rows of the snapshot into chunk_, k BHSD [Hkv, rows, D]
-  // and v [Hkv, rows, Dv].
+  // and v [Hkv, rows, Dv] (k alone where v is k's first Dv features).
   absl::Status Read(const RowChunk& chunk) {
     const std::string id = LayerSessionId(snapshot_id_, chunk.layer);
     ASSIGN_OR_RETURN(std::vector<SessionStore::Lease> leases,
@@ -102,8 +103,12 @@ class SessionService::ExportReactor final : public grpc::ServerWriteReactor<grpc
     chunk_.set_layer(chunk.layer);
     chunk_.set_first_row(chunk.first_row);
     chunk_.set_layout(v1::LAYOUT_BHSD);
-    void* data[2];
+    void* data[2] = {nullptr, nullptr};
     for (auto [i, t] : {std::pair{0, chunk_.mutable_k()}, {1, chunk_.mutable_v()}}) {
+      if (i == 1 && shape_.v_from_k) {
+        chunk_.clear_v();
+        break;
+      }
       const int64_t dim = i == 0 ? shape_.head_dim : shape_.value_head_dim();
       t->set_dtype(ToProtoDType(shape_.dtype));
       for (int64_t d : {shape_.heads_kv, chunk.rows, dim}) t->add_shape(d);

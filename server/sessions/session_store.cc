@@ -28,12 +28,13 @@ int64_t PagesFor(int64_t rows, int64_t page_rows) {
 }
 
 // What a chain's first block is keyed by besides its tokens: sessions of one owner (tenants never
-// share), shape (both head dims: a page's rows hold K of D and V of Dv) and layer count (a block
-// holds one page a layer). The owner's length first, so no owner's bytes read as another's
-// followed by a shape.
+// share), shape (both head dims, and whether V lies in K's rows: a page's rows hold K of D and V
+// of Dv) and layer count (a block holds one page a layer). The owner's length first, so no owner's
+// bytes read as another's followed by a shape.
 std::string PrefixScope(absl::string_view owner, const KvShape& shape, int layers) {
   return absl::StrCat(owner.size(), ":", owner, "/", DTypeName(shape.dtype), "/", shape.heads_kv,
-                      "/", shape.head_dim, "/", shape.value_head_dim(), "/", layers);
+                      "/", shape.head_dim, "/", shape.value_head_dim(), shape.v_from_k ? "k" : "",
+                      "/", layers);
 }
 
 // A session's key in SessionStore::moved_: its owner, a '\n' and its id.
@@ -264,8 +265,9 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
     return absl::InvalidArgumentError(absl::StrCat(
         "kv_heads * (head_dim + v_head_dim): expected a shape of which a ", page_bytes_,
         "-byte page (--kv_page_bytes) holds at least 16 rows of K and V, got kv_heads ",
-        shape.heads_kv, " * (head_dim ", shape.head_dim, " + v_head_dim ", shape.value_head_dim(),
-        ") of ", DTypeName(shape.dtype)));
+        shape.heads_kv, " * (head_dim ", shape.head_dim, " + v_head_dim ",
+        shape.v_from_k ? 0 : shape.value_head_dim(), shape.v_from_k ? ", v in k" : "", ") of ",
+        DTypeName(shape.dtype)));
   }
   if (initial_rows > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(
@@ -280,6 +282,11 @@ absl::StatusOr<SessionStore::Lease> SessionStore::Create(absl::string_view owner
         "v_head_dim: expected ", shape.head_dim, " (head_dim) for a session on ",
         devices_[device].name, ", whose kernels read V rows of the QK head dim, got ",
         shape.value_head_dim(), " (the CPU and CUDA backends serve a V head dim of its own)"));
+  }
+  if (shape.v_from_k && !devices_[device].v_head_dim) {
+    return absl::UnimplementedError(absl::StrCat(
+        "v_from_k: not served on ", devices_[device].name,
+        ", whose kernels read V rows apart from K's (the CPU and CUDA backends serve it)"));
   }
   if (layers < 1 || (layers > 1 && initial_rows > 0)) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -26,8 +26,9 @@
 // plain host memory meanwhile). The copies run under the store's lock, so other calls on the
 // store wait for them. RESOURCE_EXHAUSTED names both budgets when neither has the room.
 //
-// Shapes: a session's V head dim may differ from its QK head dim (KvShape::v_head_dim, MLA models)
-// on a device whose pool serves it (KvDevice::v_head_dim); Create refuses it elsewhere by name.
+// Shapes: a session's V head dim may differ from its QK head dim (KvShape::v_head_dim, MLA models),
+// and its V may be K's first Dv features, kept once (KvShape::v_from_k), on a device whose pool
+// serves them (KvDevice::v_head_dim); Create refuses them elsewhere by name.
 //
 // Layers: a session of a model's L layers (Create's `layers`) is L sessions of one shape, device
 // and owner: layer 0 under the id callers know, layer l under LayerSessionId(id, l). Each has its
@@ -278,9 +279,9 @@ class SessionStore {
   absl::Status NameTokens(Lease& lease, absl::Span<const int64_t> tokens);
 
   // Copies rows [first_row, first_row + rows) of the lease's session out of its pages (shared
-  // ones too) into host k and v, BHSD [Hkv, rows, D] and [Hkv, rows, Dv] of its dtype (a session's
-  // export, a chunk at a time). INVALID_ARGUMENT naming first_row or rows unless the range is
-  // within its length.
+  // ones too) into host k and v, BHSD [Hkv, rows, D] and [Hkv, rows, Dv] of its dtype (v null
+  // where v_from_k; a session's export, a chunk at a time). INVALID_ARGUMENT naming first_row or
+  // rows unless the range is within its length.
   absl::Status Read(const Lease& lease, int64_t first_row, int64_t rows, void* k, void* v);
 
   // Keeps the first `length` rows of the lease's session and lets the pages beyond them go (freed

@@ -243,6 +243,112 @@ TEST_F(ClientSessionTest, ASessionOfItsOwnVHeadDimStepsAsTheReference) {
   EXPECT_EQ(session->Info()->length(), n + 1);
 }
 
+// SessionSpec::v_from_k (MLA's latent cache: v is k's first Dv features, kept once): created,
+// appended and stepped with k alone, its Steps answer bit for bit what a session of the same k
+// and an explicit v = k[..., :Dv] answers; the session echoes it, a v sent to it is refused by
+// name, and an export imports as the same session (the chunks carry k alone).
+TEST_F(ClientSessionTest, ASessionWhoseVIsKsFirstFeaturesStepsAsOneGivenThatV) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  const int64_t hq = 8, hkv = 1, d = 72, dv = 64, n = 37;
+  const SessionSpec latent_spec{.dtype = v1::DTYPE_FLOAT32,
+                                .kv_heads = hkv,
+                                .head_dim = d,
+                                .v_head_dim = dv,
+                                .v_from_k = true};
+  SessionSpec explicit_spec = latent_spec;
+  explicit_spec.v_from_k = false;
+  // k [Hkv, rows, D] and its v [Hkv, rows, Dv]: each row's first Dv features.
+  auto first_features = [&](const std::vector<float>& k, int64_t rows) {
+    std::vector<float> v;
+    for (int64_t r = 0; r < hkv * rows; ++r) {
+      v.insert(v.end(), k.begin() + r * d, k.begin() + r * d + dv);
+    }
+    return v;
+  };
+  const std::vector<float> k0 = client::RandomNormal(hkv * n * d, rng);
+  const v1::Tensor k0_t = client::MakeTensor(latent_spec.dtype, {hkv, n, d}, k0);
+  const v1::Tensor v0_t =
+      client::MakeTensor(latent_spec.dtype, {hkv, n, dv}, first_features(k0, n));
+  SessionClient sessions(client());
+  absl::StatusOr<Session> latent = sessions.Create(latent_spec, &k0_t, nullptr);
+  absl::StatusOr<v1::ServerInfo> server = client().GetServerInfo();
+  ASSERT_TRUE(server.ok()) << server.status();
+  if (!absl::c_linear_search(server->devices(0).step_options(), "v_from_k")) {
+    EXPECT_EQ(latent.status().code(), absl::StatusCode::kUnimplemented) << latent.status();
+    EXPECT_TRUE(absl::StrContains(latent.status().message(), "v_from_k")) << latent.status();
+    return;
+  }
+  ASSERT_TRUE(latent.ok()) << latent.status();
+  absl::StatusOr<Session> given = sessions.Create(explicit_spec, &k0_t, &v0_t);
+  ASSERT_TRUE(given.ok()) << given.status();
+  absl::StatusOr<v1::SessionInfo> info = latent->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info->v_from_k());
+  EXPECT_EQ(info->v_head_dim(), dv);
+
+  // An append of 5 rows, then 3 Steps of one row each (the last with lse), on both.
+  const std::vector<float> k1 = client::RandomNormal(hkv * 5 * d, rng);
+  ASSERT_EQ(latent->AppendK(client::MakeTensor(latent_spec.dtype, {hkv, 5, d}, k1)),
+            absl::OkStatus());
+  ASSERT_EQ(
+      given->Append(client::MakeTensor(latent_spec.dtype, {hkv, 5, d}, k1),
+                    client::MakeTensor(latent_spec.dtype, {hkv, 5, dv}, first_features(k1, 5))),
+      absl::OkStatus());
+  for (int step = 0; step < 3; ++step) {
+    const std::vector<float> q = client::RandomNormal(hq * d, rng);
+    const std::vector<float> k = client::RandomNormal(hkv * d, rng);
+    const v1::Tensor q_t = client::MakeTensor(latent_spec.dtype, {hq, 1, d}, q);
+    const v1::Tensor k_t = client::MakeTensor(latent_spec.dtype, {hkv, 1, d}, k);
+    const v1::Tensor v_t =
+        client::MakeTensor(latent_spec.dtype, {hkv, 1, dv}, first_features(k, 1));
+    const StepOptions options{.causal = true, .return_lse = step == 2};
+    absl::StatusOr<StepOutput> a = latent->Step(q_t, options, &k_t, nullptr);
+    absl::StatusOr<StepOutput> b = given->Step(q_t, options, &k_t, &v_t);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(a->o.data(), b->o.data()) << "step " << step;
+    EXPECT_EQ(a->lse.data(), b->lse.data()) << "step " << step;
+    EXPECT_EQ(std::vector<int64_t>(a->o.shape().begin(), a->o.shape().end()),
+              (std::vector<int64_t>{hq, 1, dv}));
+  }
+
+  // A v sent to it is refused by name and appends nothing.
+  const absl::Status refused =
+      latent->Append(client::MakeTensor(latent_spec.dtype, {hkv, 1, d}, k1),
+                     client::MakeTensor(latent_spec.dtype, {hkv, 1, dv}, first_features(k1, 1)));
+  EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "v: expected none")) << refused;
+  EXPECT_EQ(latent->Info()->length(), n + 5 + 3);
+
+  // Export and import: the chunks carry k alone; the import steps as the source does.
+  client::SessionImport import = sessions.StartImport({.session_id = ""});
+  ASSERT_EQ(latent->Export([&](const v1::SessionChunk& chunk) -> absl::Status {
+    if (!chunk.has_header()) EXPECT_FALSE(chunk.has_v());
+    return import.Write(chunk);
+  }),
+            absl::OkStatus());
+  absl::StatusOr<Session> copy = import.Finish();
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_TRUE(copy->Info()->v_from_k());
+  const v1::Tensor q_t =
+      client::MakeTensor(latent_spec.dtype, {hq, 1, d}, client::RandomNormal(hq * d, rng));
+  absl::StatusOr<StepOutput> from_copy = copy->Step(q_t, {.causal = true});
+  absl::StatusOr<StepOutput> from_source = latent->Step(q_t, {.causal = true});
+  ASSERT_TRUE(from_copy.ok()) << from_copy.status();
+  ASSERT_TRUE(from_source.ok()) << from_source.status();
+  EXPECT_EQ(from_copy->o.data(), from_source->o.data());
+
+  // v_from_k with a V head dim over the QK one is refused by name.
+  SessionSpec too_wide = latent_spec;
+  too_wide.v_head_dim = d + 8;
+  absl::StatusOr<Session> wide = sessions.Create(too_wide);
+  EXPECT_TRUE(absl::IsInvalidArgument(wide.status())) << wide.status();
+  EXPECT_TRUE(absl::StrContains(wide.status().message(), "v_head_dim: expected 0..72 (head_dim)"))
+      << wide.status();
+}
+
 TEST_F(ClientSessionTest, StepAfterTruncateMatchesReferenceOverTheKeptRows) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));

@@ -431,8 +431,10 @@ TEST_F(SessionsE2E, StepsWithOpenModelOptionsMatchTheReference) {
   const v1::DeviceInfo device = stub.FirstDevice();
   std::vector<std::string> served(device.step_options().begin(), device.step_options().end());
   std::sort(served.begin(), served.end());
-  // And v_head_dim (sessions whose V head dim is their own: client_session_test.cc).
-  EXPECT_EQ(served, (std::vector<std::string>{"chunk_size", "sinks", "softcap", "v_head_dim"}))
+  // And v_head_dim and v_from_k (sessions whose V head dim is their own, or whose V is K's first
+  // features: client_session_test.cc).
+  EXPECT_EQ(served,
+            (std::vector<std::string>{"chunk_size", "sinks", "softcap", "v_from_k", "v_head_dim"}))
       << device.name();
   const std::vector<float> sinks8 = {25.0f, -25.0f, 9.0f, -9.0f, 6.0f, 0.0f, 2.5f, -80.0f};
   const std::vector<StepCase> cases = {

@@ -388,7 +388,9 @@ TEST(PlanPagedDecodeTest, SoftcapRunsOnTheSoftcapTileOthersOnTheirOwn) {
 // wide tile where the device's blocks may opt in to its shared memory (an H200's 227 KiB; not an
 // A100's 163), in CTAs of kPagedWideRows rows and tiles of 32 keys, one CTA per SM; a softcap,
 // float32, other V head dims and smaller devices take the SIMT kernel, its wide instance past
-// head dim 256. The kernel params carry Dv.
+// head dim 256. V in K's rows (v_from_k) runs on the wide tile's instance for it at (576, 512),
+// whose three stages of K alone fit the same devices, and on the SIMT kernel elsewhere, the
+// D = 128 tile included. The kernel params carry Dv and v_from_k.
 TEST(PlanPagedDecodeTest, WideTileServesMlaAndD512WhereItsSharedMemoryFits) {
   struct Case {
     DType dtype;
@@ -397,6 +399,7 @@ TEST(PlanPagedDecodeTest, WideTileServesMlaAndD512WhereItsSharedMemoryFits) {
     int smem_per_block;
     int wide_head_dim;
     bool simt_wide;
+    bool v_from_k = false;
   };
   constexpr int kH200 = 232448, kA100 = 166912;
   for (const Case& c : {Case{DType::kBFloat16, 576, 512, 0.0f, kH200, 576, false},
@@ -408,11 +411,17 @@ TEST(PlanPagedDecodeTest, WideTileServesMlaAndD512WhereItsSharedMemoryFits) {
                         Case{DType::kFloat32, 576, 512, 0.0f, kH200, 0, true},
                         Case{DType::kBFloat16, 576, 576, 0.0f, kH200, 0, true},
                         Case{DType::kBFloat16, 192, 128, 0.0f, kH200, 0, false},
-                        Case{DType::kBFloat16, 64, 128, 0.0f, kH200, 0, false}}) {
-    SCOPED_TRACE(testing::Message() << DTypeName(c.dtype) << " D=" << c.d << " Dv=" << c.dv
-                                    << " softcap=" << c.softcap << " smem=" << c.smem_per_block);
+                        Case{DType::kBFloat16, 64, 128, 0.0f, kH200, 0, false},
+                        Case{DType::kBFloat16, 576, 512, 0.0f, kH200, 576, false, true},
+                        Case{DType::kFloat16, 576, 512, 0.0f, kH200, 576, false, true},
+                        Case{DType::kBFloat16, 576, 512, 0.0f, kA100, 0, true, true},
+                        Case{DType::kBFloat16, 512, 512, 0.0f, kH200, 0, true, true},
+                        Case{DType::kBFloat16, 128, 128, 0.0f, kH200, 0, false, true}}) {
+    SCOPED_TRACE(testing::Message()
+                 << DTypeName(c.dtype) << " D=" << c.d << " Dv=" << c.dv << " softcap=" << c.softcap
+                 << " smem=" << c.smem_per_block << " v_from_k=" << c.v_from_k);
     PagedStep step(c.dtype, c.d);
-    step.p.shape = {c.dtype, 1, c.d, c.dv};
+    step.p.shape = {c.dtype, 1, c.d, c.dv, c.v_from_k};
     step.p.heads_q = 128;
     step.p.softcap = c.softcap;
     const absl::StatusOr<PagedDecodePlan> plan =
@@ -420,6 +429,7 @@ TEST(PlanPagedDecodeTest, WideTileServesMlaAndD512WhereItsSharedMemoryFits) {
                         {.sm_count = 132, .clusters = true, .smem_per_block = c.smem_per_block});
     ASSERT_TRUE(plan.ok()) << plan.status();
     EXPECT_EQ(plan->launch.wide_head_dim, c.wide_head_dim);
+    EXPECT_EQ(plan->launch.wide_v_from_k, c.v_from_k && c.wide_head_dim != 0);
     EXPECT_EQ(plan->launch.kernel_head_dim, 0);
     EXPECT_EQ(plan->launch.simt_wide, c.simt_wide);
     const bool wide = c.wide_head_dim != 0;
@@ -430,6 +440,7 @@ TEST(PlanPagedDecodeTest, WideTileServesMlaAndD512WhereItsSharedMemoryFits) {
         ToPagedKernelParams(*plan, nullptr, 1 << 20, step.extent, step.p, nullptr, nullptr);
     EXPECT_EQ(std::pair(k.head_dim, k.v_head_dim),
               std::pair(static_cast<int>(c.d), static_cast<int>(c.dv)));
+    EXPECT_EQ(k.v_from_k, c.v_from_k);
   }
   // Past the SIMT kernel's 576 columns: INVALID_ARGUMENT naming both head dims.
   PagedStep step(DType::kBFloat16, 640);

@@ -51,6 +51,7 @@ struct DecodeCase {
   int64_t heads_kv = 1;
   int64_t head_dim = 64;
   int64_t v_head_dim = 0;   // Dv, of v and o; 0: head_dim
+  bool v_from_k = false;    // v is k's first Dv features, kept once (MLA's latent cache)
   std::vector<int32_t> nq;  // per sequence: queries of this step
   std::vector<int32_t> nk;  // per sequence: keys (including this step's)
   int64_t window_left = kUnboundedWindow;
@@ -70,7 +71,7 @@ void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
 
 int64_t ValueDim(const DecodeCase& c) { return c.v_head_dim > 0 ? c.v_head_dim : c.head_dim; }
 KvShape ShapeOf(const DecodeCase& c, DType dtype) {
-  return {dtype, c.heads_kv, c.head_dim, ValueDim(c)};
+  return {dtype, c.heads_kv, c.head_dim, ValueDim(c), c.v_from_k};
 }
 
 std::vector<DecodeCase> Cases() {
@@ -371,6 +372,62 @@ std::vector<DecodeCase> Cases() {
                    .sinks = {1.5f, -0.7f, 3.0f, 0.2f, -4.0f, 0.9f, 6.0f, -1.1f, 0.0f, 2.0f, -2.0f,
                              4.5f, -3.0f, 1.0f, 0.5f, -0.5f},
                    .chunk_size = 64});
+  // MLA's latent cache, V read from K's first 512 features (the CUDA wide tile's instance for it;
+  // the SIMT kernel under a softcap): ragged lengths at Hq 16, causal extend at Hq 128, the
+  // options.
+  cases.push_back({.name = "mla_latent_hq16_ragged",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .v_from_k = true,
+                   .nq = {1, 1, 1, 1, 1, 1, 1},
+                   .nk = {1, 31, 32, 33, 95, 97, 1000},
+                   .page_rows = 32});
+  cases.push_back({.name = "mla_latent_hq128_causal",
+                   .heads_q = 128,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .v_from_k = true,
+                   .nq = {1, 3, 2, 1},
+                   .nk = {15, 17, 33, 700},
+                   .window_right = 0,
+                   .page_rows = 16,
+                   .write_layout = Layout::kBSHD});
+  cases.push_back({.name = "mla_latent_sinks_window_chunk",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .v_from_k = true,
+                   .nq = {3, 1},
+                   .nk = {300, 1000},
+                   .window_left = 100,
+                   .window_right = 0,
+                   .sinks = {1.5f, -0.7f, 3.0f, 0.2f, -4.0f, 0.9f, 6.0f, -1.1f, 0.0f, 2.0f, -2.0f,
+                             4.5f, -3.0f, 1.0f, 0.5f, -0.5f},
+                   .chunk_size = 64});
+  cases.push_back({.name = "mla_latent_softcap",
+                   .heads_q = 16,
+                   .heads_kv = 1,
+                   .head_dim = 576,
+                   .v_head_dim = 512,
+                   .v_from_k = true,
+                   .nq = {1, 2},
+                   .nk = {129, 40},
+                   .window_right = 0,
+                   .softmax_scale = 0.1f,
+                   .softcap = 30.0f});
+  // V from K where it is all of K (Dv = D, a GQA shape of small head dims: the SIMT kernel).
+  cases.push_back({.name = "v_from_k_dv_eq_d_gqa4",
+                   .heads_q = 8,
+                   .heads_kv = 2,
+                   .head_dim = 64,
+                   .v_from_k = true,
+                   .nq = {1, 4},
+                   .nk = {70, 33},
+                   .window_right = 0});
   cases.push_back({.name = "mla_absorbed_softcap",
                    .heads_q = 16,
                    .heads_kv = 1,
@@ -453,6 +510,8 @@ void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Se
     ASSERT_EQ(seqs[i].v.size(), hkv * nks[i] * shape.value_head_dim())
         << "v of sequence " << i << " against the shape";
   }
+  // V in K's rows (v_from_k): the writes carry k alone (seqs' v, k's first Dv features, is the
+  // reference's).
   std::vector<std::vector<unsigned char>> kb, vb;
   // [Hkv, nk, dim] as `layout` lays it out.
   const auto laid_out = [&](const std::vector<float>& x, int64_t nk, int64_t dim) {
@@ -467,10 +526,10 @@ void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Se
     kb.push_back(laid_out(seqs[i].k, nks[i], d));
     vb.push_back(laid_out(seqs[i].v, nks[i], shape.value_head_dim()));
   }
-  std::vector<void*> on_device;  // [2 * seqs]: each sequence's k, v uploaded
+  std::vector<void*> on_device;  // [2 * seqs]: each sequence's k, v uploaded (v: none, v_from_k)
   for (size_t i = 0; device != nullptr && i < seqs.size(); ++i) {
     on_device.push_back(device->upload(kb[i].data(), kb[i].size()));
-    on_device.push_back(device->upload(vb[i].data(), vb[i].size()));
+    on_device.push_back(shape.v_from_k ? nullptr : device->upload(vb[i].data(), vb[i].size()));
   }
   void* ready = device != nullptr ? device->recorded_event() : nullptr;
   std::uniform_int_distribution<int64_t> random_chunk(1, 40);
@@ -489,8 +548,10 @@ void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Se
       const size_t at = r0 * row_stride * DTypeSize(shape.dtype);
       const size_t v_at = r0 * VStride(shape, row_stride) * DTypeSize(shape.dtype);
       w.k = (device != nullptr ? static_cast<unsigned char*>(on_device[2 * i]) : kb[i].data()) + at;
-      w.v = (device != nullptr ? static_cast<unsigned char*>(on_device[2 * i + 1]) : vb[i].data()) +
-            v_at;
+      w.v = shape.v_from_k ? nullptr
+                           : (device != nullptr ? static_cast<unsigned char*>(on_device[2 * i + 1])
+                                                : vb[i].data()) +
+                                 v_at;
       w.memory = {.on_device = device != nullptr, .ready = ready};
       w.head_stride = layout == Layout::kBHSD ? nk * d : d;
       w.row_stride = row_stride;
@@ -502,7 +563,9 @@ void WriteSequences(KvPagePool& pool, const KvShape& shape, const std::vector<Se
   }
   if (device == nullptr) return;
   device->synchronize(ready);
-  for (void* buffer : on_device) device->free(buffer);  // after the pool's scatters read them
+  for (void* buffer : on_device) {  // after the pool's scatters read them
+    if (buffer != nullptr) device->free(buffer);
+  }
 }
 
 // The reference of one sequence: o [Hq, nq, Dv] and lse [Hq, nq] in float64.
@@ -729,8 +792,7 @@ struct PoolSetup {
 };
 void MakeSetup(const DecodeCase& c, DType dtype, std::mt19937_64& rng, PoolSetup* setup) {
   const KvShape shape = ShapeOf(c, dtype);
-  const int64_t page_bytes =
-      c.page_rows * c.heads_kv * (c.head_dim + ValueDim(c)) * DTypeSize(dtype);
+  const int64_t page_bytes = c.page_rows * c.heads_kv * shape.stored_dims() * DTypeSize(dtype);
   ASSERT_EQ(PageRows(page_bytes, shape), c.page_rows);
   int64_t needed = 0;
   for (int32_t nk : c.nk) {
@@ -753,6 +815,12 @@ void MakeSetup(const DecodeCase& c, DType dtype, std::mt19937_64& rng, PoolSetup
     s.q = RandomRounded(c.heads_q * c.nq[i] * c.head_dim, dtype, rng);
     s.k = RandomRounded(c.heads_kv * c.nk[i] * c.head_dim, dtype, rng);
     s.v = RandomRounded(c.heads_kv * c.nk[i] * ValueDim(c), dtype, rng);
+    if (c.v_from_k) {  // v: k's first Dv features of each row
+      const int64_t d = c.head_dim, dv = ValueDim(c);
+      for (int64_t row = 0; row < c.heads_kv * c.nk[i]; ++row) {
+        std::copy_n(s.k.begin() + row * d, dv, s.v.begin() + row * dv);
+      }
+    }
     s.pages.assign(setup->stride, -1);
     for (int64_t j = 0; j < (c.nk[i] + c.page_rows - 1) / c.page_rows; ++j)
       s.pages[j] = *next_page++;
@@ -1093,14 +1161,16 @@ TEST_P(PagedKvPoolWriteTest, ReadGivesBackTheWrittenRows) {
   const uint64_t seed = NextSeed();
   SCOPED_TRACE(SeedHint(dtype, seed));
   std::mt19937_64 rng(seed);
-  // V of the QK head dim, and of one of its own (MLA's QK 192 / V 128).
-  for (const int64_t dv : {int64_t{0}, int64_t{128}}) {
-    SCOPED_TRACE(absl::StrCat("v_head_dim=", dv));
+  // V of the QK head dim, of one of its own (MLA's QK 192 / V 128), and in K's rows (k alone read).
+  for (const auto& [dv, from_k] :
+       {std::pair{int64_t{0}, false}, {int64_t{128}, false}, {int64_t{128}, true}}) {
+    SCOPED_TRACE(absl::StrCat("v_head_dim=", dv, from_k ? " v_from_k" : ""));
     DecodeCase c;
     c.heads_q = 4;
     c.heads_kv = 2;
     if (dv > 0) c.head_dim = 192;
     c.v_head_dim = dv;
+    c.v_from_k = from_k;
     c.nq = {1, 1, 1};
     c.nk = {1, 33, 101};  // pages of 32 rows: one row, a page and one, a prime
     PoolSetup setup;
@@ -1125,7 +1195,7 @@ TEST_P(PagedKvPoolWriteTest, ReadGivesBackTheWrittenRows) {
         read.first_row = first;
         read.rows = rows;
         read.k = k_out.data();
-        read.v = v_out.data();
+        read.v = from_k ? nullptr : v_out.data();
         read.head_stride = bhsd ? rows * d : d;
         read.row_stride = bhsd ? d : hkv * d;
         ASSERT_EQ(setup.pool->Read(read), absl::OkStatus());
@@ -1139,6 +1209,7 @@ TEST_P(PagedKvPoolWriteTest, ReadGivesBackTheWrittenRows) {
                             k.data() + ((h * nk) + first + r) * d * elem, d * elem),
                 0)
                 << "k of sequence " << i << " row " << first + r << " head " << h;
+            if (from_k) continue;
             ASSERT_EQ(std::memcmp(v_out.data() + (h * v_head_stride + r * v_row_stride) * elem,
                                   v.data() + ((h * nk) + first + r) * vd * elem, vd * elem),
                       0)
@@ -1156,7 +1227,7 @@ TEST_P(PagedKvPoolWriteTest, ReadGivesBackTheWrittenRows) {
     past.first_row = c.page_rows;
     past.rows = 1;
     past.k = out.data();
-    past.v = out.data();
+    past.v = from_k ? nullptr : out.data();
     past.head_stride = d;
     past.row_stride = d;
     EXPECT_FALSE(setup.pool->Read(past).ok());

@@ -456,7 +456,7 @@ class OpenModelOptionsTest(ServerTest):
         self.assertEqual(sorted(device.attend_options),
                          ["chunk_size", "sinks", "softcap", "v_head_dim"])
         self.assertEqual(sorted(device.step_options),
-                         ["chunk_size", "sinks", "softcap", "v_head_dim"])
+                         ["chunk_size", "sinks", "softcap", "v_from_k", "v_head_dim"])
 
     def test_bad_options_name_the_field(self):
         q, k, v = self.qkv()

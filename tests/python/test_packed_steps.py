@@ -122,6 +122,38 @@ class PackedStepTest(ServerTest):
     def test_future_equals_entries(self):
         self.check_equal_to_entries(False, by_ref=False, wait=False)
 
+    def test_sessions_whose_v_is_ks_first_features_step_as_with_that_v_sent(self):
+        # MLA's latent cache (Client.session(v_from_k=True)): created, appended and stepped with
+        # k alone, a packed Step answers bit for bit what sessions given v = k[..., :Dv] answer;
+        # a v sent to them is refused by name.
+        d, dv, lengths = self.D + 8, self.D, (1, 17, 64)
+        ks = [self.normal(self.HKV, n, d) for n in lengths]
+        latent = [self.client.session(k=k, v_head_dim=dv, v_from_k=True) for k in ks]
+        given = [self.client.session(k=k, v=np.ascontiguousarray(k[..., :dv])) for k in ks]
+        for s in latent + given:
+            self.addCleanup(s.drop)
+        self.assertTrue(latent[0].v_from_k)
+        self.assertEqual((latent[0].head_dim, latent[0].v_head_dim), (d, dv))
+        k_more = self.normal(self.HKV, 3, d)
+        latent[0].append(k_more)
+        given[0].append(k_more, np.ascontiguousarray(k_more[..., :dv]))
+        b = len(lengths)
+        for step in range(2):
+            q = self.normal(b, self.HQ, 1, d)
+            k1 = self.normal(b, self.HKV, 1, d)
+            got = self.client.step_batch(latent, q, k1, causal=True, return_lse=True)
+            want = self.client.step_batch(given, q, k1, np.ascontiguousarray(k1[..., :dv]),
+                                          causal=True, return_lse=True)
+            self.assertEqual(got[0].shape, (b, self.HQ, 1, dv))
+            self.assertTrue(np.array_equal(got[0], want[0]), f"step {step} (seed {SEED})")
+            self.assertTrue(np.array_equal(got[1], want[1]), f"step {step} (seed {SEED})")
+        with self.assertRaises(AttentionError) as refused:
+            self.client.step_batch(latent, q, k1, np.ascontiguousarray(k1[..., :dv]))
+        self.assertEqual(refused.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("v: expected none", refused.exception.details)
+        with self.assertRaisesRegex(ValueError, "v: expected none"):
+            latent[1].append(k_more, k_more[..., :dv])
+
     def test_futures_of_two_micro_batches_in_flight_at_once(self):
         (first, second), _ = self.two_batches()
         b = len(self.LENGTHS)

@@ -680,14 +680,18 @@ class Client:
 
     def session(self, *, dtype=None, kv_heads=None, head_dim=None, k=None, v=None, layout="bhsd",
                 bfloat16_bits=False, timeout=None, metadata=None, layers=None, tokens=None,
-                prefix_tokens=None, v_head_dim=None):
+                prefix_tokens=None, v_head_dim=None, v_from_k=False):
         """A new KV-resident session on the server (attention_client.session.Session).
 
         k, v (optional first rows): [Hkv, N, D] (layout "bhsd") or [N, Hkv, D] ("bshd"), v with
         Dv for D; dtype, kv_heads, head_dim and v_head_dim default to theirs. v_head_dim: Dv,
         the head dim of v and of the Steps' o where it is not D (MLA models; None: D), served
         where the device's DeviceInfo.step_options list "v_head_dim" (else AttentionError
-        UNIMPLEMENTED). dtype: "float32" | "float16" | "bfloat16", or a numpy/torch dtype.
+        UNIMPLEMENTED). v_from_k: v is k's first v_head_dim features, kept once (MLA's latent
+        cache: one KV head of 576 whose first 512 are v, as FlashMLA reads it): the session
+        stores k alone, and its creation, append() and Steps take k without v (served where
+        step_options list "v_from_k"). dtype: "float32" | "float16" | "bfloat16", or a
+        numpy/torch dtype.
         layout also applies to append(). metadata: for every call of the session (default: the
         client's). layers: a sequence of a model's `layers` layers, one cache each (created
         empty; append(), step(), step_many() and step_batch() then name the layer; truncate, fork
@@ -703,7 +707,8 @@ class Client:
         return create_session(self, dtype=dtype, kv_heads=kv_heads, head_dim=head_dim, k=k, v=v,
                               layout=layout, bfloat16_bits=bfloat16_bits, timeout=timeout,
                               metadata=metadata, layers=layers, tokens=tokens,
-                              prefix_tokens=prefix_tokens, v_head_dim=v_head_dim)
+                              prefix_tokens=prefix_tokens, v_head_dim=v_head_dim,
+                              v_from_k=v_from_k)
 
     def step_many(self, items, *, causal=False, softmax_scale=None, window_left=None,
                   window_right=None, return_lse=False, timeout=None, metadata=None,

@@ -357,7 +357,7 @@ def _counter_plan(client, sessions, batch, q, k, v, lse, counter_segment, counte
     key = None
     if options.get("sinks") is None:
         key = (tuple((n, options[n]) for n in names), q.shape, q.dtype,
-               None if k is None else (k.shape, v.shape), lse is not None, id(counters),
+               None if k is None else (k.shape, None if v is None else v.shape), lse is not None, id(counters),
                counter_segment.region.name)
         plan = batch.plans.get(key)
         if plan is not None:
@@ -422,7 +422,7 @@ def step_batch_on_device(client, sessions, q, k, v, options, batch, _retried=Fal
     regions = client._cuda_segments
     if not regions.usable:
         return False, None
-    inputs = [q] + ([k, v] if k is not None else [])
+    inputs = [t for t in (q, k, v) if t is not None]  # v None: the sessions' v is k's
     if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.device == q.device
                for t in inputs):
         return False, None

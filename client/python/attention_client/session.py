@@ -111,12 +111,14 @@ class Session:
         self.kv_heads = info.kv_heads
         self.head_dim = info.head_dim
         self.v_head_dim = info.v_head_dim or info.head_dim  # 0 from a server that predates it
+        self.v_from_k = info.v_from_k  # v is k's first v_head_dim features, kept once
         self.layout = layout
         self._bfloat16_bits = bfloat16_bits
         self._metadata = metadata
 
     def __repr__(self):
         dv = "" if self.v_head_dim == self.head_dim else f", v_head_dim={self.v_head_dim}"
+        dv += ", v_from_k=True" if self.v_from_k else ""
         return (f"Session({self.id}, length={self.length}, kv_heads={self.kv_heads}, "
                 f"head_dim={self.head_dim}{dv})")
 
@@ -153,13 +155,17 @@ class Session:
             raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION, "the session was dropped")
         return self.id
 
-    def append(self, k, v, *, layer=None, tokens=None, timeout=None):
+    def append(self, k, v=None, *, layer=None, tokens=None, timeout=None):
         """Appends rows: k, v [Hkv, n, D] (layout "bhsd") or [n, Hkv, D] ("bshd"; v with Dv,
-        v_head_dim, for D), to `layer` (0..layers-1; needed for a session of several layers);
-        tokens: the token id of each row (so later sessions can share their full pages:
-        Client.session(prefix_tokens=)). Returns the new length."""
+        v_head_dim, for D; none where the session's v is k's: v_from_k), to `layer`
+        (0..layers-1; needed for a session of several layers); tokens: the token id of each row
+        (so later sessions can share their full pages: Client.session(prefix_tokens=)). Returns
+        the new length."""
+        if (v is None) != self.v_from_k:
+            raise ValueError("v: expected none (the session's v is k's first features)"
+                             if self.v_from_k else "v: expected a tensor with k")
         tk, _ = _to_tensor(k, "k", self._bfloat16_bits)
-        tv, _ = _to_tensor(v, "v", self._bfloat16_bits)
+        tv = None if v is None else _to_tensor(v, "v", self._bfloat16_bits)[0]
         request = pb.AppendKvRequest(session_id=self._live_id(), layout=_LAYOUTS[self.layout],
                                      k=tk, v=tv, layer=layer, tokens=_token_ids(tokens))
         info = self._client._call(self._client._sessions_stub.AppendKv, request, timeout,
@@ -192,7 +198,7 @@ class Session:
              window_right=None, return_lse=False, timeout=None, return_info=False, stream=False,
              sinks=None, softcap=None, chunk_size=None, layer=None, tokens=None):
         """Attends q [Hq, Nq, D] to the session, after appending k [Hkv, n, D] and v
-        [Hkv, n, Dv] when given; tokens: the token id of each appended row, as append()'s (its
+        [Hkv, n, Dv] when given (k alone where the session's v is k's: v_from_k); tokens: the token id of each appended row, as append()'s (its
         full pages are then cached for later sessions' prefix_tokens).
 
         stream=True sends the Step over the Client's long-lived Sessions.StepStream of the
@@ -263,6 +269,13 @@ class Session:
         raise AttentionError(grpc.StatusCode.NOT_FOUND, f"session {session_id} is not on the server")
 
 
+def _check_kv(k, v):
+    """k and v together, k alone (a session whose v is k's first features: v_from_k; the server
+    refuses it for any other, naming v) or neither."""
+    if k is None and v is not None:
+        raise ValueError("k and v go together: give both, k alone (v_from_k sessions) or neither")
+
+
 def _token_ids(tokens):
     """Token ids as the wire's int64s (a list, numpy or torch ints; None: none)."""
     if tokens is None:
@@ -274,24 +287,28 @@ def _token_ids(tokens):
 
 def create_session(client, *, dtype=None, kv_heads=None, head_dim=None, k=None, v=None,
                    layout="bhsd", bfloat16_bits=False, timeout=None, metadata=None, layers=None,
-                   tokens=None, prefix_tokens=None, v_head_dim=None):
+                   tokens=None, prefix_tokens=None, v_head_dim=None, v_from_k=False):
     """A new session; see Client.session."""
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
-    if (k is None) != (v is None):
+    if v_from_k and v is not None:
+        raise ValueError("v: expected none with v_from_k=True (v is k's first v_head_dim "
+                         "features)")
+    if not v_from_k and (k is None) != (v is None):
         raise ValueError("k and v go together: give both or neither")
-    request = pb.CreateSessionRequest(layout=_LAYOUTS[layout])
+    request = pb.CreateSessionRequest(layout=_LAYOUTS[layout], v_from_k=v_from_k)
     if k is not None:
         tk, _ = _to_tensor(k, "k", bfloat16_bits)
-        tv, _ = _to_tensor(v, "v", bfloat16_bits)
         request.k.CopyFrom(tk)
-        request.v.CopyFrom(tv)
         if len(tk.shape) == 3:  # else the server names the bad shape
             heads_axis = 0 if layout == "bhsd" else 1
             kv_heads = tk.shape[heads_axis] if kv_heads is None else kv_heads
             head_dim = tk.shape[2] if head_dim is None else head_dim
-        if len(tv.shape) == 3 and v_head_dim is None and tv.shape[2] != head_dim:
-            v_head_dim = tv.shape[2]
+        if v is not None:
+            tv, _ = _to_tensor(v, "v", bfloat16_bits)
+            request.v.CopyFrom(tv)
+            if len(tv.shape) == 3 and v_head_dim is None and tv.shape[2] != head_dim:
+                v_head_dim = tv.shape[2]
         dtype = tk.dtype if dtype is None else dtype
     if dtype is None or kv_heads is None or head_dim is None:
         raise ValueError("dtype, kv_heads and head_dim are needed when k and v are not given")
@@ -365,8 +382,7 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
     kinds, sessions = [], []
     for item in items:
         session, q, k, v, tokens = (tuple(item) + (None, None, None))[:5]
-        if (k is None) != (v is None):
-            raise ValueError("k and v go together: give both or neither")
+        _check_kv(k, v)
         if session._client is not client:
             raise ValueError(f"session {session.id} belongs to another Client")
         tq, kind = _to_tensor(q, "q", session._bfloat16_bits)
@@ -374,6 +390,7 @@ def step_many(client, items, *, causal=False, softmax_scale=None, window_left=No
                                     tokens=_token_ids(tokens))
         if k is not None:
             entry.k.CopyFrom(_to_tensor(k, "k", session._bfloat16_bits)[0])
+        if v is not None:
             entry.v.CopyFrom(_to_tensor(v, "v", session._bfloat16_bits)[0])
         kinds.append(kind)
         sessions.append(session)
@@ -486,8 +503,7 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
                done_event=None, ready_counter=None, done_counter=None, layer=None,
                _on_error=None):
     """One packed Step over a layer's batch; see Client.step_batch."""
-    if (k is None) != (v is None):
-        raise ValueError("k and v go together: give both or neither")
+    _check_kv(k, v)
     if not sessions:
         raise ValueError("sessions: expected at least one session, got none")
     batch = _batch(client, sessions)
@@ -522,7 +538,7 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
     # q, k and v by reference where they lie in the client's regions; else their bytes travel in
     # the message, joined onto the wire from their buffers (WireMessage), torch CUDA ones first
     # copied to host together (_to_host).
-    inputs = [("q", q)] + ([("k", k), ("v", v)] if k is not None else [])
+    inputs = [(name, x) for name, x in (("q", q), ("k", k), ("v", v)) if x is not None]
     refs = [_ref_of(client, x) for _, x in inputs]
     hosts = _to_host([x if ref is None else None for (_, x), ref in zip(inputs, refs)])
     message, kinds = WireMessage(request), []

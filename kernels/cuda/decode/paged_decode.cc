@@ -32,13 +32,16 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
   PagedDecodePlan plan;
   plan.launch.num_seqs = static_cast<int>(host.num_seqs);
   const bool sixteen_bit = shape.dtype == DType::kFloat16 || shape.dtype == DType::kBFloat16;
-  // The wide tile: its head dims exactly, no softcap, and room for its shared memory.
+  // The wide tile: its head dims exactly, no softcap, and room for its shared memory; V in K's
+  // rows at QK 576 alone (MLA's latent cache).
   if (sixteen_bit && host.softcap == 0.0f && dv == kPagedWideVHeadDim &&
       std::find(std::begin(kPagedWideHeadDims), std::end(kPagedWideHeadDims), shape.head_dim) !=
           std::end(kPagedWideHeadDims) &&
-      PagedWideSmemBytes(static_cast<int>(shape.head_dim), static_cast<int>(dv)) <=
+      (!shape.v_from_k || shape.head_dim == 576) &&
+      PagedWideSmemBytes(static_cast<int>(shape.head_dim), static_cast<int>(dv), shape.v_from_k) <=
           options.smem_per_block) {
     plan.launch.wide_head_dim = static_cast<int>(shape.head_dim);
+    plan.launch.wide_v_from_k = shape.v_from_k;
   }
   const bool wide = plan.launch.wide_head_dim != 0;
   const int cta_rows = wide ? kPagedWideRows : 16;
@@ -55,8 +58,8 @@ absl::StatusOr<PagedDecodePlan> PlanPagedDecode(const PagedDecodeParams& host,
   }
   // The smallest tensor-core tile that holds head_dim, if any; with a softcap, the tile that has a
   // softcap instance (kPagedSoftcapHeadDim, which holds every head dim a tile does). The tiles
-  // read V rows of D: a V head dim of its own runs on the SIMT kernel.
-  if (sixteen_bit && !wide && shape.head_dim % 8 == 0 && dv == shape.head_dim) {
+  // read V rows of D after K's: a V head dim of its own, or V in K's rows, runs on the SIMT kernel.
+  if (sixteen_bit && !wide && shape.head_dim % 8 == 0 && dv == shape.head_dim && !shape.v_from_k) {
     plan.launch.kernel_head_dim = SpecialisationFor(kPagedTensorHeadDims, shape.head_dim);
     if (plan.launch.kernel_head_dim != 0 && host.softcap > 0.0f) {
       plan.launch.kernel_head_dim = kPagedSoftcapHeadDim;
@@ -148,6 +151,7 @@ PagedKernelParams ToPagedKernelParams(const PagedDecodePlan& plan, const void* p
   k.group = static_cast<int>(dev.heads_q / dev.shape.heads_kv);
   k.head_dim = static_cast<int>(dev.shape.head_dim);
   k.v_head_dim = static_cast<int>(dev.shape.value_head_dim());
+  k.v_from_k = dev.shape.v_from_k;
   const Log2Scale scale = ToLog2Scale(dev.softmax_scale);
   k.scale_log2 = scale.scale_log2;
   k.negate_q = scale.negate_q;

@@ -269,14 +269,18 @@ __device__ __forceinline__ void LoadPagedQ(const PagedKernelParams& p, uint32_t 
 }
 
 // Zeroes the Inf and NaN elements of the 16-byte chunks first, first + step, ... below `chunks` of
-// the shared rows at `base` (row_chunks chunks a row; the swizzle permutes chunks within a row
-// only) and returns the rows where this thread found any (bit r for row r).
+// the shared rows at `base` (row_chunks chunks a row, rows row_bytes apart, or packed when 0; the
+// swizzle permutes chunks within a row only, and within aligned groups of 8, so a row's first
+// row_chunks chunks stay its first) and returns the rows where this thread found any (bit r for
+// row r).
 template <typename T>
 __device__ __forceinline__ uint32_t ZeroNonFiniteRows(uint32_t base, int chunks, int row_chunks,
-                                                      int first, int step) {
+                                                      int first, int step, int row_bytes = 0) {
   uint32_t rows = 0;
   for (int i = first; i < chunks; i += step) {
-    const uint32_t addr = base + i * 16;
+    const uint32_t addr = row_bytes == 0
+                              ? base + i * 16
+                              : base + (i / row_chunks) * row_bytes + (i % row_chunks) * 16;
     uint4 x;
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
@@ -761,10 +765,14 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ float merge_weights[kPagedThreads / 32][kPagedMaxSplits];
   const int32_t* page_table = p.page_table + seq * p.page_table_stride;
-  // Elements from a page's start: this kv head's K rows, and its V rows after every head's K.
+  // Elements from a page's start: this kv head's K rows, and its V rows after every head's K (or
+  // K's own rows, v_pitch = D apart, where V is their first Dv columns).
   const int64_t k_offset = static_cast<int64_t>(hk) * p.page_rows * p.head_dim;
-  const int64_t v_offset = static_cast<int64_t>(p.heads_kv) * p.page_rows * p.head_dim +
-                           static_cast<int64_t>(hk) * p.page_rows * p.v_head_dim;
+  const int64_t v_offset = p.v_from_k
+                               ? k_offset
+                               : static_cast<int64_t>(p.heads_kv) * p.page_rows * p.head_dim +
+                                     static_cast<int64_t>(hk) * p.page_rows * p.v_head_dim;
+  const int v_pitch = p.v_from_k ? p.head_dim : p.v_head_dim;
   const float sign = p.negate_q ? -1.f : 1.f;
   const bool softcap = p.softcap_log2 > 0.f;
   const float scale_log2 = softcap ? 1.f : p.scale_log2;  // capped logits are log2 already
@@ -789,7 +797,7 @@ __global__ void __launch_bounds__(kPagedThreads, 1) PagedSimtKernel(const PagedK
           reinterpret_cast<const T*>(p.pool + page_table[key / p.page_rows] * p.page_bytes);
       const int64_t page_row = key % p.page_rows;
       const T* k = page + k_offset + page_row * p.head_dim;
-      const T* v = page + v_offset + page_row * p.v_head_dim;
+      const T* v = page + v_offset + page_row * v_pitch;
       float s = 0.f;
 #pragma unroll
       for (int c = 0; c < kMaxCols; ++c) {

@@ -60,6 +60,8 @@ cudaError_t LaunchPagedTile(const PagedKernelParams& p, dim3 grid, cudaStream_t 
 // The host's view of the wide tile (PagedWideSmemBytes, kPagedWideRows) is the tile's.
 static_assert(PagedWideTile<__half, 576, 512>::kSmemBytes == PagedWideSmemBytes(576, 512));
 static_assert(PagedWideTile<__half, 512, 512>::kSmemBytes == PagedWideSmemBytes(512, 512));
+static_assert(PagedWideTile<__half, 576, 512, true>::kSmemBytes ==
+              PagedWideSmemBytes(576, 512, true));
 static_assert(PagedWideTile<__half, 576, 512>::kRows == kPagedWideRows);
 
 template <typename Tile>
@@ -98,7 +100,8 @@ cudaError_t LaunchPagedDecodeFor(const PagedKernelParams& p, const PagedLaunch& 
   } else if (launch.wide_head_dim != 0) {
     static_assert(kPagedWideVHeadDim == 512 && kPagedWideHeadDims[0] == 512 &&
                   kPagedWideHeadDims[1] == 576);
-    err = launch.wide_head_dim == 576
+    err = launch.wide_v_from_k ? LaunchPagedWide<PagedWideTile<T, 576, 512, true>>(p, grid, stream)
+          : launch.wide_head_dim == 576
               ? LaunchPagedWide<PagedWideTile<T, 576, 512>>(p, grid, stream)
               : LaunchPagedWide<PagedWideTile<T, 512, 512>>(p, grid, stream);
   } else {

@@ -24,11 +24,12 @@ inline constexpr int kPagedSoftcapHeadDim = 128;
 
 // The wide tile's rows per CTA (PagedWideTile::kRows) and its shared memory at QK head dim d and V
 // head dim dv (PagedWideTile::kSmemBytes; paged_decode_launch.cuh checks both): Q [64][d], two
-// stages of 32 K rows of d and V rows of dv, P [64][32] in rows of 80 bytes, and its statistics.
+// stages of 32 K rows of d and V rows of dv (V in K's rows: three stages of K rows alone),
+// P [64][32] in rows of 80 bytes, and its statistics.
 inline constexpr int kPagedWideRows = 64;
-constexpr int PagedWideSmemBytes(int d, int dv) {
-  return kPagedWideRows * d * 2 + 2 * 32 * (d + dv) * 2 + kPagedWideRows * 80 +
-         (4 * kPagedWideRows + kPagedWideRows + 8) * 4;
+constexpr int PagedWideSmemBytes(int d, int dv, bool v_from_k = false) {
+  return kPagedWideRows * d * 2 + (v_from_k ? 3 * 32 * d : 2 * 32 * (d + dv)) * 2 +
+         kPagedWideRows * 80 + (4 * kPagedWideRows + kPagedWideRows + 8) * 4;
 }
 
 // What the grid needs beyond the kernel params.
@@ -44,6 +45,8 @@ struct PagedLaunch {
   // > 0: the wide tensor-core tile of this QK head dim (kPagedWideHeadDims, V kPagedWideVHeadDim;
   // kernel_head_dim 0); its CTAs hold kPagedWideRows rows.
   int wide_head_dim = 0;
+  // The wide tile's instance that reads V from K's rows (QK 576 only: MLA's latent cache).
+  bool wide_v_from_k = false;
 };
 
 cudaError_t LaunchPagedDecodeF16(const PagedKernelParams& p, const PagedLaunch& launch,

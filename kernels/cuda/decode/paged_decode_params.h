@@ -26,8 +26,10 @@ struct PagedKernelParams {
   const int32_t* page_table;
   int64_t page_table_stride;
   // head_dim: D, of q and k; v_head_dim: Dv, of v and o (MLA; D elsewhere). A page holds K
-  // [Hkv, page_rows, D], then V [Hkv, page_rows, Dv].
+  // [Hkv, page_rows, D], then V [Hkv, page_rows, Dv]; with v_from_k K alone, V its rows' first
+  // Dv columns (the SIMT kernel and the wide tile's instance for it read it so).
   int heads_q, heads_kv, group, head_dim, v_head_dim;
+  bool v_from_k;
   // As KernelParams: exp2(scale_log2 * (q.k - max)) with scale_log2 > 0, Q negated for a negative
   // scale; window bounds -1 = unbounded.
   float scale_log2;

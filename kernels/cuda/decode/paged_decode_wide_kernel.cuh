@@ -1,50 +1,60 @@
 // The wide tensor-core tile of the paged decode (float16, bfloat16): head dims past the D = 128
 // tile's registers, where each query head's O row is too wide for one warp to hold, and many query
 // heads share one KV head. MLA's absorbed decode (one KV head, QK 576, V 512, 16 to 128 query heads
-// per KV head) and D = Dv = 512 (PagedWideTile<T, 576, 512>, <T, 512, 512>).
+// per KV head) and D = Dv = 512 (PagedWideTile<T, 576, 512>, <T, 512, 512>); MLA's latent cache
+// with V read from K's first 512 features (<T, 576, 512, true>: a stage holds the K tile alone,
+// 576 halves a key read where V apart from K costs 1088, and three stages fit).
 //
 // Grid as the 16-row kernel's (paged_decode_kernel.cuh: split, kv head x row block, sequence), but
 // a CTA owns kRows = 64 rows (4 blocks of 16: query heads of the group times queries), so one read
 // of a K/V tile serves 64 query heads (Hq 128 per KV head: 2 CTAs read each tile, where 16-row CTAs
-// were 8). 8 warps: warp w takes row block w % 4 and part w / 4 of 2. For S = Q K^T the parts split
-// the tile's kBc = 32 keys (16 each, over all D columns; Q's fragments are read from shared memory
-// per k-step, 36 of them at D = 576, rather than held); for O += P V they split V's columns (256
-// each: 128 accumulator registers, where one warp holding 512 would need 256). So the row max of a
+// were 8). 8 warps: warp w takes row block w / 2 and part w % 2 (a row block's two warps on two SM
+// sub-partitions: where one row block holds every real row, Hq 16 or D = 512's GQA 8, the live
+// warps do not share one sub-partition's tensor cores; 7-10% faster there on an H100,
+// 2026-12-06). For S = Q K^T the parts split the tile's kBc = 32 keys (16 each, over all D
+// columns; Q's fragments are read from shared memory per k-step, 36 of them at D = 576, rather
+// than held); for O += P V they split V's columns (256 each: 128 accumulator registers, where one
+// warp holding 512 would need 256). So the row max of a
 // tile is exchanged through shared memory (both parts then hold the same max and rescale alike),
 // P goes through shared memory as T, and each part keeps its own running sum of its keys' p (the
 // total is their sum at the end). Row blocks without a real row (Hq 16: 3 of the 4) skip their
-// mma's. K/V tiles stream through 2 shared-memory stages by cp.async (zero-filled past the last
-// key), one tile in flight while one is consumed. Rows of o leave through shared memory in 8- or
-// 16-byte stores (o may be pinned host memory). Splits merge through the global workspace and
-// tickets (MergeSplitsIfLast; no cluster merge).
+// mma's. K/V tiles stream through kStages shared-memory stages by cp.async (zero-filled past the
+// last key), kStages - 1 tiles in flight while one is consumed. Rows of o leave through shared
+// memory (Q's and the stages', free by then) in 8- or 16-byte stores (o may be pinned host memory).
+// Splits merge through the global workspace and tickets (MergeSplitsIfLast; no cluster merge).
 //
 // Masks, windows, chunks, sinks and non-finite K/V as the 16-row kernel has them (MaskRow,
 // PoisonRow, AddSink); the softcap is not compiled here (the planner sends softcapped steps to the
 // SIMT kernel). On a tile that takes the element mask, the CTA zeroes the Inf and NaN elements of
 // the tile's V and flags their keys before S, so that rows that see a flagged key get a NaN logit
-// there and rows that do not multiply a finite V by their P = 0.
+// there and rows that do not multiply a finite V by their P = 0. With V in K's rows the zeroing
+// touches K's first Dv columns before S: the rows that see a flagged key get NaN either way.
 #pragma once
 
 #include "kernels/cuda/decode/paged_decode_kernel.cuh"
 
 namespace attention::cuda {
 
-template <typename T, int kD_, int kDv_>
+template <typename T, int kD_, int kDv_, bool kVFromK_ = false>
 struct PagedWideTile {
   using Element = T;
   static constexpr int kD = kD_, kDv = kDv_;
-  static constexpr int kMBlocks = 4;  // 16-row blocks per CTA
+  static constexpr bool kVFromK = kVFromK_;  // V is K's first kDv columns, in K's tile
+  static constexpr int kMBlocks = 4;         // 16-row blocks per CTA
   static constexpr int kRows = kMBlocks * 16;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kParts = kWarps / kMBlocks;  // warps per row block
   static constexpr int kBc = 32;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = kVFromK ? 3 : 2;
   static constexpr int kWarpKeys = kBc / kParts;  // S keys per warp
   static constexpr int kWarpCols = kDv / kParts;  // O columns per warp
   static constexpr int kKRowBytes = kD * 2, kVRowBytes = kDv * 2;
   static constexpr int kKChunks = kD / 8, kVChunks = kDv / 8;
-  static constexpr int kKTileBytes = kBc * kKRowBytes, kVTileBytes = kBc * kVRowBytes;
+  static constexpr int kKTileBytes = kBc * kKRowBytes;
+  static constexpr int kVTileBytes = kVFromK ? 0 : kBc * kVRowBytes;
+  // V's rows in shared memory: their own tile's, or K's.
+  static constexpr int kVPitchBytes = kVFromK ? kKRowBytes : kVRowBytes;
   static constexpr int kStageBytes = kKTileBytes + kVTileBytes;
   static constexpr int kQBytes = kRows * kKRowBytes;
   // P [kRows][kBc] of T, rows padded by 16 bytes (5 chunks apart: the 8 rows of an ldmatrix phase
@@ -55,8 +65,11 @@ struct PagedWideTile {
   static constexpr int kStatBytes = (2 * kParts * kRows + kRows + kWarps) * 4;
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kPBytes + kStatBytes;
   static_assert(kSmemBytes <= 227 << 10, "an H100 / H200 CTA's shared memory");
-  static_assert(kRows * kDv * 4 <= kStages * kStageBytes, "o leaves through the stage buffers");
-  static_assert(kWarps * kPagedMaxSplits * 4 <= kStages * kStageBytes, "the merge's weights");
+  static_assert(kRows * kDv * 4 <= kQBytes + kStages * kStageBytes,
+                "o leaves through Q's and the stages' buffers");
+  static_assert(kWarps * kPagedMaxSplits * 4 <= kQBytes + kStages * kStageBytes,
+                "the merge's weights");
+  static_assert(!kVFromK || kDv <= kD, "V is K's first kDv columns");
   static_assert(kWarpKeys == 16, "S of a warp: two 8-key column tiles, P V one k-step of 16");
   static_assert(kBc <= 32, "the tile's non-finite V keys are flagged in one 32-bit word");
   static_assert(kD % 64 == 0 && kDv % 64 == 0, "the swizzle needs rows of >= 8 chunks");
@@ -69,6 +82,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
   constexpr int kD = Tile::kD, kDv = Tile::kDv, kBc = Tile::kBc, kStages = Tile::kStages;
   constexpr int kRows = Tile::kRows, kParts = Tile::kParts, kThreads = Tile::kThreads;
   constexpr int kKRowBytes = Tile::kKRowBytes, kVRowBytes = Tile::kVRowBytes;
+  constexpr int kVPitchBytes = Tile::kVPitchBytes;
   constexpr int kKChunks = Tile::kKChunks, kVChunks = Tile::kVChunks;
   constexpr int kPRowBytes = Tile::kPRowBytes;
   constexpr int kKSteps = kD / 16;              // k-steps of Q K^T
@@ -96,17 +110,19 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int mb = warp % Tile::kMBlocks, part = warp / Tile::kMBlocks;
+  const int mb = warp / kParts, part = warp % kParts;
   const bool live = m0 + mb * 16 <= w.row_last;  // this warp's row block holds a real row
 
-  // K of this kv head, and V after every head's K (kernels/paged_kv.h), bytes from a page's start.
+  // K of this kv head, and V after every head's K (kernels/paged_kv.h), bytes from a page's start
+  // (V in K's rows: no V of its own).
   const int64_t k_head = static_cast<int64_t>(hk) * p.page_rows * kKRowBytes;
-  const int64_t v_head = static_cast<int64_t>(p.heads_kv) * p.page_rows * kKRowBytes +
-                         static_cast<int64_t>(hk) * p.page_rows * kVRowBytes;
+  [[maybe_unused]] const int64_t v_head =
+      static_cast<int64_t>(p.heads_kv) * p.page_rows * kKRowBytes +
+      static_cast<int64_t>(hk) * p.page_rows * kVRowBytes;
   // Tile `tile` into stage `stage`: each 16-byte chunk through the page table; rows past the last
   // key zero-filled.
   auto load_tile = [&](int stage, int tile) {
-    const uint32_t s_k = s_kv + stage * Tile::kStageBytes, s_v = s_k + Tile::kKTileBytes;
+    const uint32_t s_k = s_kv + stage * Tile::kStageBytes;
     const int n0 = (w.tile_begin + tile) * kBc;
     auto load = [&](uint32_t dst, int chunks, int64_t head, int row_bytes, auto row_bytes_c) {
       constexpr int kRowBytesC = decltype(row_bytes_c)::value;
@@ -122,10 +138,17 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
       }
     };
     load(s_k, kKChunks, k_head, kKRowBytes, std::integral_constant<int, kKRowBytes>());
-    load(s_v, kVChunks, v_head, kVRowBytes, std::integral_constant<int, kVRowBytes>());
+    if constexpr (!Tile::kVFromK) {
+      load(s_k + Tile::kKTileBytes, kVChunks, v_head, kVRowBytes,
+           std::integral_constant<int, kVRowBytes>());
+    }
   };
-  if (w.n_tiles > 0) load_tile(0, 0);
-  CpAsyncCommit();
+  // Tiles 0 .. kStages - 2 in flight before the loop, a commit group each.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < w.n_tiles) load_tile(s, s);
+    CpAsyncCommit();
+  }
 
   LoadPagedQ<T, kRows, kKChunks, kThreads>(p, s_q, w.q0, w.nq, hk, m0, w.row_last);
 
@@ -134,7 +157,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
   const uint32_t off_q = SwizzledOffset<kKRowBytes>(mb * 16 + (lane & 15), lane >> 4);
   const uint32_t off_k =
       SwizzledOffset<kKRowBytes>((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-  const uint32_t off_v = SwizzledOffset<kVRowBytes>(lane & 15, lane >> 4);
+  const uint32_t off_v = SwizzledOffset<kVPitchBytes>(lane & 15, lane >> 4);
   const uint32_t off_p = s_p + (mb * 16 + (lane & 15)) * kPRowBytes + (lane >> 4) * 16;
 
   // The rows g and g + 8 of this warp's row block: their queries' visible keys; and the keys every
@@ -151,15 +174,18 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
   const float scale_log2 = p.scale_log2;
 
   for (int tile = 0; tile < w.n_tiles; ++tile) {
-    // Tile `tile` has landed (and Q, on the first); every warp is past tile - 1, whose stage the
-    // next load reuses, and whose P, maxes and flags this tile overwrites.
-    CpAsyncWait<0>();
+    // Tile `tile` has landed (and Q, on the first): of the kStages - 1 + tile groups committed,
+    // at most kStages - 2 are pending. Every warp is past tile - 1, whose stage the next load
+    // reuses, and whose P, maxes and flags this tile overwrites.
+    CpAsyncWait<kStages - 2>();
     __syncthreads();
-    if (tile + 1 < w.n_tiles) load_tile((tile + 1) % kStages, tile + 1);
+    if (tile + kStages - 1 < w.n_tiles) {
+      load_tile((tile + kStages - 1) % kStages, tile + kStages - 1);
+    }
     CpAsyncCommit();
 
     const uint32_t s_k = s_kv + (tile % kStages) * Tile::kStageBytes;
-    const uint32_t s_v = s_k + Tile::kKTileBytes;
+    const uint32_t s_v = Tile::kVFromK ? s_k : s_k + Tile::kKTileBytes;
     const int n0 = (w.tile_begin + tile) * kBc;
     const int w0 = n0 + part * Tile::kWarpKeys;  // this warp's first key of S
 
@@ -168,7 +194,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
     const bool masked = n0 < all_rows.lo || n0 + kBc > all_rows.hi;
     uint32_t nonfinite = 0;
     if (masked) {
-      uint32_t mine = ZeroNonFiniteRows<T>(s_v, kBc * kVChunks, kVChunks, threadIdx.x, kThreads);
+      uint32_t mine =
+          ZeroNonFiniteRows<T>(s_v, kBc * kVChunks, kVChunks, threadIdx.x, kThreads, kVPitchBytes);
       mine = __reduce_or_sync(0xffffffffu, mine);
       if (lane == 0) s_flags[warp] = mine;
       __syncthreads();  // the zeroed V and every warp's flags
@@ -259,7 +286,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
       for (int kk = 0; kk < kPvSteps; ++kk) {
         uint32_t pa[4];
         LdMatrixX4(pa, off_p + kk * 32);
-        MmaPV<T>(acc_o, pa, s_vw + kk * 16 * kVRowBytes, off_v);
+        MmaPV<T>(acc_o, pa, s_vw + kk * 16 * kVPitchBytes, off_v);
       }
     }
   }
@@ -267,8 +294,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
   __syncthreads();  // the stage buffers are free for o
 
   // Each part's sum of its keys' p; then the rows' 1 / sum and log2-sum-exp, and o normalised into
-  // the stage buffers ([kRows][kDv] float), stored from there 4 columns at a time.
-  float* const o_s = reinterpret_cast<float*>(smem + Tile::kQBytes);
+  // Q's and the stage buffers ([kRows][kDv] float), stored from there 4 columns at a time.
+  float* const o_s = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float l = QuadSum(row_sum[half]);
@@ -305,7 +332,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
     StoreOut4<T>(p, row.index, col, *reinterpret_cast<const float4*>(o_s + r * kDv + col));
     if (col == 0) StoreLse(p, row.index, s_lse[r]);
   }
-  // The merge's weights reuse the stage buffers (it syncs before writing them).
+  // The merge's weights reuse o's buffer (it syncs before writing them).
   if (p.splits > 1) MergeSplitsIfLast<T, kRows>(p, o_s);
 }
 

@@ -52,7 +52,8 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t RoundUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-// One run of one write (a page's worth of rows at most): 2 * Hkv segments, one per K or V head.
+// One run of one write (a page's worth of rows at most): KvParts * Hkv segments, one per K or V
+// head.
 struct WriteRun {
   const KvWrite* write;
   int64_t page_rows;
@@ -82,6 +83,7 @@ int64_t PageOffset(const KvShape& shape, int64_t page_rows, int kv, int64_t head
 // Staged bytes of one of a run's K (kv 0) or V (kv 1) segments: its rows, rounded up to 16 for the
 // next one.
 size_t SegmentBytes(const WriteRun& r, int kv) {
+  if (kv >= KvParts(r.write->shape)) return 0;  // V in K's rows: nothing of its own
   const size_t bytes = r.run.count * SideOf(*r.write, kv).row_bytes;
   return (bytes + 15) / 16 * 16;
 }
@@ -175,7 +177,7 @@ class CudaKvPagePool : public KvPagePool {
         const size_t bytes = r.write->shape.heads_kv * (SegmentBytes(r, 0) + SegmentBytes(r, 1));
         if (last > first && data_bytes + bytes > kWriteChunkBytes) break;
         data_bytes += bytes;
-        segments += 2 * r.write->shape.heads_kv;
+        segments += KvParts(r.write->shape) * r.write->shape.heads_kv;
         ++last;
       }
       status = WriteChunk(absl::MakeConstSpan(runs).subspan(first, last - first), data_bytes,
@@ -215,7 +217,7 @@ class CudaKvPagePool : public KvPagePool {
     RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     RETURN_IF_ERROR(ForEachPageRun(w, page_rows, [&](const PageRun& run) -> absl::Status {
       const unsigned char* page = pages_ + run.page * page_bytes_;
-      for (int kv = 0; kv < 2; ++kv) {
+      for (int kv = 0; kv < KvParts(shape); ++kv) {
         const KvSide side = SideOf(w, kv);  // its src: where the rows go on the host
         for (int64_t h = 0; h < shape.heads_kv; ++h) {
           const int64_t at = (h * side.head_stride + run.src_row * side.row_stride) * elem;
@@ -345,7 +347,7 @@ class CudaKvPagePool : public KvPagePool {
       const KvShape& shape = w.shape;
       const size_t elem = DTypeSize(shape.dtype);
       const bool contiguous = w.row_stride == shape.head_dim;  // v's then Dv (VStride)
-      for (int kv = 0; kv < 2; ++kv) {
+      for (int kv = 0; kv < KvParts(shape); ++kv) {
         const KvSide side = SideOf(w, kv);
         const int64_t row_bytes = static_cast<int64_t>(side.row_bytes);
         unit = std::gcd(unit, static_cast<int>(row_bytes));
@@ -613,7 +615,7 @@ class CudaKvPagePool : public KvPagePool {
       const KvWrite& w = *r.write;
       const KvShape& shape = w.shape;
       const size_t elem = DTypeSize(shape.dtype);
-      for (int kv = 0; kv < 2; ++kv) {
+      for (int kv = 0; kv < KvParts(shape); ++kv) {
         const KvSide side = SideOf(w, kv);
         const size_t row_bytes = side.row_bytes;
         unit = std::gcd(unit, static_cast<int>(row_bytes));
