@@ -10,18 +10,18 @@
 // of a K/V tile serves 64 query heads (Hq 128 per KV head: 2 CTAs read each tile, where 16-row CTAs
 // were 8). 8 warps: warp w takes row block w / 2 and part w % 2 (a row block's two warps on two SM
 // sub-partitions: where one row block holds every real row, Hq 16 or D = 512's GQA 8, the live
-// warps do not share one sub-partition's tensor cores; 7-10% faster there on an H100,
-// 2026-12-06). For S = Q K^T the parts split the tile's kBc = 32 keys (16 each, over all D
+// warps do not share one sub-partition's tensor cores; 4-11% faster there at batch >= 8 on an
+// H100, 2026-12-06). For S = Q K^T the parts split the tile's kBc = 32 keys (16 each, over all D
 // columns; Q's fragments are read from shared memory per k-step, 36 of them at D = 576, rather
 // than held); for O += P V they split V's columns (256 each: 128 accumulator registers, where one
-// warp holding 512 would need 256). So the row max of a
-// tile is exchanged through shared memory (both parts then hold the same max and rescale alike),
-// P goes through shared memory as T, and each part keeps its own running sum of its keys' p (the
-// total is their sum at the end). Row blocks without a real row (Hq 16: 3 of the 4) skip their
-// mma's. K/V tiles stream through kStages shared-memory stages by cp.async (zero-filled past the
-// last key), kStages - 1 tiles in flight while one is consumed. Rows of o leave through shared
-// memory (Q's and the stages', free by then) in 8- or 16-byte stores (o may be pinned host memory).
-// Splits merge through the global workspace and tickets (MergeSplitsIfLast; no cluster merge).
+// warp holding 512 would need 256). So the row max of a tile is exchanged through shared memory
+// (both parts then hold the same max and rescale alike), P goes through shared memory as T, and
+// each part keeps its own running sum of its keys' p (the total is their sum at the end). Row
+// blocks without a real row (Hq 16: 3 of the 4) skip their mma's. K/V tiles stream through kStages
+// shared-memory stages by cp.async (zero-filled past the last key), kStages - 1 tiles in flight
+// while one is consumed. Rows of o leave through shared memory (Q's and the stages', free by then)
+// in 8- or 16-byte stores (o may be pinned host memory). Splits merge through the global workspace
+// and tickets (MergeSplitsIfLast; no cluster merge).
 //
 // Masks, windows, chunks, sinks and non-finite K/V as the 16-row kernel has them (MaskRow,
 // PoisonRow, AddSink); the softcap is not compiled here (the planner sends softcapped steps to the
