@@ -147,16 +147,27 @@ class ModelFamiliesTest(ServerTest):
 
         self.check_family(SERVED["llama"], modify=one_kv_head, inspect=inspect)
 
-    def test_mla_sessions_hold_v_of_its_own_head_dim(self):
-        # DeepSeek-V3 through a RemoteCache on a server whose sessions take a V head dim of their
-        # own (the CPU and CUDA backends): one KV head of K = [latent 32, rotary 8] and V = the latent,
-        # no zero padding; the same tokens as eager.
+    def test_mla_sessions_hold_the_latent_once(self):
+        # DeepSeek-V3 through a RemoteCache on a server whose sessions keep v as k's first
+        # features (the CPU and CUDA backends): one KV head of K = [latent 32, rotary 8] whose
+        # first 32 features are V, stored once (v_from_k), no zero padding; the same tokens as
+        # eager.
         def inspect(cache):
             self.assertEqual(cache._shared.shape[1:], (1, 40, 32))
-            self.assertTrue(all((s.head_dim, s.v_head_dim) == (40, 32)
+            self.assertTrue(all((s.head_dim, s.v_head_dim, s.v_from_k) == (40, 32, True)
                                 for s in cache._shared.sessions))
 
         self.check_family(SERVED["deepseek_v3"], inspect=inspect)
+
+    def test_mla_sessions_hold_v_of_its_own_head_dim(self):
+        # On a server whose sessions take a V head dim of their own but not v_from_k: V = the
+        # latent sent beside K; the same tokens.
+        def inspect(cache):
+            self.assertTrue(all((s.head_dim, s.v_head_dim, s.v_from_k) == (40, 32, False)
+                                for s in cache._shared.sessions))
+
+        with mock.patch.object(remote, "_serves_v_from_k", return_value=False):
+            self.check_family(SERVED["deepseek_v3"], inspect=inspect)
 
     def test_mla_on_a_server_whose_sessions_take_one_head_dim(self):
         # As a CUDA server answers (no "v_head_dim" in its devices' options): v padded with zero

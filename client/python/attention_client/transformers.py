@@ -31,7 +31,8 @@ where the server's devices list "v_head_dim" (DeviceInfo.attend_options for Atte
 for a RemoteCache's sessions: the CPU backend), else zero-padded to one head dim; a RemoteCache
 holds an MLA model's latents (absorbed: one KV head of the latent and its rotary key, QK 576 and
 V its first 512 features for DeepSeek-V3, the queries taken through kv_b_proj;
-attend_absorbed). Attention weights, packed sequences and keywords this module does not know
+attend_absorbed), in sessions that keep V inside K's rows (v_from_k: the latent stored once)
+where the server's step_options list "v_from_k". Attention weights, packed sequences and keywords this module does not know
 are refused, as is a mask that is not causal with padding (and the window or chunks).
 """
 from dataclasses import dataclass
@@ -191,6 +192,12 @@ def _serves_v_head_dim(client, options):
     return all("v_head_dim" in getattr(d, options) for d in client.server_info().devices)
 
 
+def _serves_v_from_k(client):
+    """Whether every device of the client's server lists "v_from_k" in its step_options: a
+    session may then keep v as k's first features (an MLA layer's latent stored once)."""
+    return all("v_from_k" in d.step_options for d in client.server_info().devices)
+
+
 def _attend(client, query, key, value, attention_mask, scaling, is_causal, options):
     """query [B, Hq, Nq, D], key [B, Hkv, Nk, D] and value [B, Hkv, Nk, Dv] (all the keys): one
     Attend, with SDPA's semantics: without a mask, is_causal aligns top-left (a StaticCache's
@@ -259,10 +266,13 @@ class _Sequences:
     A selection (RemoteLayer.select), which transformers hands to each layer in turn, is made on
     the sessions by the first layer and taken by the others (`selecting`, until each took it)."""
 
-    def __init__(self, layers, own_v_head_dim):
+    def __init__(self, layers, own_v_head_dim, v_from_k=False):
         self.layers = layers
         # Whether the server's sessions take v of its own head dim (else it is padded to D).
         self.own_v_head_dim = own_v_head_dim
+        # Whether the latent layers' sessions keep v as k's first features (MLA: the latent is
+        # sent and stored once; attend_absorbed's value is then k's first features).
+        self.v_from_k = v_from_k
         self.sessions = []
         self.shape = None  # (dtype, Hkv, D, Dv) of the sessions
         self.members = set()  # the layers that keep their K/V in them
@@ -324,6 +334,11 @@ class RemoteLayer(CacheLayerMixin):
     def _members(self):
         return self.shared.members if self.shared is not None else ()
 
+    def _v_from_k(self):
+        """Whether this layer's sessions keep v as k's first features (an MLA layer's latent:
+        its Steps and creations send k alone)."""
+        return self.index is not None and self.shared is not None and self.shared.v_from_k
+
     def _join(self, key, value):
         """At prefill: keeps this layer in the shared sessions when its k [B, Hkv, n, D] and v
         [B, Hkv, n, Dv] have their shape (the first layer's makes them); True when it joined."""
@@ -334,7 +349,8 @@ class RemoteLayer(CacheLayerMixin):
             self.shared.shape = shape
             self.shared.sessions = [
                 self.client.session(dtype=key.dtype, kv_heads=shape[1], head_dim=shape[2],
-                                    v_head_dim=shape[3], layers=self.shared.layers)
+                                    v_head_dim=shape[3], layers=self.shared.layers,
+                                    v_from_k=self._v_from_k())
                 for _ in range(key.shape[0])]
             self._all.extend(self.shared.sessions)
         self.shared.members.add(self.layer)
@@ -407,6 +423,7 @@ class RemoteLayer(CacheLayerMixin):
             raise NotImplementedError("RemoteCache serves causal (decoder) attention only")
         prefill = not self.sessions
         joined = prefill and self._join(key, value)
+        v_from_k = self._v_from_k()  # value is key's first features: k alone is sent
         layer = self.layer if self.layer in self._members() else None
         if not prefill and len(self.sessions) != batch:
             raise ValueError(f"RemoteCache holds {len(self.sessions)} sequences, the step has "
@@ -423,12 +440,13 @@ class RemoteLayer(CacheLayerMixin):
                 keys = torch.cat([self.positions[b], added + self.length]) if not prefill \
                     else added
                 _check_causal(keep[b], added, keys, options, "RemoteCache")
-            k, v = key[b][:, added].contiguous(), value[b][:, added].contiguous()
+            k = key[b][:, added].contiguous()
+            v = None if v_from_k else value[b][:, added].contiguous()
             if prefill and joined:  # the shared session's layer gets its rows with the Step
                 self.positions.append(added + self.length)
                 item = (self.sessions[b], query[b][:, added].contiguous(), k, v)
             elif prefill:  # a session of its own per sequence, created with its rows
-                s = self.client.session(k=k, v=v)
+                s = self.client.session(k=k, v=v, v_head_dim=value.shape[-1], v_from_k=v_from_k)
                 self.own.append(s)
                 self._all.append(s)
                 self.positions.append(added + self.length)
@@ -465,6 +483,8 @@ class RemoteLayer(CacheLayerMixin):
         self.length += new
         step_options = options.unmasked() if keep is None else options.masked()
         layer = self.layer if self.layer in self._members() else None
+        if self._v_from_k():
+            value = None  # the sessions' v is key's first features
         if layer is None or not _in_stream_order(self.client, query):
             return self.client.step_batch(self.sessions, query, key, value, causal=True,
                                           softmax_scale=scaling, layer=layer, **step_options)
@@ -590,8 +610,9 @@ class RemoteCache(Cache):
         self._sessions = []  # every layer's, shared with the finalizer
         # MLA models (a kv_lora_rank: DeepSeek-V3) cache latents, held in their absorbed form.
         mla = getattr(config, "kv_lora_rank", None) is not None
-        self._shared = _Sequences(config.num_hidden_layers,
-                                  _serves_v_head_dim(client, "step_options"))
+        own_v_head_dim = _serves_v_head_dim(client, "step_options")
+        self._shared = _Sequences(config.num_hidden_layers, own_v_head_dim,
+                                  mla and own_v_head_dim and _serves_v_from_k(client))
         layers = [RemoteLayer(client, self._sessions, i if mla else None, i, self._shared)
                   for i in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
