@@ -22,8 +22,9 @@ starts attention_server --backend=cuda --allow_shared_memory from BIN_DIR and ch
    caller never writes, which the server writes itself after --stream_wait_timeout_s, and a
    ready_event that completes only after it, which the server's stream stops waiting for;
 4. attention_client.transformers' RemoteCache on CUDA tensors (where transformers is installed):
-   a tiny Llama's decode Steps posted on the ring in stream order, the tokens and logits of the
-   host path bit for bit, and a session dropped behind its back failing the forward that steps it;
+   a tiny Llama's and a tiny DeepSeek-V3's decode Steps (MLA: the latent in sessions of v_from_k,
+   k alone sent) posted on the ring in stream order, the tokens and logits of the host path bit
+   for bit, and a session dropped behind its back failing the forward that steps it;
 5. a timing table, per call (median of 20, after warm-up): CUDA regions, the host path and local
    torch SDPA, for a decode-like and a prefill-like shape.
 
@@ -316,8 +317,9 @@ def packed_steps_in_stream_order(direct, host, dtypes):
 
 
 def remote_cache_in_stream_order(direct, host):
-    """attention_client.transformers' RemoteCache on CUDA tensors: a tiny Llama (random weights,
-    float32) generates through register()'s attention with its K/V in sessions, each decode layer's
+    """attention_client.transformers' RemoteCache on CUDA tensors: a tiny Llama and a tiny
+    DeepSeek-V3 (MLA: its latent in sessions of v_from_k; random weights, float32) generate
+    through register()'s attention with their K/V in sessions, each decode layer's
     packed Step posted on the ring in stream order without waiting (client._step_rings opened),
     the same tokens and logits bit for bit as the same cache through the host path; then a
     session dropped behind the cache's back fails the next forward with the server's refusal
@@ -332,21 +334,36 @@ def remote_cache_in_stream_order(direct, host):
                                       num_hidden_layers=3, num_attention_heads=4,
                                       num_key_value_heads=2, initializer_range=0.2)
     ids = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(7)).cuda()
-    results = {}
-    for name, client in (("direct", direct), ("host", host)):
-        config._attn_implementation = remote_tf.register(client)
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config).float().eval().cuda()
-        with remote_tf.RemoteCache(client, config) as cache:
-            out = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache,
-                                 output_logits=True, return_dict_in_generate=True)
-            results[name] = (out.sequences.cpu(), torch.stack(out.logits).cpu())
-        if name == "direct":
-            check(bool(client._step_rings),
-                  "RemoteCache on CUDA tensors: its decode Steps went through the request ring")
-    (tokens, logits), (want_tokens, want_logits) = results["direct"], results["host"]
-    check(torch.equal(tokens, want_tokens) and same_bits(logits, want_logits),
-          "RemoteCache in stream order: the tokens and logits of the host path, bit for bit")
+    configs = [("Llama", config)]
+    if hasattr(transformers, "DeepseekV3Config"):
+        # MLA: the latent in sessions of v_from_k (k alone in each Step) where the server lists it.
+        configs.append(("DeepSeek-V3", transformers.DeepseekV3Config(
+            vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, initializer_range=0.2,
+            moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=None,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8)))
+    for family, config in configs:
+        results = {}
+        for name, client in (("direct", direct), ("host", host)):
+            config._attn_implementation = remote_tf.register(client)
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config).float().eval().cuda()
+            with remote_tf.RemoteCache(client, config) as cache:
+                out = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache,
+                                     output_logits=True, return_dict_in_generate=True)
+                results[name] = (out.sequences.cpu(), torch.stack(out.logits).cpu())
+                latent = [s.v_from_k for s in cache._shared.sessions]
+            if name == "direct":
+                check(bool(client._step_rings), f"RemoteCache on CUDA tensors ({family}): its "
+                      "decode Steps went through the request ring")
+        if family == "DeepSeek-V3":
+            check(all(latent), "RemoteCache (DeepSeek-V3): the latent kept once (v_from_k)")
+        (tokens, logits), (want_tokens, want_logits) = results["direct"], results["host"]
+        check(torch.equal(tokens, want_tokens) and same_bits(logits, want_logits),
+              f"RemoteCache in stream order ({family}): the tokens and logits of the host path, "
+              "bit for bit")
+    config = configs[0][1]
     # A session gone from under the cache: the next decode forward raises NOT_FOUND.
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval().cuda()

@@ -635,8 +635,10 @@ absl::StatusOr<StepMemory> SessionService::DecodeStepMemory(
     }
     return StepMemory{};
   }
-  // The kernels read and write device memory only: every tensor is there, outputs included.
-  const int expected = 2 + (request.has_k() ? 2 : 0) + (request.return_lse() ? 1 : 0);
+  // The kernels read and write device memory only: every tensor is there, outputs included (v
+  // absent from a Step of sessions whose v is k's first features: v_from_k).
+  const int expected =
+      2 + (request.has_k() ? 1 : 0) + (request.has_v() ? 1 : 0) + (request.return_lse() ? 1 : 0);
   if (refs.cuda_refs() != expected) {
     return absl::InvalidArgumentError(
         absl::StrCat("q, k, v, o_ref", request.return_lse() ? ", lse_ref" : "",
