@@ -119,27 +119,35 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) PagedWideKernel(const Paged
   [[maybe_unused]] const int64_t v_head =
       static_cast<int64_t>(p.heads_kv) * p.page_rows * kKRowBytes +
       static_cast<int64_t>(hk) * p.page_rows * kVRowBytes;
-  // Tile `tile` into stage `stage`: each 16-byte chunk through the page table; rows past the last
-  // key zero-filled.
+  // Tile `tile` into stage `stage`: kThreads / kBc = 8 threads a key row, each every eighth of its
+  // 16-byte chunks, so a thread looks its row up in the page table once a tile (the division by
+  // page_rows was most of an address's instructions, and the kernel issue-bound); rows past the
+  // last key zero-filled.
+  constexpr int kRowThreads = kThreads / kBc;
+  static_assert(kThreads % kBc == 0, "whole key rows per thread group");
+  const int ld_row = threadIdx.x / kRowThreads, ld_chunk = threadIdx.x % kRowThreads;
   auto load_tile = [&](int stage, int tile) {
     const uint32_t s_k = s_kv + stage * Tile::kStageBytes;
-    const int n0 = (w.tile_begin + tile) * kBc;
-    auto load = [&](uint32_t dst, int chunks, int64_t head, int row_bytes, auto row_bytes_c) {
+    const int key = (w.tile_begin + tile) * kBc + ld_row;
+    const bool valid = key < w.nk;
+    const unsigned char* page = p.pool;
+    int64_t page_row = 0;
+    if (valid) {
+      page += page_table[key / p.page_rows] * p.page_bytes;
+      page_row = key % p.page_rows;
+    }
+    auto load = [&](uint32_t dst, int chunks, const unsigned char* row, auto row_bytes_c) {
       constexpr int kRowBytesC = decltype(row_bytes_c)::value;
-      for (int i = threadIdx.x; i < kBc * chunks; i += kThreads) {
-        const int r = i / chunks, c = i % chunks, key = n0 + r;
-        const bool valid = key < w.nk;
-        const unsigned char* src = p.pool;
-        if (valid) {
-          src += page_table[key / p.page_rows] * p.page_bytes + head +
-                 static_cast<int64_t>(key % p.page_rows) * row_bytes + c * 16;
-        }
-        CpAsync16(dst + SwizzledOffset<kRowBytesC>(r, c), src, valid);
+#pragma unroll
+      for (int c = ld_chunk; c < chunks; c += kRowThreads) {
+        CpAsync16(dst + SwizzledOffset<kRowBytesC>(ld_row, c), valid ? row + c * 16 : p.pool,
+                  valid);
       }
     };
-    load(s_k, kKChunks, k_head, kKRowBytes, std::integral_constant<int, kKRowBytes>());
+    load(s_k, kKChunks, page + k_head + page_row * kKRowBytes,
+         std::integral_constant<int, kKRowBytes>());
     if constexpr (!Tile::kVFromK) {
-      load(s_k + Tile::kKTileBytes, kVChunks, v_head, kVRowBytes,
+      load(s_k + Tile::kKTileBytes, kVChunks, page + v_head + page_row * kVRowBytes,
            std::integral_constant<int, kVRowBytes>());
     }
   };
