@@ -186,31 +186,37 @@ struct FuzzedSession {
   attention::KvShape shape;
   int64_t length = 0;
 };
-// Byte 0: the dtype (% 3) and, where (bytes[0] / 3) % 2 is 1, a V head dim of its own (half
-// the head dim, rounded up); byte 1: kv heads; byte 2: the head dim; byte 3: the length.
+// Byte 0: the dtype (% 3) and, by (bytes[0] / 3) % 3, V of the head dim (0), a V head dim of its
+// own (1: half the head dim, rounded up), or that V as k's first features (2: v_from_k); byte 1:
+// kv heads; byte 2: the head dim; byte 3: the length.
 FuzzedSession SessionFromBytes(const uint8_t* bytes) {
   constexpr attention::DType kDTypes[] = {attention::DType::kFloat32, attention::DType::kFloat16,
                                           attention::DType::kBFloat16};
   const int64_t head_dim = 1 + bytes[2];
+  const int v_mode = bytes[0] / 3 % 3;
   return {.shape = {.dtype = kDTypes[bytes[0] % 3],
                     .heads_kv = 1 + bytes[1] % 8,
                     .head_dim = head_dim,
-                    .v_head_dim = bytes[0] / 3 % 2 == 1 ? (head_dim + 1) / 2 : head_dim},
+                    .v_head_dim = v_mode != 0 ? (head_dim + 1) / 2 : head_dim,
+                    .v_from_k = v_mode == 2},
           .length = bytes[3]};
 }
 
 // Reads every element [head, row, 0..D) (of v: 0..Dv, at VStride's strides) that `rows`' strides
 // reach in k and v, as the KV write does, and checks that the byte counts match the tensors the
-// rows came from.
+// rows came from. A shape whose v is k's first features (v_from_k) takes k alone: a v is refused.
 void CheckKvRows(const attention::KvRows& rows, const attention::v1::Tensor* k,
                  const attention::v1::Tensor* v, const attention::KvShape& shape) {
   if (rows.rows < 0) Fail("negative KV rows");
+  if (shape.v_from_k && (v != nullptr || rows.v != nullptr)) {
+    Fail("a v taken for a session whose v is k's first features");
+  }
   if (rows.rows == 0) {
     if (rows.k != nullptr || rows.v != nullptr) Fail("KV pointers without rows");
     return;
   }
-  if (k == nullptr || v == nullptr) Fail("KV rows from no tensors");
-  if (rows.k != k->data().data() || rows.v != v->data().data()) {
+  if (k == nullptr || (v == nullptr && !shape.v_from_k)) Fail("KV rows from no tensors");
+  if (rows.k != k->data().data() || (v != nullptr && rows.v != v->data().data())) {
     Fail("KV pointers outside the request's tensors");
   }
   const int64_t element = static_cast<int64_t>(attention::DTypeSize(shape.dtype));
@@ -226,6 +232,7 @@ void CheckKvRows(const attention::KvRows& rows, const attention::v1::Tensor* k,
   // Touch what the strides reach, so AddressSanitizer sees any read outside the buffers.
   volatile uint8_t sink = 0;
   for (const Side& side : sides) {
+    if (side.tensor == nullptr) continue;  // v of a v_from_k shape
     const int64_t bytes = rows.rows * shape.heads_kv * side.dim * element;
     if (static_cast<int64_t>(side.tensor->data().size()) != bytes) {
       Fail("KV rows do not cover their tensors' bytes exactly");
@@ -301,11 +308,15 @@ void FuzzPackedStep(const attention::v1::StepRequest& request, const FuzzedSessi
     if (entry.q != q + b * q_bytes) Fail("a packed Step's sequence q is not its slice of q");
     const int64_t k_bytes = entry.rows.rows * shape.heads_kv * shape.head_dim * element;
     const int64_t v_bytes = entry.rows.rows * shape.heads_kv * shape.value_head_dim() * element;
+    if (shape.v_from_k && (request.has_v() || entry.rows.v != nullptr)) {
+      Fail("a packed Step's v taken for sessions whose v is k's first features");
+    }
     if (entry.rows.rows > 0 &&
         (entry.rows.k != request.k().data().data() + b * k_bytes ||
-         entry.rows.v != request.v().data().data() + b * v_bytes ||
          batch * k_bytes != static_cast<int64_t>(request.k().data().size()) ||
-         batch * v_bytes != static_cast<int64_t>(request.v().data().size()))) {
+         (!shape.v_from_k &&
+          (entry.rows.v != request.v().data().data() + b * v_bytes ||
+           batch * v_bytes != static_cast<int64_t>(request.v().data().size()))))) {
       Fail("a packed Step's sequence rows are not their slice of k and v");
     }
     const absl::Status fits =
