@@ -5,9 +5,9 @@
 
 The default sizes are a batch-64 decode Step of an 8B-shaped Llama (bf16 q [64, 32, 1, 128] and
 new k, v [64, 8, 1, 128] up, o as q back). With --target the request is an EchoRequest
-(bench/echo/echo.proto, encoded here: grpcio alone, no generated stubs) to attn_echo_server, whose
-reply carries q's bytes back; --parts splits the bytes over that many connections, all in flight
-at once. --tcp sends the same bytes over one loopback socket to a thread that answers with o's
+(bench/echo/echo.proto, encoded here by the Python client's wire encoder: no stubs of echo.proto)
+to attn_echo_server, whose reply carries q's bytes back; --parts splits the bytes over that many
+connections, all in flight at once. --tcp sends the same bytes over one loopback socket to a thread that answers with o's
 size: the floor under any transport on this host.
 """
 import argparse
@@ -15,22 +15,18 @@ import json
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
 
-
-def varint(n):
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+from attention_client._wire import _key  # noqa: E402
 
 
 def field(number, data):
-    """A length-delimited protobuf field."""
-    return bytes([number << 3 | 2]) + varint(len(data)) + data
+    """A length-delimited protobuf field (the client's own encoder: attention_client._wire)."""
+    return _key(number, len(data)) + data
 
 
 def timed(call, rounds, warmup):
