@@ -7,8 +7,8 @@ The default sizes are a batch-64 decode Step of an 8B-shaped Llama (bf16 q [64, 
 new k, v [64, 8, 1, 128] up, o as q back). With --target the request is an EchoRequest
 (bench/echo/echo.proto, encoded here by the Python client's wire encoder: no stubs of echo.proto)
 to attn_echo_server, whose reply carries q's bytes back; --parts splits the bytes over that many
-connections, all in flight at once. --tcp sends the same bytes over one loopback socket to a thread that answers with o's
-size: the floor under any transport on this host.
+connections, all in flight at once. --tcp sends the same bytes over one loopback socket to a
+thread that answers with o's size: the floor under any transport on this host.
 """
 import argparse
 import json

@@ -5,7 +5,7 @@
 # driven by attn_echo_client (C++) and by grpcio (py_echo.py, one connection and four). One JSON
 # line per measurement, each labelled.
 #   bench/echo/step_bytes.sh BIN_DIR      # BIN_DIR holds attn_echo_server and attn_echo_client
-# PYTHON (default python3) needs grpcio.
+# PYTHON (default python3) needs grpcio and protobuf (py_echo.py encodes with the Python client).
 set -euo pipefail
 bin=${1:?usage: step_bytes.sh BIN_DIR}
 here=$(dirname "$0")
