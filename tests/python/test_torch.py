@@ -229,6 +229,35 @@ class TorchTest(ServerTest):
         listed = {s.session_id for s in self.client.list_sessions().sessions}
         self.assertFalse(listed & set(ids), "the cache's sessions outlived it")
 
+    def test_flash_attn_with_kvcache_qv_over_a_latent_cache(self):
+        # FlashAttention-3's MLA decode (qv): logits q.k + qv.v over the rotary key k [.., D] and
+        # the latent v [.., R], out [.., R], the default scale 1 / sqrt(D + R); the sessions hold
+        # [v, k] once (v_from_k). Against a float64 reference of that definition.
+        b, hq, d, r = 2, 8, 8, 24
+        k_all, v_all = self.randn(b, 30, 1, d), self.randn(b, 30, 1, r)
+        with remote.SessionKVCache(self.client, b, 1, d, torch.float32, qv_head_dim=r) as cache:
+            self.assertTrue(all(s.v_from_k and (s.head_dim, s.v_head_dim) == (d + r, r)
+                                for s in cache.sessions))
+            length = 0
+            for new in (20, 1, 1):
+                q, qv = self.randn(b, new, hq, d), self.randn(b, new, hq, r)
+                k, v = k_all[:, length:length + new], v_all[:, length:length + new]
+                o = remote.flash_attn_with_kvcache(q, cache, None, k=k, v=v, qv=qv, causal=True)
+                length += new
+                self.assertEqual(o.shape, (b, new, hq, r))
+                for i in range(b):
+                    kk, vv = k_all[i, :length, 0].double(), v_all[i, :length, 0].double()
+                    s = (torch.einsum("qhd,kd->hqk", q[i].double(), kk) +
+                         torch.einsum("qhr,kr->hqk", qv[i].double(), vv)) / (d + r) ** 0.5
+                    s = s.masked_fill(~bottom_right_mask(new, length, True), float("-inf"))
+                    ref = torch.einsum("hqk,kr->qhr", s.softmax(-1), vv)
+                    self.assertWithin(rel(o[i], ref), F32_BOUND, f"qv step {length} item {i}")
+            with self.assertRaisesRegex(ValueError, "qv: expected with a SessionKVCache"):
+                remote.flash_attn_with_kvcache(q, cache, None, causal=True)
+        with remote.SessionKVCache(self.client, 1, 1, d, torch.float32) as plain:
+            with self.assertRaisesRegex(ValueError, "qv: expected only with"):
+                remote.flash_attn_with_kvcache(q[:1], plain, None, qv=qv[:1])
+
     def test_packed_step_of_a_models_views_equals_the_protobuf_built_step(self):
         # A decode layer's q, k, v as a model hands them (decode_bench.py: split from one
         # projection, [B, 1, H, D] transposed to [B, H, 1, D]), here all strided views, go onto

@@ -252,17 +252,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
 class SessionKVCache:
     """The KV cache of a batch of sequences held by the service: one session per sequence, for
     flash_attn_with_kvcache. Use it as a context manager (the sessions are dropped on exit) or
-    call close(). lengths: the rows each sequence holds."""
+    call close(). lengths: the rows each sequence holds.
 
-    def __init__(self, client, batch, kv_heads, head_dim, dtype):
+    qv_head_dim=R: MLA's absorbed cache as FlashAttention-3's qv reads it (one KV head of the
+    rotary key, head_dim of it, beside the latent of R features that is also V): sessions of
+    head_dim R + head_dim whose v is the latent, kept once (Client.session(v_from_k=True));
+    flash_attn_with_kvcache then takes qv, and k (rotary) with v (latent) as FA3 does."""
+
+    def __init__(self, client, batch, kv_heads, head_dim, dtype, *, qv_head_dim=None):
         self.client = client
         self.kv_heads = kv_heads
         self.head_dim = head_dim
+        self.qv_head_dim = qv_head_dim
         self.sessions = []
+        latent = {} if qv_head_dim is None else dict(
+            head_dim=qv_head_dim + head_dim, v_head_dim=qv_head_dim, v_from_k=True)
         try:
             for _ in range(batch):
-                self.sessions.append(client.session(dtype=dtype, kv_heads=kv_heads,
-                                                    head_dim=head_dim))
+                self.sessions.append(client.session(
+                    dtype=dtype, kv_heads=kv_heads, **{"head_dim": head_dim, **latent}))
         except BaseException:
             self.close()
             raise
@@ -298,11 +306,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, sinks=None, client=None):
+                            return_softmax_lse=False, *, qv=None, sinks=None, client=None):
     """flash_attn.flash_attn_with_kvcache on the service: appends k, v [B, Sk, Hkv, D] (when given)
     to each sequence's cache, then attends q [B, Sq, Hq, D] to it, q being the last Sq positions
     (causal and window_size aligned bottom-right). Returns out [B, Sq, Hq, D], or with
     return_softmax_lse (out, lse float32 [B, Hq, Sq]).
+
+    qv [B, Sq, Hq, R] (FlashAttention-3's MLA decode, with a SessionKVCache of qv_head_dim R): the
+    logits are q.k + qv.v over k [.., D] (the rotary key) and v [.., R] (the latent), out
+    [B, Sq, Hq, R]; the sessions hold [v, k] once (v_from_k), the default scale
+    1 / sqrt(D + R) as FA3's.
 
     k_cache: a SessionKVCache (v_cache None): the K/V stay in server sessions and one packed Step
     carries the batch. Or, as in flash_attn, tensors k_cache, v_cache [B, S_max, Hkv, D] with
@@ -318,6 +331,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"{fn}: k and v go together: give both or neither")
     named = [("q", q)] + ([("k", k), ("v", v)] if k is not None else [])
     left, right = _window(window_size)
+    latent = isinstance(k_cache, SessionKVCache) and k_cache.qv_head_dim is not None
+    if qv is not None and not latent:
+        raise ValueError(f"{fn}: qv: expected only with a SessionKVCache of qv_head_dim (MLA's "
+                         "latent cache), got qv with another cache")
+    if latent and qv is None:
+        raise ValueError(f"{fn}: qv: expected with a SessionKVCache of qv_head_dim (its sessions "
+                         "hold the latent beside the rotary key), got none")
+    if latent:
+        # The sessions hold [latent, rotary] a row, the latent doubling as v (v_from_k): q and
+        # the new rows the same way, and no v sent.
+        _check_tensors(fn, named + [("qv", qv)])
+        q = torch.cat([qv, q], dim=-1)
+        if k is not None:
+            k, v = torch.cat([v, k], dim=-1), None
+        named = []
     if isinstance(k_cache, SessionKVCache):
         if v_cache is not None and v_cache is not k_cache:
             raise ValueError(f"{fn}: with a SessionKVCache, pass v_cache=None")
