@@ -357,8 +357,8 @@ def _counter_plan(client, sessions, batch, q, k, v, lse, counter_segment, counte
     key = None
     if options.get("sinks") is None:
         key = (tuple((n, options[n]) for n in names), q.shape, q.dtype,
-               None if k is None else (k.shape, None if v is None else v.shape), lse is not None, id(counters),
-               counter_segment.region.name)
+               None if k is None else (k.shape, None if v is None else v.shape),
+               lse is not None, id(counters), counter_segment.region.name)
         plan = batch.plans.get(key)
         if plan is not None:
             return plan

@@ -198,8 +198,9 @@ class Session:
              window_right=None, return_lse=False, timeout=None, return_info=False, stream=False,
              sinks=None, softcap=None, chunk_size=None, layer=None, tokens=None):
         """Attends q [Hq, Nq, D] to the session, after appending k [Hkv, n, D] and v
-        [Hkv, n, Dv] when given (k alone where the session's v is k's: v_from_k); tokens: the token id of each appended row, as append()'s (its
-        full pages are then cached for later sessions' prefix_tokens).
+        [Hkv, n, Dv] when given (k alone where the session's v is k's: v_from_k); tokens: the
+        token id of each appended row, as append()'s (its full pages are then cached for later
+        sessions' prefix_tokens).
 
         stream=True sends the Step over the Client's long-lived Sessions.StepStream of the
         session's owner (opened on first use; no per-call setup), one Step in flight at a time;

@@ -32,8 +32,9 @@ for a RemoteCache's sessions: the CPU backend), else zero-padded to one head dim
 holds an MLA model's latents (absorbed: one KV head of the latent and its rotary key, QK 576 and
 V its first 512 features for DeepSeek-V3, the queries taken through kv_b_proj;
 attend_absorbed), in sessions that keep V inside K's rows (v_from_k: the latent stored once)
-where the server's step_options list "v_from_k". Attention weights, packed sequences and keywords this module does not know
-are refused, as is a mask that is not causal with padding (and the window or chunks).
+where the server's step_options list "v_from_k". Attention weights, packed sequences and keywords
+this module does not know are refused, as is a mask that is not causal with padding (and the
+window or chunks).
 """
 from dataclasses import dataclass
 import threading
