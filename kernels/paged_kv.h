@@ -33,8 +33,8 @@ struct KvShape {
   // Dv, of v and o; 0: D. Only a pool whose backend lists "v_head_dim" in its step options serves
   // Dv != D (the CPU's and the CUDA's); the others refuse it by name.
   int64_t v_head_dim = 0;
-  // V is K's first Dv features, stored once (Dv < D; served where v_head_dim is): writes carry k
-  // alone, and a pool reads V from K's rows.
+  // V is K's first Dv features, stored once (Dv at most D; served where v_head_dim is): writes
+  // carry k alone, and a pool reads V from K's rows.
   bool v_from_k = false;
 
   int64_t value_head_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }

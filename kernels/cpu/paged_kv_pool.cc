@@ -494,7 +494,7 @@ class CpuKvPagePool : public KvPagePool {
           const int64_t row = run.src_row + j;
           copy(k_dst + j * k_row_bytes, w.k, k_out, (h * w.head_stride + row * w.row_stride) * elem,
                k_row_bytes);
-          if (shape.v_from_k) continue;
+          if (KvParts(shape) == 1) continue;  // V in K's rows: nothing of its own
           copy(v_dst + j * v_row_bytes, w.v, v_out, (h * v_head_stride + row * v_row_stride) * elem,
                v_row_bytes);
         }
