@@ -73,6 +73,7 @@
 #include "server/sessions/session_store.h"
 #include "server/streams/generic_streams.h"
 #include "server/streams/request_rings.h"
+#include "server/streams/socket_streams.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on (gRPC and metrics).");
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one.");
@@ -196,6 +197,17 @@ ABSL_FLAG(int, stream_wait_timeout_s, 60,
           "of its GPU (that caller's next Step naming the counter or event is refused: its late "
           "Step's results are undefined). At most 8 waits for events that never completed are "
           "held at once; more ready_event Steps are refused until one completes.");
+ABSL_FLAG(int, socket_port, -1,
+          "TCP port of the socket streams (attention.v1.Sockets: StepStream's and AttendStream's "
+          "messages framed by a length word instead of HTTP/2, for remote clients whose calls are "
+          "large and frequent), on --host; 0 picks a free one (ServerInfo.socket_port tells "
+          "clients); -1: none. The socket carries its bytes in the clear: not with --tls_cert.");
+ABSL_FLAG(int, max_sockets, 16,
+          "With --socket_port: socket streams served, or waiting for their connection, at once; "
+          "each has a thread of its own.");
+ABSL_FLAG(int, socket_stall_timeout_s, 30,
+          "Seconds a socket stream's answer may wait for its client to read it before the socket "
+          "ends DEADLINE_EXCEEDED, freeing its thread and its place among --max_sockets.");
 ABSL_FLAG(int, ring_stall_timeout_s, 30,
           "Seconds a request ring's answer may wait for a free response slot (its client stopped "
           "taking answers) before the ring ends DEADLINE_EXCEEDED, freeing its region and its "
@@ -340,6 +352,12 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   options.service.max_request_flops = options.max_request_flops > 0
                                           ? options.max_request_flops
                                           : DefaultMaxRequestFlops(options.backend);
+  if (options.sockets.port >= 0 && !options.security.tls_cert.empty()) {
+    std::fprintf(stderr,
+                 "attention_server: --socket_port with --tls_cert: socket streams carry their "
+                 "bytes in the clear, beside a gRPC port that encrypts; serve one or the other\n");
+    return 2;
+  }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       MakeServerCredentials(options.security);
   if (!credentials.ok()) {
@@ -439,6 +457,25 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
                                           move.restore_seconds);
                 }});
   }
+  // The stream methods every stream transport serves (filled below, once the services exist):
+  // gRPC's callback API or the polled async API (--poll_streams), the request rings, the sockets.
+  StreamMethods stream_methods;
+  // Socket streams (--socket_port), listening before the service is made, which reports their
+  // port in ServerInfo; stopped after the server and the scheduler (below).
+  std::unique_ptr<SocketStreams> sockets;
+  if (options.sockets.port >= 0) {
+    sockets = std::make_unique<SocketStreams>(
+        &stream_methods, &gate,
+        SocketStreamOptions{.max_sockets = options.sockets.max_sockets,
+                            .stall_timeout = absl::Seconds(options.sockets.stall_timeout_s),
+                            .max_message_bytes = options.service.max_message_bytes});
+    absl::StatusOr<int> socket_port = sockets->Listen(options.host, options.sockets.port);
+    if (!socket_port.ok()) {
+      std::fprintf(stderr, "attention_server: %s\n", socket_port.status().ToString().c_str());
+      return 1;
+    }
+    options.service.socket_port = *socket_port;
+  }
   AttentionService service(options.service, &scheduler, &gate, host_memory.get(), regions.get(),
                            session_store.get());
   // CUDA events of packed Steps in stream order, opened once per handle.
@@ -454,9 +491,6 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
           .stream_window = options.service.stream_window,
           .sweep_interval = std::min(absl::Seconds(1), absl::Seconds(options.kv_cache.ttl_s) / 4)},
       session_store.get(), &scheduler, &gate, regions.get(), events.get());
-  // The stream methods every stream transport serves: gRPC's callback API or the polled async
-  // API (--poll_streams), and the request rings.
-  StreamMethods stream_methods;
   stream_methods.Add(kAttendStreamPath, service.AttendStreamMethod());
   stream_methods.Add(kStepStreamPath, sessions.StepStreamMethod());
   // Request rings in the callers' regions; stopped after the server and the scheduler (below).
@@ -523,10 +557,18 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
     builder.RegisterCallbackGenericService(&callback_streams);
   }
   builder.RegisterService(&shared_memory);
+  std::vector<std::string> served = {kServiceName,
+                                     kSessionsServiceName,
+                                     "attention.v1.SharedMemory",
+                                     "grpc.health.v1.Health",
+                                     "grpc.reflection.v1.ServerReflection",
+                                     "grpc.reflection.v1alpha.ServerReflection"};
+  if (sockets != nullptr) {
+    builder.RegisterService(sockets.get());
+    served.push_back("attention.v1.Sockets");
+  }
   // Reflection v1 beside gRPC's v1alpha plugin; both list what the server serves.
-  ReflectionV1Service reflection_v1(
-      {kServiceName, kSessionsServiceName, "attention.v1.SharedMemory", "grpc.health.v1.Health",
-       "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"});
+  ReflectionV1Service reflection_v1(served);
   builder.RegisterService(&reflection_v1);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   // Declared after the server: on an early return it stops first, after the server's Shutdown.
@@ -561,9 +603,13 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
       return 1;
     }
   }
-  std::fprintf(stderr, "attention_server listening on %s%s%s (%s%s), metrics on :%d, backend %s\n",
+  std::fprintf(stderr,
+               "attention_server listening on %s%s%s%s (%s%s), metrics on :%d, backend %s\n",
                HostPort(options.host, port).c_str(),
                options.unix_socket.empty() ? "" : " and unix:", options.unix_socket.c_str(),
+               sockets == nullptr
+                   ? ""
+                   : absl::StrCat(", socket streams on :", options.service.socket_port).c_str(),
                options.security.tls_cert.empty()
                    ? "plaintext"
                    : (options.security.tls_client_ca.empty() ? "TLS" : "mutual TLS"),
@@ -596,9 +642,9 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   // among the last answered, and which sends its next one at once, is refused by the service
   // rather than cancelled by gRPC's shutdown.
   if (drained) absl::SleepFor(std::min(kLinger, grace_end - absl::Now()));
-  // The streams still open (AttendStream, StepStream, request rings) end UNAVAILABLE, each once
-  // its answers are written, rather than be cancelled by gRPC's shutdown below; a stream opened
-  // from here on has its first message refused, held as below.
+  // The streams still open (AttendStream, StepStream, request rings, sockets) end UNAVAILABLE, each
+  // once its answers are written, rather than be cancelled by gRPC's shutdown below; a stream
+  // opened from here on has its first message refused, held as below.
   stream_methods.EndOpenStreams(absl::UnavailableError("server is shutting down"));
   // Then the refusals are held until calls stop arriving (each client waits for its answer), so
   // none is half-received when gRPC shuts down; gRPC sends its GOAWAY, and only then are the held
@@ -630,6 +676,7 @@ int Run(ServerConfig options, const sigset_t& stop_signals) {
   scheduler.Shutdown();
   if (polled_streams != nullptr) polled_streams->Stop();  // after every call that could still write
   if (rings != nullptr) rings->Stop();
+  if (sockets != nullptr) sockets->Stop();
   call_log.Flush();  // the refusals of the drain left out of the log, counted
   std::fprintf(stderr, "attention_server: stopped\n");
   return 0;
@@ -746,6 +793,9 @@ int main(int argc, char** argv) {
   options.shared_memory.limits.allow_foreign = absl::GetFlag(FLAGS_allow_foreign_regions);
   options.shared_memory.max_rings = absl::GetFlag(FLAGS_max_rings);
   options.shared_memory.ring_stall_timeout_s = absl::GetFlag(FLAGS_ring_stall_timeout_s);
+  options.sockets.port = absl::GetFlag(FLAGS_socket_port);
+  options.sockets.max_sockets = absl::GetFlag(FLAGS_max_sockets);
+  options.sockets.stall_timeout_s = absl::GetFlag(FLAGS_socket_stall_timeout_s);
   options.receive_memory_bytes = int64_t{absl::GetFlag(FLAGS_receive_memory_mb)} << 20;
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.service.version = ATTENTION_VERSION;

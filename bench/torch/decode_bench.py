@@ -21,6 +21,9 @@ over the median), its ratio against the anchor's rounds that alternated with it.
   ring     the same Steps through a request ring (server on this host, --allow_shared_memory)
   packed   one packed Step per layer call (q [B, Hq, 1, D], k, v [B, Hkv, 1, D] as one tensor
            each: Client.step_batch, what attention_client.transformers' RemoteCache sends), unary
+  packed-socket  the packed Step over the client's socket stream (the server's --socket_port:
+           length-framed messages on a plain TCP connection, no HTTP/2), the transport of a
+           remote client
   packed-ring  the packed Step through a request ring, q, k, v and o by reference in a
            shared-memory region that the model's process pins (cudaHostRegister), so each layer
            call is one device-to-host copy of q, k, v and one host-to-device copy of o
@@ -281,16 +284,17 @@ class ServiceSteps(Attention):
 
 class ServicePacked(ServiceSteps):
     """As ServiceSteps, but each layer call is one packed Step (Client.step_batch) over sessions
-    that hold every layer: "packed" unary; "packed-ring" through the client's request ring, q, k,
-    v and o in a pinned shared-memory region; "packed-overlap" two micro-batches in ping-pong
-    (Model.forward_overlapped), each half's Step a unary call in flight while the other half
-    computes."""
+    that hold every layer: "packed" unary; "packed-socket" over a socket stream; "packed-ring"
+    through the client's request ring, q, k, v and o in a pinned shared-memory region;
+    "packed-overlap" two micro-batches in ping-pong (Model.forward_overlapped), each half's Step
+    a unary call in flight while the other half computes."""
 
     layered = True
 
     def __init__(self, client, transport, a, batch, context, device, dtype):
         super().__init__(client, transport, a, batch, context, device, dtype)
-        self.stream = "ring" if transport.endswith(("-ring", "-pipe")) else False
+        self.stream = ("ring" if transport.endswith(("-ring", "-pipe")) else
+                       "socket" if transport == "packed-socket" else False)
         self.pipelined = transport == "packed-cuda-pipe"
         self.posted = None  # packed-cuda-pipe: the Step posted last, its answer not yet counted
         self.wait_s = 0.0  # packed-cuda-pipe: of call_s, the posts' waits for the server

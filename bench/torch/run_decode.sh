@@ -41,7 +41,7 @@ fi
 # GPU: the server holds a quarter of the device as KV pages (16 layers x 64 sequences x 4096 rows
 # need 17 GB) and a tenth for request buffers.
 "$bin/attention_server" --backend="${BACKEND:-cuda}" --host=127.0.0.1 --port=0 --metrics_port=0 \
-  --port_file="$ports" --max_message_mb=2047 --allow_shared_memory \
+  --port_file="$ports" --max_message_mb=2047 --allow_shared_memory --socket_port=0 \
   --device_memory_fraction=0.1 --kv_cache_fraction=0.25 --session_ttl_s=3600 ${SERVER_FLAGS:-} \
   >"$out/decode_bench_server.log" 2>&1 &
 server=$!

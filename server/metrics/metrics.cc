@@ -115,6 +115,12 @@ Metrics::Metrics(const BuildInfo& build)
                                "thread of its own.")
                          .Register(*registry_)
                          .Add({})),
+      socket_streams_(prometheus::BuildGauge()
+                          .Name("attention_socket_streams")
+                          .Help("Socket streams (Sockets.Open, --socket_port) served now, each "
+                                "with a thread of its own.")
+                          .Register(*registry_)
+                          .Add({})),
       queue_stage_(stage_duration_.Add({{"stage", "queue"}}, SecondsBuckets())),
       h2d_stage_(stage_duration_.Add({{"stage", "h2d"}}, SecondsBuckets())),
       compute_stage_(stage_duration_.Add({{"stage", "compute"}}, SecondsBuckets())),
@@ -303,6 +309,8 @@ void Metrics::Computed(const std::string& device, double flops, int64_t query_to
 void Metrics::SetQueueDepth(int depth) { queue_depth_.Set(depth); }
 
 void Metrics::SetRequestRings(int rings) { request_rings_.Set(rings); }
+
+void Metrics::SetSocketStreams(int sockets) { socket_streams_.Set(sockets); }
 
 void Metrics::SetDeviceMemoryTotal(const std::string& device, int64_t bytes) {
   device_memory_total_.Add({{"device", device}}).Set(static_cast<double>(bytes));

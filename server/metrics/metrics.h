@@ -80,6 +80,8 @@ class Metrics {
   void SetQueueDepth(int depth);
   // Request rings served now (streams/request_rings.h).
   void SetRequestRings(int rings);
+  // Socket streams served now (streams/socket_streams.h).
+  void SetSocketStreams(int sockets);
   void SetDeviceMemoryTotal(const std::string& device, int64_t bytes);
 
   // KV-resident sessions (session_store.h), per device: sessions held, bytes of the pages they
@@ -143,6 +145,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& device_in_service_;
   prometheus::Gauge& queue_capacity_;
   prometheus::Gauge& request_rings_;
+  prometheus::Gauge& socket_streams_;
   // Sessions (registered in the constructor's body).
   prometheus::Family<prometheus::Gauge>* sessions_resident_ = nullptr;
   prometheus::Family<prometheus::Gauge>* session_resident_bytes_ = nullptr;

@@ -74,6 +74,16 @@ absl::Status CheckOptions(const ServerOptions& o, int max_message_mb) {
     return absl::InvalidArgumentError(absl::StrCat("--ring_stall_timeout_s: expected >= 1, got ",
                                                    o.shared_memory.ring_stall_timeout_s));
   }
+  if (o.sockets.port < -1 || o.sockets.port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--socket_port: expected -1 (none), 0 (a free one) or a port to 65535, got ",
+                     o.sockets.port));
+  }
+  if (o.sockets.max_sockets < 1 || o.sockets.stall_timeout_s < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_sockets and --socket_stall_timeout_s: expected >= 1, got ",
+                     o.sockets.max_sockets, " and ", o.sockets.stall_timeout_s));
+  }
   if (!(o.max_request_flops >= 0 && std::isfinite(o.max_request_flops))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_request_flops: expected a finite value >= 0 (0 = the backend's default), got ",

@@ -42,6 +42,13 @@ struct SharedMemoryOptions {
 // --max_head_dim at most: a bound of sanity (today's largest head dim, MLA's absorbed QK, is 576).
 inline constexpr int kMaxHeadDimLimit = 1024;
 
+// Socket streams (streams/socket_streams.h): a stream method's messages over plain TCP.
+struct SocketOptions {
+  int port = -1;             // --socket_port: -1 none, 0 a free one
+  int max_sockets = 16;      // --max_sockets: served or waiting for their connection at once
+  int stall_timeout_s = 30;  // --socket_stall_timeout_s: an unread answer ends the socket after
+};
+
 struct ServerOptions {
   std::string host = "0.0.0.0";
   int port = 50051;
@@ -69,6 +76,7 @@ struct ServerOptions {
   // --replica_name: the prefix of the session ids this replica makes (empty: none).
   std::string replica_name;
   SharedMemoryOptions shared_memory;
+  SocketOptions sockets;
   // Work one request may ask for (--max_request_flops); 0: the backend's default
   // (DefaultMaxRequestFlops).
   double max_request_flops = 0;

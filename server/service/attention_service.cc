@@ -254,6 +254,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   response->set_version(options_.version);
   response->set_backend(options_.backend);
   response->set_replica_name(options_.replica_name);
+  response->set_socket_port(options_.socket_port);
   if (sessions_ != nullptr) {
     const CacheRoom room = sessions_->Room();
     response->set_kv_page_bytes(room.page_bytes);

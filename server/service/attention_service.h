@@ -66,6 +66,8 @@ struct ServiceOptions {
   // Requests one AttendStream may have queued, running or waiting to be written; further reads
   // wait, so a fast sender is slowed by gRPC flow control instead of filling the queue.
   int stream_window = 16;
+  // The socket streams' port (streams/socket_streams.h), reported in ServerInfo; 0: none.
+  int socket_port = 0;
 };
 
 // Every method raw: the bytes of a request are ours to parse. AttendStream is generic: the

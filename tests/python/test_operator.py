@@ -89,6 +89,12 @@ class PortsTest(unittest.TestCase):
                 (["--port=-1"], "--port: expected a TCP port 0..65535"),
                 (["--metrics_port=70000"], "--metrics_port: expected a TCP port 0..65535"),
                 (["--malloc_keep_mb=-1"], "--malloc_keep_mb: expected >= 0, got -1"),
+                (["--socket_port=70000"], "--socket_port: expected -1 (none), 0 (a free one) or "
+                                          "a port to 65535, got 70000"),
+                (["--socket_port=0", "--max_sockets=0"],
+                 "--max_sockets and --socket_stall_timeout_s: expected >= 1, got 0 and 30"),
+                (["--socket_port=0", "--tls_cert=/no/cert", "--tls_key=/no/key"],
+                 "--socket_port with --tls_cert: socket streams carry their bytes in the clear"),
                 (["--port=9999", "--metrics_port=9999"],
                  "--port and --metrics_port: expected two different ports, got 9999 for both")):
             with self.subTest(flags=flags):

@@ -1,8 +1,8 @@
 """Packed Steps (StepRequest.session_ids: a layer's whole batch as q [B, Hq, Nq, D] and k, v
 [B, Hkv, n, D]) through the Python client against the real attention_server (CPU backend,
 --allow_shared_memory): equal bit for bit to the same Steps sent as one entry per session, over
-every transport (unary, StepStream, request ring) and with tensors by reference in a shared-memory
-region; bad buffers refused by name with nothing appended. The request step_batch writes by hand
+every transport (unary, StepStream, request ring, socket stream) and with tensors by reference in
+a shared-memory region; bad buffers refused by name with nothing appended. The request step_batch writes by hand
 (q, k, v joined onto the wire from their buffers: attention_client._wire.WireMessage) parses as
 the protobuf-built one and is answered bit for bit alike, its bad buffers are refused by name, and
 a resend sends its first bytes. Fresh random inputs; the seed is printed.
@@ -29,7 +29,7 @@ from attention_client._wire import WireMessage
 
 
 class PackedStepTest(ServerTest):
-    SERVER_FLAGS = ["--allow_shared_memory"]
+    SERVER_FLAGS = ["--allow_shared_memory", "--socket_port=0"]
     HQ, HKV, D = 8, 2, 32
     LENGTHS = (1, 17, 64, 3, 130)  # around the CPU kernel's tiles; one row, primes
 
@@ -118,6 +118,12 @@ class PackedStepTest(ServerTest):
 
     def test_by_reference_equals_entries(self):
         self.check_equal_to_entries(False, by_ref=True)
+
+    def test_socket_equals_entries(self):
+        self.check_equal_to_entries("socket", by_ref=False)
+
+    def test_socket_by_reference_equals_entries(self):
+        self.check_equal_to_entries("socket", by_ref=True)
 
     def test_future_equals_entries(self):
         self.check_equal_to_entries(False, by_ref=False, wait=False)

@@ -503,10 +503,15 @@ class Client:
         # Shared memory: regions are the connection's (or the token's), so they use the sessions'
         # channel (one server).
         self._shm_stub = pb_grpc.SharedMemoryStub(self._sessions_channel or self._channel)
+        self._sockets_stub = pb_grpc.SocketsStub(self._sessions_channel or self._channel)
+        self._socket_port_seen = None  # ServerInfo.socket_port, asked once
         self._regions = []
         # Opened by the first session.step(..., stream=True) of each session owner (its
         # attention-session-owner header; "" for a server without --replica_name).
         self._step_streams = {}
+        # Socket streams for Steps, one per session owner as the StepStreams: opened by the
+        # owner's first Step with stream="socket".
+        self._step_sockets = {}
         # Request rings for Steps, one per session owner as the StepStreams (a ring stays on the
         # server that opened it): opened by the owner's first session.step(..., stream="ring").
         self._step_rings = {}
@@ -542,6 +547,8 @@ class Client:
         self._cuda_segments.close()
         for step_stream in self._step_streams.values():
             step_stream.close()
+        for step_socket in self._step_sockets.values():
+            step_socket.close()
         for step_ring in self._step_rings.values():
             step_ring.close()
         self._channel.close()
@@ -674,6 +681,17 @@ class Client:
         from attention_client.health import check
         return check(self, service, timeout)
 
+    def _socket_port(self):
+        """The server's socket port (ServerInfo.socket_port), asked once; AttentionError
+        UNIMPLEMENTED when it serves none."""
+        if self._socket_port_seen is None:
+            self._socket_port_seen = self.server_info().socket_port
+        if self._socket_port_seen == 0:
+            raise AttentionError(grpc.StatusCode.UNIMPLEMENTED,
+                                 "stream=\"socket\": the server serves no socket streams "
+                                 "(ServerInfo.socket_port is 0; it needs --socket_port)")
+        return self._socket_port_seen
+
     def server_info(self, timeout=None):
         """The server's attention.v1.ServerInfo message."""
         return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout, None)
@@ -747,7 +765,7 @@ class Client:
         Tensors inside regions this client registered go by reference (no copy through the
         socket); out and lse_out, arrays in such regions, receive o and lse there (they must not
         overlap each other or an input). stream: as Session.step (False: unary; True: the
-        client's StepStream; "ring": its request ring). wait=False returns at once, so the
+        client's StepStream; "ring": its request ring; "socket": its socket stream). wait=False returns at once, so the
         caller can work meanwhile (another micro-batch's MLP, say): unary, a
         concurrent.futures.Future of the result; on the ring, a RingStep once the Step is posted,
         whose result() reads the answer (the next Step on the ring reads it too, and raises its

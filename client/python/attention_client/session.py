@@ -28,6 +28,7 @@ from attention_client.client import (_LAYOUTS, AttentionError, ServerTiming, Ste
                                      _set_options, _to_host, _to_tensor, is_sealed, retry_sealed,
                                      retry_sealed_later)
 from attention_client._wire import WireMessage
+from attention_client.socket_stream import SocketStream
 
 _DTYPE_NAMES = {"float32": pb.DTYPE_FLOAT32, "fp32": pb.DTYPE_FLOAT32,
                 "float16": pb.DTYPE_FLOAT16, "fp16": pb.DTYPE_FLOAT16, "half": pb.DTYPE_FLOAT16,
@@ -207,7 +208,9 @@ class Session:
         timeout does not apply there. stream="ring" sends it through the Client's request ring
         of that owner instead (a server on
         this host with --allow_shared_memory; attention_client.request_ring): no gRPC message per
-        Step, the lowest latency.
+        Step, the lowest latency. stream="socket" sends it over the Client's socket stream of
+        that owner (a server with --socket_port, on any host; attention_client.socket_stream): no
+        HTTP/2, a remote caller's fastest path for large Steps.
 
         The queries are the session's last Nq positions (masks bottom-right aligned, as attend()).
         Returns o [Hq, Nq, Dv] (same kind and dtype as q; Dv = v_head_dim), or (o, lse) with
@@ -470,26 +473,30 @@ def _submit_step(client, request, metadata, on_error=None, timeout=None):
 
 def _send_step(client, request, stream, timeout, metadata):
     """One StepRequest to the server, unary (stream False), over the client's StepStream of the
-    sessions' owner (True) or through its request ring of that owner ("ring"); returns the
-    StepResponse. A sealed session's refusal is retried (retry_sealed; on the ring:
-    _submit_step)."""
+    sessions' owner (True), its socket stream of that owner ("socket") or through its request
+    ring of that owner ("ring"); returns the StepResponse. A sealed session's refusal is retried
+    (retry_sealed; on the ring: _submit_step)."""
     if stream == "ring":
         return _submit_step(client, request, metadata, timeout=timeout)()
     if stream:
         # One stream per owner: a router sends a whole stream to the replica its header names.
         owner = dict(metadata or ()).get(OWNER_HEADER, "")
+        streams = client._step_sockets if stream == "socket" else client._step_streams
 
-        def send(_):
-            step_stream = client._step_streams.get(owner)
+        def send(seconds_left):
+            step_stream = streams.get(owner)
             if step_stream is None or step_stream.ended():
                 # None yet, or ended since its last Step (its replica stopped: a drained one),
                 # so this Step was not sent on it: a new one goes where the router sends now.
-                step_stream = client._step_streams[owner] = StepStream(client, metadata)
+                step_stream = streams[owner] = (
+                    SocketStream(client, client._socket_port(), metadata) if stream == "socket"
+                    else StepStream(client, metadata))
             try:
-                return step_stream.step(request)
+                return (step_stream.step(request, seconds_left) if stream == "socket"
+                        else step_stream.step(request))
             except AttentionError:
                 # A failed Step ends its stream; the next (a sealed session's retry) opens another.
-                client._step_streams.pop(owner, None)
+                streams.pop(owner, None)
                 raise
 
         timeout = client.timeout if timeout is None else timeout
@@ -571,7 +578,7 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
                         lse_out)
     if stream:
         raise ValueError("wait=False takes unary Steps or the request ring (stream=\"ring\"); a "
-                         "StepStream carries one Step at a time")
+                         "StepStream or a socket stream carries one Step at a time")
     return retry_sealed_later(
         lambda seconds_left: client._step.future(message, timeout=seconds_left,
                                                  metadata=metadata),

@@ -750,3 +750,91 @@ class SharedMemory(object):
             attention_dot_v1_dot_attention__pb2.RingClosed.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+
+class SocketsStub(object):
+    """Socket streams (docs/API.md, "Socket streams"): a stream method's messages over a plain TCP
+    connection to the server's --socket_port (ServerInfo.socket_port), framed by a length word
+    instead of HTTP/2, for remote clients whose calls are large and frequent (a model's layer
+    calls): a gRPC message exchange costs several raw TCP round trips of the same bytes. Off unless
+    the server runs with --socket_port; never with TLS (the socket carries its bytes in the clear).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Open = channel.unary_unary(
+                '/attention.v1.Sockets/Open',
+                request_serializer=attention_dot_v1_dot_attention__pb2.OpenSocketRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.SocketClosed.FromString,
+                )
+
+
+class SocketsServicer(object):
+    """Socket streams (docs/API.md, "Socket streams"): a stream method's messages over a plain TCP
+    connection to the server's --socket_port (ServerInfo.socket_port), framed by a length word
+    instead of HTTP/2, for remote clients whose calls are large and frequent (a model's layer
+    calls): a gRPC message exchange costs several raw TCP round trips of the same bytes. Off unless
+    the server runs with --socket_port; never with TLS (the socket carries its bytes in the clear).
+    """
+
+    def Open(self, request, context):
+        """Binds one TCP connection to this call: the client sends `nonce` here, connects to the socket
+        port and sends "ATTNSOCK" and the same 32 bytes; from then on the connection carries the
+        method's requests (each an 8-byte little-endian length and the serialized message) and the
+        server answers with responses framed alike as they finish (each names its request_id), then one end frame
+        (a length word with its top bit set over a 4-byte little-endian status code and the status
+        message) before it closes the connection. The server serves the socket while this call lasts
+        and answers it with the stream's status: OK once the client shut its side down at a frame
+        boundary and every answer was written; the first failed request's status (naming its
+        request_id); DEADLINE_EXCEEDED when no connection brought the nonce within 10 s or the client
+        took no answer for --ring_stall_timeout_s; CANCELLED when the call or the connection broke.
+        The socket's requests are the caller's: this call's token and connection own the sessions and
+        regions they refer to, and the call's deadline is theirs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SocketsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Open': grpc.unary_unary_rpc_method_handler(
+                    servicer.Open,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.OpenSocketRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.SocketClosed.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'attention.v1.Sockets', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Sockets(object):
+    """Socket streams (docs/API.md, "Socket streams"): a stream method's messages over a plain TCP
+    connection to the server's --socket_port (ServerInfo.socket_port), framed by a length word
+    instead of HTTP/2, for remote clients whose calls are large and frequent (a model's layer
+    calls): a gRPC message exchange costs several raw TCP round trips of the same bytes. Off unless
+    the server runs with --socket_port; never with TLS (the socket carries its bytes in the clear).
+    """
+
+    @staticmethod
+    def Open(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attention.v1.Sockets/Open',
+            attention_dot_v1_dot_attention__pb2.OpenSocketRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.SocketClosed.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
