@@ -222,23 +222,23 @@ absl::StatusOr<SocketStreams::Flow::Read> SocketStreams::Flow::ReadSome() {
     }
     if (n == 0) {
       if (in_.length_got == 0) return Read::kEnd;  // the client's side shut at a frame boundary
-      return absl::CancelledError(
-          absl::StrCat("socket request ", requests_read_, ": the connection closed inside its "
-                                                          "length word"));
+      return absl::CancelledError(absl::StrCat("socket request ", requests_read_,
+                                               ": the connection closed inside its "
+                                               "length word"));
     }
     in_.length_got += static_cast<int>(n);
     if (in_.length_got < kLengthBytes) continue;
     in_.length = GetU64(in_.length_word);
     if ((in_.length & kEndBit) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "socket request ", requests_read_, ": length word ", in_.length,
-          " has bit 63 set (the server's end frame); expected a request's length"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("socket request ", requests_read_, ": length word ", in_.length,
+                       " has bit 63 set (the server's end frame); expected a request's length"));
     }
     if (in_.length > static_cast<uint64_t>(options_.max_message_bytes)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "socket request ", requests_read_, ": length ", in_.length,
-          " exceeds the server's largest message, ", options_.max_message_bytes,
-          " bytes (--max_message_mb)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("socket request ", requests_read_, ": length ", in_.length,
+                       " exceeds the server's largest message, ", options_.max_message_bytes,
+                       " bytes (--max_message_mb)"));
     }
   }
   while (in_.got < in_.length) {
@@ -258,8 +258,8 @@ absl::StatusOr<SocketStreams::Flow::Read> SocketStreams::Flow::ReadSome() {
     }
     if (n == 0) {
       return absl::CancelledError(absl::StrCat("socket request ", requests_read_,
-                                               ": the connection closed after ", in_.got, " of its ",
-                                               in_.length, " bytes"));
+                                               ": the connection closed after ", in_.got,
+                                               " of its ", in_.length, " bytes"));
     }
     in_.last_fill += static_cast<size_t>(n);
     in_.got += static_cast<uint64_t>(n);
@@ -368,10 +368,10 @@ void SocketStreams::Flow::Serve() {
       if (absl::Now() - out_->since >= options_.stall_timeout) {
         // The client read nothing for that long while an answer waited: it is not reading. The
         // socket ends (its thread and its place among --max_sockets freed) instead of waiting.
-        Break(absl::DeadlineExceededError(absl::StrCat(
-            "socket responses: the client read none of an answer's bytes for ",
-            absl::FormatDuration(options_.stall_timeout),
-            " (--socket_stall_timeout_s); the socket is closed")));
+        Break(absl::DeadlineExceededError(
+            absl::StrCat("socket responses: the client read none of an answer's bytes for ",
+                         absl::FormatDuration(options_.stall_timeout),
+                         " (--socket_stall_timeout_s); the socket is closed")));
         FailWrite();
         continue;
       }
@@ -469,8 +469,8 @@ absl::StatusOr<int> SocketStreams::Listen(const std::string& host, int port) {
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* found = nullptr;
   const std::string service = std::to_string(port);
-  if (const int error = getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints,
-                                    &found);
+  if (const int error =
+          getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &found);
       error != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--socket_port: cannot resolve ", host, ": ", gai_strerror(error)));
@@ -496,9 +496,9 @@ absl::StatusOr<int> SocketStreams::Listen(const std::string& host, int port) {
   sockaddr_storage bound{};
   socklen_t length = sizeof(bound);
   getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&bound), &length);
-  const int chosen = ntohs(bound.ss_family == AF_INET6
-                               ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                               : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  const int chosen =
+      ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                        : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
   acceptor_ = std::thread([this] { Accept(); });
@@ -527,12 +527,12 @@ grpc::ServerUnaryReactor* SocketStreams::Open(grpc::CallbackServerContext* conte
   const StreamMethod* method = methods_->Find(attend ? kAttendStreamPath : kStepStreamPath);
   if (method == nullptr) {
     return refuse(absl::UnimplementedError(
-        absl::StrCat("method: ", v1::RingMethod_Name(request->method()),
-                     " is not served here (no ", attend ? "Attention" : "Sessions", " service)")));
+        absl::StrCat("method: ", v1::RingMethod_Name(request->method()), " is not served here (no ",
+                     attend ? "Attention" : "Sessions", " service)")));
   }
   if (request->nonce().size() != kNonceBytes) {
-    return refuse(absl::InvalidArgumentError(absl::StrCat(
-        "nonce: expected ", kNonceBytes, " bytes, got ", request->nonce().size())));
+    return refuse(absl::InvalidArgumentError(
+        absl::StrCat("nonce: expected ", kNonceBytes, " bytes, got ", request->nonce().size())));
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (stopped_ || listen_fd_ < 0) return refuse(absl::UnavailableError("server is shutting down"));
@@ -566,19 +566,18 @@ bool SocketStreams::Bind(int fd, const std::string& nonce) {
   const Pending pending = it->second;
   pending_.erase(it);
   auto broken = std::make_shared<std::atomic<bool>>(false);
-  CallContext context{.grpc = pending.context,
-                      .cancelled = [context = pending.context, broken] {
+  CallContext context{.grpc = pending.context, .cancelled = [context = pending.context, broken] {
                         return context->IsCancelled() || broken->load();
                       }};
-  auto flow = std::make_shared<Flow>(
-      fd, *pending.method, pending.method->open(std::move(context)), pending.call,
-      pending.response, options_, std::move(broken),
-      [this] { metrics_->SetSocketStreams(serving_.fetch_sub(1) - 1); });
+  auto flow =
+      std::make_shared<Flow>(fd, *pending.method, pending.method->open(std::move(context)),
+                             pending.call, pending.response, options_, std::move(broken),
+                             [this] { metrics_->SetSocketStreams(serving_.fetch_sub(1) - 1); });
   if (!flow->usable()) {
     pending.call->SetWake(-1);
     metrics_->SetSocketStreams(serving_.fetch_sub(1) - 1);
-    pending.call->Finish(
-        ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat("eventfd: ", std::strerror(errno)))));
+    pending.call->Finish(ToGrpcStatus(
+        absl::ResourceExhaustedError(absl::StrCat("eventfd: ", std::strerror(errno)))));
     return true;  // the flow closes fd
   }
   pending.call->SetWake(flow->wake_fd());
