@@ -11,11 +11,13 @@ backend), through the Python client and through raw sockets as a hostile client 
   call both carry the status;
 - a client that stops reading its answers is cut off after --socket_stall_timeout_s
   (DEADLINE_EXCEEDED), and a client killed mid-Step leaves the server serving with its socket
-  closed (attention_socket_streams back to 0).
+  closed (attention_socket_streams back to 0); SIGTERM ends a served socket UNAVAILABLE and the
+  server exits.
 
 Run by ctest (label "python"). Exits 77 (skipped) when grpcio or numpy is missing.
 """
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -313,6 +315,29 @@ class SocketStreamTest(ServerTest):
                                   self.normal(1, self.HKV, 1, self.D), causal=True,
                                   stream="socket")
         self.assertEqual(o.shape, (1, self.HQ, 1, self.D))
+
+
+class DrainTest(unittest.TestCase):
+    def test_sigterm_ends_a_served_socket_unavailable_and_the_server_exits(self):
+        from test_attention_client import TestServer
+        server = TestServer(["--socket_port=0", "--shutdown_grace_s=5"])
+        rng = np.random.default_rng(SEED)
+        with Client(f"127.0.0.1:{server.port}", timeout=60) as client:
+            s = client.session(k=rng.standard_normal((2, 5, 16), dtype=np.float32),
+                               v=rng.standard_normal((2, 5, 16), dtype=np.float32))
+            q = rng.standard_normal((1, 4, 1, 16), dtype=np.float32)
+            k = rng.standard_normal((1, 2, 1, 16), dtype=np.float32)
+            client.step_batch([s], q, k, k, stream="socket")
+            start = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            with self.assertRaises(AttentionError) as e:
+                while time.monotonic() - start < 30:
+                    client.step_batch([s], q, k, k, stream="socket")
+                    time.sleep(0.05)
+            self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
+            self.assertIn("server is shutting down", e.exception.details)
+        server.stop()  # exits 0
+        self.assertLess(time.monotonic() - start, 30)
 
 
 class WithoutSocketsTest(ServerTest):
