@@ -69,6 +69,7 @@ class SocketStream:
             self._sock.sendall(MAGIC + nonce)
         except OSError as e:
             self._call.cancel()
+            client._socket_port_seen = None  # asked again next time: the server may have moved
             raise AttentionError(grpc.StatusCode.UNAVAILABLE,
                                  f"socket stream: cannot connect to {host}:{port}: {e}") from None
         self._length = bytearray(_LENGTH.size)
