@@ -99,7 +99,7 @@ class SocketStream:
             except OSError as e:
                 raise self._end(AttentionError(grpc.StatusCode.UNAVAILABLE,
                                                f"socket stream: {e}"))
-            response = pb.StepResponse.FromString(bytes(body))
+            response = pb.StepResponse.FromString(body)
             if response.request_id != request.request_id:
                 raise self._end(AttentionError(
                     grpc.StatusCode.DATA_LOSS, f"socket stream answered {response.request_id!r} "
