@@ -24,6 +24,8 @@ over the median), its ratio against the anchor's rounds that alternated with it.
   packed-socket  the packed Step over the client's socket stream (the server's --socket_port:
            length-framed messages on a plain TCP connection, no HTTP/2), the transport of a
            remote client
+  packed-socket-overlap  packed-overlap's ping-pong with each half's Step posted on the socket
+           stream (step_batch(wait=False, stream="socket"): both halves in flight on one socket)
   packed-ring  the packed Step through a request ring, q, k, v and o by reference in a
            shared-memory region that the model's process pins (cudaHostRegister), so each layer
            call is one device-to-host copy of q, k, v and one host-to-device copy of o
@@ -287,18 +289,19 @@ class ServicePacked(ServiceSteps):
     that hold every layer: "packed" unary; "packed-socket" over a socket stream; "packed-ring"
     through the client's request ring, q, k, v and o in a pinned shared-memory region;
     "packed-overlap" two micro-batches in ping-pong (Model.forward_overlapped), each half's Step
-    a unary call in flight while the other half computes."""
+    a unary call in flight while the other half computes ("packed-socket-overlap": posted on the
+    socket stream)."""
 
     layered = True
 
     def __init__(self, client, transport, a, batch, context, device, dtype):
         super().__init__(client, transport, a, batch, context, device, dtype)
         self.stream = ("ring" if transport.endswith(("-ring", "-pipe")) else
-                       "socket" if transport == "packed-socket" else False)
+                       "socket" if transport.startswith("packed-socket") else False)
         self.pipelined = transport == "packed-cuda-pipe"
         self.posted = None  # packed-cuda-pipe: the Step posted last, its answer not yet counted
         self.wait_s = 0.0  # packed-cuda-pipe: of call_s, the posts' waits for the server
-        self.overlapped = transport == "packed-overlap"
+        self.overlapped = transport in ("packed-overlap", "packed-socket-overlap")
         self.halves = [[s[:batch // 2], s[batch // 2:]] for s in self.sessions]
         self.region = None
         if transport == "packed-ring":
@@ -363,7 +366,7 @@ class ServicePacked(ServiceSteps):
     def start(self, i, half, q, k, v):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         future = self.client.step_batch(self.halves[i][half], q, k, v, causal=True, layer=i,
-                                        return_info=True, wait=False)
+                                        return_info=True, wait=False, stream=self.stream)
         return i, half, future, time.perf_counter()
 
     def finish(self, handle):

@@ -132,6 +132,43 @@ class SocketStreamTest(ServerTest):
         self.assertEqual([s.length for s in over_socket], [s.length for s in unary])
         self.assertEqual(self.sockets_served(), 1)  # the client's one socket, kept open
 
+    def test_steps_posted_without_waiting_equal_unary_ones_read_in_any_order(self):
+        # Two micro-batches' Steps in flight at once on one socket (step_batch(wait=False)), read
+        # back last first: each answer is kept for its own result().
+        client = self.own_client()
+        rows = [(self.normal(self.HKV, 7, self.D), self.normal(self.HKV, 7, self.D))
+                for _ in range(4)]
+        unary = [client.session(k=k, v=v) for k, v in rows]
+        posted = [client.session(k=k, v=v) for k, v in rows]
+        halves = (posted[:2], posted[2:])
+        for step in range(3):
+            q = self.normal(4, self.HQ, 1, self.D)
+            k = self.normal(4, self.HKV, 1, self.D)
+            v = self.normal(4, self.HKV, 1, self.D)
+            want = client.step_batch(unary, q, k, v, causal=True)
+            first = client.step_batch(halves[0], q[:2], k[:2], v[:2], causal=True, wait=False,
+                                      stream="socket")
+            second = client.step_batch(halves[1], q[2:], k[2:], v[2:], causal=True, wait=False,
+                                       stream="socket")
+            got = np.concatenate([second.result(), first.result()][::-1])
+            self.assertTrue(np.array_equal(got, want), f"step {step} (seed {SEED})")
+        self.assertEqual([s.length for s in posted], [s.length for s in unary])
+        # A Step that fails ends the socket: every Step in flight on it raises its failure.
+        good = client.step_batch(halves[0], q[:2], k[:2], v[:2], causal=True, wait=False,
+                                 stream="socket")
+        bad = client.step_batch(halves[1], q[2:, :, :, :-1], k[2:, :, :, :-1],
+                                v[2:, :, :, :-1], causal=True, wait=False, stream="socket")
+        with self.assertRaises(AttentionError) as e:
+            bad.result()
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        try:
+            good.result()  # answered before the failure, or refused with it
+        except AttentionError as failed:
+            self.assertEqual(failed.code, grpc.StatusCode.INVALID_ARGUMENT)
+        # The next Step opens another socket.
+        o = client.step_batch(halves[0], q[:2], k[:2], v[:2], causal=True, stream="socket")
+        self.assertEqual(o.shape, (2, self.HQ, 1, self.D))
+
     def test_attend_requests_over_a_raw_socket_are_answered_as_attend(self):
         q, k, v = self.qkv(b=1, hq=2, hkv=1, nq=9, nk=13, d=16)
         want = self.client.attend(q, k, v, causal=True)

@@ -767,9 +767,10 @@ class Client:
         overlap each other or an input). stream: as Session.step (False: unary; True: the
         client's StepStream; "ring": its request ring; "socket": its socket stream). wait=False
         returns at once, so the caller can work meanwhile (another micro-batch's MLP, say):
-        unary, a concurrent.futures.Future of the result; on the ring, a RingStep once the Step
-        is posted, whose result() reads the answer (the next Step on the ring reads it too, and
-        raises its failure). Leave the sessions and buffers alone until it is done.
+        unary, a concurrent.futures.Future of the result; on the ring or the socket, a
+        PostedStep once the Step is posted, whose result() reads the answer (on the ring the next
+        Step reads it too, and raises its failure; on the socket several may be in flight).
+        Leave the sessions and buffers alone until it is done.
         sinks, softcap, chunk_size: as attend()'s. layer: the layer of every session, for sessions
         of several layers (Client.session(layers=)).
 

@@ -494,7 +494,7 @@ def _step_by_counters(client, sessions, q, k, v, o, lse, device, options, batch)
     segments = _ensure(regions, (q, k, v, o, lse, counters.tensor))
     if segments is None:
         return False, None
-    from attention_client.session import RingStep, _batch_output, _submit_step
+    from attention_client.session import PostedStep, _batch_output, _submit_step
     counters.value += 1
     value = counters.value
     request = _counter_plan(client, sessions, batch, q, k, v, lse, segments[5], counters,
@@ -524,7 +524,7 @@ def _step_by_counters(client, sessions, q, k, v, o, lse, device, options, batch)
                             options.get("timeout"))
     layer, return_lse, return_info = (options.get(n) for n in ("layer", "return_lse",
                                                                 "return_info"))
-    step = RingStep(response, lambda answer: _batch_output(
+    step = PostedStep(response, lambda answer: _batch_output(
         answer, sessions, ("torch", q), return_lse, o, lse, return_info, layer), o, lse)
     # What runs on this stream from here on sees o and lse written, and q, k, v read.
     driver.wait_value(device, stream, counters.done.data_ptr(), value)

@@ -471,6 +471,25 @@ def _submit_step(client, request, metadata, on_error=None, timeout=None):
     return response
 
 
+def _socket_of(client, metadata):
+    """The client's socket stream of the sessions' owner (metadata's header), opened when there is
+    none or it ended (its replica stopped: a Step on it was never sent)."""
+    owner = dict(metadata or ()).get(OWNER_HEADER, "")
+    socket_stream = client._step_sockets.get(owner)
+    if socket_stream is None or socket_stream.ended():
+        socket_stream = client._step_sockets[owner] = SocketStream(client, client._socket_port(),
+                                                                   metadata)
+    return socket_stream
+
+
+def _post_on_socket(client, request, metadata, timeout):
+    """Posts `request` on the owner's socket stream; returns a function that waits for its
+    StepResponse (timeout: the client's when None). A failure ends the socket, and the next Step
+    opens another (_socket_of)."""
+    answer = _socket_of(client, metadata).post(request)
+    return lambda: answer(client.timeout if timeout is None else timeout)
+
+
 def _send_step(client, request, stream, timeout, metadata):
     """One StepRequest to the server, unary (stream False), over the client's StepStream of the
     sessions' owner (True), its socket stream of that owner ("socket") or through its request
@@ -481,22 +500,20 @@ def _send_step(client, request, stream, timeout, metadata):
     if stream:
         # One stream per owner: a router sends a whole stream to the replica its header names.
         owner = dict(metadata or ()).get(OWNER_HEADER, "")
-        streams = client._step_sockets if stream == "socket" else client._step_streams
 
         def send(seconds_left):
-            step_stream = streams.get(owner)
+            if stream == "socket":
+                return _post_on_socket(client, request, metadata, seconds_left)()
+            step_stream = client._step_streams.get(owner)
             if step_stream is None or step_stream.ended():
                 # None yet, or ended since its last Step (its replica stopped: a drained one),
                 # so this Step was not sent on it: a new one goes where the router sends now.
-                step_stream = streams[owner] = (
-                    SocketStream(client, client._socket_port(), metadata) if stream == "socket"
-                    else StepStream(client, metadata))
+                step_stream = client._step_streams[owner] = StepStream(client, metadata)
             try:
-                return (step_stream.step(request, seconds_left) if stream == "socket"
-                        else step_stream.step(request))
+                return step_stream.step(request)
             except AttentionError:
                 # A failed Step ends its stream; the next (a sealed session's retry) opens another.
-                streams.pop(owner, None)
+                client._step_streams.pop(owner, None)
                 raise
 
         timeout = client.timeout if timeout is None else timeout
@@ -574,11 +591,14 @@ def step_batch(client, sessions, q, k=None, v=None, *, causal=False, softmax_sca
     if wait:
         return output(_send_step(client, message, stream, timeout, metadata))
     if stream == "ring":
-        return RingStep(_submit_step(client, message, metadata, _on_error, timeout), output, out,
-                        lse_out)
+        return PostedStep(_submit_step(client, message, metadata, _on_error, timeout), output,
+                          out, lse_out)
+    if stream == "socket":
+        return PostedStep(_post_on_socket(client, message, metadata, timeout), output, out,
+                          lse_out)
     if stream:
-        raise ValueError("wait=False takes unary Steps or the request ring (stream=\"ring\"); a "
-                         "StepStream or a socket stream carries one Step at a time")
+        raise ValueError("wait=False takes unary Steps, the request ring (stream=\"ring\") or the "
+                         "socket stream (\"socket\"); a StepStream carries one Step at a time")
     return retry_sealed_later(
         lambda seconds_left: client._step.future(message, timeout=seconds_left,
                                                  metadata=metadata),
@@ -634,13 +654,15 @@ def _session_ids(client, sessions):
     return _batch(client, sessions).ids
 
 
-class RingStep:
-    """A Step posted on the client's request ring whose answer is read later (step_batch with
-    wait=False, stream="ring"): result() reads it, and so does the client's next Step on the ring,
-    which raises this one's failure if it failed. Until then the sessions' lengths are those
-    before it. o and lse: where the answer's o and lse are written when they are the caller's
-    (out, lse_out, or a Step of CUDA tensors in stream order, whose o later kernels on the stream
-    may read at once); None when they come in the answer."""
+class PostedStep:
+    """A Step posted without waiting whose answer is read later (step_batch with wait=False,
+    stream="ring" or "socket"): result() reads it. On the ring the client's next Step reads it
+    too, and raises this one's failure if it failed; on the socket several may be in flight, each
+    answer kept for its own result(), and a failed one ends the socket (the others' result()
+    raise it too). Until then the sessions' lengths are those before it. o and lse: where the
+    answer's o and lse are written when they are the caller's (out, lse_out, or a Step of CUDA
+    tensors in stream order, whose o later kernels on the stream may read at once); None when
+    they come in the answer."""
 
     def __init__(self, response, output, o=None, lse=None):
         self._response = response

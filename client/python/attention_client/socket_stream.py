@@ -44,10 +44,11 @@ def socket_host(target):
 
 
 class SocketStream:
-    """Steps over one socket stream: one Step at a time (thread-safe: callers take turns). A Step
-    that fails ends the stream (AttentionError with the server's code and message); a Step past
-    its timeout ends it too (DEADLINE_EXCEEDED: a late answer would belong to no Step). Open
-    another for the next."""
+    """Steps over one socket stream (thread-safe): step() sends one and waits for its answer;
+    post() sends one and returns its answer's getter, so several may be in flight (two
+    micro-batches' layer calls, say). A Step that fails ends the stream (AttentionError with the
+    server's code and message, raised to every Step in flight); a Step past its timeout ends it
+    too (DEADLINE_EXCEEDED: a late answer would belong to no Step). Open another for the next."""
 
     def __init__(self, client, port, metadata=None, timeout=None):
         host = socket_host(client._target)
@@ -55,8 +56,14 @@ class SocketStream:
             raise ValueError(f"stream=\"socket\": the client's target {client._target!r} is not "
                              "one TCP address (a Unix socket's clients take the request ring)")
         nonce = os.urandom(NONCE_BYTES)
-        self._lock = threading.Lock()
+        # Senders take turns, and so do readers; a reader keeps the answers of Steps posted
+        # earlier than its own for their answer() calls.
+        self._send_lock = threading.Lock()
+        self._read_lock = threading.Lock()
+        self._ids_lock = threading.Lock()  # guards _waiting (posters add, readers take)
         self._count = 0
+        self._waiting = set()  # request_ids posted and not yet answered to their caller
+        self._answers = {}  # request_id -> StepResponse read, not yet taken (_read_lock)
         self._ended = None  # the AttentionError that ended the stream
         # No deadline: the call lasts as long as the socket.
         self._call = client._sockets_stub.Open.future(
@@ -77,34 +84,66 @@ class SocketStream:
     def step(self, request, timeout=None):
         """Sends one StepRequest (a pb.StepRequest or a _wire.WireMessage) and returns its
         StepResponse."""
-        with self._lock:
+        return self.post(request)(timeout)
+
+    def post(self, request):
+        """Sends one StepRequest without waiting for its answer; returns answer(timeout), which
+        waits for its StepResponse (answers that come first, for Steps posted earlier, are kept
+        for theirs). Steps are queued in the order posted; their request_ids must differ."""
+        with self._send_lock:
             if self._ended is not None:
                 raise self._ended
             self._count += 1
             if not request.request_id:
                 request.request_id = f"step-{self._count}"
+            request_id = request.request_id
+            with self._ids_lock:
+                if request_id in self._waiting:
+                    raise ValueError(f"request_id: {request_id!r} is already in flight on this "
+                                     "socket stream")
+                self._waiting.add(request_id)
             data = request.SerializeToString()
             try:
-                self._sock.settimeout(timeout)
                 self._sock.sendmsg([_LENGTH.pack(len(data)), data])
-                length = self._read_length()
-                if length & END_BIT:
-                    raise self._end_frame(length & ~END_BIT)
-                body = bytearray(length)
-                self._read_into(memoryview(body))
-            except socket.timeout:
-                raise self._end(AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                               f"socket stream: no answer to "
-                                               f"{request.request_id!r} within {timeout} s"))
             except OSError as e:
                 raise self._end(AttentionError(grpc.StatusCode.UNAVAILABLE,
                                                f"socket stream: {e}"))
-            response = pb.StepResponse.FromString(body)
-            if response.request_id != request.request_id:
-                raise self._end(AttentionError(
-                    grpc.StatusCode.DATA_LOSS, f"socket stream answered {response.request_id!r} "
-                    f"where {request.request_id!r} was expected"))
-            return response
+        return lambda timeout=None: self._answer(request_id, timeout)
+
+    def _answer(self, request_id, timeout):
+        """The StepResponse of `request_id`, reading frames (keeping other Steps' answers) until
+        it comes."""
+        with self._read_lock:
+            while request_id not in self._answers:
+                if self._ended is not None:
+                    with self._ids_lock:
+                        self._waiting.discard(request_id)
+                    raise self._ended
+                try:
+                    self._sock.settimeout(timeout)
+                    length = self._read_length()
+                    if length & END_BIT:
+                        raise self._end_frame(length & ~END_BIT)
+                    body = bytearray(length)
+                    self._read_into(memoryview(body))
+                except socket.timeout:
+                    raise self._end(AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                   f"socket stream: no answer to "
+                                                   f"{request_id!r} within {timeout} s"))
+                except OSError as e:
+                    raise self._end(AttentionError(grpc.StatusCode.UNAVAILABLE,
+                                                   f"socket stream: {e}"))
+                response = pb.StepResponse.FromString(body)
+                with self._ids_lock:
+                    known = response.request_id in self._waiting
+                if not known:
+                    raise self._end(AttentionError(
+                        grpc.StatusCode.DATA_LOSS, f"socket stream answered "
+                        f"{response.request_id!r}, which no Step in flight sent"))
+                self._answers[response.request_id] = response
+            with self._ids_lock:
+                self._waiting.discard(request_id)
+            return self._answers.pop(request_id)
 
     def ended(self):
         """Whether the stream has ended (a Step failed, or the server ended it)."""
@@ -112,7 +151,7 @@ class SocketStream:
 
     def close(self):
         """Ends the stream: the server answers what it holds, sends its end frame and closes."""
-        with self._lock:
+        with self._send_lock, self._read_lock:
             if self._ended is None:
                 try:
                     self._sock.settimeout(5.0)

@@ -279,7 +279,7 @@ class _Sequences:
         self.members = set()  # the layers that keep their K/V in them
         self.selecting = None  # (indices, the layers yet to take them)
         # The packed Step of CUDA tensors posted last without waiting for its answer (a
-        # RingStep; RemoteLayer._step_packed), or None.
+        # PostedStep; RemoteLayer._step_packed), or None.
         self.posted = None
 
     def settle(self):
