@@ -43,6 +43,25 @@ absl::StatusOr<std::vector<std::string>> CreateTwinSessions(v1::Sessions::Stub& 
   return ids;
 }
 
+std::vector<v1::StepRequest> RandomDecodeSteps(int count, int64_t heads_q, int64_t heads_kv,
+                                               int64_t head_dim, std::mt19937_64& rng) {
+  std::vector<v1::StepRequest> steps;
+  for (int i = 0; i < count; ++i) {
+    v1::StepRequest r;
+    r.set_request_id(absl::StrCat("s", i));
+    r.set_causal(true);
+    v1::StepEntry* e = r.add_entries();
+    *e->mutable_q() = client::MakeTensor(v1::DTYPE_FLOAT16, {heads_q, 1, head_dim},
+                                         client::RandomNormal(heads_q * head_dim, rng));
+    *e->mutable_k() = client::MakeTensor(v1::DTYPE_FLOAT16, {heads_kv, 1, head_dim},
+                                         client::RandomNormal(heads_kv * head_dim, rng));
+    *e->mutable_v() = client::MakeTensor(v1::DTYPE_FLOAT16, {heads_kv, 1, head_dim},
+                                         client::RandomNormal(heads_kv * head_dim, rng));
+    steps.push_back(r);
+  }
+  return steps;
+}
+
 absl::StatusOr<RunningServer> StartServer(const std::vector<std::string>& flags,
                                           client::ClientOptions options, bool environment_flags) {
   absl::StatusOr<std::unique_ptr<ServerProcess>> process =

@@ -70,6 +70,12 @@ absl::StatusOr<std::vector<std::string>> CreateTwinSessions(v1::Sessions::Stub& 
                                                             int64_t heads_kv, int64_t rows,
                                                             int64_t head_dim, std::mt19937_64& rng);
 
+// `count` decode Steps of one float16 entry each (q [Hq, 1, D], k, v [Hkv, 1, D] random from
+// `rng`), request_ids "s0", "s1", ..., causal, their session_id left for the caller to set: the
+// same Steps sent to twin sessions (CreateTwinSessions) over two transports must answer alike.
+std::vector<v1::StepRequest> RandomDecodeSteps(int count, int64_t heads_q, int64_t heads_kv,
+                                               int64_t head_dim, std::mt19937_64& rng);
+
 // Problems every backend must answer within the API's bound: lengths that are not tile
 // multiples, Nq != Nk (both ways, so some rows see no key), decode (Nq = 1), GQA and MQA, causal,
 // sliding windows, an explicit scale, LSE, varlen, both layouts, head dims from 8 to 256, and

@@ -281,20 +281,7 @@ TEST_F(RequestRingE2E, StepsPostedAtOnceEqualTheSameStepsSentOneByOne) {
   const std::vector<std::string>& ids = *twins;
   // Each Step appends a row to the session and attends over it: posted at once, the ring must
   // queue them in the order sent for their answers to equal the one-by-one Steps'.
-  std::vector<v1::StepRequest> steps;
-  for (int i = 0; i < kSlots; ++i) {
-    v1::StepRequest r;
-    r.set_request_id(absl::StrCat("s", i));
-    r.set_causal(true);
-    v1::StepEntry* e = r.add_entries();
-    *e->mutable_q() =
-        client::MakeTensor(v1::DTYPE_FLOAT16, {hq, 1, d}, client::RandomNormal(hq * d, rng));
-    *e->mutable_k() =
-        client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, 1, d}, client::RandomNormal(hkv * d, rng));
-    *e->mutable_v() =
-        client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, 1, d}, client::RandomNormal(hkv * d, rng));
-    steps.push_back(r);
-  }
+  const std::vector<v1::StepRequest> steps = RandomDecodeSteps(kSlots, hq, hkv, d, rng);
   std::unique_ptr<RawRing> ring = OpenRing(client(), "steps", v1::RING_METHOD_STEP);
   ASSERT_NE(ring, nullptr);
   for (v1::StepRequest r : steps) {

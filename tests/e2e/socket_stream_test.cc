@@ -38,20 +38,7 @@ TEST_F(SocketStreamE2E, StepsWrittenAtOnceEqualTheSameStepsSentOneByOne) {
   const std::vector<std::string>& ids = *twins;
   // Each Step appends a row and attends over it: written at once, the socket's Steps must be
   // queued in the order sent for their answers to equal the one-by-one Steps'.
-  std::vector<v1::StepRequest> steps;
-  for (int i = 0; i < kSteps; ++i) {
-    v1::StepRequest r;
-    r.set_request_id(absl::StrCat("s", i));
-    r.set_causal(true);
-    v1::StepEntry* e = r.add_entries();
-    *e->mutable_q() =
-        client::MakeTensor(v1::DTYPE_FLOAT16, {hq, 1, d}, client::RandomNormal(hq * d, rng));
-    *e->mutable_k() =
-        client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, 1, d}, client::RandomNormal(hkv * d, rng));
-    *e->mutable_v() =
-        client::MakeTensor(v1::DTYPE_FLOAT16, {hkv, 1, d}, client::RandomNormal(hkv * d, rng));
-    steps.push_back(r);
-  }
+  const std::vector<v1::StepRequest> steps = RandomDecodeSteps(kSteps, hq, hkv, d, rng);
   absl::StatusOr<std::unique_ptr<client::SocketStream>> stream =
       client::SocketStream::Open(client(), v1::RING_METHOD_STEP);
   ASSERT_TRUE(stream.ok()) << stream.status();
