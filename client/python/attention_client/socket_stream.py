@@ -56,8 +56,8 @@ class SocketStream:
             raise ValueError(f"stream=\"socket\": the client's target {client._target!r} is not "
                              "one TCP address (a Unix socket's clients take the request ring)")
         nonce = os.urandom(NONCE_BYTES)
-        # Senders take turns, and so do readers; a reader keeps the answers of Steps posted
-        # earlier than its own for their answer() calls.
+        # Senders take turns, and so do readers; a reader keeps the answers that come for other
+        # Steps for their own answer() calls.
         self._send_lock = threading.Lock()
         self._read_lock = threading.Lock()
         self._ids_lock = threading.Lock()  # guards _waiting (posters add, readers take)
