@@ -106,7 +106,7 @@ class SocketStreams::Flow final : public StreamFlow<Flow> {
   using Base = StreamFlow<Flow>;
 
  public:
-  // `closing` runs as the socket closes, before its call is answered. `broken` is what the
+  // `closing` runs as the socket closes, before its end frame goes. `broken` is what the
   // requests' CallContext reads as cancelled, beside the call's own cancellation.
   Flow(int fd, const StreamMethod& method, StreamProcess process, Call* call,
        v1::SocketClosed* response, const SocketStreamOptions& options,
@@ -426,6 +426,8 @@ void SocketStreams::Flow::Close(const grpc::Status& flow_status) {
   // A broken socket says why; otherwise StreamFlow's status (OK once the client shut its side
   // and every answer was written, a failed request's status naming it, or CANCELLED).
   const grpc::Status status = broken_.ok() ? flow_status : ToGrpcStatus(broken_);
+  // Counted closed before the end frame goes: a client that read it sees the socket gone.
+  std::move(closing_)();
   if (frames_whole_) {
     // The end frame, best effort (a client gone or not reading does not get it).
     const std::string& text = status.error_message();
@@ -451,7 +453,6 @@ void SocketStreams::Flow::Close(const grpc::Status& flow_status) {
   shutdown(fd_, SHUT_RDWR);
   response_->set_requests(answered_);
   call_->SetWake(-1);
-  std::move(closing_)();
   call_->Finish(status);
   std::shared_ptr<Flow> self = Base::Release();
 }

@@ -130,7 +130,7 @@ class SocketStreamTest(ServerTest):
             self.assertTrue(np.array_equal(got_o, want_o), f"step {step}: o (seed {SEED})")
             self.assertTrue(np.array_equal(got_lse, want_lse), f"step {step}: lse (seed {SEED})")
         self.assertEqual([s.length for s in over_socket], [s.length for s in unary])
-        self.assertEqual(self.sockets_served(), 1)  # the client's one socket, kept open
+        self.wait_served(1)  # the client's one socket, kept open
 
     def test_steps_posted_without_waiting_equal_unary_ones_read_in_any_order(self):
         # Two micro-batches' Steps in flight at once on one socket (step_batch(wait=False)), read
@@ -337,7 +337,7 @@ class SocketStreamTest(ServerTest):
                                  env=dict(os.environ))
         try:
             self.assertEqual(child.stdout.readline().strip(), b"running")
-            self.assertEqual(self.sockets_served(), 1)
+            self.wait_served(1)
             time.sleep(0.2)  # Steps in flight
         finally:
             child.kill()
