@@ -206,7 +206,7 @@ ABSL_FLAG(int, max_sockets, 16,
           "With --socket_port: socket streams served, or waiting for their connection, at once; "
           "each has a thread of its own.");
 ABSL_FLAG(int, socket_stall_timeout_s, 30,
-          "Seconds a socket stream's answer may wait for its client to read it before the socket "
+          "Seconds a socket stream's client may read none of an answer's bytes before the socket "
           "ends DEADLINE_EXCEEDED, freeing its thread and its place among --max_sockets.");
 ABSL_FLAG(int, ring_stall_timeout_s, 30,
           "Seconds a request ring's answer may wait for a free response slot (its client stopped "

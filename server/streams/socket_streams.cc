@@ -176,7 +176,7 @@ class SocketStreams::Flow final : public StreamFlow<Flow> {
     std::vector<grpc::Slice> slices;
     size_t total = 0;
     size_t sent = 0;
-    absl::Time since;
+    absl::Time since;  // when the client last took some of its bytes (or it was handed over)
   };
   enum class Read { kMore, kRequest, kEnd };
 
@@ -349,7 +349,9 @@ void SocketStreams::Flow::Serve() {
         PutU64(out_->length_word, write_from->Length());
         out_->since = absl::Now();
       }
+      const size_t sent_before = out_->sent;
       absl::StatusOr<bool> sent = SendSome();
+      if (out_->sent != sent_before) out_->since = absl::Now();  // the client reads: no stall
       if (!sent.ok()) {
         Break(sent.status());
         FailWrite();
@@ -366,8 +368,8 @@ void SocketStreams::Flow::Serve() {
         continue;
       }
       if (absl::Now() - out_->since >= options_.stall_timeout) {
-        // The client read nothing for that long while an answer waited: it is not reading. The
-        // socket ends (its thread and its place among --max_sockets freed) instead of waiting.
+        // The client read nothing of the answer for that long: it is not reading. The socket ends
+        // (its thread and its place among --max_sockets freed) instead of waiting.
         Break(absl::DeadlineExceededError(
             absl::StrCat("socket responses: the client read none of an answer's bytes for ",
                          absl::FormatDuration(options_.stall_timeout),
