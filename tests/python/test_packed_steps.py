@@ -369,7 +369,7 @@ class PackedStepTest(ServerTest):
 
     def test_regions_of_another_client_are_not_found(self):
         """A packed Step's reference into a region another client (another connection, no token)
-        registered is NOT_FOUND naming the field, and appends nothing. (Channels of one process
+        registered is NOT_FOUND naming the field, and appends nothing, unary or on a socket. (Channels of one process
         with equal options share a connection, so the other client asks for its own.)"""
         region = self.region("packed-theirs")
         b, hq, hkv, d = 2, self.HQ, self.HKV, self.D
@@ -381,10 +381,12 @@ class PackedStepTest(ServerTest):
                     for _ in range(b)]
             request = pb.StepRequest(session_ids=[s.id for s in mine], q=pb.Tensor(
                 dtype=pb.DTYPE_FLOAT32, shape=list(q.shape), ref=region.ref(0, q.nbytes)))
-            with self.assertRaises(AttentionError) as refused:
-                other._call(other._sessions_stub.Step, request, None, None)
-            self.assertEqual(refused.exception.code, grpc.StatusCode.NOT_FOUND)
-            self.assertIn("q.ref", refused.exception.details)
+            from attention_client.session import _send_step
+            for stream in (False, "socket"):  # a socket's requests are its Open call's caller's
+                with self.assertRaises(AttentionError) as refused:
+                    _send_step(other, request, stream, None, None)
+                self.assertEqual(refused.exception.code, grpc.StatusCode.NOT_FOUND, stream)
+                self.assertIn("q.ref", refused.exception.details)
             self.assertEqual([s.info().length for s in mine], [5, 5])
             for s in mine:
                 s.drop()
