@@ -785,15 +785,15 @@ class SocketsServicer(object):
         """Binds one TCP connection to this call: the client sends `nonce` here, connects to the socket
         port and sends "ATTNSOCK" and the same 32 bytes; from then on the connection carries the
         method's requests (each an 8-byte little-endian length and the serialized message) and the
-        server answers with responses framed alike as they finish (each names its request_id), then one end frame
-        (a length word with its top bit set over a 4-byte little-endian status code and the status
-        message) before it closes the connection. The server serves the socket while this call lasts
-        and answers it with the stream's status: OK once the client shut its side down at a frame
-        boundary and every answer was written; the first failed request's status (naming its
+        server answers with responses framed alike as they finish (each names its request_id), then
+        one end frame (a length word with its top bit set over a 4-byte little-endian status code and
+        the status message) before it closes the connection. The server serves the socket while this
+        call lasts and answers it with the stream's status: OK once the client shut its side down at
+        a frame boundary and every answer was written; the first failed request's status (naming its
         request_id); DEADLINE_EXCEEDED when no connection brought the nonce within 10 s or the client
-        took no answer for --ring_stall_timeout_s; CANCELLED when the call or the connection broke.
-        The socket's requests are the caller's: this call's token and connection own the sessions and
-        regions they refer to, and the call's deadline is theirs.
+        read none of an answer's bytes for --socket_stall_timeout_s; CANCELLED when the call or the
+        connection broke. The socket's requests are the caller's: this call's token and connection
+        own the sessions and regions they refer to, and the call's deadline is theirs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
