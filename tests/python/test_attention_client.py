@@ -8,6 +8,7 @@ seed is printed, and a failure message repeats it.
 Run by ctest (label "python"), which sets PYTHONPATH (the package and its generated stubs) and
 ATTENTION_SERVER_BINARY. Exits 77 (skipped) when grpcio or numpy is missing.
 """
+import contextlib
 import os
 import random
 import shutil
@@ -131,6 +132,24 @@ class TestServer:
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
         assert code == 0, f"attention_server exited with {code}"
+
+
+@contextlib.contextmanager
+def caller_killed_on_exit(script):
+    """A Python process running `script` (given the test's environment), which prints "running"
+    once it is in the middle of its calls: entered once it has said so, killed on exit, as a
+    caller that dies mid-call."""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                             env=dict(os.environ))
+    try:
+        said = child.stdout.readline().strip()
+        if said != b"running":
+            raise AssertionError(f"the caller said {said!r}, expected b'running'")
+        yield child
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        child.stdout.close()
 
 
 def start_replicas(names, flags=()):

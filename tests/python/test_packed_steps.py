@@ -2,23 +2,21 @@
 [B, Hkv, n, D]) through the Python client against the real attention_server (CPU backend,
 --allow_shared_memory): equal bit for bit to the same Steps sent as one entry per session, over
 every transport (unary, StepStream, request ring, socket stream) and with tensors by reference in
-a shared-memory region; bad buffers refused by name with nothing appended. The request step_batch writes by hand
-(q, k, v joined onto the wire from their buffers: attention_client._wire.WireMessage) parses as
+a shared-memory region; bad buffers refused by name with nothing appended. The request
+step_batch writes by hand (q, k, v joined onto the wire from their buffers: attention_client._wire.WireMessage) parses as
 the protobuf-built one and is answered bit for bit alike, its bad buffers are refused by name, and
 a resend sends its first bytes. Fresh random inputs; the seed is printed.
 
 Run by ctest (label "python"). Exits 77 (skipped) when grpcio or numpy is missing.
 """
 import gc
-import os
-import subprocess
-import sys
 import textwrap
 import time
 import unittest
 from multiprocessing import shared_memory
 
-from test_attention_client import F32_BOUND, SEED, ServerTest, rel_error
+from test_attention_client import (F32_BOUND, SEED, ServerTest, caller_killed_on_exit,
+                                   rel_error)
 from test_sessions import session_reference
 
 import grpc
@@ -369,8 +367,9 @@ class PackedStepTest(ServerTest):
 
     def test_regions_of_another_client_are_not_found(self):
         """A packed Step's reference into a region another client (another connection, no token)
-        registered is NOT_FOUND naming the field, and appends nothing, unary or on a socket. (Channels of one process
-        with equal options share a connection, so the other client asks for its own.)"""
+        registered is NOT_FOUND naming the field, and appends nothing, unary or on a socket.
+        (Channels of one process with equal options share a connection, so the other client asks
+        for its own.)"""
         region = self.region("packed-theirs")
         b, hq, hkv, d = 2, self.HQ, self.HKV, self.D
         q = region.array((b, hq, 1, d), np.float32)
@@ -425,15 +424,8 @@ class PackedStepCallerDiesTest(ServerTest):
                 if step == 3:
                     print("running", flush=True)
             """)
-        child = subprocess.Popen([sys.executable, "-c", caller], stdout=subprocess.PIPE,
-                                 env=dict(os.environ))
-        try:
-            self.assertEqual(child.stdout.readline().strip(), b"running")
+        with caller_killed_on_exit(caller):
             time.sleep(0.3)  # Steps in flight
-        finally:
-            child.kill()
-            child.wait(timeout=30)
-            child.stdout.close()
         deadline = time.monotonic() + 30
         while True:
             listed = self.client.list_sessions()

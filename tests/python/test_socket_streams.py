@@ -4,8 +4,9 @@ backend), through the Python client and through raw sockets as a hostile client 
 - packed Steps over the socket equal the unary ones bit for bit (test_packed_steps checks them
   against per-session Steps and the float64 reference), and so do AttendStream's requests;
 - a connection whose hello is wrong is closed, one whose nonce no call brings is closed after
-  the hello timeout, and the server serves on; an Open with a nonce of the wrong size, an unknown method, or beyond --max_sockets is
-  refused by name; an Open whose connection never comes ends DEADLINE_EXCEEDED;
+  the hello timeout, and the server serves on; an Open with a nonce of the wrong size, an
+  unknown method, or beyond --max_sockets is refused by name; an Open whose connection never
+  comes ends DEADLINE_EXCEEDED;
 - a request longer than the server's largest message ends the stream RESOURCE_EXHAUSTED before its
   bytes come; a request that does not parse ends it INVALID_ARGUMENT; the end frame and the Open
   call both carry the status;
@@ -20,23 +21,31 @@ import os
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import textwrap
 import time
 import unittest
 import urllib.request
 
-from test_attention_client import SEED, ServerTest
+from test_attention_client import SEED, ServerTest, caller_killed_on_exit
 
 import grpc
 import numpy as np
 from attention_client import AttentionError, Client
 from attention_client._stubs import attention_pb2 as pb
+from attention_client.client import _attend_request
 from attention_client._stubs import attention_pb2_grpc as pb_grpc
 from attention_client.socket_stream import END_BIT, MAGIC, NONCE_BYTES
 
 LENGTH = struct.Struct("<Q")
+
+
+def attend_bytes(q, k, v, *, causal, request_id=""):
+    """A serialized AttendRequest of float32 q, k, v [B, H, N, D], as Client.attend builds it."""
+    request, _ = _attend_request(q, k, v, causal=causal, softmax_scale=None, window_left=None,
+                                 window_right=None, layout="bhsd", return_lse=False,
+                                 cu_seqlens_q=None, cu_seqlens_k=None, bfloat16_bits=False,
+                                 request_id=request_id, mask_alignment="bottom_right")
+    return request.SerializeToString()
 
 
 class RawSocket:
@@ -172,14 +181,9 @@ class SocketStreamTest(ServerTest):
     def test_attend_requests_over_a_raw_socket_are_answered_as_attend(self):
         q, k, v = self.qkv(b=1, hq=2, hkv=1, nq=9, nk=13, d=16)
         want = self.client.attend(q, k, v, causal=True)
-        from attention_client.client import _attend_request
-        request, _ = _attend_request(q, k, v, causal=True, softmax_scale=None, window_left=None,
-                                     window_right=None, layout="bhsd", return_lse=False,
-                                     cu_seqlens_q=None, cu_seqlens_k=None, bfloat16_bits=False,
-                                     request_id="raw-1", mask_alignment="bottom_right")
         raw = RawSocket(self, method=pb.RING_METHOD_ATTEND)
         try:
-            raw.send(request.SerializeToString())
+            raw.send(attend_bytes(q, k, v, causal=True, request_id="raw-1"))
             code, data = raw.frame()
             self.assertIsNone(code, data)
             response = pb.AttendResponse.FromString(data)
@@ -295,15 +299,10 @@ class SocketStreamTest(ServerTest):
         # buffers while the client reads none: the answer waiting longer than
         # --socket_stall_timeout_s=1 ends the socket DEADLINE_EXCEEDED.
         q, k, v = self.qkv(b=1, hq=8, hkv=1, nq=1 << 14, nk=8, d=4)
-        from attention_client.client import _attend_request
-        request, _ = _attend_request(q, k, v, causal=False, softmax_scale=None, window_left=None,
-                                     window_right=None, layout="bhsd", return_lse=False,
-                                     cu_seqlens_q=None, cu_seqlens_k=None, bfloat16_bits=False,
-                                     request_id="", mask_alignment="bottom_right")
         raw = RawSocket(self, method=pb.RING_METHOD_ATTEND)
         try:
             raw.sock.settimeout(2)
-            data = request.SerializeToString()
+            data = attend_bytes(q, k, v, causal=False)
             try:
                 for _ in range(16):
                     raw.send(data)
@@ -333,16 +332,9 @@ class SocketStreamTest(ServerTest):
                 if step == 3:
                     print("running", flush=True)
             """)
-        child = subprocess.Popen([sys.executable, "-c", caller], stdout=subprocess.PIPE,
-                                 env=dict(os.environ))
-        try:
-            self.assertEqual(child.stdout.readline().strip(), b"running")
+        with caller_killed_on_exit(caller):
             self.wait_served(1)
             time.sleep(0.2)  # Steps in flight
-        finally:
-            child.kill()
-            child.wait(timeout=30)
-            child.stdout.close()
         self.wait_served(0)
         client = self.own_client()
         with client.session(k=self.normal(self.HKV, 5, self.D),

@@ -80,6 +80,14 @@ class WireMessage:
             return len(self._serialized)
         return self.head.ByteSize() + sum(len(p) for p in self._pieces)
 
+    def buffers(self):
+        """The serialisation as buffers to send one after another, the tensors' bytes where they
+        lie (no join: a socket stream's sendmsg gathers them); the kept bytes once serialised. For
+        a send within the call that holds the caller's buffers (nothing is kept for a resend)."""
+        if self._serialized is not None:
+            return [self._serialized]
+        return [self.head.SerializeToString(), *self._pieces]
+
     def SerializeToString(self):  # noqa: N802 (protobuf's name, which gRPC and the ring call)
         if self._serialized is None:
             self._serialized = b"".join([self.head.SerializeToString(), *self._pieces])

@@ -658,8 +658,9 @@ class PostedStep:
     """A Step posted without waiting whose answer is read later (step_batch with wait=False,
     stream="ring" or "socket"): result() reads it. On the ring the client's next Step reads it
     too, and raises this one's failure if it failed; on the socket several may be in flight, each
-    answer kept for its own result(), and a failed one ends the socket (the others' result()
-    raise it too). Until then the sessions' lengths are those before it. o and lse: where the
+    answer kept for its own result() (call it for every posted Step: an answer not taken stays
+    in the client until the socket closes), and a failed one ends the socket (the others'
+    result() raise it too). Until then the sessions' lengths are those before it. o and lse: where the
     answer's o and lse are written when they are the caller's (out, lse_out, or a Step of CUDA
     tensors in stream order, whose o later kernels on the stream may read at once); None when
     they come in the answer."""

@@ -18,6 +18,7 @@ import threading
 import grpc
 
 from attention_client._stubs import attention_pb2 as pb
+from attention_client._wire import WireMessage
 from attention_client.client import AttentionError
 
 MAGIC = b"ATTNSOCK"
@@ -44,13 +45,13 @@ def socket_host(target):
 
 
 class SocketStream:
-    """Steps over one socket stream (thread-safe): step() sends one and waits for its answer;
-    post() sends one and returns its answer's getter, so several may be in flight (two
+    """Steps over one socket stream (thread-safe): post() sends one (a pb.StepRequest or a
+    _wire.WireMessage) and returns its answer's getter, so several may be in flight (two
     micro-batches' layer calls, say). A Step that fails ends the stream (AttentionError with the
     server's code and message, raised to every Step in flight); a Step past its timeout ends it
     too (DEADLINE_EXCEEDED: a late answer would belong to no Step). Open another for the next."""
 
-    def __init__(self, client, port, metadata=None, timeout=None):
+    def __init__(self, client, port, metadata=None):
         host = socket_host(client._target)
         if host is None:
             raise ValueError(f"stream=\"socket\": the client's target {client._target!r} is not "
@@ -70,8 +71,7 @@ class SocketStream:
             pb.OpenSocketRequest(method=pb.RING_METHOD_STEP, nonce=nonce),
             metadata=client.metadata if metadata is None else metadata)
         try:
-            self._sock = socket.create_connection(
-                (host, port), timeout=client.timeout if timeout is None else timeout)
+            self._sock = socket.create_connection((host, port), timeout=client.timeout)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock.sendall(MAGIC + nonce)
         except OSError as e:
@@ -80,11 +80,6 @@ class SocketStream:
             raise AttentionError(grpc.StatusCode.UNAVAILABLE,
                                  f"socket stream: cannot connect to {host}:{port}: {e}") from None
         self._length = bytearray(_LENGTH.size)
-
-    def step(self, request, timeout=None):
-        """Sends one StepRequest (a pb.StepRequest or a _wire.WireMessage) and returns its
-        StepResponse."""
-        return self.post(request)(timeout)
 
     def post(self, request):
         """Sends one StepRequest without waiting for its answer; returns answer(timeout), which
@@ -102,9 +97,11 @@ class SocketStream:
                     raise ValueError(f"request_id: {request_id!r} is already in flight on this "
                                      "socket stream")
                 self._waiting.add(request_id)
-            data = request.SerializeToString()
+            # A WireMessage's tensors go from the caller's buffers, gathered by sendmsg.
+            parts = (request.buffers() if isinstance(request, WireMessage)
+                     else [request.SerializeToString()])
             try:
-                self._sock.sendmsg([_LENGTH.pack(len(data)), data])
+                self._send_all([_LENGTH.pack(sum(len(p) for p in parts)), *parts])
             except OSError as e:
                 raise self._end(AttentionError(grpc.StatusCode.UNAVAILABLE,
                                                f"socket stream: {e}"))
@@ -167,6 +164,17 @@ class SocketStream:
                                              "socket stream: closed by its client")
             self._sock.close()
             self._call.cancel()
+
+    def _send_all(self, parts):
+        """sendmsg until every byte of `parts` is sent: with a timeout set, one call may send
+        part of them."""
+        views = [memoryview(p).cast("B") for p in parts]
+        while views:
+            sent = self._sock.sendmsg(views)
+            while views and sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            if sent:
+                views[0] = views[0][sent:]
 
     def _read_length(self):
         self._read_into(memoryview(self._length))
