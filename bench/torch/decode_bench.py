@@ -133,14 +133,21 @@ class Model:
     def forward_overlapped(self, ids, pos, attention):
         """As forward, over two micro-batches in ping-pong: attention.start(layer, half, q, k, v)
         sends a half's attention and returns at once, attention.finish(handle) waits for its o.
-        Half 1's pre-attention work overlaps half 0's attention, and half 0's MLP half 1's
-        attention (the ping-pong of attention-FFN disaggregation)."""
+        Each half goes on to its next layer as soon as its own attention is back, so one half's
+        output projection, MLP and next q, k, v overlap the other half's attention (the ping-pong
+        of attention-FFN disaggregation)."""
         xs = [self.embed[h] for h in ids.chunk(2)]
         cos, sin = rotary_tables(pos, self.a.head_dim, xs[0].dtype)
+        first = self.layers[0]
+        pending = [attention.start(0, h, *self.pre_attention(first, x, cos, sin))
+                   for h, x in enumerate(xs)]
         for i, L in enumerate(self.layers):
-            pending = [attention.start(i, h, *self.pre_attention(L, x, cos, sin))
-                       for h, x in enumerate(xs)]
-            xs = [self.post_attention(L, x, attention.finish(p)) for x, p in zip(xs, pending)]
+            for h in range(2):
+                xs[h] = self.post_attention(L, xs[h], attention.finish(pending[h]))
+                if i + 1 < len(self.layers):
+                    after = self.layers[i + 1]
+                    pending[h] = attention.start(i + 1, h,
+                                                 *self.pre_attention(after, xs[h], cos, sin))
         return rms_norm(torch.cat(xs)[:, -1], self.norm) @ self.head.T
 
 
