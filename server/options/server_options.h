@@ -46,7 +46,7 @@ inline constexpr int kMaxHeadDimLimit = 1024;
 struct SocketOptions {
   int port = -1;             // --socket_port: -1 none, 0 a free one
   int max_sockets = 16;      // --max_sockets: served or waiting for their connection at once
-  int stall_timeout_s = 30;  // --socket_stall_timeout_s: an answer unread this long ends it
+  int stall_timeout_s = 30;  // --socket_stall_timeout_s: no byte of an answer read this long
 };
 
 struct ServerOptions {

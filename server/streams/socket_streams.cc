@@ -293,6 +293,7 @@ absl::StatusOr<bool> SocketStreams::Flow::SendSome() {
       return Broken("write");
     }
     out_->sent += static_cast<size_t>(n);
+    out_->since = absl::Now();  // the client reads: no stall
   }
   return true;
 }
@@ -349,9 +350,7 @@ void SocketStreams::Flow::Serve() {
         PutU64(out_->length_word, write_from->Length());
         out_->since = absl::Now();
       }
-      const size_t sent_before = out_->sent;
       absl::StatusOr<bool> sent = SendSome();
-      if (out_->sent != sent_before) out_->since = absl::Now();  // the client reads: no stall
       if (!sent.ok()) {
         Break(sent.status());
         FailWrite();

@@ -3,9 +3,9 @@
 --allow_shared_memory): equal bit for bit to the same Steps sent as one entry per session, over
 every transport (unary, StepStream, request ring, socket stream) and with tensors by reference in
 a shared-memory region; bad buffers refused by name with nothing appended. The request
-step_batch writes by hand (q, k, v joined onto the wire from their buffers: attention_client._wire.WireMessage) parses as
-the protobuf-built one and is answered bit for bit alike, its bad buffers are refused by name, and
-a resend sends its first bytes. Fresh random inputs; the seed is printed.
+step_batch writes by hand (q, k, v joined onto the wire from their buffers:
+attention_client._wire.WireMessage) parses as the protobuf-built one and is answered bit for bit
+alike, its bad buffers are refused by name, and a resend sends its first bytes. Fresh random inputs; the seed is printed.
 
 Run by ctest (label "python"). Exits 77 (skipped) when grpcio or numpy is missing.
 """
